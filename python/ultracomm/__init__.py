@@ -1,1 +1,35 @@
-"""ultracomm."""
+"""ultracomm: scale-up communication for MoE expert replication.
+
+Copies hot experts' weights from their home rank into replica slots on other ranks
+(relay-tree multicast with chunk streaming) and reduces the replicas' gradients back home
+deterministically.  See ``Context`` for the runtime API and ``ReplicaPlan`` for plans.
+
+Names are imported lazily (PEP 562), so ``import ultracomm.plan`` stays light.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "Config": "env", "ConfigError": "errors", "Context": "context", "ExpertLayout": "layout",
+    "LayoutError": "errors", "LoopbackDomain": "comm", "LoopbackGroup": "comm", "Member": "layout",
+    "Op": "records", "PlanError": "errors", "RegistrationError": "errors", "RelayMode": "records",
+    "ReplicaPlan": "plan", "Schedule": "schedule", "UltracommError": "errors", "Work": "work",
+    "build_schedule": "schedule", "run_loopback": "comm",
+}
+
+__all__ = sorted([*_EXPORTS, "UltracommTimeout"])
+
+
+def __getattr__(name: str) -> Any:
+    if name == "UltracommTimeout":  # the C++ core's timeout, a subclass of the built-in TimeoutError
+        from ._core import TimeoutError as value
+    elif name in _EXPORTS:
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    else:
+        raise AttributeError(f"module 'ultracomm' has no attribute {name!r}")
+    globals()[name] = value
+    return value

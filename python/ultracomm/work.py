@@ -1,0 +1,77 @@
+"""Work handles for ``async_op=True`` (the ``torch.distributed`` convention) and the one
+ordered worker thread per Context that runs operations in call order on every rank."""
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Callable
+
+
+class Work:
+    """Handle of an operation started with ``async_op=True``.
+
+    ``wait()`` blocks until the operation finished on this rank and re-raises its error
+    (a ``TimeoutError`` naming what was awaited, for instance).  ``is_completed()`` polls.
+    """
+
+    def __init__(self, name: str):
+        self.name = name
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+
+    def _finish(self, error: BaseException | None) -> None:
+        self._error = error
+        self._done.set()
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for completion; raise the operation's error if it failed.  Returns True."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"ultracomm: {self.name} did not finish within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def exception(self) -> BaseException | None:
+        return self._error if self._done.is_set() else None
+
+    def __repr__(self) -> str:
+        state = "done" if self._done.is_set() else "running"
+        return f"<ultracomm.Work {self.name} {state}>"
+
+
+class OrderedRunner:
+    """Runs submitted callables one at a time, in submission order, on one daemon thread.
+
+    Every rank submits the same operations in the same order, so epochs line up across
+    ranks whether a caller waits at once or later.
+    """
+
+    def __init__(self, name: str):
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            fn, work = item
+            try:
+                fn()
+            except BaseException as e:  # noqa: BLE001 - handed to the waiter
+                work._finish(e)
+            else:
+                work._finish(None)
+
+    def submit(self, name: str, fn: Callable[[], None]) -> Work:
+        work = Work(name)
+        self._q.put((fn, work))
+        return work
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._thread.join()

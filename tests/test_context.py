@@ -1,0 +1,223 @@
+"""Context end to end on loopback domains (ranks as threads over `local` windows)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import ultracomm
+from ultracomm import Context, ExpertLayout, LoopbackDomain, Member, ReplicaPlan
+from ultracomm.errors import PlanError, RegistrationError, UltracommError
+from ultracomm.records import Op
+from ultracomm.reference import reference_reduce
+from ultracomm.schedule import build_schedule
+
+from conftest import expert_weights, hot_slot_src, random_slot_src
+
+
+def make_layout(n1: int, n2: int, dtype=torch.bfloat16, grad_dtype=torch.float32) -> ExpertLayout:
+    return ExpertLayout((Member("fc1", (n1, 3), dtype), Member("fc2", (n2,), dtype)), grad_dtype=grad_dtype)
+
+
+def masters_for(layout: ExpertLayout, rank: int, epr: int):
+    experts = range(rank * epr, (rank + 1) * epr)
+    per = [expert_weights(layout, e) for e in experts]
+    weights = [torch.stack([p[m] for p in per]).contiguous() for m in range(len(layout.members))]
+    grads = [torch.zeros((epr, *m.shape), dtype=layout.grad_dtype) for m in layout.members]
+    return weights, grads
+
+
+def check_replicas(ctx: Context, plan: ReplicaPlan) -> None:
+    for s, e in enumerate(plan.slot_src[ctx.rank].tolist()):
+        if e < 0:
+            continue
+        want = expert_weights(ctx.layout, e)
+        for m, w in enumerate(want):
+            got = ctx.replica_weights[m][s]
+            assert torch.equal(got.view(torch.uint8) if got.dtype == torch.bool else got, w), \
+                f"rank {ctx.rank} slot {s} expert {e} member {m} differs"
+
+
+def run_multicast(world, slots, epr, slot_src, layout, relay_mode, chunk_bytes, restore=True):
+    plan = ReplicaPlan.make(slot_src, experts_per_rank=epr)
+    domain = LoopbackDomain(world)
+
+    def body(group):
+        with Context(group, layout, epr, slots, num_layers=2, max_microbatches=2, relay_mode=relay_mode,
+                     chunk_bytes=chunk_bytes, num_workers=2, timeout_s=30.0) as ctx:
+            for layer in range(2):
+                ctx.register_masters(layer, *masters_for(layout, ctx.rank, epr))
+            vid = ctx.begin(0)
+            ctx.weight_sync(vid, plan)
+            check_replicas(ctx, plan)
+            if restore:
+                for t in ctx.replica_weights:  # clobber the slots as another layer would
+                    t.zero_()
+                group.barrier()
+                work = ctx.restore(vid, async_op=True)
+                assert isinstance(work, ultracomm.Work)
+                work.wait()
+                check_replicas(ctx, plan)
+            ctx.end(vid)
+            return ctx.schedule_for(plan).stats()
+
+    return domain.run(body)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(world=st.integers(2, 8), slots=st.integers(1, 3), epr=st.integers(1, 3), seed=st.integers(0, 2**31),
+       mode=st.sampled_from(["off", "auto", "force"]), fill=st.sampled_from([0.0, 0.5, 1.0]),
+       n1=st.integers(1, 40), n2=st.integers(1, 33), chunk=st.sampled_from([16, 48, 256]))
+def test_multicast_random_plans(world, slots, epr, seed, mode, fill, n1, n2, chunk):
+    rng = np.random.default_rng(seed)
+    slot_src = random_slot_src(rng, world, slots, epr, fill)
+    run_multicast(world, slots, epr, slot_src, make_layout(n1, n2), mode, chunk, restore=False)
+
+
+@pytest.mark.parametrize("mode", ["off", "auto", "force"])
+def test_multicast_one_expert_to_every_rank(mode):
+    world, epr = 8, 2
+    slot_src = hot_slot_src(world, 2, epr, expert=3)
+    stats = run_multicast(world, 2, epr, slot_src, make_layout(37, 5), mode, chunk_bytes=64)
+    depth = stats[0]["multicast"]["depth"]
+    assert depth == 1 if mode == "off" else depth >= 1
+    if mode == "force":
+        assert depth >= 2
+
+
+def test_multicast_slots_at_limit_odd_sizes():
+    # every slot of every rank filled, expert bytes not a multiple of the chunk
+    world, slots, epr = 4, 3, 1
+    slot_src = np.array([[(r + k) % world for k in range(1, slots + 1)] for r in range(world)], dtype=np.int32)
+    run_multicast(world, slots, epr, slot_src, make_layout(13, 7, dtype=torch.float16), "auto", 48)
+
+
+def test_empty_plan_moves_nothing():
+    world, slots, epr = 3, 2, 1
+    run_multicast(world, slots, epr, np.full((world, slots), -1, np.int32), make_layout(4, 4), "auto", 64)
+
+
+# ---------------------------------------------------------------- reduction
+
+def _reduce_case(world, slots, epr, slot_src, grad_dtype, mode, chunk, runs=1, jitter_us=0):
+    layout = make_layout(9, 21, grad_dtype=grad_dtype)
+    plan = ReplicaPlan.make(slot_src, experts_per_rank=epr)
+    full = build_schedule(plan, layout.weight_bytes, layout.grad_bytes, chunk_bytes=chunk, relay_mode=mode)
+    gen = torch.Generator().manual_seed(7)
+    init_master = [[torch.randn((epr, *m.shape), generator=gen).to(grad_dtype) for m in layout.members]
+                   for _ in range(world)]
+    init_replica = [[torch.randn((slots, *m.shape), generator=gen).to(grad_dtype) for m in layout.members]
+                    for _ in range(world)]
+    want = reference_reduce(full, layout, plan, init_master, init_replica)
+    domain = LoopbackDomain(world)
+
+    def body(group):
+        r = group.rank
+        with Context(group, layout, epr, slots, num_layers=1, relay_mode=mode, chunk_bytes=chunk, num_workers=2,
+                     jitter_us=jitter_us, timeout_s=30.0) as ctx:
+            weights, grads = masters_for(layout, r, epr)
+            ctx.register_masters(0, weights, grads)
+            results = []
+            for _ in range(runs):
+                for m in range(len(layout.members)):
+                    grads[m].copy_(init_master[r][m])
+                    ctx.replica_grads[m].copy_(init_replica[r][m])
+                group.barrier()
+                vid = ctx.begin(0)
+                ctx.weight_sync(vid, plan)
+                ctx.grad_reduce(vid)
+                results.append([g.clone() for g in grads])
+            return results
+
+    got = domain.run(body)
+    for r in range(world):
+        for run in got[r]:
+            for m in range(len(layout.members)):
+                assert torch.equal(run[m], want[r][m]), f"rank {r} member {m} differs from the ordered fp32 sum"
+    return full
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mode", ["off", "force"])
+def test_grad_reduce_bit_exact(grad_dtype, mode):
+    world, slots, epr = 6, 2, 2
+    slot_src = random_slot_src(np.random.default_rng(3), world, slots, epr, fill=1.0)
+    slot_src[1:, 0] = [0, 0, 0, 0, 0]  # expert 0 (home rank 0) replicated on every other rank
+    slot_src[0, 0] = -1
+    full = _reduce_case(world, slots, epr, slot_src, grad_dtype, mode, chunk=32)
+    if mode == "force":
+        assert full.stats("reduce")["depth"] >= 2
+
+
+def test_grad_reduce_deterministic_under_jitter():
+    world, slots, epr = 5, 2, 1
+    slot_src = hot_slot_src(world, slots, epr, expert=0)
+    slot_src[:, 1] = [2, 3, 4, 0, 1]
+    _reduce_case(world, slots, epr, slot_src, torch.bfloat16, "force", chunk=16, runs=20, jitter_us=300)
+
+
+# ---------------------------------------------------------------- bad input
+
+def test_plan_mismatch_across_ranks_moves_nothing():
+    world, slots, epr = 3, 1, 1
+    layout = make_layout(4, 4)
+    plans = [ReplicaPlan.make(np.array([[1], [0], [-1]], np.int32), experts_per_rank=1),
+             ReplicaPlan.make(np.array([[2], [0], [-1]], np.int32), experts_per_rank=1)]
+
+    def body(group):
+        with Context(group, layout, epr, slots, num_layers=1) as ctx:
+            ctx.register_masters(0, *masters_for(layout, ctx.rank, epr))
+            vid = ctx.begin(0)
+            before = ctx.window.local.clone()
+            with pytest.raises(ValueError, match="plan differs across ranks"):
+                ctx.weight_sync(vid, plans[0] if group.rank != 1 else plans[1])
+            assert torch.equal(ctx.window.local, before)
+        return True
+
+    assert LoopbackDomain(world).run(body) == [True] * world
+
+
+def test_bad_registration_and_usage_errors():
+    layout = make_layout(4, 4)
+
+    def body(group):
+        with Context(group, layout, 1, 1, num_layers=2) as ctx:
+            w, g = masters_for(layout, ctx.rank, 1)
+            with pytest.raises(RegistrationError):
+                ctx.register_masters(0, [w[0]], g)  # one member missing
+            with pytest.raises(RegistrationError):
+                ctx.register_masters(0, [w[0].float(), w[1]], g)  # wrong dtype
+            with pytest.raises(RegistrationError, match="out of range"):
+                ctx.register_masters(5, w, g)
+            with pytest.raises(RegistrationError, match="register_masters"):
+                ctx.begin(1)
+            ctx.register_masters(0, w, g)
+            vid = ctx.begin(0)
+            with pytest.raises(UltracommError, match="micro-batch slots are in flight"):
+                ctx.begin(0)
+            with pytest.raises(UltracommError, match="weight_sync"):
+                ctx.grad_reduce(vid)
+            with pytest.raises(ValueError, match="not in flight"):
+                ctx.restore(7)
+            with pytest.raises(ValueError, match="slots per rank"):
+                ctx.weight_sync(vid, ReplicaPlan.make(np.full((2, 2), -1, np.int32), experts_per_rank=1))
+        return True
+
+    LoopbackDomain(2).run(body)
+
+
+def test_invalid_plan_rejected():
+    with pytest.raises(PlanError, match="own home rank"):
+        ReplicaPlan.make(np.array([[0], [-1]], np.int32), experts_per_rank=1)
+
+
+def test_mismatched_context_configuration():
+    def body(group):
+        n = 4 if group.rank == 0 else 5
+        with pytest.raises(ValueError, match="Context configuration differs"):
+            Context(group, make_layout(n, 4), 1, 1, num_layers=1)
+        return True
+
+    LoopbackDomain(2).run(body)

@@ -1,0 +1,50 @@
+"""Real multi-process runs: torchrun + gloo + host_shm windows."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def torchrun(script: str, nproc: int, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           os.path.join(HERE, "mp", script)]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "ULTRACOMM_NUM_WORKERS": "2", **(env or {})}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+def _shm_segments() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("ultracomm-")} if os.path.isdir("/dev/shm") else set()
+
+
+@pytest.mark.slow
+def test_torchrun_context_4_ranks():
+    before = _shm_segments()
+    p = torchrun("context_worker.py", 4)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    for r in range(4):
+        assert f"rank {r} OK" in p.stdout
+    assert _shm_segments() <= before, "host_shm segments left in /dev/shm"
+
+
+@pytest.mark.slow
+def test_dead_peer_times_out_naming_it():
+    before = _shm_segments()
+    p = torchrun("dead_peer_worker.py", 3, env={"TORCHELASTIC_ERROR_FILE": ""})
+    results = [json.loads(line[len("RESULT "):]) for line in p.stdout.splitlines() if line.startswith("RESULT ")]
+    assert sorted(r["rank"] for r in results) == [0, 1], p.stdout[-3000:] + p.stderr[-3000:]
+    by_rank = {r["rank"]: r for r in results}
+    # rank 1 holds expert 2, homed on the dead rank 2: it must time out naming rank 2
+    r1 = by_rank[1]
+    assert r1["error"] is not None, "rank 1 did not time out"
+    assert "rank 2" in r1["error"] and "expert 2" in r1["error"], r1["error"]
+    assert r1["elapsed"] < 1.5 * 3, r1["elapsed"]
+    # rank 0 pushes expert 0 to rank 2 (waits for its ready flag): also a timeout naming rank 2
+    r0 = by_rank[0]
+    assert r0["error"] is not None and "rank 2" in r0["error"], r0
+    assert _shm_segments() <= before, "host_shm segments left after a dead rank"

@@ -1,3 +1,130 @@
+// Python bindings of the host executor: _core.run_host, _core.window_layout, _core.TimeoutError.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstring>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "ultracomm/host_executor.h"
+
 namespace py = pybind11;
-namespace ultracomm { void bind_host_executor(py::module_& m) { (void)m; } }
+
+namespace ultracomm {
+namespace {
+
+// Copies a C-contiguous buffer of `itemsize`-byte records (a structured numpy array, or raw
+// bytes / uint8 of a multiple of itemsize) into a vector of T.
+template <class T>
+std::vector<T> records_from_buffer(const py::buffer& b, const char* what) {
+  py::buffer_info info = b.request();
+  const size_t item = static_cast<size_t>(info.itemsize);
+  // C-contiguity: strides must be the packed ones.
+  py::ssize_t expect = info.itemsize;
+  for (py::ssize_t d = info.ndim - 1; d >= 0; --d) {
+    if (info.shape[d] > 1 && info.strides[d] != expect)
+      throw std::invalid_argument(std::string("ultracomm.run_host: ") + what + " must be C-contiguous");
+    expect *= info.shape[d];
+  }
+  const size_t total = static_cast<size_t>(info.size) * item;
+  if (item != sizeof(T) && item != 1)
+    throw std::invalid_argument(std::string("ultracomm.run_host: ") + what + " must hold " +
+                                std::to_string(sizeof(T)) + "-byte records, got itemsize " + std::to_string(item));
+  if (total % sizeof(T))
+    throw std::invalid_argument(std::string("ultracomm.run_host: ") + what + " byte size " + std::to_string(total) +
+                                " is not a multiple of " + std::to_string(sizeof(T)));
+  std::vector<T> out(total / sizeof(T));
+  if (total) std::memcpy(out.data(), info.ptr, total);
+  return out;
+}
+
+}  // namespace
+
+void bind_host_executor(py::module_& m) {
+  py::register_exception<TimeoutError>(m, "TimeoutError", PyExc_TimeoutError);
+
+  m.def(
+      "window_layout",
+      [](int32_t slots, uint64_t weight_slot_bytes, uint64_t grad_slot_bytes, uint64_t chunk_bytes) {
+        if (slots < 0) throw std::invalid_argument("ultracomm.window_layout: slots must be >= 0");
+        if (chunk_bytes == 0) throw std::invalid_argument("ultracomm.window_layout: chunk_bytes must be > 0");
+        const WindowLayout L = WindowLayout::make(slots, weight_slot_bytes, grad_slot_bytes, chunk_bytes);
+        py::dict d;
+        d["slots"] = L.slots;
+        d["weight_slot_bytes"] = L.weight_slot_bytes;
+        d["grad_slot_bytes"] = L.grad_slot_bytes;
+        d["chunk_bytes"] = L.chunk_bytes;
+        d["weight_stride"] = L.weight_stride;
+        d["grad_stride"] = L.grad_stride;
+        d["weight_chunks"] = L.weight_chunks;
+        d["grad_chunks"] = L.grad_chunks;
+        d["weights_off"] = L.weights_off;
+        d["grads_off"] = L.grads_off;
+        d["ready_off"] = L.ready_off;
+        d["arrival_off"] = L.arrival_off;
+        d["grad_ready_off"] = L.grad_ready_off;
+        d["consumed_off"] = L.consumed_off;
+        d["total_bytes"] = L.total_bytes;
+        return d;
+      },
+      py::arg("slots"), py::arg("weight_slot_bytes"), py::arg("grad_slot_bytes"), py::arg("chunk_bytes"),
+      "Byte layout of one rank's window (every WindowLayout field), identical on all ranks.");
+
+  m.def(
+      "run_host",
+      [](int op, int32_t rank, int32_t world, uint64_t epoch, int32_t slots, uint64_t weight_slot_bytes,
+         uint64_t grad_slot_bytes, uint64_t chunk_bytes, std::vector<uintptr_t> window_bases,
+         std::vector<uint64_t> member_off, std::vector<uint64_t> member_bytes, std::vector<uintptr_t> master_ptrs,
+         std::vector<int32_t> local_index_of, int grad_dtype, std::vector<int32_t> my_slots, py::buffer tasks,
+         py::buffer refs, int32_t num_workers, double timeout_s, uint32_t jitter_us, uint64_t jitter_seed,
+         std::optional<std::vector<int32_t>> slot_parent) {
+        if (op != 0 && op != 1) throw std::invalid_argument("ultracomm.run_host: op must be 0 (multicast) or 1 (reduce)");
+        if (grad_dtype < 0 || grad_dtype > 2)
+          throw std::invalid_argument("ultracomm.run_host: grad_dtype must be 0 (fp32), 1 (bf16) or 2 (fp16)");
+        if (slots < 0) throw std::invalid_argument("ultracomm.run_host: slots must be >= 0");
+        if (chunk_bytes == 0) throw std::invalid_argument("ultracomm.run_host: chunk_bytes must be > 0");
+        std::vector<Task> task_vec = records_from_buffer<Task>(tasks, "tasks");
+        std::vector<Ref> ref_vec = records_from_buffer<Ref>(refs, "refs");
+        ExecArgs a;
+        a.op = static_cast<Op>(op);
+        a.rank = rank;
+        a.world = world;
+        a.epoch = epoch;
+        a.layout = WindowLayout::make(slots, weight_slot_bytes, grad_slot_bytes, chunk_bytes);
+        a.window_bases = std::move(window_bases);
+        a.member_off = std::move(member_off);
+        a.member_bytes = std::move(member_bytes);
+        a.master_ptrs = std::move(master_ptrs);
+        a.local_index_of = std::move(local_index_of);
+        a.grad_dtype = static_cast<DType>(grad_dtype);
+        a.my_slots = std::move(my_slots);
+        if (slot_parent) a.slot_parent = std::move(*slot_parent);
+        a.tasks = task_vec.data();
+        a.num_tasks = static_cast<int64_t>(task_vec.size());
+        a.refs = ref_vec.data();
+        a.num_refs = static_cast<int64_t>(ref_vec.size());
+        a.num_workers = num_workers;
+        a.timeout_s = timeout_s;
+        a.jitter_us = jitter_us;
+        a.jitter_seed = jitter_seed;
+        py::gil_scoped_release nogil;
+        run_host(a);
+      },
+      py::arg("op"), py::arg("rank"), py::arg("world"), py::arg("epoch"), py::arg("slots"),
+      py::arg("weight_slot_bytes"), py::arg("grad_slot_bytes"), py::arg("chunk_bytes"), py::arg("window_bases"),
+      py::arg("member_off"), py::arg("member_bytes"), py::arg("master_ptrs"), py::arg("local_index_of"),
+      py::arg("grad_dtype"), py::arg("my_slots"), py::arg("tasks"), py::arg("refs"), py::arg("num_workers"),
+      py::arg("timeout_s"), py::arg("jitter_us") = 0, py::arg("jitter_seed") = 0,
+      py::arg("slot_parent") = py::none(),
+      R"doc(Run one rank's task list of one operation (op 0 multicast, 1 reduce) on the host.
+
+Windows are raw addresses (window_bases[world]); master_ptrs[local_index*M + m] are this
+rank's master members; tasks/refs are records.TASK_DTYPE / REF_DTYPE arrays (or any
+C-contiguous buffer of 48- / 8-byte records).  grad_dtype: 0 fp32, 1 bf16, 2 fp16.
+slot_parent (optional, [slots]) only names peers in timeout messages.  Releases the GIL.
+Raises _core.TimeoutError (a TimeoutError) on a wait past timeout_s, ValueError on bad
+arguments (nothing is written then).)doc");
+}
+
+}  // namespace ultracomm

@@ -35,6 +35,9 @@ struct ExecArgs {
   DType grad_dtype = DType::kF32;       // reduce only
   // This rank's replica slots: expert held by slot s (or -1), from the plan.
   std::vector<int32_t> my_slots;
+  // Optional, [slots] or empty: the rank each own slot receives from (multicast) / is
+  // consumed by (reduce), e.g. OpSchedule::parent_rank.  Only used in timeout messages.
+  std::vector<int32_t> slot_parent;
   const Task* tasks = nullptr;
   int64_t num_tasks = 0;
   const Ref* refs = nullptr;
@@ -42,7 +45,7 @@ struct ExecArgs {
   int32_t num_workers = 4;
   double timeout_s = 100.0;
   uint32_t jitter_us = 0;  // testing: random sleep up to this before each task
-  uint64_t jitter_seed = 0;
+  uint64_t jitter_seed = 0;  // worker w draws from a PRNG seeded with jitter_seed + w
 };
 
 // Runs the operation to completion on this rank:
@@ -51,7 +54,9 @@ struct ExecArgs {
 //  2. workers claim tasks in list order and run them;
 //  3. wait until every own non-empty slot has all chunks arrived (multicast) or consumed
 //     by its parent (reduce).
-// Throws TimeoutError on a wait past timeout_s, std::invalid_argument on bad arguments.
+// Every wait gives up after timeout_s (TimeoutError naming rank, op, epoch, expert, chunk,
+// peer and flag); a worker's error aborts the others and is rethrown after all joined.
+// Arguments are fully validated before any flag or byte is written (std::invalid_argument).
 void run_host(const ExecArgs& args);
 
 }  // namespace ultracomm

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 
@@ -80,7 +79,8 @@ def run_case(op: str, size: int, args, rank: int, world: int) -> list[dict]:
     plan = make_plan(args.workload, world, slots, epr)
     rows = []
     for mode in ("off", "auto"):
-        ctx = Context(None, layout, epr, slots, num_layers=1, relay_mode=mode, chunk_bytes=args.chunk_bytes)
+        ctx = Context(None, layout, epr, slots, num_layers=1, relay_mode=mode, chunk_bytes=args.chunk_bytes,
+                      transport=args.transport)
         w = torch.arange(epr * n, dtype=torch.float32).reshape(epr, n).add_(rank * 7).to(torch.bfloat16)
         g = torch.zeros((epr, n), dtype=torch.float32)
         ctx.register_masters(0, [w], [g])
@@ -144,8 +144,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk-bytes", type=parse_size, default=parse_size("256K"))
     p.add_argument("--json", default=None, help="write the rows as JSON to this file (rank 0)")
     args = p.parse_args(argv)
-    if args.transport:
-        os.environ.setdefault("ULTRACOMM_TRANSPORT", args.transport)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     ops = ["weight_sync", "grad_reduce"] if args.op == "all" else [args.op]

@@ -72,6 +72,9 @@ def main() -> None:
             dist.all_gather_object(all_replica, replica)
             dist.all_gather_object(all_master, master)
             ctx.grad_reduce(vid)
+            digests = [None] * world
+            dist.all_gather_object(digests, ctx.schedule_for(plan).digest)
+            assert len(set(digests)) == 1, f"schedules differ across ranks: {digests}"
             full = build_schedule(plan, layout.weight_bytes, layout.grad_bytes, chunk_bytes=128, relay_mode="force")
             want = reference_reduce(full, layout, plan, all_master, all_replica)
             for m in range(2):

@@ -1,0 +1,338 @@
+"""Configuration: the only place ``ULTRACOMM_*`` environment variables are read.
+
+Every tuning knob is a field of the frozen :class:`Config`.  ``Config.from_env()``
+reads the variables below (unset or empty = default); ``config.replace(**overrides)``
+returns a validated copy with per-call overrides (Python values, or strings in the
+same syntax as the variables).
+
+=========================  ==============  ====================  ==================  =====================================================
+variable                   field           type                  default             meaning
+=========================  ==============  ====================  ==================  =====================================================
+ULTRACOMM_NUM_WORKERS      num_workers     int >= 1              min(4, cpu_count)   host executor worker threads per rank (CPU analogue of SMs)
+ULTRACOMM_MULTICAST_SMS    multicast_sms   int >= 1              16                  SMs (thread blocks) the GPU executor uses for multicast
+ULTRACOMM_REDUCE_SMS       reduce_sms      int >= 1              16                  SMs (thread blocks) the GPU executor uses for gradient reduction
+ULTRACOMM_TRANSPORT        transport       choice                auto                auto | host | tma | copy_engine | nccl
+ULTRACOMM_WINDOW           window          choice                auto                auto | host_shm | local | cuda_ipc | torch_symm | nvshmem
+ULTRACOMM_TILE_BYTES       tile_bytes      size (bytes)          32768 (32K)         bytes moved per tile; a positive multiple of 16
+ULTRACOMM_CHUNK_BYTES      chunk_bytes     size (bytes)          1048576 (1M)        bytes per flagged chunk (relay granularity); a multiple of tile_bytes
+ULTRACOMM_RELAY            relay_mode      choice                auto                auto (relay when the cost model says so) | off (direct) | force
+ULTRACOMM_RELAY_MAX_DEPTH  max_depth       int >= 1              4                   deepest relay tree the schedule builder may use
+ULTRACOMM_DETERMINISTIC    deterministic   bool                  true                fixed-order fp32 gradient reduction (bit-identical runs)
+ULTRACOMM_TIMEOUT_S        timeout_s       float > 0             100                 seconds a flag wait may take before raising a TimeoutError
+ULTRACOMM_LOG_LEVEL        log_level       choice                warning             debug | info | warning | error
+ULTRACOMM_INTRA_BW         intra_bw        bandwidth (bytes/s)   370e9               intra-node link bandwidth for the schedule cost model
+ULTRACOMM_INTER_BW         inter_bw        bandwidth (bytes/s)   50e9                inter-node link bandwidth for the schedule cost model
+ULTRACOMM_DEBUG_JITTER_US  jitter_us       int >= 0              0                   testing aid: random delay up to this many us before each host task
+=========================  ==============  ====================  ==================  =====================================================
+
+Syntax:
+
+* size: an integer byte count, optionally with a binary suffix ``K``/``M``/``G``
+  (KiB/MiB/GiB; ``KiB``, ``KB`` and lower case accepted), e.g. ``256K``, ``1M``.
+* bandwidth: a number of bytes/s, e.g. ``370e9``, or with a *decimal* suffix
+  ``K``/``M``/``G``/``T`` (10^3 .. 10^12; an optional trailing ``B`` or ``B/s``),
+  e.g. ``370G``.
+* bool: ``1/0``, ``true/false``, ``yes/no``, ``on/off`` (case-insensitive).
+* choice: one of the listed words (case-insensitive).
+
+Errors are :class:`ultracomm.errors.ConfigError` naming the variable, the bad value and
+what is accepted.  ``ULTRACOMM_*`` names that are close to a known one but not known
+(typos) trigger a warning.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import re
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional
+
+from .errors import ConfigError
+
+__all__ = ["Config", "VARIABLES", "parse_size", "parse_bandwidth", "parse_bool"]
+
+TRANSPORTS = ("auto", "host", "tma", "copy_engine", "nccl")
+WINDOWS = ("auto", "host_shm", "local", "cuda_ipc", "torch_symm", "nvshmem")
+RELAY_MODES = ("auto", "off", "force")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+# ULTRACOMM_* names used outside the runtime (build configuration); never warned about.
+_OTHER_KNOWN = frozenset({"ULTRACOMM_BUILD_CUDA"})
+
+_SIZE_RE = re.compile(r"^(\d+)\s*(?:([kmg])(?:i?b)?)?$", re.IGNORECASE)
+_BW_RE = re.compile(r"^([0-9]*\.?[0-9]+(?:e[+-]?\d+)?)\s*([kmgt])?(?:b(?:/s)?)?$", re.IGNORECASE)
+_BOOL = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
+class _Bad(ValueError):
+    """Internal: a value failed to parse/validate; the message says what is accepted."""
+
+
+def parse_size(text: str) -> int:
+    """``"32768"``, ``"32K"``, ``"1M"``, ``"1GiB"`` -> bytes (binary suffixes)."""
+    m = _SIZE_RE.match(text.strip())
+    if not m:
+        raise _Bad("expected an integer byte count, optionally with suffix K, M or G (KiB/MiB/GiB), e.g. 256K")
+    mult = {None: 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[m.group(2) and m.group(2).lower()]
+    return int(m.group(1)) * mult
+
+
+def parse_bandwidth(text: str) -> float:
+    """``"370e9"``, ``"370G"``, ``"50GB/s"`` -> bytes/s (decimal suffixes)."""
+    m = _BW_RE.match(text.strip())
+    if not m:
+        raise _Bad("expected bytes/s as a number (e.g. 370e9) or with suffix K, M, G or T (10^3..10^12, e.g. 370G)")
+    mult = {None: 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[m.group(2) and m.group(2).lower()]
+    return float(m.group(1)) * mult
+
+
+def parse_bool(text: str) -> bool:
+    """``1/0, true/false, yes/no, on/off`` (case-insensitive) -> bool."""
+    v = _BOOL.get(text.strip().lower())
+    if v is None:
+        raise _Bad("expected one of 1, 0, true, false, yes, no, on, off")
+    return v
+
+
+def _parse_int(text: str) -> int:
+    try:
+        return int(text.strip(), 10)
+    except ValueError:
+        raise _Bad("expected an integer") from None
+
+
+def _parse_float(text: str) -> float:
+    try:
+        return float(text.strip())
+    except ValueError:
+        raise _Bad("expected a number, e.g. 30 or 2.5") from None
+
+
+def _choice(options: tuple[str, ...]) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        v = text.strip().lower()
+        if v not in options:
+            raise _Bad(f"expected one of {', '.join(options)}")
+        return v
+
+    return parse
+
+
+@dataclass(frozen=True)
+class _Var:
+    field: str
+    env: str
+    kind: str  # int | float | bool | str (python type of the field)
+    parse: Callable[[str], Any]
+    check: Callable[[Any], Optional[str]]  # returns an error text or None
+    meaning: str
+
+
+def _ge(n: int) -> Callable[[Any], Optional[str]]:
+    return lambda v: None if v >= n else f"must be >= {n}"
+
+
+def _positive_finite(v: float) -> Optional[str]:
+    return None if math.isfinite(v) and v > 0 else "must be a finite number > 0"
+
+
+def _tile_check(v: int) -> Optional[str]:
+    return None if v > 0 and v % 16 == 0 else "must be a positive multiple of 16 bytes"
+
+
+def _chunk_check(v: int) -> Optional[str]:
+    return None if v > 0 and v % 16 == 0 else "must be a positive multiple of 16 bytes (and of tile_bytes)"
+
+
+def _in(options: tuple[str, ...]) -> Callable[[Any], Optional[str]]:
+    return lambda v: None if v in options else f"expected one of {', '.join(options)}"
+
+
+#: Every variable, in documentation order.
+VARIABLES: tuple[_Var, ...] = (
+    _Var("num_workers", "ULTRACOMM_NUM_WORKERS", "int", _parse_int, _ge(1),
+         "host executor worker threads per rank (CPU analogue of SMs)"),
+    _Var("multicast_sms", "ULTRACOMM_MULTICAST_SMS", "int", _parse_int, _ge(1),
+         "SMs the GPU executor uses for multicast"),
+    _Var("reduce_sms", "ULTRACOMM_REDUCE_SMS", "int", _parse_int, _ge(1),
+         "SMs the GPU executor uses for gradient reduction"),
+    _Var("transport", "ULTRACOMM_TRANSPORT", "str", _choice(TRANSPORTS), _in(TRANSPORTS),
+         "executor: " + " | ".join(TRANSPORTS)),
+    _Var("window", "ULTRACOMM_WINDOW", "str", _choice(WINDOWS), _in(WINDOWS),
+         "symmetric-memory provider: " + " | ".join(WINDOWS)),
+    _Var("tile_bytes", "ULTRACOMM_TILE_BYTES", "int", parse_size, _tile_check,
+         "bytes per tile (multiple of 16)"),
+    _Var("chunk_bytes", "ULTRACOMM_CHUNK_BYTES", "int", parse_size, _chunk_check,
+         "bytes per flagged chunk (multiple of tile_bytes)"),
+    _Var("relay_mode", "ULTRACOMM_RELAY", "str", _choice(RELAY_MODES), _in(RELAY_MODES),
+         "relay trees: " + " | ".join(RELAY_MODES)),
+    _Var("max_depth", "ULTRACOMM_RELAY_MAX_DEPTH", "int", _parse_int, _ge(1),
+         "deepest relay tree allowed"),
+    _Var("deterministic", "ULTRACOMM_DETERMINISTIC", "bool", parse_bool, lambda v: None,
+         "fixed-order fp32 gradient reduction"),
+    _Var("timeout_s", "ULTRACOMM_TIMEOUT_S", "float", _parse_float, _positive_finite,
+         "seconds before a flag wait raises"),
+    _Var("log_level", "ULTRACOMM_LOG_LEVEL", "str", _choice(LOG_LEVELS), _in(LOG_LEVELS),
+         " | ".join(LOG_LEVELS)),
+    _Var("intra_bw", "ULTRACOMM_INTRA_BW", "float", parse_bandwidth, _positive_finite,
+         "intra-node bytes/s for the cost model"),
+    _Var("inter_bw", "ULTRACOMM_INTER_BW", "float", parse_bandwidth, _positive_finite,
+         "inter-node bytes/s for the cost model"),
+    _Var("jitter_us", "ULTRACOMM_DEBUG_JITTER_US", "int", _parse_int, _ge(0),
+         "testing aid: random delay (us) before each host task"),
+)
+_BY_FIELD = {v.field: v for v in VARIABLES}
+_BY_ENV = {v.env: v for v in VARIABLES}
+
+
+def _default_workers() -> int:
+    return min(4, os.cpu_count() or 1)
+
+
+def _coerce(var: _Var, value: Any) -> Any:
+    """Python value (or string in variable syntax) -> field value; raises _Bad."""
+    if isinstance(value, str):
+        return var.parse(value)
+    if var.kind == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _Bad("expected an int")
+        return int(value)
+    if var.kind == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _Bad("expected a number")
+        return float(value)
+    if var.kind == "bool":
+        if not isinstance(value, bool):
+            raise _Bad("expected a bool")
+        return value
+    raise _Bad("expected a string")
+
+
+def _error(var: _Var, value: Any, why: str, source: str) -> ConfigError:
+    shown = f"{value!r}"
+    if source == "env":
+        return ConfigError(f"{var.env}={shown} is invalid: {why} (config field {var.field})")
+    return ConfigError(f"{var.field}={shown} is invalid: {why} (environment variable {var.env})")
+
+
+@dataclass(frozen=True)
+class Config:
+    """All ultracomm tuning knobs; see the module docstring for the variables.
+
+    Construct with :meth:`from_env`; derive per-call variants with :meth:`replace`.
+    Direct construction validates too.
+    """
+
+    num_workers: int = field(default_factory=_default_workers)
+    multicast_sms: int = 16
+    reduce_sms: int = 16
+    transport: str = "auto"
+    window: str = "auto"
+    tile_bytes: int = 32768
+    chunk_bytes: int = 1 << 20
+    relay_mode: str = "auto"
+    max_depth: int = 4
+    deterministic: bool = True
+    timeout_s: float = 100.0
+    log_level: str = "warning"
+    intra_bw: float = 370e9
+    inter_bw: float = 50e9
+    jitter_us: int = 0
+
+    def __post_init__(self) -> None:
+        for var in VARIABLES:
+            value = getattr(self, var.field)
+            try:
+                coerced = _coerce(var, value)
+            except _Bad as e:
+                raise _error(var, value, str(e), "field") from None
+            why = var.check(coerced)
+            if why:
+                raise _error(var, value, why, "field")
+            object.__setattr__(self, var.field, coerced)
+        if self.chunk_bytes % self.tile_bytes:
+            raise ConfigError(
+                f"chunk_bytes={self.chunk_bytes} (ULTRACOMM_CHUNK_BYTES) is not a multiple of "
+                f"tile_bytes={self.tile_bytes} (ULTRACOMM_TILE_BYTES); make the chunk a whole "
+                "number of tiles, e.g. ULTRACOMM_CHUNK_BYTES=1M with ULTRACOMM_TILE_BYTES=32K"
+            )
+
+    @classmethod
+    def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> "Config":
+        """Parse the ``ULTRACOMM_*`` variables of ``environ`` (default ``os.environ``).
+
+        Unset or empty variables take their defaults.  Raises :class:`ConfigError`
+        naming the variable, the bad value and the accepted values.
+        """
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for var in VARIABLES:
+            raw = env.get(var.env)
+            if raw is None or raw.strip() == "":
+                continue
+            try:
+                parsed = var.parse(raw)
+            except _Bad as e:
+                raise _error(var, raw, str(e), "env") from None
+            why = var.check(parsed)
+            if why:
+                raise _error(var, raw, why, "env")
+            values[var.field] = parsed
+        for name in env:
+            if name.startswith("ULTRACOMM_") and name not in _BY_ENV and name not in _OTHER_KNOWN:
+                close = difflib.get_close_matches(name, list(_BY_ENV), n=1, cutoff=0.8)
+                if close:
+                    warnings.warn(
+                        f"{name} is not an ultracomm variable and is ignored; did you mean {close[0]}?",
+                        stacklevel=2,
+                    )
+        return cls(**values)
+
+    def replace(self, **overrides: Any) -> "Config":
+        """A copy with ``overrides`` applied (field names; Python values or strings in
+        the variable syntax, e.g. ``tile_bytes="64K"``), validated like :meth:`from_env`."""
+        unknown = sorted(set(overrides) - set(_BY_FIELD))
+        if unknown:
+            raise ConfigError(
+                f"unknown config field(s) {unknown}; known fields are {sorted(_BY_FIELD)}"
+            )
+        return dataclasses.replace(self, **overrides)
+
+    @property
+    def relay(self) -> "Any":
+        """``relay_mode`` as ``ultracomm.records.RelayMode`` (what the C++ core takes)."""
+        from .records import RelayMode
+
+        return RelayMode[self.relay_mode.upper()]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Field name -> value."""
+        return dataclasses.asdict(self)
+
+    def describe(self) -> str:
+        """A table of every variable: name, current value, default, meaning.  Values
+        that differ from the default are marked ``*``."""
+        default = Config()
+        rows = [("variable", "value", "default", "meaning")]
+        for var in VARIABLES:
+            cur, dft = getattr(self, var.field), getattr(default, var.field)
+            mark = "*" if cur != dft else ""
+            rows.append((var.env, f"{_fmt(cur)}{mark}", _fmt(dft), var.meaning))
+        widths = [max(len(r[i]) for r in rows) for i in range(3)]
+        lines = []
+        for i, r in enumerate(rows):
+            lines.append("  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3])
+            if i == 0:
+                lines.append("  ".join("-" * w for w in widths) + "  " + "-" * 7)
+        return "\n".join(lines)
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float) and v >= 1e6:
+        return f"{v:.4g}"
+    return str(v)

@@ -1,0 +1,126 @@
+"""Pure-torch references for the two operations, used by the tests of every executor.
+
+Slots are handled as flat ``uint8`` byte images in *slot layout*: member ``m`` of an expert
+occupies bytes ``[member_off[m], member_off[m] + member_bytes[m])``; bytes between members
+(padding) belong to no member and are never written by an operation.
+
+* :func:`reference_multicast` -- what every replica slot must hold after a multicast: the
+  home's member bytes.
+* :func:`reference_reduce` -- replays a schedule's reduce tasks in their documented order:
+  per element, ``acc = float32(self)``, then ``acc += float32(source)`` for the sources left
+  to right, then ``self = acc.to(grad dtype)``; a relay's partial is rounded into its slot's
+  dtype before its parent reads it.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from .records import MASTER
+
+
+def _u8(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().view(torch.uint8).reshape(-1)
+
+
+def slot_image(members: Sequence[torch.Tensor], member_off: Sequence[int], slot_bytes: int,
+               fill: int = 0) -> torch.Tensor:
+    """Member tensors placed in slot layout: a ``uint8[slot_bytes]``, padding = ``fill``."""
+    out = torch.full((slot_bytes,), fill, dtype=torch.uint8)
+    for t, off in zip(members, member_off):
+        b = _u8(t)
+        out[off:off + b.numel()] = b
+    return out
+
+
+def split_image(image: torch.Tensor, like: Sequence[torch.Tensor], member_off: Sequence[int]) -> list[torch.Tensor]:
+    """Inverse of :func:`slot_image`: member tensors shaped and typed like ``like``."""
+    out = []
+    for t, off in zip(like, member_off):
+        nb = t.numel() * t.element_size()
+        out.append(image[off:off + nb].clone().view(t.dtype).reshape(t.shape))
+    return out
+
+
+def member_mask(member_off: Sequence[int], member_bytes: Sequence[int], slot_bytes: int) -> torch.Tensor:
+    """``bool[slot_bytes]``: True on member bytes, False on padding."""
+    mask = torch.zeros(slot_bytes, dtype=torch.bool)
+    for off, nb in zip(member_off, member_bytes):
+        mask[off:off + nb] = True
+    return mask
+
+
+def reference_multicast(slot_src: Sequence[Sequence[int]], masters: Mapping[int, Sequence[torch.Tensor]],
+                        member_off: Sequence[int], slot_bytes: int) -> list[torch.Tensor]:
+    """Expected weight slots after a multicast.
+
+    ``slot_src[r][s]``: the expert held by slot ``s`` of rank ``r`` (-1 empty);
+    ``masters[e]``: expert ``e``'s member tensors on its home.  Returns, per rank, a
+    ``uint8[slots, slot_bytes]`` of the home's bytes (zeros on padding and empty slots;
+    compare with :func:`member_mask`).
+    """
+    images = {e: slot_image(ms, member_off, slot_bytes) for e, ms in masters.items()}
+    out = []
+    for row in slot_src:
+        t = torch.zeros((len(row), slot_bytes), dtype=torch.uint8)
+        for s, e in enumerate(row):
+            if int(e) >= 0:
+                t[s] = images[int(e)]
+        out.append(t)
+    return out
+
+
+def _segments(offset: int, nbytes: int, member_off: Sequence[int], member_bytes: Sequence[int]):
+    for off, nb in zip(member_off, member_bytes):
+        lo, hi = max(offset, off), min(offset + nbytes, off + nb)
+        if lo < hi:
+            yield lo, hi
+
+
+def reference_reduce(tasks_by_rank: Sequence[np.ndarray], refs_by_rank: Sequence[np.ndarray],
+                     grads_by_rank: Sequence[torch.Tensor], master_grads: Mapping[int, Sequence[torch.Tensor]],
+                     member_off: Sequence[int], member_bytes: Sequence[int], dtype: torch.dtype):
+    """Replays reduce tasks (``records.TASK_DTYPE`` / ``REF_DTYPE`` arrays per rank).
+
+    ``grads_by_rank[r]``: rank ``r``'s replica grad slots before the reduce, ``uint8[slots,
+    grad_slot_bytes]``; ``master_grads[e]``: expert ``e``'s master grad members on its home
+    (dtype ``dtype``).  Inputs are not modified.  Returns ``(grads, masters)``: the slots
+    after the reduce (relays hold their partials) and the new master grad members.
+
+    Tasks run as soon as their relay sources are final (a relay source ``(r, s)`` for chunk
+    ``c`` is final once the task with ``self == (r, s)`` and chunk ``c`` ran), which is the
+    order the schedule's levels encode.
+    """
+    grads = [g.clone().reshape(g.shape[0], -1) for g in grads_by_rank]
+    mbytes = max(o + n for o, n in zip(member_off, member_bytes))
+    masters = {int(e): slot_image(ms, member_off, mbytes) for e, ms in master_grads.items()}
+
+    def buf(rank: int, slot: int, expert: int) -> torch.Tensor:
+        return masters[expert] if slot == MASTER else grads[rank][slot]
+
+    pending = [(r, t) for r, ts in enumerate(tasks_by_rank) for t in ts]
+    relays = {(r, int(t["self_slot"])) for r, t in pending if int(t["self_slot"]) >= 0}
+    final: set[tuple[int, int, int]] = set()
+    while pending:
+        rest = []
+        for r, t in pending:
+            b, n, c = int(t["ref_begin"]), int(t["ref_count"]), int(t["chunk"])
+            srcs = [(int(x["rank"]), int(x["slot"])) for x in refs_by_rank[r][b:b + n]]
+            if any(s in relays and (s[0], s[1], c) not in final for s in srcs):
+                rest.append((r, t))
+                continue
+            dst = buf(r, int(t["self_slot"]), int(t["expert"]))
+            for lo, hi in _segments(int(t["offset"]), int(t["bytes"]), member_off, member_bytes):
+                acc = dst[lo:hi].clone().view(dtype).float()
+                for sr, ss in srcs:
+                    acc = acc + grads[sr][ss][lo:hi].clone().view(dtype).float()
+                dst[lo:hi] = acc.to(dtype).view(torch.uint8)
+            if int(t["self_slot"]) >= 0:
+                final.add((r, int(t["self_slot"]), c))
+        if len(rest) == len(pending):
+            raise ValueError("reference_reduce: tasks wait on relays that never finish (cyclic schedule)")
+        pending = rest
+    new_masters = {e: split_image(masters[e], master_grads[e], member_off) for e in masters}
+    return grads, new_masters

@@ -1,1 +1,401 @@
-// placeholder: replaced by the implementation
+// Relay / reduce trees: one implementation for both operations (see relay_tree.h).
+#include "relay_tree.h"
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+
+#include "ultracomm/task.h"
+
+namespace ultracomm::detail {
+
+void prepare(int32_t world, int32_t slots, int32_t num_experts, const int32_t* slot_src,
+             const int32_t* home_of, const int32_t* node_of, double intra_bw, double inter_bw,
+             TreeInput& out) {
+  const int32_t W = world, S = slots, E = num_experts;
+  const int64_t WS = int64_t(W) * S;
+  out.world = W;
+  out.slots = S;
+  out.num_experts = E;
+  out.intra_bw = intra_bw;
+  out.inter_bw = inter_bw;
+  out.node_of.assign(node_of, node_of + W);
+  int32_t nn = 1;
+  for (int32_t r = 0; r < W; ++r) nn = std::max(nn, node_of[r] + 1);
+  out.num_nodes = nn;
+  out.node_size.assign(nn, 0);
+  for (int32_t r = 0; r < W; ++r) out.node_size[node_of[r]]++;
+  int32_t used_nodes = 0;
+  for (int32_t n = 0; n < nn; ++n) used_nodes += out.node_size[n] > 0;
+  out.multi_node = used_nodes > 1;
+  out.home_of.assign(home_of, home_of + E);
+
+  // replicas per expert, rank ascending (CSR)
+  out.rep_begin.assign(E + 1, 0);
+  for (int64_t i = 0; i < WS; ++i)
+    if (slot_src[i] >= 0) out.rep_begin[slot_src[i] + 1]++;
+  for (int32_t e = 0; e < E; ++e) out.rep_begin[e + 1] += out.rep_begin[e];
+  out.total_reps = out.rep_begin[E];
+  out.rep.assign(out.total_reps, 0);
+  {
+    std::vector<int32_t> fill(out.rep_begin.begin(), out.rep_begin.end() - 1);
+    for (int64_t i = 0; i < WS; ++i)
+      if (slot_src[i] >= 0) out.rep[fill[slot_src[i]]++] = static_cast<int32_t>(i);
+  }
+
+  // groups by node: home node first, then remote nodes by (size desc, node asc)
+  out.grp_begin.assign(E + 1, 0);
+  out.grp_lo.clear();
+  out.grp_hi.clear();
+  out.force_ok.assign(E, 0);
+  out.multi.clear();
+  out.single.clear();
+  std::vector<int32_t> cnt(nn, 0);
+  std::vector<uint64_t> keys;
+  for (int32_t e = 0; e < E; ++e) {
+    const int32_t b = out.rep_begin[e], n = out.rep_begin[e + 1] - b;
+    const int32_t hn = out.node_of[home_of[e]];
+    out.grp_begin[e] = static_cast<int32_t>(out.grp_lo.size());
+    if (n == 0) continue;
+    if (!out.multi_node) {
+      out.grp_lo.push_back(b);
+      out.grp_hi.push_back(b + n);
+    } else {
+      for (int32_t i = 0; i < n; ++i) cnt[out.node_of[out.rep[b + i] / S]]++;
+      keys.clear();
+      for (int32_t i = 0; i < n; ++i) {
+        const int32_t id = out.rep[b + i];
+        const int32_t nd = out.node_of[id / S];
+        const uint64_t remote = nd != hn;
+        keys.push_back((remote << 62) | (uint64_t(remote ? (1 << 20) - cnt[nd] : 0) << 42) |
+                       (uint64_t(nd) << 21) | uint64_t(id / S));
+      }
+      std::sort(keys.begin(), keys.end());
+      for (int32_t i = 0; i < n; ++i) cnt[out.node_of[out.rep[b + i] / S]] = 0;
+      // rewrite rep in key order; rank -> slot id via the old list (one slot per rank)
+      std::vector<int32_t> old(out.rep.begin() + b, out.rep.begin() + b + n);
+      for (int32_t i = 0; i < n; ++i) {
+        const int32_t rank = static_cast<int32_t>(keys[i] & ((1u << 21) - 1));
+        const auto it = std::lower_bound(old.begin(), old.end(), rank * S);
+        out.rep[b + i] = *it;
+      }
+      // home group (maybe empty), then one per remote node
+      int32_t i = 0;
+      while (i < n && out.node_of[out.rep[b + i] / S] == hn) ++i;
+      out.grp_lo.push_back(b);
+      out.grp_hi.push_back(b + i);
+      while (i < n) {
+        const int32_t nd = out.node_of[out.rep[b + i] / S];
+        const int32_t j0 = i;
+        while (i < n && out.node_of[out.rep[b + i] / S] == nd) ++i;
+        out.grp_lo.push_back(b + j0);
+        out.grp_hi.push_back(b + i);
+      }
+    }
+    if (n == 1) {
+      out.single.push_back(e);
+    } else {
+      // force can keep the home below n-1 direct children unless every replica must hang
+      // directly off the home's node and the home is alone there.
+      const int32_t g0 = out.grp_begin[e];
+      const int32_t ng = static_cast<int32_t>(out.grp_lo.size()) - g0;
+      const int32_t local = out.grp_hi[g0] - out.grp_lo[g0];
+      bool ok = local >= 1 && n >= 2;
+      for (int32_t g = g0 + 1; g < g0 + ng && !ok; ++g) ok = out.grp_hi[g] - out.grp_lo[g] >= 2;
+      out.force_ok[e] = ok;
+      out.multi.push_back(e);
+    }
+  }
+  out.grp_begin[E] = static_cast<int32_t>(out.grp_lo.size());
+  std::sort(out.multi.begin(), out.multi.end(), [&](int32_t a, int32_t b) {
+    const int32_t na = out.rep_begin[a + 1] - out.rep_begin[a];
+    const int32_t nb = out.rep_begin[b + 1] - out.rep_begin[b];
+    return na != nb ? na > nb : a < b;
+  });
+  out.empty_parent.assign(WS, -1);
+  out.empty_depth.assign(WS, 0);
+}
+
+static void finish(const TreeInput& in, Tree& t) {
+  t.t = 0;
+  t.max_load = 0;
+  for (int32_t r = 0; r < in.world; ++r) {
+    t.t = std::max(t.t, t.load_intra[r] / in.intra_bw);
+    if (in.multi_node) t.t = std::max(t.t, t.load_inter[r] / in.inter_bw);
+    t.max_load = std::max<int64_t>(t.max_load, int64_t(t.load_intra[r]) + t.load_inter[r]);
+  }
+}
+
+void direct_tree(const TreeInput& in, Tree& out) {
+  const int32_t S = in.slots;
+  out.parent_rank = in.empty_parent;
+  out.parent_slot = in.empty_parent;
+  out.depth = in.empty_depth;
+  out.load_intra.assign(in.world, 0);
+  out.load_inter.assign(in.world, 0);
+  out.max_depth = 0;
+  out.relayed = false;
+  for (int32_t e = 0; e < in.num_experts; ++e) {
+    const int32_t h = in.home_of[e];
+    for (int32_t i = in.rep_begin[e]; i < in.rep_begin[e + 1]; ++i) {
+      const int32_t id = in.rep[i];
+      out.parent_rank[id] = h;
+      out.parent_slot[id] = kMaster;
+      out.depth[id] = 1;
+      out.max_depth = 1;
+      if (in.node_of[id / S] == in.node_of[h]) out.load_intra[h]++;
+      else out.load_inter[h]++;
+    }
+  }
+  finish(in, out);
+}
+
+namespace {
+
+constexpr int32_t kHome = -1;  // queue entry for the home's master copy
+
+int64_t cap_of(double t, double bw, int64_t clamp) {
+  const double v = t * bw;
+  const double c = std::floor(v + 1e-9 * std::max(1.0, v));
+  return c >= double(clamp) ? clamp : static_cast<int64_t>(c);
+}
+
+// Deterministic greedy for one capacity level t (seconds per expert byte-unit): every rank
+// may send at most floor(t*intra_bw) experts over intra-node links and floor(t*inter_bw)
+// over inter-node links.  No depth limit: the tree it builds is the shallowest this greedy
+// can do, so "feasible with depth limit D" == "succeeds and depth <= D".
+class Greedy {
+ public:
+  explicit Greedy(const TreeInput& in) : in_(in), si_(in.world), sx_(in.world) {}
+
+  bool run(double t, bool force, Tree& out) {
+    const int32_t W = in_.world, S = in_.slots;
+    const int64_t clamp = in_.total_reps + 1;
+    const int64_t ci = cap_of(t, in_.intra_bw, clamp);
+    const int64_t cx = in_.multi_node ? cap_of(t, in_.inter_bw, clamp) : 0;
+    std::fill(si_.begin(), si_.end(), ci);
+    std::fill(sx_.begin(), sx_.end(), cx);
+    out.parent_rank = in_.empty_parent;
+    out.parent_slot = in_.empty_parent;
+    out.depth = in_.empty_depth;
+    out.load_intra.assign(W, 0);
+    out.load_inter.assign(W, 0);
+    out.max_depth = 0;
+    out.relayed = false;
+    out_ = &out;
+    // mandatory edges of single-replica experts
+    for (int32_t e : in_.single) {
+      const int32_t id = in_.rep[in_.rep_begin[e]], h = in_.home_of[e];
+      out.parent_rank[id] = h;
+      out.parent_slot[id] = kMaster;
+      out.depth[id] = 1;
+      out.max_depth = 1;
+      if (in_.node_of[id / S] == in_.node_of[h]) {
+        si_[h]--;
+        out.load_intra[h]++;
+      } else {
+        sx_[h]--;
+        out.load_inter[h]++;
+      }
+    }
+    // reserve each home's one mandatory send per replicated expert
+    for (int32_t e : in_.multi) {
+      const int32_t g0 = in_.grp_begin[e];
+      if (in_.grp_hi[g0] > in_.grp_lo[g0]) si_[in_.home_of[e]]--;
+      else sx_[in_.home_of[e]]--;
+    }
+    for (int32_t r = 0; r < W; ++r)
+      if (si_[r] < 0 || sx_[r] < 0) return false;
+    for (int32_t e : in_.multi)
+      if (!expert(e, force)) return false;
+    finish(in_, out);
+    return true;
+  }
+
+ private:
+  int32_t rank_of(int32_t node) const { return node == kHome ? home_ : node / in_.slots; }
+  int32_t depth_of(int32_t node) const { return node == kHome ? 0 : out_->depth[node]; }
+
+  void attach(int32_t child, int32_t parent) {
+    const int32_t pr = rank_of(parent);
+    out_->parent_rank[child] = pr;
+    out_->parent_slot[child] = parent == kHome ? kMaster : parent % in_.slots;
+    const int32_t d = depth_of(parent) + 1;
+    out_->depth[child] = d;
+    out_->max_depth = std::max(out_->max_depth, d);
+    if (parent != kHome) out_->relayed = true;
+    else home_kids_++;
+  }
+
+  // members[lo, hi) of rep sorted into mem_ by (intra spare desc, rank asc), skipping `skip`
+  void sorted_members(int32_t lo, int32_t hi, int32_t skip) {
+    keys_.clear();
+    for (int32_t i = lo; i < hi; ++i) {
+      const int32_t id = in_.rep[i];
+      if (id == skip) continue;
+      keys_.push_back((uint64_t(INT32_MAX - si_[id / in_.slots]) << 32) | uint32_t(id));
+    }
+    std::sort(keys_.begin(), keys_.end());
+  }
+
+  // BFS from q_[qi..]: every queued node takes as many of keys_ (in order) as its intra
+  // spare allows (the home also at most home_limit_ - home_kids_).  True if all attached.
+  bool bfs(size_t qi) {
+    size_t idx = 0;
+    const size_t n = keys_.size();
+    while (idx < n && qi < q_.size()) {
+      const int32_t node = q_[qi++];
+      const int32_t r = rank_of(node);
+      int64_t k = std::min<int64_t>(si_[r], int64_t(n - idx));
+      if (node == kHome) k = std::min<int64_t>(k, home_limit_ - home_kids_);
+      if (k <= 0) continue;
+      for (int64_t j = 0; j < k; ++j) {
+        const int32_t child = static_cast<int32_t>(keys_[idx++] & 0xffffffffu);
+        attach(child, node);
+        q_.push_back(child);
+      }
+      si_[r] -= k;
+      out_->load_intra[r] += static_cast<int32_t>(k);
+    }
+    return idx == n;
+  }
+
+  bool expert(int32_t e, bool force) {
+    const int32_t S = in_.slots;
+    home_ = in_.home_of[e];
+    const int32_t nrep = in_.rep_begin[e + 1] - in_.rep_begin[e];
+    const int32_t g0 = in_.grp_begin[e], g1 = in_.grp_begin[e + 1];
+    if (in_.grp_hi[g0] > in_.grp_lo[g0]) si_[home_]++;  // release the reservation
+    else sx_[home_]++;
+    home_limit_ = (force && in_.force_ok[e]) ? nrep - 1 : INT32_MAX;
+    home_kids_ = 0;
+    q_.clear();
+    q_.push_back(kHome);
+    sorted_members(in_.grp_lo[g0], in_.grp_hi[g0], -1);
+    if (!bfs(0)) return false;
+    const size_t home_tree = q_.size();
+    for (int32_t g = g0 + 1; g < g1; ++g) {
+      // gateway: the member with the most intra spare (ties: lower rank)
+      int32_t gw = -1;
+      for (int32_t i = in_.grp_lo[g]; i < in_.grp_hi[g]; ++i) {
+        const int32_t id = in_.rep[i];
+        if (gw < 0 || si_[id / S] > si_[gw / S] ||
+            (si_[id / S] == si_[gw / S] && id < gw))
+          gw = id;
+      }
+      // feeder on the home's node: (depth asc, inter spare desc, rank asc)
+      int32_t best = INT32_MIN;
+      for (size_t i = 0; i < home_tree; ++i) {
+        const int32_t node = q_[i];
+        const int32_t r = rank_of(node);
+        if (sx_[r] <= 0) continue;
+        if (node == kHome && home_kids_ >= home_limit_) continue;
+        if (best == INT32_MIN) {
+          best = node;
+          continue;
+        }
+        const int32_t br = rank_of(best), d = depth_of(node), bd = depth_of(best);
+        if (d < bd || (d == bd && (sx_[r] > sx_[br] || (sx_[r] == sx_[br] && r < br))))
+          best = node;
+      }
+      if (best == INT32_MIN) return false;
+      attach(gw, best);
+      sx_[rank_of(best)]--;
+      out_->load_inter[rank_of(best)]++;
+      const size_t qs = q_.size();
+      q_.push_back(gw);
+      sorted_members(in_.grp_lo[g], in_.grp_hi[g], gw);
+      if (!bfs(qs)) return false;
+    }
+    return true;
+  }
+
+  const TreeInput& in_;
+  std::vector<int64_t> si_, sx_;
+  std::vector<uint64_t> keys_;
+  std::vector<int32_t> q_;
+  Tree* out_ = nullptr;
+  int32_t home_ = 0;
+  int64_t home_limit_ = 0, home_kids_ = 0;
+};
+
+}  // namespace
+
+std::vector<Tree> relay_candidates(const TreeInput& in, int32_t max_depth, bool force,
+                                   const Tree& direct) {
+  std::vector<Tree> res;
+  if (in.multi.empty() || max_depth < 2) return res;
+  const int32_t W = in.world, S = in.slots;
+  const double ibw = in.intra_bw, xbw = in.inter_bw;
+  // lower end: mandatory sends (single-replica edges + one per replicated expert) and the average
+  std::vector<int64_t> mi(W, 0), mx(W, 0);
+  for (int32_t e = 0; e < in.num_experts; ++e) {
+    const int32_t n = in.rep_begin[e + 1] - in.rep_begin[e];
+    if (n == 0) continue;
+    const int32_t h = in.home_of[e];
+    bool local;
+    if (n == 1) local = in.node_of[in.rep[in.rep_begin[e]] / S] == in.node_of[h];
+    else local = in.grp_hi[in.grp_begin[e]] > in.grp_lo[in.grp_begin[e]];
+    (local ? mi : mx)[h]++;
+  }
+  double t_lb = 0;
+  for (int32_t r = 0; r < W; ++r) {
+    t_lb = std::max(t_lb, mi[r] / ibw);
+    if (in.multi_node) t_lb = std::max(t_lb, mx[r] / xbw);
+  }
+  const double avg = double((in.total_reps + W - 1) / W);
+  t_lb = std::max(t_lb, avg / (in.multi_node ? ibw + xbw : ibw));
+  double t_hi = direct.t;
+  if (force) {
+    t_hi = double(in.total_reps) / ibw;
+    if (in.multi_node) t_hi = std::max(t_hi, double(in.total_reps) / xbw);
+  }
+  // candidate capacity levels: k/intra_bw and (multi node) k/inter_bw in [t_lb, t_hi]
+  std::vector<double> ts;
+  auto add = [&](double bw) {
+    const int64_t k0 = std::max<int64_t>(1, static_cast<int64_t>(std::floor(t_lb * bw)));
+    const int64_t k1 = cap_of(t_hi, bw, in.total_reps + 1);
+    std::vector<double> v;
+    for (int64_t k = k0; k <= k1; ++k) {
+      const double t = double(k) / bw;
+      if (t >= t_lb * (1 - 1e-12)) v.push_back(t);
+    }
+    std::vector<double> m;
+    m.reserve(ts.size() + v.size());
+    std::merge(ts.begin(), ts.end(), v.begin(), v.end(), std::back_inserter(m));
+    ts.swap(m);
+  };
+  add(ibw);
+  if (in.multi_node) add(xbw);
+  ts.erase(std::unique(ts.begin(), ts.end()), ts.end());
+  if (ts.empty()) return res;
+
+  Greedy g(in);
+  Tree scratch;
+  size_t lo = 0;
+  int32_t D = max_depth;
+  while (D >= 2 && lo < ts.size()) {
+    size_t a = lo, b = ts.size();
+    ptrdiff_t found = -1;
+    Tree best;
+    while (a < b) {
+      const size_t mid = a + (b - a) / 2;
+      if (g.run(ts[mid], force, scratch) && scratch.max_depth <= D) {
+        found = static_cast<ptrdiff_t>(mid);
+        std::swap(best, scratch);
+        b = mid;
+      } else {
+        a = mid + 1;
+      }
+    }
+    if (found < 0) break;
+    const int32_t d = best.max_depth;
+    res.push_back(std::move(best));
+    lo = static_cast<size_t>(found) + 1;
+    D = std::min(D, d) - 1;
+  }
+  std::reverse(res.begin(), res.end());  // shallowest first
+  return res;
+}
+
+}  // namespace ultracomm::detail

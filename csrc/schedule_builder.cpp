@@ -1,1 +1,365 @@
-// placeholder: replaced by the implementation
+// Schedule builder: validation, tree selection per operation, stats, task lists, digest.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <stdexcept>
+#include <string>
+
+#include "relay_tree.h"
+#include "ultracomm/schedule.h"
+#include "ultracomm/window_layout.h"
+
+namespace ultracomm {
+
+using detail::Tree;
+using detail::TreeInput;
+
+namespace {
+
+[[noreturn]] void bad(const std::string& msg) { throw std::invalid_argument("build_schedule: " + msg); }
+
+void validate(const BuildInput& in, int32_t only_rank) {
+  const int32_t W = in.world, S = in.slots_per_rank, E = in.num_experts;
+  if (W < 1 || W > (1 << 20)) bad("world must be in [1, 2^20], got " + std::to_string(W));
+  if (S < 0 || S > 100000) bad("slots_per_rank must be in [0, 100000], got " + std::to_string(S));
+  if (E < 0) bad("num_experts must be >= 0, got " + std::to_string(E));
+  const int64_t WS = int64_t(W) * S;
+  if (int64_t(in.slot_src.size()) != WS)
+    bad("slot_src has " + std::to_string(in.slot_src.size()) + " entries, expected world*slots_per_rank = " +
+        std::to_string(WS));
+  if (int64_t(in.home_of.size()) != E)
+    bad("home_of has " + std::to_string(in.home_of.size()) + " entries, expected num_experts = " +
+        std::to_string(E));
+  if (!in.node_of.empty() && int64_t(in.node_of.size()) != W)
+    bad("node_of has " + std::to_string(in.node_of.size()) + " entries, expected world = " + std::to_string(W));
+  if (in.chunk_bytes == 0 || in.chunk_bytes % 16 != 0)
+    bad("chunk_bytes must be a positive multiple of 16, got " + std::to_string(in.chunk_bytes));
+  if (in.max_depth < 1 || in.max_depth > 65535)
+    bad("max_depth must be in [1, 65535], got " + std::to_string(in.max_depth));
+  if (in.relay_mode != RelayMode::kAuto && in.relay_mode != RelayMode::kOff && in.relay_mode != RelayMode::kForce)
+    bad("relay_mode must be auto, off or force, got " + std::to_string(int(in.relay_mode)));
+  if (!(in.intra_bw > 0) || !std::isfinite(in.intra_bw)) bad("intra_bw must be a positive finite number");
+  if (!(in.inter_bw > 0) || !std::isfinite(in.inter_bw)) bad("inter_bw must be a positive finite number");
+  if (only_rank < -1 || only_rank >= W)
+    bad("only_rank must be -1 or a rank in [0, world), got " + std::to_string(only_rank));
+  const uint64_t mx = std::max(in.weight_bytes, in.grad_bytes);
+  if (ceil_div(mx, in.chunk_bytes) > uint64_t(std::numeric_limits<int32_t>::max()))
+    bad("too many chunks per expert (bytes / chunk_bytes exceeds 2^31)");
+  for (int32_t r = 0; r < W && !in.node_of.empty(); ++r)
+    if (in.node_of[r] < 0 || in.node_of[r] >= W)
+      bad("node_of[" + std::to_string(r) + "] = " + std::to_string(in.node_of[r]) + " is out of range [0, world)");
+  for (int32_t e = 0; e < E; ++e)
+    if (in.home_of[e] < 0 || in.home_of[e] >= W)
+      bad("home_of[" + std::to_string(e) + "] = " + std::to_string(in.home_of[e]) + " is not a rank in [0, " +
+          std::to_string(W) + ")");
+  for (int32_t r = 0; r < W; ++r) {
+    for (int32_t s = 0; s < S; ++s) {
+      const int32_t e = in.slot_src[int64_t(r) * S + s];
+      if (e == -1) continue;
+      const std::string where = "slot_src[" + std::to_string(r) + "][" + std::to_string(s) + "] = " + std::to_string(e);
+      if (e < -1 || e >= E) bad(where + ": expert out of range [0, " + std::to_string(E) + ") (or -1 for empty)");
+      if (in.home_of[e] == r) bad(where + ": replica on its home rank " + std::to_string(r));
+      for (int32_t s2 = 0; s2 < s; ++s2)
+        if (in.slot_src[int64_t(r) * S + s2] == e)
+          bad("expert " + std::to_string(e) + " appears twice on rank " + std::to_string(r) + " (slots " +
+              std::to_string(s2) + " and " + std::to_string(s) + ")");
+    }
+  }
+}
+
+// Per-rank tier split of the fixed side (every replica slot's incoming edge).
+struct SideLoads {
+  std::vector<int64_t> fi, fx;  // [world] count of replica slots fed intra / inter
+};
+
+void fixed_side(const TreeInput& ti, const Tree& t, SideLoads& out) {
+  const int32_t W = ti.world, S = ti.slots;
+  out.fi.assign(W, 0);
+  out.fx.assign(W, 0);
+  for (int64_t id = 0; id < int64_t(W) * S; ++id) {
+    const int32_t p = t.parent_rank[id];
+    if (p < 0) continue;
+    const int32_t r = static_cast<int32_t>(id / S);
+    if (ti.node_of[r] == ti.node_of[p]) out.fi[r]++;
+    else out.fx[r]++;
+  }
+}
+
+double predicted(const TreeInput& ti, const Tree& t, const SideLoads& f, uint64_t bytes, uint64_t chunk) {
+  if (bytes == 0) return 0;
+  const double B = double(bytes);
+  double link = 0;
+  for (int32_t r = 0; r < ti.world; ++r) {
+    link = std::max(link, std::max<double>(t.load_intra[r], f.fi[r]) * B / ti.intra_bw);
+    link = std::max(link, std::max<double>(t.load_inter[r], f.fx[r]) * B / ti.inter_bw);
+  }
+  return link + t.max_depth * double(std::min(chunk, bytes)) / ti.intra_bw;
+}
+
+inline uint64_t fnv_word(uint64_t h, uint32_t w) { return (h ^ w) * 0x100000001b3ULL; }
+uint64_t fnv_u64(uint64_t h, uint64_t v) { return fnv_word(fnv_word(h, uint32_t(v)), uint32_t(v >> 32)); }
+uint64_t fnv_arr(uint64_t h, const int32_t* p, size_t n) {
+  h = fnv_u64(h, n);
+  for (size_t i = 0; i < n; ++i) h = fnv_word(h, uint32_t(p[i]));
+  return h;
+}
+
+// Fills one op from its tree: parents, stats, task lists.
+void fill_op(const BuildInput& in, const TreeInput& ti, const Tree& t, const SideLoads& f, Op op, uint64_t bytes,
+             int32_t only_rank, OpSchedule& o) {
+  const int32_t W = ti.world, S = ti.slots, E = ti.num_experts;
+  const int64_t WS = int64_t(W) * S;
+  const bool mc = op == Op::kMulticast;
+  o.parent_rank = t.parent_rank;
+  o.parent_slot = t.parent_slot;
+  o.depth = t.depth;
+  o.bytes = bytes;
+  o.chunks = ceil_div(bytes, in.chunk_bytes);
+  o.max_depth = t.max_depth;
+  o.relayed = t.relayed;
+  // loads: the parent side is egress for multicast, ingress for reduce
+  std::vector<uint64_t>& pside = mc ? o.egress : o.ingress;
+  std::vector<uint64_t>& pinter = mc ? o.inter_egress : o.inter_ingress;
+  std::vector<uint64_t>& fside = mc ? o.ingress : o.egress;
+  std::vector<uint64_t>& finter = mc ? o.inter_ingress : o.inter_egress;
+  pside.assign(W, 0);
+  pinter.assign(W, 0);
+  fside.assign(W, 0);
+  finter.assign(W, 0);
+  uint64_t max_fixed = 0;
+  for (int32_t r = 0; r < W; ++r) {
+    pside[r] = uint64_t(t.load_intra[r] + t.load_inter[r]) * bytes;
+    pinter[r] = uint64_t(t.load_inter[r]) * bytes;
+    fside[r] = uint64_t(f.fi[r] + f.fx[r]) * bytes;
+    finter[r] = uint64_t(f.fx[r]) * bytes;
+    max_fixed = std::max(max_fixed, fside[r]);
+  }
+  // lower bound
+  std::vector<int64_t> once(W, 0);
+  for (int32_t e = 0; e < E; ++e)
+    if (ti.rep_begin[e + 1] > ti.rep_begin[e]) once[ti.home_of[e]]++;
+  uint64_t lb = max_fixed;
+  for (int32_t r = 0; r < W; ++r) lb = std::max(lb, uint64_t(once[r]) * bytes);
+  const uint64_t total = uint64_t(ti.total_reps) * bytes;
+  lb = std::max(lb, ceil_div(total, uint64_t(W)));
+  o.lower_bound_bytes = lb;
+  if (!ti.multi_node) {
+    o.lower_bound_s = double(lb) / ti.intra_bw;
+  } else {
+    double s = double(lb) / (ti.intra_bw + ti.inter_bw);
+    std::vector<int64_t> cin(ti.num_nodes, 0), cout_(ti.num_nodes, 0);
+    std::vector<int32_t> mark(ti.num_nodes, -1);
+    for (int32_t e = 0; e < E; ++e) {
+      const int32_t hn = ti.node_of[ti.home_of[e]];
+      for (int32_t i = ti.rep_begin[e]; i < ti.rep_begin[e + 1]; ++i) {
+        const int32_t nd = ti.node_of[ti.rep[i] / S];
+        if (nd == hn || mark[nd] == e) continue;
+        mark[nd] = e;
+        cin[nd]++;
+        cout_[hn]++;
+      }
+    }
+    for (int32_t n = 0; n < ti.num_nodes; ++n) {
+      if (ti.node_size[n] == 0) continue;
+      const int64_t x = std::max(cin[n], cout_[n]);
+      const int64_t per = (x + ti.node_size[n] - 1) / ti.node_size[n];
+      s = std::max(s, double(per) * double(bytes) / ti.inter_bw);
+    }
+    o.lower_bound_s = s;
+  }
+  o.predicted_s = predicted(ti, t, f, bytes, in.chunk_bytes);
+
+  // children CSR over nodes: slot ids [0, WS), homes WS + e; children in (rank, slot) order
+  const int64_t N = WS + E;
+  std::vector<int32_t> cb(N + 1, 0);
+  for (int64_t id = 0; id < WS; ++id) {
+    const int32_t p = t.parent_rank[id];
+    if (p < 0) continue;
+    const int64_t pid = t.parent_slot[id] == kMaster ? WS + in.slot_src[id] : int64_t(p) * S + t.parent_slot[id];
+    cb[pid + 1]++;
+  }
+  for (int64_t i = 0; i < N; ++i) cb[i + 1] += cb[i];
+  std::vector<int32_t> ch(cb[N]);
+  {
+    std::vector<int32_t> fill(cb.begin(), cb.end() - 1);
+    for (int64_t id = 0; id < WS; ++id) {
+      const int32_t p = t.parent_rank[id];
+      if (p < 0) continue;
+      const int64_t pid = t.parent_slot[id] == kMaster ? WS + in.slot_src[id] : int64_t(p) * S + t.parent_slot[id];
+      ch[fill[pid]++] = static_cast<int32_t>(id);
+    }
+  }
+  // levels: multicast = depth of the sender; reduce = height (leaves 0)
+  std::vector<int32_t> level(N, 0);
+  if (mc) {
+    for (int64_t id = 0; id < WS; ++id) level[id] = t.depth[id];
+  } else {
+    std::vector<int32_t> db(t.max_depth + 2, 0);
+    for (int64_t id = 0; id < WS; ++id)
+      if (t.parent_rank[id] >= 0) db[t.depth[id] + 1]++;
+    for (int32_t d = 0; d <= t.max_depth; ++d) db[d + 1] += db[d];
+    std::vector<int32_t> by(db.back());
+    std::vector<int32_t> fill(db.begin(), db.end() - 1);
+    for (int64_t id = 0; id < WS; ++id)
+      if (t.parent_rank[id] >= 0) by[fill[t.depth[id]]++] = static_cast<int32_t>(id);
+    for (int64_t i = int64_t(by.size()) - 1; i >= 0; --i) {
+      const int32_t id = by[i];
+      const int64_t pid = t.parent_slot[id] == kMaster ? WS + in.slot_src[id]
+                                                       : int64_t(t.parent_rank[id]) * S + t.parent_slot[id];
+      level[pid] = std::max(level[pid], level[id] + 1);
+    }
+  }
+  // senders per rank
+  o.num_tasks.assign(W, 0);
+  for (int64_t id = 0; id < WS; ++id)
+    if (cb[id + 1] > cb[id]) o.num_tasks[id / S] += int64_t(o.chunks);
+  for (int32_t e = 0; e < E; ++e)
+    if (cb[WS + e + 1] > cb[WS + e]) o.num_tasks[ti.home_of[e]] += int64_t(o.chunks);
+  o.tasks.assign(W, {});
+  o.refs.assign(W, {});
+  if (o.chunks == 0) return;
+  // experts by home rank
+  std::vector<int32_t> hb(W + 1, 0), hx(E);
+  for (int32_t e = 0; e < E; ++e) hb[ti.home_of[e] + 1]++;
+  for (int32_t r = 0; r < W; ++r) hb[r + 1] += hb[r];
+  {
+    std::vector<int32_t> fill(hb.begin(), hb.end() - 1);
+    for (int32_t e = 0; e < E; ++e) hx[fill[ti.home_of[e]]++] = e;
+  }
+  const uint8_t kind = static_cast<uint8_t>(mc ? TaskKind::kCopy : TaskKind::kReduce);
+  std::vector<uint64_t> keys;
+  std::vector<int32_t> rb;
+  const int32_t r0 = only_rank >= 0 ? only_rank : 0, r1 = only_rank >= 0 ? only_rank + 1 : W;
+  for (int32_t r = r0; r < r1; ++r) {
+    keys.clear();
+    // key: level (16) | expert (31) | slot + 1 (17)
+    for (int32_t i = hb[r]; i < hb[r + 1]; ++i) {
+      const int32_t e = hx[i];
+      if (cb[WS + e + 1] > cb[WS + e]) keys.push_back((uint64_t(level[WS + e]) << 48) | (uint64_t(e) << 17));
+    }
+    for (int32_t s = 0; s < S; ++s) {
+      const int64_t id = int64_t(r) * S + s;
+      if (cb[id + 1] > cb[id])
+        keys.push_back((uint64_t(level[id]) << 48) | (uint64_t(in.slot_src[id]) << 17) | uint64_t(s + 1));
+    }
+    std::sort(keys.begin(), keys.end());
+    std::vector<Ref>& refs = o.refs[r];
+    std::vector<Task>& tasks = o.tasks[r];
+    rb.assign(keys.size(), 0);
+    size_t nref = 0;
+    for (size_t k = 0; k < keys.size(); ++k) {
+      const int32_t slot = int32_t(keys[k] & 0x1ffff) - 1;
+      const int32_t e = int32_t((keys[k] >> 17) & 0x7fffffff);
+      const int64_t node = slot < 0 ? WS + e : int64_t(r) * S + slot;
+      nref += cb[node + 1] - cb[node];
+    }
+    refs.resize(nref);
+    nref = 0;
+    for (size_t k = 0; k < keys.size(); ++k) {
+      const int32_t slot = int32_t(keys[k] & 0x1ffff) - 1;
+      const int32_t e = int32_t((keys[k] >> 17) & 0x7fffffff);
+      const int64_t node = slot < 0 ? WS + e : int64_t(r) * S + slot;
+      rb[k] = static_cast<int32_t>(nref);
+      for (int32_t j = cb[node]; j < cb[node + 1]; ++j) refs[nref++] = Ref{ch[j] / S, ch[j] % S};
+    }
+    tasks.resize(keys.size() * o.chunks);
+    Task* tp = tasks.data();
+    for (uint64_t c = 0; c < o.chunks; ++c) {
+      const uint64_t off = c * in.chunk_bytes;
+      const uint64_t len = std::min(in.chunk_bytes, bytes - off);
+      for (size_t k = 0; k < keys.size(); ++k) {
+        const int32_t slot = int32_t(keys[k] & 0x1ffff) - 1;
+        const int32_t e = int32_t((keys[k] >> 17) & 0x7fffffff);
+        const int64_t node = slot < 0 ? WS + e : int64_t(r) * S + slot;
+        Task& tk = *tp++;
+        tk.kind = kind;
+        tk.reserved0 = 0;
+        tk.level = static_cast<uint16_t>(keys[k] >> 48);
+        tk.expert = e;
+        tk.chunk = static_cast<int32_t>(c);
+        tk.ref_begin = rb[k];
+        tk.ref_count = cb[node + 1] - cb[node];
+        tk.reserved1 = 0;
+        tk.offset = off;
+        tk.bytes = len;
+        tk.self = Ref{r, slot};
+      }
+    }
+  }
+}
+
+}  // namespace
+
+Schedule build_schedule(const BuildInput& in, int32_t only_rank) {
+  validate(in, only_rank);
+  const int32_t W = in.world;
+  std::vector<int32_t> zeros;
+  const int32_t* node_of = in.node_of.data();
+  if (in.node_of.empty()) {
+    zeros.assign(W, 0);
+    node_of = zeros.data();
+  }
+  TreeInput ti;
+  detail::prepare(W, in.slots_per_rank, in.num_experts, in.slot_src.data(), in.home_of.data(), node_of,
+                  in.intra_bw, in.inter_bw, ti);
+  Tree direct;
+  detail::direct_tree(ti, direct);
+  std::vector<Tree> cands;
+  const bool force = in.relay_mode == RelayMode::kForce;
+  if (force) cands = detail::relay_candidates(ti, std::max(2, in.max_depth), true, direct);
+  else if (in.relay_mode == RelayMode::kAuto) cands = detail::relay_candidates(ti, in.max_depth, false, direct);
+
+  // candidate list in depth order: direct first (auto/off), then relay trees shallowest first
+  std::vector<const Tree*> pool;
+  if (!force || cands.empty()) pool.push_back(&direct);
+  for (const Tree& c : cands)
+    if (force || c.max_load <= direct.max_load) pool.push_back(&c);
+  std::vector<SideLoads> fl(pool.size());
+  for (size_t i = 0; i < pool.size(); ++i) fixed_side(ti, *pool[i], fl[i]);
+
+  Schedule out;
+  out.input = in;
+  if (out.input.node_of.empty()) out.input.node_of = zeros;
+  out.built_for = only_rank;
+  for (int op = 0; op < kNumOps; ++op) {
+    const uint64_t bytes = op == 0 ? in.weight_bytes : in.grad_bytes;
+    size_t best = 0;
+    double best_t = predicted(ti, *pool[0], fl[0], bytes, in.chunk_bytes);
+    for (size_t i = 1; i < pool.size(); ++i) {
+      const double p = predicted(ti, *pool[i], fl[i], bytes, in.chunk_bytes);
+      if (p < best_t) {
+        best_t = p;
+        best = i;
+      }
+    }
+    fill_op(in, ti, *pool[best], fl[best], static_cast<Op>(op), bytes, only_rank, op == 0 ? out.multicast : out.reduce);
+  }
+
+  uint64_t h = 0xcbf29ce484222325ULL;
+  h = fnv_u64(h, uint64_t(W));
+  h = fnv_u64(h, uint64_t(in.slots_per_rank));
+  h = fnv_u64(h, uint64_t(in.num_experts));
+  h = fnv_u64(h, in.weight_bytes);
+  h = fnv_u64(h, in.grad_bytes);
+  h = fnv_u64(h, in.chunk_bytes);
+  h = fnv_u64(h, uint64_t(int64_t(in.relay_mode)));
+  h = fnv_u64(h, uint64_t(int64_t(in.max_depth)));
+  uint64_t bw;
+  static_assert(sizeof(double) == 8);
+  std::memcpy(&bw, &in.intra_bw, 8);
+  h = fnv_u64(h, bw);
+  std::memcpy(&bw, &in.inter_bw, 8);
+  h = fnv_u64(h, bw);
+  h = fnv_arr(h, in.slot_src.data(), in.slot_src.size());
+  h = fnv_arr(h, in.home_of.data(), in.home_of.size());
+  h = fnv_arr(h, out.input.node_of.data(), out.input.node_of.size());
+  for (const OpSchedule* o : {&out.multicast, &out.reduce}) {
+    h = fnv_arr(h, o->parent_rank.data(), o->parent_rank.size());
+    h = fnv_arr(h, o->parent_slot.data(), o->parent_slot.size());
+  }
+  out.digest = h;
+  return out;
+}
+
+}  // namespace ultracomm

@@ -108,8 +108,12 @@ class Cluster:
     def _rand_grad(self, n, g):
         if self.grad_dtype == torch.float32:
             return torch.randn(n, generator=g)
-        # random bit patterns: NaN, inf, subnormals, overflowing sums, everything
-        return torch.randint(-32768, 32768, (n,), dtype=torch.int16, generator=g).view(self.grad_dtype)
+        # mostly ordinary values (rounding of every sum matters), one in 8 a random bit pattern:
+        # NaN, inf, subnormals, overflowing sums
+        x = (torch.randn(n, generator=g) * 3).to(self.grad_dtype)
+        bits = torch.randint(-32768, 32768, (n,), dtype=torch.int16, generator=g).view(self.grad_dtype)
+        pick = torch.randint(0, 8, (n,), generator=g) == 0
+        return torch.where(pick, bits, x)
 
     def weight_slot(self, r, s):
         o = self.L["weights_off"] + s * self.L["weight_stride"]

@@ -32,16 +32,31 @@ struct OpSchedule {
   std::vector<int32_t> parent_rank;
   std::vector<int32_t> parent_slot;  // kMaster when the parent is the home's master
   std::vector<int32_t> depth;        // depth of the slot in its expert's tree (1 = child of home); 0 empty
+  // Per rank, sorted by (chunk, level, expert, self.slot).  Empty for every rank but
+  // Schedule::built_for when built for one rank.  A sender's refs block (its children, sorted
+  // by (rank, slot)) is stored once and shared by the tasks of all its chunks.
   std::vector<std::vector<Task>> tasks;  // [world]
   std::vector<std::vector<Ref>> refs;    // [world]
+  std::vector<int64_t> num_tasks;        // [world] task count per rank (always global)
+  uint64_t bytes = 0;                    // one expert's bytes for this op (weights / grads)
+  uint64_t chunks = 0;                   // ceil(bytes / chunk_bytes)
   // stats
   std::vector<uint64_t> egress;   // [world] bytes sent (multicast) / read from it by peers (reduce)
   std::vector<uint64_t> ingress;  // [world] bytes received / pulled
   std::vector<uint64_t> inter_egress, inter_ingress;  // [world] the cross-node part of the above
   int32_t max_depth = 0;
-  uint64_t lower_bound_bytes = 0;  // max(max ingress, max must-send-once, ceil(total / world))
-  double lower_bound_s = 0;        // lower bound with the tier bandwidths
-  double predicted_s = 0;          // max link time + depth * chunk time
+  // Multicast: max(max ingress, max over ranks of the bytes it must send at least once
+  // (B per replicated expert it homes), ceil(total / world)).  Reduce: the mirror,
+  // max(max egress, B per replicated expert a home must receive, ceil(total / world)).
+  uint64_t lower_bound_bytes = 0;
+  // One node: lower_bound_bytes / intra_bw.  Several nodes: max(lower_bound_bytes /
+  // (intra_bw + inter_bw), max over nodes N of ceil(X_N / |N|) * B / inter_bw) where X_N is
+  // the larger of the expert crossings that must enter N and that must leave N (one per
+  // (expert, remote node holding a replica)).  Always <= the link part of predicted_s.
+  double lower_bound_s = 0;
+  // max over ranks and tiers (intra, inter) and directions of bytes / bw, plus
+  // max_depth * chunk_time, chunk_time = min(chunk_bytes, bytes) / intra_bw.
+  double predicted_s = 0;
   bool relayed = false;            // true when any expert uses a relay
 };
 
@@ -49,11 +64,16 @@ struct Schedule {
   BuildInput input;
   OpSchedule multicast;
   OpSchedule reduce;
-  // 64-bit FNV-1a over all task and ref bytes of both ops: equal on every rank for the same plan.
+  // 64-bit FNV-1a over the inputs and both ops' trees (parent_rank, parent_slot), which
+  // determine every task and ref; the symbols hashed are 32-bit little-endian words (one
+  // FNV round per int32 / half of a 64-bit field) rather than single octets, for speed.
+  // Equal on every rank for the same inputs, whether built for all ranks or one.
   uint64_t digest = 0;
+  int32_t built_for = -1;  // -1: task lists for every rank; else the only rank with lists
 };
 
 // Throws std::invalid_argument with a clear message on inconsistent input.
-Schedule build_schedule(const BuildInput& in);
+// only_rank >= 0 generates task lists for that rank only (trees, stats, digest stay global).
+Schedule build_schedule(const BuildInput& in, int32_t only_rank = -1);
 
 }  // namespace ultracomm

@@ -220,10 +220,7 @@ class Context:
                 f"ultracomm: plan is for world {plan.world}, {plan.slots_per_rank} slots per rank, "
                 f"{plan.num_experts} experts; this Context has world {self.world}, {self.slots_per_rank} slots "
                 f"per rank, {self.num_experts} experts")
-        counts = torch.bincount(plan.home_of.long(), minlength=self.world)
-        if not bool((counts == self.experts_per_rank).all()):
-            raise ValueError(f"ultracomm: plan.home_of gives ranks {counts.tolist()} experts; each rank must be "
-                             f"home to exactly experts_per_rank={self.experts_per_rank}")
+        plan.validate(experts_per_rank=self.experts_per_rank)
         check_same(self.comm, "plan", plan.digest().hex())
 
     def _submit(self, name: str, op: Op, mb: _MicroBatch, async_op: bool) -> Work | None:

@@ -49,3 +49,35 @@ def expert_weights(layout, expert: int) -> list[torch.Tensor]:
         else:
             out.append(torch.randint(-100, 100, m.shape, generator=g).to(m.dtype))
     return out
+
+
+def expected_master_grads(schedule, layout, plan, init_master, init_replica) -> list[list[torch.Tensor]]:
+    """Master grads after grad_reduce, by replaying ``schedule``'s reduce tasks (all ranks' lists)
+    with ``ultracomm.reference.reference_reduce``.
+
+    ``init_master[r][m]``: rank r's master grads ``[experts_per_rank, *shape]`` before;
+    ``init_replica[r][m]``: rank r's replica grads ``[slots, *shape]`` before.
+    Returns per rank, per member, ``[experts_per_rank, *shape]``.
+    """
+    from ultracomm.reference import reference_reduce, slot_image
+
+    world, slots = plan.world, plan.slots_per_rank
+    home = plan.home_of.tolist()
+    local = plan.local_index_of.tolist()
+    grads_by_rank = [
+        torch.stack([slot_image([init_replica[r][m][s] for m in range(len(layout.members))],
+                                layout.grad_offsets, layout.grad_bytes) for s in range(slots)])
+        if slots else torch.zeros((0, layout.grad_bytes), dtype=torch.uint8)
+        for r in range(world)
+    ]
+    masters = {e: [init_master[home[e]][m][local[e]] for m in range(len(layout.members))]
+               for e in range(plan.num_experts)}
+    _, new = reference_reduce([schedule.tasks("reduce", r) for r in range(world)],
+                              [schedule.refs("reduce", r) for r in range(world)],
+                              grads_by_rank, masters, layout.grad_offsets, layout.grad_sizes, layout.grad_dtype)
+    out = []
+    for r in range(world):
+        mine = [e for e in range(plan.num_experts) if home[e] == r]
+        mine.sort(key=lambda e: local[e])
+        out.append([torch.stack([new[e][m] for e in mine]) for m in range(len(layout.members))])
+    return out

@@ -11,10 +11,9 @@ import ultracomm
 from ultracomm import Context, ExpertLayout, LoopbackDomain, Member, ReplicaPlan
 from ultracomm.errors import PlanError, RegistrationError, UltracommError
 from ultracomm.records import Op
-from ultracomm.reference import reference_reduce
 from ultracomm.schedule import build_schedule
 
-from conftest import expert_weights, hot_slot_src, random_slot_src
+from conftest import expected_master_grads, expert_weights, hot_slot_src, random_slot_src
 
 
 def make_layout(n1: int, n2: int, dtype=torch.bfloat16, grad_dtype=torch.float32) -> ExpertLayout:
@@ -110,7 +109,7 @@ def _reduce_case(world, slots, epr, slot_src, grad_dtype, mode, chunk, runs=1, j
                    for _ in range(world)]
     init_replica = [[torch.randn((slots, *m.shape), generator=gen).to(grad_dtype) for m in layout.members]
                     for _ in range(world)]
-    want = reference_reduce(full, layout, plan, init_master, init_replica)
+    want = expected_master_grads(full, layout, plan, init_master, init_replica)
     domain = LoopbackDomain(world)
 
     def body(group):

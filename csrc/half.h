@@ -1,8 +1,8 @@
-// fp32 <-> bf16 / fp16 conversions, bit-exact with torch's CPU scalar conversions
-// (c10::BFloat16 round_to_nearest_even, c10::detail::fp16_ieee_from_fp32_value).
-// Round-to-nearest-even; overflow -> inf; subnormals kept.  NaN -> canonical quiet NaN
-// (bf16 0x7FC0, fp16 sign|0x7E00), as c10's scalar path.  Needs IEEE float arithmetic in
-// the default rounding mode: do not build with -ffast-math.
+// fp32 <-> bf16 / fp16 conversions, bit-exact with torch's CPU `.to(torch.bfloat16)` /
+// `.to(torch.float16)` on x86 (ATen's vectorised cvtfp32_bf16 and F16C vcvtps2ph):
+// round-to-nearest-even, overflow -> inf, subnormals kept, and NaN -> bf16 0xFFFF /
+// fp16 sign | 0x7E00 | (fp32 mantissa >> 13) (quieted, payload truncated).
+// Needs IEEE float arithmetic in the default rounding mode: do not build with -ffast-math.
 #pragma once
 #include <cstdint>
 #include <cstring>
@@ -24,7 +24,7 @@ inline float bf16_to_f32(uint16_t h) { return f32_from_bits(static_cast<uint32_t
 
 inline uint16_t f32_to_bf16(float f) {
   uint32_t u = f32_bits(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7FC0;  // NaN
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0xFFFF;  // NaN, as ATen's vector path
   u += 0x7fffu + ((u >> 16) & 1u);
   return static_cast<uint16_t>(u >> 16);
 }
@@ -59,7 +59,8 @@ inline uint16_t f32_to_f16(float f) {
   const uint32_t exp_bits = (bits >> 13) & 0x00007C00u;
   const uint32_t mantissa_bits = bits & 0x00000FFFu;
   const uint32_t nonsign = exp_bits + mantissa_bits;
-  return static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+  const uint32_t nan = 0x7E00u | ((w >> 13) & 0x3FFu);  // quiet, payload truncated (vcvtps2ph)
+  return static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xFF000000u ? nan : nonsign));
 }
 
 }  // namespace ultracomm::detail

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <mutex>
@@ -55,6 +56,15 @@ std::string fmt_seconds(double s) {
 
 size_t dtype_size(DType d) { return d == DType::kF32 ? 4 : 2; }
 
+// ULTRACOMM_HOST_SCALAR_F16=1: use the portable fp16 path (tests check both give the same bits).
+bool force_scalar_f16() {
+  static const bool v = [] {
+    const char* e = std::getenv("ULTRACOMM_HOST_SCALAR_F16");
+    return e && *e && *e != '0';
+  }();
+  return v;
+}
+
 // ---------------------------------------------------------------------------------------
 // reduction kernels: acc(fp32) = self; acc += src_0; acc += src_1; ...; dst = cast(acc)
 
@@ -93,11 +103,53 @@ void reduce_segment(uintptr_t dst_self, const uintptr_t* srcs, int nsrc, size_t 
   }
 }
 
+#if defined(__x86_64__)
+// fp16 with F16C conversions (the instructions torch's CPU casts use); the scalar tail uses
+// half.h, which gives the same bits.
+__attribute__((target("avx2,f16c"))) void reduce_f16_f16c(uintptr_t dst_self, const uintptr_t* srcs, int nsrc,
+                                                            size_t n) {
+  constexpr size_t B = 512;
+  alignas(64) float acc[B];
+  uint16_t* dst = reinterpret_cast<uint16_t*>(dst_self);
+  for (size_t i0 = 0; i0 < n; i0 += B) {
+    const size_t m = std::min(B, n - i0);
+    const size_t mv = m & ~size_t(7);
+    const uint16_t* self = dst + i0;
+    for (size_t i = 0; i < mv; i += 8)
+      _mm256_store_ps(acc + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(self + i))));
+    for (size_t i = mv; i < m; ++i) acc[i] = detail::f16_to_f32(self[i]);
+    for (int s = 0; s < nsrc; ++s) {
+      const uint16_t* p = reinterpret_cast<const uint16_t*>(srcs[s]) + i0;
+      for (size_t i = 0; i < mv; i += 8)
+        _mm256_store_ps(acc + i, _mm256_add_ps(_mm256_load_ps(acc + i),
+                                               _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i)))));
+      for (size_t i = mv; i < m; ++i) acc[i] += detail::f16_to_f32(p[i]);
+    }
+    uint16_t* out = dst + i0;
+    for (size_t i = 0; i < mv; i += 8)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
+                       _mm256_cvtps_ph(_mm256_load_ps(acc + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    for (size_t i = mv; i < m; ++i) out[i] = detail::f32_to_f16(acc[i]);
+  }
+}
+const bool kHaveF16C = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+#else
+constexpr bool kHaveF16C = false;
+#endif
+
 void reduce_dispatch(DType d, uintptr_t dst, const uintptr_t* srcs, int nsrc, size_t bytes) {
   switch (d) {
     case DType::kF32: reduce_segment<F32>(dst, srcs, nsrc, bytes / 4); break;
     case DType::kBF16: reduce_segment<BF16>(dst, srcs, nsrc, bytes / 2); break;
-    case DType::kF16: reduce_segment<F16>(dst, srcs, nsrc, bytes / 2); break;
+    case DType::kF16:
+#if defined(__x86_64__)
+      if (kHaveF16C && !force_scalar_f16()) {
+        reduce_f16_f16c(dst, srcs, nsrc, bytes / 2);
+        break;
+      }
+#endif
+      reduce_segment<F16>(dst, srcs, nsrc, bytes / 2);
+      break;
   }
 }
 

@@ -298,7 +298,7 @@ def reset_reduce(cl, init, master_init):
             t.copy_(t0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 def test_reduce_bit_exact_with_relay(dtype):
     cl, trees, my, tasks, refs, init, master_init = reduce_setup(dtype)
     exp_grads, exp_masters = reference_reduce(tasks, refs, init, master_init, cl.g_off, cl.g_bytes, dtype)
@@ -442,3 +442,70 @@ def _build_schedule():
     except Exception:  # noqa: BLE001
         return None
     return build_schedule
+
+
+def _special_values(dtype):
+    ib = torch.int32 if dtype == torch.float32 else torch.int16
+    if dtype == torch.float32:
+        raw = [0x7FC00000, 0x7FC12345, 0x7F800001, 0xFFC00001, 0x7F800000, 0xFF800000, 0x7F7FFFFF, 0x00000001,
+               0x80000001, 0x00800000, 0x3F800000, 0x33800000, 0x80000000]
+    elif dtype == torch.bfloat16:
+        raw = [0x7FC0, 0x7FC1, 0x7F81, 0xFFC1, 0x7F80, 0xFF80, 0x7F7F, 0x0001, 0x8001, 0x0080, 0x3F80, 0x3B80, 0x8000]
+    else:
+        raw = [0x7E00, 0x7E15, 0x7C01, 0xFE01, 0x7C00, 0xFC00, 0x7BFF, 0x0001, 0x8001, 0x0400, 0x3C00, 0x1400, 0x8000]
+    return torch.tensor([v - (1 << (32 if ib == torch.int32 else 16)) if v >= (1 << (31 if ib == torch.int32 else 15))
+                         else v for v in raw], dtype=ib).view(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_reduce_special_values_bit_exact_nan_included(dtype):
+    """NaN payloads, infinities, overflow, subnormals and rounding ties: the executor writes
+    exactly torch's bits (compared as integers, NaNs included).  One NaN per element at most
+    (NaN + NaN keeps either payload, as IEEE allows)."""
+    g = torch.Generator().manual_seed(5)
+    sp = _special_values(dtype)
+    n = 8 * 1024 + 13  # odd: vector body and scalar tail
+    cl = Cluster(3, 1, [n * ESIZE[dtype]], chunk=4096, num_experts=1, home_of=[0], grad_dtype=dtype)
+    trees = [(0, 0, {(0, MASTER): [(1, 0), (2, 0)]})]
+    my = slots_of(3, 1, trees)
+    tasks, refs = build_tasks(3, trees, cl.gsb, cl.chunk, TaskKind.REDUCE)
+    vals = [(torch.randn(n, generator=g) * 4).to(dtype) for _ in range(3)]
+    big = torch.finfo(dtype).max
+    vals[1][: n // 4] = big  # overflow to inf / exact ties on the way
+    vals[2][: n // 8] = big
+    # put a special value in one of the three addends of every element
+    idx = torch.randint(0, len(sp), (n,), generator=g)
+    who = torch.randint(0, 3, (n,), generator=g)
+    for k in range(3):
+        vals[k] = torch.where(who == k, sp[idx], vals[k])
+    # rounding ties: a + b exactly halfway between two representable values
+    one = torch.tensor(1.0, dtype=dtype)
+    eps = torch.finfo(dtype).eps
+    vals[0][-8:] = one
+    vals[1][-8:] = torch.tensor(eps / 2, dtype=dtype)
+    vals[2][-8:] = 0
+    cl.master_grads[0][0].copy_(vals[0])
+    nb = n * ESIZE[dtype]
+    cl.grad_slot(1, 0)[:nb].copy_(vals[1].view(torch.uint8))
+    cl.grad_slot(2, 0)[:nb].copy_(vals[2].view(torch.uint8))
+    init = [cl.grad_slots(r).clone() for r in range(3)]
+    _, exp = reference_reduce(tasks, refs, init, {0: [vals[0].clone()]}, cl.g_off, cl.g_bytes, dtype)
+    ok(cl.run(Op.REDUCE, tasks, refs, my))
+    ib = torch.int32 if dtype == torch.float32 else torch.int16
+    got, want = cl.master_grads[0][0].view(ib), exp[0][0].view(ib)
+    bad = (got != want).nonzero().flatten()[:5].tolist()
+    assert not bad, [(i, hex(got[i].item() & 0xFFFFFFFF), hex(want[i].item() & 0xFFFFFFFF)) for i in bad]
+    assert torch.isnan(cl.master_grads[0][0].float()).any() and torch.isinf(cl.master_grads[0][0].float()).any()
+
+
+def test_scalar_f16_path_matches(tmp_path):
+    """The portable fp16 conversion (no F16C) gives the same bits as the vector path."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, ULTRACOMM_HOST_SCALAR_F16="1")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                        "fp16 and (special_values or bit_exact_with_relay)"],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert "2 passed" in r.stdout, r.stdout[-500:]

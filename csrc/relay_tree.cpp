@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <climits>
 #include <cmath>
+#include <cstddef>
+#include <iterator>
 
 #include "ultracomm/task.h"
 
@@ -376,12 +378,12 @@ std::vector<Tree> relay_candidates(const TreeInput& in, int32_t max_depth, bool 
   int32_t D = max_depth;
   while (D >= 2 && lo < ts.size()) {
     size_t a = lo, b = ts.size();
-    ptrdiff_t found = -1;
+    std::ptrdiff_t found = -1;
     Tree best;
     while (a < b) {
       const size_t mid = a + (b - a) / 2;
       if (g.run(ts[mid], force, scratch) && scratch.max_depth <= D) {
-        found = static_cast<ptrdiff_t>(mid);
+        found = static_cast<std::ptrdiff_t>(mid);
         std::swap(best, scratch);
         b = mid;
       } else {

@@ -57,9 +57,11 @@ void validate(const BuildInput& in, int32_t only_rank) {
     for (int32_t s = 0; s < S; ++s) {
       const int32_t e = in.slot_src[int64_t(r) * S + s];
       if (e == -1) continue;
-      const std::string where = "slot_src[" + std::to_string(r) + "][" + std::to_string(s) + "] = " + std::to_string(e);
-      if (e < -1 || e >= E) bad(where + ": expert out of range [0, " + std::to_string(E) + ") (or -1 for empty)");
-      if (in.home_of[e] == r) bad(where + ": replica on its home rank " + std::to_string(r));
+      auto where = [&] {
+        return "slot_src[" + std::to_string(r) + "][" + std::to_string(s) + "] = " + std::to_string(e);
+      };
+      if (e < -1 || e >= E) bad(where() + ": expert out of range [0, " + std::to_string(E) + ") (or -1 for empty)");
+      if (in.home_of[e] == r) bad(where() + ": replica on its home rank " + std::to_string(r));
       for (int32_t s2 = 0; s2 < s; ++s2)
         if (in.slot_src[int64_t(r) * S + s2] == e)
           bad("expert " + std::to_string(e) + " appears twice on rank " + std::to_string(r) + " (slots " +
@@ -95,6 +97,14 @@ double predicted(const TreeInput& ti, const Tree& t, const SideLoads& f, uint64_
     link = std::max(link, std::max<double>(t.load_inter[r], f.fx[r]) * B / ti.inter_bw);
   }
   return link + t.max_depth * double(std::min(chunk, bytes)) / ti.intra_bw;
+}
+
+// True if the direct tree sends every expert to each remote node at most once.
+bool topology_ok(const TreeInput& ti) {
+  for (int32_t e = 0; e < ti.num_experts; ++e)
+    for (int32_t g = ti.grp_begin[e] + 1; g < ti.grp_begin[e + 1]; ++g)
+      if (ti.grp_hi[g] - ti.grp_lo[g] > 1) return false;
+  return true;
 }
 
 inline uint64_t fnv_word(uint64_t h, uint32_t w) { return (h ^ w) * 0x100000001b3ULL; }
@@ -311,10 +321,13 @@ Schedule build_schedule(const BuildInput& in, int32_t only_rank) {
   else if (in.relay_mode == RelayMode::kAuto) cands = detail::relay_candidates(ti, in.max_depth, false, direct);
 
   // candidate list in depth order: direct first (auto/off), then relay trees shallowest first
+  // With several nodes, direct competes in auto only if it already crosses to each remote node
+  // at most once per expert (else it is the fallback when no relay tree qualifies).
   std::vector<const Tree*> pool;
-  if (!force || cands.empty()) pool.push_back(&direct);
   for (const Tree& c : cands)
     if (force || c.max_load <= direct.max_load) pool.push_back(&c);
+  if (pool.empty() || (!force && !(ti.multi_node && in.relay_mode == RelayMode::kAuto && !topology_ok(ti))))
+    pool.insert(pool.begin(), &direct);
   std::vector<SideLoads> fl(pool.size());
   for (size_t i = 0; i < pool.size(); ++i) fixed_side(ti, *pool[i], fl[i]);
 

@@ -1,0 +1,241 @@
+"""Schedule builder front end: ReplicaPlan -> per-rank task lists of both operations.
+
+The work is done in C++ (``ultracomm._core.build_schedule``, ``csrc/schedule_builder.cpp``);
+this module converts the plan, names things and exports JSON.
+
+Trees.  Every replica slot of expert ``e`` has exactly one parent: the home's master copy
+or another replica of ``e`` (a relay).  Multicast pushes weights down the tree; reduce pulls
+grads up the *same kind* of tree (built by the same code, balancing the puller's ingress
+instead of the sender's egress).
+
+Summation order (determinism contract).  A reduce task on rank ``r`` computes, per chunk,
+``acc = float32(self)``, then ``acc += float32(src)`` for each source in ``refs`` order, which
+is ascending ``(rank, slot)``; then writes ``acc`` back in the grad dtype.  A relay's task
+runs first (lower level) and its partial is the source its parent reads.  So the home's
+gradient chunk is, recursively, ``self + sum_{children c by (rank, slot)} partial(c)`` with
+``partial(c) = grad(c) + sum_{children of c by (rank, slot)} partial(...)``.  See
+``reference_reduce`` below, which reproduces it bit for bit in numpy.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Optional, Union
+
+import numpy as np
+
+from . import _core
+from .records import MASTER, REF_DTYPE, TASK_DTYPE, Op, RelayMode
+
+__all__ = ["Schedule", "build_schedule", "reference_reduce", "OpLike"]
+
+OpLike = Union[Op, int, str]
+
+_MODES = {"auto": RelayMode.AUTO, "off": RelayMode.OFF, "force": RelayMode.FORCE}
+
+
+def _op(op: OpLike) -> int:
+    if isinstance(op, str):
+        try:
+            return int(Op[op.upper()])
+        except KeyError:
+            raise ValueError(f"op must be 'multicast' or 'reduce', got {op!r}") from None
+    v = int(op)
+    if v not in (0, 1):
+        raise ValueError(f"op must be Op.MULTICAST or Op.REDUCE, got {op!r}")
+    return v
+
+
+def _mode(mode: Union[str, int, RelayMode]) -> int:
+    if isinstance(mode, str):
+        if mode.lower() not in _MODES:
+            raise ValueError(f"relay_mode must be 'auto', 'off' or 'force', got {mode!r}")
+        return int(_MODES[mode.lower()])
+    v = int(mode)
+    if v not in (0, 1, 2):
+        raise ValueError(f"relay_mode must be auto (0), off (1) or force (2), got {mode!r}")
+    return v
+
+
+def _i32(x: Any, name: str) -> np.ndarray:
+    if hasattr(x, "detach"):  # torch tensor, without importing torch
+        x = x.detach().cpu().numpy()
+    a = np.asarray(x)
+    if a.dtype.kind not in "iu":
+        raise ValueError(f"{name} must be an integer array, got dtype {a.dtype}")
+    if a.size and (a.min() < np.iinfo(np.int32).min or a.max() > np.iinfo(np.int32).max):
+        raise ValueError(f"{name} has values outside int32")
+    return np.ascontiguousarray(a, dtype=np.int32)
+
+
+class Schedule:
+    """Per-rank task lists of multicast and reduce, their trees and stats."""
+
+    def __init__(self, core: "_core.Schedule"):
+        self._core = core
+
+    # -- identity -------------------------------------------------------------------------
+    @property
+    def digest(self) -> int:
+        """FNV-1a 64 over the inputs and both trees: equal on every rank for the same plan."""
+        return int(self._core.digest)
+
+    @property
+    def built_for(self) -> Optional[int]:
+        """The only rank whose task lists were generated, or None for all ranks."""
+        r = int(self._core.built_for)
+        return None if r < 0 else r
+
+    @property
+    def world(self) -> int:
+        return int(self._core.world)
+
+    @property
+    def slots_per_rank(self) -> int:
+        return int(self._core.slots_per_rank)
+
+    @property
+    def num_experts(self) -> int:
+        return int(self._core.num_experts)
+
+    @property
+    def chunk_bytes(self) -> int:
+        return int(self._core.chunk_bytes)
+
+    @property
+    def weight_chunks(self) -> int:
+        return int(self._core.weight_chunks)
+
+    @property
+    def grad_chunks(self) -> int:
+        return int(self._core.grad_chunks)
+
+    # -- task lists -----------------------------------------------------------------------
+    def tasks(self, op: OpLike, rank: int) -> np.ndarray:
+        """Read-only ``TASK_DTYPE`` view of ``rank``'s list (empty for ranks not built)."""
+        return self._core.tasks(_op(op), int(rank))
+
+    def refs(self, op: OpLike, rank: int) -> np.ndarray:
+        """Read-only ``REF_DTYPE`` view of ``rank``'s refs (tasks index into it)."""
+        return self._core.refs(_op(op), int(rank))
+
+    def tree(self, op: OpLike):
+        """``(parent_rank, parent_slot, depth)``, each int32 ``[world, slots]``; -1/-1/0 for
+        empty slots, parent_slot == MASTER (-1) when the parent is the home's master copy."""
+        o = _op(op)
+        return self._core.parent_rank(o), self._core.parent_slot(o), self._core.depth(o)
+
+    # -- stats ----------------------------------------------------------------------------
+    def stats(self, op: Optional[OpLike] = None) -> dict:
+        """Stats of one op, or ``{"multicast": ..., "reduce": ...}`` when op is None.
+
+        Keys: egress, ingress, inter_egress, inter_ingress (bytes per rank), max_egress,
+        max_ingress, max_link_bytes (= max of the two), depth, num_tasks (per rank),
+        lower_bound_bytes, lower_bound_s, predicted_s, relayed, bytes, chunks.
+        """
+        if op is None:
+            return {"multicast": self._core.stats(0), "reduce": self._core.stats(1)}
+        return self._core.stats(_op(op))
+
+    def inputs(self) -> dict:
+        return dict(self._core.input())
+
+    def to_json(self, indent: Optional[int] = None) -> str:
+        """Inputs, trees, stats and task lists (all built ranks) as a JSON string."""
+        out: dict = {"digest": self.digest, "built_for": self.built_for, "inputs": self.inputs(), "ops": {}}
+        ranks = range(self.world) if self.built_for is None else [self.built_for]
+        for op in (Op.MULTICAST, Op.REDUCE):
+            pr, ps, d = self.tree(op)
+            tasks = {}
+            refs = {}
+            for r in ranks:
+                t = self.tasks(op, r)
+                tasks[str(r)] = [{k: int(row[k]) for k in TASK_DTYPE.names} for row in t]
+                refs[str(r)] = [[int(x["rank"]), int(x["slot"])] for x in self.refs(op, r)]
+            out["ops"][op.name.lower()] = {
+                "tree": {"parent_rank": pr.tolist(), "parent_slot": ps.tolist(), "depth": d.tolist()},
+                "stats": self.stats(op),
+                "tasks": tasks,
+                "refs": refs,
+            }
+        return json.dumps(out, indent=indent)
+
+    def __repr__(self) -> str:
+        m, r = self.stats(Op.MULTICAST), self.stats(Op.REDUCE)
+        return (
+            f"Schedule(world={self.world}, slots={self.slots_per_rank}, experts={self.num_experts}, "
+            f"multicast depth={m['depth']} max_egress={m['max_egress']}, "
+            f"reduce depth={r['depth']} max_ingress={r['max_ingress']}, digest={self.digest:#018x})"
+        )
+
+
+def build_schedule(
+    plan,
+    weight_bytes: int,
+    grad_bytes: int,
+    *,
+    node_of=None,
+    chunk_bytes: int = 1 << 20,
+    relay_mode: Union[str, int, RelayMode] = "auto",
+    max_depth: int = 4,
+    intra_bw: float = 370e9,
+    inter_bw: float = 50e9,
+    rank: Optional[int] = None,
+) -> Schedule:
+    """Build the multicast and reduce schedules of ``plan``.
+
+    ``plan`` is duck-typed: ``.slot_src`` ([world, slots] ints, torch or numpy; -1 = empty),
+    ``.home_of`` ([E]), ``.world``, ``.slots_per_rank``, ``.num_experts``.  ``node_of``
+    ([world]) enables topology-aware trees; ``rank`` builds the task lists of that rank only
+    (trees, stats and digest are still global).  Raises ValueError on invalid input.
+    """
+    world, slots, experts = int(plan.world), int(plan.slots_per_rank), int(plan.num_experts)
+    slot_src = _i32(plan.slot_src, "slot_src").reshape(-1)
+    home_of = _i32(plan.home_of, "home_of").reshape(-1)
+    nodes = None if node_of is None else _i32(node_of, "node_of").reshape(-1)
+    for name, v in (("weight_bytes", weight_bytes), ("grad_bytes", grad_bytes), ("chunk_bytes", chunk_bytes)):
+        if int(v) < 0:
+            raise ValueError(f"build_schedule: {name} must be >= 0, got {v}")
+    core = _core.build_schedule(
+        world, slots, experts, slot_src, home_of, nodes,
+        int(weight_bytes), int(grad_bytes), int(chunk_bytes), _mode(relay_mode), int(max_depth),
+        float(intra_bw), float(inter_bw), -1 if rank is None else int(rank),
+    )
+    return Schedule(core)
+
+
+def reference_reduce(sched: Schedule, grads: dict, master: dict, dtype=np.float32) -> dict:
+    """Numpy reference of the reduce op, in the documented summation order.
+
+    ``grads[(rank, slot)]`` and ``master[expert]`` are 1-D arrays of the grad dtype (``grad_bytes``
+    long in bytes).  Returns ``{expert: reduced}`` for every expert with replicas, computed per
+    chunk as the tasks do (fp32 accumulation, rounding to ``dtype`` at every relay and home).
+    """
+    pr, ps, _ = sched.tree(Op.REDUCE)
+    inp = sched.inputs()
+    S = sched.slots_per_rank
+    slot_src = np.asarray(inp["slot_src"]).reshape(-1, S) if S else np.zeros((sched.world, 0), np.int32)
+    home_of = inp["home_of"]
+    kids: dict = {}
+    for r in range(sched.world):
+        for s in range(S):
+            if pr[r, s] >= 0:
+                key = (int(pr[r, s]), int(ps[r, s]), int(slot_src[r, s]))
+                kids.setdefault(key, []).append((r, s))
+    memo: dict = {}
+
+    def value(rank, slot, e):
+        if (rank, slot, e) in memo:
+            return memo[(rank, slot, e)]
+        base = master[e] if slot == MASTER else grads[(rank, slot)]
+        acc = base.astype(np.float32)
+        for (cr, cs) in sorted(kids.get((rank, slot, e), [])):
+            acc = acc + value(cr, cs, e).astype(np.float32)
+        v = acc.astype(dtype)
+        memo[(rank, slot, e)] = v
+        return v
+
+    out = {}
+    for e in range(len(home_of)):
+        if (int(home_of[e]), MASTER, e) in kids:
+            out[e] = value(int(home_of[e]), MASTER, e)
+    return out

@@ -78,7 +78,7 @@ void bind_host_executor(py::module_& m) {
          std::vector<uint64_t> member_off, std::vector<uint64_t> member_bytes, std::vector<uintptr_t> master_ptrs,
          std::vector<int32_t> local_index_of, int grad_dtype, std::vector<int32_t> my_slots, py::buffer tasks,
          py::buffer refs, int32_t num_workers, double timeout_s, uint32_t jitter_us, uint64_t jitter_seed,
-         std::optional<std::vector<int32_t>> slot_parent) {
+         std::optional<std::vector<int32_t>> slot_parent, bool portable_f16) {
         if (op != 0 && op != 1) throw std::invalid_argument("ultracomm.run_host: op must be 0 (multicast) or 1 (reduce)");
         if (grad_dtype < 0 || grad_dtype > 2)
           throw std::invalid_argument("ultracomm.run_host: grad_dtype must be 0 (fp32), 1 (bf16) or 2 (fp16)");
@@ -108,6 +108,7 @@ void bind_host_executor(py::module_& m) {
         a.timeout_s = timeout_s;
         a.jitter_us = jitter_us;
         a.jitter_seed = jitter_seed;
+        a.portable_f16 = portable_f16;
         py::gil_scoped_release nogil;
         run_host(a);
       },
@@ -116,13 +117,14 @@ void bind_host_executor(py::module_& m) {
       py::arg("member_off"), py::arg("member_bytes"), py::arg("master_ptrs"), py::arg("local_index_of"),
       py::arg("grad_dtype"), py::arg("my_slots"), py::arg("tasks"), py::arg("refs"), py::arg("num_workers"),
       py::arg("timeout_s"), py::arg("jitter_us") = 0, py::arg("jitter_seed") = 0,
-      py::arg("slot_parent") = py::none(),
+      py::arg("slot_parent") = py::none(), py::arg("portable_f16") = false,
       R"doc(Run one rank's task list of one operation (op 0 multicast, 1 reduce) on the host.
 
 Windows are raw addresses (window_bases[world]); master_ptrs[local_index*M + m] are this
 rank's master members; tasks/refs are records.TASK_DTYPE / REF_DTYPE arrays (or any
 C-contiguous buffer of 48- / 8-byte records).  grad_dtype: 0 fp32, 1 bf16, 2 fp16.
-slot_parent (optional, [slots]) only names peers in timeout messages.  Releases the GIL.
+slot_parent (optional, [slots]) only names peers in timeout messages; portable_f16 (testing)
+uses the portable fp16 conversion instead of F16C (same bits).  Releases the GIL.
 Raises _core.TimeoutError (a TimeoutError) on a wait past timeout_s, ValueError on bad
 arguments (nothing is written then).)doc");
 }

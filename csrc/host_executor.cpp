@@ -7,7 +7,6 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <mutex>
@@ -56,14 +55,6 @@ std::string fmt_seconds(double s) {
 
 size_t dtype_size(DType d) { return d == DType::kF32 ? 4 : 2; }
 
-// ULTRACOMM_HOST_SCALAR_F16=1: use the portable fp16 path (tests check both give the same bits).
-bool force_scalar_f16() {
-  static const bool v = [] {
-    const char* e = std::getenv("ULTRACOMM_HOST_SCALAR_F16");
-    return e && *e && *e != '0';
-  }();
-  return v;
-}
 
 // ---------------------------------------------------------------------------------------
 // reduction kernels: acc(fp32) = self; acc += src_0; acc += src_1; ...; dst = cast(acc)
@@ -137,13 +128,13 @@ const bool kHaveF16C = __builtin_cpu_supports("avx2") && __builtin_cpu_supports(
 constexpr bool kHaveF16C = false;
 #endif
 
-void reduce_dispatch(DType d, uintptr_t dst, const uintptr_t* srcs, int nsrc, size_t bytes) {
+void reduce_dispatch(DType d, bool portable_f16, uintptr_t dst, const uintptr_t* srcs, int nsrc, size_t bytes) {
   switch (d) {
     case DType::kF32: reduce_segment<F32>(dst, srcs, nsrc, bytes / 4); break;
     case DType::kBF16: reduce_segment<BF16>(dst, srcs, nsrc, bytes / 2); break;
     case DType::kF16:
 #if defined(__x86_64__)
-      if (kHaveF16C && !force_scalar_f16()) {
+      if (kHaveF16C && !portable_f16) {
         reduce_f16_f16c(dst, srcs, nsrc, bytes / 2);
         break;
       }
@@ -279,7 +270,7 @@ struct Runner {
         const Ref s = a.refs[t.ref_begin + i];
         srcs[i] = slot_addr(s.rank, s.slot) + lo;
       }
-      reduce_dispatch(a.grad_dtype, self_addr(t, m, lo), srcs, t.ref_count, hi - lo);
+      reduce_dispatch(a.grad_dtype, a.portable_f16, self_addr(t, m, lo), srcs, t.ref_count, hi - lo);
     }
     for (int32_t i = 0; i < t.ref_count; ++i) {
       const Ref s = a.refs[t.ref_begin + i];

@@ -348,7 +348,7 @@ def test_timeout_rank_never_joins():
     tasks, refs = build_tasks(3, trees, cl.wsb, cl.chunk, TaskKind.COPY)
     t0 = time.monotonic()
     errs = cl.run(Op.MULTICAST, tasks, refs, my, ranks=[0, 1], timeout_s=0.3)
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 2  # 0.3 s timeout + thread joins
     e = errs[0]
     assert isinstance(e, _core.TimeoutError) and isinstance(e, TimeoutError), errs
     msg = str(e)
@@ -457,8 +457,9 @@ def _special_values(dtype):
                          else v for v in raw], dtype=ib).view(dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
-def test_reduce_special_values_bit_exact_nan_included(dtype):
+@pytest.mark.parametrize("dtype,portable", [(torch.float32, False), (torch.bfloat16, False), (torch.float16, False),
+                                            (torch.float16, True)], ids=["fp32", "bf16", "fp16", "fp16-portable"])
+def test_reduce_special_values_bit_exact_nan_included(dtype, portable):
     """NaN payloads, infinities, overflow, subnormals and rounding ties: the executor writes
     exactly torch's bits (compared as integers, NaNs included).  One NaN per element at most
     (NaN + NaN keeps either payload, as IEEE allows)."""
@@ -490,25 +491,12 @@ def test_reduce_special_values_bit_exact_nan_included(dtype):
     cl.grad_slot(2, 0)[:nb].copy_(vals[2].view(torch.uint8))
     init = [cl.grad_slots(r).clone() for r in range(3)]
     _, exp = reference_reduce(tasks, refs, init, {0: [vals[0].clone()]}, cl.g_off, cl.g_bytes, dtype)
-    ok(cl.run(Op.REDUCE, tasks, refs, my))
+    ok(cl.run(Op.REDUCE, tasks, refs, my, portable_f16=portable))
     ib = torch.int32 if dtype == torch.float32 else torch.int16
     got, want = cl.master_grads[0][0].view(ib), exp[0][0].view(ib)
     bad = (got != want).nonzero().flatten()[:5].tolist()
     assert not bad, [(i, hex(got[i].item() & 0xFFFFFFFF), hex(want[i].item() & 0xFFFFFFFF)) for i in bad]
     assert torch.isnan(cl.master_grads[0][0].float()).any() and torch.isinf(cl.master_grads[0][0].float()).any()
-
-
-def test_scalar_f16_path_matches(tmp_path):
-    """The portable fp16 conversion (no F16C) gives the same bits as the vector path."""
-    import os
-    import subprocess
-    import sys
-    env = dict(os.environ, ULTRACOMM_HOST_SCALAR_F16="1")
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                        "fp16 and (special_values or bit_exact_with_relay)"],
-                       env=env, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
-    assert "2 passed" in r.stdout, r.stdout[-500:]
 
 
 # ------------------------------------------------------------------------------------------

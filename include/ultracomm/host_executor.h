@@ -46,6 +46,7 @@ struct ExecArgs {
   double timeout_s = 100.0;
   uint32_t jitter_us = 0;  // testing: random sleep up to this before each task
   uint64_t jitter_seed = 0;  // worker w draws from a PRNG seeded with jitter_seed + w
+  bool portable_f16 = false;  // testing: portable fp16 conversions instead of F16C (same bits)
 };
 
 // Runs the operation to completion on this rank:

@@ -25,7 +25,7 @@ def main() -> None:
     epr, slots, layers = 2, 2, 3
     layout = ExpertLayout((Member("fc1", (6, 17), torch.bfloat16), Member("fc2", (17, 3), torch.bfloat16)))
     ctx = Context(None, layout, epr, slots, num_layers=layers, max_microbatches=2, window="host_shm",
-                  chunk_bytes=128, relay_mode="force", timeout_s=60.0)
+                  chunk_bytes=128, tile_bytes=128, relay_mode="force", timeout_s=60.0)
     assert ctx.window.provider == "host_shm"
     masters = []
     for layer in range(layers):

@@ -69,4 +69,5 @@ class HostTransport:
             self._grad_code, list(my_slots),
             schedule.tasks(op, self.rank), schedule.refs(op, self.rank),
             self.num_workers, self.timeout_s, self.jitter_us, epoch,
+            slot_parent=schedule.tree(op)[0][self.rank].tolist(),
         )

@@ -168,15 +168,17 @@ int64_t cap_of(double t, double bw, int64_t clamp) {
 // can do, so "feasible with depth limit D" == "succeeds and depth <= D".
 class Greedy {
  public:
-  explicit Greedy(const TreeInput& in) : in_(in), si_(in.world), sx_(in.world) {}
+  explicit Greedy(const TreeInput& in) : in_(in), si_(in.world), sx_(in.world), st_(in.world) {}
 
-  bool run(double t, bool force, Tree& out) {
+  // total_cap: per-rank bound on intra + inter sends together (bytes, not time).
+  bool run(double t, bool force, int64_t total_cap, Tree& out) {
     const int32_t W = in_.world, S = in_.slots;
     const int64_t clamp = in_.total_reps + 1;
     const int64_t ci = cap_of(t, in_.intra_bw, clamp);
     const int64_t cx = in_.multi_node ? cap_of(t, in_.inter_bw, clamp) : 0;
     std::fill(si_.begin(), si_.end(), ci);
     std::fill(sx_.begin(), sx_.end(), cx);
+    std::fill(st_.begin(), st_.end(), total_cap);
     out.parent_rank = in_.empty_parent;
     out.parent_slot = in_.empty_parent;
     out.depth = in_.empty_depth;
@@ -192,6 +194,7 @@ class Greedy {
       out.parent_slot[id] = kMaster;
       out.depth[id] = 1;
       out.max_depth = 1;
+      st_[h]--;
       if (in_.node_of[id / S] == in_.node_of[h]) {
         si_[h]--;
         out.load_intra[h]++;
@@ -205,9 +208,10 @@ class Greedy {
       const int32_t g0 = in_.grp_begin[e];
       if (in_.grp_hi[g0] > in_.grp_lo[g0]) si_[in_.home_of[e]]--;
       else sx_[in_.home_of[e]]--;
+      st_[in_.home_of[e]]--;
     }
     for (int32_t r = 0; r < W; ++r)
-      if (si_[r] < 0 || sx_[r] < 0) return false;
+      if (si_[r] < 0 || sx_[r] < 0 || st_[r] < 0) return false;
     for (int32_t e : in_.multi)
       if (!expert(e, force)) return false;
     finish(in_, out);
@@ -248,7 +252,7 @@ class Greedy {
     while (idx < n && qi < q_.size()) {
       const int32_t node = q_[qi++];
       const int32_t r = rank_of(node);
-      int64_t k = std::min<int64_t>(si_[r], int64_t(n - idx));
+      int64_t k = std::min<int64_t>(std::min(si_[r], st_[r]), int64_t(n - idx));
       if (node == kHome) k = std::min<int64_t>(k, home_limit_ - home_kids_);
       if (k <= 0) continue;
       for (int64_t j = 0; j < k; ++j) {
@@ -257,6 +261,7 @@ class Greedy {
         q_.push_back(child);
       }
       si_[r] -= k;
+      st_[r] -= k;
       out_->load_intra[r] += static_cast<int32_t>(k);
     }
     return idx == n;
@@ -269,6 +274,7 @@ class Greedy {
     const int32_t g0 = in_.grp_begin[e], g1 = in_.grp_begin[e + 1];
     if (in_.grp_hi[g0] > in_.grp_lo[g0]) si_[home_]++;  // release the reservation
     else sx_[home_]++;
+    st_[home_]++;
     home_limit_ = (force && in_.force_ok[e]) ? nrep - 1 : INT32_MAX;
     home_kids_ = 0;
     q_.clear();
@@ -290,7 +296,7 @@ class Greedy {
       for (size_t i = 0; i < home_tree; ++i) {
         const int32_t node = q_[i];
         const int32_t r = rank_of(node);
-        if (sx_[r] <= 0) continue;
+        if (sx_[r] <= 0 || st_[r] <= 0) continue;
         if (node == kHome && home_kids_ >= home_limit_) continue;
         if (best == INT32_MIN) {
           best = node;
@@ -303,6 +309,7 @@ class Greedy {
       if (best == INT32_MIN) return false;
       attach(gw, best);
       sx_[rank_of(best)]--;
+      st_[rank_of(best)]--;
       out_->load_inter[rank_of(best)]++;
       const size_t qs = q_.size();
       q_.push_back(gw);
@@ -313,7 +320,7 @@ class Greedy {
   }
 
   const TreeInput& in_;
-  std::vector<int64_t> si_, sx_;
+  std::vector<int64_t> si_, sx_, st_;
   std::vector<uint64_t> keys_;
   std::vector<int32_t> q_;
   Tree* out_ = nullptr;
@@ -376,13 +383,30 @@ std::vector<Tree> relay_candidates(const TreeInput& in, int32_t max_depth, bool 
   Tree scratch;
   size_t lo = 0;
   int32_t D = max_depth;
+  // Smallest feasible index for depth limit D in [lo, ts.size()): galloping up from lo (the
+  // optimum is usually close to the lower end), then bisecting the last gap.
+  // Without force, no rank may send more experts in total than the direct tree's busiest rank.
+  const int64_t total_cap = force ? in.total_reps + 1 : direct.max_load;
+  auto ok = [&](size_t i, int32_t D) {
+    return g.run(ts[i], force, total_cap, scratch) && scratch.max_depth <= D;
+  };
   while (D >= 2 && lo < ts.size()) {
-    size_t a = lo, b = ts.size();
-    std::ptrdiff_t found = -1;
     Tree best;
-    while (a < b) {
+    std::ptrdiff_t found = -1;
+    size_t a = lo, step = 1, b = ts.size();
+    for (size_t i = lo; i < ts.size(); i = std::min(i + step, ts.size() - 1), step *= 2) {
+      if (ok(i, D)) {
+        found = static_cast<std::ptrdiff_t>(i);
+        std::swap(best, scratch);
+        b = i;
+        break;
+      }
+      a = i + 1;
+      if (i == ts.size() - 1) break;
+    }
+    while (found >= 0 && a < b) {
       const size_t mid = a + (b - a) / 2;
-      if (g.run(ts[mid], force, scratch) && scratch.max_depth <= D) {
+      if (ok(mid, D)) {
         found = static_cast<std::ptrdiff_t>(mid);
         std::swap(best, scratch);
         b = mid;

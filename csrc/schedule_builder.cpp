@@ -239,7 +239,7 @@ void fill_op(const BuildInput& in, const TreeInput& ti, const Tree& t, const Sid
   }
   const uint8_t kind = static_cast<uint8_t>(mc ? TaskKind::kCopy : TaskKind::kReduce);
   std::vector<uint64_t> keys;
-  std::vector<int32_t> rb;
+  std::vector<Task> tmpl;
   const int32_t r0 = only_rank >= 0 ? only_rank : 0, r1 = only_rank >= 0 ? only_rank + 1 : W;
   for (int32_t r = r0; r < r1; ++r) {
     keys.clear();
@@ -256,44 +256,39 @@ void fill_op(const BuildInput& in, const TreeInput& ti, const Tree& t, const Sid
     std::sort(keys.begin(), keys.end());
     std::vector<Ref>& refs = o.refs[r];
     std::vector<Task>& tasks = o.tasks[r];
-    rb.assign(keys.size(), 0);
+    tmpl.resize(keys.size());
     size_t nref = 0;
     for (size_t k = 0; k < keys.size(); ++k) {
       const int32_t slot = int32_t(keys[k] & 0x1ffff) - 1;
       const int32_t e = int32_t((keys[k] >> 17) & 0x7fffffff);
       const int64_t node = slot < 0 ? WS + e : int64_t(r) * S + slot;
-      nref += cb[node + 1] - cb[node];
+      Task& tk = tmpl[k];
+      tk = Task{};
+      tk.kind = kind;
+      tk.level = static_cast<uint16_t>(keys[k] >> 48);
+      tk.expert = e;
+      tk.ref_begin = static_cast<int32_t>(nref);
+      tk.ref_count = cb[node + 1] - cb[node];
+      tk.self = Ref{r, slot};
+      nref += tk.ref_count;
     }
     refs.resize(nref);
-    nref = 0;
+    Ref* rp = refs.data();
     for (size_t k = 0; k < keys.size(); ++k) {
-      const int32_t slot = int32_t(keys[k] & 0x1ffff) - 1;
-      const int32_t e = int32_t((keys[k] >> 17) & 0x7fffffff);
-      const int64_t node = slot < 0 ? WS + e : int64_t(r) * S + slot;
-      rb[k] = static_cast<int32_t>(nref);
-      for (int32_t j = cb[node]; j < cb[node + 1]; ++j) refs[nref++] = Ref{ch[j] / S, ch[j] % S};
+      const Task& tk = tmpl[k];
+      const int64_t node = tk.self.slot < 0 ? WS + tk.expert : int64_t(r) * S + tk.self.slot;
+      for (int32_t j = cb[node]; j < cb[node + 1]; ++j) *rp++ = Ref{ch[j] / S, ch[j] % S};
     }
     tasks.resize(keys.size() * o.chunks);
     Task* tp = tasks.data();
     for (uint64_t c = 0; c < o.chunks; ++c) {
       const uint64_t off = c * in.chunk_bytes;
       const uint64_t len = std::min(in.chunk_bytes, bytes - off);
-      for (size_t k = 0; k < keys.size(); ++k) {
-        const int32_t slot = int32_t(keys[k] & 0x1ffff) - 1;
-        const int32_t e = int32_t((keys[k] >> 17) & 0x7fffffff);
-        const int64_t node = slot < 0 ? WS + e : int64_t(r) * S + slot;
-        Task& tk = *tp++;
-        tk.kind = kind;
-        tk.reserved0 = 0;
-        tk.level = static_cast<uint16_t>(keys[k] >> 48);
-        tk.expert = e;
-        tk.chunk = static_cast<int32_t>(c);
-        tk.ref_begin = rb[k];
-        tk.ref_count = cb[node + 1] - cb[node];
-        tk.reserved1 = 0;
-        tk.offset = off;
-        tk.bytes = len;
-        tk.self = Ref{r, slot};
+      for (size_t k = 0; k < tmpl.size(); ++k, ++tp) {
+        *tp = tmpl[k];
+        tp->chunk = static_cast<int32_t>(c);
+        tp->offset = off;
+        tp->bytes = len;
       }
     }
   }

@@ -55,9 +55,12 @@ def make_plan(workload: str, world: int, slots: int, epr: int, seed: int = 0):
     return ReplicaPlan.make(src, experts_per_rank=epr)
 
 
-def _times(fn, iters: int, warmup: int, group) -> list[float]:
+def _times(fn, iters: int, warmup: int, group, setup=None) -> list[float]:
+    """Slowest rank's time of ``fn()`` per iteration (``setup()`` runs untimed before it)."""
     out = []
     for i in range(warmup + iters):
+        if setup is not None:
+            setup()
         dist.barrier(group)
         t0 = time.perf_counter()
         fn()
@@ -99,16 +102,16 @@ def run_case(op: str, size: int, args, rank: int, world: int) -> list[dict]:
             ctx.end(vid)
             moved_size = layout.weight_bytes
         else:
-            ctx.replica_grads[0].fill_(1.0)  # small integers: exact in any order, so checkable
-
-            def once():
-                g.zero_()
-                v = ctx.begin(0)
-                ctx.weight_sync(v, plan)
-                ctx.grad_reduce(v)
-
             ctx.end(vid)
-            times = _times(once, args.iters, args.warmup, None)
+            state = {}
+
+            def setup():  # untimed: fresh inputs (relays overwrite their slot with the partial)
+                g.zero_()
+                ctx.replica_grads[0].fill_(1.0)  # small integers: exact in any order, so checkable
+                state["vid"] = ctx.begin(0)
+                ctx.weight_sync(state["vid"], plan)
+
+            times = _times(lambda: ctx.grad_reduce(state["vid"]), args.iters, args.warmup, None, setup)
             counts = plan.num_replicas
             for i, e in enumerate(range(rank * epr, (rank + 1) * epr)):
                 wrong += int((g[i] != float(counts[e])).sum())

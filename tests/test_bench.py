@@ -1,0 +1,32 @@
+"""The main job's bandwidth test runs end to end (small sizes) and verifies every byte."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.slow
+def test_bench_small(tmp_path):
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+           "ultracomm.bench", "all", "--min-bytes", "64K", "--max-bytes", "256K", "--factor", "4",
+           "--iters", "2", "--warmup", "1", "--chunk-bytes", "32K", "--json", str(out)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "ULTRACOMM_NUM_WORKERS": "2"})
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "#wrong" in p.stdout
+    rec = json.loads(out.read_text())
+    assert rec["world"] == 2
+    rows = rec["rows"]
+    # 2 ops x 2 sizes x (direct, relay)
+    assert len(rows) == 8
+    for row in rows:
+        assert row["wrong"] == 0
+        assert row["time_us"] > 0 and row["p90_us"] >= row["time_us"]
+        assert row["lb_ratio"] >= 1.0 - 1e-9
+        assert set(row) >= {"op", "mode", "size", "replicas", "algbw_GBps", "busbw_GBps", "cpbw_GBps", "depth"}
+    assert {r["op"] for r in rows} == {"weight_sync", "grad_reduce"}

@@ -385,8 +385,10 @@ std::vector<Tree> relay_candidates(const TreeInput& in, int32_t max_depth, bool 
   int32_t D = max_depth;
   // Smallest feasible index for depth limit D in [lo, ts.size()): galloping up from lo (the
   // optimum is usually close to the lower end), then bisecting the last gap.
-  // Without force, no rank may send more experts in total than the direct tree's busiest rank.
-  const int64_t total_cap = force ? in.total_reps + 1 : direct.max_load;
+  // Without force on one node, no rank may send more experts in total than the direct tree's
+  // busiest rank.  With several nodes the tiers differ in speed and "max egress" is the time
+  // bound t <= direct.t (a topology-aware tree may shift cheap intra sends onto a rank).
+  const int64_t total_cap = (force || in.multi_node) ? in.total_reps + 1 : direct.max_load;
   auto ok = [&](size_t i, int32_t D) {
     return g.run(ts[i], force, total_cap, scratch) && scratch.max_depth <= D;
   };

@@ -54,9 +54,9 @@ void direct_tree(const TreeInput& in, Tree& out);
 
 // Best relay tree for each depth limit 2..max_depth (deduplicated, shallowest first):
 // minimal bottleneck time t found by binary search over per-rank capacities with a
-// deterministic greedy.  Without `force`, trees are searched up to the direct tree's t and
-// no rank sends more experts in total than direct's busiest rank (so a relay tree never
-// exceeds direct's max egress, in bytes or in time); with `force`, every
+// deterministic greedy.  Without `force`, trees are searched up to the direct tree's t and,
+// on one node, no rank sends more experts in total than direct's busiest rank (a relay tree
+// never exceeds direct's max egress; with several nodes: its max per-tier egress time); with `force`, every
 // expert with >= 2 replicas keeps at most nrep-1 direct children of the home where the
 // topology allows it.  May return nothing (caller falls back to direct).
 std::vector<Tree> relay_candidates(const TreeInput& in, int32_t max_depth, bool force,

@@ -320,7 +320,7 @@ Schedule build_schedule(const BuildInput& in, int32_t only_rank) {
   // at most once per expert (else it is the fallback when no relay tree qualifies).
   std::vector<const Tree*> pool;
   for (const Tree& c : cands)
-    if (force || c.max_load <= direct.max_load) pool.push_back(&c);
+    if (force || (ti.multi_node ? c.t <= direct.t : c.max_load <= direct.max_load)) pool.push_back(&c);
   if (pool.empty() || (!force && !(ti.multi_node && in.relay_mode == RelayMode::kAuto && !topology_ok(ti))))
     pool.insert(pool.begin(), &direct);
   std::vector<SideLoads> fl(pool.size());

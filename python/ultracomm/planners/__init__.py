@@ -1,0 +1,51 @@
+"""Balancing planners: which experts get replicas where, and how many tokens each
+expert instance computes.
+
+Every planner has the signature::
+
+    plan(load, domain, slots_per_rank, **opts) -> PlannerResult
+
+with ``load`` int64 ``[world, E]`` (tokens rank ``s`` sends to expert ``e``),
+``domain`` a :class:`Domain` and ``slots_per_rank`` the replica slots per rank.  See
+:mod:`ultracomm.planners.base` for the result's conventions (instance order, exact
+integer token conservation).
+
+=========  ==================================================================
+``quota``  UltraEP: binary search on the load threshold, quota-driven replicas
+``taot``   TAOT: Sinkhorn flow hint, column-first matching, Lagrangian auction
+``greedy`` FEPLB: move the busiest whole expert of the most loaded rank
+``lpt``    EPLB-style replica counts + longest-processing-time packing
+=========  ==================================================================
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from .base import Domain, PlannerResult, copy_counts, imbalance, max_mean
+
+__all__ = [
+    "Domain",
+    "PlannerResult",
+    "PLANNERS",
+    "get_planner",
+    "imbalance",
+    "max_mean",
+    "copy_counts",
+]
+
+from . import greedy, lpt, quota
+
+PLANNERS: dict[str, Callable[..., PlannerResult]] = {
+    "quota": quota.plan,
+    "greedy": greedy.plan,
+    "lpt": lpt.plan,
+}
+
+
+def get_planner(name: str) -> Callable[..., PlannerResult]:
+    """The ``plan`` function registered as ``name`` (``quota``, ``taot``, ``greedy``,
+    ``lpt``)."""
+    try:
+        return PLANNERS[name]
+    except KeyError:
+        raise KeyError(f"unknown planner {name!r}; choose one of {sorted(PLANNERS)}") from None

@@ -1,0 +1,358 @@
+"""Common planner interface: :class:`Domain`, :class:`PlannerResult` and the helpers
+every planner shares (input checks, instance numbering, exact integer token splits).
+
+Conventions (all planners):
+
+* ``load``: int64 ``[world, E]``; ``load[s, e]`` tokens source rank ``s`` sends to
+  expert ``e`` (numpy array, torch tensor or nested list).
+* Expert ``e`` lives on home rank ``e // experts_per_rank``; its *instances* are
+  instance 0 = the home copy, then its replicas in the order of
+  ``plan.replicas_of(e)`` (sorted by rank, then slot).
+* ``quota``: int64 ``[E, max_instances]`` tokens each instance computes; unused
+  entries are 0.  ``quota.sum(1) == load.sum(0)`` exactly.
+* ``token_moves``: int64 ``[world, E, max_instances]`` tokens source rank ``s`` sends
+  to each instance; ``token_moves.sum(2) == load`` and ``token_moves.sum(0) == quota``
+  exactly.
+* ``max_instances = 1 + max_e (replicas of e)`` (at least 1).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..errors import PlanError
+from ..plan import ReplicaPlan
+
+__all__ = [
+    "Domain",
+    "PlannerResult",
+    "as_load",
+    "build_result",
+    "split_tokens",
+    "instance_index",
+    "imbalance",
+    "max_mean",
+    "copy_counts",
+]
+
+
+# ----------------------------------------------------------------------------- domain
+
+
+@dataclass(frozen=True, eq=False)
+class Domain:
+    """Ranks and nodes of an EP group.
+
+    Attributes:
+        world: number of EP ranks.
+        node_of: int64 ``[world]`` node index of each rank.
+        experts_per_rank: experts homed on each rank (home of ``e`` is
+            ``e // experts_per_rank``).
+    """
+
+    world: int
+    node_of: np.ndarray
+    experts_per_rank: int
+
+    def __post_init__(self) -> None:
+        node = np.ascontiguousarray(np.asarray(self.node_of, dtype=np.int64))
+        if self.world < 1:
+            raise PlanError(f"Domain.world must be >= 1, got {self.world}")
+        if node.shape != (self.world,):
+            raise PlanError(
+                f"Domain.node_of must have shape [{self.world}], got {tuple(node.shape)}"
+            )
+        if self.experts_per_rank < 1:
+            raise PlanError(
+                f"Domain.experts_per_rank must be >= 1, got {self.experts_per_rank}"
+            )
+        node.setflags(write=False)
+        object.__setattr__(self, "node_of", node)
+
+    @classmethod
+    def flat(cls, world: int, experts_per_rank: int) -> "Domain":
+        """All ranks on one node (one scale-up domain)."""
+        return cls(world, np.zeros(world, np.int64), experts_per_rank)
+
+    @classmethod
+    def nodes(cls, num_nodes: int, gpus_per_node: int, experts_per_rank: int) -> "Domain":
+        """``num_nodes`` nodes of ``gpus_per_node`` ranks; rank ``r`` on node
+        ``r // gpus_per_node``."""
+        world = num_nodes * gpus_per_node
+        return cls(world, np.arange(world, dtype=np.int64) // gpus_per_node, experts_per_rank)
+
+    @property
+    def num_experts(self) -> int:
+        return self.world * self.experts_per_rank
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.node_of.max()) + 1
+
+    @functools.cached_property
+    def home_of(self) -> np.ndarray:
+        """int64 ``[E]`` home rank of each expert."""
+        return np.arange(self.num_experts, dtype=np.int64) // self.experts_per_rank
+
+    @functools.cached_property
+    def same_node(self) -> np.ndarray:
+        """bool ``[world, world]``: ranks on the same node."""
+        return self.node_of[:, None] == self.node_of[None, :]
+
+    def __repr__(self) -> str:
+        return (
+            f"Domain(world={self.world}, nodes={self.num_nodes}, "
+            f"experts_per_rank={self.experts_per_rank})"
+        )
+
+
+# ----------------------------------------------------------------------------- result
+
+
+@dataclass(eq=False)
+class PlannerResult:
+    """What a planner returns.
+
+    Attributes:
+        slot_src: int32 ``[world, slots_per_rank]`` numpy array (-1 = empty): the plan's
+            contents.  :attr:`plan` builds (and validates) the :class:`ReplicaPlan` from
+            it on first access.
+        quota: int64 ``[E, max_instances]`` tokens per expert instance.
+        token_moves: int64 ``[world, E, max_instances]`` tokens each source rank sends
+            to each instance.
+        domain: the :class:`Domain` planned for.
+        info: planner-specific diagnostics (threshold found, iterations, ...).
+    """
+
+    slot_src: np.ndarray
+    quota: np.ndarray
+    token_moves: np.ndarray
+    domain: Domain
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @functools.cached_property
+    def plan(self) -> ReplicaPlan:
+        """The :class:`ReplicaPlan` (built and validated lazily; validation costs a few
+        hundred microseconds at EP64, which is why it is not part of planning)."""
+        return ReplicaPlan.make(
+            self.slot_src,
+            home_of=self.domain.home_of,
+            experts_per_rank=self.domain.experts_per_rank,
+        )
+
+    @property
+    def max_instances(self) -> int:
+        return int(self.quota.shape[1])
+
+    @functools.cached_property
+    def instance_rank(self) -> np.ndarray:
+        """int64 ``[E, max_instances]``: rank of each instance (-1 unused)."""
+        return instance_index(self.slot_src, self.domain)[0]
+
+    @functools.cached_property
+    def rank_load(self) -> np.ndarray:
+        """int64 ``[world]``: tokens each rank computes after balancing."""
+        ir = self.instance_rank
+        used = ir >= 0
+        return np.bincount(ir[used], weights=self.quota[used], minlength=self.domain.world).astype(
+            np.int64
+        )
+
+    @functools.cached_property
+    def copies(self) -> tuple[int, int]:
+        """``(intra_node, inter_node)`` replica copies (weight transfers from home)."""
+        return copy_counts(self.slot_src, self.domain)
+
+    def weighted_cost(self, inter_weight: float = 3.0) -> float:
+        """Weighted copy cost: intra-node copies count 1, inter-node ``inter_weight``."""
+        a, b = self.copies
+        return float(a + inter_weight * b)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def as_load(load: Any, domain: Domain) -> np.ndarray:
+    """Check and convert ``load`` to a C-contiguous int64 numpy ``[world, E]``."""
+    try:
+        import torch
+
+        if isinstance(load, torch.Tensor):
+            if load.is_floating_point() or load.is_complex() or load.dtype == torch.bool:
+                raise PlanError(f"load must hold integer token counts, got dtype {load.dtype}")
+            load = load.detach().cpu().numpy()
+    except ImportError:  # pragma: no cover
+        pass
+    a = np.asarray(load)
+    if a.dtype.kind not in "iu":
+        raise PlanError(f"load must hold integer token counts, got dtype {a.dtype}")
+    a = np.ascontiguousarray(a, dtype=np.int64)
+    if a.shape != (domain.world, domain.num_experts):
+        raise PlanError(
+            f"load must have shape [world, E] = [{domain.world}, {domain.num_experts}], "
+            f"got {tuple(a.shape)}"
+        )
+    if a.size and a.min() < 0:
+        raise PlanError("load must be non-negative")
+    return a
+
+
+def check_slots(slots_per_rank: int) -> int:
+    if not isinstance(slots_per_rank, (int, np.integer)) or slots_per_rank < 0:
+        raise PlanError(f"slots_per_rank must be an int >= 0, got {slots_per_rank!r}")
+    return int(slots_per_rank)
+
+
+def instance_index(slot_src: np.ndarray, domain: Domain) -> tuple[np.ndarray, np.ndarray]:
+    """Instance numbering of a plan.
+
+    Returns:
+        ``(instance_rank [E, I], slot_instance [world, slots])``: the rank of each
+        instance (instance 0 = home; -1 = unused) and the instance index each filled
+        slot holds (-1 for empty slots), ``I = 1 + max replicas``.
+    """
+    W, K = slot_src.shape
+    E = domain.num_experts
+    flat = slot_src.reshape(-1).astype(np.int64)
+    filled = np.flatnonzero(flat >= 0)  # row-major = sorted by (rank, slot)
+    ex = flat[filled]
+    order = np.argsort(ex, kind="stable")
+    ex_sorted = ex[order]
+    counts = np.bincount(ex, minlength=E)
+    starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    pos = np.arange(ex_sorted.size) - starts[ex_sorted]  # 0-based among e's replicas
+    I = 1 + (int(counts.max()) if counts.size and ex.size else 0)
+    inst_rank = np.full((E, I), -1, np.int64)
+    inst_rank[:, 0] = domain.home_of
+    slot_inst = np.full(W * K, -1, np.int64)
+    fs = filled[order]
+    inst_rank[ex_sorted, pos + 1] = fs // max(K, 1)
+    slot_inst[fs] = pos + 1
+    return inst_rank, slot_inst.reshape(W, K)
+
+
+def split_tokens(load: np.ndarray, inst_rank: np.ndarray, quota: np.ndarray) -> np.ndarray:
+    """Exact integer split of each expert's tokens over its instances.
+
+    Locality first: a source rank that holds an instance of ``e`` sends its own tokens
+    to that instance up to the instance's quota; the rest is filled north-west-corner
+    (sources in rank order, instances in instance order).
+
+    Args:
+        load: int64 ``[world, E]``.
+        inst_rank: int64 ``[E, I]`` (-1 unused; unused instances must have quota 0).
+        quota: int64 ``[E, I]`` with ``quota.sum(1) == load.sum(0)``.
+
+    Returns:
+        int64 ``[world, E, I]`` with ``.sum(2) == load`` and ``.sum(0) == quota``.
+    """
+    W, E = load.shape
+    I = quota.shape[1]
+    moves = np.zeros((W, E, I), np.int64)
+    if I == 1:
+        moves[:, :, 0] = load
+        return moves
+    multi = np.flatnonzero((quota[:, 1:] > 0).any(1))  # experts with a loaded replica
+    single = np.ones(E, bool)
+    single[multi] = False
+    # experts whose replicas take nothing: everything to the instance holding the quota
+    # (the home, unless the home quota is 0 -- then the only loaded instance).
+    sidx = np.flatnonzero(single)
+    if sidx.size:
+        which = np.argmax(quota[sidx] > 0, axis=1)  # 0 when home holds it (or all zero)
+        moves[:, sidx, which] = load[:, sidx]
+    if multi.size == 0:
+        return moves
+    ld = load[:, multi]  # [W, M]
+    ir = inst_rank[multi]  # [M, I]
+    q = quota[multi]  # [M, I]
+    used = ir >= 0
+    mi = np.broadcast_to(np.arange(multi.size)[:, None], ir.shape)
+    local = np.zeros_like(q)
+    local[used] = np.minimum(ld[ir[used], mi[used]], q[used])
+    rem_ld = ld.copy()
+    rem_ld[ir[used], mi[used]] -= local[used]
+    rem_q = q - local
+    sc = np.cumsum(rem_ld, axis=0)  # [W, M]
+    sp = sc - rem_ld
+    dc = np.cumsum(rem_q, axis=1)  # [M, I]
+    dp = dc - rem_q
+    flow = np.minimum(sc[:, :, None], dc[None]) - np.maximum(sp[:, :, None], dp[None])
+    np.maximum(flow, 0, out=flow)
+    flow[ir[used], mi[used], np.nonzero(used)[1]] += local[used]
+    moves[:, multi, :] = flow
+    return moves
+
+
+def build_result(
+    load: np.ndarray,
+    domain: Domain,
+    slot_src: np.ndarray,
+    slot_quota: np.ndarray,
+    info: dict[str, Any] | None = None,
+    replica_moves: np.ndarray | None = None,
+) -> PlannerResult:
+    """Assemble a :class:`PlannerResult` from per-slot replica quotas.
+
+    Args:
+        slot_src: int ``[world, K]`` (-1 empty).
+        slot_quota: int64 ``[world, K]`` tokens each replica slot computes (0 where
+            empty); the home instance takes the rest of each expert's tokens.
+        replica_moves: optional int64 ``[world(src), world, K]`` tokens each source rank
+            sends to each replica slot (its sum over sources must equal
+            ``slot_quota``, and per source and expert it must not exceed ``load``); the
+            home instance gets every remaining token.  Without it tokens are split by
+            :func:`split_tokens`.
+    """
+    slot_src = np.ascontiguousarray(slot_src, dtype=np.int32)
+    inst_rank, slot_inst = instance_index(slot_src, domain)
+    E, I = inst_rank.shape
+    total = load.sum(0)
+    quota = np.zeros((E, I), np.int64)
+    filled = slot_src >= 0
+    ex = slot_src[filled].astype(np.int64)
+    si = slot_inst[filled]
+    quota[ex, si] = slot_quota[filled]
+    home_q = total - quota[:, 1:].sum(1)
+    if home_q.size and home_q.min() < 0:  # pragma: no cover - planner bug
+        raise AssertionError("replica quotas exceed an expert's load")
+    quota[:, 0] = home_q
+    if replica_moves is None:
+        moves = split_tokens(load, inst_rank, quota)
+    else:
+        W = domain.world
+        moves = np.zeros((W, E, I), np.int64)
+        rr, kk = np.nonzero(filled)
+        moves[:, ex, si] = replica_moves[:, rr, kk]
+        moves[:, :, 0] = load - moves[:, :, 1:].sum(2)
+    return PlannerResult(slot_src, quota, moves, domain, dict(info or {}))
+
+
+def max_mean(rank_load: np.ndarray) -> float:
+    """max : mean of per-rank loads (1.0 for an all-zero load)."""
+    m = float(np.mean(rank_load))
+    return float(np.max(rank_load)) / m if m > 0 else 1.0
+
+
+def imbalance(rank_load: np.ndarray) -> float:
+    """(max - mean) / mean, the TAOT imbalance ratio."""
+    return max_mean(rank_load) - 1.0
+
+
+def copy_counts(slot_src: np.ndarray, domain: Domain) -> tuple[int, int]:
+    """``(intra_node, inter_node)`` replica copies in ``slot_src``."""
+    W, K = slot_src.shape
+    filled = slot_src >= 0
+    dst = np.broadcast_to(np.arange(W)[:, None], (W, K))[filled]
+    src = domain.home_of[slot_src[filled].astype(np.int64)]
+    same = domain.node_of[dst] == domain.node_of[src]
+    return int(same.sum()), int((~same).sum())
+
+
+def home_rank_load(load: np.ndarray, domain: Domain) -> tuple[np.ndarray, np.ndarray]:
+    """``(expert_load [E], rank_load [world])`` before balancing."""
+    el = load.sum(0)
+    return el, el.reshape(domain.world, domain.experts_per_rank).sum(1)

@@ -114,6 +114,13 @@ void prepare(int32_t world, int32_t slots, int32_t num_experts, const int32_t* s
     const int32_t nb = out.rep_begin[b + 1] - out.rep_begin[b];
     return na != nb ? na > nb : a < b;
   });
+  out.rank_of_id.resize(WS);
+  out.slot_of_id.resize(WS);
+  for (int32_t r = 0; r < W; ++r)
+    for (int32_t s = 0; s < S; ++s) {
+      out.rank_of_id[int64_t(r) * S + s] = r;
+      out.slot_of_id[int64_t(r) * S + s] = s;
+    }
   out.empty_parent.assign(WS, -1);
   out.empty_depth.assign(WS, 0);
 }
@@ -168,50 +175,63 @@ int64_t cap_of(double t, double bw, int64_t clamp) {
 // can do, so "feasible with depth limit D" == "succeeds and depth <= D".
 class Greedy {
  public:
-  explicit Greedy(const TreeInput& in) : in_(in), si_(in.world), sx_(in.world), st_(in.world) {}
+  explicit Greedy(const TreeInput& in) : in_(in), si_(in.world), sx_(in.world), st_(in.world) {
+    // the part that does not depend on t: single-replica experts' edges (mandatory) and the
+    // reservation of each home's one send per replicated expert
+    base_.parent_rank = in.empty_parent;
+    base_.parent_slot = in.empty_parent;
+    base_.depth = in.empty_depth;
+    base_.load_intra.assign(in.world, 0);
+    base_.load_inter.assign(in.world, 0);
+    base_.max_depth = 0;
+    base_.relayed = false;
+    mi_.assign(in.world, 0);
+    mx_.assign(in.world, 0);
+    for (int32_t e : in.single) {
+      const int32_t id = in.rep[in.rep_begin[e]], h = in.home_of[e];
+      base_.parent_rank[id] = h;
+      base_.parent_slot[id] = kMaster;
+      base_.depth[id] = 1;
+      base_.max_depth = 1;
+      if (in.node_of[in.rank_of_id[id]] == in.node_of[h]) {
+        mi_[h]++;
+        base_.load_intra[h]++;
+      } else {
+        mx_[h]++;
+        base_.load_inter[h]++;
+      }
+    }
+    for (int32_t e : in.multi) {
+      const int32_t g0 = in.grp_begin[e];
+      if (in.grp_hi[g0] > in.grp_lo[g0]) mi_[in.home_of[e]]++;
+      else mx_[in.home_of[e]]++;
+    }
+  }
 
   // total_cap: per-rank bound on intra + inter sends together (bytes, not time).
-  bool run(double t, bool force, int64_t total_cap, Tree& out) {
-    const int32_t W = in_.world, S = in_.slots;
+  // depth_limit: no node deeper; nodes take only the fan-out that the remaining replicas
+  // need to fit under the limit (spreading sends over more relays leaves spare capacity on
+  // more ranks for later experts).  INT32_MAX: every node takes as many as it can.
+  bool run(double t, bool force, int64_t total_cap, int32_t depth_limit, Tree& out) {
+    depth_limit_ = depth_limit;
+    const int32_t W = in_.world;
     const int64_t clamp = in_.total_reps + 1;
     const int64_t ci = cap_of(t, in_.intra_bw, clamp);
     const int64_t cx = in_.multi_node ? cap_of(t, in_.inter_bw, clamp) : 0;
-    std::fill(si_.begin(), si_.end(), ci);
-    std::fill(sx_.begin(), sx_.end(), cx);
-    std::fill(st_.begin(), st_.end(), total_cap);
-    out.parent_rank = in_.empty_parent;
-    out.parent_slot = in_.empty_parent;
-    out.depth = in_.empty_depth;
-    out.load_intra.assign(W, 0);
-    out.load_inter.assign(W, 0);
-    out.max_depth = 0;
+    for (int32_t r = 0; r < W; ++r) {
+      si_[r] = ci - mi_[r];
+      sx_[r] = cx - mx_[r];
+      st_[r] = total_cap - mi_[r] - mx_[r];
+      if (si_[r] < 0 || sx_[r] < 0 || st_[r] < 0) return false;
+    }
+    out.parent_rank = base_.parent_rank;
+    out.parent_slot = base_.parent_slot;
+    out.depth = base_.depth;
+    out.load_intra = base_.load_intra;
+    out.load_inter = base_.load_inter;
+    out.max_depth = base_.max_depth;
     out.relayed = false;
     out_ = &out;
-    // mandatory edges of single-replica experts
-    for (int32_t e : in_.single) {
-      const int32_t id = in_.rep[in_.rep_begin[e]], h = in_.home_of[e];
-      out.parent_rank[id] = h;
-      out.parent_slot[id] = kMaster;
-      out.depth[id] = 1;
-      out.max_depth = 1;
-      st_[h]--;
-      if (in_.node_of[id / S] == in_.node_of[h]) {
-        si_[h]--;
-        out.load_intra[h]++;
-      } else {
-        sx_[h]--;
-        out.load_inter[h]++;
-      }
-    }
-    // reserve each home's one mandatory send per replicated expert
-    for (int32_t e : in_.multi) {
-      const int32_t g0 = in_.grp_begin[e];
-      if (in_.grp_hi[g0] > in_.grp_lo[g0]) si_[in_.home_of[e]]--;
-      else sx_[in_.home_of[e]]--;
-      st_[in_.home_of[e]]--;
-    }
-    for (int32_t r = 0; r < W; ++r)
-      if (si_[r] < 0 || sx_[r] < 0 || st_[r] < 0) return false;
     for (int32_t e : in_.multi)
       if (!expert(e, force)) return false;
     finish(in_, out);
@@ -219,13 +239,13 @@ class Greedy {
   }
 
  private:
-  int32_t rank_of(int32_t node) const { return node == kHome ? home_ : node / in_.slots; }
+  int32_t rank_of(int32_t node) const { return node == kHome ? home_ : in_.rank_of_id[node]; }
   int32_t depth_of(int32_t node) const { return node == kHome ? 0 : out_->depth[node]; }
 
   void attach(int32_t child, int32_t parent) {
     const int32_t pr = rank_of(parent);
     out_->parent_rank[child] = pr;
-    out_->parent_slot[child] = parent == kHome ? kMaster : parent % in_.slots;
+    out_->parent_slot[child] = parent == kHome ? kMaster : in_.slot_of_id[parent];
     const int32_t d = depth_of(parent) + 1;
     out_->depth[child] = d;
     out_->max_depth = std::max(out_->max_depth, d);
@@ -239,7 +259,7 @@ class Greedy {
     for (int32_t i = lo; i < hi; ++i) {
       const int32_t id = in_.rep[i];
       if (id == skip) continue;
-      keys_.push_back((uint64_t(INT32_MAX - si_[id / in_.slots]) << 32) | uint32_t(id));
+      keys_.push_back((uint64_t(INT32_MAX - si_[in_.rank_of_id[id]]) << 32) | uint32_t(id));
     }
     std::sort(keys_.begin(), keys_.end());
   }
@@ -249,11 +269,19 @@ class Greedy {
   bool bfs(size_t qi) {
     size_t idx = 0;
     const size_t n = keys_.size();
+    size_t level_end = qi;
     while (idx < n && qi < q_.size()) {
+      if (qi >= level_end) level_end = q_.size();
       const int32_t node = q_[qi++];
       const int32_t r = rank_of(node);
       int64_t k = std::min<int64_t>(std::min(si_[r], st_[r]), int64_t(n - idx));
       if (node == kHome) k = std::min<int64_t>(k, home_limit_ - home_kids_);
+      const int32_t levels = depth_limit_ - depth_of(node);
+      if (levels <= 0) return false;
+      if (depth_limit_ != INT32_MAX && levels > 1 && k > 1) {
+        const int64_t left = int64_t(level_end - qi) + 1;
+        k = std::min(k, fanout((int64_t(n - idx) + left - 1) / left, levels));
+      }
       if (k <= 0) continue;
       for (int64_t j = 0; j < k; ++j) {
         const int32_t child = static_cast<int32_t>(keys_[idx++] & 0xffffffffu);
@@ -268,7 +296,6 @@ class Greedy {
   }
 
   bool expert(int32_t e, bool force) {
-    const int32_t S = in_.slots;
     home_ = in_.home_of[e];
     const int32_t nrep = in_.rep_begin[e + 1] - in_.rep_begin[e];
     const int32_t g0 = in_.grp_begin[e], g1 = in_.grp_begin[e + 1];
@@ -287,8 +314,8 @@ class Greedy {
       int32_t gw = -1;
       for (int32_t i = in_.grp_lo[g]; i < in_.grp_hi[g]; ++i) {
         const int32_t id = in_.rep[i];
-        if (gw < 0 || si_[id / S] > si_[gw / S] ||
-            (si_[id / S] == si_[gw / S] && id < gw))
+        const int64_t sp = si_[in_.rank_of_id[id]];
+        if (gw < 0 || sp > si_[in_.rank_of_id[gw]] || (sp == si_[in_.rank_of_id[gw]] && id < gw))
           gw = id;
       }
       // feeder on the home's node: (depth asc, inter spare desc, rank asc)
@@ -296,7 +323,7 @@ class Greedy {
       for (size_t i = 0; i < home_tree; ++i) {
         const int32_t node = q_[i];
         const int32_t r = rank_of(node);
-        if (sx_[r] <= 0 || st_[r] <= 0) continue;
+        if (sx_[r] <= 0 || st_[r] <= 0 || depth_of(node) >= depth_limit_) continue;
         if (node == kHome && home_kids_ >= home_limit_) continue;
         if (best == INT32_MIN) {
           best = node;
@@ -319,8 +346,23 @@ class Greedy {
     return true;
   }
 
+  // smallest f >= 1 with f + f^2 + ... + f^levels >= x
+  static int64_t fanout(int64_t x, int32_t levels) {
+    for (int64_t f = 1;; ++f) {
+      int64_t sum = 0, p = 1;
+      for (int32_t l = 0; l < levels && sum < x; ++l) {
+        p *= f;
+        sum += p;
+      }
+      if (sum >= x) return f;
+    }
+  }
+
   const TreeInput& in_;
+  int32_t depth_limit_ = INT32_MAX;
   std::vector<int64_t> si_, sx_, st_;
+  std::vector<int64_t> mi_, mx_;  // mandatory sends per rank (intra, inter)
+  Tree base_;
   std::vector<uint64_t> keys_;
   std::vector<int32_t> q_;
   Tree* out_ = nullptr;
@@ -381,34 +423,37 @@ std::vector<Tree> relay_candidates(const TreeInput& in, int32_t max_depth, bool 
 
   Greedy g(in);
   Tree scratch;
-  size_t lo = 0;
-  int32_t D = max_depth;
   // Smallest feasible index for depth limit D in [lo, ts.size()): galloping up from lo (the
   // optimum is usually close to the lower end), then bisecting the last gap.
   // Without force on one node, no rank may send more experts in total than the direct tree's
   // busiest rank.  With several nodes the tiers differ in speed and "max egress" is the time
   // bound t <= direct.t (a topology-aware tree may shift cheap intra sends onto a rank).
   const int64_t total_cap = (force || in.multi_node) ? in.total_reps + 1 : direct.max_load;
-  auto ok = [&](size_t i, int32_t D) {
-    return g.run(ts[i], force, total_cap, scratch) && scratch.max_depth <= D;
+  // Two greedy policies: "take-max" (every node takes as many children as it can; its tree
+  // does not depend on D, so feasible(t, D) == depth(tree(t)) <= D and one pass over D
+  // suffices) and "fan-out" (nodes take only the fan-out needed to fit under D, which spreads
+  // sends over more relays; not monotone in D, so searched per D).  Both kinds of results
+  // are candidates; the caller picks by predicted time.
+  auto ok = [&](size_t i, int32_t limit, int32_t D) {
+    return g.run(ts[i], force, total_cap, limit, scratch) && scratch.max_depth <= D;
   };
-  while (D >= 2 && lo < ts.size()) {
-    Tree best;
+  // smallest feasible index in [lo, hi): gallop up from lo, then bisect the last gap
+  auto search = [&](size_t lo, size_t hi, int32_t limit, int32_t D, Tree& best) -> std::ptrdiff_t {
     std::ptrdiff_t found = -1;
-    size_t a = lo, step = 1, b = ts.size();
-    for (size_t i = lo; i < ts.size(); i = std::min(i + step, ts.size() - 1), step *= 2) {
-      if (ok(i, D)) {
+    size_t a = lo, step = 1, b = hi;
+    for (size_t i = lo; i < hi; i = std::min(i + step, hi - 1), step *= 2) {
+      if (ok(i, limit, D)) {
         found = static_cast<std::ptrdiff_t>(i);
         std::swap(best, scratch);
         b = i;
         break;
       }
       a = i + 1;
-      if (i == ts.size() - 1) break;
+      if (i == hi - 1) break;
     }
     while (found >= 0 && a < b) {
       const size_t mid = a + (b - a) / 2;
-      if (ok(mid, D)) {
+      if (ok(mid, limit, D)) {
         found = static_cast<std::ptrdiff_t>(mid);
         std::swap(best, scratch);
         b = mid;
@@ -416,14 +461,45 @@ std::vector<Tree> relay_candidates(const TreeInput& in, int32_t max_depth, bool 
         a = mid + 1;
       }
     }
+    return found;
+  };
+  size_t lo = 0;
+  int32_t D = max_depth;
+  std::vector<std::pair<int32_t, size_t>> tm;  // take-max results: (depth, index), depth decreasing
+  while (D >= 2 && lo < ts.size()) {  // take-max
+    Tree best;
+    const std::ptrdiff_t found = search(lo, ts.size(), INT32_MAX, D, best);
     if (found < 0) break;
     const int32_t d = best.max_depth;
+    tm.emplace_back(d, static_cast<size_t>(found));
     res.push_back(std::move(best));
     lo = static_cast<size_t>(found) + 1;
     D = std::min(D, d) - 1;
   }
-  std::reverse(res.begin(), res.end());  // shallowest first
-  return res;
+  // fan-out, per depth limit (2..6 and max_depth), only where it could beat take-max's t
+  for (int32_t d = 2; d <= max_depth; ++d) {
+    if (d > 6 && d != max_depth) continue;
+    size_t hi = ts.size();
+    for (const auto& [dd, idx] : tm)
+      if (dd <= d) {
+        hi = idx;
+        break;
+      }
+    Tree best;
+    if (hi > 0 && search(0, hi, d, d, best) >= 0) res.push_back(std::move(best));
+  }
+  // shallowest first; equal depth: lower t first; then drop exact duplicates
+  std::stable_sort(res.begin(), res.end(), [](const Tree& a, const Tree& b) {
+    return a.max_depth != b.max_depth ? a.max_depth < b.max_depth : a.t < b.t;
+  });
+  std::vector<Tree> uniq;
+  for (Tree& t : res) {
+    bool dup = false;
+    for (const Tree& u : uniq)
+      if (u.max_depth == t.max_depth && u.parent_rank == t.parent_rank && u.parent_slot == t.parent_slot) dup = true;
+    if (!dup) uniq.push_back(std::move(t));
+  }
+  return uniq;
 }
 
 }  // namespace ultracomm::detail

@@ -31,6 +31,7 @@ struct TreeInput {
   std::vector<int32_t> multi;      // experts with >= 2 replicas, by (replicas desc, expert asc)
   std::vector<int32_t> single;     // experts with exactly 1 replica
   int64_t total_reps = 0;
+  std::vector<int32_t> rank_of_id, slot_of_id;  // [world*slots] slot id -> rank / slot
   std::vector<int32_t> empty_parent;  // [world*slots] -1 everywhere (template)
   std::vector<int32_t> empty_depth;   // [world*slots] 0 everywhere
 };

@@ -79,13 +79,18 @@ void fixed_side(const TreeInput& ti, const Tree& t, SideLoads& out) {
   const int32_t W = ti.world, S = ti.slots;
   out.fi.assign(W, 0);
   out.fx.assign(W, 0);
-  for (int64_t id = 0; id < int64_t(W) * S; ++id) {
-    const int32_t p = t.parent_rank[id];
-    if (p < 0) continue;
-    const int32_t r = static_cast<int32_t>(id / S);
-    if (ti.node_of[r] == ti.node_of[p]) out.fi[r]++;
-    else out.fx[r]++;
+  if (!ti.multi_node) {
+    for (int32_t r = 0, id = 0; r < W; ++r)
+      for (int32_t s = 0; s < S; ++s, ++id) out.fi[r] += t.parent_rank[id] >= 0;
+    return;
   }
+  for (int32_t r = 0, id = 0; r < W; ++r)
+    for (int32_t s = 0; s < S; ++s, ++id) {
+      const int32_t p = t.parent_rank[id];
+      if (p < 0) continue;
+      if (ti.node_of[r] == ti.node_of[p]) out.fi[r]++;
+      else out.fx[r]++;
+    }
 }
 
 double predicted(const TreeInput& ti, const Tree& t, const SideLoads& f, uint64_t bytes, uint64_t chunk) {

@@ -161,3 +161,118 @@ def test_domain():
     assert Domain.flat(4, 2).num_nodes == 1
     with pytest.raises(KeyError):
         get_planner("nope")
+
+
+# ----------------------------------------------------------------------------- TAOT phases
+
+from ultracomm.planners import taot  # noqa: E402
+
+
+def test_sinkhorn_marginals_and_topology():
+    # 4 ranks on 2 nodes; ranks 0 and 3 hot, 1 and 2 cold
+    d = Domain.nodes(2, 2, 1)
+    cost = taot.topology_cost(d, 3.0)
+    np.testing.assert_array_equal(cost, [[1, 1, 3, 3], [1, 1, 3, 3], [3, 3, 1, 1], [3, 3, 1, 1]])
+    s = np.array([6.0, 0, 0, 2])
+    dd = np.array([0.0, 3, 5, 0])
+    T = taot.sinkhorn(s, dd, cost, eps=3.0, iters=2000, tol=1e-12)
+    np.testing.assert_allclose(T.sum(1), s, rtol=1e-8, atol=1e-8)
+    np.testing.assert_allclose(T.sum(0), dd, rtol=1e-8, atol=1e-8)
+    assert (T[[1, 2]] == 0).all() and (T[:, [0, 3]] == 0).all()
+    # Gibbs structure: the cross ratio is M01*M32 / (M02*M31) = exp(4/3) with eps = 3
+    cr = T[0, 1] * T[3, 2] / (T[0, 2] * T[3, 1])
+    assert cr == pytest.approx(np.exp(4.0 / 3.0), rel=1e-9)
+    # supply larger than demand: scaled by gamma, columns capped at the demand
+    T2 = taot.sinkhorn(np.array([8.0, 0, 0, 4]), dd, cost, eps=3.0, iters=500)
+    assert (T2.sum(0) <= dd + 1e-9).all()
+    np.testing.assert_allclose(T2.sum(), dd.sum(), rtol=1e-6)
+    assert not taot.sinkhorn(np.zeros(4), dd, cost, 3.0).any()
+
+
+def test_spill_of():
+    # rank 0: loads [5, 1, 3], target 4 -> ascending 1,3,5: cum 1,4,9 -> sigma 0,0,5
+    el = np.array([5, 1, 3, 2, 2, 2])
+    np.testing.assert_array_equal(taot.spill_of(el, 3, 4), [5, 0, 0, 0, 0, 2])
+
+
+def test_matching_conflict_arbitration():
+    # experts 0 (spill 10) and 1 (spill 4) live on rank 0; ranks 1..3 are cold
+    home = np.array([0, 0])
+    spill = np.array([10, 4])
+    spare = np.array([0, 10, 10, 3])
+    B = np.array([[0, 1.0, 1.0, 1.0], [0, 1.0, 1.0, 1.0]])
+    hint = np.zeros((2, 4))
+    g, rnd = taot.column_first_matching(spill, spare, B, hint, home, K=2, alpha=1.0)
+    # inner 0: ranks 1 and 2 both propose expert 0 with score 11, rank 3 proposes it
+    # with 4 (tie 4 vs 4 -> lower expert id); tie at 11 -> lowest rank (1) wins.
+    # inner 1: ranks 2 (score 5) and 3 (score 4) propose expert 1 -> rank 2 wins.
+    expect = np.zeros((2, 4), np.int64)
+    expect[0, 1] = 10
+    expect[1, 2] = 4
+    np.testing.assert_array_equal(g, expect)
+    assert rnd[0, 1] == 0 and rnd[1, 2] == 0 and (rnd[g == 0] == -1).all()
+    # topology breaks the tie: rank 2 intra-node (B=1), rank 1 inter-node (B=0.5)
+    B2 = np.array([[0, 0.5, 1.0, 0.5], [0, 0.5, 1.0, 0.5]])
+    g2, _ = taot.column_first_matching(spill, spare, B2, hint, home, K=2, alpha=1.0)
+    assert g2[0, 2] == 10 and g2[0, 1] == 0
+    # then rank 1 (4 + 0.5) beats rank 3 (3 + 0.5) for expert 1
+    assert g2[1, 1] == 4
+    # a rank never takes its own expert, and takes at most K experts
+    g3, _ = taot.column_first_matching(
+        np.array([5, 5, 5]), np.array([0, 100]), np.ones((3, 2)), np.zeros((3, 2)),
+        np.array([0, 0, 0]), K=2, alpha=1.0,
+    )
+    assert (g3[:, 0] == 0).all() and (g3[:, 1] > 0).sum() == 2
+
+
+def test_auction_hand_cases():
+    n = np.array([[4], [6]])
+    bonus = np.array([[0.5], [1.0]])  # slot lives on rank 1; rank 0 is inter-node
+    X, rounds = taot.lagrangian_auction(n, np.array([0]), np.array([5]), bonus)
+    np.testing.assert_array_equal(X, [[0], [5]])
+    assert rounds == 1
+    X, rounds = taot.lagrangian_auction(n, np.array([0]), np.array([8]), bonus)
+    np.testing.assert_array_equal(X, [[2], [6]])  # intra-node rank first, then rank 0
+    assert rounds == 2
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.integers(1, 6), st.integers(1, 4), st.integers(1, 8),
+       st.sampled_from([None, 1, 2]))
+def test_auction_conserves_tokens(seed, R, E, S, cap):
+    rng = np.random.default_rng(seed)
+    n = rng.integers(0, 20, size=(R, E))
+    se = rng.integers(0, E, size=S)
+    # random demands whose per-expert total fits the expert's tokens
+    demand = np.zeros(S, np.int64)
+    for e in range(E):
+        idx = np.flatnonzero(se == e)
+        if idx.size:
+            cuts = np.sort(rng.integers(0, n[:, e].sum() + 1, size=idx.size))
+            demand[idx] = np.diff(cuts, prepend=0)
+    bonus = rng.choice([0.5, 1.0], size=(R, S))
+    X, _ = taot.lagrangian_auction(n, se, demand, bonus, max_iters=cap)
+    assert X.dtype == np.int64 and (X >= 0).all()
+    np.testing.assert_array_equal(X.sum(0), demand)
+    per = np.zeros((R, E), np.int64)
+    np.add.at(per.T, se, X.T)
+    assert (per <= n).all()
+
+
+def test_taot_prefers_intra_node():
+    # 2 nodes x 4 ranks, 2 experts per rank; target ceil(740/8) = 93.
+    # Rank 0 (node 0) is hot (160: experts 0=110, 1=50); ranks 1 (node 0) and 4
+    # (node 1) are cold (40 each, spare 53); ranks 2,3,5,6,7 are 7 over the target.
+    d = Domain.nodes(2, 4, 2)
+    el = np.array([110, 50, 20, 20, 50, 50, 50, 50, 20, 20, 50, 50, 50, 50, 50, 50])
+    load = np.zeros((8, 16), np.int64)
+    load[0] = el
+    res = get_planner("taot")(load, d, 2)
+    check_result(res, load, d, 2)
+    # expert 0 (spill 67) goes to the intra-node cold rank 1 (score 53 + alpha) rather
+    # than rank 4 (53 + alpha/2); rank 4 takes node-1 experts: no inter-node copy
+    assert res.slot_src[1, 0] == 0 and res.quota[0, 1] == 53
+    assert res.copies[1] == 0
+    greedy = get_planner("greedy")(load, d, 2)
+    assert greedy.weighted_cost() > res.weighted_cost() - 3  # greedy copies across nodes
+    assert greedy.copies[1] >= 1

@@ -33,10 +33,11 @@ __all__ = [
     "copy_counts",
 ]
 
-from . import greedy, lpt, quota
+from . import greedy, lpt, quota, taot
 
 PLANNERS: dict[str, Callable[..., PlannerResult]] = {
     "quota": quota.plan,
+    "taot": taot.plan,
     "greedy": greedy.plan,
     "lpt": lpt.plan,
 }

@@ -1,0 +1,352 @@
+"""TAOT: topology-aware optimal transport replica placement (three phases).
+
+Loads are in integer tokens; the balance target is ``tgt = ceil(total / world)``:
+``excess_r = max(L_r - tgt, 0)`` (hot ranks), ``spare_r = max(tgt - L_r, 0)`` (cold).
+
+1. :func:`sinkhorn` -- rank-level balanced entropic OT from excess to spare under the
+   topology cost (1 intra-node, ``lam`` inter-node), ``eps = lam`` by default; the
+   plan ``T [world, world]`` is a *hint*, expanded to experts by home rank and
+   normalised by the home's excess.
+2. :func:`column_first_matching` -- each round every cold rank proposes its best
+   expert by ``min(spill_e, spare_r) + alpha*B_er + 0.1*alpha*hint_er``; conflicts
+   (several ranks proposing one expert) go to the highest score, ties to the lowest
+   rank id; losers propose again in the next inner iteration.  ``K`` rounds, so at
+   most ``K`` replicas per rank.  ``spill_e`` comes from cumulative-excess
+   differencing over each hot rank's experts sorted by ascending load.
+3. :func:`lagrangian_auction` -- each spare slot bids for the source rank with the
+   best ``bonus - price``; each rank serves its best bidding slot with
+   ``min(its tokens of that expert, slot's remaining demand)`` and raises its price.
+   Runs until every demand is met (exact integers); the home instance gets every
+   token not auctioned.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from .base import Domain, PlannerResult, as_load, build_result, check_slots, home_rank_load
+
+__all__ = [
+    "plan",
+    "topology_cost",
+    "sinkhorn",
+    "spill_of",
+    "column_first_matching",
+    "lagrangian_auction",
+]
+
+_NEG = -np.inf
+
+
+def topology_cost(domain: Domain, lam: float = 3.0) -> np.ndarray:
+    """float64 ``[world, world]``: 1 between ranks of one node, ``lam`` across nodes."""
+    return np.where(domain.same_node, 1.0, float(lam))
+
+
+def sinkhorn(
+    excess: np.ndarray,
+    spare: np.ndarray,
+    cost: np.ndarray,
+    eps: float,
+    iters: int = 100,
+    tol: float = 1e-6,
+    eps0: float = 1e-9,
+) -> np.ndarray:
+    """Phase 1: balanced entropic OT ``T = diag(u) M diag(v)``, ``M = exp(-cost/eps)``.
+
+    Args:
+        excess: ``[R]`` supply (0 on non-hot ranks).
+        spare: ``[R]`` demand (0 on non-cold ranks).
+        cost: ``[R, R]`` transport cost.
+        eps: entropic regularisation.
+        iters: maximum Sinkhorn-Knopp iterations (``u = s~ / M v``, ``v = d / M^T u``).
+        tol: stop early once every row sum is within ``tol * sum(s~)`` of ``s~``.
+
+    The supply is scaled by ``gamma = min(1, sum(d) / sum(s))`` (feasibility guard),
+    and after the iterations each column is capped at its demand.  Returns the
+    float64 ``[R, R]`` flow.
+    """
+    s = np.asarray(excess, np.float64)
+    d = np.asarray(spare, np.float64)
+    R = s.size
+    T = np.zeros((R, R))
+    hi = np.flatnonzero(s > 0)
+    ci = np.flatnonzero(d > 0)
+    if hi.size == 0 or ci.size == 0:
+        return T
+    gamma = min(1.0, d.sum() / max(s.sum(), eps0))
+    st = gamma * s[hi]
+    dc = d[ci]
+    M = np.exp(-np.asarray(cost, np.float64)[np.ix_(hi, ci)] / eps)
+    v = np.ones(ci.size)
+    thr = tol * st.sum()
+    for _ in range(max(int(iters), 1)):
+        u = st / np.maximum(M @ v, eps0)
+        v = dc / np.maximum(M.T @ u, eps0)
+        if np.abs(u * (M @ v) - st).max() <= thr:
+            break
+    sub = u[:, None] * M * v[None, :]
+    sub *= np.minimum(1.0, dc / (sub.sum(0) + eps0))[None, :]
+    T[np.ix_(hi, ci)] = sub
+    return T
+
+
+def spill_of(expert_load: np.ndarray, experts_per_rank: int, target: int) -> np.ndarray:
+    """int64 ``[E]``: tokens each expert can spill: per rank, experts sorted by
+    ascending load, ``sigma_k = max(cumsum_k - target, 0)``, ``spill = diff(sigma)``.
+    Sums to each rank's excess over ``target``."""
+    W = expert_load.size // experts_per_rank
+    x = expert_load.reshape(W, experts_per_rank)
+    order = np.argsort(x, axis=1, kind="stable")
+    xs = np.take_along_axis(x, order, axis=1)
+    sig = np.maximum(np.cumsum(xs, axis=1) - target, 0)
+    sp = np.diff(sig, axis=1, prepend=0)
+    out = np.empty_like(x)
+    np.put_along_axis(out, order, sp, axis=1)
+    return out.reshape(-1)
+
+
+def column_first_matching(
+    spill: np.ndarray,
+    spare: np.ndarray,
+    bonus: np.ndarray,
+    hint: np.ndarray,
+    home_of: np.ndarray,
+    K: int,
+    alpha: float,
+    inner_iters: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Phase 2: column-first iterative matching.
+
+    Args:
+        spill: int ``[E]`` tokens each expert may shed.
+        spare: int ``[R]`` capacity of each cold rank.
+        bonus: ``[E, R]`` topology preference ``B`` (1 intra, ``w_inter`` inter, 0 home).
+        hint: ``[E, R]`` normalised OT hint.
+        home_of: ``[E]`` home rank (a rank never takes its own expert).
+        K: rounds (replica slots per rank).
+        alpha: weight of ``B`` (``0.1 * alpha`` for the hint).
+        inner_iters: inner iterations per round (default: number of cold ranks; the
+            loop also stops once no cold rank has a candidate).
+
+    Returns:
+        ``(g, rnd)``: int64 ``[E, R]`` tokens planned from expert ``e`` to rank ``r``,
+        and int64 ``[E, R]`` round in which the pair matched (-1 = not matched).
+
+    Arbitration: when several cold ranks propose the same expert, the highest score
+    wins; ties go to the lowest rank id.  Each cold rank proposes the highest-scoring
+    expert; ties go to the lowest expert id.
+    """
+    spill = np.asarray(spill, np.int64).copy()
+    spare = np.asarray(spare, np.int64).copy()
+    E, R = bonus.shape
+    g = np.zeros((E, R), np.int64)
+    rnd = np.full((E, R), -1, np.int64)
+    ei = np.flatnonzero(spill > 0)
+    ri = np.flatnonzero(spare > 0)
+    if ei.size == 0 or ri.size == 0 or K <= 0:
+        return g, rnd
+    sp_e = spill[ei]
+    sp_r = spare[ri]
+    static = alpha * bonus[np.ix_(ei, ri)] + 0.1 * alpha * hint[np.ix_(ei, ri)]
+    allowed = np.asarray(home_of)[ei][:, None] != ri[None, :]
+    used = np.zeros((ei.size, ri.size), bool)
+    n_inner = ri.size if inner_iters is None else int(inner_iters)
+    cols = np.arange(ri.size)
+    for k in range(int(K)):
+        matched = np.zeros(ri.size, bool)
+        for _ in range(n_inner):
+            ok = allowed & ~used & ((sp_e > 0)[:, None]) & ((sp_r > 0) & ~matched)[None, :]
+            if not ok.any():
+                break
+            gain = np.minimum(sp_e[:, None], sp_r[None, :])
+            score = np.where(ok, gain + static, _NEG)
+            best = np.argmax(score, axis=0)  # each cold rank's proposal
+            bsc = score[best, cols]
+            prop = np.flatnonzero(bsc > _NEG)
+            if prop.size == 0:
+                break
+            pe = best[prop]
+            # arbitration: per expert, the highest score, then the lowest rank
+            o = np.lexsort((prop, -bsc[prop], pe))
+            pe_o = pe[o]
+            first = np.ones(o.size, bool)
+            first[1:] = pe_o[1:] != pe_o[:-1]
+            win_r = prop[o[first]]
+            win_e = pe_o[first]
+            amt = np.minimum(sp_e[win_e], sp_r[win_r])
+            g[ei[win_e], ri[win_r]] = amt
+            rnd[ei[win_e], ri[win_r]] = k
+            sp_e[win_e] -= amt  # each expert wins at most once per iteration
+            sp_r[win_r] -= amt
+            used[win_e, win_r] = True
+            matched[win_r] = True
+    return g, rnd
+
+
+def lagrangian_auction(
+    n: np.ndarray,
+    slot_expert: np.ndarray,
+    demand: np.ndarray,
+    bonus: np.ndarray,
+    price_step: float = 0.05,
+    max_iters: int | None = None,
+    slot_rank: np.ndarray | None = None,
+) -> tuple[np.ndarray, int]:
+    """Phase 3: assign each spare slot's demand to source ranks, exactly.
+
+    Args:
+        n: int ``[R, E]`` tokens each source rank holds per expert (not modified).
+        slot_expert: int ``[S]`` expert of each spare slot.
+        demand: int ``[S]`` tokens planned for each slot; for every expert the total
+            demand must not exceed its tokens.
+        bonus: ``[R, S]`` topology bonus of source rank ``r`` for slot ``s``.
+        price_step: price increase of a rank each time it serves.
+        max_iters: round cap (default: run until done; each round exhausts a
+            ``(rank, expert)`` supply or a slot's demand, so it ends).
+        slot_rank: optional ``[S]`` rank of each slot; equal bids then prefer the
+            slot's own rank, then the following ranks cyclically (default: lowest
+            rank).
+
+    Returns:
+        ``(X, rounds)``: int64 ``[R, S]`` tokens source rank ``r`` sends to slot
+        ``s`` (``X.sum(0) == demand``; per rank and expert at most ``n``) and the
+        number of rounds run.  If ``max_iters`` stops it early, the rest is filled in
+        rank order (still exact).
+
+    Each round: every slot with demand picks ``argmax_r bonus - price`` over ranks
+    holding its expert (ties: see ``slot_rank``); every picked rank serves, of the slots
+    that picked it, the one with the highest net bonus (ties: lowest slot).
+    """
+    n = np.asarray(n, np.int64)
+    se = np.asarray(slot_expert, np.int64)
+    A = np.asarray(demand, np.int64).copy()
+    R, S = n.shape[0], se.size
+    X = np.zeros((R, S), np.int64)
+    if S == 0:
+        return X, 0
+    ue, inv = np.unique(se, return_inverse=True)
+    supply = n[:, ue].copy()  # [R, U]: remaining tokens per rank and distinct expert
+    price = np.zeros(R)
+    bonus = np.asarray(bonus, np.float64)
+    if slot_rank is not None:
+        # tie-break: the slot's own rank first, then the next ranks cyclically, so
+        # equal bids spread over ranks instead of herding on rank 0
+        off = (np.arange(R)[:, None] - np.asarray(slot_rank, np.int64)[None, :]) % R
+        bonus = bonus - 1e-9 * off
+    cap = max_iters if max_iters is not None else R * ue.size + S + 1
+    rounds = 0
+    while rounds < cap:
+        active = np.flatnonzero(A > 0)
+        if active.size == 0:
+            break
+        sup = supply[:, inv[active]]  # [R, a]
+        score = np.where(sup > 0, bonus[:, active] - price[:, None], _NEG)
+        rstar = np.argmax(score, axis=0)
+        best = score[rstar, np.arange(active.size)]
+        ok = best > _NEG
+        if not ok.any():  # pragma: no cover - demand exceeds supply
+            raise ValueError("auction demand exceeds the tokens of its expert")
+        a_ok = active[ok]
+        r_ok = rstar[ok]
+        b_ok = best[ok]
+        o = np.lexsort((a_ok, -b_ok, r_ok))  # per rank: best net bonus, lowest slot
+        r_o = r_ok[o]
+        first = np.ones(o.size, bool)
+        first[1:] = r_o[1:] != r_o[:-1]
+        rs = r_o[first]
+        ss = a_ok[o[first]]
+        us = inv[ss]
+        x = np.minimum(supply[rs, us], A[ss])
+        X[rs, ss] += x
+        supply[rs, us] -= x  # rs distinct, so no collisions
+        A[ss] -= x
+        price[rs] += price_step * (x > 0)
+        rounds += 1
+    if (A > 0).any():  # cap reached: fill the rest in rank order
+        for s in np.flatnonzero(A > 0).tolist():
+            u = inv[s]
+            for r in range(R):
+                if A[s] == 0:
+                    break
+                x = min(int(supply[r, u]), int(A[s]))
+                X[r, s] += x
+                supply[r, u] -= x
+                A[s] -= x
+    return X, rounds
+
+
+def plan(
+    load: Any,
+    domain: Domain,
+    slots_per_rank: int,
+    *,
+    lam: float = 3.0,
+    eps: float | None = None,
+    w_inter: float = 0.5,
+    sinkhorn_iters: int = 100,
+    price_step: float = 0.05,
+    auction_iters: int | None = None,
+) -> PlannerResult:
+    """TAOT planner.
+
+    Args:
+        load: int64 ``[world, E]``.
+        domain: ranks and nodes.
+        slots_per_rank: ``K`` guest slots per rank.
+        lam: inter-node cost (intra = 1).
+        eps: Sinkhorn regularisation (default ``lam``).
+        w_inter: topology preference of an inter-node pair (``< 1``; intra = 1).
+        sinkhorn_iters: Sinkhorn iteration cap.
+        price_step: auction price step.
+        auction_iters: auction round cap (default: until done).
+
+    ``info``: ``target``, ``flow`` (phase-1 ``[R, R]``), ``auction_rounds``.
+    """
+    load = as_load(load, domain)
+    K = check_slots(slots_per_rank)
+    W, epr = domain.world, domain.experts_per_rank
+    el, L = home_rank_load(load, domain)
+    total = int(L.sum())
+    tgt = -(-total // W)
+    excess = np.maximum(L - tgt, 0)
+    spare = np.maximum(tgt - L, 0)
+    slot_src = np.full((W, K), -1, np.int32)
+    info: dict[str, Any] = {"target": tgt, "auction_rounds": 0}
+    if K == 0 or not excess.any():
+        info["flow"] = np.zeros((W, W))
+        return build_result(load, domain, slot_src, np.zeros((W, K), np.int64), info)
+    cost = topology_cost(domain, lam)
+    flow = sinkhorn(excess, spare, cost, lam if eps is None else eps, sinkhorn_iters)
+    info["flow"] = flow
+    home = domain.home_of
+    hint = flow[home] / np.maximum(excess[home], 1e-9)[:, None]
+    Brr = np.where(domain.same_node, 1.0, float(w_inter))
+    B = Brr[home].copy()
+    B[np.arange(home.size), home] = 0.0
+    spill = spill_of(el, epr, tgt)
+    alpha = total / el.size  # mean * R / E
+    g, rnd = column_first_matching(spill, spare, B, hint, home, K, alpha)
+    e_m, r_m = np.nonzero(g > 0)
+    if e_m.size == 0:
+        return build_result(load, domain, slot_src, np.zeros((W, K), np.int64), info)
+    # slots: per rank, in round order
+    o = np.lexsort((rnd[e_m, r_m], r_m))
+    e_m, r_m = e_m[o], r_m[o]
+    first = np.ones(r_m.size, bool)
+    first[1:] = r_m[1:] != r_m[:-1]
+    start = np.maximum.accumulate(np.where(first, np.arange(r_m.size), 0))
+    k_m = np.arange(r_m.size) - start
+    slot_src[r_m, k_m] = e_m
+    slot_quota = np.zeros((W, K), np.int64)
+    demand = g[e_m, r_m]
+    slot_quota[r_m, k_m] = demand
+    X, rounds = lagrangian_auction(
+        load, e_m, demand, Brr[:, r_m], price_step, auction_iters, slot_rank=r_m
+    )
+    info["auction_rounds"] = rounds
+    rep = np.zeros((W, W, K), np.int64)
+    rep[:, r_m, k_m] = X
+    return build_result(load, domain, slot_src, slot_quota, info, replica_moves=rep)

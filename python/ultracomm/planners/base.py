@@ -252,18 +252,11 @@ def split_tokens(load: np.ndarray, inst_rank: np.ndarray, quota: np.ndarray) -> 
     W, E = load.shape
     I = quota.shape[1]
     moves = np.zeros((W, E, I), np.int64)
+    moves[:, :, 0] = load
     if I == 1:
-        moves[:, :, 0] = load
         return moves
     multi = np.flatnonzero((quota[:, 1:] > 0).any(1))  # experts with a loaded replica
-    single = np.ones(E, bool)
-    single[multi] = False
-    # experts whose replicas take nothing: everything to the instance holding the quota
-    # (the home, unless the home quota is 0 -- then the only loaded instance).
-    sidx = np.flatnonzero(single)
-    if sidx.size:
-        which = np.argmax(quota[sidx] > 0, axis=1)  # 0 when home holds it (or all zero)
-        moves[:, sidx, which] = load[:, sidx]
+    # every other expert's replicas take nothing: all its tokens go home (set above)
     if multi.size == 0:
         return moves
     ld = load[:, multi]  # [W, M]
@@ -276,14 +269,28 @@ def split_tokens(load: np.ndarray, inst_rank: np.ndarray, quota: np.ndarray) -> 
     rem_ld = ld.copy()
     rem_ld[ir[used], mi[used]] -= local[used]
     rem_q = q - local
-    sc = np.cumsum(rem_ld, axis=0)  # [W, M]
-    sp = sc - rem_ld
-    dc = np.cumsum(rem_q, axis=1)  # [M, I]
-    dp = dc - rem_q
-    flow = np.minimum(sc[:, :, None], dc[None]) - np.maximum(sp[:, :, None], dp[None])
-    np.maximum(flow, 0, out=flow)
-    flow[ir[used], mi[used], np.nonzero(used)[1]] += local[used]
-    moves[:, multi, :] = flow
+    # north-west corner on the remainders, sparse: merge each expert's cumulative
+    # supply (sources) and demand (instances) breakpoints; every piece between two
+    # consecutive breakpoints is one (source, instance) flow.  Experts are laid end
+    # to end on one axis with offsets so one sort handles all of them.
+    M = multi.size
+    big = int(ld.sum()) + 1
+    off = np.arange(M, dtype=np.int64) * big
+    sc = (np.cumsum(rem_ld, axis=0).T + off[:, None]).ravel()  # [M*W], nondecreasing
+    dc = (np.cumsum(rem_q, axis=1) + off[:, None]).ravel()  # [M*I]
+    bp = np.unique(np.concatenate((off, sc, dc)))
+    left = bp[:-1]
+    length = bp[1:] - left
+    si = np.searchsorted(sc, left, side="right")
+    ii = np.searchsorted(dc, left, side="right")
+    ok = (si < M * W) & (ii < M * I)
+    si, ii, left, length = si[ok], ii[ok], left[ok], length[ok]
+    m = si // W
+    ok = left >= off[m]
+    m, si, ii, length = m[ok], si[ok], ii[ok], length[ok]
+    moves[:, multi, 0] = 0
+    moves[si % W, multi[m], ii % I] = length  # (source, expert, instance) pieces are distinct
+    moves[ir[used], multi[mi[used]], np.nonzero(used)[1]] += local[used]  # distinct too
     return moves
 
 

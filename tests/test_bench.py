@@ -22,11 +22,30 @@ def test_bench_small(tmp_path):
     rec = json.loads(out.read_text())
     assert rec["world"] == 2
     rows = rec["rows"]
-    # 2 ops x 2 sizes x (direct, relay)
-    assert len(rows) == 8
+    # 2 ops x 2 sizes x (a2a, p2p, direct, relay)
+    assert len(rows) == 16
+    assert {r["method"] for r in rows} == {"a2a", "p2p", "direct", "relay"}
     for row in rows:
         assert row["wrong"] == 0
         assert row["time_us"] > 0 and row["p90_us"] >= row["time_us"]
         assert row["lb_ratio"] >= 1.0 - 1e-9
-        assert set(row) >= {"op", "mode", "size", "replicas", "algbw_GBps", "busbw_GBps", "cpbw_GBps", "depth"}
+        assert set(row) >= {"op", "method", "size", "replicas", "algbw_GBps", "busbw_GBps", "cpbw_GBps", "depth"}
     assert {r["op"] for r in rows} == {"weight_sync", "grad_reduce"}
+
+
+@pytest.mark.slow
+def test_bench_zipf_workloads_and_plot(tmp_path):
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "-m",
+           "ultracomm.bench", "weight_sync", "--workload", "zipf:1.5,2", "--experts-per-rank", "4", "--top-k", "2",
+           "--min-bytes", "64K", "--max-bytes", "64K", "--iters", "2", "--chunk-bytes", "16K",
+           "--methods", "a2a,relay", "--json", str(out), "--plot", str(png)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "ULTRACOMM_NUM_WORKERS": "1"})
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["workload"], r["method"]) for r in rows] == [
+        ("zipf:1.5", "a2a"), ("zipf:1.5", "relay"), ("zipf:2", "a2a"), ("zipf:2", "relay")]
+    assert all(r["wrong"] == 0 for r in rows)
+    assert abs(rows[0]["imbalance"] - 1.5) < 0.05 and abs(rows[2]["imbalance"] - 2.0) < 0.05
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,35 +1,55 @@
 """Bandwidth test of weight_sync (multicast) and grad_reduce (reduction), nccl-tests style.
 
-    torchrun --nproc-per-node 4 -m ultracomm.bench all [--min-bytes 1M --max-bytes 64M --factor 4]
+    torchrun --nproc-per-node 4 -m ultracomm.bench all [--model qwen3-30b-a3b --scale 0.25]
+        [--workload hot-rank|random|zipf:2|hot:0.5|...[,more]] [--min-bytes 1M --max-bytes 16M --factor 4]
+        [--methods a2a,p2p,direct,relay] [--iters 5 --warmup 1] [--json FILE] [--plot FILE.png]
 
-Workload ``hot-rank`` (default): rank 0's experts are replicated into every replica slot
-of every other rank, the pattern that makes the home's link the bottleneck of a direct
-multicast.  ``random``: each slot holds a random expert of another rank.
+Methods, measured side by side in one run on the same plan:
 
-Columns (bytes are counted as follows):
+* ``a2a``: the all-to-all weight distribution of Megatron's MoE ECHO: each rank stacks its
+  local experts, ``index_select``s one row per replica it must send, and calls
+  ``all_to_all_single`` with split sizes; each rank then places the received rows into its
+  slots.  Its gradient reverse: ``all_to_all_single`` of the replicas' grads back to the
+  homes and an ``index_add_`` into the master grads.
+* ``p2p``: ``torch.distributed`` point-to-point (``batch_isend_irecv``) from each home
+  straight into each replica slot, and back for gradients (the home adds them in
+  rank order).
+* ``direct``: ultracomm, relay off (home -> every replica).
+* ``relay``: ultracomm, relay auto (relay trees with chunk streaming when they help).
 
-* ``size``: bytes of one expert (weights for weight_sync; fp32 grads for grad_reduce).
-* ``replicas``: replica slots filled by the plan; ``moved`` = replicas × size.
+Byte accounting (every column says what it counts):
+
+* ``size``: bytes of one expert: weights (bf16) for weight_sync, grads (fp32) for grad_reduce.
+* ``repl``: replica slots the plan fills; ``moved`` = repl x size is what must land.
 * ``time``: median (and p90) over ``--iters`` of the slowest rank's time for one operation.
-* ``algbw`` = size / time; ``busbw`` = algbw × 1 (like broadcast / reduce, one copy per
-  receiver); ``cpbw`` (critical path) = the busiest rank's egress (multicast) or ingress
-  (reduce) bytes in the schedule / time; ``lb`` = the busiest rank's bytes / the lower
-  bound of DESIGN.md (1.00 = optimal traffic).
-* ``#wrong``: elements that differ from the expected result, checked after every run.
+* ``algbw`` = moved / time.  ``busbw`` = algbw x 1: like broadcast and reduce, every
+  replica's bytes cross one link once, so the bus factor is 1.
+* ``cpbw``: critical path: the busiest rank's link bytes in that method's traffic
+  (egress for multicast, ingress for reduce; a2a and p2p move the direct pattern) / time.
+* ``lb``: that busiest-rank byte count / the lower bound of DESIGN.md
+  (``max(max ingress, max bytes a rank must send once, total / ranks)``); 1.00 = optimal.
+* ``#wrong``: elements that differ from the expected result, checked after every method.
 
-Each row is measured for the direct schedule (relay off) and the relay schedule (auto) in
-the same run.
+Workloads: ``hot-rank`` (rank 0's experts in every slot of every other rank: the home's
+link is the bottleneck of direct multicast), ``random``, or any ``ultracomm.workloads``
+spec (``zipf:<max:mean>``, ``hot:<fraction>``, ``rotating``, ``uniform``) turned into a plan
+by ``workloads.greedy_replicas``.  ``--model`` sets the expert size (times ``--scale``) and
+the top-k of the generated loads; the expert count is world x ``--experts-per-rank``.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
+from typing import Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+METHODS = ("a2a", "p2p", "direct", "relay")
 
 
 def parse_size(s: str) -> int:
@@ -38,105 +58,272 @@ def parse_size(s: str) -> int:
     return int(float(s[:-1]) * mult[s[-1]]) if s and s[-1] in mult else int(s)
 
 
-def make_plan(workload: str, world: int, slots: int, epr: int, seed: int = 0):
+# ------------------------------------------------------------------------------ plans
+def make_plan(workload: str, world: int, slots: int, epr: int, top_k: int = 8, seed: int = 0):
+    """A ReplicaPlan for ``workload`` (see the module docstring) and the load's max:mean (or None)."""
     from .plan import ReplicaPlan
 
     src = np.full((world, slots), -1, dtype=np.int32)
-    rng = np.random.default_rng(seed)
-    for r in range(world):
-        if workload == "hot-rank":
-            if r != 0:
-                src[r, :] = np.arange(min(slots, epr))[: slots].tolist() + [-1] * max(0, slots - epr)
-        elif workload == "random":
+    if workload == "hot-rank":
+        for r in range(1, world):
+            k = min(slots, epr)
+            src[r, :k] = np.arange(k)
+        return ReplicaPlan.make(src, experts_per_rank=epr), None
+    if workload == "random":
+        rng = np.random.default_rng(seed)
+        for r in range(world):
             cands = [e for e in range(world * epr) if e // epr != r]
-            src[r, :] = rng.choice(cands, size=slots, replace=False)
-        else:
-            raise SystemExit(f"unknown workload {workload!r}: use hot-rank or random")
-    return ReplicaPlan.make(src, experts_per_rank=epr)
+            src[r, :] = rng.choice(cands, size=min(slots, len(cands)), replace=False).tolist() + \
+                [-1] * max(0, slots - len(cands))
+        return ReplicaPlan.make(src, experts_per_rank=epr), None
+    from . import workloads as wl
+
+    spec = dataclasses.replace(wl.get_model("qwen3-30b-a3b"), num_experts=world * epr, top_k=top_k)
+    load = wl.make_workload(workload, world, spec, tokens_per_rank=8192, seed=seed)
+    plan = wl.greedy_replicas(load, world, slots, epr)
+    return plan, wl.imbalance(load, epr)
 
 
-def _times(fn, iters: int, warmup: int, group, setup=None) -> list[float]:
+def busiest_home_bytes(plan, nbytes: int) -> int:
+    """Bytes on the busiest home's link in the direct pattern: its egress when it sends every
+    replica (multicast), its ingress when it receives every replica's grad (reduce)."""
+    home = plan.home_of.long()
+    src = plan.slot_src.long()
+    per_home = torch.bincount(home[src[src >= 0]], minlength=plan.world) * nbytes
+    return int(per_home.max())
+
+
+# ------------------------------------------------------------------------------ timing
+def _times(fn: Callable[[], None], iters: int, warmup: int, setup: Callable[[], None] | None = None) -> list[float]:
     """Slowest rank's time of ``fn()`` per iteration (``setup()`` runs untimed before it)."""
     out = []
     for i in range(warmup + iters):
         if setup is not None:
             setup()
-        dist.barrier(group)
+        dist.barrier()
         t0 = time.perf_counter()
         fn()
-        dt = time.perf_counter() - t0
-        t = torch.tensor([dt], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
         if i >= warmup:
-            out.append(float(t))
+            out.append(float(dt))
     return out
 
 
-def run_case(op: str, size: int, args, rank: int, world: int) -> list[dict]:
+# ------------------------------------------------------------------------------ baselines
+class TorchBaselines:
+    """ECHO-style all-to-all and P2P weight distribution / gradient return over torch.distributed."""
+
+    def __init__(self, plan, rank: int, epr: int, n: int):
+        self.plan, self.rank, self.world, self.epr, self.n = plan, rank, plan.world, epr, n
+        src = plan.slot_src.tolist()
+        home = plan.home_of.tolist()
+        local = plan.local_index_of.tolist()
+        # rows this rank sends to each destination, in destination slot order
+        self.send_rows = [[local[e] for e in src[d] if e >= 0 and home[e] == rank] for d in range(self.world)]
+        # (source rank, slot) of each row this rank receives, grouped by source rank in slot order
+        self.recv_slots = [[s for s, e in enumerate(src[rank]) if e >= 0 and home[e] == h] for h in range(self.world)]
+        self.send_index = torch.tensor([i for rows in self.send_rows for i in rows], dtype=torch.long)
+        self.recv_index = torch.tensor([s for ss in self.recv_slots for s in ss], dtype=torch.long)
+        self.send_splits = [len(r) * n for r in self.send_rows]
+        self.recv_splits = [len(s) * n for s in self.recv_slots]
+
+    def a2a_weights(self, master: torch.Tensor, slots: torch.Tensor) -> None:
+        """``master [epr, n]`` (bf16) -> ``slots [S, n]`` through one all_to_all_single (bytes)."""
+        send = master.index_select(0, self.send_index).view(torch.uint8).reshape(-1)
+        recv = torch.empty(sum(self.recv_splits) * master.element_size(), dtype=torch.uint8)
+        es = master.element_size()
+        dist.all_to_all_single(recv, send, [x * es for x in self.recv_splits], [x * es for x in self.send_splits])
+        if self.recv_index.numel():
+            slots.index_copy_(0, self.recv_index, recv.view(master.dtype).view(-1, self.n))
+
+    def a2a_grads(self, slot_grads: torch.Tensor, master_grad: torch.Tensor) -> None:
+        """Reverse: replica grads back to their homes, ``index_add_`` into ``master_grad [epr, n]``."""
+        send = slot_grads.index_select(0, self.recv_index).reshape(-1)
+        recv = torch.empty(sum(self.send_splits), dtype=slot_grads.dtype)
+        dist.all_to_all_single(recv, send, self.send_splits, self.recv_splits)
+        if self.send_index.numel():
+            master_grad.index_add_(0, self.send_index, recv.view(-1, self.n))
+
+    def p2p_weights(self, master: torch.Tensor, slots: torch.Tensor) -> None:
+        ops = []
+        for d, rows in enumerate(self.send_rows):
+            for i in rows:
+                if d != self.rank:
+                    ops.append(dist.P2POp(dist.isend, master[i].view(torch.uint8), d))
+        for h, ss in enumerate(self.recv_slots):
+            for s in ss:
+                ops.append(dist.P2POp(dist.irecv, slots[s].view(torch.uint8), h))
+        if ops:
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+
+    def p2p_grads(self, slot_grads: torch.Tensor, master_grad: torch.Tensor, scratch: list[torch.Tensor]) -> None:
+        ops, adds = [], []
+        for h, ss in enumerate(self.recv_slots):
+            for s in ss:
+                ops.append(dist.P2POp(dist.isend, slot_grads[s], h))
+        k = 0
+        for d, rows in enumerate(self.send_rows):
+            for i in rows:
+                ops.append(dist.P2POp(dist.irecv, scratch[k], d))
+                adds.append((i, k))
+                k += 1
+        if ops:
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+        for i, k in adds:  # rank order: deterministic
+            master_grad[i].add_(scratch[k])
+
+
+# ------------------------------------------------------------------------------ one case
+def run_case(op: str, size: int, workload: str, args, rank: int, world: int) -> list[dict]:
     from .context import Context
     from .layout import ExpertLayout, Member
 
-    n = max(1, size // 2)
+    n = max(1, size // 2)  # bf16 elements per expert
     layout = ExpertLayout((Member("w", (n,), torch.bfloat16),), grad_dtype=torch.float32)
     epr, slots = args.experts_per_rank, args.slots
-    plan = make_plan(args.workload, world, slots, epr)
+    plan, imb = make_plan(workload, world, slots, epr, top_k=args.top_k)
+    counts = plan.num_replicas.tolist()
+    replicas = int((plan.slot_src >= 0).sum())
+    my_slot_experts = plan.slot_src[rank].tolist()
+    master = (torch.arange(epr * n, dtype=torch.float32).reshape(epr, n) + rank * 7).to(torch.bfloat16)
+    expected = {}
+    for s, e in enumerate(my_slot_experts):
+        if e >= 0:
+            expected[s] = (torch.arange(n, dtype=torch.float32) + (e % epr) * n + (e // epr) * 7).to(torch.bfloat16)
+    grad = torch.zeros((epr, n), dtype=torch.float32)
+    nbytes = layout.weight_bytes if op == "weight_sync" else layout.grad_bytes
+    want_grad = torch.tensor([float(counts[e]) for e in range(rank * epr, (rank + 1) * epr)]).unsqueeze(1)
+
+    def check_weights(slot_tensor: torch.Tensor) -> int:
+        return sum(int((slot_tensor[s] != w).sum()) for s, w in expected.items())
+
+    def check_grads() -> int:
+        return int((grad != want_grad).sum())
+
     rows = []
-    for mode in ("off", "auto"):
-        ctx = Context(None, layout, epr, slots, num_layers=1, relay_mode=mode, chunk_bytes=args.chunk_bytes,
-                      transport=args.transport)
-        w = torch.arange(epr * n, dtype=torch.float32).reshape(epr, n).add_(rank * 7).to(torch.bfloat16)
-        g = torch.zeros((epr, n), dtype=torch.float32)
-        ctx.register_masters(0, [w], [g])
-        sched = ctx.schedule_for(plan)
-        st = sched.stats("multicast" if op == "weight_sync" else "reduce")
-        wrong = 0
-        vid = ctx.begin(0)
-        ctx.weight_sync(vid, plan)
-        if op == "weight_sync":
-            times = _times(lambda: ctx.restore(vid), args.iters, args.warmup, None)
-            for s, e in enumerate(plan.slot_src[rank].tolist()):
-                if e >= 0:
-                    home = e // epr
-                    want = torch.arange(n, dtype=torch.float32).add_((e % epr) * n + home * 7).to(torch.bfloat16)
-                    wrong += int((ctx.replica_weights[0][s] != want).sum())
-            ctx.end(vid)
-            moved_size = layout.weight_bytes
+    for method in args.methods:
+        ctx = None
+        if method in ("direct", "relay"):
+            ctx = Context(None, layout, epr, slots, num_layers=1, relay_mode="off" if method == "direct" else "auto",
+                          chunk_bytes=args.chunk_bytes, tile_bytes=min(args.chunk_bytes, 32768),
+                          transport=args.transport)
+            ctx.register_masters(0, [master], [grad])
+            st = ctx.schedule_for(plan).stats("multicast" if op == "weight_sync" else "reduce")
+            busiest, lb = (st["max_egress"] if op == "weight_sync" else st["max_ingress"]), st["lower_bound_bytes"]
+            depth = st["depth"]
+            slot_w, slot_g = ctx.replica_weights[0], ctx.replica_grads[0]
         else:
-            ctx.end(vid)
-            state = {}
-
+            slot_w = torch.zeros((slots, n), dtype=torch.bfloat16)
+            slot_g = torch.zeros((slots, n), dtype=torch.float32)
+            busiest = busiest_home_bytes(plan, nbytes)
+            lb = None
+            depth = 1
+            base = TorchBaselines(plan, rank, epr, n)
+            scratch = [torch.empty(n, dtype=torch.float32) for rows_ in base.send_rows for _ in rows_]
+        state: dict = {}
+        if op == "weight_sync":
+            if ctx is not None:
+                vid = ctx.begin(0)
+                ctx.weight_sync(vid, plan)
+                fn = lambda: ctx.restore(vid)  # noqa: E731 - same plan, schedule cached
+            elif method == "a2a":
+                fn = lambda: base.a2a_weights(master, slot_w)  # noqa: E731
+            else:
+                fn = lambda: base.p2p_weights(master, slot_w)  # noqa: E731
+            times = _times(fn, args.iters, args.warmup, setup=lambda: slot_w.zero_())
+            wrong = check_weights(slot_w)
+            if ctx is not None:
+                ctx.end(vid)
+        else:
             def setup():  # untimed: fresh inputs (relays overwrite their slot with the partial)
-                g.zero_()
-                ctx.replica_grads[0].fill_(1.0)  # small integers: exact in any order, so checkable
-                state["vid"] = ctx.begin(0)
-                ctx.weight_sync(state["vid"], plan)
+                grad.zero_()
+                slot_g.fill_(1.0)  # small integers: exact in any order, so checkable
+                for s, e in enumerate(my_slot_experts):
+                    if e < 0:
+                        slot_g[s].zero_()
+                if ctx is not None:
+                    state["vid"] = ctx.begin(0)
+                    ctx.weight_sync(state["vid"], plan)
 
-            times = _times(lambda: ctx.grad_reduce(state["vid"]), args.iters, args.warmup, None, setup)
-            counts = plan.num_replicas
-            for i, e in enumerate(range(rank * epr, (rank + 1) * epr)):
-                wrong += int((g[i] != float(counts[e])).sum())
-            moved_size = layout.grad_bytes
+            if ctx is not None:
+                fn = lambda: ctx.grad_reduce(state["vid"])  # noqa: E731
+            elif method == "a2a":
+                fn = lambda: base.a2a_grads(slot_g, grad)  # noqa: E731
+            else:
+                fn = lambda: base.p2p_grads(slot_g, grad, scratch)  # noqa: E731
+            times = _times(fn, args.iters, args.warmup, setup)
+            wrong = check_grads()
+        if lb is None:  # the lower bound does not depend on the method: take it from a schedule
+            from .schedule import build_schedule
+
+            s = build_schedule(plan, layout.weight_bytes, layout.grad_bytes, chunk_bytes=args.chunk_bytes,
+                               relay_mode="off")
+            lb = s.stats("multicast" if op == "weight_sync" else "reduce")["lower_bound_bytes"]
+        if ctx is not None:
+            ctx.close()
         wrong_t = torch.tensor([wrong], dtype=torch.int64)
         dist.all_reduce(wrong_t)
-        ctx.close()
         med = statistics.median(times)
-        p90 = sorted(times)[min(len(times) - 1, int(0.9 * len(times)))]
-        busiest = st["max_egress"] if op == "weight_sync" else st["max_ingress"]
-        replicas = int((plan.slot_src >= 0).sum())
+        p90 = sorted(times)[min(len(times) - 1, int(round(0.9 * (len(times) - 1))))]
+        moved = replicas * nbytes
         rows.append({
-            "op": op, "mode": mode, "size": moved_size, "replicas": replicas, "moved_bytes": replicas * moved_size,
-            "time_us": med * 1e6, "p90_us": p90 * 1e6, "algbw_GBps": moved_size / med / 1e9,
-            "busbw_GBps": moved_size / med / 1e9, "cpbw_GBps": busiest / med / 1e9,
-            "lb_ratio": busiest / max(1, st["lower_bound_bytes"]), "depth": st["depth"], "wrong": int(wrong_t),
+            "op": op, "method": method, "workload": workload, "imbalance": imb, "size": nbytes,
+            "replicas": replicas, "max_replicas": max(counts) if counts else 0, "moved_bytes": moved,
+            "time_us": med * 1e6, "p90_us": p90 * 1e6,
+            "algbw_GBps": moved / med / 1e9, "busbw_GBps": moved / med / 1e9, "cpbw_GBps": busiest / med / 1e9,
+            "busiest_bytes": busiest, "lower_bound_bytes": lb, "lb_ratio": busiest / max(1, lb), "depth": depth,
+            "wrong": int(wrong_t),
         })
     return rows
+
+
+HEADER = (f"# {'op':>11} {'method':>6} {'workload':>9} {'size(B)':>10} {'repl':>4} {'dep':>3} {'time(us)':>10} "
+          f"{'p90(us)':>10} {'algbw':>7} {'busbw':>7} {'cpbw':>7} {'lb':>5} {'#wrong':>6}")
+
+
+def format_row(r: dict) -> str:
+    return (f"  {r['op']:>11} {r['method']:>6} {r['workload']:>9} {r['size']:>10} {r['replicas']:>4} {r['depth']:>3} "
+            f"{r['time_us']:>10.1f} {r['p90_us']:>10.1f} {r['algbw_GBps']:>7.2f} {r['busbw_GBps']:>7.2f} "
+            f"{r['cpbw_GBps']:>7.2f} {r['lb_ratio']:>5.2f} {r['wrong']:>6}")
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """Time vs workload (imbalance where known) per method, one panel per op."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ops = sorted({r["op"] for r in rows})
+    fig, axes = plt.subplots(1, len(ops), figsize=(6 * len(ops), 4), squeeze=False)
+    for ax, op in zip(axes[0], ops):
+        sizes = sorted({r["size"] for r in rows if r["op"] == op})
+        size = sizes[-1]
+        for method in METHODS:
+            pts = [r for r in rows if r["op"] == op and r["method"] == method and r["size"] == size]
+            if not pts:
+                continue
+            xs = [r["imbalance"] if r["imbalance"] is not None else i for i, r in enumerate(pts)]
+            ax.plot(xs, [r["time_us"] / 1e3 for r in pts], marker="o", label=method)
+        ax.set_title(f"{op}, {size / 2**20:.1f} MiB per expert")
+        ax.set_xlabel("max:mean load imbalance (workload order if unknown)")
+        ax.set_ylabel("time (ms), median")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ultracomm.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("op", choices=["weight_sync", "grad_reduce", "all"])
-    p.add_argument("--transport", default=None, help="transport (default: ULTRACOMM_TRANSPORT / auto)")
-    p.add_argument("--workload", default="hot-rank", choices=["hot-rank", "random"])
+    p.add_argument("--transport", default=None, help="ultracomm transport (default: ULTRACOMM_TRANSPORT / auto)")
+    p.add_argument("--model", default=None, help="expert size from a preset (ultracomm.workloads.MODELS)")
+    p.add_argument("--scale", type=float, default=1.0, help="multiply the model's expert bytes (CPU runs)")
+    p.add_argument("--workload", default="hot-rank", help="comma-separated workloads (see the module docstring)")
     p.add_argument("--min-bytes", default="1M")
     p.add_argument("--max-bytes", default="16M")
     p.add_argument("--factor", type=int, default=4)
@@ -144,41 +331,72 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--slots", type=int, default=2)
     p.add_argument("--experts-per-rank", type=int, default=2)
+    p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--chunk-bytes", type=parse_size, default=parse_size("256K"))
-    p.add_argument("--json", default=None, help="write the rows as JSON to this file (rank 0)")
+    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
+    p.add_argument("--json", default=None, help="write all rows as JSON to this file (rank 0)")
+    p.add_argument("--plot", default=None, help="write a PNG of time per method per workload (rank 0)")
     args = p.parse_args(argv)
+    args.methods = [m for m in args.methods.split(",") if m]
+    bad = [m for m in args.methods if m not in METHODS]
+    if bad:
+        p.error(f"unknown methods {bad}; choose from {','.join(METHODS)}")
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     ops = ["weight_sync", "grad_reduce"] if args.op == "all" else [args.op]
-    sizes, s = [], parse_size(args.min_bytes)
-    while s <= parse_size(args.max_bytes):
-        sizes.append(s)
-        s *= args.factor
+    if args.model:
+        from .workloads import get_model
+
+        spec = get_model(args.model)
+        args.top_k = spec.top_k
+        sizes = [max(2, int(spec.expert_weight_bytes() * args.scale) // 2 * 2)]
+    else:
+        sizes, s = [], parse_size(args.min_bytes)
+        while s <= parse_size(args.max_bytes):
+            sizes.append(s)
+            s *= args.factor
+    workloads = [w for w in args.workload.split(",") if w]
+    # "zipf:1.5,2,3" is a convenient shorthand for zipf:1.5,zipf:2,zipf:3
+    kind = None
+    for i, w in enumerate(workloads):
+        if ":" in w:
+            kind = w.split(":")[0]
+        elif kind and w[0].isdigit():
+            workloads[i] = f"{kind}:{w}"
     rows = []
     if rank == 0:
-        print(f"# ultracomm bench: world {world}, transport host (CPU threads over host_shm), workload "
-              f"{args.workload}, {args.slots} slots/rank, {args.experts_per_rank} experts/rank, chunk "
-              f"{args.chunk_bytes} B, iters {args.iters}")
-        print(f"# {'op':>11} {'mode':>4} {'size(B)':>10} {'repl':>4} {'dep':>3} {'time(us)':>10} {'p90(us)':>10} "
-              f"{'algbw':>7} {'busbw':>7} {'cpbw':>7} {'lb':>5} {'#wrong':>6}")
+        print(f"# ultracomm bench: world {world}; ultracomm transport host (C++ worker threads over host_shm "
+              f"windows); baselines over gloo; {args.slots} slots/rank, {args.experts_per_rank} experts/rank, chunk "
+              f"{args.chunk_bytes} B, iters {args.iters} (+{args.warmup} warm-up)"
+              + (f"; model {args.model} x{args.scale}" if args.model else ""))
+        print("# size: bytes of one expert (bf16 weights / fp32 grads); algbw = replicas x size / time; busbw = "
+              "algbw x 1; cpbw = busiest rank's link bytes / time; lb = busiest bytes / lower bound; GB/s")
+        print(HEADER)
     for op in ops:
-        for size in sizes:
-            for row in run_case(op, size, args, rank, world):
-                rows.append(row)
-                if rank == 0:
-                    print(f"  {row['op']:>11} {row['mode']:>4} {row['size']:>10} {row['replicas']:>4} "
-                          f"{row['depth']:>3} {row['time_us']:>10.1f} {row['p90_us']:>10.1f} "
-                          f"{row['algbw_GBps']:>7.2f} {row['busbw_GBps']:>7.2f} {row['cpbw_GBps']:>7.2f} "
-                          f"{row['lb_ratio']:>5.2f} {row['wrong']:>6}", flush=True)
+        for workload in workloads:
+            for size in sizes:
+                for row in run_case(op, size, workload, args, rank, world):
+                    rows.append(row)
+                    if rank == 0:
+                        print(format_row(row), flush=True)
+    wrong = sum(r["wrong"] for r in rows)
     if rank == 0:
-        wrong = sum(r["wrong"] for r in rows)
-        print(f"# bandwidths in GB/s; out of bounds values: {wrong} (#wrong summed over all rows)")
+        print(f"# #wrong summed over all rows: {wrong}")
+        for op in ops:
+            for workload in workloads:
+                by = {r["method"]: r["time_us"] for r in rows if r["op"] == op and r["workload"] == workload
+                      and r["size"] == sizes[-1]}
+                if "a2a" in by and "relay" in by:
+                    print(f"# {op} {workload} at {sizes[-1]} B: a2a / relay = {by['a2a'] / by['relay']:.2f}x, "
+                          f"direct / relay = {by.get('direct', float('nan')) / by['relay']:.2f}x")
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"world": world, "transport": "host", "window": "host_shm", "workload": args.workload,
-                           "rows": rows}, f, indent=1)
+                json.dump({"world": world, "transport": "host", "window": "host_shm", "baseline_backend": "gloo",
+                           "device": "cpu", "args": {k: v for k, v in vars(args).items()}, "rows": rows}, f, indent=1)
+        if args.plot:
+            plot(rows, args.plot)
     dist.destroy_process_group()
-    return 1 if any(r["wrong"] for r in rows) else 0
+    return 1 if wrong else 0
 
 
 if __name__ == "__main__":

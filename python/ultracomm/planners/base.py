@@ -278,7 +278,8 @@ def split_tokens(load: np.ndarray, inst_rank: np.ndarray, quota: np.ndarray) -> 
     off = np.arange(M, dtype=np.int64) * big
     sc = (np.cumsum(rem_ld, axis=0).T + off[:, None]).ravel()  # [M*W], nondecreasing
     dc = (np.cumsum(rem_q, axis=1) + off[:, None]).ravel()  # [M*I]
-    bp = np.unique(np.concatenate((off, sc, dc)))
+    bp = np.sort(np.concatenate((off, sc, dc)))
+    bp = bp[np.concatenate(([True], bp[1:] != bp[:-1]))]
     left = bp[:-1]
     length = bp[1:] - left
     si = np.searchsorted(sc, left, side="right")

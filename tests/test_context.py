@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 import ultracomm
 from ultracomm import Context, ExpertLayout, LoopbackDomain, Member, ReplicaPlan
 from ultracomm.errors import PlanError, RegistrationError, UltracommError
-from ultracomm.records import Op
 from ultracomm.schedule import build_schedule
 
 from conftest import expected_master_grads, expert_weights, hot_slot_src, random_slot_src

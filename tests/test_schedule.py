@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from ultracomm import _core
 from ultracomm.records import MASTER, REF_DTYPE, TASK_DTYPE, Op, TaskKind
-from ultracomm.schedule import build_schedule, reference_reduce
+from ultracomm.reference import reference_reduce_tree
+from ultracomm.schedule import build_schedule
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -382,7 +383,7 @@ def test_reduce_order_matches_reference():
     n = 256  # fp32 elements
     grads = {(r, 0): rng.standard_normal(n).astype(np.float32) for r in range(1, 16)}
     master = {0: rng.standard_normal(n).astype(np.float32)}
-    ref = reference_reduce(s, grads, master)
+    ref = reference_reduce_tree(s, grads, master)
     # execute the task lists literally, in global (chunk, level) order
     buf = {k: v.copy() for k, v in grads.items()}
     buf[(0, MASTER)] = master[0].copy()

@@ -6,6 +6,7 @@ occupies bytes ``[member_off[m], member_off[m] + member_bytes[m])``; bytes betwe
 
 * :func:`reference_multicast` -- what every replica slot must hold after a multicast: the
   home's member bytes.
+* :func:`reference_reduce_tree` -- the same order derived from the reduce tree (parents).
 * :func:`reference_reduce` -- replays a schedule's reduce tasks in their documented order:
   per element, ``acc = float32(self)``, then ``acc += float32(source)`` for the sources left
   to right, then ``self = acc.to(grad dtype)``; a relay's partial is rounded into its slot's
@@ -124,3 +125,42 @@ def reference_reduce(tasks_by_rank: Sequence[np.ndarray], refs_by_rank: Sequence
         pending = rest
     new_masters = {e: split_image(masters[e], master_grads[e], member_off) for e in masters}
     return grads, new_masters
+
+
+def reference_reduce_tree(sched, grads: dict, master: dict, dtype=np.float32) -> dict:
+    """Numpy reference of the reduce op from the schedule's *tree* (not its tasks): the documented
+    summation order stated recursively, ``partial(x) = grad(x) + sum over children by (rank, slot)``.
+
+    ``grads[(rank, slot)]`` and ``master[expert]`` are 1-D arrays of the grad dtype (``grad_bytes``
+    long in bytes).  Returns ``{expert: reduced}`` for every expert with replicas, computed per
+    chunk as the tasks do (fp32 accumulation, rounding to ``dtype`` at every relay and home).
+    """
+    pr, ps, _ = sched.tree("reduce")
+    inp = sched.inputs()
+    S = sched.slots_per_rank
+    slot_src = np.asarray(inp["slot_src"]).reshape(-1, S) if S else np.zeros((sched.world, 0), np.int32)
+    home_of = inp["home_of"]
+    kids: dict = {}
+    for r in range(sched.world):
+        for s in range(S):
+            if pr[r, s] >= 0:
+                key = (int(pr[r, s]), int(ps[r, s]), int(slot_src[r, s]))
+                kids.setdefault(key, []).append((r, s))
+    memo: dict = {}
+
+    def value(rank, slot, e):
+        if (rank, slot, e) in memo:
+            return memo[(rank, slot, e)]
+        base = master[e] if slot == MASTER else grads[(rank, slot)]
+        acc = base.astype(np.float32)
+        for (cr, cs) in sorted(kids.get((rank, slot, e), [])):
+            acc = acc + value(cr, cs, e).astype(np.float32)
+        v = acc.astype(dtype)
+        memo[(rank, slot, e)] = v
+        return v
+
+    out = {}
+    for e in range(len(home_of)):
+        if (int(home_of[e]), MASTER, e) in kids:
+            out[e] = value(int(home_of[e]), MASTER, e)
+    return out

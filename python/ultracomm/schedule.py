@@ -14,7 +14,7 @@ is ascending ``(rank, slot)``; then writes ``acc`` back in the grad dtype.  A re
 runs first (lower level) and its partial is the source its parent reads.  So the home's
 gradient chunk is, recursively, ``self + sum_{children c by (rank, slot)} partial(c)`` with
 ``partial(c) = grad(c) + sum_{children of c by (rank, slot)} partial(...)``.  See
-``reference_reduce`` below, which reproduces it bit for bit in numpy.
+``ultracomm.reference.reference_reduce_tree``, which reproduces it bit for bit in numpy.
 """
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from . import _core
-from .records import MASTER, REF_DTYPE, TASK_DTYPE, Op, RelayMode
+from .records import TASK_DTYPE, Op, RelayMode
 
-__all__ = ["Schedule", "build_schedule", "reference_reduce", "OpLike"]
+__all__ = ["Schedule", "build_schedule", "OpLike"]
 
 OpLike = Union[Op, int, str]
 
@@ -201,41 +201,3 @@ def build_schedule(
         float(intra_bw), float(inter_bw), -1 if rank is None else int(rank),
     )
     return Schedule(core)
-
-
-def reference_reduce(sched: Schedule, grads: dict, master: dict, dtype=np.float32) -> dict:
-    """Numpy reference of the reduce op, in the documented summation order.
-
-    ``grads[(rank, slot)]`` and ``master[expert]`` are 1-D arrays of the grad dtype (``grad_bytes``
-    long in bytes).  Returns ``{expert: reduced}`` for every expert with replicas, computed per
-    chunk as the tasks do (fp32 accumulation, rounding to ``dtype`` at every relay and home).
-    """
-    pr, ps, _ = sched.tree(Op.REDUCE)
-    inp = sched.inputs()
-    S = sched.slots_per_rank
-    slot_src = np.asarray(inp["slot_src"]).reshape(-1, S) if S else np.zeros((sched.world, 0), np.int32)
-    home_of = inp["home_of"]
-    kids: dict = {}
-    for r in range(sched.world):
-        for s in range(S):
-            if pr[r, s] >= 0:
-                key = (int(pr[r, s]), int(ps[r, s]), int(slot_src[r, s]))
-                kids.setdefault(key, []).append((r, s))
-    memo: dict = {}
-
-    def value(rank, slot, e):
-        if (rank, slot, e) in memo:
-            return memo[(rank, slot, e)]
-        base = master[e] if slot == MASTER else grads[(rank, slot)]
-        acc = base.astype(np.float32)
-        for (cr, cs) in sorted(kids.get((rank, slot, e), [])):
-            acc = acc + value(cr, cs, e).astype(np.float32)
-        v = acc.astype(dtype)
-        memo[(rank, slot, e)] = v
-        return v
-
-    out = {}
-    for e in range(len(home_of)):
-        if (int(home_of[e]), MASTER, e) in kids:
-            out[e] = value(int(home_of[e]), MASTER, e)
-    return out

@@ -284,20 +284,19 @@ class ReplicaPlan:
                 f"expert {int(sn[r, j])} is replicated onto its own home rank {r} "
                 f"(slot_src[{r}, {j}]); replicas must live on other ranks: set the slot to -1"
             )
-        for r in range(world):
-            row = sn[r][filled[r]]
-            if row.size != np.unique(row).size:
-                seen: dict[int, int] = {}
-                for j in range(spr):
-                    e = int(sn[r, j])
-                    if e < 0:
-                        continue
-                    if e in seen:
-                        raise PlanError(
-                            f"expert {e} appears twice on rank {r} (slots {seen[e]} and {j}); "
-                            "a rank needs at most one replica of an expert: set one slot to -1"
-                        )
-                    seen[e] = j
+        # duplicates within a row: sort each row once, compare neighbours (empties are -1)
+        if spr > 1:
+            srt = np.sort(sn, axis=1)
+            dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
+            rows = np.flatnonzero(dup.any(axis=1))
+            if rows.size:
+                r = int(rows[0])
+                e = int(srt[r, 1:][dup[r]][0])
+                j0, j1 = (int(j) for j in np.flatnonzero(sn[r] == e)[:2])
+                raise PlanError(
+                    f"expert {e} appears twice on rank {r} (slots {j0} and {j1}); "
+                    "a rank needs at most one replica of an expert: set one slot to -1"
+                )
 
     # -- shape properties ---------------------------------------------------------
 

@@ -27,46 +27,19 @@ import json
 import threading
 import time
 
-import numpy as np
 import torch
 
 from ultracomm import _core
-from ultracomm.records import MASTER, REF_DTYPE, TASK_DTYPE, Op, TaskKind
+from ultracomm.records import MASTER, Op, TaskKind
+from ultracomm.reference import tasks_from_trees
 
 WORLD = 4
 DTYPES = {"fp32": (torch.float32, 0), "bf16": (torch.bfloat16, 1), "fp16": (torch.float16, 2)}
 
 
 def tree_tasks(children, slot_bytes, chunk, kind, expert=0):
-    """children: {node: [child nodes]}, node = (rank, slot) or (home, MASTER); per rank
-    TASK_DTYPE / REF_DTYPE arrays sorted by (chunk, level)."""
-    depth, stack = {n: 0 for n in children if n[1] == MASTER}, [n for n in children if n[1] == MASTER]
-    while stack:
-        n = stack.pop()
-        for c in children.get(n, []):
-            depth[c] = depth[n] + 1
-            stack.append(c)
-
-    def height(n):
-        return 0 if not children.get(n) else 1 + max(height(c) for c in children[n])
-
-    items = [[] for _ in range(WORLD)]
-    nchunks = -(-slot_bytes // chunk)
-    for node, kids in children.items():
-        lvl = depth[node] if kind == TaskKind.COPY else height(node)
-        for c in range(nchunks):
-            items[node[0]].append((c, lvl, c * chunk, min(chunk, slot_bytes - c * chunk), node, kids))
-    tasks, refs = [], []
-    for it in items:
-        it.sort(key=lambda x: (x[0], x[1]))
-        t = np.zeros(len(it), dtype=TASK_DTYPE)
-        r = []
-        for i, (c, lvl, off, nb, node, kids) in enumerate(it):
-            t[i] = (int(kind), 0, lvl, expert, c, len(r), len(kids), 0, off, nb, node[0], node[1])
-            r.extend(kids)
-        tasks.append(t)
-        refs.append(np.array(r, dtype=REF_DTYPE))
-    return tasks, refs
+    """One expert's tree homed on rank 0 -> per-rank TASK_DTYPE / REF_DTYPE arrays."""
+    return tasks_from_trees(WORLD, [(expert, 0, children)], slot_bytes, chunk, kind)
 
 
 class Bench:

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from ultracomm import _core
-from ultracomm.records import MASTER, REF_DTYPE, TASK_DTYPE, Op, TaskKind
-from ultracomm.reference import member_mask, reference_multicast, reference_reduce, slot_image, split_image
+from ultracomm.records import MASTER, Op, TaskKind
+from ultracomm.reference import tasks_from_trees as build_tasks, member_mask, reference_multicast, reference_reduce, slot_image, split_image
 
 FILL = 0xEE  # data regions start with this byte: padding must keep it
 DT_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -33,45 +33,6 @@ def layout_members(nbytes, align=16):
 
 # ------------------------------------------------------------------------------------------
 # hand-built schedules from trees
-
-
-def build_tasks(world, trees, slot_bytes, chunk, kind):
-    """trees: list of (expert, home, children) with children: {node: [child nodes]}, a node
-    being (rank, slot) and the home's master (home, MASTER).  Multicast: every node with
-    children copies each chunk to them (level = depth).  Reduce: every node with children
-    reduces them in the listed order (level = height).  Lists sorted by (chunk, level)."""
-    per_rank = [[] for _ in range(world)]
-    nchunks = -(-slot_bytes // chunk)
-    for expert, home, children in trees:
-        depth = {(home, MASTER): 0}
-        stack = [(home, MASTER)]
-        while stack:
-            n = stack.pop()
-            for c in children.get(n, []):
-                depth[c] = depth[n] + 1
-                stack.append(c)
-
-        def height(n):
-            return 0 if not children.get(n) else 1 + max(height(c) for c in children[n])
-
-        for node, kids in children.items():
-            if not kids:
-                continue
-            level = depth[node] if kind == TaskKind.COPY else height(node)
-            for c in range(nchunks):
-                off = c * chunk
-                per_rank[node[0]].append((c, level, expert, off, min(chunk, slot_bytes - off), node, kids))
-    tasks, refs = [], []
-    for items in per_rank:
-        items.sort(key=lambda x: (x[0], x[1], x[2]))
-        t = np.zeros(len(items), dtype=TASK_DTYPE)
-        r = []
-        for i, (c, level, expert, off, nb, node, kids) in enumerate(items):
-            t[i] = (int(kind), 0, level, expert, c, len(r), len(kids), 0, off, nb, node[0], node[1])
-            r.extend(kids)
-        tasks.append(t)
-        refs.append(np.array(r, dtype=REF_DTYPE))
-    return tasks, refs
 
 
 def slots_of(world, slots, trees):

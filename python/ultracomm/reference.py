@@ -6,6 +6,7 @@ occupies bytes ``[member_off[m], member_off[m] + member_bytes[m])``; bytes betwe
 
 * :func:`reference_multicast` -- what every replica slot must hold after a multicast: the
   home's member bytes.
+* :func:`tasks_from_trees` -- task lists built by hand from explicit trees (no builder).
 * :func:`reference_reduce_tree` -- the same order derived from the reduce tree (parents).
 * :func:`reference_reduce` -- replays a schedule's reduce tasks in their documented order:
   per element, ``acc = float32(self)``, then ``acc += float32(source)`` for the sources left
@@ -19,7 +20,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
-from .records import MASTER
+from .records import MASTER, REF_DTYPE, TASK_DTYPE, TaskKind
 
 
 def _u8(t: torch.Tensor) -> torch.Tensor:
@@ -125,6 +126,47 @@ def reference_reduce(tasks_by_rank: Sequence[np.ndarray], refs_by_rank: Sequence
         pending = rest
     new_masters = {e: split_image(masters[e], master_grads[e], member_off) for e in masters}
     return grads, new_masters
+
+
+def tasks_from_trees(world: int, trees, slot_bytes: int, chunk: int, kind: TaskKind):
+    """Hand-built per-rank task lists from explicit trees (tests, microbenchmarks).
+
+    ``trees``: list of (expert, home, children) with children: {node: [child nodes]}, a node
+    being (rank, slot) and the home's master (home, MASTER).  Multicast: every node with
+    children copies each chunk to them (level = depth).  Reduce: every node with children
+    reduces them in the listed order (level = height).  Lists sorted by (chunk, level)."""
+    per_rank = [[] for _ in range(world)]
+    nchunks = -(-slot_bytes // chunk)
+    for expert, home, children in trees:
+        depth = {(home, MASTER): 0}
+        stack = [(home, MASTER)]
+        while stack:
+            n = stack.pop()
+            for c in children.get(n, []):
+                depth[c] = depth[n] + 1
+                stack.append(c)
+
+        def height(n):
+            return 0 if not children.get(n) else 1 + max(height(c) for c in children[n])
+
+        for node, kids in children.items():
+            if not kids:
+                continue
+            level = depth[node] if kind == TaskKind.COPY else height(node)
+            for c in range(nchunks):
+                off = c * chunk
+                per_rank[node[0]].append((c, level, expert, off, min(chunk, slot_bytes - off), node, kids))
+    tasks, refs = [], []
+    for items in per_rank:
+        items.sort(key=lambda x: (x[0], x[1], x[2]))
+        t = np.zeros(len(items), dtype=TASK_DTYPE)
+        r = []
+        for i, (c, level, expert, off, nb, node, kids) in enumerate(items):
+            t[i] = (int(kind), 0, level, expert, c, len(r), len(kids), 0, off, nb, node[0], node[1])
+            r.extend(kids)
+        tasks.append(t)
+        refs.append(np.array(r, dtype=REF_DTYPE))
+    return tasks, refs
 
 
 def reference_reduce_tree(sched, grads: dict, master: dict, dtype=np.float32) -> dict:

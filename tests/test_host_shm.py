@@ -1,0 +1,106 @@
+"""host_shm windows across real processes (torch.multiprocessing + gloo), and cleanup of /dev/shm."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ultracomm.windows.host_shm import SHM_DIR, sweep_stale_segments
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from conftest import expert_weights  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="needs POSIX shared memory (/dev/shm)")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _segments() -> set[str]:
+    return {n for n in os.listdir(SHM_DIR) if n.startswith("ultracomm-")}
+
+
+def _init(rank: int, world: int, port: int) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+
+
+def _spawned_context(rank: int, world: int, port: int, results) -> None:
+    from ultracomm import Context, ExpertLayout, Member, ReplicaPlan
+
+    _init(rank, world, port)
+    layout = ExpertLayout((Member("w", (33, 5), torch.float16),))
+    ctx = Context(None, layout, 1, 2, num_layers=1, window="host_shm", chunk_bytes=64, tile_bytes=64,
+                  relay_mode="force", timeout_s=60)
+    ctx.register_masters(0, [expert_weights(layout, rank)[0].unsqueeze(0).contiguous()],
+                         [torch.zeros((1, 33, 5))])
+    # every rank holds the two experts after it: chains through relays
+    plan = ReplicaPlan.make(np.array([[(r + 1) % world, (r + 2) % world] for r in range(world)], np.int32),
+                            experts_per_rank=1)
+    vid = ctx.begin(0)
+    ctx.weight_sync(vid, plan)
+    ok = all(torch.equal(ctx.replica_weights[0][s], expert_weights(layout, (rank + 1 + s) % world)[0])
+             for s in range(2))
+    ctx.end(vid)
+    ctx.close()
+    results[rank] = ok
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_torch_multiprocessing_spawn_context():
+    world = 3
+    before = _segments()
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_spawned_context, args=(world, _free_port(), results), nprocs=world, join=True)
+        assert dict(results) == {r: True for r in range(world)}
+    assert _segments() <= before
+
+
+def _killed_after_setup(rank: int, world: int, port: int) -> None:
+    from ultracomm.comm import as_comm
+    from ultracomm.windows import open_window
+
+    _init(rank, world, port)
+    w = open_window("host_shm", as_comm(None), 4096)
+    w.local[:8] = rank
+    dist.barrier()
+    os.kill(os.getpid(), signal.SIGKILL)  # a crash: no Python cleanup runs
+
+
+@pytest.mark.slow
+def test_nothing_left_in_dev_shm_after_a_crash():
+    before = _segments()
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_killed_after_setup, args=(r, 2, port)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [-signal.SIGKILL] * 2
+    assert _segments() <= before, "a crashed rank left its window in /dev/shm"
+
+
+def test_sweep_removes_segments_of_dead_processes(tmp_path):
+    dead = mp.get_context("spawn").Process(target=int)
+    dead.start()
+    dead.join()
+    stale = tmp_path / f"ultracomm-{dead.pid}-0123456789ab-r0"
+    live = tmp_path / f"ultracomm-{os.getpid()}-0123456789ab-r1"
+    other = tmp_path / "not-ours"
+    for f in (stale, live, other):
+        f.write_bytes(b"x")
+    removed = sweep_stale_segments(str(tmp_path))
+    assert removed == [stale.name]
+    assert not stale.exists() and live.exists() and other.exists()

@@ -91,6 +91,28 @@ to their homes (``grad_bytes`` each; fp32 by default like ultracomm's -- ECHO's 
 reverse would move grads in the weights' dtype), then an ``index_add_`` into the home's
 grad: read the received rows, read and write the home rows (3 x grad bytes per received
 row at ``hbm_bw``), after the collective.
+
+Domains larger than a preset
+----------------------------
+``--ep 64`` on ``h200x8`` is an error (naming ``8x8-rdma`` and ``nvl72`` as the fabrics
+that hold 64 GPUs): an 8-GPU preset never grows into several nodes silently.
+``<n>x8-rdma`` names any number of 8-GPU nodes; a smaller EP uses a preset's first GPUs.
+
+Calibration against UltraEP (``--calibrate``; simulated, constants not tuned)
+----------------------------------------------------------------------------
+UltraEP's README (EP64, 256 DeepSeek-V3-sized experts, 4 master + 2 redundant slots per
+rank) reports weight_sync 0.214 / 0.265 / 0.317 ms direct and 0.194 / 0.195 / 0.188 ms with
+its adaptive relay, grad_reduce 1.9-2.4 ms overlapped with compute.  On ``nvl72`` with the
+``quota`` planner we predict ~0.60 / 0.60 / 0.84 ms direct (2.3-2.8x the published figure)
+and ~0.25 / 0.25 / 0.37 ms relay (1.3-2.0x), grad_reduce 0.49-0.72 ms (0.23-0.34x).
+The gaps are byte accounting, not the model: with two redundant slots the busiest rank
+receives two experts, 2 x 88,080,384 B = 176 MB, which takes 0.238 ms at 740 GB/s and
+0.196 ms even at the 900 GB/s *peak*; direct multicast of an expert with 4 replicas sends
+352 MB from one GPU (>= 0.39 ms at peak).  The published relay figure therefore implies
+fewer bytes per expert than bf16 DeepSeek-V3 (their critical-path bandwidth, 706-715
+GB/s x 0.194 ms = 138 MB, is 1.56 bf16 experts or ~3.1 fp8 ones), or a different byte
+count per slot.  Their grad_reduce is measured overlapped with GEMMs on 42 SMs; ours is
+the link-bound time on an idle fabric.
 """
 from __future__ import annotations
 
@@ -814,8 +836,8 @@ def compare(plan, weight_bytes: int, grad_bytes: int, fabric: Fabric, *, chunk_b
 def _row(imb: float, achieved: float, cmp: dict) -> dict:
     m, g = cmp["multicast"], cmp["reduce"]
 
-    def ratio(x, y):
-        return x / y if y > 0 else float("nan")
+    def ratio(x, y):  # 0 / 0 (nothing to move) counts as 1
+        return x / y if y > 0 else (1.0 if x == 0 else float("inf"))
 
     return {
         "imbalance": imb,
@@ -964,6 +986,15 @@ def _goal_summary(cases: list[dict]) -> str:
             lines.append(f"[{tag}] EP64 imb>=2 a2a/relay weight_sync: min {w['weight_sync_a2a_over_relay']:.2f} "
                          f"({w['model']} slots {w['slots']} imb {w['imbalance']:g}); "
                          f"{sum(c['weight_sync_a2a_over_relay'] < 2 for c in ep64)}/{len(ep64)} cases < 2")
+        for ep in sorted({c["ep"] for c in sel}):
+            e = [c for c in sel if c["ep"] == ep]
+            ws = max(e, key=lambda c: c["weight_sync_relay_over_lb"])
+            gr = max(e, key=lambda c: c["grad_reduce_relay_over_lb"])
+            lines.append(f"[{tag}]   EP{ep} ({e[0]['domain']}): relay/LB max weight_sync "
+                         f"{ws['weight_sync_relay_over_lb']:.3f} ({ws['model']} slots {ws['slots']} imb "
+                         f"{ws['imbalance']:g}), grad_reduce {gr['grad_reduce_relay_over_lb']:.3f} ({gr['model']} "
+                         f"slots {gr['slots']} imb {gr['imbalance']:g}); median weight_sync "
+                         f"{float(np.median([c['weight_sync_relay_over_lb'] for c in e])):.3f}")
         w = max(sel, key=lambda c: c["grad_over_weight"])
         lines.append(f"[{tag}] grad_reduce/weight_sync (relay): max {w['grad_over_weight']:.3f} "
                      f"({w['model']} EP{w['ep']} slots {w['slots']} imb {w['imbalance']:g}); "

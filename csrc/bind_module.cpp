@@ -6,10 +6,12 @@ namespace py = pybind11;
 namespace ultracomm {
 void bind_schedule(py::module_& m);
 void bind_host_executor(py::module_& m);
+void bind_planners(py::module_& m);
 }  // namespace ultracomm
 
 PYBIND11_MODULE(_core, m) {
   m.doc() = "ultracomm host core: schedule builder and host executor";
   ultracomm::bind_schedule(m);
   ultracomm::bind_host_executor(m);
+  ultracomm::bind_planners(m);
 }

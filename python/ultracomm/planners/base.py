@@ -12,7 +12,11 @@ Conventions (all planners):
   entries are 0.  ``quota.sum(1) == load.sum(0)`` exactly.
 * ``token_moves``: int64 ``[world, E, max_instances]`` tokens source rank ``s`` sends
   to each instance; ``token_moves.sum(2) == load`` and ``token_moves.sum(0) == quota``
-  exactly.
+  exactly.  Planning computes the compact per-slot form ``slot_moves`` int64
+  ``[world(src), world, slots]`` (tokens each source sends to each replica slot; the
+  home instance gets the rest); ``token_moves`` is that, expanded on first access
+  (the dense array is ``max_instances`` times the size of ``load``: 2.4 MB at EP64
+  with one expert on 17 instances, a few hundred microseconds of memory traffic).
 * ``max_instances = 1 + max_e (replicas of e)`` (at least 1).
 """
 from __future__ import annotations
@@ -26,12 +30,22 @@ import numpy as np
 from ..errors import PlanError
 from ..plan import ReplicaPlan
 
+try:  # compiled split (csrc/planners/split.cpp); numpy reference otherwise
+    from .. import _core as _core_mod
+
+    _HAVE_CPP_SPLIT = hasattr(_core_mod, "split_slots")
+except ImportError:  # pragma: no cover - core not built
+    _core_mod = None
+    _HAVE_CPP_SPLIT = False
+
 __all__ = [
     "Domain",
     "PlannerResult",
     "as_load",
     "build_result",
     "split_tokens",
+    "split_slots",
+    "expand_moves",
     "instance_index",
     "imbalance",
     "max_mean",
@@ -121,17 +135,26 @@ class PlannerResult:
             contents.  :attr:`plan` builds (and validates) the :class:`ReplicaPlan` from
             it on first access.
         quota: int64 ``[E, max_instances]`` tokens per expert instance.
-        token_moves: int64 ``[world, E, max_instances]`` tokens each source rank sends
-            to each instance.
+        slot_moves: int64 ``[world(src), world, slots_per_rank]`` tokens each source
+            rank sends to each replica slot (0 for empty slots); every other token of
+            ``load`` goes to its expert's home.
+        load: the int64 ``[world, E]`` load planned for.
         domain: the :class:`Domain` planned for.
         info: planner-specific diagnostics (threshold found, iterations, ...).
     """
 
     slot_src: np.ndarray
     quota: np.ndarray
-    token_moves: np.ndarray
+    slot_moves: np.ndarray
+    load: np.ndarray
     domain: Domain
     info: dict[str, Any] = field(default_factory=dict)
+
+    @functools.cached_property
+    def token_moves(self) -> np.ndarray:
+        """int64 ``[world, E, max_instances]`` tokens each source rank sends to each
+        instance (dense form of :attr:`slot_moves`, built on first access)."""
+        return expand_moves(self.load, self.slot_src, self.slot_moves, self.domain, self.max_instances)
 
     @functools.cached_property
     def plan(self) -> ReplicaPlan:
@@ -234,7 +257,9 @@ def instance_index(slot_src: np.ndarray, domain: Domain) -> tuple[np.ndarray, np
     return inst_rank, slot_inst.reshape(W, K)
 
 
-def split_tokens(load: np.ndarray, inst_rank: np.ndarray, quota: np.ndarray) -> np.ndarray:
+def split_tokens(
+    load: np.ndarray, inst_rank: np.ndarray, quota: np.ndarray, backend: str | None = None
+) -> np.ndarray:
     """Exact integer split of each expert's tokens over its instances.
 
     Locality first: a source rank that holds an instance of ``e`` sends its own tokens
@@ -245,6 +270,9 @@ def split_tokens(load: np.ndarray, inst_rank: np.ndarray, quota: np.ndarray) -> 
         load: int64 ``[world, E]``.
         inst_rank: int64 ``[E, I]`` (-1 unused; unused instances must have quota 0).
         quota: int64 ``[E, I]`` with ``quota.sum(1) == load.sum(0)``.
+
+        backend: ignored (this is the numpy reference; the planners use the C++ port
+            :func:`split_slots` when built).
 
     Returns:
         int64 ``[world, E, I]`` with ``.sum(2) == load`` and ``.sum(0) == quota``.
@@ -295,6 +323,60 @@ def split_tokens(load: np.ndarray, inst_rank: np.ndarray, quota: np.ndarray) -> 
     return moves
 
 
+def expand_moves(
+    load: np.ndarray, slot_src: np.ndarray, slot_moves: np.ndarray, domain: Domain, I: int
+) -> np.ndarray:
+    """Dense ``[world, E, I]`` token moves from the per-slot form (home = the rest)."""
+    W, E = load.shape
+    _, slot_inst = instance_index(slot_src, domain)
+    filled = slot_src >= 0
+    ex = slot_src[filled].astype(np.int64)
+    si = slot_inst[filled]
+    rr, kk = np.nonzero(filled)
+    rep = slot_moves[:, rr, kk]  # [W, filled]
+    moves = np.zeros((W, E, I), np.int64)
+    moves[:, ex, si] = rep
+    home = load.copy()
+    if ex.size:
+        o = np.argsort(ex, kind="stable")
+        exo = ex[o]
+        starts = np.flatnonzero(np.concatenate(([True], exo[1:] != exo[:-1])))
+        home[:, exo[starts]] -= np.add.reduceat(rep[:, o], starts, axis=1)
+    moves[:, :, 0] = home
+    return moves
+
+
+def split_slots(
+    load: np.ndarray,
+    slot_src: np.ndarray,
+    inst_rank: np.ndarray,
+    slot_inst: np.ndarray,
+    quota: np.ndarray,
+    backend: str | None = None,
+) -> np.ndarray:
+    """:func:`split_tokens` in per-slot form: int64 ``[world(src), world, K]`` tokens
+    each source sends to each replica slot (C++ when built; ``backend="numpy"`` goes
+    through the numpy reference)."""
+    W, K = slot_src.shape
+    if backend not in (None, "auto", "cpp", "numpy"):
+        raise ValueError(f"backend must be 'auto', 'cpp' or 'numpy', got {backend!r}")
+    if backend == "cpp" or (backend in (None, "auto") and _HAVE_CPP_SPLIT):
+        if not _HAVE_CPP_SPLIT:
+            raise RuntimeError("ultracomm._core has no split_slots; rebuild the core")
+        E, I = inst_rank.shape
+        inst_slot = np.full((E, I), -1, np.int64)
+        filled = slot_src >= 0
+        rr, kk = np.nonzero(filled)
+        inst_slot[slot_src[filled].astype(np.int64), slot_inst[filled]] = rr * K + kk
+        return _core_mod.split_slots(load, inst_rank, quota, inst_slot, K).reshape(W, W, K)
+    moves = split_tokens(load, inst_rank, quota, backend="numpy")
+    rep = np.zeros((W, W, K), np.int64)
+    filled = slot_src >= 0
+    rr, kk = np.nonzero(filled)
+    rep[:, rr, kk] = moves[:, slot_src[filled].astype(np.int64), slot_inst[filled]]
+    return rep
+
+
 def build_result(
     load: np.ndarray,
     domain: Domain,
@@ -302,6 +384,7 @@ def build_result(
     slot_quota: np.ndarray,
     info: dict[str, Any] | None = None,
     replica_moves: np.ndarray | None = None,
+    backend: str | None = None,
 ) -> PlannerResult:
     """Assemble a :class:`PlannerResult` from per-slot replica quotas.
 
@@ -313,7 +396,8 @@ def build_result(
             sends to each replica slot (its sum over sources must equal
             ``slot_quota``, and per source and expert it must not exceed ``load``); the
             home instance gets every remaining token.  Without it tokens are split by
-            :func:`split_tokens`.
+            :func:`split_tokens` (locality first, then north-west corner).
+        backend: for the split (see :func:`split_slots`).
     """
     slot_src = np.ascontiguousarray(slot_src, dtype=np.int32)
     inst_rank, slot_inst = instance_index(slot_src, domain)
@@ -329,14 +413,10 @@ def build_result(
         raise AssertionError("replica quotas exceed an expert's load")
     quota[:, 0] = home_q
     if replica_moves is None:
-        moves = split_tokens(load, inst_rank, quota)
+        rep = split_slots(load, slot_src, inst_rank, slot_inst, quota, backend)
     else:
-        W = domain.world
-        moves = np.zeros((W, E, I), np.int64)
-        rr, kk = np.nonzero(filled)
-        moves[:, ex, si] = replica_moves[:, rr, kk]
-        moves[:, :, 0] = load - moves[:, :, 1:].sum(2)
-    return PlannerResult(slot_src, quota, moves, domain, dict(info or {}))
+        rep = np.asarray(replica_moves, np.int64)
+    return PlannerResult(slot_src, quota, rep, load, domain, dict(info or {}))
 
 
 def max_mean(rank_load: np.ndarray) -> float:

@@ -13,11 +13,17 @@ Loads are in integer tokens; the balance target is ``tgt = ceil(total / world)``
    rank id; losers propose again in the next inner iteration.  ``K`` rounds, so at
    most ``K`` replicas per rank.  ``spill_e`` comes from cumulative-excess
    differencing over each hot rank's experts sorted by ascending load.
-3. :func:`lagrangian_auction` -- each spare slot bids for the source rank with the
-   best ``bonus - price``; each rank serves its best bidding slot with
-   ``min(its tokens of that expert, slot's remaining demand)`` and raises its price.
-   Runs until every demand is met (exact integers); the home instance gets every
-   token not auctioned.
+3. :func:`lagrangian_auction` -- each round every spare slot with demand bids for
+   the source rank with the best ``bonus - price`` (among ranks still holding its
+   expert's tokens); every picked rank serves *all* slots that picked it, best net
+   bonus first (ties: lowest slot), each ``min(its remaining tokens of the slot's
+   expert, slot's remaining demand)``, and its price rises by ``price_step`` per slot
+   served.  Runs until every demand is met (exact integers); the home instance gets
+   every token not auctioned.
+
+Phases 2 and 3 run in C++ (``ultracomm._core.taot_matching`` / ``taot_auction``,
+csrc/planners/taot.cpp) when the compiled core has them; the numpy implementations
+here are the reference (``backend="numpy"``) and give identical results.
 """
 from __future__ import annotations
 
@@ -27,6 +33,26 @@ from typing import Any
 import numpy as np
 
 from .base import Domain, PlannerResult, as_load, build_result, check_slots, home_rank_load
+
+try:  # compiled loops (csrc/planners/taot.cpp); numpy reference otherwise
+    from .. import _core as _core_mod
+
+    _HAVE_CPP = hasattr(_core_mod, "taot_auction") and hasattr(_core_mod, "taot_matching")
+except ImportError:  # pragma: no cover - core not built
+    _core_mod = None
+    _HAVE_CPP = False
+
+
+def _use_cpp(backend: str | None) -> bool:
+    if backend is None or backend == "auto":
+        return _HAVE_CPP
+    if backend == "cpp":
+        if not _HAVE_CPP:
+            raise RuntimeError("ultracomm._core has no TAOT loops; rebuild the core")
+        return True
+    if backend == "numpy":
+        return False
+    raise ValueError(f"backend must be 'auto', 'cpp' or 'numpy', got {backend!r}")
 
 __all__ = [
     "plan",
@@ -82,10 +108,12 @@ def sinkhorn(
     M = np.exp(-np.asarray(cost, np.float64)[np.ix_(hi, ci)] / eps)
     v = np.ones(ci.size)
     thr = tol * st.sum()
+    Mv = M @ v
     for _ in range(max(int(iters), 1)):
-        u = st / np.maximum(M @ v, eps0)
+        u = st / np.maximum(Mv, eps0)
         v = dc / np.maximum(M.T @ u, eps0)
-        if np.abs(u * (M @ v) - st).max() <= thr:
+        Mv = M @ v  # row sums of this iterate, reused by the next u update
+        if np.abs(u * Mv - st).max() <= thr:
             break
     sub = u[:, None] * M * v[None, :]
     sub *= np.minimum(1.0, dc / (sub.sum(0) + eps0))[None, :]
@@ -117,6 +145,7 @@ def column_first_matching(
     K: int,
     alpha: float,
     inner_iters: int | None = None,
+    backend: str | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Phase 2: column-first iterative matching.
 
@@ -130,6 +159,7 @@ def column_first_matching(
         alpha: weight of ``B`` (``0.1 * alpha`` for the hint).
         inner_iters: inner iterations per round (default: number of cold ranks; the
             loop also stops once no cold rank has a candidate).
+        backend: ``"auto"``/``None`` (C++ when built), ``"cpp"`` or ``"numpy"``.
 
     Returns:
         ``(g, rnd)``: int64 ``[E, R]`` tokens planned from expert ``e`` to rank ``r``,
@@ -154,6 +184,13 @@ def column_first_matching(
     allowed = np.asarray(home_of)[ei][:, None] != ri[None, :]
     used = np.zeros((ei.size, ri.size), bool)
     n_inner = ri.size if inner_iters is None else int(inner_iters)
+    if _use_cpp(backend):
+        gs, rs = _core_mod.taot_matching(
+            sp_e, sp_r, np.ascontiguousarray(static), allowed.astype(np.uint8), int(K), n_inner
+        )
+        g[np.ix_(ei, ri)] = gs
+        rnd[np.ix_(ei, ri)] = rs
+        return g, rnd
     cols = np.arange(ri.size)
     for k in range(int(K)):
         matched = np.zeros(ri.size, bool)
@@ -194,6 +231,7 @@ def lagrangian_auction(
     price_step: float = 0.05,
     max_iters: int | None = None,
     slot_rank: np.ndarray | None = None,
+    backend: str | None = None,
 ) -> tuple[np.ndarray, int]:
     """Phase 3: assign each spare slot's demand to source ranks, exactly.
 
@@ -203,12 +241,13 @@ def lagrangian_auction(
         demand: int ``[S]`` tokens planned for each slot; for every expert the total
             demand must not exceed its tokens.
         bonus: ``[R, S]`` topology bonus of source rank ``r`` for slot ``s``.
-        price_step: price increase of a rank each time it serves.
+        price_step: price increase of a rank per slot it serves.
         max_iters: round cap (default: run until done; each round exhausts a
             ``(rank, expert)`` supply or a slot's demand, so it ends).
         slot_rank: optional ``[S]`` rank of each slot; equal bids then prefer the
             slot's own rank, then the following ranks cyclically (default: lowest
             rank).
+        backend: ``"auto"``/``None`` (C++ when built), ``"cpp"`` or ``"numpy"``.
 
     Returns:
         ``(X, rounds)``: int64 ``[R, S]`` tokens source rank ``r`` sends to slot
@@ -217,8 +256,13 @@ def lagrangian_auction(
         rank order (still exact).
 
     Each round: every slot with demand picks ``argmax_r bonus - price`` over ranks
-    holding its expert (ties: see ``slot_rank``); every picked rank serves, of the slots
-    that picked it, the one with the highest net bonus (ties: lowest slot).
+    holding its expert (ties: see ``slot_rank``), ``price_r = price_step * (slots r
+    has served so far)``; every picked rank serves all slots that picked it, highest
+    net bonus first (ties: lowest slot), each ``min(r's remaining tokens of the slot's
+    expert, the slot's remaining demand)`` -- so a slot whose expert's tokens at ``r``
+    ran out earlier in the round gets nothing and bids again.  The round's serves then
+    raise the prices.  Rounds are bounded by the number of sources a slot draws from
+    (not by slots per rank, as with one serve per rank and round).
     """
     n = np.asarray(n, np.int64)
     se = np.asarray(slot_expert, np.int64)
@@ -228,42 +272,56 @@ def lagrangian_auction(
     if S == 0:
         return X, 0
     ue, inv = np.unique(se, return_inverse=True)
+    inv = inv.reshape(-1)
     supply = n[:, ue].copy()  # [R, U]: remaining tokens per rank and distinct expert
-    price = np.zeros(R)
+    U = ue.size
     bonus = np.asarray(bonus, np.float64)
     if slot_rank is not None:
         # tie-break: the slot's own rank first, then the next ranks cyclically, so
         # equal bids spread over ranks instead of herding on rank 0
         off = (np.arange(R)[:, None] - np.asarray(slot_rank, np.int64)[None, :]) % R
         bonus = bonus - 1e-9 * off
-    cap = max_iters if max_iters is not None else R * ue.size + S + 1
+    cap = max_iters if max_iters is not None else R * U + S + 1
+    if _use_cpp(backend):
+        X, rounds = _core_mod.taot_auction(
+            supply, inv.astype(np.int64), A, np.ascontiguousarray(bonus), float(price_step), int(cap)
+        )
+        return X, int(rounds)
+    cnt = np.zeros(R, np.int64)  # slots each rank has served
     rounds = 0
     while rounds < cap:
         active = np.flatnonzero(A > 0)
         if active.size == 0:
             break
         sup = supply[:, inv[active]]  # [R, a]
-        score = np.where(sup > 0, bonus[:, active] - price[:, None], _NEG)
+        score = np.where(sup > 0, bonus[:, active] - price_step * cnt.astype(np.float64)[:, None], _NEG)
         rstar = np.argmax(score, axis=0)
         best = score[rstar, np.arange(active.size)]
         ok = best > _NEG
-        if not ok.any():  # pragma: no cover - demand exceeds supply
+        if not ok.all():  # pragma: no cover - demand exceeds supply
             raise ValueError("auction demand exceeds the tokens of its expert")
-        a_ok = active[ok]
-        r_ok = rstar[ok]
-        b_ok = best[ok]
-        o = np.lexsort((a_ok, -b_ok, r_ok))  # per rank: best net bonus, lowest slot
-        r_o = r_ok[o]
-        first = np.ones(o.size, bool)
-        first[1:] = r_o[1:] != r_o[:-1]
-        rs = r_o[first]
-        ss = a_ok[o[first]]
-        us = inv[ss]
-        x = np.minimum(supply[rs, us], A[ss])
-        X[rs, ss] += x
-        supply[rs, us] -= x  # rs distinct, so no collisions
-        A[ss] -= x
-        price[rs] += price_step * (x > 0)
+        o = np.lexsort((active, -best, rstar))  # per rank: best net bonus, lowest slot
+        r_o = rstar[o]
+        s_o = active[o]
+        u_o = inv[s_o]
+        # consumption of each (rank, expert) supply in that order: exclusive cumsum
+        key = r_o * U + u_o
+        o2 = np.argsort(key, kind="stable")
+        k2 = key[o2]
+        a2 = A[s_o[o2]]
+        cs = np.cumsum(a2)
+        gstart = np.ones(k2.size, bool)
+        gstart[1:] = k2[1:] != k2[:-1]
+        base = np.maximum.accumulate(np.where(gstart, cs - a2, 0))
+        excl = cs - a2 - base
+        r2 = r_o[o2]
+        s2 = s_o[o2]
+        u2 = u_o[o2]
+        x = np.minimum(np.maximum(supply[r2, u2] - excl, 0), a2)
+        X[r2, s2] += x  # each slot picked one rank: pairs distinct
+        np.subtract.at(supply, (r2, u2), x)
+        A[s2] -= x
+        cnt += np.bincount(r2[x > 0], minlength=R)
         rounds += 1
     if (A > 0).any():  # cap reached: fill the rest in rank order
         for s in np.flatnonzero(A > 0).tolist():
@@ -289,6 +347,7 @@ def plan(
     sinkhorn_iters: int = 100,
     price_step: float = 0.05,
     auction_iters: int | None = None,
+    backend: str | None = None,
 ) -> PlannerResult:
     """TAOT planner.
 
@@ -302,6 +361,8 @@ def plan(
         sinkhorn_iters: Sinkhorn iteration cap.
         price_step: auction price step.
         auction_iters: auction round cap (default: until done).
+        backend: phases 2-3 in ``"cpp"`` or ``"numpy"`` (default: C++ when built);
+            the results are identical.
 
     ``info``: ``target``, ``flow`` (phase-1 ``[R, R]``), ``auction_rounds``.
     """
@@ -328,7 +389,7 @@ def plan(
     B[np.arange(home.size), home] = 0.0
     spill = spill_of(el, epr, tgt)
     alpha = total / el.size  # mean * R / E
-    g, rnd = column_first_matching(spill, spare, B, hint, home, K, alpha)
+    g, rnd = column_first_matching(spill, spare, B, hint, home, K, alpha, backend=backend)
     e_m, r_m = np.nonzero(g > 0)
     if e_m.size == 0:
         return build_result(load, domain, slot_src, np.zeros((W, K), np.int64), info)
@@ -344,7 +405,8 @@ def plan(
     demand = g[e_m, r_m]
     slot_quota[r_m, k_m] = demand
     X, rounds = lagrangian_auction(
-        load, e_m, demand, Brr[:, r_m], price_step, auction_iters, slot_rank=r_m
+        load, e_m, demand, Brr[:, r_m], price_step, auction_iters, slot_rank=r_m,
+        backend=backend,
     )
     info["auction_rounds"] = rounds
     rep = np.zeros((W, W, K), np.int64)

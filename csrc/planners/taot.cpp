@@ -1,0 +1,175 @@
+// TAOT phase 2 (column-first matching) and phase 3 (Lagrangian auction) loops.
+// Exact ports of the numpy reference implementations in
+// python/ultracomm/planners/taot.py (same floating-point expressions, same
+// tie-breaks), so both backends give identical integer outputs.
+#include "taot.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <stdexcept>
+#include <vector>
+
+namespace ultracomm::planners {
+
+namespace {
+constexpr double kNeg = -std::numeric_limits<double>::infinity();
+}
+
+void taot_matching(int64_t ne, int64_t nr, int64_t* sp_e, int64_t* sp_r, const double* stat,
+                   const uint8_t* allowed, int64_t K, int64_t n_inner, int64_t* g, int64_t* rnd) {
+  // g, rnd: [ne, nr], caller-initialised (0 / -1).
+  std::vector<uint8_t> used(static_cast<size_t>(ne * nr), 0);
+  std::vector<uint8_t> matched(static_cast<size_t>(nr));
+  std::vector<int64_t> best_e(static_cast<size_t>(nr));
+  std::vector<double> best_s(static_cast<size_t>(nr));
+  // per expert: the winning (score, rank) of the current iteration
+  std::vector<double> win_s(static_cast<size_t>(ne));
+  std::vector<int64_t> win_r(static_cast<size_t>(ne));
+  for (int64_t k = 0; k < K; ++k) {
+    std::fill(matched.begin(), matched.end(), 0);
+    for (int64_t it = 0; it < n_inner; ++it) {
+      bool any = false;
+      for (int64_t r = 0; r < nr; ++r) {
+        best_e[r] = -1;
+        best_s[r] = kNeg;
+        if (sp_r[r] <= 0 || matched[r]) continue;
+        for (int64_t e = 0; e < ne; ++e) {
+          const int64_t i = e * nr + r;
+          if (!allowed[i] || used[i] || sp_e[e] <= 0) continue;
+          const double s = static_cast<double>(std::min(sp_e[e], sp_r[r])) + stat[i];
+          if (s > best_s[r]) {  // first maximum: lowest expert id on ties
+            best_s[r] = s;
+            best_e[r] = e;
+          }
+        }
+        if (best_e[r] >= 0) any = true;
+      }
+      if (!any) break;
+      // arbitration: per expert the highest score, then the lowest rank
+      std::fill(win_r.begin(), win_r.end(), -1);
+      for (int64_t r = 0; r < nr; ++r) {
+        const int64_t e = best_e[r];
+        if (e < 0) continue;
+        if (win_r[e] < 0 || best_s[r] > win_s[e]) {  // ranks ascend: ties keep the lower
+          win_r[e] = r;
+          win_s[e] = best_s[r];
+        }
+      }
+      for (int64_t e = 0; e < ne; ++e) {
+        const int64_t r = win_r[e];
+        if (r < 0) continue;
+        const int64_t amt = std::min(sp_e[e], sp_r[r]);
+        g[e * nr + r] = amt;
+        rnd[e * nr + r] = k;
+        sp_e[e] -= amt;
+        sp_r[r] -= amt;
+        used[e * nr + r] = 1;
+        matched[r] = 1;
+      }
+    }
+  }
+}
+
+int64_t taot_auction(int64_t R, int64_t U, int64_t S, int64_t* supply, const int64_t* inv,
+                     int64_t* A, const double* bonus, double price_step, int64_t cap, int64_t* X) {
+  // supply: [R, U] (modified); inv: [S] distinct-expert index of each slot; A: [S] demand
+  // (modified); bonus: [R, S]; X: [R, S] (caller-zeroed).
+  std::vector<int64_t> cnt(static_cast<size_t>(R), 0);
+  std::vector<int64_t> served(static_cast<size_t>(R), 0);
+  std::vector<double> price(static_cast<size_t>(R), 0.0);
+  // transposed copies so the per-slot scan over ranks is contiguous
+  std::vector<int64_t> supT(static_cast<size_t>(U * R));
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t u = 0; u < U; ++u) supT[u * R + r] = supply[r * U + u];
+  std::vector<double> bT(static_cast<size_t>(S * R));
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t s = 0; s < S; ++s) bT[s * R + r] = bonus[r * S + s];
+  struct Pick {
+    int64_t r;
+    double b;
+    int64_t s;
+  };
+  std::vector<Pick> picks, order(static_cast<size_t>(S));
+  picks.reserve(static_cast<size_t>(S));
+  std::vector<int64_t> head(static_cast<size_t>(R + 1));
+  int64_t rounds = 0;
+  while (rounds < cap) {
+    picks.clear();
+    bool active = false;
+    for (int64_t s = 0; s < S; ++s) {
+      if (A[s] <= 0) continue;
+      active = true;
+      const int64_t u = inv[s];
+      int64_t br = -1;
+      double bs = kNeg;
+      const int64_t* sp = supT.data() + u * R;
+      const double* bb = bT.data() + s * R;
+      for (int64_t r = 0; r < R; ++r) {
+        const double sc = sp[r] > 0 ? bb[r] - price[r] : kNeg;
+        if (sc > bs) {  // first maximum: lowest rank on ties
+          bs = sc;
+          br = r;
+        }
+      }
+      if (br < 0) throw std::invalid_argument("auction demand exceeds the tokens of its expert");
+      picks.push_back({br, bs, s});
+    }
+    if (!active) break;
+    // every picked rank serves all slots that picked it: best net bonus, then lowest
+    // slot.  Bucket the picks by rank (counting sort; slots ascend within a bucket),
+    // then insertion-sort each (small) bucket by net bonus.
+    std::fill(head.begin(), head.end(), 0);
+    for (const Pick& p : picks) ++head[p.r + 1];
+    for (int64_t r = 0; r < R; ++r) head[r + 1] += head[r];
+    for (const Pick& p : picks) order[head[p.r]++] = p;  // head[r] -> end of bucket r
+    int64_t lo = 0;
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t hi = head[r];
+      for (int64_t a = lo + 1; a < hi; ++a) {
+        const Pick x = order[a];
+        int64_t b = a - 1;
+        while (b >= lo && order[b].b < x.b) {  // stable: equal bonus keeps slot order
+          order[b + 1] = order[b];
+          --b;
+        }
+        order[b + 1] = x;
+      }
+      for (int64_t a = lo; a < hi; ++a) {
+        const Pick& p = order[a];
+        int64_t& sup = supT[inv[p.s] * R + p.r];
+        const int64_t x = std::min(sup, A[p.s]);
+        if (x <= 0) continue;
+        X[p.r * S + p.s] += x;
+        sup -= x;
+        A[p.s] -= x;
+        ++served[p.r];
+      }
+      lo = hi;
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      if (served[r]) {
+        cnt[r] += served[r];
+        price[r] = price_step * static_cast<double>(cnt[r]);
+      }
+      served[r] = 0;
+    }
+    ++rounds;
+  }
+  // cap reached: fill the rest in rank order (still exact)
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t u = inv[s];
+    for (int64_t r = 0; r < R && A[s] > 0; ++r) {
+      const int64_t x = std::min(supT[u * R + r], A[s]);
+      X[r * S + s] += x;
+      supT[u * R + r] -= x;
+      A[s] -= x;
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t u = 0; u < U; ++u) supply[r * U + u] = supT[u * R + r];
+  return rounds;
+}
+
+}  // namespace ultracomm::planners

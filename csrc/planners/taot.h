@@ -1,0 +1,13 @@
+// TAOT planner loops (see taot.cpp).
+#pragma once
+#include <cstdint>
+
+namespace ultracomm::planners {
+
+void taot_matching(int64_t ne, int64_t nr, int64_t* sp_e, int64_t* sp_r, const double* stat,
+                   const uint8_t* allowed, int64_t K, int64_t n_inner, int64_t* g, int64_t* rnd);
+
+int64_t taot_auction(int64_t R, int64_t U, int64_t S, int64_t* supply, const int64_t* inv,
+                     int64_t* A, const double* bonus, double price_step, int64_t cap, int64_t* X);
+
+}  // namespace ultracomm::planners

@@ -339,3 +339,25 @@ def test_phase_hand_cases_numpy_reference(monkeypatch):
     test_matching_conflict_arbitration()
     test_auction_hand_cases()
     test_taot_prefers_intra_node()
+
+
+def test_eval_quick(tmp_path):
+    from ultracomm.planners import eval as pe
+
+    out = tmp_path / "planners.md"
+    assert pe.main(["--quick", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "## Goals" in text and "< 1 ms per call at EP64" in text
+    quick = pe.IMBALANCES[::2]
+    for label, *_ in pe.TAOT_CASES:
+        for imb in quick:
+            for name in pe.NAMES:
+                assert f"| {label} | " in text
+                rows = [l for l in text.splitlines()
+                        if l.startswith(f"| {label} | ") and f"| {name} |" in l]
+                assert len(rows) == len(quick), (label, name)
+    ep_loads = [f"zipf {pe.ZIPF_TARGETS[0]}", f"zipf {pe.ZIPF_TARGETS[-1]}",
+                f"hot {pe.HOT_FRACTIONS[0] * 100:.0f}%", f"hot {pe.HOT_FRACTIONS[-1] * 100:.0f}%"]
+    for ld in ep_loads:
+        for name in pe.NAMES:
+            assert any(l.startswith(f"| {ld} | {name} |") for l in text.splitlines()), (ld, name)

@@ -44,6 +44,8 @@ class _MicroBatch:
     layer: int
     plan: ReplicaPlan | None = None
     schedule: Schedule | None = None
+    my_slots: list[int] | None = None        # this rank's row of plan.slot_src
+    local_index_of: list[int] | None = None  # plan.local_index_of, as a list for the executor
 
 
 class Context:
@@ -227,12 +229,11 @@ class Context:
         if self._broken is not None:
             raise UltracommError(f"ultracomm: this Context failed earlier ({self._broken}); create a new Context")
         masters = self._masters[mb.layer]
-        sched, plan = mb.schedule, mb.plan
+        sched = mb.schedule
         with self._lock:
             self._epoch += 1
             epoch = self._epoch
-        my_slots = plan.slot_src[self.rank].tolist()
-        local_index_of = plan.local_index_of.tolist()
+        my_slots, local_index_of = mb.my_slots, mb.local_index_of
 
         def body() -> None:
             try:
@@ -256,6 +257,7 @@ class Context:
         mb = self._get(vid)
         self._check_plan(plan)
         mb.plan, mb.schedule = plan, self.schedule_for(plan)
+        mb.my_slots, mb.local_index_of = plan.slot_src[self.rank].tolist(), plan.local_index_of.tolist()
         return self._submit("weight_sync", Op.MULTICAST, mb, async_op)
 
     def restore(self, vid: int, async_op: bool = False) -> Work | None:

@@ -93,6 +93,11 @@ class Context:
         if window is not None:
             overrides["window"] = window
         self.config = cfg.replace(**overrides) if overrides else cfg
+        if not self.config.deterministic:
+            # every transport built so far reduces in the schedule's fixed order; there is no
+            # faster non-deterministic path to switch to, so say so instead of ignoring it
+            log.warning("ultracomm: ULTRACOMM_DETERMINISTIC=0 has no effect: reductions are always ordered")
+        log.setLevel(self.config.log_level.upper())
         self.comm = as_comm(group)
         self.rank, self.world = self.comm.rank, self.comm.world
         self.layout = layout
@@ -207,6 +212,13 @@ class Context:
                                    chunk_bytes=c.chunk_bytes, relay_mode=c.relay_mode, max_depth=c.max_depth,
                                    intra_bw=c.intra_bw, inter_bw=c.inter_bw, rank=self.rank)
             self._schedules[key] = sched
+            if log.isEnabledFor(logging.DEBUG):
+                st = sched.stats()
+                log.debug("rank %d: schedule %016x built: multicast depth %d max egress %d B (lower bound %d B); "
+                          "reduce depth %d max ingress %d B (lower bound %d B)", self.rank, sched.digest,
+                          st["multicast"]["depth"], st["multicast"]["max_egress"],
+                          st["multicast"]["lower_bound_bytes"], st["reduce"]["depth"], st["reduce"]["max_ingress"],
+                          st["reduce"]["lower_bound_bytes"])
             if len(self._schedules) > _SCHEDULE_CACHE:
                 self._schedules.popitem(last=False)
         else:
@@ -243,6 +255,7 @@ class Context:
                 raise
 
         work = self._runner.submit(f"{name} (rank {self.rank}, epoch {epoch})", body)
+        log.debug("rank %d: %s vid-layer %d epoch %d submitted", self.rank, name, mb.layer, epoch)
         if async_op:
             return work
         work.wait()

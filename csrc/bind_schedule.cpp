@@ -51,7 +51,8 @@ const OpSchedule& op_of(const Schedule& s, Op op) { return op == Op::kMulticast 
 
 BuildInput make_input(int32_t world, int32_t slots, int32_t experts, const I32& slot_src, const I32& home_of,
                       const py::object& node_of, uint64_t weight_bytes, uint64_t grad_bytes, uint64_t chunk_bytes,
-                      const py::object& relay_mode, int32_t max_depth, double intra_bw, double inter_bw) {
+                      const py::object& relay_mode, int32_t max_depth, double intra_bw, double inter_bw,
+                      double intra_lat, double inter_lat) {
   BuildInput in;
   in.world = world;
   in.slots_per_rank = slots;
@@ -69,6 +70,8 @@ BuildInput make_input(int32_t world, int32_t slots, int32_t experts, const I32& 
   in.max_depth = max_depth;
   in.intra_bw = intra_bw;
   in.inter_bw = inter_bw;
+  in.intra_latency_s = intra_lat;
+  in.inter_latency_s = inter_lat;
   return in;
 }
 
@@ -161,6 +164,8 @@ void bind_schedule(py::module_& m) {
         d["max_depth"] = in.max_depth;
         d["intra_bw"] = in.intra_bw;
         d["inter_bw"] = in.inter_bw;
+        d["intra_latency_s"] = in.intra_latency_s;
+        d["inter_latency_s"] = in.inter_latency_s;
         return d;
       });
 
@@ -168,9 +173,9 @@ void bind_schedule(py::module_& m) {
       "build_schedule",
       [](int32_t world, int32_t slots, int32_t experts, const I32& slot_src, const I32& home_of, py::object node_of,
          uint64_t weight_bytes, uint64_t grad_bytes, uint64_t chunk_bytes, py::object relay_mode, int32_t max_depth,
-         double intra_bw, double inter_bw, int32_t only_rank) {
+         double intra_bw, double inter_bw, int32_t only_rank, double intra_lat, double inter_lat) {
         BuildInput in = make_input(world, slots, experts, slot_src, home_of, node_of, weight_bytes, grad_bytes,
-                                   chunk_bytes, relay_mode, max_depth, intra_bw, inter_bw);
+                                   chunk_bytes, relay_mode, max_depth, intra_bw, inter_bw, intra_lat, inter_lat);
         std::shared_ptr<Schedule> s;
         {
           py::gil_scoped_release nogil;
@@ -181,16 +186,17 @@ void bind_schedule(py::module_& m) {
       py::arg("world"), py::arg("slots_per_rank"), py::arg("num_experts"), py::arg("slot_src"), py::arg("home_of"),
       py::arg("node_of"), py::arg("weight_bytes"), py::arg("grad_bytes"), py::arg("chunk_bytes"),
       py::arg("relay_mode"), py::arg("max_depth"), py::arg("intra_bw"), py::arg("inter_bw"),
-      py::arg("only_rank") = -1,
+      py::arg("only_rank") = -1, py::arg("intra_latency_s") = BuildInput{}.intra_latency_s,
+      py::arg("inter_latency_s") = BuildInput{}.inter_latency_s,
       "Build both operations' trees and task lists; raises ValueError on invalid input.");
 
   m.def(
       "time_build",
       [](int32_t world, int32_t slots, int32_t experts, const I32& slot_src, const I32& home_of, py::object node_of,
          uint64_t weight_bytes, uint64_t grad_bytes, uint64_t chunk_bytes, py::object relay_mode, int32_t max_depth,
-         double intra_bw, double inter_bw, int32_t only_rank, int32_t iters) {
+         double intra_bw, double inter_bw, int32_t only_rank, int32_t iters, double intra_lat, double inter_lat) {
         BuildInput in = make_input(world, slots, experts, slot_src, home_of, node_of, weight_bytes, grad_bytes,
-                                   chunk_bytes, relay_mode, max_depth, intra_bw, inter_bw);
+                                   chunk_bytes, relay_mode, max_depth, intra_bw, inter_bw, intra_lat, inter_lat);
         py::array_t<double> out(std::max(iters, 0));
         double* o = out.mutable_data();
         {
@@ -210,7 +216,8 @@ void bind_schedule(py::module_& m) {
       py::arg("world"), py::arg("slots_per_rank"), py::arg("num_experts"), py::arg("slot_src"), py::arg("home_of"),
       py::arg("node_of"), py::arg("weight_bytes"), py::arg("grad_bytes"), py::arg("chunk_bytes"),
       py::arg("relay_mode"), py::arg("max_depth"), py::arg("intra_bw"), py::arg("inter_bw"),
-      py::arg("only_rank") = -1, py::arg("iters") = 100,
+      py::arg("only_rank") = -1, py::arg("iters") = 100, py::arg("intra_latency_s") = BuildInput{}.intra_latency_s,
+      py::arg("inter_latency_s") = BuildInput{}.inter_latency_s,
       "Run build_schedule `iters` times in C++ (GIL released); returns the nanoseconds of each build.");
 }
 

@@ -41,6 +41,10 @@ void validate(const BuildInput& in, int32_t only_rank) {
     bad("relay_mode must be auto, off or force, got " + std::to_string(int(in.relay_mode)));
   if (!(in.intra_bw > 0) || !std::isfinite(in.intra_bw)) bad("intra_bw must be a positive finite number");
   if (!(in.inter_bw > 0) || !std::isfinite(in.inter_bw)) bad("inter_bw must be a positive finite number");
+  if (!(in.intra_latency_s >= 0) || !std::isfinite(in.intra_latency_s))
+    bad("intra_latency_s must be a finite number >= 0");
+  if (!(in.inter_latency_s >= 0) || !std::isfinite(in.inter_latency_s))
+    bad("inter_latency_s must be a finite number >= 0");
   if (only_rank < -1 || only_rank >= W)
     bad("only_rank must be -1 or a rank in [0, world), got " + std::to_string(only_rank));
   const uint64_t mx = std::max(in.weight_bytes, in.grad_bytes);
@@ -93,7 +97,34 @@ void fixed_side(const TreeInput& ti, const Tree& t, SideLoads& out) {
     }
 }
 
-double predicted(const TreeInput& ti, const Tree& t, const SideLoads& f, uint64_t bytes, uint64_t chunk) {
+// Hop profile of a tree's paths: for every depth d present, the most inter-node hops on a
+// path from the home to a slot at depth d (index d; -1 where no slot has depth d).
+void hop_profile(const TreeInput& ti, const Tree& t, std::vector<int32_t>& out) {
+  out.assign(t.max_depth + 1, -1);
+  const int64_t WS = int64_t(ti.world) * ti.slots;
+  if (!ti.multi_node) {
+    for (int64_t id = 0; id < WS; ++id)
+      if (t.parent_rank[id] >= 0) out[t.depth[id]] = 0;
+    return;
+  }
+  // slots by depth (counting sort), then nx[id] = nx[parent] + crossing
+  std::vector<int32_t> db(t.max_depth + 2, 0);
+  for (int64_t id = 0; id < WS; ++id)
+    if (t.parent_rank[id] >= 0) db[t.depth[id] + 1]++;
+  for (int32_t d = 0; d <= t.max_depth; ++d) db[d + 1] += db[d];
+  std::vector<int32_t> by(db.back()), fill(db.begin(), db.end() - 1), nx(WS, 0);
+  for (int64_t id = 0; id < WS; ++id)
+    if (t.parent_rank[id] >= 0) by[fill[t.depth[id]]++] = static_cast<int32_t>(id);
+  for (const int32_t id : by) {
+    const int32_t p = t.parent_rank[id];
+    const int32_t up = t.parent_slot[id] == kMaster ? 0 : nx[int64_t(p) * ti.slots + t.parent_slot[id]];
+    nx[id] = up + (ti.node_of[p] != ti.node_of[ti.rank_of_id[id]]);
+    out[t.depth[id]] = std::max(out[t.depth[id]], nx[id]);
+  }
+}
+
+double predicted(const BuildInput& in, const TreeInput& ti, const Tree& t, const SideLoads& f,
+                 const std::vector<int32_t>& hops, uint64_t bytes) {
   if (bytes == 0) return 0;
   const double B = double(bytes);
   double link = 0;
@@ -101,7 +132,12 @@ double predicted(const TreeInput& ti, const Tree& t, const SideLoads& f, uint64_
     link = std::max(link, std::max<double>(t.load_intra[r], f.fi[r]) * B / ti.intra_bw);
     link = std::max(link, std::max<double>(t.load_inter[r], f.fx[r]) * B / ti.inter_bw);
   }
-  return link + t.max_depth * double(std::min(chunk, bytes)) / ti.intra_bw;
+  const double c = double(std::min(in.chunk_bytes, bytes));
+  const double hi = c / ti.intra_bw + in.intra_latency_s, hx = c / ti.inter_bw + in.inter_latency_s;
+  double fill = 0;
+  for (int32_t d = 1; d < int32_t(hops.size()); ++d)
+    if (hops[d] >= 0) fill = std::max(fill, (d - hops[d]) * hi + hops[d] * hx);
+  return link + fill;
 }
 
 // True if the direct tree sends every expert to each remote node at most once.
@@ -121,8 +157,8 @@ uint64_t fnv_arr(uint64_t h, const int32_t* p, size_t n) {
 }
 
 // Fills one op from its tree: parents, stats, task lists.
-void fill_op(const BuildInput& in, const TreeInput& ti, const Tree& t, const SideLoads& f, Op op, uint64_t bytes,
-             int32_t only_rank, OpSchedule& o) {
+void fill_op(const BuildInput& in, const TreeInput& ti, const Tree& t, const SideLoads& f,
+             const std::vector<int32_t>& hops, Op op, uint64_t bytes, int32_t only_rank, OpSchedule& o) {
   const int32_t W = ti.world, S = ti.slots, E = ti.num_experts;
   const int64_t WS = int64_t(W) * S;
   const bool mc = op == Op::kMulticast;
@@ -183,7 +219,7 @@ void fill_op(const BuildInput& in, const TreeInput& ti, const Tree& t, const Sid
     }
     o.lower_bound_s = s;
   }
-  o.predicted_s = predicted(ti, t, f, bytes, in.chunk_bytes);
+  o.predicted_s = predicted(in, ti, t, f, hops, bytes);
 
   // children CSR over nodes: slot ids [0, WS), homes WS + e; children in (rank, slot) order
   const int64_t N = WS + E;
@@ -329,7 +365,11 @@ Schedule build_schedule(const BuildInput& in, int32_t only_rank) {
   if (pool.empty() || (!force && !(ti.multi_node && in.relay_mode == RelayMode::kAuto && !topology_ok(ti))))
     pool.insert(pool.begin(), &direct);
   std::vector<SideLoads> fl(pool.size());
-  for (size_t i = 0; i < pool.size(); ++i) fixed_side(ti, *pool[i], fl[i]);
+  std::vector<std::vector<int32_t>> hp(pool.size());
+  for (size_t i = 0; i < pool.size(); ++i) {
+    fixed_side(ti, *pool[i], fl[i]);
+    hop_profile(ti, *pool[i], hp[i]);
+  }
 
   Schedule out;
   out.input = in;
@@ -338,15 +378,16 @@ Schedule build_schedule(const BuildInput& in, int32_t only_rank) {
   for (int op = 0; op < kNumOps; ++op) {
     const uint64_t bytes = op == 0 ? in.weight_bytes : in.grad_bytes;
     size_t best = 0;
-    double best_t = predicted(ti, *pool[0], fl[0], bytes, in.chunk_bytes);
+    double best_t = predicted(in, ti, *pool[0], fl[0], hp[0], bytes);
     for (size_t i = 1; i < pool.size(); ++i) {
-      const double p = predicted(ti, *pool[i], fl[i], bytes, in.chunk_bytes);
+      const double p = predicted(in, ti, *pool[i], fl[i], hp[i], bytes);
       if (p < best_t) {
         best_t = p;
         best = i;
       }
     }
-    fill_op(in, ti, *pool[best], fl[best], static_cast<Op>(op), bytes, only_rank, op == 0 ? out.multicast : out.reduce);
+    fill_op(in, ti, *pool[best], fl[best], hp[best], static_cast<Op>(op), bytes, only_rank,
+            op == 0 ? out.multicast : out.reduce);
   }
 
   uint64_t h = 0xcbf29ce484222325ULL;
@@ -363,6 +404,10 @@ Schedule build_schedule(const BuildInput& in, int32_t only_rank) {
   std::memcpy(&bw, &in.intra_bw, 8);
   h = fnv_u64(h, bw);
   std::memcpy(&bw, &in.inter_bw, 8);
+  h = fnv_u64(h, bw);
+  std::memcpy(&bw, &in.intra_latency_s, 8);
+  h = fnv_u64(h, bw);
+  std::memcpy(&bw, &in.inter_latency_s, 8);
   h = fnv_u64(h, bw);
   h = fnv_arr(h, in.slot_src.data(), in.slot_src.size());
   h = fnv_arr(h, in.home_of.data(), in.home_of.size());

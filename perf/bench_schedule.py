@@ -48,9 +48,12 @@ def zipf_plan(seed: int, world: int, slots: int, experts: int, skew: float = 1.2
     return Plan(slot_src, home_of)
 
 
+MAX_DEPTH = 8  # the builder's default (ULTRACOMM_RELAY_MAX_DEPTH may set another)
+
+
 def core_args(plan, wb, gb, chunk, mode, node_of):
     return (plan.world, plan.slots_per_rank, plan.num_experts, plan.slot_src.reshape(-1), plan.home_of,
-            node_of, wb, gb, chunk, mode, 4, 370e9, 50e9)
+            node_of, wb, gb, chunk, mode, MAX_DEPTH, 370e9, 50e9)
 
 
 def run(cases, iters, py_iters):
@@ -69,9 +72,10 @@ def run(cases, iters, py_iters):
             ts = []
             for _ in range(py_iters):
                 t0 = time.perf_counter_ns()
-                build_schedule(plan, wb, gb, node_of=node_of, chunk_bytes=chunk, relay_mode=mode, rank=0)
+                build_schedule(plan, wb, gb, node_of=node_of, chunk_bytes=chunk, relay_mode=mode, rank=0,
+                               max_depth=MAX_DEPTH)
                 ts.append(time.perf_counter_ns() - t0)
-            s = build_schedule(plan, wb, gb, node_of=node_of, chunk_bytes=chunk, relay_mode=mode)
+            s = build_schedule(plan, wb, gb, node_of=node_of, chunk_bytes=chunk, relay_mode=mode, max_depth=MAX_DEPTH)
             m, r = s.stats("multicast"), s.stats("reduce")
             rows.append(dict(
                 world=world, slots=slots, experts=experts, nodes=nodes, replicas=reps, hottest=hot, mode=mode,
@@ -94,7 +98,9 @@ def main():
     ap.add_argument("--iters", type=int, default=400)
     ap.add_argument("--py-iters", type=int, default=100)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--max-depth", type=int, default=MAX_DEPTH)
     a = ap.parse_args()
+    globals()["MAX_DEPTH"] = a.max_depth
     cases = [(8, 2, 128, 1), (16, 3, 128, 1), (64, 2, 256, 1), (64, 3, 256, 1), (64, 4, 256, 1),
              (64, 4, 256, 8), (72, 4, 288, 1), (128, 2, 384, 1), (128, 4, 384, 16)]
     if a.quick:

@@ -241,7 +241,7 @@ def test_random_world64(seed, slots, mode):
     rng = np.random.default_rng(seed)
     plan = random_plan(rng, 64, slots, 256, fill=0.9, skew=1.3)
     sched = build_schedule(plan, 4 << 20, 8 << 20, chunk_bytes=1 << 20, relay_mode=mode)
-    check(plan, sched, mode=mode, max_depth=4)
+    check(plan, sched, mode=mode, max_depth=8)  # the builder's default limit
     direct = build_schedule(plan, 4 << 20, 8 << 20, chunk_bytes=1 << 20, relay_mode="off")
     if mode == "auto":
         assert sched.stats(Op.MULTICAST)["max_egress"] <= direct.stats(Op.MULTICAST)["max_egress"]
@@ -306,6 +306,22 @@ def test_hot_expert_60_of_64_goes_deep():
     r = auto.stats("reduce")
     assert r["depth"] > 2 and r["max_ingress"] <= 4 * B
     assert m["lower_bound_bytes"] == B
+
+
+def test_hop_latency_limits_depth():
+    plan = hot_plan(64, 60)
+    B = 8 << 20
+    kw = dict(chunk_bytes=1 << 20, relay_mode="auto", max_depth=8)
+    free = build_schedule(plan, B, B, intra_latency_s=0.0, inter_latency_s=0.0, **kw)
+    slow = build_schedule(plan, B, B, intra_latency_s=20e-6, inter_latency_s=50e-6, **kw)
+    check(plan, free, max_depth=8)
+    check(plan, slow, max_depth=8)
+    assert slow.stats("multicast")["depth"] < free.stats("multicast")["depth"]
+    assert slow.digest != free.digest
+    assert slow.inputs()["intra_latency_s"] == 20e-6 and slow.inputs()["inter_latency_s"] == 50e-6
+    # the latency is part of the prediction: one hop per level on the deepest path
+    m0, m1 = free.stats("multicast"), slow.stats("multicast")
+    assert m1["predicted_s"] >= m0["predicted_s"]
 
 
 def test_auto_prefers_direct_when_chunks_are_large():
@@ -507,6 +523,8 @@ def _core_build(**over):
         (dict(world=0, slot_src=np.zeros(0, np.int32), home_of=np.zeros(0, np.int32)), "world must be"),
         (dict(intra_bw=0.0), "intra_bw must be a positive"),
         (dict(inter_bw=-1.0), "inter_bw must be a positive"),
+        (dict(intra_latency_s=-1e-6), "intra_latency_s must be a finite number >= 0"),
+        (dict(inter_latency_s=float("nan")), "inter_latency_s must be a finite number >= 0"),
         (dict(only_rank=4), "only_rank must be"),
     ],
 )

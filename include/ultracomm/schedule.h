@@ -20,9 +20,13 @@ struct BuildInput {
   uint64_t grad_bytes = 0;        // one expert's grads, slot layout
   uint64_t chunk_bytes = 1 << 20; // multiple of 16
   RelayMode relay_mode = RelayMode::kAuto;
-  int32_t max_depth = 4;          // max tree depth (1 = direct)
+  int32_t max_depth = 8;          // max tree depth (1 = direct); auto picks by predicted time
   double intra_bw = 370e9;        // bytes/s per rank per direction within a node
   double inter_bw = 50e9;         // bytes/s per rank per direction across nodes
+  // Per-hop latency of the cost model (seconds): a chunk is visible at the receiver (data +
+  // flag, handled) this long after its last byte left; one per tree level on the critical path.
+  double intra_latency_s = 2e-6;
+  double inter_latency_s = 5e-6;
 };
 
 // Per operation: the tree (parent of every replica slot) and per-rank task lists.
@@ -54,8 +58,9 @@ struct OpSchedule {
   // the larger of the expert crossings that must enter N and that must leave N (one per
   // (expert, remote node holding a replica)).  Always <= the link part of predicted_s.
   double lower_bound_s = 0;
-  // max over ranks and tiers (intra, inter) and directions of bytes / bw, plus
-  // max_depth * chunk_time, chunk_time = min(chunk_bytes, bytes) / intra_bw.
+  // Link part: max over ranks and tiers (intra, inter) and directions of bytes / bw.  Plus the
+  // pipeline fill: max over tree paths of the sum over its hops of (chunk_time + latency) of
+  // the hop's tier, chunk_time = min(chunk_bytes, bytes) / bw.
   double predicted_s = 0;
   bool relayed = false;            // true when any expert uses a relay
 };

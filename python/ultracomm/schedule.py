@@ -176,17 +176,22 @@ def build_schedule(
     node_of=None,
     chunk_bytes: int = 1 << 20,
     relay_mode: Union[str, int, RelayMode] = "auto",
-    max_depth: int = 4,
+    max_depth: int = 8,
     intra_bw: float = 370e9,
     inter_bw: float = 50e9,
     rank: Optional[int] = None,
+    intra_latency_s: float = 2e-6,
+    inter_latency_s: float = 5e-6,
 ) -> Schedule:
     """Build the multicast and reduce schedules of ``plan``.
 
     ``plan`` is duck-typed: ``.slot_src`` ([world, slots] ints, torch or numpy; -1 = empty),
     ``.home_of`` ([E]), ``.world``, ``.slots_per_rank``, ``.num_experts``.  ``node_of``
     ([world]) enables topology-aware trees; ``rank`` builds the task lists of that rank only
-    (trees, stats and digest are still global).  Raises ValueError on invalid input.
+    (trees, stats and digest are still global).  ``intra_latency_s`` / ``inter_latency_s``:
+    per-hop latency of the cost model (one per tree level on a path), which with the chunk
+    time decides how deep a tree pays off (``max_depth`` is only the limit).  Raises
+    ValueError on invalid input.
     """
     world, slots, experts = int(plan.world), int(plan.slots_per_rank), int(plan.num_experts)
     slot_src = _i32(plan.slot_src, "slot_src").reshape(-1)
@@ -199,5 +204,6 @@ def build_schedule(
         world, slots, experts, slot_src, home_of, nodes,
         int(weight_bytes), int(grad_bytes), int(chunk_bytes), _mode(relay_mode), int(max_depth),
         float(intra_bw), float(inter_bw), -1 if rank is None else int(rank),
+        float(intra_latency_s), float(inter_latency_s),
     )
     return Schedule(core)

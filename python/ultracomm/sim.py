@@ -297,15 +297,18 @@ def get_fabric(name: str, world: Optional[int] = None) -> Fabric:
 
 
 def schedule_for(plan, weight_bytes: int, grad_bytes: int, fabric: Fabric, relay_mode: str = "auto",
-                 chunk_bytes: int = 1 << 20, max_depth: int = 4):
-    """:func:`~ultracomm.schedule.build_schedule` with the fabric's nodes and bandwidths."""
+                 chunk_bytes: int = 1 << 20, max_depth: Optional[int] = None):
+    """:func:`~ultracomm.schedule.build_schedule` with the fabric's nodes, bandwidths and hop
+    latencies (latency + chunk overhead per hop); ``max_depth`` None: the builder's default."""
     from .schedule import build_schedule
 
     fab = fabric.for_world(int(plan.world))
+    kw = {} if max_depth is None else {"max_depth": int(max_depth)}
     return build_schedule(plan, int(weight_bytes), int(grad_bytes),
                           node_of=fab.nodes if fab.multi_node else None, chunk_bytes=int(chunk_bytes),
-                          relay_mode=relay_mode, max_depth=int(max_depth), intra_bw=fab.intra_bw,
-                          inter_bw=fab.inter_bw)
+                          relay_mode=relay_mode, intra_bw=fab.intra_bw, inter_bw=fab.inter_bw,
+                          intra_latency_s=fab.intra_latency_s + fab.chunk_overhead_s,
+                          inter_latency_s=fab.inter_latency_s + fab.chunk_overhead_s, **kw)
 
 
 # ----------------------------------------------------------------------------- result
@@ -806,7 +809,7 @@ def make_plan(load, world: int, slots: int, experts_per_rank: int, planner: str 
 
 
 def compare(plan, weight_bytes: int, grad_bytes: int, fabric: Fabric, *, chunk_bytes: int = 1 << 20,
-            max_depth: int = 4, max_chunks: Optional[int] = None) -> dict:
+            max_depth: Optional[int] = None, max_chunks: Optional[int] = None) -> dict:
     """weight_sync and grad_reduce of ``plan`` on ``fabric`` by all-to-all, ultracomm direct
     (relay off) and ultracomm relay (auto), with the lower bound.  Returns a dict:
     ``{"multicast": {"a2a", "direct", "relay", "lb"} (seconds), "reduce": {...},
@@ -884,7 +887,7 @@ def _table(rows: Sequence[Sequence[str]], hdr: Sequence[str]) -> str:
 
 def run_case(model: str, fabric: Fabric, ep: int, slots: int, imbalances: Sequence[float], *,
              planner: str = "greedy", tokens: int = 8192, seed: int = 0, chunk_bytes: int = 1 << 20,
-             max_depth: int = 4, max_chunks: Optional[int] = None, num_experts: Optional[int] = None
+             max_depth: Optional[int] = None, max_chunks: Optional[int] = None, num_experts: Optional[int] = None
              ) -> list[dict]:
     """One row per imbalance: Zipf load (``tokens`` per rank, the model's top-k), plan, and
     :func:`compare` on the model's bf16 expert weights / fp32 grads.  ``num_experts``
@@ -1037,7 +1040,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--tokens", type=int, default=8192, help="tokens per rank")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--chunk-bytes", type=_size, default=1 << 20)
-    ap.add_argument("--max-depth", type=int, default=4)
+    ap.add_argument("--max-depth", type=int, default=None, help="relay tree depth limit (default: the builder's)")
     ap.add_argument("--max-chunks", type=int, default=0, help="merge chunks to at most this many (0: exact)")
     ap.add_argument("--json", metavar="FILE", help="write the rows (and the fabric) as JSON")
     ap.add_argument("--calibrate", action="store_true",

@@ -22,7 +22,7 @@ def test_defaults():
     assert (c.multicast_sms, c.reduce_sms) == (16, 16)
     assert (c.transport, c.window, c.relay_mode, c.log_level) == ("auto", "auto", "auto", "warning")
     assert (c.tile_bytes, c.chunk_bytes) == (32768, 1 << 20)
-    assert c.max_depth == 4 and c.deterministic is True and c.timeout_s == 100.0
+    assert c.max_depth == 8 and c.deterministic is True and c.timeout_s == 100.0
     assert (c.intra_bw, c.inter_bw, c.jitter_us) == (370e9, 50e9, 0)
     assert c == Config()
     assert c.relay is RelayMode.AUTO

@@ -16,7 +16,7 @@ ULTRACOMM_WINDOW           window          choice                auto           
 ULTRACOMM_TILE_BYTES       tile_bytes      size (bytes)          32768 (32K)         bytes moved per tile; a positive multiple of 16
 ULTRACOMM_CHUNK_BYTES      chunk_bytes     size (bytes)          1048576 (1M)        bytes per flagged chunk (relay granularity); a multiple of tile_bytes
 ULTRACOMM_RELAY            relay_mode      choice                auto                auto (relay when the cost model says so) | off (direct) | force
-ULTRACOMM_RELAY_MAX_DEPTH  max_depth       int >= 1              4                   deepest relay tree the schedule builder may use
+ULTRACOMM_RELAY_MAX_DEPTH  max_depth       int >= 1              8                   deepest relay tree the schedule builder may use (a cap: depth is chosen by predicted time)
 ULTRACOMM_DETERMINISTIC    deterministic   bool                  true                fixed-order fp32 gradient reduction (bit-identical runs)
 ULTRACOMM_TIMEOUT_S        timeout_s       float > 0             100                 seconds a flag wait may take before raising a TimeoutError
 ULTRACOMM_LOG_LEVEL        log_level       choice                warning             debug | info | warning | error
@@ -234,7 +234,7 @@ class Config:
     tile_bytes: int = 32768
     chunk_bytes: int = 1 << 20
     relay_mode: str = "auto"
-    max_depth: int = 4
+    max_depth: int = 8
     deterministic: bool = True
     timeout_s: float = 100.0
     log_level: str = "warning"

@@ -22,20 +22,25 @@ void need(bool ok, const char* what) {
   if (!ok) throw std::invalid_argument(std::string("taot: bad shape: ") + what);
 }
 
-py::tuple matching(I64 sp_e, I64 sp_r, F64 stat, U8 allowed, int64_t K, int64_t n_inner) {
-  const int64_t ne = sp_e.size(), nr = sp_r.size();
+py::tuple matching(I64 sp_e, I64 grp, I64 exc, I64 sp_r, F64 stat, U8 allowed, int64_t K,
+                   int64_t n_inner, int64_t min_gain, bool mutual, bool two_pass) {
+  const int64_t ne = sp_e.size(), nr = sp_r.size(), ng = exc.size();
+  need(grp.size() == ne, "grp [ne]");
+  for (int64_t e = 0; e < ne; ++e) need(grp.data()[e] >= 0 && grp.data()[e] < ng, "grp in [0, ng)");
   need(stat.ndim() == 2 && stat.shape(0) == ne && stat.shape(1) == nr, "static [ne, nr]");
   need(allowed.ndim() == 2 && allowed.shape(0) == ne && allowed.shape(1) == nr, "allowed [ne, nr]");
-  I64 se(ne), sr(nr);
+  I64 se(ne), sr(nr), ex(ng);
   std::copy(sp_e.data(), sp_e.data() + ne, se.mutable_data());
   std::copy(sp_r.data(), sp_r.data() + nr, sr.mutable_data());
+  std::copy(exc.data(), exc.data() + ng, ex.mutable_data());
   I64 g({ne, nr}), rnd({ne, nr});
   std::fill(g.mutable_data(), g.mutable_data() + ne * nr, 0);
   std::fill(rnd.mutable_data(), rnd.mutable_data() + ne * nr, -1);
   {
     py::gil_scoped_release rel;
-    planners::taot_matching(ne, nr, se.mutable_data(), sr.mutable_data(), stat.data(),
-                            allowed.data(), K, n_inner, g.mutable_data(), rnd.mutable_data());
+    planners::taot_matching(ne, nr, se.mutable_data(), grp.data(), ex.mutable_data(),
+                            sr.mutable_data(), stat.data(), allowed.data(), K, n_inner, min_gain,
+                            mutual, two_pass, g.mutable_data(), rnd.mutable_data());
   }
   return py::make_tuple(g, rnd);
 }
@@ -89,8 +94,9 @@ I64 split(I64 load, I64 inst_rank, I64 quota, I64 inst_slot, int64_t K) {
 }  // namespace
 
 void bind_planners(py::module_& m) {
-  m.def("taot_matching", &matching, py::arg("spill"), py::arg("spare"), py::arg("static"),
-        py::arg("allowed"), py::arg("K"), py::arg("inner_iters"),
+  m.def("taot_matching", &matching, py::arg("spill"), py::arg("group"), py::arg("group_cap"),
+        py::arg("spare"), py::arg("static"), py::arg("allowed"), py::arg("K"),
+        py::arg("inner_iters"), py::arg("min_gain"), py::arg("mutual"), py::arg("two_pass"),
         "TAOT phase 2 on the compacted problem: (g [ne, nr], round [ne, nr]).");
   m.def("taot_auction", &auction, py::arg("supply"), py::arg("inv"), py::arg("demand"),
         py::arg("bonus"), py::arg("price_step"), py::arg("cap"),

@@ -1,4 +1,5 @@
-// TAOT phase 2 (column-first matching) and phase 3 (Lagrangian auction) loops.
+// TAOT phase 2 (column-first matching, with the refinements documented in taot.py) and
+// phase 3 (Lagrangian auction) loops.
 // Exact ports of the numpy reference implementations in
 // python/ultracomm/planners/taot.py (same floating-point expressions, same
 // tie-breaks), so both backends give identical integer outputs.
@@ -17,56 +18,111 @@ namespace {
 constexpr double kNeg = -std::numeric_limits<double>::infinity();
 }
 
-void taot_matching(int64_t ne, int64_t nr, int64_t* sp_e, int64_t* sp_r, const double* stat,
-                   const uint8_t* allowed, int64_t K, int64_t n_inner, int64_t* g, int64_t* rnd) {
-  // g, rnd: [ne, nr], caller-initialised (0 / -1).
+void taot_matching(int64_t ne, int64_t nr, int64_t* sp_e, const int64_t* grp, int64_t* exc,
+                   int64_t* sp_r, const double* stat, const uint8_t* allowed, int64_t K,
+                   int64_t n_inner, int64_t min_gain, bool mutual, bool two_pass, int64_t* g,
+                   int64_t* rnd) {
+  // g, rnd: [ne, nr], caller-initialised (0 / -1).  allowed[i]: 0 never, 1 in the last pass,
+  // 2 in every pass (two_pass: pass 0 only matches pairs marked 2).
+  const int64_t mg = std::max<int64_t>(min_gain, 1);
   std::vector<uint8_t> used(static_cast<size_t>(ne * nr), 0);
   std::vector<uint8_t> matched(static_cast<size_t>(nr));
+  std::vector<int64_t> slots(static_cast<size_t>(nr), K);
+  std::vector<int64_t> spill(static_cast<size_t>(ne));
   std::vector<int64_t> best_e(static_cast<size_t>(nr));
   std::vector<double> best_s(static_cast<size_t>(nr));
+  std::vector<int64_t> eb_r(static_cast<size_t>(ne));  // each expert's best rank (mutual)
+  std::vector<double> eb_s(static_cast<size_t>(ne));
   // per expert: the winning (score, rank) of the current iteration
   std::vector<double> win_s(static_cast<size_t>(ne));
   std::vector<int64_t> win_r(static_cast<size_t>(ne));
-  for (int64_t k = 0; k < K; ++k) {
-    std::fill(matched.begin(), matched.end(), 0);
-    for (int64_t it = 0; it < n_inner; ++it) {
-      bool any = false;
-      for (int64_t r = 0; r < nr; ++r) {
-        best_e[r] = -1;
-        best_s[r] = kNeg;
-        if (sp_r[r] <= 0 || matched[r]) continue;
+  std::vector<int64_t> winners, act_r, act_e;
+  winners.reserve(static_cast<size_t>(ne));
+  act_r.reserve(static_cast<size_t>(nr));
+  act_e.reserve(static_cast<size_t>(ne));
+  const int64_t passes = two_pass ? 2 : 1;
+  for (int64_t pass = 0; pass < passes; ++pass) {
+    const uint8_t need = (two_pass && pass == 0) ? 2 : 1;
+    for (int64_t k = 0; k < K; ++k) {
+      for (int64_t r = 0; r < nr; ++r) matched[r] = slots[r] <= 0;
+      for (int64_t it = 0; it < n_inner; ++it) {
+        // active ranks (unmatched, room for a match) and experts (spill >= mg); candidates
+        // only shrink within a round, so a rank without one is dropped for the round
+        act_r.clear();
+        for (int64_t r = 0; r < nr; ++r) {
+          best_e[r] = -1;
+          best_s[r] = kNeg;
+          if (!matched[r] && sp_r[r] >= mg) act_r.push_back(r);
+        }
+        act_e.clear();
         for (int64_t e = 0; e < ne; ++e) {
-          const int64_t i = e * nr + r;
-          if (!allowed[i] || used[i] || sp_e[e] <= 0) continue;
-          const double s = static_cast<double>(std::min(sp_e[e], sp_r[r])) + stat[i];
-          if (s > best_s[r]) {  // first maximum: lowest expert id on ties
-            best_s[r] = s;
-            best_e[r] = e;
+          spill[e] = std::min(sp_e[e], exc[grp[e]]);
+          eb_r[e] = -1;
+          eb_s[e] = kNeg;
+          if (spill[e] >= mg) act_e.push_back(e);
+        }
+        if (act_r.empty() || act_e.empty()) break;
+        for (const int64_t e : act_e) {
+          const int64_t se = spill[e];
+          const int64_t base = e * nr;
+          double ebs = kNeg;
+          int64_t ebr = -1;
+          for (const int64_t r : act_r) {
+            const int64_t i = base + r;
+            if (allowed[i] < need || used[i]) continue;
+            const int64_t gain = std::min(se, sp_r[r]);
+            if (gain < mg) continue;
+            const double s = static_cast<double>(gain) + stat[i];
+            if (s > best_s[r]) {  // experts ascend: ties keep the lowest expert id
+              best_s[r] = s;
+              best_e[r] = e;
+            }
+            if (s > ebs) {  // ranks ascend: ties keep the lowest rank
+              ebs = s;
+              ebr = r;
+            }
+          }
+          eb_s[e] = ebs;
+          eb_r[e] = ebr;
+        }
+        for (const int64_t r : act_r)
+          if (best_e[r] < 0) matched[r] = 1;  // no candidate left this round
+        // arbitration: per expert the highest score, then the lowest rank
+        std::fill(win_r.begin(), win_r.end(), -1);
+        winners.clear();
+        for (int64_t r = 0; r < nr; ++r) {
+          const int64_t e = best_e[r];
+          if (e < 0) continue;
+          if (mutual && eb_r[e] != r) continue;
+          if (win_r[e] < 0) {
+            winners.push_back(e);
+            win_r[e] = r;
+            win_s[e] = best_s[r];
+          } else if (best_s[r] > win_s[e]) {
+            win_r[e] = r;
+            win_s[e] = best_s[r];
           }
         }
-        if (best_e[r] >= 0) any = true;
-      }
-      if (!any) break;
-      // arbitration: per expert the highest score, then the lowest rank
-      std::fill(win_r.begin(), win_r.end(), -1);
-      for (int64_t r = 0; r < nr; ++r) {
-        const int64_t e = best_e[r];
-        if (e < 0) continue;
-        if (win_r[e] < 0 || best_s[r] > win_s[e]) {  // ranks ascend: ties keep the lower
-          win_r[e] = r;
-          win_s[e] = best_s[r];
+        if (winners.empty()) break;
+        // apply: highest score first, then lowest expert id; shared home excess clips
+        std::sort(winners.begin(), winners.end(), [&](int64_t a, int64_t b) {
+          if (win_s[a] != win_s[b]) return win_s[a] > win_s[b];
+          return a < b;
+        });
+        for (const int64_t e : winners) {
+          const int64_t r = win_r[e];
+          const int64_t amt = std::min(std::min(sp_e[e], exc[grp[e]]), sp_r[r]);
+          if (amt < mg) continue;
+          const int64_t i = e * nr + r;
+          g[i] = amt;
+          rnd[i] = pass * K + k;
+          sp_e[e] -= amt;
+          exc[grp[e]] -= amt;
+          sp_r[r] -= amt;
+          used[i] = 1;
+          matched[r] = 1;
+          --slots[r];
         }
-      }
-      for (int64_t e = 0; e < ne; ++e) {
-        const int64_t r = win_r[e];
-        if (r < 0) continue;
-        const int64_t amt = std::min(sp_e[e], sp_r[r]);
-        g[e * nr + r] = amt;
-        rnd[e * nr + r] = k;
-        sp_e[e] -= amt;
-        sp_r[r] -= amt;
-        used[e * nr + r] = 1;
-        matched[r] = 1;
       }
     }
   }

@@ -4,8 +4,13 @@
 
 namespace ultracomm::planners {
 
-void taot_matching(int64_t ne, int64_t nr, int64_t* sp_e, int64_t* sp_r, const double* stat,
-                   const uint8_t* allowed, int64_t K, int64_t n_inner, int64_t* g, int64_t* rnd);
+// Phase 2 on the compacted problem: ne candidate experts x nr cold ranks.  sp_e: per-expert
+// cap; grp / exc: each expert's group and the groups' shared caps (the home rank's excess);
+// the spill of e is min(sp_e[e], exc[grp[e]]).  See column_first_matching in taot.py.
+void taot_matching(int64_t ne, int64_t nr, int64_t* sp_e, const int64_t* grp, int64_t* exc,
+                   int64_t* sp_r, const double* stat, const uint8_t* allowed, int64_t K,
+                   int64_t n_inner, int64_t min_gain, bool mutual, bool two_pass, int64_t* g,
+                   int64_t* rnd);
 
 int64_t taot_auction(int64_t R, int64_t U, int64_t S, int64_t* supply, const int64_t* inv,
                      int64_t* A, const double* bonus, double price_step, int64_t cap, int64_t* X);

@@ -91,8 +91,11 @@ def sinkhorn(
         tol: stop early once every row sum is within ``tol * sum(s~)`` of ``s~``.
 
     The supply is scaled by ``gamma = min(1, sum(d) / sum(s))`` (feasibility guard),
-    and after the iterations each column is capped at its demand.  Returns the
-    float64 ``[R, R]`` flow.
+    and after the iterations each column is capped at its demand.  Refinement: the
+    demand is likewise scaled by ``min(1, sum(s) / sum(d))`` so the problem stays
+    balanced when the spare capacity exceeds the excess (it does under the planner's
+    balance tolerance; without it the row marginals never converge and every call runs
+    all ``iters`` iterations).  Returns the float64 ``[R, R]`` flow.
     """
     s = np.asarray(excess, np.float64)
     d = np.asarray(spare, np.float64)
@@ -104,7 +107,7 @@ def sinkhorn(
         return T
     gamma = min(1.0, d.sum() / max(s.sum(), eps0))
     st = gamma * s[hi]
-    dc = d[ci]
+    dc = d[ci] * min(1.0, s.sum() / max(d.sum(), eps0))
     M = np.exp(-np.asarray(cost, np.float64)[np.ix_(hi, ci)] / eps)
     v = np.ones(ci.size)
     thr = tol * st.sum()
@@ -146,6 +149,11 @@ def column_first_matching(
     alpha: float,
     inner_iters: int | None = None,
     backend: str | None = None,
+    *,
+    home_excess: np.ndarray | None = None,
+    min_gain: int = 1,
+    mutual: bool = False,
+    first_pass: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Phase 2: column-first iterative matching.
 
@@ -160,66 +168,117 @@ def column_first_matching(
         inner_iters: inner iterations per round (default: number of cold ranks; the
             loop also stops once no cold rank has a candidate).
         backend: ``"auto"``/``None`` (C++ when built), ``"cpp"`` or ``"numpy"``.
+        home_excess: refinement (*dynamic spill*): int ``[R]`` excess of each home rank;
+            the spill of ``e`` is then ``min(spill_e, home_excess[home_e])``, both
+            decremented by every match, so a hot rank's excess may be shed by any of its
+            experts (``spill`` is then each expert's whole load).  ``None``: the paper's
+            fixed per-expert spill.
+        min_gain: refinement: no match moves fewer tokens (1 = the paper).
+        mutual: refinement: a cold rank's proposal is only accepted if that rank is also
+            the expert's best available rank (same score), so small-spare ranks do not
+            take slices of a spill a larger-spare rank could take whole.
+        first_pass: refinement: bool ``[E, R]`` pairs to match first (intra-node); after
+            its ``K`` rounds a second pass of ``K`` rounds allows every pair, with the
+            slots left (at most ``K`` replicas per rank overall).
 
     Returns:
         ``(g, rnd)``: int64 ``[E, R]`` tokens planned from expert ``e`` to rank ``r``,
-        and int64 ``[E, R]`` round in which the pair matched (-1 = not matched).
+        and int64 ``[E, R]`` round in which the pair matched (-1 = not matched; the
+        second pass numbers its rounds ``K..2K-1``).
 
     Arbitration: when several cold ranks propose the same expert, the highest score
     wins; ties go to the lowest rank id.  Each cold rank proposes the highest-scoring
-    expert; ties go to the lowest expert id.
+    expert; ties go to the lowest expert id.  Winners are applied highest score first
+    (then lowest expert id); a winner whose spill a previous winner of the same home
+    used up (``home_excess``) below ``min_gain`` is dropped and its rank proposes again.
+    With the defaults this is the paper's Algorithm 2.
     """
-    spill = np.asarray(spill, np.int64).copy()
-    spare = np.asarray(spare, np.int64).copy()
+    spill = np.asarray(spill, np.int64)
+    spare = np.asarray(spare, np.int64)
+    home_of = np.asarray(home_of, np.int64)
     E, R = bonus.shape
     g = np.zeros((E, R), np.int64)
     rnd = np.full((E, R), -1, np.int64)
-    ei = np.flatnonzero(spill > 0)
+    ok_e = spill > 0
+    if home_excess is not None:
+        home_excess = np.asarray(home_excess, np.int64)
+        ok_e &= home_excess[home_of] > 0
+    ei = np.flatnonzero(ok_e)
     ri = np.flatnonzero(spare > 0)
     if ei.size == 0 or ri.size == 0 or K <= 0:
         return g, rnd
-    sp_e = spill[ei]
-    sp_r = spare[ri]
+    sp_e = spill[ei].copy()
+    sp_r = spare[ri].copy()
+    if home_excess is not None:  # groups: the distinct home ranks
+        hu, grp = np.unique(home_of[ei], return_inverse=True)
+        exc = home_excess[hu].copy()
+    else:  # each expert its own group, capped by its own spill
+        grp = np.arange(ei.size)
+        exc = sp_e.copy()
+    grp = np.ascontiguousarray(grp.reshape(-1), dtype=np.int64)
     static = alpha * bonus[np.ix_(ei, ri)] + 0.1 * alpha * hint[np.ix_(ei, ri)]
-    allowed = np.asarray(home_of)[ei][:, None] != ri[None, :]
-    used = np.zeros((ei.size, ri.size), bool)
+    allowed = (home_of[ei][:, None] != ri[None, :]).astype(np.uint8)
+    two_pass = first_pass is not None
+    if two_pass:
+        allowed += allowed & np.asarray(first_pass, bool)[np.ix_(ei, ri)]
     n_inner = ri.size if inner_iters is None else int(inner_iters)
+    mg = max(int(min_gain), 1)
     if _use_cpp(backend):
         gs, rs = _core_mod.taot_matching(
-            sp_e, sp_r, np.ascontiguousarray(static), allowed.astype(np.uint8), int(K), n_inner
+            sp_e, grp, exc, sp_r, np.ascontiguousarray(static), allowed, int(K), n_inner, mg,
+            bool(mutual), two_pass,
         )
         g[np.ix_(ei, ri)] = gs
         rnd[np.ix_(ei, ri)] = rs
         return g, rnd
-    cols = np.arange(ri.size)
-    for k in range(int(K)):
-        matched = np.zeros(ri.size, bool)
-        for _ in range(n_inner):
-            ok = allowed & ~used & ((sp_e > 0)[:, None]) & ((sp_r > 0) & ~matched)[None, :]
-            if not ok.any():
-                break
-            gain = np.minimum(sp_e[:, None], sp_r[None, :])
-            score = np.where(ok, gain + static, _NEG)
-            best = np.argmax(score, axis=0)  # each cold rank's proposal
-            bsc = score[best, cols]
-            prop = np.flatnonzero(bsc > _NEG)
-            if prop.size == 0:
-                break
-            pe = best[prop]
-            # arbitration: per expert, the highest score, then the lowest rank
-            o = np.lexsort((prop, -bsc[prop], pe))
-            pe_o = pe[o]
-            first = np.ones(o.size, bool)
-            first[1:] = pe_o[1:] != pe_o[:-1]
-            win_r = prop[o[first]]
-            win_e = pe_o[first]
-            amt = np.minimum(sp_e[win_e], sp_r[win_r])
-            g[ei[win_e], ri[win_r]] = amt
-            rnd[ei[win_e], ri[win_r]] = k
-            sp_e[win_e] -= amt  # each expert wins at most once per iteration
-            sp_r[win_r] -= amt
-            used[win_e, win_r] = True
-            matched[win_r] = True
+    ne, nr = static.shape
+    gs = np.zeros((ne, nr), np.int64)
+    rs = np.full((ne, nr), -1, np.int64)
+    used = np.zeros((ne, nr), bool)
+    slots = np.full(nr, int(K), np.int64)
+    cols = np.arange(nr)
+    for p in range(2 if two_pass else 1):
+        okp = allowed >= (2 if two_pass and p == 0 else 1)
+        for k in range(int(K)):
+            matched = slots <= 0
+            for _ in range(n_inner):
+                sp = np.minimum(sp_e, exc[grp])
+                gain = np.minimum(sp[:, None], sp_r[None, :])
+                ok = okp & ~used & ~matched[None, :] & (gain >= mg)
+                if not ok.any():
+                    break
+                score = np.where(ok, gain + static, _NEG)
+                best = np.argmax(score, axis=0)  # each cold rank's proposal
+                bsc = score[best, cols]
+                prop = np.flatnonzero(bsc > _NEG)
+                if mutual:  # ... accepted only if the rank is also the expert's best
+                    prop = prop[np.argmax(score, axis=1)[best[prop]] == prop]
+                if prop.size == 0:  # pragma: no cover - the global best pair is mutual
+                    break
+                pe = best[prop]
+                # arbitration: per expert, the highest score, then the lowest rank
+                o = np.lexsort((prop, -bsc[prop], pe))
+                pe_o = pe[o]
+                first = np.ones(o.size, bool)
+                first[1:] = pe_o[1:] != pe_o[:-1]
+                win_r = prop[o[first]]
+                win_e = pe_o[first]
+                win_s = bsc[win_r]
+                for i in np.lexsort((win_e, -win_s)).tolist():
+                    e, r = int(win_e[i]), int(win_r[i])
+                    amt = min(int(sp_e[e]), int(exc[grp[e]]), int(sp_r[r]))
+                    if amt < mg:
+                        continue
+                    gs[e, r] = amt
+                    rs[e, r] = p * int(K) + k
+                    sp_e[e] -= amt
+                    exc[grp[e]] -= amt
+                    sp_r[r] -= amt
+                    used[e, r] = True
+                    matched[r] = True
+                    slots[r] -= 1
+    g[np.ix_(ei, ri)] = gs
+    rnd[np.ix_(ei, ri)] = rs
     return g, rnd
 
 
@@ -348,8 +407,13 @@ def plan(
     price_step: float = 0.05,
     auction_iters: int | None = None,
     backend: str | None = None,
+    tol: float = 0.01,
+    min_gain_frac: float = 0.25,
+    spill: str = "dynamic",
+    mutual: bool = True,
+    intra_first: bool = True,
 ) -> PlannerResult:
-    """TAOT planner.
+    """TAOT planner (phases 1-3 with the refinements listed in the module docstring).
 
     Args:
         load: int64 ``[world, E]``.
@@ -363,20 +427,37 @@ def plan(
         auction_iters: auction round cap (default: until done).
         backend: phases 2-3 in ``"cpp"`` or ``"numpy"`` (default: C++ when built);
             the results are identical.
+        tol: balance tolerance: every rank ends at most ``T = ceil(mean) +
+            floor(tol * mean)`` tokens (0: the paper's mean target).
+        min_gain_frac: no match moves fewer than ``m = max(1, floor(min_gain_frac * tol
+            * mean))`` tokens; hot ranks shed down to ``T - m + 1`` so that what is left
+            (``< m``) still ends within ``T``.
+        spill: ``"dynamic"`` (a hot rank's excess may be shed by any of its experts) or
+            ``"paper"`` (fixed per-expert spill by cumulative-excess differencing).
+        mutual: accept a proposal only if it is also the expert's best rank.
+        intra_first: match intra-node pairs first, then all pairs.
 
-    ``info``: ``target``, ``flow`` (phase-1 ``[R, R]``), ``auction_rounds``.
+    ``tol=0, min_gain_frac=0, spill="paper", mutual=False, intra_first=False`` is the
+    paper's algorithm (plus the Sinkhorn demand scaling, a no-op there).
+
+    ``info``: ``target`` (T), ``min_gain`` (m), ``flow`` (phase-1 ``[R, R]``),
+    ``auction_rounds``.
     """
+    if spill not in ("dynamic", "paper"):
+        raise ValueError(f"spill must be 'dynamic' or 'paper', got {spill!r}")
     load = as_load(load, domain)
     K = check_slots(slots_per_rank)
     W, epr = domain.world, domain.experts_per_rank
     el, L = home_rank_load(load, domain)
     total = int(L.sum())
-    tgt = -(-total // W)
-    excess = np.maximum(L - tgt, 0)
-    spare = np.maximum(tgt - L, 0)
+    slack = int(math.floor(max(float(tol), 0.0) * total / W))
+    tgt = -(-total // W) + slack
+    mg = max(1, int(math.floor(max(float(min_gain_frac), 0.0) * slack)))
+    excess = np.maximum(L - (tgt - mg + 1), 0)  # shed down to T - m + 1
+    spare = np.maximum(tgt - L, 0)  # fill up to T
     slot_src = np.full((W, K), -1, np.int32)
-    info: dict[str, Any] = {"target": tgt, "auction_rounds": 0}
-    if K == 0 or not excess.any():
+    info: dict[str, Any] = {"target": tgt, "min_gain": mg, "auction_rounds": 0}
+    if K == 0 or not (excess >= mg).any():
         info["flow"] = np.zeros((W, W))
         return build_result(load, domain, slot_src, np.zeros((W, K), np.int64), info)
     cost = topology_cost(domain, lam)
@@ -384,12 +465,20 @@ def plan(
     info["flow"] = flow
     home = domain.home_of
     hint = flow[home] / np.maximum(excess[home], 1e-9)[:, None]
-    Brr = np.where(domain.same_node, 1.0, float(w_inter))
+    same = domain.same_node
+    Brr = np.where(same, 1.0, float(w_inter))
     B = Brr[home].copy()
     B[np.arange(home.size), home] = 0.0
-    spill = spill_of(el, epr, tgt)
     alpha = total / el.size  # mean * R / E
-    g, rnd = column_first_matching(spill, spare, B, hint, home, K, alpha, backend=backend)
+    if spill == "dynamic":
+        cap, hx = el, excess
+    else:
+        cap, hx = spill_of(el, epr, tgt - mg + 1), None
+    first = same[home] if intra_first and domain.num_nodes > 1 else None
+    g, rnd = column_first_matching(
+        cap, spare, B, hint, home, K, alpha, backend=backend, home_excess=hx, min_gain=mg,
+        mutual=mutual, first_pass=first,
+    )
     e_m, r_m = np.nonzero(g > 0)
     if e_m.size == 0:
         return build_result(load, domain, slot_src, np.zeros((W, K), np.int64), info)

@@ -139,6 +139,78 @@ def spill_of(expert_load: np.ndarray, experts_per_rank: int, target: int) -> np.
     return out.reshape(-1)
 
 
+def _match(
+    sp_e: np.ndarray,
+    grp: np.ndarray,
+    exc: np.ndarray,
+    sp_r: np.ndarray,
+    static: np.ndarray,
+    allowed: np.ndarray,
+    K: int,
+    n_inner: int,
+    min_gain: int,
+    mutual: bool,
+    two_pass: bool,
+    backend: str | None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Phase 2 on the compacted problem (candidate experts x cold ranks); see
+    :func:`column_first_matching`.  ``sp_e``/``exc``/``sp_r`` are consumed (numpy path).
+    ``allowed``: uint8, 0 never, 1 in the last pass, 2 in every pass."""
+    mg = max(int(min_gain), 1)
+    if _use_cpp(backend):
+        return _core_mod.taot_matching(
+            sp_e, grp, exc, sp_r, np.ascontiguousarray(static), allowed, int(K), int(n_inner),
+            mg, bool(mutual), bool(two_pass),
+        )
+    ne, nr = static.shape
+    gs = np.zeros((ne, nr), np.int64)
+    rs = np.full((ne, nr), -1, np.int64)
+    used = np.zeros((ne, nr), bool)
+    slots = np.full(nr, int(K), np.int64)
+    cols = np.arange(nr)
+    for p in range(2 if two_pass else 1):
+        okp = allowed >= (2 if two_pass and p == 0 else 1)
+        for k in range(int(K)):
+            matched = slots <= 0
+            for _ in range(n_inner):
+                sp = np.minimum(sp_e, exc[grp])
+                gain = np.minimum(sp[:, None], sp_r[None, :])
+                ok = okp & ~used & ~matched[None, :] & (gain >= mg)
+                if not ok.any():
+                    break
+                score = np.where(ok, gain + static, _NEG)
+                best = np.argmax(score, axis=0)  # each cold rank's proposal
+                bsc = score[best, cols]
+                prop = np.flatnonzero(bsc > _NEG)
+                if mutual:  # ... accepted only if the rank is also the expert's best
+                    prop = prop[np.argmax(score, axis=1)[best[prop]] == prop]
+                if prop.size == 0:  # pragma: no cover - the global best pair is mutual
+                    break
+                pe = best[prop]
+                # arbitration: per expert, the highest score, then the lowest rank
+                o = np.lexsort((prop, -bsc[prop], pe))
+                pe_o = pe[o]
+                first = np.ones(o.size, bool)
+                first[1:] = pe_o[1:] != pe_o[:-1]
+                win_r = prop[o[first]]
+                win_e = pe_o[first]
+                win_s = bsc[win_r]
+                for i in np.lexsort((win_e, -win_s)).tolist():
+                    e, r = int(win_e[i]), int(win_r[i])
+                    amt = min(int(sp_e[e]), int(exc[grp[e]]), int(sp_r[r]))
+                    if amt < mg:
+                        continue
+                    gs[e, r] = amt
+                    rs[e, r] = p * int(K) + k
+                    sp_e[e] -= amt
+                    exc[grp[e]] -= amt
+                    sp_r[r] -= amt
+                    used[e, r] = True
+                    matched[r] = True
+                    slots[r] -= 1
+    return gs, rs
+
+
 def column_first_matching(
     spill: np.ndarray,
     spare: np.ndarray,
@@ -222,61 +294,8 @@ def column_first_matching(
     if two_pass:
         allowed += allowed & np.asarray(first_pass, bool)[np.ix_(ei, ri)]
     n_inner = ri.size if inner_iters is None else int(inner_iters)
-    mg = max(int(min_gain), 1)
-    if _use_cpp(backend):
-        gs, rs = _core_mod.taot_matching(
-            sp_e, grp, exc, sp_r, np.ascontiguousarray(static), allowed, int(K), n_inner, mg,
-            bool(mutual), two_pass,
-        )
-        g[np.ix_(ei, ri)] = gs
-        rnd[np.ix_(ei, ri)] = rs
-        return g, rnd
-    ne, nr = static.shape
-    gs = np.zeros((ne, nr), np.int64)
-    rs = np.full((ne, nr), -1, np.int64)
-    used = np.zeros((ne, nr), bool)
-    slots = np.full(nr, int(K), np.int64)
-    cols = np.arange(nr)
-    for p in range(2 if two_pass else 1):
-        okp = allowed >= (2 if two_pass and p == 0 else 1)
-        for k in range(int(K)):
-            matched = slots <= 0
-            for _ in range(n_inner):
-                sp = np.minimum(sp_e, exc[grp])
-                gain = np.minimum(sp[:, None], sp_r[None, :])
-                ok = okp & ~used & ~matched[None, :] & (gain >= mg)
-                if not ok.any():
-                    break
-                score = np.where(ok, gain + static, _NEG)
-                best = np.argmax(score, axis=0)  # each cold rank's proposal
-                bsc = score[best, cols]
-                prop = np.flatnonzero(bsc > _NEG)
-                if mutual:  # ... accepted only if the rank is also the expert's best
-                    prop = prop[np.argmax(score, axis=1)[best[prop]] == prop]
-                if prop.size == 0:  # pragma: no cover - the global best pair is mutual
-                    break
-                pe = best[prop]
-                # arbitration: per expert, the highest score, then the lowest rank
-                o = np.lexsort((prop, -bsc[prop], pe))
-                pe_o = pe[o]
-                first = np.ones(o.size, bool)
-                first[1:] = pe_o[1:] != pe_o[:-1]
-                win_r = prop[o[first]]
-                win_e = pe_o[first]
-                win_s = bsc[win_r]
-                for i in np.lexsort((win_e, -win_s)).tolist():
-                    e, r = int(win_e[i]), int(win_r[i])
-                    amt = min(int(sp_e[e]), int(exc[grp[e]]), int(sp_r[r]))
-                    if amt < mg:
-                        continue
-                    gs[e, r] = amt
-                    rs[e, r] = p * int(K) + k
-                    sp_e[e] -= amt
-                    exc[grp[e]] -= amt
-                    sp_r[r] -= amt
-                    used[e, r] = True
-                    matched[r] = True
-                    slots[r] -= 1
+    gs, rs = _match(sp_e, grp, exc, sp_r, static, allowed, K, n_inner, min_gain, mutual,
+                    two_pass, backend)
     g[np.ix_(ei, ri)] = gs
     rnd[np.ix_(ei, ri)] = rs
     return g, rnd
@@ -464,34 +483,53 @@ def plan(
     flow = sinkhorn(excess, spare, cost, lam if eps is None else eps, sinkhorn_iters)
     info["flow"] = flow
     home = domain.home_of
-    hint = flow[home] / np.maximum(excess[home], 1e-9)[:, None]
     same = domain.same_node
     Brr = np.where(same, 1.0, float(w_inter))
-    B = Brr[home].copy()
-    B[np.arange(home.size), home] = 0.0
     alpha = total / el.size  # mean * R / E
+    # phase 2 on the compacted problem: candidate experts (of hot ranks) x cold ranks with
+    # room for a match; the same as column_first_matching on the full [E, R] inputs
     if spill == "dynamic":
-        cap, hx = el, excess
+        ei = np.flatnonzero((excess[home] >= mg) & (el >= mg))
+        cap = el[ei]
     else:
-        cap, hx = spill_of(el, epr, tgt - mg + 1), None
-    first = same[home] if intra_first and domain.num_nodes > 1 else None
-    g, rnd = column_first_matching(
-        cap, spare, B, hint, home, K, alpha, backend=backend, home_excess=hx, min_gain=mg,
-        mutual=mutual, first_pass=first,
-    )
-    e_m, r_m = np.nonzero(g > 0)
-    if e_m.size == 0:
+        cap = spill_of(el, epr, tgt - mg + 1)
+        ei = np.flatnonzero(cap > 0)
+        cap = cap[ei]
+    ri = np.flatnonzero(spare >= mg)
+    if ei.size == 0 or ri.size == 0:
         return build_result(load, domain, slot_src, np.zeros((W, K), np.int64), info)
+    hb = home[ei]  # nondecreasing: experts are numbered by home
+    if spill == "dynamic":
+        grp = np.cumsum(np.concatenate(([0], hb[1:] != hb[:-1])))
+        exc = excess[hb[np.concatenate(([True], hb[1:] != hb[:-1]))]].copy()
+    else:
+        grp = np.arange(ei.size)
+        exc = cap.copy()
+    # score terms: alpha * B (1 intra, w_inter inter; home pairs are never allowed) and
+    # 0.1 * alpha * OT hint normalised by the home's excess
+    hint = flow[hb][:, ri] / np.maximum(excess[hb], 1e-9)[:, None]
+    static = alpha * Brr[hb][:, ri] + 0.1 * alpha * hint
+    allowed = (hb[:, None] != ri[None, :]).astype(np.uint8)
+    two_pass = intra_first and domain.num_nodes > 1
+    if two_pass:
+        allowed += allowed & same[hb][:, ri]
+    gs, rs = _match(cap.copy(), grp.astype(np.int64), exc, spare[ri].copy(), static, allowed, K,
+                    ri.size, mg, mutual, two_pass, backend)
+    e_c, r_c = np.nonzero(gs)
+    if e_c.size == 0:
+        return build_result(load, domain, slot_src, np.zeros((W, K), np.int64), info)
+    e_m, r_m = ei[e_c], ri[r_c]
+    rnd_m = rs[e_c, r_c]
+    demand = gs[e_c, r_c]
     # slots: per rank, in round order
-    o = np.lexsort((rnd[e_m, r_m], r_m))
-    e_m, r_m = e_m[o], r_m[o]
+    o = np.lexsort((rnd_m, r_m))
+    e_m, r_m, demand = e_m[o], r_m[o], demand[o]
     first = np.ones(r_m.size, bool)
     first[1:] = r_m[1:] != r_m[:-1]
     start = np.maximum.accumulate(np.where(first, np.arange(r_m.size), 0))
     k_m = np.arange(r_m.size) - start
     slot_src[r_m, k_m] = e_m
     slot_quota = np.zeros((W, K), np.int64)
-    demand = g[e_m, r_m]
     slot_quota[r_m, k_m] = demand
     X, rounds = lagrangian_auction(
         load, e_m, demand, Brr[:, r_m], price_step, auction_iters, slot_rank=r_m,

@@ -222,3 +222,14 @@ def test_mismatched_context_configuration():
         return True
 
     LoopbackDomain(2).run(body)
+
+
+def test_unknown_transport_and_window_rejected_before_setup():
+    def body(group):
+        with pytest.raises(ValueError, match="transport 'tma' is not available"):
+            Context(group, make_layout(4, 4), 1, 1, num_layers=1, transport="tma")
+        with pytest.raises(ValueError, match="window provider 'nvshmem' is not available"):
+            Context(group, make_layout(4, 4), 1, 1, num_layers=1, window="nvshmem")
+        return True
+
+    LoopbackDomain(2).run(body)

@@ -31,7 +31,7 @@ from .records import Op
 from .schedule import Schedule, build_schedule
 from .transports import resolve_transport
 from .transports.host import Masters, master_pointers
-from .windows import open_window
+from .windows import open_window, resolve_provider
 from .work import OrderedRunner, Work
 
 log = logging.getLogger("ultracomm")
@@ -111,17 +111,17 @@ class Context:
             raise ValueError(f"ultracomm: node_of must list a node index >= 0 for each of the {self.world} ranks")
 
         transport_cls = resolve_transport(self.config.transport)
+        provider = resolve_provider(self.config.window, self.comm)
+        if provider not in transport_cls.window_providers:
+            raise ValueError(f"ultracomm: transport {transport_cls.name!r} cannot use window {provider!r}; "
+                             f"use one of {transport_cls.window_providers}")
         check_same(self.comm, "Context configuration", (
             repr(layout), experts_per_rank, slots_per_rank, num_layers, max_microbatches, self.node_of,
-            self.config.chunk_bytes, self.config.relay_mode, self.config.max_depth, transport_cls.name,
-            self.config.window))
+            self.config.chunk_bytes, self.config.relay_mode, self.config.max_depth, transport_cls.name, provider))
 
         self.wlayout = _core.window_layout(slots_per_rank, layout.weight_bytes, layout.grad_bytes,
                                            self.config.chunk_bytes)
-        self.window = open_window(self.config.window, self.comm, self.wlayout["total_bytes"])
-        if self.window.provider not in transport_cls.window_providers:
-            raise ValueError(f"ultracomm: transport {transport_cls.name!r} cannot use window {self.window.provider!r}; "
-                             f"use one of {transport_cls.window_providers}")
+        self.window = open_window(provider, self.comm, self.wlayout["total_bytes"])
         self.transport = transport_cls(
             rank=self.rank, world=self.world, window=self.window, wlayout=self.wlayout, layout=layout,
             num_workers=self.config.num_workers, timeout_s=self.config.timeout_s, jitter_us=self.config.jitter_us)

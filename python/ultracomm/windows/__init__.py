@@ -25,19 +25,21 @@ from .local import LocalWindow
 PROVIDERS = {"host_shm": HostShmWindow, "local": LocalWindow}
 
 
-def open_window(provider: str, comm: Comm, nbytes: int) -> Window:
-    """Collectively create a window of ``nbytes`` per rank with ``provider`` (``auto`` picks
-    ``local`` for loopback groups and ``host_shm`` for process groups)."""
+def resolve_provider(provider: str, comm: Comm) -> str:
+    """``auto`` -> ``local`` for loopback groups, ``host_shm`` for process groups; checks the name."""
     if provider == "auto":
         provider = "local" if comm.kind == "loopback" else "host_shm"
-    try:
-        cls = PROVIDERS[provider]
-    except KeyError:
+    if provider not in PROVIDERS:
         raise ValueError(
             f"ultracomm: window provider {provider!r} is not available in this build; "
             f"choose one of {sorted(PROVIDERS)} (ULTRACOMM_WINDOW or window=...)"
-        ) from None
-    return cls.create(comm, nbytes)
+        )
+    return provider
 
 
-__all__ = ["Window", "HostShmWindow", "LocalWindow", "open_window", "PROVIDERS"]
+def open_window(provider: str, comm: Comm, nbytes: int) -> Window:
+    """Collectively create a window of ``nbytes`` per rank with ``provider`` (or ``auto``)."""
+    return PROVIDERS[resolve_provider(provider, comm)].create(comm, nbytes)
+
+
+__all__ = ["Window", "HostShmWindow", "LocalWindow", "open_window", "resolve_provider", "PROVIDERS"]

@@ -67,6 +67,29 @@ py::tuple auction(I64 supply, I64 inv, I64 demand, F64 bonus, double price_step,
   return py::make_tuple(X, rounds);
 }
 
+U8 consolidate(I64 home, I64 rank, I64 expert, U8 inter, py::array_t<int64_t> amt,
+               py::array_t<int64_t> left, py::array_t<int64_t> room) {
+  const int64_t n = home.size();
+  need(rank.size() == n && expert.size() == n && inter.size() == n && amt.size() == n,
+       "home / rank / expert / inter / amt [n]");
+  for (auto* a : {&amt, &left, &room})
+    need(a->ndim() == 1 && (a->flags() & py::array::c_style) && a->writeable(),
+         "amt / left / room: writeable contiguous int64 [.]");
+  for (int64_t q = 0; q < n; ++q) {
+    need(expert.data()[q] >= 0 && expert.data()[q] < left.size(), "expert in [0, U)");
+    need(home.data()[q] >= 0 && home.data()[q] < room.size(), "home in [0, W)");
+    need(rank.data()[q] >= 0 && rank.data()[q] < room.size(), "rank in [0, W)");
+  }
+  U8 keep(n);
+  {
+    py::gil_scoped_release rel;
+    planners::taot_consolidate(n, home.data(), rank.data(), expert.data(), inter.data(),
+                               amt.mutable_data(), left.mutable_data(), room.mutable_data(),
+                               keep.mutable_data());
+  }
+  return keep;
+}
+
 I64 split(I64 load, I64 inst_rank, I64 quota, I64 inst_slot, int64_t K) {
   if (load.ndim() != 2 || inst_rank.ndim() != 2 || quota.ndim() != 2 || inst_slot.ndim() != 2)
     throw std::invalid_argument("split_slots: load [W, E], inst_rank / quota / inst_slot [E, I]");
@@ -101,6 +124,10 @@ void bind_planners(py::module_& m) {
   m.def("taot_auction", &auction, py::arg("supply"), py::arg("inv"), py::arg("demand"),
         py::arg("bonus"), py::arg("price_step"), py::arg("cap"),
         "TAOT phase 3: (X [R, S], rounds).");
+  m.def("taot_consolidate", &consolidate, py::arg("home"), py::arg("rank"), py::arg("expert"),
+        py::arg("inter"), py::arg("amt"), py::arg("left"), py::arg("room"),
+        "TAOT refinement: drop replicas whose tokens fit elsewhere; updates amt / left / room "
+        "in place, returns keep [n].");
   m.def("split_slots", &split, py::arg("load"), py::arg("inst_rank"), py::arg("quota"),
         py::arg("inst_slot"), py::arg("K"),
         "Exact token split over expert instances, per replica slot: rep [W, W*K].");

@@ -228,4 +228,51 @@ int64_t taot_auction(int64_t R, int64_t U, int64_t S, int64_t* supply, const int
   return rounds;
 }
 
+void taot_consolidate(int64_t n, const int64_t* home, const int64_t* rank, const int64_t* expert,
+                      const uint8_t* inter, int64_t* amt, int64_t* left, int64_t* room,
+                      uint8_t* keep) {
+  // Exact port of consolidate_replicas (taot.py): replicas inter-node first, then smallest,
+  // then index; a replica is dropped when its tokens fit into the other kept replicas of its
+  // home's experts (in index order) and then the home's own room.
+  std::vector<int64_t> order(static_cast<size_t>(n));
+  std::iota(order.begin(), order.end(), 0);
+  std::vector<int64_t> a0(amt, amt + n);
+  std::sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
+    if (inter[x] != inter[y]) return inter[x] > inter[y];
+    if (a0[x] != a0[y]) return a0[x] < a0[y];
+    return x < y;
+  });
+  for (int64_t q = 0; q < n; ++q) keep[q] = 1;
+  std::vector<int64_t> others, caps;
+  for (const int64_t p : order) {
+    const int64_t h = home[p], a = amt[p], e = expert[p];
+    others.clear();
+    caps.clear();
+    int64_t cap = room[h];
+    for (int64_t q = 0; q < n; ++q) {
+      if (q == p || !keep[q] || home[q] != h) continue;
+      const int64_t c = std::min(room[rank[q]], left[expert[q]] + (expert[q] == e ? a : 0));
+      others.push_back(q);
+      caps.push_back(c);
+      cap += c;
+    }
+    if (cap < a) continue;
+    keep[p] = 0;
+    left[e] += a;
+    room[rank[p]] += a;
+    int64_t rest = a;
+    for (size_t j = 0; j < others.size() && rest > 0; ++j) {
+      const int64_t q = others[j], eq = expert[q], rq = rank[q];
+      const int64_t x = std::min(std::min(caps[j], rest), std::min(room[rq], left[eq]));
+      if (x <= 0) continue;
+      amt[q] += x;
+      left[eq] -= x;
+      room[rq] -= x;
+      rest -= x;
+    }
+    room[h] -= rest;
+    amt[p] = 0;
+  }
+}
+
 }  // namespace ultracomm::planners

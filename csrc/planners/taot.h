@@ -15,4 +15,10 @@ void taot_matching(int64_t ne, int64_t nr, int64_t* sp_e, const int64_t* grp, in
 int64_t taot_auction(int64_t R, int64_t U, int64_t S, int64_t* supply, const int64_t* inv,
                      int64_t* A, const double* bonus, double price_step, int64_t cap, int64_t* X);
 
+// Refinement after phase 2: drop replicas whose tokens fit elsewhere (see
+// consolidate_replicas in taot.py).  amt / left / room are updated, keep[n] written.
+void taot_consolidate(int64_t n, const int64_t* home, const int64_t* rank, const int64_t* expert,
+                      const uint8_t* inter, int64_t* amt, int64_t* left, int64_t* room,
+                      uint8_t* keep);
+
 }  // namespace ultracomm::planners

@@ -414,6 +414,79 @@ def lagrangian_auction(
     return X, rounds
 
 
+def consolidate_replicas(
+    home: np.ndarray,
+    rank: np.ndarray,
+    expert: np.ndarray,
+    inter: np.ndarray,
+    amt: np.ndarray,
+    left: np.ndarray,
+    room: np.ndarray,
+    backend: str | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Refinement after phase 2: drop replicas whose tokens fit elsewhere.
+
+    Args:
+        home: int ``[n]`` home rank of each replica's expert.
+        rank: int ``[n]`` rank holding each replica.
+        expert: int ``[n]`` expert index of each replica into ``left``.
+        inter: bool ``[n]`` inter-node replica.
+        amt: int ``[n]`` tokens planned for each replica.
+        left: int ``[U]`` tokens of each expert still computed at home.
+        room: int ``[W]`` tokens each rank may still take (``T`` minus its planned load,
+            at least 0).
+        backend: ``"auto"``/``None`` (C++ when built), ``"cpp"`` or ``"numpy"``.
+
+    Returns:
+        ``(keep, amt)``: bool ``[n]`` replicas kept and their new token counts.
+
+    Replicas are visited inter-node first, then smallest first (then index).  Replica
+    ``p`` of home ``h`` is dropped if its ``amt`` fits into (a) the other kept replicas of
+    ``h``'s experts -- each up to its rank's room and its expert's tokens left at home
+    (``p``'s own tokens count as left) -- in replica order, then (b) the room of ``h``
+    itself (the tokens stay home).  No new copy, no rank above ``T``: the balance target
+    still holds and one copy fewer is made.
+    """
+    home = np.asarray(home, np.int64)
+    rank = np.asarray(rank, np.int64)
+    expert = np.asarray(expert, np.int64)
+    inter = np.asarray(inter, bool)
+    amt = np.array(amt, np.int64)
+    left = np.array(left, np.int64)
+    room = np.array(room, np.int64)
+    n = amt.size
+    if _use_cpp(backend) and hasattr(_core_mod, "taot_consolidate"):
+        keep = _core_mod.taot_consolidate(home, rank, expert, inter.astype(np.uint8), amt, left, room)
+        return keep.astype(bool), amt
+    keep = np.ones(n, bool)
+    order = np.lexsort((np.arange(n), amt, ~inter))  # inter first, then smallest
+    for p in order.tolist():
+        h, a, e = int(home[p]), int(amt[p]), int(expert[p])
+        others = [q for q in range(n) if q != p and keep[q] and home[q] == h]
+        caps = [min(int(room[rank[q]]), int(left[expert[q]]) + (a if expert[q] == e else 0))
+                for q in others]
+        if int(room[h]) + sum(caps) < a:
+            continue
+        keep[p] = False
+        left[e] += a
+        room[rank[p]] += a
+        rest = a
+        for q, c in zip(others, caps):
+            if rest == 0:
+                break
+            eq, rq = int(expert[q]), int(rank[q])
+            x = min(c, rest, int(room[rq]), int(left[eq]))
+            if x <= 0:
+                continue
+            amt[q] += x
+            left[eq] -= x
+            room[rq] -= x
+            rest -= x
+        room[h] -= rest  # the rest stays home
+        amt[p] = 0
+    return keep, amt
+
+
 def plan(
     load: Any,
     domain: Domain,
@@ -431,6 +504,7 @@ def plan(
     spill: str = "dynamic",
     mutual: bool = True,
     intra_first: bool = True,
+    consolidate: bool = True,
 ) -> PlannerResult:
     """TAOT planner (phases 1-3 with the refinements listed in the module docstring).
 
@@ -521,6 +595,16 @@ def plan(
     e_m, r_m = ei[e_c], ri[r_c]
     rnd_m = rs[e_c, r_c]
     demand = gs[e_c, r_c]
+    if consolidate and e_m.size > 1:
+        hm = home[e_m]
+        shed = np.bincount(hm, weights=demand, minlength=W).astype(np.int64)
+        got = np.bincount(r_m, weights=demand, minlength=W).astype(np.int64)
+        room = np.maximum(tgt - (L - shed + got), 0)
+        ue, e_u = np.unique(e_m, return_inverse=True)
+        left = el[ue] - np.bincount(e_u, weights=demand, minlength=ue.size).astype(np.int64)
+        keep, demand = consolidate_replicas(hm, r_m, e_u, ~same[hm, r_m], demand, left, room, backend)
+        info["consolidated"] = int(keep.size - keep.sum())
+        e_m, r_m, rnd_m, demand = e_m[keep], r_m[keep], rnd_m[keep], demand[keep]
     # slots: per rank, in round order
     o = np.lexsort((rnd_m, r_m))
     e_m, r_m, demand = e_m[o], r_m[o], demand[o]

@@ -25,7 +25,8 @@ void taot_matching(int64_t ne, int64_t nr, int64_t* sp_e, const int64_t* grp, in
   // g, rnd: [ne, nr], caller-initialised (0 / -1).  allowed[i]: 0 never, 1 in the last pass,
   // 2 in every pass (two_pass: pass 0 only matches pairs marked 2).
   const int64_t mg = std::max<int64_t>(min_gain, 1);
-  std::vector<uint8_t> used(static_cast<size_t>(ne * nr), 0);
+  // allowance levels, 0 once the pair is used (a pair matches at most once)
+  std::vector<uint8_t> lvl(allowed, allowed + ne * nr);
   std::vector<uint8_t> matched(static_cast<size_t>(nr));
   std::vector<int64_t> slots(static_cast<size_t>(nr), K);
   std::vector<int64_t> spill(static_cast<size_t>(ne));
@@ -36,7 +37,7 @@ void taot_matching(int64_t ne, int64_t nr, int64_t* sp_e, const int64_t* grp, in
   // per expert: the winning (score, rank) of the current iteration
   std::vector<double> win_s(static_cast<size_t>(ne));
   std::vector<int64_t> win_r(static_cast<size_t>(ne));
-  std::vector<int64_t> winners, act_r, act_e;
+  std::vector<int64_t> winners, act_r, act_e, a_sp(static_cast<size_t>(nr));
   winners.reserve(static_cast<size_t>(ne));
   act_r.reserve(static_cast<size_t>(nr));
   act_e.reserve(static_cast<size_t>(ne));
@@ -62,17 +63,20 @@ void taot_matching(int64_t ne, int64_t nr, int64_t* sp_e, const int64_t* grp, in
           if (spill[e] >= mg) act_e.push_back(e);
         }
         if (act_r.empty() || act_e.empty()) break;
+        const int64_t na = static_cast<int64_t>(act_r.size());
+        for (int64_t j = 0; j < na; ++j) a_sp[j] = sp_r[act_r[j]];
         for (const int64_t e : act_e) {
           const int64_t se = spill[e];
-          const int64_t base = e * nr;
+          const uint8_t* lv = lvl.data() + e * nr;
+          const double* st = stat + e * nr;
           double ebs = kNeg;
           int64_t ebr = -1;
-          for (const int64_t r : act_r) {
-            const int64_t i = base + r;
-            if (allowed[i] < need || used[i]) continue;
-            const int64_t gain = std::min(se, sp_r[r]);
+          for (int64_t j = 0; j < na; ++j) {
+            const int64_t r = act_r[j];
+            if (lv[r] < need) continue;
+            const int64_t gain = std::min(se, a_sp[j]);
             if (gain < mg) continue;
-            const double s = static_cast<double>(gain) + stat[i];
+            const double s = static_cast<double>(gain) + st[r];
             if (s > best_s[r]) {  // experts ascend: ties keep the lowest expert id
               best_s[r] = s;
               best_e[r] = e;
@@ -119,7 +123,7 @@ void taot_matching(int64_t ne, int64_t nr, int64_t* sp_e, const int64_t* grp, in
           sp_e[e] -= amt;
           exc[grp[e]] -= amt;
           sp_r[r] -= amt;
-          used[i] = 1;
+          lvl[i] = 0;
           matched[r] = 1;
           --slots[r];
         }

@@ -318,7 +318,7 @@ class Greedy {
         if (gw < 0 || sp > si_[in_.rank_of_id[gw]] || (sp == si_[in_.rank_of_id[gw]] && id < gw))
           gw = id;
       }
-      // feeder on the home's node: (depth asc, inter spare desc, rank asc)
+      // feeder on the home's node: (inter spare desc, depth asc, rank asc)
       int32_t best = INT32_MIN;
       for (size_t i = 0; i < home_tree; ++i) {
         const int32_t node = q_[i];
@@ -330,7 +330,7 @@ class Greedy {
           continue;
         }
         const int32_t br = rank_of(best), d = depth_of(node), bd = depth_of(best);
-        if (d < bd || (d == bd && (sx_[r] > sx_[br] || (sx_[r] == sx_[br] && r < br))))
+        if (sx_[r] > sx_[br] || (sx_[r] == sx_[br] && (d < bd || (d == bd && r < br))))
           best = node;
       }
       if (best == INT32_MIN) return false;
@@ -390,6 +390,10 @@ class Repair {
     t_ = &t;
     force_ = force;
     dlim_ = dlim;
+    if (int32_t(seen_.size()) != W) {
+      seen_.assign(W, 0);
+      stamp_ = 0;
+    }
     pn_.assign(WS, -1);
     first_.assign(WS + E, -1);
     next_.assign(WS, -1);
@@ -509,6 +513,20 @@ class Repair {
     for (int32_t k = first_[WS + e]; k >= 0; k = next_[k]) ++n;
     return n;
   }
+  // q (a node of expert e) may become the parent of c: tier, depth, no cycle, force rule.
+  bool valid_parent(int32_t c, int32_t e, int64_t q, bool inter, int32_t h) const {
+    const int64_t WS = int64_t(in_.world) * in_.slots;
+    if (q == pn_[c] || q == c) return false;
+    if (q < WS && pn_[q] < 0) return false;
+    const int32_t qn = in_.node_of[rank_node(q)];
+    if (in_.multi_node && (inter ? qn != in_.node_of[in_.home_of[e]] : qn != in_.node_of[in_.rank_of_id[c]]))
+      return false;
+    if (depth_node(q) + 1 + h > dlim_) return false;
+    if (q < WS && in_subtree(q, c)) return false;
+    if (q >= WS && force_ && in_.force_ok[e] && home_kids(e) + 1 > in_.rep_begin[e + 1] - in_.rep_begin[e] - 1)
+      return false;
+    return true;
+  }
   // Best new parent of child c (expert e) on a rank other than `avoid`, with the rank's time
   // after the move below `below` (or any rank when below < 0: chain step).  -1 if none.
   int64_t best_parent(int32_t c, int32_t e, int32_t avoid, double below, bool inter, int32_t h,
@@ -570,57 +588,61 @@ class Repair {
  private:
   // Ejection chain from busy rank p: BFS over ranks, up to kChain moves.
   bool relieve(int32_t p, double T) {
+    const int64_t WS = int64_t(in_.world) * in_.slots;
     constexpr int kChain = 3;
     constexpr size_t kStates = 16;  // bounded search: build time matters more than the last unit
-    struct St { int32_t rank, prev, child, tier; int64_t q; };
-    std::vector<St> st;
-    st.push_back({p, -1, -1, -1, -1});
-    std::vector<int32_t> seen(in_.world, 0);
-    seen[p] = 1;
-    std::vector<int32_t> kids;
+    st_.clear();
+    st_.push_back({p, -1, -1, -1, -1});
+    if (++stamp_ == 0) {
+      std::fill(seen_.begin(), seen_.end(), 0);
+      stamp_ = 1;
+    }
+    seen_[p] = stamp_;
     size_t lo = 0;
     for (int lvl = 0; lvl < kChain; ++lvl) {
-      const size_t hi = st.size();
+      const size_t hi = st_.size();
       for (size_t i = lo; i < hi; ++i) {
-        const int32_t r = st[i].rank;
-        movable(r, T, st[i].tier, kids);
-        for (const int32_t c : kids) {
+        const int32_t r = st_[i].rank;
+        movable(r, T, st_[i].tier, kids_);
+        for (const int32_t c : kids_) {
           const int32_t e = slot_expert_[c];
           const bool inter = in_.multi_node && in_.node_of[r] != in_.node_of[in_.rank_of_id[c]];
           const int32_t h = height(c);
           const int64_t q = best_parent(c, e, r, T, inter, h, -1);
           if (q >= 0) {  // terminal: apply the chain back to front
-            std::vector<std::pair<int32_t, int64_t>> moves{{c, q}};
-            for (size_t j = i; st[j].prev >= 0; j = size_t(st[j].prev)) moves.emplace_back(st[j].child, st[j].q);
-            return apply_chain(moves);
+            moves_.clear();
+            moves_.emplace_back(c, q);
+            for (size_t j = i; st_[j].prev >= 0; j = size_t(st_[j].prev)) moves_.emplace_back(st_[j].child, st_[j].q);
+            return apply_chain();
           }
           if (lvl + 1 == kChain) continue;
-          // chain step: a parent on a rank that is busy (at T after +1) but not yet visited
-          for (int32_t ri = in_.rep_begin[e] - 1; ri < in_.rep_begin[e + 1]; ++ri) {
-            const int32_t qr = ri < in_.rep_begin[e] ? in_.home_of[e] : in_.rank_of_id[in_.rep[ri]];
-            if (seen[qr] || qr == r || st.size() >= kStates) continue;
-            const int64_t q2 = best_parent(c, e, r, -1, inter, h, qr);
-            if (q2 < 0) continue;
-            seen[qr] = 1;
-            st.push_back({qr, static_cast<int32_t>(i), c, inter ? 1 : 0, q2});
+          // chain step: a parent on a rank that is busy (at T after +1) but not yet visited.
+          // A rank holds at most one node of expert e (its master or one replica), so the
+          // candidates are the nodes of e themselves: one pass, no per-rank search.
+          for (int32_t ri = in_.rep_begin[e] - 1; ri < in_.rep_begin[e + 1] && st_.size() < kStates; ++ri) {
+            const int64_t q2 = ri < in_.rep_begin[e] ? WS + e : int64_t(in_.rep[ri]);
+            const int32_t qr = rank_node(q2);
+            if (seen_[qr] == stamp_ || qr == r || !valid_parent(c, e, q2, inter, h)) continue;
+            seen_[qr] = stamp_;
+            st_.push_back({qr, static_cast<int32_t>(i), c, inter ? 1 : 0, q2});
           }
         }
       }
       lo = hi;
-      if (lo == st.size()) break;
+      if (lo == st_.size()) break;
     }
     return false;
   }
-  bool apply_chain(const std::vector<std::pair<int32_t, int64_t>>& moves) {
-    // moves[0] ends on a rank with spare; moves[k] feeds the rank moves[k-1] sheds from.
-    std::vector<std::pair<int32_t, int64_t>> undo;
-    for (const auto& [c, q] : moves) {
+  bool apply_chain() {
+    // moves_[0] ends on a rank with spare; moves_[k] feeds the rank moves_[k-1] sheds from.
+    undo_.clear();
+    for (const auto& [c, q] : moves_) {
       const int32_t h = height(c);
       if (in_subtree(q, c) || depth_node(q) + 1 + h > dlim_) {
-        for (auto it = undo.rbegin(); it != undo.rend(); ++it) apply(it->first, it->second);
+        for (auto it = undo_.rbegin(); it != undo_.rend(); ++it) apply(it->first, it->second);
         return false;
       }
-      undo.emplace_back(c, pn_[c]);
+      undo_.emplace_back(c, pn_[c]);
       apply(c, q);
     }
     return true;
@@ -642,6 +664,13 @@ class Repair {
   int32_t dlim_ = 0;
   std::vector<int64_t> pn_;
   std::vector<int32_t> first_, next_;
+  // relieve() scratch, reused across calls (no allocation per attempt)
+  struct St { int32_t rank, prev, child, tier; int64_t q; };
+  std::vector<St> st_;
+  std::vector<uint32_t> seen_;
+  uint32_t stamp_ = 0;
+  std::vector<int32_t> kids_;
+  std::vector<std::pair<int32_t, int64_t>> moves_, undo_;
 };
 
 std::vector<Tree> relay_candidates(const TreeInput& in, int32_t max_depth, bool force,
@@ -774,9 +803,18 @@ std::vector<Tree> relay_candidates(const TreeInput& in, int32_t max_depth, bool 
       std::vector<int32_t> fill(rp.hb_.begin(), rp.hb_.end() - 1);
       for (int32_t e = 0; e < in.num_experts; ++e) rp.hx_[fill[in.home_of[e]]++] = e;
     }
-    // (on every candidate it finds more, at 10-50x the build time: only where the greedy
-    // found nothing below direct, for now)
+    // the candidate with the lowest bottleneck (ties: shallowest), and the direct tree
+    // where the greedy found nothing
     const size_t n0 = res.size();
+    size_t bi = n0;
+    for (size_t i = 0; i < n0; ++i)
+      if (bi == n0 || res[i].t < res[bi].t * (1 - 1e-12) ||
+          (res[i].t <= res[bi].t * (1 + 1e-12) && res[i].max_depth < res[bi].max_depth))
+        bi = i;
+    if (bi < n0) {
+      Tree t = res[bi];
+      if (rp.run(t, max_depth, force)) res.push_back(std::move(t));
+    }
     if (!force && n0 == 0) {
       Tree t = direct;
       if (rp.run(t, max_depth, false)) res.push_back(std::move(t));

@@ -154,10 +154,30 @@ int64_t taot_auction(int64_t R, int64_t U, int64_t S, int64_t* supply, const int
   std::vector<Pick> picks, order(static_cast<size_t>(S));
   picks.reserve(static_cast<size_t>(S));
   std::vector<int64_t> head(static_cast<size_t>(R + 1));
+  // Ranks in order of price (= price_step * slots served, so by count): a slot's scan stops
+  // at the first rank whose price leaves it below the best bid found even with the slot's
+  // largest bonus -- prices only separate ranks, the bid is the same argmax (ties: lowest
+  // rank) as a scan of every rank.  Needs price_step >= 0 (prices grow with the count).
+  const bool by_price = price_step >= 0;
+  std::vector<int64_t> byp(static_cast<size_t>(R));
+  std::iota(byp.begin(), byp.end(), 0);
+  std::vector<double> bmax(static_cast<size_t>(S), kNeg);
+  for (int64_t s = 0; s < S; ++s)
+    for (int64_t r = 0; r < R; ++r) bmax[s] = std::max(bmax[s], bT[s * R + r]);
   int64_t rounds = 0;
   while (rounds < cap) {
     picks.clear();
     bool active = false;
+    if (by_price)  // insertion sort: counts change little between rounds
+      for (int64_t a = 1; a < R; ++a) {
+        const int64_t x = byp[a];
+        int64_t b = a - 1;
+        while (b >= 0 && (cnt[byp[b]] > cnt[x] || (cnt[byp[b]] == cnt[x] && byp[b] > x))) {
+          byp[b + 1] = byp[b];
+          --b;
+        }
+        byp[b + 1] = x;
+      }
     for (int64_t s = 0; s < S; ++s) {
       if (A[s] <= 0) continue;
       active = true;
@@ -166,11 +186,24 @@ int64_t taot_auction(int64_t R, int64_t U, int64_t S, int64_t* supply, const int
       double bs = kNeg;
       const int64_t* sp = supT.data() + u * R;
       const double* bb = bT.data() + s * R;
-      for (int64_t r = 0; r < R; ++r) {
-        const double sc = sp[r] > 0 ? bb[r] - price[r] : kNeg;
-        if (sc > bs) {  // first maximum: lowest rank on ties
-          bs = sc;
-          br = r;
+      if (by_price) {
+        const double top = bmax[s];
+        for (const int64_t r : byp) {
+          if (top - price[r] < bs) break;  // no later rank can reach the best bid
+          if (sp[r] <= 0) continue;
+          const double sc = bb[r] - price[r];
+          if (sc > bs || (sc == bs && r < br)) {  // ties: lowest rank
+            bs = sc;
+            br = r;
+          }
+        }
+      } else {
+        for (int64_t r = 0; r < R; ++r) {
+          const double sc = sp[r] > 0 ? bb[r] - price[r] : kNeg;
+          if (sc > bs) {  // first maximum: lowest rank on ties
+            bs = sc;
+            br = r;
+          }
         }
       }
       if (br < 0) throw std::invalid_argument("auction demand exceeds the tokens of its expert");

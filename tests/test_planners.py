@@ -225,6 +225,76 @@ def test_matching_conflict_arbitration():
     assert (g3[:, 0] == 0).all() and (g3[:, 1] > 0).sum() == 2
 
 
+def test_matching_refinements_hand_cases():
+    # dynamic spill: rank 0 holds experts 0 (10 tokens) and 1 (6), excess 12; cold ranks
+    # 1 (spare 8) and 2 (spare 4), one slot each; alpha = 1, B = 1, no hint
+    home = np.array([0, 0])
+    B = np.array([[0, 1.0, 1.0], [0, 1.0, 1.0]])
+    hint = np.zeros((2, 3))
+    spare = np.array([0, 8, 4])
+    # the paper's spill (cumulative-excess differencing, target 4): [10, 2].  Rank 1
+    # (score 8 + 1) beats rank 2 (4 + 1) for expert 0; rank 2 then gets expert 0's last 2
+    # (tie 2 + 1 with expert 1 -> lower id): 10 of the 12 tokens move.
+    np.testing.assert_array_equal(taot.spill_of(np.array([10, 6]), 2, 4), [10, 2])
+    g, _ = taot.column_first_matching(np.array([10, 2]), spare, B, hint, home, K=1, alpha=1.0)
+    np.testing.assert_array_equal(g, [[0, 8, 2], [0, 0, 0]])
+    # dynamic: spill_e = min(load_e, home excess): after rank 1 takes 8 of expert 0, the
+    # remaining excess 4 is shed by expert 1 (gain 4 > expert 0's 2): all 12 move.
+    g, _ = taot.column_first_matching(np.array([10, 6]), spare, B, hint, home, K=1, alpha=1.0,
+                                      home_excess=np.array([12, 0, 0]))
+    np.testing.assert_array_equal(g, [[0, 8, 0], [0, 0, 4]])
+    # min_gain: a match must move at least 5 tokens -> rank 2 (spare 4) takes nothing
+    g, _ = taot.column_first_matching(np.array([10, 6]), spare, B, hint, home, K=1, alpha=1.0,
+                                      home_excess=np.array([12, 0, 0]), min_gain=5)
+    np.testing.assert_array_equal(g, [[0, 8, 0], [0, 0, 0]])
+
+    # mutual acceptance: experts 0 (spill 10, home 0) and 1 (spill 8, home 0); cold
+    # ranks 1 (spare 3; B = 0.5 to expert 0, 1 to expert 1), 2 (spare 10), 3 (spare 8)
+    spill = np.array([10, 8])
+    spare = np.array([0, 3, 10, 8])
+    B = np.array([[0, 0.5, 1.0, 1.0], [0, 1.0, 1.0, 1.0]])
+    hint = np.zeros((2, 4))
+    home = np.array([0, 0])
+    # paper: rank 1 proposes expert 1 (3 + 1), ranks 2, 3 expert 0 (10 + 1, 8 + 1; tie
+    # -> lower id); rank 2 wins expert 0, rank 1 expert 1 (3); then rank 3 takes expert
+    # 1's other 5: expert 1 is split over two copies
+    g, _ = taot.column_first_matching(spill, spare, B, hint, home, K=1, alpha=1.0)
+    np.testing.assert_array_equal(g, [[0, 0, 10, 0], [0, 3, 0, 5]])
+    # mutual: expert 1's best rank is 2 (8 + 1), so rank 1's proposal waits; rank 2 takes
+    # expert 0 (the pair is mutual), then expert 1's best free rank is 3 (8 + 1 > 3 + 1)
+    g, _ = taot.column_first_matching(spill, spare, B, hint, home, K=1, alpha=1.0, mutual=True)
+    np.testing.assert_array_equal(g, [[0, 0, 10, 0], [0, 0, 0, 8]])
+
+    # intra-node first: expert 0 (home 0, spill 6); rank 1 on its node (spare 3), rank 2
+    # on the other node (spare 6).  Scores (alpha = 4): rank 1: 3 + 4, rank 2: 6 + 2 -> the
+    # paper's matching copies across nodes; intra-first fills rank 1 first, then rank 2.
+    B = np.array([[0, 1.0, 0.5]])
+    hint = np.zeros((1, 3))
+    g, _ = taot.column_first_matching(np.array([6]), np.array([0, 3, 6]), B, hint,
+                                      np.array([0]), K=1, alpha=4.0)
+    np.testing.assert_array_equal(g, [[0, 0, 6]])
+    g, rnd = taot.column_first_matching(np.array([6]), np.array([0, 3, 6]), B, hint,
+                                        np.array([0]), K=1, alpha=4.0,
+                                        first_pass=np.array([[True, True, False]]))
+    np.testing.assert_array_equal(g, [[0, 3, 3]])
+    np.testing.assert_array_equal(rnd, [[-1, 0, 1]])  # second pass: rounds K..2K-1
+
+
+def test_consolidate_hand_case():
+    # home 0 has replicas: expert 0 -> rank 1 (5 tokens), expert 1 -> rank 2 (2, inter),
+    # expert 0 -> rank 3 (1).  Room: rank 0 (home) 1, rank 1 2, rank 2 0, rank 3 9.
+    # Visit order: the inter replica first (2 tokens): rank 1 takes 2 more of expert 0
+    # (expert 0 has 4 tokens left at home) -> dropped.  Then the 1-token replica: rank 1
+    # has no room left, rank 0 (home) has 1 -> dropped (stays home).  Then rank 1's: the
+    # others are gone and home room is 0 -> kept.
+    keep, amt = taot.consolidate_replicas(
+        home=[0, 0, 0], rank=[1, 2, 3], expert=[0, 1, 0], inter=[False, True, False],
+        amt=[5, 2, 1], left=[4, 0], room=[1, 2, 0, 9],
+    )
+    np.testing.assert_array_equal(keep, [True, False, False])
+    np.testing.assert_array_equal(amt, [7, 0, 0])
+
+
 def test_auction_hand_cases():
     n = np.array([[4], [6]])
     bonus = np.array([[0.5], [1.0]])  # slot lives on rank 1; rank 0 is inter-node
@@ -309,6 +379,53 @@ def test_auction_cpp_matches_numpy(seed, R, E, S):
 
 
 @needs_cpp
+@settings(max_examples=80, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.integers(1, 6), st.integers(1, 3), st.integers(1, 3),
+       st.booleans(), st.booleans(), st.booleans(), st.integers(1, 6))
+def test_matching_cpp_matches_numpy(seed, R, epr, K, dyn, mutual, two_pass, mg):
+    rng = np.random.default_rng(seed)
+    E = R * epr
+    home = np.arange(E) // epr
+    spill = rng.integers(0, 30, size=E)
+    spare = rng.integers(0, 30, size=R)
+    B = rng.choice([0.5, 1.0], size=(E, R))
+    hint = rng.random((E, R)) * rng.integers(0, 2)
+    hx = rng.integers(0, 40, size=R) if dyn else None
+    fp = rng.random((E, R)) < 0.5 if two_pass else None
+    kw = dict(home_excess=hx, min_gain=mg, mutual=mutual, first_pass=fp)
+    a = taot.column_first_matching(spill, spare, B, hint, home, K, 3.0, backend="numpy", **kw)
+    b = taot.column_first_matching(spill, spare, B, hint, home, K, 3.0, backend="cpp", **kw)
+    np.testing.assert_array_equal(a[0], b[0])
+    np.testing.assert_array_equal(a[1], b[1])
+    g = a[0]
+    assert ((g > 0).sum(0) <= K).all() and (g.sum(0) <= spare).all()
+    if hx is not None:
+        assert (np.bincount(home, weights=g.sum(1), minlength=R) <= hx).all()
+    assert (g.sum(1) <= spill).all() and (g[g > 0] >= mg).all()
+
+
+@needs_cpp
+@settings(max_examples=80, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.integers(1, 12), st.integers(2, 6))
+def test_consolidate_cpp_matches_numpy(seed, n, W):
+    rng = np.random.default_rng(seed)
+    U = max(1, n // 2)
+    args = dict(home=rng.integers(0, W, n), rank=rng.integers(0, W, n),
+                expert=rng.integers(0, U, n), inter=rng.random(n) < 0.4,
+                amt=rng.integers(1, 20, n), left=rng.integers(0, 20, U),
+                room=rng.integers(0, 15, W))
+    ka, aa = taot.consolidate_replicas(**args, backend="numpy")
+    kb, ab = taot.consolidate_replicas(**args, backend="cpp")
+    np.testing.assert_array_equal(ka, kb)
+    np.testing.assert_array_equal(aa, ab)
+    # every token stays placed: kept replicas' growth + what went home == dropped tokens
+    amt0 = np.asarray(args["amt"])
+    assert (aa[ka] >= amt0[ka]).all() and (aa[~ka] == 0).all()
+    grown = (aa[ka] - amt0[ka]).sum()
+    assert grown <= amt0[~ka].sum()
+
+
+@needs_cpp
 @pytest.mark.parametrize("world,epr,nodes,kind", [(16, 8, 2, "zipf"), (32, 8, 4, "zipf"),
                                                   (64, 4, 1, "zipf"), (64, 4, 8, "hot")])
 def test_backends_identical(world, epr, nodes, kind):
@@ -337,6 +454,8 @@ def test_phase_hand_cases_numpy_reference(monkeypatch):
     # the hand-checked phase cases hold for the numpy reference too
     monkeypatch.setattr(taot, "_HAVE_CPP", False)
     test_matching_conflict_arbitration()
+    test_matching_refinements_hand_cases()
+    test_consolidate_hand_case()
     test_auction_hand_cases()
     test_taot_prefers_intra_node()
 

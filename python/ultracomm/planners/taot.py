@@ -1,7 +1,10 @@
-"""TAOT: topology-aware optimal transport replica placement (three phases).
+"""TAOT: topology-aware optimal transport replica placement (three phases + refinements).
 
-Loads are in integer tokens; the balance target is ``tgt = ceil(total / world)``:
-``excess_r = max(L_r - tgt, 0)`` (hot ranks), ``spare_r = max(tgt - L_r, 0)`` (cold).
+Balance target: ``T = ceil(mean) + floor(tol * mean)`` tokens per rank (``tol`` = 1 %,
+the same tolerance as the quota planner's ``eps``); ``m = max(1, floor(min_gain_frac *
+tol * mean))``.  Hot ranks shed down to ``T - m + 1`` (``excess_r = max(L_r - T + m - 1,
+0)``), cold ranks fill up to ``T`` (``spare_r = max(T - L_r, 0)``); what a hot rank keeps
+(``< m``) still ends within ``T``.
 
 1. :func:`sinkhorn` -- rank-level balanced entropic OT from excess to spare under the
    topology cost (1 intra-node, ``lam`` inter-node), ``eps = lam`` by default; the
@@ -11,8 +14,7 @@ Loads are in integer tokens; the balance target is ``tgt = ceil(total / world)``
    expert by ``min(spill_e, spare_r) + alpha*B_er + 0.1*alpha*hint_er``; conflicts
    (several ranks proposing one expert) go to the highest score, ties to the lowest
    rank id; losers propose again in the next inner iteration.  ``K`` rounds, so at
-   most ``K`` replicas per rank.  ``spill_e`` comes from cumulative-excess
-   differencing over each hot rank's experts sorted by ascending load.
+   most ``K`` replicas per rank.
 3. :func:`lagrangian_auction` -- each round every spare slot with demand bids for
    the source rank with the best ``bonus - price`` (among ranks still holding its
    expert's tokens); every picked rank serves *all* slots that picked it, best net
@@ -21,9 +23,45 @@ Loads are in integer tokens; the balance target is ``tgt = ceil(total / world)``
    served.  Runs until every demand is met (exact integers); the home instance gets
    every token not auctioned.
 
-Phases 2 and 3 run in C++ (``ultracomm._core.taot_matching`` / ``taot_auction``,
-csrc/planners/taot.cpp) when the compiled core has them; the numpy implementations
-here are the reference (``backend="numpy"``) and give identical results.
+Deviations from the paper (each switchable in :func:`plan`; ``tol=0, min_gain_frac=0,
+spill="paper", mutual=False, intra_first=False, consolidate=False`` is the paper's
+algorithm), and why -- measured on the EP16/EP32 evaluation loads, see perf/planners.md:
+
+* **Balance tolerance** (``tol``): the paper balances to the exact mean.  The last
+  percent of balance costs many copies (every hot rank must be split over ranks whose
+  spare is the few tokens they are below the mean), and quota stops at 1 % too.
+* **Dynamic spill** (``spill="dynamic"``): the paper fixes each expert's spill once by
+  cumulative-excess differencing over the home's experts.  Here the spill of ``e`` is
+  ``min(tokens of e still at home, home's remaining excess)``, recomputed after every
+  match, so when one cold rank takes part of the top expert's spill the rest of the
+  home's excess can go with *any* expert in one more copy instead of one copy per
+  expert that was assigned a slice (phase-1 hint and scores unchanged).
+* **Minimum gain** (``min_gain_frac``): no match moves fewer than ``m`` tokens.  In the
+  paper every cold rank gets a pick each round, so ranks with a few tokens of spare
+  take slivers of spills (a copy each; 4- and 58-token replicas at EP32 20 %).
+* **Mutual acceptance** (``mutual``): a cold rank's proposal is only accepted when
+  that rank is also the expert's best free rank; otherwise a small-spare rank whose
+  favourite expert no large-spare rank proposed this iteration takes a slice of it and
+  the rest needs another copy.
+* **Intra-node first** (``intra_first``): ``K`` rounds over intra-node pairs, then ``K``
+  rounds over all pairs with the slots left.  With ``alpha = mean * R / E`` (one mean
+  expert load) the topology term is worth ``alpha * (1 - w_inter)`` = half a mean expert
+  of gain, which does not keep cold ranks of an under-loaded node from taking slices
+  of another node's experts while that node's own cold ranks are still free; the
+  phase-1 hint (``0.1 * alpha``) is too weak to steer it.
+* **Consolidation** (:func:`consolidate_replicas`, a refinement step between phases 2
+  and 3): a replica whose tokens fit into the other replicas of its home's experts
+  (within ``T``) or back into the home's own room is dropped -- inter-node replicas
+  first, then the smallest.  One copy fewer, no rank above ``T``.
+* **Sinkhorn demand scaling**: the demand is scaled like the paper scales the supply
+  (``min(1, sum(s) / sum(d))``), so the OT stays balanced when the spare exceeds the
+  excess (always, under the tolerance); without it Sinkhorn never met its row
+  tolerance and ran all iterations.
+
+Phases 2, 3 and the consolidation run in C++ (``ultracomm._core.taot_matching`` /
+``taot_auction`` / ``taot_consolidate``, csrc/planners/taot.cpp) when the compiled core
+has them; the numpy implementations here are the reference (``backend="numpy"``) and
+give identical results.
 """
 from __future__ import annotations
 
@@ -60,6 +98,7 @@ __all__ = [
     "sinkhorn",
     "spill_of",
     "column_first_matching",
+    "consolidate_replicas",
     "lagrangian_auction",
 ]
 
@@ -520,8 +559,8 @@ def plan(
         auction_iters: auction round cap (default: until done).
         backend: phases 2-3 in ``"cpp"`` or ``"numpy"`` (default: C++ when built);
             the results are identical.
-        tol: balance tolerance: every rank ends at most ``T = ceil(mean) +
-            floor(tol * mean)`` tokens (0: the paper's mean target).
+        tol: balance tolerance: the target is ``T = ceil(mean) + floor(tol * mean)``
+            tokens per rank (0: the paper's mean target).
         min_gain_frac: no match moves fewer than ``m = max(1, floor(min_gain_frac * tol
             * mean))`` tokens; hot ranks shed down to ``T - m + 1`` so that what is left
             (``< m``) still ends within ``T``.
@@ -529,12 +568,13 @@ def plan(
             ``"paper"`` (fixed per-expert spill by cumulative-excess differencing).
         mutual: accept a proposal only if it is also the expert's best rank.
         intra_first: match intra-node pairs first, then all pairs.
+        consolidate: run the consolidation step between phases 2 and 3.
 
-    ``tol=0, min_gain_frac=0, spill="paper", mutual=False, intra_first=False`` is the
-    paper's algorithm (plus the Sinkhorn demand scaling, a no-op there).
+    ``tol=0, min_gain_frac=0, spill="paper", mutual=False, intra_first=False,
+    consolidate=False`` is the paper's algorithm (plus the Sinkhorn demand scaling).
 
     ``info``: ``target`` (T), ``min_gain`` (m), ``flow`` (phase-1 ``[R, R]``),
-    ``auction_rounds``.
+    ``consolidated`` (replicas dropped), ``auction_rounds``.
     """
     if spill not in ("dynamic", "paper"):
         raise ValueError(f"spill must be 'dynamic' or 'paper', got {spill!r}")

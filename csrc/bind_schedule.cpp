@@ -106,6 +106,7 @@ py::dict op_stats(const OpSchedule& o) {
   d["num_tasks"] = o.num_tasks;
   d["lower_bound_bytes"] = o.lower_bound_bytes;
   d["lower_bound_s"] = o.lower_bound_s;
+  d["tree_lower_bound_s"] = o.tree_lower_bound_s;
   d["predicted_s"] = o.predicted_s;
   d["relayed"] = o.relayed;
   d["bytes"] = o.bytes;

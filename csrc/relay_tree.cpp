@@ -318,12 +318,14 @@ class Greedy {
         if (gw < 0 || sp > si_[in_.rank_of_id[gw]] || (sp == si_[in_.rank_of_id[gw]] && id < gw))
           gw = id;
       }
-      // feeder on the home's node: (inter spare desc, depth asc, rank asc)
+      // feeder on the home's node: (inter spare desc, depth asc, rank asc), among the nodes
+      // shallow enough for the gateway and (if the group has more members) one level below it
+      const int32_t need = in_.grp_hi[g] - in_.grp_lo[g] > 1 ? 2 : 1;
       int32_t best = INT32_MIN;
       for (size_t i = 0; i < home_tree; ++i) {
         const int32_t node = q_[i];
         const int32_t r = rank_of(node);
-        if (sx_[r] <= 0 || st_[r] <= 0 || depth_of(node) >= depth_limit_) continue;
+        if (sx_[r] <= 0 || st_[r] <= 0 || int64_t(depth_of(node)) + need > depth_limit_) continue;
         if (node == kHome && home_kids_ >= home_limit_) continue;
         if (best == INT32_MIN) {
           best = node;

@@ -140,6 +140,40 @@ double predicted(const BuildInput& in, const TreeInput& ti, const Tree& t, const
   return link + fill;
 }
 
+// Lower bound on predicted() of any tree of this plan (same cost model).  Every tree has a
+// replica one hop away: lower_bound_s + hop.  An expert with n >= 2 replicas whose busiest
+// node sends f copies costs at least f*B/bw on that node's link and has depth >= d(f, n), the
+// least d with f + f^2 + ... + f^d >= n, on its path fill: min over f of f*B/bw + d(f, n)*hop.
+// (bw = intra_bw, or intra_bw + inter_bw with several nodes; hop = the cheaper tier's.)
+double tree_bound(const BuildInput& in, const TreeInput& ti, uint64_t bytes, double lb_s) {
+  if (bytes == 0 || ti.total_reps == 0) return 0;
+  const double B = double(bytes), c = double(std::min(in.chunk_bytes, bytes));
+  double hop = c / ti.intra_bw + in.intra_latency_s;
+  double bw = ti.intra_bw;
+  if (ti.multi_node) {
+    hop = std::min(hop, c / ti.inter_bw + in.inter_latency_s);
+    bw += ti.inter_bw;
+  }
+  double best = lb_s + hop;
+  int32_t n = 0;
+  for (int32_t e : ti.multi) n = std::max(n, ti.rep_begin[e + 1] - ti.rep_begin[e]);
+  // the bound grows with n, so the expert with the most replicas decides
+  if (n >= 2) {
+    double m = std::numeric_limits<double>::infinity();
+    for (int64_t fo = 1; fo <= n; ++fo) {
+      int64_t d = 0, sum = 0, p = 1;
+      while (sum < n) {
+        p *= fo;
+        sum += p;
+        ++d;
+      }
+      m = std::min(m, double(fo) * B / bw + double(d) * hop);
+    }
+    best = std::max(best, m);
+  }
+  return best;
+}
+
 // True if the direct tree sends every expert to each remote node at most once.
 bool topology_ok(const TreeInput& ti) {
   for (int32_t e = 0; e < ti.num_experts; ++e)
@@ -220,6 +254,7 @@ void fill_op(const BuildInput& in, const TreeInput& ti, const Tree& t, const Sid
     o.lower_bound_s = s;
   }
   o.predicted_s = predicted(in, ti, t, f, hops, bytes);
+  o.tree_lower_bound_s = tree_bound(in, ti, bytes, o.lower_bound_s);
 
   // children CSR over nodes: slot ids [0, WS), homes WS + e; children in (rank, slot) order
   const int64_t N = WS + E;

@@ -133,6 +133,9 @@ def check(plan: Plan, sched, *, mode="auto", max_depth=4, node_of=None, chunk=No
         st = sched.stats(op)
         assert st["lower_bound_bytes"] <= st["max_link_bytes"]
         assert st["lower_bound_s"] <= st["predicted_s"] * (1 + 1e-9) + 1e-15
+        # the tree bound holds for every tree (direct, relay, force) in the builder's model
+        assert st["lower_bound_s"] <= st["tree_lower_bound_s"] + 1e-15
+        assert st["tree_lower_bound_s"] <= st["predicted_s"] * (1 + 1e-9) + 1e-15
         assert st["depth"] == (int(depth.max()) if depth.size else 0)
         # --- topology: an expert enters each remote node at most once, from the home's node
         direct_fallback = mode == "auto" and bool((ps[src >= 0] == MASTER).all())
@@ -380,6 +383,23 @@ def test_topology_local_relay_carries_the_crossing():
     check(plan, s, mode="auto", node_of=node_of, wb=B, gb=2 * B)
     assert max(s.stats("multicast")["inter_egress"]) == 4 * B
     assert max(s.stats("reduce")["inter_ingress"]) == 4 * 2 * B
+
+
+def test_tree_lower_bound_chain():
+    # one expert on 5 ranks, each of which holds one slot: every tree either fans out (link)
+    # or goes deep (fill); the bound is the best of those and the builder's tree meets it
+    slot_src = np.full((8, 1), -1, np.int32)
+    slot_src[[1, 2, 3, 4, 5], 0] = 0
+    plan = make_plan(slot_src, np.arange(8))
+    B, c = 9 << 20, 1 << 20
+    s = build_schedule(plan, B, B, chunk_bytes=c, max_depth=8)
+    check(plan, s, mode="auto", max_depth=8, wb=B, gb=B)
+    st = s.stats("multicast")
+    hop = c / 370e9 + 2e-6
+    want = min(f * B / 370e9 + d * hop for f, d in ((1, 5), (2, 2), (3, 2), (4, 2), (5, 1)))
+    assert st["tree_lower_bound_s"] == pytest.approx(want)
+    assert st["tree_lower_bound_s"] > st["lower_bound_s"] + hop
+    assert st["predicted_s"] == pytest.approx(st["tree_lower_bound_s"])
 
 
 def test_repair_lowers_the_greedy_bottleneck():

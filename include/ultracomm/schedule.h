@@ -62,6 +62,11 @@ struct OpSchedule {
   // pipeline fill: max over tree paths of the sum over its hops of (chunk_time + latency) of
   // the hop's tier, chunk_time = min(chunk_bytes, bytes) / bw.
   double predicted_s = 0;
+  // Lower bound on predicted_s of any relay tree of this plan (same cost model): at least one
+  // hop over lower_bound_s, and for the expert with the most replicas n, min over the largest
+  // fan-out f of f*B/bw + (least depth at which fan-out f holds n replicas) * hop.  Where it
+  // exceeds lower_bound_s + one hop, no tree reaches DESIGN.md's bound.
+  double tree_lower_bound_s = 0;
   bool relayed = false;            // true when any expert uses a relay
 };
 

@@ -130,7 +130,13 @@ class Schedule:
 
         Keys: egress, ingress, inter_egress, inter_ingress (bytes per rank), max_egress,
         max_ingress, max_link_bytes (= max of the two), depth, num_tasks (per rank),
-        lower_bound_bytes, lower_bound_s, predicted_s, relayed, bytes, chunks.
+        lower_bound_bytes, lower_bound_s, tree_lower_bound_s, predicted_s, relayed, bytes, chunks.
+
+        ``tree_lower_bound_s`` bounds ``predicted_s`` of *any* tree of the plan (same cost
+        model: link time + per-hop chunk time and latency): the hop a replica is away from its
+        home, and the expert with the most replicas, which needs either a large fan-out (link
+        time) or a deep tree (path fill).  Above ``lower_bound_s`` + one hop it shows that
+        DESIGN.md's bound is out of reach of relay trees.
         """
         if op is None:
             return {"multicast": self._core.stats(0), "reduce": self._core.stats(1)}

@@ -33,10 +33,10 @@ def test_torchrun_context_4_ranks():
 
 
 @pytest.mark.slow
-def test_dead_peer_times_out_naming_it():
+def test_dead_peer_times_out_naming_it(tmp_path):
     before = _shm_segments()
-    p = torchrun("dead_peer_worker.py", 3, env={"TORCHELASTIC_ERROR_FILE": ""})
-    results = [json.loads(line[len("RESULT "):]) for line in p.stdout.splitlines() if line.startswith("RESULT ")]
+    p = torchrun("dead_peer_worker.py", 3, env={"DEAD_PEER_RESULTS_DIR": str(tmp_path)})
+    results = [json.loads(f.read_text()) for f in sorted(tmp_path.glob("rank*.json"))]
     assert sorted(r["rank"] for r in results) == [0, 1], p.stdout[-3000:] + p.stderr[-3000:]
     by_rank = {r["rank"]: r for r in results}
     # rank 1 holds expert 2, homed on the dead rank 2: it must time out naming rank 2

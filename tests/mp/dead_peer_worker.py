@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 
 import numpy as np
@@ -36,8 +35,9 @@ def main() -> None:
         result = {"rank": rank, "error": None}
     except UltracommTimeout as e:
         result = {"rank": rank, "error": str(e), "type": type(e).__name__, "elapsed": time.monotonic() - t0}
-    print("RESULT " + json.dumps(result), flush=True)
-    sys.stdout.flush()
+    # one file per rank: ranks' stdout lines can interleave through the launcher
+    with open(os.path.join(os.environ["DEAD_PEER_RESULTS_DIR"], f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
     os._exit(0)
 
 

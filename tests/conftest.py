@@ -51,15 +51,16 @@ def expert_weights(layout, expert: int) -> list[torch.Tensor]:
     return out
 
 
-def expected_master_grads(schedule, layout, plan, init_master, init_replica) -> list[list[torch.Tensor]]:
+def expected_master_grads(schedule, layout, plan, init_master, init_replica, with_slots: bool = False):
     """Master grads after grad_reduce, by replaying ``schedule``'s reduce tasks (all ranks' lists)
     with ``ultracomm.reference.reference_reduce``.
 
     ``init_master[r][m]``: rank r's master grads ``[experts_per_rank, *shape]`` before;
     ``init_replica[r][m]``: rank r's replica grads ``[slots, *shape]`` before.
-    Returns per rank, per member, ``[experts_per_rank, *shape]``.
+    Returns per rank, per member, ``[experts_per_rank, *shape]``; with ``with_slots`` also the
+    replica grads after (relays hold their partial sums), per rank, per member ``[slots, *shape]``.
     """
-    from ultracomm.reference import reference_reduce, slot_image
+    from ultracomm.reference import reference_reduce, slot_image, split_image
 
     world, slots = plan.world, plan.slots_per_rank
     home = plan.home_of.tolist()
@@ -72,7 +73,7 @@ def expected_master_grads(schedule, layout, plan, init_master, init_replica) -> 
     ]
     masters = {e: [init_master[home[e]][m][local[e]] for m in range(len(layout.members))]
                for e in range(plan.num_experts)}
-    _, new = reference_reduce([schedule.tasks("reduce", r) for r in range(world)],
+    slots_after, new = reference_reduce([schedule.tasks("reduce", r) for r in range(world)],
                               [schedule.refs("reduce", r) for r in range(world)],
                               grads_by_rank, masters, layout.grad_offsets, layout.grad_sizes, layout.grad_dtype)
     out = []
@@ -80,4 +81,9 @@ def expected_master_grads(schedule, layout, plan, init_master, init_replica) -> 
         mine = [e for e in range(plan.num_experts) if home[e] == r]
         mine.sort(key=lambda e: local[e])
         out.append([torch.stack([new[e][m] for e in mine]) for m in range(len(layout.members))])
-    return out
+    if not with_slots:
+        return out
+    after = [[torch.stack([split_image(slots_after[r][s], [init_replica[r][m][s] for m in range(len(layout.members))],
+                                       layout.grad_offsets)[m] for s in range(slots)])
+              for m in range(len(layout.members))] for r in range(world)]
+    return out, after

@@ -97,27 +97,42 @@ def test_multicast_slots_at_limit_odd_sizes():
 
 def test_empty_plan_moves_nothing():
     world, slots, epr = 3, 2, 1
-    run_multicast(world, slots, epr, np.full((world, slots), -1, np.int32), make_layout(4, 4), "auto", 64)
+    layout = make_layout(4, 4)
+    plan = ReplicaPlan.make(np.full((world, slots), -1, np.int32), experts_per_rank=epr)
+
+    def body(group):
+        with Context(group, layout, epr, slots, num_layers=1) as ctx:
+            ctx.register_masters(0, *masters_for(layout, ctx.rank, epr))
+            data_end = ctx.wlayout["ready_off"]  # slots only: flags are allowed to move
+            before = ctx.window.local[:data_end].clone()
+            vid = ctx.begin(0)
+            ctx.weight_sync(vid, plan)
+            ctx.grad_reduce(vid)
+            assert torch.equal(ctx.window.local[:data_end], before)
+        return True
+
+    assert LoopbackDomain(world).run(body) == [True] * world
 
 
 # ---------------------------------------------------------------- reduction
 
-def _reduce_case(world, slots, epr, slot_src, grad_dtype, mode, chunk, runs=1, jitter_us=0):
+def _reduce_case(world, slots, epr, slot_src, grad_dtype, mode, chunk, runs=1, jitter_us=0, node_of=None):
     layout = make_layout(9, 21, grad_dtype=grad_dtype)
     plan = ReplicaPlan.make(slot_src, experts_per_rank=epr)
-    full = build_schedule(plan, layout.weight_bytes, layout.grad_bytes, chunk_bytes=chunk, relay_mode=mode)
+    full = build_schedule(plan, layout.weight_bytes, layout.grad_bytes, chunk_bytes=chunk, relay_mode=mode,
+                          node_of=node_of)
     gen = torch.Generator().manual_seed(7)
     init_master = [[torch.randn((epr, *m.shape), generator=gen).to(grad_dtype) for m in layout.members]
                    for _ in range(world)]
     init_replica = [[torch.randn((slots, *m.shape), generator=gen).to(grad_dtype) for m in layout.members]
                     for _ in range(world)]
-    want = expected_master_grads(full, layout, plan, init_master, init_replica)
+    want, want_slots = expected_master_grads(full, layout, plan, init_master, init_replica, with_slots=True)
     domain = LoopbackDomain(world)
 
     def body(group):
         r = group.rank
-        with Context(group, layout, epr, slots, num_layers=1, relay_mode=mode, chunk_bytes=chunk, tile_bytes=16, num_workers=2,
-                     jitter_us=jitter_us, timeout_s=30.0) as ctx:
+        with Context(group, layout, epr, slots, num_layers=1, relay_mode=mode, chunk_bytes=chunk, tile_bytes=16,
+                     num_workers=2, jitter_us=jitter_us, timeout_s=30.0, node_of=node_of) as ctx:
             weights, grads = masters_for(layout, r, epr)
             ctx.register_masters(0, weights, grads)
             results = []
@@ -130,6 +145,9 @@ def _reduce_case(world, slots, epr, slot_src, grad_dtype, mode, chunk, runs=1, j
                 ctx.weight_sync(vid, plan)
                 ctx.grad_reduce(vid)
                 results.append([g.clone() for g in grads])
+                # replica grads are consumed: relays now hold their partial sums, leaves are untouched
+                for m in range(len(layout.members)):
+                    assert torch.equal(ctx.replica_grads[m], want_slots[r][m]), f"rank {r} member {m} slots"
             return results
 
     got = domain.run(body)
@@ -233,3 +251,93 @@ def test_unknown_transport_and_window_rejected_before_setup():
         return True
 
     LoopbackDomain(2).run(body)
+
+
+def test_grad_reduce_two_nodes():
+    world, slots, epr = 4, 2, 1
+    slot_src = np.array([[1, 2], [0, 3], [0, 1], [0, 2]], np.int32)
+    full = _reduce_case(world, slots, epr, slot_src, torch.float32, "auto", chunk=64, node_of=[0, 0, 1, 1])
+    pr, _, _ = full.tree("multicast")
+    # expert 0 (home rank 0, node 0) crosses to node 1 once: only one of ranks 2, 3 is fed from node 0
+    assert sorted(int(pr[r, 0]) in (0, 1) for r in (2, 3)) == [False, True]
+
+
+def test_one_rank_with_an_invalid_plan_fails_every_rank():
+    layout = make_layout(4, 4)
+    good = ReplicaPlan.make(np.array([[1], [0]], np.int32), experts_per_rank=1)
+    bad = ReplicaPlan.make(np.full((2, 2), -1, np.int32), experts_per_rank=1)  # wrong slots per rank
+
+    def body(group):
+        with Context(group, layout, 1, 1, num_layers=1) as ctx:
+            ctx.register_masters(0, *masters_for(layout, ctx.rank, 1))
+            vid = ctx.begin(0)
+            before = ctx.window.local.clone()
+            if group.rank == 0:
+                with pytest.raises(ValueError, match=r"ranks \[1\] rejected their plan"):
+                    ctx.weight_sync(vid, good)
+            else:
+                with pytest.raises(ValueError, match="slots per rank"):
+                    ctx.weight_sync(vid, bad)
+            assert torch.equal(ctx.window.local, before)
+        return True
+
+    assert LoopbackDomain(2).run(body) == [True, True]
+
+
+def test_cost_model_must_agree_across_ranks():
+    def body(group):
+        with pytest.raises(ValueError, match="Context configuration differs"):
+            Context(group, make_layout(4, 4), 1, 1, num_layers=1, intra_bw=370e9 if group.rank else 900e9)
+        return True
+
+    LoopbackDomain(2).run(body)
+
+
+def test_async_ops_queue_in_order_and_synchronize():
+    world, slots, epr = 3, 2, 2
+    layout = make_layout(5, 3)
+    plans = [ReplicaPlan.make(random_slot_src(np.random.default_rng(s), world, slots, epr, 1.0), experts_per_rank=epr)
+             for s in range(2)]
+
+    def body(group):
+        with Context(group, layout, epr, slots, num_layers=2, max_microbatches=2, chunk_bytes=32, tile_bytes=16,
+                     relay_mode="force") as ctx:
+            for layer in range(2):
+                ctx.register_masters(layer, *masters_for(layout, ctx.rank, epr))
+            v0, v1 = ctx.begin(0), ctx.begin(1)
+            works = [ctx.weight_sync(v0, plans[0], async_op=True), ctx.weight_sync(v1, plans[1], async_op=True),
+                     ctx.restore(v0, async_op=True)]
+            ctx.synchronize()
+            assert all(w.is_completed() and w.exception() is None for w in works)
+            check_replicas(ctx, plans[0])  # the last one queued wins the shared slots
+            ctx.end(v0)
+            ctx.end(v1)
+        return True
+
+    assert LoopbackDomain(world).run(body) == [True] * world
+
+
+def test_failed_operation_stops_queued_ones():
+    layout = make_layout(4, 4)
+    plan = ReplicaPlan.make(np.array([[1], [0]], np.int32), experts_per_rank=1)
+
+    def body(group):
+        with Context(group, layout, 1, 1, num_layers=1, timeout_s=0.3) as ctx:
+            ctx.register_masters(0, *masters_for(layout, ctx.rank, 1))
+            vid = ctx.begin(0)
+            if group.rank == 1:  # agrees on the plan, then never joins the data movement
+                ctx._prepare_plan(plan)
+                return True
+            first = ctx.weight_sync(vid, plan, async_op=True)
+            second = ctx.restore(vid, async_op=True)
+            with pytest.raises(ultracomm.UltracommTimeout, match="rank 1"):
+                first.wait()
+            with pytest.raises(UltracommError, match="not started: an earlier operation"):
+                second.wait()
+            ready = ctx.window.local[ctx.wlayout["ready_off"]:ctx.wlayout["ready_off"] + 8].view(torch.int64)
+            assert int(ready) == 1  # epoch 2 never raised its ready flag
+            with pytest.raises(UltracommError, match="failed earlier"):
+                ctx.restore(vid)
+        return True
+
+    assert LoopbackDomain(2).run(body) == [True, True]

@@ -43,7 +43,7 @@ def test_dead_peer_times_out_naming_it(tmp_path):
     r1 = by_rank[1]
     assert r1["error"] is not None, "rank 1 did not time out"
     assert "rank 2" in r1["error"] and "expert 2" in r1["error"], r1["error"]
-    assert r1["elapsed"] < 1.5 * 3, r1["elapsed"]
+    assert 1.5 <= r1["elapsed"] < 1.5 + 10, r1["elapsed"]  # waited the timeout, then failed promptly
     # rank 0 pushes expert 0 to rank 2 (waits for its ready flag): also a timeout naming rank 2
     r0 = by_rank[0]
     assert r0["error"] is not None and "rank 2" in r0["error"], r0

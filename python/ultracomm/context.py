@@ -117,7 +117,8 @@ class Context:
                              f"use one of {transport_cls.window_providers}")
         check_same(self.comm, "Context configuration", (
             repr(layout), experts_per_rank, slots_per_rank, num_layers, max_microbatches, self.node_of,
-            self.config.chunk_bytes, self.config.relay_mode, self.config.max_depth, transport_cls.name, provider))
+            self.config.chunk_bytes, self.config.relay_mode, self.config.max_depth, self.config.intra_bw,
+            self.config.inter_bw, transport_cls.name, provider))
 
         self.wlayout = _core.window_layout(slots_per_rank, layout.weight_bytes, layout.grad_bytes,
                                            self.config.chunk_bytes)
@@ -202,9 +203,10 @@ class Context:
         return mb
 
     # ------------------------------------------------------------------ operations
-    def schedule_for(self, plan: ReplicaPlan) -> Schedule:
-        """The (cached) schedule of ``plan`` with this Context's configuration (this rank's lists)."""
-        key = plan.digest()
+    def schedule_for(self, plan: ReplicaPlan, key: bytes | None = None) -> Schedule:
+        """The (cached) schedule of ``plan`` with this Context's configuration (this rank's lists).
+        ``key``: ``plan.digest()`` if the caller has it already."""
+        key = plan.digest() if key is None else key
         sched = self._schedules.get(key)
         if sched is None:
             c = self.config
@@ -225,36 +227,70 @@ class Context:
             self._schedules.move_to_end(key)
         return sched
 
-    def _check_plan(self, plan: ReplicaPlan) -> None:
-        if not isinstance(plan, ReplicaPlan):
-            raise TypeError(f"ultracomm: plan must be a ReplicaPlan, got {type(plan).__name__}; "
-                            "build one with ReplicaPlan.make(...) or a converter")
-        if (plan.world, plan.slots_per_rank, plan.num_experts) != (self.world, self.slots_per_rank, self.num_experts):
-            raise ValueError(
-                f"ultracomm: plan is for world {plan.world}, {plan.slots_per_rank} slots per rank, "
-                f"{plan.num_experts} experts; this Context has world {self.world}, {self.slots_per_rank} slots "
-                f"per rank, {self.num_experts} experts")
-        plan.validate(experts_per_rank=self.experts_per_rank)
-        check_same(self.comm, "plan", plan.digest().hex())
+    def _prepare_plan(self, plan: ReplicaPlan) -> Schedule:
+        """Validate ``plan`` here, build its schedule, then agree with every rank (collective).
+
+        Every rank raises when any rank's plan is invalid or the plans or schedules differ,
+        so no rank is left waiting in a later collective or flag.
+        """
+        local_error: BaseException | None = None
+        mine = None
+        try:
+            if not isinstance(plan, ReplicaPlan):
+                raise TypeError(f"ultracomm: plan must be a ReplicaPlan, got {type(plan).__name__}; "
+                                "build one with ReplicaPlan.make(...) or a converter")
+            if (plan.world, plan.slots_per_rank, plan.num_experts) != (self.world, self.slots_per_rank,
+                                                                       self.num_experts):
+                raise ValueError(
+                    f"ultracomm: plan is for world {plan.world}, {plan.slots_per_rank} slots per rank, "
+                    f"{plan.num_experts} experts; this Context has world {self.world}, {self.slots_per_rank} "
+                    f"slots per rank, {self.num_experts} experts")
+            plan.validate(experts_per_rank=self.experts_per_rank)
+            key = plan.digest()
+            sched = self.schedule_for(plan, key)
+            mine = (key.hex(), sched.digest)
+        except (TypeError, ValueError) as e:
+            local_error = e
+        views = self.comm.all_gather_object(
+            (None if local_error is None else f"{type(local_error).__name__}: {local_error}", mine))
+        if local_error is not None:
+            raise local_error
+        failed = [r for r, (err, _) in enumerate(views) if err is not None]
+        if failed:
+            raise ValueError(f"ultracomm: ranks {failed} rejected their plan ({views[failed[0]][0]}); every rank "
+                             "must pass the same valid plan")
+        for what, i in (("plan", 0), ("schedule", 1)):
+            groups: dict = {}
+            for r, (_, m) in enumerate(views):
+                groups.setdefault(m[i], []).append(r)
+            if len(groups) > 1:
+                detail = "; ".join(f"ranks {rs}" for rs in groups.values())
+                hint = ("every rank must pass the same plan" if what == "plan" else
+                        "ranks built different schedules from one plan: their configurations differ")
+                raise ValueError(f"ultracomm: {what} differs across ranks ({detail}); {hint}")
+        return sched
 
     def _submit(self, name: str, op: Op, mb: _MicroBatch, async_op: bool) -> Work | None:
         if self._broken is not None:
             raise UltracommError(f"ultracomm: this Context failed earlier ({self._broken}); create a new Context")
         masters = self._masters[mb.layer]
         sched = mb.schedule
-        with self._lock:
-            self._epoch += 1
-            epoch = self._epoch
         my_slots, local_index_of = mb.my_slots, mb.local_index_of
 
         def body() -> None:
+            if self._broken is not None:  # queued before an earlier operation failed: never start it
+                raise UltracommError(f"ultracomm: {name} (epoch {epoch}) not started: an earlier operation of "
+                                     f"this Context failed ({self._broken}); create a new Context")
             try:
-                self.transport.run(op, sched, epoch, masters, my_slots, local_index_of)
+                self.transport.run(op, sched, epoch, masters, my_slots, local_index_of, name)
             except BaseException as e:
                 self._broken = e
                 raise
 
-        work = self._runner.submit(f"{name} (rank {self.rank}, epoch {epoch})", body)
+        with self._lock:  # epochs are taken and queued in one order, whatever thread calls
+            self._epoch += 1
+            epoch = self._epoch
+            work = self._runner.submit(f"{name} (rank {self.rank}, epoch {epoch})", body)
         log.debug("rank %d: %s vid-layer %d epoch %d submitted", self.rank, name, mb.layer, epoch)
         if async_op:
             return work
@@ -268,8 +304,8 @@ class Context:
         ``m`` of expert ``plan.slot_src[r, s]``.  Collective: every rank passes the same plan.
         """
         mb = self._get(vid)
-        self._check_plan(plan)
-        mb.plan, mb.schedule = plan, self.schedule_for(plan)
+        sched = self._prepare_plan(plan)
+        mb.plan, mb.schedule = plan, sched
         mb.my_slots, mb.local_index_of = plan.slot_src[self.rank].tolist(), plan.local_index_of.tolist()
         return self._submit("weight_sync", Op.MULTICAST, mb, async_op)
 
@@ -284,6 +320,10 @@ class Context:
         Deterministic: for each element, fp32 ``acc = master``, then the sources in the order
         the schedule lists them (relays pre-reduce their subtree first), cast back to the
         grad dtype.  Releases ``vid``.
+
+        A relay's ``replica_grads`` slot is overwritten with its partial sum (its own grad
+        plus its children's), so replica grads are consumed by this call; with
+        ``async_op=True`` write ``replica_grads`` again only after ``work.wait()``.
         """
         mb = self._get(vid, need_plan=True)
         work = self._submit("grad_reduce", Op.REDUCE, mb, async_op)

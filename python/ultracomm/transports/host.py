@@ -52,22 +52,37 @@ class HostTransport:
         self.timeout_s = timeout_s
         self.jitter_us = jitter_us
         self._grad_code = GRAD_DTYPE_CODE[layout.grad_dtype]
+        self._bases = list(window.peer_bases)
+        self._weight_members = (list(layout.weight_offsets), list(layout.weight_sizes))
+        self._grad_members = (list(layout.grad_offsets), list(layout.grad_sizes))
+        self._cache: dict = {}
+
+    def _args(self, op: Op, schedule) -> tuple:
+        """Per (schedule, op) executor arguments, built once: the schedule cache keeps them warm."""
+        key = (schedule.digest, int(op))
+        args = self._cache.get(key)
+        if args is None:
+            if len(self._cache) >= 128:
+                self._cache.clear()
+            args = (schedule.tasks(op, self.rank), schedule.refs(op, self.rank),
+                    schedule.tree(op)[0][self.rank].tolist())
+            self._cache[key] = args
+        return args
 
     def run(self, op: Op, schedule, epoch: int, masters: Masters, my_slots: Sequence[int],
-            local_index_of: Sequence[int]) -> None:
-        """Run ``op`` of ``schedule`` for this rank at ``epoch``; blocks until done here."""
-        lay = self.layout
+            local_index_of: Sequence[int], op_name: str | None = None) -> None:
+        """Run ``op`` of ``schedule`` for this rank at ``epoch``; blocks until done here.
+        ``op_name`` (``weight_sync``, ``restore``, ``grad_reduce``) names the operation in errors."""
+        tasks, refs, slot_parent = self._args(op, schedule)
         if op == Op.MULTICAST:
-            member_off, member_bytes, ptrs = lay.weight_offsets, lay.weight_sizes, masters.weight_ptrs
+            member_off, member_bytes, ptrs = self._weight_members + (masters.weight_ptrs,)
         else:
-            member_off, member_bytes, ptrs = lay.grad_offsets, lay.grad_sizes, masters.grad_ptrs
+            member_off, member_bytes, ptrs = self._grad_members + (masters.grad_ptrs,)
         _core.run_host(
             int(op), self.rank, self.world, epoch,
             self.wlayout["slots"], self.wlayout["weight_slot_bytes"], self.wlayout["grad_slot_bytes"],
-            self.wlayout["chunk_bytes"], list(self.window.peer_bases),
-            list(member_off), list(member_bytes), list(ptrs), list(local_index_of),
-            self._grad_code, list(my_slots),
-            schedule.tasks(op, self.rank), schedule.refs(op, self.rank),
+            self.wlayout["chunk_bytes"], self._bases, member_off, member_bytes, list(ptrs), list(local_index_of),
+            self._grad_code, list(my_slots), tasks, refs,
             self.num_workers, self.timeout_s, self.jitter_us, epoch,
-            slot_parent=schedule.tree(op)[0][self.rank].tolist(),
+            slot_parent=slot_parent,
         )

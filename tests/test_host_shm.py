@@ -5,6 +5,7 @@ import os
 import signal
 import socket
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -97,10 +98,41 @@ def test_sweep_removes_segments_of_dead_processes(tmp_path):
     dead.start()
     dead.join()
     stale = tmp_path / f"ultracomm-{dead.pid}-0123456789ab-r0"
+    fresh = tmp_path / f"ultracomm-{dead.pid}-0123456789ac-r1"  # dead pid, but may be another namespace's
     live = tmp_path / f"ultracomm-{os.getpid()}-0123456789ab-r1"
     other = tmp_path / "not-ours"
-    for f in (stale, live, other):
+    for f in (stale, fresh, live, other):
         f.write_bytes(b"x")
+    old = time.time() - 3600
+    for f in (stale, live, other):
+        os.utime(f, (old, old))
     removed = sweep_stale_segments(str(tmp_path))
     assert removed == [stale.name]
-    assert not stale.exists() and live.exists() and other.exists()
+    assert not stale.exists() and fresh.exists() and live.exists() and other.exists()
+
+
+def test_one_rank_failing_to_create_fails_every_rank(monkeypatch):
+    from ultracomm import LoopbackDomain
+    from ultracomm.windows import host_shm
+
+    real_map = host_shm._map
+
+    def flaky(path, nbytes, create):
+        if create and path.endswith("-r1"):
+            raise RuntimeError("ultracomm: cannot reserve (simulated full /dev/shm)")
+        return real_map(path, nbytes, create)
+
+    monkeypatch.setattr(host_shm, "_map", flaky)
+    before = _segments()
+
+    def body(group):
+        if group.rank == 1:
+            with pytest.raises(RuntimeError, match="simulated full"):
+                host_shm.HostShmWindow.create(group, 4096)
+        else:
+            with pytest.raises(RuntimeError, match=r"ranks \[1\] could not create"):
+                host_shm.HostShmWindow.create(group, 4096)
+        return True
+
+    assert LoopbackDomain(3).run(body, timeout=60) == [True] * 3
+    assert _segments() <= before

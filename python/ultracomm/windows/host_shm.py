@@ -12,6 +12,7 @@ from __future__ import annotations
 import mmap
 import os
 import re
+import time
 import uuid
 
 import torch
@@ -34,16 +35,31 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def sweep_stale_segments(shm_dir: str = SHM_DIR) -> list[str]:
-    """Unlink ultracomm segments whose creating process is gone; return their names."""
+STALE_AFTER_S = 600.0  # a live segment is unlinked seconds after creation; older ones are leftovers
+
+
+def sweep_stale_segments(shm_dir: str = SHM_DIR, min_age_s: float = STALE_AFTER_S) -> list[str]:
+    """Unlink ultracomm segments whose creating process is gone; return their names.
+
+    A pid is only meaningful in its own pid namespace (containers may share /dev/shm), so a
+    segment must also be older than ``min_age_s``: a live job unlinks its names within
+    seconds of creating them, so an old named segment is a leftover either way.
+    """
     removed = []
     try:
         names = os.listdir(shm_dir)
     except FileNotFoundError:
         return removed
+    now = time.time()
     for name in names:
         m = _NAME.match(name)
-        if m and not _pid_alive(int(m.group(1))):
+        if not m:
+            continue
+        try:
+            age = now - os.stat(os.path.join(shm_dir, name)).st_mtime
+        except FileNotFoundError:
+            continue
+        if age >= min_age_s and not _pid_alive(int(m.group(1))):
             try:
                 os.unlink(os.path.join(shm_dir, name))
                 removed.append(name)
@@ -58,6 +74,12 @@ def _map(path: str, nbytes: int, create: bool) -> mmap.mmap:
     try:
         if create:
             os.ftruncate(fd, nbytes)
+            try:  # reserve the pages now: tmpfs over-commits, and a full /dev/shm would SIGBUS later
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError as e:
+                raise RuntimeError(
+                    f"ultracomm: cannot reserve {nbytes} bytes in {SHM_DIR} for the host_shm window ({e}); "
+                    f"free space there or enlarge it (containers: --shm-size)") from e
         elif os.fstat(fd).st_size != nbytes:
             raise ValueError(
                 f"ultracomm: shared-memory segment {path} has {os.fstat(fd).st_size} bytes, expected {nbytes}: "
@@ -85,9 +107,19 @@ class HostShmWindow(Window):
         sweep_stale_segments()
         name = f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}-r{comm.rank}"
         path = os.path.join(SHM_DIR, name)
-        own = _map(path, nbytes, create=True)
+        error: Exception | None = None
         try:
-            names = comm.all_gather_object(name)
+            own = _map(path, nbytes, create=True)
+        except (OSError, RuntimeError) as e:
+            error = e
+        try:
+            # collective even when this rank failed, so that no peer waits for it
+            names = comm.all_gather_object(None if error else name)
+            if error is not None:
+                raise error
+            failed = [r for r, n in enumerate(names) if n is None]
+            if failed:
+                raise RuntimeError(f"ultracomm: ranks {failed} could not create their host_shm window")
             maps = [own if r == comm.rank else _map(os.path.join(SHM_DIR, n), nbytes, create=False)
                     for r, n in enumerate(names)]
             comm.barrier()  # every peer has mapped our segment: the name is no longer needed

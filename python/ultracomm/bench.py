@@ -53,9 +53,13 @@ METHODS = ("a2a", "p2p", "direct", "relay")
 
 
 def parse_size(s: str) -> int:
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    s = s.strip().upper().rstrip("B")
-    return int(float(s[:-1]) * mult[s[-1]]) if s and s[-1] in mult else int(s)
+    """argparse type for byte sizes (``64K``, ``16M``): :func:`ultracomm.env.parse_size`."""
+    from .env import parse_size as env_parse_size
+
+    try:
+        return env_parse_size(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 # ------------------------------------------------------------------------------ plans
@@ -94,9 +98,11 @@ def busiest_home_bytes(plan, nbytes: int) -> int:
 
 
 # ------------------------------------------------------------------------------ timing
-def _times(fn: Callable[[], None], iters: int, warmup: int, setup: Callable[[], None] | None = None) -> list[float]:
-    """Slowest rank's time of ``fn()`` per iteration (``setup()`` runs untimed before it)."""
-    out = []
+def _times(fn: Callable[[], None], iters: int, warmup: int, setup: Callable[[], None] | None = None,
+           check: Callable[[], int] | None = None) -> tuple[list[float], int]:
+    """Slowest rank's time of ``fn()`` per iteration, and the wrong elements summed over every
+    iteration (``setup()`` before and ``check()`` after each run, both untimed)."""
+    out, wrong = [], 0
     for i in range(warmup + iters):
         if setup is not None:
             setup()
@@ -105,9 +111,11 @@ def _times(fn: Callable[[], None], iters: int, warmup: int, setup: Callable[[], 
         fn()
         dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        if check is not None:
+            wrong += check()
         if i >= warmup:
             out.append(float(dt))
-    return out
+    return out, wrong
 
 
 # ------------------------------------------------------------------------------ baselines
@@ -233,8 +241,8 @@ def run_case(op: str, size: int, workload: str, args, rank: int, world: int) -> 
                 fn = lambda: base.a2a_weights(master, slot_w)  # noqa: E731
             else:
                 fn = lambda: base.p2p_weights(master, slot_w)  # noqa: E731
-            times = _times(fn, args.iters, args.warmup, setup=lambda: slot_w.zero_())
-            wrong = check_weights(slot_w)
+            times, wrong = _times(fn, args.iters, args.warmup, setup=lambda: slot_w.zero_(),
+                                  check=lambda: check_weights(slot_w))
             if ctx is not None:
                 ctx.end(vid)
         else:
@@ -254,8 +262,7 @@ def run_case(op: str, size: int, workload: str, args, rank: int, world: int) -> 
                 fn = lambda: base.a2a_grads(slot_g, grad)  # noqa: E731
             else:
                 fn = lambda: base.p2p_grads(slot_g, grad, scratch)  # noqa: E731
-            times = _times(fn, args.iters, args.warmup, setup)
-            wrong = check_grads()
+            times, wrong = _times(fn, args.iters, args.warmup, setup, check_grads)
         if lb is None:  # the lower bound does not depend on the method: take it from a schedule
             from .schedule import build_schedule
 
@@ -365,10 +372,16 @@ def main(argv: list[str] | None = None) -> int:
             kind = w.split(":")[0]
         elif kind and w[0].isdigit():
             workloads[i] = f"{kind}:{w}"
+    from .env import Config
+    from .transports import resolve_transport
+
+    cfg = Config.from_env()
+    transport = resolve_transport(args.transport or cfg.transport).name
+    window = "host_shm" if cfg.window == "auto" else cfg.window  # what Context picks for a process group
     rows = []
     if rank == 0:
-        print(f"# ultracomm bench: world {world}; ultracomm transport host (C++ worker threads over host_shm "
-              f"windows); baselines over gloo; {args.slots} slots/rank, {args.experts_per_rank} experts/rank, chunk "
+        print(f"# ultracomm bench: world {world}; ultracomm transport {transport} over {window} windows; "
+              f"baselines over {dist.get_backend()}; {args.slots} slots/rank, {args.experts_per_rank} experts/rank, chunk "
               f"{args.chunk_bytes} B, iters {args.iters} (+{args.warmup} warm-up)"
               + (f"; model {args.model} x{args.scale}" if args.model else ""))
         print("# size: bytes of one expert (bf16 weights / fp32 grads); algbw = replicas x size / time; busbw = "
@@ -396,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"direct / relay = {by.get('direct', float('nan')) / by['relay']:.2f}x")
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"world": world, "transport": "host", "window": "host_shm", "baseline_backend": "gloo",
+                json.dump({"world": world, "transport": transport, "window": window, "baseline_backend": dist.get_backend(),
                            "device": "cpu", "args": {k: v for k, v in vars(args).items()}, "rows": rows}, f, indent=1)
         if args.plot:
             plot(rows, args.plot, f"measured: {world} ranks, ultracomm host executor over shared memory, "

@@ -118,8 +118,9 @@ class LoopbackDomain:
         failed = [(r, e) for r, e in enumerate(errors) if e is not None]
         if failed:
             r0, e0 = failed[0]
-            for r, e in failed[1:]:
-                e0.add_note(f"rank {r} also failed: {type(e).__name__}: {e}")
+            if hasattr(e0, "add_note"):  # Python >= 3.11
+                for r, e in failed[1:]:
+                    e0.add_note(f"rank {r} also failed: {type(e).__name__}: {e}")
             raise e0
         return results
 

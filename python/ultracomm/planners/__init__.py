@@ -21,14 +21,14 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .base import Domain, PlannerResult, copy_counts, imbalance, max_mean
+from .base import Domain, PlannerResult, copy_counts, excess_imbalance, max_mean
 
 __all__ = [
     "Domain",
     "PlannerResult",
     "PLANNERS",
     "get_planner",
-    "imbalance",
+    "excess_imbalance",
     "max_mean",
     "copy_counts",
 ]

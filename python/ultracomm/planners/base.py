@@ -47,7 +47,7 @@ __all__ = [
     "split_slots",
     "expand_moves",
     "instance_index",
-    "imbalance",
+    "excess_imbalance",
     "max_mean",
     "copy_counts",
 ]
@@ -425,7 +425,7 @@ def max_mean(rank_load: np.ndarray) -> float:
     return float(np.max(rank_load)) / m if m > 0 else 1.0
 
 
-def imbalance(rank_load: np.ndarray) -> float:
+def excess_imbalance(rank_load: np.ndarray) -> float:
     """(max - mean) / mean, the TAOT imbalance ratio."""
     return max_mean(rank_load) - 1.0
 

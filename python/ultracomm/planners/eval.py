@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from .. import workloads
-from . import PLANNERS, Domain, get_planner, imbalance, max_mean
+from . import Domain, get_planner, max_mean
 from .base import home_rank_load
 
 NAMES = ("quota", "taot", "greedy", "lpt")
@@ -322,7 +322,7 @@ def render(res: dict[str, list[Row]], wall_s: float) -> str:
 
         sim_note = ("weight_sync ms (sim): `ultracomm.sim.simulate` of the plan's schedule "
                     f"(max_chunks={meta.get('max_chunks')}: merged chunks, an upper bound of the exact "
-                    "pipeline); predicted ms: the schedule builder's `stats('weight_sync')['predicted_s']`.")
+                    "pipeline); predicted ms: the schedule builder's `stats('multicast')['predicted_s']`.")
     except ImportError:
         sim_note = ("ultracomm.sim is not available: only the schedule builder's predicted_s is "
                     "reported.")

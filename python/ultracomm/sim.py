@@ -125,11 +125,11 @@ import re
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
-from .records import MASTER, Op, TaskKind
+from .records import MASTER, Op
 
 __all__ = [
     "Fabric",
@@ -1016,12 +1016,13 @@ def _floats(s: str) -> list[float]:
 
 
 def _size(s: str) -> int:
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    t = s.strip().upper().rstrip("B").rstrip("I")
+    """argparse type for byte sizes: :func:`ultracomm.env.parse_size` (``1M``, ``256K``)."""
+    from .env import parse_size
+
     try:
-        return int(float(t[:-1]) * mult[t[-1]]) if t and t[-1] in mult else int(t)
-    except (ValueError, KeyError):
-        raise argparse.ArgumentTypeError(f"bad size {s!r}") from None
+        return parse_size(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -5,6 +5,7 @@ prints why) on the first wrong byte.  Prints ``rank R OK`` per rank.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 
@@ -24,7 +25,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     epr, slots, layers = 2, 2, 3
     layout = ExpertLayout((Member("fc1", (6, 17), torch.bfloat16), Member("fc2", (17, 3), torch.bfloat16)))
-    ctx = Context(None, layout, epr, slots, num_layers=layers, max_microbatches=2, window="host_shm",
+    ctx = Context(None, layout, epr, slots, num_layers=layers, max_microbatches=layers, window="host_shm",
                   chunk_bytes=128, tile_bytes=128, relay_mode="force", timeout_s=60.0)
     assert ctx.window.provider == "host_shm"
     masters = []
@@ -39,9 +40,9 @@ def main() -> None:
         rng = np.random.default_rng(it)
         plans = [ReplicaPlan.make(random_slot_src(rng, world, slots, epr, 0.8), experts_per_rank=epr)
                  for _ in range(layers)]
-        # forward: two micro-batches in flight, layers in order; backward in reverse with restore
+        # forward: every layer in flight (one vid each), in order; backward in reverse with restore
         vids = []
-        for layer in range(2):
+        for layer in range(layers):
             vid = ctx.begin(layer)
             ctx.weight_sync(vid, plans[layer])
             for s, e in enumerate(plans[layer].slot_src[rank].tolist()):
@@ -71,10 +72,17 @@ def main() -> None:
             dist.all_gather_object(all_replica, replica)
             dist.all_gather_object(all_master, master)
             ctx.grad_reduce(vid)
-            digests = [None] * world
-            dist.all_gather_object(digests, ctx.schedule_for(plan).digest)
-            assert len(set(digests)) == 1, f"schedules differ across ranks: {digests}"
             full = build_schedule(plan, layout.weight_bytes, layout.grad_bytes, chunk_bytes=128, relay_mode="force")
+            # every rank's copy of every rank's task lists, byte for byte, plus the runtime's digest
+            h = hashlib.sha256()
+            for op in ("multicast", "reduce"):
+                for r in range(world):
+                    h.update(full.tasks(op, r).tobytes())
+                    h.update(full.refs(op, r).tobytes())
+            digests = [None] * world
+            dist.all_gather_object(digests, (ctx.schedule_for(plan).digest, full.digest, h.hexdigest()))
+            assert len(set(digests)) == 1, f"schedules differ across ranks: {digests}"
+            assert digests[0][0] == digests[0][1]  # the runtime's one-rank build has the full build's digest
             want = expected_master_grads(full, layout, plan, all_master, all_replica)
             for m in range(2):
                 assert torch.equal(masters[layer][1][m], want[rank][m]), ("grad", rank, layer, m)

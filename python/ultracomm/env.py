@@ -16,7 +16,7 @@ ULTRACOMM_WINDOW           window          choice                auto           
 ULTRACOMM_TILE_BYTES       tile_bytes      size (bytes)          32768 (32K)         bytes moved per tile; a positive multiple of 16
 ULTRACOMM_CHUNK_BYTES      chunk_bytes     size (bytes)          1048576 (1M)        bytes per flagged chunk (relay granularity); a multiple of tile_bytes
 ULTRACOMM_RELAY            relay_mode      choice                auto                auto (relay when the cost model says so) | off (direct) | force
-ULTRACOMM_RELAY_MAX_DEPTH  max_depth       int >= 1              8                   deepest relay tree the schedule builder may use (a cap: depth is chosen by predicted time)
+ULTRACOMM_RELAY_MAX_DEPTH  max_depth       int >= 1              8                   deepest relay tree the schedule builder may use (a cap: depth is chosen by predicted time; relay=force uses at least 2)
 ULTRACOMM_DETERMINISTIC    deterministic   bool                  true                fixed-order fp32 gradient reduction (bit-identical runs)
 ULTRACOMM_TIMEOUT_S        timeout_s       float > 0             100                 seconds a flag wait may take before raising a TimeoutError
 ULTRACOMM_LOG_LEVEL        log_level       choice                warning             debug | info | warning | error
@@ -170,7 +170,7 @@ VARIABLES: tuple[_Var, ...] = (
     _Var("relay_mode", "ULTRACOMM_RELAY", "str", _choice(RELAY_MODES), _in(RELAY_MODES),
          "relay trees: " + " | ".join(RELAY_MODES)),
     _Var("max_depth", "ULTRACOMM_RELAY_MAX_DEPTH", "int", _parse_int, _ge(1),
-         "deepest relay tree allowed"),
+         "deepest relay tree allowed (a cap; relay=force uses at least 2)"),
     _Var("deterministic", "ULTRACOMM_DETERMINISTIC", "bool", parse_bool, lambda v: None,
          "fixed-order fp32 gradient reduction"),
     _Var("timeout_s", "ULTRACOMM_TIMEOUT_S", "float", _parse_float, _positive_finite,

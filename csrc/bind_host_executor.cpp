@@ -14,11 +14,23 @@ namespace py = pybind11;
 namespace ultracomm {
 namespace {
 
-// Copies a C-contiguous buffer of `itemsize`-byte records (a structured numpy array, or raw
-// bytes / uint8 of a multiple of itemsize) into a vector of T.
+// A C-contiguous buffer of `sizeof(T)`-byte records (a structured numpy array such as
+// Schedule.tasks(), or raw bytes / uint8 of a multiple of sizeof(T)), read in place: `info`
+// holds the buffer (and a reference to its exporter) until the view is destroyed, after the
+// call.  Only a buffer not aligned for T (e.g. a uint8 slice at an odd offset) is copied.
 template <class T>
-std::vector<T> records_from_buffer(const py::buffer& b, const char* what) {
-  py::buffer_info info = b.request();
+struct RecordView {
+  py::buffer_info info;
+  std::vector<T> copy;  // used only for a misaligned buffer
+  const T* ptr = nullptr;
+  int64_t count = 0;
+};
+
+template <class T>
+RecordView<T> records_view(const py::buffer& b, const char* what) {
+  RecordView<T> v;
+  v.info = b.request();  // read-only request
+  const py::buffer_info& info = v.info;
   const size_t item = static_cast<size_t>(info.itemsize);
   // C-contiguity: strides must be the packed ones.
   py::ssize_t expect = info.itemsize;
@@ -34,9 +46,16 @@ std::vector<T> records_from_buffer(const py::buffer& b, const char* what) {
   if (total % sizeof(T))
     throw std::invalid_argument(std::string("ultracomm.run_host: ") + what + " byte size " + std::to_string(total) +
                                 " is not a multiple of " + std::to_string(sizeof(T)));
-  std::vector<T> out(total / sizeof(T));
-  if (total) std::memcpy(out.data(), info.ptr, total);
-  return out;
+  v.count = static_cast<int64_t>(total / sizeof(T));
+  if (total == 0) return v;
+  if (reinterpret_cast<uintptr_t>(info.ptr) % alignof(T) == 0) {
+    v.ptr = static_cast<const T*>(info.ptr);
+  } else {
+    v.copy.resize(total / sizeof(T));
+    std::memcpy(v.copy.data(), info.ptr, total);
+    v.ptr = v.copy.data();
+  }
+  return v;
 }
 
 }  // namespace
@@ -78,14 +97,16 @@ void bind_host_executor(py::module_& m) {
          std::vector<uint64_t> member_off, std::vector<uint64_t> member_bytes, std::vector<uintptr_t> master_ptrs,
          std::vector<int32_t> local_index_of, int grad_dtype, std::vector<int32_t> my_slots, py::buffer tasks,
          py::buffer refs, int32_t num_workers, double timeout_s, uint32_t jitter_us, uint64_t jitter_seed,
-         std::optional<std::vector<int32_t>> slot_parent, bool portable_f16) {
+         std::optional<std::vector<int32_t>> slot_parent, bool portable_f16,
+         std::optional<std::string> op_name) {
         if (op != 0 && op != 1) throw std::invalid_argument("ultracomm.run_host: op must be 0 (multicast) or 1 (reduce)");
         if (grad_dtype < 0 || grad_dtype > 2)
           throw std::invalid_argument("ultracomm.run_host: grad_dtype must be 0 (fp32), 1 (bf16) or 2 (fp16)");
         if (slots < 0) throw std::invalid_argument("ultracomm.run_host: slots must be >= 0");
         if (chunk_bytes == 0) throw std::invalid_argument("ultracomm.run_host: chunk_bytes must be > 0");
-        std::vector<Task> task_vec = records_from_buffer<Task>(tasks, "tasks");
-        std::vector<Ref> ref_vec = records_from_buffer<Ref>(refs, "refs");
+        // zero-copy: the views hold the buffers until the call returns (after the GIL is back)
+        const RecordView<Task> task_view = records_view<Task>(tasks, "tasks");
+        const RecordView<Ref> ref_view = records_view<Ref>(refs, "refs");
         ExecArgs a;
         a.op = static_cast<Op>(op);
         a.rank = rank;
@@ -100,10 +121,11 @@ void bind_host_executor(py::module_& m) {
         a.grad_dtype = static_cast<DType>(grad_dtype);
         a.my_slots = std::move(my_slots);
         if (slot_parent) a.slot_parent = std::move(*slot_parent);
-        a.tasks = task_vec.data();
-        a.num_tasks = static_cast<int64_t>(task_vec.size());
-        a.refs = ref_vec.data();
-        a.num_refs = static_cast<int64_t>(ref_vec.size());
+        if (op_name) a.op_name = std::move(*op_name);
+        a.tasks = task_view.ptr;
+        a.num_tasks = task_view.count;
+        a.refs = ref_view.ptr;
+        a.num_refs = ref_view.count;
         a.num_workers = num_workers;
         a.timeout_s = timeout_s;
         a.jitter_us = jitter_us;
@@ -117,14 +139,17 @@ void bind_host_executor(py::module_& m) {
       py::arg("member_off"), py::arg("member_bytes"), py::arg("master_ptrs"), py::arg("local_index_of"),
       py::arg("grad_dtype"), py::arg("my_slots"), py::arg("tasks"), py::arg("refs"), py::arg("num_workers"),
       py::arg("timeout_s"), py::arg("jitter_us") = 0, py::arg("jitter_seed") = 0,
-      py::arg("slot_parent") = py::none(), py::arg("portable_f16") = false,
+      py::arg("slot_parent") = py::none(), py::arg("portable_f16") = false, py::arg("op_name") = py::none(),
       R"doc(Run one rank's task list of one operation (op 0 multicast, 1 reduce) on the host.
 
 Windows are raw addresses (window_bases[world]); master_ptrs[local_index*M + m] are this
 rank's master members; tasks/refs are records.TASK_DTYPE / REF_DTYPE arrays (or any
 C-contiguous buffer of 48- / 8-byte records).  grad_dtype: 0 fp32, 1 bf16, 2 fp16.
-slot_parent (optional, [slots]) only names peers in timeout messages; portable_f16 (testing)
-uses the portable fp16 conversion instead of F16C (same bits).  Releases the GIL.
+slot_parent (optional, [slots]) only names peers in timeout messages; op_name (optional)
+names the operation in them (default "weight_sync" for op 0, "grad_reduce" for op 1; e.g.
+"restore"); portable_f16 (testing) uses the portable fp16 conversion instead of F16C (same
+bits).  tasks and refs are read in place, not copied: they must not be modified until the call
+returns.  Releases the GIL.
 Raises _core.TimeoutError (a TimeoutError) on a wait past timeout_s, ValueError on bad
 arguments (nothing is written then).)doc");
 }

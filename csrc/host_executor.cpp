@@ -55,6 +55,21 @@ std::string fmt_seconds(double s) {
 
 size_t dtype_size(DType d) { return d == DType::kF32 ? 4 : 2; }
 
+// Calls fn(m, lo, hi) for every member m whose bytes [member_off[m], +member_bytes[m])
+// intersect [offset, offset + bytes), with [lo, hi) the non-empty intersection (slot-layout
+// offsets).  Members are sorted and disjoint (validate), so segments come in order.
+template <class Fn>
+inline void for_each_segment(uint64_t offset, uint64_t bytes, const std::vector<uint64_t>& member_off,
+                             const std::vector<uint64_t>& member_bytes, Fn&& fn) {
+  const uint64_t end = offset + bytes;
+  for (size_t m = 0; m < member_off.size(); ++m) {
+    const uint64_t lo = std::max(offset, member_off[m]);
+    const uint64_t hi = std::min(end, member_off[m] + member_bytes[m]);
+    if (lo < hi) fn(m, lo, hi);
+  }
+}
+
+const char* default_op_name(Op op) { return op == Op::kMulticast ? "weight_sync" : "grad_reduce"; }
 
 // ---------------------------------------------------------------------------------------
 // reduction kernels: acc(fp32) = self; acc += src_0; acc += src_1; ...; dst = cast(acc)
@@ -150,7 +165,6 @@ struct Runner {
   const ExecArgs& a;
   const WindowLayout& L;
   const bool mc;
-  const uint64_t slot_bytes;
   const uint64_t nchunks;
   const size_t M;
   std::vector<uint8_t> is_relay;  // [slots], reduce only
@@ -164,10 +178,11 @@ struct Runner {
       : a(args),
         L(args.layout),
         mc(args.op == Op::kMulticast),
-        slot_bytes(mc ? args.layout.weight_slot_bytes : args.layout.grad_slot_bytes),
         nchunks(mc ? args.layout.weight_chunks : args.layout.grad_chunks),
         M(args.member_off.size()) {
-    prefix = "ultracomm: rank " + std::to_string(a.rank) + (mc ? " weight_sync multicast" : " grad_reduce") +
+    // e.g. "ultracomm: rank 2 restore (multicast) epoch 7 timed out after 100 s waiting for ..."
+    const std::string name = a.op_name.empty() ? default_op_name(a.op) : a.op_name;
+    prefix = "ultracomm: rank " + std::to_string(a.rank) + " " + name + (mc ? " (multicast)" : " (reduce)") +
              " epoch " + std::to_string(a.epoch) + " timed out after " + fmt_seconds(a.timeout_s) +
              " s waiting for ";
   }
@@ -182,6 +197,12 @@ struct Runner {
     return a.window_bases[rank] + (mc ? L.weight_slot(slot) : L.grad_slot(slot));
   }
 
+  // now + timeout_s; timeouts beyond ~30 years (inf included) never expire rather than overflow
+  Clock::time_point wait_deadline() const {
+    if (a.timeout_s >= 1e9) return Clock::time_point::max();
+    return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(a.timeout_s));
+  }
+
   template <class Describe>
   void wait_flag(uintptr_t addr, Describe&& describe) {
     const uint64_t epoch = a.epoch;
@@ -190,8 +211,7 @@ struct Runner {
       cpu_relax();
       if (load_acquire(addr) >= epoch) return;
     }
-    const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                             std::chrono::duration<double>(a.timeout_s));
+    const auto deadline = wait_deadline();
     int yields = 0;
     int64_t sleep_us = 2;
     for (;;) {
@@ -226,7 +246,6 @@ struct Runner {
                " (arrival flag; this rank relays it)";
       });
     }
-    const uint64_t beg = t.offset, end = t.offset + t.bytes;
     for (int32_t i = 0; i < t.ref_count; ++i) {
       const Ref d = a.refs[t.ref_begin + i];
       wait_flag(a.window_bases[d.rank] + L.ready_flag(Op::kMulticast), [&] {
@@ -235,13 +254,10 @@ struct Runner {
                std::to_string(d.slot);
       });
       const uintptr_t dst = slot_addr(d.rank, d.slot);
-      for (size_t m = 0; m < M; ++m) {
-        const uint64_t lo = std::max(beg, a.member_off[m]);
-        const uint64_t hi = std::min(end, a.member_off[m] + a.member_bytes[m]);
-        if (lo >= hi) continue;
+      for_each_segment(t.offset, t.bytes, a.member_off, a.member_bytes, [&](size_t m, uint64_t lo, uint64_t hi) {
         std::memcpy(reinterpret_cast<void*>(dst + lo), reinterpret_cast<const void*>(self_addr(t, m, lo)),
                     hi - lo);
-      }
+      });
       store_release(a.window_bases[d.rank] + L.arrival_flag(d.slot, t.chunk), a.epoch);
     }
   }
@@ -254,7 +270,6 @@ struct Runner {
                std::to_string(t.chunk) + " in slot " + std::to_string(s.slot) + " (grad_ready flag)";
       });
     }
-    const uint64_t beg = t.offset, end = t.offset + t.bytes;
     uintptr_t small[16];
     std::vector<uintptr_t> big;
     uintptr_t* srcs = small;
@@ -262,16 +277,13 @@ struct Runner {
       big.resize(t.ref_count);
       srcs = big.data();
     }
-    for (size_t m = 0; m < M; ++m) {
-      const uint64_t lo = std::max(beg, a.member_off[m]);
-      const uint64_t hi = std::min(end, a.member_off[m] + a.member_bytes[m]);
-      if (lo >= hi) continue;
+    for_each_segment(t.offset, t.bytes, a.member_off, a.member_bytes, [&](size_t m, uint64_t lo, uint64_t hi) {
       for (int32_t i = 0; i < t.ref_count; ++i) {
         const Ref s = a.refs[t.ref_begin + i];
         srcs[i] = slot_addr(s.rank, s.slot) + lo;
       }
       reduce_dispatch(a.grad_dtype, a.portable_f16, self_addr(t, m, lo), srcs, t.ref_count, hi - lo);
-    }
+    });
     for (int32_t i = 0; i < t.ref_count; ++i) {
       const Ref s = a.refs[t.ref_begin + i];
       store_release(a.window_bases[s.rank] + L.consumed_flag(s.slot, t.chunk), a.epoch);
@@ -320,18 +332,9 @@ void validate(const ExecArgs& a) {
   if (a.epoch < 1) bad("epoch must be >= 1 (flags start at 0)");
   if (a.num_workers < 1) bad("num_workers must be >= 1, got " + std::to_string(a.num_workers));
   if (!(a.timeout_s > 0)) bad("timeout_s must be > 0");
+  // a.layout is WindowLayout::make(...) by contract (the binding builds it so, after checking
+  // slots >= 0 and chunk_bytes > 0); it is not re-derived here.
   const WindowLayout& L = a.layout;
-  if (L.slots < 0) bad("layout.slots must be >= 0");
-  if (L.chunk_bytes == 0) bad("layout.chunk_bytes must be > 0");
-  {
-    const WindowLayout R = WindowLayout::make(L.slots, L.weight_slot_bytes, L.grad_slot_bytes, L.chunk_bytes);
-    const bool same = R.weight_stride == L.weight_stride && R.grad_stride == L.grad_stride &&
-                      R.weight_chunks == L.weight_chunks && R.grad_chunks == L.grad_chunks &&
-                      R.weights_off == L.weights_off && R.grads_off == L.grads_off && R.ready_off == L.ready_off &&
-                      R.arrival_off == L.arrival_off && R.grad_ready_off == L.grad_ready_off &&
-                      R.consumed_off == L.consumed_off && R.total_bytes == L.total_bytes;
-    if (!same) bad("layout is not WindowLayout::make(slots, weight, grad, chunk)");
-  }
   if (a.window_bases.size() != static_cast<size_t>(a.world))
     bad("window_bases has " + std::to_string(a.window_bases.size()) + " entries, world is " +
         std::to_string(a.world));
@@ -380,46 +383,49 @@ void validate(const ExecArgs& a) {
   const uint8_t want_kind = static_cast<uint8_t>(mc ? TaskKind::kCopy : TaskKind::kReduce);
   for (int64_t i = 0; i < a.num_tasks; ++i) {
     const Task& t = a.tasks[i];
-    const std::string ti = "task " + std::to_string(i) + ": ";
+    const auto ti = [i] { return "task " + std::to_string(i) + ": "; };  // built only on error
     if (t.kind != want_kind)
-      bad(ti + "kind " + std::to_string(t.kind) + " does not belong to " + (mc ? "multicast" : "reduce"));
-    if (t.self.rank != a.rank) bad(ti + "self.rank " + std::to_string(t.self.rank) + " != rank " + std::to_string(a.rank));
-    if (t.expert < 0) bad(ti + "negative expert");
+      bad(ti() + "kind " + std::to_string(t.kind) + " does not belong to " + (mc ? "multicast" : "reduce"));
+    if (t.self.rank != a.rank) bad(ti() + "self.rank " + std::to_string(t.self.rank) + " != rank " + std::to_string(a.rank));
+    if (t.expert < 0) bad(ti() + "negative expert");
     if (t.chunk < 0 || static_cast<uint64_t>(t.chunk) >= nchunks)
-      bad(ti + "chunk " + std::to_string(t.chunk) + " out of range (" + std::to_string(nchunks) + " chunks)");
-    if (t.bytes > slot_bytes || t.offset > slot_bytes - t.bytes)
-      bad(ti + "chunk range [" + std::to_string(t.offset) + ", +" + std::to_string(t.bytes) + ") exceeds the slot's " +
-          std::to_string(slot_bytes) + " bytes");
+      bad(ti() + "chunk " + std::to_string(t.chunk) + " out of range (" + std::to_string(nchunks) + " chunks)");
+    {  // the byte range is the chunk's: flags are per chunk, so a mismatch would move or wait on the wrong bytes
+      const uint64_t want_off = static_cast<uint64_t>(t.chunk) * L.chunk_bytes;  // < slot_bytes: chunk < nchunks
+      const uint64_t want_bytes = std::min(L.chunk_bytes, slot_bytes - want_off);
+      if (t.offset != want_off || t.bytes != want_bytes)
+        bad(ti() + "byte range [" + std::to_string(t.offset) + ", +" + std::to_string(t.bytes) + ") is not chunk " +
+            std::to_string(t.chunk) + "'s [" + std::to_string(want_off) + ", +" + std::to_string(want_bytes) +
+            ") (chunk_bytes " + std::to_string(L.chunk_bytes) + ", " + (mc ? "weight" : "grad") + " slot " +
+            std::to_string(slot_bytes) + " bytes)");
+    }
     if (t.self.slot == kMaster) {
       if (static_cast<size_t>(t.expert) >= a.local_index_of.size() || a.local_index_of[t.expert] < 0)
-        bad(ti + "master source of expert " + std::to_string(t.expert) + " but it is not local (local_index_of)");
+        bad(ti() + "master source of expert " + std::to_string(t.expert) + " but it is not local (local_index_of)");
       const size_t li = static_cast<size_t>(a.local_index_of[t.expert]);
       for (size_t m = 0; m < M; ++m)
         if (a.member_bytes[m] && !a.master_ptrs[li * M + m])
-          bad(ti + "null master pointer for expert " + std::to_string(t.expert));
+          bad(ti() + "null master pointer for expert " + std::to_string(t.expert));
     } else if (t.self.slot < 0 || t.self.slot >= L.slots) {
-      bad(ti + "self.slot " + std::to_string(t.self.slot) + " out of range");
+      bad(ti() + "self.slot " + std::to_string(t.self.slot) + " out of range");
     } else if (a.my_slots[t.self.slot] != t.expert) {
-      bad(ti + "self slot " + std::to_string(t.self.slot) + " holds expert " + std::to_string(a.my_slots[t.self.slot]) +
+      bad(ti() + "self slot " + std::to_string(t.self.slot) + " holds expert " + std::to_string(a.my_slots[t.self.slot]) +
           ", not " + std::to_string(t.expert));
     }
     if (t.ref_begin < 0 || t.ref_count < 0 || static_cast<int64_t>(t.ref_begin) + t.ref_count > a.num_refs)
-      bad(ti + "refs [" + std::to_string(t.ref_begin) + ", +" + std::to_string(t.ref_count) + ") out of range (" +
+      bad(ti() + "refs [" + std::to_string(t.ref_begin) + ", +" + std::to_string(t.ref_count) + ") out of range (" +
           std::to_string(a.num_refs) + " refs)");
     for (int32_t k = 0; k < t.ref_count; ++k) {
       const Ref r = a.refs[t.ref_begin + k];
-      if (r.rank < 0 || r.rank >= a.world) bad(ti + "ref rank " + std::to_string(r.rank) + " out of range");
-      if (r.slot < 0 || r.slot >= L.slots) bad(ti + "ref slot " + std::to_string(r.slot) + " out of range");
-      if (r.rank == a.rank && r.slot == t.self.slot) bad(ti + "ref equals self");
+      if (r.rank < 0 || r.rank >= a.world) bad(ti() + "ref rank " + std::to_string(r.rank) + " out of range");
+      if (r.slot < 0 || r.slot >= L.slots) bad(ti() + "ref slot " + std::to_string(r.slot) + " out of range");
+      if (r.rank == a.rank && r.slot == t.self.slot) bad(ti() + "ref equals self");
     }
     if (!mc) {
-      const uint64_t beg = t.offset, end = t.offset + t.bytes;
-      for (size_t m = 0; m < M; ++m) {
-        const uint64_t lo = std::max(beg, a.member_off[m]);
-        const uint64_t hi = std::min(end, a.member_off[m] + a.member_bytes[m]);
-        if (lo < hi && ((lo - a.member_off[m]) % esize || (hi - lo) % esize))
-          bad(ti + "chunk cuts a grad element of member " + std::to_string(m));
-      }
+      for_each_segment(t.offset, t.bytes, a.member_off, a.member_bytes, [&](size_t m, uint64_t lo, uint64_t hi) {
+        if ((lo - a.member_off[m]) % esize || (hi - lo) % esize)
+          bad(ti() + "chunk cuts a grad element of member " + std::to_string(m));
+      });
     }
   }
 }

@@ -393,6 +393,135 @@ def test_invalid_arguments_write_nothing():
     check_multicast(cl, my)
 
 
+def test_task_byte_range_must_be_its_chunks():
+    """offset == chunk * chunk_bytes and bytes == min(chunk_bytes, slot - offset), with the
+    weight slot for copy tasks and the grad slot for reduce tasks: a task whose chunk number and
+    byte range disagree (each in range on its own) is rejected before anything is written."""
+    cl = Cluster(3, 2, [1000, 64], [480, 64], chunk=256)  # weight slot 1072 (5 chunks), grad 544 (3)
+    assert (cl.wsb, cl.gsb) == (1072, 544)
+    trees = [(0, 0, {(0, MASTER): [(1, 0)], (1, 0): [(2, 1)]})]
+    my = slots_of(3, 2, trees)
+    before = [w.clone() for w in cl.win]
+    cases = []
+    for op, kind, sb in ((Op.MULTICAST, TaskKind.COPY, cl.wsb), (Op.REDUCE, TaskKind.REDUCE, cl.gsb)):
+        tasks, refs = build_tasks(3, trees, sb, cl.chunk, kind)
+        t0 = tasks[0]
+        last = int(np.flatnonzero(t0["chunk"] == t0["chunk"].max())[0])
+        first = int(np.flatnonzero(t0["chunk"] == 0)[0])
+        assert t0["bytes"][last] == sb - t0["offset"][last] < cl.chunk  # short last chunk
+
+        def bad(i, **fields):
+            t = t0.copy()
+            for k, v in fields.items():
+                t[k][i] = v
+            return cl.args(op, 0, [t, *tasks[1:]], refs, my, 1)
+
+        cases += [
+            (op, "chunk of another range", bad(first, chunk=1)),          # offset 0 is chunk 0's
+            (op, "offset of another chunk", bad(first, offset=cl.chunk)),  # in range, wrong flag
+            (op, "short bytes", bad(first, bytes=128)),
+            (op, "full chunk at the end", bad(last, bytes=cl.chunk, offset=sb - cl.chunk)),
+            (op, "last chunk too short", bad(last, bytes=int(t0["bytes"][last]) - 16)),
+        ]
+    # a reduce task sized by the weight slot (1072 B, 5 chunks) instead of the grad slot (544 B)
+    wtasks, wrefs = build_tasks(3, trees, cl.wsb, cl.chunk, TaskKind.REDUCE)
+    keep = wtasks[0]["chunk"] < 3  # grad chunk indices, weight-slot byte ranges: chunk 2 is 256 B, not 32
+    cases.append((Op.REDUCE, "weight slot bytes for a reduce",
+                  cl.args(Op.REDUCE, 0, [wtasks[0][keep], *wtasks[1:]], wrefs, my, 1)))
+    for op, name, a in cases:
+        with pytest.raises(ValueError, match=r"task \d+: byte range \[\d+, \+\d+\) is not chunk \d+'s") as ei:
+            _core.run_host(**a)
+        assert ("weight slot" if op == Op.MULTICAST else "grad slot") in str(ei.value), (name, str(ei.value))
+        for w, b in zip(cl.win, before):
+            assert torch.equal(w, b), f"{name}: window written"
+
+
+def _timeout_message(op, **kw):
+    cl = Cluster(2, 1, [1024], chunk=1024)
+    trees = [(0, 0, {(0, MASTER): [(1, 0)]})]
+    my = slots_of(2, 1, trees)
+    kind = TaskKind.COPY if op == Op.MULTICAST else TaskKind.REDUCE
+    tasks, refs = build_tasks(2, trees, cl.wsb, cl.chunk, kind)
+    errs = cl.run(op, tasks, refs, my, ranks=[0], timeout_s=0.05, **kw)  # rank 1 never comes
+    assert isinstance(errs[0], _core.TimeoutError), errs
+    return str(errs[0])
+
+
+def test_timeout_names_the_operation():
+    assert _timeout_message(Op.MULTICAST).startswith("ultracomm: rank 0 weight_sync (multicast) epoch 1 timed out")
+    assert _timeout_message(Op.REDUCE).startswith("ultracomm: rank 0 grad_reduce (reduce) epoch 1 timed out")
+    msg = _timeout_message(Op.MULTICAST, op_name="restore")
+    assert msg.startswith("ultracomm: rank 0 restore (multicast) epoch 1 timed out"), msg
+    assert "weight_sync" not in msg and "rank 1 to join" in msg, msg
+    # explicit None is the default
+    assert "grad_reduce (reduce)" in _timeout_message(Op.REDUCE, op_name=None)
+
+
+def test_positional_arguments_and_record_buffers():
+    """The positional signature is unchanged (op_name is the last, optional, argument), and the
+    records may come as any C-contiguous buffer: read in place when aligned, copied when not."""
+    cl = Cluster(3, 1, [700, 300], chunk=256)
+    trees = [(0, 0, {(0, MASTER): [(1, 0)], (1, 0): [(2, 0)]})]
+    my = slots_of(3, 1, trees)
+    tasks, refs = build_tasks(3, trees, cl.wsb, cl.chunk, TaskKind.COPY)
+
+    def misaligned(arr):  # the same records at an odd address
+        raw = np.zeros(arr.nbytes + 1, dtype=np.uint8)
+        raw[1:] = arr.view(np.uint8)
+        assert arr.nbytes == 0 or raw[1:].ctypes.data % 8
+        return raw[1:]
+
+    forms = {
+        "structured": (tasks, refs),
+        "read-only": ([t.copy() for t in tasks], [r.copy() for r in refs]),
+        "bytes": ([t.tobytes() for t in tasks], [r.tobytes() for r in refs]),
+        "misaligned uint8": ([misaligned(t) for t in tasks], [misaligned(r) for r in refs]),
+    }
+    for t in forms["read-only"][0] + forms["read-only"][1]:
+        t.flags.writeable = False
+    for name, (ts, rs) in forms.items():
+        for w in cl.win:
+            w[: cl.L["ready_off"]] = FILL
+        cl.epoch += 1
+
+        def body(r, ts=ts, rs=rs, epoch=cl.epoch):
+            a = cl.args(Op.MULTICAST, r, ts, rs, my, epoch)
+            pos = [a[k] for k in ("op", "rank", "world", "epoch", "slots", "weight_slot_bytes", "grad_slot_bytes",
+                                  "chunk_bytes", "window_bases", "member_off", "member_bytes", "master_ptrs",
+                                  "local_index_of", "grad_dtype", "my_slots", "tasks", "refs", "num_workers",
+                                  "timeout_s")]
+            pos += [0, 0, [-1] if r == 0 else [0 if r == 1 else 1], False, "restore"]
+            _core.run_host(*pos)
+
+        errs = {}
+
+        def run(r):
+            try:
+                body(r)
+                errs[r] = None
+            except Exception as e:  # noqa: BLE001
+                errs[r] = e
+
+        th = [threading.Thread(target=run, args=(r,)) for r in range(3)]
+        for t in th:
+            t.start()
+        for t in th:
+            t.join(60)
+        ok(errs)
+        check_multicast(cl, my)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        _core.run_host(**cl.args(Op.MULTICAST, 0, [np.repeat(tasks[0], 2)[::2]], refs, my, 1))
+
+
+def test_infinite_timeout():
+    cl = Cluster(3, 1, [1024], chunk=256)
+    trees = [(0, 0, {(0, MASTER): [(1, 0)], (1, 0): [(2, 0)]})]
+    my = slots_of(3, 1, trees)
+    tasks, refs = build_tasks(3, trees, cl.wsb, cl.chunk, TaskKind.COPY)
+    ok(cl.run(Op.MULTICAST, tasks, refs, my, timeout_s=float("inf"), jitter_us=100))
+    check_multicast(cl, my)
+
+
 # ------------------------------------------------------------------------------------------
 # with the real schedule builder (when present)
 

@@ -341,3 +341,21 @@ def test_failed_operation_stops_queued_ones():
         return True
 
     assert LoopbackDomain(2).run(body) == [True, True]
+
+
+def test_restore_timeout_names_restore():
+    layout = make_layout(4, 4)
+    plan = ReplicaPlan.make(np.array([[1], [0]], np.int32), experts_per_rank=1)
+
+    def body(group):
+        with Context(group, layout, 1, 1, num_layers=1, timeout_s=0.3) as ctx:
+            ctx.register_masters(0, *masters_for(layout, ctx.rank, 1))
+            vid = ctx.begin(0)
+            ctx.weight_sync(vid, plan)
+            group.barrier()
+            if group.rank == 0:
+                with pytest.raises(ultracomm.UltracommTimeout, match=r"rank 0 restore .*rank 1"):
+                    ctx.restore(vid)
+        return True
+
+    assert LoopbackDomain(2).run(body) == [True, True]

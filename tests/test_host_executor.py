@@ -309,7 +309,7 @@ def test_timeout_rank_never_joins():
     tasks, refs = build_tasks(3, trees, cl.wsb, cl.chunk, TaskKind.COPY)
     t0 = time.monotonic()
     errs = cl.run(Op.MULTICAST, tasks, refs, my, ranks=[0, 1], timeout_s=0.3)
-    assert time.monotonic() - t0 < 2  # 0.3 s timeout + thread joins
+    assert 0.3 <= time.monotonic() - t0 < 10  # waited the timeout, then failed promptly
     e = errs[0]
     assert isinstance(e, _core.TimeoutError) and isinstance(e, TimeoutError), errs
     msg = str(e)

@@ -84,5 +84,5 @@ class HostTransport:
             self.wlayout["chunk_bytes"], self._bases, member_off, member_bytes, list(ptrs), list(local_index_of),
             self._grad_code, list(my_slots), tasks, refs,
             self.num_workers, self.timeout_s, self.jitter_us, epoch,
-            slot_parent=slot_parent,
+            slot_parent=slot_parent, op_name=op_name,
         )

@@ -306,14 +306,11 @@ def test_auction_hand_cases():
     assert rounds == 2
 
 
-@settings(max_examples=50, deadline=None)
-@given(st.integers(0, 2**31 - 1), st.integers(1, 6), st.integers(1, 4), st.integers(1, 8),
-       st.sampled_from([None, 1, 2]))
-def test_auction_conserves_tokens(seed, R, E, S, cap):
-    rng = np.random.default_rng(seed)
-    n = rng.integers(0, 20, size=(R, E))
+def _auction_inputs(rng, R: int, E: int, S: int, max_tokens: int):
+    """Random auction inputs: tokens n [R, E], slot experts [S], demands whose per-expert total
+    fits the expert's tokens, bonuses [R, S]."""
+    n = rng.integers(0, max_tokens, size=(R, E))
     se = rng.integers(0, E, size=S)
-    # random demands whose per-expert total fits the expert's tokens
     demand = np.zeros(S, np.int64)
     for e in range(E):
         idx = np.flatnonzero(se == e)
@@ -321,6 +318,15 @@ def test_auction_conserves_tokens(seed, R, E, S, cap):
             cuts = np.sort(rng.integers(0, n[:, e].sum() + 1, size=idx.size))
             demand[idx] = np.diff(cuts, prepend=0)
     bonus = rng.choice([0.5, 1.0], size=(R, S))
+    return n, se, demand, bonus
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.integers(1, 6), st.integers(1, 4), st.integers(1, 8),
+       st.sampled_from([None, 1, 2]))
+def test_auction_conserves_tokens(seed, R, E, S, cap):
+    rng = np.random.default_rng(seed)
+    n, se, demand, bonus = _auction_inputs(rng, R, E, S, 20)
     X, _ = taot.lagrangian_auction(n, se, demand, bonus, max_iters=cap)
     assert X.dtype == np.int64 and (X >= 0).all()
     np.testing.assert_array_equal(X.sum(0), demand)
@@ -361,15 +367,7 @@ needs_cpp = pytest.mark.skipif(
 @given(st.integers(0, 2**31 - 1), st.integers(1, 8), st.integers(1, 5), st.integers(1, 10))
 def test_auction_cpp_matches_numpy(seed, R, E, S):
     rng = np.random.default_rng(seed)
-    n = rng.integers(0, 30, size=(R, E))
-    se = rng.integers(0, E, size=S)
-    demand = np.zeros(S, np.int64)
-    for e in range(E):
-        idx = np.flatnonzero(se == e)
-        if idx.size:
-            cuts = np.sort(rng.integers(0, n[:, e].sum() + 1, size=idx.size))
-            demand[idx] = np.diff(cuts, prepend=0)
-    bonus = rng.choice([0.5, 1.0], size=(R, S))
+    n, se, demand, bonus = _auction_inputs(rng, R, E, S, 30)
     sr = rng.integers(0, R, size=S)
     for cap in (None, 2):
         a = taot.lagrangian_auction(n, se, demand, bonus, 0.05, cap, sr, backend="numpy")

@@ -9,6 +9,7 @@ window before the unlink leaves a segment whose name carries the dead pid; the n
 """
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import re
@@ -137,8 +138,7 @@ class HostShmWindow(Window):
         self._views = []
         self.peer_bases = []
         for m in self._maps:
-            try:
+            # BufferError: a user still holds a view; the mapping goes when it does
+            with contextlib.suppress(BufferError):
                 m.close()
-            except BufferError:
-                pass  # a user still holds a view; the mapping goes when it does
         self._maps = []

@@ -163,6 +163,33 @@ namespace {
 
 constexpr int32_t kHome = -1;  // queue entry for the home's master copy
 
+// Sends that every tree has, per rank and tier: each single-replica expert's edge and one send
+// per replicated expert at its home (intra when the home's node holds a replica of it).
+void mandatory_sends(const TreeInput& in, std::vector<int64_t>& mi, std::vector<int64_t>& mx) {
+  mi.assign(in.world, 0);
+  mx.assign(in.world, 0);
+  for (int32_t e : in.single) {
+    const int32_t h = in.home_of[e];
+    (in.node_of[in.rank_of_id[in.rep[in.rep_begin[e]]]] == in.node_of[h] ? mi : mx)[h]++;
+  }
+  for (int32_t e : in.multi) {
+    const int32_t g0 = in.grp_begin[e];
+    (in.grp_hi[g0] > in.grp_lo[g0] ? mi : mx)[in.home_of[e]]++;
+  }
+}
+
+// smallest f >= 1 with f + f^2 + ... + f^levels >= x
+int64_t fanout(int64_t x, int32_t levels) {
+  for (int64_t f = 1;; ++f) {
+    int64_t sum = 0, p = 1;
+    for (int32_t l = 0; l < levels && sum < x; ++l) {
+      p *= f;
+      sum += p;
+    }
+    if (sum >= x) return f;
+  }
+}
+
 int64_t cap_of(double t, double bw, int64_t clamp) {
   const double v = t * bw;
   const double c = std::floor(v + 1e-9 * std::max(1.0, v));
@@ -175,9 +202,11 @@ int64_t cap_of(double t, double bw, int64_t clamp) {
 // can do, so "feasible with depth limit D" == "succeeds and depth <= D".
 class Greedy {
  public:
-  explicit Greedy(const TreeInput& in) : in_(in), si_(in.world), sx_(in.world), st_(in.world) {
-    // the part that does not depend on t: single-replica experts' edges (mandatory) and the
-    // reservation of each home's one send per replicated expert
+  // mi / mx: mandatory_sends() of `in`
+  Greedy(const TreeInput& in, const std::vector<int64_t>& mi, const std::vector<int64_t>& mx)
+      : in_(in), si_(in.world), sx_(in.world), st_(in.world), mi_(mi), mx_(mx) {
+    // the part that does not depend on t: single-replica experts' edges (mandatory); mi_ / mx_
+    // also hold the reservation of each home's one send per replicated expert
     base_.parent_rank = in.empty_parent;
     base_.parent_slot = in.empty_parent;
     base_.depth = in.empty_depth;
@@ -185,27 +214,19 @@ class Greedy {
     base_.load_inter.assign(in.world, 0);
     base_.max_depth = 0;
     base_.relayed = false;
-    mi_.assign(in.world, 0);
-    mx_.assign(in.world, 0);
     for (int32_t e : in.single) {
       const int32_t id = in.rep[in.rep_begin[e]], h = in.home_of[e];
       base_.parent_rank[id] = h;
       base_.parent_slot[id] = kMaster;
       base_.depth[id] = 1;
       base_.max_depth = 1;
-      if (in.node_of[in.rank_of_id[id]] == in.node_of[h]) {
-        mi_[h]++;
-        base_.load_intra[h]++;
-      } else {
-        mx_[h]++;
-        base_.load_inter[h]++;
-      }
+      if (in.node_of[in.rank_of_id[id]] == in.node_of[h]) base_.load_intra[h]++;
+      else base_.load_inter[h]++;
     }
-    for (int32_t e : in.multi) {
-      const int32_t g0 = in.grp_begin[e];
-      if (in.grp_hi[g0] > in.grp_lo[g0]) mi_[in.home_of[e]]++;
-      else mx_[in.home_of[e]]++;
-    }
+    int32_t most = 0;
+    for (int32_t e : in.multi) most = std::max(most, in.rep_begin[e + 1] - in.rep_begin[e]);
+    keys_.resize(most);
+    q_.resize(most + 1);
   }
 
   // total_cap: per-rank bound on intra + inter sends together (bytes, not time).
@@ -253,41 +274,64 @@ class Greedy {
     else home_kids_++;
   }
 
-  // members[lo, hi) of rep sorted into mem_ by (intra spare desc, rank asc), skipping `skip`
+  // members[lo, hi) of rep sorted into keys_[0, nkeys_) by (intra spare desc, slot id asc),
+  // skipping `skip` (keys are distinct: any sort gives the same order)
   void sorted_members(int32_t lo, int32_t hi, int32_t skip) {
-    keys_.clear();
+    uint64_t* k = keys_.data();
+    size_t n = 0;
     for (int32_t i = lo; i < hi; ++i) {
       const int32_t id = in_.rep[i];
       if (id == skip) continue;
-      keys_.push_back((uint64_t(INT32_MAX - si_[in_.rank_of_id[id]]) << 32) | uint32_t(id));
+      k[n++] = (uint64_t(INT32_MAX - si_[in_.rank_of_id[id]]) << 32) | uint32_t(id);
     }
-    std::sort(keys_.begin(), keys_.end());
+    nkeys_ = n;
+    if (n > 24) {
+      std::sort(k, k + n);
+      return;
+    }
+    for (size_t i = 1; i < n; ++i) {
+      const uint64_t v = k[i];
+      size_t j = i;
+      for (; j > 0 && k[j - 1] > v; --j) k[j] = k[j - 1];
+      k[j] = v;
+    }
   }
 
-  // BFS from q_[qi..]: every queued node takes as many of keys_ (in order) as its intra
+  // BFS from q_[qi..qn_): every queued node takes as many of keys_ (in order) as its intra
   // spare allows (the home also at most home_limit_ - home_kids_).  True if all attached.
   bool bfs(size_t qi) {
     size_t idx = 0;
-    const size_t n = keys_.size();
+    const size_t n = nkeys_;
     size_t level_end = qi;
-    while (idx < n && qi < q_.size()) {
-      if (qi >= level_end) level_end = q_.size();
+    int32_t* pr = out_->parent_rank.data();
+    int32_t* ps = out_->parent_slot.data();
+    int32_t* dp = out_->depth.data();
+    while (idx < n && qi < qn_) {
+      if (qi >= level_end) level_end = qn_;
       const int32_t node = q_[qi++];
       const int32_t r = rank_of(node);
       int64_t k = std::min<int64_t>(std::min(si_[r], st_[r]), int64_t(n - idx));
       if (node == kHome) k = std::min<int64_t>(k, home_limit_ - home_kids_);
-      const int32_t levels = depth_limit_ - depth_of(node);
+      const int32_t d = depth_of(node);
+      const int32_t levels = depth_limit_ - d;
       if (levels <= 0) return false;
       if (depth_limit_ != INT32_MAX && levels > 1 && k > 1) {
         const int64_t left = int64_t(level_end - qi) + 1;
         k = std::min(k, fanout((int64_t(n - idx) + left - 1) / left, levels));
       }
       if (k <= 0) continue;
+      // attach keys_[idx, idx + k) under node (see attach())
+      const int32_t slot = node == kHome ? kMaster : in_.slot_of_id[node];
       for (int64_t j = 0; j < k; ++j) {
         const int32_t child = static_cast<int32_t>(keys_[idx++] & 0xffffffffu);
-        attach(child, node);
-        q_.push_back(child);
+        pr[child] = r;
+        ps[child] = slot;
+        dp[child] = d + 1;
+        q_[qn_++] = child;
       }
+      out_->max_depth = std::max(out_->max_depth, d + 1);
+      if (node != kHome) out_->relayed = true;
+      else home_kids_ += k;
       si_[r] -= k;
       st_[r] -= k;
       out_->load_intra[r] += static_cast<int32_t>(k);
@@ -304,11 +348,11 @@ class Greedy {
     st_[home_]++;
     home_limit_ = (force && in_.force_ok[e]) ? nrep - 1 : INT32_MAX;
     home_kids_ = 0;
-    q_.clear();
-    q_.push_back(kHome);
+    qn_ = 0;
+    q_[qn_++] = kHome;
     sorted_members(in_.grp_lo[g0], in_.grp_hi[g0], -1);
     if (!bfs(0)) return false;
-    const size_t home_tree = q_.size();
+    const size_t home_tree = qn_;
     for (int32_t g = g0 + 1; g < g1; ++g) {
       // gateway: the member with the most intra spare (ties: lower rank)
       int32_t gw = -1;
@@ -340,24 +384,12 @@ class Greedy {
       sx_[rank_of(best)]--;
       st_[rank_of(best)]--;
       out_->load_inter[rank_of(best)]++;
-      const size_t qs = q_.size();
-      q_.push_back(gw);
+      const size_t qs = qn_;
+      q_[qn_++] = gw;
       sorted_members(in_.grp_lo[g], in_.grp_hi[g], gw);
       if (!bfs(qs)) return false;
     }
     return true;
-  }
-
-  // smallest f >= 1 with f + f^2 + ... + f^levels >= x
-  static int64_t fanout(int64_t x, int32_t levels) {
-    for (int64_t f = 1;; ++f) {
-      int64_t sum = 0, p = 1;
-      for (int32_t l = 0; l < levels && sum < x; ++l) {
-        p *= f;
-        sum += p;
-      }
-      if (sum >= x) return f;
-    }
   }
 
   const TreeInput& in_;
@@ -365,8 +397,10 @@ class Greedy {
   std::vector<int64_t> si_, sx_, st_;
   std::vector<int64_t> mi_, mx_;  // mandatory sends per rank (intra, inter)
   Tree base_;
-  std::vector<uint64_t> keys_;
-  std::vector<int32_t> q_;
+  std::vector<uint64_t> keys_;  // [most replicas]; the members being attached: [0, nkeys_)
+  size_t nkeys_ = 0;
+  std::vector<int32_t> q_;      // [most replicas + 1]; BFS queue of one expert: [0, qn_)
+  size_t qn_ = 0;
   Tree* out_ = nullptr;
   int32_t home_ = 0;
   int64_t home_limit_ = 0, home_kids_ = 0;
@@ -384,8 +418,9 @@ class Repair {
  public:
   explicit Repair(const TreeInput& in) : in_(in) {}
 
-  // Returns true if `t` changed (then t is consistent: loads, depth, finish()).
-  bool run(Tree& t, int32_t dlim, bool force) {
+  // Returns true if `t` changed (then t is consistent: loads, depth, finish()).  Stops once the
+  // bottleneck is at `floor_t` (no tree of the plan has a lower one).
+  bool run(Tree& t, int32_t dlim, bool force, double floor_t) {
     const int32_t W = in_.world, S = in_.slots, E = in_.num_experts;
     const int64_t WS = int64_t(W) * S;
     if (dlim < 2 || in_.multi.empty()) return false;
@@ -412,7 +447,7 @@ class Repair {
     for (int32_t round = 0; round < max_rounds; ++round) {
       double T = 0;
       for (int32_t r = 0; r < W; ++r) T = std::max(T, time_of(r, 0, 0));
-      if (T <= 0) break;
+      if (T <= 0 || T <= floor_t * (1 + 1e-12)) break;
       bool all = true;
       for (int32_t r = 0; r < W && all; ++r)
         if (time_of(r, 0, 0) >= T * (1 - 1e-12)) all = relieve(r, T);
@@ -435,7 +470,7 @@ class Repair {
       }
       t.max_depth = std::max(t.max_depth, t.depth[id]);
     }
-    finish_tree(t);
+    finish(in_, t);
     return true;
   }
 
@@ -650,16 +685,6 @@ class Repair {
     return true;
   }
 
-  void finish_tree(Tree& t) const {
-    t.t = 0;
-    t.max_load = 0;
-    for (int32_t r = 0; r < in_.world; ++r) {
-      t.t = std::max(t.t, t.load_intra[r] / in_.intra_bw);
-      if (in_.multi_node) t.t = std::max(t.t, t.load_inter[r] / in_.inter_bw);
-      t.max_load = std::max<int64_t>(t.max_load, int64_t(t.load_intra[r]) + t.load_inter[r]);
-    }
-  }
-
   const TreeInput& in_;
   Tree* t_ = nullptr;
   bool force_ = false;
@@ -675,6 +700,34 @@ class Repair {
   std::vector<std::pair<int32_t, int64_t>> moves_, undo_;
 };
 
+// Smallest i in [lo, hi) with ok(i), assuming ok is monotone; -1 if none.  Gallops up from lo
+// (the optimum is usually close to the lower end), then bisects the last gap.  The last
+// successful probe is the returned index.
+template <class Ok>
+std::ptrdiff_t smallest_feasible(size_t lo, size_t hi, Ok&& ok) {
+  std::ptrdiff_t found = -1;
+  size_t a = lo, b = hi;
+  for (size_t i = lo, step = 1; i < hi; i = std::min(i + step, hi - 1), step *= 2) {
+    if (ok(i)) {
+      found = static_cast<std::ptrdiff_t>(i);
+      b = i;
+      break;
+    }
+    a = i + 1;
+    if (i == hi - 1) break;
+  }
+  while (found >= 0 && a < b) {
+    const size_t mid = a + (b - a) / 2;
+    if (ok(mid)) {
+      found = static_cast<std::ptrdiff_t>(mid);
+      b = mid;
+    } else {
+      a = mid + 1;
+    }
+  }
+  return found;
+}
+
 std::vector<Tree> relay_candidates(const TreeInput& in, int32_t max_depth, bool force,
                                    const Tree& direct) {
   std::vector<Tree> res;
@@ -682,16 +735,8 @@ std::vector<Tree> relay_candidates(const TreeInput& in, int32_t max_depth, bool 
   const int32_t W = in.world, S = in.slots;
   const double ibw = in.intra_bw, xbw = in.inter_bw;
   // lower end: mandatory sends (single-replica edges + one per replicated expert) and the average
-  std::vector<int64_t> mi(W, 0), mx(W, 0);
-  for (int32_t e = 0; e < in.num_experts; ++e) {
-    const int32_t n = in.rep_begin[e + 1] - in.rep_begin[e];
-    if (n == 0) continue;
-    const int32_t h = in.home_of[e];
-    bool local;
-    if (n == 1) local = in.node_of[in.rep[in.rep_begin[e]] / S] == in.node_of[h];
-    else local = in.grp_hi[in.grp_begin[e]] > in.grp_lo[in.grp_begin[e]];
-    (local ? mi : mx)[h]++;
-  }
+  std::vector<int64_t> mi, mx;
+  mandatory_sends(in, mi, mx);
   double t_lb = 0;
   for (int32_t r = 0; r < W; ++r) {
     t_lb = std::max(t_lb, mi[r] / ibw);
@@ -705,94 +750,105 @@ std::vector<Tree> relay_candidates(const TreeInput& in, int32_t max_depth, bool 
     if (in.multi_node) t_hi = std::max(t_hi, double(in.total_reps) / xbw);
   }
   // candidate capacity levels: k/intra_bw and (multi node) k/inter_bw in [t_lb, t_hi]
+  const int64_t clamp = in.total_reps + 1;
   std::vector<double> ts;
   auto add = [&](double bw) {
     const int64_t k0 = std::max<int64_t>(1, static_cast<int64_t>(std::floor(t_lb * bw)));
-    const int64_t k1 = cap_of(t_hi, bw, in.total_reps + 1);
-    std::vector<double> v;
+    const int64_t k1 = cap_of(t_hi, bw, clamp);
+    const size_t n0 = ts.size();
     for (int64_t k = k0; k <= k1; ++k) {
       const double t = double(k) / bw;
-      if (t >= t_lb * (1 - 1e-12)) v.push_back(t);
+      if (t >= t_lb * (1 - 1e-12)) ts.push_back(t);
     }
-    std::vector<double> m;
-    m.reserve(ts.size() + v.size());
-    std::merge(ts.begin(), ts.end(), v.begin(), v.end(), std::back_inserter(m));
-    ts.swap(m);
+    std::inplace_merge(ts.begin(), ts.begin() + static_cast<std::ptrdiff_t>(n0), ts.end());
   };
   add(ibw);
   if (in.multi_node) add(xbw);
   ts.erase(std::unique(ts.begin(), ts.end()), ts.end());
   if (ts.empty()) return res;
+  const size_t nt = ts.size();
 
-  Greedy g(in);
+  Greedy g(in, mi, mx);
   Tree scratch;
-  // Smallest feasible index for depth limit D in [lo, ts.size()): galloping up from lo (the
-  // optimum is usually close to the lower end), then bisecting the last gap.
   // Without force on one node, no rank may send more experts in total than the direct tree's
   // busiest rank.  With several nodes the tiers differ in speed and "max egress" is the time
   // bound t <= direct.t (a topology-aware tree may shift cheap intra sends onto a rank).
-  const int64_t total_cap = (force || in.multi_node) ? in.total_reps + 1 : direct.max_load;
+  const int64_t total_cap = (force || in.multi_node) ? clamp : direct.max_load;
+  // No tree of depth <= D exists below capacity level lo_for(D): the expert with the most
+  // replicas n needs a node with fanout(n, D) children, and a rank sends at most
+  // cap(t, intra) + cap(t, inter) (and total_cap) copies.
+  const int32_t most = in.rep_begin[in.multi[0] + 1] - in.rep_begin[in.multi[0]];
+  auto lo_for = [&](int32_t D) {
+    const int64_t f = fanout(most, D);
+    size_t i = 0;
+    while (i < nt && std::min(total_cap, cap_of(ts[i], ibw, clamp) + (in.multi_node ? cap_of(ts[i], xbw, clamp) : 0)) < f)
+      ++i;
+    return i;
+  };
   // Two greedy policies: "take-max" (every node takes as many children as it can; its tree
   // does not depend on D, so feasible(t, D) == depth(tree(t)) <= D and one pass over D
-  // suffices) and "fan-out" (nodes take only the fan-out needed to fit under D, which spreads
-  // sends over more relays; not monotone in D, so searched per D).  Both kinds of results
-  // are candidates; the caller picks by predicted time.
-  auto ok = [&](size_t i, int32_t limit, int32_t D) {
-    return g.run(ts[i], force, total_cap, limit, scratch) && scratch.max_depth <= D;
-  };
-  // smallest feasible index in [lo, hi): gallop up from lo, then bisect the last gap
-  auto search = [&](size_t lo, size_t hi, int32_t limit, int32_t D, Tree& best) -> std::ptrdiff_t {
-    std::ptrdiff_t found = -1;
-    size_t a = lo, step = 1, b = hi;
-    for (size_t i = lo; i < hi; i = std::min(i + step, hi - 1), step *= 2) {
-      if (ok(i, limit, D)) {
-        found = static_cast<std::ptrdiff_t>(i);
-        std::swap(best, scratch);
-        b = i;
-        break;
-      }
-      a = i + 1;
-      if (i == hi - 1) break;
-    }
-    while (found >= 0 && a < b) {
-      const size_t mid = a + (b - a) / 2;
-      if (ok(mid, limit, D)) {
-        found = static_cast<std::ptrdiff_t>(mid);
-        std::swap(best, scratch);
-        b = mid;
-      } else {
-        a = mid + 1;
-      }
-    }
-    return found;
-  };
+  // suffices; each level is run at most once) and "fan-out" (nodes take only the fan-out
+  // needed to fit under D, which spreads sends over more relays; not monotone in D, so
+  // searched per D).  Both kinds of results are candidates; the caller picks by predicted time.
+  std::vector<int32_t> tm_depth(nt, -2);  // take-max at ts[i]: -2 not run, -1 failed, else depth
+  std::vector<Tree> tm_tree(nt);          // its tree, kept until taken
+  std::vector<std::pair<int32_t, size_t>> found_at;  // (depth, level index) of every candidate
   size_t lo = 0;
   int32_t D = max_depth;
-  std::vector<std::pair<int32_t, size_t>> tm;  // take-max results: (depth, index), depth decreasing
-  while (D >= 2 && lo < ts.size()) {  // take-max
-    Tree best;
-    const std::ptrdiff_t found = search(lo, ts.size(), INT32_MAX, D, best);
+  while (D >= 2 && lo < nt) {  // take-max
+    const std::ptrdiff_t found = smallest_feasible(std::max(lo, lo_for(D)), nt, [&](size_t i) {
+      if (tm_depth[i] == -2) {
+        const bool ok = g.run(ts[i], force, total_cap, INT32_MAX, scratch);
+        tm_depth[i] = ok ? scratch.max_depth : -1;
+        if (ok) std::swap(tm_tree[i], scratch);
+      }
+      return tm_depth[i] >= 0 && tm_depth[i] <= D;
+    });
     if (found < 0) break;
-    const int32_t d = best.max_depth;
-    tm.emplace_back(d, static_cast<size_t>(found));
-    res.push_back(std::move(best));
+    const int32_t d = tm_depth[found];
+    found_at.emplace_back(d, static_cast<size_t>(found));
+    res.push_back(std::move(tm_tree[found]));
     lo = static_cast<size_t>(found) + 1;
     D = std::min(D, d) - 1;
   }
-  // fan-out, per depth limit (2..6 and max_depth), only where it could beat take-max's t
+  // fan-out, per depth limit (2..6 and max_depth), only below the lowest level of any
+  // candidate found so far that is no deeper than the limit (a deeper limit at the same level
+  // only adds depth to the path fill), and not over levels where the previous limit found
+  // nothing (a deeper limit rarely succeeds where a shallower one failed)
+  size_t miss_lo = nt, miss_hi = 0;  // levels [miss_lo, miss_hi) failed for the previous limit
   for (int32_t d = 2; d <= max_depth; ++d) {
     if (d > 6 && d != max_depth) continue;
-    size_t hi = ts.size();
-    for (const auto& [dd, idx] : tm)
-      if (dd <= d) {
-        hi = idx;
-        break;
-      }
+    size_t hi = nt;
+    for (const auto& [dd, idx] : found_at)
+      if (dd <= d) hi = std::min(hi, idx);
+    const size_t lo_d = lo_for(d);
+    if (lo_d >= hi || (miss_lo <= lo_d && hi <= miss_hi)) continue;
+    miss_lo = lo_d;
+    miss_hi = hi;
     Tree best;
-    if (hi > 0 && search(0, hi, d, d, best) >= 0) res.push_back(std::move(best));
+    const std::ptrdiff_t found = smallest_feasible(lo_d, hi, [&](size_t i) {
+      if (!g.run(ts[i], force, total_cap, d, scratch) || scratch.max_depth > d) return false;
+      std::swap(best, scratch);
+      return true;
+    });
+    if (found < 0) continue;
+    miss_lo = nt;
+    miss_hi = 0;
+    found_at.emplace_back(best.max_depth, static_cast<size_t>(found));
+    res.push_back(std::move(best));
   }
-  // local search on the direct tree where the greedy found nothing below its bottleneck
-  {
+  // local search on the candidate with the lowest bottleneck (ties: shallowest), unless it
+  // is at the lowest level already; on the direct tree where the greedy found nothing
+  const size_t n0 = res.size();
+  size_t bi = n0;
+  for (size_t i = 0; i < n0; ++i)
+    if (bi == n0 || res[i].t < res[bi].t * (1 - 1e-12) ||
+        (res[i].t <= res[bi].t * (1 + 1e-12) && res[i].max_depth < res[bi].max_depth))
+      bi = i;
+  const auto above_bound = [&](const Tree& t) { return t.t > ts[0] * (1 + 1e-12); };
+  const bool fix_best = bi < n0 && above_bound(res[bi]);
+  const bool fix_direct = !force && n0 == 0 && above_bound(direct);
+  if (fix_best || fix_direct) {
     Repair rp(in);
     rp.slot_expert_.assign(int64_t(W) * S, -1);
     for (int32_t e = 0; e < in.num_experts; ++e)
@@ -805,22 +861,8 @@ std::vector<Tree> relay_candidates(const TreeInput& in, int32_t max_depth, bool 
       std::vector<int32_t> fill(rp.hb_.begin(), rp.hb_.end() - 1);
       for (int32_t e = 0; e < in.num_experts; ++e) rp.hx_[fill[in.home_of[e]]++] = e;
     }
-    // the candidate with the lowest bottleneck (ties: shallowest), and the direct tree
-    // where the greedy found nothing
-    const size_t n0 = res.size();
-    size_t bi = n0;
-    for (size_t i = 0; i < n0; ++i)
-      if (bi == n0 || res[i].t < res[bi].t * (1 - 1e-12) ||
-          (res[i].t <= res[bi].t * (1 + 1e-12) && res[i].max_depth < res[bi].max_depth))
-        bi = i;
-    if (bi < n0) {
-      Tree t = res[bi];
-      if (rp.run(t, max_depth, force)) res.push_back(std::move(t));
-    }
-    if (!force && n0 == 0) {
-      Tree t = direct;
-      if (rp.run(t, max_depth, false)) res.push_back(std::move(t));
-    }
+    Tree t = fix_best ? res[bi] : direct;
+    if (rp.run(t, max_depth, force, ts[0])) res.push_back(std::move(t));
   }
   // shallowest first; equal depth: lower t first; then drop exact duplicates
   std::stable_sort(res.begin(), res.end(), [](const Tree& a, const Tree& b) {

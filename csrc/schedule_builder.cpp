@@ -74,6 +74,23 @@ void validate(const BuildInput& in, int32_t only_rank) {
   }
 }
 
+// Node ids of a tree: replica slots [0, WS) (rank * slots + slot), the homes' master copies
+// WS + expert.  The node that filled slot `id` hangs from:
+inline int64_t parent_node(const Tree& t, int64_t id, int64_t WS, int32_t S, const int32_t* slot_src) {
+  return t.parent_slot[id] == kMaster ? WS + slot_src[id] : int64_t(t.parent_rank[id]) * S + t.parent_slot[id];
+}
+
+// The filled slots of `t` by depth (counting sort; slot id ascending within a depth).
+void slots_by_depth(const Tree& t, int64_t WS, std::vector<int32_t>& by) {
+  std::vector<int32_t> at(t.max_depth + 2, 0);
+  for (int64_t id = 0; id < WS; ++id)
+    if (t.parent_rank[id] >= 0) at[t.depth[id] + 1]++;
+  for (int32_t d = 0; d <= t.max_depth; ++d) at[d + 1] += at[d];
+  by.resize(at.back());
+  for (int64_t id = 0; id < WS; ++id)
+    if (t.parent_rank[id] >= 0) by[at[t.depth[id]]++] = static_cast<int32_t>(id);
+}
+
 // Per-rank tier split of the fixed side (every replica slot's incoming edge).
 struct SideLoads {
   std::vector<int64_t> fi, fx;  // [world] count of replica slots fed intra / inter
@@ -99,7 +116,7 @@ void fixed_side(const TreeInput& ti, const Tree& t, SideLoads& out) {
 
 // Hop profile of a tree's paths: for every depth d present, the most inter-node hops on a
 // path from the home to a slot at depth d (index d; -1 where no slot has depth d).
-void hop_profile(const TreeInput& ti, const Tree& t, std::vector<int32_t>& out) {
+void hop_profile(const BuildInput& in, const TreeInput& ti, const Tree& t, std::vector<int32_t>& out) {
   out.assign(t.max_depth + 1, -1);
   const int64_t WS = int64_t(ti.world) * ti.slots;
   if (!ti.multi_node) {
@@ -107,36 +124,46 @@ void hop_profile(const TreeInput& ti, const Tree& t, std::vector<int32_t>& out) 
       if (t.parent_rank[id] >= 0) out[t.depth[id]] = 0;
     return;
   }
-  // slots by depth (counting sort), then nx[id] = nx[parent] + crossing
-  std::vector<int32_t> db(t.max_depth + 2, 0);
-  for (int64_t id = 0; id < WS; ++id)
-    if (t.parent_rank[id] >= 0) db[t.depth[id] + 1]++;
-  for (int32_t d = 0; d <= t.max_depth; ++d) db[d + 1] += db[d];
-  std::vector<int32_t> by(db.back()), fill(db.begin(), db.end() - 1), nx(WS, 0);
-  for (int64_t id = 0; id < WS; ++id)
-    if (t.parent_rank[id] >= 0) by[fill[t.depth[id]]++] = static_cast<int32_t>(id);
+  // parents before children, then nx[id] = nx[parent] + crossing
+  std::vector<int32_t> by, nx(WS, 0);
+  slots_by_depth(t, WS, by);
   for (const int32_t id : by) {
-    const int32_t p = t.parent_rank[id];
-    const int32_t up = t.parent_slot[id] == kMaster ? 0 : nx[int64_t(p) * ti.slots + t.parent_slot[id]];
-    nx[id] = up + (ti.node_of[p] != ti.node_of[ti.rank_of_id[id]]);
+    const int64_t pn = parent_node(t, id, WS, ti.slots, in.slot_src.data());
+    nx[id] = (pn >= WS ? 0 : nx[pn]) + (ti.node_of[t.parent_rank[id]] != ti.node_of[ti.rank_of_id[id]]);
     out[t.depth[id]] = std::max(out[t.depth[id]], nx[id]);
   }
 }
 
-double predicted(const BuildInput& in, const TreeInput& ti, const Tree& t, const SideLoads& f,
-                 const std::vector<int32_t>& hops, uint64_t bytes) {
+// A candidate tree with what predicted() needs, computed once per build.
+struct Cand {
+  const Tree* t = nullptr;
+  const SideLoads* f = nullptr;
+  int64_t link_intra = 0, link_inter = 0;  // max over ranks of max(parent side, fixed side) per tier
+  std::vector<int32_t> hops;               // hop_profile()
+};
+
+void make_cand(const BuildInput& in, const TreeInput& ti, const Tree& t, const SideLoads& f, Cand& c) {
+  c.t = &t;
+  c.f = &f;
+  c.link_intra = c.link_inter = 0;
+  for (int32_t r = 0; r < ti.world; ++r) {
+    c.link_intra = std::max(c.link_intra, std::max<int64_t>(t.load_intra[r], f.fi[r]));
+    c.link_inter = std::max(c.link_inter, std::max<int64_t>(t.load_inter[r], f.fx[r]));
+  }
+  hop_profile(in, ti, t, c.hops);
+}
+
+// Link part: max over ranks and tiers of units * bytes / bw (max over ranks first: the same
+// value, as x -> x * B / bw is monotone); plus the pipeline fill of the hop profile.
+double predicted(const BuildInput& in, const TreeInput& ti, const Cand& c, uint64_t bytes) {
   if (bytes == 0) return 0;
   const double B = double(bytes);
-  double link = 0;
-  for (int32_t r = 0; r < ti.world; ++r) {
-    link = std::max(link, std::max<double>(t.load_intra[r], f.fi[r]) * B / ti.intra_bw);
-    link = std::max(link, std::max<double>(t.load_inter[r], f.fx[r]) * B / ti.inter_bw);
-  }
-  const double c = double(std::min(in.chunk_bytes, bytes));
-  const double hi = c / ti.intra_bw + in.intra_latency_s, hx = c / ti.inter_bw + in.inter_latency_s;
+  const double link = std::max(double(c.link_intra) * B / ti.intra_bw, double(c.link_inter) * B / ti.inter_bw);
+  const double ch = double(std::min(in.chunk_bytes, bytes));
+  const double hi = ch / ti.intra_bw + in.intra_latency_s, hx = ch / ti.inter_bw + in.inter_latency_s;
   double fill = 0;
-  for (int32_t d = 1; d < int32_t(hops.size()); ++d)
-    if (hops[d] >= 0) fill = std::max(fill, (d - hops[d]) * hi + hops[d] * hx);
+  for (int32_t d = 1; d < int32_t(c.hops.size()); ++d)
+    if (c.hops[d] >= 0) fill = std::max(fill, (d - c.hops[d]) * hi + c.hops[d] * hx);
   return link + fill;
 }
 
@@ -155,9 +182,8 @@ double tree_bound(const BuildInput& in, const TreeInput& ti, uint64_t bytes, dou
     bw += ti.inter_bw;
   }
   double best = lb_s + hop;
-  int32_t n = 0;
-  for (int32_t e : ti.multi) n = std::max(n, ti.rep_begin[e + 1] - ti.rep_begin[e]);
-  // the bound grows with n, so the expert with the most replicas decides
+  // the bound grows with n, so the expert with the most replicas (the first of multi) decides
+  const int32_t n = ti.multi.empty() ? 0 : ti.rep_begin[ti.multi[0] + 1] - ti.rep_begin[ti.multi[0]];
   if (n >= 2) {
     double m = std::numeric_limits<double>::infinity();
     for (int64_t fo = 1; fo <= n; ++fo) {
@@ -190,49 +216,27 @@ uint64_t fnv_arr(uint64_t h, const int32_t* p, size_t n) {
   return h;
 }
 
-// Fills one op from its tree: parents, stats, task lists.
-void fill_op(const BuildInput& in, const TreeInput& ti, const Tree& t, const SideLoads& f,
-             const std::vector<int32_t>& hops, Op op, uint64_t bytes, int32_t only_rank, OpSchedule& o) {
+// What both ops share: the op-independent parts of the lower bound (in experts) and the
+// experts homed on the ranks whose task lists are built.
+struct Shared {
+  int64_t max_fixed = 0;  // most filled slots on one rank (each has one incoming edge)
+  int64_t max_once = 0;   // most experts with replicas homed on one rank (sent at least once)
+  int64_t max_cross = 0;  // several nodes: max over nodes N of ceil(X_N / |N|) (see schedule.h)
+  int32_t r0 = 0, r1 = 0;           // ranks [r0, r1) get task lists
+  std::vector<int32_t> hb, hx;      // their experts: hx[hb[r - r0] .. hb[r - r0 + 1]), expert asc
+};
+
+void make_shared(const TreeInput& ti, int32_t only_rank, Shared& sh) {
   const int32_t W = ti.world, S = ti.slots, E = ti.num_experts;
-  const int64_t WS = int64_t(W) * S;
-  const bool mc = op == Op::kMulticast;
-  o.parent_rank = t.parent_rank;
-  o.parent_slot = t.parent_slot;
-  o.depth = t.depth;
-  o.bytes = bytes;
-  o.chunks = ceil_div(bytes, in.chunk_bytes);
-  o.max_depth = t.max_depth;
-  o.relayed = t.relayed;
-  // loads: the parent side is egress for multicast, ingress for reduce
-  std::vector<uint64_t>& pside = mc ? o.egress : o.ingress;
-  std::vector<uint64_t>& pinter = mc ? o.inter_egress : o.inter_ingress;
-  std::vector<uint64_t>& fside = mc ? o.ingress : o.egress;
-  std::vector<uint64_t>& finter = mc ? o.inter_ingress : o.inter_egress;
-  pside.assign(W, 0);
-  pinter.assign(W, 0);
-  fside.assign(W, 0);
-  finter.assign(W, 0);
-  uint64_t max_fixed = 0;
-  for (int32_t r = 0; r < W; ++r) {
-    pside[r] = uint64_t(t.load_intra[r] + t.load_inter[r]) * bytes;
-    pinter[r] = uint64_t(t.load_inter[r]) * bytes;
-    fside[r] = uint64_t(f.fi[r] + f.fx[r]) * bytes;
-    finter[r] = uint64_t(f.fx[r]) * bytes;
-    max_fixed = std::max(max_fixed, fside[r]);
-  }
-  // lower bound
-  std::vector<int64_t> once(W, 0);
+  // filled slots per rank: every replica is in rep
+  std::vector<int64_t> cnt(W, 0);
+  for (int64_t i = 0; i < ti.total_reps; ++i) cnt[ti.rank_of_id[ti.rep[i]]]++;
+  for (int32_t r = 0; r < W; ++r) sh.max_fixed = std::max(sh.max_fixed, cnt[r]);
+  std::fill(cnt.begin(), cnt.end(), 0);
   for (int32_t e = 0; e < E; ++e)
-    if (ti.rep_begin[e + 1] > ti.rep_begin[e]) once[ti.home_of[e]]++;
-  uint64_t lb = max_fixed;
-  for (int32_t r = 0; r < W; ++r) lb = std::max(lb, uint64_t(once[r]) * bytes);
-  const uint64_t total = uint64_t(ti.total_reps) * bytes;
-  lb = std::max(lb, ceil_div(total, uint64_t(W)));
-  o.lower_bound_bytes = lb;
-  if (!ti.multi_node) {
-    o.lower_bound_s = double(lb) / ti.intra_bw;
-  } else {
-    double s = double(lb) / (ti.intra_bw + ti.inter_bw);
+    if (ti.rep_begin[e + 1] > ti.rep_begin[e]) cnt[ti.home_of[e]]++;
+  for (int32_t r = 0; r < W; ++r) sh.max_once = std::max(sh.max_once, cnt[r]);
+  if (ti.multi_node) {
     std::vector<int64_t> cin(ti.num_nodes, 0), cout_(ti.num_nodes, 0);
     std::vector<int32_t> mark(ti.num_nodes, -1);
     for (int32_t e = 0; e < E; ++e) {
@@ -248,54 +252,89 @@ void fill_op(const BuildInput& in, const TreeInput& ti, const Tree& t, const Sid
     for (int32_t n = 0; n < ti.num_nodes; ++n) {
       if (ti.node_size[n] == 0) continue;
       const int64_t x = std::max(cin[n], cout_[n]);
-      const int64_t per = (x + ti.node_size[n] - 1) / ti.node_size[n];
-      s = std::max(s, double(per) * double(bytes) / ti.inter_bw);
+      sh.max_cross = std::max(sh.max_cross, (x + ti.node_size[n] - 1) / ti.node_size[n]);
     }
-    o.lower_bound_s = s;
   }
-  o.predicted_s = predicted(in, ti, t, f, hops, bytes);
+  sh.r0 = only_rank >= 0 ? only_rank : 0;
+  sh.r1 = only_rank >= 0 ? only_rank + 1 : W;
+  const int32_t nr = sh.r1 - sh.r0;
+  sh.hb.assign(nr + 1, 0);
+  for (int32_t e = 0; e < E; ++e)
+    if (ti.home_of[e] >= sh.r0 && ti.home_of[e] < sh.r1) sh.hb[ti.home_of[e] - sh.r0 + 1]++;
+  for (int32_t r = 0; r < nr; ++r) sh.hb[r + 1] += sh.hb[r];
+  sh.hx.resize(sh.hb[nr]);
+  std::vector<int32_t> at(sh.hb.begin(), sh.hb.end() - 1);
+  for (int32_t e = 0; e < E; ++e)
+    if (ti.home_of[e] >= sh.r0 && ti.home_of[e] < sh.r1) sh.hx[at[ti.home_of[e] - sh.r0]++] = e;
+}
+
+// Children of every node of a tree (CSR, children by slot id = (rank, slot) order); built once
+// per tree, shared by the ops that pick it.
+struct Children {
+  const Tree* of = nullptr;
+  std::vector<int32_t> cb, ch;  // node n: ch[cb[n] .. cb[n + 1])
+};
+
+void children(const BuildInput& in, const TreeInput& ti, const Tree& t, Children& c) {
+  if (c.of == &t) return;
+  c.of = &t;
+  const int64_t WS = int64_t(ti.world) * ti.slots, N = WS + ti.num_experts;
+  const int32_t* src = in.slot_src.data();
+  c.cb.assign(N + 1, 0);
+  for (int64_t id = 0; id < WS; ++id)
+    if (t.parent_rank[id] >= 0) c.cb[parent_node(t, id, WS, ti.slots, src) + 1]++;
+  for (int64_t i = 0; i < N; ++i) c.cb[i + 1] += c.cb[i];
+  c.ch.resize(c.cb[N]);
+  std::vector<int32_t> at(c.cb.begin(), c.cb.end() - 1);
+  for (int64_t id = 0; id < WS; ++id)
+    if (t.parent_rank[id] >= 0) c.ch[at[parent_node(t, id, WS, ti.slots, src)]++] = static_cast<int32_t>(id);
+}
+
+// Fills one op from its tree: parents, stats, task lists.
+void fill_op(const BuildInput& in, const TreeInput& ti, const Cand& cd, const Children& kids, const Shared& sh,
+             Op op, uint64_t bytes, OpSchedule& o) {
+  const Tree& t = *cd.t;
+  const SideLoads& f = *cd.f;
+  const int32_t W = ti.world, S = ti.slots, E = ti.num_experts;
+  const int64_t WS = int64_t(W) * S;
+  const bool mc = op == Op::kMulticast;
+  o.parent_rank = t.parent_rank;
+  o.parent_slot = t.parent_slot;
+  o.depth = t.depth;
+  o.bytes = bytes;
+  o.chunks = ceil_div(bytes, in.chunk_bytes);
+  o.max_depth = t.max_depth;
+  o.relayed = t.relayed;
+  // loads: the parent side is egress for multicast, ingress for reduce
+  std::vector<uint64_t>& pside = mc ? o.egress : o.ingress;
+  std::vector<uint64_t>& pinter = mc ? o.inter_egress : o.inter_ingress;
+  std::vector<uint64_t>& fside = mc ? o.ingress : o.egress;
+  std::vector<uint64_t>& finter = mc ? o.inter_ingress : o.inter_egress;
+  pside.resize(W);
+  pinter.resize(W);
+  fside.resize(W);
+  finter.resize(W);
+  for (int32_t r = 0; r < W; ++r) {
+    pside[r] = uint64_t(t.load_intra[r] + t.load_inter[r]) * bytes;
+    pinter[r] = uint64_t(t.load_inter[r]) * bytes;
+    fside[r] = uint64_t(f.fi[r] + f.fx[r]) * bytes;
+    finter[r] = uint64_t(f.fx[r]) * bytes;
+  }
+  // lower bound
+  uint64_t lb = std::max(uint64_t(sh.max_fixed) * bytes, uint64_t(sh.max_once) * bytes);
+  lb = std::max(lb, ceil_div(uint64_t(ti.total_reps) * bytes, uint64_t(W)));
+  o.lower_bound_bytes = lb;
+  if (!ti.multi_node) {
+    o.lower_bound_s = double(lb) / ti.intra_bw;
+  } else {
+    o.lower_bound_s = std::max(double(lb) / (ti.intra_bw + ti.inter_bw),
+                               double(sh.max_cross) * double(bytes) / ti.inter_bw);
+  }
+  o.predicted_s = predicted(in, ti, cd, bytes);
   o.tree_lower_bound_s = tree_bound(in, ti, bytes, o.lower_bound_s);
 
-  // children CSR over nodes: slot ids [0, WS), homes WS + e; children in (rank, slot) order
-  const int64_t N = WS + E;
-  std::vector<int32_t> cb(N + 1, 0);
-  for (int64_t id = 0; id < WS; ++id) {
-    const int32_t p = t.parent_rank[id];
-    if (p < 0) continue;
-    const int64_t pid = t.parent_slot[id] == kMaster ? WS + in.slot_src[id] : int64_t(p) * S + t.parent_slot[id];
-    cb[pid + 1]++;
-  }
-  for (int64_t i = 0; i < N; ++i) cb[i + 1] += cb[i];
-  std::vector<int32_t> ch(cb[N]);
-  {
-    std::vector<int32_t> fill(cb.begin(), cb.end() - 1);
-    for (int64_t id = 0; id < WS; ++id) {
-      const int32_t p = t.parent_rank[id];
-      if (p < 0) continue;
-      const int64_t pid = t.parent_slot[id] == kMaster ? WS + in.slot_src[id] : int64_t(p) * S + t.parent_slot[id];
-      ch[fill[pid]++] = static_cast<int32_t>(id);
-    }
-  }
-  // levels: multicast = depth of the sender; reduce = height (leaves 0)
-  std::vector<int32_t> level(N, 0);
-  if (mc) {
-    for (int64_t id = 0; id < WS; ++id) level[id] = t.depth[id];
-  } else {
-    std::vector<int32_t> db(t.max_depth + 2, 0);
-    for (int64_t id = 0; id < WS; ++id)
-      if (t.parent_rank[id] >= 0) db[t.depth[id] + 1]++;
-    for (int32_t d = 0; d <= t.max_depth; ++d) db[d + 1] += db[d];
-    std::vector<int32_t> by(db.back());
-    std::vector<int32_t> fill(db.begin(), db.end() - 1);
-    for (int64_t id = 0; id < WS; ++id)
-      if (t.parent_rank[id] >= 0) by[fill[t.depth[id]]++] = static_cast<int32_t>(id);
-    for (int64_t i = int64_t(by.size()) - 1; i >= 0; --i) {
-      const int32_t id = by[i];
-      const int64_t pid = t.parent_slot[id] == kMaster ? WS + in.slot_src[id]
-                                                       : int64_t(t.parent_rank[id]) * S + t.parent_slot[id];
-      level[pid] = std::max(level[pid], level[id] + 1);
-    }
-  }
+  const std::vector<int32_t>& cb = kids.cb;
+  const std::vector<int32_t>& ch = kids.ch;
   // senders per rank
   o.num_tasks.assign(W, 0);
   for (int64_t id = 0; id < WS; ++id)
@@ -305,29 +344,35 @@ void fill_op(const BuildInput& in, const TreeInput& ti, const Tree& t, const Sid
   o.tasks.assign(W, {});
   o.refs.assign(W, {});
   if (o.chunks == 0) return;
-  // experts by home rank
-  std::vector<int32_t> hb(W + 1, 0), hx(E);
-  for (int32_t e = 0; e < E; ++e) hb[ti.home_of[e] + 1]++;
-  for (int32_t r = 0; r < W; ++r) hb[r + 1] += hb[r];
-  {
-    std::vector<int32_t> fill(hb.begin(), hb.end() - 1);
-    for (int32_t e = 0; e < E; ++e) hx[fill[ti.home_of[e]]++] = e;
+  // levels: multicast = depth of the sender (homes 0); reduce = height (leaves 0)
+  std::vector<int32_t> height;
+  if (!mc) {
+    height.assign(WS + E, 0);
+    std::vector<int32_t> by;
+    slots_by_depth(t, WS, by);
+    for (auto it = by.rbegin(); it != by.rend(); ++it) {
+      const int64_t pn = parent_node(t, *it, WS, S, in.slot_src.data());
+      height[pn] = std::max(height[pn], height[*it] + 1);
+    }
   }
+  auto level = [&](int64_t node) -> uint64_t {
+    if (!mc) return uint64_t(height[node]);
+    return node < WS ? uint64_t(t.depth[node]) : 0;
+  };
   const uint8_t kind = static_cast<uint8_t>(mc ? TaskKind::kCopy : TaskKind::kReduce);
   std::vector<uint64_t> keys;
   std::vector<Task> tmpl;
-  const int32_t r0 = only_rank >= 0 ? only_rank : 0, r1 = only_rank >= 0 ? only_rank + 1 : W;
-  for (int32_t r = r0; r < r1; ++r) {
+  for (int32_t r = sh.r0; r < sh.r1; ++r) {
     keys.clear();
     // key: level (16) | expert (31) | slot + 1 (17)
-    for (int32_t i = hb[r]; i < hb[r + 1]; ++i) {
-      const int32_t e = hx[i];
-      if (cb[WS + e + 1] > cb[WS + e]) keys.push_back((uint64_t(level[WS + e]) << 48) | (uint64_t(e) << 17));
+    for (int32_t i = sh.hb[r - sh.r0]; i < sh.hb[r - sh.r0 + 1]; ++i) {
+      const int32_t e = sh.hx[i];
+      if (cb[WS + e + 1] > cb[WS + e]) keys.push_back((level(WS + e) << 48) | (uint64_t(e) << 17));
     }
     for (int32_t s = 0; s < S; ++s) {
       const int64_t id = int64_t(r) * S + s;
       if (cb[id + 1] > cb[id])
-        keys.push_back((uint64_t(level[id]) << 48) | (uint64_t(in.slot_src[id]) << 17) | uint64_t(s + 1));
+        keys.push_back((level(id) << 48) | (uint64_t(in.slot_src[id]) << 17) | uint64_t(s + 1));
     }
     std::sort(keys.begin(), keys.end());
     std::vector<Ref>& refs = o.refs[r];
@@ -399,30 +444,34 @@ Schedule build_schedule(const BuildInput& in, int32_t only_rank) {
     if (force || (ti.multi_node ? c.t <= direct.t : c.max_load <= direct.max_load)) pool.push_back(&c);
   if (pool.empty() || (!force && !(ti.multi_node && in.relay_mode == RelayMode::kAuto && !topology_ok(ti))))
     pool.insert(pool.begin(), &direct);
-  std::vector<SideLoads> fl(pool.size());
-  std::vector<std::vector<int32_t>> hp(pool.size());
+  // fixed side: on one node every filled slot is fed intra, the same for every tree
+  std::vector<SideLoads> fl(ti.multi_node ? pool.size() : 1);
+  std::vector<Cand> cd(pool.size());
   for (size_t i = 0; i < pool.size(); ++i) {
-    fixed_side(ti, *pool[i], fl[i]);
-    hop_profile(ti, *pool[i], hp[i]);
+    if (ti.multi_node || i == 0) fixed_side(ti, *pool[i], fl[ti.multi_node ? i : 0]);
+    make_cand(in, ti, *pool[i], fl[ti.multi_node ? i : 0], cd[i]);
   }
 
   Schedule out;
   out.input = in;
   if (out.input.node_of.empty()) out.input.node_of = zeros;
   out.built_for = only_rank;
+  Shared sh;
+  make_shared(ti, only_rank, sh);
+  Children kids;
   for (int op = 0; op < kNumOps; ++op) {
     const uint64_t bytes = op == 0 ? in.weight_bytes : in.grad_bytes;
     size_t best = 0;
-    double best_t = predicted(in, ti, *pool[0], fl[0], hp[0], bytes);
+    double best_t = predicted(in, ti, cd[0], bytes);
     for (size_t i = 1; i < pool.size(); ++i) {
-      const double p = predicted(in, ti, *pool[i], fl[i], hp[i], bytes);
+      const double p = predicted(in, ti, cd[i], bytes);
       if (p < best_t) {
         best_t = p;
         best = i;
       }
     }
-    fill_op(in, ti, *pool[best], fl[best], hp[best], static_cast<Op>(op), bytes, only_rank,
-            op == 0 ? out.multicast : out.reduce);
+    children(in, ti, *pool[best], kids);
+    fill_op(in, ti, cd[best], kids, sh, static_cast<Op>(op), bytes, op == 0 ? out.multicast : out.reduce);
   }
 
   uint64_t h = 0xcbf29ce484222325ULL;

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstddef>
 #include <iterator>
+#include <limits>
 
 #include "ultracomm/task.h"
 
@@ -49,11 +50,17 @@ void prepare(int32_t world, int32_t slots, int32_t num_experts, const int32_t* s
   out.grp_begin.assign(E + 1, 0);
   out.grp_lo.clear();
   out.grp_hi.clear();
+  const size_t max_groups = out.multi_node ? size_t(out.total_reps) : size_t(E);
+  out.grp_lo.reserve(max_groups);
+  out.grp_hi.reserve(max_groups);
   out.force_ok.assign(E, 0);
   out.multi.clear();
   out.single.clear();
+  out.multi.reserve(E);
+  out.single.reserve(E);
   std::vector<int32_t> cnt(nn, 0);
   std::vector<uint64_t> keys;
+  std::vector<int32_t> old;
   for (int32_t e = 0; e < E; ++e) {
     const int32_t b = out.rep_begin[e], n = out.rep_begin[e + 1] - b;
     const int32_t hn = out.node_of[home_of[e]];
@@ -75,7 +82,7 @@ void prepare(int32_t world, int32_t slots, int32_t num_experts, const int32_t* s
       std::sort(keys.begin(), keys.end());
       for (int32_t i = 0; i < n; ++i) cnt[out.node_of[out.rep[b + i] / S]] = 0;
       // rewrite rep in key order; rank -> slot id via the old list (one slot per rank)
-      std::vector<int32_t> old(out.rep.begin() + b, out.rep.begin() + b + n);
+      old.assign(out.rep.begin() + b, out.rep.begin() + b + n);
       for (int32_t i = 0; i < n; ++i) {
         const int32_t rank = static_cast<int32_t>(keys[i] & ((1u << 21) - 1));
         const auto it = std::lower_bound(old.begin(), old.end(), rank * S);
@@ -176,6 +183,19 @@ void mandatory_sends(const TreeInput& in, std::vector<int64_t>& mi, std::vector<
     const int32_t g0 = in.grp_begin[e];
     (in.grp_hi[g0] > in.grp_lo[g0] ? mi : mx)[in.home_of[e]]++;
   }
+}
+
+// least d >= 1 with f + f^2 + ... + f^d >= n (f >= 1, n >= 1)
+int32_t min_depth(int64_t f, int64_t n) {
+  if (f <= 1) return static_cast<int32_t>(std::min<int64_t>(n, INT32_MAX));
+  int64_t sum = 0, p = 1;
+  int32_t d = 0;
+  while (sum < n) {
+    p *= f;
+    sum += p;
+    ++d;
+  }
+  return d;
 }
 
 // smallest f >= 1 with f + f^2 + ... + f^levels >= x
@@ -573,26 +593,27 @@ class Repair {
     int64_t best = -1;
     double bt = 0;
     int32_t bd = 0;
+    const double lim = below * (1 - 1e-12);
+    // cheap filters first (rank, time, order against the best so far), then the tree walks
     auto consider = [&](int64_t q) {
       if (q == pn_[c]) return;
       const int32_t qr = rank_node(q);
       if (qr == avoid || (want_rank >= 0 && qr != want_rank)) return;
+      const double tq = time_of(qr, inter ? 0 : 1, inter ? 1 : 0);
+      if (below >= 0 && !(tq < lim)) return;
+      const int32_t d = depth_node(q);
+      if (d + 1 + h > dlim_) return;
+      if (best >= 0 && !(tq < bt || (tq == bt && (d < bd || (d == bd && q < best))))) return;
       if (q < WS && pn_[q] < 0) return;  // not in the tree (cannot happen for replicas)
       const int32_t qn = in_.node_of[qr];
       if (in_.multi_node && (inter ? qn != hn : qn != cn)) return;
-      const int32_t d = depth_node(q);
-      if (d + 1 + h > dlim_) return;
-      const double tq = time_of(qr, inter ? 0 : 1, inter ? 1 : 0);
-      if (below >= 0 && !(tq < below * (1 - 1e-12))) return;
       if (q < WS && in_subtree(q, c)) return;
       if (q >= WS && force_ && in_.force_ok[e] &&
           home_kids(e) + 1 > in_.rep_begin[e + 1] - in_.rep_begin[e] - 1)
         return;
-      if (best < 0 || tq < bt || (tq == bt && (d < bd || (d == bd && q < best)))) {
-        best = q;
-        bt = tq;
-        bd = d;
-      }
+      best = q;
+      bt = tq;
+      bd = d;
     };
     consider(WS + e);
     for (int32_t i = in_.rep_begin[e]; i < in_.rep_begin[e + 1]; ++i) consider(in_.rep[i]);
@@ -729,7 +750,7 @@ std::ptrdiff_t smallest_feasible(size_t lo, size_t hi, Ok&& ok) {
 }
 
 std::vector<Tree> relay_candidates(const TreeInput& in, int32_t max_depth, bool force,
-                                   const Tree& direct) {
+                                   const Tree& direct, const Pick* pick) {
   std::vector<Tree> res;
   if (in.multi.empty() || max_depth < 2) return res;
   const int32_t W = in.world, S = in.slots;
@@ -790,13 +811,39 @@ std::vector<Tree> relay_candidates(const TreeInput& in, int32_t max_depth, bool 
   // suffices; each level is run at most once) and "fan-out" (nodes take only the fan-out
   // needed to fit under D, which spreads sends over more relays; not monotone in D, so
   // searched per D).  Both kinds of results are candidates; the caller picks by predicted time.
+  // Pruning by the caller's cost (one node): the best cost per op of the candidates so far,
+  // and whether a search over levels [lo, hi) could beat it for some op (a tree at level i
+  // sends k_i experts from its busiest rank and, with fan-out <= k_i, is at least as deep as
+  // the most-replicated expert needs).
+  const bool prune = pick != nullptr && !in.multi_node;
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  double best_cost[2] = {kInf, kInf};
+  auto cost = [&](int64_t k, int32_t d, int op) {
+    return double(std::max(k, pick->fixed)) * pick->unit[op] + double(d) * pick->hop[op];
+  };
+  auto note = [&](const Tree& t) {
+    if (!prune) return;
+    for (int op = 0; op < pick->ops; ++op) best_cost[op] = std::min(best_cost[op], cost(t.max_load, t.max_depth, op));
+  };
+  auto may_improve = [&](size_t lo_i, size_t hi_i) {
+    if (!prune) return true;
+    for (size_t i = lo_i; i < hi_i; ++i) {
+      const int64_t k = cap_of(ts[i], ibw, clamp);
+      const int32_t d = min_depth(k, most);
+      for (int op = 0; op < pick->ops; ++op)
+        if (cost(k, d, op) < best_cost[op] * (1 - 1e-9)) return true;
+    }
+    return false;
+  };
   std::vector<int32_t> tm_depth(nt, -2);  // take-max at ts[i]: -2 not run, -1 failed, else depth
   std::vector<Tree> tm_tree(nt);          // its tree, kept until taken
   std::vector<std::pair<int32_t, size_t>> found_at;  // (depth, level index) of every candidate
   size_t lo = 0;
   int32_t D = max_depth;
   while (D >= 2 && lo < nt) {  // take-max
-    const std::ptrdiff_t found = smallest_feasible(std::max(lo, lo_for(D)), nt, [&](size_t i) {
+    const size_t lo_d = std::max(lo, lo_for(D));
+    if (!may_improve(lo_d, nt)) break;
+    const std::ptrdiff_t found = smallest_feasible(lo_d, nt, [&](size_t i) {
       if (tm_depth[i] == -2) {
         const bool ok = g.run(ts[i], force, total_cap, INT32_MAX, scratch);
         tm_depth[i] = ok ? scratch.max_depth : -1;
@@ -807,6 +854,7 @@ std::vector<Tree> relay_candidates(const TreeInput& in, int32_t max_depth, bool 
     if (found < 0) break;
     const int32_t d = tm_depth[found];
     found_at.emplace_back(d, static_cast<size_t>(found));
+    note(tm_tree[found]);
     res.push_back(std::move(tm_tree[found]));
     lo = static_cast<size_t>(found) + 1;
     D = std::min(D, d) - 1;
@@ -822,7 +870,7 @@ std::vector<Tree> relay_candidates(const TreeInput& in, int32_t max_depth, bool 
     for (const auto& [dd, idx] : found_at)
       if (dd <= d) hi = std::min(hi, idx);
     const size_t lo_d = lo_for(d);
-    if (lo_d >= hi || (miss_lo <= lo_d && hi <= miss_hi)) continue;
+    if (lo_d >= hi || (miss_lo <= lo_d && hi <= miss_hi) || !may_improve(lo_d, hi)) continue;
     miss_lo = lo_d;
     miss_hi = hi;
     Tree best;
@@ -835,6 +883,7 @@ std::vector<Tree> relay_candidates(const TreeInput& in, int32_t max_depth, bool 
     miss_lo = nt;
     miss_hi = 0;
     found_at.emplace_back(best.max_depth, static_cast<size_t>(found));
+    note(best);
     res.push_back(std::move(best));
   }
   // local search on the candidate with the lowest bottleneck (ties: shallowest), unless it

@@ -53,14 +53,26 @@ void prepare(int32_t world, int32_t slots, int32_t num_experts, const int32_t* s
 // Home -> every replica, depth 1 (no topology rule).
 void direct_tree(const TreeInput& in, Tree& out);
 
+// One node: the caller's cost model (schedule_builder's predicted()), per op: a tree whose
+// busiest rank sends k experts and whose depth is d costs max(k, fixed) * unit + d * hop.
+// relay_candidates() skips the searches whose trees cannot cost less than a candidate it
+// already has, for every op.
+struct Pick {
+  int32_t ops = 0;
+  double unit[2] = {0, 0};  // bytes / intra_bw
+  double hop[2] = {0, 0};   // min(chunk, bytes) / intra_bw + intra latency
+  int64_t fixed = 0;        // the most filled slots on one rank (the fed side's load)
+};
+
 // Best relay tree for each depth limit 2..max_depth (deduplicated, shallowest first):
 // minimal bottleneck time t found by binary search over per-rank capacities with a
 // deterministic greedy.  Without `force`, trees are searched up to the direct tree's t and,
 // on one node, no rank sends more experts in total than direct's busiest rank (a relay tree
 // never exceeds direct's max egress; with several nodes: its max per-tier egress time); with `force`, every
 // expert with >= 2 replicas keeps at most nrep-1 direct children of the home where the
-// topology allows it.  May return nothing (caller falls back to direct).
+// topology allows it.  May return nothing (caller falls back to direct).  `pick` (one node
+// only; may be null) prunes searches that cannot beat the candidates found so far.
 std::vector<Tree> relay_candidates(const TreeInput& in, int32_t max_depth, bool force,
-                                   const Tree& direct);
+                                   const Tree& direct, const Pick* pick = nullptr);
 
 }  // namespace ultracomm::detail

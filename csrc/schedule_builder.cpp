@@ -119,9 +119,8 @@ void fixed_side(const TreeInput& ti, const Tree& t, SideLoads& out) {
 void hop_profile(const BuildInput& in, const TreeInput& ti, const Tree& t, std::vector<int32_t>& out) {
   out.assign(t.max_depth + 1, -1);
   const int64_t WS = int64_t(ti.world) * ti.slots;
-  if (!ti.multi_node) {
-    for (int64_t id = 0; id < WS; ++id)
-      if (t.parent_rank[id] >= 0) out[t.depth[id]] = 0;
+  if (!ti.multi_node) {  // every depth 1..max_depth holds a slot (the ancestors of the deepest)
+    std::fill(out.begin() + std::min<int32_t>(1, t.max_depth + 1), out.end(), 0);
     return;
   }
   // parents before children, then nx[id] = nx[parent] + crossing
@@ -431,10 +430,24 @@ Schedule build_schedule(const BuildInput& in, int32_t only_rank) {
                   in.intra_bw, in.inter_bw, ti);
   Tree direct;
   detail::direct_tree(ti, direct);
+  Shared sh;
+  make_shared(ti, only_rank, sh);
+  // one node: predicted() of a tree is max(k, fixed) * B / bw + depth * hop, which lets the
+  // search skip depth limits that cannot beat the trees it has
+  detail::Pick pick;
+  pick.ops = kNumOps;
+  pick.fixed = sh.max_fixed;
+  for (int op = 0; op < kNumOps; ++op) {
+    const uint64_t bytes = op == 0 ? in.weight_bytes : in.grad_bytes;
+    if (bytes == 0) continue;
+    pick.unit[op] = double(bytes) / ti.intra_bw;
+    pick.hop[op] = double(std::min(in.chunk_bytes, bytes)) / ti.intra_bw + in.intra_latency_s;
+  }
   std::vector<Tree> cands;
   const bool force = in.relay_mode == RelayMode::kForce;
-  if (force) cands = detail::relay_candidates(ti, std::max(2, in.max_depth), true, direct);
-  else if (in.relay_mode == RelayMode::kAuto) cands = detail::relay_candidates(ti, in.max_depth, false, direct);
+  // force mode raises max_depth 1 to 2 (a relay tree needs depth 2; documented in schedule.h)
+  if (force) cands = detail::relay_candidates(ti, std::max(2, in.max_depth), true, direct, &pick);
+  else if (in.relay_mode == RelayMode::kAuto) cands = detail::relay_candidates(ti, in.max_depth, false, direct, &pick);
 
   // candidate list in depth order: direct first (auto/off), then relay trees shallowest first
   // With several nodes, direct competes in auto only if it already crosses to each remote node
@@ -456,8 +469,6 @@ Schedule build_schedule(const BuildInput& in, int32_t only_rank) {
   out.input = in;
   if (out.input.node_of.empty()) out.input.node_of = zeros;
   out.built_for = only_rank;
-  Shared sh;
-  make_shared(ti, only_rank, sh);
   Children kids;
   for (int op = 0; op < kNumOps; ++op) {
     const uint64_t bytes = op == 0 ? in.weight_bytes : in.grad_bytes;

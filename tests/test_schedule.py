@@ -349,6 +349,56 @@ def test_force_gives_depth_two():
                 assert (ps[mask] == MASTER).sum() <= mask.sum() - 1
 
 
+def test_force_raises_max_depth_one_to_two():
+    rng = np.random.default_rng(7)
+    plan = random_plan(rng, 8, 4, 16, fill=1.0, skew=2.0)
+    one = build_schedule(plan, 4096, 4096, chunk_bytes=1024, relay_mode="force", max_depth=1)
+    two = build_schedule(plan, 4096, 4096, chunk_bytes=1024, relay_mode="force", max_depth=2)
+    for op in ("multicast", "reduce"):
+        for x, y in zip(one.tree(op), two.tree(op)):
+            np.testing.assert_array_equal(x, y)
+        assert one.stats(op)["depth"] == 2
+    # the input keeps what was asked for (and so does the digest)
+    assert one.inputs()["max_depth"] == 1 and one.digest != two.digest
+
+
+def tier_time_of(sched, op):
+    return tier_time(sched.stats(op), "egress" if op == "multicast" else "ingress")
+
+
+def max_side(sched, op):
+    return max(sched.stats(op)["egress" if op == "multicast" else "ingress"])
+
+
+# 8 ranks, 16 experts (homes 0,0,1,1,...), 3 slots: on 2 nodes of 4 the auto relay schedule
+# sends 4 experts from one rank where direct's busiest sends 3 (multicast; reduce: pulls),
+# for the same inter-node time.
+TWO_NODE_PLAN = ([[10, 14, 9], [13, -1, -1], [-1, -1, 9], [-1, -1, 11], [13, 0, 3], [0, 14, 4],
+                  [7, 14, -1], [3, 11, 9]], np.arange(16) // 2)
+
+
+def test_relay_vs_direct_one_node_bytes_several_nodes_tier_time():
+    """One node: auto never exceeds the direct schedule's max egress (multicast) / max ingress
+    (reduce).  Several nodes: the topology rule (each expert crosses to each remote node once)
+    comes first and relay trees are compared with direct by per-tier time, which never exceeds
+    direct's; their max egress / ingress *bytes* may (schedule.py's module docstring)."""
+    rng = np.random.default_rng(11)
+    plans = [make_plan(*TWO_NODE_PLAN)]
+    plans += [random_plan(rng, w, 3, 2 * w, fill=0.9, skew=1.5) for w in (8, 16) * 6]
+    kw = dict(chunk_bytes=1 << 16)
+    for plan in plans:
+        W = plan.world
+        auto = build_schedule(plan, 1 << 20, 2 << 20, **kw)
+        direct = build_schedule(plan, 1 << 20, 2 << 20, relay_mode="off", **kw)
+        node_of = (np.arange(W) * 2 // W).astype(np.int32)
+        auto2 = build_schedule(plan, 1 << 20, 2 << 20, node_of=node_of, **kw)
+        direct2 = build_schedule(plan, 1 << 20, 2 << 20, node_of=node_of, relay_mode="off", **kw)
+        check(plan, auto2, node_of=node_of, max_depth=8)
+        for op in ("multicast", "reduce"):
+            assert max_side(auto, op) <= max_side(direct, op), (op, plan.slot_src.tolist())
+            assert tier_time_of(auto2, op) <= tier_time_of(direct2, op) * (1 + 1e-12), op
+
+
 def test_topology_two_nodes_of_four():
     # expert 0 (home 0, node 0) replicated everywhere; expert 5 (home 5, node 1) on node 0
     slot_src = np.full((8, 2), -1, np.int32)

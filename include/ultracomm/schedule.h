@@ -19,8 +19,18 @@ struct BuildInput {
   uint64_t weight_bytes = 0;      // one expert's weights, slot layout
   uint64_t grad_bytes = 0;        // one expert's grads, slot layout
   uint64_t chunk_bytes = 1 << 20; // multiple of 16
+  // kAuto: per op, the candidate tree with the least predicted_s.  A relay tree is a
+  // candidate only if, on one node, no rank sends (multicast) / pulls (reduce) more experts
+  // than in the direct tree, so max egress / ingress never exceed direct's; on several nodes,
+  // if its bottleneck per-tier time (max over ranks and tiers of bytes / tier bw) is no higher
+  // than direct's -- its max egress bytes may exceed direct's, as crossing to each remote node
+  // once (the topology rule, which takes precedence) shifts cheap intra-node sends onto relays.
+  // There the direct tree is a candidate only if it crosses to each remote node at most once
+  // per expert (else it is the fallback).  kOff: direct.  kForce: relay trees only.
   RelayMode relay_mode = RelayMode::kAuto;
-  int32_t max_depth = 8;          // max tree depth (1 = direct); auto picks by predicted time
+  // Max tree depth (1 = direct); auto picks the depth by predicted time.  kForce raises 1 to 2
+  // (a relay tree needs depth 2): it builds the trees of max_depth = 2 (input and digest keep 1).
+  int32_t max_depth = 8;
   double intra_bw = 370e9;        // bytes/s per rank per direction within a node
   double inter_bw = 50e9;         // bytes/s per rank per direction across nodes
   // Per-hop latency of the cost model (seconds): a chunk is visible at the receiver (data +

@@ -8,6 +8,17 @@ or another replica of ``e`` (a relay).  Multicast pushes weights down the tree; 
 grads up the *same kind* of tree (built by the same code, balancing the puller's ingress
 instead of the sender's egress).
 
+Relay vs direct (``relay_mode="auto"``).  Per op, the builder picks the candidate tree with the
+least predicted time.  On one node a relay tree is a candidate only if no rank sends (multicast)
+or pulls (reduce) more experts than in the direct tree, so an auto schedule's max egress / max
+ingress never exceed the direct schedule's.  On several nodes the topology rule comes first:
+every expert crosses to each remote node once, fed from the home's node, and relay trees are
+compared with direct by per-tier time (max over ranks and tiers -- intra, inter -- of bytes /
+tier bandwidth), not by bytes.  A relay tree's max egress (ingress) *bytes* can then exceed
+direct's: it may load a relay with cheap intra-node sends to save slow inter-node ones; its
+per-tier time never exceeds direct's.  ``relay_mode="force"`` uses relay trees only, whatever
+their egress.
+
 Summation order (determinism contract).  A reduce task on rank ``r`` computes, per chunk,
 ``acc = float32(self)``, then ``acc += float32(src)`` for each source in ``refs`` order, which
 is ascending ``(rank, slot)``; then writes ``acc`` back in the grad dtype.  A relay's task
@@ -60,6 +71,8 @@ def _i32(x: Any, name: str) -> np.ndarray:
     if hasattr(x, "detach"):  # torch tensor, without importing torch
         x = x.detach().cpu().numpy()
     a = np.asarray(x)
+    if a.dtype == np.int32:  # the common case: no range scan (a few us per call)
+        return np.ascontiguousarray(a)
     if a.dtype.kind not in "iu":
         raise ValueError(f"{name} must be an integer array, got dtype {a.dtype}")
     if a.size and (a.min() < np.iinfo(np.int32).min or a.max() > np.iinfo(np.int32).max):
@@ -196,8 +209,11 @@ def build_schedule(
     ([world]) enables topology-aware trees; ``rank`` builds the task lists of that rank only
     (trees, stats and digest are still global).  ``intra_latency_s`` / ``inter_latency_s``:
     per-hop latency of the cost model (one per tree level on a path), which with the chunk
-    time decides how deep a tree pays off (``max_depth`` is only the limit).  Raises
-    ValueError on invalid input.
+    time decides how deep a tree pays off (``max_depth`` is only the limit).  With
+    ``relay_mode="force"``, ``max_depth=1`` is raised to 2 (a relay tree needs depth 2): the
+    trees are those of ``max_depth=2``, while ``inputs()`` and the digest keep 1.  See the module
+    docstring for how auto compares relay and direct schedules (max egress on one node, per-tier
+    time on several).  Raises ValueError on invalid input.
     """
     world, slots, experts = int(plan.world), int(plan.slots_per_rank), int(plan.num_experts)
     slot_src = _i32(plan.slot_src, "slot_src").reshape(-1)

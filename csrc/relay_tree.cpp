@@ -222,7 +222,7 @@ int64_t cap_of(double t, double bw, int64_t clamp) {
 // can do, so "feasible with depth limit D" == "succeeds and depth <= D".
 class Greedy {
  public:
-  // mi / mx: mandatory_sends() of `in`
+  // mi / mx: mandatory_sends() of `in` (referenced, not copied)
   Greedy(const TreeInput& in, const std::vector<int64_t>& mi, const std::vector<int64_t>& mx)
       : in_(in), si_(in.world), sx_(in.world), st_(in.world), mi_(mi), mx_(mx) {
     // the part that does not depend on t: single-replica experts' edges (mandatory); mi_ / mx_
@@ -415,7 +415,8 @@ class Greedy {
   const TreeInput& in_;
   int32_t depth_limit_ = INT32_MAX;
   std::vector<int64_t> si_, sx_, st_;
-  std::vector<int64_t> mi_, mx_;  // mandatory sends per rank (intra, inter)
+  const std::vector<int64_t>& mi_;  // mandatory sends per rank (intra, inter)
+  const std::vector<int64_t>& mx_;
   Tree base_;
   std::vector<uint64_t> keys_;  // [most replicas]; the members being attached: [0, nkeys_)
   size_t nkeys_ = 0;
@@ -825,26 +826,46 @@ std::vector<Tree> relay_candidates(const TreeInput& in, int32_t max_depth, bool 
     if (!prune) return;
     for (int op = 0; op < pick->ops; ++op) best_cost[op] = std::min(best_cost[op], cost(t.max_load, t.max_depth, op));
   };
-  auto may_improve = [&](size_t lo_i, size_t hi_i) {
-    if (!prune) return true;
+  // narrows [lo_i, hi_i) to the levels whose trees could cost less; false if there are none
+  auto may_improve = [&](size_t& lo_i, size_t& hi_i) {
+    if (!prune) return lo_i < hi_i;
+    size_t a = hi_i, b = lo_i;
     for (size_t i = lo_i; i < hi_i; ++i) {
       const int64_t k = cap_of(ts[i], ibw, clamp);
       const int32_t d = min_depth(k, most);
       for (int op = 0; op < pick->ops; ++op)
-        if (cost(k, d, op) < best_cost[op] * (1 - 1e-9)) return true;
+        if (cost(k, d, op) < best_cost[op] * (1 - 1e-9)) {
+          a = std::min(a, i);
+          b = i + 1;
+        }
     }
-    return false;
+    lo_i = a;
+    hi_i = b;
+    return a < b;
   };
   std::vector<int32_t> tm_depth(nt, -2);  // take-max at ts[i]: -2 not run, -1 failed, else depth
   std::vector<Tree> tm_tree(nt);          // its tree, kept until taken
+  // trees no longer needed, whose buffers the next runs reuse (a run into an empty tree allocates)
+  std::vector<Tree> spare;
+  auto refill = [&] {
+    if (scratch.parent_rank.capacity() == 0 && !spare.empty()) {
+      scratch = std::move(spare.back());
+      spare.pop_back();
+    }
+  };
+  auto retire = [&](size_t a, size_t b) {  // take-max trees at levels [a, b) are never taken
+    for (size_t i = a; i < b; ++i)
+      if (tm_tree[i].parent_rank.capacity() > 0) spare.push_back(std::move(tm_tree[i]));
+  };
   std::vector<std::pair<int32_t, size_t>> found_at;  // (depth, level index) of every candidate
   size_t lo = 0;
   int32_t D = max_depth;
   while (D >= 2 && lo < nt) {  // take-max
-    const size_t lo_d = std::max(lo, lo_for(D));
-    if (!may_improve(lo_d, nt)) break;
-    const std::ptrdiff_t found = smallest_feasible(lo_d, nt, [&](size_t i) {
+    size_t lo_d = std::max(lo, lo_for(D)), hi_d = nt;
+    if (!may_improve(lo_d, hi_d)) break;
+    const std::ptrdiff_t found = smallest_feasible(lo_d, hi_d, [&](size_t i) {
       if (tm_depth[i] == -2) {
+        refill();
         const bool ok = g.run(ts[i], force, total_cap, INT32_MAX, scratch);
         tm_depth[i] = ok ? scratch.max_depth : -1;
         if (ok) std::swap(tm_tree[i], scratch);
@@ -856,9 +877,11 @@ std::vector<Tree> relay_candidates(const TreeInput& in, int32_t max_depth, bool 
     found_at.emplace_back(d, static_cast<size_t>(found));
     note(tm_tree[found]);
     res.push_back(std::move(tm_tree[found]));
+    retire(lo, static_cast<size_t>(found));
     lo = static_cast<size_t>(found) + 1;
     D = std::min(D, d) - 1;
   }
+  retire(0, nt);
   // fan-out, per depth limit (2..6 and max_depth), only below the lowest level of any
   // candidate found so far that is no deeper than the limit (a deeper limit at the same level
   // only adds depth to the path fill), and not over levels where the previous limit found
@@ -869,12 +892,13 @@ std::vector<Tree> relay_candidates(const TreeInput& in, int32_t max_depth, bool 
     size_t hi = nt;
     for (const auto& [dd, idx] : found_at)
       if (dd <= d) hi = std::min(hi, idx);
-    const size_t lo_d = lo_for(d);
-    if (lo_d >= hi || (miss_lo <= lo_d && hi <= miss_hi) || !may_improve(lo_d, hi)) continue;
+    size_t lo_d = lo_for(d);
+    if (lo_d >= hi || !may_improve(lo_d, hi) || (miss_lo <= lo_d && hi <= miss_hi)) continue;
     miss_lo = lo_d;
     miss_hi = hi;
     Tree best;
     const std::ptrdiff_t found = smallest_feasible(lo_d, hi, [&](size_t i) {
+      refill();
       if (!g.run(ts[i], force, total_cap, d, scratch) || scratch.max_depth > d) return false;
       std::swap(best, scratch);
       return true;

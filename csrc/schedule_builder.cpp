@@ -425,10 +425,11 @@ Schedule build_schedule(const BuildInput& in, int32_t only_rank) {
     zeros.assign(W, 0);
     node_of = zeros.data();
   }
-  TreeInput ti;
+  // per-thread buffers, reused build after build (prepare() and direct_tree() reset them)
+  static thread_local TreeInput ti;
   detail::prepare(W, in.slots_per_rank, in.num_experts, in.slot_src.data(), in.home_of.data(), node_of,
                   in.intra_bw, in.inter_bw, ti);
-  Tree direct;
+  static thread_local Tree direct;
   detail::direct_tree(ti, direct);
   Shared sh;
   make_shared(ti, only_rank, sh);

@@ -64,14 +64,16 @@ struct Pick {
   int64_t fixed = 0;        // the most filled slots on one rank (the fed side's load)
 };
 
-// Best relay tree for each depth limit 2..max_depth (deduplicated, shallowest first):
-// minimal bottleneck time t found by binary search over per-rank capacities with a
-// deterministic greedy.  Without `force`, trees are searched up to the direct tree's t and,
-// on one node, no rank sends more experts in total than direct's busiest rank (a relay tree
-// never exceeds direct's max egress; with several nodes: its max per-tier egress time); with `force`, every
-// expert with >= 2 replicas keeps at most nrep-1 direct children of the home where the
-// topology allows it.  May return nothing (caller falls back to direct).  `pick` (one node
-// only; may be null) prunes searches that cannot beat the candidates found so far.
+// Relay trees for depth limits 2..max_depth (deduplicated, shallowest first): per limit, the
+// minimal bottleneck time t found by a galloping search over per-rank capacities with a
+// deterministic greedy, skipping limits and levels that cannot improve on the trees found
+// (see relay_tree.cpp), then a local search on the lowest bottleneck.  Without `force`, trees
+// are searched up to the direct tree's t and, on one node, no rank sends more experts in total
+// than direct's busiest rank (a relay tree never exceeds direct's max egress; with several
+// nodes: its max per-tier egress time); with `force`, every expert with >= 2 replicas keeps at
+// most nrep-1 direct children of the home where the topology allows it.  May return nothing
+// (caller falls back to direct).  `pick` (one node only; may be null) prunes searches that
+// cannot beat the candidates found so far.
 std::vector<Tree> relay_candidates(const TreeInput& in, int32_t max_depth, bool force,
                                    const Tree& direct, const Pick* pick = nullptr);
 

@@ -24,6 +24,7 @@ import numpy as np  # noqa: E402
 
 from ultracomm import _core  # noqa: E402
 from ultracomm.schedule import build_schedule  # noqa: E402
+from ultracomm.workloads import zipf_slot_src  # noqa: E402
 
 
 class Plan:
@@ -35,21 +36,8 @@ class Plan:
 
 
 def zipf_plan(seed: int, world: int, slots: int, experts: int, skew: float = 1.2, fill: float = 0.9) -> Plan:
-    """Replica slots filled with experts drawn by Zipf-like popularity: a few hot experts get
-    replicated on many ranks, the tail on few.  Valid: no replica at home, no duplicates."""
-    rng = np.random.default_rng(seed)
-    home_of = (np.arange(experts) * world // experts).astype(np.int32)
-    w = 1.0 / np.arange(1, experts + 1) ** skew
-    w = w[rng.permutation(experts)]
-    w /= w.sum()
-    slot_src = np.full((world, slots), -1, np.int32)
-    for r in range(world):
-        order = rng.choice(experts, size=min(experts, slots * 4 + 8), replace=False, p=w)
-        picks = [int(e) for e in order if home_of[e] != r][:slots]
-        for s, e in enumerate(picks):
-            if rng.random() < fill:
-                slot_src[r, s] = e
-    return Plan(slot_src, home_of)
+    """The skewed plans of this benchmark: :func:`ultracomm.workloads.zipf_slot_src`."""
+    return Plan(*zipf_slot_src(seed, world, slots, experts, skew, fill))
 
 
 MAX_DEPTH = 8  # the builder's default (ULTRACOMM_RELAY_MAX_DEPTH may set another)

@@ -455,19 +455,9 @@ def test_tree_lower_bound_chain():
 def test_repair_lowers_the_greedy_bottleneck():
     # Zipf plan of perf/bench_schedule.py (world 64, 3 slots): the greedy alone reaches a max
     # egress of 4 experts at depth <= 8; the repair pass on its best candidate reaches 3.
-    rng = np.random.default_rng(64 * 1000 + 3)
-    world, slots, experts = 64, 3, 256
-    home_of = (np.arange(experts) * world // experts).astype(np.int32)
-    w = 1.0 / np.arange(1, experts + 1) ** 1.2
-    w = w[rng.permutation(experts)]
-    w /= w.sum()
-    slot_src = np.full((world, slots), -1, np.int32)
-    for r in range(world):
-        order = rng.choice(experts, size=min(experts, slots * 4 + 8), replace=False, p=w)
-        picks = [int(e) for e in order if home_of[e] != r][:slots]
-        for k, e in enumerate(picks):
-            if rng.random() < 0.9:
-                slot_src[r, k] = e
+    from ultracomm.workloads import zipf_slot_src
+
+    slot_src, home_of = zipf_slot_src(64 * 1000 + 3, 64, 3, 256)
     plan = make_plan(slot_src, home_of)
     B = 3 * 2048 * 1024 * 2
     s = build_schedule(plan, B, 2 * B, chunk_bytes=1 << 20, max_depth=8)

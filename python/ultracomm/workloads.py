@@ -617,6 +617,30 @@ def greedy_replicas(
     return ReplicaPlan.make(slot_src, num_experts=E, experts_per_rank=epr)
 
 
+def zipf_slot_src(seed: int, world: int, slots: int, experts: int, skew: float = 1.2,
+                  fill: float = 0.9) -> tuple[np.ndarray, np.ndarray]:
+    """Replica slots filled by Zipf-like popularity (``1 / rank**skew`` over a seeded permutation
+    of the experts): a few hot experts replicated on many ranks, the tail on few; each slot is
+    filled with probability ``fill``.  Valid (no replica at home, none twice on a rank).
+
+    Returns ``(slot_src int32 [world, slots], home_of int32 [experts])`` with expert ``e`` homed
+    on ``e * world // experts``.  The skewed plans of the schedule-build benchmark.
+    """
+    rng = np.random.default_rng(seed)
+    home_of = (np.arange(experts) * world // experts).astype(np.int32)
+    w = 1.0 / np.arange(1, experts + 1) ** skew
+    w = w[rng.permutation(experts)]
+    w /= w.sum()
+    slot_src = np.full((world, slots), -1, np.int32)
+    for r in range(world):
+        order = rng.choice(experts, size=min(experts, slots * 4 + 8), replace=False, p=w)
+        picks = [int(e) for e in order if home_of[e] != r][:slots]
+        for s, e in enumerate(picks):
+            if rng.random() < fill:
+                slot_src[r, s] = e
+    return slot_src, home_of
+
+
 def hot_plan(
     world: int, slots_per_rank: int, experts_per_rank: int, expert: int, replicas: int
 ) -> ReplicaPlan:

@@ -2,7 +2,7 @@
 with only torch, nvcc and ninja): compiles ``ultracomm._core`` with
 ``torch.utils.cpp_extension`` (pybind11 headers ship with torch) into a copy of the package
 under ``build/inplace/`` and prints the folder to put on PYTHONPATH.  The source tree is not
-touched.  Sources are read from CMakeLists.txt so the two builds cannot drift apart.
+touched.  Sources are read from csrc/CMakeLists.txt so the two builds cannot drift apart.
 """
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def cmake_sources() -> list[str]:
-    text = open(os.path.join(ROOT, "CMakeLists.txt")).read()
+    text = open(os.path.join(ROOT, "csrc", "CMakeLists.txt")).read()
     host = re.search(r"set\(ULTRACOMM_HOST_SOURCES(.*?)\)", text, re.S).group(1).split()
     bind = re.search(r"pybind11_add_module\(_core(.*?)\)", text, re.S).group(1).split()
-    return [os.path.join(ROOT, s) for s in host + bind]
+    return [os.path.join(ROOT, "csrc", s) for s in host + bind]
 
 
 def main() -> int:

@@ -87,3 +87,32 @@ def expected_master_grads(schedule, layout, plan, init_master, init_replica, wit
                                        layout.grad_offsets)[m] for s in range(slots)])
               for m in range(len(layout.members))] for r in range(world)]
     return out, after
+
+
+def shm_segments() -> set[str]:
+    """ultracomm's named segments in /dev/shm now."""
+    import os
+
+    return {n for n in os.listdir("/dev/shm") if n.startswith("ultracomm-")} if os.path.isdir("/dev/shm") else set()
+
+
+def leftover_segments(before: set[str], pids: set[int] | None = None) -> set[str]:
+    """Segments that appeared since ``before`` and were left behind: created by one of ``pids``,
+    or (``pids=None``) by a process that has exited.  Other test runs on the machine may hold
+    live segments of their own for a moment; those are not leftovers."""
+    import os
+
+    out = set()
+    for name in shm_segments() - before:
+        pid = int(name.split("-")[1])
+        if pids is not None:
+            if pid in pids:
+                out.add(name)
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            out.add(name)
+        except PermissionError:
+            pass
+    return out

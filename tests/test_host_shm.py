@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 from ultracomm.windows.host_shm import SHM_DIR, sweep_stale_segments
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from conftest import expert_weights  # noqa: E402
+from conftest import expert_weights, leftover_segments, shm_segments  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="needs POSIX shared memory (/dev/shm)")
 
@@ -25,10 +25,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _segments() -> set[str]:
-    return {n for n in os.listdir(SHM_DIR) if n.startswith("ultracomm-")}
 
 
 def _init(rank: int, world: int, port: int) -> None:
@@ -60,12 +56,12 @@ def _spawned_context(rank: int, world: int, port: int, results) -> None:
 @pytest.mark.slow
 def test_torch_multiprocessing_spawn_context():
     world = 3
-    before = _segments()
+    before = shm_segments()
     with mp.Manager() as manager:
         results = manager.dict()
         mp.spawn(_spawned_context, args=(world, _free_port(), results), nprocs=world, join=True)
         assert dict(results) == {r: True for r in range(world)}
-    assert _segments() <= before
+    assert not leftover_segments(before)
 
 
 def _killed_after_setup(rank: int, world: int, port: int) -> None:
@@ -81,7 +77,7 @@ def _killed_after_setup(rank: int, world: int, port: int) -> None:
 
 @pytest.mark.slow
 def test_nothing_left_in_dev_shm_after_a_crash():
-    before = _segments()
+    before = shm_segments()
     ctx = mp.get_context("spawn")
     port = _free_port()
     procs = [ctx.Process(target=_killed_after_setup, args=(r, 2, port)) for r in range(2)]
@@ -90,7 +86,7 @@ def test_nothing_left_in_dev_shm_after_a_crash():
     for p in procs:
         p.join(120)
     assert [p.exitcode for p in procs] == [-signal.SIGKILL] * 2
-    assert _segments() <= before, "a crashed rank left its window in /dev/shm"
+    assert not leftover_segments(before), "a crashed rank left its window in /dev/shm"
 
 
 def test_sweep_removes_segments_of_dead_processes(tmp_path):
@@ -123,7 +119,7 @@ def test_one_rank_failing_to_create_fails_every_rank(monkeypatch):
         return real_map(path, nbytes, create)
 
     monkeypatch.setattr(host_shm, "_map", flaky)
-    before = _segments()
+    before = shm_segments()
 
     def body(group):
         if group.rank == 1:
@@ -135,4 +131,4 @@ def test_one_rank_failing_to_create_fails_every_rank(monkeypatch):
         return True
 
     assert LoopbackDomain(3).run(body, timeout=60) == [True] * 3
-    assert _segments() <= before
+    assert not leftover_segments(before, {os.getpid()})

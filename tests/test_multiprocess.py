@@ -8,6 +8,9 @@ import sys
 
 import pytest
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from conftest import leftover_segments, shm_segments  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -18,23 +21,19 @@ def torchrun(script: str, nproc: int, env: dict | None = None, timeout: float = 
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
 
 
-def _shm_segments() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("ultracomm-")} if os.path.isdir("/dev/shm") else set()
-
-
 @pytest.mark.slow
 def test_torchrun_context_4_ranks():
-    before = _shm_segments()
+    before = shm_segments()
     p = torchrun("context_worker.py", 4)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     for r in range(4):
         assert f"rank {r} OK" in p.stdout
-    assert _shm_segments() <= before, "host_shm segments left in /dev/shm"
+    assert not leftover_segments(before), "host_shm segments left in /dev/shm"
 
 
 @pytest.mark.slow
 def test_dead_peer_times_out_naming_it(tmp_path):
-    before = _shm_segments()
+    before = shm_segments()
     p = torchrun("dead_peer_worker.py", 3, env={"DEAD_PEER_RESULTS_DIR": str(tmp_path)})
     results = [json.loads(f.read_text()) for f in sorted(tmp_path.glob("rank*.json"))]
     assert sorted(r["rank"] for r in results) == [0, 1], p.stdout[-3000:] + p.stderr[-3000:]
@@ -47,4 +46,4 @@ def test_dead_peer_times_out_naming_it(tmp_path):
     # rank 0 pushes expert 0 to rank 2 (waits for its ready flag): also a timeout naming rank 2
     r0 = by_rank[0]
     assert r0["error"] is not None and "rank 2" in r0["error"], r0
-    assert _shm_segments() <= before, "host_shm segments left after a dead rank"
+    assert not leftover_segments(before), "host_shm segments left after a dead rank"

@@ -317,45 +317,46 @@ def test_async_ops_queue_in_order_and_synchronize():
     assert LoopbackDomain(world).run(body) == [True] * world
 
 
-def test_failed_operation_stops_queued_ones():
+def _two_ranks_one_swap(fn, **ctx_kw):
+    """Two loopback ranks that replicate each other's expert; ``fn(group, ctx, vid, plan)`` runs on
+    each after registration and ``begin``."""
     layout = make_layout(4, 4)
     plan = ReplicaPlan.make(np.array([[1], [0]], np.int32), experts_per_rank=1)
 
     def body(group):
-        with Context(group, layout, 1, 1, num_layers=1, timeout_s=0.3) as ctx:
+        with Context(group, layout, 1, 1, num_layers=1, **ctx_kw) as ctx:
             ctx.register_masters(0, *masters_for(layout, ctx.rank, 1))
-            vid = ctx.begin(0)
-            if group.rank == 1:  # agrees on the plan, then never joins the data movement
-                ctx._prepare_plan(plan)
-                return True
-            first = ctx.weight_sync(vid, plan, async_op=True)
-            second = ctx.restore(vid, async_op=True)
-            with pytest.raises(ultracomm.UltracommTimeout, match="rank 1"):
-                first.wait()
-            with pytest.raises(UltracommError, match="not started: an earlier operation"):
-                second.wait()
-            ready = ctx.window.local[ctx.wlayout["ready_off"]:ctx.wlayout["ready_off"] + 8].view(torch.int64)
-            assert int(ready) == 1  # epoch 2 never raised its ready flag
-            with pytest.raises(UltracommError, match="failed earlier"):
-                ctx.restore(vid)
+            fn(group, ctx, ctx.begin(0), plan)
         return True
 
     assert LoopbackDomain(2).run(body) == [True, True]
+
+
+def test_failed_operation_stops_queued_ones():
+    def fn(group, ctx, vid, plan):
+        if group.rank == 1:  # agrees on the plan, then never joins the data movement
+            ctx._prepare_plan(plan)
+            return
+        first = ctx.weight_sync(vid, plan, async_op=True)
+        second = ctx.restore(vid, async_op=True)
+        with pytest.raises(ultracomm.UltracommTimeout, match="rank 1"):
+            first.wait()
+        with pytest.raises(UltracommError, match="not started: an earlier operation"):
+            second.wait()
+        ready = ctx.window.local[ctx.wlayout["ready_off"]:ctx.wlayout["ready_off"] + 8].view(torch.int64)
+        assert int(ready) == 1  # epoch 2 never raised its ready flag
+        with pytest.raises(UltracommError, match="failed earlier"):
+            ctx.restore(vid)
+
+    _two_ranks_one_swap(fn, timeout_s=0.3)
 
 
 def test_restore_timeout_names_restore():
-    layout = make_layout(4, 4)
-    plan = ReplicaPlan.make(np.array([[1], [0]], np.int32), experts_per_rank=1)
+    def fn(group, ctx, vid, plan):
+        ctx.weight_sync(vid, plan)
+        group.barrier()
+        if group.rank == 0:  # rank 1 has left: its restore never starts
+            with pytest.raises(ultracomm.UltracommTimeout, match=r"rank 0 restore .*rank 1"):
+                ctx.restore(vid)
 
-    def body(group):
-        with Context(group, layout, 1, 1, num_layers=1, timeout_s=0.3) as ctx:
-            ctx.register_masters(0, *masters_for(layout, ctx.rank, 1))
-            vid = ctx.begin(0)
-            ctx.weight_sync(vid, plan)
-            group.barrier()
-            if group.rank == 0:
-                with pytest.raises(ultracomm.UltracommTimeout, match=r"rank 0 restore .*rank 1"):
-                    ctx.restore(vid)
-        return True
-
-    assert LoopbackDomain(2).run(body) == [True, True]
+    _two_ranks_one_swap(fn, timeout_s=0.3)

@@ -208,7 +208,8 @@ class ExpertLayout:
 
     @property
     def weight_stride(self) -> int:
-        """``weight_bytes`` rounded up to ``align``: the step between packed slots."""
+        """``weight_bytes`` rounded up to ``align``: the step between slots packed at ``align``.
+        (A Context's window steps by ``wlayout["weight_stride"]``, padded further to 256 B.)"""
         return _align_up(self.weight_bytes, self.align)
 
     @property
@@ -230,7 +231,8 @@ class ExpertLayout:
 
     @property
     def grad_stride(self) -> int:
-        """``grad_bytes`` rounded up to ``align``: the step between packed slots."""
+        """``grad_bytes`` rounded up to ``align``: the step between slots packed at ``align``.
+        (A Context's window steps by ``wlayout["grad_stride"]``, padded further to 256 B.)"""
         return _align_up(self.grad_bytes, self.align)
 
     # -- registration -------------------------------------------------------------

@@ -1,4 +1,5 @@
-// Python bindings of the host executor: _core.run_host, _core.window_layout, _core.TimeoutError.
+// Python bindings of the host executor: _core.run_host, _core.window_layout, _core.TimeoutError,
+// _core.PlanMismatchError, _core.format_error / raise_error_record, _core.publish_rejection.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -60,15 +61,43 @@ RecordView<T> records_view(const py::buffer& b, const char* what) {
 
 }  // namespace
 
+WindowLayout checked_layout(const char* fn, int32_t slots, uint64_t weight_slot_bytes, uint64_t grad_slot_bytes,
+                            uint64_t chunk_bytes) {
+  if (const char* e = window_layout_error(slots, weight_slot_bytes, grad_slot_bytes, chunk_bytes))
+    throw std::invalid_argument(std::string("ultracomm.") + fn + ": " + e);
+  return WindowLayout::make(slots, weight_slot_bytes, grad_slot_bytes, chunk_bytes);
+}
+
+ErrorRecord record_from(const py::bytes& b) {
+  const std::string s = b;
+  if (s.size() != sizeof(ErrorRecord))
+    throw std::invalid_argument("ultracomm: an error record is " + std::to_string(sizeof(ErrorRecord)) +
+                                " bytes, got " + std::to_string(s.size()));
+  ErrorRecord r;
+  std::memcpy(&r, s.data(), sizeof r);
+  return r;
+}
+
+MoverKind mover_kind(const std::string& name) {
+  if (name == "host") return MoverKind::kHost;
+  if (name == "block") return MoverKind::kBlock;
+  throw std::invalid_argument("ultracomm.run_host: mover must be 'host' or 'block', got '" + name + "'");
+}
+
 void bind_host_executor(py::module_& m) {
   py::register_exception<TimeoutError>(m, "TimeoutError", PyExc_TimeoutError);
+  // a peer runs another plan: an ultracomm.errors.PlanError (UltracommError and ValueError), as
+  // the plan-agreement errors raised in Python
+  py::register_exception<PlanMismatchError>(m, "PlanMismatchError",
+                                            py::module_::import("ultracomm.errors").attr("PlanError"));
+  m.attr("MAX_MEMBERS") = kMaxMembers;
+  m.attr("ERROR_RECORD_BYTES") = sizeof(ErrorRecord);
+  m.attr("REJECTED_DIGEST") = kRejectedDigest;
 
   m.def(
       "window_layout",
       [](int32_t slots, uint64_t weight_slot_bytes, uint64_t grad_slot_bytes, uint64_t chunk_bytes) {
-        if (slots < 0) throw std::invalid_argument("ultracomm.window_layout: slots must be >= 0");
-        if (chunk_bytes == 0) throw std::invalid_argument("ultracomm.window_layout: chunk_bytes must be > 0");
-        const WindowLayout L = WindowLayout::make(slots, weight_slot_bytes, grad_slot_bytes, chunk_bytes);
+        const WindowLayout L = checked_layout("window_layout", slots, weight_slot_bytes, grad_slot_bytes, chunk_bytes);
         py::dict d;
         d["slots"] = L.slots;
         d["weight_slot_bytes"] = L.weight_slot_bytes;
@@ -81,6 +110,7 @@ void bind_host_executor(py::module_& m) {
         d["weights_off"] = L.weights_off;
         d["grads_off"] = L.grads_off;
         d["ready_off"] = L.ready_off;
+        d["digest_off"] = L.digest_off;
         d["arrival_off"] = L.arrival_off;
         d["grad_ready_off"] = L.grad_ready_off;
         d["consumed_off"] = L.consumed_off;
@@ -98,12 +128,11 @@ void bind_host_executor(py::module_& m) {
          std::vector<int32_t> local_index_of, int grad_dtype, std::vector<int32_t> my_slots, py::buffer tasks,
          py::buffer refs, int32_t num_workers, double timeout_s, uint32_t jitter_us, uint64_t jitter_seed,
          std::optional<std::vector<int32_t>> slot_parent, bool portable_f16,
-         std::optional<std::string> op_name) {
+         std::optional<std::string> op_name, uint64_t digest, const std::string& mover,
+         int32_t threads_per_worker) {
         if (op != 0 && op != 1) throw std::invalid_argument("ultracomm.run_host: op must be 0 (multicast) or 1 (reduce)");
         if (grad_dtype < 0 || grad_dtype > 2)
           throw std::invalid_argument("ultracomm.run_host: grad_dtype must be 0 (fp32), 1 (bf16) or 2 (fp16)");
-        if (slots < 0) throw std::invalid_argument("ultracomm.run_host: slots must be >= 0");
-        if (chunk_bytes == 0) throw std::invalid_argument("ultracomm.run_host: chunk_bytes must be > 0");
         // zero-copy: the views hold the buffers until the call returns (after the GIL is back)
         const RecordView<Task> task_view = records_view<Task>(tasks, "tasks");
         const RecordView<Ref> ref_view = records_view<Ref>(refs, "refs");
@@ -112,7 +141,7 @@ void bind_host_executor(py::module_& m) {
         a.rank = rank;
         a.world = world;
         a.epoch = epoch;
-        a.layout = WindowLayout::make(slots, weight_slot_bytes, grad_slot_bytes, chunk_bytes);
+        a.layout = checked_layout("run_host", slots, weight_slot_bytes, grad_slot_bytes, chunk_bytes);
         a.window_bases = std::move(window_bases);
         a.member_off = std::move(member_off);
         a.member_bytes = std::move(member_bytes);
@@ -131,6 +160,9 @@ void bind_host_executor(py::module_& m) {
         a.jitter_us = jitter_us;
         a.jitter_seed = jitter_seed;
         a.portable_f16 = portable_f16;
+        a.digest = digest;
+        a.mover = mover_kind(mover);
+        a.threads_per_worker = threads_per_worker;
         py::gil_scoped_release nogil;
         run_host(a);
       },
@@ -140,6 +172,7 @@ void bind_host_executor(py::module_& m) {
       py::arg("grad_dtype"), py::arg("my_slots"), py::arg("tasks"), py::arg("refs"), py::arg("num_workers"),
       py::arg("timeout_s"), py::arg("jitter_us") = 0, py::arg("jitter_seed") = 0,
       py::arg("slot_parent") = py::none(), py::arg("portable_f16") = false, py::arg("op_name") = py::none(),
+      py::arg("digest") = 0, py::arg("mover") = "host", py::arg("threads_per_worker") = 4,
       R"doc(Run one rank's task list of one operation (op 0 multicast, 1 reduce) on the host.
 
 Windows are raw addresses (window_bases[world]); master_ptrs[local_index*M + m] are this
@@ -148,10 +181,56 @@ C-contiguous buffer of 48- / 8-byte records).  grad_dtype: 0 fp32, 1 bf16, 2 fp1
 slot_parent (optional, [slots]) only names peers in timeout messages; op_name (optional)
 names the operation in them (default "weight_sync" for op 0, "grad_reduce" for op 1; e.g.
 "restore"); portable_f16 (testing) uses the portable fp16 conversion instead of F16C (same
-bits).  tasks and refs are read in place, not copied: they must not be modified until the call
+bits).  digest: this op's schedule digest (uint64, not 2^64-1), published beside ready[op];
+a peer this rank touches that published another one raises PlanMismatchError.  mover:
+"host" (one thread per worker, the reference) or "block" (threads_per_worker threads per
+worker imitating a CUDA block; same bytes).  tasks and refs are read in place, not copied: they must not be modified until the call
 returns.  Releases the GIL.
-Raises _core.TimeoutError (a TimeoutError) on a wait past timeout_s, ValueError on bad
-arguments (nothing is written then).)doc");
+Raises _core.TimeoutError (a TimeoutError) on a wait past timeout_s (naming the peer awaited
+and, if its ready flag shows it never started this op, that it is likely the stalled or dead
+rank), _core.PlanMismatchError (an ultracomm.PlanError, a ValueError) when a peer runs another plan or rejected its
+plan, ValueError on bad arguments (nothing is written then).)doc");
+
+  m.def(
+      "publish_rejection",
+      [](int op, int32_t rank, uint64_t epoch, uintptr_t window_base, int32_t slots, uint64_t weight_slot_bytes,
+         uint64_t grad_slot_bytes, uint64_t chunk_bytes) {
+        if (op != 0 && op != 1) throw std::invalid_argument("ultracomm.publish_rejection: op must be 0 or 1");
+        if (rank < 0) throw std::invalid_argument("ultracomm.publish_rejection: rank must be >= 0");
+        ExecArgs a;
+        a.op = static_cast<Op>(op);
+        a.rank = rank;
+        a.epoch = epoch;
+        a.layout = checked_layout("publish_rejection", slots, weight_slot_bytes, grad_slot_bytes, chunk_bytes);
+        a.window_bases.assign(static_cast<size_t>(rank) + 1, 0);
+        a.window_bases[rank] = window_base;
+        publish_rejection(a);
+      },
+      py::arg("op"), py::arg("rank"), py::arg("epoch"), py::arg("window_base"), py::arg("slots"),
+      py::arg("weight_slot_bytes"), py::arg("grad_slot_bytes"), py::arg("chunk_bytes"),
+      R"doc(Mark this rank's plan for `op` at `epoch` as rejected, in its own window (window_base):
+every peer that touches this rank in that operation raises PlanMismatchError "rank r rejected
+its plan" at once instead of waiting for the timeout.  Call it instead of run_host.)doc");
+
+  m.def(
+      "format_error",
+      [](py::bytes record, std::optional<std::string> op_name, double timeout_s) {
+        const ErrorRecord r = record_from(record);
+        return format_error(r, op_name ? op_name->c_str() : nullptr, timeout_s);
+      },
+      py::arg("record"), py::arg("op_name") = py::none(), py::arg("timeout_s") = 0.0,
+      "Text of a raw ErrorRecord (ERROR_RECORD_BYTES bytes, e.g. copied from a kernel's error "
+      "record): exactly what run_host raises for it.");
+  m.def(
+      "raise_error_record",
+      [](py::bytes record, std::optional<std::string> op_name, double timeout_s) {
+        const ErrorRecord r = record_from(record);
+        if (r.code == kOk) return;
+        throw_error(r, op_name ? op_name->c_str() : nullptr, timeout_s);
+      },
+      py::arg("record"), py::arg("op_name") = py::none(), py::arg("timeout_s") = 0.0,
+      "Raise what run_host raises for a raw ErrorRecord (TimeoutError, PlanMismatchError or "
+      "RuntimeError); returns None for code 0 (no error).");
 }
 
 }  // namespace ultracomm

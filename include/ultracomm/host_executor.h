@@ -6,6 +6,8 @@
 #include <stdexcept>
 #include <string>
 #include <vector>
+#include "ultracomm/error_text.h"
+#include "ultracomm/exec_view.h"
 #include "ultracomm/task.h"
 #include "ultracomm/window_layout.h"
 
@@ -13,10 +15,12 @@ namespace ultracomm {
 
 enum class DType : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
 
-// Raised when a wait exceeds the timeout; the message names rank, op, expert, chunk, peer.
-struct TimeoutError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
+// How worker groups move bytes (both run interp.h):
+//  kHost  one thread per worker (memcpy, acquire/release atomics): the reference executor;
+//  kBlock threads_per_worker threads per worker with a std::barrier, imitating a CUDA block
+//         (leader waits and releases, copies/reductions split by thread): tests the device's
+//         control flow on the CPU.  Bit-identical results.
+enum class MoverKind : int32_t { kHost = 0, kBlock = 1 };
 
 struct ExecArgs {
   Op op = Op::kMulticast;
@@ -50,7 +54,15 @@ struct ExecArgs {
   uint32_t jitter_us = 0;  // testing: random sleep up to this before each task
   uint64_t jitter_seed = 0;  // worker w draws from a PRNG seeded with jitter_seed + w
   bool portable_f16 = false;  // testing: portable fp16 conversions instead of F16C (same bits)
+  // This op's schedule digest, published beside ready[op]; a peer touching this rank with
+  // another digest (or kRejectedDigest) raises PlanMismatchError.  Must not be kRejectedDigest.
+  uint64_t digest = 0;
+  MoverKind mover = MoverKind::kHost;
+  int32_t threads_per_worker = 4;  // kBlock only, 1..64
 };
+
+// ExecArgs checked by validate() as the interpreter sees them (pointers into `a`).
+ExecView make_view(const ExecArgs& a);
 
 // Runs the operation to completion on this rank:
 //  1. raise own ready[op] = epoch; for reduce, raise grad_ready of every own replica slot
@@ -59,7 +71,9 @@ struct ExecArgs {
 //  3. wait until every own non-empty slot has all chunks arrived (multicast) or consumed
 //     by its parent (reduce).
 // Every wait gives up after timeout_s (TimeoutError naming rank, op_name, epoch, expert,
-// chunk, peer and flag); a worker's error aborts the others and is rethrown after all joined.
+// chunk, peer and flag, and whether that peer ever started this op); a peer whose published
+// digest differs raises PlanMismatchError; a worker's error aborts the others and is rethrown
+// after all joined (format_error in error_text.h gives the text).
 // Before any flag or byte is written, every argument that can be checked here is
 // (std::invalid_argument): scalars, sizes, member ranges, and each task and ref (kind, ranks,
 // slots, expert vs. my_slots / local_index_of, chunk index and that offset/bytes are exactly
@@ -69,5 +83,13 @@ struct ExecArgs {
 // the tasks and refs stay unmodified until run_host returns; and the peers run the same
 // schedule (a wrong peer shows up as a timeout, not as an argument error).
 void run_host(const ExecArgs& args);
+
+// For a rank that rejected its plan for args.op at args.epoch: publishes kRejectedDigest with
+// ready[op] = epoch in its own window, so every peer that touches it raises PlanMismatchError
+// ("rank r rejected its plan") at once.  Only window_bases[rank], layout, op, rank, epoch used.
+void publish_rejection(const ExecArgs& args);
+
+// Checks every argument (std::invalid_argument "ultracomm.run_host: ..."); run_host calls it.
+void validate(const ExecArgs& args);
 
 }  // namespace ultracomm

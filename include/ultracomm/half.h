@@ -3,58 +3,85 @@
 // round-to-nearest-even, overflow -> inf, subnormals kept, and NaN -> bf16 0xFFFF /
 // fp16 sign | 0x7E00 | (fp32 mantissa >> 13) (quieted, payload truncated).
 // Needs IEEE float arithmetic in the default rounding mode: do not build with -ffast-math.
+// UC_HD: the device kernel uses the same integer rounding (not __float2bfloat16_rn, which
+// returns a canonical NaN); its float steps use __fmul_rn / __fadd_rn so that nvcc cannot
+// contract them into an FMA (one rounding instead of two would change the bits).
 #pragma once
 #include <cstdint>
 #include <cstring>
+#include "ultracomm/hd.h"
 
 namespace ultracomm::detail {
 
-inline uint32_t f32_bits(float f) {
+UC_INLINE uint32_t f32_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
   uint32_t u;
   std::memcpy(&u, &f, 4);
   return u;
+#endif
 }
-inline float f32_from_bits(uint32_t u) {
+UC_INLINE float f32_from_bits(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
   float f;
   std::memcpy(&f, &u, 4);
   return f;
+#endif
+}
+// a * b and a + b, each rounded once (no FMA contraction on the device)
+UC_INLINE float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+UC_INLINE float add_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
 }
 
-inline float bf16_to_f32(uint16_t h) { return f32_from_bits(static_cast<uint32_t>(h) << 16); }
+UC_INLINE float bf16_to_f32(uint16_t h) { return f32_from_bits(static_cast<uint32_t>(h) << 16); }
 
-inline uint16_t f32_to_bf16(float f) {
+UC_INLINE uint16_t f32_to_bf16(float f) {
   uint32_t u = f32_bits(f);
   if ((u & 0x7fffffffu) > 0x7f800000u) return 0xFFFF;  // NaN, as ATen's vector path
   u += 0x7fffu + ((u >> 16) & 1u);
   return static_cast<uint16_t>(u >> 16);
 }
 
-inline float f16_to_f32(uint16_t h) {
+UC_INLINE float f16_to_f32(uint16_t h) {
   const uint32_t w = static_cast<uint32_t>(h) << 16;
   const uint32_t sign = w & 0x80000000u;
   const uint32_t two_w = w + w;
   const uint32_t exp_offset = 0xE0u << 23;
   const float exp_scale = 0x1.0p-112f;
-  const float normalized = f32_from_bits((two_w >> 4) + exp_offset) * exp_scale;
+  const float normalized = mul_rn(f32_from_bits((two_w >> 4) + exp_offset), exp_scale);
   const uint32_t magic_mask = 126u << 23;
   const float magic_bias = 0.5f;
-  const float denormalized = f32_from_bits((two_w >> 17) | magic_mask) - magic_bias;
+  const float denormalized = add_rn(f32_from_bits((two_w >> 17) | magic_mask), -magic_bias);
   const uint32_t denormalized_cutoff = 1u << 27;
   const uint32_t result =
       sign | (two_w < denormalized_cutoff ? f32_bits(denormalized) : f32_bits(normalized));
   return f32_from_bits(result);
 }
 
-inline uint16_t f32_to_f16(float f) {
+UC_INLINE uint16_t f32_to_f16(float f) {
   const float scale_to_inf = 0x1.0p+112f;
   const float scale_to_zero = 0x1.0p-110f;
   const uint32_t w = f32_bits(f);
-  float base = (f32_from_bits(w & 0x7fffffffu) * scale_to_inf) * scale_to_zero;
+  float base = mul_rn(mul_rn(f32_from_bits(w & 0x7fffffffu), scale_to_inf), scale_to_zero);
   const uint32_t shl1_w = w + w;
   const uint32_t sign = w & 0x80000000u;
   uint32_t bias = shl1_w & 0xFF000000u;
   if (bias < 0x71000000u) bias = 0x71000000u;
-  base = f32_from_bits((bias >> 1) + 0x07800000u) + base;
+  base = add_rn(f32_from_bits((bias >> 1) + 0x07800000u), base);
   const uint32_t bits = f32_bits(base);
   const uint32_t exp_bits = (bits >> 13) & 0x00007C00u;
   const uint32_t mantissa_bits = bits & 0x00000FFFu;

@@ -1,0 +1,94 @@
+// BlockMover: a worker group of T host threads with a std::barrier, imitating a CUDA block
+// so that the device's control flow (leader waits and releases, the group learns outcomes by
+// broadcast, copies and reductions split by thread index) runs, and is tested, on the CPU.
+#pragma once
+#include <algorithm>
+#include <barrier>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "movers/host_flags.h"
+#include "movers/host_reduce.h"
+#include "ultracomm/interp.h"
+
+namespace ultracomm::host {
+
+// One per group: its barrier and the broadcast word (the CUDA block's shared memory).
+struct BlockGroup {
+  explicit BlockGroup(int threads) : bar(threads) {}
+  std::barrier<> bar;
+  alignas(64) unsigned char word[16] = {};
+};
+
+class BlockMover {
+ public:
+  BlockMover(RunState& run, BlockGroup& group, int tid, int threads, uint32_t jitter_us, uint64_t jitter_seed,
+             bool portable_f16)
+      : run_(run), g_(group), tid_(tid), threads_(threads), rng_(jitter_seed), jitter_us_(jitter_us),
+        portable_f16_(portable_f16) {}
+
+  bool leader() const { return tid_ == 0; }
+  void sync() { g_.bar.arrive_and_wait(); }
+  // The leader writes, all read after a barrier, a second barrier keeps the next broadcast
+  // from overwriting the word before everyone read it (__syncthreads twice on a device).
+  template <class T>
+  T broadcast(T v) {
+    static_assert(std::is_trivially_copyable_v<T> && sizeof(T) <= sizeof(BlockGroup::word));
+    if (leader()) std::memcpy(g_.word, &v, sizeof(T));
+    sync();
+    T out;
+    std::memcpy(&out, g_.word, sizeof(T));
+    sync();
+    return out;
+  }
+  int64_t claim() {
+    int64_t i = 0;
+    if (leader()) {
+      i = run_.claim();
+      if (i >= 0 && i < run_.num_tasks) jitter(rng_, jitter_us_);
+    }
+    return broadcast(i);
+  }
+  uint64_t load_acquire(uintptr_t flag) { return host::load_acquire(flag); }
+  void store_release(uintptr_t flag, uint64_t v) { host::store_release(flag, v); }
+  uint64_t now_ns() { return host::now_ns(); }
+  void relax(uint32_t spins) { host::relax(spins); }
+  bool aborted() { return run_.abort.load(std::memory_order_relaxed); }
+  void fail(const ErrorRecord& r) { run_.fail(r); }
+  // The broadcast that reported the wait's outcome already ordered every thread after the
+  // leader's acquire (barrier), as __syncthreads does on a device.
+  void after_acquire() {}
+  // Thread t copies its 64-byte-aligned share of the segment to every destination.
+  void copy(const uintptr_t* dsts, int ndst, uintptr_t src, uint64_t bytes) {
+    const uint64_t part = align_up(ceil_div(bytes, static_cast<uint64_t>(threads_)), 64);
+    const uint64_t lo = part * static_cast<uint64_t>(tid_);
+    if (lo >= bytes) return;
+    const uint64_t n = std::min(part, bytes - lo);
+    for (int j = 0; j < ndst; ++j)
+      std::memcpy(reinterpret_cast<void*>(dsts[j] + lo), reinterpret_cast<const void*>(src + lo), n);
+  }
+  // Every thread's copies happen before the leader's next release (barrier).
+  void before_release() { sync(); }
+  // Thread t reduces its share of the elements (multiples of 8): each output element is
+  // written by one thread, in the same fp32 order as the host mover.
+  template <class D, class Srcs>
+  void reduce(uintptr_t dst, const Srcs& srcs, int nsrc, uint64_t nelem) {
+    const uint64_t per = align_up(ceil_div(nelem, static_cast<uint64_t>(threads_)), 8);
+    const uint64_t first = per * static_cast<uint64_t>(tid_);
+    if (first >= nelem) return;
+    reduce_range<D>(dst, srcs, nsrc, first, std::min(per, nelem - first), portable_f16_);
+  }
+
+ private:
+  RunState& run_;
+  BlockGroup& g_;
+  int tid_;
+  int threads_;
+  uint64_t rng_;
+  uint32_t jitter_us_;
+  bool portable_f16_;
+};
+static_assert(interp::Mover<BlockMover>);
+
+}  // namespace ultracomm::host

@@ -1,0 +1,54 @@
+// HostMover: one worker thread is one group (leader of itself).  Bytes move with memcpy,
+// flags with acquire/release atomics; what the reference host executor always did.
+#pragma once
+#include <cstdint>
+#include <cstring>
+
+#include "movers/host_flags.h"
+#include "movers/host_reduce.h"
+#include "ultracomm/interp.h"
+
+namespace ultracomm::host {
+
+class HostMover {
+ public:
+  HostMover(RunState& run, uint32_t jitter_us, uint64_t jitter_seed, bool portable_f16)
+      : run_(run), rng_(jitter_seed), jitter_us_(jitter_us), portable_f16_(portable_f16) {}
+
+  bool leader() const { return true; }
+  void sync() {}
+  template <class T>
+  T broadcast(T v) {
+    return v;
+  }
+  int64_t claim() {
+    const int64_t i = run_.claim();
+    if (i >= 0 && i < run_.num_tasks) jitter(rng_, jitter_us_);
+    return i;
+  }
+  uint64_t load_acquire(uintptr_t flag) { return host::load_acquire(flag); }
+  void store_release(uintptr_t flag, uint64_t v) { host::store_release(flag, v); }
+  uint64_t now_ns() { return host::now_ns(); }
+  void relax(uint32_t spins) { host::relax(spins); }
+  bool aborted() { return run_.abort.load(std::memory_order_relaxed); }
+  void fail(const ErrorRecord& r) { run_.fail(r); }
+  void after_acquire() {}  // the acquire load orders this thread's later reads
+  void copy(const uintptr_t* dsts, int ndst, uintptr_t src, uint64_t bytes) {
+    for (int j = 0; j < ndst; ++j)
+      std::memcpy(reinterpret_cast<void*>(dsts[j]), reinterpret_cast<const void*>(src), bytes);
+  }
+  void before_release() {}  // the copying thread itself releases
+  template <class D, class Srcs>
+  void reduce(uintptr_t dst, const Srcs& srcs, int nsrc, uint64_t nelem) {
+    reduce_range<D>(dst, srcs, nsrc, 0, nelem, portable_f16_);
+  }
+
+ private:
+  RunState& run_;
+  uint64_t rng_;
+  uint32_t jitter_us_;
+  bool portable_f16_;
+};
+static_assert(interp::Mover<HostMover>);
+
+}  // namespace ultracomm::host

@@ -1,0 +1,83 @@
+// Host reduction of one segment's element range [first, first + n):
+//   dst[i] = D::store(D::load(dst[i]) + D::load(src_0[i]) + D::load(src_1[i]) + ...)
+// in fp32, sources in list order.  Blocks of 512 elements keep the accumulator in L1.
+// fp16 uses F16C when the CPU has it (the instructions torch's CPU casts use; same bits as
+// half.h, which the scalar tail and `portable` use).
+#pragma once
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "ultracomm/half.h"
+#include "ultracomm/interp.h"
+
+namespace ultracomm::host {
+
+constexpr size_t kReduceBlock = 512;
+
+template <class D, class Srcs>
+void reduce_scalar(uintptr_t dst_seg, const Srcs& srcs, int nsrc, uint64_t first, uint64_t n) {
+  using T = typename D::T;
+  alignas(64) float acc[kReduceBlock];
+  T* dst = reinterpret_cast<T*>(dst_seg) + first;
+  for (uint64_t i0 = 0; i0 < n; i0 += kReduceBlock) {
+    const size_t m = static_cast<size_t>(std::min<uint64_t>(kReduceBlock, n - i0));
+    for (size_t i = 0; i < m; ++i) acc[i] = D::load(dst[i0 + i]);
+    for (int s = 0; s < nsrc; ++s) {
+      const T* p = reinterpret_cast<const T*>(srcs[s]) + first + i0;
+      for (size_t i = 0; i < m; ++i) acc[i] += D::load(p[i]);
+    }
+    for (size_t i = 0; i < m; ++i) dst[i0 + i] = D::store(acc[i]);
+  }
+}
+
+#if defined(__x86_64__)
+template <class Srcs>
+__attribute__((target("avx2,f16c"))) void reduce_f16c(uintptr_t dst_seg, const Srcs& srcs, int nsrc, uint64_t first,
+                                                       uint64_t n) {
+  alignas(64) float acc[kReduceBlock];
+  uint16_t* dst = reinterpret_cast<uint16_t*>(dst_seg) + first;
+  for (uint64_t i0 = 0; i0 < n; i0 += kReduceBlock) {
+    const size_t m = static_cast<size_t>(std::min<uint64_t>(kReduceBlock, n - i0));
+    const size_t mv = m & ~size_t(7);
+    const uint16_t* self = dst + i0;
+    for (size_t i = 0; i < mv; i += 8)
+      _mm256_store_ps(acc + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(self + i))));
+    for (size_t i = mv; i < m; ++i) acc[i] = detail::f16_to_f32(self[i]);
+    for (int s = 0; s < nsrc; ++s) {
+      const uint16_t* p = reinterpret_cast<const uint16_t*>(srcs[s]) + first + i0;
+      for (size_t i = 0; i < mv; i += 8)
+        _mm256_store_ps(acc + i, _mm256_add_ps(_mm256_load_ps(acc + i),
+                                               _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i)))));
+      for (size_t i = mv; i < m; ++i) acc[i] += detail::f16_to_f32(p[i]);
+    }
+    uint16_t* out = dst + i0;
+    for (size_t i = 0; i < mv; i += 8)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
+                       _mm256_cvtps_ph(_mm256_load_ps(acc + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    for (size_t i = mv; i < m; ++i) out[i] = detail::f32_to_f16(acc[i]);
+  }
+}
+inline bool have_f16c() {
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  return ok;
+}
+#endif
+
+template <class D, class Srcs>
+void reduce_range(uintptr_t dst_seg, const Srcs& srcs, int nsrc, uint64_t first, uint64_t n, bool portable_f16) {
+#if defined(__x86_64__)
+  if constexpr (std::is_same_v<D, interp::GradF16>) {
+    if (!portable_f16 && have_f16c()) return reduce_f16c(dst_seg, srcs, nsrc, first, n);
+  }
+#endif
+  (void)portable_f16;
+  reduce_scalar<D>(dst_seg, srcs, nsrc, first, n);
+}
+
+}  // namespace ultracomm::host

@@ -1,0 +1,401 @@
+// The task protocol (task.h), written once: compiled by g++ for the host movers and by nvcc
+// for the persistent kernel.  Templated on a Mover (below): how a group of threads claims
+// work, syncs, reads/writes a flag and moves bytes.  All protocol decisions live here; a
+// mover decides none.  No exceptions, strings or allocation: a failure fills an ErrorRecord
+// (mover.fail) and every function returns false so the caller unwinds.
+//
+// A driver runs, for one rank and one operation:
+//   join(v, m)       one group, once, before or while the others claim tasks;
+//   run_tasks(v, m)  every group, concurrently;
+//   drain(v, m)      one group, once, after every group's run_tasks returned and only if no
+//                    group failed (so a task's timeout is reported, not the drain's).
+#pragma once
+#include <concepts>
+#include <cstdint>
+#include "ultracomm/error_record.h"
+#include "ultracomm/exec_view.h"
+#include "ultracomm/half.h"
+#include "ultracomm/hd.h"
+#include "ultracomm/task.h"
+#include "ultracomm/window_layout.h"
+
+namespace ultracomm::interp {
+
+// Grad element types of a reduction: fp32 accumulation, load/store convert.
+struct GradF32 {
+  using T = float;
+  UC_INLINE static float load(float x) { return x; }
+  UC_INLINE static float store(float x) { return x; }
+};
+struct GradBF16 {
+  using T = uint16_t;
+  UC_INLINE static float load(uint16_t x) { return detail::bf16_to_f32(x); }
+  UC_INLINE static uint16_t store(float x) { return detail::f32_to_bf16(x); }
+};
+struct GradF16 {
+  using T = uint16_t;
+  UC_INLINE static float load(uint16_t x) { return detail::f16_to_f32(x); }
+  UC_INLINE static uint16_t store(float x) { return detail::f32_to_f16(x); }
+};
+
+// Sources of one reduce segment, in summation order: srcs[i] is the address of source i's
+// bytes at the segment (peer grad slot + segment offset).  Computed on use, so a mover
+// needs no array of kMaxRefs addresses.
+struct RefAddrs {
+  const Ref* refs;
+  const uintptr_t* bases;  // window bases
+  uint64_t off;            // grads_off + segment offset within the slot
+  uint64_t stride;         // grad_stride
+  int32_t count;
+  UC_INLINE uintptr_t operator[](int32_t i) const {
+#if defined(ULTRACOMM_MUTATE_REVERSE_ORDER)  // mutation test: sum the sources backwards
+    const Ref r = refs[count - 1 - i];
+#else
+    const Ref r = refs[i];
+#endif
+    return bases[r.rank] + off + stride * static_cast<uint64_t>(r.slot);
+  }
+};
+
+// Destinations one copy call writes (the ready ones of a task, read once, written n times).
+constexpr int kMaxCopyDsts = 8;
+
+// The mover policy.  "group-collective": every thread of the group calls it, same order.
+template <class M>
+concept Mover = requires(M m, const M cm, uintptr_t a, uint64_t u, uint32_t s, ErrorRecord r, const uintptr_t* p,
+                         RefAddrs srcs) {
+  { cm.leader() } -> std::same_as<bool>;                  // the thread that loads/stores flags
+  { m.sync() };                                           // group barrier
+  { m.template broadcast<uint64_t>(u) } -> std::same_as<uint64_t>;  // leader's value to all
+  { m.claim() } -> std::same_as<int64_t>;                 // next task index; -1 once aborted
+  { m.load_acquire(a) } -> std::same_as<uint64_t>;        // leader only, system scope
+  { m.store_release(a, u) };                              // leader only, system scope
+  { m.now_ns() } -> std::same_as<uint64_t>;               // leader only
+  { m.relax(s) };                                         // leader only: backoff in a spin
+  { m.aborted() } -> std::same_as<bool>;                  // leader only: another group failed
+  { m.fail(r) };                                          // leader only: first failure wins
+  { m.after_acquire() };                                  // before reading what a peer published
+  { m.copy(p, 1, a, u) };                                 // one segment to n destinations
+  { m.before_release() };                                 // copies complete+visible before release
+  { m.template reduce<GradF32>(a, srcs, 1, u) };          // dst = D(f32(dst) + srcs[0] + ...)
+};
+
+// ---------------------------------------------------------------------------------------
+// addresses
+
+UC_INLINE uintptr_t slot_addr(const ExecView& v, int32_t rank, int32_t slot) {
+  return v.window_bases[rank] + (v.op == Op::kMulticast ? v.layout.weight_slot(slot) : v.layout.grad_slot(slot));
+}
+UC_INLINE uintptr_t own_flag(const ExecView& v, uint64_t off) { return v.window_bases[v.rank] + off; }
+UC_INLINE int32_t parent_of(const ExecView& v, int32_t slot) {
+  return v.slot_parent != nullptr && v.slot_parent[slot] >= 0 ? v.slot_parent[slot] : -1;
+}
+
+// Address of the self operand (master member or own slot) at slot-layout offset lo in member m.
+UC_INLINE uintptr_t self_addr(const ExecView& v, const Task& t, int32_t m, uint64_t lo) {
+  if (t.self.slot == kMaster) {
+    const int64_t li = v.local_index_of[t.expert];
+    return v.master_ptrs[li * v.num_members + m] + (lo - v.member_off[m]);
+  }
+  return slot_addr(v, v.rank, t.self.slot) + lo;
+}
+
+// fn(m, lo, hi) for every member m intersecting [offset, offset + bytes), in member order.
+template <class Fn>
+UC_INLINE void for_each_segment(const ExecView& v, uint64_t offset, uint64_t bytes, Fn&& fn) {
+  const uint64_t end = offset + bytes;
+  for (int32_t m = 0; m < v.num_members; ++m) {
+    const uint64_t lo = offset > v.member_off[m] ? offset : v.member_off[m];
+    const uint64_t mend = v.member_off[m] + v.member_bytes[m];
+    const uint64_t hi = end < mend ? end : mend;
+    if (lo < hi) fn(m, lo, hi);
+  }
+}
+
+UC_INLINE ErrorRecord what(const ExecView& v, uint32_t flag_kind, int64_t task, int32_t expert, int64_t chunk,
+                           int32_t slot, int32_t peer) {
+  ErrorRecord r = make_error_record(kOk, v.rank, static_cast<uint8_t>(v.op), v.epoch);
+  r.flag_kind = flag_kind;
+  r.task = task;
+  r.expert = expert;
+  r.chunk = static_cast<int32_t>(chunk);
+  r.slot = slot;
+  r.peer = peer;
+  return r;
+}
+
+// ---------------------------------------------------------------------------------------
+// waits (the leader spins, the group learns the outcome by broadcast)
+
+// Leader: kOk, or (recorded with m.fail) kDigestMismatch / kRejected when `peer` published
+// ready[op] == epoch with another digest than ours.  A peer we still wait on cannot have
+// moved on to a later epoch of this op, so ready == epoch means the digest is this epoch's.
+template <class M, class What>
+UC_HD uint32_t check_peer_plan(const ExecView& v, M& m, int32_t peer, What&& describe) {
+  const uintptr_t base = v.window_bases[peer];
+  const uint64_t ready = m.load_acquire(base + v.layout.ready_flag(v.op));
+  if (ready != v.epoch) return kOk;
+  const uint64_t d = m.load_acquire(base + v.layout.digest_word(v.op));
+  if (d == v.digest) return kOk;
+  ErrorRecord rec = describe();
+  rec.code = d == kRejectedDigest ? kRejected : kDigestMismatch;
+  rec.peer = peer;
+  rec.observed = d;
+  rec.expected = v.digest;
+  rec.peer_ready = ready;
+  m.fail(rec);
+  return rec.code;
+}
+
+// Leader: spin until *flag >= epoch.  `watch` (>= 0) is the rank expected to raise the flag
+// (or the flag's owner): while waiting its plan digest is checked, after a success too if
+// check_after, and at a timeout its ready[op] is recorded (< epoch: it never started this op).
+template <class M, class What>
+UC_HD uint32_t leader_wait(const ExecView& v, M& m, uintptr_t flag, int32_t watch, bool check_after, What&& describe) {
+  uint64_t seen = m.load_acquire(flag);
+  if (seen < v.epoch) {
+    const uint64_t t0 = m.now_ns();
+    const uint64_t deadline = v.timeout_ns > ~uint64_t(0) - t0 ? ~uint64_t(0) : t0 + v.timeout_ns;
+    for (uint32_t spin = 0;; ++spin) {
+      m.relax(spin);
+      seen = m.load_acquire(flag);
+      if (seen >= v.epoch) break;
+      if (m.aborted()) return kAborted;
+      if (watch >= 0) {
+        const uint32_t st = check_peer_plan(v, m, watch, describe);
+        if (st != kOk) return st;
+      }
+      if (m.now_ns() >= deadline) {
+        ErrorRecord rec = describe();
+        rec.code = kTimeout;
+        rec.observed = seen;
+        if (watch >= 0) rec.peer_ready = m.load_acquire(v.window_bases[watch] + v.layout.ready_flag(v.op));
+        m.fail(rec);
+        return kTimeout;
+      }
+    }
+  }
+  return check_after && watch >= 0 ? check_peer_plan(v, m, watch, describe) : uint32_t(kOk);
+}
+
+// Group-collective wait; true when the flag reached the epoch (and the group may read what it
+// publishes), false when this group must stop (failure recorded, or another group failed).
+template <class M, class What>
+UC_HD bool wait_flag(const ExecView& v, M& m, uintptr_t flag, int32_t watch, bool check_after, What&& describe) {
+  uint64_t st = kOk;
+  if (m.leader()) st = leader_wait(v, m, flag, watch, check_after, describe);
+  st = m.broadcast(st);
+  if (st != kOk) return false;
+  m.after_acquire();
+  return true;
+}
+
+// ---------------------------------------------------------------------------------------
+// tasks
+
+// Cheap bounds guard (the host validated every task already): a task outside its slot
+// must never move a byte, also where no host validation ran.
+template <class M>
+UC_HD bool task_in_bounds(const ExecView& v, M& m, const Task& t, int64_t ti) {
+  const uint64_t sb = v.layout.slot_bytes(v.op);
+  const bool ok = t.chunk >= 0 && static_cast<uint64_t>(t.chunk) < v.layout.chunks(v.op) && t.offset < sb &&
+                  t.bytes <= sb - t.offset && t.ref_begin >= 0 && t.ref_count >= 0 &&
+                  t.ref_begin <= v.num_refs - t.ref_count;
+  if (!ok && m.leader()) {
+    ErrorRecord rec = what(v, kFlagNone, ti, t.expert, t.chunk, t.self.slot, -1);
+    rec.code = kBadTask;
+    m.fail(rec);
+  }
+  return ok;
+}
+
+// Leader: wait until destination refs[0] joined (ready[kMulticast] == epoch, same digest), then
+// take the following destinations that have joined already, up to kMaxCopyDsts.  Returns how
+// many, 0 to stop.  Joined-only batching keeps today's progress rule: a destination that never
+// joins does not hold back the ones before it.
+template <class M>
+UC_HD int32_t leader_gather_joined(const ExecView& v, M& m, const Task& t, int64_t ti, const Ref* refs,
+                                   int32_t left) {
+  const auto joined = [&](int32_t j) {
+    const Ref d = refs[j];
+    return leader_wait(v, m, v.window_bases[d.rank] + v.layout.ready_flag(Op::kMulticast), d.rank, true,
+                       [&] { return what(v, kFlagReady, ti, t.expert, t.chunk, d.slot, d.rank); });
+  };
+  if (joined(0) != kOk) return 0;
+  int32_t n = 1;
+  while (n < left && n < kMaxCopyDsts &&
+         m.load_acquire(v.window_bases[refs[n].rank] + v.layout.ready_flag(Op::kMulticast)) >= v.epoch) {
+    if (joined(n) != kOk) return 0;  // joined: only the digest check can fail here
+    ++n;
+  }
+  return n;
+}
+
+template <class M>
+UC_HD void copy_to(const ExecView& v, M& m, const Task& t, const Ref* dsts, int32_t n) {
+  uintptr_t base[kMaxCopyDsts];
+  for (int32_t j = 0; j < n; ++j) base[j] = slot_addr(v, dsts[j].rank, dsts[j].slot);
+  for_each_segment(v, t.offset, t.bytes, [&](int32_t mem, uint64_t lo, uint64_t hi) {
+    uintptr_t d[kMaxCopyDsts];
+    for (int32_t j = 0; j < n; ++j) d[j] = base[j] + lo;
+    m.copy(d, n, self_addr(v, t, mem, lo), hi - lo);
+  });
+}
+
+template <class M>
+UC_HD void release_arrivals(const ExecView& v, M& m, const Task& t, const Ref* dsts, int32_t n) {
+  if (!m.leader()) return;
+  for (int32_t j = 0; j < n; ++j)
+    m.store_release(v.window_bases[dsts[j].rank] + v.layout.arrival_flag(dsts[j].slot, t.chunk), v.epoch);
+}
+
+// Copy task: a relay first waits for its own chunk; then, per batch of joined destinations,
+// copy every member segment, and only after the copies release each destination's arrival flag.
+template <class M>
+UC_HD bool run_copy(const ExecView& v, M& m, const Task& t, int64_t ti) {
+#if !defined(ULTRACOMM_MUTATE_RELAY_WAIT)  // mutation test: forward without waiting for the chunk
+  if (t.self.slot >= 0) {
+    const int32_t parent = parent_of(v, t.self.slot);
+    if (!wait_flag(v, m, own_flag(v, v.layout.arrival_flag(t.self.slot, t.chunk)), parent, false,
+                   [&] { return what(v, kFlagArrival, ti, t.expert, t.chunk, t.self.slot, parent); }))
+      return false;
+  }
+#endif
+  const Ref* refs = v.refs + t.ref_begin;
+  for (int32_t k = 0; k < t.ref_count;) {
+    int32_t n = 0;
+    if (m.leader()) n = leader_gather_joined(v, m, t, ti, refs + k, t.ref_count - k);
+    n = static_cast<int32_t>(m.broadcast(static_cast<uint64_t>(n)));
+    if (n == 0) return false;
+    m.after_acquire();
+#if defined(ULTRACOMM_MUTATE_RELEASE_BEFORE_COPY)  // mutation test: flag before the data
+    release_arrivals(v, m, t, refs + k, n);
+    copy_to(v, m, t, refs + k, n);
+    m.before_release();
+#else
+    copy_to(v, m, t, refs + k, n);
+    m.before_release();
+    release_arrivals(v, m, t, refs + k, n);
+#endif
+    k += n;
+  }
+  return true;
+}
+
+// Reduce task: wait for every source's chunk (and check its plan), then self = D(f32(self) +
+// src_0 + src_1 ...) in list order, then release consumed at each source and, for a relay's
+// partial, grad_ready of its own slot.
+template <class M, class D>
+UC_HD bool run_reduce(const ExecView& v, M& m, const Task& t, int64_t ti) {
+  const Ref* refs = v.refs + t.ref_begin;
+  for (int32_t k = 0; k < t.ref_count; ++k) {
+    const Ref s = refs[k];
+    if (!wait_flag(v, m, v.window_bases[s.rank] + v.layout.grad_ready_flag(s.slot, t.chunk), s.rank, true,
+                   [&] { return what(v, kFlagGradReady, ti, t.expert, t.chunk, s.slot, s.rank); }))
+      return false;
+  }
+  for_each_segment(v, t.offset, t.bytes, [&](int32_t mem, uint64_t lo, uint64_t hi) {
+    const RefAddrs srcs{refs, v.window_bases, v.layout.grads_off + lo, v.layout.grad_stride, t.ref_count};
+    m.template reduce<D>(self_addr(v, t, mem, lo), srcs, t.ref_count, (hi - lo) / sizeof(typename D::T));
+  });
+  m.before_release();
+  if (m.leader()) {
+    for (int32_t k = 0; k < t.ref_count; ++k)
+      m.store_release(v.window_bases[refs[k].rank] + v.layout.consumed_flag(refs[k].slot, t.chunk), v.epoch);
+    if (t.self.slot >= 0) m.store_release(own_flag(v, v.layout.grad_ready_flag(t.self.slot, t.chunk)), v.epoch);
+  }
+  return true;
+}
+
+// Claims tasks in list order until none is left.  False if this group stopped on a failure.
+template <class M, class D>
+UC_HD bool run_tasks(const ExecView& v, M& m) {
+  for (;;) {
+    const int64_t i = m.claim();
+    if (i < 0) return false;
+    if (i >= v.num_tasks) return true;
+    const Task& t = v.tasks[i];
+    if (!task_in_bounds(v, m, t, i)) return false;
+    const bool ok = v.op == Op::kMulticast ? run_copy(v, m, t, i) : run_reduce<M, D>(v, m, t, i);
+    if (!ok) return false;
+  }
+}
+
+// The same, with the grad dtype taken from the view (one instantiation per dtype).
+template <class M>
+UC_HD bool run_tasks(const ExecView& v, M& m) {
+  switch (v.grad_dtype) {
+    case 1: return run_tasks<M, GradBF16>(v, m);
+    case 2: return run_tasks<M, GradF16>(v, m);
+    default: return run_tasks<M, GradF32>(v, m);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// join and drain
+
+// Leader: publish grad_ready (all chunks) of every own non-empty slot that is not a relay's
+// (a relay's is raised by its reduce task, after its partial).  Slots are scanned 64 at a
+// time against the task list (no per-slot storage).
+template <class M>
+UC_HD void publish_leaf_grads(const ExecView& v, M& m) {
+  const int32_t slots = v.layout.slots;
+  for (int32_t s0 = 0; s0 < slots; s0 += 64) {
+    uint64_t relay = 0;
+    for (int64_t i = 0; i < v.num_tasks; ++i) {
+      const int32_t s = v.tasks[i].self.slot;
+      if (s >= s0 && s < s0 + 64) relay |= uint64_t(1) << (s - s0);
+    }
+    for (int32_t s = s0; s < slots && s < s0 + 64; ++s) {
+      if (v.my_slots[s] < 0 || (relay >> (s - s0)) & 1) continue;
+      for (uint64_t c = 0; c < v.layout.grad_chunks; ++c)
+        m.store_release(own_flag(v, v.layout.grad_ready_flag(s, static_cast<int64_t>(c))), v.epoch);
+    }
+  }
+}
+
+// Group-collective.  Publishes this op's digest, then ready[op] = epoch (release: a peer that
+// sees the epoch sees the digest), then for reduce the leaves' grad_ready flags.
+template <class M>
+UC_HD void join(const ExecView& v, M& m) {
+  if (m.leader()) {
+    m.store_release(own_flag(v, v.layout.digest_word(v.op)), v.digest);
+    m.store_release(own_flag(v, v.layout.ready_flag(v.op)), v.epoch);
+    if (v.op == Op::kReduce) publish_leaf_grads(v, m);
+  }
+  m.sync();
+}
+
+// Group-collective.  Waits until every own non-empty slot has all chunks arrived (multicast)
+// or consumed by its parent (reduce).  False on a failure.
+template <class M>
+UC_HD bool drain(const ExecView& v, M& m) {
+  const bool mc = v.op == Op::kMulticast;
+  const uint64_t nchunks = v.layout.chunks(v.op);
+  for (int32_t s = 0; s < v.layout.slots; ++s) {
+    const int32_t e = v.my_slots[s];
+    if (e < 0) continue;
+    const int32_t parent = parent_of(v, s);
+    for (uint64_t c = 0; c < nchunks; ++c) {
+      const int64_t ci = static_cast<int64_t>(c);
+      const uint64_t off = mc ? v.layout.arrival_flag(s, ci) : v.layout.consumed_flag(s, ci);
+      if (!wait_flag(v, m, own_flag(v, off), parent, false,
+                     [&] { return what(v, mc ? kFlagArrival : kFlagConsumed, -1, e, ci, s, parent); }))
+        return false;
+    }
+  }
+  return true;
+}
+
+// A rank that rejected its plan for this op: publish kRejectedDigest with ready[op] = epoch so
+// that every peer touching this rank raises kRejected at once instead of timing out.
+template <class M>
+UC_HD void publish_rejection(const ExecView& v, M& m) {
+  if (m.leader()) {
+    m.store_release(own_flag(v, v.layout.digest_word(v.op)), kRejectedDigest);
+    m.store_release(own_flag(v, v.layout.ready_flag(v.op)), v.epoch);
+  }
+  m.sync();
+}
+
+}  // namespace ultracomm::interp

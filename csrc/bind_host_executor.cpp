@@ -85,7 +85,10 @@ MoverKind mover_kind(const std::string& name) {
 }
 
 void bind_host_executor(py::module_& m) {
-  py::register_exception<TimeoutError>(m, "TimeoutError", PyExc_TimeoutError);
+  // a subclass of ultracomm.errors.UltracommTimeout (itself a TimeoutError), so that one
+  // `except UltracommTimeout` catches executor and control-plane timeouts alike
+  py::register_exception<TimeoutError>(m, "TimeoutError",
+                                       py::module_::import("ultracomm.errors").attr("UltracommTimeout"));
   // a peer runs another plan: an ultracomm.errors.PlanError (UltracommError and ValueError), as
   // the plan-agreement errors raised in Python
   py::register_exception<PlanMismatchError>(m, "PlanMismatchError",
@@ -186,7 +189,7 @@ a peer this rank touches that published another one raises PlanMismatchError.  m
 "host" (one thread per worker, the reference) or "block" (threads_per_worker threads per
 worker imitating a CUDA block; same bytes).  tasks and refs are read in place, not copied: they must not be modified until the call
 returns.  Releases the GIL.
-Raises _core.TimeoutError (a TimeoutError) on a wait past timeout_s (naming the peer awaited
+Raises _core.TimeoutError (an ultracomm.UltracommTimeout, a TimeoutError) on a wait past timeout_s (naming the peer awaited
 and, if its ready flag shows it never started this op, that it is likely the stalled or dead
 rank), _core.PlanMismatchError (an ultracomm.PlanError, a ValueError) when a peer runs another plan or rejected its
 plan, ValueError on bad arguments (nothing is written then).)doc");

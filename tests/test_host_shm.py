@@ -108,7 +108,7 @@ def test_sweep_removes_segments_of_dead_processes(tmp_path):
 
 
 def test_one_rank_failing_to_create_fails_every_rank(monkeypatch):
-    from ultracomm import LoopbackDomain
+    from ultracomm import LoopbackDomain, PeerError
     from ultracomm.windows import host_shm
 
     real_map = host_shm._map
@@ -126,7 +126,8 @@ def test_one_rank_failing_to_create_fails_every_rank(monkeypatch):
             with pytest.raises(RuntimeError, match="simulated full"):
                 host_shm.HostShmWindow.create(group, 4096)
         else:
-            with pytest.raises(RuntimeError, match=r"ranks \[1\] could not create"):
+            with pytest.raises(PeerError, match=r"host_shm segment creation\): ranks \[1\] failed: rank 1: "
+                                                r"RuntimeError: .*simulated full"):
                 host_shm.HostShmWindow.create(group, 4096)
         return True
 

@@ -18,16 +18,15 @@ _EXPORTS = {
     "LayoutError": "errors", "LoopbackDomain": "comm", "LoopbackGroup": "comm", "Member": "layout",
     "Op": "records", "PlanError": "errors", "RegistrationError": "errors", "RelayMode": "records",
     "ReplicaPlan": "plan", "Schedule": "schedule", "UltracommError": "errors", "Work": "work",
-    "build_schedule": "schedule", "run_loopback": "comm",
+    "build_schedule": "schedule", "run_loopback": "comm", "UltracommTimeout": "errors", "PeerError": "errors",
+    "ClosedError": "errors",
 }
 
-__all__ = sorted([*_EXPORTS, "UltracommTimeout"])
+__all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
-    if name == "UltracommTimeout":  # the C++ core's timeout, a subclass of the built-in TimeoutError
-        from ._core import TimeoutError as value
-    elif name in _EXPORTS:
+    if name in _EXPORTS:
         value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
     else:
         raise AttributeError(f"module 'ultracomm' has no attribute {name!r}")

@@ -4,95 +4,305 @@ ultracomm's data plane never goes through these: they carry window names, digest
 configuration at setup and plan checks.  ``as_comm`` accepts what users pass as ``group``:
 ``None`` (the default process group), a ``torch.distributed.ProcessGroup``, or a
 ``LoopbackGroup`` (several ranks as threads of one process, for tests).
+
+Every collective is bounded: a rank that does not arrive within ``timeout_s``
+(``ULTRACOMM_TIMEOUT_S`` for a Context) makes the others raise
+:class:`~ultracomm.errors.UltracommTimeout` naming this rank, the operation, what was
+exchanged and the ranks that did not arrive.  An exchange is a key per (sequence number,
+rank) on a board every rank can read -- the process group's c10d Store, or a dict for
+loopback ranks -- so it works for gloo and NCCL groups alike and never leaves a backend
+collective half done.  A rank that gives up leaves a tombstone under its key, so a rank
+that arrives late raises too instead of going on alone.
 """
 from __future__ import annotations
 
 import abc
+import copy
+import datetime
+import pickle
 import threading
-from typing import Any, Callable, TypeVar
+import time
+import weakref
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch.distributed as dist
 
+from .errors import PeerError, UltracommError, UltracommTimeout
+
 T = TypeVar("T")
+
+_ARRIVED, _GAVE_UP = "arrived", "gave_up"
+DEFAULT_TIMEOUT_S = 120.0  # a group used outside a Context (a Context passes ULTRACOMM_TIMEOUT_S)
+
+
+class _Board(abc.ABC):
+    """Keys every rank of a group can read: the exchange's rendezvous."""
+
+    @abc.abstractmethod
+    def post(self, key: str, value: Any) -> None: ...
+
+    @abc.abstractmethod
+    def wait(self, keys: Sequence[str], timeout_s: float) -> bool:
+        """True once every key is posted, False after ``timeout_s``."""
+
+    @abc.abstractmethod
+    def present(self, keys: Sequence[str]) -> list[bool]: ...
+
+    @abc.abstractmethod
+    def read(self, keys: Sequence[str]) -> list[Any]: ...
+
+    @abc.abstractmethod
+    def remove(self, key: str) -> None: ...
+
+
+class _BoardUnreachable(Exception):
+    """The board itself failed (e.g. the store's host process died)."""
 
 
 class Comm(abc.ABC):
-    """Rank, world size, ``all_gather_object`` and ``barrier`` of one group."""
+    """Rank, world size, bounded ``all_gather_object`` / ``agree`` / ``barrier`` of one group."""
 
     rank: int
     world: int
     kind: str
+    timeout_s: float = DEFAULT_TIMEOUT_S
 
     @abc.abstractmethod
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj``, in rank order."""
+    def _board(self) -> _Board: ...
 
-    def barrier(self) -> None:
-        self.all_gather_object(None)
+    @abc.abstractmethod
+    def _next_sequence(self) -> int:
+        """This rank's next exchange number in this group (every rank counts alike)."""
+
+    def with_timeout(self, timeout_s: float) -> "Comm":
+        """The same group (same board and sequence) whose collectives wait at most ``timeout_s``."""
+        other = copy.copy(self)
+        other.timeout_s = float(timeout_s)
+        return other
+
+    def all_gather_object(self, obj: Any, *, op: str, what: str) -> list[Any]:
+        """Every rank's ``obj``, in rank order (torch groups pickle it; loopback shares it).
+
+        ``op`` names the user-facing operation (``"Context setup"``, ``"weight_sync"``),
+        ``what`` the exchange within it (``"plan agreement"``); both appear in errors.
+
+        Raises:
+            UltracommTimeout: some rank did not arrive within ``timeout_s`` (named), or gave
+                up waiting for this one before it arrived.
+            UltracommError: the ranks are in different exchanges (they called different
+                operations).
+        """
+        board, seq = self._board(), self._next_sequence()
+        keys = [f"ultracomm/{seq}/{r}" for r in range(self.world)]
+        where = f"rank {self.rank} {op} ({what})"
+        try:
+            board.post(keys[self.rank], (_ARRIVED, op, what, obj))
+            arrived = board.wait(keys, self.timeout_s)
+            missing = [] if arrived else [r for r, here in enumerate(board.present(keys)) if not here]
+            if missing:
+                board.post(keys[self.rank], (_GAVE_UP, op, what, None))
+                raise UltracommTimeout(
+                    f"ultracomm: {where} timed out after {self.timeout_s:g} s: ranks {missing} did not arrive "
+                    f"(timeout ULTRACOMM_TIMEOUT_S={self.timeout_s:g}); they are likely stalled or dead, or "
+                    "called a different operation: every rank must call the same collective operations in "
+                    "the same order")
+            entries = board.read(keys)
+            if seq > 0:  # every rank has posted `seq`, so every rank has read `seq - 1`
+                board.remove(f"ultracomm/{seq - 1}/{self.rank}")
+        except _BoardUnreachable as e:
+            raise UltracommTimeout(
+                f"ultracomm: {where}: the process group's store is unreachable ({e}); the process hosting "
+                "it (the launcher, or rank 0) is likely dead or stalled") from None
+        gave_up = [r for r, e in enumerate(entries) if e[0] == _GAVE_UP]
+        if gave_up:
+            raise UltracommTimeout(
+                f"ultracomm: {where}: ranks {gave_up} had already timed out waiting for this rank "
+                f"(timeout {self.timeout_s:g} s); this rank arrived too late: it was likely stalled")
+        tags: dict[tuple[str, str], list[int]] = {}
+        for r, e in enumerate(entries):
+            tags.setdefault((e[1], e[2]), []).append(r)
+        if len(tags) > 1:
+            detail = "; ".join(f"ranks {rs}: {o} ({w})" for (o, w), rs in tags.items())
+            raise UltracommError(
+                f"ultracomm: {where}: ranks called different operations ({detail}); every rank must call "
+                "the same collective operations in the same order")
+        return [e[3] for e in entries]
+
+    def agree(self, fn: Callable[[], T], *, op: str, what: str) -> list[T]:
+        """Run ``fn()`` here, then exchange its result or its error with every rank.
+
+        Returns every rank's result in rank order when all succeeded.  If any rank failed,
+        every rank raises: the failed rank its own error, the others :class:`PeerError`
+        naming the failed ranks, the step and the first error -- so no rank waits for a
+        rank that has stopped.
+        """
+        error: Exception | None = None
+        value: Any = None
+        try:
+            value = fn()
+        except Exception as e:  # noqa: BLE001 - reported to every rank below
+            error = e
+        message = None if error is None else f"{type(error).__name__}: {error}"
+        try:
+            views = self.all_gather_object((message, None if error else value), op=op, what=what)
+        except UltracommError:
+            if error is not None:
+                raise error from None  # this rank's own failure is the one to report here
+            raise
+        if error is not None:
+            raise error
+        failed = [r for r, (m, _) in enumerate(views) if m is not None]
+        if failed:
+            raise PeerError(f"ultracomm: rank {self.rank} {op} ({what}): ranks {failed} failed: rank {failed[0]}: "
+                            f"{views[failed[0]][0]}")
+        return [v for _, v in views]
+
+    def barrier(self, *, op: str = "barrier", what: str = "barrier") -> None:
+        """Bounded barrier (an exchange of nothing)."""
+        self.all_gather_object(None, op=op, what=what)
+
+
+# ------------------------------------------------------------------ torch process groups
+
+class _StoreBoard(_Board):
+    """A group's c10d Store, through a clone whose timeout bounds every call."""
+
+    def __init__(self, store: dist.Store):
+        self.store = store.clone()
+        self.lock = threading.Lock()
+        self.sequence = 0
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except dist.DistStoreError:
+            raise
+        except Exception as e:  # connection refused/reset: the store's host is gone
+            raise _BoardUnreachable(f"{type(e).__name__}: {e}") from None
+
+    def post(self, key: str, value: Any) -> None:
+        self._call(lambda: self.store.set(key, pickle.dumps(value)))
+
+    def wait(self, keys: Sequence[str], timeout_s: float) -> bool:
+        self.store.set_timeout(datetime.timedelta(seconds=timeout_s))
+        try:
+            self._call(lambda: self.store.wait(list(keys), datetime.timedelta(seconds=timeout_s)))
+            return True
+        except dist.DistStoreError:
+            return False
+
+    def present(self, keys: Sequence[str]) -> list[bool]:
+        try:
+            return [self._call(lambda k=k: self.store.check([k])) for k in keys]
+        except dist.DistStoreError as e:
+            raise _BoardUnreachable(str(e)) from None
+
+    def read(self, keys: Sequence[str]) -> list[Any]:
+        try:
+            return [pickle.loads(v) for v in self._call(lambda: self.store.multi_get(list(keys)))]
+        except dist.DistStoreError as e:
+            raise _BoardUnreachable(str(e)) from None
+
+    def remove(self, key: str) -> None:
+        try:
+            self.store.delete_key(key)
+        except Exception:  # noqa: BLE001 - FileStore cannot delete; a few stale keys are harmless
+            pass
+
+
+# One board (store clone + sequence) per process group, shared by every Comm of the group in
+# this process; it goes with the group.
+_BOARDS: "weakref.WeakKeyDictionary[Any, _StoreBoard]" = weakref.WeakKeyDictionary()
+_BOARDS_LOCK = threading.Lock()
 
 
 class TorchComm(Comm):
-    """A ``torch.distributed`` process group (any backend that supports object collectives)."""
+    """A ``torch.distributed`` process group (any backend: only its Store is used)."""
 
     kind = "torch"
 
-    def __init__(self, group: dist.ProcessGroup | None):
+    def __init__(self, group: dist.ProcessGroup | None, timeout_s: float = DEFAULT_TIMEOUT_S):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "ultracomm: torch.distributed is not initialised; call "
                 "torch.distributed.init_process_group(...) first, or pass a LoopbackGroup"
             )
+        from torch.distributed import distributed_c10d as c10d
+
         self.group = group
+        self.pg = c10d._get_default_group() if group is None else group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
+        if self.rank < 0:
+            raise ValueError("ultracomm: this process is not a member of the process group passed as group")
+        self.timeout_s = float(timeout_s)
+        with _BOARDS_LOCK:
+            board = _BOARDS.get(self.pg)
+            if board is None:
+                board = _BOARDS[self.pg] = _StoreBoard(c10d._get_process_group_store(self.pg))
+        self._store_board = board
 
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+    def _board(self) -> _Board:
+        return self._store_board
+
+    def _next_sequence(self) -> int:
+        b = self._store_board
+        with b.lock:
+            b.sequence += 1
+            return b.sequence - 1
+
+
+# ------------------------------------------------------------------ loopback domains
+
+class _DictBoard(_Board):
+    """Keys in a dict shared by the threads of a loopback domain; objects are shared, not copied."""
+
+    def __init__(self) -> None:
+        self.cv = threading.Condition()
+        self.items: dict[str, Any] = {}
+
+    def post(self, key: str, value: Any) -> None:
+        with self.cv:
+            self.items[key] = value
+            self.cv.notify_all()
+
+    def wait(self, keys: Sequence[str], timeout_s: float) -> bool:
+        with self.cv:
+            return self.cv.wait_for(lambda: all(k in self.items for k in keys), timeout=timeout_s)
+
+    def present(self, keys: Sequence[str]) -> list[bool]:
+        with self.cv:
+            return [k in self.items for k in keys]
+
+    def read(self, keys: Sequence[str]) -> list[Any]:
+        with self.cv:
+            return [self.items[k] for k in keys]
+
+    def remove(self, key: str) -> None:
+        with self.cv:
+            self.items.pop(key, None)
 
 
 class LoopbackDomain:
     """Several ranks as threads of one process, sharing one address space.
 
     ``domain.group(r)`` is rank ``r``'s handle, passed as ``group=`` where a process group
-    would go.  Collectives are generation-counted barriers, so they can be reused freely.
+    would go.  Collectives are bounded exchanges like a process group's (same errors).
     """
 
     def __init__(self, world: int):
-        if world < 1:
-            raise ValueError(f"LoopbackDomain needs world >= 1, got {world}")
+        if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+            raise ValueError(f"LoopbackDomain needs an int world >= 1, got {world!r}")
         self.world = world
-        self._cv = threading.Condition()
-        self._slots: list[Any] = [None] * world
-        self._arrived = 0
-        self._generation = 0
-        self._result: list[Any] = []
+        self.board = _DictBoard()
+        self._sequence = [0] * world
+        self._lock = threading.Lock()
         self.shared: dict[Any, Any] = {}  # for window providers: buffers kept alive by the domain
 
-    def group(self, rank: int) -> "LoopbackGroup":
+    def group(self, rank: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> "LoopbackGroup":
         if not 0 <= rank < self.world:
             raise ValueError(f"rank {rank} out of range for a loopback domain of {self.world}")
-        return LoopbackGroup(self, rank)
-
-    def _all_gather(self, rank: int, obj: Any, timeout: float) -> list[Any]:
-        with self._cv:
-            gen = self._generation
-            self._slots[rank] = obj
-            self._arrived += 1
-            if self._arrived == self.world:
-                self._result = list(self._slots)
-                self._slots = [None] * self.world
-                self._arrived = 0
-                self._generation += 1
-                self._cv.notify_all()
-                return self._result
-            if not self._cv.wait_for(lambda: self._generation != gen, timeout=timeout):
-                raise TimeoutError(
-                    f"ultracomm loopback: rank {rank} waited {timeout} s in a collective; "
-                    f"only {self._arrived} of {self.world} ranks arrived"
-                )
-            return self._result
+        return LoopbackGroup(self, rank, timeout_s)
 
     def run(self, fn: Callable[["LoopbackGroup"], T], timeout: float = 300.0) -> list[T]:
         """Run ``fn(group)`` on every rank in its own thread; return results in rank order.
@@ -111,8 +321,9 @@ class LoopbackDomain:
         threads = [threading.Thread(target=body, args=(r,), name=f"loopback-rank{r}") for r in range(self.world)]
         for t in threads:
             t.start()
+        deadline = time.monotonic() + timeout
         for t in threads:
-            t.join(timeout)
+            t.join(max(0.0, deadline - time.monotonic()))
             if t.is_alive():
                 raise TimeoutError(f"ultracomm loopback: {t.name} still running after {timeout} s")
         failed = [(r, e) for r, e in enumerate(errors) if e is not None]
@@ -130,21 +341,27 @@ class LoopbackGroup(Comm):
 
     kind = "loopback"
 
-    def __init__(self, domain: LoopbackDomain, rank: int, timeout: float = 120.0):
+    def __init__(self, domain: LoopbackDomain, rank: int, timeout_s: float = DEFAULT_TIMEOUT_S):
         self.domain = domain
         self.rank = rank
         self.world = domain.world
-        self.timeout = timeout
+        self.timeout_s = float(timeout_s)
 
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        return self.domain._all_gather(self.rank, obj, self.timeout)
+    def _board(self) -> _Board:
+        return self.domain.board
+
+    def _next_sequence(self) -> int:
+        d = self.domain
+        with d._lock:
+            d._sequence[self.rank] += 1
+            return d._sequence[self.rank] - 1
 
 
-def as_comm(group: Any) -> Comm:
-    """Wrap what a user passed as ``group`` (None, ProcessGroup, LoopbackGroup, Comm)."""
-    if isinstance(group, Comm):
-        return group
-    return TorchComm(group)
+def as_comm(group: Any, timeout_s: float | None = None) -> Comm:
+    """Wrap what a user passed as ``group`` (None, ProcessGroup, LoopbackGroup, Comm);
+    ``timeout_s`` (when given) bounds its collectives."""
+    comm = group if isinstance(group, Comm) else TorchComm(group)
+    return comm if timeout_s is None else comm.with_timeout(timeout_s)
 
 
 def run_loopback(world: int, fn: Callable[[LoopbackGroup], T], timeout: float = 300.0) -> list[T]:
@@ -152,9 +369,8 @@ def run_loopback(world: int, fn: Callable[[LoopbackGroup], T], timeout: float = 
     return LoopbackDomain(world).run(fn, timeout)
 
 
-def check_same(comm: Comm, what: str, value: Any) -> None:
-    """Raise ``ValueError`` on every rank if ``value`` differs across ranks, naming the ranks."""
-    values = comm.all_gather_object(value)
+def require_same(values: Sequence[Any], what: str) -> None:
+    """Raise ``ValueError`` if ``values`` (one per rank) differ, naming the ranks."""
     if all(v == values[0] for v in values):
         return
     groups: dict[str, list[int]] = {}
@@ -162,3 +378,8 @@ def check_same(comm: Comm, what: str, value: Any) -> None:
         groups.setdefault(repr(v), []).append(r)
     detail = "; ".join(f"ranks {rs}: {k}" for k, rs in groups.items())
     raise ValueError(f"ultracomm: {what} differs across ranks ({detail}); every rank must pass the same {what}")
+
+
+def check_same(comm: Comm, what: str, value: Any, *, op: str = "check") -> None:
+    """Raise ``ValueError`` on every rank if ``value`` differs across ranks, naming the ranks."""
+    require_same(comm.all_gather_object(value, op=op, what=what), what)

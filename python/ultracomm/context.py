@@ -10,6 +10,9 @@ One Context per EP group.  Per MoE layer and micro-batch::
     ctx.grad_reduce(vid)                 # master grads += replicas' grads, deterministic
 
 Every collective operation must be called by all ranks of the group in the same order.
+Every wait is bounded by ``ULTRACOMM_TIMEOUT_S``: a stalled or dead peer makes the others
+raise :class:`~ultracomm.errors.UltracommTimeout` naming the rank, the operation and what
+was awaited.  Setup agrees on success: if any rank fails a setup step, every rank raises.
 """
 from __future__ import annotations
 
@@ -17,31 +20,44 @@ import collections
 import dataclasses
 import logging
 import threading
+import weakref
 from typing import Any, Sequence
 
 import torch
 
 from . import _core
-from .comm import as_comm, check_same
-from .env import Config
-from .errors import RegistrationError, UltracommError
+from .comm import as_comm, require_same
+from .env import Config, check_window_layout
+from .errors import ClosedError, RegistrationError, UltracommError, UltracommTimeout
 from .layout import ExpertLayout
 from .plan import ReplicaPlan
 from .records import Op
 from .schedule import Schedule, build_schedule
 from .transports import resolve_transport
-from .transports.host import Masters, master_pointers
+from .transports.host import Masters
 from .windows import open_window, resolve_provider
 from .work import OrderedRunner, Work
 
 log = logging.getLogger("ultracomm")
 
 _SCHEDULE_CACHE = 64  # distinct plans whose schedules are kept
+# bounds of the Context's counts: what the int32 task records and schedule builder hold
+MAX_EXPERTS = 2**31 - 1
+MAX_SLOTS = 100_000
+MAX_LAYERS = 1 << 20
+MAX_MICROBATCHES = 1 << 16
+
+
+def _release(runner: OrderedRunner, window: Any) -> None:
+    """Stop ``runner`` (after its queue) and unmap ``window``: close(), or a dropped Context's finaliser."""
+    runner.close()
+    window.close()
 
 
 @dataclasses.dataclass
 class _MicroBatch:
     layer: int
+    vid: int
     plan: ReplicaPlan | None = None
     schedule: Schedule | None = None
     my_slots: list[int] | None = None        # this rank's row of plan.slot_src
@@ -81,13 +97,65 @@ class Context:
         config: Config | None = None,
         **overrides: Any,
     ):
+        self._runner: OrderedRunner | None = None  # set last: a half-built Context has nothing to close
+        comm = as_comm(group)  # a bad group fails here, on this rank: there is nothing to agree over
+        self.rank, self.world = comm.rank, comm.world
+        error: Exception | None = None
+        try:
+            self._configure(comm, layout, experts_per_rank, slots_per_rank, num_layers, max_microbatches,
+                            transport, window, node_of, config, overrides)
+        except Exception as e:  # noqa: BLE001 - every rank learns of it in the first agreement
+            error = e
+        # the agreed timeout bounds the first agreement too; a rank that failed before it had a
+        # configuration waits the default (its peers still learn of its error at once)
+        cfg = getattr(self, "config", None) or (config if isinstance(config, Config) else Config())
+        timeout_s = cfg.timeout_s
+        self.comm = comm.with_timeout(timeout_s)
+
+        def local_check() -> tuple:
+            if error is not None:
+                raise error
+            return (repr(layout), experts_per_rank, slots_per_rank, num_layers, max_microbatches, self.node_of,
+                    self.config.chunk_bytes, self.config.relay_mode, self.config.max_depth, self.config.intra_bw,
+                    self.config.inter_bw, self._transport_cls.name, self._provider)
+
+        require_same(self.comm.agree(local_check, op="Context setup", what="configuration"), "Context configuration")
+        self.window = open_window(self._provider, self.comm, self.wlayout["total_bytes"], op="Context setup")
+        try:
+            self.comm.agree(self._attach, op="Context setup", what="transport and buffers")
+        except BaseException:
+            self.window.close()
+            raise
+        self._masters: list[Masters | None] = [None] * num_layers
+        self._vids: list[_MicroBatch | None] = [None] * max_microbatches
+        self._begun = 0  # micro-batches begun: vids carry it so a released vid is never taken for a new one
+        self._schedules: collections.OrderedDict[bytes, Schedule] = collections.OrderedDict()
+        self._epoch = 0
+        self._lock = threading.Lock()
+        self._broken: str | None = None
+        self._runner = OrderedRunner(f"ultracomm-rank{self.rank}")
+        # a Context dropped without close() still stops its thread and unmaps its window; the
+        # runner holds no reference to the Context while idle, so dropping it frees it
+        self._finalizer = weakref.finalize(self, _release, self._runner, self.window)
+
+    def _configure(self, comm: Any, layout: ExpertLayout, experts_per_rank: int, slots_per_rank: int, num_layers: int,
+                   max_microbatches: int, transport: str | None, window: str | None,
+                   node_of: Sequence[int] | None, config: Config | None, overrides: dict) -> None:
+        """Check the arguments and derive configuration and window layout (local, nothing moves)."""
         if not isinstance(layout, ExpertLayout):
             raise TypeError(f"ultracomm: layout must be an ExpertLayout, got {type(layout).__name__}")
-        for name, v, lo in (("experts_per_rank", experts_per_rank, 1), ("slots_per_rank", slots_per_rank, 0),
-                            ("num_layers", num_layers, 1), ("max_microbatches", max_microbatches, 1)):
-            if not isinstance(v, int) or v < lo:
-                raise ValueError(f"ultracomm: {name} must be an int >= {lo}, got {v!r}")
+        for name, v, lo, hi in (("experts_per_rank", experts_per_rank, 1, MAX_EXPERTS),
+                                ("slots_per_rank", slots_per_rank, 0, MAX_SLOTS),
+                                ("num_layers", num_layers, 1, MAX_LAYERS),
+                                ("max_microbatches", max_microbatches, 1, MAX_MICROBATCHES)):
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                raise ValueError(f"ultracomm: {name} must be an int in [{lo}, {hi}], got {v!r}")
+        if experts_per_rank * self.world > MAX_EXPERTS:
+            raise ValueError(f"ultracomm: experts_per_rank {experts_per_rank} x world {self.world} experts exceeds "
+                             f"{MAX_EXPERTS} (expert ids are int32)")
         cfg = config or Config.from_env()
+        if not isinstance(cfg, Config):
+            raise TypeError(f"ultracomm: config must be an ultracomm.env.Config, got {type(cfg).__name__}")
         if transport is not None:
             overrides["transport"] = transport
         if window is not None:
@@ -98,46 +166,39 @@ class Context:
             # faster non-deterministic path to switch to, so say so instead of ignoring it
             log.warning("ultracomm: ULTRACOMM_DETERMINISTIC=0 has no effect: reductions are always ordered")
         log.setLevel(self.config.log_level.upper())
-        self.comm = as_comm(group)
-        self.rank, self.world = self.comm.rank, self.comm.world
         self.layout = layout
         self.experts_per_rank = experts_per_rank
         self.num_experts = experts_per_rank * self.world
         self.slots_per_rank = slots_per_rank
         self.num_layers = num_layers
         self.max_microbatches = max_microbatches
-        self.node_of = [0] * self.world if node_of is None else [int(n) for n in node_of]
-        if len(self.node_of) != self.world or min(self.node_of) < 0:
-            raise ValueError(f"ultracomm: node_of must list a node index >= 0 for each of the {self.world} ranks")
-
-        transport_cls = resolve_transport(self.config.transport)
-        provider = resolve_provider(self.config.window, self.comm)
-        if provider not in transport_cls.window_providers:
-            raise ValueError(f"ultracomm: transport {transport_cls.name!r} cannot use window {provider!r}; "
-                             f"use one of {transport_cls.window_providers}")
-        check_same(self.comm, "Context configuration", (
-            repr(layout), experts_per_rank, slots_per_rank, num_layers, max_microbatches, self.node_of,
-            self.config.chunk_bytes, self.config.relay_mode, self.config.max_depth, self.config.intra_bw,
-            self.config.inter_bw, transport_cls.name, provider))
-
+        if node_of is None:
+            self.node_of = [0] * self.world
+        else:
+            self.node_of = list(node_of)
+            if (len(self.node_of) != self.world or
+                    any(isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < self.world
+                        for n in self.node_of)):
+                raise ValueError(f"ultracomm: node_of must list, for each of the {self.world} ranks, an int node "
+                                 f"index in [0, {self.world}); got {node_of!r}")
+        self._transport_cls = resolve_transport(self.config.transport)
+        self._provider = resolve_provider(self.config.window, comm)
+        if self._provider not in self._transport_cls.window_providers:
+            raise ValueError(f"ultracomm: transport {self._transport_cls.name!r} cannot use window "
+                             f"{self._provider!r}; use one of {self._transport_cls.window_providers}")
         self.wlayout = _core.window_layout(slots_per_rank, layout.weight_bytes, layout.grad_bytes,
                                            self.config.chunk_bytes)
-        self.window = open_window(provider, self.comm, self.wlayout["total_bytes"])
-        self.transport = transport_cls(
-            rank=self.rank, world=self.world, window=self.window, wlayout=self.wlayout, layout=layout,
-            num_workers=self.config.num_workers, timeout_s=self.config.timeout_s, jitter_us=self.config.jitter_us)
+        check_window_layout(self.wlayout)
 
+    def _attach(self) -> None:
+        """Build the transport and the replica views over the window (every rank agrees it worked)."""
+        self.transport = self._transport_cls(
+            rank=self.rank, world=self.world, window=self.window, wlayout=self.wlayout, layout=self.layout,
+            num_workers=self.config.num_workers, timeout_s=self.config.timeout_s, jitter_us=self.config.jitter_us)
         self.replica_weights = self._slot_views(self.wlayout["weights_off"], self.wlayout["weight_stride"],
-                                                layout.weight_offsets, [m.dtype for m in layout.members])
+                                                self.layout.weight_offsets, [m.dtype for m in self.layout.members])
         self.replica_grads = self._slot_views(self.wlayout["grads_off"], self.wlayout["grad_stride"],
-                                              layout.grad_offsets, [layout.grad_dtype] * len(layout.members))
-        self._masters: list[Masters | None] = [None] * num_layers
-        self._vids: list[_MicroBatch | None] = [None] * max_microbatches
-        self._schedules: collections.OrderedDict[bytes, Schedule] = collections.OrderedDict()
-        self._epoch = 0
-        self._lock = threading.Lock()
-        self._broken: BaseException | None = None
-        self._runner = OrderedRunner(f"ultracomm-rank{self.rank}")
+                                              self.layout.grad_offsets, [self.layout.grad_dtype] * len(self.layout.members))
 
     # ------------------------------------------------------------------ buffers
     def _slot_views(self, region_off: int, stride: int, member_offs: Sequence[int],
@@ -154,36 +215,54 @@ class Context:
                                           (region_off + off) // esz))
         return tuple(views)
 
-    def register_masters(self, layer: int, weights: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
+    def register_masters(self, layer: int, weights: Sequence[torch.Tensor],
+                         grads: Sequence[torch.Tensor] | None = None) -> None:
         """Register layer ``layer``'s master experts on this rank.
 
         Args:
             weights: one tensor per layout member, ``[experts_per_rank, *member.shape]``,
                 ``member.dtype``, contiguous.
             grads: the same shapes in ``layout.grad_dtype`` (e.g. Megatron's ``main_grad``);
-                ``grad_reduce`` adds the replicas' gradients into them.
-        The tensors must stay alive (and at the same address) while the Context uses them.
+                ``grad_reduce`` adds the replicas' gradients into them.  ``None``: weights
+                only (inference); ``grad_reduce`` on this layer then raises.
+        The tensors must stay alive, at the same address and size, while the Context uses
+        them: every operation re-checks them and raises naming the layer and member if one
+        was swapped (``param.data = ...``, ``set_``, a resized storage).
         """
-        if not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+        self._check_open()
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
             raise RegistrationError(f"ultracomm: layer {layer!r} is out of range 0..{self.num_layers - 1}")
+        if isinstance(weights, torch.Tensor) or not isinstance(weights, Sequence):
+            raise RegistrationError(f"ultracomm: weights must be a list of tensors (one per member "
+                                    f"{list(self.layout.names)}), got {type(weights).__name__}")
+        if grads is not None and (isinstance(grads, torch.Tensor) or not isinstance(grads, Sequence)):
+            raise RegistrationError(f"ultracomm: grads must be None or a list of tensors (one per member "
+                                    f"{list(self.layout.names)}), got {type(grads).__name__}")
         self.layout.check_tensors(weights, grads, self.experts_per_rank)
-        if any(t.device.type != "cpu" for t in (*weights, *grads)) and self.transport.name == "host":
+        tensors = (*weights, *(grads or ()))
+        if any(t.device.type != "cpu" for t in tensors) and self.transport.name == "host":
             raise RegistrationError("ultracomm: the host transport needs CPU tensors; move them with .cpu() "
                                     "or use a GPU transport")
-        weights, grads = tuple(weights), tuple(grads)
-        self._masters[layer] = Masters(weights, grads, master_pointers(weights, self.experts_per_rank),
-                                       master_pointers(grads, self.experts_per_rank))
+        self._masters[layer] = Masters.of(tuple(weights), None if grads is None else tuple(grads),
+                                          self.experts_per_rank)
 
     # ------------------------------------------------------------------ micro-batch slots
     def begin(self, layer: int) -> int:
-        """Take a free micro-batch slot id for ``layer``; released by ``grad_reduce`` or ``end``."""
-        if not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+        """Take a micro-batch slot for ``layer``; returns its id (``vid``, an opaque int).
+
+        Released by ``grad_reduce`` or ``end``; a released vid is never valid again (the next
+        ``begin`` returns a new one), so a stale vid raises instead of reaching a newer micro-batch.
+        """
+        self._check_open()
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
             raise ValueError(f"ultracomm: layer {layer!r} is out of range 0..{self.num_layers - 1}")
         if self._masters[layer] is None:
             raise RegistrationError(f"ultracomm: layer {layer} has no masters; call register_masters({layer}, ...) first")
-        for vid, mb in enumerate(self._vids):
+        for slot, mb in enumerate(self._vids):
             if mb is None:
-                self._vids[vid] = _MicroBatch(layer)
+                vid = self._begun * self.max_microbatches + slot
+                self._begun += 1
+                self._vids[slot] = _MicroBatch(layer, vid)
                 return vid
         raise UltracommError(
             f"ultracomm: all {self.max_microbatches} micro-batch slots are in flight; call grad_reduce(vid) or "
@@ -191,21 +270,44 @@ class Context:
 
     def end(self, vid: int) -> None:
         """Release ``vid`` without reducing (inference, or a micro-batch that is dropped)."""
-        self._get(vid)
-        self._vids[vid] = None
+        self._check_open()
+        mb = self._get(vid)
+        self._vids[vid % self.max_microbatches] = None
+        del mb
 
     def _get(self, vid: int, need_plan: bool = False) -> _MicroBatch:
-        if not isinstance(vid, int) or not 0 <= vid < self.max_microbatches or self._vids[vid] is None:
+        if isinstance(vid, bool) or not isinstance(vid, int) or vid < 0:
             raise ValueError(f"ultracomm: vid {vid!r} is not in flight; get one from begin(layer)")
-        mb = self._vids[vid]
+        mb = self._vids[vid % self.max_microbatches]
+        if mb is None or mb.vid != vid:
+            state = "was released (by grad_reduce or end)" if vid < self._begun * self.max_microbatches else \
+                "was never returned by begin"
+            raise ValueError(f"ultracomm: vid {vid} is not in flight: it {state}; get one from begin(layer)")
         if need_plan and mb.schedule is None:
             raise UltracommError(f"ultracomm: vid {vid} has no plan yet; call weight_sync(vid, plan) first")
         return mb
+
+    def _check_open(self) -> None:
+        if self._runner is None:
+            raise ClosedError("ultracomm: this Context is closed (close() was called or setup failed); create a "
+                              "new Context")
+
+    def _check_masters(self, layer: int) -> Masters:
+        """Layer ``layer``'s masters, unchanged since register_masters (else RegistrationError)."""
+        masters = self._masters[layer]
+        changed = masters.changed(self.layout.names)
+        if changed:
+            raise RegistrationError(
+                f"ultracomm: layer {layer}: registered tensor {changed} no longer has the address or size it was "
+                "registered with (replaced by param.data = ..., set_(), or a resized storage); call "
+                f"register_masters({layer}, ...) again with the tensors to use")
+        return masters
 
     # ------------------------------------------------------------------ operations
     def schedule_for(self, plan: ReplicaPlan, key: bytes | None = None) -> Schedule:
         """The (cached) schedule of ``plan`` with this Context's configuration (this rank's lists).
         ``key``: ``plan.digest()`` if the caller has it already."""
+        self._check_open()
         key = plan.digest() if key is None else key
         sched = self._schedules.get(key)
         if sched is None:
@@ -227,11 +329,12 @@ class Context:
             self._schedules.move_to_end(key)
         return sched
 
-    def _prepare_plan(self, plan: ReplicaPlan) -> Schedule:
-        """Validate ``plan`` here, build its schedule, then agree with every rank (collective).
+    def _prepare_plan(self, plan: ReplicaPlan, layer: int | None = None) -> Schedule:
+        """Validate ``plan`` and ``layer``'s masters here, build the schedule, then agree with
+        every rank (collective, bounded).
 
-        Every rank raises when any rank's plan is invalid or the plans or schedules differ,
-        so no rank is left waiting in a later collective or flag.
+        Every rank raises when any rank's plan or masters are invalid or the plans or
+        schedules differ, so no rank is left waiting in a later collective or flag.
         """
         local_error: BaseException | None = None
         mine = None
@@ -246,13 +349,21 @@ class Context:
                     f"{plan.num_experts} experts; this Context has world {self.world}, {self.slots_per_rank} "
                     f"slots per rank, {self.num_experts} experts")
             plan.validate(experts_per_rank=self.experts_per_rank)
+            if layer is not None:
+                self._check_masters(layer)
             key = plan.digest()
             sched = self.schedule_for(plan, key)
             mine = (key.hex(), sched.digest)
         except (TypeError, ValueError) as e:
             local_error = e
-        views = self.comm.all_gather_object(
-            (None if local_error is None else f"{type(local_error).__name__}: {local_error}", mine))
+        try:
+            views = self._collective(
+                (None if local_error is None else f"{type(local_error).__name__}: {local_error}", mine),
+                op="weight_sync", what="plan agreement")
+        except UltracommError:
+            if local_error is not None:
+                raise local_error from None
+            raise
         if local_error is not None:
             raise local_error
         failed = [r for r, (err, _) in enumerate(views) if err is not None]
@@ -270,10 +381,17 @@ class Context:
                 raise ValueError(f"ultracomm: {what} differs across ranks ({detail}); {hint}")
         return sched
 
-    def _submit(self, name: str, op: Op, mb: _MicroBatch, async_op: bool) -> Work | None:
+    def _collective(self, obj: Any, *, op: str, what: str) -> list[Any]:
+        """A bounded exchange with every rank; a timeout breaks the Context (ranks are out of step)."""
+        try:
+            return self.comm.all_gather_object(obj, op=op, what=what)
+        except UltracommTimeout as e:
+            self._broken = f"{type(e).__name__}: {e}"
+            raise
+
+    def _submit(self, name: str, op: Op, mb: _MicroBatch, masters: Masters, async_op: bool) -> Work | None:
         if self._broken is not None:
             raise UltracommError(f"ultracomm: this Context failed earlier ({self._broken}); create a new Context")
-        masters = self._masters[mb.layer]
         sched = mb.schedule
         my_slots, local_index_of = mb.my_slots, mb.local_index_of
 
@@ -284,7 +402,7 @@ class Context:
             try:
                 self.transport.run(op, sched, epoch, masters, my_slots, local_index_of, name)
             except BaseException as e:
-                self._broken = e
+                self._broken = f"{type(e).__name__}: {e}"
                 raise
 
         with self._lock:  # epochs are taken and queued in one order, whatever thread calls
@@ -297,22 +415,29 @@ class Context:
         work.wait()
         return None
 
+    def _check_usable(self) -> None:
+        self._check_open()
+        if self._broken is not None:
+            raise UltracommError(f"ultracomm: this Context failed earlier ({self._broken}); create a new Context")
+
     def weight_sync(self, vid: int, plan: ReplicaPlan, async_op: bool = False) -> Work | None:
         """Multicast the home experts of ``vid``'s layer into the replica slots ``plan`` names.
 
         On return (or ``work.wait()``), ``replica_weights[m][s]`` on rank ``r`` holds member
         ``m`` of expert ``plan.slot_src[r, s]``.  Collective: every rank passes the same plan.
         """
+        self._check_usable()
         mb = self._get(vid)
-        sched = self._prepare_plan(plan)
+        sched = self._prepare_plan(plan, mb.layer)
         mb.plan, mb.schedule = plan, sched
         mb.my_slots, mb.local_index_of = plan.slot_src[self.rank].tolist(), plan.local_index_of.tolist()
-        return self._submit("weight_sync", Op.MULTICAST, mb, async_op)
+        return self._submit("weight_sync", Op.MULTICAST, mb, self._masters[mb.layer], async_op)
 
     def restore(self, vid: int, async_op: bool = False) -> Work | None:
         """Re-multicast ``vid``'s plan (the slots were reused by other layers since its forward)."""
+        self._check_usable()
         mb = self._get(vid, need_plan=True)
-        return self._submit("restore", Op.MULTICAST, mb, async_op)
+        return self._submit("restore", Op.MULTICAST, mb, self._check_masters(mb.layer), async_op)
 
     def grad_reduce(self, vid: int, async_op: bool = False) -> Work | None:
         """Add every replica's gradient (``replica_grads``) into its home expert's master grad.
@@ -325,34 +450,42 @@ class Context:
         plus its children's), so replica grads are consumed by this call; with
         ``async_op=True`` write ``replica_grads`` again only after ``work.wait()``.
         """
+        self._check_usable()
         mb = self._get(vid, need_plan=True)
-        work = self._submit("grad_reduce", Op.REDUCE, mb, async_op)
-        self._vids[vid] = None
+        masters = self._check_masters(mb.layer)
+        if masters.grads is None:
+            raise RegistrationError(f"ultracomm: layer {mb.layer} was registered without grads "
+                                    f"(register_masters({mb.layer}, weights, None)); grad_reduce needs them: register "
+                                    "the master grads too")
+        work = self._submit("grad_reduce", Op.REDUCE, mb, masters, async_op)
+        self._vids[vid % self.max_microbatches] = None
         return work
 
     def replicas(self, vid: int) -> list[int]:
         """Expert held by each of this rank's replica slots under ``vid``'s plan (-1 = empty)."""
+        self._check_open()
         return self._get(vid, need_plan=True).plan.slot_src[self.rank].tolist()
 
     def synchronize(self) -> None:
         """Wait for every operation submitted so far on this rank."""
+        self._check_open()
         self._runner.submit("synchronize", lambda: None).wait()
 
+    @property
+    def closed(self) -> bool:
+        """True after ``close()`` (or a failed setup)."""
+        return self._runner is None
+
     def close(self) -> None:
-        """Finish queued operations and release the window (not collective)."""
+        """Finish queued operations (each bounded by the timeout) and release the thread and
+        window.  Not collective; idempotent.  A Context dropped without ``close()`` is released
+        the same way when it is garbage-collected."""
         runner, self._runner = self._runner, None
         if runner is not None:
-            runner.close()
-            self.window.close()
+            self._finalizer()
 
     def __enter__(self) -> "Context":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass

@@ -4,8 +4,9 @@ Every error derives from :class:`UltracommError` (a ``RuntimeError``), so
 ``except UltracommError`` catches all of them.  Errors about bad user input also
 derive from ``ValueError`` so that generic input-validation handlers keep working.
 
-Timeouts waiting on a peer are raised by the C++ core as
-``ultracomm._core.TimeoutError``; they are not defined here.
+A stalled or dead peer raises :class:`UltracommTimeout` (also a ``TimeoutError``),
+whether the wait was in the C++ executor (``ultracomm._core.TimeoutError`` is a
+subclass) or in a control-plane collective (setup, plan agreement, window exchange).
 """
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ __all__ = [
     "LayoutError",
     "ConfigError",
     "RegistrationError",
+    "UltracommTimeout",
+    "PeerError",
+    "ClosedError",
 ]
 
 
@@ -37,3 +41,18 @@ class ConfigError(UltracommError, ValueError):
 
 class RegistrationError(UltracommError, ValueError):
     """Tensors registered with a context do not match the expert layout."""
+
+
+class UltracommTimeout(UltracommError, TimeoutError):
+    """A wait for a peer passed ``ULTRACOMM_TIMEOUT_S``; the message names this rank, the
+    operation and what (which ranks, flags) it waited for.  The group is unusable after it:
+    create a new Context (and usually restart the job)."""
+
+
+class PeerError(UltracommError):
+    """Another rank failed a step of a collective setup or agreement; this rank raises too,
+    naming that rank, the step and its error, so that no rank waits for it."""
+
+
+class ClosedError(UltracommError):
+    """The Context (or window) was closed; create a new one."""

@@ -46,7 +46,9 @@ class OrderedRunner:
     """Runs submitted callables one at a time, in submission order, on one daemon thread.
 
     Every rank submits the same operations in the same order, so epochs line up across
-    ranks whether a caller waits at once or later.
+    ranks whether a caller waits at once or later.  The thread holds a submitted callable
+    only while it is queued or running, so an idle runner keeps nothing alive (a Context
+    dropped without ``close()`` is freed, and its finaliser stops the runner).
     """
 
     def __init__(self, name: str):
@@ -60,12 +62,16 @@ class OrderedRunner:
             if item is None:
                 return
             fn, work = item
+            del item
             try:
                 fn()
             except BaseException as e:  # noqa: BLE001 - handed to the waiter
                 work._finish(e)
+                del e
             else:
                 work._finish(None)
+            # drop the callable (and what it references, e.g. a Context) before waiting again
+            del fn, work
 
     def submit(self, name: str, fn: Callable[[], None]) -> Work:
         work = Work(name)
@@ -73,5 +79,8 @@ class OrderedRunner:
         return work
 
     def close(self) -> None:
+        """Finish what is queued, then stop the thread (idempotent; from the runner's own
+        thread -- a finaliser run there -- it only asks the thread to stop)."""
         self._q.put(None)
-        self._thread.join()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()

@@ -12,20 +12,6 @@ from ..records import Op
 GRAD_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
-@dataclass(frozen=True)
-class Masters:
-    """Addresses of this rank's master experts for one layer.
-
-    ``weight_ptrs[i * M + m]`` / ``grad_ptrs[i * M + m]``: member ``m`` of local expert ``i``.
-    The tensors are kept so the addresses stay valid.
-    """
-
-    weights: tuple[torch.Tensor, ...]
-    grads: tuple[torch.Tensor, ...]
-    weight_ptrs: tuple[int, ...]
-    grad_ptrs: tuple[int, ...]
-
-
 def master_pointers(tensors: Sequence[torch.Tensor], experts_per_rank: int) -> tuple[int, ...]:
     """Per (local expert, member) addresses of ``[experts_per_rank, *shape]`` member tensors."""
     ptrs = []
@@ -34,6 +20,44 @@ def master_pointers(tensors: Sequence[torch.Tensor], experts_per_rank: int) -> t
             per_expert = t.numel() // experts_per_rank * t.element_size()
             ptrs.append(t.data_ptr() + i * per_expert)
     return tuple(ptrs)
+
+
+def _fingerprint(t: torch.Tensor) -> tuple:
+    """What the executor relies on: address, shape, dtype, contiguity, and a storage that still holds it."""
+    return (t.data_ptr(), tuple(t.shape), t.dtype, t.is_contiguous(),
+            t.untyped_storage().nbytes() >= (t.storage_offset() + t.numel()) * t.element_size())
+
+
+@dataclass(frozen=True)
+class Masters:
+    """Addresses of this rank's master experts for one layer.
+
+    ``weight_ptrs[i * M + m]`` / ``grad_ptrs[i * M + m]``: member ``m`` of local expert ``i``.
+    The tensors are kept so the addresses stay valid; ``grads`` is ``None`` when only
+    weights were registered.  ``changed()`` says whether a tensor was swapped since.
+    """
+
+    weights: tuple[torch.Tensor, ...]
+    grads: tuple[torch.Tensor, ...] | None
+    weight_ptrs: tuple[int, ...]
+    grad_ptrs: tuple[int, ...]
+    fingerprints: tuple[tuple, ...] = ()
+
+    @classmethod
+    def of(cls, weights: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor, ...] | None,
+           experts_per_rank: int) -> "Masters":
+        return cls(weights, grads, master_pointers(weights, experts_per_rank),
+                   master_pointers(grads or (), experts_per_rank),
+                   tuple(_fingerprint(t) for t in (*weights, *(grads or ()))))
+
+    def changed(self, names: Sequence[str]) -> str | None:
+        """``"weights['fc1']"`` (or grads) for the first tensor whose address, shape or
+        storage differs from registration; ``None`` if all are as registered."""
+        kinds = [("weights", t) for t in self.weights] + [("grads", t) for t in (self.grads or ())]
+        for i, ((kind, t), fp) in enumerate(zip(kinds, self.fingerprints)):
+            if _fingerprint(t) != fp:
+                return f"{kind}[{names[i % len(names)]!r}]"
+        return None
 
 
 class HostTransport:

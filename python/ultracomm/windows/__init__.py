@@ -37,9 +37,10 @@ def resolve_provider(provider: str, comm: Comm) -> str:
     return provider
 
 
-def open_window(provider: str, comm: Comm, nbytes: int) -> Window:
-    """Collectively create a window of ``nbytes`` per rank with ``provider`` (or ``auto``)."""
-    return PROVIDERS[resolve_provider(provider, comm)].create(comm, nbytes)
+def open_window(provider: str, comm: Comm, nbytes: int, op: str = "window setup") -> Window:
+    """Collectively create a window of ``nbytes`` per rank with ``provider`` (or ``auto``);
+    bounded by ``comm.timeout_s``.  ``op`` names the caller's operation in errors."""
+    return PROVIDERS[resolve_provider(provider, comm)].create(comm, nbytes, op=op)
 
 
 __all__ = ["Window", "HostShmWindow", "LocalWindow", "open_window", "resolve_provider", "PROVIDERS"]

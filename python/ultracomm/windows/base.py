@@ -5,6 +5,8 @@ import abc
 
 import torch
 
+from ..comm import Comm
+
 
 class Window(abc.ABC):
     """One rank's view of a symmetric window.
@@ -22,6 +24,16 @@ class Window(abc.ABC):
     nbytes: int
     local: torch.Tensor
     peer_bases: list[int]
+
+    @classmethod
+    @abc.abstractmethod
+    def create(cls, comm: Comm, nbytes: int, op: str = "window setup") -> "Window":
+        """Collectively create this rank's window of ``nbytes`` and reach every peer's.
+
+        Every step that can fail on one rank must be a ``comm.agree`` (bounded; every rank
+        raises, naming the failed rank), so that no rank waits for one that stopped.
+        ``op`` names the caller's operation in errors (e.g. ``"Context setup"``).
+        """
 
     @abc.abstractmethod
     def close(self) -> None:

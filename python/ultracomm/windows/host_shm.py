@@ -1,11 +1,18 @@
 """``host_shm`` windows: POSIX shared memory (``/dev/shm``) mapped by every rank of a group.
 
-Lifecycle, so that nothing is left in ``/dev/shm``: each rank creates its segment, the
-names are exchanged over the group, every rank maps every peer's segment, and after a
-barrier each rank unlinks its own name.  From then on the memory lives only in the
-mappings and disappears with the last process, however it exits.  A crash in the short
-window before the unlink leaves a segment whose name carries the dead pid; the next
-``create`` on the machine removes such leftovers.
+Lifecycle, so that nothing is left in ``/dev/shm``: the ranks exchange the names they will
+use, each creates its segment, every rank maps every peer's segment, and once all have
+(or any step failed on any rank) every rank unlinks every name.  From then on the memory
+lives only in the mappings and disappears with the last process, however it exits.  Each
+step is a bounded agreement: a rank that fails or stalls makes every rank raise within the
+timeout.  Only a rank killed between creating its segment and the end of setup, when no
+surviving rank learnt its name, leaves a segment behind; its name carries the dead pid,
+and a later ``create`` on the machine removes it once it is older than
+``STALE_AFTER_S`` (600 s; pids mean nothing across pid namespaces, so age decides).  Until
+then ``rm /dev/shm/ultracomm-<pid>-*`` removes it by hand.
+
+Peer names are accepted only in the form this module generates, and only regular files
+are mapped: a name such as ``../../some/file`` is rejected before anything is opened.
 """
 from __future__ import annotations
 
@@ -13,6 +20,7 @@ import contextlib
 import mmap
 import os
 import re
+import stat
 import time
 import uuid
 
@@ -23,7 +31,22 @@ from .base import Window
 
 SHM_DIR = "/dev/shm"
 _PREFIX = "ultracomm-"
-_NAME = re.compile(r"^ultracomm-(\d+)-[0-9a-f]+-r\d+$")
+_NAME = re.compile(r"^ultracomm-([0-9]{1,10})-([0-9a-f]{12})-r([0-9]{1,7})$")
+_PID_MAX = 2**31 - 1
+
+
+def segment_name(rank: int) -> str:
+    """A fresh segment name for ``rank``: ``ultracomm-<pid>-<12 hex>-r<rank>``."""
+    return f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}-r{rank}"
+
+
+def check_segment_name(name: object, rank: int) -> str:
+    """``name`` if it is a segment name this module generates for ``rank``; else ValueError."""
+    m = _NAME.match(name) if isinstance(name, str) else None
+    if m is None or int(m.group(3)) != rank:
+        raise ValueError(f"ultracomm: rank {rank} sent host_shm segment name {name!r}, which is not one ultracomm "
+                         f"generates for rank {rank} (ultracomm-<pid>-<12 hex digits>-r{rank}); refusing to open it")
+    return name
 
 
 def _pid_alive(pid: int) -> bool:
@@ -31,8 +54,8 @@ def _pid_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except (PermissionError, OverflowError, ValueError):
+        return True  # another user's process, or not a pid at all: not ours to judge
     return True
 
 
@@ -45,32 +68,39 @@ def sweep_stale_segments(shm_dir: str = SHM_DIR, min_age_s: float = STALE_AFTER_
     A pid is only meaningful in its own pid namespace (containers may share /dev/shm), so a
     segment must also be older than ``min_age_s``: a live job unlinks its names within
     seconds of creating them, so an old named segment is a leftover either way.
+
+    Never raises: anything it cannot parse, stat or remove (directories, links, another
+    user's files, names with absurd pids) is skipped, since anyone can write to /dev/shm.
     """
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(shm_dir)
-    except FileNotFoundError:
+    except OSError:
         return removed
     now = time.time()
+    uid = os.getuid()
     for name in names:
         m = _NAME.match(name)
-        if not m:
+        if not m or int(m.group(1)) > _PID_MAX:
             continue
+        path = os.path.join(shm_dir, name)
         try:
-            age = now - os.stat(os.path.join(shm_dir, name)).st_mtime
-        except FileNotFoundError:
+            st = os.lstat(path)
+        except OSError:
             continue
-        if age >= min_age_s and not _pid_alive(int(m.group(1))):
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != uid:
+            continue
+        if now - st.st_mtime >= min_age_s and not _pid_alive(int(m.group(1))):
             try:
-                os.unlink(os.path.join(shm_dir, name))
+                os.unlink(path)
                 removed.append(name)
-            except FileNotFoundError:
+            except OSError:
                 pass
     return removed
 
 
 def _map(path: str, nbytes: int, create: bool) -> mmap.mmap:
-    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+    flags = os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT | os.O_EXCL if create else 0)
     fd = os.open(path, flags, 0o600)
     try:
         if create:
@@ -81,14 +111,24 @@ def _map(path: str, nbytes: int, create: bool) -> mmap.mmap:
                 raise RuntimeError(
                     f"ultracomm: cannot reserve {nbytes} bytes in {SHM_DIR} for the host_shm window ({e}); "
                     f"free space there or enlarge it (containers: --shm-size)") from e
-        elif os.fstat(fd).st_size != nbytes:
-            raise ValueError(
-                f"ultracomm: shared-memory segment {path} has {os.fstat(fd).st_size} bytes, expected {nbytes}: "
-                "ranks disagree on the window size (different layouts or slots_per_rank?)"
-            )
+        else:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ValueError(f"ultracomm: {path} is not a regular file; refusing to map it")
+            if st.st_size != nbytes:
+                raise ValueError(
+                    f"ultracomm: shared-memory segment {path} has {st.st_size} bytes, expected {nbytes}: "
+                    "ranks disagree on the window size (different layouts or slots_per_rank?)"
+                )
         return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
+
+
+def _unlink_all(names: list[str]) -> None:
+    for n in names:
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(SHM_DIR, n))
 
 
 class HostShmWindow(Window):
@@ -102,33 +142,39 @@ class HostShmWindow(Window):
         self.peer_bases = [v.data_ptr() for v in views]
 
     @classmethod
-    def create(cls, comm: Comm, nbytes: int) -> "HostShmWindow":
-        if not os.path.isdir(SHM_DIR):
-            raise RuntimeError(f"ultracomm: host_shm needs {SHM_DIR} (POSIX shared memory); it is missing here")
-        sweep_stale_segments()
-        name = f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}-r{comm.rank}"
-        path = os.path.join(SHM_DIR, name)
-        error: Exception | None = None
+    def create(cls, comm: Comm, nbytes: int, op: str = "window setup") -> "HostShmWindow":
+        def choose_name() -> str:
+            if not os.path.isdir(SHM_DIR):
+                raise RuntimeError(f"ultracomm: host_shm needs {SHM_DIR} (POSIX shared memory); it is missing here")
+            sweep_stale_segments()
+            return segment_name(comm.rank)
+
+        names = comm.agree(choose_name, op=op, what="host_shm name exchange")
+        valid = [n for r, n in enumerate(names) if _is_name_for(n, r)]  # the only names ever unlinked
+        own: mmap.mmap | None = None
+        maps: list[mmap.mmap] = []
         try:
-            own = _map(path, nbytes, create=True)
-        except (OSError, RuntimeError) as e:
-            error = e
-        try:
-            # collective even when this rank failed, so that no peer waits for it
-            names = comm.all_gather_object(None if error else name)
-            if error is not None:
-                raise error
-            failed = [r for r, n in enumerate(names) if n is None]
-            if failed:
-                raise RuntimeError(f"ultracomm: ranks {failed} could not create their host_shm window")
-            maps = [own if r == comm.rank else _map(os.path.join(SHM_DIR, n), nbytes, create=False)
-                    for r, n in enumerate(names)]
-            comm.barrier()  # every peer has mapped our segment: the name is no longer needed
+            def create_own() -> None:
+                nonlocal own
+                for r, n in enumerate(names):  # every rank checks every name before anything is opened
+                    check_segment_name(n, r)
+                own = _map(os.path.join(SHM_DIR, names[comm.rank]), nbytes, create=True)
+
+            comm.agree(create_own, op=op, what="host_shm segment creation")
+
+            def map_peers() -> None:
+                for r, n in enumerate(names):
+                    maps.append(own if r == comm.rank else _map(os.path.join(SHM_DIR, n), nbytes, create=False))
+
+            comm.agree(map_peers, op=op, what="host_shm mapping")
+        except BaseException:
+            for m in {id(m): m for m in [*maps, own] if m is not None}.values():
+                with contextlib.suppress(BufferError):
+                    m.close()
+            raise
         finally:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+            # every rank has mapped every segment, or setup failed: no name is needed any more
+            _unlink_all(valid)
         views = [torch.frombuffer(m, dtype=torch.uint8) for m in maps]
         return cls(comm.rank, comm.world, nbytes, maps, views)
 
@@ -142,3 +188,15 @@ class HostShmWindow(Window):
             with contextlib.suppress(BufferError):
                 m.close()
         self._maps = []
+
+
+def _is_name_for(name: object, rank: int) -> bool:
+    try:
+        check_segment_name(name, rank)
+        return True
+    except ValueError:
+        return False
+
+
+__all__ = ["HostShmWindow", "SHM_DIR", "STALE_AFTER_S", "check_segment_name", "segment_name",
+           "sweep_stale_segments"]

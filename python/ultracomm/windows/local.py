@@ -17,11 +17,12 @@ class LocalWindow(Window):
         self.peer_bases = [p.data_ptr() for p in peers]
 
     @classmethod
-    def create(cls, comm: Comm, nbytes: int) -> "LocalWindow":
+    def create(cls, comm: Comm, nbytes: int, op: str = "window setup") -> "LocalWindow":
         if comm.kind != "loopback":
             raise ValueError("ultracomm: the 'local' window needs a LoopbackGroup (ranks as threads of one process)")
-        buf = torch.zeros(nbytes, dtype=torch.uint8)
-        peers = comm.all_gather_object(buf)  # loopback: objects are shared, not copied
+        # loopback: objects are shared, not copied
+        peers = comm.agree(lambda: torch.zeros(nbytes, dtype=torch.uint8), op=op, what="local window exchange")
+        buf = peers[comm.rank]
         return cls(comm.rank, comm.world, buf, peers)
 
     def close(self) -> None:

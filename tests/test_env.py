@@ -76,27 +76,35 @@ def test_each_variable_parsed(name):
 
 
 BAD = [
-    ("ULTRACOMM_NUM_WORKERS", "0", "must be >= 1"),
+    ("ULTRACOMM_NUM_WORKERS", "0", "must be in [1, 1024]"),
+    ("ULTRACOMM_NUM_WORKERS", str(2**31), "must be in [1, 1024]"),
     ("ULTRACOMM_NUM_WORKERS", "four", "expected an integer"),
-    ("ULTRACOMM_MULTICAST_SMS", "-1", "must be >= 1"),
+    ("ULTRACOMM_MULTICAST_SMS", "-1", "must be in [1, 4096]"),
+    ("ULTRACOMM_REDUCE_SMS", "4097", "must be in [1, 4096]"),
     ("ULTRACOMM_REDUCE_SMS", "1.5", "expected an integer"),
     ("ULTRACOMM_TRANSPORT", "nvlink", "expected one of auto, host, tma, copy_engine, nccl"),
     ("ULTRACOMM_WINDOW", "shm", "expected one of auto, host_shm, local, cuda_ipc, torch_symm, nvshmem"),
     ("ULTRACOMM_TILE_BYTES", "100", "must be a positive multiple of 16 bytes"),
     ("ULTRACOMM_TILE_BYTES", "0", "must be a positive multiple of 16 bytes"),
+    ("ULTRACOMM_TILE_BYTES", "1025G", "at most 1099511627776 (1024G)"),
     ("ULTRACOMM_TILE_BYTES", "32X", "suffix K, M or G"),
     ("ULTRACOMM_CHUNK_BYTES", "1.5M", "suffix K, M or G"),
     ("ULTRACOMM_CHUNK_BYTES", "8", "multiple of 16"),
+    # 2^64 - 32768: a multiple of the tile that ceil-divides to zero chunks in 64-bit arithmetic
+    ("ULTRACOMM_CHUNK_BYTES", str(2**64 - 32768), "at most 1099511627776 (1024G)"),
     ("ULTRACOMM_RELAY", "on", "expected one of auto, off, force"),
-    ("ULTRACOMM_RELAY_MAX_DEPTH", "0", "must be >= 1"),
+    ("ULTRACOMM_RELAY_MAX_DEPTH", "0", "must be in [1, 65535]"),
+    ("ULTRACOMM_RELAY_MAX_DEPTH", "99999999999", "must be in [1, 65535]"),
     ("ULTRACOMM_DETERMINISTIC", "maybe", "expected one of 1, 0, true, false, yes, no, on, off"),
-    ("ULTRACOMM_TIMEOUT_S", "0", "must be a finite number > 0"),
-    ("ULTRACOMM_TIMEOUT_S", "inf", "must be a finite number > 0"),
+    ("ULTRACOMM_TIMEOUT_S", "0", "must be a number in (0, 1e+08]"),
+    ("ULTRACOMM_TIMEOUT_S", "inf", "must be a number in (0, 1e+08]"),
+    ("ULTRACOMM_TIMEOUT_S", "1e300", "must be a number in (0, 1e+08]"),
     ("ULTRACOMM_TIMEOUT_S", "soon", "expected a number"),
     ("ULTRACOMM_LOG_LEVEL", "verbose", "expected one of debug, info, warning, error"),
     ("ULTRACOMM_INTRA_BW", "fast", "bytes/s"),
     ("ULTRACOMM_INTER_BW", "0", "must be a finite number > 0"),
-    ("ULTRACOMM_DEBUG_JITTER_US", "-5", "must be >= 0"),
+    ("ULTRACOMM_DEBUG_JITTER_US", "-5", "must be in [0, 1000000]"),
+    ("ULTRACOMM_DEBUG_JITTER_US", str(2**32), "must be in [0, 1000000]"),
 ]
 
 
@@ -144,13 +152,13 @@ def test_replace():
 @pytest.mark.parametrize(
     "overrides, msg",
     [
-        (dict(tile_bytes=100), "tile_bytes=100 is invalid: must be a positive multiple of 16 bytes (environment variable ULTRACOMM_TILE_BYTES)"),
+        (dict(tile_bytes=100), "tile_bytes=100 is invalid: must be a positive multiple of 16 bytes, at most 1099511627776 (1024G) (environment variable ULTRACOMM_TILE_BYTES)"),
         (dict(tile_bytes=True), "tile_bytes=True is invalid: expected an int"),
         (dict(num_workers=2.0), "num_workers=2.0 is invalid: expected an int"),
         (dict(deterministic=1), "deterministic=1 is invalid: expected a bool"),
         (dict(transport="rdma"), "transport='rdma' is invalid: expected one of"),
         (dict(transport=3), "expected a string"),
-        (dict(timeout_s=-1), "timeout_s=-1 is invalid: must be a finite number > 0"),
+        (dict(timeout_s=-1), "timeout_s=-1 is invalid: must be a number in (0, 1e+08]"),
         (dict(chunk_bytes=48 * 1024), "is not a multiple of tile_bytes"),
         (dict(tile=1), "unknown config field(s) ['tile']"),
     ],

@@ -8,21 +8,21 @@ same syntax as the variables).
 =========================  ==============  ====================  ==================  =====================================================
 variable                   field           type                  default             meaning
 =========================  ==============  ====================  ==================  =====================================================
-ULTRACOMM_NUM_WORKERS      num_workers     int >= 1              min(4, cpu_count)   host executor worker threads per rank (CPU analogue of SMs)
-ULTRACOMM_MULTICAST_SMS    multicast_sms   int >= 1              16                  SMs (thread blocks) the GPU executor uses for multicast
-ULTRACOMM_REDUCE_SMS       reduce_sms      int >= 1              16                  SMs (thread blocks) the GPU executor uses for gradient reduction
+ULTRACOMM_NUM_WORKERS      num_workers     int 1..1024           min(4, cpu_count)   host executor worker threads per rank (CPU analogue of SMs)
+ULTRACOMM_MULTICAST_SMS    multicast_sms   int 1..4096           16                  SMs (thread blocks) the GPU executor uses for multicast
+ULTRACOMM_REDUCE_SMS       reduce_sms      int 1..4096           16                  SMs (thread blocks) the GPU executor uses for gradient reduction
 ULTRACOMM_TRANSPORT        transport       choice                auto                auto | host | tma | copy_engine | nccl
 ULTRACOMM_WINDOW           window          choice                auto                auto | host_shm | local | cuda_ipc | torch_symm | nvshmem
-ULTRACOMM_TILE_BYTES       tile_bytes      size (bytes)          32768 (32K)         bytes moved per tile; a positive multiple of 16
-ULTRACOMM_CHUNK_BYTES      chunk_bytes     size (bytes)          1048576 (1M)        bytes per flagged chunk (relay granularity); a multiple of tile_bytes
+ULTRACOMM_TILE_BYTES       tile_bytes      size (bytes)          32768 (32K)         bytes moved per tile; a positive multiple of 16, at most 1024G
+ULTRACOMM_CHUNK_BYTES      chunk_bytes     size (bytes)          1048576 (1M)        bytes per flagged chunk (relay granularity); a multiple of tile_bytes, at most 1024G
 ULTRACOMM_RELAY            relay_mode      choice                auto                auto (relay when the cost model says so) | off (direct) | force
-ULTRACOMM_RELAY_MAX_DEPTH  max_depth       int >= 1              8                   deepest relay tree the schedule builder may use (a cap: depth is chosen by predicted time; relay=force uses at least 2)
+ULTRACOMM_RELAY_MAX_DEPTH  max_depth       int 1..65535          8                   deepest relay tree the schedule builder may use (a cap: depth is chosen by predicted time; relay=force uses at least 2)
 ULTRACOMM_DETERMINISTIC    deterministic   bool                  true                fixed-order fp32 gradient reduction (bit-identical runs)
-ULTRACOMM_TIMEOUT_S        timeout_s       float > 0             100                 seconds a flag wait may take before raising a TimeoutError
+ULTRACOMM_TIMEOUT_S        timeout_s       float in (0, 1e8]     100                 seconds any wait for a peer (flag, setup, plan agreement) may take before raising UltracommTimeout
 ULTRACOMM_LOG_LEVEL        log_level       choice                warning             debug | info | warning | error
 ULTRACOMM_INTRA_BW         intra_bw        bandwidth (bytes/s)   370e9               intra-node link bandwidth for the schedule cost model
 ULTRACOMM_INTER_BW         inter_bw        bandwidth (bytes/s)   50e9                inter-node link bandwidth for the schedule cost model
-ULTRACOMM_DEBUG_JITTER_US  jitter_us       int >= 0              0                   testing aid: random delay up to this many us before each host task
+ULTRACOMM_DEBUG_JITTER_US  jitter_us       int 0..1000000        0                   testing aid: random delay up to this many us before each host task
 =========================  ==============  ====================  ==================  =====================================================
 
 Syntax:
@@ -36,7 +36,10 @@ Syntax:
 * choice: one of the listed words (case-insensitive).
 
 Errors are :class:`ultracomm.errors.ConfigError` naming the variable, the bad value and
-what is accepted.  ``ULTRACOMM_*`` names that are close to a known one but not known
+what is accepted.  Every number is bounded so that what the executors compute from it
+(chunk counts, window offsets, thread counts, int32/uint32 fields) cannot overflow: e.g.
+``ULTRACOMM_CHUNK_BYTES=18446744073709518848`` (2^64 - 32768) is rejected here rather than
+becoming zero chunks later.  ``ULTRACOMM_*`` names that are close to a known one but not known
 (typos) trigger a warning.
 """
 from __future__ import annotations
@@ -52,7 +55,7 @@ from typing import Any, Callable, Mapping, Optional
 
 from .errors import ConfigError
 
-__all__ = ["Config", "VARIABLES", "parse_size", "parse_bandwidth", "parse_bool"]
+__all__ = ["Config", "VARIABLES", "parse_size", "parse_bandwidth", "parse_bool", "check_window_layout", "MAX_CHUNK_BYTES"]
 
 TRANSPORTS = ("auto", "host", "tma", "copy_engine", "nccl")
 WINDOWS = ("auto", "host_shm", "local", "cuda_ipc", "torch_symm", "nvshmem")
@@ -131,20 +134,34 @@ class _Var:
     meaning: str
 
 
-def _ge(n: int) -> Callable[[Any], Optional[str]]:
-    return lambda v: None if v >= n else f"must be >= {n}"
+#: Largest tile or chunk (1 TiB): far above any useful size, far below where byte counts,
+#: chunk counts and window offsets (uint64) could overflow.
+MAX_CHUNK_BYTES = 1 << 40
+MAX_TIMEOUT_S = 1e8  # ~3 years: "never" in practice; still a finite timedelta for the store
+
+
+def _between(lo: int, hi: int) -> Callable[[Any], Optional[str]]:
+    return lambda v: None if lo <= v <= hi else f"must be in [{lo}, {hi}]"
 
 
 def _positive_finite(v: float) -> Optional[str]:
     return None if math.isfinite(v) and v > 0 else "must be a finite number > 0"
 
 
+def _timeout_check(v: float) -> Optional[str]:
+    return None if math.isfinite(v) and 0 < v <= MAX_TIMEOUT_S else f"must be a number in (0, {MAX_TIMEOUT_S:g}]"
+
+
 def _tile_check(v: int) -> Optional[str]:
-    return None if v > 0 and v % 16 == 0 else "must be a positive multiple of 16 bytes"
+    if not 0 < v <= MAX_CHUNK_BYTES or v % 16:
+        return f"must be a positive multiple of 16 bytes, at most {MAX_CHUNK_BYTES} (1024G)"
+    return None
 
 
 def _chunk_check(v: int) -> Optional[str]:
-    return None if v > 0 and v % 16 == 0 else "must be a positive multiple of 16 bytes (and of tile_bytes)"
+    if not 0 < v <= MAX_CHUNK_BYTES or v % 16:
+        return f"must be a positive multiple of 16 bytes (and of tile_bytes), at most {MAX_CHUNK_BYTES} (1024G)"
+    return None
 
 
 def _in(options: tuple[str, ...]) -> Callable[[Any], Optional[str]]:
@@ -153,11 +170,11 @@ def _in(options: tuple[str, ...]) -> Callable[[Any], Optional[str]]:
 
 #: Every variable, in documentation order.
 VARIABLES: tuple[_Var, ...] = (
-    _Var("num_workers", "ULTRACOMM_NUM_WORKERS", "int", _parse_int, _ge(1),
+    _Var("num_workers", "ULTRACOMM_NUM_WORKERS", "int", _parse_int, _between(1, 1024),
          "host executor worker threads per rank (CPU analogue of SMs)"),
-    _Var("multicast_sms", "ULTRACOMM_MULTICAST_SMS", "int", _parse_int, _ge(1),
+    _Var("multicast_sms", "ULTRACOMM_MULTICAST_SMS", "int", _parse_int, _between(1, 4096),
          "SMs the GPU executor uses for multicast"),
-    _Var("reduce_sms", "ULTRACOMM_REDUCE_SMS", "int", _parse_int, _ge(1),
+    _Var("reduce_sms", "ULTRACOMM_REDUCE_SMS", "int", _parse_int, _between(1, 4096),
          "SMs the GPU executor uses for gradient reduction"),
     _Var("transport", "ULTRACOMM_TRANSPORT", "str", _choice(TRANSPORTS), _in(TRANSPORTS),
          "executor: " + " | ".join(TRANSPORTS)),
@@ -169,19 +186,19 @@ VARIABLES: tuple[_Var, ...] = (
          "bytes per flagged chunk (multiple of tile_bytes)"),
     _Var("relay_mode", "ULTRACOMM_RELAY", "str", _choice(RELAY_MODES), _in(RELAY_MODES),
          "relay trees: " + " | ".join(RELAY_MODES)),
-    _Var("max_depth", "ULTRACOMM_RELAY_MAX_DEPTH", "int", _parse_int, _ge(1),
+    _Var("max_depth", "ULTRACOMM_RELAY_MAX_DEPTH", "int", _parse_int, _between(1, 65535),
          "deepest relay tree allowed (a cap; relay=force uses at least 2)"),
     _Var("deterministic", "ULTRACOMM_DETERMINISTIC", "bool", parse_bool, lambda v: None,
          "fixed-order fp32 gradient reduction"),
-    _Var("timeout_s", "ULTRACOMM_TIMEOUT_S", "float", _parse_float, _positive_finite,
-         "seconds before a flag wait raises"),
+    _Var("timeout_s", "ULTRACOMM_TIMEOUT_S", "float", _parse_float, _timeout_check,
+         "seconds any wait for a peer may take before raising UltracommTimeout"),
     _Var("log_level", "ULTRACOMM_LOG_LEVEL", "str", _choice(LOG_LEVELS), _in(LOG_LEVELS),
          " | ".join(LOG_LEVELS)),
     _Var("intra_bw", "ULTRACOMM_INTRA_BW", "float", parse_bandwidth, _positive_finite,
          "intra-node bytes/s for the cost model"),
     _Var("inter_bw", "ULTRACOMM_INTER_BW", "float", parse_bandwidth, _positive_finite,
          "inter-node bytes/s for the cost model"),
-    _Var("jitter_us", "ULTRACOMM_DEBUG_JITTER_US", "int", _parse_int, _ge(0),
+    _Var("jitter_us", "ULTRACOMM_DEBUG_JITTER_US", "int", _parse_int, _between(0, 1_000_000),
          "testing aid: random delay (us) before each host task"),
 )
 _BY_FIELD = {v.field: v for v in VARIABLES}
@@ -336,3 +353,25 @@ def _fmt(v: Any) -> str:
     if isinstance(v, float) and v >= 1e6:
         return f"{v:.4g}"
     return str(v)
+
+
+def check_window_layout(wlayout: Mapping[str, int]) -> None:
+    """Raise ``ConfigError`` unless a window layout (``_core.window_layout``) covers its slots:
+    every slot's bytes fall in whole chunks, and the regions do not overlap.  Checked when a
+    Context is built, before anything moves, so that no size can silently move nothing."""
+    chunk = wlayout["chunk_bytes"]
+    for kind in ("weight", "grad"):
+        nbytes, chunks = wlayout[f"{kind}_slot_bytes"], wlayout[f"{kind}_chunks"]
+        if chunk <= 0 or chunks * chunk < nbytes or (nbytes and chunks == 0) or chunks > 2**31 - 1:
+            raise ConfigError(
+                f"chunk_bytes={chunk} (ULTRACOMM_CHUNK_BYTES) splits a {nbytes}-byte {kind} slot into {chunks} "
+                "chunks, which do not cover it within the int32 chunk index; use a chunk size between 16 bytes "
+                f"and {MAX_CHUNK_BYTES}, large enough that bytes / chunk_bytes < 2^31")
+    slots = wlayout["slots"]
+    ends = [("weights", wlayout["weights_off"] + wlayout["weight_stride"] * slots, wlayout["grads_off"]),
+            ("grads", wlayout["grads_off"] + wlayout["grad_stride"] * slots, wlayout["ready_off"]),
+            ("flags", wlayout["consumed_off"] + 8 * wlayout["grad_chunks"] * slots, wlayout["total_bytes"])]
+    for name, end, nxt in ends:
+        if end > nxt or wlayout["total_bytes"] >= 2**63:
+            raise ConfigError(f"ultracomm: the window layout's {name} region overruns the next one ({end} > {nxt}): "
+                              "the slot sizes are too large for a window; use fewer or smaller slots")

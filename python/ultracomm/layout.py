@@ -17,6 +17,7 @@ dtype: replicas' gradients are accumulated in it.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -24,7 +25,11 @@ import torch
 
 from .errors import LayoutError, RegistrationError
 
-__all__ = ["Member", "ExpertLayout", "GRAD_DTYPES"]
+__all__ = ["Member", "ExpertLayout", "GRAD_DTYPES", "MAX_EXPERT_BYTES"]
+
+#: Largest expert (weights or grads, bytes): bounds every byte count and window offset
+#: derived from a layout far below where uint64 arithmetic could overflow.
+MAX_EXPERT_BYTES = 1 << 40
 
 #: Gradient dtypes the reduction kernels support.
 GRAD_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
@@ -55,8 +60,10 @@ class Member:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise LayoutError(f"member name must be a non-empty str, got {self.name!r}")
-        try:
-            shape = tuple(int(d) for d in self.shape)
+        try:  # operator.index: ints (and numpy ints) only; 3.7 or "3" are errors, not truncated
+            if isinstance(self.shape, (str, bytes)) or any(isinstance(d, bool) for d in self.shape):
+                raise TypeError
+            shape = tuple(operator.index(d) for d in self.shape)
         except TypeError:
             raise LayoutError(
                 f"member {self.name!r}: shape must be a tuple of ints, got {self.shape!r}"
@@ -69,6 +76,12 @@ class Member:
         if not isinstance(self.dtype, torch.dtype):
             raise LayoutError(
                 f"member {self.name!r}: dtype must be a torch.dtype, got {self.dtype!r}"
+            )
+        nbytes = math.prod(shape) * max(_itemsize(self.dtype), _itemsize(torch.float32))
+        if nbytes > MAX_EXPERT_BYTES:
+            raise LayoutError(
+                f"member {self.name!r}: shape {shape} is {nbytes} bytes (weights or fp32 grads) for one expert; "
+                f"at most {MAX_EXPERT_BYTES} (1 TiB) fits the window's arithmetic"
             )
         object.__setattr__(self, "shape", shape)
 
@@ -110,8 +123,13 @@ class ExpertLayout:
                 "torch.float32, torch.bfloat16, torch.float16"
             )
         a = self.align
-        if not isinstance(a, int) or isinstance(a, bool) or a < 16 or a & (a - 1):
-            raise LayoutError(f"align must be a power of two >= 16, got {a!r}")
+        if not isinstance(a, int) or isinstance(a, bool) or a < 16 or a > 1 << 20 or a & (a - 1):
+            raise LayoutError(f"align must be a power of two in [16, 2^20], got {a!r}")
+        if max(self.weight_bytes, self.grad_bytes) > MAX_EXPERT_BYTES:
+            raise LayoutError(
+                f"one expert is {self.weight_bytes} bytes of weights and {self.grad_bytes} bytes of grads; at "
+                f"most {MAX_EXPERT_BYTES} (1 TiB) each fits the window's arithmetic"
+            )
 
     # -- constructors -------------------------------------------------------------
 

@@ -69,7 +69,7 @@ def _to_numpy(x: ArrayLike, name: str, *, allow_bool: bool = False) -> np.ndarra
                 f"{name} must hold integers, got dtype {t.dtype}; expert ids are integers "
                 "(-1 marks an empty slot): convert with .to(torch.int32) if the values are whole"
             )
-        return t.cpu().numpy().astype(np.int64)
+        return _as_int64(t.cpu().numpy(), name)
     arr = np.asarray(x)
     if arr.size == 0 and not isinstance(x, np.ndarray):
         arr = arr.astype(np.int64)
@@ -79,11 +79,27 @@ def _to_numpy(x: ArrayLike, name: str, *, allow_bool: bool = False) -> np.ndarra
                 f"{name} must hold integer expert ids, got booleans; convert to int32"
             )
         return arr.astype(np.int64)
+    if arr.dtype.kind in "fO" and not isinstance(x, np.ndarray) and _all_python_ints(x):
+        raise PlanError(f"{name} has values outside the int32 range")  # numpy fell back to float/object
     if arr.dtype.kind not in "iu":
         raise PlanError(
             f"{name} must hold integers, got dtype {arr.dtype}; expert ids are integers "
             "(-1 marks an empty slot)"
         )
+    return _as_int64(arr, name)
+
+
+def _all_python_ints(x: Any) -> bool:
+    """``x`` is a (nested) sequence of Python ints (bools excluded)."""
+    items = np.asarray(x, dtype=object).ravel()
+    return bool(items.size) and all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in items)
+
+
+def _as_int64(arr: np.ndarray, name: str) -> np.ndarray:
+    """``arr`` as int64; unsigned values that int64 cannot hold (e.g. uint64 2^64-1, which a
+    plain cast turns into -1, an empty slot) are rejected instead of wrapped."""
+    if arr.dtype.kind == "u" and arr.size and int(arr.max()) > _INT32_MAX:
+        raise PlanError(f"{name} has values outside the int32 range (largest {int(arr.max())})")
     return arr.astype(np.int64)
 
 

@@ -1,38 +1,72 @@
 #!/usr/bin/env bash
-# One-shot GPU check for a bare single-GPU machine that has torch, nvcc, pytest and ninja but
-# no network: builds ultracomm (pip + scikit-build-core when present, else the
-# torch.utils.cpp_extension fallback in scripts/build_inplace.py), runs the `gpu`-marked
-# tests and the microbenchmarks, and writes logs and JSON under $OUT (default perf/out/gpu).
-# Budget: well under 8 minutes (each step has its own timeout).
+# One-shot GPU check for a bare single-GPU machine (torch with CUDA, nvcc, pytest, ninja; maybe no
+# cmake; no network).  Steps, each under its own timeout and all under one deadline (8 minutes):
+#   1. build: pip + scikit-build-core (no isolation, no index) when scikit-build-core, pybind11 and
+#      cmake are present; if that is missing or fails, scripts/build_inplace.py (torch's
+#      cpp_extension: _core and _cuda) into build/inplace, put on PYTHONPATH
+#   2. the `gpu`-marked tests (pytest -m gpu), junit XML + log
+#   3. perf/bench_gpu.py: tables, results JSON and the hardware profile JSON
+#   4. if time is left: the CPU benches (host executor, schedule builder) for the record
+# Everything lands under $OUT (default perf/out/gpu).  Commit the profile and the tables of a real
+# device under perf/gpu/ (date and device in the name): `cp $OUT/*_profile.json perf/gpu/`.
+# Exit status: 0 when the build, the gpu tests and the bench (#wrong = 0) all passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-perf/out/gpu}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1
+DEADLINE=$((SECONDS + 470))  # the whole check stays under 8 minutes
+exec 3>&1  # progress lines go to the terminal even when a step's output goes to a log
+
+# step NAME CAP CMD...: run CMD with timeout min(CAP, time left before the deadline); its status
+step() {
+  local name=$1 cap=$2 left=$((DEADLINE - SECONDS))
+  shift 2
+  if [ "$left" -lt 10 ]; then echo "gpu_check: $name skipped: out of time" >&3; return 124; fi
+  [ "$cap" -gt "$left" ] && cap=$left
+  echo "gpu_check: $name (timeout ${cap}s)" >&3
+  timeout "$cap" "$@"
+}
+
 {
-  date -u; nvidia-smi -L 2>&1 || true; nvcc --version 2>&1 | tail -1
+  date -u; nvidia-smi -L 2>&1 || true; nvcc --version 2>&1 | tail -1; cmake --version 2>&1 | head -1
   "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available())"
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
-if "$PY" -c "import scikit_build_core, pybind11" 2>/dev/null; then
-  echo "gpu_check: building with pip + scikit-build-core (no isolation, no network)"
-  timeout 300 "$PY" -m pip install --no-build-isolation --no-deps --no-index -e . > "$OUT/build.log" 2>&1
+
+rc_build=1
+if "$PY" -c "import scikit_build_core, pybind11" 2>/dev/null && command -v cmake >/dev/null; then
+  step build-pip 240 "$PY" -m pip install --no-build-isolation --no-deps --no-index -e . > "$OUT/build.log" 2>&1
   rc_build=$?
+  [ "$rc_build" = 0 ] || { echo "gpu_check: pip build failed (rc=$rc_build):"; tail -15 "$OUT/build.log"; }
 else
-  echo "gpu_check: no scikit-build-core/pybind11: building with torch.utils.cpp_extension"
-  dir=$(timeout 300 "$PY" scripts/build_inplace.py 2> "$OUT/build.log" | tail -1)
-  rc_build=$?
-  export PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}"
+  echo "gpu_check: no scikit-build-core/pybind11/cmake: skipping the pip build" | tee "$OUT/build.log"
 fi
-echo "gpu_check: build rc=$rc_build"
-[ "$rc_build" = 0 ] || tail -30 "$OUT/build.log"
-timeout 240 "$PY" -m pytest tests -q -m gpu --continue-on-collection-errors -p no:cacheprovider \
+if [ "$rc_build" != 0 ]; then
+  step build-inplace 200 "$PY" scripts/build_inplace.py > "$OUT/build_inplace.out" 2> "$OUT/build_inplace.log"
+  rc_build=$?
+  dir=$(tail -1 "$OUT/build_inplace.out" 2>/dev/null)
+  [ "$rc_build" = 0 ] && export PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}"
+  [ "$rc_build" = 0 ] || { echo "gpu_check: fallback build failed (rc=$rc_build):"; tail -30 "$OUT/build_inplace.log"; }
+fi
+"$PY" -c "import ultracomm, ultracomm._core; from ultracomm.cuda_support import cuda_module_reason as r; \
+print('gpu_check: ultracomm from', ultracomm.__file__, '; _cuda:', r() or 'loads')" 2>&1 | tee -a "$OUT/env.txt"
+
+step gpu-tests 150 "$PY" -m pytest tests -q -m gpu --continue-on-collection-errors -p no:cacheprovider \
   --junitxml="$OUT/gpu-tests.xml" > "$OUT/gpu-tests.log" 2>&1
 rc_test=$?
 [ "$rc_test" = 5 ] && rc_test=0  # no gpu-marked test collected
-tail -5 "$OUT/gpu-tests.log"
-timeout 90 "$PY" perf/bench_host.py --json "$OUT/bench_host.json" > "$OUT/bench_host.log" 2>&1 || echo "bench_host failed"
-timeout 60 "$PY" perf/bench_schedule.py --json "$OUT/bench_schedule.json" > "$OUT/bench_schedule.log" 2>&1 || echo "bench_schedule failed"
-echo "gpu_check: build=$rc_build tests=$rc_test; results in $OUT"
-[ "$rc_build" = 0 ] && [ "$rc_test" = 0 ]
+tail -15 "$OUT/gpu-tests.log"
+
+step bench-gpu 180 "$PY" perf/bench_gpu.py --out "$OUT" > "$OUT/bench_gpu.txt" 2> "$OUT/bench_gpu.log"
+rc_bench=$?
+cat "$OUT/bench_gpu.txt"
+[ "$rc_bench" = 0 ] || { echo "gpu_check: bench_gpu rc=$rc_bench"; tail -20 "$OUT/bench_gpu.log"; }
+
+step bench-host 40 "$PY" perf/bench_host.py --json "$OUT/bench_host.json" > "$OUT/bench_host.log" 2>&1 \
+  || echo "gpu_check: bench_host did not finish"
+step bench-schedule 30 "$PY" perf/bench_schedule.py --json "$OUT/bench_schedule.json" > "$OUT/bench_schedule.log" 2>&1 \
+  || echo "gpu_check: bench_schedule did not finish"
+echo "gpu_check: build=$rc_build tests=$rc_test bench=$rc_bench in ${SECONDS}s; results in $OUT"
+[ "$rc_build" = 0 ] && [ "$rc_test" = 0 ] && [ "$rc_bench" = 0 ]

@@ -243,9 +243,12 @@ def test_mismatched_context_configuration():
 
 
 def test_unknown_transport_and_window_rejected_before_setup():
+    from ultracomm.cuda_support import cuda_module_reason, torch_cuda_reason
+
     def body(group):
-        with pytest.raises(ValueError, match="transport 'tma' is not available"):
-            Context(group, make_layout(4, 4), 1, 1, num_layers=1, transport="tma")
+        if torch_cuda_reason() or cuda_module_reason():  # a machine that cannot run tma says why
+            with pytest.raises(ValueError, match="transport 'tma' is not available"):
+                Context(group, make_layout(4, 4), 1, 1, num_layers=1, transport="tma")
         with pytest.raises(ValueError, match="window provider 'nvshmem' is not available"):
             Context(group, make_layout(4, 4), 1, 1, num_layers=1, window="nvshmem")
         return True

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 def test_defaults():
     c = Config.from_env({})
     assert c.num_workers == min(4, os.cpu_count() or 1)
-    assert (c.multicast_sms, c.reduce_sms) == (16, 16)
+    assert (c.multicast_sms, c.reduce_sms) == (0, 0)  # auto: resolved per device by ultracomm.sm_budget
     assert (c.transport, c.window, c.relay_mode, c.log_level) == ("auto", "auto", "auto", "warning")
     assert (c.tile_bytes, c.chunk_bytes) == (32768, 1 << 20)
     assert c.max_depth == 8 and c.deterministic is True and c.timeout_s == 100.0
@@ -54,7 +54,17 @@ GOOD = {
     "ULTRACOMM_INTRA_BW": ("900G", 900e9),
     "ULTRACOMM_INTER_BW": ("25e9", 25e9),
     "ULTRACOMM_DEBUG_JITTER_US": ("50", 50),
+    "ULTRACOMM_HW_PROFILE": (f" {env_mod.__file__} ", env_mod.__file__),  # any existing file parses
 }
+
+
+def test_sms_auto_and_zero_mean_the_analytic_default():
+    assert Config.from_env({"ULTRACOMM_MULTICAST_SMS": "AUTO", "ULTRACOMM_REDUCE_SMS": "0"}).multicast_sms == 0
+    assert Config().replace(reduce_sms="auto").reduce_sms == 0
+    with pytest.raises(ConfigError, match=r"ULTRACOMM_REDUCE_SMS='-1' is invalid: must be in \[0, 4096\]"):
+        Config.from_env({"ULTRACOMM_REDUCE_SMS": "-1"})
+    with pytest.raises(ConfigError, match="ULTRACOMM_MULTICAST_SMS='lots' is invalid: expected an integer"):
+        Config.from_env({"ULTRACOMM_MULTICAST_SMS": "lots"})
 
 
 def test_every_variable_covered():
@@ -79,8 +89,8 @@ BAD = [
     ("ULTRACOMM_NUM_WORKERS", "0", "must be in [1, 1024]"),
     ("ULTRACOMM_NUM_WORKERS", str(2**31), "must be in [1, 1024]"),
     ("ULTRACOMM_NUM_WORKERS", "four", "expected an integer"),
-    ("ULTRACOMM_MULTICAST_SMS", "-1", "must be in [1, 4096]"),
-    ("ULTRACOMM_REDUCE_SMS", "4097", "must be in [1, 4096]"),
+    ("ULTRACOMM_MULTICAST_SMS", "-1", "must be in [0, 4096]"),
+    ("ULTRACOMM_REDUCE_SMS", "4097", "must be in [0, 4096]"),
     ("ULTRACOMM_REDUCE_SMS", "1.5", "expected an integer"),
     ("ULTRACOMM_TRANSPORT", "nvlink", "expected one of auto, host, tma, copy_engine, nccl"),
     ("ULTRACOMM_WINDOW", "shm", "expected one of auto, host_shm, local, cuda_ipc, torch_symm, nvshmem"),
@@ -105,6 +115,7 @@ BAD = [
     ("ULTRACOMM_INTER_BW", "0", "must be a finite number > 0"),
     ("ULTRACOMM_DEBUG_JITTER_US", "-5", "must be in [0, 1000000]"),
     ("ULTRACOMM_DEBUG_JITTER_US", str(2**32), "must be in [0, 1000000]"),
+    ("ULTRACOMM_HW_PROFILE", "/nonexistent/gpu_profile.json", "no such file"),
 ]
 
 

@@ -13,6 +13,11 @@ Every collective operation must be called by all ranks of the group in the same 
 Every wait is bounded by ``ULTRACOMM_TIMEOUT_S``: a stalled or dead peer makes the others
 raise :class:`~ultracomm.errors.UltracommTimeout` naming the rank, the operation and what
 was awaited.  Setup agrees on success: if any rank fails a setup step, every rank raises.
+
+With a GPU transport (``tma``: ``device="cuda"``, a GPU window, or ``transport="tma"``) the
+operations are stream-ordered: they are enqueued on the caller's current CUDA stream and
+return at once (see :mod:`ultracomm.stream_ordered`); kernel errors surface at
+``work.wait()`` or ``synchronize()``.
 """
 from __future__ import annotations
 
@@ -25,17 +30,17 @@ from typing import Any, Sequence
 
 import torch
 
-from . import _core
+from . import _core, stream_ordered
 from .comm import as_comm, require_same
+from .dataplane import check_master_devices, is_stream_ordered, select, transport_kwargs
 from .env import Config, check_window_layout
 from .errors import ClosedError, RegistrationError, UltracommError, UltracommTimeout
 from .layout import ExpertLayout
 from .plan import ReplicaPlan
 from .records import Op
 from .schedule import Schedule, build_schedule
-from .transports import resolve_transport
 from .transports.host import Masters
-from .windows import open_window, resolve_provider
+from .windows import open_window
 from .work import OrderedRunner, Work
 
 log = logging.getLogger("ultracomm")
@@ -48,10 +53,15 @@ MAX_LAYERS = 1 << 20
 MAX_MICROBATCHES = 1 << 16
 
 
-def _release(runner: OrderedRunner, window: Any) -> None:
-    """Stop ``runner`` (after its queue) and unmap ``window``: close(), or a dropped Context's finaliser."""
+def _release(runner: OrderedRunner, window: Any, streams: Any) -> None:
+    """Stop ``runner`` (after its queue), let queued kernels finish (stream-ordered transports) and
+    unmap ``window``: close(), or a dropped Context's finaliser."""
     runner.close()
-    window.close()
+    try:
+        if streams is not None:
+            streams.close()
+    finally:
+        window.close()
 
 
 @dataclasses.dataclass
@@ -76,8 +86,12 @@ class Context:
         slots_per_rank: replica slots on each rank (weights and grads).
         num_layers: MoE layers that will register masters.
         max_microbatches: micro-batches in flight at once (pipeline parallelism).
-        transport: ``auto`` or a built transport (default from ``ULTRACOMM_TRANSPORT``).
+        transport: ``auto`` or a built transport (default from ``ULTRACOMM_TRANSPORT``);
+            ``auto`` is ``tma`` for a CUDA Context, ``host`` for a CPU one.
         window: window provider (default from ``ULTRACOMM_WINDOW``).
+        device: where the window (and the registered masters) live: ``None`` (the CPU unless
+            the window or transport named is a GPU one), ``"cpu"``, ``"cuda"`` (the current
+            device), ``"cuda:N"`` or an index.  See :mod:`ultracomm.dataplane`.
         node_of: node index of each rank (``[world]``); ``None``: one node.
         config: an :class:`ultracomm.env.Config`; keyword ``overrides`` replace its fields.
     """
@@ -93,6 +107,7 @@ class Context:
         *,
         transport: str | None = None,
         window: str | None = None,
+        device: Any = None,
         node_of: Sequence[int] | None = None,
         config: Config | None = None,
         **overrides: Any,
@@ -103,7 +118,7 @@ class Context:
         error: Exception | None = None
         try:
             self._configure(comm, layout, experts_per_rank, slots_per_rank, num_layers, max_microbatches,
-                            transport, window, node_of, config, overrides)
+                            transport, window, device, node_of, config, overrides)
         except Exception as e:  # noqa: BLE001 - every rank learns of it in the first agreement
             error = e
         # the agreed timeout bounds the first agreement too; a rank that failed before it had a
@@ -120,7 +135,8 @@ class Context:
                     self.config.inter_bw, self._transport_cls.name, self._provider)
 
         require_same(self.comm.agree(local_check, op="Context setup", what="configuration"), "Context configuration")
-        self.window = open_window(self._provider, self.comm, self.wlayout["total_bytes"], op="Context setup")
+        self.window = open_window(self._provider, self.comm, self.wlayout["total_bytes"], op="Context setup",
+                                  device=self._cuda_dev)
         try:
             self.comm.agree(self._attach, op="Context setup", what="transport and buffers")
         except BaseException:
@@ -136,10 +152,10 @@ class Context:
         self._runner = OrderedRunner(f"ultracomm-rank{self.rank}")
         # a Context dropped without close() still stops its thread and unmaps its window; the
         # runner holds no reference to the Context while idle, so dropping it frees it
-        self._finalizer = weakref.finalize(self, _release, self._runner, self.window)
+        self._finalizer = weakref.finalize(self, _release, self._runner, self.window, self._streams)
 
     def _configure(self, comm: Any, layout: ExpertLayout, experts_per_rank: int, slots_per_rank: int, num_layers: int,
-                   max_microbatches: int, transport: str | None, window: str | None,
+                   max_microbatches: int, transport: str | None, window: str | None, device: Any,
                    node_of: Sequence[int] | None, config: Config | None, overrides: dict) -> None:
         """Check the arguments and derive configuration and window layout (local, nothing moves)."""
         if not isinstance(layout, ExpertLayout):
@@ -181,20 +197,29 @@ class Context:
                         for n in self.node_of)):
                 raise ValueError(f"ultracomm: node_of must list, for each of the {self.world} ranks, an int node "
                                  f"index in [0, {self.world}); got {node_of!r}")
-        self._transport_cls = resolve_transport(self.config.transport)
-        self._provider = resolve_provider(self.config.window, comm)
-        if self._provider not in self._transport_cls.window_providers:
-            raise ValueError(f"ultracomm: transport {self._transport_cls.name!r} cannot use window "
-                             f"{self._provider!r}; use one of {self._transport_cls.window_providers}")
+        self._transport_cls, self._provider, self._cuda_dev = select(self.config, comm, device)
         self.wlayout = _core.window_layout(slots_per_rank, layout.weight_bytes, layout.grad_bytes,
                                            self.config.chunk_bytes)
         check_window_layout(self.wlayout)
 
     def _attach(self) -> None:
         """Build the transport and the replica views over the window (every rank agrees it worked)."""
-        self.transport = self._transport_cls(
-            rank=self.rank, world=self.world, window=self.window, wlayout=self.wlayout, layout=self.layout,
-            num_workers=self.config.num_workers, timeout_s=self.config.timeout_s, jitter_us=self.config.jitter_us)
+        kw = transport_kwargs(self._transport_cls, self.config, self._cuda_dev, rank=self.rank, world=self.world,
+                              window=self.window, wlayout=self.wlayout, layout=self.layout)
+        #: CTAs per rank the GPU transport was given (``{}`` for the host transport)
+        self.sm_counts = {k: kw[f"{k}_sms"] for k in ("multicast", "reduce") if f"{k}_sms" in kw}
+        self.transport = self._transport_cls(**kw)
+        self._streams: stream_ordered.StreamOrdered | None = None
+        if is_stream_ordered(self.transport):
+            me = weakref.ref(self)  # the finaliser holds the streams: they must not keep the Context alive
+
+            def on_error(e: BaseException) -> None:
+                ctx = me()
+                if ctx is not None:
+                    ctx._fail(e)
+
+            self._streams = stream_ordered.StreamOrdered(self.transport, stream_ordered.streams_for(self._cuda_dev),
+                                                         on_error)
         self.replica_weights = self._slot_views(self.wlayout["weights_off"], self.wlayout["weight_stride"],
                                                 self.layout.weight_offsets, [m.dtype for m in self.layout.members])
         self.replica_grads = self._slot_views(self.wlayout["grads_off"], self.wlayout["grad_stride"],
@@ -227,7 +252,9 @@ class Context:
                 only (inference); ``grad_reduce`` on this layer then raises.
         The tensors must stay alive, at the same address and size, while the Context uses
         them: every operation re-checks them and raises naming the layer and member if one
-        was swapped (``param.data = ...``, ``set_``, a resized storage).
+        was swapped (``param.data = ...``, ``set_``, a resized storage).  They live where the
+        window does: CPU tensors for the host transport; for ``tma``, tensors on the window's
+        GPU with every expert's row 16-byte aligned.
         """
         self._check_open()
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
@@ -239,10 +266,8 @@ class Context:
             raise RegistrationError(f"ultracomm: grads must be None or a list of tensors (one per member "
                                     f"{list(self.layout.names)}), got {type(grads).__name__}")
         self.layout.check_tensors(weights, grads, self.experts_per_rank)
-        tensors = (*weights, *(grads or ()))
-        if any(t.device.type != "cpu" for t in tensors) and self.transport.name == "host":
-            raise RegistrationError("ultracomm: the host transport needs CPU tensors; move them with .cpu() "
-                                    "or use a GPU transport")
+        check_master_devices(self.window.device, self.transport.name, self.layout.names, weights, grads or (),
+                             self.experts_per_rank)
         self._masters[layer] = Masters.of(tuple(weights), None if grads is None else tuple(grads),
                                           self.experts_per_rank)
 
@@ -335,6 +360,12 @@ class Context:
 
         Every rank raises when any rank's plan or masters are invalid or the plans or
         schedules differ, so no rank is left waiting in a later collective or flag.
+
+        Stream-ordered transports skip the collective (it would synchronise the host on every
+        operation): each rank publishes its schedule digest beside its ready flag and the
+        kernel raises a digest mismatch on every rank that meets a different one.  A rank whose
+        own plan is invalid raises here, publishes a rejection when the transport can (peers
+        then fail with "rejected" instead of a timeout) and the Context is broken on every rank.
         """
         local_error: BaseException | None = None
         mine = None
@@ -356,6 +387,10 @@ class Context:
             mine = (key.hex(), sched.digest)
         except (TypeError, ValueError) as e:
             local_error = e
+        if self._streams is not None:
+            if local_error is not None:
+                self._reject_plan(local_error)
+            return sched
         try:
             views = self._collective(
                 (None if local_error is None else f"{type(local_error).__name__}: {local_error}", mine),
@@ -389,11 +424,33 @@ class Context:
             self._broken = f"{type(e).__name__}: {e}"
             raise
 
+    def _fail(self, error: BaseException) -> None:
+        """Remember the first failure: later operations are refused (ranks' epochs no longer line up)."""
+        if self._broken is None:
+            self._broken = f"{type(error).__name__}: {error}"
+
+    def _reject_plan(self, error: BaseException) -> None:
+        """Stream-ordered path: this rank's plan is invalid; peers learn it from the window."""
+        if self._broken is None:
+            with self._lock:
+                self._epoch += 1
+                try:
+                    self._streams.reject(Op.MULTICAST, self._epoch)
+                finally:
+                    self._fail(UltracommError(f"ultracomm: this rank rejected its plan ({error})"))
+        raise error
+
     def _submit(self, name: str, op: Op, mb: _MicroBatch, masters: Masters, async_op: bool) -> Work | None:
         if self._broken is not None:
             raise UltracommError(f"ultracomm: this Context failed earlier ({self._broken}); create a new Context")
         sched = mb.schedule
         my_slots, local_index_of = mb.my_slots, mb.local_index_of
+        if self._streams is not None:
+            with self._lock:  # epochs are taken and enqueued in one order, whatever thread calls
+                self._streams.check_submit(name, async_op)
+                self._epoch += 1
+                return self._streams.submit(name, op, self._epoch, sched, masters, my_slots, local_index_of,
+                                            async_op)
 
         def body() -> None:
             if self._broken is not None:  # queued before an earlier operation failed: never start it
@@ -467,8 +524,12 @@ class Context:
         return self._get(vid, need_plan=True).plan.slot_src[self.rank].tolist()
 
     def synchronize(self) -> None:
-        """Wait for every operation submitted so far on this rank."""
+        """Wait for every operation submitted so far on this rank (stream-ordered transports:
+        for all work on the device), then raise the first failure, if any."""
         self._check_open()
+        if self._streams is not None:
+            self._streams.synchronize()
+            return
         self._runner.submit("synchronize", lambda: None).wait()
 
     @property

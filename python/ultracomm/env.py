@@ -9,10 +9,10 @@ same syntax as the variables).
 variable                   field           type                  default             meaning
 =========================  ==============  ====================  ==================  =====================================================
 ULTRACOMM_NUM_WORKERS      num_workers     int 1..1024           min(4, cpu_count)   host executor worker threads per rank (CPU analogue of SMs)
-ULTRACOMM_MULTICAST_SMS    multicast_sms   int 1..4096           16                  SMs (thread blocks) the GPU executor uses for multicast
-ULTRACOMM_REDUCE_SMS       reduce_sms      int 1..4096           16                  SMs (thread blocks) the GPU executor uses for gradient reduction
+ULTRACOMM_MULTICAST_SMS    multicast_sms   int 0..4096 | auto    auto (0)            SMs (thread blocks) the GPU executor uses for multicast; auto: see "SM defaults"
+ULTRACOMM_REDUCE_SMS       reduce_sms      int 0..4096 | auto    auto (0)            SMs (thread blocks) the GPU executor uses for gradient reduction; auto: see "SM defaults"
 ULTRACOMM_TRANSPORT        transport       choice                auto                auto | host | tma | copy_engine | nccl
-ULTRACOMM_WINDOW           window          choice                auto                auto | host_shm | local | cuda_ipc | torch_symm | nvshmem
+ULTRACOMM_WINDOW           window          choice                auto                auto | host_shm | local | cuda_ipc | torch_symm | nvshmem | cuda_local (one-GPU loopback)
 ULTRACOMM_TILE_BYTES       tile_bytes      size (bytes)          32768 (32K)         bytes moved per tile; a positive multiple of 16, at most 1024G
 ULTRACOMM_CHUNK_BYTES      chunk_bytes     size (bytes)          1048576 (1M)        bytes per flagged chunk (relay granularity); a multiple of tile_bytes, at most 1024G
 ULTRACOMM_RELAY            relay_mode      choice                auto                auto (relay when the cost model says so) | off (direct) | force
@@ -23,6 +23,7 @@ ULTRACOMM_LOG_LEVEL        log_level       choice                warning        
 ULTRACOMM_INTRA_BW         intra_bw        bandwidth (bytes/s)   370e9               intra-node link bandwidth for the schedule cost model
 ULTRACOMM_INTER_BW         inter_bw        bandwidth (bytes/s)   50e9                inter-node link bandwidth for the schedule cost model
 ULTRACOMM_DEBUG_JITTER_US  jitter_us       int 0..1000000        0                   testing aid: random delay up to this many us before each host task
+ULTRACOMM_HW_PROFILE       hw_profile      path                  (search)            hardware profile JSON for the SM defaults (ultracomm/hwprofile.py); unset: newest perf/gpu/*profile*.json of this GPU
 =========================  ==============  ====================  ==================  =====================================================
 
 Syntax:
@@ -34,6 +35,22 @@ Syntax:
   e.g. ``370G``.
 * bool: ``1/0``, ``true/false``, ``yes/no``, ``on/off`` (case-insensitive).
 * choice: one of the listed words (case-insensitive).
+
+SM defaults (``multicast_sms`` / ``reduce_sms`` = ``auto``, resolved by
+``ultracomm.sm_budget.default_sms`` when a GPU transport is built; the chosen value and
+its source are logged at ``ULTRACOMM_LOG_LEVEL=debug``)::
+
+    sms = clamp(ceil(intra_bw / per_sm_rate), 1, min(32, SMs of the device))
+
+``intra_bw`` is the link bandwidth a rank's operation can use (``ULTRACOMM_INTRA_BW``),
+``per_sm_rate`` the payload bytes/s one CTA moves: ``per_sm_copy_bw`` (multicast) or
+``per_sm_reduce_bw`` (reduce) of the hardware profile of this GPU when one exists
+(``perf/bench_gpu.py`` measures them), else the analytic floor 4.3e12 / 2 / 132 = 16.3e9
+B/s: the D2D copy rate measured on one H200 through PyTorch (4.3 TB/s, read + write
+counted; FACTS.md) halved to payload and spread over the H200's 132 SMs, i.e. what every
+SM sustains when all of them copy.  A single SM moves at least that, so the floor
+over-provisions rather than under-provisions (with the defaults: ceil(370 / 16.3) = 23).
+An explicit positive value is used as given.
 
 Errors are :class:`ultracomm.errors.ConfigError` naming the variable, the bad value and
 what is accepted.  Every number is bounded so that what the executors compute from it
@@ -58,7 +75,7 @@ from .errors import ConfigError
 __all__ = ["Config", "VARIABLES", "parse_size", "parse_bandwidth", "parse_bool", "check_window_layout", "MAX_CHUNK_BYTES"]
 
 TRANSPORTS = ("auto", "host", "tma", "copy_engine", "nccl")
-WINDOWS = ("auto", "host_shm", "local", "cuda_ipc", "torch_symm", "nvshmem")
+WINDOWS = ("auto", "host_shm", "local", "cuda_ipc", "torch_symm", "nvshmem", "cuda_local")
 RELAY_MODES = ("auto", "off", "force")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -105,6 +122,10 @@ def _parse_int(text: str) -> int:
         return int(text.strip(), 10)
     except ValueError:
         raise _Bad("expected an integer") from None
+
+
+def _parse_sms(text: str) -> int:
+    return 0 if text.strip().lower() == "auto" else _parse_int(text)
 
 
 def _parse_float(text: str) -> float:
@@ -164,6 +185,10 @@ def _chunk_check(v: int) -> Optional[str]:
     return None
 
 
+def _file_or_empty(v: str) -> Optional[str]:
+    return None if not v or os.path.isfile(v) else "no such file (give the path of a hardware profile JSON)"
+
+
 def _in(options: tuple[str, ...]) -> Callable[[Any], Optional[str]]:
     return lambda v: None if v in options else f"expected one of {', '.join(options)}"
 
@@ -172,10 +197,10 @@ def _in(options: tuple[str, ...]) -> Callable[[Any], Optional[str]]:
 VARIABLES: tuple[_Var, ...] = (
     _Var("num_workers", "ULTRACOMM_NUM_WORKERS", "int", _parse_int, _between(1, 1024),
          "host executor worker threads per rank (CPU analogue of SMs)"),
-    _Var("multicast_sms", "ULTRACOMM_MULTICAST_SMS", "int", _parse_int, _between(1, 4096),
-         "SMs the GPU executor uses for multicast"),
-    _Var("reduce_sms", "ULTRACOMM_REDUCE_SMS", "int", _parse_int, _between(1, 4096),
-         "SMs the GPU executor uses for gradient reduction"),
+    _Var("multicast_sms", "ULTRACOMM_MULTICAST_SMS", "int", _parse_sms, _between(0, 4096),
+         "SMs the GPU executor uses for multicast (0 = auto)"),
+    _Var("reduce_sms", "ULTRACOMM_REDUCE_SMS", "int", _parse_sms, _between(0, 4096),
+         "SMs the GPU executor uses for gradient reduction (0 = auto)"),
     _Var("transport", "ULTRACOMM_TRANSPORT", "str", _choice(TRANSPORTS), _in(TRANSPORTS),
          "executor: " + " | ".join(TRANSPORTS)),
     _Var("window", "ULTRACOMM_WINDOW", "str", _choice(WINDOWS), _in(WINDOWS),
@@ -200,6 +225,8 @@ VARIABLES: tuple[_Var, ...] = (
          "inter-node bytes/s for the cost model"),
     _Var("jitter_us", "ULTRACOMM_DEBUG_JITTER_US", "int", _parse_int, _between(0, 1_000_000),
          "testing aid: random delay (us) before each host task"),
+    _Var("hw_profile", "ULTRACOMM_HW_PROFILE", "str", lambda t: t.strip(), _file_or_empty,
+         "hardware profile JSON for the SM defaults (empty: search perf/gpu)"),
 )
 _BY_FIELD = {v.field: v for v in VARIABLES}
 _BY_ENV = {v.env: v for v in VARIABLES}
@@ -244,8 +271,8 @@ class Config:
     """
 
     num_workers: int = field(default_factory=_default_workers)
-    multicast_sms: int = 16
-    reduce_sms: int = 16
+    multicast_sms: int = 0  # auto
+    reduce_sms: int = 0  # auto
     transport: str = "auto"
     window: str = "auto"
     tile_bytes: int = 32768
@@ -258,6 +285,7 @@ class Config:
     intra_bw: float = 370e9
     inter_bw: float = 50e9
     jitter_us: int = 0
+    hw_profile: str = ""
 
     def __post_init__(self) -> None:
         for var in VARIABLES:

@@ -11,24 +11,66 @@ name         how                                                         device
 ===========  ==========================================================  ============
 host_shm     POSIX shared memory, names exchanged over the group          CPU
 local        buffers of one process (loopback domains: ranks as threads)  CPU
+torch_symm   torch.distributed._symmetric_memory empty + rendezvous       CUDA
+cuda_ipc     device allocation + CUDA IPC handles over the group          CUDA (one host)
+cuda_local   loopback domain on one GPU (ranks as threads)                CUDA
 ===========  ==========================================================  ============
 
-GPU providers (cuda_ipc, torch_symm, nvshmem) arrive with the CUDA data plane.
+``auto`` picks, for a CPU Context: ``local`` (loopback) or ``host_shm``; for a CUDA Context:
+``cuda_local`` (loopback), else ``torch_symm`` when torch has it, else ``cuda_ipc``
+(restricted to what the transport accepts).  GPU providers zero the window and pass a
+barrier before returning.  nvshmem is not built yet.
 """
 from __future__ import annotations
 
+import logging
+from typing import Any, Sequence
+
 from ..comm import Comm
+from ..cuda_support import NotAvailableError
 from .base import Window
+from .cuda_ipc import CudaIpcWindow
+from .cuda_local import CudaLocalWindow
 from .host_shm import HostShmWindow
 from .local import LocalWindow
+from .torch_symm import TorchSymmWindow
 
-PROVIDERS = {"host_shm": HostShmWindow, "local": LocalWindow}
+log = logging.getLogger("ultracomm")
+
+PROVIDERS = {"host_shm": HostShmWindow, "local": LocalWindow, "torch_symm": TorchSymmWindow,
+             "cuda_ipc": CudaIpcWindow, "cuda_local": CudaLocalWindow}
+CPU_PROVIDERS = ("local", "host_shm")
+GPU_PROVIDERS = ("cuda_local", "torch_symm", "cuda_ipc")  # auto's order of preference
 
 
-def resolve_provider(provider: str, comm: Comm) -> str:
-    """``auto`` -> ``local`` for loopback groups, ``host_shm`` for process groups; checks the name."""
+def device_type_of(provider: str) -> str:
+    """``"cpu"`` or ``"cuda"``: where ``provider``'s windows live."""
+    return getattr(PROVIDERS[provider], "device_type", "cpu")
+
+
+def _auto(comm: Comm, device_type: str, allowed: Sequence[str] | None) -> str:
+    if device_type == "cpu":
+        return "local" if comm.kind == "loopback" else "host_shm"
+    reasons = []
+    for name in GPU_PROVIDERS:
+        if allowed is not None and name not in allowed:
+            reasons.append(f"{name}: not accepted by the transport")
+            continue
+        why = PROVIDERS[name].unavailable_reason(comm)
+        if why is None:
+            return name
+        reasons.append(f"{name}: {why}")
+    raise NotAvailableError("ultracomm: no GPU window is available here: " + "; ".join(reasons))
+
+
+def resolve_provider(provider: str, comm: Comm, device_type: str = "cpu",
+                     allowed: Sequence[str] | None = None) -> str:
+    """``auto`` -> the best provider for ``device_type`` (``cpu``/``cuda``) among ``allowed``
+    (the transport's providers; ``None``: any); other names are checked and returned."""
     if provider == "auto":
-        provider = "local" if comm.kind == "loopback" else "host_shm"
+        chosen = _auto(comm, device_type, allowed)
+        log.info("ultracomm: rank %d: window auto -> %s", comm.rank, chosen)
+        return chosen
     if provider not in PROVIDERS:
         raise ValueError(
             f"ultracomm: window provider {provider!r} is not available in this build; "
@@ -37,10 +79,15 @@ def resolve_provider(provider: str, comm: Comm) -> str:
     return provider
 
 
-def open_window(provider: str, comm: Comm, nbytes: int, op: str = "window setup") -> Window:
+def open_window(provider: str, comm: Comm, nbytes: int, op: str = "window setup", device: Any = None) -> Window:
     """Collectively create a window of ``nbytes`` per rank with ``provider`` (or ``auto``);
-    bounded by ``comm.timeout_s``.  ``op`` names the caller's operation in errors."""
-    return PROVIDERS[resolve_provider(provider, comm)].create(comm, nbytes, op=op)
+    bounded by ``comm.timeout_s``.  ``op`` names the caller's operation in errors.  ``device``:
+    the CUDA device of a GPU provider (``None``: the current one); CPU providers take none."""
+    name = resolve_provider(provider, comm, "cuda" if device is not None else "cpu")
+    if device_type_of(name) == "cuda":
+        return PROVIDERS[name].create(comm, nbytes, op=op, device=device)
+    return PROVIDERS[name].create(comm, nbytes, op=op)
 
 
-__all__ = ["Window", "HostShmWindow", "LocalWindow", "open_window", "resolve_provider", "PROVIDERS"]
+__all__ = ["Window", "HostShmWindow", "LocalWindow", "CudaIpcWindow", "CudaLocalWindow", "TorchSymmWindow",
+           "open_window", "resolve_provider", "device_type_of", "PROVIDERS", "CPU_PROVIDERS", "GPU_PROVIDERS"]

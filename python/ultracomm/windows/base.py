@@ -16,6 +16,8 @@ class Window(abc.ABC):
         nbytes: bytes per rank (identical on every rank).
         local: ``uint8 [nbytes]`` tensor over this rank's own window.
         peer_bases: ``world`` addresses: rank ``r``'s window as addressed from this process.
+        device: where the window lives (``local.device``): the CPU, or the CUDA device whose
+            kernels may dereference ``peer_bases``.
     """
 
     provider: str
@@ -34,6 +36,10 @@ class Window(abc.ABC):
         raises, naming the failed rank), so that no rank waits for one that stopped.
         ``op`` names the caller's operation in errors (e.g. ``"Context setup"``).
         """
+
+    @property
+    def device(self) -> torch.device:
+        return self.local.device
 
     @abc.abstractmethod
     def close(self) -> None:

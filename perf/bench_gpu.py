@@ -1,0 +1,708 @@
+"""Single-GPU measurements of the tma data plane, side by side with CUDA/torch baselines (issue 8, section 6).
+
+Everything runs on ONE GPU: the tile mover is ultracomm's ``tma`` transport over a
+``cuda_local`` loopback domain (every rank's window on this GPU, all ranks in one launch),
+driven through ``transport.run`` (the documented transport interface; Context builds the
+windows, schedules and masters).  A "hop" is therefore HBM -> HBM, not NVLink.
+
+Sections (each prints a table like nccl-tests and goes into the JSON):
+
+  copy      1 -> 1 copy of S bytes: tile mover (world 2, one expert, default CTAs) vs
+            cudaMemcpyAsync D2D (libcudart through ctypes) vs torch ``Tensor.copy_``
+  fanout    1 -> N (N = 2, 4, 8): one multicast (world N+1, direct) vs N cudaMemcpyAsync copies
+  sweep     tile mover copy of 256 MiB with 1..32 CTAs: fraction of cudaMemcpyAsync's rate
+  reduce    home grad += k replica grads (k = 2, 4, 8; fp32, bf16, fp16; fp32 accumulation in
+            schedule order) vs ``torch.sum`` of the pre-stacked ``[k + 1, n]`` sources
+  flag      release -> acquire round trip between two CTAs (``_cuda`` ping-pong microkernel)
+  relay     chains of D = 1..4 hops (world D+1, relay forced, verified to be a chain):
+            fill: S = one chunk (32 KiB .. 4 MiB), per-hop cost = slope of time over D;
+            stream: S = 64 MiB, chunked at 32 KiB .. 4 MiB: does per-chunk signalling cost rate
+  launch    empty kernel (``_cuda``) and a persistent launch with no tasks (world 1)
+
+Bytes counted (say exactly what a rate means):
+  size      bytes of ONE source buffer (an expert's weights or grads: S)
+  algbw     payload / time: bytes delivered to outputs (copy S, fan-out N*S, reduce S (the
+            output), relay stream D*S (every hop's replica), relay fill D*S)
+  busbw     HBM traffic / time: copy 2S (read + write); fan-out, one multicast (1+N)S, N copies
+            2NS; reduce (k+2)S (k sources, read and write the output), torch.sum (k+2)S too
+            (k+1 stacked rows, one output); relay 2DS
+  time      GPU time per operation: CUDA events around ``reps`` back-to-back operations
+            (median of 3 trials); ``cpu-bound`` marks rows whose enqueueing took longer than the GPU
+  #wrong    bytes (copies) or elements (reductions) that differ from the reference, checked on
+            the first and on the last operation of a row: the source bytes for copies (the
+            destinations are filled with 0xA5 first), the fp32 ordered sum rounded once to the
+            grad dtype for reductions (bit patterns compared; torch.sum's row is informational:
+            its order is torch's)
+
+Goals (printed PASS/MISS): the tile mover reaches >= 90% of cudaMemcpyAsync D2D with <= 16
+CTAs (sweep, best row with <= 16 CTAs at 256 MiB); reduction >= 85% of torch.sum's bandwidth
+(largest size, every k and dtype).
+
+Hardware profile (``--profile``, default ``$OUT/<date>_<device>_profile.json``; schema
+``ultracomm.hwprofile/1``, validated by ``ultracomm.hwprofile.validate`` before writing, read
+by ``ultracomm.sm_budget`` and ``ultracomm.sim`` through ``ultracomm.hwprofile.find_profile``):
+``d2d_copy_bw`` (cudaMemcpyAsync payload rate at the largest copy), ``per_sm_copy_bw`` (1-CTA
+sweep row), ``per_sm_reduce_bw`` (1-CTA fp32 k=2 reduction), ``sm_sweep`` [[CTAs, payload
+B/s]], ``reduce_bw`` / ``torch_reduce_bw`` (fp32, largest k, largest size), ``flag_rtt_s``,
+``launch_s`` (empty kernel), ``relay_hop_s`` [[chunk bytes, per-hop s]], ``chunk_overhead_s``
+and ``hop_bw`` (intercept and 1/slope of per-hop cost against chunk bytes), plus device,
+compute capability, SM count, date, torch and CUDA versions.  Unmeasured fields are null.
+
+    python perf/bench_gpu.py [--quick] [--out DIR] [--json FILE] [--profile FILE] [--only copy,sweep]
+
+Without a CUDA device it prints why and exits with status 2 (nothing measured).
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+SECTIONS = ("launch", "flag", "copy", "fanout", "sweep", "reduce", "relay")
+MiB = 1 << 20
+GOAL_COPY, GOAL_COPY_SMS, GOAL_REDUCE = 0.90, 16, 0.85
+SENTINEL = 0xA5
+
+
+# ----------------------------------------------------------------------------- pure helpers (CPU-tested)
+
+@dataclass
+class Row:
+    """One measured line of a table."""
+
+    section: str
+    case: str
+    impl: str
+    size: int
+    time_s: Optional[float]
+    payload: int
+    traffic: int
+    wrong: Optional[int]
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def algbw(self) -> Optional[float]:
+        return self.payload / self.time_s if self.time_s else None
+
+    @property
+    def busbw(self) -> Optional[float]:
+        return self.traffic / self.time_s if self.time_s else None
+
+    def to_dict(self) -> dict:
+        return dict(section=self.section, case=self.case, impl=self.impl, size=self.size, time_s=self.time_s,
+                    payload_bytes=self.payload, traffic_bytes=self.traffic, algbw=self.algbw, busbw=self.busbw,
+                    wrong=self.wrong, note=self.note, **self.extra)
+
+
+def fmt_size(n: int) -> str:
+    for unit, div in (("G", 1 << 30), ("M", MiB), ("K", 1 << 10)):
+        if n >= div and n % div == 0:
+            return f"{n // div}{unit}"
+    return str(n)
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    """nccl-tests-like columns: size, case, impl, time (us), algbw and busbw (GB/s), #wrong, note."""
+    hdr = ("size", "case", "impl", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong", "note")
+    lines = [hdr]
+    for r in rows:
+        lines.append((fmt_size(r.size), r.case, r.impl,
+                      "-" if r.time_s is None else f"{r.time_s * 1e6:.2f}",
+                      "-" if r.algbw is None else f"{r.algbw / 1e9:.1f}",
+                      "-" if r.busbw is None else f"{r.busbw / 1e9:.1f}",
+                      "-" if r.wrong is None else str(r.wrong), r.note))
+    widths = [max(len(x[i]) for x in lines) for i in range(len(hdr) - 1)]
+    out = []
+    for i, x in enumerate(lines):
+        out.append("  ".join(c.rjust(w) if i and j in (0, 3, 4, 5, 6) else c.ljust(w)
+                             for j, (c, w) in enumerate(zip(x[:-1], widths))) + ("  " + x[-1] if x[-1] else ""))
+        if i == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def linear_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """Least squares ``y = a + b x`` -> ``(a, b)``; needs two distinct xs."""
+    if len(xs) < 2 or len(set(xs)) < 2:
+        raise ValueError("linear_fit needs at least two distinct x values")
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - b * mx, b
+
+
+def hop_costs(fill: dict[int, dict[int, float]]) -> tuple[list[list], Optional[float], Optional[float]]:
+    """Relay fill times ``{chunk: {depth: seconds}}`` -> (``[[chunk, per-hop s]]`` (slope over depth),
+    chunk_overhead_s (intercept over chunk bytes, >= 0, or None), hop_bw (1/slope, or None))."""
+    per_hop = []
+    for chunk in sorted(fill):
+        depths = sorted(fill[chunk])
+        if len(depths) >= 2:
+            _, slope = linear_fit(depths, [fill[chunk][d] for d in depths])
+            if slope > 0:
+                per_hop.append([int(chunk), slope])
+    if len(per_hop) < 2:
+        return per_hop, None, None
+    a, b = linear_fit([c for c, _ in per_hop], [s for _, s in per_hop])
+    return per_hop, (a if a >= 0 else None), (1.0 / b if b > 0 else None)
+
+
+def goal_lines(rows: Sequence[Row]) -> list[str]:
+    """The two goals of issue 8, PASS/MISS/not measured, from the sweep and reduce rows."""
+    out = []
+    sweep = [r for r in rows if r.section == "sweep" and r.algbw]
+    ref = [r for r in sweep if r.impl == "cudaMemcpyAsync"]
+    mover = [r for r in sweep if r.impl == "tile mover" and r.extra.get("ctas", 1 << 30) <= GOAL_COPY_SMS]
+    if ref and mover:
+        best = max(mover, key=lambda r: r.algbw)
+        frac = best.algbw / ref[0].algbw
+        out.append(f"goal copy: tile mover {best.algbw / 1e9:.1f} GB/s with {best.extra['ctas']} CTAs = "
+                   f"{100 * frac:.1f}% of cudaMemcpyAsync D2D {ref[0].algbw / 1e9:.1f} GB/s at "
+                   f"{fmt_size(best.size)} (goal >= {100 * GOAL_COPY:.0f}% with <= {GOAL_COPY_SMS}): "
+                   f"{'PASS' if frac >= GOAL_COPY else 'MISS'}")
+    else:
+        out.append("goal copy: not measured (sweep rows missing)")
+    red = [r for r in rows if r.section == "reduce" and r.algbw]
+    if red:
+        top = max(r.size for r in red)
+        pairs = []
+        for r in red:
+            if r.size == top and r.impl == "tile mover":
+                base = [t for t in red if t.size == top and t.impl == "torch.sum" and t.case == r.case]
+                if base:
+                    pairs.append((r.case, r.algbw / base[0].algbw))
+        if pairs:
+            worst = min(pairs, key=lambda p: p[1])
+            ok = all(f >= GOAL_REDUCE for _, f in pairs)
+            out.append(f"goal reduce: worst {worst[0]} at {100 * worst[1]:.1f}% of torch.sum's bandwidth "
+                       f"(goal >= {100 * GOAL_REDUCE:.0f}% for every case at {fmt_size(top)}): "
+                       f"{'PASS' if ok else 'MISS'}")
+        else:
+            out.append("goal reduce: not measured (no torch.sum baseline rows)")
+    else:
+        out.append("goal reduce: not measured (reduce rows missing)")
+    return out
+
+
+def build_profile(rows: Sequence[Row], device: dict, stamp: str) -> dict:
+    """The hardware profile dict (schema ultracomm.hwprofile/1) from the measured rows."""
+    def pick(section, impl, pred=lambda r: True, key=lambda r: r.size):
+        cand = [r for r in rows if r.section == section and r.impl == impl and r.algbw and pred(r)]
+        return max(cand, key=key) if cand else None
+
+    memcpy = pick("copy", "cudaMemcpyAsync") or pick("sweep", "cudaMemcpyAsync")
+    sweep = sorted({r.extra["ctas"]: r.algbw for r in rows
+                    if r.section == "sweep" and r.impl == "tile mover" and r.algbw}.items())
+    one_reduce = pick("reduce", "tile mover", lambda r: r.extra.get("ctas") == 1)
+    red = pick("reduce", "tile mover", lambda r: r.extra.get("dtype") == "fp32" and r.extra.get("ctas") != 1,
+               key=lambda r: (r.size, r.extra.get("k", 0)))
+    tred = None
+    if red is not None:
+        tred = pick("reduce", "torch.sum", lambda r: r.case == red.case and r.size == red.size)
+    flag = [r for r in rows if r.section == "flag" and r.time_s]
+    launch = [r for r in rows if r.section == "launch" and r.impl == "empty kernel" and r.time_s]
+    fill: dict[int, dict[int, float]] = {}
+    for r in rows:
+        if r.section == "relay" and r.extra.get("mode") == "fill" and r.time_s and r.extra.get("chain"):
+            fill.setdefault(r.extra["chunk"], {})[r.extra["depth"]] = r.time_s
+    per_hop, overhead, hop_bw = hop_costs(fill)
+    return {
+        "schema": "ultracomm.hwprofile/1", "device": device["name"], "compute_capability": device["cc"],
+        "sm_count": device["sms"], "date": stamp, "torch": device["torch"], "cuda": device["cuda"],
+        "source": "perf/bench_gpu.py",
+        "d2d_copy_bw": memcpy.algbw if memcpy else None,
+        "per_sm_copy_bw": dict(sweep).get(1),
+        "per_sm_reduce_bw": one_reduce.algbw if one_reduce else None,
+        "sm_sweep": [[int(c), bw] for c, bw in sweep],
+        "reduce_bw": red.algbw if red else None, "torch_reduce_bw": tred.algbw if tred else None,
+        "flag_rtt_s": flag[0].time_s if flag else None, "launch_s": launch[0].time_s if launch else None,
+        "relay_hop_s": per_hop, "chunk_overhead_s": overhead, "hop_bw": hop_bw,
+    }
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why nothing can be measured here (no torch CUDA device), or None."""
+    try:
+        from ultracomm.cuda_support import torch_cuda_reason
+    except Exception as e:  # noqa: BLE001 - an unbuilt package is a reason too
+        return f"ultracomm does not import ({e})"
+    return torch_cuda_reason()
+
+
+# ----------------------------------------------------------------------------- device side
+
+class Timer:
+    """GPU time per call of ``fn`` (CUDA events, median of trials) and whether enqueueing was the bottleneck."""
+
+    def __init__(self, torch_mod, reps: int, trials: int = 3):
+        self.torch, self.reps, self.trials = torch_mod, reps, trials
+
+    def __call__(self, fn: Callable[[], None], reps: Optional[int] = None) -> tuple[float, bool]:
+        torch = self.torch
+        reps = reps or self.reps
+        fn()
+        torch.cuda.synchronize()
+        times, cpu_bound = [], False
+        for _ in range(self.trials):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            a.record()
+            for _ in range(reps):
+                fn()
+            b.record()
+            host = time.perf_counter() - t0
+            b.synchronize()
+            gpu = a.elapsed_time(b) / 1e3
+            times.append(gpu / reps)
+            cpu_bound |= host >= 0.9 * gpu
+        return statistics.median(times), cpu_bound
+
+
+def _cudart():
+    """libcudart already loaded by torch (found in /proc/self/maps), for cudaMemcpyAsync."""
+    path = None
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                if "libcudart.so" in line:
+                    path = line.split()[-1]
+                    break
+    except OSError:
+        pass
+    if path is None:
+        import ctypes.util
+
+        path = ctypes.util.find_library("cudart")
+    if path is None:
+        raise RuntimeError("libcudart not found in this process or on the library path")
+    lib = ctypes.CDLL(path)
+    lib.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    lib.cudaMemcpyAsync.restype = ctypes.c_int
+    return lib
+
+
+class Gpu:
+    """Measurements; each section appends Rows and never raises (failures become notes)."""
+
+    def __init__(self, quick: bool):
+        import torch
+
+        import ultracomm
+        from ultracomm import cuda_support
+
+        self.torch, self.uc = torch, ultracomm
+        self.quick = quick
+        self.dev = torch.device("cuda", torch.cuda.current_device())
+        props = torch.cuda.get_device_properties(self.dev)
+        self.info = dict(name=props.name, cc=f"{props.major}.{props.minor}", sms=props.multi_processor_count,
+                         torch=torch.__version__, cuda=str(torch.version.cuda))
+        self.timer = Timer(torch, reps=5 if quick else 20)
+        self.rows: list[Row] = []
+        self.errors: list[str] = []
+        self.tma_reason = cuda_support.cuda_module_reason()
+        self.cuda = cuda_support.cuda_module()
+        try:
+            self.cudart = _cudart()
+            self.cudart_reason = None
+        except Exception as e:  # noqa: BLE001
+            self.cudart, self.cudart_reason = None, str(e)
+
+    # -- helpers
+    def stream(self) -> int:
+        return self.torch.cuda.current_stream(self.dev).cuda_stream
+
+    def memcpy(self, dst, src, nbytes: int) -> None:
+        rc = self.cudart.cudaMemcpyAsync(ctypes.c_void_p(dst.data_ptr()), ctypes.c_void_p(src.data_ptr()),
+                                         nbytes, 3, ctypes.c_void_p(self.stream()))  # 3: DeviceToDevice
+        if rc != 0:
+            raise RuntimeError(f"cudaMemcpyAsync returned {rc}")
+
+    def wrong_bytes(self, got, want) -> int:
+        return int((got.view(self.torch.uint8) != want.view(self.torch.uint8)).sum())
+
+    def section(self, name: str, fn: Callable[[], None]) -> None:
+        t0 = time.perf_counter()
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - one failing section must not hide the others
+            self.errors.append(f"{name}: {type(e).__name__}: {e}")
+            self.rows.append(Row(name, "-", "-", 0, None, 0, 0, None, f"FAILED: {type(e).__name__}: {e}"))
+            traceback.print_exc()
+        print(f"bench_gpu: section {name} took {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+
+    def binding(self, name: str) -> tuple[Optional[Callable], str]:
+        """A ``_cuda`` microkernel launcher, or ``None`` and why it is missing."""
+        fn = getattr(self.cuda, name, None) if self.cuda is not None else None
+        return fn, "" if fn is not None else (self.tma_reason or f"this _cuda build has no {name}")
+
+    def baseline_copies(self, section: str, case: str, impl: str, src, dsts: list, fn: Callable[[], None],
+                        note: str = "") -> Row:
+        """Row of a copy baseline that writes ``src`` into every one of ``dsts`` (verified before and after)."""
+        for d in dsts:
+            d.fill_(SENTINEL)
+        fn()
+        w0 = sum(self.wrong_bytes(d, src) for d in dsts)
+        t, cpu = self.timer(fn)
+        size, n = src.numel(), len(dsts)
+        return Row(section, case, impl, size, t, n * size, 2 * n * size,
+                   w0 + sum(self.wrong_bytes(d, src) for d in dsts), ", ".join(x for x in (note, cpu * "cpu-bound") if x))
+
+    def mover_missing(self, section: str, case: str, size: int) -> None:
+        self.rows.append(Row(section, case, "tile mover", size, None, 0, 0, None,
+                             f"not measured: {self.tma_reason}"))
+
+    # -- loopback domains through the tma transport
+    def domain(self, world: int, slot_src: np.ndarray, nbytes: int, grad_dtype, **cfg) -> "Loopback":
+        return Loopback(self, world, slot_src, nbytes, grad_dtype, **cfg)
+
+    # -- sections
+    def run_launch(self) -> None:
+        torch = self.torch
+        launch_empty, why = self.binding("launch_empty")
+        if launch_empty is None:
+            self.rows.append(Row("launch", "floor", "empty kernel", 0, None, 0, 0, None, f"not measured: {why}"))
+        else:
+            t, cpu = self.timer(lambda: launch_empty(self.stream()), reps=200)
+            self.rows.append(Row("launch", "floor", "empty kernel", 0, t, 0, 0, 0,
+                                 "cpu-bound (launch rate)" if cpu else ""))
+        if self.tma_reason:
+            self.mover_missing("launch", "no tasks", 0)
+            return
+        d = self.domain(1, np.full((1, 1), -1, np.int32), 1024, torch.float32)
+        try:
+            t, cpu = self.timer(lambda: d.run("multicast"), reps=200)
+            d.check()
+            self.rows.append(Row("launch", "no tasks", "tile mover", 0, t, 0, 0, 0,
+                                 "persistent launch, world 1" + (", cpu-bound" if cpu else "")))
+        finally:
+            d.close()
+
+    def run_flag(self) -> None:
+        torch = self.torch
+        pingpong, why = self.binding("flag_pingpong")
+        if pingpong is None:
+            self.rows.append(Row("flag", "rtt", "release/acquire", 0, None, 0, 0, None, f"not measured: {why}"))
+            return
+        iters = 2000 if self.quick else 20000
+        flags = torch.zeros(64, dtype=torch.int64, device=self.dev)  # ping at [0], pong at [32]: 256 B apart
+        out = torch.zeros(2, dtype=torch.int64, device=self.dev)
+        base = 0
+        pingpong(flags.data_ptr(), flags.data_ptr() + 256, base, iters, int(5e9), out.data_ptr(), self.stream())
+        torch.cuda.synchronize()
+        ns, failed = (int(x) for x in out.tolist())
+        wrong = int(failed != 0) + int(int(flags[0]) != base + iters) + int(int(flags[32]) != base + iters)
+        self.rows.append(Row("flag", "rtt", "release/acquire", 8, ns / 1e9 / iters, 0, 0, wrong,
+                             f"{iters} round trips between 2 CTAs" + (f"; timed out at {failed}" if failed else "")))
+
+    def run_copy(self) -> None:
+        torch = self.torch
+        sizes = [MiB, 16 * MiB, 256 * MiB] if self.quick else [MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB, 1 << 30]
+        for size in sizes:
+            src = torch.randint(0, 256, (size,), dtype=torch.uint8, device=self.dev)
+            dst = torch.empty_like(src)
+            if self.cudart is not None:
+                self.rows.append(self.baseline_copies("copy", "1->1", "cudaMemcpyAsync", src, [dst],
+                                                      lambda: self.memcpy(dst, src, size)))
+            else:
+                self.rows.append(Row("copy", "1->1", "cudaMemcpyAsync", size, None, 0, 0, None,
+                                     f"not measured: {self.cudart_reason}"))
+            self.rows.append(self.baseline_copies("copy", "1->1", "torch copy_", src, [dst], lambda: dst.copy_(src)))
+            if self.tma_reason:
+                self.mover_missing("copy", "1->1", size)
+                continue
+            self.rows.append(self.mover_multicast("copy", "1->1", 1, size))
+
+    def mover_multicast(self, section: str, case: str, n: int, size: int, **cfg) -> Row:
+        """Home rank 0 multicasts one expert of ``size`` bytes into ``n`` replicas (direct)."""
+        d = self.domain(n + 1, one_expert(n), size, self.torch.float32, relay_mode="off", **cfg)
+        try:
+            t, cpu, wrong = d.timed_multicast(self.timer)
+            ctas = d.ctas
+        finally:
+            d.close()
+        return Row(section, case, "tile mover", size, t, n * size, (1 + n) * size, wrong,
+                   f"{ctas} CTAs/rank" + (", cpu-bound" if cpu else ""), dict(ctas=ctas))
+
+    def run_fanout(self) -> None:
+        torch = self.torch
+        size = 64 * MiB
+        for n in (2, 4, 8):
+            if self.cudart is not None:
+                src = torch.randint(0, 256, (size,), dtype=torch.uint8, device=self.dev)
+                dsts = [torch.empty_like(src) for _ in range(n)]
+
+                def copies():
+                    for d in dsts:
+                        self.memcpy(d, src, size)
+
+                self.rows.append(self.baseline_copies("fanout", f"1->{n}", f"{n} x cudaMemcpyAsync", src, dsts, copies))
+                del src, dsts
+            if self.tma_reason:
+                self.mover_missing("fanout", f"1->{n}", size)
+            else:
+                self.rows.append(self.mover_multicast("fanout", f"1->{n}", n, size))
+
+    def run_sweep(self) -> None:
+        torch = self.torch
+        size = 256 * MiB
+        if self.cudart is not None:
+            src = torch.randint(0, 256, (size,), dtype=torch.uint8, device=self.dev)
+            dst = torch.empty_like(src)
+            self.rows.append(self.baseline_copies("sweep", "1->1", "cudaMemcpyAsync", src, [dst],
+                                                  lambda: self.memcpy(dst, src, size), "reference for the fractions"))
+            del src, dst
+        ref = self.rows[-1].algbw if self.cudart is not None else None
+        for ctas in ((1, 2, 4, 8, 16, 32) if self.quick else (1, 2, 4, 6, 8, 12, 16, 24, 32)):
+            if self.tma_reason:
+                self.mover_missing("sweep", f"{ctas} CTAs", size)
+                continue
+            row = self.mover_multicast("sweep", f"{ctas} CTAs", 1, size, multicast_sms=ctas)
+            if ref and row.algbw:
+                row.note += f", {100 * row.algbw / ref:.1f}% of cudaMemcpyAsync"
+                row.extra["fraction"] = row.algbw / ref
+            self.rows.append(row)
+
+    def run_reduce(self) -> None:
+        torch = self.torch
+        size_elems = (16 * MiB) if self.quick else (64 * MiB)  # elements of the output
+        cases = [(k, dt) for dt in ("fp32", "bf16", "fp16") for k in (2, 4, 8)]
+        dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+        for k, name in cases + [(2, "fp32-1cta")]:
+            dt = dtypes[name.split("-")[0]]
+            n = size_elems // dt.itemsize if name != "fp32-1cta" else 4 * MiB // 4
+            nbytes = n * dt.itemsize
+            case = f"k={k} {name}"
+            if name != "fp32-1cta":
+                stacked = torch.randn((k + 1, n), device=self.dev).to(dt)
+                out = torch.empty(n, dtype=dt, device=self.dev)
+                want = ordered_sum(torch, stacked)
+                torch.sum(stacked, dim=0, out=out)
+                w0 = self.wrong_bytes(out, want) // dt.itemsize
+                t, cpu = self.timer(lambda: torch.sum(stacked, dim=0, out=out))
+                self.rows.append(Row("reduce", case, "torch.sum", nbytes, t, nbytes, (k + 2) * nbytes,
+                                     w0 + self.wrong_bytes(out, want) // dt.itemsize,
+                                     "informational #wrong: torch's order" + (", cpu-bound" if cpu else ""),
+                                     dict(k=k, dtype=name)))
+                del stacked, out, want
+            if self.tma_reason:
+                self.mover_missing("reduce", case, nbytes)
+                continue
+            self.rows.append(self.mover_reduce(case, k, dt, nbytes, name, 1 if name == "fp32-1cta" else 0))
+
+    def mover_reduce(self, case: str, k: int, dt, nbytes: int, name: str, ctas: int) -> Row:
+        cfg = dict(reduce_sms=ctas) if ctas else {}
+        d = self.domain(k + 1, one_expert(k), nbytes, dt, relay_mode="off", **cfg)
+        try:
+            d.run("multicast")  # the plan's first operation; the reduce reads the replicas' grads
+            want = d.seed_grads()
+            d.run("reduce")
+            w0 = d.reduce_wrong(want)
+            t, cpu = self.timer(lambda: d.run("reduce"))
+            d.check()
+            want = d.seed_grads()  # the timed runs accumulated: check one more from a fresh state
+            d.run("reduce")
+            wrong = w0 + d.reduce_wrong(want)
+            used = d.reduce_ctas
+        finally:
+            d.close()
+        return Row("reduce", case, "tile mover", nbytes, t, nbytes, (k + 2) * nbytes, wrong,
+                   f"{used} CTAs/rank" + (", cpu-bound" if cpu else ""), dict(k=k, dtype=name, ctas=used))
+
+    def run_relay(self) -> None:
+        chunks = [32 << 10, 1 << 20, 4 << 20] if self.quick else [32 << 10, 128 << 10, 512 << 10, 1 << 20, 4 << 20]
+        if self.tma_reason:
+            self.mover_missing("relay", "chain", 0)
+            return
+        for chunk in chunks:
+            for mode, size in (("fill", chunk), ("stream", 64 * MiB)):
+                for depth in (1, 2, 3, 4):
+                    d = self.domain(depth + 1, one_expert(depth), size, self.torch.float32, chunk_bytes=chunk,
+                                    relay_mode="force" if depth > 1 else "off", max_depth=max(depth, 2))
+                    try:
+                        chain = d.is_chain(depth)
+                        t, cpu, wrong = d.timed_multicast(self.timer)
+                    finally:
+                        d.close()
+                    self.rows.append(Row("relay", f"D={depth} chunk={fmt_size(chunk)} {mode}", "tile mover", size, t,
+                                         depth * size, 2 * depth * size, wrong,
+                                         ("" if chain else "NOT a chain: excluded from the fit")
+                                         + (" cpu-bound" if cpu else ""),
+                                         dict(mode=mode, depth=depth, chunk=chunk, chain=chain)))
+
+
+def one_expert(n: int) -> np.ndarray:
+    """``slot_src`` of world n+1: expert 0 (home rank 0) in slot 0 of ranks 1..n."""
+    ss = np.full((n + 1, 1), -1, np.int32)
+    ss[1:, 0] = 0
+    return ss
+
+
+def ordered_sum(torch, stacked):
+    """fp32 sum of the rows in order (row 0 = the destination's old value), rounded once."""
+    acc = stacked[0].float()
+    for i in range(1, stacked.shape[0]):
+        acc = acc + stacked[i].float()
+    return acc.to(stacked.dtype)
+
+
+class Loopback:
+    """A ``cuda_local`` loopback domain of ``world`` ranks with one expert of ``nbytes`` (weights and
+    grads), Contexts built by threads, operations enqueued through each rank's transport."""
+
+    def __init__(self, gpu: Gpu, world: int, slot_src: np.ndarray, nbytes: int, grad_dtype, **cfg):
+        torch, uc = gpu.torch, gpu.uc
+        from ultracomm.transports.host import Masters
+
+        self.gpu, self.torch, self.world = gpu, torch, world
+        n_grad = nbytes // grad_dtype.itemsize
+        self.glayout = (n_grad, grad_dtype)
+        if n_grad * grad_dtype.itemsize != nbytes:
+            raise ValueError(f"{nbytes} bytes is not a whole number of {grad_dtype} elements")
+        # weights and grads are both nbytes: one member whose dtype is the grad dtype
+        self.layout = uc.ExpertLayout((uc.Member("w", (n_grad,), grad_dtype),), grad_dtype=grad_dtype)
+        self.plan = uc.ReplicaPlan.make(slot_src, experts_per_rank=1)
+        opts = dict(transport="tma", window="cuda_local", device=gpu.dev, timeout_s=10.0)
+        opts.update(cfg)
+        if "chunk_bytes" in opts:
+            opts.setdefault("tile_bytes", min(opts["chunk_bytes"], 32 << 10))
+        self.ctxs = uc.LoopbackDomain(world).run(
+            lambda g: uc.Context(g, self.layout, 1, 1, num_layers=1, **opts), timeout=120)
+        self.weights, self.grads, self.masters, self.scheds = [], [], [], []
+        for r, ctx in enumerate(self.ctxs):
+            w = torch.randint(-8, 8, (1, n_grad), device=gpu.dev).to(grad_dtype) if r == 0 else \
+                torch.zeros((1, n_grad), dtype=grad_dtype, device=gpu.dev)
+            g = torch.zeros((1, n_grad), dtype=grad_dtype, device=gpu.dev)
+            ctx.register_masters(0, [w], [g])
+            self.weights.append(w)
+            self.grads.append(g)
+            self.masters.append(Masters.of((w,), (g,), 1))
+            self.scheds.append(ctx.schedule_for(self.plan))
+        self.epoch = 1 << 20  # the kernel runs max(requested, last + 1): any increasing numbers do
+        self.ctas = self.ctxs[0].sm_counts.get("multicast")
+        self.reduce_ctas = self.ctxs[0].sm_counts.get("reduce")
+        self.slots = [self.plan.slot_src[r].tolist() for r in range(world)]
+        self.lio = self.plan.local_index_of.tolist()
+
+    def run(self, op: str) -> None:
+        from ultracomm.records import Op
+
+        o = Op.MULTICAST if op == "multicast" else Op.REDUCE
+        name = "weight_sync" if op == "multicast" else "grad_reduce"
+        self.epoch += 1
+        stream = self.gpu.stream()
+        for r, ctx in enumerate(self.ctxs):
+            ctx.transport.run(o, self.scheds[r], self.epoch, self.masters[r], self.slots[r], self.lio, name,
+                              stream=stream)
+
+    def check(self) -> None:
+        self.torch.cuda.synchronize()
+        for ctx in self.ctxs:
+            ctx.transport.check_error()
+
+    def timed_multicast(self, timer: Timer) -> tuple[float, bool, int]:
+        """(seconds per multicast, cpu-bound, #wrong of the first and the last one)."""
+        self.fill_replicas(SENTINEL)
+        self.run("multicast")
+        w0 = self.multicast_wrong()
+        self.fill_replicas(SENTINEL)
+        t, cpu = timer(lambda: self.run("multicast"))
+        return t, cpu, w0 + self.multicast_wrong()
+
+    def fill_replicas(self, value: int) -> None:
+        for ctx in self.ctxs[1:]:
+            ctx.replica_weights[0].view(self.torch.uint8).fill_(value)
+
+    def multicast_wrong(self) -> int:
+        self.check()
+        src = self.weights[0][0]
+        return sum(self.gpu.wrong_bytes(ctx.replica_weights[0][0], src) for ctx in self.ctxs[1:])
+
+    def seed_grads(self):
+        """Fresh master and replica grads; returns the expected master grad (ordered fp32 sum)."""
+        torch = self.torch
+        self.check()
+        n, dt = self.glayout
+        rows = [torch.randn(n, device=self.gpu.dev).to(dt) for _ in range(self.world)]
+        self.grads[0][0].copy_(rows[0])
+        for r in range(1, self.world):
+            self.ctxs[r].replica_grads[0][0].copy_(rows[r])
+        return ordered_sum(torch, torch.stack(rows))
+
+    def reduce_wrong(self, want) -> int:
+        self.check()
+        return self.gpu.wrong_bytes(self.grads[0][0], want) // want.element_size()
+
+    def is_chain(self, depth: int) -> bool:
+        pr, _, dep = self.scheds[0].tree("multicast")
+        return [int(x) for x in pr[:, 0]] == [-1, *range(depth)] and int(dep.max()) == depth
+
+    def close(self) -> None:
+        for ctx in self.ctxs:
+            ctx.close()
+        self.ctxs = []
+        self.torch.cuda.empty_cache()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
+    ap.add_argument("--out", default=os.environ.get("OUT", os.path.join("perf", "out", "gpu")))
+    ap.add_argument("--json", help="results JSON (default OUT/bench_gpu.json)")
+    ap.add_argument("--profile", help="hardware profile JSON (default OUT/<date>_<device>_profile.json)")
+    ap.add_argument("--only", help=f"comma-separated sections of {','.join(SECTIONS)}")
+    args = ap.parse_args(argv)
+    only = SECTIONS if not args.only else tuple(s.strip() for s in args.only.split(","))
+    bad = [s for s in only if s not in SECTIONS]
+    if bad:
+        ap.error(f"unknown sections {bad}; choose from {', '.join(SECTIONS)}")
+    why = unavailable_reason()
+    if why:
+        print(f"bench_gpu: nothing measured: {why}", file=sys.stderr)
+        return 2
+    gpu = Gpu(args.quick)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    print(f"bench_gpu: {gpu.info['name']} (cc {gpu.info['cc']}, {gpu.info['sms']} SMs), torch {gpu.info['torch']}, "
+          f"CUDA {gpu.info['cuda']}; tile mover: {'available' if not gpu.tma_reason else gpu.tma_reason}")
+    for name in only:
+        gpu.section(name, getattr(gpu, f"run_{name}"))
+    for name in only:
+        rows = [r for r in gpu.rows if r.section == name]
+        if rows:
+            print(f"\n## {name}\n{format_table(rows)}")
+    goals = goal_lines(gpu.rows)
+    print("\n" + "\n".join(goals))
+    wrong = sum(r.wrong or 0 for r in gpu.rows if not r.note.startswith("informational"))
+    print(f"bench_gpu: #wrong total (ultracomm and CUDA rows) = {wrong}")
+    os.makedirs(args.out, exist_ok=True)
+    out_json = args.json or os.path.join(args.out, "bench_gpu.json")
+    with open(out_json, "w") as f:
+        json.dump(dict(device=gpu.info, date=stamp, quick=args.quick, sections=list(only), goals=goals,
+                       errors=gpu.errors, rows=[r.to_dict() for r in gpu.rows]), f, indent=1)
+    print(f"bench_gpu: results in {out_json}")
+    prof = build_profile(gpu.rows, gpu.info, stamp)
+    if prof["d2d_copy_bw"] is None:
+        print("bench_gpu: no profile written (the copy section did not measure cudaMemcpyAsync)")
+    else:
+        from ultracomm.hwprofile import validate
+
+        validate(prof)
+        dev = "".join(c if c.isalnum() else "-" for c in gpu.info["name"]).strip("-")
+        path = args.profile or os.path.join(args.out, f"{stamp[:10]}_{dev}_profile.json")
+        with open(path, "w") as f:
+            json.dump(prof, f, indent=1)
+        print(f"bench_gpu: hardware profile in {path}")
+    return 1 if (gpu.errors or wrong) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

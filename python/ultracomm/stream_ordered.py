@@ -1,0 +1,178 @@
+"""How a Context drives a stream-ordered transport (``tma``): enqueue on the caller's CUDA stream.
+
+``transport.run(..., stream=)`` only enqueues the operation's kernel on the caller's current
+stream and returns: no host synchronisation, no device allocation (the transport keeps the
+plan's task lists in a device cache keyed by the schedule digest), so with a fixed plan the
+operations can be captured in a CUDA graph.  Failures (a timeout, a digest mismatch) are
+written by the kernel into the transport's error record and raised by
+``transport.check_error()``, which this module calls at ``Work.wait()`` and
+``Context.synchronize()``: that is where a kernel's error surfaces, with the record's text.
+
+``async_op=True`` returns a :class:`StreamWork` backed by a CUDA event recorded after the
+launch; ``async_op=False`` returns ``None`` with the work queued on the stream (like
+``torch.distributed`` collectives on NCCL): later work on that stream sees the result.
+Events come from a small pool and go back to it once their Work has completed, so a steady
+state creates none.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Optional
+
+import torch
+
+from .errors import UltracommError
+from .work import Work
+
+__all__ = ["CudaStreams", "StreamWork", "StreamOrdered", "streams_for"]
+
+_EVENT_POOL = 64  # completed events kept for reuse
+
+
+class CudaStreams:
+    """The CUDA calls of the stream-ordered path, for one device (tests substitute a fake)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._free: list[torch.cuda.Event] = []
+
+    def check_current_device(self) -> None:
+        cur = torch.cuda.current_device()
+        if cur != self.device.index:
+            raise UltracommError(f"ultracomm: the current CUDA device is cuda:{cur} but this Context lives on "
+                                 f"{self.device}; call torch.cuda.set_device({self.device.index}) first")
+
+    def stream_handle(self) -> int:
+        """The caller's current stream on this device, as a ``cudaStream_t`` integer."""
+        return torch.cuda.current_stream(self.device).cuda_stream
+
+    def is_capturing(self) -> bool:
+        return torch.cuda.is_current_stream_capturing()
+
+    def record(self) -> Any:
+        ev = self._free.pop() if self._free else torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def release(self, ev: Any) -> None:
+        if len(self._free) < _EVENT_POOL:
+            self._free.append(ev)
+
+    def query(self, ev: Any) -> bool:
+        return ev.query()
+
+    def wait_event(self, ev: Any) -> None:
+        ev.synchronize()
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+
+def streams_for(device: Optional[torch.device]) -> CudaStreams:
+    """The stream calls for a Context whose window is on ``device`` (the tests replace this)."""
+    if device is None:
+        raise UltracommError("ultracomm: a stream-ordered transport needs a CUDA window (device='cuda')")
+    return CudaStreams(device)
+
+
+class StreamWork(Work):
+    """A stream-ordered operation started with ``async_op=True``.
+
+    ``wait()`` blocks until the operation's kernel has finished (its event), then raises the
+    transport's error record if any kernel failed (``UltracommTimeout`` naming rank, operation
+    and what was awaited, for instance).  ``is_completed()`` polls the event.
+    """
+
+    def __init__(self, name: str, event: Any, owner: "StreamOrdered"):
+        super().__init__(name)
+        self._event = event
+        self._owner = owner
+
+    def _complete(self) -> None:
+        if self._done.is_set():
+            return
+        error = self._owner.check()
+        ev, self._event = self._event, None
+        self._owner.streams.release(ev)
+        self._finish(error)
+
+    def is_completed(self) -> bool:
+        if not self._done.is_set() and self._owner.streams.query(self._event):
+            self._complete()
+        return self._done.is_set()
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        if not self._done.is_set():
+            if timeout is None:
+                self._owner.streams.wait_event(self._event)
+            else:
+                deadline = time.monotonic() + timeout
+                while not self._owner.streams.query(self._event):
+                    if time.monotonic() >= deadline:
+                        raise TimeoutError(f"ultracomm: {self.name} did not finish within {timeout} s")
+                    time.sleep(min(1e-3, timeout))
+            self._complete()
+        return super().wait(0)
+
+
+class StreamOrdered:
+    """Submission, completion and error collection for one Context's stream-ordered transport.
+
+    ``on_error(exc)`` is called with the first failure seen (the Context marks itself broken).
+    """
+
+    def __init__(self, transport: Any, streams: Any, on_error: Callable[[BaseException], None]):
+        self.transport = transport
+        self.streams = streams
+        self._on_error = on_error
+
+    def check(self) -> Optional[BaseException]:
+        """The transport's error record as an exception (reported to ``on_error``), or ``None``."""
+        try:
+            self.transport.check_error()
+        except Exception as e:  # noqa: BLE001 - handed to the waiter
+            self._on_error(e)
+            return e
+        return None
+
+    def check_submit(self, name: str, async_op: bool) -> None:
+        """Refuse an operation before it takes an epoch (a refused one must not shift the epochs)."""
+        self.streams.check_current_device()
+        if async_op and self.streams.is_capturing():
+            raise UltracommError(
+                f"ultracomm: {name}: async_op=True inside CUDA graph capture; a captured operation has no "
+                "completion to wait for. Use async_op=False while capturing and synchronize after replay")
+
+    def submit(self, name: str, op: Any, epoch: int, schedule: Any, masters: Any, my_slots: Any,
+               local_index_of: Any, async_op: bool) -> Optional[StreamWork]:
+        """Enqueue ``op`` at ``epoch`` on the caller's current stream; a Work when ``async_op``.
+        Call :meth:`check_submit` first."""
+        try:
+            self.transport.run(op, schedule, epoch, masters, my_slots, local_index_of, name,
+                               stream=self.streams.stream_handle())
+        except BaseException as e:
+            self._on_error(e)
+            raise
+        if not async_op:
+            return None
+        return StreamWork(f"{name} (epoch {epoch})", self.streams.record(), self)
+
+    def reject(self, op: Any, epoch: int) -> None:
+        """Tell peers this rank rejected its plan at ``epoch`` (when the transport can publish it)."""
+        reject = getattr(self.transport, "reject", None)
+        if reject is not None:
+            reject(op, epoch, stream=self.streams.stream_handle())
+
+    def synchronize(self) -> None:
+        """Wait for all work on the device, then raise the transport's error record if any."""
+        self.streams.synchronize()
+        error = self.check()
+        if error is not None:
+            raise error
+
+    def close(self) -> None:
+        """Let queued kernels finish before the window goes away (errors stay in the record)."""
+        self.streams.synchronize()
+        close = getattr(self.transport, "close", None)
+        if close is not None:
+            close()

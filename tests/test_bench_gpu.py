@@ -1,0 +1,166 @@
+"""perf/bench_gpu.py without a GPU: its arithmetic, its profile (schema-valid), its CPU exit, and
+scripts/gpu_check.sh's structure.  The measurements themselves need a device (gpu_check.sh runs them)."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from ultracomm.hwprofile import validate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench_gpu", os.path.join(ROOT, "perf", "bench_gpu.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_gpu"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+bg = load_bench()
+Row = bg.Row
+MiB = 1 << 20
+
+
+def test_rates_count_the_documented_bytes():
+    r = Row("fanout", "1->4", "tile mover", 64 * MiB, 1e-3, 4 * 64 * MiB, 5 * 64 * MiB, 0)
+    assert r.algbw == 4 * 64 * MiB / 1e-3 and r.busbw == 5 * 64 * MiB / 1e-3
+    assert Row("x", "-", "-", 0, None, 0, 0, None).algbw is None
+    d = Row("sweep", "2 CTAs", "tile mover", 8, 2.0, 8, 16, 0, "n", dict(ctas=2)).to_dict()
+    assert d["ctas"] == 2 and d["algbw"] == 4.0 and d["busbw"] == 8.0 and d["payload_bytes"] == 8
+
+
+def test_table_columns():
+    rows = [Row("copy", "1->1", "cudaMemcpyAsync", 256 * MiB, 250e-6, 256 * MiB, 512 * MiB, 0),
+            Row("copy", "1->1", "tile mover", 1 << 30, None, 0, 0, None, "not measured: no _cuda")]
+    lines = bg.format_table(rows).splitlines()
+    assert lines[0].split() == ["size", "case", "impl", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong", "note"]
+    assert lines[2].split() == ["256M", "1->1", "cudaMemcpyAsync", "250.00", "1073.7", "2147.5", "0"]
+    assert lines[3].split()[:7] == ["1G", "1->1", "tile", "mover", "-", "-", "-"]
+    assert lines[3].endswith("not measured: no _cuda")
+
+
+def test_linear_fit_and_hop_costs():
+    assert bg.linear_fit([1, 2, 3], [3, 5, 7]) == pytest.approx((1.0, 2.0))
+    with pytest.raises(ValueError, match="two distinct"):
+        bg.linear_fit([1, 1], [1, 2])
+    # per-hop cost 2 us + chunk / 100 GB/s, launch 5 us
+    fill = {c: {d: 5e-6 + d * (2e-6 + c / 100e9) for d in (1, 2, 3, 4)} for c in (32768, 1 << 20, 4 << 20)}
+    per_hop, overhead, hop_bw = bg.hop_costs(fill)
+    assert [c for c, _ in per_hop] == [32768, 1 << 20, 4 << 20]
+    assert per_hop[1][1] == pytest.approx(2e-6 + (1 << 20) / 100e9)
+    assert overhead == pytest.approx(2e-6) and hop_bw == pytest.approx(100e9)
+    assert bg.hop_costs({32768: {1: 1e-6}}) == ([], None, None)
+
+
+def rows_for_profile():
+    r = []
+    r.append(Row("launch", "floor", "empty kernel", 0, 2.5e-6, 0, 0, 0))
+    r.append(Row("flag", "rtt", "release/acquire", 8, 1.5e-6, 0, 0, 0))
+    r.append(Row("copy", "1->1", "cudaMemcpyAsync", 1 << 30, (1 << 30) / 2e12, 1 << 30, 2 << 30, 0))
+    r.append(Row("copy", "1->1", "cudaMemcpyAsync", MiB, MiB / 1e12, MiB, 2 * MiB, 0))
+    r.append(Row("sweep", "1->1", "cudaMemcpyAsync", 256 * MiB, 256 * MiB / 2e12, 256 * MiB, 512 * MiB, 0))
+    for ctas, bw in ((1, 90e9), (8, 700e9), (16, 1.85e12), (32, 1.95e12)):
+        r.append(Row("sweep", f"{ctas} CTAs", "tile mover", 256 * MiB, 256 * MiB / bw, 256 * MiB, 512 * MiB, 0,
+                     extra=dict(ctas=ctas)))
+    for k in (2, 8):
+        n = 64 * MiB
+        r.append(Row("reduce", f"k={k} fp32", "torch.sum", n, n / 1.0e12, n, (k + 2) * n, 0, extra=dict(k=k, dtype="fp32")))
+        r.append(Row("reduce", f"k={k} fp32", "tile mover", n, n / 0.9e12, n, (k + 2) * n, 0,
+                     extra=dict(k=k, dtype="fp32", ctas=23)))
+    r.append(Row("reduce", "k=2 fp32-1cta", "tile mover", 4 * MiB, 4 * MiB / 50e9, 4 * MiB, 16 * MiB, 0,
+                 extra=dict(k=2, dtype="fp32-1cta", ctas=1)))
+    for c in (32768, 1 << 20):
+        for d in (1, 2, 3):
+            r.append(Row("relay", f"D={d}", "tile mover", c, 4e-6 + d * (3e-6 + c / 200e9), d * c, 2 * d * c, 0,
+                         extra=dict(mode="fill", depth=d, chunk=c, chain=True)))
+        # a tree that is not a chain must not enter the fit
+        r.append(Row("relay", "D=4", "tile mover", c, 1.0, 4 * c, 8 * c, 0, extra=dict(mode="fill", depth=4, chunk=c,
+                                                                                     chain=False)))
+    return r
+
+
+DEVICE = dict(name="NVIDIA H200", cc="9.0", sms=132, torch="2.11.0+cu130", cuda="13.0")
+
+
+def test_profile_from_rows_is_schema_valid():
+    prof = bg.build_profile(rows_for_profile(), DEVICE, "2025-12-01T00:00:00Z")
+    p = validate(prof)
+    assert p.d2d_copy_bw == pytest.approx(2e12)  # the largest copy row
+    assert p.per_sm_copy_bw == pytest.approx(90e9) and p.per_sm_reduce_bw == pytest.approx(50e9)
+    assert [c for c, _ in p.sm_sweep] == [1, 8, 16, 32]
+    assert p.reduce_bw == pytest.approx(0.9e12) and p.torch_reduce_bw == pytest.approx(1.0e12)
+    assert (p.flag_rtt_s, p.launch_s) == (1.5e-6, 2.5e-6)
+    assert p.chunk_overhead_s == pytest.approx(3e-6) and p.hop_bw == pytest.approx(200e9)
+    empty = bg.build_profile([Row("copy", "1->1", "cudaMemcpyAsync", MiB, 1e-6, MiB, 2 * MiB, 0)], DEVICE, "d")
+    q = validate(empty)
+    assert q.sm_sweep == () and q.per_sm_copy_bw is None and q.relay_hop_s == () and q.flag_rtt_s is None
+
+
+def test_goal_lines():
+    lines = bg.goal_lines(rows_for_profile())
+    assert lines[0] == ("goal copy: tile mover 1850.0 GB/s with 16 CTAs = 92.5% of cudaMemcpyAsync D2D 2000.0 GB/s "
+                        "at 256M (goal >= 90% with <= 16): PASS")
+    assert lines[1] == "goal reduce: worst k=2 fp32 at 90.0% of torch.sum's bandwidth (goal >= 85% for every case at 64M): PASS"
+    assert bg.goal_lines([]) == ["goal copy: not measured (sweep rows missing)",
+                                 "goal reduce: not measured (reduce rows missing)"]
+
+
+def test_ordered_sum_is_sequential_fp32():
+    import torch
+
+    rows = torch.tensor([[1.0, 2.0 ** 24], [2.0 ** -30, 1.0], [-1.0, 1.0]], dtype=torch.float32)
+    want = torch.tensor([0.0, 2.0 ** 24], dtype=torch.float32)  # fp32, in order: 1 + 2^-30 = 1; 2^24 + 1 = 2^24
+    assert torch.equal(bg.ordered_sum(torch, rows), want)
+    half = rows.to(torch.float16)[:, :1]  # fp16 rows: accumulate in fp32, round once at the end
+    assert torch.equal(bg.ordered_sum(torch, half), ((half[0].float() + half[1].float()) + half[2].float()).half())
+
+
+@pytest.mark.skipif(bg.unavailable_reason() is None, reason="this machine has a GPU")
+def test_cpu_machine_exits_with_a_message():
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "perf", "bench_gpu.py"), "--quick"], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2
+    assert p.stderr.startswith("bench_gpu: nothing measured: ") and "Traceback" not in p.stderr
+    assert p.stdout == ""
+
+
+def test_unknown_section_is_refused():
+    with pytest.raises(SystemExit):
+        bg.main(["--only", "copy,teleport"])
+
+
+def test_gpu_check_script_structure():
+    path = os.path.join(ROOT, "scripts", "gpu_check.sh")
+    assert subprocess.run(["bash", "-n", path]).returncode == 0
+    text = open(path).read()
+    assert "set -uo pipefail" in text
+    assert int(re.search(r"DEADLINE=\$\(\(SECONDS \+ (\d+)\)\)", text).group(1)) <= 480  # under 8 minutes
+    assert re.search(r"step build-pip \d+ .*pip install --no-build-isolation", text)
+    assert re.search(r"step build-inplace \d+ .*scripts/build_inplace\.py", text)  # the fallback build
+    assert re.search(r"step gpu-tests \d+ .*-m pytest tests .*-m gpu", text)
+    assert re.search(r"step bench-gpu \d+ .*perf/bench_gpu\.py --out \"\$OUT\"", text)
+    outside = re.sub(r"step\(\) \{.*?\n\}", "", text, flags=re.S)
+    assert not re.search(r"(^|[;&|(]\s*)timeout\s", outside, re.M), "every timed command goes through step (the deadline)"
+
+
+def _step_function() -> str:
+    text = open(os.path.join(ROOT, "scripts", "gpu_check.sh")).read()
+    return re.search(r"step\(\) \{.*?\n\}", text, re.S).group(0)
+
+
+@pytest.mark.parametrize("left, cap, want_rc, want", [
+    (100, 30, 0, "gpu_check: demo (timeout 30s)"),     # the step's own cap
+    (20, 30, 0, "gpu_check: demo (timeout 20s)"),      # cut to the time left
+    (5, 30, 124, "gpu_check: demo skipped: out of time"),
+])
+def test_gpu_check_step_respects_the_deadline(left, cap, want_rc, want):
+    script = f"exec 3>&1\nDEADLINE=$((SECONDS + {left}))\n{_step_function()}\nstep demo {cap} true"
+    p = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30)
+    assert (p.returncode, p.stdout.strip()) == (want_rc, want)

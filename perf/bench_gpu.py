@@ -1,9 +1,10 @@
 """Single-GPU measurements of the tma data plane, side by side with CUDA/torch baselines (issue 8, section 6).
 
-Everything runs on ONE GPU: the tile mover is ultracomm's ``tma`` transport over a
-``cuda_local`` loopback domain (every rank's window on this GPU, all ranks in one launch),
-driven through ``transport.run`` (the documented transport interface; Context builds the
-windows, schedules and masters).  A "hop" is therefore HBM -> HBM, not NVLink.
+Everything runs on ONE GPU: the tile mover is ultracomm's persistent kernel over a one-GPU
+loopback domain (``ultracomm.cuda_loopback``: every rank's window on this GPU, all ranks in
+one launch) running the schedules ultracomm builds.  A "hop" is therefore HBM -> HBM, not
+NVLink.  CTAs per rank are what a Context would use (``ultracomm.sm_budget``) unless a
+section sweeps them.
 
 Sections (each prints a table like nccl-tests and goes into the JSON):
 
@@ -57,6 +58,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import datetime
+import importlib
 import json
 import os
 import statistics
@@ -311,6 +313,11 @@ class Gpu:
         self.errors: list[str] = []
         self.tma_reason = cuda_support.cuda_module_reason()
         self.cuda = cuda_support.cuda_module()
+        if self.tma_reason is None:
+            try:
+                importlib.import_module("ultracomm.cuda_loopback")
+            except ImportError as e:
+                self.tma_reason = f"ultracomm.cuda_loopback does not load ({e})"
         try:
             self.cudart = _cudart()
             self.cudart_reason = None
@@ -427,11 +434,12 @@ class Gpu:
         d = self.domain(n + 1, one_expert(n), size, self.torch.float32, relay_mode="off", **cfg)
         try:
             t, cpu, wrong = d.timed_multicast(self.timer)
-            ctas = d.ctas
+            ctas, capped = d.ctas, d.capped
         finally:
             d.close()
         return Row(section, case, "tile mover", size, t, n * size, (1 + n) * size, wrong,
-                   f"{ctas} CTAs/rank" + (", cpu-bound" if cpu else ""), dict(ctas=ctas))
+                   f"{ctas} CTAs/rank" + (" (co-residency cap)" if capped else "") + (", cpu-bound" if cpu else ""),
+                   dict(ctas=ctas))
 
     def run_fanout(self) -> None:
         torch = self.torch
@@ -512,11 +520,12 @@ class Gpu:
             want = d.seed_grads()  # the timed runs accumulated: check one more from a fresh state
             d.run("reduce")
             wrong = w0 + d.reduce_wrong(want)
-            used = d.reduce_ctas
+            used, capped = d.reduce_ctas, d.capped
         finally:
             d.close()
         return Row("reduce", case, "tile mover", nbytes, t, nbytes, (k + 2) * nbytes, wrong,
-                   f"{used} CTAs/rank" + (", cpu-bound" if cpu else ""), dict(k=k, dtype=name, ctas=used))
+                   f"{used} CTAs/rank" + (" (co-residency cap)" if capped else "") + (", cpu-bound" if cpu else ""),
+                   dict(k=k, dtype=name, ctas=used))
 
     def run_relay(self) -> None:
         chunks = [32 << 10, 1 << 20, 4 << 20] if self.quick else [32 << 10, 128 << 10, 512 << 10, 1 << 20, 4 << 20]
@@ -556,58 +565,75 @@ def ordered_sum(torch, stacked):
 
 
 class Loopback:
-    """A ``cuda_local`` loopback domain of ``world`` ranks with one expert of ``nbytes`` (weights and
-    grads), Contexts built by threads, operations enqueued through each rank's transport."""
+    """A one-GPU loopback domain of ``world`` ranks holding one expert of ``nbytes`` (weights and
+    grads, slot 0), run by ``ultracomm.cuda_loopback`` (all ranks in ONE persistent launch) over
+    the schedule ultracomm builds for the plan.  CTAs per rank: ``ctas`` / ``reduce_ctas`` when
+    given, else what a Context would use (``ultracomm.sm_budget``)."""
 
-    def __init__(self, gpu: Gpu, world: int, slot_src: np.ndarray, nbytes: int, grad_dtype, **cfg):
+    def __init__(self, gpu: Gpu, world: int, slot_src: np.ndarray, nbytes: int, grad_dtype, *,
+                 multicast_sms: int = 0, reduce_sms: int = 0, chunk_bytes: int = 1 << 20, relay_mode: str = "off",
+                 max_depth: int = 8, timeout_s: float = 10.0):
         torch, uc = gpu.torch, gpu.uc
-        from ultracomm.transports.host import Masters
+        from ultracomm import _core
+        from ultracomm.cuda_loopback import CudaLoopback
+        from ultracomm.env import Config
+        from ultracomm.records import Op
+        from ultracomm.schedule import build_schedule
+        from ultracomm.sm_budget import choices_for_device
 
         self.gpu, self.torch, self.world = gpu, torch, world
-        n_grad = nbytes // grad_dtype.itemsize
-        self.glayout = (n_grad, grad_dtype)
-        if n_grad * grad_dtype.itemsize != nbytes:
+        n = nbytes // grad_dtype.itemsize
+        if n * grad_dtype.itemsize != nbytes:
             raise ValueError(f"{nbytes} bytes is not a whole number of {grad_dtype} elements")
+        self.glayout = (n, grad_dtype)
         # weights and grads are both nbytes: one member whose dtype is the grad dtype
-        self.layout = uc.ExpertLayout((uc.Member("w", (n_grad,), grad_dtype),), grad_dtype=grad_dtype)
-        self.plan = uc.ReplicaPlan.make(slot_src, experts_per_rank=1)
-        opts = dict(transport="tma", window="cuda_local", device=gpu.dev, timeout_s=10.0)
-        opts.update(cfg)
-        if "chunk_bytes" in opts:
-            opts.setdefault("tile_bytes", min(opts["chunk_bytes"], 32 << 10))
-        self.ctxs = uc.LoopbackDomain(world).run(
-            lambda g: uc.Context(g, self.layout, 1, 1, num_layers=1, **opts), timeout=120)
-        self.weights, self.grads, self.masters, self.scheds = [], [], [], []
-        for r, ctx in enumerate(self.ctxs):
-            w = torch.randint(-8, 8, (1, n_grad), device=gpu.dev).to(grad_dtype) if r == 0 else \
-                torch.zeros((1, n_grad), dtype=grad_dtype, device=gpu.dev)
-            g = torch.zeros((1, n_grad), dtype=grad_dtype, device=gpu.dev)
-            ctx.register_masters(0, [w], [g])
-            self.weights.append(w)
-            self.grads.append(g)
-            self.masters.append(Masters.of((w,), (g,), 1))
-            self.scheds.append(ctx.schedule_for(self.plan))
-        self.epoch = 1 << 20  # the kernel runs max(requested, last + 1): any increasing numbers do
-        self.ctas = self.ctxs[0].sm_counts.get("multicast")
-        self.reduce_ctas = self.ctxs[0].sm_counts.get("reduce")
-        self.slots = [self.plan.slot_src[r].tolist() for r in range(world)]
-        self.lio = self.plan.local_index_of.tolist()
+        layout = uc.ExpertLayout((uc.Member("w", (n,), grad_dtype),), grad_dtype=grad_dtype)
+        plan = uc.ReplicaPlan.make(slot_src, experts_per_rank=1)
+        self.sched = build_schedule(plan, layout.weight_bytes, layout.grad_bytes, chunk_bytes=chunk_bytes,
+                                    relay_mode=relay_mode, max_depth=max_depth)
+        self.wl = _core.window_layout(1, layout.weight_bytes, layout.grad_bytes, chunk_bytes)
+        self.windows = [torch.zeros(self.wl["total_bytes"], dtype=torch.uint8, device=gpu.dev) for _ in range(world)]
+        self.weights = [torch.randint(-8, 8, (n,), device=gpu.dev).to(grad_dtype) if r == 0 else
+                        torch.zeros(n, dtype=grad_dtype, device=gpu.dev) for r in range(world)]
+        self.grads = [torch.zeros(n, dtype=grad_dtype, device=gpu.dev) for _ in range(world)]
+        cfg = Config()
+        mc, rd = choices_for_device(multicast_sms, reduce_sms, cfg.intra_bw, gpu.info["sms"], gpu.info["name"])
+        self.lb = CudaLoopback(world, self.wl, self.windows, timeout_s=timeout_s)
+        # one launch runs every rank: all world x CTAs must be co-resident (the launch is cooperative)
+        code = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}[grad_dtype]
+        cap_mc = max(1, self.lb.runner.max_coresident(0) // world)
+        cap_rd = max(1, self.lb.runner.max_coresident(code) // world)
+        self.ctas, self.reduce_ctas = min(mc.sms, cap_mc), min(rd.sms, cap_rd)
+        self.capped = self.ctas < mc.sms or self.reduce_ctas < rd.sms
+        slots = [plan.slot_src[r].tolist() for r in range(world)]
+        lio = [plan.local_index_of.tolist()] * world
+        self.plans = {}
+        for op, masters, offs, sizes in ((Op.MULTICAST, self.weights, layout.weight_offsets, layout.weight_sizes),
+                                         (Op.REDUCE, self.grads, layout.grad_offsets, layout.grad_sizes)):
+            self.plans[op] = self.lb.plan(
+                op, tasks=[self.sched.tasks(op, r) for r in range(world)],
+                refs=[self.sched.refs(op, r) for r in range(world)], member_off=list(offs), member_bytes=list(sizes),
+                master_ptrs=[[m.data_ptr()] for m in masters], local_index_of=lio, my_slots=slots,
+                grad_dtype=grad_dtype, slot_parent=[p.tolist() for p in self.sched.tree(op)[0]],
+                digest=self.sched.digest)
+        self.ops = {"multicast": Op.MULTICAST, "reduce": Op.REDUCE}
+        self.epoch = 0  # the kernel runs max(requested, last + 1)
+
+    def slot(self, r: int, region: str):
+        """Rank r's slot 0 in the weights or grads region of its window (a view)."""
+        off = self.wl["weights_off"] if region == "weights" else self.wl["grads_off"]
+        n, dt = self.glayout
+        return self.windows[r][off:off + n * dt.itemsize].view(dt)
 
     def run(self, op: str) -> None:
-        from ultracomm.records import Op
-
-        o = Op.MULTICAST if op == "multicast" else Op.REDUCE
-        name = "weight_sync" if op == "multicast" else "grad_reduce"
         self.epoch += 1
-        stream = self.gpu.stream()
-        for r, ctx in enumerate(self.ctxs):
-            ctx.transport.run(o, self.scheds[r], self.epoch, self.masters[r], self.slots[r], self.lio, name,
-                              stream=stream)
+        o = self.ops[op]
+        self.lb.launch(self.plans[o], self.epoch, ctas_per_rank=self.ctas if op == "multicast" else self.reduce_ctas,
+                       op_name="weight_sync" if op == "multicast" else "grad_reduce")
 
     def check(self) -> None:
         self.torch.cuda.synchronize()
-        for ctx in self.ctxs:
-            ctx.transport.check_error()
+        self.lb.check_error()
 
     def timed_multicast(self, timer: Timer) -> tuple[float, bool, int]:
         """(seconds per multicast, cpu-bound, #wrong of the first and the last one)."""
@@ -619,13 +645,12 @@ class Loopback:
         return t, cpu, w0 + self.multicast_wrong()
 
     def fill_replicas(self, value: int) -> None:
-        for ctx in self.ctxs[1:]:
-            ctx.replica_weights[0].view(self.torch.uint8).fill_(value)
+        for r in range(1, self.world):
+            self.slot(r, "weights").view(self.torch.uint8).fill_(value)
 
     def multicast_wrong(self) -> int:
         self.check()
-        src = self.weights[0][0]
-        return sum(self.gpu.wrong_bytes(ctx.replica_weights[0][0], src) for ctx in self.ctxs[1:])
+        return sum(self.gpu.wrong_bytes(self.slot(r, "weights"), self.weights[0]) for r in range(1, self.world))
 
     def seed_grads(self):
         """Fresh master and replica grads; returns the expected master grad (ordered fp32 sum)."""
@@ -633,23 +658,22 @@ class Loopback:
         self.check()
         n, dt = self.glayout
         rows = [torch.randn(n, device=self.gpu.dev).to(dt) for _ in range(self.world)]
-        self.grads[0][0].copy_(rows[0])
+        self.grads[0].copy_(rows[0])
         for r in range(1, self.world):
-            self.ctxs[r].replica_grads[0][0].copy_(rows[r])
+            self.slot(r, "grads").copy_(rows[r])
         return ordered_sum(torch, torch.stack(rows))
 
     def reduce_wrong(self, want) -> int:
         self.check()
-        return self.gpu.wrong_bytes(self.grads[0][0], want) // want.element_size()
+        return self.gpu.wrong_bytes(self.grads[0], want) // want.element_size()
 
     def is_chain(self, depth: int) -> bool:
-        pr, _, dep = self.scheds[0].tree("multicast")
+        pr, _, dep = self.sched.tree("multicast")
         return [int(x) for x in pr[:, 0]] == [-1, *range(depth)] and int(dep.max()) == depth
 
     def close(self) -> None:
-        for ctx in self.ctxs:
-            ctx.close()
-        self.ctxs = []
+        self.torch.cuda.synchronize()
+        self.plans, self.windows, self.lb = {}, [], None
         self.torch.cuda.empty_cache()
 
 

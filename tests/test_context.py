@@ -214,7 +214,7 @@ def test_bad_registration_and_usage_errors():
                 ctx.begin(1)
             ctx.register_masters(0, w, g)
             vid = ctx.begin(0)
-            with pytest.raises(UltracommError, match="micro-batch slots are in flight"):
+            with pytest.raises(UltracommError, match="layer 0 already has 1 micro-batches in flight"):
                 ctx.begin(0)
             with pytest.raises(UltracommError, match="weight_sync"):
                 ctx.grad_reduce(vid)

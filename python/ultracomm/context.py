@@ -26,7 +26,7 @@ import dataclasses
 import logging
 import threading
 import weakref
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -72,6 +72,8 @@ class _MicroBatch:
     schedule: Schedule | None = None
     my_slots: list[int] | None = None        # this rank's row of plan.slot_src
     local_index_of: list[int] | None = None  # plan.local_index_of, as a list for the executor
+    restored: bool = False                   # restore() (or weights_copied) since weight_sync
+    overwritten_by: int | None = None        # layer whose multicast overwrote the slots before any restore
 
 
 class Context:
@@ -85,7 +87,8 @@ class Context:
             ``e // experts_per_rank`` unless a plan says otherwise.
         slots_per_rank: replica slots on each rank (weights and grads).
         num_layers: MoE layers that will register masters.
-        max_microbatches: micro-batches in flight at once (pipeline parallelism).
+        max_microbatches: micro-batches in flight per layer (pipeline parallelism): each layer
+            has this many ``begin`` slots, released by ``grad_reduce`` or ``end``.
         transport: ``auto`` or a built transport (default from ``ULTRACOMM_TRANSPORT``);
             ``auto`` is ``tma`` for a CUDA Context, ``host`` for a CPU one.
         window: window provider (default from ``ULTRACOMM_WINDOW``).
@@ -143,7 +146,8 @@ class Context:
             self.window.close()
             raise
         self._masters: list[Masters | None] = [None] * num_layers
-        self._vids: list[_MicroBatch | None] = [None] * max_microbatches
+        # max_microbatches slots per layer: vid = begun * len(_vids) + layer * max_microbatches + k
+        self._vids: list[_MicroBatch | None] = [None] * (num_layers * max_microbatches)
         self._begun = 0  # micro-batches begun: vids carry it so a released vid is never taken for a new one
         self._schedules: collections.OrderedDict[bytes, Schedule] = collections.OrderedDict()
         self._epoch = 0
@@ -235,21 +239,26 @@ class Context:
             inner = [1] * len(member.shape)
             for i in range(len(member.shape) - 2, -1, -1):
                 inner[i] = inner[i + 1] * member.shape[i + 1]
-            flat = self.window.local.view(dt)  # window sizes and offsets are 256/16-byte aligned
+            # window sizes and offsets are 256/16-byte aligned; each view gets its own tensor over the window
+            # (own version counter): autograd may save a replica weight while grads are written next to it
+            local = self.window.local
+            flat = torch.empty(0, dtype=dt, device=local.device).set_(
+                local.untyped_storage(), local.storage_offset() // esz, (local.numel() // esz,), (1,))
             views.append(torch.as_strided(flat, (self.slots_per_rank, *member.shape), (stride // esz, *inner),
                                           (region_off + off) // esz))
         return tuple(views)
 
-    def register_masters(self, layer: int, weights: Sequence[torch.Tensor],
-                         grads: Sequence[torch.Tensor] | None = None) -> None:
+    def register_masters(self, layer: int, weights: Sequence, grads: Sequence | None = None) -> None:
         """Register layer ``layer``'s master experts on this rank.
 
         Args:
-            weights: one tensor per layout member, ``[experts_per_rank, *member.shape]``,
-                ``member.dtype``, contiguous.
-            grads: the same shapes in ``layout.grad_dtype`` (e.g. Megatron's ``main_grad``);
-                ``grad_reduce`` adds the replicas' gradients into them.  ``None``: weights
-                only (inference); ``grad_reduce`` on this layer then raises.
+            weights: one entry per layout member, in ``member.dtype``: a stacked
+                ``[experts_per_rank, *member.shape]`` tensor, or a list of
+                ``experts_per_rank`` per-expert ``[*member.shape]`` tensors (any addresses,
+                each contiguous; Megatron's one parameter per expert).
+            grads: the same in ``layout.grad_dtype`` (e.g. Megatron's ``main_grad``, views
+                into its grad buckets); ``grad_reduce`` adds the replicas' gradients into
+                them.  ``None``: weights only (inference); ``grad_reduce`` then raises.
         The tensors must stay alive, at the same address and size, while the Context uses
         them: every operation re-checks them and raises naming the layer and member if one
         was swapped (``param.data = ...``, ``set_``, a resized storage).  They live where the
@@ -260,16 +269,16 @@ class Context:
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
             raise RegistrationError(f"ultracomm: layer {layer!r} is out of range 0..{self.num_layers - 1}")
         if isinstance(weights, torch.Tensor) or not isinstance(weights, Sequence):
-            raise RegistrationError(f"ultracomm: weights must be a list of tensors (one per member "
+            raise RegistrationError(f"ultracomm: weights must be a list (one entry per member "
                                     f"{list(self.layout.names)}), got {type(weights).__name__}")
         if grads is not None and (isinstance(grads, torch.Tensor) or not isinstance(grads, Sequence)):
-            raise RegistrationError(f"ultracomm: grads must be None or a list of tensors (one per member "
+            raise RegistrationError(f"ultracomm: grads must be None or a list (one entry per member "
                                     f"{list(self.layout.names)}), got {type(grads).__name__}")
         self.layout.check_tensors(weights, grads, self.experts_per_rank)
         check_master_devices(self.window.device, self.transport.name, self.layout.names, weights, grads or (),
                              self.experts_per_rank)
         self._masters[layer] = Masters.of(tuple(weights), None if grads is None else tuple(grads),
-                                          self.experts_per_rank)
+                                          self.experts_per_rank, self.layout.names)
 
     # ------------------------------------------------------------------ micro-batch slots
     def begin(self, layer: int) -> int:
@@ -283,29 +292,30 @@ class Context:
             raise ValueError(f"ultracomm: layer {layer!r} is out of range 0..{self.num_layers - 1}")
         if self._masters[layer] is None:
             raise RegistrationError(f"ultracomm: layer {layer} has no masters; call register_masters({layer}, ...) first")
-        for slot, mb in enumerate(self._vids):
-            if mb is None:
-                vid = self._begun * self.max_microbatches + slot
+        for slot in range(layer * self.max_microbatches, (layer + 1) * self.max_microbatches):
+            if self._vids[slot] is None:
+                vid = self._begun * len(self._vids) + slot
                 self._begun += 1
                 self._vids[slot] = _MicroBatch(layer, vid)
                 return vid
         raise UltracommError(
-            f"ultracomm: all {self.max_microbatches} micro-batch slots are in flight; call grad_reduce(vid) or "
-            "end(vid) for finished micro-batches, or create the Context with a larger max_microbatches")
+            f"ultracomm: layer {layer} already has {self.max_microbatches} micro-batches in flight; call "
+            "grad_reduce(vid) or end(vid) for finished ones, or create the Context with a larger max_microbatches "
+            "(micro-batches in flight per layer)")
 
     def end(self, vid: int) -> None:
         """Release ``vid`` without reducing (inference, or a micro-batch that is dropped)."""
         self._check_open()
         mb = self._get(vid)
-        self._vids[vid % self.max_microbatches] = None
+        self._vids[vid % len(self._vids)] = None
         del mb
 
     def _get(self, vid: int, need_plan: bool = False) -> _MicroBatch:
         if isinstance(vid, bool) or not isinstance(vid, int) or vid < 0:
             raise ValueError(f"ultracomm: vid {vid!r} is not in flight; get one from begin(layer)")
-        mb = self._vids[vid % self.max_microbatches]
+        mb = self._vids[vid % len(self._vids)]
         if mb is None or mb.vid != vid:
-            state = "was released (by grad_reduce or end)" if vid < self._begun * self.max_microbatches else \
+            state = "was released (by grad_reduce or end)" if vid < self._begun * len(self._vids) else \
                 "was never returned by begin"
             raise ValueError(f"ultracomm: vid {vid} is not in flight: it {state}; get one from begin(layer)")
         if need_plan and mb.schedule is None:
@@ -320,7 +330,7 @@ class Context:
     def _check_masters(self, layer: int) -> Masters:
         """Layer ``layer``'s masters, unchanged since register_masters (else RegistrationError)."""
         masters = self._masters[layer]
-        changed = masters.changed(self.layout.names)
+        changed = masters.changed()
         if changed:
             raise RegistrationError(
                 f"ultracomm: layer {layer}: registered tensor {changed} no longer has the address or size it was "
@@ -440,7 +450,8 @@ class Context:
                     self._fail(UltracommError(f"ultracomm: this rank rejected its plan ({error})"))
         raise error
 
-    def _submit(self, name: str, op: Op, mb: _MicroBatch, masters: Masters, async_op: bool) -> Work | None:
+    def _submit(self, name: str, op: Op, mb: _MicroBatch, masters: Masters, async_op: bool,
+                before: Callable[[], None] | None = None) -> Work | None:
         if self._broken is not None:
             raise UltracommError(f"ultracomm: this Context failed earlier ({self._broken}); create a new Context")
         sched = mb.schedule
@@ -448,6 +459,8 @@ class Context:
         if self._streams is not None:
             with self._lock:  # epochs are taken and enqueued in one order, whatever thread calls
                 self._streams.check_submit(name, async_op)
+                if before is not None:  # enqueued on the caller's stream, ahead of the operation
+                    before()
                 self._epoch += 1
                 return self._streams.submit(name, op, self._epoch, sched, masters, my_slots, local_index_of,
                                             async_op)
@@ -457,6 +470,8 @@ class Context:
                 raise UltracommError(f"ultracomm: {name} (epoch {epoch}) not started: an earlier operation of "
                                      f"this Context failed ({self._broken}); create a new Context")
             try:
+                if before is not None:
+                    before()
                 self.transport.run(op, sched, epoch, masters, my_slots, local_index_of, name)
             except BaseException as e:
                 self._broken = f"{type(e).__name__}: {e}"
@@ -488,15 +503,38 @@ class Context:
         sched = self._prepare_plan(plan, mb.layer)
         mb.plan, mb.schedule = plan, sched
         mb.my_slots, mb.local_index_of = plan.slot_src[self.rank].tolist(), plan.local_index_of.tolist()
-        return self._submit("weight_sync", Op.MULTICAST, mb, self._masters[mb.layer], async_op)
+        work = self._submit("weight_sync", Op.MULTICAST, mb, self._masters[mb.layer], async_op)
+        self._wrote_slots(mb)
+        return work
 
     def restore(self, vid: int, async_op: bool = False) -> Work | None:
         """Re-multicast ``vid``'s plan (the slots were reused by other layers since its forward)."""
         self._check_usable()
         mb = self._get(vid, need_plan=True)
-        return self._submit("restore", Op.MULTICAST, mb, self._check_masters(mb.layer), async_op)
+        work = self._submit("restore", Op.MULTICAST, mb, self._check_masters(mb.layer), async_op)
+        mb.restored, mb.overwritten_by = True, None
+        self._wrote_slots(mb)
+        return work
 
-    def grad_reduce(self, vid: int, async_op: bool = False) -> Work | None:
+    def weights_copied(self, vid: int) -> None:
+        """Declare that ``vid``'s replica weights were copied out of the slots (as an ECHO-style
+        dispatcher does), so later multicasts into the slots do not leave its backward stale and
+        ``grad_reduce`` needs no ``restore`` first."""
+        self._check_open()
+        mb = self._get(vid, need_plan=True)
+        mb.restored, mb.overwritten_by = True, None
+
+    def _wrote_slots(self, writer: _MicroBatch) -> None:
+        """``writer``'s plan now fills the replica slots (calls are queued in order, so this is
+        the order the slots are written in): every other micro-batch in flight that was never
+        restored has lost its replicas, and its backward must ``restore`` before the Dgrad."""
+        for mb in self._vids:
+            if mb is not None and mb is not writer and mb.plan is not None and not mb.restored \
+                    and mb.overwritten_by is None:
+                mb.overwritten_by = writer.layer
+
+    def grad_reduce(self, vid: int, async_op: bool = False,
+                    grads: Sequence[torch.Tensor] | None = None) -> Work | None:
         """Add every replica's gradient (``replica_grads``) into its home expert's master grad.
 
         Deterministic: for each element, fp32 ``acc = master``, then the sources in the order
@@ -506,16 +544,42 @@ class Context:
         A relay's ``replica_grads`` slot is overwritten with its partial sum (its own grad
         plus its children's), so replica grads are consumed by this call; with
         ``async_op=True`` write ``replica_grads`` again only after ``work.wait()``.
+
+        ``grads``: optional per-member ``[slots_per_rank, *member.shape]`` tensors in the grad
+        dtype, copied into ``replica_grads`` right before the reduction, in the operation
+        queue (so a caller can stage the next micro-batch's grads while an earlier reduction
+        still reads the slots).
+
+        Raises :class:`UltracommError` if another layer's multicast overwrote the slots after
+        ``vid``'s ``weight_sync`` and ``restore(vid)`` was never called: its backward then
+        ran on another layer's weights.
         """
         self._check_usable()
         mb = self._get(vid, need_plan=True)
+        if mb.overwritten_by is not None:
+            raise UltracommError(
+                f"ultracomm: grad_reduce(vid {vid}, layer {mb.layer}): layer {mb.overwritten_by}'s multicast "
+                f"overwrote the replica slots after this micro-batch's weight_sync and restore(vid) was never called, "
+                f"so its backward ran on another layer's weights; call restore({vid}) before the expert Dgrad")
+        before: Callable[[], None] | None = None
+        if grads is not None:
+            if len(grads) != len(self.replica_grads) or any(
+                    tuple(g.shape) != tuple(r.shape) or g.dtype != r.dtype for g, r in zip(grads, self.replica_grads)):
+                raise ValueError(f"ultracomm: grads must be one [slots_per_rank, *member.shape] "
+                                 f"{self.layout.grad_dtype} tensor per member; got "
+                                 f"{[(tuple(g.shape), g.dtype) for g in grads]}")
+
+            def copy_grads() -> None:
+                for dst, src in zip(self.replica_grads, grads):
+                    dst.copy_(src)
+            before = copy_grads
         masters = self._check_masters(mb.layer)
         if masters.grads is None:
             raise RegistrationError(f"ultracomm: layer {mb.layer} was registered without grads "
                                     f"(register_masters({mb.layer}, weights, None)); grad_reduce needs them: register "
                                     "the master grads too")
-        work = self._submit("grad_reduce", Op.REDUCE, mb, masters, async_op)
-        self._vids[vid % self.max_microbatches] = None
+        work = self._submit("grad_reduce", Op.REDUCE, mb, masters, async_op, before)
+        self._vids[vid % len(self._vids)] = None
         return work
 
     def replicas(self, vid: int) -> list[int]:

@@ -105,29 +105,32 @@ def transport_kwargs(transport_cls: type, config: Config, cuda_dev: torch.device
 
 
 def check_master_devices(window_device: torch.device, transport_name: str, names: Sequence[str],
-                         weights: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
-                         experts_per_rank: int) -> None:
-    """Rule 4; ``names`` are the layout's member names (for the messages)."""
-    groups = (("weights", weights), ("grads", grads))
+                         weights: Sequence, grads: Sequence, experts_per_rank: int) -> None:
+    """Rule 4; ``names`` are the layout's member names (for the messages).  A member is a
+    stacked ``[experts_per_rank, ...]`` tensor or a list of per-expert tensors."""
+    entries = []  # (label, tensor, bytes of one expert's row in it)
+    for kind, members in (("weights", weights), ("grads", grads)):
+        for n, m in zip(names, members):
+            if isinstance(m, torch.Tensor):
+                entries.append((f"{kind}[{n!r}]", m, m.numel() // max(experts_per_rank, 1) * m.element_size()))
+            else:
+                entries += [(f"{kind}[{n!r}][{i}]", t, t.numel() * t.element_size()) for i, t in enumerate(m)]
     if window_device.type == "cpu":
-        for kind, ts in groups:
-            for n, t in zip(names, ts):
-                if t.device.type != "cpu":
-                    raise RegistrationError(
-                        f"ultracomm: {kind}[{n!r}] is on {t.device}, but this Context's window is on the CPU "
-                        f"(transport {transport_name!r}); move the tensors with .cpu(), or create the Context "
-                        "with device='cuda' to run the tma transport on the GPU")
+        for label, t, _ in entries:
+            if t.device.type != "cpu":
+                raise RegistrationError(
+                    f"ultracomm: {label} is on {t.device}, but this Context's window is on the CPU "
+                    f"(transport {transport_name!r}); move the tensors with .cpu(), or create the Context "
+                    "with device='cuda' to run the tma transport on the GPU")
         return
-    for kind, ts in groups:
-        for n, t in zip(names, ts):
-            if t.device != window_device:
-                raise RegistrationError(
-                    f"ultracomm: {kind}[{n!r}] is on {t.device}, but this Context's window is on {window_device}; "
-                    f"the {transport_name} transport reads and writes masters on the window's GPU: move them "
-                    f"with .to('{window_device}')")
-            per_expert = t.numel() // max(experts_per_rank, 1) * t.element_size()
-            if t.numel() and (t.data_ptr() % TMA_ALIGN or per_expert % TMA_ALIGN):
-                raise RegistrationError(
-                    f"ultracomm: {kind}[{n!r}]: every expert's row must start 16-byte aligned for TMA bulk copies, "
-                    f"got base 0x{t.data_ptr():x} and {per_expert} bytes per expert; register a fresh allocation "
-                    "and pad the member so that its bytes per expert are a multiple of 16")
+    for label, t, per_expert in entries:
+        if t.device != window_device:
+            raise RegistrationError(
+                f"ultracomm: {label} is on {t.device}, but this Context's window is on {window_device}; "
+                f"the {transport_name} transport reads and writes masters on the window's GPU: move them "
+                f"with .to('{window_device}')")
+        if t.numel() and (t.data_ptr() % TMA_ALIGN or per_expert % TMA_ALIGN):
+            raise RegistrationError(
+                f"ultracomm: {label}: every expert's row must start 16-byte aligned for TMA bulk copies, "
+                f"got base 0x{t.data_ptr():x} and {per_expert} bytes per expert; register a fresh allocation "
+                "and pad the member so that its bytes per expert are a multiple of 16")

@@ -257,23 +257,24 @@ class ExpertLayout:
 
     def check_tensors(
         self,
-        weights: Sequence[torch.Tensor],
-        grads: Optional[Sequence[torch.Tensor]],
+        weights: Sequence,
+        grads: Optional[Sequence],
         experts_per_rank: int,
     ) -> None:
         """Validate the home tensors a rank registers.
 
         Args:
-            weights: one tensor per member, in member order, each
-                ``[experts_per_rank, *member.shape]`` of ``member.dtype``.
-            grads: ``None`` (weights only, e.g. inference) or one tensor per member,
-                each ``[experts_per_rank, *member.shape]`` of ``grad_dtype``.
+            weights: one entry per member, in member order: a stacked
+                ``[experts_per_rank, *member.shape]`` tensor of ``member.dtype``, or a list
+                of ``experts_per_rank`` per-expert ``[*member.shape]`` tensors.
+            grads: ``None`` (weights only, e.g. inference) or the same in ``grad_dtype``.
             experts_per_rank: experts hosted by this rank.
 
-        All tensors must be contiguous, on one device, and start at an address aligned
-        to ``align`` bytes.  Only the tensor base is checked: a member whose per-expert
-        size is not a multiple of ``align`` leaves later experts' rows unaligned, which
-        the host executor accepts but GPU transports may not.
+        All tensors must be contiguous and on one device.  A stacked tensor must start at an
+        address aligned to ``align`` bytes (only its base is checked: a member whose
+        per-expert size is not a multiple of ``align`` leaves later rows unaligned, which
+        the host executor accepts but GPU transports may not); per-expert tensors may sit
+        at any address (Megatron's ``main_grad`` views into grad buckets).
 
         Raises:
             RegistrationError: naming the member, what was expected, what was given,
@@ -286,49 +287,66 @@ class ExpertLayout:
         groups = [("weights", weights, None)]
         if grads is not None:
             groups.append(("grads", grads, self.grad_dtype))
-        device: Optional[torch.device] = None
-        first = ""
-        for kind, tensors, forced_dtype in groups:
-            if isinstance(tensors, torch.Tensor) or len(tensors) != len(self.members):
-                got = "a single tensor" if isinstance(tensors, torch.Tensor) else f"{len(tensors)}"
+        device: list = []
+        for kind, entries, forced_dtype in groups:
+            if isinstance(entries, torch.Tensor) or len(entries) != len(self.members):
+                got = "a single tensor" if isinstance(entries, torch.Tensor) else f"{len(entries)}"
                 raise RegistrationError(
                     f"{kind}: expected one tensor per member {list(self.names)} "
                     f"({len(self.members)}), got {got}; pass a list in member order"
                 )
-            for m, t in zip(self.members, tensors):
+            for m, entry in zip(self.members, entries):
                 where = f"{kind}[{m.name!r}]"
-                if not isinstance(t, torch.Tensor):
-                    raise RegistrationError(f"{where}: expected a torch.Tensor, got {type(t).__name__}")
-                want_shape = (experts_per_rank, *m.shape)
-                if tuple(t.shape) != want_shape:
+                dtype = forced_dtype or m.dtype
+                if isinstance(entry, torch.Tensor):
+                    self._check_one(where, entry, (experts_per_rank, *m.shape), dtype, forced_dtype, device,
+                                    aligned=True)
+                    continue
+                if isinstance(entry, (str, bytes)) or not isinstance(entry, Sequence):
                     raise RegistrationError(
-                        f"{where}: expected shape {list(want_shape)} "
-                        f"([experts_per_rank, *member.shape]), got {list(t.shape)}; stack this "
-                        "rank's experts along dim 0 (transpose if your framework stores the member "
-                        "the other way round)"
+                        f"{where}: expected a stacked tensor or a list of {experts_per_rank} per-expert "
+                        f"tensors, got {type(entry).__name__}"
                     )
-                want_dtype = forced_dtype or m.dtype
-                if t.dtype != want_dtype:
-                    hint = "grad_dtype of the layout" if forced_dtype else "member dtype"
+                if len(entry) != experts_per_rank:
                     raise RegistrationError(
-                        f"{where}: expected dtype {want_dtype} ({hint}), got {t.dtype}; convert "
-                        "the tensor or build the layout with the dtype you use"
+                        f"{where}: a per-expert list needs experts_per_rank = {experts_per_rank} tensors, "
+                        f"got {len(entry)}"
                     )
-                if not t.is_contiguous():
-                    raise RegistrationError(
-                        f"{where}: tensor is not contiguous (strides {list(t.stride())}); call "
-                        ".contiguous() and register the result (keep it as the parameter's storage)"
-                    )
-                if device is None:
-                    device, first = t.device, where
-                elif t.device != device:
-                    raise RegistrationError(
-                        f"{where}: on device {t.device}, but {first} is on {device}; all "
-                        "registered tensors must be on the same device: move them with .to()"
-                    )
-                if t.numel() and t.data_ptr() % self.align:
-                    raise RegistrationError(
-                        f"{where}: data_ptr 0x{t.data_ptr():x} is not aligned to {self.align} "
-                        "bytes; register a tensor that starts its own allocation (e.g. .clone()) "
-                        "rather than a view at an odd offset"
-                    )
+                for i, t in enumerate(entry):
+                    self._check_one(f"{where}[{i}]", t, m.shape, dtype, forced_dtype, device, aligned=False)
+
+    def _check_one(self, where: str, t: object, want_shape: tuple, want_dtype: torch.dtype,
+                   forced_dtype: Optional[torch.dtype], device: list, aligned: bool) -> None:
+        if not isinstance(t, torch.Tensor):
+            raise RegistrationError(f"{where}: expected a torch.Tensor, got {type(t).__name__}")
+        if tuple(t.shape) != tuple(want_shape):
+            raise RegistrationError(
+                f"{where}: expected shape {list(want_shape)}, got {list(t.shape)}; "
+                + ("stack this rank's experts along dim 0 ([experts_per_rank, *member.shape]) or pass a list of "
+                   "per-expert tensors" if aligned else "each per-expert tensor has the member's shape")
+                + " (transpose if your framework stores the member the other way round)"
+            )
+        if t.dtype != want_dtype:
+            hint = "grad_dtype of the layout" if forced_dtype else "member dtype"
+            raise RegistrationError(
+                f"{where}: expected dtype {want_dtype} ({hint}), got {t.dtype}; convert "
+                "the tensor or build the layout with the dtype you use"
+            )
+        if not t.is_contiguous():
+            raise RegistrationError(
+                f"{where}: tensor is not contiguous (strides {list(t.stride())}); call "
+                ".contiguous() and register the result (keep it as the parameter's storage)"
+            )
+        if not device:
+            device.extend((t.device, where))
+        elif t.device != device[0]:
+            raise RegistrationError(
+                f"{where}: on device {t.device}, but {device[1]} is on {device[0]}; all "
+                "registered tensors must be on the same device: move them with .to()"
+            )
+        if aligned and t.numel() and t.data_ptr() % self.align:
+            raise RegistrationError(
+                f"{where}: data_ptr 0x{t.data_ptr():x} is not aligned to {self.align} "
+                "bytes; register a tensor that starts its own allocation (e.g. .clone()) "
+                "rather than a view at an odd offset"
+            )

@@ -1,6 +1,7 @@
 """The host transport: runs a rank's task list with the C++ host executor (``_core.run_host``)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -12,13 +13,16 @@ from ..records import Op
 GRAD_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
-def master_pointers(tensors: Sequence[torch.Tensor], experts_per_rank: int) -> tuple[int, ...]:
-    """Per (local expert, member) addresses of ``[experts_per_rank, *shape]`` member tensors."""
+def master_pointers(members: Sequence, experts_per_rank: int) -> tuple[int, ...]:
+    """Per (local expert, member) addresses; each member is a stacked
+    ``[experts_per_rank, *shape]`` tensor or a tuple of ``experts_per_rank`` per-expert tensors."""
     ptrs = []
     for i in range(experts_per_rank):
-        for t in tensors:
-            per_expert = t.numel() // experts_per_rank * t.element_size()
-            ptrs.append(t.data_ptr() + i * per_expert)
+        for t in members:
+            if isinstance(t, torch.Tensor):
+                ptrs.append(t.data_ptr() + i * (t.numel() // experts_per_rank * t.element_size()))
+            else:
+                ptrs.append(t[i].data_ptr())
     return tuple(ptrs)
 
 
@@ -28,35 +32,52 @@ def _fingerprint(t: torch.Tensor) -> tuple:
             t.untyped_storage().nbytes() >= (t.storage_offset() + t.numel()) * t.element_size())
 
 
+def _labelled(kind: str, members: Sequence, names: Sequence[str]) -> list[tuple[str, torch.Tensor]]:
+    """``("weights['fc1']", t)`` for a stacked member, ``("weights['fc1'][i]", t)`` per expert of a list."""
+    out = []
+    for name, t in zip(names, members):
+        if isinstance(t, torch.Tensor):
+            out.append((f"{kind}[{name!r}]", t))
+        else:
+            out += [(f"{kind}[{name!r}][{i}]", x) for i, x in enumerate(t)]
+    return out
+
+
 @dataclass(frozen=True)
 class Masters:
     """Addresses of this rank's master experts for one layer.
 
-    ``weight_ptrs[i * M + m]`` / ``grad_ptrs[i * M + m]``: member ``m`` of local expert ``i``.
-    The tensors are kept so the addresses stay valid; ``grads`` is ``None`` when only
-    weights were registered.  ``changed()`` says whether a tensor was swapped since.
+    ``weight_ptrs[i * M + m]`` / ``grad_ptrs[i * M + m]``: member ``m`` of local expert ``i``;
+    a member is a stacked tensor or a tuple of per-expert tensors.  The tensors are kept so
+    the addresses stay valid; ``grads`` is ``None`` when only weights were registered.
+    ``changed()`` says whether a tensor was swapped since.
     """
 
-    weights: tuple[torch.Tensor, ...]
-    grads: tuple[torch.Tensor, ...] | None
+    weights: tuple
+    grads: tuple | None
     weight_ptrs: tuple[int, ...]
     grad_ptrs: tuple[int, ...]
+    names: tuple[str, ...] = ()
     fingerprints: tuple[tuple, ...] = ()
 
     @classmethod
-    def of(cls, weights: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor, ...] | None,
-           experts_per_rank: int) -> "Masters":
-        return cls(weights, grads, master_pointers(weights, experts_per_rank),
-                   master_pointers(grads or (), experts_per_rank),
-                   tuple(_fingerprint(t) for t in (*weights, *(grads or ()))))
+    def of(cls, weights: tuple, grads: tuple | None, experts_per_rank: int, names: Sequence[str]) -> "Masters":
+        weights = tuple(w if isinstance(w, torch.Tensor) else tuple(w) for w in weights)
+        grads = None if grads is None else tuple(g if isinstance(g, torch.Tensor) else tuple(g) for g in grads)
+        m = cls(weights, grads, master_pointers(weights, experts_per_rank), master_pointers(grads or (), experts_per_rank),
+                tuple(names))
+        return dataclasses.replace(m, fingerprints=tuple(_fingerprint(t) for _, t in m._tensors()))
 
-    def changed(self, names: Sequence[str]) -> str | None:
-        """``"weights['fc1']"`` (or grads) for the first tensor whose address, shape or
-        storage differs from registration; ``None`` if all are as registered."""
-        kinds = [("weights", t) for t in self.weights] + [("grads", t) for t in (self.grads or ())]
-        for i, ((kind, t), fp) in enumerate(zip(kinds, self.fingerprints)):
+    def _tensors(self) -> list[tuple[str, torch.Tensor]]:
+        return _labelled("weights", self.weights, self.names) + _labelled("grads", self.grads or (), self.names)
+
+    def changed(self, names: Sequence[str] | None = None) -> str | None:
+        """``"weights['fc1']"`` (``"grads['fc1'][3]"`` for a per-expert list) for the first
+        tensor whose address, shape or storage differs from registration; ``None`` if all
+        are as registered."""
+        for (label, t), fp in zip(self._tensors(), self.fingerprints):
             if _fingerprint(t) != fp:
-                return f"{kind}[{names[i % len(names)]!r}]"
+                return label
         return None
 
 

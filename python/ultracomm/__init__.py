@@ -4,7 +4,9 @@ Copies hot experts' weights from their home rank into replica slots on other ran
 (relay-tree multicast with chunk streaming) and reduces the replicas' gradients back home
 deterministically.  See ``Context`` for the runtime API and ``ReplicaPlan`` for plans.
 
-Names are imported lazily (PEP 562), so ``import ultracomm.plan`` stays light.
+Names are imported lazily (PEP 562), so ``import ultracomm.plan`` stays light; ``dir(ultracomm)``
+lists them.  The drop-in for MoE stacks is :class:`ReplicaManager` (``ultracomm.moe``); adapters
+for Megatron ECHO, UltraEP and vLLM EPLB live in ``ultracomm.integrations``.
 """
 from __future__ import annotations
 
@@ -19,15 +21,23 @@ _EXPORTS = {
     "Op": "records", "PlanError": "errors", "RegistrationError": "errors", "RelayMode": "records",
     "ReplicaPlan": "plan", "Schedule": "schedule", "UltracommError": "errors", "Work": "work",
     "build_schedule": "schedule", "run_loopback": "comm", "UltracommTimeout": "errors", "PeerError": "errors",
-    "ClosedError": "errors",
+    "ClosedError": "errors", "ReplicaManager": "moe",
 }
+_SUBMODULES = ("moe", "integrations", "planners", "workloads", "env", "bench", "sim")
 
 __all__ = sorted(_EXPORTS)
+
+
+def __dir__() -> list[str]:
+    """The public names (imported on first use) and subpackages, for dir() and completion."""
+    return sorted({*__all__, *_SUBMODULES, "__version__"})
 
 
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f".{name}", __name__)
     else:
         raise AttributeError(f"module 'ultracomm' has no attribute {name!r}")
     globals()[name] = value

@@ -1,0 +1,98 @@
+"""The autograd pieces of a :class:`~ultracomm.moe.manager.Step`.
+
+Three nodes per (layer, micro-batch) make the replica protocol part of the graph, so no
+user writes hooks:
+
+* ``_ReplicaWeights`` (forward: wait for ``weight_sync``, hand out the replica slots as
+  tensors; backward: fold the replicas' gradients into per-step fp32 staging and launch
+  ``grad_reduce``).  It also outputs a 0-d *token* that ``_Guard`` consumes.
+* ``_Guard`` on the expert output (backward: ``restore`` the slots before the expert Dgrad).
+  Because it consumes the token, the engine runs ``_ReplicaWeights.backward`` only after
+  the guard's backward *and* after every consumer of the replica weights: on a rank whose
+  replicas got no token the reduce still fires (right after the guard), so every rank
+  reaches every collective.
+* ``_Linear``: ``x @ w.T`` whose weight gradient is accumulated in fp32 straight into
+  ``w.main_grad`` when the weight has one (Megatron's gradient-accumulation fusion; replica
+  weights get theirs from the guard), so bf16 weights never round their wgrads to bf16.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .manager import Step
+
+__all__ = ["linear"]
+
+
+class _ReplicaWeights(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, step: "Step", *masters: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.step = step
+        ctx.num_masters = len(masters)
+        views = step._forward_views()
+        token = torch.zeros((), dtype=torch.float32, device=step.device)
+        return (token, *views)
+
+    @staticmethod
+    def backward(ctx: Any, _token_grad: torch.Tensor, *grads: torch.Tensor) -> tuple[None, ...]:
+        ctx.step._backward_reduce(grads)
+        return (None,) * (1 + ctx.num_masters)
+
+
+class _Guard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, token: torch.Tensor, step: "Step") -> torch.Tensor:
+        ctx.step = step
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        ctx.step._backward_restore()
+        return grad, None, None
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        # the weight object itself (not a saved copy): under activation checkpointing its
+        # main_grad attribute must be the one the guard set on the forward's tensor
+        ctx.weight = weight
+        return x @ weight.t()
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        (x,) = ctx.saved_tensors
+        w = ctx.weight
+        dx = dy @ w if ctx.needs_input_grad[0] else None
+        if not ctx.needs_input_grad[1]:
+            return dx, None
+        dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+        main_grad = getattr(w, "main_grad", None)
+        if main_grad is None:
+            return dx, dy2.t() @ x2
+        main_grad.add_(dy2.t().float() @ x2.float())  # fp32 wgrad, accumulated in place
+        if hasattr(w, "grad_added_to_main_grad"):
+            w.grad_added_to_main_grad = True
+        return dx, None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` with the weight gradient accumulated in fp32 into ``weight.main_grad``.
+
+    Args:
+        x: ``[..., in]``.
+        weight: ``[out, in]`` (a replica weight from ``Step.replica_weights()``, a Megatron
+            parameter with ``main_grad``, or any tensor).
+    Returns:
+        ``[..., out]`` in ``x``'s dtype.
+
+    When ``weight`` has a ``main_grad`` attribute at backward time, ``dW = dy.T @ x`` is
+    computed in fp32 and added into it (``weight.grad_added_to_main_grad`` set where it
+    exists, as Megatron's fused path does) and no gradient is returned for ``weight``;
+    otherwise this is an ordinary linear.
+    """
+    return _Linear.apply(x, weight)

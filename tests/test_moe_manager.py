@@ -1,0 +1,203 @@
+"""ReplicaManager end to end on loopback ranks: planner -> weight_sync -> rerouted tokens ->
+replica weights as autograd tensors -> guard/restore -> reduce, against a float64
+no-replication reference (tests/moe_harness.py)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.utils.checkpoint as cp
+
+import moe_harness as mh
+from ultracomm import LoopbackDomain, UltracommError
+from ultracomm.moe import ReplicaManager, linear
+from ultracomm.planners.base import build_result
+
+WORLD, EPR, K, LAYERS = 4, 2, 2, 2
+E = WORLD * EPR
+# fp32 master grads vs the float64 reference: each element is a sum of ~50 token terms whose
+# association differs (home + fp32-reduced replicas vs one sum); fp32 rounding of the terms and of
+# the sums bounds the difference by a few ulps of the largest partial sum, well inside 1e-5 relative
+TOL = 1e-5
+
+
+def fixed_planner(slot_src: np.ndarray):
+    """A planner that always returns ``slot_src``, each replica taking half of its expert's tokens
+    split evenly over the replicas (integer, exact)."""
+    slot_src = np.asarray(slot_src, np.int32)
+
+    def plan(load, domain, slots_per_rank):
+        load = np.asarray(load, np.int64)
+        total = load.sum(0)
+        quota = np.zeros(slot_src.shape, np.int64)
+        for e in np.unique(slot_src[slot_src >= 0]):
+            where = np.argwhere(slot_src == e)
+            share = total[e] // 2 // len(where)
+            for r, k in where:
+                quota[r, k] = share
+        return build_result(load, domain, slot_src, quota)
+    return plan
+
+
+def params_for(rank: int, layers: int, dtype=torch.float32, main_grad: bool = False, per_expert: bool = False):
+    out = []
+    for _ in range(layers):
+        ws = [mh.master_weights(rank * EPR + j, dtype) for j in range(EPR)]
+        if per_expert:  # Megatron keeps one parameter per expert (weight0..N)
+            ps = [[torch.nn.Parameter(w[m].clone()) for w in ws] for m in range(2)]
+        else:
+            ps = [torch.nn.Parameter(torch.stack([w[m] for w in ws])) for m in range(2)]
+        if main_grad:
+            for p in (t for m in ps for t in (m if isinstance(m, list) else [m])):
+                p.main_grad = torch.zeros(p.shape, dtype=torch.float32)
+        out.append(ps)
+    return out
+
+
+def grads_of(params, main_grad: bool):
+    def g(t):
+        return (t.main_grad if main_grad else t.grad).clone()
+    return [[torch.stack([g(t) for t in m]) if isinstance(m, list) else g(m) for m in ps] for ps in params]
+
+
+def run(order: str = "plain", mbs: int = 1, checkpoint: str | None = None, planner="quota",
+        skip_replicas_on: tuple = (), guard: bool = True, dtype=torch.float32, main_grad: bool = False,
+        per_expert: bool = False, max_microbatches: int | None = None, hot: float = 3.0, lin=linear):
+    """Per rank ``(grads[layer][member] [EPR, ...], imbalances)``."""
+    def body(group):
+        r = group.rank
+        mgr = ReplicaManager(group, mh.layout(dtype), EPR, K, LAYERS,
+                             max_microbatches=max_microbatches or mbs, planner=planner, timeout_s=20)
+        params = params_for(r, LAYERS, dtype, main_grad, per_expert)
+        for layer in range(LAYERS):
+            mgr.register_layer(layer, params[layer])
+        imbalance = []
+
+        def layer_loss(layer, mb, anchor):
+            x, rmap, probs, _ = mh.batch(r, layer, mb, E, hot=hot, dtype=dtype)
+            step = mgr.step(layer, rmap, probs)
+            imbalance.append(step.imbalance)
+            reps = None if r in skip_replicas_on else step.replica_weights()
+            loss = mh.rank_loss(step, r, WORLD, layer, mb, params[layer], reps, lin, hot=hot,
+                                skip_replicas=r in skip_replicas_on, dtype=dtype)
+            return (step.guard(loss) if guard else loss) * anchor
+
+        def forward(mb):
+            total = 0
+            anchor = torch.ones((), dtype=dtype, requires_grad=True)
+            for layer in range(LAYERS):
+                if checkpoint is None:
+                    total = total + layer_loss(layer, mb, anchor)
+                else:
+                    total = total + cp.checkpoint(layer_loss, layer, mb, anchor,
+                                                  use_reentrant=checkpoint == "reentrant")
+            return total
+
+        if order == "plain":
+            for mb in range(mbs):
+                forward(mb).backward()
+        else:  # every forward first, then the backwards in forward order (a pipeline's warm-up)
+            losses = [forward(mb) for mb in range(mbs)]
+            for loss in losses:
+                loss.backward()
+        out = grads_of(params, main_grad)
+        mgr.close()
+        return out, imbalance
+
+    return LoopbackDomain(WORLD).run(body, timeout=240)
+
+
+def check_against_reference(results, mbs=1, tol=TOL):
+    ref = mh.reference_grads(WORLD, EPR, LAYERS, mbs)
+    for r, (grads, _) in enumerate(results):
+        for layer in range(LAYERS):
+            for m in range(2):
+                want = torch.stack([ref[layer][r * EPR + j][m] for j in range(EPR)])
+                got = grads[layer][m].double()
+                scale = want.abs().max().item()
+                assert (got - want).abs().max().item() <= tol * scale, f"rank {r} layer {layer} member {m}"
+
+
+def bitwise_equal(a, b):
+    return all(torch.equal(x, y) for ra, rb in zip(a, b) for la, lb in zip(ra[0], rb[0]) for x, y in zip(la, lb))
+
+
+def test_manager_grads_match_no_replication_and_repeat_bit_identically():
+    first = run()
+    check_against_reference(first)
+    before, after = first[0][1][0]
+    assert before > 3 and after == pytest.approx(1.0, abs=0.1)  # the skewed router, then balanced
+    assert bitwise_equal(first, run())
+
+
+def test_interleaved_microbatches_give_the_plain_order_grads():
+    plain = run("plain", mbs=2)
+    check_against_reference(plain, mbs=2)
+    assert bitwise_equal(plain, run("interleaved", mbs=2))
+
+
+@pytest.mark.parametrize("mode", ["non_reentrant", "reentrant"])
+def test_activation_recompute_resyncs_and_gives_the_same_grads(mode):
+    assert bitwise_equal(run(), run(checkpoint=mode))
+
+
+def test_rank_without_replica_tokens_still_reaches_every_collective():
+    # replicas of the hot experts only on ranks 2 and 3; ranks 0 and 1 never touch replica weights
+    slot_src = np.array([[-1, -1], [-1, -1], [0, 1], [1, 0]])
+    results = run(planner=fixed_planner(slot_src), skip_replicas_on=(0, 1))
+    check_against_reference(results)
+
+
+def test_replica_weights_read_after_the_next_layers_step_raise():
+    def body(group):
+        mgr = ReplicaManager(group, mh.layout(), EPR, K, LAYERS, timeout_s=20)
+        for layer, ps in enumerate(params_for(group.rank, LAYERS)):
+            mgr.register_layer(layer, ps)
+        steps = [mgr.step(layer, mh.batch(group.rank, layer, 0, E)[1]) for layer in range(LAYERS)]
+        try:
+            with pytest.raises(UltracommError, match="overwritten by layer 1"):
+                steps[0].replica_weights()
+        finally:
+            mgr.ctx.synchronize()
+            mgr.close()
+
+    LoopbackDomain(WORLD).run(body)
+
+
+def test_missing_guard_is_caught_before_stale_grads_are_reduced():
+    # every rank uses its replicas in both layers; without guard() nothing restores layer 0's
+    # replicas after layer 1's weight_sync, so its backward must raise instead of reducing
+    slot_src = np.array([[2, 4], [4, 6], [6, 0], [0, 2]])
+    with pytest.raises(UltracommError, match="stale weights"):
+        run(planner=fixed_planner(slot_src), guard=False, hot=0.0)
+
+
+def plain_for_replicas(x, w):
+    """ultracomm.moe.linear for the masters, an ordinary matmul (autograd wgrad in the weight's
+    dtype, weight saved for the Dgrad) for the replica weights."""
+    return linear(x, w) if isinstance(w, torch.nn.Parameter) else x @ w.t()
+
+
+def worst_relative(a, b) -> float:
+    return max(((x - y).abs().max() / x.abs().max()).item()
+               for (ra, _), (rb, _) in zip(a, b) for la, lb in zip(ra, rb) for x, y in zip(la, lb))
+
+
+def test_replica_weights_work_in_ordinary_autograd_ops():
+    # saved for the Dgrad by a plain matmul: writes into the window's grad slots (the staged copy
+    # before each reduce) must not count as modifying them
+    check_against_reference(run(lin=plain_for_replicas))
+
+
+def test_bf16_weights_get_fp32_wgrads_in_main_grad():
+    # Megatron-style per-expert parameters with fp32 main_grad: home and replica wgrads both go
+    # through ultracomm.moe.linear's fp32 accumulation, so ultracomm and no replication agree to
+    # fp32 reassociation although the weights are bf16; replica wgrads rounded to bf16 (an
+    # ordinary matmul on the replica weights) are visibly worse
+    none = np.full((WORLD, K), -1)
+    base = run(planner=fixed_planner(none), dtype=torch.bfloat16, main_grad=True, per_expert=True)
+    fused = run(dtype=torch.bfloat16, main_grad=True, per_expert=True)
+    assert all(g.dtype == torch.float32 for r, _ in fused for layer in r for g in layer)
+    assert worst_relative(base, fused) <= TOL
+    assert worst_relative(base, run(dtype=torch.bfloat16, main_grad=True, per_expert=True,
+                                    lin=plain_for_replicas)) > 100 * TOL

@@ -1,0 +1,10 @@
+"""Adapters that speak the interfaces of the MoE stacks ultracomm plugs into:
+
+* :mod:`ultracomm.integrations.megatron_echo`: Megatron MoE ECHO's ``gen_offloading_plan``
+  and expert-weight dispatcher (``preprocess`` / ``expert_dispatch``).
+* :mod:`ultracomm.integrations.ultraep`: UltraEP's ``Manager`` (switch by changing the import).
+* :mod:`ultracomm.integrations.vllm_eplb`: vLLM's EPLB communicator (``add_send`` /
+  ``add_recv`` / ``execute``), one multicast per moved expert.
+
+Each module imports only torch and ultracomm; the frameworks themselves are not needed.
+"""

@@ -57,6 +57,24 @@ def reference_grads(world: int, epr: int, layers: int, mbs: int, tokens: int = 2
     return out
 
 
+# fp32 master grads vs the float64 reference: each element is a sum of ~50 token terms whose
+# association differs (home + fp32-reduced replicas vs one sum); fp32 rounding of the terms and of
+# the sums bounds the difference by a few ulps of the largest partial sum, well inside 1e-5 relative
+TOL = 1e-5
+
+
+def check_grads(per_rank_grads, world: int, epr: int, layers: int, mbs: int = 1, tol: float = TOL) -> None:
+    """Assert ``per_rank_grads[r][layer][member]`` (``[epr, *shape]``) match the float64
+    no-replication reference within ``tol`` of each tensor's largest gradient."""
+    ref = reference_grads(world, epr, layers, mbs)
+    for r, grads in enumerate(per_rank_grads):
+        for layer in range(layers):
+            for m in range(2):
+                want = torch.stack([ref[layer][r * epr + j][m] for j in range(epr)])
+                got = grads[layer][m].double()
+                assert (got - want).abs().max() <= tol * want.abs().max(), f"rank {r} layer {layer} member {m}"
+
+
 def rank_loss(step, rank: int, world: int, layer: int, mb: int, masters, replicas, linear,
               tokens: int = 24, hot: float = 3.0, skip_replicas: bool = False, dtype=torch.float32) -> torch.Tensor:
     """The part of the loss computed on ``rank``: every source rank's tokens that the rerouted

@@ -1,27 +1,40 @@
 """Write perf/README.md: simulated and measured weight_sync / grad_reduce figures, with plots.
 
-    python perf/report.py [--quick] [--nproc 4]        (or: bash scripts/report.sh)
+    python perf/report.py [--quick] [--nproc 4] [--jobs N]        (or: bash scripts/report.sh)
 
-Sections (each says whether it is simulated or measured, and where):
-1. simulated (``ultracomm.sim``): Qwen3-235B-A22B on GB200 NVL72 at EP64, 2 slots per rank,
-   imbalance 1.5/2/3 — all-to-all (Megatron MoE ECHO), direct, relay, lower bound; plot.
-2. simulated goal sweep (7 models x EP 8/16/64/72 x slots 1/2/4 x imbalance 1.5/2/3) with
-   the two planners the simulator knows how to drive (greedy, quota).
-3. simulated calibration against UltraEP's published EP64 figures.
-4. measured on this machine: ``torchrun -m ultracomm.bench`` (host executor over POSIX
-   shared memory; baselines over gloo) on Zipf workloads; table and plot.
+Every figure says whether it is simulated (``ultracomm.sim``: a flow-level model, no byte
+moves, no GPU) or measured (this machine's CPU).  Sections:
+
+0. goals at a glance (simulated): each goal's count per planner and gradient dtype (the
+   all-to-all baseline charged the same dtype as ultracomm), with how many of the EP64 cases
+   hold at every sensitivity setting;
+1. simulated headline: Qwen3-235B-A22B on GB200 NVL72 at EP64, 2 slots per rank, imbalance
+   1.5/2/3, with its sensitivity ranges and SM budgets; plot;
+2. simulated goal sweep (7 models x EP 8/16/64/72 x slots 1/2/4 x imbalance 1.5/2/3, planners
+   greedy and quota, grads bf16 and fp32);
+3. sensitivity of the EP64 goal (hop latency + per-chunk overhead x chunk size);
+4. EP8 relay gains, flagged unverified, under the pessimistic settings;
+5. simulated vs published (UltraEP), with the model's stated error;
+6. measured on this machine: ``torchrun -m ultracomm.bench`` (ECHO over the same shared memory,
+   gloo baselines labelled as such, ultracomm direct and relay);
+7. the model's cost parameters and their sources.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import os
 import platform
 import subprocess
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+IMBS = (1.5, 2.0, 3.0)
+PLANNERS = ("greedy", "quota")
+DTYPES = ("bf16", "fp32")
 
 
 def machine() -> str:
@@ -47,129 +60,317 @@ def md_table(hdr, rows) -> str:
     return "\n".join(out)
 
 
+def pmap(fn, items: list, jobs: int) -> list:
+    """``[fn(x) for x in items]``, over ``jobs`` forked processes when more than one."""
+    if jobs <= 1 or len(items) <= 1 or "fork" not in mp.get_all_start_methods():
+        return [fn(x) for x in items]
+    with ProcessPoolExecutor(jobs, mp_context=mp.get_context("fork")) as ex:
+        return list(ex.map(fn, items, chunksize=1))
+
+
+# ----------------------------------------------------------------------------- simulation tasks
+
+
+def goal_chunk(task) -> list:
+    """One (planner, EP, fabric, model) slice of the goal sweep."""
+    from ultracomm import sim
+
+    planner, ep, dom, model, imbs, slots, profile = task
+    return sim.goals(imbs, slots_list=slots, planner=planner, configs=((ep, dom),), models=(model,),
+                     grad_dtype=DTYPES, profile=profile)["cases"]
+
+
+def sens_case(task) -> dict:
+    """Sensitivity of one case, both gradient dtypes."""
+    from ultracomm import sim
+
+    model, dom, ep, slots, imb, planner, experts, settings, profile = task
+    return sim.sensitivity_case(model, sim.get_fabric(dom, profile=profile), ep, slots, imb, planner=planner,
+                                num_experts=experts, grad_dtype=DTYPES, settings=settings)
+
+
+def case_key(c: dict) -> tuple:
+    return (c["planner"], c["model"], c["ep"], c["slots"], c["imbalance"])
+
+
+# ----------------------------------------------------------------------------- formatting
+
+
+def span(lo: float, hi: float, fmt: str = ".2f") -> str:
+    return f"{lo:{fmt}}–{hi:{fmt}}" if f"{lo:{fmt}}" != f"{hi:{fmt}}" else f"{lo:{fmt}}"
+
+
 def sim_plot(rows, path: str, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     for ax, key, name in ((axes[0], "weight_sync_ms", "weight_sync"), (axes[1], "grad_reduce_ms", "grad_reduce")):
-        xs = [r["imbalance"] for r in rows]
-        for m, label in (("a2a", "all-to-all (ECHO)"), ("direct", "ultracomm direct"), ("relay", "ultracomm relay"),
-                         ("lb", "lower bound")):
-            ax.plot(xs, [r[key][m] for r in rows], marker="o", label=label, linestyle="--" if m == "lb" else "-")
+        for dt, style in (("bf16", "-"), ("fp32", "--")):
+            sel = [r for r in rows if r["grad_dtype"] == dt]
+            xs = [r["imbalance"] for r in sel]
+            for m, label, color in (("a2a", "all-to-all (ECHO)", "C0"), ("direct", "ultracomm direct", "C1"),
+                                    ("relay", "ultracomm relay", "C2"), ("lb", "lower bound", "C7")):
+                lab = label if key == "weight_sync_ms" else f"{label}, {dt} grads"
+                ax.plot(xs, [r[key][m] for r in sel], marker="o", color=color, linestyle=style, label=lab)
+            if key == "weight_sync_ms":
+                break  # weight_sync does not depend on the grad dtype
         ax.set_title(f"{name} (simulated)")
         ax.set_xlabel("max:mean rank load before balancing")
-        ax.set_ylabel("time (ms)")
+        ax.set_ylabel("time (ms, simulated)")
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize=7)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
-def goals_at_a_glance(goal_json: dict) -> str:
-    """Issue 3's three goals, counted over the simulated sweep of every planner run."""
-    rows, misses = [], []
-    for planner, cases in goal_json.items():
-        n = len(cases)
-        ws = sum(c["weight_sync_relay_over_lb"] <= 1.10 for c in cases)
-        gr = sum(c["grad_reduce_relay_over_lb"] <= 1.10 for c in cases)
-        ep64 = [c for c in cases if c["ep"] == 64 and c["imbalance"] >= 2]
-        a2a = sum(c["weight_sync_a2a_over_relay"] >= 2 for c in ep64)
-        a2a_gr = sum(c["grad_reduce_a2a_over_relay"] >= 2 for c in ep64)
-        gw = sum(c["grad_over_weight"] <= 2.2 for c in cases)
-        rows.append([planner, f"{ws}/{n}", f"{gr}/{n}", f"{a2a}/{len(ep64)}", f"{a2a_gr}/{len(ep64)}", f"{gw}/{n}"])
-        misses += [c for c in ep64 if c["weight_sync_a2a_over_relay"] < 2]
-    return ("## Goals at a glance (simulated)\n\nCases of the goal sweep (section 2) that meet each goal of issue 3, "
-            "per planner that made the plans:\n\n"
-            + md_table(["planner", "weight_sync relay <= 1.10x LB", "grad_reduce relay <= 1.10x LB",
-                        "EP64 imb>=2: relay >= 2x a2a (weight_sync)", "same, grad_reduce",
-                        "grad_reduce <= 2.2x weight_sync"], rows)
-            + "\n\nWhere relay stays above 1.10x of DESIGN.md's lower bound the cause is known for the largest "
-            "misses: (a) the bound is not reachable by any tree that moves whole experts (e.g. Mixtral at EP8 with "
-            "one slot: every possible relay is also a sending home, ~2.0x); (b) small experts (Qwen3-30B, 9.4 MB) "
-            "at EP64 where a whole-expert send is only ~3x a hop's latency, so depth costs as much as fan-out; the "
-            "builder's `stats()['tree_lower_bound_s']` bounds what any tree of a plan can reach in its own cost "
-            "model, and for the quota-planned 1-slot chains it equals the chosen tree's prediction.\n"
-            + (f"\nIn the {len(misses)} EP64 cases where relay is less than 2x faster than all-to-all "
-               f"({', '.join(sorted({c['model'] for c in misses}))}), relay is already within "
-               f"{max(c['weight_sync_relay_over_lb'] for c in misses):.3f}x of the lower bound: no schedule "
-               "could be 2x faster than all-to-all there.\n" if misses else ""))
+def goals_at_a_glance(cases: list[dict], sens: dict) -> str:
+    """The goal table: default counts per planner and dtype, and for the EP64 goals how many
+    cases hold at every sensitivity setting and at the pessimistic corner."""
+    from ultracomm import sim
+    from ultracomm.sim.goal_sweep import GOALS, is_ep64_hot
+
+    hdr = ["planner", "grads (both methods)"] + [g[1] for g in GOALS] + [
+        "EP64 a2a goals at every setting (ws / gr)", "…at 10+10 us, worst chunk (ws / gr)"]
+    rows, only_opt = [], []
+    for planner in PLANNERS:
+        sel = [c for c in cases if c["planner"] == planner]
+        counts = sim.goal_counts(sel)
+        for dt in DTYPES:
+            hot = [c for c in sel if c["grad_dtype"] == dt and is_ep64_hot(c)]
+            every, pess = [0, 0], [0, 0]
+            for c in hot:
+                s = sens.get(case_key(c))
+                if s is None:
+                    continue
+                for i, m in enumerate(("weight_sync_a2a_over_relay", "grad_reduce_a2a_over_relay")):
+                    every[i] += s[dt]["range"][m][0] >= 2
+                    pess[i] += s[dt]["pessimistic"][m] >= 2
+                    if c[m] >= 2 and s[dt]["range"][m][0] < 2:
+                        only_opt.append((planner, dt, m.split("_a2a")[0], c))
+            n = sum(case_key(c) in sens for c in hot)
+            rows.append([planner, dt] + [f"{counts[dt][g[0]][0]}/{counts[dt][g[0]][1]}" for g in GOALS]
+                        + [f"{every[0]}/{n} / {every[1]}/{n}", f"{pess[0]}/{n} / {pess[1]}/{n}"])
+    txt = ("## Goals at a glance (simulated)\n\nCases of the simulated goal sweep (section 2) that meet each goal, per "
+           "planner and per gradient dtype. **The all-to-all baseline is charged the same gradient dtype as ultracomm "
+           "in every row** (bf16: what ECHO's autograd reverse moves and what ultracomm moves with a bf16 "
+           "`grad_dtype`; fp32: ultracomm's default). The last two columns re-simulate the EP64 cases at every "
+           "setting of the sensitivity grid (section 3).\n\n" + md_table(hdr, rows) + "\n")
+    if only_opt:
+        by = {}
+        for planner, dt, op, c in only_opt:
+            by.setdefault((planner, dt, op), []).append(c)
+        txt += ("\n**Holds only at the optimistic end.** These EP64 cases meet \"relay >= 2x faster than all-to-all\" "
+                "at the default costs but not at every sensitivity setting: "
+                + "; ".join(f"{p}/{dt} grads/{op}: {len(v)} case(s) ({', '.join(sorted({c['model'] for c in v}))})"
+                            for (p, dt, op), v in sorted(by.items())) + ".\n")
+    return txt
+
+
+def headline_section(rows, sens_rows, budgets, fab) -> str:
+    from ultracomm import sim
+
+    srows = []
+    for imb, s in zip(IMBS, sens_rows):
+        for dt in DTYPES:
+            rg = s[dt]["range"]
+            srows.append([f"{imb:g}", dt, span(*rg["weight_sync_relay_over_lb"], ".3f"),
+                          span(*rg["weight_sync_a2a_over_relay"]), span(*rg["weight_sync_direct_over_relay"]),
+                          span(*rg["grad_reduce_relay_over_lb"], ".3f"), span(*rg["grad_reduce_a2a_over_relay"]),
+                          span(*rg["grad_over_weight"])])
+    brows = [[label, f"{r['weight_sync_ms']['a2a']:.3f}", f"{r['weight_sync_ms']['relay']:.3f}",
+              f"{r['weight_sync_a2a_over_relay']:.2f}", f"{r['grad_reduce_ms']['a2a']:.3f}",
+              f"{r['grad_reduce_ms']['relay']:.3f}", f"{r['grad_reduce_a2a_over_relay']:.2f}",
+              r["critical"]["relay/multicast"][1]] for label, r in budgets]
+    return ("## 1. Simulated: Qwen3-235B-A22B, NVL72, EP64, 2 slots per rank\n\n"
+            "`python -m ultracomm.sim --model qwen3-235b-a22b --domain nvl72 --ep 64 --slots 2 --imbalance 1.5,2,3` "
+            "— Zipf loads (8192 tokens per rank, top-8), plan by `workloads.greedy_replicas`. All times are "
+            f"**simulated**, in ms. Fabric: {fab.describe()}.\n\n"
+            + md_table(sim.HDR, [sim.fmt_row(r) for r in rows])
+            + "\n\n`ws`/`gr`: weight_sync / grad_reduce; `a2a`: Megatron MoE ECHO's all-to-all; `grads`: the gradient "
+            "dtype charged to *every* method in that row; `rly/LB`: relay over the lower bound; `a2a/rly`: how much "
+            "faster relay is than all-to-all; `gr/ws`: grad_reduce over weight_sync. weight_sync includes ultracomm's "
+            "host-side schedule build and task-list copy (~50 µs; the all-to-all pays a 10 µs split-size copy).\n\n"
+            "**Sensitivity (simulated)**: ranges over hop latency + per-chunk overhead 2+0.5 / 5+5 / 10+10 µs and "
+            "chunks 256 KiB / 1 MiB / 4 MiB (`python -m ultracomm.sim --sensitivity`):\n\n"
+            + md_table(["imb", "grads", "ws relay/LB", "ws a2a/relay", "ws direct/relay", "gr relay/LB",
+                        "gr a2a/relay", "gr/ws"], srows)
+            + f"\n\n**SM budget (simulated, imbalance 3, bf16 grads)**: the rows above charge ultracomm's auto SM "
+            f"default for a 740 GB/s link ({fab.multicast_sms} / {fab.reduce_sms} SMs) at the assumed "
+            f"{fab.sm_copy_bw / 1e9:g} / {fab.sm_reduce_bw / 1e9:g} GB/s per SM (section 7); the all-to-all is charged "
+            "the same budget on both sides of each transfer. Fewer SMs make NVL72 SM-bound:\n\n"
+            + md_table(["SM budget", "ws a2a", "ws relay", "ws a2a/relay", "gr a2a", "gr relay", "gr a2a/relay",
+                        "ws relay bound by"], brows)
+            + "\n\n![simulated](sim_qwen3-235b_nvl72_ep64.png)\n")
+
+
+def sm_bound_note(cases: list[dict]) -> str:
+    """Why relay misses the lower bound where the SM budget binds."""
+    sel = [c for c in cases if c["grad_dtype"] == "bf16" and c["weight_sync_relay_over_lb"] > 1.10]
+    sm = [c for c in sel if c["critical"]["relay/multicast"][1] == "sm pool"]
+    if not sm:
+        return ""
+    return (f"\n**Relay above 1.10x of the bound where SMs bind.** In {len(sm)} of the {len(sel)} weight_sync cases "
+            "above 1.10x LB the relay's busiest resource is a rank's SM pool (planners: "
+            f"{', '.join(sorted({c['planner'] for c in sm}))}). The schedule builder balances each rank's egress "
+            "against the link-level bound (replicas a rank must receive); a push executor's egress runs at its SM "
+            "pool's rate, which is below the link there (simulated), so trees that spread the sends further would "
+            "be faster, and the SM terms of the bound say how much. The builder's cost model does not know the SM "
+            "rate yet; that is a builder change, not made here.\n")
+
+
+def ep8_section(cases: list[dict], sens: dict) -> str:
+    rows, gains = [], []
+    relayed = [c for c in cases if c["ep"] == 8 and c["grad_dtype"] == "bf16" and c["weight_sync_relay_depth"] > 1]
+    n8 = sum(c["ep"] == 8 and c["grad_dtype"] == "bf16" for c in cases)
+    for c in sorted(relayed, key=lambda c: -c["weight_sync_direct_over_relay"]):
+        s = sens.get(case_key(c))
+        g = c["weight_sync_direct_over_relay"]
+        gains.append(g)
+        if s is None:
+            continue
+        rg, pe = s["bf16"]["range"]["weight_sync_direct_over_relay"], s["bf16"]["pessimistic"]["weight_sync_direct_over_relay"]
+        rows.append([c["planner"], c["model"], c["slots"], f"{c['imbalance']:g}", c["weight_sync_relay_depth"],
+                     f"{g:.2f}", span(*rg), f"{pe:.2f}"])
+    if not relayed:
+        return "## 4. EP8 relay (simulated)\n\nThe simulator chose direct in every EP8 case.\n"
+    still = sum(float(r[-1]) > 1.0 for r in rows)
+    return ("## 4. EP8 relay gains: unverified by hardware (simulated)\n\n"
+            f"The simulator relays weight_sync in {len(relayed)} of {n8} EP8 cases on one 8-GPU node (both planners), "
+            f"with a gain over ultracomm direct of up to {max(gains):.2f}x at the default costs. **These gains are "
+            "unverified by hardware**: no multi-GPU run of ultracomm exists, UltraEP forces direct multicast at 8 GPUs "
+            "or fewer, and the calibration (section 5) shows the model is optimistic for relay. Under the pessimistic "
+            f"settings (10+10 µs, worst chunk size) relay still beats direct in {still} of the {len(rows)} cases "
+            "re-simulated below.\n\n"
+            + md_table(["planner", "model", "slots", "imb", "depth", "direct/relay (default)", "range over the grid",
+                        "at 10+10 µs, worst chunk"], rows) + "\n")
+
+
+def calibration_section(cal: dict) -> str:
+    from ultracomm.sim import calibration
+
+    hdr, rows = calibration.calibration_table(cal)
+    return ("## 5. Simulated vs published (UltraEP)\n\n" + cal["setting"] + ". Times in ms; `sim` columns are "
+            "simulated, `pub` columns are UltraEP's published figures; `crit GB/s` = the direct pattern's busiest "
+            "link bytes / direct time (published: max replicas x expert bytes / direct time).\n\n"
+            + md_table(hdr, rows) + "\n\n" + cal["verdict"] + "\n\n" + calibration.describe_grad(cal) + "\n")
+
+
+def measured_section(bench: dict, stdout: str, nproc: int, zipf: str) -> str:
+    brow = [[r["op"], r["workload"], f"{r['imbalance']:.2f}" if r["imbalance"] else "-", r["method"], r["transport"],
+             r["size"], r["replicas"], r["depth"], f"{r['time_us'] / 1e3:.2f}", f"{r['p90_us'] / 1e3:.2f}",
+             f"{r['algbw_GBps']:.2f}", f"{r['cpbw_GBps']:.2f}", f"{r['lb_ratio']:.2f}", r["wrong"]]
+            for r in bench["rows"]]
+    ratios = [line[2:] for line in stdout.splitlines() if line.startswith("# ") and "/ relay" in line]
+    by = {}
+    for r in bench["rows"]:
+        by.setdefault((r["op"], r["workload"]), {})[r["method"]] = r["time_us"]
+    not_faster = [f"{op} {w} (direct {t['direct'] / 1e3:.2f} ms, relay {t['relay'] / 1e3:.2f} ms)"
+                  for (op, w), t in by.items() if "direct" in t and "relay" in t and t["relay"] >= t["direct"]]
+    shm_slower = [f"{op} {w}" for (op, w), t in by.items() if "a2a_shm" in t and "relay" in t and t["relay"] >= t["a2a_shm"]]
+    return (f"## 6. Measured on this machine (CPU)\n\n`torchrun --nproc-per-node {nproc} -m ultracomm.bench all "
+            f"--workload {zipf} ...` (OMP_WAIT_POLICY=PASSIVE so idle OpenMP threads do not spin on shared cores). "
+            f"{bench['world']} ranks as processes on {os.cpu_count()} cores, so ranks and worker threads share cores: "
+            "these figures show the protocol working and CPU ratios, not GPU bandwidth. Methods and what moved their "
+            "bytes (`over`):\n\n"
+            "- `a2a_shm` (shared memory): ECHO's pattern — `index_select` staging, direct exchange, barrier — over the "
+            "same POSIX shared-memory windows ultracomm uses, with as many torch threads as ultracomm has workers. "
+            "**`a2a_shm` / `relay` is the like-for-like algorithm comparison.**\n"
+            "- `a2a_gloo`, `p2p_gloo` (gloo, TCP loopback): the same ECHO all-to-all and a P2P baseline through "
+            "torch.distributed's CPU backend. They are what a torch.distributed user runs on a CPU; their ratio to "
+            "`relay` measures TCP loopback against shared memory as much as the algorithm.\n"
+            "- `direct`, `relay` (shared memory): ultracomm's host executor, relay off / auto.\n\n"
+            f"Times in ms (median and p90 of the slowest rank), bandwidths in GB/s; `size` is one expert (bf16 weights "
+            f"/ {bench['rows'][0].get('grad_dtype', 'fp32')} grads, the same for every method); `algbw` = replicas x "
+            "size / time; `cpbw` = busiest rank's link bytes / time; `lb` = busiest bytes / lower bound; `#wrong` "
+            "checks every byte.\n\n"
+            + md_table(["op", "workload", "max:mean", "method", "over", "size", "repl", "depth", "time", "p90", "algbw",
+                        "cpbw", "lb", "#wrong"], brow)
+            + "\n\n" + "\n".join(f"- {x}" for x in ratios) + "\n\n"
+            + ("**Relay is not faster than direct on this CPU** in: " + "; ".join(not_faster) + ". On shared memory "
+               "every rank reads the same DRAM, so spreading a hot home's sends over relays buys no bandwidth, and the "
+               "extra hop costs time.\n" if not_faster else "Relay was faster than direct in every measured row.\n")
+            + ("\n**Relay is not faster than ECHO over the same shared memory** in: " + "; ".join(shm_slower) + ".\n"
+               if shm_slower else "")
+            + "\n![measured](bench_cpu.png)\n")
+
+
+def assumptions_section(fab) -> str:
+    from ultracomm.sim.hardware import SOURCES
+
+    units = {"_bw": (1e9, " GB/s"), "_s": (1e-6, " µs")}
+    rows = []
+    for field, src in SOURCES.items():
+        v = getattr(fab, field)
+        scale, unit = next((u for k, u in units.items() if field.endswith(k)), (1, ""))
+        rows.append([f"`{field}`", f"{v / scale:g}{unit}", src])
+    return ("## 7. The model's costs and their sources (simulated inputs)\n\nValues of the `nvl72` preset as used "
+            "above" + (f", with the hardware profile {fab.profile} applied" if fab.profile else
+                       ": **no hardware profile exists yet, so none of these was measured on a GPU**")
+            + ". A profile from `perf/bench_gpu.py` (`ultracomm.hwprofile`) replaces the per-SM rates, HBM copy rate, "
+            "per-chunk overhead, launch floor and SM count (`python -m ultracomm.sim --profile FILE`; the report "
+            "picks `ULTRACOMM_HW_PROFILE` or the newest `perf/gpu/*profile*.json`).\n\n"
+            + md_table(["Fabric field", "value", "source"], rows) + "\n")
+
+
+# ----------------------------------------------------------------------------- main
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="smaller sweeps (for a smoke test)")
+    ap.add_argument("--quick", action="store_true", help="smaller sweeps and grid (for a smoke test)")
     ap.add_argument("--nproc", type=int, default=4, help="ranks of the measured torchrun bench")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes for the simulations")
     ap.add_argument("--out", default=HERE, help="folder for README.md, PNGs and JSON")
     a = ap.parse_args()
     from ultracomm import sim
+    from ultracomm.sim import sensitivity_grid as sg
 
     os.makedirs(a.out, exist_ok=True)
     t0 = time.time()
-    imbs = (1.5, 2.0, 3.0)
-    parts = [f"# ultracomm performance report\n\nGenerated by `bash scripts/report.sh` (`python perf/report.py`) "
-             f"on {time.strftime('%Y-%m-%d')}.\n\n**Machine:** {machine()}.\n\n"
-             "**What is measured and what is simulated.** Sections 1–3 are *simulated* by `ultracomm.sim` "
-             "(a flow-level fabric model; no byte moves; GPU fabrics modelled from vendor and published "
-             "figures, see `python/ultracomm/sim.py`). Section 4 is *measured* on the machine above with the "
-             "host executor (C++ threads over POSIX shared memory); no GPU figure in this report was measured.\n"]
+    imbs = (1.5, 2.0) if a.quick else IMBS
+    slots = (2,) if a.quick else (1, 2, 4)
+    settings = (sg.DEFAULT, sg.Setting(10e-6, 10e-6, 1 << 20)) if a.quick else sg.SETTINGS
+    prof = sim.default_profile()  # a GPU run's hardware profile, when one exists
 
-    # 1. the headline case
-    fab = sim.get_fabric("nvl72", 64)
-    rows = sim.run_case("qwen3-235b-a22b", fab, 64, 2, imbs, planner="greedy")
+    # 1. headline, its sensitivity and SM budgets
+    fab = sim.get_fabric("nvl72", 64, profile=prof)
+    rows = sim.run_case("qwen3-235b-a22b", fab, 64, 2, IMBS, planner="greedy", grad_dtype=DTYPES)
     sim_plot(rows, os.path.join(a.out, "sim_qwen3-235b_nvl72_ep64.png"),
              "Qwen3-235B-A22B, GB200 NVL72, EP64, 2 replica slots per rank (simulated)")
-    parts.append("## 1. Simulated: Qwen3-235B-A22B, NVL72, EP64, 2 slots per rank\n\n"
-                 "`python -m ultracomm.sim --model qwen3-235b-a22b --domain nvl72 --ep 64 --slots 2 --imbalance "
-                 "1.5,2,3` — Zipf loads (8192 tokens per rank, top-8), plan by `workloads.greedy_replicas`. Times "
-                 f"in ms. Fabric: {fab.describe()}.\n\n"
-                 + md_table(sim._HDR, [sim._fmt_row(r) for r in rows])
-                 + "\n\n`ws`/`gr`: weight_sync / grad_reduce; `a2a`: Megatron MoE ECHO's all-to-all; `rly/LB`: "
-                 "relay over the lower bound; `a2a/rly`: how much faster relay is than all-to-all; `gr/ws`: "
-                 "grad_reduce (fp32 grads) over weight_sync (bf16 weights).\n\n"
-                 "![simulated](sim_qwen3-235b_nvl72_ep64.png)\n")
+    head_sens = pmap(sens_case, [("qwen3-235b-a22b", "nvl72", 64, 2, imb, "greedy", None, settings, prof)
+                                 for imb in IMBS], a.jobs)
+    budgets = [(label, sim.run_case("qwen3-235b-a22b", f, 64, 2, [3.0], grad_dtype="bf16")[0]) for label, f in (
+        (f"{fab.multicast_sms} / {fab.reduce_sms} (auto)", fab), ("16 / 16", fab.replace(multicast_sms=16, reduce_sms=16)),
+        ("8 / 8", fab.replace(multicast_sms=8, reduce_sms=8)),
+        ("not modelled (links only)", fab.replace(multicast_sms=0, reduce_sms=0)))]
 
     # 2. goal sweep
-    goal_text = []
-    goal_json = {}
-    for planner in ("greedy", "quota"):
-        res = sim.goals((1.5, 2.0) if a.quick else imbs, slots_list=(2,) if a.quick else (1, 2, 4),
-                        planner=planner)
-        goal_json[planner] = res["cases"]
-        goal_text.append(f"**planner {planner}** ({len(res['cases'])} cases)\n\n```\n"
-                         + sim._goal_summary(res["cases"]) + "\n```\n")
-    parts.append("## 2. Simulated goal sweep\n\nEvery model preset at EP 8 (h200x8), 16 (2 nodes of 8 over "
-                 "400 Gb/s RDMA), 64 and 72 (nvl72), slots 1/2/4, imbalance 1.5/2/3 (`python -m ultracomm.sim "
-                 "--goals`). Models whose expert count does not divide EP are run with the count rounded up "
-                 "(\"padded\"). Goals: relay within 1.10x of the lower bound; relay >= 2x faster than all-to-all "
-                 "at imbalance >= 2 at EP64; grad_reduce <= 2.2x weight_sync.\n\n" + "\n".join(goal_text))
+    tasks = [(p, ep, dom, m, imbs, slots, prof) for p in PLANNERS for ep, dom in sim.GOAL_CONFIGS
+             for m in sim.GOAL_MODELS]
+    cases = [c for chunk in pmap(goal_chunk, tasks, a.jobs) for c in chunk]
 
-    parts.insert(1, goals_at_a_glance(goal_json))
+    # 3./4. sensitivity of the EP64 goal cases and of the EP8 cases that relay
+    from ultracomm.sim.goal_sweep import is_ep64_hot
 
-    # 3. calibration
-    cal = sim.calibrate()
-    crow = []
-    for r in cal["rows"]:
-        p, s = r["published"], r["sim_over_published"]
-        crow.append([f"{r['imbalance']:g}", f"{r['replicas_max']}/{r['replicas_total']}", p["replicas"],
-                     f"{r['weight_sync_ms']['direct']:.3f}", f"{p['weight_sync_direct_ms']:.3f}",
-                     f"{s['weight_sync_direct']:.2f}", f"{r['weight_sync_ms']['relay']:.3f}",
-                     f"{p['weight_sync_relay_ms']:.3f}", f"{s['weight_sync_relay']:.2f}",
-                     f"{r['grad_reduce_ms']['relay']:.3f}", "1.9–2.4"])
-    parts.append("## 3. Simulated vs published (UltraEP)\n\n" + cal["setting"] + ". Times in ms.\n\n"
-                 + md_table(["imb", "replicas max/total", "published", "direct", "published", "sim/pub", "relay",
-                             "published", "sim/pub", "grad_reduce", "published"], crow)
-                 + "\n\nThe gap is byte accounting rather than the model: with two redundant slots the busiest "
-                 "rank must receive 2 x 88,080,384 B = 176 MB, which takes 0.196 ms even at NVLink5's 900 GB/s "
-                 "peak, so the published 0.19 ms relay figure implies fewer bytes per expert than bf16 "
-                 "DeepSeek-V3 (see `python/ultracomm/sim.py`). UltraEP's grad_reduce is measured overlapped "
-                 "with GEMMs on 42 SMs; ours is the link-bound time on an idle fabric. Constants were not tuned "
-                 "to close the gap.\n")
+    pick = {case_key(c): c for c in cases if c["grad_dtype"] == "bf16" and (
+        is_ep64_hot(c) or (c["ep"] == 8 and c["weight_sync_relay_depth"] > 1))}
+    if a.quick:  # a few of each kind
+        hot = [k for k, c in pick.items() if is_ep64_hot(c)][:3]
+        ep8 = [k for k, c in pick.items() if c["ep"] == 8][:3]
+        pick = {k: pick[k] for k in hot + ep8}
+    keys = list(pick)
+    res = pmap(sens_case, [(c["model"], c["domain"], c["ep"], c["slots"], c["imbalance"], c["planner"],
+                            c["num_experts"], settings, prof) for c in pick.values()], a.jobs)
+    sens = dict(zip(keys, res))
 
-    # 4. measured
+    # 5. calibration
+    cal = sim.calibrate(fabric=sim.get_fabric("nvl72", profile=prof))
+
+    # 6. measured
     bench_json = os.path.join(a.out, "bench_cpu.json")
     bench_png = os.path.join(a.out, "bench_cpu.png")
     size = "1M" if a.quick else "8M"
@@ -177,39 +378,75 @@ def main() -> int:
     zipf = "zipf:" + ",".join(f"{x:g}" for x in (1.5, 2, 3) if x < a.nproc)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.nproc}", "-m",
            "ultracomm.bench", "all", "--workload", zipf, "--experts-per-rank", "8", "--top-k", "2",
-           "--slots", "2", "--min-bytes", size, "--max-bytes", size, "--iters", "3" if a.quick else "7",
+           "--slots", "2", "--min-bytes", size, "--max-bytes", size, "--iters", "3" if a.quick else "5",
            "--chunk-bytes", "256K", "--json", bench_json, "--plot", bench_png]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if p.returncode != 0:
         print(p.stdout[-4000:], p.stderr[-4000:], file=sys.stderr)
         raise SystemExit(f"measured bench failed (rc {p.returncode})")
     bench = json.load(open(bench_json))
-    brow = [[r["op"], r["workload"], f"{r['imbalance']:.2f}" if r["imbalance"] else "-", r["method"], r["size"],
-             r["replicas"], r["depth"], f"{r['time_us'] / 1e3:.2f}", f"{r['p90_us'] / 1e3:.2f}",
-             f"{r['algbw_GBps']:.2f}", f"{r['cpbw_GBps']:.2f}", f"{r['lb_ratio']:.2f}", r["wrong"]]
-            for r in bench["rows"]]
-    ratios = [line[2:] for line in p.stdout.splitlines() if line.startswith("# ") and "a2a / relay" in line]
-    parts.append(f"## 4. Measured on this machine (CPU)\n\n`torchrun --nproc-per-node {a.nproc} -m ultracomm.bench "
-                 f"all --workload {zipf} ...`: ultracomm's host executor over POSIX shared memory vs the same "
-                 "operations written with torch.distributed over gloo (ECHO-style all-to-all, P2P). "
-                 f"{bench['world']} ranks as processes on {os.cpu_count()} cores, so ranks and worker threads "
-                 "share cores: these figures show the protocol working and the ratios on a CPU, not GPU "
-                 "bandwidth. The baselines move bytes through gloo's TCP loopback while ultracomm uses shared "
-                 "memory, so the ratios to `a2a`/`p2p` here mostly measure that difference; the GPU comparison is "
-                 "simulated in sections 1-2. Times in ms (median and p90 of the slowest rank), bandwidths in GB/s; `size` is one "
-                 "expert (bf16 weights / fp32 grads); `algbw` = replicas x size / time; `cpbw` = busiest rank's "
-                 "link bytes / time; `lb` = busiest bytes / lower bound; `#wrong` checks every byte.\n\n"
-                 + md_table(["op", "workload", "max:mean", "method", "size", "repl", "depth", "time", "p90",
-                             "algbw", "cpbw", "lb", "#wrong"], brow)
-                 + "\n\n" + "\n".join(f"- {x}" for x in ratios) + "\n\n![measured](bench_cpu.png)\n")
+
+    # write
+    parts = [f"# ultracomm performance report\n\nGenerated by `bash scripts/report.sh` (`python perf/report.py"
+             f"{' --quick' if a.quick else ''}`) on {time.strftime('%Y-%m-%d')}.\n\n**Machine:** {machine()}.\n\n"
+             "**What is measured and what is simulated.** Every figure in sections 0–5 is **simulated** by "
+             "`ultracomm.sim` (a flow-level fabric model; no byte moves; GPU costs modelled from vendor and published "
+             "figures, section 7" + (f"; hardware profile {prof.device}, {prof.date}" if prof else
+                                     "; no hardware profile exists, so those costs are assumptions") + "). Section 6 is **measured** on the machine above with ultracomm's host executor (C++ "
+             "threads over POSIX shared memory) and CPU baselines. **No GPU figure in this report was measured.** "
+             "The calibration (section 5) finds the simulator optimistic for relay: simulated relay gains are upper "
+             "estimates until a GPU run confirms them.\n",
+             goals_at_a_glance(cases, sens),
+             headline_section(rows, head_sens, budgets, fab)]
+    goal_text = []
+    for planner in PLANNERS:
+        sel = [c for c in cases if c["planner"] == planner]
+        goal_text.append(f"**planner {planner}** ({len(sel) // len(DTYPES)} cases x grads {' and '.join(DTYPES)}; "
+                         f"simulated)\n\n```\n" + sim.goal_summary(sel) + "\n```\n")
+    parts.append("## 2. Simulated goal sweep\n\nEvery model preset at EP 8 (h200x8), 16 (2 nodes of 8 over 400 Gb/s "
+                 "RDMA), 64 and 72 (nvl72), slots " + "/".join(map(str, slots)) + ", imbalance "
+                 + "/".join(f"{x:g}" for x in imbs) + " (`python -m ultracomm.sim --goals`), each with bf16 and with "
+                 "fp32 gradients charged to every method. Models whose expert count does not divide EP are run with "
+                 "the count rounded up (\"padded\"). Goals: relay within 1.10x of the lower bound; relay >= 2x faster "
+                 "than all-to-all at imbalance >= 2 at EP64; grad_reduce <= 2.2x weight_sync. SM budgets, per-chunk "
+                 "costs and host costs are charged (section 7), so grad_reduce <= 2.2x weight_sync no longer holds by "
+                 "construction: it depends on the per-SM accumulate rate and budget.\n\n" + "\n".join(goal_text)
+                 + sm_bound_note(cases))
+    hot = [c for c in cases if is_ep64_hot(c) and case_key(c) in sens]
+    srows = []
+    for planner in PLANNERS:
+        for dt in DTYPES:
+            sel = [c for c in hot if c["planner"] == planner and c["grad_dtype"] == dt]
+            if not sel:
+                continue
+            for m, name in (("weight_sync_a2a_over_relay", "ws a2a/relay"), ("grad_reduce_a2a_over_relay", "gr a2a/relay"),
+                            ("weight_sync_relay_over_lb", "ws relay/LB"), ("grad_reduce_relay_over_lb", "gr relay/LB")):
+                lo = [sens[case_key(c)][dt]["range"][m][0] for c in sel]
+                hi = [sens[case_key(c)][dt]["range"][m][1] for c in sel]
+                de = [c[m] for c in sel]
+                srows.append([planner, dt, name, span(min(de), max(de)), span(min(lo), max(hi)),
+                              span(min(sens[case_key(c)][dt]["pessimistic"][m] for c in sel),
+                                   max(sens[case_key(c)][dt]["pessimistic"][m] for c in sel))])
+    parts.append("## 3. Sensitivity of the EP64 goal (simulated)\n\nThe EP64 cases at imbalance >= 2 re-simulated at "
+                 f"{len(settings)} settings: " + ", ".join(s.label for s in settings) + " (hop latency + per-chunk "
+                 "overhead, chunk size; the schedule is rebuilt for each). Ranges over all those cases: at the default "
+                 "costs, over the whole grid, and at the 10+10 µs corner (worst chunk size).\n\n"
+                 + md_table(["planner", "grads", "metric", "default", "whole grid", "10+10 µs"], srows) + "\n")
+    parts.append(ep8_section(cases, sens))
+    parts.append(calibration_section(cal))
+    parts.append(measured_section(bench, p.stdout, a.nproc, zipf))
+    parts.append(assumptions_section(fab))
     parts.append(f"\n_Report generated in {time.time() - t0:.0f} s._\n")
     with open(os.path.join(a.out, "README.md"), "w") as f:
         f.write("\n".join(parts))
     with open(os.path.join(a.out, "report.json"), "w") as f:
-        json.dump({"headline": rows, "goals": goal_json, "calibration": cal, "measured": bench}, f, indent=1,
+        json.dump({"simulated": {"headline": rows, "headline_sensitivity": head_sens, "goals": cases,
+                                 "sensitivity": [{"case": list(k), **v} for k, v in sens.items()],
+                                 "calibration": {k: v for k, v in cal.items() if k != "fabric"}},
+                   "measured": bench}, f, indent=1,
                   default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o))
-    print(f"wrote {os.path.join(a.out, 'README.md')}")
+    print(f"wrote {os.path.join(a.out, 'README.md')} in {time.time() - t0:.0f} s")
     return 0
 
 

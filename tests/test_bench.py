@@ -14,7 +14,7 @@ def test_bench_small(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
            "ultracomm.bench", "all", "--min-bytes", "64K", "--max-bytes", "256K", "--factor", "4",
-           "--iters", "2", "--warmup", "1", "--chunk-bytes", "32K", "--json", str(out)]
+           "--iters", "2", "--warmup", "1", "--chunk-bytes", "32K", "--grad-dtype", "bf16", "--json", str(out)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
                        env={**os.environ, "OMP_NUM_THREADS": "1", "ULTRACOMM_NUM_WORKERS": "2"})
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -22,9 +22,15 @@ def test_bench_small(tmp_path):
     rec = json.loads(out.read_text())
     assert rec["world"] == 2
     rows = rec["rows"]
-    # 2 ops x 2 sizes x (a2a, p2p, direct, relay)
-    assert len(rows) == 16
-    assert {r["method"] for r in rows} == {"a2a", "p2p", "direct", "relay"}
+    # 2 ops x 2 sizes x (a2a_shm, a2a_gloo, p2p_gloo, direct, relay)
+    assert len(rows) == 20
+    assert {r["method"] for r in rows} == {"a2a_shm", "a2a_gloo", "p2p_gloo", "direct", "relay"}
+    assert {r["transport"] for r in rows if r["method"].endswith("gloo")} == {"gloo (TCP loopback)"}
+    assert {r["transport"] for r in rows if not r["method"].endswith("gloo")} == {"shared memory"}
+    # every method moves bf16 weights and, here, bf16 grads: the same bytes per expert in both ops
+    assert {r["grad_dtype"] for r in rows} == {"bf16"}
+    assert sorted(r["size"] for r in rows if r["op"] == "grad_reduce") == \
+        sorted(r["size"] for r in rows if r["op"] == "weight_sync")
     for row in rows:
         assert row["wrong"] == 0
         assert row["time_us"] > 0 and row["p90_us"] >= row["time_us"]
@@ -45,7 +51,7 @@ def test_bench_zipf_workloads_and_plot(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert [(r["workload"], r["method"]) for r in rows] == [
-        ("zipf:1.5", "a2a"), ("zipf:1.5", "relay"), ("zipf:2", "a2a"), ("zipf:2", "relay")]
+        ("zipf:1.5", "a2a_gloo"), ("zipf:1.5", "relay"), ("zipf:2", "a2a_gloo"), ("zipf:2", "relay")]
     assert all(r["wrong"] == 0 for r in rows)
     assert abs(rows[0]["imbalance"] - 1.5) < 0.05 and abs(rows[2]["imbalance"] - 2.0) < 0.05
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -163,7 +163,7 @@ def test_lower_bound_below_makespan_random_plans(gpn):
                 r = sim.simulate(s, fab, op)
                 assert r.lower_bound_s <= r.makespan_s * (1 + 1e-9), (trial, mode, op)
                 assert r.makespan_s <= (r.per_rank_finish.max() + 1e-15)
-                a = sim.simulate_alltoall(plan, 64 << 10, fab, op)
+                a = sim.simulate_alltoall(plan, 64 << 10, fab, op, grad_bytes=128 << 10)
                 assert a.lower_bound_s <= a.makespan_s
 
 
@@ -187,9 +187,13 @@ def test_alltoall_hand_computed():
     prep = 2 * 3 * B / 1e10  # index_select of 3 rows: read + write
     assert a.makespan_s == approx(prep + startup + 3 * B / BW + LAT + OVH)
     assert a.parts["prep_s"] == approx(prep)
-    g = sim.simulate_alltoall(plan, B, fab, "reduce")
+    g = sim.simulate_alltoall(plan, B, fab, "reduce", grad_bytes=2 * B)
     post = 3 * 3 * 2 * B / 1e10  # index_add of 3 fp32 rows
     assert g.makespan_s == approx(startup + 3 * 2 * B / BW + LAT + OVH + post)
+    h = sim.simulate_alltoall(plan, B, fab, "reduce", grad_bytes=B)  # bf16 grads: half the bytes
+    assert h.makespan_s == approx(startup + 3 * B / BW + LAT + OVH + post / 2) and h.bytes == B
+    with pytest.raises(ValueError, match="grad_bytes"):  # no silent dtype for the baseline's grads
+        sim.simulate_alltoall(plan, B, fab, "reduce")
     direct = sim.simulate(sched(plan, B, 2 * B, fab, "off", B // 4), fab, "multicast")
     assert a.makespan_s > direct.makespan_s
 
@@ -217,7 +221,7 @@ def test_empty_plan():
     s = sched(plan, 4096, 8192, fab, "auto", 1024)
     r = sim.simulate(s, fab, "multicast")
     assert r.makespan_s == 0 and r.lower_bound_s == 0
-    assert sim.simulate_alltoall(plan, 4096, fab, "reduce").makespan_s == 0
+    assert sim.simulate_alltoall(plan, 4096, fab, "reduce", grad_bytes=8192).makespan_s == 0
 
 
 def test_ep64_speed():
@@ -238,20 +242,33 @@ def test_cli_table_and_json(tmp_path, capsys):
                    "--imbalance", "1.5,3", "--json", str(out)])
     assert rc == 0
     text = capsys.readouterr().out
-    assert "simulated" in text and "rly/LB" in text and "a2a/rly" in text and "gr/ws" in text
+    assert "simulated" in text and "rly/LB" in text and "a2a/rly" in text and "gr/ws" in text and "grads" in text
     d = json.loads(out.read_text())
-    assert d["ep"] == 4 and len(d["rows"]) == 2 and d["fabric"]["name"] == "h200x8"
+    assert d["simulated"] is True
+    assert d["ep"] == 4 and d["fabric"]["name"] == "h200x8"
+    # one row per (imbalance, grad dtype); bf16 and fp32 by default
+    assert [(r["imbalance"], r["grad_dtype"]) for r in d["rows"]] == [
+        (1.5, "bf16"), (1.5, "fp32"), (3.0, "bf16"), (3.0, "fp32")]
+    wb = workloads.get_model("qwen3-30b-a3b").expert_weight_bytes()
     for row in d["rows"]:
         for key in ("imbalance", "replicas_max", "replicas_total", "weight_sync_ms", "grad_reduce_ms",
                     "weight_sync_relay_over_lb", "weight_sync_a2a_over_relay", "grad_reduce_relay_over_lb",
-                    "grad_reduce_a2a_over_relay", "grad_over_weight"):
+                    "grad_reduce_a2a_over_relay", "grad_over_weight", "weight_sync_direct_over_relay"):
             assert key in row
         for op in ("weight_sync_ms", "grad_reduce_ms"):
             assert set(row[op]) == {"a2a", "direct", "relay", "lb"}
             assert row[op]["lb"] <= row[op]["relay"] * (1 + 1e-9)
+        gb = wb if row["grad_dtype"] == "bf16" else 2 * wb
+        assert row["a2a_bytes"] == {"multicast": wb, "reduce": gb} == row["relay_bytes"]
+    # weight_sync does not depend on the grad dtype; grad_reduce does
+    assert d["rows"][0]["weight_sync_ms"] == d["rows"][1]["weight_sync_ms"]
+    assert d["rows"][0]["grad_reduce_ms"]["relay"] < d["rows"][1]["grad_reduce_ms"]["relay"]
 
 
 def test_cli_errors(capsys):
     assert sim.main(["--domain", "h200x8", "--ep", "64"]) == 2
     assert "8x8-rdma" in capsys.readouterr().err
     assert sim.main(["--model", "qwen3-30b-a3b", "--domain", "h200x8", "--ep", "3"]) == 2
+    with pytest.raises(SystemExit):
+        sim.main(["--grad-dtype", "fp8"])
+    assert "grad dtypes must be some of" in capsys.readouterr().err

@@ -2,24 +2,35 @@
 
     torchrun --nproc-per-node 4 -m ultracomm.bench all [--model qwen3-30b-a3b --scale 0.25]
         [--workload hot-rank|random|zipf:2|hot:0.5|...[,more]] [--min-bytes 1M --max-bytes 16M --factor 4]
-        [--methods a2a,p2p,direct,relay] [--iters 5 --warmup 1] [--json FILE] [--plot FILE.png]
+        [--methods a2a_shm,a2a_gloo,p2p_gloo,direct,relay] [--grad-dtype fp32|bf16]
+        [--iters 5 --warmup 1] [--json FILE] [--plot FILE.png]
 
-Methods, measured side by side in one run on the same plan:
+Methods, measured side by side in one run on the same plan.  Each row says which transport
+moved its bytes; only rows over the same transport compare algorithms:
 
-* ``a2a``: the all-to-all weight distribution of Megatron's MoE ECHO: each rank stacks its
-  local experts, ``index_select``s one row per replica it must send, and calls
-  ``all_to_all_single`` with split sizes; each rank then places the received rows into its
-  slots.  Its gradient reverse: ``all_to_all_single`` of the replicas' grads back to the
-  homes and an ``index_add_`` into the master grads.
-* ``p2p``: ``torch.distributed`` point-to-point (``batch_isend_irecv``) from each home
-  straight into each replica slot, and back for gradients (the home adds them in
-  rank order).
-* ``direct``: ultracomm, relay off (home -> every replica).
-* ``relay``: ultracomm, relay auto (relay trees with chunk streaming when they help).
+* ``a2a_shm`` (shared memory): the all-to-all weight distribution of Megatron's MoE ECHO --
+  ``index_select`` staging, direct exchange, barrier (:mod:`ultracomm.echo_shm`) -- over the
+  same POSIX shared-memory windows ultracomm uses, with as many torch threads as ultracomm has
+  workers.  ``a2a_shm`` / ``relay`` measures the algorithm.
+* ``a2a_gloo`` (gloo, TCP loopback): the same ECHO pattern through ``all_to_all_single``:
+  each rank stacks its local experts, ``index_select``s one row per replica it must send,
+  exchanges with split sizes, and places the received rows into its slots.  Its gradient
+  reverse: ``all_to_all_single`` of the replicas' grads back to the homes and an
+  ``index_add_`` into the master grads.
+* ``p2p_gloo`` (gloo, TCP loopback): ``torch.distributed`` point-to-point
+  (``batch_isend_irecv``) from each home straight into each replica slot, and back for
+  gradients (the home adds them in rank order).
+* ``direct`` (shared memory): ultracomm, relay off (home -> every replica).
+* ``relay`` (shared memory): ultracomm, relay auto (relay trees with chunk streaming when they help).
+
+The gloo rows compare transports as much as algorithms (TCP loopback vs shared memory); they
+are kept as what a torch.distributed user without ultracomm would run on a CPU.  ``a2a`` and
+``p2p`` are accepted as the old names of ``a2a_gloo`` and ``p2p_gloo``.
 
 Byte accounting (every column says what it counts):
 
-* ``size``: bytes of one expert: weights (bf16) for weight_sync, grads (fp32) for grad_reduce.
+* ``size``: bytes of one expert: weights (bf16) for weight_sync, grads (``--grad-dtype``, fp32
+  by default; every method moves the same dtype) for grad_reduce.
 * ``repl``: replica slots the plan fills; ``moved`` = repl x size is what must land.
 * ``time``: median (and p90) over ``--iters`` of the slowest rank's time for one operation.
 * ``algbw`` = moved / time.  ``busbw`` = algbw x 1: like broadcast and reduce, every
@@ -49,7 +60,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-METHODS = ("a2a", "p2p", "direct", "relay")
+METHODS = ("a2a_shm", "a2a_gloo", "p2p_gloo", "direct", "relay")
+#: old method names
+ALIASES = {"a2a": "a2a_gloo", "p2p": "p2p_gloo"}
+#: what moved each method's bytes
+TRANSPORT = {"a2a_shm": "shared memory", "a2a_gloo": "gloo (TCP loopback)", "p2p_gloo": "gloo (TCP loopback)",
+             "direct": "shared memory", "relay": "shared memory"}
+GRAD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def parse_size(s: str) -> int:
@@ -190,7 +207,8 @@ def run_case(op: str, size: int, workload: str, args, rank: int, world: int) -> 
     from .layout import ExpertLayout, Member
 
     n = max(1, size // 2)  # bf16 elements per expert
-    layout = ExpertLayout((Member("w", (n,), torch.bfloat16),), grad_dtype=torch.float32)
+    gdt = GRAD_DTYPES[args.grad_dtype]
+    layout = ExpertLayout((Member("w", (n,), torch.bfloat16),), grad_dtype=gdt)
     epr, slots = args.experts_per_rank, args.slots
     plan, imb = make_plan(workload, world, slots, epr, top_k=args.top_k)
     counts = plan.num_replicas.tolist()
@@ -201,9 +219,9 @@ def run_case(op: str, size: int, workload: str, args, rank: int, world: int) -> 
     for s, e in enumerate(my_slot_experts):
         if e >= 0:
             expected[s] = (torch.arange(n, dtype=torch.float32) + (e % epr) * n + (e // epr) * 7).to(torch.bfloat16)
-    grad = torch.zeros((epr, n), dtype=torch.float32)
+    grad = torch.zeros((epr, n), dtype=gdt)
     nbytes = layout.weight_bytes if op == "weight_sync" else layout.grad_bytes
-    want_grad = torch.tensor([float(counts[e]) for e in range(rank * epr, (rank + 1) * epr)]).unsqueeze(1)
+    want_grad = torch.tensor([float(counts[e]) for e in range(rank * epr, (rank + 1) * epr)]).unsqueeze(1).to(gdt)
 
     def check_weights(slot_tensor: torch.Tensor) -> int:
         return sum(int((slot_tensor[s] != w).sum()) for s, w in expected.items())
@@ -213,7 +231,8 @@ def run_case(op: str, size: int, workload: str, args, rank: int, world: int) -> 
 
     rows = []
     for method in args.methods:
-        ctx = None
+        ctx = echo = None
+        threads = torch.get_num_threads()
         if method in ("direct", "relay"):
             ctx = Context(None, layout, epr, slots, num_layers=1, relay_mode="off" if method == "direct" else "auto",
                           chunk_bytes=args.chunk_bytes, tile_bytes=min(args.chunk_bytes, 32768),
@@ -225,19 +244,28 @@ def run_case(op: str, size: int, workload: str, args, rank: int, world: int) -> 
             slot_w, slot_g = ctx.replica_weights[0], ctx.replica_grads[0]
         else:
             slot_w = torch.zeros((slots, n), dtype=torch.bfloat16)
-            slot_g = torch.zeros((slots, n), dtype=torch.float32)
+            slot_g = torch.zeros((slots, n), dtype=gdt)
             busiest = busiest_home_bytes(plan, nbytes)
             lb = None
             depth = 1
-            base = TorchBaselines(plan, rank, epr, n)
-            scratch = [torch.empty(n, dtype=torch.float32) for rows_ in base.send_rows for _ in rows_]
+            if method == "a2a_shm":
+                from .comm import as_comm
+                from .echo_shm import EchoShm
+
+                echo = EchoShm(plan, as_comm(None), n, torch.bfloat16, gdt, timeout_s=args.timeout_s)
+                torch.set_num_threads(args.workers)  # as many threads as ultracomm's host executor
+            else:
+                base = TorchBaselines(plan, rank, epr, n)
+                scratch = [torch.empty(n, dtype=gdt) for rows_ in base.send_rows for _ in rows_]
         state: dict = {}
         if op == "weight_sync":
             if ctx is not None:
                 vid = ctx.begin(0)
                 ctx.weight_sync(vid, plan)
                 fn = lambda: ctx.restore(vid)  # noqa: E731 - same plan, schedule cached
-            elif method == "a2a":
+            elif method == "a2a_shm":
+                fn = lambda: echo.weights(master, slot_w)  # noqa: E731
+            elif method == "a2a_gloo":
                 fn = lambda: base.a2a_weights(master, slot_w)  # noqa: E731
             else:
                 fn = lambda: base.p2p_weights(master, slot_w)  # noqa: E731
@@ -258,7 +286,9 @@ def run_case(op: str, size: int, workload: str, args, rank: int, world: int) -> 
 
             if ctx is not None:
                 fn = lambda: ctx.grad_reduce(state["vid"])  # noqa: E731
-            elif method == "a2a":
+            elif method == "a2a_shm":
+                fn = lambda: echo.grads(slot_g, grad)  # noqa: E731
+            elif method == "a2a_gloo":
                 fn = lambda: base.a2a_grads(slot_g, grad)  # noqa: E731
             else:
                 fn = lambda: base.p2p_grads(slot_g, grad, scratch)  # noqa: E731
@@ -271,13 +301,17 @@ def run_case(op: str, size: int, workload: str, args, rank: int, world: int) -> 
             lb = s.stats("multicast" if op == "weight_sync" else "reduce")["lower_bound_bytes"]
         if ctx is not None:
             ctx.close()
+        if echo is not None:
+            echo.close()
+            torch.set_num_threads(threads)
         wrong_t = torch.tensor([wrong], dtype=torch.int64)
         dist.all_reduce(wrong_t)
         med = statistics.median(times)
         p90 = sorted(times)[min(len(times) - 1, int(round(0.9 * (len(times) - 1))))]
         moved = replicas * nbytes
         rows.append({
-            "op": op, "method": method, "workload": workload, "imbalance": imb, "size": nbytes,
+            "op": op, "method": method, "transport": TRANSPORT[method], "workload": workload, "imbalance": imb,
+            "size": nbytes, "grad_dtype": args.grad_dtype,
             "replicas": replicas, "max_replicas": max(counts) if counts else 0, "moved_bytes": moved,
             "time_us": med * 1e6, "p90_us": p90 * 1e6,
             "algbw_GBps": moved / med / 1e9, "busbw_GBps": moved / med / 1e9, "cpbw_GBps": busiest / med / 1e9,
@@ -287,12 +321,14 @@ def run_case(op: str, size: int, workload: str, args, rank: int, world: int) -> 
     return rows
 
 
-HEADER = (f"# {'op':>11} {'method':>6} {'workload':>9} {'size(B)':>10} {'repl':>4} {'dep':>3} {'time(us)':>10} "
-          f"{'p90(us)':>10} {'algbw':>7} {'busbw':>7} {'cpbw':>7} {'lb':>5} {'#wrong':>6}")
+HEADER = (f"# {'op':>11} {'method':>8} {'over':>6} {'workload':>9} {'size(B)':>10} {'repl':>4} {'dep':>3} "
+          f"{'time(us)':>10} {'p90(us)':>10} {'algbw':>7} {'busbw':>7} {'cpbw':>7} {'lb':>5} {'#wrong':>6}")
 
 
 def format_row(r: dict) -> str:
-    return (f"  {r['op']:>11} {r['method']:>6} {r['workload']:>9} {r['size']:>10} {r['replicas']:>4} {r['depth']:>3} "
+    over = "gloo" if r["transport"].startswith("gloo") else "shm"
+    return (f"  {r['op']:>11} {r['method']:>8} {over:>6} {r['workload']:>9} {r['size']:>10} {r['replicas']:>4} "
+            f"{r['depth']:>3} "
             f"{r['time_us']:>10.1f} {r['p90_us']:>10.1f} {r['algbw_GBps']:>7.2f} {r['busbw_GBps']:>7.2f} "
             f"{r['cpbw_GBps']:>7.2f} {r['lb_ratio']:>5.2f} {r['wrong']:>6}")
 
@@ -314,7 +350,8 @@ def plot(rows: list[dict], path: str, title: str = "") -> None:
             if not pts:
                 continue
             xs = [r["imbalance"] if r["imbalance"] is not None else i for i, r in enumerate(pts)]
-            ax.plot(xs, [r["time_us"] / 1e3 for r in pts], marker="o", label=method)
+            ax.plot(xs, [r["time_us"] / 1e3 for r in pts], marker="o", label=f"{method} ({TRANSPORT[method]})",
+                    linestyle=":" if TRANSPORT[method].startswith("gloo") else "-")
         ax.set_title(f"{op}, {size / 2**20:.1f} MiB per expert")
         ax.set_xlabel("max:mean load imbalance (workload order if unknown)")
         ax.set_ylabel("time (ms), median")
@@ -343,10 +380,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--chunk-bytes", type=parse_size, default=parse_size("256K"))
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
+    p.add_argument("--grad-dtype", choices=sorted(GRAD_DTYPES), default="fp32",
+                   help="gradient dtype of grad_reduce, the same for every method")
     p.add_argument("--json", default=None, help="write all rows as JSON to this file (rank 0)")
     p.add_argument("--plot", default=None, help="write a PNG of time per method per workload (rank 0)")
     args = p.parse_args(argv)
-    args.methods = [m for m in args.methods.split(",") if m]
+    args.methods = [ALIASES.get(m, m) for m in args.methods.split(",") if m]
     bad = [m for m in args.methods if m not in METHODS]
     if bad:
         p.error(f"unknown methods {bad}; choose from {','.join(METHODS)}")
@@ -376,15 +415,17 @@ def main(argv: list[str] | None = None) -> int:
     from .transports import resolve_transport
 
     cfg = Config.from_env()
+    args.workers, args.timeout_s = cfg.num_workers, cfg.timeout_s
     transport = resolve_transport(args.transport or cfg.transport).name
     window = "host_shm" if cfg.window == "auto" else cfg.window  # what Context picks for a process group
     rows = []
     if rank == 0:
-        print(f"# ultracomm bench: world {world}; ultracomm transport {transport} over {window} windows; "
-              f"baselines over {dist.get_backend()}; {args.slots} slots/rank, {args.experts_per_rank} experts/rank, chunk "
+        print(f"# ultracomm bench (measured): world {world}; ultracomm transport {transport} over {window} windows "
+              f"({cfg.num_workers} workers); a2a_shm over {window} windows ({cfg.num_workers} torch threads); *_gloo "
+              f"over {dist.get_backend()}; {args.slots} slots/rank, {args.experts_per_rank} experts/rank, chunk "
               f"{args.chunk_bytes} B, iters {args.iters} (+{args.warmup} warm-up)"
               + (f"; model {args.model} x{args.scale}" if args.model else ""))
-        print("# size: bytes of one expert (bf16 weights / fp32 grads); algbw = replicas x size / time; busbw = "
+        print(f"# size: bytes of one expert (bf16 weights / {args.grad_dtype} grads); algbw = replicas x size / time; busbw = "
               "algbw x 1; cpbw = busiest rank's link bytes / time; lb = busiest bytes / lower bound; GB/s")
         print(HEADER)
     for op in ops:
@@ -402,18 +443,18 @@ def main(argv: list[str] | None = None) -> int:
                 sel = [r for r in rows if r["op"] == op and r["workload"] == workload]
                 if not sel:
                     continue
-                largest = max(r["size"] for r in sel)  # grad rows count fp32 bytes, weight rows bf16
+                largest = max(r["size"] for r in sel)  # grad rows count grad-dtype bytes, weight rows bf16
                 by = {r["method"]: r["time_us"] for r in sel if r["size"] == largest}
-                if "a2a" in by and "relay" in by:
-                    print(f"# {op} {workload} at {largest} B: a2a / relay = {by['a2a'] / by['relay']:.2f}x, "
-                          f"direct / relay = {by.get('direct', float('nan')) / by['relay']:.2f}x")
+                if "relay" in by:
+                    print(f"# {op} {workload} at {largest} B: " + ", ".join(
+                        f"{m} / relay = {by[m] / by['relay']:.2f}x" for m in METHODS if m in by and m != "relay"))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"world": world, "transport": transport, "window": window, "baseline_backend": dist.get_backend(),
                            "device": "cpu", "args": {k: v for k, v in vars(args).items()}, "rows": rows}, f, indent=1)
         if args.plot:
-            plot(rows, args.plot, f"measured: {world} ranks, ultracomm host executor over shared memory, "
-                                  f"baselines over gloo, {'GPU' if torch.cuda.is_available() else 'CPU only'}")
+            plot(rows, args.plot, f"measured: {world} ranks, {'GPU' if torch.cuda.is_available() else 'CPU only'}; "
+                                  "solid: shared memory, dotted: gloo TCP loopback")
     dist.destroy_process_group()
     return 1 if wrong else 0
 

@@ -199,12 +199,28 @@ def test_async_op_refused_while_capturing():
         c.close()
 
 
+class WithheldTasks:
+    """A schedule whose task lists are empty (same digest, trees and refs): the rank joins and drains
+    but moves nothing."""
+
+    def __init__(self, schedule):
+        self._schedule = schedule
+
+    def __getattr__(self, name):
+        return getattr(self._schedule, name)
+
+    def tasks(self, op, rank):
+        return self._schedule.tasks(op, rank)[:0]
+
+
 def test_timeout_surfaces_at_wait():
     layout = layout_of(torch.float32)
     plan = ReplicaPlan.make(np.array([[1], [0]], np.int32), experts_per_rank=1)
     ctxs, _ = make(2, layout, 1, 1, "tma", timeout_s=1.0)
     vids = [c.begin(0) for c in ctxs]
-    ctxs[1]._epoch += 5  # rank 1 runs a later epoch: rank 0's op never finds its peer at its epoch
+    # the home (rank 0) joins but its copy tasks are withheld: rank 1 waits for chunks that never come
+    build = ctxs[0].schedule_for
+    ctxs[0].schedule_for = lambda plan, key=None: WithheldTasks(build(plan, key))
     works = [c.weight_sync(v, plan, async_op=True) for c, v in zip(ctxs, vids)]
     failed = []
     for r, w in enumerate(works):

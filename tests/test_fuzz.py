@@ -31,7 +31,7 @@ _NUMBERS = st.one_of(
     st.integers(-5, 70000).map(str),
     st.sampled_from([str(2**31), str(2**32), str(2**63), str(2**64 - 32768), str(2**64), "99999999999", "1e300",
                      "inf", "nan", "-0", "0x10", "1.5", " 8 ", "", "16K", "1M", "1025G", "4G", "32KiB", "1e9",
-                     "370G", "true", "off", "force", "host", "local", "garbage"]))
+                     "370G", "true", "off", "force", "host", "local", "auto", "garbage"]))
 
 
 def assert_clear(e: BaseException) -> None:
@@ -51,7 +51,7 @@ def test_config_from_env_is_valid_or_a_config_error(env):
         assert any(name in str(e) for name in env) or "tile_bytes" in str(e), str(e)
         return
     # every accepted value is within what the executors' integer types and arithmetic hold
-    assert 1 <= cfg.num_workers <= 1024 and 1 <= cfg.multicast_sms <= 4096 and 1 <= cfg.reduce_sms <= 4096
+    assert 1 <= cfg.num_workers <= 1024 and 0 <= cfg.multicast_sms <= 4096 and 0 <= cfg.reduce_sms <= 4096  # 0: auto
     assert 16 <= cfg.tile_bytes <= cfg.chunk_bytes <= MAX_CHUNK_BYTES and cfg.chunk_bytes % cfg.tile_bytes == 0
     assert 1 <= cfg.max_depth <= 65535 and 0 <= cfg.jitter_us <= 1_000_000 and 0 < cfg.timeout_s <= 1e8
 

@@ -55,6 +55,7 @@ GOOD = {
     "ULTRACOMM_INTER_BW": ("25e9", 25e9),
     "ULTRACOMM_DEBUG_JITTER_US": ("50", 50),
     "ULTRACOMM_HW_PROFILE": (f" {env_mod.__file__} ", env_mod.__file__),  # any existing file parses
+    "ULTRACOMM_PROFILE": (" /tmp/uc-profile ", "/tmp/uc-profile"),
 }
 
 
@@ -116,6 +117,7 @@ BAD = [
     ("ULTRACOMM_DEBUG_JITTER_US", "-5", "must be in [0, 1000000]"),
     ("ULTRACOMM_DEBUG_JITTER_US", str(2**32), "must be in [0, 1000000]"),
     ("ULTRACOMM_HW_PROFILE", "/nonexistent/gpu_profile.json", "no such file"),
+    ("ULTRACOMM_PROFILE", str(REPO / "pyproject.toml"), "names an existing file"),
 ]
 
 

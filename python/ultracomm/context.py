@@ -37,6 +37,7 @@ from .env import Config, check_window_layout
 from .errors import ClosedError, RegistrationError, UltracommError, UltracommTimeout
 from .layout import ExpertLayout
 from .plan import ReplicaPlan
+from .profile import profile_for_context
 from .records import Op
 from .schedule import Schedule, build_schedule
 from .transports.host import Masters
@@ -97,6 +98,9 @@ class Context:
             device), ``"cuda:N"`` or an index.  See :mod:`ultracomm.dataplane`.
         node_of: node index of each rank (``[world]``); ``None``: one node.
         config: an :class:`ultracomm.env.Config`; keyword ``overrides`` replace its fields.
+        profile: record plans, schedule stats and op times (:mod:`ultracomm.profile`): a
+            directory (the Context closes that recorder), a ``Profiler`` (the caller's),
+            ``False`` (off), or ``None``: ``ULTRACOMM_PROFILE``.
     """
 
     def __init__(
@@ -113,6 +117,7 @@ class Context:
         device: Any = None,
         node_of: Sequence[int] | None = None,
         config: Config | None = None,
+        profile: Any = None,
         **overrides: Any,
     ):
         self._runner: OrderedRunner | None = None  # set last: a half-built Context has nothing to close
@@ -121,7 +126,7 @@ class Context:
         error: Exception | None = None
         try:
             self._configure(comm, layout, experts_per_rank, slots_per_rank, num_layers, max_microbatches,
-                            transport, window, device, node_of, config, overrides)
+                            transport, window, device, node_of, config, overrides, profile)
         except Exception as e:  # noqa: BLE001 - every rank learns of it in the first agreement
             error = e
         # the agreed timeout bounds the first agreement too; a rank that failed before it had a
@@ -160,7 +165,7 @@ class Context:
 
     def _configure(self, comm: Any, layout: ExpertLayout, experts_per_rank: int, slots_per_rank: int, num_layers: int,
                    max_microbatches: int, transport: str | None, window: str | None, device: Any,
-                   node_of: Sequence[int] | None, config: Config | None, overrides: dict) -> None:
+                   node_of: Sequence[int] | None, config: Config | None, overrides: dict, profile: Any = None) -> None:
         """Check the arguments and derive configuration and window layout (local, nothing moves)."""
         if not isinstance(layout, ExpertLayout):
             raise TypeError(f"ultracomm: layout must be an ExpertLayout, got {type(layout).__name__}")
@@ -205,6 +210,7 @@ class Context:
         self.wlayout = _core.window_layout(slots_per_rank, layout.weight_bytes, layout.grad_bytes,
                                            self.config.chunk_bytes)
         check_window_layout(self.wlayout)
+        self._profiler = profile_for_context(profile, self)
 
     def _attach(self) -> None:
         """Build the transport and the replica views over the window (every rank agrees it worked)."""
@@ -308,6 +314,8 @@ class Context:
         self._check_open()
         mb = self._get(vid)
         self._vids[vid % len(self._vids)] = None
+        if self._profiler is not None:
+            self._profiler.release(vid)
         del mb
 
     def _get(self, vid: int, need_plan: bool = False) -> _MicroBatch:
@@ -457,6 +465,8 @@ class Context:
         sched = mb.schedule
         my_slots, local_index_of = mb.my_slots, mb.local_index_of
         if self._streams is not None:
+            if self._profiler is not None:  # plans and stats; the device's op times are not recorded yet
+                self._profiler.op_untimed(name, mb.vid, mb.layer, mb.plan, sched)
             with self._lock:  # epochs are taken and enqueued in one order, whatever thread calls
                 self._streams.check_submit(name, async_op)
                 if before is not None:  # enqueued on the caller's stream, ahead of the operation
@@ -477,6 +487,8 @@ class Context:
                 self._broken = f"{type(e).__name__}: {e}"
                 raise
 
+        if self._profiler is not None:  # records the plan, its stats and this op's host time
+            body = self._profiler.wrap(body, name, mb.vid, mb.layer, mb.plan, sched)
         with self._lock:  # epochs are taken and queued in one order, whatever thread calls
             self._epoch += 1
             epoch = self._epoch
@@ -608,6 +620,8 @@ class Context:
         runner, self._runner = self._runner, None
         if runner is not None:
             self._finalizer()
+            if self._profiler is not None:
+                self._profiler.context_closed()
 
     def __enter__(self) -> "Context":
         return self

@@ -24,6 +24,7 @@ ULTRACOMM_INTRA_BW         intra_bw        bandwidth (bytes/s)   370e9          
 ULTRACOMM_INTER_BW         inter_bw        bandwidth (bytes/s)   50e9                inter-node link bandwidth for the schedule cost model
 ULTRACOMM_DEBUG_JITTER_US  jitter_us       int 0..1000000        0                   testing aid: random delay up to this many us before each host task
 ULTRACOMM_HW_PROFILE       hw_profile      path                  (search)            hardware profile JSON for the SM defaults (ultracomm/hwprofile.py); unset: newest perf/gpu/*profile*.json of this GPU
+ULTRACOMM_PROFILE          profile         path                  (empty: off)        directory a Context records its load profile into (``ultracomm.profile``; one ``rank<r>`` subdirectory per rank when world > 1)
 =========================  ==============  ====================  ==================  =====================================================
 
 Syntax:
@@ -35,6 +36,7 @@ Syntax:
   e.g. ``370G``.
 * bool: ``1/0``, ``true/false``, ``yes/no``, ``on/off`` (case-insensitive).
 * choice: one of the listed words (case-insensitive).
+* path: a directory name, used as given (surrounding blanks stripped); empty = off.
 
 SM defaults (``multicast_sms`` / ``reduce_sms`` = ``auto``, resolved by
 ``ultracomm.sm_budget.default_sms`` when a GPU transport is built; the chosen value and
@@ -189,6 +191,12 @@ def _file_or_empty(v: str) -> Optional[str]:
     return None if not v or os.path.isfile(v) else "no such file (give the path of a hardware profile JSON)"
 
 
+def _profile_check(v: str) -> Optional[str]:
+    if v and os.path.isfile(v):
+        return "names an existing file; give a directory (created when missing)"
+    return None
+
+
 def _in(options: tuple[str, ...]) -> Callable[[Any], Optional[str]]:
     return lambda v: None if v in options else f"expected one of {', '.join(options)}"
 
@@ -227,6 +235,8 @@ VARIABLES: tuple[_Var, ...] = (
          "testing aid: random delay (us) before each host task"),
     _Var("hw_profile", "ULTRACOMM_HW_PROFILE", "str", lambda t: t.strip(), _file_or_empty,
          "hardware profile JSON for the SM defaults (empty: search perf/gpu)"),
+    _Var("profile", "ULTRACOMM_PROFILE", "str", str.strip, _profile_check,
+         "directory for the load profile (empty: off)"),
 )
 _BY_FIELD = {v.field: v for v in VARIABLES}
 _BY_ENV = {v.env: v for v in VARIABLES}
@@ -286,6 +296,7 @@ class Config:
     inter_bw: float = 50e9
     jitter_us: int = 0
     hw_profile: str = ""
+    profile: str = ""
 
     def __post_init__(self) -> None:
         for var in VARIABLES:

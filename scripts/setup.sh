@@ -15,6 +15,20 @@ if ! python -c "import torch, sys; sys.exit(0 if tuple(map(int, torch.__version_
   quiet pip install -q "torch==2.13.0" || quiet pip install -q "torch>=2.4"
 fi
 quiet pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" ninja "cmake>=3.24" numpy "pytest>=8" "hypothesis>=6" matplotlib
+# The viewer's browser tests: Playwright's Python API driving the distribution's Chromium (never
+# Playwright's own browser downloads).  Guarded: without root, apt-get or network they skip, saying why.
+quiet pip install -q playwright || echo "setup: playwright not installed; the viewer's browser tests will skip"
+if ! command -v chromium >/dev/null && ! command -v chromium-browser >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "setup: installing Debian's chromium for the viewer's browser tests"
+    export DEBIAN_FRONTEND=noninteractive
+    { timeout 900 apt-get install -y -q chromium >/dev/null 2>&1 \
+      || { timeout 600 apt-get update -q >/dev/null 2>&1 && timeout 900 apt-get install -y -q chromium >/dev/null 2>&1; }; } \
+      || echo "setup: could not install chromium; the viewer's browser tests will skip"
+  else
+    echo "setup: no chromium, and no root apt-get to install it; the viewer's browser tests will skip"
+  fi
+fi
 echo "setup: building ultracomm (CMake + Ninja through scikit-build-core)"
 quiet pip install -q --no-build-isolation -e .
 python -c "import ultracomm, ultracomm._core; print('setup: ultracomm', ultracomm.__version__, 'ready in .venv')"

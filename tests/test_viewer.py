@@ -113,6 +113,7 @@ def large():
     return tr, render_html(tr)
 
 
+@pytest.mark.slow
 def test_large_trace_stays_bounded(large):
     tr, html = large
     payload = _inflate(html)
@@ -266,6 +267,7 @@ def check_detail(page, trace, i: int) -> None:
                               else e // EPR, int(r)) for r, s in slots)
 
 
+@pytest.mark.slow
 def test_large_page_in_browser(browser, large):
     OUT.mkdir(parents=True, exist_ok=True)
     path = OUT / "viewer_large.html"

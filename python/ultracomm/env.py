@@ -36,7 +36,7 @@ Syntax:
   e.g. ``370G``.
 * bool: ``1/0``, ``true/false``, ``yes/no``, ``on/off`` (case-insensitive).
 * choice: one of the listed words (case-insensitive).
-* path: a directory name, used as given (surrounding blanks stripped); empty = off.
+* path: a file or directory name, used as given (surrounding blanks stripped); empty = unset.
 
 SM defaults (``multicast_sms`` / ``reduce_sms`` = ``auto``, resolved by
 ``ultracomm.sm_budget.default_sms`` when a GPU transport is built; the chosen value and

@@ -25,8 +25,9 @@ A record holds, per (step, layer, micro-batch):
 * the schedule's stats of both ops (per-rank egress/ingress, depth, lower bound, predicted
   time) and its trees (parent rank/slot and depth of every replica slot);
 * measured op times (seconds): the wall time of the transport's ``run`` on this rank's
-  operation thread (host timers); a transport that times on the device hands a pair of CUDA
-  events instead, resolved when the step is written;
+  operation thread (host timers).  ``Profiler.op_end`` also takes a ``(start, end)`` pair of
+  CUDA events, resolved when the step is written; the stream-ordered GPU path of a Context does
+  not hand any yet, so on it plans and stats are recorded and op times are not;
 * imbalance (max:mean rank load) before and after balancing, derived when read back.
 
 Anything not given stays empty (masks ``has_load``, ``has_plan``, ``has_stats``; ``NaN`` op

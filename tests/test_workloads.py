@@ -22,6 +22,7 @@ from ultracomm.workloads import (
     imbalance,
     make_workload,
     max_mean_after,
+    rank_blocked_load,
     rotating_hot_load,
     zipf_load,
 )
@@ -161,6 +162,66 @@ def test_zipf_unreachable_target():
         zipf_load(4, 8, 100, 2, 0.5, 0)
     with pytest.raises(ValueError, match="divide"):
         zipf_load(3, 8, 100, 2, 1.5, 0)
+
+
+# ----------------------------------------------------------------------------- rank-blocked
+
+
+@FAST
+@given(sizes, st.floats(1.0, 2.0))
+def test_rank_blocked_conserves_tokens(sz, target):
+    world, epr, T, k, seed = sz
+    E = world * epr
+    k = min(k, E)
+    try:
+        load = rank_blocked_load(world, E, T, k, target, seed)
+    except ValueError as e:  # a block spanning several ranks caps the imbalance
+        assert "not reachable" in str(e) and k > epr
+        return
+    _check_load(load, world, E, T, k)
+    assert load.max() <= T  # a token sends each of its top_k experts one assignment
+
+
+@pytest.mark.parametrize("target", [1.5, 2.0, 3.0])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_rank_blocked_hits_target_and_blocks(target, seed):
+    # top_k = experts per rank (Qwen3-235B at EP16): a block is one rank, and each sender
+    # sends every expert of a rank the same count (its tokens routed to that rank)
+    load = rank_blocked_load(16, 128, 8192, 8, target, seed)
+    assert abs(imbalance(load, 8) / target - 1) < 0.01
+    per = load.reshape(16, 16, 8)
+    assert (per == per[:, :, :1]).all()
+    assert (per[:, :, 0].sum(axis=1) == 8192).all()
+    # top_k < experts per rank: a rank's experts within one assignment of each other
+    load = rank_blocked_load(8, 64, 1000, 4, target, seed)
+    per = load.reshape(8, 8, 8)
+    assert (per.max(axis=2) - per.min(axis=2) <= 1).all()
+    assert (per.sum(axis=2) % 4 == 0).all()  # 4 assignments per token
+    assert abs(imbalance(load, 8) / target - 1) < 0.01
+
+
+def test_rank_blocked_spans_ranks():
+    # DeepSeek-V3 at EP64: 4 experts per rank, top-8 -> a token covers its block's rank and
+    # the next one; every expert of both gets one assignment per token
+    load = rank_blocked_load(64, 256, 8192, 8, 2.0, 0)
+    per = load.reshape(64, 64, 4)
+    assert (per == per[:, :, :1]).all()
+    n = per[:, :, 0]  # tokens per (sender, rank): the rank's own block + the previous one
+    assert (n.sum(axis=1) == 2 * 8192).all()
+    assert abs(imbalance(load, 4) / 2.0 - 1) < 0.01
+    with pytest.raises(ValueError, match="not reachable"):
+        rank_blocked_load(8, 16, 100, 4, 5.0, 0)  # a block spans 2 of 8 ranks: at most 4
+
+
+def test_rank_blocked_deterministic_and_errors():
+    a = rank_blocked_load(16, 64, 512, 4, 2.0, 7)
+    assert np.array_equal(a, rank_blocked_load(16, 64, 512, 4, 2.0, 7))
+    assert not np.array_equal(a, rank_blocked_load(16, 64, 512, 4, 2.0, 8))
+    assert np.array_equal(rank_blocked_load(4, 8, 10, 2, 1.0, 0).sum(axis=1), [20] * 4)
+    with pytest.raises(ValueError, match=">= 1"):
+        rank_blocked_load(4, 8, 100, 2, 0.5, 0)
+    with pytest.raises(ValueError, match="experts_per_rank"):
+        rank_blocked_load(4, 8, 100, 2, 1.5, 0, experts_per_rank=3)
 
 
 # ----------------------------------------------------------------------------- hot rank
@@ -326,7 +387,8 @@ def test_determinism():
 # ----------------------------------------------------------------------------- specs
 
 
-@pytest.mark.parametrize("spec", list(WORKLOADS) + ["zipf:2.5", "hot:0.5:2", "rotating:3:4:16"])
+@pytest.mark.parametrize("spec", list(WORKLOADS) + ["zipf:2.5", "blocked:1.5", "hot:0.5:2",
+                                                    "rotating:3:4:16"])
 def test_make_workload_specs(spec):
     m = get_model("deepseek-v3")
     load = make_workload(spec, 64, m, tokens_per_rank=1024, seed=1)
@@ -343,7 +405,8 @@ def test_make_workload_values():
 
 @pytest.mark.parametrize(
     "spec",
-    ["", "zipf", "zipf:", "zipf:abc", "zipf:0.5", "zipf:1:2", "hot", "hot:1.5", "hot:0.5:9",
+    ["", "zipf", "zipf:", "zipf:abc", "zipf:0.5", "zipf:1:2", "blocked", "blocked:0.9",
+     "blocked:2:1", "hot", "hot:1.5", "hot:0.5:9",
      "hot:x", "rotating:-1", "rotating:1:2:3:4", "rotating:a", "gauss:2", "uniform:1", "zipf:nan"],
 )
 def test_make_workload_bad_specs(spec):

@@ -14,6 +14,8 @@ each row sums to ``tokens_per_rank * top_k``.  Expert ``e`` is homed on rank
 :func:`hot_rank_load`          LLEP-style: a fraction of every rank's assignments go to a
                                few hot experts of one rank, the rest spread evenly
 :func:`rotating_hot_load`      a few hot experts that change with the micro-batch ``step``
+:func:`rank_blocked_load`      each token's experts all on one home rank (a rank's experts
+                               popular together), rank weights Zipf bisected to a target
 =============================  =========================================================
 
 All generators are deterministic given ``seed`` (``np.random.default_rng``).
@@ -26,8 +28,9 @@ load once each expert's load is split evenly over its home and replicas).
 
 CLI specs
 ---------
-:func:`make_workload` parses ``"uniform"``, ``"zipf:<target>"``, ``"hot:<fraction>[:<n>]"``
-and ``"rotating[:<step>[:<num_hot>[:<skew>]]]"``; :data:`WORKLOADS` lists the usual ones.
+:func:`make_workload` parses ``"uniform"``, ``"zipf:<target>"``, ``"blocked:<target>"``,
+``"hot:<fraction>[:<n>]"`` and ``"rotating[:<step>[:<num_hot>[:<skew>]]]"``; :data:`WORKLOADS`
+lists the usual ones.
 """
 from __future__ import annotations
 
@@ -48,6 +51,7 @@ __all__ = [
     "zipf_load",
     "hot_rank_load",
     "rotating_hot_load",
+    "rank_blocked_load",
     "imbalance",
     "expert_load",
     "greedy_replicas",
@@ -181,6 +185,13 @@ def _resolve_epr(world: int, num_experts: int, experts_per_rank: int | None) -> 
             f"num_experts = {num_experts}"
         )
     return epr
+
+
+def _check_target(target_imbalance: float) -> float:
+    t = float(target_imbalance)
+    if not math.isfinite(t) or t < 1.0:
+        raise ValueError(f"target_imbalance must be a finite number >= 1.0, got {target_imbalance!r}")
+    return t
 
 
 def _cap_probs(p: np.ndarray, cap: float | np.ndarray) -> np.ndarray:
@@ -365,9 +376,7 @@ def zipf_load(
     """
     _check_sizes(world, num_experts, tokens_per_rank, top_k)
     epr = _resolve_epr(world, num_experts, experts_per_rank)
-    t = float(target_imbalance)
-    if not math.isfinite(t) or t < 1.0:
-        raise ValueError(f"target_imbalance must be a finite number >= 1.0, got {target_imbalance!r}")
+    t = _check_target(target_imbalance)
     xe = float(expert_exponent)
     if not math.isfinite(xe) or xe < 0:
         raise ValueError(f"expert_exponent must be a finite number >= 0, got {expert_exponent!r}")
@@ -383,8 +392,20 @@ def zipf_load(
     def imb(load: np.ndarray) -> float:
         return imbalance(load, epr)
 
+    if total == 0 or world == 1:
+        return load_at(0.0)
+    return _fit_exponent(load_at, lambda ld: imbalance(ld, epr), t,
+                         f"world = {world}, experts_per_rank = {epr}, top_k = {top_k}",
+                         "each rank can send an expert at most tokens_per_rank tokens")
+
+
+def _fit_exponent(load_at, imb, t: float, sizes: str, why: str) -> np.ndarray:
+    """The load ``load_at(s)`` whose ``imb`` is closest to ``t`` (within 0.1 % when the
+    integer rounding allows), found by doubling ``s`` from 1 and then bisecting on
+    ``[0, s]``; ``load_at`` must grow more skewed with ``s``.  ValueError naming ``sizes``
+    and ``why`` when even ``s = 64`` stays below ``t``."""
     lo_load = load_at(0.0)
-    if t <= 1.0 or total == 0 or world == 1:
+    if t <= 1.0:
         return lo_load
     s_hi = 1.0
     hi_load = load_at(s_hi)
@@ -393,9 +414,8 @@ def zipf_load(
         hi_load = load_at(s_hi)
     if imb(hi_load) < t * (1 - 1e-3):
         raise ValueError(
-            f"target_imbalance {t} is not reachable with world = {world}, "
-            f"experts_per_rank = {epr}, top_k = {top_k}: the most skewed Zipf load reaches "
-            f"{imb(hi_load):.3f} (each rank can send an expert at most tokens_per_rank tokens)"
+            f"target_imbalance {t} is not reachable with {sizes}: the most skewed load "
+            f"reaches {imb(hi_load):.3f} ({why})"
         )
     s_lo, best, best_err = 0.0, hi_load, abs(imb(hi_load) / t - 1)
     for _ in range(80):
@@ -412,6 +432,79 @@ def zipf_load(
         else:
             s_hi = mid
     return best
+
+
+def rank_blocked_load(
+    world: int,
+    num_experts: int,
+    tokens_per_rank: int,
+    top_k: int,
+    target_imbalance: float,
+    seed: int,
+    experts_per_rank: int | None = None,
+) -> np.ndarray:
+    """Rank-blocked skew: each token routes all of its ``top_k`` experts into the
+    experts of one home rank (its *block*), so a rank's experts are popular together.
+
+    Block ``b`` is drawn with weight ``(pi[b] + 1) ** -s``, ``pi =
+    rng.permutation(world)`` (``pi[b] == 0`` is the hottest rank); ``s >= 0`` is bisected
+    so that :func:`imbalance` hits ``target_imbalance`` (like :func:`zipf_load`).  Each
+    sender's ``tokens_per_rank`` tokens are apportioned over the blocks with
+    :func:`_apportion` (seeded offsets).  A token of block ``b`` sends one assignment to
+    every expert of ranks ``b, b+1, ..`` (cyclically) for the first ``top_k //
+    experts_per_rank`` ranks and ``top_k % experts_per_rank`` assignments to the experts
+    of the next rank, spread evenly (remainders one each to experts chosen at random per
+    sender and block).  With ``top_k <= experts_per_rank`` a block is one rank and the
+    per-rank load follows the block weights exactly: one rank can be up to ``world``
+    times the mean, every expert of a rank carries the same load (within 1 per sender),
+    and a hot rank can only shed load by splitting many equally hot experts -- the load
+    on which a slot-by-slot greedy runs out of slots first.
+
+    ``rng = np.random.default_rng(seed)`` draws, in this order: the rank permutation,
+    the rounding offsets, then the remainder experts; none depends on ``s``.
+
+    Args:
+        world, num_experts, tokens_per_rank, top_k: sizes; ``num_experts`` must equal
+            ``world * experts_per_rank``.
+        target_imbalance: wanted max:mean per-home-rank load, >= 1.0.
+        seed: RNG seed.
+        experts_per_rank: default ``num_experts // world``.
+
+    Returns:
+        int64 ``[world, num_experts]``, each row summing to ``tokens_per_rank * top_k``;
+        a sender never sends an expert more than ``tokens_per_rank`` tokens.
+
+    Raises:
+        ValueError: bad sizes, or a target above what the sizes allow.
+    """
+    _check_sizes(world, num_experts, tokens_per_rank, top_k)
+    epr = _resolve_epr(world, num_experts, experts_per_rank)
+    t = _check_target(target_imbalance)
+    rng = np.random.default_rng(seed)
+    rank_pos = rng.permutation(world)
+    offsets = rng.random(world)
+    full, part = divmod(top_k, epr)  # whole ranks per token, then experts of the next
+    pick = np.argsort(rng.random((world, world, epr)), axis=2)  # [sender, block, order]
+    ranks = np.arange(world)
+
+    def load_at(s: float) -> np.ndarray:
+        lw = -s * np.log1p(rank_pos.astype(np.float64))
+        w = np.exp(lw - lw.max())
+        n = _apportion(w / w.sum(), tokens_per_rank, offsets)  # [sender, block] tokens
+        load = np.zeros((world, world, epr), np.int64)  # [sender, home rank, expert]
+        for i in range(full):
+            load[:, (ranks + i) % world, :] += n[:, :, None]
+        if part:
+            base, rem = np.divmod(n * part, epr)  # per (sender, block)
+            extra = pick < rem[:, :, None]  # rem experts get one more, seeded choice
+            load[:, (ranks + full) % world, :] += base[:, :, None] + extra
+        return load.reshape(world, num_experts)
+
+    if tokens_per_rank == 0 or world == 1:
+        return load_at(0.0)
+    return _fit_exponent(load_at, lambda ld: imbalance(ld, epr), t,
+                         f"world = {world}, experts_per_rank = {epr}, top_k = {top_k}",
+                         "one rank takes every token at most")
 
 
 def hot_rank_load(
@@ -670,6 +763,7 @@ def hot_plan(
 WORKLOAD_FORMS: tuple[str, ...] = (
     "uniform",
     "zipf:<target max:mean >= 1, e.g. 1.5>",
+    "blocked:<target max:mean >= 1, e.g. 3>",
     "hot:<fraction in [0,1]>[:<hot experts>]",
     "rotating[:<step>[:<num_hot>[:<skew>]]]",
 )
@@ -681,6 +775,7 @@ WORKLOADS: dict[str, str] = {
     "zipf:2": "two-level Zipf, max:mean rank load 2",
     "zipf:3": "two-level Zipf, max:mean rank load 3",
     "zipf:4": "two-level Zipf, max:mean rank load 4",
+    "blocked:3": "each token's experts on one rank (rank-blocked), max:mean rank load 3",
     "hot:0.3": "30% of assignments to rank 0's experts (LLEP), rest even",
     "hot:0.5": "50% of assignments to rank 0's experts (LLEP), rest even",
     "hot:0.7": "70% of assignments to rank 0's experts (LLEP), rest even",
@@ -704,7 +799,7 @@ def make_workload(
     """The load ``int64 [world, model.num_experts]`` described by ``spec``.
 
     Forms (see :data:`WORKLOAD_FORMS`): ``uniform``; ``zipf:T`` (:func:`zipf_load` with
-    target T); ``hot:F`` / ``hot:F:N`` (:func:`hot_rank_load` on rank 0, all its experts
+    target T); ``blocked:T`` (:func:`rank_blocked_load` with target T); ``hot:F`` / ``hot:F:N`` (:func:`hot_rank_load` on rank 0, all its experts
     or the first N); ``rotating[:step[:num_hot[:skew]]]`` (:func:`rotating_hot_load`,
     defaults step 0, num_hot = ``model.top_k``, skew 8).  Experts are homed
     ``num_experts // world`` per rank.
@@ -733,13 +828,14 @@ def make_workload(
         if args:
             raise _bad_spec(spec, "'uniform' takes no arguments")
         return zipf_load(world, E, tokens_per_rank, k, 1.0, seed, epr)
-    if kind == "zipf":
+    if kind in ("zipf", "blocked"):
         if len(args) != 1:
-            raise _bad_spec(spec, "'zipf' takes one argument, the target imbalance")
+            raise _bad_spec(spec, f"'{kind}' takes one argument, the target imbalance")
         t = num(args[0], float)
         if t < 1.0:
             raise _bad_spec(spec, f"the target imbalance {t} must be >= 1")
-        return zipf_load(world, E, tokens_per_rank, k, t, seed, epr)
+        gen = zipf_load if kind == "zipf" else rank_blocked_load
+        return gen(world, E, tokens_per_rank, k, t, seed, epr)
     if kind == "hot":
         if len(args) not in (1, 2):
             raise _bad_spec(spec, "'hot' takes a fraction and optionally a hot-expert count")

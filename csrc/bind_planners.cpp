@@ -1,11 +1,16 @@
 // Python bindings of the planner loops: _core.taot_matching, _core.taot_auction,
-// _core.split_slots.
+// _core.taot_consolidate, _core.split_slots, _core.quota_search, _core.quota_feasible,
+// _core.balance_quotas, _core.lpt_plan.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 
+#include "planners/balance.h"
+#include "planners/lpt.h"
+#include "planners/quota_search.h"
 #include "planners/split.h"
 #include "planners/taot.h"
 
@@ -114,6 +119,145 @@ I64 split(I64 load, I64 inst_rank, I64 quota, I64 inst_slot, int64_t K) {
   return rep;
 }
 
+// Checks the arrays and fills a QuotaInput that points into them.
+planners::QuotaInput quota_input(const I64& rank_load, const I64& expert_load, const I64& order,
+                                 const py::object& node, I64& node_arr, int64_t slots,
+                                 int64_t min_tokens, int64_t tol, int64_t budget) {
+  const int64_t W = rank_load.size(), E = expert_load.size();
+  if (W < 1 || E % W || order.size() != E)
+    throw std::invalid_argument("quota: rank_load [W], expert_load / order [W * experts_per_rank]");
+  const int64_t epr = E / W;
+  for (int64_t r = 0; r < W; ++r) {
+    int64_t sum = 0;
+    for (int64_t i = 0; i < epr; ++i) {
+      const int64_t e = order.data()[r * epr + i];
+      if (e < r * epr || e >= (r + 1) * epr)
+        throw std::invalid_argument("quota: order must list each rank's own experts");
+      sum += expert_load.data()[e];
+    }
+    if (sum != rank_load.data()[r]) throw std::invalid_argument("quota: rank_load != sum of its experts");
+  }
+  planners::QuotaInput in;
+  in.world = W;
+  in.experts_per_rank = epr;
+  in.slots = slots;
+  in.min_tokens = min_tokens;
+  in.tol = tol;
+  in.budget = budget;
+  in.rank_load = rank_load.data();
+  in.expert_load = expert_load.data();
+  in.order = order.data();
+  if (!node.is_none()) {
+    node_arr = node.cast<I64>();
+    if (node_arr.size() != W) throw std::invalid_argument("quota: node must be [W]");
+    in.node = node_arr.data();
+  }
+  return in;
+}
+
+I64 replica_array(const std::vector<planners::QuotaReplica>& reps) {
+  I64 out({static_cast<int64_t>(reps.size()), int64_t{3}});
+  int64_t* p = out.mutable_data();
+  for (const auto& r : reps) {
+    *p++ = r.expert;
+    *p++ = r.rank;
+    *p++ = r.tokens;
+  }
+  return out;
+}
+
+py::dict quota_stats(const planners::QuotaResult& r) {
+  py::dict d;
+  d["probes"] = r.probes;
+  d["steps"] = r.steps;
+  d["pruned"] = r.pruned;
+  d["searched"] = r.searched;
+  d["rescued"] = r.rescued;
+  d["budget_left"] = r.budget_left;
+  return d;
+}
+
+py::tuple quota_search(I64 rank_load, I64 expert_load, I64 order, py::object node, int64_t slots,
+                       int64_t min_tokens, int64_t tol, int64_t budget) {
+  I64 node_arr;
+  auto in = quota_input(rank_load, expert_load, order, node, node_arr, slots, min_tokens, tol, budget);
+  planners::QuotaResult res;
+  {
+    py::gil_scoped_release rel;
+    res = planners::quota_search(in);
+  }
+  return py::make_tuple(res.threshold, replica_array(res.replicas), quota_stats(res));
+}
+
+py::tuple quota_feasible(I64 rank_load, I64 expert_load, I64 order, py::object node,
+                         int64_t slots, int64_t min_tokens, int64_t budget, int64_t T) {
+  I64 node_arr;
+  auto in = quota_input(rank_load, expert_load, order, node, node_arr, slots, min_tokens, 1, budget);
+  planners::QuotaResult res;
+  res.budget_left = budget;
+  std::vector<planners::QuotaReplica> reps;
+  bool ok;
+  {
+    py::gil_scoped_release rel;
+    ok = planners::quota_feasible(in, T, reps, res);
+  }
+  return py::make_tuple(ok ? py::object(replica_array(reps)) : py::none(), quota_stats(res));
+}
+
+py::tuple balance(I64 el, I64 off, I64 inst, I64 base) {
+  const int64_t n = el.size(), W = base.size();
+  if (off.size() != n + 1 || off.data()[0] != 0 || off.data()[n] != inst.size())
+    throw std::invalid_argument("balance_quotas: off must be [n + 1] from 0 to len(inst)");
+  for (int64_t e = 0; e < n; ++e)
+    if (off.data()[e + 1] <= off.data()[e] || el.data()[e] < 0)
+      throw std::invalid_argument("balance_quotas: every expert needs an instance and el >= 0");
+  for (int64_t i = 0; i < inst.size(); ++i)
+    if (inst.data()[i] < 0 || inst.data()[i] >= W)
+      throw std::invalid_argument("balance_quotas: instance rank out of range");
+  I64 quota(inst.size());
+  int64_t T;
+  {
+    py::gil_scoped_release rel;
+    T = planners::balance_quotas(W, n, el.data(), off.data(), inst.data(), base.data(),
+                                 quota.mutable_data());
+  }
+  return py::make_tuple(T, quota);
+}
+
+py::tuple lpt(I64 expert_load, py::object group, int64_t world, int64_t slots,
+              int64_t min_tokens, int64_t budget) {
+  const int64_t E = expert_load.size();
+  if (world < 1 || E % world || slots < 0)
+    throw std::invalid_argument("lpt_plan: expert_load [world * experts_per_rank], slots >= 0");
+  planners::LptInput in;
+  in.world = world;
+  in.experts_per_rank = E / world;
+  in.slots = slots;
+  in.min_tokens = min_tokens;
+  in.budget = std::max<int64_t>(budget, 0);
+  in.expert_load = expert_load.data();
+  I64 group_arr;
+  if (!group.is_none()) {
+    group_arr = group.cast<I64>();
+    if (group_arr.size() != world) throw std::invalid_argument("lpt_plan: group must be [world]");
+    in.group = group_arr.data();
+  }
+  planners::LptResult res;
+  {
+    py::gil_scoped_release rel;
+    res = planners::lpt_plan(in);
+  }
+  I64 src({world, slots}), quota({world, slots});
+  std::copy(res.slot_src.begin(), res.slot_src.end(), src.mutable_data());
+  std::copy(res.slot_quota.begin(), res.slot_quota.end(), quota.mutable_data());
+  py::dict d;
+  d["replicas"] = res.replicas;
+  d["dropped"] = res.dropped;
+  d["idle"] = res.idle;
+  d["max_load"] = res.max_load;
+  return py::make_tuple(src, quota, d);
+}
+
 }  // namespace
 
 void bind_planners(py::module_& m) {
@@ -131,6 +275,21 @@ void bind_planners(py::module_& m) {
   m.def("split_slots", &split, py::arg("load"), py::arg("inst_rank"), py::arg("quota"),
         py::arg("inst_slot"), py::arg("K"),
         "Exact token split over expert instances, per replica slot: rep [W, W*K].");
+  m.def("quota_search", &quota_search, py::arg("rank_load"), py::arg("expert_load"),
+        py::arg("order"), py::arg("node"), py::arg("slots"), py::arg("min_tokens"),
+        py::arg("tol"), py::arg("budget"),
+        "Quota planner threshold search: (threshold, replicas [n, 3] (expert, rank, tokens), "
+        "stats dict).");
+  m.def("quota_feasible", &quota_feasible, py::arg("rank_load"), py::arg("expert_load"),
+        py::arg("order"), py::arg("node"), py::arg("slots"), py::arg("min_tokens"),
+        py::arg("budget"), py::arg("T"),
+        "One quota feasibility test at T: (replicas [n, 3] or None, stats dict).");
+  m.def("balance_quotas", &balance, py::arg("el"), py::arg("off"), py::arg("inst"),
+        py::arg("base"),
+        "Min-max quotas on a fixed placement: (max rank load, quota per instance).");
+  m.def("lpt_plan", &lpt, py::arg("expert_load"), py::arg("group"), py::arg("world"),
+        py::arg("slots"), py::arg("min_tokens"), py::arg("budget"),
+        "EPLB within the fixed-home model: (slot_src [W, K], slot_quota [W, K], stats).");
 }
 
 }  // namespace ultracomm

@@ -471,10 +471,302 @@ def test_eval_quick(tmp_path):
             for name in pe.NAMES:
                 assert f"| {label} | " in text
                 rows = [l for l in text.splitlines()
-                        if l.startswith(f"| {label} | ") and f"| {name} |" in l]
+                        if l.startswith(f"| {label} | ") and f"| {name} |" in l
+                        and l.split("|")[2].strip().endswith("%")]
                 assert len(rows) == len(quick), (label, name)
     ep_loads = [f"zipf {pe.ZIPF_TARGETS[0]}", f"zipf {pe.ZIPF_TARGETS[-1]}",
                 f"hot {pe.HOT_FRACTIONS[0] * 100:.0f}%", f"hot {pe.HOT_FRACTIONS[-1] * 100:.0f}%"]
+    ep_loads.append(f"blocked {pe.BLOCKED_TARGETS[-1]}")
     for ld in ep_loads:
         for name in pe.NAMES:
             assert any(l.startswith(f"| {ld} | {name} |") for l in text.splitlines()), (ld, name)
+    # external references: both cases, Zipf and rank-blocked, every variant
+    for case, *_ in pe.eval_refs.CASES:
+        for gen in ("zipf", "blocked"):
+            for t in (pe.eval_refs.TARGETS[0], pe.eval_refs.TARGETS[-1]):
+                for variant, *_ in pe.eval_refs.VARIANTS:
+                    assert f"| {case} | {gen} {t} | {variant} |" in text, (case, gen, t, variant)
+    for goal in ("quota <= 1.01 max:mean on rank-blocked loads", "taot's default never more",
+                 "lpt balances like EPLB", "< 1 ms per call at EP64 (8 nodes x 8)"):
+        assert goal in text
+
+
+# ----------------------------------------------------------------------------- quota search
+
+from ultracomm import workloads  # noqa: E402
+from ultracomm.planners import lpt as _lpt  # noqa: E402
+from ultracomm.planners import quota as _quota  # noqa: E402
+
+
+@pytest.mark.parametrize("experts,K,threshold,loads", [
+    # world 2, one hot expert of 10 tokens, one slot: half of it moves
+    ([[10], [0]], 1, 5, [5, 5]),
+    # an odd total: ceil(mean) = ceil(5.5) = 6
+    ([[11], [0]], 1, 6, [6, 5]),
+    # experts 3, 3, 3 on rank 0, one slot on rank 1: ceil(mean) = 5 needs 4 tokens off rank
+    # 0, more than one expert holds -> 6 (3 move)
+    ([[3, 3, 3], [0, 0, 0]], 1, 6, [6, 3]),
+    # ... with two slots, two replicas move 3 + 1
+    ([[3, 3, 3], [0, 0, 0]], 2, 5, [5, 4]),
+])
+def test_quota_exact_thresholds(experts, K, threshold, loads):
+    el = np.asarray(experts, np.int64)
+    W, epr = el.shape
+    load = np.zeros((W, W * epr), np.int64)
+    load[0] = el.ravel()  # every token from rank 0
+    d = Domain.flat(W, epr)
+    res = get_planner("quota")(load, d, K)
+    check_result(res, load, d, K)
+    assert res.info["threshold"] == threshold
+    np.testing.assert_array_equal(res.rank_load, loads)
+
+
+def test_quota_finds_what_a_one_pass_greedy_misses():
+    # 6 ranks, one expert each, one slot: A = 16 and B = 15 tokens, the others 6, 7, 7, 9;
+    # mean 10.  At T = 10, A must shed 6 and B 5 into spares 4, 3, 3, 1 with one replica per
+    # rank: only A -> {3, 3} and B -> {4, 1} works.  Shedding A into the largest spare first
+    # (4, then 2 of a 3) leaves B 3 + 1 = 4 < 5, so the previous greedy ended at T = 11.
+    d = Domain.flat(6, 1)
+    load = np.zeros((6, 6), np.int64)
+    load[0] = [16, 15, 6, 7, 7, 9]
+    res = get_planner("quota")(load, d, 1)
+    check_result(res, load, d, 1)
+    assert res.info["threshold"] == 10
+    np.testing.assert_array_equal(res.rank_load, [10] * 6)
+    np.testing.assert_array_equal(res.slot_src[:, 0], [-1, -1, 1, 0, 0, 1])
+
+
+def planted_load(seed, world, epr, K, n_hot, mean=10_000):
+    """A load with a plan meeting T = mean - 1 + mean // 100 -- the first threshold quota
+    probes (1.01 x mean) -- in which every non-hot rank ends exactly at T: each takes K
+    replicas of hot ranks' experts (30-95 % of its final load) and the hot ranks end with
+    the rest of the tokens, evenly.  Returns (load [world, world * epr], T, replicas
+    [(expert, rank, tokens)])."""
+    rng = np.random.default_rng(seed)
+    E = world * epr
+    T = mean - 1 + mean // 100
+    hot = np.sort(rng.choice(world, size=n_hot, replace=False))
+    recv = np.setdiff1d(np.arange(world), hot)
+    final = np.full(world, T, np.int64)
+    rest = world * mean - recv.size * T
+    final[hot] = rest // n_hot
+    final[hot[: rest % n_hot]] += 1
+    hot_experts = (hot[:, None] * epr + np.arange(epr)).ravel()
+    el = np.zeros(E, np.int64)
+    got = np.zeros(world, np.int64)
+    reps = []
+    for j in recv.tolist():
+        es = rng.choice(hot_experts, size=min(K, hot_experts.size), replace=False)
+        tot = int(T * rng.uniform(0.3, 0.95))
+        cuts = np.sort(rng.integers(1, tot, size=es.size - 1))
+        for e, a in zip(es.tolist(), np.diff(np.concatenate(([0], cuts, [tot]))).tolist()):
+            el[e] += a
+            got[j] += a
+            reps.append((e, j, a))
+    for r in range(world):  # what each rank computes of its own experts
+        own = int(final[r] - got[r])
+        cuts = np.sort(rng.integers(0, own + 1, size=epr - 1))
+        el[r * epr:(r + 1) * epr] += np.diff(np.concatenate(([0], cuts, [own])))
+    load = np.zeros((world, E), np.int64)
+    load[rng.integers(0, world, size=E), np.arange(E)] = el  # each expert from one sender
+    return load, T, reps
+
+
+def _planted_cases(n):
+    out = []
+    for seed in range(n):
+        rng = np.random.default_rng(10_000 + seed)
+        W = int(rng.choice([8, 16, 32]))
+        out.append((seed, W, int(rng.choice([2, 4, 8])), int(rng.choice([2, 3])),
+                    int(rng.integers(1, W // 2 + 1))))
+    return out
+
+
+def _check_planted(load, T, reps, epr):
+    W = load.shape[0]
+    final = np.bincount(np.arange(load.shape[1]) // epr, weights=load.sum(0), minlength=W)
+    per_rank = np.zeros(W, np.int64)
+    for e, j, a in reps:
+        final[e // epr] -= a
+        final[j] += a
+        per_rank[j] += 1
+    assert final.max() <= T and final.sum() == load.sum()
+    assert final.sum() == W * 10_000 and T == 10_000 - 1 + 100  # mean 10000: T is 1.0099 x
+
+
+@pytest.mark.parametrize("case", _planted_cases(40))
+def test_quota_meets_planted_plan(case):
+    seed, W, epr, K, n_hot = case
+    load, T, reps = planted_load(seed, W, epr, K, n_hot)
+    _check_planted(load, T, reps, epr)
+    d = Domain.flat(W, epr)
+    res = get_planner("quota")(load, d, K)
+    assert res.info["threshold"] <= T and res.rank_load.max() <= T
+    assert max_mean(res.rank_load) <= 1.01
+    assert res.info["probes"] == 1  # the first probe (T) met
+    check_result(res, load, d, K)
+
+
+@pytest.mark.parametrize("case", [(45, 8, 8, 2, 4), (175, 8, 8, 2, 4), (314, 16, 8, 2, 8)])
+def test_quota_search_rescues_greedy(case):
+    # planted loads on which the greedy alone misses T and the bounded search meets it
+    seed, W, epr, K, n_hot = case
+    load, T, reps = planted_load(seed, W, epr, K, n_hot)
+    _check_planted(load, T, reps, epr)
+    d = Domain.flat(W, epr)
+    greedy_only = get_planner("quota")(load, d, K, search_budget=0)
+    assert greedy_only.rank_load.max() > T and greedy_only.info["searched"] == 0
+    res = get_planner("quota")(load, d, K)
+    assert res.info["searched"] == res.info["rescued"] == 1
+    assert res.info["threshold"] <= T and res.rank_load.max() <= T
+    assert res.info["budget_left"] < _quota.SEARCH_BUDGET
+    check_result(res, load, d, K)
+    reps_found = _quota.feasible(load, d, K, T)
+    assert reps_found is not None and reps_found.shape[1] == 3
+    assert _quota.feasible(load, d, K, T, search_budget=0) is None
+
+
+def test_quota_feasible_and_min_tokens():
+    rng = np.random.default_rng(5)
+    d = Domain.nodes(2, 8, 4)
+    load = zipf_load(rng, 16, 4, alpha=1.0)
+    _, L = home_rank_load(load, d)
+    assert _quota.feasible(load, d, 2, int(L.sum()) // 16 - 1) is None  # below the mean
+    assert _quota.feasible(load, d, 2, int(L.max())).shape == (0, 3)  # nothing to do
+    res = get_planner("quota")(load, d, 2, min_tokens=300)
+    check_result(res, load, d, 2)
+    rep = res.quota[:, 1:]
+    assert (rep[rep > 0] >= 300).all() and (res.slot_src >= 0).sum() == (rep > 0).sum()
+    assert res.rank_load.max() <= res.info["threshold"] + 299
+    intra = get_planner("quota")(load, d, 2, intra_node_only=True)
+    check_result(intra, load, d, 2)
+    assert intra.copies[1] == 0
+    with pytest.raises(ValueError, match="search_budget"):
+        get_planner("quota")(load, d, 2, search_budget=-1)
+
+
+@pytest.mark.parametrize("world,epr,nodes", [(16, 8, 2), (64, 4, 8)])
+@pytest.mark.parametrize("target", [1.5, 2.0, 3.0])
+def test_quota_rank_blocked(world, epr, nodes, target):
+    # the load on which the one-pass greedy stopped at 1.02-1.04
+    load = workloads.rank_blocked_load(world, world * epr, 8192, 8, target, seed=1)
+    d = Domain.nodes(nodes, world // nodes, epr)
+    res = get_planner("quota")(load, d, 2)
+    check_result(res, load, d, 2)
+    assert max_mean(res.rank_load) <= 1.01
+    assert res.info["probes"] == 1
+
+
+# ----------------------------------------------------------------------------- taot fallback
+
+
+def test_taot_intra_first_falls_back():
+    d = Domain.nodes(2, 8, 8)
+    # rank-blocked load, 2 nodes: the intra-node-first matching misses T, the global one
+    # meets it -> the global plan, said so in info
+    load = workloads.rank_blocked_load(16, 128, 8192, 8, 3.0, seed=2)
+    res = get_planner("taot")(load, d, 2)
+    glob = get_planner("taot")(load, d, 2, intra_first=False)
+    assert res.info["intra_first"] == "fallback"
+    assert res.info["intra_first_max"] > res.info["target"] >= res.rank_load.max()
+    np.testing.assert_array_equal(res.slot_src, glob.slot_src)
+    np.testing.assert_array_equal(res.slot_moves, glob.slot_moves)
+    assert glob.info["intra_first"] == "off"
+    check_result(res, load, d, 2)
+    # both miss T here; the global plan is better balanced, so it is returned
+    load = workloads.rank_blocked_load(16, 128, 8192, 8, 3.0, seed=0)
+    res = get_planner("taot")(load, d, 2)
+    assert res.info["intra_first"] == "fallback"
+    assert res.info["intra_first_max"] > res.rank_load.max() > res.info["target"]
+
+
+@pytest.mark.parametrize("target", [1.5, 2.0, 3.0])
+@pytest.mark.parametrize("tol", [0.01, 0.005])
+def test_taot_default_keeps_balance(target, tol):
+    # the default never ends less balanced than the global matching
+    d = Domain.nodes(2, 8, 8)
+    for seed in range(3):
+        for gen in (workloads.zipf_load, workloads.rank_blocked_load):
+            load = gen(16, 128, 8192, 8, target, seed)
+            res = get_planner("taot")(load, d, 2, tol=tol)
+            glob = get_planner("taot")(load, d, 2, tol=tol, intra_first=False)
+            assert res.rank_load.max() <= max(res.info["target"], glob.rank_load.max())
+            assert res.info["intra_first"] in ("met", "fallback", "kept")
+
+
+def test_taot_intra_first_met_kept_off():
+    load = workloads.zipf_load(16, 128, 8192, 8, 1.5, seed=0)
+    res = get_planner("taot")(load, Domain.nodes(2, 8, 8), 2)
+    assert res.info["intra_first"] == "met" and res.rank_load.max() <= res.info["target"]
+    assert "intra_first_max" not in res.info
+    assert get_planner("taot")(load, Domain.flat(16, 8), 2).info["intra_first"] == "off"
+    # test_taot_prefers_intra_node's load: five ranks stay 7 tokens over T either way (no
+    # slot can take them), so the intra-node plan (no inter-node copy) is kept
+    d = Domain.nodes(2, 4, 2)
+    load = np.zeros((8, 16), np.int64)
+    load[0] = [110, 50, 20, 20, 50, 50, 50, 50, 20, 20, 50, 50, 50, 50, 50, 50]
+    res = get_planner("taot")(load, d, 2)
+    glob = get_planner("taot")(load, d, 2, intra_first=False)
+    assert res.info["intra_first"] == "kept"
+    assert res.rank_load.max() <= glob.rank_load.max() and res.copies[1] == 0
+
+
+# ----------------------------------------------------------------------------- lpt (EPLB)
+
+
+def test_lpt_hand_case():
+    # 4 ranks, one expert each (12, 6, 2, 0 tokens), one slot per rank.
+    # Counts (EPLB replicate_experts, 4 replicas): e0 12 -> 2 instances; e0 6 ties e1 6 ->
+    # lower id e0 (3); e1 6 (2); e0 4 > e1 3 > e2 2 -> e0 (4 = world, its cap).
+    # Packing (shares e0 3, e1 3; rank loads from the homes 3, 3, 2, 0): e0's replicas go
+    # to ranks 3 (0), 2 (2), 1 (3); e1's to rank 0, the only rank with a free slot.
+    # Quotas: 20 tokens, mean 5; ranks 0, 1, 3 take e0 / e1 up to 5, rank 2 has e2's 2
+    # plus 3 of e0 -> every rank at 5 (an even split would leave ranks 0 and 1 at 6).
+    d = Domain.flat(4, 1)
+    load = np.zeros((4, 4), np.int64)
+    load[1] = [12, 6, 2, 0]
+    res = get_planner("lpt")(load, d, 1)
+    check_result(res, load, d, 1)
+    np.testing.assert_array_equal(res.slot_src[:, 0], [1, 0, 0, 0])
+    np.testing.assert_array_equal(res.rank_load, [5, 5, 5, 5])
+    assert res.info == {"replicas": 4, "dropped": 0, "idle": res.info["idle"], "max_load": 5}
+
+
+def test_balance_quotas_hand_case():
+    # expert of 10 tokens on ranks 0 (home) and 1; rank 1 computes 4 others: 7 + 3
+    T, q = _lpt.balance_quotas([10], [[0, 1]], [0, 4])
+    assert T == 7
+    np.testing.assert_array_equal(q[0], [7, 3])
+    # two experts sharing rank 2; total 24 over 3 ranks -> 8 each
+    T, q = _lpt.balance_quotas([12, 12], [[0, 2], [1, 2]], [0, 0, 0])
+    assert T == 8 and [int(x.sum()) for x in q] == [12, 12]
+    assert q[0][0] == 8 and q[1][0] == 8
+
+
+@pytest.mark.parametrize("world,epr,nodes", [(16, 8, 2), (32, 8, 4), (64, 4, 1)])
+@pytest.mark.parametrize("target", [1.5, 2.0, 3.0])
+def test_lpt_balances_zipf_family(world, epr, nodes, target):
+    load = workloads.zipf_load(world, world * epr, 8192, 8, target, seed=1)
+    d = Domain.nodes(nodes, world // nodes, epr)
+    res = get_planner("lpt")(load, d, 2)
+    check_result(res, load, d, 2)
+    assert max_mean(res.rank_load) <= 1.01
+    assert res.info["replicas"] + res.info["dropped"] == world * 2  # every slot, like EPLB
+    assert res.info["max_load"] == res.rank_load.max()
+
+
+def test_lpt_hierarchical_stays_on_node():
+    d = Domain.nodes(4, 8, 8)
+    load = workloads.zipf_load(32, 256, 8192, 8, 2.0, seed=3)
+    res = get_planner("lpt")(load, d, 2, hierarchical=True)
+    check_result(res, load, d, 2)
+    assert res.copies[1] == 0 and res.copies[0] > 0
+    # every node keeps its tokens (nothing crosses nodes) and gets more balanced inside
+    _, L = home_rank_load(load, d)
+    for n in range(4):
+        ranks = np.arange(n * 8, (n + 1) * 8)
+        assert res.rank_load[ranks].sum() == L[ranks].sum()
+        assert max_mean(res.rank_load[ranks]) < max_mean(L[ranks])
+    # the global policy also balances across nodes
+    flat = get_planner("lpt")(load, d, 2)
+    assert max_mean(flat.rank_load) < max_mean(res.rank_load) < max_mean(L)

@@ -177,12 +177,15 @@ class PlannerResult:
 
     @functools.cached_property
     def rank_load(self) -> np.ndarray:
-        """int64 ``[world]``: tokens each rank computes after balancing."""
-        ir = self.instance_rank
-        used = ir >= 0
-        return np.bincount(ir[used], weights=self.quota[used], minlength=self.domain.world).astype(
-            np.int64
-        )
+        """int64 ``[world]``: tokens each rank computes after balancing (its experts' tokens,
+        less what their replicas compute, plus what its own replica slots compute)."""
+        W = self.domain.world
+        slot_q = self.slot_moves.sum(0)  # [world, K] tokens each replica slot computes
+        filled = self.slot_src >= 0
+        home = self.domain.home_of[self.slot_src[filled].astype(np.int64)]
+        out = self.load.sum(0).reshape(W, -1).sum(1) + slot_q.sum(1)  # experts homed e // epr
+        np.subtract.at(out, home, slot_q[filled])
+        return out
 
     @functools.cached_property
     def copies(self) -> tuple[int, int]:

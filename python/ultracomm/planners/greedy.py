@@ -10,6 +10,23 @@ when the most loaded rank has no such expert or no slot is left.  Deterministic:
 ties go to the lowest rank / expert id.
 
 FEPLB moves within the NVLink domain only; pass ``intra_node_only=True`` for that.
+
+Regime -- what it is for and where it stops:
+
+* Whole experts only: a moved expert computes all of its tokens on one replica, so no
+  plan it makes goes below ``max_e tokens(e)``, and the most loaded rank can only shed
+  an expert smaller than its gap to the least loaded rank with a free slot.  It stops
+  at the first rank that has no such expert.
+* Use it where each rank's load is spread over many experts that are small next to
+  the mean -- small EP groups of fine-grained experts (16 experts per rank at EP8:
+  1.02-1.06 max:mean from Zipf 1.2-3.0; 8 per rank at EP16: 1.04-1.07; FEPLB's own
+  case is GLM-5 at EP8) -- and when few copies and no token splitting (every token of
+  a moved expert goes to one place, so the dispatcher needs no quotas) matter more
+  than the last percent of balance.
+* It cannot balance when a rank's load sits in a few experts each near or above the
+  mean: 4 experts per rank at EP64 stay at 1.17-1.26 from Zipf 1.2-3.0, and the
+  hot-rank loads at 4.8-14.4, where quota and taot reach 1.01 (perf/planners.md,
+  "greedy's regime").  Use quota or taot there.
 """
 from __future__ import annotations
 
@@ -52,7 +69,8 @@ def plan(
     intra_node_only: bool = False,
     max_moves: int | None = None,
 ) -> PlannerResult:
-    """Greedy whole-expert balancing (FEPLB).
+    """Greedy whole-expert balancing (FEPLB); for mild skew over many experts (see the
+    module docstring for the regime -- it cannot split an expert's tokens).
 
     Args:
         load: int64 ``[world, E]`` tokens each rank sends to each expert.

@@ -1,28 +1,83 @@
-"""EPLB-style longest-processing-time (LPT) packing of replicas.
+"""DeepSeek EPLB's method (``rebalance_experts``) within ultracomm's fixed-home model.
 
-1. Replica counts (EPLB ``replicate_experts``): hand the ``world * slots_per_rank``
-   replica slots out one at a time, each to the expert with the largest
-   ``load / instances`` (ties: lower id); an expert gets at most ``world - 1``
-   replicas.  Experts with fewer than ``min_tokens`` tokens per instance get none.
-2. Each expert's tokens are split evenly over its instances (remainder to the lowest
-   instances).
-3. LPT: replica instances, heaviest first, go to the least loaded rank (homes'
-   shares included) that has a free slot, is not the expert's home and does not
-   hold it yet (ties: lower rank).  A replica with no such rank is dropped and its
-   tokens go back to the home.
+EPLB places every physical expert, originals included; here every expert stays on its
+home rank and only the ``slots_per_rank`` replica slots are placed.  The steps follow
+EPLB's:
 
-Like EPLB it fills every slot it can: good balance, many copies.
+1. Replica counts (EPLB ``replicate_experts``): the ``world * slots_per_rank`` replicas
+   (or ``max_replicas``) are handed out one at a time, each to the expert with the
+   highest load per instance ``load / instances`` (ties: lower id).  An expert gets at
+   most ``world - 1`` replicas (one per other rank), and none once its per-instance load
+   would drop below ``min_tokens``.
+2. Balanced packing (EPLB ``balanced_packing``, longest processing time first): replica
+   instances, heaviest first (``load / instances``; ties: lower expert, then instance),
+   each go to the rank with the lowest current load among those with a free slot that
+   are not the expert's home and do not hold it yet (ties: lower rank).  Rank loads start
+   from the home instances' shares.  A replica no rank can take is dropped.
+3. Quotas -- the fixed-home adaptation: EPLB splits each expert evenly over its
+   instances, which balances there because the packing places the homes too.  With
+   fixed homes an even split leaves a hot home rank an even share of each of its hot
+   experts (EP64, 90 % of tokens to one rank's experts: 4.36 max:mean), so the tokens of
+   each replicated expert are instead split to minimise the most loaded rank for the
+   placement found (a min-max transportation problem: bisection on the threshold over
+   a max-flow, csrc/planners/balance.cpp; ties of the flow keep tokens at home).
+
+``hierarchical=True`` is EPLB's ``rebalance_experts_hierarchical``: each node's
+replica budget (its ranks' slots) goes to the experts homed on the node, and replicas
+are packed onto the node's own ranks.  EPLB's first step, packing expert groups onto
+nodes, is fixed by the homes here, so an overloaded node stays overloaded (use the
+default global policy, like EPLB with one node, to balance across nodes).
+
+Like EPLB it fills every slot it can: good balance, many copies (a replica the quota
+step leaves without tokens is kept, as EPLB would copy it; ``info["idle"]`` counts
+them).
 """
 from __future__ import annotations
 
-import heapq
 from typing import Any
 
 import numpy as np
 
 from .base import Domain, PlannerResult, as_load, build_result, check_slots, home_rank_load
 
-__all__ = ["plan"]
+try:  # the planner runs in C++ (csrc/planners/lpt.cpp, balance.cpp)
+    from .. import _core as _core_mod
+
+    _HAVE_CPP = hasattr(_core_mod, "lpt_plan")
+except ImportError:  # pragma: no cover - core not built
+    _core_mod = None
+    _HAVE_CPP = False
+
+__all__ = ["plan", "balance_quotas"]
+
+
+def balance_quotas(expert_load: Any, instance_ranks: list[list[int]], base: Any
+                   ) -> tuple[int, list[np.ndarray]]:
+    """Min-max split of replicated experts' tokens over a fixed placement (step 3).
+
+    Args:
+        expert_load: int ``[n]`` tokens of each replicated expert.
+        instance_ranks: per expert, the ranks of its instances (home first; ties of the
+            flow keep tokens on earlier instances).
+        base: int ``[world]`` tokens each rank computes for its unreplicated experts.
+
+    Returns:
+        ``(max_load, quotas)``: the smallest possible maximum rank load and, per expert,
+        int64 tokens per instance (summing to its load).
+    """
+    lens = np.fromiter((len(x) for x in instance_ranks), np.int64, len(instance_ranks))
+    off = np.concatenate(([0], np.cumsum(lens))).astype(np.int64)
+    inst = np.fromiter((r for x in instance_ranks for r in x), np.int64, int(off[-1]))
+    T, q = _core().balance_quotas(np.asarray(expert_load, np.int64), off, inst,
+                                  np.asarray(base, np.int64))
+    return int(T), np.split(q, off[1:-1])
+
+
+def _core():
+    if not _HAVE_CPP:
+        raise RuntimeError("ultracomm._core has no lpt_plan; rebuild the core "
+                           "(pip install --no-build-isolation -e .)")
+    return _core_mod
 
 
 def plan(
@@ -32,82 +87,29 @@ def plan(
     *,
     min_tokens: int = 1,
     max_replicas: int | None = None,
+    hierarchical: bool = False,
 ) -> PlannerResult:
-    """EPLB-style replication + LPT packing.
+    """EPLB-style replica counts + balanced (LPT) packing, with min-max quotas.
 
     Args:
         load: int64 ``[world, E]``.
-        domain: ranks and nodes (topology is ignored, as in EPLB).
+        domain: ranks and nodes (used only with ``hierarchical``).
         slots_per_rank: replica slots per rank.
         min_tokens: an expert is only replicated if each instance keeps at least this
-            many tokens.
-        max_replicas: total replicas to place (default ``world * slots_per_rank``).
+            many tokens of an even split.
+        max_replicas: total replicas to place (default ``world * slots_per_rank``; with
+            ``hierarchical`` each node gets ``max_replicas * its ranks // world``).
+        hierarchical: EPLB's hierarchical policy (replicas stay on the home node).
+
+    ``info``: ``replicas`` (placed), ``dropped`` (no rank could take them), ``idle``
+    (placed replicas the quota step gives no tokens), ``max_load`` (the most loaded
+    rank's tokens).
     """
     load = as_load(load, domain)
     K = check_slots(slots_per_rank)
-    W, epr = domain.world, domain.experts_per_rank
+    W = domain.world
     el, _ = home_rank_load(load, domain)
-    E = el.size
-    budget = W * K if max_replicas is None else min(int(max_replicas), W * K)
-    mt = max(int(min_tokens), 1)
-    count = [1] * E
-    elist = el.tolist()
-    # 1. replica counts
-    heap = [(-elist[e], e) for e in range(E) if elist[e] >= 2 * mt]
-    heapq.heapify(heap)
-    placed = 0
-    while placed < budget and heap:
-        _, e = heapq.heappop(heap)
-        count[e] += 1
-        placed += 1
-        c = count[e]
-        if c < W and elist[e] // (c + 1) >= mt:
-            heapq.heappush(heap, (-(elist[e] / (c + 1)), e))
-    # 2. even split, 3. LPT over replica instances
-    cnt = np.asarray(count, np.int64)
-    base = el // cnt
-    rem = el - base * cnt
-    home_share = base + (rem > 0)
-    rank_load = home_share.reshape(W, epr).sum(1).tolist()
-    reps: list[tuple[int, int, int]] = []  # (-tokens, expert, instance)
-    for e in np.flatnonzero(cnt > 1).tolist():
-        b, r = int(base[e]), int(rem[e])
-        for i in range(1, count[e]):
-            reps.append((-(b + (1 if i < r else 0)), e, i))
-    reps.sort()
-    free = [K] * W
-    holds: list[set[int]] = [set() for _ in range(W)]
-    rheap = [(rank_load[r], r) for r in range(W) if K > 0]
-    heapq.heapify(rheap)
-    slot_src = np.full((W, K), -1, np.int32)
-    slot_quota = np.zeros((W, K), np.int64)
-    dropped = 0
-    home = domain.home_of
-    for negq, e, _ in reps:
-        q = -negq
-        h = int(home[e])
-        skipped = []
-        dst = -1
-        while rheap:
-            ld, r = heapq.heappop(rheap)
-            if r == h or e in holds[r]:
-                skipped.append((ld, r))
-                continue
-            dst = r
-            break
-        for item in skipped:
-            heapq.heappush(rheap, item)
-        if dst < 0:
-            dropped += 1
-            continue
-        k = K - free[dst]
-        slot_src[dst, k] = e
-        slot_quota[dst, k] = q
-        free[dst] -= 1
-        holds[dst].add(e)
-        rank_load[dst] += q
-        if free[dst] > 0:
-            heapq.heappush(rheap, (rank_load[dst], dst))
-    return build_result(
-        load, domain, slot_src, slot_quota, {"replicas": placed - dropped, "dropped": dropped}
-    )
+    budget = W * K if max_replicas is None else max(0, min(int(max_replicas), W * K))
+    group = domain.node_of if hierarchical else None
+    slot_src, slot_quota, info = _core().lpt_plan(el, group, W, K, max(int(min_tokens), 1), budget)
+    return build_result(load, domain, slot_src, slot_quota, info)

@@ -799,8 +799,8 @@ def make_workload(
     """The load ``int64 [world, model.num_experts]`` described by ``spec``.
 
     Forms (see :data:`WORKLOAD_FORMS`): ``uniform``; ``zipf:T`` (:func:`zipf_load` with
-    target T); ``blocked:T`` (:func:`rank_blocked_load` with target T); ``hot:F`` / ``hot:F:N`` (:func:`hot_rank_load` on rank 0, all its experts
-    or the first N); ``rotating[:step[:num_hot[:skew]]]`` (:func:`rotating_hot_load`,
+    target T); ``blocked:T`` (:func:`rank_blocked_load` with target T); ``hot:F`` /
+    ``hot:F:N`` (:func:`hot_rank_load` on rank 0, all its experts or the first N); ``rotating[:step[:num_hot[:skew]]]`` (:func:`rotating_hot_load`,
     defaults step 0, num_hot = ``model.top_k``, skew 8).  Experts are homed
     ``num_experts // world`` per rank.
 

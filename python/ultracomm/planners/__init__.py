@@ -11,10 +11,10 @@ with ``load`` int64 ``[world, E]`` (tokens rank ``s`` sends to expert ``e``),
 integer token conservation).
 
 =========  ==================================================================
-``quota``  UltraEP: binary search on the load threshold, quota-driven replicas
+``quota``  UltraEP: threshold search; replicas added by a max-flow-backed greedy
 ``taot``   TAOT: Sinkhorn flow hint, column-first matching, Lagrangian auction
-``greedy`` FEPLB: move the busiest whole expert of the most loaded rank
-``lpt``    EPLB-style replica counts + longest-processing-time packing
+``greedy`` FEPLB: move the busiest whole expert of the most loaded rank (mild skew)
+``lpt``    DeepSeek EPLB: replica counts, balanced packing; min-max quotas (fixed homes)
 =========  ==================================================================
 """
 from __future__ import annotations

@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 
 import pytest
 
-from ultracomm.hwprofile import SCHEMA, find_profile, load_profile, profile_paths, validate
+from ultracomm.hwprofile import DEFAULT_DIR, SCHEMA, find_profile, load_profile, profile_paths, validate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def good(**over) -> dict:
@@ -87,3 +90,7 @@ def test_explicit_path_must_be_valid(tmp_path):
         find_profile(path=str(bad))
     with pytest.raises(ValueError, match="cannot read hardware profile"):
         find_profile(path=str(tmp_path / "missing.json"))
+
+
+def test_default_dir_is_the_checkouts_perf_gpu():
+    assert DEFAULT_DIR == os.path.join(ROOT, "perf", "gpu")

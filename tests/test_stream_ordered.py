@@ -316,3 +316,17 @@ def test_wait_with_timeout_polls_the_event(fake):
 def test_streams_need_a_cuda_window():
     with pytest.raises(UltracommError, match="a stream-ordered transport needs a CUDA window"):
         so.streams_for(None)
+
+
+def test_debug_log_names_the_sm_counts_and_their_source(fake, caplog):
+    import logging
+
+    def body(group):
+        with make_ctx(group, slots=1, epr=1, log_level="debug", reduce_sms=5) as ctx:
+            return ctx.sm_counts
+
+    with caplog.at_level(logging.DEBUG, logger="ultracomm"):
+        got = LoopbackDomain(1).run(body)
+    assert got == [{"multicast": 23, "reduce": 5}]
+    assert "rank 0: multicast_sms=23 (auto: ceil(intra_bw 3.7e+11 / analytic per-SM floor 1.629e+10 B/s" in caplog.text
+    assert "rank 0: reduce_sms=5 (ULTRACOMM_REDUCE_SMS=5)" in caplog.text

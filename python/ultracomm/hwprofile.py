@@ -53,9 +53,20 @@ __all__ = ["SCHEMA", "HwProfile", "validate", "load_profile", "profile_paths", "
 SCHEMA = "ultracomm.hwprofile/1"
 log = logging.getLogger("ultracomm")
 
-#: Where ``perf/bench_gpu.py`` writes profiles in a source checkout (absent in an installed wheel).
-DEFAULT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                           "perf", "gpu")
+def _default_dir() -> str:
+    """``perf/gpu`` of the source checkout this module runs from: the nearest ancestor holding
+    ``perf/`` (``python/ultracomm`` in an editable install, ``build/inplace/ultracomm`` in the
+    fallback build); in an installed wheel there is none and nothing is found there."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for _ in range(4):
+        here = os.path.dirname(here)
+        if os.path.isdir(os.path.join(here, "perf")):
+            return os.path.join(here, "perf", "gpu")
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "perf", "gpu")
+
+
+#: Where ``perf/bench_gpu.py``'s profiles are committed (``perf/gpu`` of the source checkout).
+DEFAULT_DIR = _default_dir()
 
 _STR = ("schema", "device", "compute_capability", "date", "torch", "cuda", "source")
 _RATE = ("d2d_copy_bw",)

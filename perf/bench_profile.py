@@ -3,9 +3,10 @@ stats and a host timer per op), and a standalone ``Profiler.record`` per (layer,
 
     python perf/bench_profile.py [--quick]
 
-Figures are wall-clock on this machine (CPU, host executor, loopback ranks as threads); the
+Figures are wall-clock and process CPU time (all threads: both ranks, their operation threads,
+the profile writer) on this machine (CPU, host executor, loopback ranks as threads); the
 profile-off/on comparison is the median of interleaved repetitions, so machine noise hits
-both alike.  This is a benchmark, not a test: it prints, it does not assert.
+both alike; on a shared, loaded machine the wall figures swing by 2-3x between repetitions.  This is a benchmark, not a test: it prints, it does not assert.
 """
 from __future__ import annotations
 
@@ -44,12 +45,13 @@ LAYERS = 8
 
 
 def context_op_us(iters: int, reps: int, tmp: str) -> dict:
-    """Median us per (weight_sync + grad_reduce) pair on 2 loopback ranks, profile off and on;
-    a step is 8 layers' forward (weight_sync) then backward (grad_reduce), one file per step."""
+    """Median us per layer (weight_sync + restore + grad_reduce) on 2 loopback ranks, profile off
+    and on; a step is 8 layers' forward (weight_sync) then backward (restore, grad_reduce), one
+    file per step."""
     world, epr, slots = 2, 2, 1
     load = np.array([[90, 5, 3, 2], [80, 6, 2, 1]], np.int64)
     res = get_planner("quota")(load, Domain.flat(world, epr), slots)
-    out: dict = {"off": [], "on": []}
+    out: dict = {"off": [], "on": [], "off_cpu": [], "on_cpu": []}
 
     def body(group, profile):
         with Context(group, LAYOUT, epr, slots, num_layers=LAYERS, max_microbatches=LAYERS, num_workers=1,
@@ -65,14 +67,17 @@ def context_op_us(iters: int, reps: int, tmp: str) -> dict:
                     vids.append(ctx.begin(layer))
                     ctx.weight_sync(vids[-1], res.plan)
                 for vid in reversed(vids):
+                    ctx.restore(vid)  # the slots hold the last layer's experts
                     ctx.grad_reduce(vid)
 
             step()  # warm-up: schedule cache, threads
             group.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(iters):
                 step()
-            return (time.perf_counter() - t0) / (iters * LAYERS) * 1e6
+            group.barrier()
+            n = iters * LAYERS
+            return (time.perf_counter() - t0) / n * 1e6, (time.process_time() - c0) / n * 1e6
 
     for rep in range(reps):
         for mode in ("off", "on"):  # interleaved
@@ -83,7 +88,9 @@ def context_op_us(iters: int, reps: int, tmp: str) -> dict:
             else:
                 def run(group):
                     return body(group, prof)
-            out[mode].append(max(LoopbackDomain(world).run(run)))
+            wall, cpu = LoopbackDomain(world).run(run)[0]  # rank 0 (after a barrier: both ranks done)
+            out[mode].append(wall)
+            out[mode + "_cpu"].append(cpu)
     return {k: statistics.median(v) for k, v in out.items()}
 
 
@@ -116,9 +123,11 @@ def main(argv=None) -> int:
         rec = record_us(n, tmp)
     print("# ultracomm.profile cost (CPU, host executor; wall clock on this machine)")
     print(f"profile off: guard per op                          {g:8.1f} ns")
-    print(f"Context weight_sync+grad_reduce, profile off       {ops['off']:8.1f} us per pair (median of {reps})")
-    print(f"Context weight_sync+grad_reduce, profile on        {ops['on']:8.1f} us per pair "
-          f"({(ops['on'] / ops['off'] - 1) * 100:+.1f} %)")
+    print(f"Context weight_sync+restore+grad_reduce, off       {ops['off']:8.1f} us wall, {ops['off_cpu']:8.1f} us "
+          f"process CPU per layer (medians of {reps})")
+    print(f"Context weight_sync+restore+grad_reduce, on        {ops['on']:8.1f} us wall, {ops['on_cpu']:8.1f} us "
+          f"process CPU per layer (wall {(ops['on'] / ops['off'] - 1) * 100:+.1f} %, CPU "
+          f"{(ops['on_cpu'] / ops['off_cpu'] - 1) * 100:+.1f} %)")
     print(f"Profiler.record, EP64 layer, detail=full           {rec['full']:8.1f} us per record")
     print(f"Profiler.record, EP64 layer, detail=experts        {rec['experts']:8.1f} us per record")
     return 0

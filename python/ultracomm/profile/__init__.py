@@ -49,11 +49,13 @@ them.  :meth:`Profiler.step` always ends the current step.
 Memory and disk
 ---------------
 The current step's records are kept in memory up to ``max_buffer_bytes`` (a larger step is
-written in parts); finished steps go through a queue of at most two to one writer thread,
-which waits (up to ``op_wait_s``) for the step's operations still running, then writes
-``step_<step>[_p<part>].npz`` (zip, deflate level 1; loads as int32 when they fit) and
-rewrites ``index.json`` (atomically).  A full queue makes :meth:`step` wait: memory stays
-bounded whatever the disk does.  An error of the writer is raised by the next call.
+written in parts); finished steps wait, up to another ``max_buffer_bytes``, for one writer
+thread.  It collects the steps handed over within ``write_interval_s`` (1 s), waits (up to
+``op_wait_s``) for their operations still running, computes what was kept by reference
+(plan arrays, schedule stats and trees, CUDA event times), writes them as one
+``<n>_step<first>[-<last>].npz`` (zip, deflate level 1; loads as int32 when they fit) and
+rewrites ``index.json`` (atomically).  When the writer falls behind, recording waits: memory
+stays bounded whatever the disk does.  An error of the writer is raised by the next call.
 
 Cost when off
 -------------

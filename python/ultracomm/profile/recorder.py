@@ -34,6 +34,8 @@ class Profiler:
             larger one is written in parts) and the steps waiting for the writer (beyond it,
             recording waits for the disk).
         op_wait_s: how long the writer waits for a step's operations still running.
+        write_interval_s: steps handed over within this time go into one file (fewer, larger
+            files: the writer's cost per file stays off short steps); ``close`` writes at once.
         meta: JSON-serialisable facts stored in the index (model name, fabric, ...).
         overwrite: replace an existing trace in ``path``.
 
@@ -44,7 +46,7 @@ class Profiler:
     """
 
     def __init__(self, path: PathLike, *, detail: str = "full", steps: str = "auto",
-                 max_buffer_bytes: int = 64 << 20, op_wait_s: float = 60.0,
+                 max_buffer_bytes: int = 64 << 20, op_wait_s: float = 60.0, write_interval_s: float = 1.0,
                  meta: Optional[Mapping[str, Any]] = None, overwrite: bool = False):
         if detail not in DETAILS:
             raise ValueError(f"ultracomm.profile: detail must be one of {DETAILS}, got {detail!r}")
@@ -64,6 +66,7 @@ class Profiler:
                 old.unlink()
         self.detail, self.auto_steps = detail, steps == "auto"
         self.max_buffer_bytes, self.op_wait_s = max_buffer_bytes, float(op_wait_s)
+        self.write_interval_s = float(write_interval_s)
         self.meta = dict(meta or {})
         json.dumps(self.meta)  # fail now, not in the writer thread
         self.world: Optional[int] = None
@@ -87,6 +90,7 @@ class Profiler:
         self._late = 0
         self._error: Optional[BaseException] = None
         self._closed = False
+        self._last_write = time.monotonic()
         self._write_index()
         self._writer = threading.Thread(target=self._write_loop, name="ultracomm-profile-writer", daemon=True)
         self._writer.start()
@@ -335,6 +339,9 @@ class Profiler:
                 self._cond.wait_for(lambda: self._outbox or self._closed)
                 if not self._outbox:
                     return
+                # one file per write interval (or per quarter of the buffer), not per step
+                self._cond.wait_for(lambda: self._closed or self._outbox_bytes >= self.max_buffer_bytes // 4,
+                                    timeout=max(0.0, self._last_write + self.write_interval_s - time.monotonic()))
                 batch, self._outbox = self._outbox, []
                 recs = [r for rs in batch for r in rs]
                 # the Context's last operations of these records may still be running
@@ -362,6 +369,7 @@ class Profiler:
             finally:
                 with self._cond:
                     self._outbox_bytes -= sum(r.nbytes for r in recs)
+                    self._last_write = time.monotonic()
                     self._cond.notify_all()
 
     def _write_index(self) -> None:

@@ -185,3 +185,28 @@ def test_plan_agreement_with_a_rank_that_skips_weight_sync():
         return True
 
     assert LoopbackDomain(2).run(body, timeout=60) == [True, True]
+
+
+def test_close_with_a_stalled_peer_returns_within_the_timeout():
+    plan = ReplicaPlan.make(np.array([[1], [0]], np.int32), experts_per_rank=1)
+
+    def body(group):
+        ctx = Context(group, make_layout(4, 4), 1, 1, num_layers=1, max_microbatches=3, timeout_s=TIMEOUT)
+        ctx.register_masters(0, *masters_for(make_layout(4, 4), ctx.rank, 1))
+        vids = [ctx.begin(0) for _ in range(3)]
+        if group.rank == 1:  # agrees on three plans, then never runs them
+            for _ in vids:
+                ctx._prepare_plan(plan)
+            return True
+        works = [ctx.weight_sync(v, plan, async_op=True) for v in vids]
+        t0 = time.monotonic()
+        ctx.close()  # waits for the queue: the first op times out, the others never start
+        assert time.monotonic() - t0 <= TIMEOUT + MARGIN
+        with pytest.raises(UltracommTimeout, match="rank 1"):
+            works[0].wait()
+        for w in works[1:]:
+            with pytest.raises(UltracommError, match="not started: an earlier operation"):
+                w.wait()
+        return True
+
+    assert LoopbackDomain(2).run(body, timeout=60) == [True, True]

@@ -14,6 +14,7 @@ import json
 import multiprocessing
 import os
 import signal
+import socket
 import sys
 import time
 
@@ -31,7 +32,9 @@ pytestmark = [pytest.mark.slow,
 
 WORLD = 3
 TIMEOUT_S = 2.0
-MARGIN_S = 4.0  # start-up of the executor, Python and a loaded 2-core CI machine
+# start-up of the executor, Python and a loaded 2-core CI machine; a silent store host adds
+# ultracomm.comm._QUICK_S (2 s) on top of the timeout
+MARGIN_S = 4.0
 
 _CTX = None
 
@@ -47,10 +50,17 @@ def _mp():
 def _launch(scenario: str, out_dir: str) -> tuple[list[dict], dict, float | None]:
     import torch.distributed as dist
 
-    store = dist.TCPStore("127.0.0.1", 0, WORLD, is_master=True, wait_for_workers=False)
+    if scenario in fault_worker.STORE_ON_VICTIM:
+        store = None
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    else:
+        store = dist.TCPStore("127.0.0.1", 0, WORLD, is_master=True, wait_for_workers=False)
+        port = store.port
     ctx = _mp()
     env_before = os.environ.get("OMP_NUM_THREADS")
-    procs = [ctx.Process(target=fault_worker.main, args=(r, WORLD, store.port, scenario, out_dir, TIMEOUT_S))
+    procs = [ctx.Process(target=fault_worker.main, args=(r, WORLD, port, scenario, out_dir, TIMEOUT_S))
              for r in range(WORLD)]
     for p in procs:
         p.start()
@@ -107,6 +117,10 @@ EXPECT = {
                              r"rank 2 Context setup \(configuration\): ranks called different operations"),
     "different_ops": (_EXECUTOR.format(op=r"grad_reduce \(reduce\)"),
                       r"rank 2 restore \(multicast\) epoch 2 timed out after 2 s"),
+    # the store went with its host: unreachable at once (killed) or silent (stopped)
+    "store_host_kill": (r"rank {r} weight_sync \(plan agreement\): the process group's store is unreachable", "killed"),
+    "store_host_stop": (r"rank {r} weight_sync \(plan agreement\)(: the process group's store is unreachable| timed "
+                        r"out after 2 s: ranks \[2\] did not arrive)", r"rank 2 weight_sync"),
 }
 
 

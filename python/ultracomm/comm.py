@@ -20,6 +20,7 @@ import abc
 import copy
 import datetime
 import pickle
+import queue
 import threading
 import time
 import weakref
@@ -112,7 +113,7 @@ class Comm(abc.ABC):
         except _BoardUnreachable as e:
             raise UltracommTimeout(
                 f"ultracomm: {where}: the process group's store is unreachable ({e}); the process hosting "
-                "it (the launcher, or rank 0) is likely dead or stalled") from None
+                "it (torchrun's agent, or the rank that created it, often rank 0) is likely dead or stalled") from None
         gave_up = [r for r, e in enumerate(entries) if e[0] == _GAVE_UP]
         if gave_up:
             raise UltracommTimeout(
@@ -164,50 +165,109 @@ class Comm(abc.ABC):
 
 # ------------------------------------------------------------------ torch process groups
 
+_QUICK_S = 2.0  # bound of a store call that does not wait for other ranks
+
+
+class _Reply:
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+
+def _serve_store_calls(requests: queue.SimpleQueue) -> None:
+    """The board's store calls, one at a time on one connection (the caller waits, bounded)."""
+    while True:
+        item = requests.get()
+        if item is None:
+            return
+        fn, reply = item
+        del item
+        try:
+            reply.value = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            reply.error = e
+            del e
+        reply.done.set()
+        del fn, reply
+
+
 class _StoreBoard(_Board):
-    """A group's c10d Store, through a clone whose timeout bounds every call."""
+    """A group's c10d Store, through a clone served by one daemon thread.
+
+    A TCPStore client blocks without bound when the store's host is alive but silent (a
+    SIGSTOPped rank 0 under ``init_method=tcp://``), so the caller waits for each call with a
+    timeout: ``wait`` for the exchange's timeout, every other call for ``_QUICK_S``.  A call
+    that does not answer in time marks the board unreachable for good (its connection is
+    mid-request); later exchanges of the group raise at once.
+    """
 
     def __init__(self, store: dist.Store):
-        self.store = store.clone()
+        self._origin = store
+        self._store: dist.Store | None = None
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._dead: str | None = None
         self.lock = threading.Lock()
         self.sequence = 0
+        thread = threading.Thread(target=_serve_store_calls, args=(self._requests,), name="ultracomm-store",
+                                  daemon=True)
+        thread.start()
+        weakref.finalize(self, self._requests.put, None)  # the thread ends with the group
 
-    def _call(self, fn: Callable[[], T]) -> T:
+    def _client(self) -> dist.Store:
+        if self._store is None:  # cloned on the serving thread: connecting may block too
+            store = self._origin.clone()
+            store.set_timeout(datetime.timedelta(seconds=_QUICK_S))
+            self._store = store
+        return self._store
+
+    def _call(self, fn: Callable[[dist.Store], T], timeout_s: float = _QUICK_S) -> T:
+        if self._dead is not None:
+            raise _BoardUnreachable(self._dead)
+        reply = _Reply()
+        self._requests.put((lambda: fn(self._client()), reply))
+        if not reply.done.wait(timeout_s + _QUICK_S):
+            self._dead = f"a store call got no answer within {timeout_s + _QUICK_S:g} s"
+            raise _BoardUnreachable(self._dead)
+        if isinstance(reply.error, dist.DistStoreError) and "timeout" in str(reply.error).lower():
+            raise reply.error  # the store answered: the keys are not there (yet)
+        if reply.error is not None:  # connection refused or reset: the store's host is gone
+            self._dead = f"{type(reply.error).__name__}: {reply.error}"
+            raise _BoardUnreachable(self._dead)
+        return reply.value
+
+    def _quick(self, fn: Callable[[dist.Store], T]) -> T:
         try:
-            return fn()
-        except dist.DistStoreError:
-            raise
-        except Exception as e:  # connection refused/reset: the store's host is gone
-            raise _BoardUnreachable(f"{type(e).__name__}: {e}") from None
+            return self._call(fn)
+        except dist.DistStoreError as e:
+            self._dead = f"{type(e).__name__}: {e}"
+            raise _BoardUnreachable(self._dead) from None
 
     def post(self, key: str, value: Any) -> None:
-        self._call(lambda: self.store.set(key, pickle.dumps(value)))
+        data = pickle.dumps(value)
+        self._quick(lambda st: st.set(key, data))
 
     def wait(self, keys: Sequence[str], timeout_s: float) -> bool:
-        self.store.set_timeout(datetime.timedelta(seconds=timeout_s))
         try:
-            self._call(lambda: self.store.wait(list(keys), datetime.timedelta(seconds=timeout_s)))
+            self._call(lambda st: st.wait(list(keys), datetime.timedelta(seconds=timeout_s)), timeout_s)
             return True
         except dist.DistStoreError:
             return False
 
     def present(self, keys: Sequence[str]) -> list[bool]:
-        try:
-            return [self._call(lambda k=k: self.store.check([k])) for k in keys]
-        except dist.DistStoreError as e:
-            raise _BoardUnreachable(str(e)) from None
+        return self._quick(lambda st: [st.check([k]) for k in keys])
 
     def read(self, keys: Sequence[str]) -> list[Any]:
-        try:
-            return [pickle.loads(v) for v in self._call(lambda: self.store.multi_get(list(keys)))]
-        except dist.DistStoreError as e:
-            raise _BoardUnreachable(str(e)) from None
+        return [pickle.loads(v) for v in self._quick(lambda st: st.multi_get(list(keys)))]
 
     def remove(self, key: str) -> None:
-        try:
-            self.store.delete_key(key)
-        except Exception:  # noqa: BLE001 - FileStore cannot delete; a few stale keys are harmless
-            pass
+        def delete(st: dist.Store) -> None:
+            try:
+                st.delete_key(key)
+            except (RuntimeError, NotImplementedError):  # FileStore cannot delete: a few stale keys
+                pass
+
+        self._quick(delete)
 
 
 # One board (store clone + sequence) per process group, shared by every Comm of the group in

@@ -17,7 +17,10 @@ import time
 import traceback
 
 SCENARIOS = ("setup_kill", "setup_stop", "between_kill", "between_stop", "weight_sync_kill", "weight_sync_stop",
-             "grad_reduce_kill", "grad_reduce_stop", "skip_op", "different_collective", "different_ops")
+             "grad_reduce_kill", "grad_reduce_stop", "skip_op", "different_collective", "different_ops",
+             "store_host_kill", "store_host_stop")
+# in these the victim hosts the group's store itself (as rank 0 does under init_method=tcp://)
+STORE_ON_VICTIM = ("store_host_kill", "store_host_stop")
 
 
 def _fault(kind: str) -> None:
@@ -35,10 +38,11 @@ def main(rank: int, world: int, port: int, scenario: str, out_dir: str, timeout_
     from ultracomm.records import Op
     from ultracomm.windows import host_shm
 
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=datetime.timedelta(seconds=120))
+    victim = rank == world - 1
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=victim and scenario in STORE_ON_VICTIM,
+                          timeout=datetime.timedelta(seconds=120))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
-    victim = rank == world - 1
     phase, _, kind = scenario.rpartition("_")  # kind: kill | stop for the signal scenarios
     layout = ExpertLayout((Member("w", (64, 64), torch.bfloat16),))
     # rank r holds a replica of expert r+1: every rank depends on its right neighbour
@@ -80,7 +84,7 @@ def main(rank: int, world: int, port: int, scenario: str, out_dir: str, timeout_
                 return real_run(op, *args, **kw)
 
             ctx.transport.run = run_then_fault
-        if victim and phase == "between":
+        if victim and phase in ("between", "store_host"):
             _fault(kind)
         under_test()
         if phase == "grad_reduce":

@@ -53,6 +53,15 @@ void prepare(int32_t world, int32_t slots, int32_t num_experts, const int32_t* s
 // Home -> every replica, depth 1 (no topology rule).
 void direct_tree(const TreeInput& in, Tree& out);
 
+// Recomputes t.t and t.max_load from the tree's per-rank loads.
+void finish(const TreeInput& in, Tree& t);
+
+// Local search (relay_repair.cpp): lowers t's bottleneck (max over ranks of the parent side's
+// tier time) by re-parenting subtrees along short ejection chains, never deeper than dlim, in
+// force mode never giving the home nrep children; stops at floor_t.  True if t changed (then
+// t is consistent: loads, depth, finish()).  Deterministic.
+bool repair_tree(const TreeInput& in, Tree& t, int32_t dlim, bool force, double floor_t);
+
 // One node: the caller's cost model (schedule_builder's predicted()), per op: a tree whose
 // busiest rank sends k experts and whose depth is d costs max(k, fixed) * unit + d * hop.
 // relay_candidates() skips the searches whose trees cannot cost less than a candidate it

@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <exception>
-#include <latch>
 #include <limits>
 #include <memory>
 #include <thread>
@@ -60,24 +59,24 @@ void run_host_movers(const ExecArgs& a, const ExecView& v) {
 
 // G groups of T threads.  Group 0 joins, every group claims tasks, all meet at a barrier,
 // then group 0 drains unless a group failed.  Threads start only once all exist (a failed
-// spawn must not leave the others waiting at a barrier).
+// spawn must not leave the others waiting at a barrier).  Barriers: group_barrier.h.
 void run_block_movers(const ExecArgs& a, const ExecView& v) {
   host::RunState run(a.num_tasks);
   const int G = std::max(1, num_groups(a));
   const int T = a.threads_per_worker;
   std::vector<std::unique_ptr<host::BlockGroup>> groups;
   for (int g = 0; g < G; ++g) groups.push_back(std::make_unique<host::BlockGroup>(T));
-  std::barrier<> all_done(G * T);
-  std::latch start(1);
-  bool cancelled = false;  // written before start.count_down(), read after start.wait()
+  host::GroupBarrier all_done(G * T);
+  host::StartGate start;
   const auto body = [&](int g, int t) {
-    start.wait();
-    if (cancelled) return;
+    if (!start.wait()) return;
     host::BlockMover m(run, *groups[g], t, T, a.jitter_us, a.jitter_seed + g, a.portable_f16);
     if (g == 0) interp::join(v, m);
     interp::run_tasks(v, m);
     all_done.arrive_and_wait();
-    if (g == 0 && !run.abort.load()) interp::drain(v, m);
+    if (g != 0) return;
+    // the leader's reading, shared: a thread reading abort itself could see the drain's own failure
+    if (!m.broadcast(run.abort.load())) interp::drain(v, m);
   };
   std::vector<std::thread> threads;
   threads.reserve(G * T);
@@ -87,9 +86,8 @@ void run_block_movers(const ExecArgs& a, const ExecView& v) {
       for (int t = 0; t < T; ++t) threads.emplace_back(body, g, t);
   } catch (...) {
     spawn_error = std::current_exception();
-    cancelled = true;
   }
-  start.count_down();
+  start.open(!spawn_error);
   for (auto& t : threads) t.join();
   if (spawn_error) std::rethrow_exception(spawn_error);
   if (run.failed) throw_error(run.first, op_name_of(a), a.timeout_s);

@@ -1,15 +1,15 @@
-// BlockMover: a worker group of T host threads with a std::barrier, imitating a CUDA block
+// BlockMover: a worker group of T host threads with a barrier, imitating a CUDA block
 // so that the device's control flow (leader waits and releases, the group learns outcomes by
 // broadcast, copies and reductions split by thread index) runs, and is tested, on the CPU.
 #pragma once
 #include <algorithm>
-#include <barrier>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
 
-#include "movers/host_flags.h"
-#include "movers/host_reduce.h"
+#include "group_barrier.h"
+#include "host_flags.h"
+#include "host_reduce.h"
 #include "ultracomm/interp.h"
 
 namespace ultracomm::host {
@@ -17,7 +17,7 @@ namespace ultracomm::host {
 // One per group: its barrier and the broadcast word (the CUDA block's shared memory).
 struct BlockGroup {
   explicit BlockGroup(int threads) : bar(threads) {}
-  std::barrier<> bar;
+  GroupBarrier bar;
   alignas(64) unsigned char word[16] = {};
 };
 

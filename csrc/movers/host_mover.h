@@ -4,8 +4,8 @@
 #include <cstdint>
 #include <cstring>
 
-#include "movers/host_flags.h"
-#include "movers/host_reduce.h"
+#include "host_flags.h"
+#include "host_reduce.h"
 #include "ultracomm/interp.h"
 
 namespace ultracomm::host {

@@ -25,11 +25,15 @@ import torch
 
 from .errors import LayoutError, RegistrationError
 
-__all__ = ["Member", "ExpertLayout", "GRAD_DTYPES", "MAX_EXPERT_BYTES"]
+__all__ = ["Member", "ExpertLayout", "GRAD_DTYPES", "MAX_EXPERT_BYTES", "MAX_MEMBERS"]
 
 #: Largest expert (weights or grads, bytes): bounds every byte count and window offset
 #: derived from a layout far below where uint64 arithmetic could overflow.
 MAX_EXPERT_BYTES = 1 << 40
+
+#: Members one expert may have: the executors' bound (kMaxMembers in
+#: include/ultracomm/exec_view.h, _core.MAX_MEMBERS; test_exec_protocol checks they agree).
+MAX_MEMBERS = 8
 
 #: Gradient dtypes the reduction kernels support.
 GRAD_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
@@ -110,6 +114,9 @@ class ExpertLayout:
         object.__setattr__(self, "members", members)
         if not members:
             raise LayoutError("an ExpertLayout needs at least one member (e.g. fc1, fc2)")
+        if len(members) > MAX_MEMBERS:
+            raise LayoutError(f"an ExpertLayout has at most {MAX_MEMBERS} members, got {len(members)}; "
+                              "concatenate small parameters (e.g. biases) into one member")
         for m in members:
             if not isinstance(m, Member):
                 raise LayoutError(f"members must be Member instances, got {type(m).__name__}")

@@ -81,6 +81,13 @@ class Masters:
         return None
 
 
+def op_digest(schedule_digest: int, op: Op) -> int:
+    """The digest a rank publishes beside ``ready[op]`` for ``op`` of a schedule: the schedule's
+    64-bit digest xor the op (never ``_core.REJECTED_DIGEST``, which marks a rejected plan)."""
+    d = (int(schedule_digest) ^ int(op)) & 0xFFFFFFFFFFFFFFFF
+    return d ^ 0x2 if d == _core.REJECTED_DIGEST else d
+
+
 class HostTransport:
     """CPU executor over host windows (``host_shm`` or ``local``)."""
 
@@ -129,5 +136,5 @@ class HostTransport:
             self.wlayout["chunk_bytes"], self._bases, member_off, member_bytes, list(ptrs), list(local_index_of),
             self._grad_code, list(my_slots), tasks, refs,
             self.num_workers, self.timeout_s, self.jitter_us, epoch,
-            slot_parent=slot_parent, op_name=op_name,
+            slot_parent=slot_parent, op_name=op_name, digest=op_digest(schedule.digest, op),
         )

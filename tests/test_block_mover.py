@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ultracomm.records import Op
-from ultracomm.reference import reference_reduce, slot_image
+from ultracomm.reference import reference_reduce
 from ultracomm.schedule import build_schedule
 
 from test_host_executor import ESIZE, FILL, Cluster, _random_plan, check_multicast, ok
@@ -60,14 +60,7 @@ def test_block_mover_equals_host_mover_bit_for_bit(seed, world, relay_mode, dtyp
     assert torch.equal(snaps["host"], snaps["block3"]) and torch.equal(snaps["host"], snaps["block1"])
 
     # reduce: the same initial grads for each mover; bits against each other and the reference
-    g = torch.Generator().manual_seed(seed)
-    for r in range(world):
-        for s in range(slots):
-            if my[r][s] >= 0:
-                members = [cl._rand_grad(n // ESIZE[dtype], g) for n in cl.g_bytes]
-                cl.grad_slot(r, s).copy_(slot_image(members, cl.g_off, cl.gsb, fill=FILL))
-    init = [cl.grad_slots(r).clone() for r in range(world)]
-    master_init = {e: [t.clone() for t in ms] for e, ms in cl.master_grads.items()}
+    init, master_init = cl.random_replica_grads(my, seed)
 
     def reset_red():
         for r in range(world):

@@ -4,10 +4,8 @@ timeout messages that name the likely dead rank, the chunk-index bound, and size
 from __future__ import annotations
 
 import re
-import threading
 import time
 
-import numpy as np
 import pytest
 import torch
 

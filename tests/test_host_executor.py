@@ -76,6 +76,18 @@ class Cluster:
         pick = torch.randint(0, 8, (n,), generator=g) == 0
         return torch.where(pick, bits, x)
 
+    def random_replica_grads(self, my_slots, seed):
+        """Random grads into every filled replica slot (padding = FILL); returns the slot images
+        per rank and a copy of the master grads, the initial state of a reduce."""
+        g = torch.Generator().manual_seed(seed)
+        for r in range(self.world):
+            for s in range(self.slots):
+                if my_slots[r][s] >= 0:
+                    members = [self._rand_grad(n // ESIZE[self.grad_dtype], g) for n in self.g_bytes]
+                    self.grad_slot(r, s).copy_(slot_image(members, self.g_off, self.gsb, fill=FILL))
+        return ([self.grad_slots(r).clone() for r in range(self.world)],
+                {e: [t.clone() for t in ms] for e, ms in self.master_grads.items()})
+
     def weight_slot(self, r, s):
         o = self.L["weights_off"] + s * self.L["weight_stride"]
         return self.win[r][o:o + self.wsb]
@@ -623,14 +635,7 @@ def test_random_plans_with_schedule_builder(seed, relay_mode, dtype):
     my = plan.slot_src.tolist()
     for op in (Op.MULTICAST, Op.REDUCE):
         if op == Op.REDUCE:
-            g = torch.Generator().manual_seed(seed)
-            for r in range(world):
-                for s in range(slots):
-                    if my[r][s] >= 0:
-                        members = [cl._rand_grad(n // ESIZE[dtype], g) for n in cl.g_bytes]
-                        cl.grad_slot(r, s).copy_(slot_image(members, cl.g_off, cl.gsb, fill=FILL))
-            init = [cl.grad_slots(r).clone() for r in range(world)]
-            master_init = {e: [t.clone() for t in ms] for e, ms in cl.master_grads.items()}
+            init, master_init = cl.random_replica_grads(my, seed)
         tasks = [sch.tasks(op, r) for r in range(world)]
         refs = [sch.refs(op, r) for r in range(world)]
         parent = sch.tree(op)[0]

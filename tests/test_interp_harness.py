@@ -15,7 +15,6 @@ import os
 import shutil
 import struct
 import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
@@ -182,6 +181,13 @@ def test_observer_sees_complete_chunk(harness, cases, mover):
                     "--epochs", "12", "--workers", "1", "--threads", "2")
     assert races(r) == 0 and "ThreadSanitizer" not in r.stderr, r.stderr[-3000:]
     assert r.returncode == 0 and "TORN" not in r.stdout and "OK: 12 epochs" in r.stdout, r.stdout[-2000:]
+
+
+def test_executor_asserts_chunks_cover_the_slot(harness, cases):
+    """Forged layouts (a chunk count one short, zero chunks, chunk_bytes near 2^64) are rejected
+    with std::invalid_argument before any byte or flag is written."""
+    r = run_harness(harness["clean"], cases["direct_bf16"], "--selftest")
+    assert r.returncode == 0 and "OK: selftest, 0 failures" in r.stdout, r.stdout[-2000:]
 
 
 # ------------------------------------------------------------------------------------------

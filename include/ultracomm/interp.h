@@ -128,15 +128,19 @@ UC_INLINE ErrorRecord what(const ExecView& v, uint32_t flag_kind, int64_t task, 
 // waits (the leader spins, the group learns the outcome by broadcast)
 
 // Leader: kOk, or (recorded with m.fail) kDigestMismatch / kRejected when `peer` published
-// ready[op] == epoch with another digest than ours.  A peer we still wait on cannot have
-// moved on to a later epoch of this op, so ready == epoch means the digest is this epoch's.
+// ready[op] == epoch with another digest than ours.  A peer still waiting on this rank cannot
+// leave the epoch, so ready == epoch means the digest is this epoch's -- except where the
+// peer raises `settled` (a flag of ours, nonzero) and then may start its next operation of this
+// kind between our two loads: a digest seen after that is the next op's.  The peer released
+// `settled` before writing it, so our acquire of the digest makes the raised flag visible.
 template <class M, class What>
-UC_HD uint32_t check_peer_plan(const ExecView& v, M& m, int32_t peer, What&& describe) {
+UC_HD uint32_t check_peer_plan(const ExecView& v, M& m, int32_t peer, uintptr_t settled, What&& describe) {
   const uintptr_t base = v.window_bases[peer];
   const uint64_t ready = m.load_acquire(base + v.layout.ready_flag(v.op));
   if (ready != v.epoch) return kOk;
   const uint64_t d = m.load_acquire(base + v.layout.digest_word(v.op));
   if (d == v.digest) return kOk;
+  if (settled != 0 && m.load_acquire(settled) >= v.epoch) return kOk;
   ErrorRecord rec = describe();
   rec.code = d == kRejectedDigest ? kRejected : kDigestMismatch;
   rec.peer = peer;
@@ -150,6 +154,9 @@ UC_HD uint32_t check_peer_plan(const ExecView& v, M& m, int32_t peer, What&& des
 // Leader: spin until *flag >= epoch.  `watch` (>= 0) is the rank expected to raise the flag
 // (or the flag's owner): while waiting its plan digest is checked, after a success too if
 // check_after, and at a timeout its ready[op] is recorded (< epoch: it never started this op).
+// check_after is for flags the peer raises at its join (ready, grad_ready): it then waits on this
+// rank, so it cannot move on; without it the flag is one the peer raises for us (arrival,
+// consumed) and may leave the epoch after, which check_peer_plan's `settled` accounts for.
 template <class M, class What>
 UC_HD uint32_t leader_wait(const ExecView& v, M& m, uintptr_t flag, int32_t watch, bool check_after, What&& describe) {
   uint64_t seen = m.load_acquire(flag);
@@ -162,7 +169,7 @@ UC_HD uint32_t leader_wait(const ExecView& v, M& m, uintptr_t flag, int32_t watc
       if (seen >= v.epoch) break;
       if (m.aborted()) return kAborted;
       if (watch >= 0) {
-        const uint32_t st = check_peer_plan(v, m, watch, describe);
+        const uint32_t st = check_peer_plan(v, m, watch, check_after ? 0 : flag, describe);
         if (st != kOk) return st;
       }
       if (m.now_ns() >= deadline) {
@@ -175,7 +182,7 @@ UC_HD uint32_t leader_wait(const ExecView& v, M& m, uintptr_t flag, int32_t watc
       }
     }
   }
-  return check_after && watch >= 0 ? check_peer_plan(v, m, watch, describe) : uint32_t(kOk);
+  return check_after && watch >= 0 ? check_peer_plan(v, m, watch, 0, describe) : uint32_t(kOk);
 }
 
 // Group-collective wait; true when the flag reached the epoch (and the group may read what it

@@ -7,6 +7,7 @@
 //
 //   interp_harness FILE [--mover host|block] [--epochs N] [--workers W] [--threads T]
 //                       [--jitter US] [--observe] [--ops mc|reduce|both]
+//   interp_harness FILE --selftest     (layout checks with forged layouts)
 // Exit 0 when every check passed; 1 with "MISMATCH ..." / "TORN ..." lines otherwise.
 #include <atomic>
 #include <cinttypes>
@@ -301,10 +302,48 @@ int run_all(const Case& c, const Options& o) {
   return failures ? 1 : 0;
 }
 
+// Checks that need a forged layout (the bindings always build a consistent one): the executor
+// asserts that the chunk count covers the slot before anything moves, and sizes whose
+// arithmetic once overflowed (chunk_bytes 2^64 - 32768 gave 0 chunks) are rejected.
+int selftest(const Case& c) {
+  int bad = 0;
+  const auto expect_reject = [&](const char* name, ExecArgs a, const char* what) {
+    World w(c);
+    a.window_bases.clear();
+    for (auto* p : w.win) a.window_bases.push_back(reinterpret_cast<uintptr_t>(p));
+    std::vector<uint8_t> before(w.win[0], w.win[0] + w.L.total_bytes);
+    try {
+      run_host(a);
+      std::printf("MISMATCH selftest %s: accepted\n", name);
+      ++bad;
+    } catch (const std::invalid_argument& e) {
+      if (!std::strstr(e.what(), what)) std::printf("MISMATCH selftest %s: %s\n", name, e.what()), ++bad;
+    }
+    if (std::memcmp(before.data(), w.win[0], before.size()) != 0) std::printf("MISMATCH selftest %s: wrote\n", name), ++bad;
+  };
+  World w(c);
+  w.epoch = 1;
+  Options o;
+  ExecArgs a = w.args(0, 0, o);
+  a.layout.weight_chunks -= 1;  // one chunk short of the slot
+  expect_reject("short chunk count", a, "do not cover the slot");
+  a = w.args(0, 0, o);
+  a.layout.weight_chunks = 0;
+  expect_reject("zero chunks", a, "do not cover the slot");
+  a = w.args(0, 0, o);
+  a.layout = WindowLayout::make(c.slots, c.wsb, c.gsb, ~uint64_t(0) - 32767);
+  expect_reject("chunk bytes near 2^64", a, "chunk_bytes must be <= 2^48");
+  if (!WindowLayout::make(1, 1000, 1000, ~uint64_t(0) - 32767).chunks_cover(Op::kMulticast))
+    std::printf("MISMATCH selftest: ceil_div overflowed\n"), ++bad;
+  std::printf("%s: selftest, %d failures\n", bad ? "FAIL" : "OK", bad);
+  return bad ? 1 : 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   if (argc < 2) return std::fprintf(stderr, "usage: %s FILE [options]\n", argv[0]), 2;
+  if (argc == 3 && std::string(argv[2]) == "--selftest") return selftest(load(argv[1]));
   Options o;
   for (int i = 2; i < argc; ++i) {
     const std::string a = argv[i];

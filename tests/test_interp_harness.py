@@ -27,6 +27,8 @@ from ultracomm.records import Op
 from ultracomm.reference import reference_reduce, slot_image
 from ultracomm.schedule import build_schedule
 
+from test_host_executor import layout_members
+
 ROOT = Path(__file__).resolve().parents[1]
 MUTANTS = ("relay_wait", "release_before_copy", "relaxed_acquire", "reverse_order")
 ESIZE = {0: 4, 1: 2, 2: 2}
@@ -85,20 +87,11 @@ def _plan(world: int, slots: int, slot_src: list[list[int]], experts: int) -> Si
                            slot_src=np.array(slot_src, dtype=np.int32), home_of=home_of)
 
 
-def _members(nbytes: list[int], align: int = 16) -> tuple[list[int], list[int], int]:
-    off, offs = 0, []
-    for n in nbytes:
-        off = (off + align - 1) // align * align
-        offs.append(off)
-        off += n
-    return offs, list(nbytes), (off + align - 1) // align * align
-
-
 def write_case(path: Path, plan, w_members: list[int], g_elems: list[int], chunk: int, relay_mode: str,
                dtype_code: int, seed: int = 0) -> Path:
     dt = TORCH_DT[dtype_code]
-    w_off, w_bytes, wsb = _members(w_members)
-    g_off, g_bytes, gsb = _members([n * ESIZE[dtype_code] for n in g_elems])
+    w_off, w_bytes, wsb = layout_members(w_members)
+    g_off, g_bytes, gsb = layout_members([n * ESIZE[dtype_code] for n in g_elems])
     sch = build_schedule(plan, wsb, gsb, chunk_bytes=chunk, relay_mode=relay_mode)
     world, slots, E = plan.world, plan.slots_per_rank, plan.num_experts
     g = torch.Generator().manual_seed(seed)

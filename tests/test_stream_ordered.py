@@ -330,3 +330,37 @@ def test_debug_log_names_the_sm_counts_and_their_source(fake, caplog):
     assert got == [{"multicast": 23, "reduce": 5}]
     assert "rank 0: multicast_sms=23 (auto: ceil(intra_bw 3.7e+11 / analytic per-SM floor 1.629e+10 B/s" in caplog.text
     assert "rank 0: reduce_sms=5 (ULTRACOMM_REDUCE_SMS=5)" in caplog.text
+
+
+class OnceStreamTransport(FakeStreamTransport):
+    """A transport that hands each error record out once (as the loopback runner does per rank)."""
+
+    def check_error(self):
+        error, self.error = self.error, None
+        if error is not None:
+            self.withhold = True  # the kernel stays aborted for later operations
+            raise error
+
+
+def test_a_failure_stays_after_the_record_was_taken(fake, monkeypatch):
+    monkeypatch.setitem(transports.TRANSPORTS, "tma", OnceStreamTransport)
+    plan = ReplicaPlan.make(np.full((1, 1), -1, np.int32), experts_per_rank=1)
+
+    def body(group):
+        with make_ctx(group, slots=1, epr=1) as ctx:
+            ctx.register_masters(0, *masters(0, 1))
+            vid = ctx.begin(0)
+            first = ctx.weight_sync(vid, plan, async_op=True)
+            second = ctx.restore(vid, async_op=True)  # queued behind the failing one
+            boom = UltracommError("ultracomm: rank 0: weight_sync epoch 1: kernel failed")
+            ctx.transport.error = boom
+            for work in (second, first):  # the record is taken by the first wait; both raise it
+                with pytest.raises(UltracommError) as ei:
+                    work.wait()
+                assert ei.value is boom
+            with pytest.raises(UltracommError) as ei:
+                ctx.synchronize()
+            assert ei.value is boom
+        return True
+
+    assert LoopbackDomain(1).run(body) == [True]

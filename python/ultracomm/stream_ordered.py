@@ -125,15 +125,20 @@ class StreamOrdered:
         self.transport = transport
         self.streams = streams
         self._on_error = on_error
+        self.failure: Optional[BaseException] = None  # the first failure seen: it stays
 
     def check(self) -> Optional[BaseException]:
-        """The transport's error record as an exception (reported to ``on_error``), or ``None``."""
+        """The first failure of this Context's operations (the transport's error record, reported
+        to ``on_error`` when first seen), or ``None``.  Once one failed, every later check returns
+        it: a transport may hand each record out once, but the operations queued behind a failed
+        one were aborted, so no later completion may look like a success."""
         try:
             self.transport.check_error()
         except Exception as e:  # noqa: BLE001 - handed to the waiter
-            self._on_error(e)
-            return e
-        return None
+            if self.failure is None:
+                self.failure = e
+                self._on_error(e)
+        return self.failure
 
     def check_submit(self, name: str, async_op: bool) -> None:
         """Refuse an operation before it takes an epoch (a refused one must not shift the epochs)."""

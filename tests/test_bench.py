@@ -22,9 +22,9 @@ def test_bench_small(tmp_path):
     rec = json.loads(out.read_text())
     assert rec["world"] == 2
     rows = rec["rows"]
-    # 2 ops x 2 sizes x (a2a_shm, a2a_gloo, p2p_gloo, direct, relay)
-    assert len(rows) == 20
-    assert {r["method"] for r in rows} == {"a2a_shm", "a2a_gloo", "p2p_gloo", "direct", "relay"}
+    # 2 ops x 2 sizes x (a2a_shm, a2a_gloo, p2p_gloo, direct, relay, relay_gloo)
+    assert len(rows) == 24
+    assert {r["method"] for r in rows} == {"a2a_shm", "a2a_gloo", "p2p_gloo", "direct", "relay", "relay_gloo"}
     assert {r["transport"] for r in rows if r["method"].endswith("gloo")} == {"gloo (TCP loopback)"}
     assert {r["transport"] for r in rows if not r["method"].endswith("gloo")} == {"shared memory"}
     # every method moves bf16 weights and, here, bf16 grads: the same bytes per expert in both ops

@@ -93,7 +93,7 @@ BAD = [
     ("ULTRACOMM_MULTICAST_SMS", "-1", "must be in [0, 4096]"),
     ("ULTRACOMM_REDUCE_SMS", "4097", "must be in [0, 4096]"),
     ("ULTRACOMM_REDUCE_SMS", "1.5", "expected an integer"),
-    ("ULTRACOMM_TRANSPORT", "nvlink", "expected one of auto, host, tma, copy_engine, nccl"),
+    ("ULTRACOMM_TRANSPORT", "nvlink", "expected one of auto, host, tma, copy_engine, p2p"),
     ("ULTRACOMM_WINDOW", "shm", "expected one of auto, host_shm, local, cuda_ipc, torch_symm, nvshmem"),
     ("ULTRACOMM_TILE_BYTES", "100", "must be a positive multiple of 16 bytes"),
     ("ULTRACOMM_TILE_BYTES", "0", "must be a positive multiple of 16 bytes"),

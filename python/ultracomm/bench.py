@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 4 -m ultracomm.bench all [--model qwen3-30b-a3b --scale 0.25]
         [--workload hot-rank|random|zipf:2|hot:0.5|...[,more]] [--min-bytes 1M --max-bytes 16M --factor 4]
-        [--methods a2a_shm,a2a_gloo,p2p_gloo,direct,relay] [--grad-dtype fp32|bf16]
+        [--methods a2a_shm,a2a_gloo,p2p_gloo,direct,relay,relay_gloo] [--grad-dtype fp32|bf16]
         [--iters 5 --warmup 1] [--json FILE] [--plot FILE.png]
 
 Methods, measured side by side in one run on the same plan.  Each row says which transport
@@ -22,6 +22,9 @@ moved its bytes; only rows over the same transport compare algorithms:
   gradients (the home adds them in rank order).
 * ``direct`` (shared memory): ultracomm, relay off (home -> every replica).
 * ``relay`` (shared memory): ultracomm, relay auto (relay trees with chunk streaming when they help).
+* ``relay_gloo`` (gloo, TCP loopback): the same trees as ``relay`` moved by ultracomm's ``p2p``
+  transport (``torch.distributed`` point-to-point; NCCL on GPUs).  ``p2p_gloo`` / ``relay_gloo``
+  compares the algorithms over one transport, ``relay_gloo`` / ``relay`` the transports.
 
 The gloo rows compare transports as much as algorithms (TCP loopback vs shared memory); they
 are kept as what a torch.distributed user without ultracomm would run on a CPU.  ``a2a`` and
@@ -60,12 +63,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-METHODS = ("a2a_shm", "a2a_gloo", "p2p_gloo", "direct", "relay")
+METHODS = ("a2a_shm", "a2a_gloo", "p2p_gloo", "direct", "relay", "relay_gloo")
 #: old method names
 ALIASES = {"a2a": "a2a_gloo", "p2p": "p2p_gloo"}
 #: what moved each method's bytes
 TRANSPORT = {"a2a_shm": "shared memory", "a2a_gloo": "gloo (TCP loopback)", "p2p_gloo": "gloo (TCP loopback)",
-             "direct": "shared memory", "relay": "shared memory"}
+             "direct": "shared memory", "relay": "shared memory", "relay_gloo": "gloo (TCP loopback)"}
 GRAD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -233,10 +236,10 @@ def run_case(op: str, size: int, workload: str, args, rank: int, world: int) -> 
     for method in args.methods:
         ctx = echo = None
         threads = torch.get_num_threads()
-        if method in ("direct", "relay"):
+        if method in ("direct", "relay", "relay_gloo"):
             ctx = Context(None, layout, epr, slots, num_layers=1, relay_mode="off" if method == "direct" else "auto",
                           chunk_bytes=args.chunk_bytes, tile_bytes=min(args.chunk_bytes, 32768),
-                          transport=args.transport)
+                          transport="p2p" if method == "relay_gloo" else args.transport)
             ctx.register_masters(0, [master], [grad])
             st = ctx.schedule_for(plan).stats("multicast" if op == "weight_sync" else "reduce")
             busiest, lb = (st["max_egress"] if op == "weight_sync" else st["max_ingress"]), st["lower_bound_bytes"]
@@ -421,7 +424,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     if rank == 0:
         print(f"# ultracomm bench (measured): world {world}; ultracomm transport {transport} over {window} windows "
-              f"({cfg.num_workers} workers); a2a_shm over {window} windows ({cfg.num_workers} torch threads); *_gloo "
+              f"({cfg.num_workers} workers); relay_gloo: transport p2p; a2a_shm over {window} windows "
+              f"({cfg.num_workers} torch threads); *_gloo "
               f"over {dist.get_backend()}; {args.slots} slots/rank, {args.experts_per_rank} experts/rank, chunk "
               f"{args.chunk_bytes} B, iters {args.iters} (+{args.warmup} warm-up)"
               + (f"; model {args.model} x{args.scale}" if args.model else ""))

@@ -215,7 +215,7 @@ class Context:
     def _attach(self) -> None:
         """Build the transport and the replica views over the window (every rank agrees it worked)."""
         kw = transport_kwargs(self._transport_cls, self.config, self._cuda_dev, rank=self.rank, world=self.world,
-                              window=self.window, wlayout=self.wlayout, layout=self.layout)
+                              window=self.window, wlayout=self.wlayout, layout=self.layout, comm=self.comm)
         #: CTAs per rank the GPU transport was given (``{}`` for the host transport)
         self.sm_counts = {k: kw[f"{k}_sms"] for k in ("multicast", "reduce") if f"{k}_sms" in kw}
         self.transport = self._transport_cls(**kw)

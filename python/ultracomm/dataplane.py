@@ -48,6 +48,8 @@ def device_type(transport: str, window: str, device: Any = None) -> str:
     if window != "auto" and window not in PROVIDERS:
         resolve_provider(window, None)  # raises: provider not in this build
     win_type = device_type_of(window) if window != "auto" else None
+    if win_type == "any":  # private: lives where the device says
+        win_type = None
     if device is not None:
         t = _type_of(device)
         if win_type is not None and win_type != t:
@@ -72,7 +74,7 @@ def select(config: Config, comm: Comm, device: Any = None) -> tuple[type, str, t
     if provider not in transport_cls.window_providers:
         raise ValueError(f"ultracomm: transport {transport_cls.name!r} cannot use window {provider!r}; "
                          f"use one of {transport_cls.window_providers}")
-    cuda_dev = resolve_device(device) if device_type_of(provider) == "cuda" else None
+    cuda_dev = resolve_device(device) if dtype == "cuda" else None
     log.info("ultracomm: rank %d: transport %s (%s), window %s (%s)%s", comm.rank, transport_cls.name,
              config.transport, provider, config.window, f" on {cuda_dev}" if cuda_dev is not None else "")
     return transport_cls, provider, cuda_dev
@@ -85,7 +87,8 @@ def is_stream_ordered(transport: Any) -> bool:
 
 def transport_kwargs(transport_cls: type, config: Config, cuda_dev: torch.device | None,
                      **base: Any) -> dict[str, Any]:
-    """The keyword arguments ``transport_cls`` accepts: ``base`` plus the config's executor knobs and,
+    """The keyword arguments ``transport_cls`` accepts: ``base`` (``comm`` only when the transport names
+    it) plus the config's executor knobs and,
     for transports that take them, ``multicast_sms`` / ``reduce_sms`` (resolved: env value or the
     analytic default of :mod:`ultracomm.sm_budget`, logged at debug level)."""
     params = inspect.signature(transport_cls).parameters
@@ -101,7 +104,8 @@ def transport_kwargs(transport_cls: type, config: Config, cuda_dev: torch.device
         log.debug("ultracomm: rank %s: multicast_sms=%d (%s)", base.get("rank"), mc.sms, mc.source)
         log.debug("ultracomm: rank %s: reduce_sms=%d (%s)", base.get("rank"), rd.sms, rd.source)
         kw.update(multicast_sms=mc.sms, reduce_sms=rd.sms)
-    return {k: v for k, v in kw.items() if any_kw or k in params}
+    # the process group goes only to transports that ask for it by name (p2p)
+    return {k: v for k, v in kw.items() if k in params or (any_kw and k != "comm")}
 
 
 def check_master_devices(window_device: torch.device, transport_name: str, names: Sequence[str],

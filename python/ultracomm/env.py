@@ -11,8 +11,8 @@ variable                   field           type                  default        
 ULTRACOMM_NUM_WORKERS      num_workers     int 1..1024           min(4, cpu_count)   host executor worker threads per rank (CPU analogue of SMs)
 ULTRACOMM_MULTICAST_SMS    multicast_sms   int 0..4096 | auto    auto (0)            SMs (thread blocks) the GPU executor uses for multicast; auto: see "SM defaults"
 ULTRACOMM_REDUCE_SMS       reduce_sms      int 0..4096 | auto    auto (0)            SMs (thread blocks) the GPU executor uses for gradient reduction; auto: see "SM defaults"
-ULTRACOMM_TRANSPORT        transport       choice                auto                auto | host | tma | copy_engine | nccl
-ULTRACOMM_WINDOW           window          choice                auto                auto | host_shm | local | cuda_ipc | torch_symm | nvshmem | cuda_local (one-GPU loopback)
+ULTRACOMM_TRANSPORT        transport       choice                auto                auto | host | tma | copy_engine | p2p
+ULTRACOMM_WINDOW           window          choice                auto                auto | host_shm | local | cuda_ipc | torch_symm | nvshmem | cuda_local (one-GPU loopback) | private (p2p: no peer mapping)
 ULTRACOMM_TILE_BYTES       tile_bytes      size (bytes)          32768 (32K)         bytes moved per tile; a positive multiple of 16, at most 1024G
 ULTRACOMM_CHUNK_BYTES      chunk_bytes     size (bytes)          1048576 (1M)        bytes per flagged chunk (relay granularity); a multiple of tile_bytes, at most 1024G
 ULTRACOMM_RELAY            relay_mode      choice                auto                auto (relay when the cost model says so) | off (direct) | force
@@ -76,8 +76,8 @@ from .errors import ConfigError
 
 __all__ = ["Config", "VARIABLES", "parse_size", "parse_bandwidth", "parse_bool", "check_window_layout", "MAX_CHUNK_BYTES"]
 
-TRANSPORTS = ("auto", "host", "tma", "copy_engine", "nccl")
-WINDOWS = ("auto", "host_shm", "local", "cuda_ipc", "torch_symm", "nvshmem", "cuda_local")
+TRANSPORTS = ("auto", "host", "tma", "copy_engine", "p2p")
+WINDOWS = ("auto", "host_shm", "local", "cuda_ipc", "torch_symm", "nvshmem", "cuda_local", "private")
 RELAY_MODES = ("auto", "off", "force")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 

@@ -8,6 +8,8 @@ occupies bytes ``[member_off[m], member_off[m] + member_bytes[m])``; bytes betwe
   home's member bytes.
 * :func:`tasks_from_trees` -- task lists built by hand from explicit trees (no builder).
 * :func:`reference_reduce_tree` -- the same order derived from the reduce tree (parents).
+* :func:`ordered_sum` -- one segment's reduction in the documented order (the ``p2p`` transport
+  uses it too); :func:`member_segments` -- the member byte ranges of a chunk.
 * :func:`reference_reduce` -- replays a schedule's reduce tasks in their documented order:
   per element, ``acc = float32(self)``, then ``acc += float32(source)`` for the sources left
   to right, then ``self = acc.to(grad dtype)``; a relay's partial is rounded into its slot's
@@ -15,7 +17,7 @@ occupies bytes ``[member_off[m], member_off[m] + member_bytes[m])``; bytes betwe
 """
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -74,11 +76,34 @@ def reference_multicast(slot_src: Sequence[Sequence[int]], masters: Mapping[int,
     return out
 
 
-def _segments(offset: int, nbytes: int, member_off: Sequence[int], member_bytes: Sequence[int]):
-    for off, nb in zip(member_off, member_bytes):
-        lo, hi = max(offset, off), min(offset + nbytes, off + nb)
+def member_segments(offset: int, nbytes: int, member_off: Sequence[int],
+                    member_bytes: Sequence[int]) -> Iterator[tuple[int, int, int]]:
+    """``(m, lo, hi)`` for every member ``m`` intersecting ``[offset, offset + nbytes)``, in member
+    order: the byte ranges an executor's copy or reduce of that range touches (the executors'
+    ``for_each_segment``; padding between members is never moved)."""
+    end = offset + nbytes
+    for m, (off, nb) in enumerate(zip(member_off, member_bytes)):
+        lo, hi = max(offset, off), min(end, off + nb)
         if lo < hi:
-            yield lo, hi
+            yield m, lo, hi
+
+
+def _typed(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A ``uint8`` range as ``dtype`` (a copy only where the range is not aligned for a view)."""
+    try:
+        return t.view(dtype)
+    except RuntimeError:
+        return t.clone().view(dtype)
+
+
+def ordered_sum(dst: torch.Tensor, srcs: Sequence[torch.Tensor], dtype: torch.dtype) -> None:
+    """The determinism contract on one segment, in place: ``dst = dtype(f32(dst) + f32(srcs[0]) +
+    f32(srcs[1]) + ...)``, left to right, one rounding at the end.  ``dst`` and ``srcs`` are
+    equally long ``uint8`` tensors holding ``dtype`` elements."""
+    acc = _typed(dst, dtype).float()
+    for s in srcs:
+        acc = acc + _typed(s, dtype).float()
+    dst.copy_(acc.to(dtype).view(torch.uint8))
 
 
 def reference_reduce(tasks_by_rank: Sequence[np.ndarray], refs_by_rank: Sequence[np.ndarray],
@@ -114,11 +139,8 @@ def reference_reduce(tasks_by_rank: Sequence[np.ndarray], refs_by_rank: Sequence
                 rest.append((r, t))
                 continue
             dst = buf(r, int(t["self_slot"]), int(t["expert"]))
-            for lo, hi in _segments(int(t["offset"]), int(t["bytes"]), member_off, member_bytes):
-                acc = dst[lo:hi].clone().view(dtype).float()
-                for sr, ss in srcs:
-                    acc = acc + grads[sr][ss][lo:hi].clone().view(dtype).float()
-                dst[lo:hi] = acc.to(dtype).view(torch.uint8)
+            for _, lo, hi in member_segments(int(t["offset"]), int(t["bytes"]), member_off, member_bytes):
+                ordered_sum(dst[lo:hi], [grads[sr][ss][lo:hi] for sr, ss in srcs], dtype)
             if int(t["self_slot"]) >= 0:
                 final.add((r, int(t["self_slot"]), c))
         if len(rest) == len(pending):

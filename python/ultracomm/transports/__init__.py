@@ -8,8 +8,8 @@ name         executor                                                  status
 ===========  ========================================================  ==========================
 host         C++ worker threads over host windows (the reference)      built everywhere
 tma          persistent CUDA kernel, TMA bulk copies (stream-ordered)  needs _cuda and a GPU
+p2p          torch.distributed point-to-point (gloo on CPU, NCCL on GPU)  built everywhere
 copy_engine  cudaMemcpyAsync on side streams                           arrives with the CUDA plane
-nccl         torch.distributed P2P                                     arrives with the CUDA plane
 ===========  ========================================================  ==========================
 
 A transport class has ``name``, ``window_providers`` (the windows it can run over) and
@@ -23,8 +23,9 @@ import importlib
 
 from ..cuda_support import NotAvailableError, require
 from .host import HostTransport
+from .p2p import P2PTransport
 
-TRANSPORTS: dict[str, type] = {"host": HostTransport}
+TRANSPORTS: dict[str, type] = {"host": HostTransport, "p2p": P2PTransport}
 GPU_TRANSPORTS = ("tma",)  # transports whose windows and masters live on a CUDA device
 
 
@@ -54,4 +55,4 @@ def resolve_transport(name: str, device_type: str = "cpu") -> type:
     )
 
 
-__all__ = ["HostTransport", "TRANSPORTS", "GPU_TRANSPORTS", "resolve_transport"]
+__all__ = ["HostTransport", "P2PTransport", "TRANSPORTS", "GPU_TRANSPORTS", "resolve_transport"]

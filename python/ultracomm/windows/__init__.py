@@ -14,11 +14,13 @@ local        buffers of one process (loopback domains: ranks as threads)  CPU
 torch_symm   torch.distributed._symmetric_memory empty + rendezvous       CUDA
 cuda_ipc     device allocation + CUDA IPC handles over the group          CUDA (one host)
 cuda_local   loopback domain on one GPU (ranks as threads)                CUDA
+private      this rank's pool only, no peer mapping (the p2p transport)   CPU or CUDA
 ===========  ==========================================================  ============
 
 ``auto`` picks, for a CPU Context: ``local`` (loopback) or ``host_shm``; for a CUDA Context:
 ``cuda_local`` (loopback), else ``torch_symm`` when torch has it, else ``cuda_ipc``
-(restricted to what the transport accepts).  GPU providers zero the window and pass a
+(restricted to what the transport accepts; a transport that accepts only ``private``, such as
+``p2p``, gets it on either device).  GPU providers zero the window and pass a
 barrier before returning.  nvshmem is not built yet.
 """
 from __future__ import annotations
@@ -33,22 +35,26 @@ from .cuda_ipc import CudaIpcWindow
 from .cuda_local import CudaLocalWindow
 from .host_shm import HostShmWindow
 from .local import LocalWindow
+from .private import PrivateWindow
 from .torch_symm import TorchSymmWindow
 
 log = logging.getLogger("ultracomm")
 
 PROVIDERS = {"host_shm": HostShmWindow, "local": LocalWindow, "torch_symm": TorchSymmWindow,
-             "cuda_ipc": CudaIpcWindow, "cuda_local": CudaLocalWindow}
+             "cuda_ipc": CudaIpcWindow, "cuda_local": CudaLocalWindow, "private": PrivateWindow}
 CPU_PROVIDERS = ("local", "host_shm")
 GPU_PROVIDERS = ("cuda_local", "torch_symm", "cuda_ipc")  # auto's order of preference
 
 
 def device_type_of(provider: str) -> str:
-    """``"cpu"`` or ``"cuda"``: where ``provider``'s windows live."""
+    """``"cpu"``, ``"cuda"`` or ``"any"`` (``private``: where the Context's device says): where
+    ``provider``'s windows live."""
     return getattr(PROVIDERS[provider], "device_type", "cpu")
 
 
 def _auto(comm: Comm, device_type: str, allowed: Sequence[str] | None) -> str:
+    if allowed is not None and tuple(allowed) == ("private",):
+        return "private"
     if device_type == "cpu":
         return "local" if comm.kind == "loopback" else "host_shm"
     reasons = []
@@ -84,10 +90,10 @@ def open_window(provider: str, comm: Comm, nbytes: int, op: str = "window setup"
     bounded by ``comm.timeout_s``.  ``op`` names the caller's operation in errors.  ``device``:
     the CUDA device of a GPU provider (``None``: the current one); CPU providers take none."""
     name = resolve_provider(provider, comm, "cuda" if device is not None else "cpu")
-    if device_type_of(name) == "cuda":
+    if device_type_of(name) in ("cuda", "any"):
         return PROVIDERS[name].create(comm, nbytes, op=op, device=device)
     return PROVIDERS[name].create(comm, nbytes, op=op)
 
 
-__all__ = ["Window", "HostShmWindow", "LocalWindow", "CudaIpcWindow", "CudaLocalWindow", "TorchSymmWindow",
+__all__ = ["Window", "HostShmWindow", "LocalWindow", "CudaIpcWindow", "CudaLocalWindow", "TorchSymmWindow", "PrivateWindow",
            "open_window", "resolve_provider", "device_type_of", "PROVIDERS", "CPU_PROVIDERS", "GPU_PROVIDERS"]

@@ -1,0 +1,199 @@
+"""The p2p transport in one process: its message programs pair up on every rank, and a Context on
+a loopback domain (mailboxes instead of gloo) leaves the same bytes as the host executor."""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from ultracomm import Context, ExpertLayout, LoopbackDomain, Member, ReplicaPlan, UltracommTimeout
+from ultracomm.records import Op
+from ultracomm.schedule import build_schedule
+from ultracomm.transports.p2p_waves import build_program
+
+from conftest import expert_weights, hot_slot_src, random_slot_src
+
+
+def layout_of(grad_dtype=torch.float32) -> ExpertLayout:
+    # odd member sizes: padding between members, chunks that straddle them
+    return ExpertLayout((Member("fc1", (6, 17), torch.bfloat16), Member("fc2", (17, 3), torch.bfloat16)),
+                        grad_dtype=grad_dtype)
+
+
+def programs(plan, layout, chunk, mode, node_of=None):
+    sched = build_schedule(plan, layout.weight_bytes, layout.grad_bytes, chunk_bytes=chunk, relay_mode=mode,
+                           node_of=node_of)
+    slot_src = plan.slot_src.numpy().astype(np.int64)
+    home_of = plan.home_of.numpy().astype(np.int64)
+    out = {}
+    for op, nbytes, mo, mb in ((Op.MULTICAST, layout.weight_bytes, layout.weight_offsets, layout.weight_sizes),
+                               (Op.REDUCE, layout.grad_bytes, layout.grad_offsets, layout.grad_sizes)):
+        out[op] = [build_program(op, sched, r, sched.tasks(op, r), sched.refs(op, r), slot_src, home_of, chunk,
+                                 nbytes, mo, mb) for r in range(plan.world)]
+    return sched, out
+
+
+@pytest.mark.parametrize("world,mode,node_of", [(2, "off", None), (5, "force", None), (8, "auto", None),
+                                                (8, "force", [0, 0, 0, 0, 1, 1, 1, 1]), (4, "auto", [0, 0, 1, 1])])
+def test_every_send_meets_one_receive_in_the_same_wave(world, mode, node_of):
+    layout = layout_of()
+    rng = np.random.default_rng(world)
+    for trial in range(4):
+        src = hot_slot_src(world, 3, 2, expert=1) if trial == 0 else random_slot_src(rng, world, 3, 2, 0.8)
+        plan = ReplicaPlan.make(src, experts_per_rank=2)
+        sched, progs = programs(plan, layout, 128, mode, node_of)
+        for op, per_rank in progs.items():
+            sends = collections.Counter(dataclass_key(x.msg) for p in per_rank for w in p.waves for x in w.sends)
+            recvs = collections.Counter(dataclass_key(m) for p in per_rank for w in p.waves for m in w.recvs)
+            assert sends == recvs and max(sends.values(), default=1) == 1, (op, trial)
+            # wave index = the message's wave; tags number each pair's messages 0.. in (wave, slot, chunk, offset)
+            pairs = collections.defaultdict(list)
+            for p in per_rank:
+                for i, w in enumerate(p.waves):
+                    for x in w.sends:
+                        assert x.msg.wave == i
+                        pairs[(x.msg.src, x.msg.dst)].append(x.msg)
+            for msgs in pairs.values():
+                msgs.sort(key=lambda m: m.order())
+                assert [m.tag for m in msgs] == list(range(len(msgs)))
+            for p in per_rank:  # every wait points at an earlier wave
+                for i, w in enumerate(p.waves):
+                    for item in w.reduces:
+                        assert all(s.wave < i for s in item.sources)
+                    for x in w.sends:
+                        if op == Op.MULTICAST and x.self_slot >= 0:
+                            assert all(d.wave < i for d in p.forward_deps[(x.self_slot, x.msg.chunk)])
+            if op == Op.MULTICAST:  # a relay tree really relays, and chunks pipeline along it
+                depth = int(sched.stats("multicast")["depth"])
+                if trial == 0 and mode == "force":
+                    assert depth >= 2
+                nchunks = -(-layout.weight_bytes // 128)
+                assert max(len(p.waves) for p in per_rank) == nchunks + depth - 1
+
+
+def dataclass_key(m):
+    return (m.wave, m.src, m.dst, m.slot, m.chunk, m.member, m.lo, m.hi, m.expert, m.tag)
+
+
+def test_tasks_that_disagree_with_the_tree_are_refused():
+    layout = layout_of()
+    plan = ReplicaPlan.make(hot_slot_src(4, 1, 1, expert=0), experts_per_rank=1)
+    sched, _ = programs(plan, layout, 128, "off")
+    tasks = sched.tasks(Op.MULTICAST, 0).copy()
+    refs = sched.refs(Op.MULTICAST, 0).copy()
+    refs[0]["slot"] = 0
+    refs[0]["rank"] = 0  # a copy to its own rank
+    with pytest.raises(ValueError, match="tasks and trees disagree: rank 0 copies expert 0 to its own slot 0"):
+        build_program(Op.MULTICAST, sched, 0, tasks, refs, plan.slot_src.numpy(), plan.home_of.numpy(), 128,
+                      layout.weight_bytes, layout.weight_offsets, layout.weight_sizes)
+
+
+# ---------------------------------------------------------------------------------------------- Context
+def run_ops(transport, world, plans, layout, epr, slots, mode, node_of=None, chunk=128, async_restore=True):
+    """weight_sync + restore + grad_reduce of every plan; per rank, the pool's weight and grad bytes after
+    each multicast and each reduce, and the master grads."""
+    window = "local" if transport == "host" else "private"
+
+    def body(group):
+        out = []
+        with Context(group, layout, epr, slots, num_layers=1, transport=transport, window=window,
+                     relay_mode=mode, node_of=node_of, chunk_bytes=chunk, tile_bytes=16, num_workers=2,
+                     timeout_s=30.0) as ctx:
+            assert ctx.window.provider == window
+            r = ctx.rank
+            per = [expert_weights(layout, e) for e in range(r * epr, (r + 1) * epr)]
+            w = [torch.stack([p[m] for p in per]).contiguous() for m in range(2)]
+            g = [torch.zeros((epr, *m.shape), dtype=layout.grad_dtype) for m in layout.members]
+            ctx.register_masters(0, w, g)
+            end = ctx.wlayout["ready_off"]
+            for i, plan in enumerate(plans):
+                vid = ctx.begin(0)
+                ctx.weight_sync(vid, plan)
+                out.append(ctx.window.local[:end].clone())
+                for t in ctx.replica_weights:
+                    t.zero_()
+                work = ctx.restore(vid, async_op=async_restore)
+                if work is not None:
+                    work.wait()
+                gen = torch.Generator().manual_seed(97 * i + r)
+                for m in range(2):
+                    ctx.replica_grads[m].copy_(torch.randn(ctx.replica_grads[m].shape, generator=gen))
+                    g[m].copy_(torch.randn(g[m].shape, generator=gen))
+                ctx.grad_reduce(vid)
+                out.append(ctx.window.local[:end].clone())
+                out += [x.clone() for x in g]
+        return out
+
+    return LoopbackDomain(world).run(body)
+
+
+CASES = [  # world, node_of, relay mode, grad dtype
+    (2, None, "off", torch.float32),
+    (3, None, "force", torch.bfloat16),
+    (4, [0, 0, 1, 1], "auto", torch.float32),
+    (4, [0, 0, 1, 1], "force", torch.float16),
+    (8, None, "force", torch.float32),
+    (8, [0, 0, 0, 0, 1, 1, 1, 1], "auto", torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("world,node_of,mode,grad_dtype", CASES)
+def test_p2p_context_is_bit_identical_to_the_host_executor(world, node_of, mode, grad_dtype):
+    layout, epr, slots = layout_of(grad_dtype), 2, 3
+    rng = np.random.default_rng(world * 7 + len(mode))
+    plans = [ReplicaPlan.make(hot_slot_src(world, slots, epr, expert=1), experts_per_rank=epr)] + \
+            [ReplicaPlan.make(random_slot_src(rng, world, slots, epr, 0.9), experts_per_rank=epr) for _ in range(2)]
+    host = run_ops("host", world, plans, layout, epr, slots, mode, node_of)
+    p2p = run_ops("p2p", world, plans, layout, epr, slots, mode, node_of)
+    for r in range(world):
+        assert len(host[r]) == len(p2p[r])
+        for i, (a, b) in enumerate(zip(host[r], p2p[r])):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"rank {r} result {i} differs"
+    # and the multicast really delivered the experts (not two executors agreeing on zeros)
+    stride = -(-layout.weight_bytes // 256) * 256
+    for r in range(world):
+        for s, e in enumerate(plans[0].slot_src[r].tolist()):
+            if e < 0:
+                continue
+            for m, want in enumerate(expert_weights(layout, e)):
+                off = stride * s + layout.weight_offsets[m]
+                assert torch.equal(p2p[r][0][off:off + layout.weight_sizes[m]], want.reshape(-1).view(torch.uint8))
+
+
+def test_p2p_timeout_names_rank_expert_and_chunk():
+    """A rank that never runs its part: the home's peer waits the timeout, then raises naming who and what."""
+    world, epr, slots = 2, 1, 1
+    layout = layout_of()
+    plan = ReplicaPlan.make(np.array([[-1], [0]], np.int32), experts_per_rank=epr)
+    domain = LoopbackDomain(world)
+    started = threading.Event()
+
+    def body(group):
+        with Context(group, layout, epr, slots, num_layers=1, transport="p2p", chunk_bytes=128, tile_bytes=16,
+                     timeout_s=0.5) as ctx:
+            ctx.register_masters(0, [torch.ones((1, *m.shape), dtype=m.dtype) for m in layout.members],
+                                 [torch.zeros((1, *m.shape)) for m in layout.members])
+            vid = ctx.begin(0)
+            if ctx.rank == 0:
+                # rank 0 (the home) skips its sends: its transport never runs this op
+                ctx.transport.run = lambda *a, **k: started.wait(5)
+            t0 = time.monotonic()
+            try:
+                ctx.weight_sync(vid, plan)
+            except UltracommTimeout as e:
+                return str(e), time.monotonic() - t0
+            finally:
+                started.set()
+            return None, 0.0
+
+    res = domain.run(body)
+    msg, elapsed = res[1]
+    assert msg is not None and res[0][0] is None
+    assert msg.startswith("ultracomm: rank 1 weight_sync (epoch 1, transport p2p) gave up after waiting up to 0.5 s "
+                          "to receive expert 0 chunk 0 (bytes [0, 128) of its slot 0) from rank 0"), msg
+    assert "rank 0 is likely stalled or dead" in msg
+    assert 0.5 <= elapsed < 5

@@ -1,0 +1,62 @@
+"""The p2p transport over real gloo process groups: torchrun ranks against the host executor, and a
+peer that is killed or stopped mid-job."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_multiprocess import HERE, torchrun  # noqa: E402
+
+
+def _ok_lines(out: str, world: int, pairs: bool) -> None:
+    for r in range(world):
+        m = re.search(rf"^rank {r} OK 9 checks (\d+) relayed$", out, re.M)
+        assert m, f"rank {r} did not finish its checks"
+        assert int(m.group(1)) > 0, f"rank {r}: no plan used a relay tree"
+        if pairs:
+            assert re.search(rf"^rank {r} pair OK 9 checks$", out, re.M), f"rank {r} did not finish the pair checks"
+
+
+@pytest.mark.slow
+def test_p2p_gloo_two_nodes_of_two_ranks_and_subgroups():
+    p = torchrun("p2p_worker.py", 4, env={"P2P_NODE_OF": "0,0,1,1", "P2P_PAIRS": "1"})
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    _ok_lines(p.stdout, 4, pairs=True)
+
+
+@pytest.mark.slow
+def test_p2p_gloo_eight_ranks():
+    p = torchrun("p2p_worker.py", 8, env={"P2P_NODE_OF": "0,0,0,0,1,1,1,1"}, timeout=400)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    _ok_lines(p.stdout, 8, pairs=False)
+
+
+@pytest.mark.slow
+def test_p2p_dead_and_stalled_peers_are_named(tmp_path):
+    timeout_s = 3.0  # p2p_faults.TIMEOUT_S
+    p = subprocess.run([sys.executable, os.path.join(HERE, "mp", "p2p_faults.py"), str(tmp_path)],
+                       capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    summary = json.loads(p.stdout.strip().splitlines()[-1])
+    assert summary["weight_sync_ok"] == {str(r): True for r in range(4)}
+    res = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)}
+    # rank 1 receives expert 2 from the killed rank 2: its connection is gone, the error comes at once
+    err = res[1]["error"]
+    assert err is not None, "rank 1 did not fail"
+    assert err.startswith("ultracomm: rank 1 restore (epoch 2, transport p2p) could not receive expert 2 chunk 0 "
+                          "(bytes [0, 4096) of its slot 0) from rank 2 (posting failed at once)"), err
+    assert "rank 2 is likely stalled or dead" in err and "Connection closed by peer" in err, err
+    assert res[1]["elapsed"] < timeout_s, res[1]["elapsed"]
+    # rank 0 sends expert 0 to the stopped rank 3: the connection stays open, the wait runs into the timeout
+    err = res[0]["error"]
+    assert err is not None, "rank 0 did not fail"
+    assert err.startswith(f"ultracomm: rank 0 restore (epoch 2, transport p2p) gave up after waiting up to {timeout_s:g} "
+                          "s to send expert 0 chunk 0 (bytes [0, 4096) of rank 3's slot 0) to rank 3"), err
+    assert "rank 3 is likely stalled or dead" in err and "Timed out" in err, err
+    assert timeout_s <= res[0]["elapsed"] < timeout_s + 10, res[0]["elapsed"]

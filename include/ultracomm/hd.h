@@ -10,6 +10,15 @@
 #define UC_INLINE inline
 #endif
 
+// Unroll a loop over a constant bound: a small array indexed by it stays in registers on the
+// device (a runtime-bounded loop puts it in local memory, which the CUDA build refuses).
+// Device pass only: the host compilers warn about an unknown pragma.
+#if defined(__CUDA_ARCH__)
+#define UC_UNROLL _Pragma("unroll")
+#else
+#define UC_UNROLL
+#endif
+
 // Debug-only invariant check; compiled out unless ULTRACOMM_DEBUG_ASSERT is defined (never
 // in release: a device trap would kill the context).
 #if defined(ULTRACOMM_DEBUG_ASSERT) && !defined(__CUDA_ARCH__)

@@ -240,11 +240,12 @@ UC_HD int32_t leader_gather_joined(const ExecView& v, M& m, const Task& t, int64
 
 template <class M>
 UC_HD void copy_to(const ExecView& v, M& m, const Task& t, const Ref* dsts, int32_t n) {
+  // constant-bound loops (UC_UNROLL): the arrays stay in registers on the device
   uintptr_t base[kMaxCopyDsts];
-  for (int32_t j = 0; j < n; ++j) base[j] = slot_addr(v, dsts[j].rank, dsts[j].slot);
+  UC_UNROLL for (int32_t j = 0; j < kMaxCopyDsts; ++j) base[j] = j < n ? slot_addr(v, dsts[j].rank, dsts[j].slot) : 0;
   for_each_segment(v, t.offset, t.bytes, [&](int32_t mem, uint64_t lo, uint64_t hi) {
     uintptr_t d[kMaxCopyDsts];
-    for (int32_t j = 0; j < n; ++j) d[j] = base[j] + lo;
+    UC_UNROLL for (int32_t j = 0; j < kMaxCopyDsts; ++j) d[j] = base[j] + lo;
     m.copy(d, n, self_addr(v, t, mem, lo), hi - lo);
   });
 }

@@ -43,6 +43,10 @@ if "$PY" -c "import scikit_build_core, pybind11" 2>/dev/null && command -v cmake
 else
   echo "gpu_check: no scikit-build-core/pybind11/cmake: skipping the pip build" | tee "$OUT/build.log"
 fi
+if [ "$rc_build" = 0 ] && ! "$PY" -c "import ultracomm._cuda" 2>/dev/null; then
+  echo "gpu_check: the pip build has no ultracomm._cuda (CMake found no nvcc?): trying the fallback build"
+  rc_build=1
+fi
 if [ "$rc_build" != 0 ]; then
   step build-inplace 200 "$PY" scripts/build_inplace.py > "$OUT/build_inplace.out" 2> "$OUT/build_inplace.log"
   rc_build=$?

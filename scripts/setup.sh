@@ -29,6 +29,8 @@ if ! command -v chromium >/dev/null && ! command -v chromium-browser >/dev/null;
     echo "setup: no chromium, and no root apt-get to install it; the viewer's browser tests will skip"
   fi
 fi
+# SASS checks of the CUDA kernels without a GPU (tests/test_cuda_build.py): cuobjdump / nvdisasm
+quiet pip install -q nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm
 echo "setup: building ultracomm (CMake + Ninja through scikit-build-core)"
 quiet pip install -q --no-build-isolation -e .
 python -c "import ultracomm, ultracomm._core; print('setup: ultracomm', ultracomm.__version__, 'ready in .venv')"

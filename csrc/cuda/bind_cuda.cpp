@@ -1,0 +1,200 @@
+// ultracomm._cuda: Python bindings of the CUDA executor (host compiler only; kernels are
+// reached through launch.h / runner.h).  Pointers and streams cross as integers (tensor
+// .data_ptr(), stream .cuda_stream); tasks and refs as buffers (records.TASK_DTYPE /
+// REF_DTYPE arrays).  Importable without a GPU: nothing touches the driver until called.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "cuda_check.h"
+#include "device_plan.h"
+#include "launch.h"
+#include "mover_limits.h"
+#include "runner.h"
+
+namespace py = pybind11;
+
+namespace ultracomm::gpu {
+namespace {
+
+// The bytes of a C-contiguous buffer of sizeof(T)-byte records, copied (a plan copies them to
+// the device anyway).
+template <class T>
+std::vector<T> records(const py::handle& obj, const char* what) {
+  const py::buffer_info info = py::reinterpret_borrow<py::buffer>(obj).request();
+  py::ssize_t expect = info.itemsize;
+  for (py::ssize_t d = info.ndim - 1; d >= 0; --d) {
+    if (info.shape[d] > 1 && info.strides[d] != expect)
+      throw std::invalid_argument(std::string("ultracomm._cuda: ") + what + " must be C-contiguous");
+    expect *= info.shape[d];
+  }
+  const size_t total = static_cast<size_t>(info.size * info.itemsize);
+  if (total % sizeof(T))
+    throw std::invalid_argument(std::string("ultracomm._cuda: ") + what + " has " + std::to_string(total) +
+                                " bytes, not a multiple of its " + std::to_string(sizeof(T)) + "-byte records");
+  std::vector<T> out(total / sizeof(T));
+  if (total) std::memcpy(out.data(), info.ptr, total);
+  return out;
+}
+
+template <class T>
+T get(const py::dict& d, const char* key) {
+  if (!d.contains(key)) throw std::invalid_argument(std::string("ultracomm._cuda.DevicePlan: rank entry lacks '") + key + "'");
+  return d[key].cast<T>();
+}
+
+// One rank's arguments (run_host's keyword names) -> ExecArgs; `keep` owns tasks/refs.
+ExecArgs exec_args(const py::dict& d, std::vector<Task>& tasks, std::vector<Ref>& refs) {
+  ExecArgs a;
+  const int op = get<int>(d, "op"), dt = d.contains("grad_dtype") ? get<int>(d, "grad_dtype") : 0;
+  if (op != 0 && op != 1) throw std::invalid_argument("ultracomm._cuda.DevicePlan: op must be 0 or 1");
+  if (dt < 0 || dt > 2) throw std::invalid_argument("ultracomm._cuda.DevicePlan: grad_dtype must be 0, 1 or 2");
+  const auto slots = get<int32_t>(d, "slots");
+  const auto wsb = get<uint64_t>(d, "weight_slot_bytes"), gsb = get<uint64_t>(d, "grad_slot_bytes");
+  const auto chunk = get<uint64_t>(d, "chunk_bytes");
+  if (const char* e = window_layout_error(slots, wsb, gsb, chunk))
+    throw std::invalid_argument(std::string("ultracomm._cuda.DevicePlan: ") + e);
+  a.op = static_cast<Op>(op);
+  a.rank = get<int32_t>(d, "rank");
+  a.world = get<int32_t>(d, "world");
+  a.epoch = 1;  // the launch supplies the epoch
+  a.layout = WindowLayout::make(slots, wsb, gsb, chunk);
+  a.window_bases = get<std::vector<uintptr_t>>(d, "window_bases");
+  a.member_off = get<std::vector<uint64_t>>(d, "member_off");
+  a.member_bytes = get<std::vector<uint64_t>>(d, "member_bytes");
+  a.master_ptrs = get<std::vector<uintptr_t>>(d, "master_ptrs");
+  a.local_index_of = get<std::vector<int32_t>>(d, "local_index_of");
+  a.grad_dtype = static_cast<DType>(dt);
+  a.my_slots = get<std::vector<int32_t>>(d, "my_slots");
+  if (d.contains("slot_parent") && !d["slot_parent"].is_none()) a.slot_parent = get<std::vector<int32_t>>(d, "slot_parent");
+  tasks = records<Task>(d["tasks"], "tasks");
+  refs = records<Ref>(d["refs"], "refs");
+  a.tasks = tasks.data();
+  a.num_tasks = static_cast<int64_t>(tasks.size());
+  a.refs = refs.data();
+  a.num_refs = static_cast<int64_t>(refs.size());
+  a.timeout_s = get<double>(d, "timeout_s");
+  a.digest = d.contains("digest") ? get<uint64_t>(d, "digest") : 0;
+  return a;
+}
+
+std::unique_ptr<DevicePlan> make_plan(const py::list& ranks, int device) {
+  std::vector<std::vector<Task>> tasks(ranks.size());
+  std::vector<std::vector<Ref>> refs(ranks.size());
+  std::vector<ExecArgs> args;
+  args.reserve(ranks.size());
+  for (size_t i = 0; i < ranks.size(); ++i) args.push_back(exec_args(ranks[i].cast<py::dict>(), tasks[i], refs[i]));
+  DeviceGuard guard(device);
+  return std::make_unique<DevicePlan>(args);
+}
+
+cudaStream_t as_stream(uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
+
+}  // namespace
+
+void bind(py::module_& m) {
+  py::register_exception<CudaError>(m, "CudaError", PyExc_RuntimeError);
+  m.attr("THREADS_PER_CTA") = kThreadsPerCta;
+  m.attr("TMA_TILE_BYTES") = kTmaTileBytes;
+  m.attr("TMA_STAGES") = kTmaStages;
+  m.attr("MAX_LOOPBACK_RANKS") = kMaxLoopbackRanks;
+  m.attr("ERROR_RECORD_BYTES") = sizeof(ErrorRecord);
+  m.attr("FORCE_VECTOR") = kForceVector;
+
+  m.def(
+      "available", [](int device) { return cuda_available(device); }, py::arg("device") = 0,
+      "(True, '') if CUDA device `device` can run the tma transport (sm_80+), else (False, why).  "
+      "Never raises for a missing driver or device.");
+
+  py::class_<DevicePlan>(m, "DevicePlan", R"doc(One operation's task lists and views on a device.
+
+DevicePlan(ranks, device): ranks is a list of dicts, one per rank a launch runs (one, or every
+rank of a one-GPU loopback domain), with _core.run_host's argument names: op, rank, world,
+slots, weight_slot_bytes, grad_slot_bytes, chunk_bytes, window_bases (device addresses),
+member_off, member_bytes, master_ptrs, local_index_of, grad_dtype, my_slots, tasks, refs,
+timeout_s, and optional slot_parent, digest.  Validated as run_host validates (ValueError),
+then uploaded once (allocates and copies synchronously: build plans before graph capture).)doc")
+      .def(py::init(&make_plan), py::arg("ranks"), py::arg("device"))
+      .def_property_readonly("nranks", &DevicePlan::nranks)
+      .def_property_readonly("op", [](const DevicePlan& p) { return static_cast<int>(p.op()); })
+      .def_property_readonly("grad_dtype", &DevicePlan::grad_dtype)
+      .def_property_readonly("device", &DevicePlan::device)
+      .def_property_readonly("nbytes", &DevicePlan::bytes);
+
+  py::class_<Runner>(m, "Runner", R"doc(Launch state of one executor on one device.
+
+Runner(device) allocates the device state and a mapped error record.  launch(plan, epoch,
+ctas_per_rank, stream, force_vector=False) enqueues one persistent kernel on the stream (no
+allocation, no synchronisation: capturable in a CUDA graph); the kernel runs epoch
+max(epoch, last epoch + 1).  take_error() returns the raw ErrorRecord bytes of a failure
+recorded since the last call (read it after the stream reached the launch), or None; turn it
+into text/exception with _core.format_error / _core.raise_error_record.)doc")
+      .def(py::init<int>(), py::arg("device"))
+      .def(
+          "launch",
+          [](Runner& r, const DevicePlan& plan, uint64_t epoch, int ctas_per_rank, uintptr_t stream, bool force_vector) {
+            r.launch(plan, epoch, ctas_per_rank, as_stream(stream), force_vector ? kForceVector : 0u);
+          },
+          py::arg("plan"), py::arg("epoch"), py::arg("ctas_per_rank"), py::arg("stream"),
+          py::arg("force_vector") = false)
+      .def("take_error",
+           [](Runner& r) -> py::object {
+             const auto e = r.take_error();
+             if (!e) return py::none();
+             return py::bytes(reinterpret_cast<const char*>(&*e), sizeof(ErrorRecord));
+           })
+      .def("max_coresident", &Runner::max_coresident, py::arg("grad_dtype") = 0,
+           "CTAs of one launch that can be resident at once (a loopback launch needs all).")
+      .def_property_readonly("device", &Runner::device)
+      .def_property_readonly("compute_capability", [](const Runner& r) { return py::make_tuple(r.cc_major(), r.cc_minor()); })
+      .def_property_readonly("sm_count", &Runner::sm_count)
+      .def_property_readonly("mover", [](const Runner& r) { return r.tma() ? "tma" : "vector"; });
+
+  m.def(
+      "publish_rejection",
+      [](int op, uint64_t epoch, uintptr_t window_base, int32_t slots, uint64_t weight_slot_bytes,
+         uint64_t grad_slot_bytes, uint64_t chunk_bytes, uintptr_t stream) {
+        if (op != 0 && op != 1) throw std::invalid_argument("ultracomm._cuda.publish_rejection: op must be 0 or 1");
+        if (epoch < 1) throw std::invalid_argument("ultracomm._cuda.publish_rejection: epoch must be >= 1");
+        if (!window_base || window_base % 8)
+          throw std::invalid_argument("ultracomm._cuda.publish_rejection: window_base must be an 8-byte aligned address");
+        if (const char* e = window_layout_error(slots, weight_slot_bytes, grad_slot_bytes, chunk_bytes))
+          throw std::invalid_argument(std::string("ultracomm._cuda.publish_rejection: ") + e);
+        launch_reject(static_cast<Op>(op), epoch, window_base,
+                      WindowLayout::make(slots, weight_slot_bytes, grad_slot_bytes, chunk_bytes), as_stream(stream));
+      },
+      py::arg("op"), py::arg("epoch"), py::arg("window_base"), py::arg("slots"), py::arg("weight_slot_bytes"),
+      py::arg("grad_slot_bytes"), py::arg("chunk_bytes"), py::arg("stream"),
+      "Enqueue on `stream`: this rank rejected its plan for `op` at `epoch` (its window at device address "
+      "window_base): peers touching it raise PlanError \"rank r rejected its plan\" instead of timing out.");
+  m.def(
+      "launch_empty", [](uintptr_t stream) { launch_empty(as_stream(stream)); }, py::arg("stream"),
+      "Enqueue an empty kernel (launch floor).");
+  m.def(
+      "flag_pingpong",
+      [](uintptr_t ping, uintptr_t pong, uint64_t base, int64_t iters, uint64_t timeout_ns, uintptr_t out,
+         uintptr_t stream) {
+        if (ping % 8 || pong % 8 || out % 8 || !ping || !pong || !out)
+          throw std::invalid_argument("ultracomm._cuda.flag_pingpong: ping, pong and out must be 8-byte aligned");
+        if (iters < 1) throw std::invalid_argument("ultracomm._cuda.flag_pingpong: iters must be >= 1");
+        launch_flag_pingpong(reinterpret_cast<uint64_t*>(ping), reinterpret_cast<uint64_t*>(pong), base, iters,
+                             timeout_ns, reinterpret_cast<uint64_t*>(out), as_stream(stream));
+      },
+      py::arg("ping"), py::arg("pong"), py::arg("base"), py::arg("iters"), py::arg("timeout_ns"), py::arg("out"),
+      py::arg("stream"),
+      "Enqueue the flag round trip between two CTAs (launch.h launch_flag_pingpong): out[0] = elapsed ns of "
+      "`iters` round trips, out[1] = 0 or the iteration whose wait timed out.  ping/pong: uint64 device words "
+      "on different 128-byte lines, equal to `base` before the launch (they are base + iters after).");
+}
+
+}  // namespace ultracomm::gpu
+
+PYBIND11_MODULE(_cuda, m) {
+  m.doc() = "ultracomm CUDA executor: persistent TMA / vector tile-mover kernel (see ultracomm.transports.tma)";
+  ultracomm::gpu::bind(m);
+}

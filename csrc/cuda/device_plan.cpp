@@ -1,0 +1,107 @@
+// DevicePlan: host image of the views and their arrays, pointers rebased onto one device
+// allocation, one synchronous copy.
+#include "device_plan.h"
+
+#include <cuda_runtime_api.h>
+
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include "cuda_check.h"
+#include "persistent_args.h"
+
+namespace ultracomm::gpu {
+namespace {
+
+[[noreturn]] void bad(const std::string& msg) { throw std::invalid_argument("ultracomm._cuda.DevicePlan: " + msg); }
+
+// Host image of the allocation: arrays appended at 16-byte aligned offsets.
+struct Image {
+  std::vector<unsigned char> bytes;
+  size_t add(const void* p, size_t n) {
+    const size_t off = (bytes.size() + 15) / 16 * 16;
+    bytes.resize(off + n);
+    if (n) std::memcpy(bytes.data() + off, p, n);
+    return off;
+  }
+};
+
+// The device address of `off` in the allocation at `base`, or null for an empty array.
+template <class T>
+const T* at(uintptr_t base, size_t off, size_t n) {
+  return n ? reinterpret_cast<const T*>(base + off) : nullptr;
+}
+
+void check_same(const ExecArgs& a, const ExecArgs& r0, size_t i) {
+  const std::string who = "rank entry " + std::to_string(i);
+  if (a.op != r0.op || a.world != r0.world || a.grad_dtype != r0.grad_dtype)
+    bad(who + ": op, world and grad_dtype must be the same for every rank of a launch");
+  if (a.layout.total_bytes != r0.layout.total_bytes || a.layout.slots != r0.layout.slots ||
+      a.layout.chunk_bytes != r0.layout.chunk_bytes)
+    bad(who + ": every rank of a launch must have the same window layout");
+}
+
+}  // namespace
+
+DevicePlan::DevicePlan(const std::vector<ExecArgs>& ranks) {
+  if (ranks.empty()) bad("no ranks");
+  if (ranks.size() > static_cast<size_t>(kMaxLoopbackRanks))
+    bad(std::to_string(ranks.size()) + " ranks; one launch runs at most " + std::to_string(kMaxLoopbackRanks));
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    validate(ranks[i]);
+    if (ranks[i].member_off.size() > static_cast<size_t>(kMaxMembers))
+      bad("an expert has at most " + std::to_string(kMaxMembers) + " members on the device");
+    check_same(ranks[i], ranks[0], i);
+  }
+  nranks_ = static_cast<int>(ranks.size());
+  op_ = ranks[0].op;
+  grad_dtype_ = static_cast<int>(ranks[0].grad_dtype);
+
+  // 1. host image: views first (patched below), then each rank's arrays
+  Image img;
+  img.bytes.resize(sizeof(ExecView) * ranks.size());
+  struct Offsets { size_t bases, masters, lidx, slots, parent, tasks, refs; };
+  std::vector<Offsets> off(ranks.size());
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    const ExecArgs& a = ranks[i];
+    off[i].bases = img.add(a.window_bases.data(), a.window_bases.size() * sizeof(uintptr_t));
+    off[i].masters = img.add(a.master_ptrs.data(), a.master_ptrs.size() * sizeof(uintptr_t));
+    off[i].lidx = img.add(a.local_index_of.data(), a.local_index_of.size() * sizeof(int32_t));
+    off[i].slots = img.add(a.my_slots.data(), a.my_slots.size() * sizeof(int32_t));
+    off[i].parent = img.add(a.slot_parent.data(), a.slot_parent.size() * sizeof(int32_t));
+    off[i].tasks = img.add(a.tasks, static_cast<size_t>(a.num_tasks) * sizeof(Task));
+    off[i].refs = img.add(a.refs, static_cast<size_t>(a.num_refs) * sizeof(Ref));
+  }
+  bytes_ = img.bytes.size();
+
+  // 2. one allocation; views point into it
+  UC_CUDA_CHECK(cudaGetDevice(&device_));
+  UC_CUDA_CHECK(cudaMalloc(&blob_, bytes_));
+  const uintptr_t base = reinterpret_cast<uintptr_t>(blob_);
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    const ExecArgs& a = ranks[i];
+    ExecView v = make_view(a);
+    v.window_bases = at<uintptr_t>(base, off[i].bases, a.window_bases.size());
+    v.master_ptrs = at<uintptr_t>(base, off[i].masters, a.master_ptrs.size());
+    v.local_index_of = at<int32_t>(base, off[i].lidx, a.local_index_of.size());
+    v.my_slots = at<int32_t>(base, off[i].slots, a.my_slots.size());
+    v.slot_parent = at<int32_t>(base, off[i].parent, a.slot_parent.size());
+    v.tasks = at<Task>(base, off[i].tasks, static_cast<size_t>(a.num_tasks));
+    v.refs = at<Ref>(base, off[i].refs, static_cast<size_t>(a.num_refs));
+    std::memcpy(img.bytes.data() + i * sizeof(ExecView), &v, sizeof v);
+  }
+  const cudaError_t e = cudaMemcpy(blob_, img.bytes.data(), bytes_, cudaMemcpyHostToDevice);
+  if (e != cudaSuccess) {
+    cudaFree(blob_);
+    blob_ = nullptr;
+    throw_cuda(e, "cudaMemcpy(plan upload)", __FILE__, __LINE__);
+  }
+  views_ = static_cast<const ExecView*>(blob_);
+}
+
+DevicePlan::~DevicePlan() {
+  if (blob_) cudaFree(blob_);  // no throw from a destructor; a dead context frees nothing anyway
+}
+
+}  // namespace ultracomm::gpu

@@ -1,0 +1,145 @@
+// k_persistent: one persistent kernel per operation launch.  CTA = one worker group; the grid
+// is nranks x ctas_per_rank (blockIdx.x = rank * ctas_per_rank + worker), so a one-GPU
+// loopback domain runs all its ranks in ONE launch with co-resident CTAs, and a process that
+// owns one rank of a multi-GPU domain launches nranks = 1.  All protocol logic is
+// interp.h's; this file is the prologue (view, epoch, mover), the loop (join / run_tasks /
+// drain), the epilogue (the launch's last CTA resets the shared state), the launcher and the
+// instantiations.
+#include <cuda/atomic>
+
+#include "cuda_check.h"
+#include "launch.h"
+#include "mover_tma.cuh"
+#include "mover_vec.cuh"
+
+namespace ultracomm {
+namespace {
+
+static_assert(interp::Mover<dev::TmaMover> && interp::Mover<dev::VecMover>);
+
+// The mover is chosen per compiled architecture: bulk copies from sm_90 on.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+using DeviceMover = dev::TmaMover;
+#else
+using DeviceMover = dev::VecMover;
+#endif
+
+// Group-collective: this rank's view into shared memory (read by every thread for every
+// task), with the launch's epoch: max(requested, last run + 1) (persistent_args.h).
+__device__ void load_view(ExecView& view, const PersistentArgs& a, int rank, uint64_t& epoch) {
+  static_assert(sizeof(ExecView) % 8 == 0);
+  const uint64_t* src = reinterpret_cast<const uint64_t*>(a.views + rank);
+  uint64_t* dst = reinterpret_cast<uint64_t*>(&view);
+  for (int i = threadIdx.x; i < static_cast<int>(sizeof(ExecView) / 8); i += blockDim.x) dst[i] = src[i];
+  const uint64_t last = a.state->ranks[rank].last_epoch;
+  epoch = a.epoch > last + 1 ? a.epoch : last + 1;
+  __syncthreads();
+  if (threadIdx.x == 0) view.epoch = epoch;
+  __syncthreads();
+}
+
+// Group-collective: true in the CTA that is the last of `count` to arrive on `counter`.
+// acq_rel: the last one's later work is ordered after everything the others did before.
+__device__ bool last_to_arrive(uint32_t* counter, uint32_t count, dev::MoverBase& m) {
+  __syncthreads();
+  uint32_t last = 0;
+  if (m.leader())
+    last = cuda::atomic_ref<uint32_t, cuda::thread_scope_device>(*counter).fetch_add(1, cuda::memory_order_acq_rel) ==
+           count - 1;
+  return m.broadcast(last) != 0;
+}
+
+template <class D>
+__global__ void __launch_bounds__(dev::kThreads, 1) k_persistent(const PersistentArgs a) {
+#if defined(__CUDA_ARCH__)
+  __shared__ dev::GroupShared sh;
+  __shared__ ExecView view;
+  extern __shared__ __align__(128) unsigned char dyn_smem[];
+  const int rank = static_cast<int>(blockIdx.x) / a.ctas_per_rank;
+  const int worker = static_cast<int>(blockIdx.x) % a.ctas_per_rank;
+  RankState& rs = a.state->ranks[rank];
+  uint64_t epoch = 0;
+  load_view(view, a, rank, epoch);
+  DeviceMover m(dev::MoverEnv{a.state, a.err, &rs.next_task, epoch}, &sh, dyn_smem, (a.flags & kForceVector) != 0);
+
+  // join (worker 0) overlaps the other workers' first claims: they only wait on peers' flags.
+  if (worker == 0) interp::join(view, m);
+  interp::run_tasks<DeviceMover, D>(view, m);
+  // drain once per rank, by its last CTA out of run_tasks, unless the launch failed.
+  if (last_to_arrive(&rs.done_workers, static_cast<uint32_t>(a.ctas_per_rank), m)) {
+    bool ok = false;
+    if (m.leader()) ok = !m.aborted();
+    if (m.broadcast(ok)) interp::drain(view, m);
+  }
+  // The launch's last CTA resets what the next launch must find zero and records each rank's
+  // epoch; the next launch on this stream starts after this kernel completed.
+  if (last_to_arrive(&a.state->done_ctas, gridDim.x, m) && m.leader()) {
+    for (int r = 0; r < a.nranks; ++r) {
+      RankState& s = a.state->ranks[r];
+      s.last_epoch = a.epoch > s.last_epoch + 1 ? a.epoch : s.last_epoch + 1;
+      s.next_task = 0;
+      s.done_workers = 0;
+    }
+    a.state->done_ctas = 0;
+  }
+#endif
+}
+
+template <class D>
+void launch_one(const PersistentArgs& a, uint32_t smem, bool cooperative, cudaStream_t stream) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(a.nranks * a.ctas_per_rank));
+  cfg.blockDim = dim3(dev::kThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;
+  attr[0].val.cooperative = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = cooperative ? 1 : 0;
+  UC_CUDA_CHECK(cudaLaunchKernelEx(&cfg, k_persistent<D>, a));
+}
+
+// Runs fn on each instantiation, or on grad_dtype's (0 fp32, 1 bf16, 2 fp16).
+template <class Fn>
+void for_kernel(int grad_dtype, Fn&& fn) {
+  switch (grad_dtype) {
+    case 1: fn(k_persistent<interp::GradBF16>); break;
+    case 2: fn(k_persistent<interp::GradF16>); break;
+    default: fn(k_persistent<interp::GradF32>); break;
+  }
+}
+
+}  // namespace
+
+namespace gpu {
+
+uint32_t persistent_smem_bytes(int cc_major) { return cc_major >= 9 ? dev::TmaMover::kSmemBytes : 0; }
+
+void setup_persistent(int cc_major) {
+  const int smem = static_cast<int>(persistent_smem_bytes(cc_major));
+  for (int d = 0; d < 3; ++d)
+    for_kernel(d, [&](auto k) { UC_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)); });
+}
+
+int persistent_max_coresident(int device, int cc_major, int grad_dtype) {
+  int per_sm = 0, sms = 0;
+  for_kernel(grad_dtype, [&](auto k) {
+    UC_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k, dev::kThreads,
+                                                                 persistent_smem_bytes(cc_major)));
+  });
+  UC_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return per_sm * sms;
+}
+
+void launch_persistent(const PersistentArgs& a, int grad_dtype, uint32_t smem, bool cooperative,
+                       cudaStream_t stream) {
+  switch (grad_dtype) {
+    case 1: launch_one<interp::GradBF16>(a, smem, cooperative, stream); break;
+    case 2: launch_one<interp::GradF16>(a, smem, cooperative, stream); break;
+    default: launch_one<interp::GradF32>(a, smem, cooperative, stream); break;
+  }
+}
+
+}  // namespace gpu
+}  // namespace ultracomm

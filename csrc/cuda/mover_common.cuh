@@ -1,0 +1,287 @@
+// What TmaMover and VecMover share (the interp.h Mover policy minus how bytes move): group
+// identity and barrier, task claiming, system-scope epoch flags, %globaltimer, failure and
+// abort; plus the 16-byte vector copy and the ordered fp32 reduction (the sm_80 path, and
+// the tails / unaligned segments of the TMA path).
+//
+// One mover object per thread; one CTA is one worker group; thread 0 is the leader (flags,
+// claims, bulk copies).  Never `__restrict__` a pointer a peer writes: it turns plain loads
+// into ld.global.nc, which may return stale data after the acquire.
+#pragma once
+#include <cuda/atomic>
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "mover_limits.h"
+#include "persistent_args.h"
+#include "ptx_extra.cuh"
+#include "ultracomm/interp.h"
+
+namespace ultracomm::dev {
+
+constexpr int kThreads = gpu::kThreadsPerCta;
+
+constexpr int kSmemSrcs = 64;     // reduce sources whose addresses are staged in shared memory
+
+// Static shared memory of one CTA: the broadcast word, and the addresses of the current copy's
+// destinations / reduction's sources (computed once per segment, read by every thread).
+struct GroupShared {
+  alignas(16) unsigned char bcast[16];
+  uintptr_t dsts[interp::kMaxCopyDsts];
+  uintptr_t srcs[kSmemSrcs];
+};
+
+// What a launch gives each CTA's mover (device pointers).
+struct MoverEnv {
+  DeviceState* state;   // abort word (device memory, polled)
+  ErrorSlot* err;       // first failure's record (mapped host memory, written once)
+  uint64_t* next_task;  // this rank's claim counter (device memory, reset by the launch's last CTA)
+  uint64_t epoch;       // the epoch this launch runs (abort and records are tagged with it)
+};
+
+class MoverBase {
+ public:
+  __device__ MoverBase(const MoverEnv& env, GroupShared* sh) : env_(env), sh_(sh) {}
+
+  __device__ bool leader() const { return threadIdx.x == 0; }
+  __device__ void sync() { __syncthreads(); }
+
+  // Group-collective.  The first barrier keeps the previous broadcast's readers ahead of
+  // this write; the second publishes it.
+  template <class T>
+  __device__ T broadcast(T v) {
+    static_assert(std::is_trivially_copyable_v<T> && sizeof(T) <= sizeof(GroupShared::bcast));
+    __syncthreads();
+    if (leader()) memcpy(sh_->bcast, &v, sizeof(T));
+    __syncthreads();
+    T out;
+    memcpy(&out, sh_->bcast, sizeof(T));
+    return out;
+  }
+
+  // Group-collective: the next task index of this rank (list order), -1 once the launch is
+  // aborted.  Relaxed: the index only partitions work; data and flags are ordered by the
+  // flags' acquire/release.
+  __device__ int64_t claim() {
+    int64_t i = -1;
+    if (leader() && !aborted())
+      i = static_cast<int64_t>(cuda::atomic_ref<uint64_t, cuda::thread_scope_device>(*env_.next_task)
+                                   .fetch_add(1, cuda::memory_order_relaxed));
+    return broadcast(i);
+  }
+
+  // Epoch flags live in windows that other GPUs (or, in loopback, other CTAs) write: system
+  // scope.  SASS: LDG.E.64.STRONG.SYS + CCTL.IVALL (acquire: the L1 is invalidated, so the
+  // whole CTA's later plain loads see the peer's data); MEMBAR.ALL.SYS + STG.E.64.STRONG.SYS.
+  __device__ uint64_t load_acquire(uintptr_t flag) {
+    return cuda::atomic_ref<uint64_t, cuda::thread_scope_system>(*reinterpret_cast<uint64_t*>(flag))
+        .load(cuda::memory_order_acquire);
+  }
+  __device__ void store_release(uintptr_t flag, uint64_t v) {
+    cuda::atomic_ref<uint64_t, cuda::thread_scope_system>(*reinterpret_cast<uint64_t*>(flag))
+        .store(v, cuda::memory_order_release);
+  }
+
+  __device__ uint64_t now_ns() { return globaltimer_ns(); }
+  __device__ uint64_t epoch() const { return env_.epoch; }
+
+  // Backoff in a wait loop: spin hot first (latency of a flag that is about to flip), then
+  // sleep a little so spinning CTAs leave issue slots and memory bandwidth to working ones.
+  __device__ void relax(uint32_t spins) {
+    if (spins >= 64) __nanosleep(spins >= 1024 ? 1000u : 100u);
+  }
+
+  // Another group of this launch failed (abort word tagged with this launch's epoch).
+  __device__ bool aborted() {
+    return cuda::atomic_ref<uint64_t, cuda::thread_scope_device>(env_.state->abort_epoch)
+               .load(cuda::memory_order_relaxed) >= env_.epoch;
+  }
+
+  // First failure of this launch wins the CAS on the abort word (device memory: atomics on
+  // mapped host memory are not atomic over PCIe), then writes the record to mapped host
+  // memory; the record's epoch goes last, after a system fence, so a host that sees it sees
+  // the fields.  Every other group stops at its next aborted() check.
+  __device__ void fail(const ErrorRecord& rec) {
+    cuda::atomic_ref<uint64_t, cuda::thread_scope_device> abort(env_.state->abort_epoch);
+    uint64_t old = abort.load(cuda::memory_order_relaxed);
+    while (old < env_.epoch) {
+      if (abort.compare_exchange_weak(old, env_.epoch, cuda::memory_order_relaxed)) {
+        env_.err->rec = rec;
+        __threadfence_system();
+        cuda::atomic_ref<uint64_t, cuda::thread_scope_system>(env_.err->epoch)
+            .store(env_.epoch, cuda::memory_order_relaxed);
+        return;
+      }
+    }
+  }
+
+  // Group-collective: the segment's destinations, to shared memory (the interpreter's array
+  // is per thread; unrolled constant indices keep it in registers).
+  __device__ const uintptr_t* stage_dsts(const uintptr_t* dsts, int ndst) {
+    __syncthreads();  // the previous copy's readers are done with the table
+    if (leader()) {
+#pragma unroll
+      for (int j = 0; j < interp::kMaxCopyDsts; ++j)
+        if (j < ndst) sh_->dsts[j] = dsts[j];
+    }
+    __syncthreads();
+    return sh_->dsts;
+  }
+
+  // Group-collective: the first kSmemSrcs source addresses to shared memory, computed once
+  // instead of once per element; the rest (a reduce with more sources) computed on use.
+  template <class Srcs>
+  struct SrcTable {
+    const uintptr_t* staged;
+    const Srcs& rest;
+    __device__ uintptr_t operator[](int s) const { return s < kSmemSrcs ? staged[s] : rest[s]; }
+  };
+  template <class Srcs>
+  __device__ SrcTable<Srcs> stage_srcs(const Srcs& srcs, int nsrc) {
+    __syncthreads();
+    for (int s = threadIdx.x; s < nsrc && s < kSmemSrcs; s += blockDim.x) sh_->srcs[s] = srcs[s];
+    __syncthreads();
+    return SrcTable<Srcs>{sh_->srcs, srcs};
+  }
+
+ protected:
+  MoverEnv env_;
+  GroupShared* sh_;
+};
+
+__device__ __forceinline__ uint64_t min_u64(uint64_t a, uint64_t b) { return a < b ? a : b; }
+
+// ---------------------------------------------------------------------------------------
+// Global memory access of the data paths.  The addresses come from the view as integers, so
+// plain dereferences would be generic LD/ST; the .cg intrinsics are global loads/stores that
+// cache in L2 only (ld.global.cg / st.global.cg: LDG/STG in SASS, never the .nc path), which
+// also suits data that is read or written once and may live on a peer GPU.
+
+template <class U>
+__device__ __forceinline__ U load_g(uintptr_t p) {
+  return __ldcg(reinterpret_cast<const U*>(p));
+}
+template <class U>
+__device__ __forceinline__ void store_g(uintptr_t p, U v) {
+  __stcg(reinterpret_cast<U*>(p), v);
+}
+
+// ---------------------------------------------------------------------------------------
+// Vector copy: every thread loads a unit once and stores it to each destination.
+
+// Units of U at byte `begin` of the segment: src + begin -> dsts[d] + begin.
+template <class U>
+__device__ __forceinline__ void copy_units(const uintptr_t* dsts, int ndst, uintptr_t src, uint64_t begin,
+                                           uint64_t n) {
+  const uintptr_t s = src + begin;
+  const uint64_t stride = blockDim.x;
+  uint64_t i = threadIdx.x;
+  for (; i + 3 * stride < n; i += 4 * stride) {  // four loads in flight per thread
+    const U v0 = load_g<U>(s + i * sizeof(U)), v1 = load_g<U>(s + (i + stride) * sizeof(U));
+    const U v2 = load_g<U>(s + (i + 2 * stride) * sizeof(U)), v3 = load_g<U>(s + (i + 3 * stride) * sizeof(U));
+    for (int d = 0; d < ndst; ++d) {
+      const uintptr_t p = dsts[d] + begin;
+      store_g(p + i * sizeof(U), v0);
+      store_g(p + (i + stride) * sizeof(U), v1);
+      store_g(p + (i + 2 * stride) * sizeof(U), v2);
+      store_g(p + (i + 3 * stride) * sizeof(U), v3);
+    }
+  }
+  for (; i < n; i += stride) {
+    const U v = load_g<U>(s + i * sizeof(U));
+    for (int d = 0; d < ndst; ++d) store_g(dsts[d] + begin + i * sizeof(U), v);
+  }
+}
+
+// Group-collective: bytes [from, bytes) of src -> each dst.  The unit is the widest power of
+// two <= 16 in which every destination is congruent to the source (16 B when all are 16-B
+// aligned); bytes before the first aligned unit and after the last go one by one.
+__device__ inline void vec_copy(const uintptr_t* dsts, int ndst, uintptr_t src, uint64_t bytes, uint64_t from = 0) {
+  if (from >= bytes || ndst <= 0) return;
+  uintptr_t x = 0;
+  for (int d = 0; d < ndst; ++d) x |= dsts[d] ^ src;
+  const uint32_t w = (x & 1) ? 1 : (x & 2) ? 2 : (x & 4) ? 4 : (x & 8) ? 8 : 16;
+  const uint64_t n = bytes - from;
+  const uint64_t head = min_u64(n, static_cast<uint64_t>((0 - (src + from)) & (w - 1)));
+  const uint64_t units = (n - head) / w;
+  const uint64_t body_end = from + head + units * w;
+  for (uint64_t b = from + threadIdx.x; b < from + head; b += blockDim.x) {
+    const uint8_t v = load_g<uint8_t>(src + b);
+    for (int d = 0; d < ndst; ++d) store_g(dsts[d] + b, v);
+  }
+  // if-chain, not switch: a jump table (brx.idx) made ptxas spill around the indirect branch
+  if (w == 16)
+    copy_units<uint4>(dsts, ndst, src, from + head, units);
+  else if (w == 8)
+    copy_units<uint2>(dsts, ndst, src, from + head, units);
+  else if (w == 4)
+    copy_units<uint32_t>(dsts, ndst, src, from + head, units);
+  else if (w == 2)
+    copy_units<uint16_t>(dsts, ndst, src, from + head, units);
+  else
+    copy_units<uint8_t>(dsts, ndst, src, from + head, units);
+  for (uint64_t b = body_end + threadIdx.x; b < bytes; b += blockDim.x) {
+    const uint8_t v = load_g<uint8_t>(src + b);
+    for (int d = 0; d < ndst; ++d) store_g(dsts[d] + b, v);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Ordered reduction: dst[i] = D(f32(dst[i]) + f32(src0[i]) + f32(src1[i]) + ...), left to right
+// in fp32 registers, the same operations in the same order as the host executor (D's
+// conversions are half.h's integer-rounding ones: bit-identical).  Element i belongs to one
+// thread; no atomics.
+
+template <class D, class Srcs>
+__device__ __forceinline__ void reduce_one(uintptr_t dst, const Srcs& srcs, int nsrc, uint64_t i) {
+  using T = typename D::T;
+  const uint64_t off = i * sizeof(T);
+  float acc = D::load(load_g<T>(dst + off));
+  for (int s = 0; s < nsrc; ++s) acc += D::load(load_g<T>(srcs[s] + off));
+  store_g(dst + off, D::store(acc));
+}
+
+// The 16 bytes at byte_off of dst and of every source.
+template <class D, class Srcs>
+__device__ __forceinline__ void reduce_pack(uintptr_t dst, const Srcs& srcs, int nsrc, uint64_t byte_off) {
+  using T = typename D::T;
+  constexpr int E = 16 / sizeof(T);
+  T e[E];
+  float acc[E];
+  uint4 v = load_g<uint4>(dst + byte_off);
+  memcpy(e, &v, 16);
+#pragma unroll
+  for (int k = 0; k < E; ++k) acc[k] = D::load(e[k]);
+  for (int s = 0; s < nsrc; ++s) {
+    v = load_g<uint4>(srcs[s] + byte_off);
+    memcpy(e, &v, 16);
+#pragma unroll
+    for (int k = 0; k < E; ++k) acc[k] += D::load(e[k]);
+  }
+#pragma unroll
+  for (int k = 0; k < E; ++k) e[k] = D::store(acc[k]);
+  memcpy(&v, e, 16);
+  store_g(dst + byte_off, v);
+}
+
+// Group-collective.  16-byte packs where dst and every source share their alignment mod 16,
+// single elements before and after (and everywhere otherwise).
+template <class D, class Srcs>
+__device__ inline void vec_reduce(uintptr_t dst, const Srcs& srcs, int nsrc, uint64_t nelem) {
+  using T = typename D::T;
+  constexpr uint64_t E = 16 / sizeof(T);
+  uintptr_t x = 0;
+  for (int s = 0; s < nsrc; ++s) x |= srcs[s] ^ dst;
+  uint64_t head = nelem, packs = 0;
+  if ((x & 15) == 0) {
+    head = min_u64(nelem, static_cast<uint64_t>(((0 - dst) & 15) / sizeof(T)));
+    packs = (nelem - head) / E;
+  }
+  for (uint64_t i = threadIdx.x; i < head; i += blockDim.x) reduce_one<D, Srcs>(dst, srcs, nsrc, i);
+  for (uint64_t p = threadIdx.x; p < packs; p += blockDim.x)
+    reduce_pack<D, Srcs>(dst, srcs, nsrc, (head + p * E) * sizeof(T));
+  for (uint64_t i = head + packs * E + threadIdx.x; i < nelem; i += blockDim.x) reduce_one<D, Srcs>(dst, srcs, nsrc, i);
+}
+
+}  // namespace ultracomm::dev

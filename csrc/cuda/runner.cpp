@@ -1,0 +1,116 @@
+// Runner: device state, mapped error slot, launch checks.
+#include "runner.h"
+
+#include <cstring>
+#include <stdexcept>
+
+#include "cuda_check.h"
+#include "launch.h"
+
+namespace ultracomm::gpu {
+
+std::pair<bool, std::string> cuda_available(int device) {
+  int n = 0;
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky-free error so later calls report their own
+    return {false, std::string("no usable CUDA driver or device (cudaGetDeviceCount: ") + cudaGetErrorName(e) + ": " +
+                       cudaGetErrorString(e) + ")"};
+  }
+  if (n == 0) return {false, "no CUDA device"};
+  if (device < 0 || device >= n)
+    return {false, "CUDA device " + std::to_string(device) + " does not exist (" + std::to_string(n) + " devices)"};
+  int major = 0, minor = 0;
+  UC_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  UC_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  if (major < 8)
+    return {false, "CUDA device " + std::to_string(device) + " is sm_" + std::to_string(major) +
+                       std::to_string(minor) + "; the tma transport needs sm_80 or newer"};
+  return {true, ""};
+}
+
+DeviceGuard::DeviceGuard(int device) {
+  UC_CUDA_CHECK(cudaGetDevice(&prev_));
+  if (prev_ != device) UC_CUDA_CHECK(cudaSetDevice(device));
+}
+DeviceGuard::~DeviceGuard() {
+  int cur = -1;
+  if (cudaGetDevice(&cur) == cudaSuccess && cur != prev_) cudaSetDevice(prev_);
+}
+
+Runner::Runner(int device) : device_(device) {
+  const auto [ok, why] = cuda_available(device);
+  if (!ok) throw std::runtime_error("ultracomm._cuda: " + why);
+  DeviceGuard guard(device);
+  UC_CUDA_CHECK(cudaDeviceGetAttribute(&cc_major_, cudaDevAttrComputeCapabilityMajor, device));
+  UC_CUDA_CHECK(cudaDeviceGetAttribute(&cc_minor_, cudaDevAttrComputeCapabilityMinor, device));
+  UC_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device));
+  setup_persistent(cc_major_);
+  for (int d = 0; d < 3; ++d) coresident_[d] = persistent_max_coresident(device, cc_major_, d);
+  void* p = nullptr;
+  UC_CUDA_CHECK(cudaMalloc(&p, kNumOps * sizeof(DeviceState)));
+  state_ = static_cast<DeviceState*>(p);
+  UC_CUDA_CHECK(cudaMemset(state_, 0, kNumOps * sizeof(DeviceState)));
+  UC_CUDA_CHECK(cudaHostAlloc(&p, kNumOps * sizeof(ErrorSlot), cudaHostAllocMapped));
+  err_host_ = static_cast<ErrorSlot*>(p);
+  std::memset(p, 0, kNumOps * sizeof(ErrorSlot));
+  UC_CUDA_CHECK(cudaHostGetDevicePointer(&p, err_host_, 0));
+  err_dev_ = static_cast<ErrorSlot*>(p);
+  UC_CUDA_CHECK(cudaDeviceSynchronize());  // the memset is done before any launch reads the state
+}
+
+Runner::~Runner() {
+  if (state_) cudaFree(state_);
+  if (err_host_) cudaFreeHost(err_host_);
+}
+
+int Runner::max_coresident(int grad_dtype) const { return coresident_[grad_dtype >= 0 && grad_dtype < 3 ? grad_dtype : 0]; }
+
+void Runner::launch(const DevicePlan& plan, uint64_t epoch, int ctas_per_rank, cudaStream_t stream, uint32_t flags) {
+  const std::string where = "ultracomm._cuda.Runner.launch: ";
+  if (epoch < 1) throw std::invalid_argument(where + "epoch must be >= 1 (flags start at 0)");
+  if (ctas_per_rank < 1) throw std::invalid_argument(where + "ctas_per_rank must be >= 1");
+  if (plan.device() != device_)
+    throw std::invalid_argument(where + "the plan lives on device " + std::to_string(plan.device()) +
+                                ", this runner on device " + std::to_string(device_));
+  const int64_t grid = static_cast<int64_t>(plan.nranks()) * ctas_per_rank;
+  if (grid > (int64_t(1) << 31) - 1) throw std::invalid_argument(where + "grid too large");
+  const bool loopback = plan.nranks() > 1;
+  if (loopback && grid > max_coresident(plan.grad_dtype()))
+    throw std::invalid_argument(
+        where + "a loopback launch of " + std::to_string(plan.nranks()) + " ranks x " + std::to_string(ctas_per_rank) +
+        " CTAs = " + std::to_string(grid) + " CTAs cannot be co-resident on device " + std::to_string(device_) +
+        " (at most " + std::to_string(max_coresident(plan.grad_dtype())) + " on its " + std::to_string(sm_count_) +
+        " SMs); every rank's CTAs must run at once, lower ctas_per_rank");
+  const int op = static_cast<int>(plan.op());
+  PersistentArgs a{};
+  a.views = plan.views();
+  a.state = state_ + op;
+  a.err = err_dev_ + op;
+  a.epoch = epoch;
+  a.nranks = plan.nranks();
+  a.ctas_per_rank = ctas_per_rank;
+  a.flags = flags;
+  DeviceGuard guard(device_);
+  // Cooperative (co-residency guaranteed or the launch fails) for loopback grids, except while
+  // the stream is captured into a graph: the occupancy check above is what holds there.
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  UC_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  launch_persistent(a, plan.grad_dtype(), persistent_smem_bytes(cc_major_),
+                    loopback && capture == cudaStreamCaptureStatusNone, stream);
+}
+
+std::optional<ErrorRecord> Runner::take_error() {
+  for (int op = 0; op < kNumOps; ++op) {
+    // written by the device last, after a system fence (mover_common.cuh fail)
+    const uint64_t e = __atomic_load_n(&err_host_[op].epoch, __ATOMIC_ACQUIRE);
+    if (e == 0 || e == seen_error_epoch_[op]) continue;
+    seen_error_epoch_[op] = e;
+    ErrorRecord r;
+    std::memcpy(&r, &err_host_[op].rec, sizeof r);
+    return r;
+  }
+  return std::nullopt;
+}
+
+}  // namespace ultracomm::gpu

@@ -1,0 +1,66 @@
+// Runner: what persists between launches on one device for one executor (a TmaTransport, or
+// a one-GPU loopback domain): the DeviceState (abort word, claim counters, epochs), the
+// mapped ErrorSlot, and the device's properties.  launch() only enqueues.
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "device_plan.h"
+#include "persistent_args.h"
+
+namespace ultracomm::gpu {
+
+// (true, "") when a CUDA device usable by _cuda (sm_80+) is present; else (false, why).
+std::pair<bool, std::string> cuda_available(int device);
+
+// Makes `device` current for a scope and restores the previous one (no synchronisation).
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device);
+  ~DeviceGuard();
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int prev_ = -1;
+};
+
+class Runner {
+ public:
+  explicit Runner(int device);  // allocates and zeroes the state; sets kernel attributes
+  ~Runner();
+  Runner(const Runner&) = delete;
+  Runner& operator=(const Runner&) = delete;
+
+  // Enqueues plan's operation on `stream` at `epoch` (the kernel runs max(epoch, last + 1) of
+  // this runner's previous launches of that op), ctas_per_rank CTAs per rank.  Loopback plans (nranks > 1) need every CTA co-resident:
+  // std::invalid_argument naming the limit otherwise.  flags: persistent_args.h kForceVector.
+  void launch(const DevicePlan& plan, uint64_t epoch, int ctas_per_rank, cudaStream_t stream, uint32_t flags);
+
+  // A failure a launch recorded since the last call, if any (call after the stream reached
+  // the launch, e.g. after an event or stream synchronisation); multicast's first.
+  std::optional<ErrorRecord> take_error();
+
+  int max_coresident(int grad_dtype) const;  // CTAs of one launch that fit at once
+  int device() const { return device_; }
+  int cc_major() const { return cc_major_; }
+  int cc_minor() const { return cc_minor_; }
+  int sm_count() const { return sm_count_; }
+  bool tma() const { return cc_major_ >= 9; }  // the mover k_persistent runs on this device
+
+ private:
+  int device_;
+  int cc_major_ = 0, cc_minor_ = 0, sm_count_ = 0;
+  int coresident_[3] = {0, 0, 0};  // per grad dtype
+  // One state and one error slot per op kind: a multicast and a reduction may overlap on two
+  // streams (disjoint flags and slots); launches of one kind must be stream-ordered.
+  DeviceState* state_ = nullptr;   // device memory, [kNumOps]
+  ErrorSlot* err_host_ = nullptr;  // mapped host memory, [kNumOps]
+  ErrorSlot* err_dev_ = nullptr;   // its device address
+  uint64_t seen_error_epoch_[kNumOps] = {0, 0};
+};
+
+}  // namespace ultracomm::gpu

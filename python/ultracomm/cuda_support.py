@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import struct
 from types import ModuleType
 from typing import Optional
 
@@ -16,7 +17,7 @@ import torch
 from .errors import UltracommError
 
 __all__ = ["NotAvailableError", "torch_cuda_reason", "cuda_module", "cuda_module_reason", "require",
-           "resolve_device"]
+           "resolve_device", "cuda_runtime", "raise_record", "record_epoch", "make_error_record"]
 
 
 class NotAvailableError(UltracommError, ValueError):
@@ -74,3 +75,47 @@ def resolve_device(device: "torch.device | str | int | None") -> torch.device:
     if not 0 <= dev.index < torch.cuda.device_count():
         raise ValueError(f"ultracomm: device {dev} does not exist here ({torch.cuda.device_count()} visible)")
     return dev
+
+
+def cuda_runtime(device: int, what: str = "the tma transport") -> ModuleType:
+    """``ultracomm._cuda`` when it can run on CUDA device ``device`` (built, torch sees a GPU,
+    driver present, sm_80 or newer); else :class:`NotAvailableError` naming what is missing."""
+    require(what)
+    mod = cuda_module()
+    ok, why = mod.available(int(device))
+    if not ok:
+        raise NotAvailableError(f"ultracomm: {what} is not available: {why}")
+    return mod
+
+
+# ErrorRecord (include/ultracomm/error_record.h, 72 bytes, as _cuda's Runner.take_error returns
+# it): code, rank, op, flag_kind, task, expert, chunk, slot, peer, epoch, observed, expected,
+# peer_ready.
+_RECORD = struct.Struct("<IiB3xIqiiiiQQQQ")
+_TIMEOUT, _DIGEST_MISMATCH, _REJECTED = 1, 2, 3
+_NOT_READ = 0xFFFFFFFFFFFFFFFF
+
+
+def make_error_record(code: int, rank: int, op: int, epoch: int, *, flag_kind: int = 0, task: int = -1,
+                      expert: int = -1, chunk: int = -1, slot: int = -1, peer: int = -1, observed: int = _NOT_READ,
+                      expected: int = _NOT_READ, peer_ready: int = _NOT_READ) -> bytes:
+    """A raw ErrorRecord (what a kernel writes), e.g. for a failure the host side detects."""
+    return _RECORD.pack(code, rank, op, flag_kind, task, expert, chunk, slot, peer, epoch, observed, expected,
+                        peer_ready)
+
+
+def record_epoch(record: bytes) -> int:
+    """The epoch of a raw ErrorRecord (the launch that failed)."""
+    return struct.unpack_from("<Q", record, 40)[0]
+
+
+def raise_record(record: bytes, op_name: Optional[str], timeout_s: float) -> None:
+    """Raise what the host executor raises for this raw ErrorRecord: ``UltracommTimeout`` for a
+    timeout, ``PlanError`` when a peer runs another plan or rejected its plan (both through
+    ``_core.raise_error_record``, the host executor's own text), :class:`UltracommError` else."""
+    from . import _core
+
+    code = struct.unpack_from("<I", record, 0)[0]
+    if code in (_TIMEOUT, _DIGEST_MISMATCH, _REJECTED):
+        _core.raise_error_record(record, op_name, float(timeout_s))
+    raise UltracommError(_core.format_error(record, op_name, float(timeout_s)))

@@ -1,0 +1,182 @@
+"""CUDA executor checks that need nvcc but no GPU: every CUDA source compiles for each
+architecture the build lists, with warnings as errors and no spills or local memory; the SASS
+holds the instructions the movers claim (bulk copies and system-scope flags on sm_90/sm_100,
+128-bit vector accesses on sm_80, no non-coherent .nc loads); inline asm stays in one file;
+``ultracomm._cuda`` imports and explains itself on a machine without a GPU."""
+from __future__ import annotations
+
+import glob
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import cuda_build as cb
+
+ROOT = cb.ROOT
+needs_nvcc = pytest.mark.skipif(cb.find_nvcc() is None, reason="nvcc not found (CUDA compile checks need it)")
+
+
+@pytest.fixture(scope="session")
+def compiled():
+    return cb.compile_all()
+
+
+def _sass_or_skip(compiled, name, arch):
+    if cb.find_tool("cuobjdump") is None:
+        pytest.skip("cuobjdump not found: pip install nvidia-cuda-cuobjdump (scripts/setup.sh does)")
+    return cb.sass(compiled[name], arch)
+
+
+def _ops(sass_text: str) -> set[str]:
+    """Instruction mnemonics (with modifiers) of a SASS listing."""
+    return set(re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass_text, re.M))
+
+
+def test_build_lists_explicit_architectures():
+    archs = cb.real_archs()
+    assert 80 in archs and 90 in archs and 100 in archs, archs  # sm_80 vector path, sm_90/100 TMA
+    flags = " ".join(cb.nvcc_flags())
+    for f in ("--Werror all-warnings", "-warn-spills", "-warn-lmem-usage", "-fmad=false"):
+        assert f in flags
+
+
+@needs_nvcc
+def test_every_source_compiles_without_spills_or_local_memory(compiled):
+    assert {"k_persistent", "k_bench"} <= set(compiled)
+    for name, c in compiled.items():
+        assert "warning" not in c.log.lower(), c.log
+        funcs = cb.ptxas_functions(c.log)
+        for arch in cb.real_archs():
+            got = {f for (a, f) in funcs if a == f"sm_{arch}"}
+            assert got, f"{name}: no kernel compiled for sm_{arch}"
+        for (arch, f), props in funcs.items():
+            assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in props, (name, arch, f, props)
+    # one persistent kernel per grad dtype
+    kp = {f for (_, f) in cb.ptxas_functions(compiled["k_persistent"].log)}
+    assert len([f for f in kp if "k_persistent" in f]) == 3, kp
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch", [90, 100])
+def test_sass_bulk_copies_and_system_flags(compiled, arch):
+    if arch not in cb.real_archs():
+        pytest.skip(f"sm_{arch} not built")
+    kernels = cb.kernel_sass(_sass_or_skip(compiled, "k_persistent", arch))
+    assert len(kernels) == 3
+    for fn, text in kernels.items():
+        ops = _ops(text)
+        assert "UBLKCP.S.G" in ops, fn     # cp.async.bulk global -> shared (read once)
+        assert "UBLKCP.G.S" in ops, fn     # cp.async.bulk shared -> global (one per destination)
+        assert "SYNCS.ARRIVE.TRANS64" in ops and "SYNCS.PHASECHK.TRANS64.TRYWAIT" in ops, fn  # mbarrier
+        assert "FENCE.VIEW.ASYNC.G" in ops, fn  # fence.proxy.async.global after a relay's acquire
+        assert {o for o in ops if o.startswith("LD") and o.endswith(".64.STRONG.SYS")}, fn   # ld.acquire.sys
+        assert {o for o in ops if o.startswith("ST") and o.endswith(".64.STRONG.SYS")}, fn   # st.release.sys
+        assert "CCTL.IVALL" in ops and "MEMBAR.ALL.SYS" in ops, fn  # acquire / release halves
+
+
+@needs_nvcc
+def test_sass_sm80_vector_path(compiled):
+    kernels = cb.kernel_sass(_sass_or_skip(compiled, "k_persistent", 80))
+    for fn, text in kernels.items():
+        ops = _ops(text)
+        assert not {o for o in ops if o.startswith("UBLKCP")}, fn  # no bulk copies before sm_90
+        assert {o for o in ops if o.startswith("LDG.E.128")}, fn     # 16-byte vector loads
+        assert {o for o in ops if o.startswith("STG.E.128")}, fn     # and stores
+        assert {o for o in ops if o.endswith(".64.STRONG.SYS")}, fn
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch", [80, 90, 100])
+def test_sass_no_noncoherent_loads(compiled, arch):
+    # ld.global.nc (SASS: LDG...CONSTANT) may return stale data a peer wrote after the acquire
+    for name in compiled:
+        text = _sass_or_skip(compiled, name, arch)
+        bad = sorted({o for o in _ops(text) if ".CONSTANT" in o or o.startswith("LDG.E.NC")})
+        assert not bad, (name, arch, bad)
+
+
+def test_inline_asm_only_in_ptx_extra():
+    files = glob.glob(os.path.join(ROOT, "csrc", "cuda", "*")) + glob.glob(os.path.join(ROOT, "include", "ultracomm", "*"))
+    assert files
+    offenders = []
+    for f in files:
+        if os.path.basename(f) == "ptx_extra.cuh":
+            continue
+        text = re.sub(r"//[^\n]*", "", open(f).read())  # comments may name it
+        if re.search(r"\basm\s*(volatile\s*)?\(", text) or "__asm__" in text:
+            offenders.append(os.path.relpath(f, ROOT))
+    assert not offenders, f"inline asm outside csrc/cuda/ptx_extra.cuh: {offenders}"
+
+
+def test_no_restrict_on_device_data_paths():
+    # __restrict__ on memory a peer writes turns loads into ld.global.nc
+    for f in glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu*")):
+        assert "__restrict__" not in re.sub(r"//[^\n]*", "", open(f).read()), f
+
+
+def _cuda_module():
+    try:
+        from ultracomm import _cuda
+    except ImportError as e:
+        pytest.skip(f"ultracomm._cuda not built in this install ({e})")
+    return _cuda
+
+
+def test_cuda_module_imports_and_reports_availability():
+    _cuda = _cuda_module()
+    ok, why = _cuda.available(0)
+    assert isinstance(ok, bool) and isinstance(why, str)
+    assert _cuda.ERROR_RECORD_BYTES == 72 and _cuda.THREADS_PER_CTA == 256
+    assert _cuda.TMA_TILE_BYTES % 16 == 0 and _cuda.TMA_STAGES >= 2  # bulk copies: 16-B sizes, double-buffered
+    if not torch.cuda.is_available():
+        assert not ok and why, "no GPU here: available() must say why"
+
+
+def test_cuda_module_links_no_libcuda_cudart_or_torch():
+    _cuda = _cuda_module()
+    p = subprocess.run(["ldd", _cuda.__file__], capture_output=True, text=True)
+    if p.returncode != 0:
+        pytest.skip("ldd unavailable")
+    for lib in ("libcuda.so", "libcudart.so", "libtorch", "libc10"):
+        assert lib not in p.stdout, p.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")
+def test_tma_without_gpu_raises_clear_error():
+    from ultracomm.cuda_support import NotAvailableError, cuda_runtime
+    from ultracomm.errors import UltracommError
+
+    with pytest.raises(NotAvailableError, match="the tma transport is not available: .*(CPU build|no CUDA device|driver)"):
+        cuda_runtime(0)
+    assert issubclass(NotAvailableError, UltracommError)
+
+
+def test_tma_transport_refuses_a_host_window():
+    from ultracomm.transports.tma import TmaTransport
+
+    class HostWin:
+        provider = "host_shm"
+        local = torch.zeros(16, dtype=torch.uint8)
+        peer_bases = [0]
+
+    with pytest.raises(ValueError, match="needs a GPU window"):
+        TmaTransport(rank=0, world=1, window=HostWin(), wlayout={}, layout=None, num_workers=1, timeout_s=1.0)
+
+
+def test_build_inplace_builds_cuda_with_cmake_flags():
+    script = os.path.join(ROOT, "scripts", "build_inplace.py")
+    p = subprocess.run([sys.executable, script, "--dry-run"], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    out = p.stdout
+    for src in cb.sources():
+        assert os.path.basename(src) in out
+    if cb.find_nvcc() is not None:
+        for f in cb.nvcc_flags():
+            assert f in out, f
+        for a in cb.real_archs():
+            assert f"sm_{a}" in out
+        assert "_cuda" in out and "cudart_static" in out

@@ -191,3 +191,41 @@ def test_bf16_weights_get_fp32_wgrads_in_main_grad():
     assert worst_relative(base, fused) <= TOL
     assert worst_relative(base, run(dtype=torch.bfloat16, main_grad=True, per_expert=True,
                                     lin=plain_for_replicas)) > 100 * TOL
+
+
+def test_profiled_manager_records_the_loads_the_planner_saw(tmp_path):
+    """With a profile, each step's record holds the gathered [world, E] loads and the
+    planner's plan beside the ops' times, so `ultracomm.whatif` can replay a manager run."""
+    from ultracomm.profile import Profiler, load_trace
+
+    seen: dict = {}
+
+    def body(group):
+        r = group.rank
+        prof = Profiler(tmp_path / f"r{r}")
+        mgr = ReplicaManager(group, mh.layout(), EPR, K, LAYERS, planner="quota", timeout_s=20, profile=prof)
+        params = params_for(r, LAYERS)
+        for layer in range(LAYERS):
+            mgr.register_layer(layer, params[layer])
+        anchor = torch.ones((), requires_grad=True)
+        total = 0
+        for layer in range(LAYERS):
+            x, rmap, probs, _ = mh.batch(r, layer, 0, E)
+            step = mgr.step(layer, rmap, probs)
+            seen[(r, layer)] = (rmap.sum(0).numpy().copy(), np.asarray(step.result.plan.slot_src).copy())
+            loss = mh.rank_loss(step, r, WORLD, layer, 0, params[layer], step.replica_weights(), linear)
+            total = total + step.guard(loss) * anchor
+        total.backward()
+        mgr.close()
+        prof.close()
+
+    LoopbackDomain(WORLD).run(body, timeout=240)
+    for r in range(WORLD):
+        tr = load_trace(tmp_path / f"r{r}")
+        assert tr["layer"].tolist() == list(range(LAYERS))
+        assert tr["has_load"].all() and tr["has_plan"].all()
+        for i, layer in enumerate(tr["layer"].tolist()):
+            want = np.stack([seen[(q, layer)][0] for q in range(WORLD)])
+            assert np.array_equal(tr.load_matrix(i), want)
+            assert np.array_equal(tr["slot_src"][i], seen[(r, layer)][1])
+            assert tr["time_weight_sync"][i] > 0 and tr["time_grad_reduce"][i] > 0

@@ -321,6 +321,8 @@ class ReplicaManager:
                 return self._recompute(target, routing_map, probs)
         load = gather_loads(self.ctx.comm, routing_map.sum(0), op=f"step(layer {layer})")
         result = self.planner(load, self.domain, self.slots_per_rank, **self.planner_options)
+        if self.ctx._profiler is not None:  # the loads the balancer saw, beside the ops' plan/stats/times
+            self.ctx._profiler.record(layer, load=load, plan=result)
         vid = self.ctx.begin(layer)
         sync = self.ctx.weight_sync(vid, result.plan, async_op=True)
         step = Step(self, layer, result, routing_map, probs, vid, sync, grad)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import contextlib
 import os
 import signal
 import socket
@@ -72,7 +73,8 @@ def _launch(scenario: str, out_dir: str) -> tuple[list[dict], dict, float | None
     if victim.is_alive() and victim.pid is not None:
         # a stopped victim is resumed once the survivors are done: it must raise too
         resumed_at = time.time()
-        os.kill(victim.pid, signal.SIGCONT)
+        with contextlib.suppress(ProcessLookupError):  # it may have exited since is_alive()
+            os.kill(victim.pid, signal.SIGCONT)
     victim.join(max(1.0, deadline - time.monotonic()))
     for p in procs:
         if p.is_alive():

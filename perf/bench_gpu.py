@@ -314,6 +314,10 @@ class Gpu:
         self.tma_reason = cuda_support.cuda_module_reason()
         self.cuda = cuda_support.cuda_module()
         if self.tma_reason is None:
+            ok, why = self.cuda.available(self.dev.index)  # driver, compute capability (sm_80+)
+            self.tma_reason = None if ok else f"ultracomm._cuda cannot run here: {why}"
+        self.cuda_reason = self.tma_reason  # what the _cuda microkernels need
+        if self.tma_reason is None:
             try:
                 importlib.import_module("ultracomm.cuda_loopback")
             except ImportError as e:
@@ -349,8 +353,8 @@ class Gpu:
 
     def binding(self, name: str) -> tuple[Optional[Callable], str]:
         """A ``_cuda`` microkernel launcher, or ``None`` and why it is missing."""
-        fn = getattr(self.cuda, name, None) if self.cuda is not None else None
-        return fn, "" if fn is not None else (self.tma_reason or f"this _cuda build has no {name}")
+        fn = getattr(self.cuda, name, None) if self.cuda is not None and not self.cuda_reason else None
+        return fn, "" if fn is not None else (self.cuda_reason or f"this _cuda build has no {name}")
 
     def baseline_copies(self, section: str, case: str, impl: str, src, dsts: list, fn: Callable[[], None],
                         note: str = "") -> Row:

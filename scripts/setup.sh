@@ -15,6 +15,9 @@ if ! python -c "import torch, sys; sys.exit(0 if tuple(map(int, torch.__version_
   quiet pip install -q "torch==2.13.0" || quiet pip install -q "torch>=2.4"
 fi
 quiet pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" ninja "cmake>=3.24" numpy "pytest>=8" "hypothesis>=6" matplotlib
+# optional extra ultracomm[nvshmem]: its import check runs where it installs (it imports without a GPU)
+python -c "import nvshmem.core" 2>/dev/null || quiet pip install -q "nvshmem4py-cu13" || \
+  echo "setup: nvshmem4py-cu13 not installed (optional; the nvshmem import check skips)"
 # The viewer's browser tests: Playwright's Python API driving the distribution's Chromium (never
 # Playwright's own browser downloads).  Guarded: without root, apt-get or network they skip, saying why.
 quiet pip install -q playwright || echo "setup: playwright not installed; the viewer's browser tests will skip"

@@ -66,7 +66,7 @@ def test_device_type_rules(transport, window, device, want):
     ("tma", "auto", "cpu", r"transport 'tma' runs on a GPU but device='cpu'"),
     ("host", "auto", "cuda:0", r"transport 'host' runs on the CPU but device='cuda:0'; use transport='tma'"),
     ("auto", "auto", "meta", r"device must be a CPU or CUDA device, got 'meta'"),
-    ("auto", "nvshmem", None, r"window provider 'nvshmem' is not available in this build"),
+    ("auto", "bogus", None, r"window provider 'bogus' is not available in this build"),
 ])
 def test_device_type_contradictions(transport, window, device, match):
     with pytest.raises(ValueError, match=match):
@@ -83,7 +83,7 @@ def test_auto_transport_follows_the_device(monkeypatch):
     assert transports.resolve_transport("auto", "cuda") is FakeTma
     assert transports.resolve_transport("tma", "cpu") is FakeTma  # an explicit name is taken as given
     with pytest.raises(ValueError, match=r"transport 'nccl' is not available in this build; transports: "
-                                         r"\['host', 'p2p', 'tma'\]"):
+                                         r"\['copy_engine', 'host', 'p2p', 'tma'\]"):
         transports.resolve_transport("nccl")
 
 
@@ -169,7 +169,7 @@ def test_auto_window_none_available_lists_why(monkeypatch):
     with pytest.raises(cs.NotAvailableError) as ei:
         windows.resolve_provider("auto", FakeTorchComm(), "cuda", ("torch_symm", "cuda_ipc"))
     assert str(ei.value) == ("ultracomm: no GPU window is available here: cuda_local: not accepted by the transport; "
-                             "torch_symm: torch_symm off; cuda_ipc: cuda_ipc off")
+                             "torch_symm: torch_symm off; cuda_ipc: cuda_ipc off; nvshmem: not accepted by the transport")
 
 
 def test_auto_window_cpu_is_unchanged():

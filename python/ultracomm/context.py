@@ -31,8 +31,9 @@ from typing import Any, Callable, Sequence
 import torch
 
 from . import _core, stream_ordered
+from . import domains
 from .comm import as_comm, require_same
-from .dataplane import check_master_devices, is_stream_ordered, select, transport_kwargs
+from .dataplane import check_master_devices, device_type, is_stream_ordered, select, transport_kwargs
 from .env import Config, check_window_layout
 from .errors import ClosedError, RegistrationError, UltracommError, UltracommTimeout
 from .layout import ExpertLayout
@@ -90,8 +91,10 @@ class Context:
         num_layers: MoE layers that will register masters.
         max_microbatches: micro-batches in flight per layer (pipeline parallelism): each layer
             has this many ``begin`` slots, released by ``grad_reduce`` or ``end``.
-        transport: ``auto`` or a built transport (default from ``ULTRACOMM_TRANSPORT``);
-            ``auto`` is ``tma`` for a CUDA Context, ``host`` for a CPU one.
+        transport: ``auto`` or a transport name (default from ``ULTRACOMM_TRANSPORT``):
+            ``host``, ``tma``, ``p2p``, ``copy_engine``.  ``auto`` is ``host`` (CPU) or ``tma``
+            (CUDA) when every rank shares one memory domain (host), else ``p2p``; see
+            :mod:`ultracomm.domains` and ``transport_choice``.
         window: window provider (default from ``ULTRACOMM_WINDOW``).
         device: where the window (and the registered masters) live: ``None`` (the CPU unless
             the window or transport named is a GPU one), ``"cpu"``, ``"cuda"`` (the current
@@ -138,11 +141,16 @@ class Context:
         def local_check() -> tuple:
             if error is not None:
                 raise error
-            return (repr(layout), experts_per_rank, slots_per_rank, num_layers, max_microbatches, self.node_of,
-                    self.config.chunk_bytes, self.config.relay_mode, self.config.max_depth, self.config.intra_bw,
-                    self.config.inter_bw, self._transport_cls.name, self._provider)
+            chosen = (self._transport_cls.name, self._provider) if self._transport_cls else ("auto", self.config.window)
+            return ((repr(layout), experts_per_rank, slots_per_rank, num_layers, max_microbatches, self.node_of,
+                     self.config.chunk_bytes, self.config.relay_mode, self.config.max_depth, self.config.intra_bw,
+                     self.config.inter_bw, *chosen), domains.host_key())
 
-        require_same(self.comm.agree(local_check, op="Context setup", what="configuration"), "Context configuration")
+        views = self.comm.agree(local_check, op="Context setup", what="configuration")
+        require_same([v[0] for v in views], "Context configuration")
+        if self._transport_cls is None:  # transport auto: where every rank runs decides (ultracomm.domains)
+            self.comm.agree(lambda: self._choose([v[1] for v in views], device), op="Context setup",
+                            what="transport choice")
         self.window = open_window(self._provider, self.comm, self.wlayout["total_bytes"], op="Context setup",
                                   device=self._cuda_dev)
         try:
@@ -206,11 +214,25 @@ class Context:
                         for n in self.node_of)):
                 raise ValueError(f"ultracomm: node_of must list, for each of the {self.world} ranks, an int node "
                                  f"index in [0, {self.world}); got {node_of!r}")
-        self._transport_cls, self._provider, self._cuda_dev = select(self.config, comm, device)
+        #: what ``transport="auto"`` chose and why (:class:`ultracomm.domains.TransportChoice`); ``None``
+        #: when the transport was named
+        self.transport_choice: domains.TransportChoice | None = None
+        self._transport_cls = None
+        if self.config.transport != "auto":
+            self._transport_cls, self._provider, self._cuda_dev = select(self.config, comm, device)
+        else:  # chosen after the first agreement; contradictions in the arguments still fail here
+            device_type(self.config.transport, self.config.window, device)
         self.wlayout = _core.window_layout(slots_per_rank, layout.weight_bytes, layout.grad_bytes,
                                            self.config.chunk_bytes)
         check_window_layout(self.wlayout)
         self._profiler = profile_for_context(profile, self)
+
+    def _choose(self, keys: Sequence[str], device: Any) -> None:
+        """``transport="auto"``: pick from every rank's domain key (agreed, deterministic)."""
+        dtype = device_type(self.config.transport, self.config.window, device)
+        self.transport_choice = domains.choose_transport(dtype, keys)
+        self._transport_cls, self._provider, self._cuda_dev = select(self.config, self.comm, device,
+                                                                     self.transport_choice)
 
     def _attach(self) -> None:
         """Build the transport and the replica views over the window (every rank agrees it worked)."""

@@ -5,9 +5,12 @@ Rules (``transport`` / ``window`` are the config values, ``device`` the Context 
 1. Where the window lives: ``device`` when given (``"cpu"``, ``"cuda"``, ``"cuda:N"``, an
    index); else where an explicitly named window lives; else CUDA when an explicitly named
    transport is a GPU one (``tma``); else the CPU.  Contradictions are errors.
-2. ``transport="auto"``: ``tma`` for a CUDA window, ``host`` for a CPU one.  A GPU transport
-   on a machine without a GPU or without ``ultracomm._cuda`` raises
-   :class:`~ultracomm.cuda_support.NotAvailableError` naming what is missing.
+2. ``transport="auto"``: ``tma`` for a CUDA window, ``host`` for a CPU one, when every rank
+   shares one memory domain; a Context whose ranks span hosts passes the choice of
+   :mod:`ultracomm.domains` (``p2p``).  A GPU transport on a machine without a GPU or without
+   ``ultracomm._cuda`` raises :class:`~ultracomm.cuda_support.NotAvailableError` naming what
+   is missing; so does, after that, a named window that cannot work here (``nvshmem`` without
+   nvshmem4py, for instance).
 3. ``window="auto"``: the best provider for that device among the transport's providers
    (``ultracomm.windows``).
 4. ``register_masters``: tensors on the window's device; for a CUDA window every
@@ -22,7 +25,8 @@ from typing import Any, Sequence
 import torch
 
 from .comm import Comm
-from .cuda_support import resolve_device
+from .cuda_support import NotAvailableError, resolve_device
+from .domains import TransportChoice
 from .env import Config
 from .errors import RegistrationError
 from .sm_budget import choices_for_device
@@ -66,15 +70,22 @@ def device_type(transport: str, window: str, device: Any = None) -> str:
     return "cuda" if transport in GPU_TRANSPORTS else "cpu"
 
 
-def select(config: Config, comm: Comm, device: Any = None) -> tuple[type, str, torch.device | None]:
-    """(transport class, window provider, CUDA device or ``None``) for a Context (rules 1-3)."""
+def select(config: Config, comm: Comm, device: Any = None,
+           choice: TransportChoice | None = None) -> tuple[type, str, torch.device | None]:
+    """(transport class, window provider, CUDA device or ``None``) for a Context (rules 1-3).
+    ``choice``: what ``transport="auto"`` became from the ranks' domains (logged once here)."""
     dtype = device_type(config.transport, config.window, device)
-    transport_cls = resolve_transport(config.transport, dtype)
+    transport_cls = resolve_transport(choice.transport if choice is not None else config.transport, dtype)
     provider = resolve_provider(config.window, comm, dtype, allowed=transport_cls.window_providers)
     if provider not in transport_cls.window_providers:
         raise ValueError(f"ultracomm: transport {transport_cls.name!r} cannot use window {provider!r}; "
                          f"use one of {transport_cls.window_providers}")
+    why = getattr(PROVIDERS[provider], "unavailable_reason", lambda c: None)(comm)
+    if config.window != "auto" and why:
+        raise NotAvailableError(f"ultracomm: window {provider!r} is not available: {why}")
     cuda_dev = resolve_device(device) if dtype == "cuda" else None
+    if choice is not None:
+        log.info("ultracomm: rank %d: %s", comm.rank, choice.describe())
     log.info("ultracomm: rank %d: transport %s (%s), window %s (%s)%s", comm.rank, transport_cls.name,
              config.transport, provider, config.window, f" on {cuda_dev}" if cuda_dev is not None else "")
     return transport_cls, provider, cuda_dev

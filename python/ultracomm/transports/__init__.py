@@ -9,13 +9,15 @@ name         executor                                                  status
 host         C++ worker threads over host windows (the reference)      built everywhere
 tma          persistent CUDA kernel, TMA bulk copies (stream-ordered)  needs _cuda and a GPU
 p2p          torch.distributed point-to-point (gloo on CPU, NCCL on GPU)  built everywhere
-copy_engine  cudaMemcpyAsync on side streams                           arrives with the CUDA plane
+copy_engine  cuMemcpyAsync per destination stream + stream flag ops      needs a GPU (reduce: tma)
 ===========  ========================================================  ==========================
 
 A transport class has ``name``, ``window_providers`` (the windows it can run over) and
 ``stream_ordered`` (``True``: ``run(..., stream=)`` only enqueues work on a CUDA stream and
 failures are collected by ``check_error()``; absent/``False``: ``run`` blocks until done).
-``tma`` is imported when first asked for, so ultracomm imports without ``_cuda`` or a GPU.
+``tma`` and ``copy_engine`` are imported when first asked for, so ultracomm imports without
+``_cuda``, a driver or a GPU.  ``auto`` is decided with the ranks' memory domains by
+:mod:`ultracomm.domains`; :func:`resolve_transport` alone maps it by device.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from .host import HostTransport
 from .p2p import P2PTransport
 
 TRANSPORTS: dict[str, type] = {"host": HostTransport, "p2p": P2PTransport}
-GPU_TRANSPORTS = ("tma",)  # transports whose windows and masters live on a CUDA device
+GPU_TRANSPORTS = ("tma", "copy_engine")  # transports whose windows and masters live on a CUDA device
 
 
 def _load_tma() -> type:
@@ -36,6 +38,14 @@ def _load_tma() -> type:
     except (ImportError, AttributeError) as e:
         raise NotAvailableError(f"ultracomm: transport 'tma' is not available: its Python side "
                                 f"(ultracomm.transports.tma.TmaTransport) does not load: {e}") from e
+
+
+def _load_copy_engine() -> type:
+    require("transport 'copy_engine'", need_module=False)
+    from ..cuda_driver import driver
+
+    driver()  # NotAvailableError: no libcuda
+    return importlib.import_module(".copy_engine", __name__).CopyEngineTransport
 
 
 def resolve_transport(name: str, device_type: str = "cpu") -> type:
@@ -49,6 +59,9 @@ def resolve_transport(name: str, device_type: str = "cpu") -> type:
     if name == "tma":
         TRANSPORTS["tma"] = _load_tma()
         return TRANSPORTS["tma"]
+    if name == "copy_engine":
+        TRANSPORTS["copy_engine"] = _load_copy_engine()
+        return TRANSPORTS["copy_engine"]
     raise ValueError(
         f"ultracomm: transport {name!r} is not available in this build; "
         f"transports: {sorted({*TRANSPORTS, *GPU_TRANSPORTS})} (set ULTRACOMM_TRANSPORT or transport=...)"

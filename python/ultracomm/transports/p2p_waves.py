@@ -155,24 +155,27 @@ def build_program(op: Op, schedule, rank: int, tasks: np.ndarray, refs: np.ndarr
         off, nb = _chunk_range(c, chunk_bytes, slot_bytes)
         return member_segments(off, nb, member_off, member_bytes)
 
+    def own_slots():  # (slot, expert, tree parent's rank) of this rank's filled slots
+        for s in range(slots):
+            e = int(slot_src[rank, s])
+            if e >= 0:
+                p = int(pr[rank, s])
+                _check(0 <= p < world and p != rank, f"rank {rank} slot {s} (expert {e}) has {op.name.lower()} "
+                       f"tree parent rank {p}")
+                yield s, e, p
+
     if op == Op.MULTICAST:
         depth = multicast_depths(schedule)
         for t in tasks:
             c, e, me_slot = int(t["chunk"]), int(t["expert"]), int(t["self_slot"])
-            for ref in refs[int(t["ref_begin"]):int(t["ref_begin"]) + int(t["ref_count"])]:
-                d, s = int(ref["rank"]), int(ref["slot"])
+            for d, s in _refs_of(t, refs):
                 _check(d != rank, f"rank {rank} copies expert {e} to its own slot {s}")
                 _check((int(pr[d, s]), int(ps[d, s])) == (rank, me_slot),
                        f"rank {rank} copies expert {e} to rank {d} slot {s}, whose tree parent is "
                        f"({int(pr[d, s])}, {int(ps[d, s])})")
                 for m, lo, hi in segs(c):
                     sends.append(SendItem(Message(c + int(depth[d, s]) - 1, rank, d, s, c, m, lo, hi, e), me_slot))
-        for s in range(slots):
-            e = int(slot_src[rank, s])
-            if e < 0:
-                continue
-            p = int(pr[rank, s])
-            _check(0 <= p < world and p != rank, f"rank {rank} slot {s} (expert {e}) has parent rank {p}")
+        for s, e, p in own_slots():
             for c in range(nchunks):
                 for m, lo, hi in segs(c):
                     msg = Message(c + int(depth[rank, s]) - 1, p, rank, s, c, m, lo, hi, e)
@@ -180,12 +183,7 @@ def build_program(op: Op, schedule, rank: int, tasks: np.ndarray, refs: np.ndarr
                     deps.setdefault((s, c), []).append(msg)
     else:
         height, master_h = reduce_heights(schedule, slot_src, home_of)
-        for s in range(slots):  # this rank's chunks go up to the slot's parent
-            e = int(slot_src[rank, s])
-            if e < 0:
-                continue
-            p = int(pr[rank, s])
-            _check(0 <= p < world and p != rank, f"rank {rank} slot {s} (expert {e}) has reduce parent rank {p}")
+        for s, e, p in own_slots():  # this rank's chunks go up to the slot's parent
             for c in range(nchunks):
                 for m, lo, hi in segs(c):
                     sends.append(SendItem(Message(c + int(height[rank, s]), rank, p, s, c, m, lo, hi, e), s))
@@ -193,7 +191,7 @@ def build_program(op: Op, schedule, rank: int, tasks: np.ndarray, refs: np.ndarr
             c, e, me_slot = int(t["chunk"]), int(t["expert"]), int(t["self_slot"])
             h = master_h.get(e) if me_slot == MASTER else int(height[rank, me_slot])
             _check(h is not None and h >= 1, f"rank {rank} reduces expert {e} into slot {me_slot}, which has no children")
-            srcs = [(int(x["rank"]), int(x["slot"])) for x in refs[int(t["ref_begin"]):int(t["ref_begin"]) + int(t["ref_count"])]]
+            srcs = _refs_of(t, refs)
             for q, s in srcs:
                 _check(q != rank, f"rank {rank} reduces its own slot {s} into expert {e}")
                 _check((int(pr[q, s]), int(ps[q, s])) == (rank, me_slot),
@@ -228,6 +226,12 @@ def build_program(op: Op, schedule, rank: int, tasks: np.ndarray, refs: np.ndarr
         wave.recvs.sort(key=lambda x: (x.src, x.order()))
     deps = {k: [tagged(x) for x in v] for k, v in deps.items()}
     return Program(op, rank, waves, deps)
+
+
+def _refs_of(task, refs: np.ndarray) -> list[tuple[int, int]]:
+    """A task's ``(rank, slot)`` refs, in list order."""
+    b = int(task["ref_begin"])
+    return [(int(x["rank"]), int(x["slot"])) for x in refs[b:b + int(task["ref_count"])]]
 
 
 def _by_pair(msgs: list[Message]) -> dict[tuple[int, int], list[Message]]:

@@ -15,13 +15,15 @@ torch_symm   torch.distributed._symmetric_memory empty + rendezvous       CUDA
 cuda_ipc     device allocation + CUDA IPC handles over the group          CUDA (one host)
 cuda_local   loopback domain on one GPU (ranks as threads)                CUDA
 private      this rank's pool only, no peer mapping (the p2p transport)   CPU or CUDA
+nvshmem      NVSHMEM symmetric heap, nvshmem_ptr peers (nvshmem4py)       CUDA (NVLink domain)
 ===========  ==========================================================  ============
 
 ``auto`` picks, for a CPU Context: ``local`` (loopback) or ``host_shm``; for a CUDA Context:
 ``cuda_local`` (loopback), else ``torch_symm`` when torch has it, else ``cuda_ipc``
 (restricted to what the transport accepts; a transport that accepts only ``private``, such as
 ``p2p``, gets it on either device).  GPU providers zero the window and pass a
-barrier before returning.  nvshmem is not built yet.
+barrier before returning.  ``nvshmem`` (optional extra ``ultracomm[nvshmem]``) is named
+explicitly or taken by ``auto`` only when the others are not available here.
 """
 from __future__ import annotations
 
@@ -35,15 +37,17 @@ from .cuda_ipc import CudaIpcWindow
 from .cuda_local import CudaLocalWindow
 from .host_shm import HostShmWindow
 from .local import LocalWindow
+from .nvshmem import NvshmemWindow
 from .private import PrivateWindow
 from .torch_symm import TorchSymmWindow
 
 log = logging.getLogger("ultracomm")
 
 PROVIDERS = {"host_shm": HostShmWindow, "local": LocalWindow, "torch_symm": TorchSymmWindow,
-             "cuda_ipc": CudaIpcWindow, "cuda_local": CudaLocalWindow, "private": PrivateWindow}
+             "cuda_ipc": CudaIpcWindow, "cuda_local": CudaLocalWindow, "private": PrivateWindow,
+             "nvshmem": NvshmemWindow}
 CPU_PROVIDERS = ("local", "host_shm")
-GPU_PROVIDERS = ("cuda_local", "torch_symm", "cuda_ipc")  # auto's order of preference
+GPU_PROVIDERS = ("cuda_local", "torch_symm", "cuda_ipc", "nvshmem")  # auto's order of preference
 
 
 def device_type_of(provider: str) -> str:
@@ -95,5 +99,5 @@ def open_window(provider: str, comm: Comm, nbytes: int, op: str = "window setup"
     return PROVIDERS[name].create(comm, nbytes, op=op)
 
 
-__all__ = ["Window", "HostShmWindow", "LocalWindow", "CudaIpcWindow", "CudaLocalWindow", "TorchSymmWindow", "PrivateWindow",
+__all__ = ["Window", "HostShmWindow", "LocalWindow", "CudaIpcWindow", "CudaLocalWindow", "TorchSymmWindow", "PrivateWindow", "NvshmemWindow",
            "open_window", "resolve_provider", "device_type_of", "PROVIDERS", "CPU_PROVIDERS", "GPU_PROVIDERS"]

@@ -324,13 +324,13 @@ def run_case(op: str, size: int, workload: str, args, rank: int, world: int) -> 
     return rows
 
 
-HEADER = (f"# {'op':>11} {'method':>8} {'over':>6} {'workload':>9} {'size(B)':>10} {'repl':>4} {'dep':>3} "
+HEADER = (f"# {'op':>11} {'method':>10} {'over':>6} {'workload':>9} {'size(B)':>10} {'repl':>4} {'dep':>3} "
           f"{'time(us)':>10} {'p90(us)':>10} {'algbw':>7} {'busbw':>7} {'cpbw':>7} {'lb':>5} {'#wrong':>6}")
 
 
 def format_row(r: dict) -> str:
     over = "gloo" if r["transport"].startswith("gloo") else "shm"
-    return (f"  {r['op']:>11} {r['method']:>8} {over:>6} {r['workload']:>9} {r['size']:>10} {r['replicas']:>4} "
+    return (f"  {r['op']:>11} {r['method']:>10} {over:>6} {r['workload']:>9} {r['size']:>10} {r['replicas']:>4} "
             f"{r['depth']:>3} "
             f"{r['time_us']:>10.1f} {r['p90_us']:>10.1f} {r['algbw_GBps']:>7.2f} {r['busbw_GBps']:>7.2f} "
             f"{r['cpbw_GBps']:>7.2f} {r['lb_ratio']:>5.2f} {r['wrong']:>6}")

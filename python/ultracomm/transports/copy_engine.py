@@ -87,7 +87,12 @@ class CopyEngineTransport:
             # one loopback launch runs every rank: wait until every rank deposited (the last one launched)
             barrier = self.window.shared.setdefault(("copy_engine.reduce", tuple(self.window.peer_bases)),
                                                     threading.Barrier(self.world))
-            barrier.wait(self.timeout_s)
+            try:
+                barrier.wait(self.timeout_s)
+            except threading.BrokenBarrierError:
+                raise UltracommTimeout(
+                    f"ultracomm: rank {self.rank} {op_name} (epoch {epoch}, transport copy_engine): not every loopback "
+                    f"rank started the reduction within {self.timeout_s:g} s (timeout ULTRACOMM_TIMEOUT_S)") from None
             torch.cuda.synchronize(self.device)
         else:
             stream.synchronize()

@@ -112,7 +112,12 @@ class P2PTransport:
         in errors."""
         op = Op(op)
         prog = self.program(op, schedule)
-        _Run(self, op, prog, masters, list(local_index_of), op_name or op.name.lower(), epoch).execute()
+        run = _Run(self, op, prog, masters, list(local_index_of), op_name or op.name.lower(), epoch)
+        if self.device.type == "cuda":
+            with torch.cuda.device(self.device):  # NCCL posts on the current device's streams
+                run.execute()
+        else:
+            run.execute()
 
 
 class _Run:

@@ -42,6 +42,10 @@ class TorchMessenger:
         self.group = group
         self.global_rank = [dist.get_global_rank(group, r) for r in range(world)]
         self.coalesced = "nccl" in backend  # batch_isend_irecv groups NCCL messages into one Work
+        if self.coalesced:
+            # NCCL: a group's first batch_isend_irecv must involve every rank, and a wave rarely does; one
+            # barrier here (every rank builds the transport together) is that first operation
+            dist.barrier(group=group, device_ids=[device.index])
 
     def exchange(self, ops: Sequence[OpSpec]) -> list:
         p2p = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, self.global_rank[peer], self.group, tag)

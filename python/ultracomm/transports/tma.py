@@ -6,7 +6,7 @@ Interface (stable; ``Context`` and the GPU tests use exactly this):
 
 ``TmaTransport(*, rank, world, window, wlayout, layout, num_workers, timeout_s, jitter_us=0,
 multicast_sms=None, reduce_sms=None)``
-    ``window``: a GPU window (``cuda_ipc``, ``torch_symm`` or ``cuda_local``) whose
+    ``window``: a GPU window (``cuda_ipc``, ``torch_symm``, ``cuda_local`` or ``nvshmem``) whose
     ``peer_bases`` are device addresses of every rank's window as this device addresses them
     and whose ``local`` is a CUDA tensor (its device is the one the kernel runs on).
     ``multicast_sms`` / ``reduce_sms``: CTAs per launch (one per SM; ``ULTRACOMM_MULTICAST_SMS``
@@ -69,7 +69,7 @@ class TmaTransport:
     """Persistent-kernel executor over GPU windows (see the module docstring)."""
 
     name = "tma"
-    window_providers = ("cuda_ipc", "torch_symm", "cuda_local")
+    window_providers = ("cuda_ipc", "torch_symm", "cuda_local", "nvshmem")
     stream_ordered = True
 
     def __init__(self, *, rank: int, world: int, window, wlayout: dict, layout, num_workers: int,

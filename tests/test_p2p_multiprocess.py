@@ -15,12 +15,12 @@ from test_multiprocess import HERE, torchrun  # noqa: E402
 
 
 def _ok_lines(out: str, world: int, pairs: bool) -> None:
-    for r in range(world):
-        m = re.search(rf"^rank {r} OK 9 checks (\d+) relayed$", out, re.M)
+    for r in range(world):  # not anchored to lines: ranks' output may interleave
+        m = re.search(rf"rank {r} OK 9 checks (\d+) relayed", out)
         assert m, f"rank {r} did not finish its checks"
         assert int(m.group(1)) > 0, f"rank {r}: no plan used a relay tree"
         if pairs:
-            assert re.search(rf"^rank {r} pair OK 9 checks$", out, re.M), f"rank {r} did not finish the pair checks"
+            assert re.search(rf"rank {r} pair OK 9 checks", out), f"rank {r} did not finish the pair checks"
 
 
 @pytest.mark.slow

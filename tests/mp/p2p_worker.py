@@ -82,16 +82,22 @@ def check_group(group, node_of) -> tuple[int, int]:
     return checks, relayed
 
 
+def say(line: str) -> None:
+    """One write per line: the launcher merges every rank's stdout into one pipe."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     node_of = [int(x) for x in os.environ["P2P_NODE_OF"].split(",")] if os.environ.get("P2P_NODE_OF") else None
     checks, relayed = check_group(None, node_of)
-    print(f"rank {rank} OK {checks} checks {relayed} relayed", flush=True)
+    say(f"rank {rank} OK {checks} checks {relayed} relayed")
     if os.environ.get("P2P_PAIRS"):  # also every pair of ranks (2r, 2r+1) as its own group: group ranks differ
         pairs = [dist.new_group([2 * k, 2 * k + 1]) for k in range(world // 2)]
         checks, _ = check_group(pairs[rank // 2], None)
-        print(f"rank {rank} pair OK {checks} checks", flush=True)
+        say(f"rank {rank} pair OK {checks} checks")
     dist.destroy_process_group()
 
 

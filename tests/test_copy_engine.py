@@ -11,6 +11,7 @@ from ultracomm import Context, ExpertLayout, LoopbackDomain, Member, ReplicaPlan
 from ultracomm.cuda_support import NotAvailableError
 from ultracomm.records import Op
 from ultracomm.transports.copy_engine_plan import multicast_commands, simulate
+from ultracomm.transports.host import op_digest
 
 from conftest import expert_weights, hot_slot_src, random_slot_src
 
@@ -56,7 +57,7 @@ def test_commands_on_simulated_streams_match_the_host_executor(world, mode, node
                 programs.append(multicast_commands(
                     c.rank, c.wlayout, c.window.peer_bases, s.tasks(Op.MULTICAST, c.rank), s.refs(Op.MULTICAST, c.rank),
                     LAYOUT.weight_offsets, LAYOUT.weight_sizes, c._masters[0].weight_ptrs,
-                    plan.local_index_of.tolist(), plan.slot_src[c.rank].tolist(), s.digest))
+                    plan.local_index_of.tolist(), plan.slot_src[c.rank].tolist(), op_digest(s.digest, Op.MULTICAST)))
                 c.window.local[:end].zero_()  # the slots the commands must fill again
             epoch = max(c._epoch for c in ctxs) + 1  # above every flag the host executor raised
             simulate(programs, epoch, seed=i)
@@ -90,7 +91,7 @@ def test_relay_without_its_arrival_wait_is_caught():
             cmds = multicast_commands(c.rank, c.wlayout, c.window.peer_bases, s.tasks(Op.MULTICAST, c.rank),
                                       s.refs(Op.MULTICAST, c.rank), LAYOUT.weight_offsets, LAYOUT.weight_sizes,
                                       c._masters[0].weight_ptrs, plan.local_index_of.tolist(),
-                                      plan.slot_src[c.rank].tolist(), s.digest)
+                                      plan.slot_src[c.rank].tolist(), op_digest(s.digest, Op.MULTICAST))
             programs.append([x for x in cmds if not (x.kind == "wait" and "relay slot" in x.what)])
         differs = 0
         for seed in range(20):

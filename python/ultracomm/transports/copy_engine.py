@@ -37,7 +37,7 @@ from ..cuda_support import NotAvailableError, require
 from ..errors import UltracommTimeout
 from ..records import Op
 from .copy_engine_plan import EPOCH, MAIN, Cmd, multicast_commands
-from .host import Masters
+from .host import Masters, op_digest
 
 __all__ = ["CopyEngineTransport"]
 
@@ -116,7 +116,7 @@ class CopyEngineTransport:
                                       schedule.tasks(Op.MULTICAST, self.rank), schedule.refs(Op.MULTICAST, self.rank),
                                       list(self.layout.weight_offsets), list(self.layout.weight_sizes),
                                       list(masters.weight_ptrs), list(local_index_of), list(my_slots),
-                                      schedule.digest)
+                                      op_digest(schedule.digest, Op.MULTICAST))
             self._cache[key] = cmds
         return cmds
 

@@ -4,7 +4,8 @@
 #   1. build: pip + scikit-build-core (no isolation, no index) when scikit-build-core, pybind11 and
 #      cmake are present; if that is missing or fails, scripts/build_inplace.py (torch's
 #      cpp_extension: _core and _cuda) into build/inplace, put on PYTHONPATH
-#   2. the `gpu`-marked tests (pytest -m gpu), junit XML + log
+#   2. the `gpu`-marked tests (pytest -m gpu: tma, copy_engine incl. its stalled-rank and
+#      digest-mismatch runs in subprocesses, profiler GPU op times), junit XML + log
 #   3. perf/bench_gpu.py: tables, results JSON and the hardware profile JSON
 #   4. if time is left: the CPU benches (host executor, schedule builder) for the record
 # Everything lands under $OUT (default perf/out/gpu).  Commit the profile and the tables of a real
@@ -57,7 +58,7 @@ fi
 "$PY" -c "import ultracomm, ultracomm._core; from ultracomm.cuda_support import cuda_module_reason as r; \
 print('gpu_check: ultracomm from', ultracomm.__file__, '; _cuda:', r() or 'loads')" 2>&1 | tee -a "$OUT/env.txt"
 
-step gpu-tests 150 "$PY" -m pytest tests -q -m gpu --continue-on-collection-errors -p no:cacheprovider \
+step gpu-tests 200 "$PY" -m pytest tests -q -m gpu --continue-on-collection-errors -p no:cacheprovider \
   --junitxml="$OUT/gpu-tests.xml" > "$OUT/gpu-tests.log" 2>&1
 rc_test=$?
 [ "$rc_test" = 5 ] && rc_test=0  # no gpu-marked test collected

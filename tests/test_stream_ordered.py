@@ -364,3 +364,36 @@ def test_a_failure_stays_after_the_record_was_taken(fake, monkeypatch):
         return True
 
     assert LoopbackDomain(1).run(body) == [True]
+
+
+class AbandoningTransport(OnceStreamTransport):
+    """A transport that, after a failure, leaves streams blocked for good (copy_engine's waits on
+    a lost peer): no device-wide synchronize may wait for them, and the window stays mapped."""
+
+    def abandoned_streams(self):
+        return self.error is not None or self.withhold
+
+
+def test_abandoned_streams_skip_the_device_sync_and_keep_the_window(fake, monkeypatch):
+    import ultracomm.context as context
+
+    monkeypatch.setitem(transports.TRANSPORTS, "tma", AbandoningTransport)
+    monkeypatch.setattr(context, "_KEPT_WINDOWS", [])
+
+    def body(group):
+        ctx = make_ctx(group, slots=1, epr=1)
+        ctx.register_masters(0, *masters(0, 1))
+        streams = ctx._streams.streams
+        ctx.synchronize()
+        assert streams.syncs == 1  # healthy: a device-wide synchronize
+        boom = UltracommError("ultracomm: rank 0: weight_sync epoch 1: timed out")
+        ctx.transport.error = boom
+        with pytest.raises(UltracommError) as ei:
+            ctx.synchronize()
+        assert ei.value is boom and streams.syncs == 1  # failed, streams abandoned: no device sync
+        window = ctx.window
+        ctx.close()
+        assert streams.syncs == 1 and context._KEPT_WINDOWS == [window] and ctx.transport.closed
+        return True
+
+    assert LoopbackDomain(1).run(body) == [True]

@@ -14,9 +14,9 @@ Every wait is bounded by ``ULTRACOMM_TIMEOUT_S``: a stalled or dead peer makes t
 raise :class:`~ultracomm.errors.UltracommTimeout` naming the rank, the operation and what
 was awaited.  Setup agrees on success: if any rank fails a setup step, every rank raises.
 
-With a GPU transport (``tma``: ``device="cuda"``, a GPU window, or ``transport="tma"``) the
-operations are stream-ordered: they are enqueued on the caller's current CUDA stream and
-return at once (see :mod:`ultracomm.stream_ordered`); kernel errors surface at
+With a GPU transport (``tma``: ``device="cuda"``, a GPU window, or ``transport="tma"``; and
+``copy_engine``) the operations are stream-ordered: they are enqueued on the caller's current
+CUDA stream and return at once (see :mod:`ultracomm.stream_ordered`); device errors surface at
 ``work.wait()`` or ``synchronize()``.
 """
 from __future__ import annotations
@@ -55,15 +55,22 @@ MAX_LAYERS = 1 << 20
 MAX_MICROBATCHES = 1 << 16
 
 
+_KEPT_WINDOWS: list = []  # windows that stay mapped for the life of the process (see _release)
+
+
 def _release(runner: OrderedRunner, window: Any, streams: Any) -> None:
     """Stop ``runner`` (after its queue), let queued kernels finish (stream-ordered transports) and
     unmap ``window``: close(), or a dropped Context's finaliser."""
     runner.close()
+    keep = False
     try:
         if streams is not None:
-            streams.close()
+            keep = streams.close()
     finally:
-        window.close()
+        if keep:  # a failed copy_engine operation's streams may still reference it
+            _KEPT_WINDOWS.append(window)
+        else:
+            window.close()
 
 
 @dataclasses.dataclass

@@ -9,7 +9,11 @@ Calls (driver API, unified addressing: peer-mapped and IPC-mapped addresses are 
 * ``cuStreamWriteValue64(stream, addr, value, 0)``: after the stream's earlier work, a fenced
   write of a flag (default flags: the write is preceded by a memory fence);
 * ``cuStreamWaitValue64(stream, addr, value, CU_STREAM_WAIT_VALUE_GEQ)``: later work on the
-  stream waits until the flag reaches ``value`` -- on the device, no host round trip.
+  stream waits until the flag reaches ``value`` -- on the device, no host round trip;
+  ``CU_STREAM_WAIT_VALUE_EQ``: until it equals ``value`` (the plan-digest check).
+
+Addresses may be device memory (windows, peers' windows) or pinned host memory (``cudaHostAlloc``:
+with unified addressing its host pointer is its device pointer): the watchdog's words.
 
 The ``_v2`` entry points are used where the driver has them (CUDA 12+), else the originals.
 """
@@ -21,9 +25,10 @@ from typing import Optional
 
 from .cuda_support import NotAvailableError
 
-__all__ = ["Driver", "driver", "driver_reason", "CU_STREAM_WAIT_VALUE_GEQ"]
+__all__ = ["Driver", "driver", "driver_reason", "CU_STREAM_WAIT_VALUE_GEQ", "CU_STREAM_WAIT_VALUE_EQ"]
 
 CU_STREAM_WAIT_VALUE_GEQ = 0x0
+CU_STREAM_WAIT_VALUE_EQ = 0x1
 _CUDA_SUCCESS = 0
 
 
@@ -62,8 +67,10 @@ class Driver:
     def write_value(self, stream: int, addr: int, value: int) -> None:
         self._check(self._write(stream, addr, value, 0), "cuStreamWriteValue64")
 
-    def wait_value(self, stream: int, addr: int, value: int) -> None:
-        self._check(self._wait(stream, addr, value, CU_STREAM_WAIT_VALUE_GEQ), "cuStreamWaitValue64")
+    def wait_value(self, stream: int, addr: int, value: int, equal: bool = False) -> None:
+        """Later work on ``stream`` waits until ``*addr >= value`` (``equal``: ``== value``)."""
+        mode = CU_STREAM_WAIT_VALUE_EQ if equal else CU_STREAM_WAIT_VALUE_GEQ
+        self._check(self._wait(stream, addr, value, mode), "cuStreamWaitValue64")
 
 
 @functools.lru_cache(maxsize=1)

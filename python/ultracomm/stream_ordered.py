@@ -1,12 +1,16 @@
-"""How a Context drives a stream-ordered transport (``tma``): enqueue on the caller's CUDA stream.
+"""How a Context drives a stream-ordered transport (``tma``, ``copy_engine``): enqueue on the
+caller's CUDA stream.
 
-``transport.run(..., stream=)`` only enqueues the operation's kernel on the caller's current
-stream and returns: no host synchronisation, no device allocation (the transport keeps the
-plan's task lists in a device cache keyed by the schedule digest), so with a fixed plan the
-operations can be captured in a CUDA graph.  Failures (a timeout, a digest mismatch) are
-written by the kernel into the transport's error record and raised by
-``transport.check_error()``, which this module calls at ``Work.wait()`` and
-``Context.synchronize()``: that is where a kernel's error surfaces, with the record's text.
+``transport.run(..., stream=)`` only enqueues the operation on the caller's current stream and
+returns: no host synchronisation (``tma``: no device allocation either, the transport keeps the
+plan's task lists in a device cache keyed by the schedule digest, so with a fixed plan the
+operations can be captured in a CUDA graph).  Failures (a timeout, a digest mismatch) are
+recorded by the device (``tma``'s kernel) or the transport's watchdog (``copy_engine``) and
+raised by ``transport.check_error()``, which this module calls at ``Work.wait()`` and
+``Context.synchronize()``: that is where a device error surfaces, with the record's text.
+A transport whose ``abandoned_streams()`` is true after a failure (``copy_engine``: internal
+streams blocked for good on a lost peer) gets no device-wide synchronize from the Context, and
+its window stays mapped.
 
 ``async_op=True`` returns a :class:`StreamWork` backed by a CUDA event recorded after the
 launch; ``async_op=False`` returns ``None`` with the work queued on the stream (like
@@ -168,16 +172,27 @@ class StreamOrdered:
         if reject is not None:
             reject(op, epoch, stream=self.streams.stream_handle())
 
+    def _abandoned(self) -> bool:
+        """The transport left streams blocked for good after a failure (``copy_engine``: waits
+        only a lost peer can satisfy): a device-wide synchronize would never return."""
+        abandoned = getattr(self.transport, "abandoned_streams", None)
+        return bool(abandoned()) if abandoned is not None else False
+
     def synchronize(self) -> None:
         """Wait for all work on the device, then raise the transport's error record if any."""
-        self.streams.synchronize()
+        if not self._abandoned():
+            self.streams.synchronize()
         error = self.check()
         if error is not None:
             raise error
 
-    def close(self) -> None:
-        """Let queued kernels finish before the window goes away (errors stay in the record)."""
-        self.streams.synchronize()
+    def close(self) -> bool:
+        """Let queued kernels finish before the window goes away (errors stay in the record).
+        Returns whether the window must stay mapped (streams abandoned after a failure)."""
+        abandoned = self._abandoned()
+        if not abandoned:
+            self.streams.synchronize()
         close = getattr(self.transport, "close", None)
         if close is not None:
             close()
+        return abandoned

@@ -10,6 +10,7 @@ host         C++ worker threads over host windows (the reference)      built eve
 tma          persistent CUDA kernel, TMA bulk copies (stream-ordered)  needs _cuda and a GPU
 p2p          torch.distributed point-to-point (gloo on CPU, NCCL on GPU)  built everywhere
 copy_engine  cuMemcpyAsync per destination stream + stream flag ops      needs a GPU (reduce: tma)
+             (stream-ordered; host watchdog bounds its stream waits)
 ===========  ========================================================  ==========================
 
 A transport class has ``name``, ``window_providers`` (the windows it can run over) and

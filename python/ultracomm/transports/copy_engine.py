@@ -1,32 +1,37 @@
-"""The ``copy_engine`` transport: multicast with zero SMs (the FEPLB idea).
+"""The ``copy_engine`` transport: multicast with zero SMs (the FEPLB idea), stream-ordered.
 
-Weights move with ``cuMemcpyAsync`` peer copies (copy engines, not SMs) on one stream per
-destination rank; a relay's forward waits on the device for its chunk's arrival flag with
-``cuStreamWaitValue64`` and every copy is published with a fenced ``cuStreamWriteValue64``
-on the destination's arrival flag, so there is no host round trip per chunk
-(:mod:`ultracomm.transports.copy_engine_plan` builds the commands; the driver is opened with
-``dlopen``, :mod:`ultracomm.cuda_driver`).
+Same contract as ``tma`` (:mod:`ultracomm.stream_ordered`): ``run(..., stream=)`` only enqueues
+on the caller's stream and returns; the Work completes with that stream; failures are raised by
+``check_error()`` at ``Work.wait()`` / ``Context.synchronize()``.
+
+Weights move with ``cuMemcpyAsync`` peer copies (copy engines, not SMs) on one internal stream
+per destination rank, forked from the caller's stream with an event and joined back to it by
+waits on host words.  A relay's forward waits on the device for its chunk's arrival flag with
+``cuStreamWaitValue64``; every copy is published with a fenced ``cuStreamWriteValue64`` on the
+destination's arrival flag; no host round trip per chunk.  Before anything moves this rank
+publishes its op digest beside ``ready[multicast]``, and a sender waits for each destination's
+digest to *equal* its own before copying into it (:mod:`.copy_engine_plan` builds the commands
+and says why the order is sound).  Stream waits cannot time out: a watchdog thread
+(:mod:`.copy_engine_watchdog`) bounds them with the Context's timeout, detects a peer on
+another plan, and releases the caller's stream on a failure (its limits are listed there).
 
 The reduction is not a copy: ``grad_reduce`` runs the ordered reduction of the ``tma``
-transport's persistent kernel (``ultracomm._cuda``, the data plane's kernel: fp32
-accumulation, sources in the schedule's order), over the same window.
+transport's persistent kernel (``ultracomm._cuda``, the data plane's kernel: fp32 accumulation,
+sources in the schedule's order) on the caller's stream, over the same window.
 
-``run`` blocks until this rank's part is done (the Context agrees plans on the CPU first): it
-synchronises the device before enqueuing (so the caller's writes to the slots and masters are
-complete; on a one-GPU loopback domain it orders its streams after the default stream instead,
-since a device-wide sync would wait for peers' streams that wait for this rank), enqueues, then
-polls the completion with the Context's timeout.  A wait that never
-completes raises :class:`~ultracomm.errors.UltracommTimeout` naming the first unsatisfied flag
-(rank, expert, chunk); the stuck stream waits are then released by writing the awaited values
-(the Context is broken after a timeout; the released copies may move stale bytes).
+Loopback windows (``cuda_local``, every rank a thread of one process on one GPU): as for
+``tma``, each rank's n-th call joins the n-th set (:mod:`ultracomm.loopback_launch`, one
+stream) and the call completing the set enqueues every rank's commands, merged in one deadlock-
+free order (a rank that never calls leaves the set unenqueued; the Works of the others complete
+without it, as with ``tma``).  Not capturable in a CUDA graph: the commands carry the epoch as
+a literal.  The watchdog thread polls host words every 100 us while operations are in flight.
 
-Status: compiled/imported and its command lists checked on the CPU (simulated streams against
-the host executor); the driver path has not run on a device here.
+Status: command lists, fork/join and the watchdog are checked on the CPU (simulated streams,
+fakes); the driver path has not run on a device here.
 """
 from __future__ import annotations
 
 import ctypes
-import threading
 import time
 from typing import Any, Sequence
 
@@ -34,21 +39,32 @@ import torch
 
 from ..cuda_driver import driver
 from ..cuda_support import NotAvailableError, require
-from ..errors import UltracommTimeout
+from ..errors import UltracommError
+from ..loopback_launch import Deposit, launches_for
 from ..records import Op
-from .copy_engine_plan import EPOCH, MAIN, Cmd, multicast_commands
+from .copy_engine_plan import (EPOCH, MAIN, Cmd, flag_addr, host_words, multicast_commands,
+                               submission_order, word_addr)
+from .copy_engine_watchdog import Pending, Watchdog, pending_for
 from .host import Masters, op_digest
 
 __all__ = ["CopyEngineTransport"]
 
-_POLL_S = 50e-6
+_READ_WAIT_S = 1.0  # bound on the watchdog's device reads (a side copy behind a blocked queue)
+_SIDE = -3  # stream key of the watchdog's reads (MAIN, DRAIN and ranks are the others)
+
+
+def _pinned(n: int) -> torch.Tensor:
+    """``n`` zeroed int64 words of pinned host memory (``cudaHostAlloc``: mapped, so the pointer is
+    also the device address with unified addressing)."""
+    return torch.zeros(n, dtype=torch.int64, pin_memory=True)
 
 
 class CopyEngineTransport:
-    """Zero-SM multicast over GPU windows; reduction by the ``tma`` kernel."""
+    """Zero-SM multicast over GPU windows; reduction by the ``tma`` kernel (module docstring)."""
 
     name = "copy_engine"
     window_providers = ("cuda_local", "torch_symm", "cuda_ipc", "nvshmem")
+    stream_ordered = True
 
     def __init__(self, *, rank: int, world: int, window, wlayout: dict, layout, timeout_s: float, **tma_kw: Any):
         require("transport 'copy_engine'", need_module=False)
@@ -57,11 +73,19 @@ class CopyEngineTransport:
         self.window, self.wlayout, self.layout = window, wlayout, layout
         self.timeout_s = float(timeout_s)
         self.device = window.local.device
+        self._loopback = bool(getattr(window, "loopback", False))
         self._tma_kw = dict(rank=rank, world=world, window=window, wlayout=wlayout, layout=layout,
                             timeout_s=timeout_s, **tma_kw)
         self._tma = None
         self._streams: dict[int, torch.cuda.Stream] = {}
         self._cache: dict[int, list[Cmd]] = {}
+        # started, done[DRAIN], done[d]: pinned host memory, so the watchdog reads and writes
+        # them without a CUDA call (and its abort never waits behind a blocked stream)
+        self._words = _pinned(host_words(world))
+        self._scratch = _pinned(64)
+        self._fork = torch.cuda.Event()
+        self._dog = Watchdog(rank, self.timeout_s, self._read_device)
+        self._dog.start()
 
     # ------------------------------------------------------------------ reduce: the tma kernel
     def _reducer(self):
@@ -79,35 +103,10 @@ class CopyEngineTransport:
             self._tma = cls(**{k: v for k, v in self._tma_kw.items() if k in params})
         return self._tma
 
-    def _reduce(self, schedule, epoch, masters, my_slots, local_index_of, op_name) -> None:
-        tma = self._reducer()
-        stream = torch.cuda.current_stream(self.device)
-        tma.run(Op.REDUCE, schedule, epoch, masters, my_slots, local_index_of, op_name, stream=stream.cuda_stream)
-        if getattr(self.window, "loopback", False):
-            # one loopback launch runs every rank: wait until every rank deposited (the last one launched)
-            barrier = self.window.shared.setdefault(("copy_engine.reduce", tuple(self.window.peer_bases)),
-                                                    threading.Barrier(self.world))
-            try:
-                barrier.wait(self.timeout_s)
-            except threading.BrokenBarrierError:
-                raise UltracommTimeout(
-                    f"ultracomm: rank {self.rank} {op_name} (epoch {epoch}, transport copy_engine): not every loopback "
-                    f"rank started the reduction within {self.timeout_s:g} s (timeout ULTRACOMM_TIMEOUT_S)") from None
-            torch.cuda.synchronize(self.device)
-        else:
-            stream.synchronize()
-        tma.check_error()
-
-    # ------------------------------------------------------------------ multicast: copy engines
-    def _stream(self, key: int) -> torch.cuda.Stream:
-        s = self._streams.get(key)
-        if s is None:
-            s = self._streams[key] = torch.cuda.Stream(self.device)
-        return s
-
+    # ------------------------------------------------------------------ multicast: commands
     def commands(self, schedule, masters: Masters, my_slots: Sequence[int], local_index_of: Sequence[int]) -> list[Cmd]:
         """This rank's multicast commands for ``schedule`` (cached per schedule and masters)."""
-        key = hash((schedule.digest, masters.weight_ptrs))
+        key = hash((schedule.digest, masters.weight_ptrs, tuple(my_slots)))
         cmds = self._cache.get(key)
         if cmds is None:
             if len(self._cache) >= 64:
@@ -116,68 +115,138 @@ class CopyEngineTransport:
                                       schedule.tasks(Op.MULTICAST, self.rank), schedule.refs(Op.MULTICAST, self.rank),
                                       list(self.layout.weight_offsets), list(self.layout.weight_sizes),
                                       list(masters.weight_ptrs), list(local_index_of), list(my_slots),
-                                      op_digest(schedule.digest, Op.MULTICAST))
+                                      op_digest(schedule.digest, Op.MULTICAST), self._words.data_ptr(),
+                                      schedule.tree(Op.MULTICAST)[0][self.rank].tolist())
             self._cache[key] = cmds
         return cmds
 
-    def _enqueue(self, cmds: list[Cmd], epoch: int) -> torch.cuda.Event:
-        drv = self.driver
-        for cmd in cmds:
-            if cmd.kind == "join":
-                main = self._stream(MAIN)
-                for k, s in self._streams.items():
-                    if k != MAIN:
-                        main.wait_stream(s)
-                continue
-            stream = self._stream(cmd.stream).cuda_stream
-            value = epoch if cmd.value == EPOCH else cmd.value
-            if cmd.kind == "copy":
-                drv.memcpy(cmd.addr, cmd.src, cmd.nbytes, stream)
-            elif cmd.kind == "write":
-                drv.write_value(stream, cmd.addr, value)
-            else:
-                drv.wait_value(stream, cmd.addr, value)
-        done = torch.cuda.Event()
-        done.record(self._stream(MAIN))
-        return done
+    def _pending(self, cmds: list[Cmd], epoch: int, digest: int, op_name: str | None) -> Pending:
+        return pending_for(cmds, epoch, digest, op_name, self.wlayout, self.window.peer_bases,
+                           word_addr(self._words.data_ptr(), None))
 
-    def _read_flag(self, addr: int) -> int:
-        out = ctypes.c_uint64()
-        side = torch.cuda.Stream(self.device)
-        self.driver.memcpy(ctypes.addressof(out), addr, 8, side.cuda_stream)
-        side.synchronize()
-        return out.value
+    # ------------------------------------------------------------------ multicast: streams
+    def _stream(self, key: int) -> torch.cuda.Stream:
+        s = self._streams.get(key)
+        if s is None:
+            s = self._streams[key] = torch.cuda.Stream(self.device)
+        return s
 
-    def _timed_out(self, cmds: list[Cmd], epoch: int, op_name: str) -> UltracommTimeout:
-        stuck = [c for c in cmds if c.kind == "wait" and self._read_flag(c.addr) < epoch]
-        for c in stuck:  # release the stream waits: nothing else would ever satisfy them
-            self.driver.write_value(torch.cuda.Stream(self.device).cuda_stream, c.addr, epoch)
-        what = stuck[0].what if stuck else "the copies to complete"
-        return UltracommTimeout(
-            f"ultracomm: rank {self.rank} {op_name} (epoch {epoch}, transport copy_engine) timed out after "
-            f"{self.timeout_s:g} s waiting for {what} (timeout ULTRACOMM_TIMEOUT_S={self.timeout_s:g}); the rank "
-            "that should raise it is likely stalled or dead")
+    def _submit(self, cmd: Cmd, epoch: int, caller: torch.cuda.ExternalStream) -> None:
+        """One command on its stream (``MAIN``: the caller's)."""
+        value = epoch if cmd.value == EPOCH else cmd.value
+        if cmd.kind == "fork":
+            self._fork.record(caller)
+            return
+        if cmd.kind == "forked":
+            self._stream(cmd.stream).wait_event(self._fork)
+            return
+        handle = caller.cuda_stream if cmd.stream == MAIN else self._stream(cmd.stream).cuda_stream
+        if cmd.kind == "copy":
+            self.driver.memcpy(cmd.addr, cmd.src, cmd.nbytes, handle)
+        elif cmd.kind == "write":
+            self.driver.write_value(handle, cmd.addr, value)
+        else:
+            self.driver.wait_value(handle, cmd.addr, value, equal=cmd.kind == "wait_eq")
+
+    @staticmethod
+    def _enqueue(items: Sequence[tuple["CopyEngineTransport", list[Cmd], Pending | None]], epoch: int,
+                 stream: int) -> None:
+        """Enqueue ranks' commands (one rank, or every rank of a loopback domain) on ``stream``
+        and their internal streams, in :func:`submission_order`; the watchdogs watch first."""
+        for t, _, p in items:
+            if p is not None:
+                t._dog.add(p)
+        caller = torch.cuda.ExternalStream(stream, device=items[0][0].device)
+        for r, cmd in submission_order([c for _, c, _ in items]):
+            items[r][0]._submit(cmd, epoch, caller)
 
     def run(self, op: Op, schedule, epoch: int, masters: Masters, my_slots: Sequence[int],
-            local_index_of: Sequence[int], op_name: str | None = None) -> None:
-        """Run ``op`` for this rank at ``epoch``; blocks until done here (see the module docstring)."""
-        op_name = op_name or Op(op).name.lower()
+            local_index_of: Sequence[int], op_name: str | None = None, *, stream: int) -> bool:
+        """Enqueue ``op`` at ``epoch`` on ``stream`` (a ``cudaStream_t`` as int) and return: ``True``
+        when this call enqueued work, ``False`` for a loopback rank's share that the rank
+        completing the set enqueues."""
+        op = Op(int(op))
+        if self._dog.failure is not None:
+            raise UltracommError(f"ultracomm: rank {self.rank} {op_name or op.name.lower()}: an earlier copy_engine "
+                                 f"operation failed ({self._dog.failure}); create a new Context")
+        if torch.cuda.is_current_stream_capturing():
+            raise UltracommError("ultracomm: transport 'copy_engine' cannot be captured in a CUDA graph (its stream "
+                                 "commands carry each operation's epoch as a literal); use transport='tma'")
+        if op == Op.REDUCE:
+            done = self._reducer().run(op, schedule, epoch, masters, my_slots, local_index_of, op_name, stream=stream)
+            return done is not False
         with torch.cuda.device(self.device):
-            if getattr(self.window, "loopback", False):
-                # loopback ranks share the device: a device-wide sync would wait for peers' streams that
-                # wait for this rank; order after the driving thread's default stream instead
-                dflt = torch.cuda.default_stream(self.device)
-                for k in (MAIN, *range(self.world)):
-                    self._stream(k).wait_stream(dflt)
-            else:
-                torch.cuda.synchronize(self.device)  # the caller's writes to masters and slots are complete
-            if Op(op) == Op.REDUCE:
-                self._reduce(schedule, epoch, masters, my_slots, local_index_of, op_name)
-                return
             cmds = self.commands(schedule, masters, my_slots, local_index_of)
-            done = self._enqueue(cmds, epoch)
-            deadline = time.monotonic() + self.timeout_s
-            while not done.query():
-                if time.monotonic() > deadline:
-                    raise self._timed_out(cmds, epoch, op_name)
-                time.sleep(_POLL_S)
+            digest = op_digest(schedule.digest, Op.MULTICAST)
+            if not self._loopback:
+                self._enqueue([(self, cmds, self._pending(cmds, epoch, digest, op_name))], epoch, stream)
+                return True
+            return self._deposit(Op.MULTICAST, epoch, stream, (self, cmds, digest, op_name))
+
+    def _deposit(self, op: Op, epoch: int, stream: int, item: tuple) -> bool:
+        def launch(deps: Sequence[Deposit]) -> None:
+            e = max(d.epoch for d in deps)  # every rank's epoch, as one launch of the tma kernel
+            items = [(t, cmds, t._pending(cmds, e, dg, name) if dg is not None else None)
+                     for t, cmds, dg, name in (d.item for d in deps)]
+            self._enqueue(items, e, stream)
+
+        return launches_for(self.window).deposit(Deposit(self.rank, int(op), int(epoch), int(stream), item), launch)
+
+    def reject(self, op: Op, epoch: int, stream: int) -> None:
+        """This rank rejected its plan: publish kRejectedDigest beside ``ready[op] = epoch``
+        (stream-ordered); a peer's digest wait never passes and its watchdog raises "rank r
+        rejected its plan".  In a loopback domain this is the rank's share of the set."""
+        from .. import _core
+
+        me = self.window.peer_bases[self.rank]
+        cmds = [Cmd("write", MAIN, flag_addr(self.wlayout, me, "digest", op=Op(op)), int(_core.REJECTED_DIGEST),
+                    phase=0),
+                Cmd("write", MAIN, flag_addr(self.wlayout, me, "ready", op=Op(op)), phase=0)]
+        with torch.cuda.device(self.device):
+            if self._loopback:
+                self._deposit(Op(op), epoch, stream, (self, cmds, None, None))
+            else:
+                self._enqueue([(self, cmds, None)], int(epoch), stream)
+
+    # ------------------------------------------------------------------ the watchdog's reads
+    def _read_device(self, addrs: Sequence[int]) -> list[int] | None:
+        """uint64 words of device memory (own or peers' windows), through a side stream; ``None``
+        when the copy did not finish within a bound (never blocks the watchdog for long)."""
+        out: list[int] = []
+        with torch.cuda.device(self.device):
+            side = self._stream(_SIDE)
+            n = self._scratch.numel()
+            for i in range(0, len(addrs), n):
+                part = addrs[i:i + n]
+                for j, a in enumerate(part):
+                    self.driver.memcpy(self._scratch.data_ptr() + 8 * j, a, 8, side.cuda_stream)
+                ev = torch.cuda.Event()
+                ev.record(side)
+                deadline = time.monotonic() + _READ_WAIT_S
+                while not ev.query():
+                    if time.monotonic() > deadline:
+                        return None
+                    time.sleep(1e-4)
+                out += [ctypes.c_uint64.from_address(self._scratch.data_ptr() + 8 * j).value for j in range(len(part))]
+        return out
+
+    # ------------------------------------------------------------------ failures, close
+    def check_error(self) -> None:
+        """Raise the first failure recorded since the last call (watchdog, then the reduce kernel)."""
+        err = self._dog.take_error()
+        if err is not None:
+            raise err
+        if self._tma is not None:
+            self._tma.check_error()
+
+    def abandoned_streams(self) -> bool:
+        """True after a failure: internal streams may stay blocked on a lost peer's flags, so a
+        device-wide synchronize would not return and the window must stay mapped."""
+        return self._dog.failure is not None
+
+    def close(self) -> None:
+        """Stop the watchdog and free the reduce kernel's plans (after the caller's synchronize;
+        after a failure the Context keeps the window mapped: :meth:`abandoned_streams`)."""
+        self._dog.stop()
+        if self._tma is not None:
+            self._tma.close()

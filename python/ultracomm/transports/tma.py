@@ -16,7 +16,7 @@ multicast_sms=None, reduce_sms=None)``
     Raises :class:`~ultracomm.cuda_support.NotAvailableError` naming what is missing (a CPU
     torch, no device, no ``_cuda`` in the build, no driver, a pre-sm_80 GPU).
 
-``run(op, schedule, epoch, masters, my_slots, local_index_of, op_name, stream) -> None``
+``run(op, schedule, epoch, masters, my_slots, local_index_of, op_name, stream) -> bool``
     Enqueues the operation on ``stream`` (a ``cudaStream_t`` as int, e.g.
     ``torch.cuda.current_stream().cuda_stream``) and returns at once: no host synchronisation,
     and no allocation after the first call with a given (schedule digest, op, masters, slots):
@@ -30,7 +30,8 @@ Loopback windows (``cuda_local``: every rank a thread of one process, windows on
     each rank's n-th ``run`` joins the n-th launch (:mod:`ultracomm.loopback_launch`: same
     operations in the same order, one stream) and the call completing the set launches all
     ranks in one grid (:mod:`.tma_loopback`), since only one launch keeps every rank's CTAs
-    co-resident.  A ``Work`` of an earlier rank completes before that launch ran.
+    co-resident.  A ``Work`` of an earlier rank completes before that launch ran; ``run``
+    returns ``False`` for such a share (``True`` when the call enqueued the launch).
 
 ``reject(op, epoch, stream) -> None``
     This rank rejected its plan: publishes kRejectedDigest beside ``ready[op] = epoch`` in its
@@ -137,21 +138,21 @@ class TmaTransport:
         return plan
 
     def run(self, op: Op, schedule, epoch: int, masters: Masters, my_slots: Sequence[int],
-            local_index_of: Sequence[int], op_name: str | None, stream: int) -> None:
+            local_index_of: Sequence[int], op_name: str | None, stream: int) -> bool:
         """Enqueue ``op`` of ``schedule`` for this rank at ``epoch`` on ``stream`` (see module doc)."""
         op = Op(int(op))
         key, make = self._rank_args(op, schedule, masters, my_slots, local_index_of)
         ctas = self.multicast_sms if op == Op.MULTICAST else self.reduce_sms
         if self._loopback is not None:  # the rank completing the set launches every rank
             lb = self._loopback
-            launches_for(self.window).deposit(Deposit(self.rank, int(op), int(epoch), int(stream),
-                                                      (key, make, ctas, op_name)),
-                                              lambda deps: lb.launch(deps, self.rank))
-            return
+            return launches_for(self.window).deposit(Deposit(self.rank, int(op), int(epoch), int(stream),
+                                                             (key, make, ctas, op_name)),
+                                                     lambda deps: lb.launch(deps, self.rank))
         self.runner.launch(self._plan(key, make), int(epoch), ctas, int(stream), False)
         if len(self._names) > 1024:
             self._names.clear()
         self._names[int(epoch)] = op_name
+        return True
 
     def reject(self, op: Op, epoch: int, stream: int) -> None:
         """This rank rejected its plan for ``op`` at ``epoch``: publish it in its window

@@ -1,0 +1,149 @@
+"""copy_engine on a one-GPU loopback domain (cuda_local), against the host executor: bytes of
+weight_sync and restore, master grads of grad_reduce (the tma kernel), a Work that completes
+with the caller's stream; a stalled rank's UltracommTimeout and a peer on another plan's
+PlanError, each in its own process (the failed operation's internal streams stay blocked).
+
+Device-only (``gpu`` marker; scripts/gpu_check.sh runs them).  As with tma, operations take no
+collective: one thread drives every loopback rank on one stream.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import ultracomm
+from ultracomm import Context, ExpertLayout, LoopbackDomain, Member, ReplicaPlan
+
+from conftest import expert_weights, hot_slot_src, random_slot_src
+
+pytestmark = pytest.mark.gpu
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAYOUT = ExpertLayout((Member("fc1", (40, 24), torch.bfloat16), Member("fc2", (56,), torch.bfloat16)),
+                      grad_dtype=torch.float32)
+
+
+def make(world, epr, slots, transport, mode):
+    opts = dict(relay_mode=mode, chunk_bytes=1024, tile_bytes=256, timeout_s=20.0)
+    if transport == "host":
+        opts.update(transport="host", window="local", num_workers=2)
+        dev = "cpu"
+    else:
+        opts.update(transport=transport, window="cuda_local", device="cuda:0")
+        dev = "cuda:0"
+    ctxs = LoopbackDomain(world).run(lambda g: Context(g, LAYOUT, epr, slots, num_layers=1, **opts))
+    grads = []
+    for c in ctxs:
+        per = [expert_weights(LAYOUT, e) for e in range(c.rank * epr, (c.rank + 1) * epr)]
+        w = [torch.stack([p[m] for p in per]).contiguous().to(dev) for m in range(2)]
+        g = [torch.full((epr, *m.shape), 0.5, dtype=torch.float32, device=dev) for m in LAYOUT.members]
+        c.register_masters(0, w, g)
+        grads.append(g)
+    return ctxs, grads
+
+
+def fill_replica_grads(ctxs):
+    for c in ctxs:
+        for m, t in enumerate(c.replica_grads):
+            t.copy_(torch.arange(t.numel(), dtype=torch.float32).reshape(t.shape) * 1e-3 + 0.25 * (c.rank + 1) + m)
+
+
+@pytest.mark.parametrize("mode", ["off", "force"])
+@pytest.mark.parametrize("which", ["random", "hot"])
+def test_copy_engine_matches_host_bit_for_bit(mode, which):
+    world, epr, slots = 4, 2, 2
+    src = (random_slot_src(np.random.default_rng(3), world, slots, epr, fill=1.0) if which == "random"
+           else hot_slot_src(world, slots, epr, expert=1))
+    plan = ReplicaPlan.make(src, experts_per_rank=epr)
+
+    hosts, hgrads = make(world, epr, slots, "host", mode)
+
+    def host_body(group):
+        c = hosts[group.rank]
+        vid = c.begin(0)
+        c.weight_sync(vid, plan)
+        w = [t.clone() for t in c.replica_weights]
+        group.barrier()
+        if group.rank == 0:
+            fill_replica_grads(hosts)
+        group.barrier()
+        c.restore(vid)
+        c.grad_reduce(vid)
+        return w, [t.clone() for t in hgrads[group.rank]]
+
+    host = LoopbackDomain(world).run(host_body)
+    for c in hosts:
+        c.close()
+
+    ctxs, grads = make(world, epr, slots, "copy_engine", mode)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):  # every rank on one (non-default) stream
+        vids = [c.begin(0) for c in ctxs]
+        works = [c.weight_sync(v, plan, async_op=True) for c, v in zip(ctxs, vids)]
+        # ordered after the operation on the caller's stream: no wait in between
+        snaps = [[t.clone() for t in c.replica_weights] for c in ctxs]
+    works[-1].wait()  # the last rank's Work covers the set's enqueue (loopback)
+    for w in works:
+        w.wait()
+    side.synchronize()
+    for c in ctxs:
+        for m in range(2):
+            assert torch.equal(snaps[c.rank][m].cpu(), host[c.rank][0][m]), f"weight_sync rank {c.rank} member {m}"
+            c.replica_weights[m].zero_()
+    fill_replica_grads(ctxs)
+    for c, v in zip(ctxs, vids):
+        assert c.restore(v) is None
+    for c, v in zip(ctxs, vids):
+        c.grad_reduce(v)
+    for c in ctxs:
+        c.synchronize()
+    for c in ctxs:
+        for m in range(2):
+            assert torch.equal(c.replica_weights[m].cpu(), host[c.rank][0][m]), f"restore rank {c.rank} member {m}"
+            assert torch.equal(grads[c.rank][m].cpu(), host[c.rank][1][m]), f"master grad rank {c.rank} member {m}"
+    for c in ctxs:
+        c.close()
+
+
+def run_worker(case: str) -> dict:
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "mp", "copy_engine_failure_worker.py"), case],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_stalled_rank_times_out_and_releases_the_callers_stream():
+    out = run_worker("stalled")
+    assert out["error"] is not None and out["error"].startswith("TimeoutError: ultracomm: rank 0 weight_sync")
+    assert "waiting for rank 1 to join the operation (ready flag)" in out["error"]
+    assert "likely the stalled or dead rank" in out["error"]
+    assert 2.0 <= out["waited"] < 15.0  # the Context's timeout (2 s), bounded
+    assert out["later_work"] and out["untouched"] and out["abandoned"] and out["closed"]
+
+
+def test_peer_on_another_plan_is_a_plan_error_and_receives_nothing():
+    out = run_worker("mismatch")
+    for r, err in enumerate(out["errors"]):
+        assert err is not None and "PlanMismatchError" in err.split(":")[0], err
+        assert f"rank {1 - r} runs a different plan for this operation" in err
+    assert out["untouched"] == [True, True] and out["closed"]
+    assert out["waited"] < 2.0  # found by the digest check, before the timeout
+
+
+def test_copy_engine_refuses_graph_capture(monkeypatch):
+    """Its commands carry the epoch as a literal: a replayed graph would rerun an old epoch."""
+    ctxs, _ = make(2, 1, 1, "copy_engine", "off")
+    plan = ReplicaPlan.make(np.array([[1], [0]], np.int32), experts_per_rank=1)
+    vids = [c.begin(0) for c in ctxs]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(ultracomm.UltracommError, match="cannot be captured in a CUDA graph"):
+        ctxs[0].weight_sync(vids[0], plan)
+    monkeypatch.undo()
+    for c in ctxs:
+        c.close()

@@ -1,0 +1,232 @@
+"""CopyEngineTransport's enqueue path on CPU, with a fake driver and fake CUDA streams/events: each
+command becomes the driver call on the right stream (MAIN: the caller's; fork: an event recorded
+on the caller's stream that every internal stream waits for first; joins last on the caller's
+stream), a loopback set is enqueued once by the rank completing it in the merged order, a
+rejection publishes kRejectedDigest, the watchdog watches every operation, and a failed transport
+refuses further operations.  Nothing here runs on a device."""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import types
+
+import numpy as np
+import pytest
+import torch
+
+import ultracomm.transports.copy_engine as ce
+from ultracomm import ReplicaPlan, _core
+from ultracomm.errors import UltracommError
+from ultracomm.records import Op
+from ultracomm.transports.copy_engine_plan import EPOCH, MAIN, flag_addr, submission_order
+
+from conftest import hot_slot_src
+from copy_engine_sim import host_contexts
+
+WORLD, EPR, SLOTS, CALLER = 4, 2, 3, 0x77
+
+
+class Recorder:
+    def __init__(self):
+        self.calls: list[tuple] = []
+        self.handles = itertools.count(0x1000)
+        self.events = itertools.count(1)
+
+
+class FakeDriver:
+    def __init__(self, rec):
+        self.rec = rec
+
+    def memcpy(self, dst, src, nbytes, stream):
+        self.rec.calls.append(("copy", stream, dst, src, nbytes))
+
+    def write_value(self, stream, addr, value):
+        self.rec.calls.append(("write", stream, addr, value))
+
+    def wait_value(self, stream, addr, value, equal=False):
+        self.rec.calls.append(("wait_eq" if equal else "wait", stream, addr, value))
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    rec = Recorder()
+
+    class Stream:
+        def __init__(self, device=None, handle=None):
+            self.cuda_stream = next(rec.handles) if handle is None else handle
+
+        def wait_event(self, ev):
+            rec.calls.append(("wait_event", self.cuda_stream, ev.id))
+
+    class Event:
+        def __init__(self):
+            self.id = next(rec.events)
+
+        def record(self, stream):
+            rec.calls.append(("record", stream.cuda_stream, self.id))
+
+        def query(self):
+            return True
+
+    monkeypatch.setattr(ce, "require", lambda *a, **k: None)
+    monkeypatch.setattr(ce, "driver", lambda: FakeDriver(rec))
+    monkeypatch.setattr(ce, "_pinned", lambda n: torch.zeros(n, dtype=torch.int64))
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "ExternalStream", lambda h, device=None: Stream(handle=h))
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    return rec
+
+
+@pytest.fixture(scope="module")
+def domain():
+    ctxs, each = host_contexts(WORLD, EPR, SLOTS, "force")
+    yield ctxs
+    for c in ctxs:
+        c.close()
+
+
+@pytest.fixture
+def make_transports(fake_cuda, domain):
+    """``make(loopback)``: one transport per rank of ``domain`` (closed after the test)."""
+    made = []
+
+    def make(loopback):
+        made.extend(transports_for(domain, loopback))
+        return made[-len(domain):]
+
+    yield make
+    for t in made:
+        t.close()
+
+
+def transports_for(ctxs, loopback):
+    shared: dict = {}
+    out = []
+    for c in ctxs:
+        win = types.SimpleNamespace(local=types.SimpleNamespace(device="cuda:0"), peer_bases=list(c.window.peer_bases),
+                                    loopback=loopback, shared=shared, world=len(ctxs), provider="cuda_local")
+        out.append(ce.CopyEngineTransport(rank=c.rank, world=len(ctxs), window=win, wlayout=c.wlayout, layout=c.layout,
+                                          timeout_s=30.0))
+    return out
+
+
+def args(c, plan):
+    return (c.schedule_for(plan), c._masters[0], plan.slot_src[c.rank].tolist(), plan.local_index_of.tolist())
+
+
+def run_all(ts, domain, plan, epoch, rec, rejecting=-1):
+    """Every rank's multicast share (``rejecting`` rejects instead), in rank order; what each
+    ``run`` returned.  Nothing is enqueued before the last share."""
+    got = []
+    for t, c in zip(ts, domain):
+        if t.rank == rejecting:
+            got.append(t.reject(Op.MULTICAST, epoch, stream=CALLER))
+        else:
+            sched, masters, my_slots, lio = args(c, plan)
+            got.append(t.run(Op.MULTICAST, sched, epoch, masters, my_slots, lio, "restore", stream=CALLER))
+        if t.rank < len(ts) - 1:
+            assert rec.calls == []  # a share only
+    return got
+
+
+def expected_calls(t, cmds, epoch, caller, fork_id):
+    """What ``cmds`` must become: (kind, stream handle, ...) per command, internal handles by key."""
+    out = []
+    for x in cmds:
+        v = epoch if x.value == EPOCH else x.value
+        h = caller if x.stream == MAIN else t._streams[x.stream].cuda_stream
+        if x.kind == "fork":
+            out.append(("record", caller, fork_id))
+        elif x.kind == "forked":
+            out.append(("wait_event", h, fork_id))
+        elif x.kind == "copy":
+            out.append(("copy", h, x.addr, x.src, x.nbytes))
+        else:
+            out.append((x.kind, h, x.addr, v))
+    return out
+
+
+def test_one_rank_maps_commands_to_driver_calls(fake_cuda, domain, make_transports):
+    plan = ReplicaPlan.make(hot_slot_src(WORLD, SLOTS, EPR, expert=1), experts_per_rank=EPR)
+    ts = make_transports(loopback=False)
+    t, c = ts[0], domain[0]
+    sched, masters, my_slots, lio = args(c, plan)
+    assert t.run(Op.MULTICAST, sched, 7, masters, my_slots, lio, "weight_sync", stream=CALLER) is True
+    cmds = t.commands(sched, masters, my_slots, lio)
+    assert fake_cuda.calls == expected_calls(t, cmds, 7, CALLER, t._fork.id)
+    main = [x for x in fake_cuda.calls if x[1] == CALLER]
+    assert [x[0] for x in main[:4]] == ["write", "write", "write", "record"]
+    assert main[0][2:] == (flag_addr(c.wlayout, c.window.peer_bases[0], "digest"),
+                           cmds[0].value) and main[1][3] == 7
+    assert all(x[0] == "wait" for x in main[4:]) and fake_cuda.calls[-len(main[4:]):] == main[4:]
+    internal = {x[1] for x in fake_cuda.calls} - {CALLER}
+    for h in internal:  # every internal stream waits for the fork before anything else
+        assert [x for x in fake_cuda.calls if x[1] == h][0] == ("wait_event", h, t._fork.id)
+    assert any(x[0] == "wait_eq" for x in fake_cuda.calls)
+    p = t._dog._pending[-1]
+    assert (p.epoch, p.op_name, p.joins) == (7, "weight_sync", [x[2] for x in main[4:]])
+
+
+def test_loopback_set_is_enqueued_once_in_the_merged_order(fake_cuda, domain, make_transports):
+    plan = ReplicaPlan.make(hot_slot_src(WORLD, SLOTS, EPR, expert=1), experts_per_rank=EPR)
+    ts = make_transports(loopback=True)
+    got = run_all(ts, domain, plan, 9, fake_cuda)
+    assert got == [False] * (WORLD - 1) + [True]
+    programs = [t.commands(*args(c, plan)) for t, c in zip(ts, domain)]
+    want = []
+    for r, x in submission_order(programs):
+        want += expected_calls(ts[r], [x], 9, CALLER, ts[r]._fork.id)
+    assert fake_cuda.calls == want
+    assert all(t._dog.pending() == 1 for t in ts)
+
+
+def test_loopback_rejection_is_a_share_of_the_set(fake_cuda, domain, make_transports):
+    plan = ReplicaPlan.make(hot_slot_src(WORLD, SLOTS, EPR, expert=1), experts_per_rank=EPR)
+    ts = make_transports(loopback=True)
+    run_all(ts, domain, plan, 4, fake_cuda, rejecting=2)
+    base, wl = domain[2].window.peer_bases[2], domain[2].wlayout
+    mine = [x for x in fake_cuda.calls if x[2] in (flag_addr(wl, base, "digest"), flag_addr(wl, base, "ready"))
+            and x[0] == "write"]
+    assert mine == [("write", CALLER, flag_addr(wl, base, "digest"), int(_core.REJECTED_DIGEST)),
+                    ("write", CALLER, flag_addr(wl, base, "ready"), 4)]
+    assert ts[2]._dog.pending() == 0 and ts[0]._dog.pending() == 1
+
+
+def test_a_failed_transport_refuses_and_hands_its_error_out_once(fake_cuda, domain, make_transports):
+    plan = ReplicaPlan.make(hot_slot_src(WORLD, SLOTS, EPR, expert=1), experts_per_rank=EPR)
+    t = make_transports(loopback=False)[1]
+    boom = UltracommError("ultracomm: rank 1 weight_sync (multicast) epoch 3 timed out")
+    assert not t.abandoned_streams()
+    t._dog.fail(boom)
+    assert t.abandoned_streams()
+    with pytest.raises(UltracommError) as ei:
+        t.check_error()
+    assert ei.value is boom
+    t.check_error()  # handed out once; the Context keeps it
+    sched, masters, my_slots, lio = args(domain[1], plan)
+    with pytest.raises(UltracommError, match=r"rank 1 restore: an earlier copy_engine operation failed \(.*timed "
+                                             r"out\); create a new Context"):
+        t.run(Op.MULTICAST, sched, 4, masters, my_slots, lio, "restore", stream=CALLER)
+    assert fake_cuda.calls == []
+
+
+def test_graph_capture_is_refused(fake_cuda, domain, make_transports, monkeypatch):
+    plan = ReplicaPlan.make(hot_slot_src(WORLD, SLOTS, EPR, expert=1), experts_per_rank=EPR)
+    t = make_transports(loopback=False)[0]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    sched, masters, my_slots, lio = args(domain[0], plan)
+    with pytest.raises(UltracommError, match="cannot be captured in a CUDA graph"):
+        t.run(Op.MULTICAST, sched, 1, masters, my_slots, lio, stream=CALLER)
+    assert fake_cuda.calls == []
+
+
+def test_words_are_where_the_commands_write(fake_cuda, domain, make_transports):
+    plan = ReplicaPlan.make(hot_slot_src(WORLD, SLOTS, EPR, expert=1), experts_per_rank=EPR)
+    t = make_transports(loopback=False)[0]
+    cmds = t.commands(*args(domain[0], plan))
+    base = t._words.data_ptr()
+    host = [x.addr for x in cmds if x.what == "started" or x.what.startswith("done")]
+    assert host and all(base <= a < base + 8 * t._words.numel() for a in host)
+    assert np.all(t._words.numpy() == 0)

@@ -7,6 +7,7 @@ namespace ultracomm {
 void bind_schedule(py::module_& m);
 void bind_host_executor(py::module_& m);
 void bind_planners(py::module_& m);
+void bind_flags(py::module_& m);
 }  // namespace ultracomm
 
 PYBIND11_MODULE(_core, m) {
@@ -14,4 +15,5 @@ PYBIND11_MODULE(_core, m) {
   ultracomm::bind_schedule(m);
   ultracomm::bind_host_executor(m);
   ultracomm::bind_planners(m);
+  ultracomm::bind_flags(m);
 }

@@ -25,12 +25,25 @@ uint64_t timeout_ns(double timeout_s) {
 
 const char* op_name_of(const ExecArgs& a) { return a.op_name.c_str(); }
 
+[[noreturn]] void throw_aborted(const ExecArgs& a) {
+  const std::string name = !a.op_name.empty() ? a.op_name : a.op == Op::kMulticast ? "weight_sync" : "grad_reduce";
+  throw AbortedError("ultracomm: rank " + std::to_string(a.rank) + " " + name + " (epoch " +
+                     std::to_string(a.epoch) + ") stopped: its abort word was raised by the caller");
+}
+
+// The first failure, else the caller's abort (a run stopped by abort_word records none).
+[[noreturn]] void throw_stopped(const host::RunState& run, const ExecArgs& a) {
+  if (run.failed) throw_error(run.first, op_name_of(a), a.timeout_s);
+  throw_aborted(a);
+}
+
 // Workers that run tasks: no more than there are tasks.
 int num_groups(const ExecArgs& a) { return static_cast<int>(std::min<int64_t>(a.num_workers, a.num_tasks)); }
 
 // One thread per worker: the caller joins, runs worker 0 and drains; nw - 1 threads help.
 void run_host_movers(const ExecArgs& a, const ExecView& v) {
   host::RunState run(a.num_tasks);
+  run.external = reinterpret_cast<const uint64_t*>(a.abort_word);
   const auto mover = [&](int w) { return host::HostMover(run, a.jitter_us, a.jitter_seed + w, a.portable_f16); };
   host::HostMover m0 = mover(0);
   interp::join(v, m0);
@@ -52,9 +65,9 @@ void run_host_movers(const ExecArgs& a, const ExecView& v) {
     interp::run_tasks(v, m0);
     for (auto& t : threads) t.join();
     if (spawn_error) std::rethrow_exception(spawn_error);
-    if (run.failed) throw_error(run.first, op_name_of(a), a.timeout_s);
+    if (run.stopped()) throw_stopped(run, a);
   }
-  if (!interp::drain(v, m0)) throw_error(run.first, op_name_of(a), a.timeout_s);
+  if (!interp::drain(v, m0)) throw_stopped(run, a);
 }
 
 // G groups of T threads.  Group 0 joins, every group claims tasks, all meet at a barrier,
@@ -62,12 +75,14 @@ void run_host_movers(const ExecArgs& a, const ExecView& v) {
 // spawn must not leave the others waiting at a barrier).  Barriers: group_barrier.h.
 void run_block_movers(const ExecArgs& a, const ExecView& v) {
   host::RunState run(a.num_tasks);
+  run.external = reinterpret_cast<const uint64_t*>(a.abort_word);
   const int G = std::max(1, num_groups(a));
   const int T = a.threads_per_worker;
   std::vector<std::unique_ptr<host::BlockGroup>> groups;
   for (int g = 0; g < G; ++g) groups.push_back(std::make_unique<host::BlockGroup>(T));
   host::GroupBarrier all_done(G * T);
   host::StartGate start;
+  bool completed = false;  // written by group 0's thread 0 only, read after the joins
   const auto body = [&](int g, int t) {
     if (!start.wait()) return;
     host::BlockMover m(run, *groups[g], t, T, a.jitter_us, a.jitter_seed + g, a.portable_f16);
@@ -76,7 +91,7 @@ void run_block_movers(const ExecArgs& a, const ExecView& v) {
     all_done.arrive_and_wait();
     if (g != 0) return;
     // the leader's reading, shared: a thread reading abort itself could see the drain's own failure
-    if (!m.broadcast(run.abort.load())) interp::drain(v, m);
+    if (!m.broadcast(run.stopped()) && interp::drain(v, m) && t == 0) completed = true;
   };
   std::vector<std::thread> threads;
   threads.reserve(G * T);
@@ -90,7 +105,7 @@ void run_block_movers(const ExecArgs& a, const ExecView& v) {
   start.open(!spawn_error);
   for (auto& t : threads) t.join();
   if (spawn_error) std::rethrow_exception(spawn_error);
-  if (run.failed) throw_error(run.first, op_name_of(a), a.timeout_s);
+  if (!completed) throw_stopped(run, a);
 }
 
 }  // namespace

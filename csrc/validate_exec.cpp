@@ -39,6 +39,7 @@ void validate(const ExecArgs& a) {
   if (a.mover == MoverKind::kBlock && (a.threads_per_worker < 1 || a.threads_per_worker > 64))
     bad("threads_per_worker must be in 1..64, got " + std::to_string(a.threads_per_worker));
   if (a.digest == kRejectedDigest) bad("digest 2^64-1 is reserved (it marks a rejected plan)");
+  if (a.abort_word % 8) bad("abort_word must be an 8-byte aligned address (or 0)");
   // a.layout is WindowLayout::make(...) by contract; its inputs are bounded here so that no
   // offset or chunk count overflows 64 bits, and the chunk count must cover the slot.
   const WindowLayout& L = a.layout;

@@ -83,7 +83,7 @@ def test_auto_transport_follows_the_device(monkeypatch):
     assert transports.resolve_transport("auto", "cuda") is FakeTma
     assert transports.resolve_transport("tma", "cpu") is FakeTma  # an explicit name is taken as given
     with pytest.raises(ValueError, match=r"transport 'nccl' is not available in this build; transports: "
-                                         r"\['copy_engine', 'host', 'p2p', 'tma'\]"):
+                                         r"\['copy_engine', 'host', 'p2p', 'split', 'tma'\]"):
         transports.resolve_transport("nccl")
 
 

@@ -56,6 +56,7 @@ GOOD = {
     "ULTRACOMM_DEBUG_JITTER_US": ("50", 50),
     "ULTRACOMM_HW_PROFILE": (f" {env_mod.__file__} ", env_mod.__file__),  # any existing file parses
     "ULTRACOMM_PROFILE": (" /tmp/uc-profile ", "/tmp/uc-profile"),
+    "ULTRACOMM_DOMAIN": (" n0 , n0,n1:rack/2 ", "n0,n0,n1:rack/2"),
 }
 
 
@@ -118,6 +119,9 @@ BAD = [
     ("ULTRACOMM_DEBUG_JITTER_US", str(2**32), "must be in [0, 1000000]"),
     ("ULTRACOMM_HW_PROFILE", "/nonexistent/gpu_profile.json", "no such file"),
     ("ULTRACOMM_PROFILE", str(REPO / "pyproject.toml"), "names an existing file"),
+    ("ULTRACOMM_DOMAIN", "node 0", "key 'node 0' is not 1 to 128 characters from A-Z a-z 0-9 . _ : / @ + -"),
+    ("ULTRACOMM_DOMAIN", "a,", "key '' is not 1 to 128 characters"),
+    ("ULTRACOMM_DOMAIN", "x" * 129, "is not 1 to 128 characters"),
 ]
 
 

@@ -93,17 +93,19 @@ def test_tasks_that_disagree_with_the_tree_are_refused():
 
 
 # ---------------------------------------------------------------------------------------------- Context
-def run_ops(transport, world, plans, layout, epr, slots, mode, node_of=None, chunk=128, async_restore=True):
+def run_ops(transport, world, plans, layout, epr, slots, mode, node_of=None, chunk=128, async_restore=True,
+            window=None, expect=None, **kw):
     """weight_sync + restore + grad_reduce of every plan; per rank, the pool's weight and grad bytes after
-    each multicast and each reduce, and the master grads."""
-    window = "local" if transport == "host" else "private"
+    each multicast and each reduce, and the master grads.  ``expect``: the transport ``transport`` must
+    become (auto); ``kw``: more Context arguments."""
+    window = window or ("local" if transport == "host" else "private")
 
     def body(group):
         out = []
         with Context(group, layout, epr, slots, num_layers=1, transport=transport, window=window,
                      relay_mode=mode, node_of=node_of, chunk_bytes=chunk, tile_bytes=16, num_workers=2,
-                     timeout_s=30.0) as ctx:
-            assert ctx.window.provider == window
+                     timeout_s=30.0, **kw) as ctx:
+            assert ctx.window.provider == window and ctx.transport.name == (expect or transport)
             r = ctx.rank
             per = [expert_weights(layout, e) for e in range(r * epr, (r + 1) * epr)]
             w = [torch.stack([p[m] for p in per]).contiguous() for m in range(2)]

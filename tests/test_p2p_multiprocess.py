@@ -60,3 +60,43 @@ def test_p2p_dead_and_stalled_peers_are_named(tmp_path):
                           "s to send expert 0 chunk 0 (bytes [0, 4096) of rank 3's slot 0) to rank 3"), err
     assert "rank 3 is likely stalled or dead" in err and "Timed out" in err, err
     assert timeout_s <= res[0]["elapsed"] < timeout_s + 10, res[0]["elapsed"]
+
+
+# ---------------------------------------------------------------------------------------------- split
+# host_shm inside each declared memory domain, gloo across: every byte as the host executor's
+@pytest.mark.slow
+@pytest.mark.parametrize("world,domains,node_of,pairs", [
+    (4, "a,a,b,b", "0,0,1,1", True),  # 2 nodes x 2 ranks, and the pairs {0,1}, {2,3} as groups of two domains
+    (4, "a,a,a,b", "", False),  # uneven: 3 + 1, schedule on one node (more edges cross)
+    (8, "a,a,a,a,b,b,b,b", "0,0,0,0,1,1,1,1", False),  # 2 nodes x 4 ranks
+])
+def test_split_gloo_against_the_host_executor(world, domains, node_of, pairs):
+    env = {"P2P_TRANSPORT": "split", "ULTRACOMM_DOMAIN": domains, "P2P_NODE_OF": node_of}
+    if pairs:
+        env["P2P_PAIRS"] = "1"
+    p = torchrun("p2p_worker.py", world, env=env, timeout=400)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    _ok_lines(p.stdout, world, pairs=pairs)
+
+
+@pytest.mark.slow
+def test_split_dead_and_stalled_cross_domain_peers_are_named(tmp_path):
+    """Domains {0, 1} and {2, 3}; rank 2 is killed and rank 3 stopped: rank 1, which receives from rank 2,
+    fails at once; rank 0, which sends to rank 3, within the timeout; each names the rank."""
+    timeout_s = 3.0  # p2p_faults.TIMEOUT_S
+    p = subprocess.run([sys.executable, os.path.join(HERE, "mp", "p2p_faults.py"), str(tmp_path), "split"],
+                       capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    summary = json.loads(p.stdout.strip().splitlines()[-1])
+    assert summary["weight_sync_ok"] == {str(r): True for r in range(4)}
+    res = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)}
+    err = res[1]["error"]
+    assert err is not None and err.startswith("ultracomm: rank 1 restore (epoch 2, transport split, bridge) could not "), err
+    assert "(posting failed at once)" in err and "rank 2 is likely stalled or dead" in err, err
+    assert "Connection closed by peer" in err and res[1]["elapsed"] < timeout_s, (err, res[1]["elapsed"])
+    err = res[0]["error"]  # the bridge's header wait or the interpreter's wait on its shadow of rank 3
+    bridge = ("ultracomm: rank 0 restore (epoch 2, transport split, bridge) gave up after waiting up to 3 s to receive "
+              "the header of rank 3 (its join: it never started this op)")
+    interp = "ultracomm: rank 0 restore (multicast) epoch 2 timed out after 3 s waiting for rank 3 to join the operation"
+    assert err is not None and (err.startswith(bridge) or err.startswith(interp)), err
+    assert timeout_s <= res[0]["elapsed"] < timeout_s + 4, res[0]["elapsed"]

@@ -22,7 +22,7 @@ from conftest import hot_slot_src
     ("cuda", ["a"] * 4, "tma", False),
     ("cpu", ["a", "b", "c"], "p2p", False),
     ("cuda", ["a", "b"], "p2p", False),
-    ("cpu", ["a", "a", "b", "b"], "p2p", True),
+    ("cpu", ["a", "a", "b", "b"], "split", True),
     ("cuda", ["a", "a", "a", "b"], "p2p", True),
 ])
 def test_choice_by_domains(device_type, keys, transport, split):
@@ -30,15 +30,28 @@ def test_choice_by_domains(device_type, keys, transport, split):
     assert c.transport == transport
     assert c.domain_of == domains.domain_of(keys)
     assert (c.split is not None) == split
+    assert c.window is None
     if split:
-        local = "tma" if device_type == "cuda" else "host"
-        assert c.split.startswith(f"edges inside a domain could run on {local} and only edges across domains need "
-                                  "p2p, but the executor that splits one schedule between two transports is not built: "
-                                  "every edge runs on p2p")
         sizes = np.bincount(c.domain_of).tolist()
-        assert c.describe() == (f"transport auto -> p2p: the ranks span {len(sizes)} "
-                                f"{'GPU peer-access' if device_type == 'cuda' else 'shared-memory'} domains (hosts) of "
+        memory = "GPU peer-access" if device_type == "cuda" else "shared-memory"
+        if device_type == "cuda":
+            assert c.edge_transport == {"intra": "p2p", "cross": "p2p"}
+            assert c.split.startswith("edges inside a domain could run on tma and only edges across domains need "
+                                      "p2p, but the GPU split executor is not built: every edge runs on p2p")
+        else:
+            assert c.edge_transport == {"intra": "host", "cross": "p2p"}
+            assert c.split == ("edges inside a domain run on host (shared-memory windows) and edges across domains "
+                               "on p2p (gloo messages through shadow windows and a bridge)")
+        assert c.describe() == (f"transport auto -> {transport}: the ranks span {len(sizes)} {memory} domains of "
                                 f"{sizes} ranks; {c.split}")
+
+
+def test_one_cuda_domain_over_hosts_takes_nvshmem():
+    c = domains.choose_transport("cuda", ["nvlink:ab/7"] * 4, ["h1/x", "h1/x", "h2/y", "h2/y"])
+    assert (c.transport, c.window) == ("tma", "nvshmem")
+    assert c.describe() == ("transport auto -> tma: all 4 ranks share one GPU peer-access domain over 2 hosts "
+                            "(multi-node NVLink): window nvshmem, since CUDA IPC handles do not reach across hosts")
+    assert domains.choose_transport("cuda", ["h1/x"] * 2, ["h1/x"] * 2).window is None
 
 
 def test_domain_of_numbers_by_first_appearance():
@@ -89,9 +102,9 @@ def test_env_override_takes_the_transport_as_given(monkeypatch):
     assert LoopbackDomain(2).run(body) == [("p2p", "private", None)] * 2
 
 
-def test_auto_over_hosts_picks_p2p(monkeypatch):
-    """Ranks that report different hosts (a loopback domain standing in for two machines) get p2p, and
-    moving bytes still works; the mixed case logs what a split would do."""
+def test_auto_over_hosts_picks_split(monkeypatch):
+    """Ranks that report different hosts (a loopback domain standing in for two machines) get the split
+    transport, and moving bytes still works."""
     world, epr, slots = 4, 1, 1
     keys = ["host-a/1", "host-a/1", "host-b/2", "host-b/2"]
     plan = ReplicaPlan.make(hot_slot_src(world, slots, epr, expert=0), experts_per_rank=epr)
@@ -108,6 +121,6 @@ def test_auto_over_hosts_picks_p2p(monkeypatch):
 
     res = LoopbackDomain(world).run(body)
     for r, (name, choice, w) in enumerate(res):
-        assert name == "p2p" and choice.domain_of == (0, 0, 1, 1) and choice.split is not None
+        assert name == "split" and choice.domain_of == (0, 0, 1, 1) and choice.split is not None
         if r:
             assert torch.equal(w, torch.full((8, 4), 1.0))

@@ -54,7 +54,7 @@ class BlockMover {
   void store_release(uintptr_t flag, uint64_t v) { host::store_release(flag, v); }
   uint64_t now_ns() { return host::now_ns(); }
   void relax(uint32_t spins) { host::relax(spins); }
-  bool aborted() { return run_.abort.load(std::memory_order_relaxed); }
+  bool aborted() { return run_.stopped(); }
   void fail(const ErrorRecord& r) { run_.fail(r); }
   // The broadcast that reported the wait's outcome already ordered every thread after the
   // leader's acquire (barrier), as __syncthreads does on a device.

@@ -69,12 +69,19 @@ struct RunState {
   const int64_t num_tasks;
   std::atomic<int64_t> next{0};
   std::atomic<bool> abort{false};
+  // Optional word outside the run (ExecArgs::abort_word): nonzero stops every group as a
+  // failure would, but records none (e.g. the split transport's bridge failed).
+  const uint64_t* external = nullptr;
   std::mutex mu;
   bool failed = false;  // under mu
   ErrorRecord first{};  // under mu: the first failure
 
+  bool stopped() const {
+    return abort.load(std::memory_order_relaxed) ||
+           (external != nullptr && __atomic_load_n(external, __ATOMIC_ACQUIRE) != 0);
+  }
   int64_t claim() {
-    if (abort.load(std::memory_order_relaxed)) return -1;
+    if (stopped()) return -1;
     return next.fetch_add(1, std::memory_order_relaxed);
   }
   void fail(const ErrorRecord& r) {

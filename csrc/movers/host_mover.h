@@ -30,7 +30,7 @@ class HostMover {
   void store_release(uintptr_t flag, uint64_t v) { host::store_release(flag, v); }
   uint64_t now_ns() { return host::now_ns(); }
   void relax(uint32_t spins) { host::relax(spins); }
-  bool aborted() { return run_.abort.load(std::memory_order_relaxed); }
+  bool aborted() { return run_.stopped(); }
   void fail(const ErrorRecord& r) { run_.fail(r); }
   void after_acquire() {}  // the acquire load orders this thread's later reads
   void copy(const uintptr_t* dsts, int ndst, uintptr_t src, uint64_t bytes) {

@@ -58,6 +58,10 @@ struct ExecArgs {
   // another digest (or kRejectedDigest) raises PlanMismatchError.  Must not be kRejectedDigest.
   uint64_t digest = 0;
   MoverKind mover = MoverKind::kHost;
+  // Optional address of a uint64 owned by the caller: once nonzero, every worker stops at its
+  // next claim or wait and run_host throws AbortedError (no ErrorRecord: the caller knows why,
+  // e.g. the split transport's bridge failed).  0 = none.
+  uintptr_t abort_word = 0;
   int32_t threads_per_worker = 4;  // kBlock only, 1..64
 };
 
@@ -83,6 +87,11 @@ ExecView make_view(const ExecArgs& a);
 // the tasks and refs stay unmodified until run_host returns; and the peers run the same
 // schedule (a wrong peer shows up as a timeout, not as an argument error).
 void run_host(const ExecArgs& args);
+
+// Thrown by run_host when args.abort_word was raised before the operation finished.
+struct AbortedError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
 
 // For a rank that rejected its plan for args.op at args.epoch: publishes kRejectedDigest with
 // ready[op] = epoch in its own window, so every peer that touches it raises PlanMismatchError

@@ -99,9 +99,12 @@ class Context:
         max_microbatches: micro-batches in flight per layer (pipeline parallelism): each layer
             has this many ``begin`` slots, released by ``grad_reduce`` or ``end``.
         transport: ``auto`` or a transport name (default from ``ULTRACOMM_TRANSPORT``):
-            ``host``, ``tma``, ``p2p``, ``copy_engine``.  ``auto`` is ``host`` (CPU) or ``tma``
-            (CUDA) when every rank shares one memory domain (host), else ``p2p``; see
-            :mod:`ultracomm.domains` and ``transport_choice``.
+            ``host``, ``tma``, ``p2p``, ``copy_engine``, ``split``.  ``auto`` is ``host`` (CPU) or
+            ``tma`` (CUDA) when every rank shares one memory domain, ``p2p`` when no two do, and
+            for a CPU Context whose domains hold several ranks ``split`` (host inside a domain,
+            p2p across); see :mod:`ultracomm.domains`, ``transport_choice`` and ``domain_of``.
+            Domains are detected (host, NVLink fabric) or declared with ``ULTRACOMM_DOMAIN`` /
+            ``domain=``.
         window: window provider (default from ``ULTRACOMM_WINDOW``).
         device: where the window (and the registered masters) live: ``None`` (the CPU unless
             the window or transport named is a GPU one), ``"cpu"``, ``"cuda"`` (the current
@@ -148,18 +151,24 @@ class Context:
         def local_check() -> tuple:
             if error is not None:
                 raise error
-            chosen = (self._transport_cls.name, self._provider) if self._transport_cls else ("auto", self.config.window)
+            chosen = (self._transport_cls.name, self._provider) if self._transport_cls else (self.config.transport,
+                                                                                             self.config.window)
+            where = domains.rank_domain(self.config.domain, self.rank, self.world,
+                                        device_type(self.config.transport, self.config.window, device), device)
             return ((repr(layout), experts_per_rank, slots_per_rank, num_layers, max_microbatches, self.node_of,
                      self.config.chunk_bytes, self.config.relay_mode, self.config.max_depth, self.config.intra_bw,
-                     self.config.inter_bw, *chosen), domains.host_key())
+                     self.config.inter_bw, *chosen), where)
 
         views = self.comm.agree(local_check, op="Context setup", what="configuration")
         require_same([v[0] for v in views], "Context configuration")
-        if self._transport_cls is None:  # transport auto: where every rank runs decides (ultracomm.domains)
-            self.comm.agree(lambda: self._choose([v[1] for v in views], device), op="Context setup",
-                            what="transport choice")
+        # every rank's memory domain decides auto (and what split does); ultracomm.domains
+        self.comm.agree(lambda: self._choose([v[1] for v in views], device), op="Context setup",
+                        what="memory domains and transport choice")
+        reach = None
+        if self._transport_cls.name == "split":  # shared memory reaches this rank's domain only
+            reach = [d == self.domain_of[self.rank] for d in self.domain_of]
         self.window = open_window(self._provider, self.comm, self.wlayout["total_bytes"], op="Context setup",
-                                  device=self._cuda_dev)
+                                  device=self._cuda_dev, reach=reach)
         try:
             self.comm.agree(self._attach, op="Context setup", what="transport and buffers")
         except BaseException:
@@ -225,7 +234,9 @@ class Context:
         #: when the transport was named
         self.transport_choice: domains.TransportChoice | None = None
         self._transport_cls = None
-        if self.config.transport != "auto":
+        #: memory domain index of every rank (:mod:`ultracomm.domains`), agreed at setup
+        self.domain_of: tuple[int, ...] = ()
+        if self.config.transport not in ("auto", "split"):
             self._transport_cls, self._provider, self._cuda_dev = select(self.config, comm, device)
         else:  # chosen after the first agreement; contradictions in the arguments still fail here
             device_type(self.config.transport, self.config.window, device)
@@ -234,17 +245,25 @@ class Context:
         check_window_layout(self.wlayout)
         self._profiler = profile_for_context(profile, self)
 
-    def _choose(self, keys: Sequence[str], device: Any) -> None:
-        """``transport="auto"``: pick from every rank's domain key (agreed, deterministic)."""
+    def _choose(self, views: Sequence[domains.RankDomain], device: Any) -> None:
+        """Check every rank's domain declaration, then for ``transport="auto"`` pick from every
+        rank's domain key (the same views on every rank: deterministic)."""
         dtype = device_type(self.config.transport, self.config.window, device)
-        self.transport_choice = domains.choose_transport(dtype, keys)
+        domains.check_domains(views, dtype)
+        keys = [v.key for v in views]
+        self.domain_of = domains.domain_of(keys)
+        if self._transport_cls is not None:  # named
+            return
+        if self.config.transport == "auto":
+            self.transport_choice = domains.choose_transport(dtype, keys, [v.host for v in views])
         self._transport_cls, self._provider, self._cuda_dev = select(self.config, self.comm, device,
                                                                      self.transport_choice)
 
     def _attach(self) -> None:
         """Build the transport and the replica views over the window (every rank agrees it worked)."""
         kw = transport_kwargs(self._transport_cls, self.config, self._cuda_dev, rank=self.rank, world=self.world,
-                              window=self.window, wlayout=self.wlayout, layout=self.layout, comm=self.comm)
+                              window=self.window, wlayout=self.wlayout, layout=self.layout, comm=self.comm,
+                              domain_of=self.domain_of)
         #: CTAs per rank the GPU transport was given (``{}`` for the host transport)
         self.sm_counts = {k: kw[f"{k}_sms"] for k in ("multicast", "reduce") if f"{k}_sms" in kw}
         self.transport = self._transport_cls(**kw)

@@ -6,8 +6,9 @@ Rules (``transport`` / ``window`` are the config values, ``device`` the Context 
    index); else where an explicitly named window lives; else CUDA when an explicitly named
    transport is a GPU one (``tma``); else the CPU.  Contradictions are errors.
 2. ``transport="auto"``: ``tma`` for a CUDA window, ``host`` for a CPU one, when every rank
-   shares one memory domain; a Context whose ranks span hosts passes the choice of
-   :mod:`ultracomm.domains` (``p2p``).  A GPU transport on a machine without a GPU or without
+   shares one memory domain; a Context whose ranks span domains passes the choice of
+   :mod:`ultracomm.domains` (``p2p``, or ``split`` for a CPU Context whose domains hold
+   several ranks; a CUDA domain over several hosts gets the ``nvshmem`` window).  A GPU transport on a machine without a GPU or without
    ``ultracomm._cuda`` raises :class:`~ultracomm.cuda_support.NotAvailableError` naming what
    is missing; so does, after that, a named window that cannot work here (``nvshmem`` without
    nvshmem4py, for instance).
@@ -61,6 +62,10 @@ def device_type(transport: str, window: str, device: Any = None) -> str:
                              f"drop one of them or pick a {t.upper()} window")
         if transport in GPU_TRANSPORTS and t == "cpu":
             raise ValueError(f"ultracomm: transport {transport!r} runs on a GPU but device={device!r}")
+        if transport == "split" and t == "cuda":
+            raise ValueError(f"ultracomm: transport 'split' runs on the CPU (host inside a memory domain, p2p across) but "
+                             f"device={device!r}; the GPU split is not built: use transport='p2p' (or 'auto') for a "
+                             "CUDA Context over several domains")
         if transport == "host" and t == "cuda":
             raise ValueError(f"ultracomm: transport 'host' runs on the CPU but device={device!r}; use transport='tma'"
                              " (or 'auto') for a CUDA Context")
@@ -76,12 +81,15 @@ def select(config: Config, comm: Comm, device: Any = None,
     ``choice``: what ``transport="auto"`` became from the ranks' domains (logged once here)."""
     dtype = device_type(config.transport, config.window, device)
     transport_cls = resolve_transport(choice.transport if choice is not None else config.transport, dtype)
-    provider = resolve_provider(config.window, comm, dtype, allowed=transport_cls.window_providers)
+    window = config.window
+    if window == "auto" and choice is not None and choice.window is not None:
+        window = choice.window  # the domain needs it (nvshmem: a CUDA domain over several hosts)
+    provider = resolve_provider(window, comm, dtype, allowed=transport_cls.window_providers)
     if provider not in transport_cls.window_providers:
         raise ValueError(f"ultracomm: transport {transport_cls.name!r} cannot use window {provider!r}; "
                          f"use one of {transport_cls.window_providers}")
     why = getattr(PROVIDERS[provider], "unavailable_reason", lambda c: None)(comm)
-    if config.window != "auto" and why:
+    if window != "auto" and why:
         raise NotAvailableError(f"ultracomm: window {provider!r} is not available: {why}")
     cuda_dev = resolve_device(device) if dtype == "cuda" else None
     if choice is not None:
@@ -115,8 +123,8 @@ def transport_kwargs(transport_cls: type, config: Config, cuda_dev: torch.device
         log.debug("ultracomm: rank %s: multicast_sms=%d (%s)", base.get("rank"), mc.sms, mc.source)
         log.debug("ultracomm: rank %s: reduce_sms=%d (%s)", base.get("rank"), rd.sms, rd.source)
         kw.update(multicast_sms=mc.sms, reduce_sms=rd.sms)
-    # the process group goes only to transports that ask for it by name (p2p)
-    return {k: v for k, v in kw.items() if k in params or (any_kw and k != "comm")}
+    # the process group and the domains go only to transports that ask for them by name (p2p, split)
+    return {k: v for k, v in kw.items() if k in params or (any_kw and k not in ("comm", "domain_of"))}
 
 
 def check_master_devices(window_device: torch.device, transport_name: str, names: Sequence[str],

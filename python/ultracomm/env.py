@@ -11,7 +11,7 @@ variable                   field           type                  default        
 ULTRACOMM_NUM_WORKERS      num_workers     int 1..1024           min(4, cpu_count)   host executor worker threads per rank (CPU analogue of SMs)
 ULTRACOMM_MULTICAST_SMS    multicast_sms   int 0..4096 | auto    auto (0)            SMs (thread blocks) the GPU executor uses for multicast; auto: see "SM defaults"
 ULTRACOMM_REDUCE_SMS       reduce_sms      int 0..4096 | auto    auto (0)            SMs (thread blocks) the GPU executor uses for gradient reduction; auto: see "SM defaults"
-ULTRACOMM_TRANSPORT        transport       choice                auto                auto | host | tma | copy_engine | p2p
+ULTRACOMM_TRANSPORT        transport       choice                auto                auto | host | tma | copy_engine | p2p | split (host within a memory domain, p2p across: ultracomm.domains)
 ULTRACOMM_WINDOW           window          choice                auto                auto | host_shm | local | cuda_ipc | torch_symm | nvshmem | cuda_local (one-GPU loopback) | private (p2p: no peer mapping)
 ULTRACOMM_TILE_BYTES       tile_bytes      size (bytes)          32768 (32K)         bytes moved per tile; a positive multiple of 16, at most 1024G
 ULTRACOMM_CHUNK_BYTES      chunk_bytes     size (bytes)          1048576 (1M)        bytes per flagged chunk (relay granularity); a multiple of tile_bytes, at most 1024G
@@ -25,6 +25,7 @@ ULTRACOMM_INTER_BW         inter_bw        bandwidth (bytes/s)   50e9           
 ULTRACOMM_DEBUG_JITTER_US  jitter_us       int 0..1000000        0                   testing aid: random delay up to this many us before each host task
 ULTRACOMM_HW_PROFILE       hw_profile      path                  (search)            hardware profile JSON for the SM defaults (ultracomm/hwprofile.py); unset: newest perf/gpu/*profile*.json of this GPU
 ULTRACOMM_PROFILE          profile         path                  (empty: off)        directory a Context records its load profile into (``ultracomm.profile``; one ``rank<r>`` subdirectory per rank when world > 1)
+ULTRACOMM_DOMAIN           domain          domain                (empty: detect)     this rank's memory domain, overriding detection (``ultracomm.domains``): one key, or one key per rank of the Context's group
 =========================  ==============  ====================  ==================  =====================================================
 
 Syntax:
@@ -37,6 +38,12 @@ Syntax:
 * bool: ``1/0``, ``true/false``, ``yes/no``, ``on/off`` (case-insensitive).
 * choice: one of the listed words (case-insensitive).
 * path: a file or directory name, used as given (surrounding blanks stripped); empty = unset.
+* domain: a key of 1 to 128 characters from ``A-Z a-z 0-9 . _ : / @ + -`` (e.g. ``node0``), or a
+  comma-separated list of such keys, one per rank of the Context's group (``a,a,b,b``: rank
+  ``r`` takes entry ``r``; every rank must then declare the same list, and its length must be
+  the group size, checked when the Context is built).  Ranks with one key share memory: on the
+  CPU they must run on one host (else the Context refuses the declaration).  For machines whose
+  hosts cannot be told apart, and to run several "nodes" on one machine (tests).
 
 SM defaults (``multicast_sms`` / ``reduce_sms`` = ``auto``, resolved by
 ``ultracomm.sm_budget.default_sms`` when a GPU transport is built; the chosen value and
@@ -74,9 +81,10 @@ from typing import Any, Callable, Mapping, Optional
 
 from .errors import ConfigError
 
-__all__ = ["Config", "VARIABLES", "parse_size", "parse_bandwidth", "parse_bool", "check_window_layout", "MAX_CHUNK_BYTES"]
+__all__ = ["Config", "VARIABLES", "parse_size", "parse_bandwidth", "parse_bool", "parse_domain", "domain_keys",
+           "check_window_layout", "MAX_CHUNK_BYTES"]
 
-TRANSPORTS = ("auto", "host", "tma", "copy_engine", "p2p")
+TRANSPORTS = ("auto", "host", "tma", "copy_engine", "p2p", "split")
 WINDOWS = ("auto", "host_shm", "local", "cuda_ipc", "torch_symm", "nvshmem", "cuda_local", "private")
 RELAY_MODES = ("auto", "off", "force")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -86,6 +94,8 @@ _OTHER_KNOWN = frozenset({"ULTRACOMM_BUILD_CUDA"})
 
 _SIZE_RE = re.compile(r"^(\d+)\s*(?:([kmg])(?:i?b)?)?$", re.IGNORECASE)
 _BW_RE = re.compile(r"^([0-9]*\.?[0-9]+(?:e[+-]?\d+)?)\s*([kmgt])?(?:b(?:/s)?)?$", re.IGNORECASE)
+_DOMAIN_KEY_RE = re.compile(r"^[A-Za-z0-9._:/@+-]{1,128}$")
+MAX_DOMAIN_KEYS = 1 << 16
 _BOOL = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 
@@ -135,6 +145,23 @@ def _parse_float(text: str) -> float:
         return float(text.strip())
     except ValueError:
         raise _Bad("expected a number, e.g. 30 or 2.5") from None
+
+
+def parse_domain(text: str) -> str:
+    """``"node0"`` or ``"a,a,b,b"`` -> the declaration with blanks around keys removed."""
+    keys = [k.strip() for k in text.split(",")]
+    if len(keys) > MAX_DOMAIN_KEYS:
+        raise _Bad(f"expected at most {MAX_DOMAIN_KEYS} comma-separated keys")
+    bad = [k for k in keys if not _DOMAIN_KEY_RE.match(k)]
+    if bad:
+        raise _Bad(f"key {bad[0]!r} is not 1 to 128 characters from A-Z a-z 0-9 . _ : / @ + -; expected a key "
+                   "(e.g. node0) or one key per rank separated by commas (e.g. a,a,b,b)")
+    return ",".join(keys)
+
+
+def domain_keys(declared: str) -> list[str]:
+    """The keys of a (parsed) ``domain`` declaration: one key, or one per rank; ``[]`` if empty."""
+    return declared.split(",") if declared else []
 
 
 def _choice(options: tuple[str, ...]) -> Callable[[str], str]:
@@ -237,6 +264,8 @@ VARIABLES: tuple[_Var, ...] = (
          "hardware profile JSON for the SM defaults (empty: search perf/gpu)"),
     _Var("profile", "ULTRACOMM_PROFILE", "str", str.strip, _profile_check,
          "directory for the load profile (empty: off)"),
+    _Var("domain", "ULTRACOMM_DOMAIN", "str", lambda t: parse_domain(t) if t.strip() else "", lambda v: None,
+         "this rank's memory domain key, or one key per rank (empty: detect)"),
 )
 _BY_FIELD = {v.field: v for v in VARIABLES}
 _BY_ENV = {v.env: v for v in VARIABLES}
@@ -297,6 +326,7 @@ class Config:
     jitter_us: int = 0
     hw_profile: str = ""
     profile: str = ""
+    domain: str = ""
 
     def __post_init__(self) -> None:
         for var in VARIABLES:

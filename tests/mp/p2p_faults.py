@@ -1,6 +1,7 @@
-"""The p2p transport with a peer that dies (SIGKILL) and one that stalls (SIGSTOP), over gloo.
+"""The p2p (or split) transport with a peer that dies (SIGKILL) and one that stalls (SIGSTOP), over gloo.
 
-``python tests/mp/p2p_faults.py OUT_DIR``: starts 4 ranks with torch.multiprocessing; after one
+``python tests/mp/p2p_faults.py OUT_DIR [split]``: starts 4 ranks (``split``: memory domains {0, 1} and
+{2, 3}, so both faulty ranks are across a domain boundary from the survivors) with torch.multiprocessing; after one
 good weight_sync every rank reports in, the launcher kills rank 2 and stops rank 3, and only then
 lets ranks 0 and 1 call restore().  Each survivor writes ``OUT_DIR/rankR.json`` with the error it
 raised and how long it took.  Plan: rank r holds a replica of expert (r + 1) % 4, so rank 1
@@ -21,7 +22,7 @@ WORLD = 4
 KILLED, STOPPED = 2, 3
 
 
-def worker(rank: int, init_file: str, out_dir: str, reported, go) -> None:
+def worker(rank: int, init_file: str, out_dir: str, reported, go, transport: str) -> None:
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -30,8 +31,9 @@ def worker(rank: int, init_file: str, out_dir: str, reported, go) -> None:
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     layout = ExpertLayout((Member("w", (64, 64), torch.bfloat16),))
-    ctx = Context(None, layout, 1, 1, num_layers=1, transport="p2p", timeout_s=TIMEOUT_S, relay_mode="off",
-                  chunk_bytes=4096, tile_bytes=4096)
+    extra = {"domain": "a,a,b,b"} if transport == "split" else {}
+    ctx = Context(None, layout, 1, 1, num_layers=1, transport=transport, timeout_s=TIMEOUT_S, relay_mode="off",
+                  chunk_bytes=4096, tile_bytes=4096, **extra)
     ctx.register_masters(0, [torch.full((1, 64, 64), float(rank), dtype=torch.bfloat16)], [torch.zeros((1, 64, 64))])
     plan = ReplicaPlan.make(np.array([[(r + 1) % WORLD] for r in range(WORLD)], np.int32), experts_per_rank=1)
     vid = ctx.begin(0)
@@ -50,12 +52,12 @@ def worker(rank: int, init_file: str, out_dir: str, reported, go) -> None:
     os._exit(0)  # no teardown: a peer is gone
 
 
-def main(out_dir: str) -> int:
+def main(out_dir: str, transport: str = "p2p") -> int:
     ctx = mp.get_context("spawn")
     # one event per rank: a process killed inside Event.wait() would block a shared event's set()
     reported, go = ctx.Queue(), [ctx.Event() for _ in range(WORLD)]
     init_file = os.path.join(out_dir, "init")
-    procs = [ctx.Process(target=worker, args=(r, init_file, out_dir, reported, go[r])) for r in range(WORLD)]
+    procs = [ctx.Process(target=worker, args=(r, init_file, out_dir, reported, go[r], transport)) for r in range(WORLD)]
     for p in procs:
         p.start()
     oks = dict(reported.get(timeout=120) for _ in range(WORLD))
@@ -73,4 +75,4 @@ def main(out_dir: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(*sys.argv[1:3]))

@@ -1,7 +1,8 @@
 """torchrun worker: the p2p transport over gloo against the host executor, byte for byte.
 
 Run as ``torchrun --nproc-per-node N tests/mp/p2p_worker.py``.  ``P2P_NODE_OF`` (comma list, optional)
-sets the node layout; ``P2P_PAIRS=1`` then repeats the checks on the groups {0, 1}, {2, 3}, ... (group
+sets the node layout; ``P2P_TRANSPORT=split`` checks the split transport instead of p2p, over the memory
+domains that ``ULTRACOMM_DOMAIN`` declares for the whole group (the pair groups then declare ``a,b``); ``P2P_PAIRS=1`` then repeats the checks on the groups {0, 1}, {2, 3}, ... (group
 ranks that are not global ranks).  Each rank builds two Contexts on the same group -- ``transport="p2p"``
 (private pool, gloo messages) and ``transport="host"`` (host_shm window) -- runs the same
 weight_sync / restore (async) / grad_reduce sequence for a hot-expert plan and random plans under
@@ -24,18 +25,21 @@ from conftest import expert_weights, hot_slot_src, random_slot_src  # noqa: E402
 from ultracomm import Context, ExpertLayout, Member, ReplicaPlan  # noqa: E402
 
 
-def check_group(group, node_of) -> tuple[int, int]:
-    """Every relay mode and plan on ``group``; returns (checks, plans that relayed)."""
+def check_group(group, node_of, transport: str = "p2p", domain: str | None = None) -> tuple[int, int]:
+    """Every relay mode and plan on ``group`` with ``transport`` against host; ``domain``: the declaration
+    for the transport's Context (``None``: ULTRACOMM_DOMAIN); returns (checks, plans that relayed)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
+    extra = {} if domain is None else {"domain": domain}
     epr, slots = 2, 3
     checks = relayed = 0
     for mode, grad_dtype in (("force", torch.bfloat16), ("auto", torch.float32), ("off", torch.float32)):
         layout = ExpertLayout((Member("fc1", (6, 17), torch.bfloat16), Member("fc2", (17, 3), torch.bfloat16)),
                               grad_dtype=grad_dtype)
         kw = dict(num_layers=1, relay_mode=mode, node_of=node_of, chunk_bytes=128, tile_bytes=16, timeout_s=60.0)
-        ctxs = {"p2p": Context(group, layout, epr, slots, transport="p2p", **kw),
-                "host": Context(group, layout, epr, slots, transport="host", window="host_shm", **kw)}
-        assert ctxs["p2p"].window.provider == "private" and ctxs["p2p"].transport.name == "p2p"
+        ctxs = {"p2p": Context(group, layout, epr, slots, transport=transport, **kw, **extra),
+                "host": Context(group, layout, epr, slots, transport="host", window="host_shm", domain="", **kw)}
+        assert ctxs["p2p"].transport.name == transport
+        assert ctxs["p2p"].window.provider == ("private" if transport == "p2p" else "host_shm")
         masters = {}
         for name, ctx in ctxs.items():
             per = [expert_weights(layout, e) for e in range(rank * epr, (rank + 1) * epr)]
@@ -92,11 +96,12 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     node_of = [int(x) for x in os.environ["P2P_NODE_OF"].split(",")] if os.environ.get("P2P_NODE_OF") else None
-    checks, relayed = check_group(None, node_of)
+    transport = os.environ.get("P2P_TRANSPORT", "p2p")
+    checks, relayed = check_group(None, node_of, transport)
     say(f"rank {rank} OK {checks} checks {relayed} relayed")
     if os.environ.get("P2P_PAIRS"):  # also every pair of ranks (2r, 2r+1) as its own group: group ranks differ
         pairs = [dist.new_group([2 * k, 2 * k + 1]) for k in range(world // 2)]
-        checks, _ = check_group(pairs[rank // 2], None)
+        checks, _ = check_group(pairs[rank // 2], None, transport, "a,b" if transport == "split" else None)
         say(f"rank {rank} pair OK {checks} checks")
     dist.destroy_process_group()
 

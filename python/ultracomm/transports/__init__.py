@@ -9,6 +9,7 @@ name         executor                                                  status
 host         C++ worker threads over host windows (the reference)      built everywhere
 tma          persistent CUDA kernel, TMA bulk copies (stream-ordered)  needs _cuda and a GPU
 p2p          torch.distributed point-to-point (gloo on CPU, NCCL on GPU)  built everywhere
+split        host inside each memory domain, p2p (gloo) across domains   built everywhere (CPU only)
 copy_engine  cuMemcpyAsync per destination stream + stream flag ops      needs a GPU (reduce: tma)
              (stream-ordered; host watchdog bounds its stream waits)
 ===========  ========================================================  ==========================
@@ -27,8 +28,9 @@ import importlib
 from ..cuda_support import NotAvailableError, require
 from .host import HostTransport
 from .p2p import P2PTransport
+from .split import SplitTransport
 
-TRANSPORTS: dict[str, type] = {"host": HostTransport, "p2p": P2PTransport}
+TRANSPORTS: dict[str, type] = {"host": HostTransport, "p2p": P2PTransport, "split": SplitTransport}
 GPU_TRANSPORTS = ("tma", "copy_engine")  # transports whose windows and masters live on a CUDA device
 
 
@@ -69,4 +71,4 @@ def resolve_transport(name: str, device_type: str = "cpu") -> type:
     )
 
 
-__all__ = ["HostTransport", "P2PTransport", "TRANSPORTS", "GPU_TRANSPORTS", "resolve_transport"]
+__all__ = ["HostTransport", "P2PTransport", "SplitTransport", "TRANSPORTS", "GPU_TRANSPORTS", "resolve_transport"]

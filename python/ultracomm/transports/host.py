@@ -95,7 +95,9 @@ class HostTransport:
     window_providers = ("host_shm", "local")
 
     def __init__(self, *, rank: int, world: int, window, wlayout: dict, layout, num_workers: int,
-                 timeout_s: float, jitter_us: int = 0):
+                 timeout_s: float, jitter_us: int = 0, peer_bases: Sequence[int] | None = None):
+        """``peer_bases``: the pointer table to run over instead of ``window.peer_bases`` (the
+        ``split`` transport's shadows stand in for ranks in other memory domains)."""
         self.rank, self.world = rank, world
         self.window = window
         self.wlayout = wlayout
@@ -104,7 +106,7 @@ class HostTransport:
         self.timeout_s = timeout_s
         self.jitter_us = jitter_us
         self._grad_code = GRAD_DTYPE_CODE[layout.grad_dtype]
-        self._bases = list(window.peer_bases)
+        self._bases = list(window.peer_bases if peer_bases is None else peer_bases)
         self._weight_members = (list(layout.weight_offsets), list(layout.weight_sizes))
         self._grad_members = (list(layout.grad_offsets), list(layout.grad_sizes))
         self._cache: dict = {}
@@ -122,9 +124,10 @@ class HostTransport:
         return args
 
     def run(self, op: Op, schedule, epoch: int, masters: Masters, my_slots: Sequence[int],
-            local_index_of: Sequence[int], op_name: str | None = None) -> None:
+            local_index_of: Sequence[int], op_name: str | None = None, abort_word: int = 0) -> None:
         """Run ``op`` of ``schedule`` for this rank at ``epoch``; blocks until done here.
-        ``op_name`` (``weight_sync``, ``restore``, ``grad_reduce``) names the operation in errors."""
+        ``op_name`` (``weight_sync``, ``restore``, ``grad_reduce``) names the operation in errors;
+        ``abort_word``: address of a uint64 that stops the run once nonzero (``_core.run_host``)."""
         tasks, refs, slot_parent = self._args(op, schedule)
         if op == Op.MULTICAST:
             member_off, member_bytes, ptrs = self._weight_members + (masters.weight_ptrs,)
@@ -136,5 +139,5 @@ class HostTransport:
             self.wlayout["chunk_bytes"], self._bases, member_off, member_bytes, list(ptrs), list(local_index_of),
             self._grad_code, list(my_slots), tasks, refs,
             self.num_workers, self.timeout_s, self.jitter_us, epoch,
-            slot_parent=slot_parent, op_name=op_name, digest=op_digest(schedule.digest, op),
+            slot_parent=slot_parent, op_name=op_name, digest=op_digest(schedule.digest, op), abort_word=abort_word,
         )

@@ -30,7 +30,6 @@ from __future__ import annotations
 import datetime
 from typing import Any, NoReturn, Sequence
 
-import numpy as np
 import torch
 
 from ..errors import UltracommTimeout
@@ -38,7 +37,7 @@ from ..records import MASTER, Op
 from ..reference import ordered_sum
 from .host import Masters
 from .p2p_messengers import PostError, messenger_for
-from .p2p_waves import Message, Program, build_program
+from .p2p_waves import Message, Program, build_program, cached_program
 
 __all__ = ["P2PTransport", "INFLIGHT_WAVES"]
 
@@ -74,20 +73,11 @@ class P2PTransport:
     # ------------------------------------------------------------------ program and buffers
     def program(self, op: Op, schedule) -> Program:
         """This rank's (cached) message program of ``op`` for ``schedule``."""
-        key = (schedule.digest, int(op))
-        prog = self._programs.get(key)
-        if prog is None:
-            if len(self._programs) >= _CACHE:
-                self._programs.clear()
-            inp = schedule.inputs()
-            slot_src = np.asarray(inp["slot_src"], dtype=np.int64).reshape(self.world, -1)
-            home_of = np.asarray(inp["home_of"], dtype=np.int64)
-            mo, mb = self._members[op]
-            slot_bytes = self.wlayout["weight_slot_bytes" if op == Op.MULTICAST else "grad_slot_bytes"]
-            prog = build_program(op, schedule, self.rank, schedule.tasks(op, self.rank), schedule.refs(op, self.rank),
-                                 slot_src, home_of, self.wlayout["chunk_bytes"], slot_bytes, mo, mb)
-            self._programs[key] = prog
-        return prog
+        mo, mb = self._members[op]
+        slot_bytes = self.wlayout["weight_slot_bytes" if op == Op.MULTICAST else "grad_slot_bytes"]
+        return cached_program(self._programs, schedule, op, self.world, lambda slot_src, home_of: build_program(
+            op, schedule, self.rank, schedule.tasks(op, self.rank), schedule.refs(op, self.rank), slot_src, home_of,
+            self.wlayout["chunk_bytes"], slot_bytes, mo, mb), _CACHE)
 
     def _slot_bytes(self, op: Op, slot: int, lo: int, hi: int) -> torch.Tensor:
         if op == Op.MULTICAST:

@@ -23,14 +23,14 @@ error here, not a hang.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from ..records import MASTER, Op
 from ..reference import member_segments
 
-__all__ = ["Message", "Program", "build_program", "multicast_depths", "reduce_heights"]
+__all__ = ["Message", "Program", "build_program", "multicast_depths", "reduce_heights", "cached_program"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +99,21 @@ class Program:
     @property
     def num_messages(self) -> int:
         return sum(len(w.sends) + len(w.recvs) for w in self.waves)
+
+
+def cached_program(cache: dict, schedule, op: Op, world: int, build: Callable[[np.ndarray, np.ndarray], Any],
+                   limit: int = 128) -> Any:
+    """``cache``'s entry for (``schedule``, ``op``), made by ``build(slot_src [world, slots], home_of [E])``
+    (the plan's arrays, int64) when missing; the cache is emptied when it reaches ``limit`` entries."""
+    key = (schedule.digest, int(op))
+    prog = cache.get(key)
+    if prog is None:
+        if len(cache) >= limit:
+            cache.clear()
+        inp = schedule.inputs()
+        prog = cache[key] = build(np.asarray(inp["slot_src"], dtype=np.int64).reshape(world, -1),
+                                  np.asarray(inp["home_of"], dtype=np.int64))
+    return prog
 
 
 def _chunk_range(chunk: int, chunk_bytes: int, slot_bytes: int) -> tuple[int, int]:

@@ -89,11 +89,15 @@ def resolve_provider(provider: str, comm: Comm, device_type: str = "cpu",
     return provider
 
 
-def open_window(provider: str, comm: Comm, nbytes: int, op: str = "window setup", device: Any = None) -> Window:
+def open_window(provider: str, comm: Comm, nbytes: int, op: str = "window setup", device: Any = None,
+                reach: Sequence[bool] | None = None) -> Window:
     """Collectively create a window of ``nbytes`` per rank with ``provider`` (or ``auto``);
     bounded by ``comm.timeout_s``.  ``op`` names the caller's operation in errors.  ``device``:
-    the CUDA device of a GPU provider (``None``: the current one); CPU providers take none."""
+    the CUDA device of a GPU provider (``None``: the current one); CPU providers take none.
+    ``reach`` (``host_shm`` only): map only the ranks marked ``True`` (this rank's memory domain)."""
     name = resolve_provider(provider, comm, "cuda" if device is not None else "cpu")
+    if reach is not None and name == "host_shm":
+        return PROVIDERS[name].create(comm, nbytes, op=op, reach=list(reach))
     if device_type_of(name) in ("cuda", "any"):
         return PROVIDERS[name].create(comm, nbytes, op=op, device=device)
     return PROVIDERS[name].create(comm, nbytes, op=op)

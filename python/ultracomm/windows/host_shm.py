@@ -11,6 +11,10 @@ and a later ``create`` on the machine removes it once it is older than
 ``STALE_AFTER_S`` (600 s; pids mean nothing across pid namespaces, so age decides).  Until
 then ``rm /dev/shm/ultracomm-<pid>-*`` removes it by hand.
 
+``reach`` (optional, one bool per rank) limits the mapping to the ranks of this rank's memory
+domain (the ``split`` transport): a rank on another host has a segment this one cannot open.
+Unreached ranks get ``peer_bases[r] == 0``; their segments are never opened here.
+
 Peer names are accepted only in the form this module generates, and only regular files
 are mapped: a name such as ``../../some/file`` is rejected before anything is opened.
 """
@@ -134,15 +138,16 @@ def _unlink_all(names: list[str]) -> None:
 class HostShmWindow(Window):
     provider = "host_shm"
 
-    def __init__(self, rank: int, world: int, nbytes: int, maps: list[mmap.mmap], views: list[torch.Tensor]):
+    def __init__(self, rank: int, world: int, nbytes: int, maps: list[mmap.mmap], views: list[torch.Tensor | None]):
         self.rank, self.world, self.nbytes = rank, world, nbytes
         self._maps = maps
         self._views = views
         self.local = views[rank]
-        self.peer_bases = [v.data_ptr() for v in views]
+        self.peer_bases = [0 if v is None else v.data_ptr() for v in views]
 
     @classmethod
-    def create(cls, comm: Comm, nbytes: int, op: str = "window setup") -> "HostShmWindow":
+    def create(cls, comm: Comm, nbytes: int, op: str = "window setup",
+               reach: list[bool] | None = None) -> "HostShmWindow":
         def choose_name() -> str:
             if not os.path.isdir(SHM_DIR):
                 raise RuntimeError(f"ultracomm: host_shm needs {SHM_DIR} (POSIX shared memory); it is missing here")
@@ -152,7 +157,7 @@ class HostShmWindow(Window):
         names = comm.agree(choose_name, op=op, what="host_shm name exchange")
         valid = [n for r, n in enumerate(names) if _is_name_for(n, r)]  # the only names ever unlinked
         own: mmap.mmap | None = None
-        maps: list[mmap.mmap] = []
+        maps: list[mmap.mmap | None] = []
         try:
             def create_own() -> None:
                 nonlocal own
@@ -164,7 +169,12 @@ class HostShmWindow(Window):
 
             def map_peers() -> None:
                 for r, n in enumerate(names):
-                    maps.append(own if r == comm.rank else _map(os.path.join(SHM_DIR, n), nbytes, create=False))
+                    if r == comm.rank:
+                        maps.append(own)
+                    elif reach is None or reach[r]:
+                        maps.append(_map(os.path.join(SHM_DIR, n), nbytes, create=False))
+                    else:
+                        maps.append(None)
 
             comm.agree(map_peers, op=op, what="host_shm mapping")
         except BaseException:
@@ -175,8 +185,8 @@ class HostShmWindow(Window):
         finally:
             # every rank has mapped every segment, or setup failed: no name is needed any more
             _unlink_all(valid)
-        views = [torch.frombuffer(m, dtype=torch.uint8) for m in maps]
-        return cls(comm.rank, comm.world, nbytes, maps, views)
+        views = [None if m is None else torch.frombuffer(m, dtype=torch.uint8) for m in maps]
+        return cls(comm.rank, comm.world, nbytes, [m for m in maps if m is not None], views)
 
     def close(self) -> None:
         # Tensors from torch.frombuffer pin the mmap's buffer; drop them first.

@@ -1,0 +1,104 @@
+"""The ``split`` transport: one schedule, edges inside a memory domain on the host executor over
+shared memory, edges across domains as ``torch.distributed`` messages (gloo).
+
+For ranks spread over hosts where some hosts hold several ranks (``ultracomm.domains``).  The
+task interpreter runs unchanged over a pointer table in which a rank of another domain is
+replaced by a *shadow* of its window (:mod:`.shadow`); a *bridge* (:mod:`.bridge`) moves the
+chunks that cross domains (:mod:`.bridge_program`) between shadows and real windows and
+raises the flags a remote writer would have raised.  So every intra-domain edge, relay and
+reduction runs exactly as under the ``host`` transport, and the bytes -- weights, relays'
+partials, master grads summed in the schedule's fp32 order -- are those of the host executor.
+
+Window: ``host_shm`` mapping only this rank's domain (``local`` on loopback domains, where
+every rank is reachable but ranks of other declared domains still go through shadows).
+Messages: the Context's gloo group (or loopback mailboxes).  Only ranks with crossings in an
+op exchange messages in it (one 16-byte header per peer, then one message per crossing chunk).
+CPU only: the GPU variant (tma inside a domain) is not built.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from .. import _core
+from ..records import Op
+from .bridge import BridgeRun
+from .bridge_program import BridgeProgram, build_bridge_program
+from .host import HostTransport, Masters, op_digest
+from .p2p_messengers import messenger_for
+from .p2p_waves import cached_program
+from .shadow import Shadows
+
+__all__ = ["SplitTransport"]
+
+_CACHE = 128  # (schedule, op) bridge programs kept
+
+
+class SplitTransport:
+    """Host executor inside each memory domain, p2p messages across (see the module docstring).
+
+    Args (given by the Context): ``comm``, ``rank``, ``world``, ``window`` (``host_shm`` or
+    ``local``), ``wlayout``, ``layout``, ``num_workers``, ``timeout_s``, ``jitter_us`` and
+    ``domain_of`` (the agreed domain index of every rank).
+    """
+
+    name = "split"
+    window_providers = ("host_shm", "local")
+
+    def __init__(self, *, comm: Any, rank: int, world: int, window, wlayout: dict, layout, num_workers: int,
+                 timeout_s: float, jitter_us: int = 0, domain_of: Sequence[int] | None = None):
+        if domain_of is None or len(domain_of) != world:
+            raise ValueError(f"ultracomm: transport 'split' needs domain_of, one memory domain per rank ({world}); "
+                             f"got {domain_of!r}")
+        if window.local.device.type != "cpu":
+            raise ValueError("ultracomm: transport 'split' runs on the CPU (host executor inside a domain); the GPU "
+                             "split (tma inside a domain, p2p across) is not built: use transport='p2p'")
+        self.rank, self.world = rank, world
+        self.window, self.wlayout, self.layout = window, dict(wlayout), layout
+        self.timeout_s = float(timeout_s)
+        self.domain_of = tuple(int(d) for d in domain_of)
+        for r, b in enumerate(window.peer_bases):
+            if self.domain_of[r] == self.domain_of[rank] and not b:
+                raise ValueError(f"ultracomm: transport 'split': rank {r} is in this rank's memory domain but the "
+                                 f"window does not reach it")
+        self.shadows = Shadows(rank, self.domain_of, wlayout["total_bytes"], wlayout["ready_off"])
+        self.host = HostTransport(rank=rank, world=world, window=window, wlayout=wlayout, layout=layout,
+                                  num_workers=num_workers, timeout_s=timeout_s, jitter_us=jitter_us,
+                                  peer_bases=self.shadows.bases(window.peer_bases))
+        self.messenger = messenger_for(comm, world, torch.device("cpu")) if self.shadows.views else None
+        self._programs: dict[tuple[int, int], BridgeProgram] = {}
+
+    def program(self, op: Op, schedule) -> BridgeProgram:
+        """This rank's (cached) crossings of ``op`` for ``schedule``."""
+        slot_bytes = self.wlayout["weight_slot_bytes" if op == Op.MULTICAST else "grad_slot_bytes"]
+        return cached_program(self._programs, schedule, op, self.world, lambda slot_src, home_of: build_bridge_program(
+            op, schedule, self.rank, schedule.tasks(op, self.rank), schedule.refs(op, self.rank), slot_src, home_of,
+            self.domain_of, self.wlayout["chunk_bytes"], slot_bytes), _CACHE)
+
+    def run(self, op: Op, schedule, epoch: int, masters: Masters, my_slots: Sequence[int],
+            local_index_of: Sequence[int], op_name: str | None = None) -> None:
+        """Run ``op`` of ``schedule`` for this rank at ``epoch``; blocks until done here (the
+        interpreter drained and the bridge's messages completed)."""
+        op = Op(op)
+        prog = self.program(op, schedule)
+        name = op_name or ("weight_sync" if op == Op.MULTICAST else "grad_reduce")
+        if not prog.peers:  # nothing crosses here in this op: the host executor alone
+            self.host.run(op, schedule, epoch, masters, my_slots, local_index_of, name)
+            return
+        abort = torch.zeros(1, dtype=torch.int64)
+        bridge = BridgeRun(self.messenger, prog, epoch, op_digest(schedule.digest, op), self.window.local,
+                           self.window.peer_bases[self.rank], self.shadows, self.wlayout, abort, self.timeout_s,
+                           f"rank {self.rank} {name} (epoch {epoch}, transport split, bridge)")
+        bridge.start()
+        try:
+            self.host.run(op, schedule, epoch, masters, my_slots, local_index_of, name, abort_word=abort.data_ptr())
+        except _core.AbortedError:
+            pass  # the bridge failed first: its error is raised below
+        except BaseException as e:  # the interpreter failed first: stop the bridge
+            bridge.fail(e)
+        finished = bridge.join()
+        if bridge.error is not None:
+            raise bridge.error
+        if finished:
+            self.shadows.release(prog.peers)

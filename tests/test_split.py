@@ -1,0 +1,243 @@
+"""The split transport in one process: ranks of declared memory domains (ULTRACOMM_DOMAIN's syntax,
+as ``domain=``) run intra-domain edges on the host executor and cross-domain edges through shadows
+and the bridge; every byte equals the host executor's; failures name what was awaited."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from ultracomm import Context, ExpertLayout, LoopbackDomain, Member, ReplicaPlan, UltracommTimeout, _core
+from ultracomm.env import ConfigError
+from ultracomm import domains
+from ultracomm.records import Op
+from ultracomm.schedule import build_schedule
+from ultracomm.transports.bridge_program import build_bridge_program
+
+from conftest import expert_weights, hot_slot_src, random_slot_src
+from test_p2p import layout_of, run_ops
+
+
+def run_split(world, plans, layout, epr, slots, mode, node_of, domain):
+    """run_ops's sequence under transport auto with declared domains (it must pick split)."""
+    return run_ops("auto", world, plans, layout, epr, slots, mode, node_of, window="local", expect="split",
+                   domain=domain)
+
+
+def crossings(plans, layout, world, mode, node_of, domain) -> int:
+    """Chunk messages the bridge moves for ``plans`` (both ops, all ranks)."""
+    dom = domains.domain_of(domain.split(","))
+    n = 0
+    for plan in plans:
+        sched = build_schedule(plan, layout.weight_bytes, layout.grad_bytes, chunk_bytes=128, relay_mode=mode,
+                               node_of=node_of)
+        for op, nbytes in ((Op.MULTICAST, layout.weight_bytes), (Op.REDUCE, layout.grad_bytes)):
+            for r in range(world):
+                n += len(build_bridge_program(op, sched, r, sched.tasks(op, r), sched.refs(op, r),
+                                              plan.slot_src.numpy(), plan.home_of.numpy(), dom, 128, nbytes).recvs)
+    return n
+
+
+CASES = [  # world, domains, node_of, relay mode, grad dtype
+    (4, "a,a,b,b", [0, 0, 1, 1], "force", torch.float32),
+    (4, "a,a,b,b", [0, 0, 1, 1], "off", torch.bfloat16),
+    (4, "n0,n0,n0,n1", [0, 0, 0, 1], "force", torch.bfloat16),  # uneven: 3 + 1
+    (4, "n0,n0,n0,n1", None, "auto", torch.float32),  # the schedule ignores the domains: more crossings
+    (8, "a,a,a,a,b,b,b,b", [0, 0, 0, 0, 1, 1, 1, 1], "auto", torch.bfloat16),
+    (8, "a,a,a,a,b,b,b,b", [0, 0, 0, 0, 1, 1, 1, 1], "force", torch.float32),
+    (8, "x,y,x,y,z,z,x,y", None, "force", torch.float16),  # three domains, interleaved ranks
+]
+
+
+@pytest.mark.parametrize("world,domain,node_of,mode,grad_dtype", CASES)
+def test_split_is_bit_identical_to_the_host_executor(world, domain, node_of, mode, grad_dtype):
+    layout, epr, slots = layout_of(grad_dtype), 2, 3
+    rng = np.random.default_rng(world * 13 + len(mode))
+    plans = [ReplicaPlan.make(hot_slot_src(world, slots, epr, expert=1), experts_per_rank=epr)] + \
+            [ReplicaPlan.make(random_slot_src(rng, world, slots, epr, 0.9), experts_per_rank=epr) for _ in range(2)]
+    host = run_ops("host", world, plans, layout, epr, slots, mode, node_of)
+    split = run_split(world, plans, layout, epr, slots, mode, node_of, domain)
+    assert crossings(plans, layout, world, mode, node_of, domain) > 0  # chunks really crossed domains
+    for r in range(world):
+        assert len(host[r]) == len(split[r])
+        for i, (a, b) in enumerate(zip(host[r], split[r])):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"rank {r} result {i} differs"
+    stride = -(-layout.weight_bytes // 256) * 256  # and the experts arrived (not two executors agreeing on zeros)
+    for r in range(world):
+        for s, e in enumerate(plans[0].slot_src[r].tolist()):
+            if e >= 0:
+                for m, want in enumerate(expert_weights(layout, e)):
+                    off = stride * s + layout.weight_offsets[m]
+                    got = split[r][0][off:off + layout.weight_sizes[m]]
+                    assert torch.equal(got, want.reshape(-1).view(torch.uint8)), (r, s, m)
+
+
+def test_choice_is_logged_once_and_says_which_edges_go_where(caplog):
+    world, epr, slots = 4, 1, 1
+    plan = ReplicaPlan.make(hot_slot_src(world, slots, epr, expert=0), experts_per_rank=epr)  # 0 -> 1, 2, 3
+
+    def body(group):
+        with Context(group, layout_of(), epr, slots, num_layers=1, timeout_s=30.0, chunk_bytes=128, tile_bytes=16,
+                     relay_mode="off", domain="a,a,b,b", log_level="info") as ctx:
+            return ctx.transport_choice, ctx.domain_of, ctx.transport_choice.edges(ctx.schedule_for(plan))
+
+    with caplog.at_level(logging.INFO, logger="ultracomm"):
+        res = LoopbackDomain(world).run(body)
+    choice, dom, edges = res[0]
+    assert all(r == res[0] for r in res)
+    assert dom == (0, 0, 1, 1) and choice.domain_of == dom
+    assert choice.edge_transport == {"intra": "host", "cross": "p2p"}
+    # direct tree: rank 0 feeds 1 (same domain), 2 and 3 (the other); the reduce mirrors it
+    assert edges == {"multicast": {"host": 1, "p2p": 2}, "reduce": {"host": 1, "p2p": 2}}
+    lines = sorted(r.getMessage() for r in caplog.records if "transport auto ->" in r.getMessage())
+    assert lines == [f"ultracomm: rank {r}: transport auto -> split: the ranks span 2 shared-memory domains of [2, 2] "
+                     "ranks; edges inside a domain run on host (shared-memory windows) and edges across domains on "
+                     "p2p (gloo messages through shadow windows and a bridge)" for r in range(world)]
+
+
+def test_shadows_keep_flags_and_give_back_slot_pages():
+    """After an op the shadow of the receiving peer holds its ready/digest words (from its header) and
+    the arrival flags its interpreter raised, and its slot bytes read as zeros again (pages returned)."""
+    world, epr, slots = 2, 1, 1
+    layout = ExpertLayout((Member("w", (64, 64), torch.float32),))  # slot bytes span whole pages
+    plan = ReplicaPlan.make(np.array([[-1], [0]], np.int32), experts_per_rank=epr)
+
+    def body(group):
+        with Context(group, layout, epr, slots, num_layers=1, transport="split", window="local", domain="a,b",
+                     chunk_bytes=4096, tile_bytes=4096, timeout_s=30.0) as ctx:
+            ctx.register_masters(0, [torch.ones((1, *m.shape), dtype=m.dtype) for m in layout.members],
+                                 [torch.zeros((1, *m.shape)) for m in layout.members])
+            ctx.weight_sync(ctx.begin(0), plan)
+            if ctx.rank != 0:
+                return None
+            shadow, wl = ctx.transport.shadows.views[1], ctx.wlayout
+            flags = shadow[wl["ready_off"]:].view(torch.int64)
+            nchunks = wl["weight_chunks"]
+            arrival = shadow[wl["arrival_off"]:wl["arrival_off"] + 8 * nchunks].view(torch.int64)
+            return (int(flags[0]), int(shadow[:wl["ready_off"]].count_nonzero()), arrival.tolist(),
+                    ctx.window.local[wl["ready_off"]:wl["ready_off"] + 8].view(torch.int64).item())
+
+    ready, nonzero, arrival, own_ready = LoopbackDomain(world).run(body)[0]
+    assert ready == 1 and own_ready == 1  # rank 1's header said epoch 1, as its own window does
+    assert arrival == [1] * 4
+    assert nonzero == 0
+
+
+def test_a_cross_domain_peer_that_never_runs_is_named():
+    """Rank 2 (domain b) skips its part: rank 0 (domain a), whose expert goes to rank 2, raises within about
+    the timeout naming rank 2 and what it waited for; rank 1 (same domain as 0, no replica) is unaffected."""
+    world, epr, slots = 3, 1, 1
+    layout = layout_of()
+    plan = ReplicaPlan.make(np.array([[-1], [-1], [0]], np.int32), experts_per_rank=epr)
+    started = threading.Event()
+
+    def body(group):
+        with Context(group, layout, epr, slots, num_layers=1, transport="split", window="local", domain="a,a,b",
+                     relay_mode="off", chunk_bytes=128, tile_bytes=16, timeout_s=0.5) as ctx:
+            ctx.register_masters(0, [torch.ones((1, *m.shape), dtype=m.dtype) for m in layout.members],
+                                 [torch.zeros((1, *m.shape)) for m in layout.members])
+            vid = ctx.begin(0)
+            if ctx.rank == 2:
+                ctx.transport.run = lambda *a, **k: started.wait(10)
+            t0 = time.monotonic()
+            try:
+                ctx.weight_sync(vid, plan)
+            except UltracommTimeout as e:
+                return str(e), time.monotonic() - t0
+            finally:
+                if ctx.rank == 0:
+                    started.set()
+            return None, 0.0
+
+    res = LoopbackDomain(world).run(body)
+    assert res[1] == (None, 0.0) and res[2] == (None, 0.0)
+    msg, elapsed = res[0]
+    assert msg is not None and 0.5 <= elapsed < 5, (msg, elapsed)
+    bridge = ("ultracomm: rank 0 weight_sync (epoch 1, transport split, bridge) gave up after waiting up to 0.5 s to "
+              "receive the header of rank 2 (its join: it never started this op) (timeout ULTRACOMM_TIMEOUT_S=0.5); "
+              "rank 2 is likely stalled or dead")
+    interp = "rank 0 weight_sync"  # the interpreter's own wait on its shadow of rank 2's ready flag
+    assert msg.startswith(bridge) or (msg.startswith(f"ultracomm: {interp}") and "rank 2" in msg and
+                                      "expert 0 chunk 0" in msg and "never started" in msg), msg
+
+
+@pytest.mark.parametrize("domain,error,match", [
+    ("a,b,b", ValueError, r"ULTRACOMM_DOMAIN='a,b,b' lists 3 domain keys but the Context's group has 2 ranks"),
+    ("a b", ConfigError, r"domain='a b' is invalid: key 'a b' is not 1 to 128 characters"),
+    ("a,,b", ConfigError, r"domain='a,,b' is invalid: key '' is not 1 to 128 characters"),
+])
+def test_bad_declarations_are_refused_before_anything_moves(domain, error, match):
+    def body(group):
+        Context(group, layout_of(), 1, 1, num_layers=1, timeout_s=30.0, domain=domain)
+
+    with pytest.raises(error, match=match):
+        LoopbackDomain(2).run(body)
+
+
+def test_ranks_that_declare_different_lists_are_refused():
+    def body(group):
+        Context(group, layout_of(), 1, 1, num_layers=1, timeout_s=30.0,
+                domain="a,a,b,b" if group.rank < 2 else "a,b,b,b")
+
+    with pytest.raises(ValueError, match=r"ranks declare different ULTRACOMM_DOMAIN values \(ranks \[0, 1\]: "
+                                         r"'a,a,b,b'; ranks \[2, 3\]: 'a,b,b,b'\)"):
+        LoopbackDomain(4).run(body)
+
+
+def test_one_cpu_domain_over_two_hosts_is_refused(monkeypatch):
+    from ultracomm import domains
+
+    hosts = ["h1/x", "h1/x", "h2/y", "h2/y"]
+    monkeypatch.setattr(domains, "host_key", lambda: hosts[int(threading.current_thread().name.rsplit("rank", 1)[1])])
+
+    def body(group):
+        Context(group, layout_of(), 1, 1, num_layers=1, timeout_s=30.0, domain="same")
+
+    with pytest.raises(ValueError, match=r"memory domain 'same' spans several hosts \(ranks \[0, 1\] on h1/x; ranks "
+                                         r"\[2, 3\] on h2/y\), but CPU ranks share memory only within one host"):
+        LoopbackDomain(4).run(body)
+
+
+def test_split_refuses_a_cuda_device():
+    with pytest.raises(ValueError, match="transport 'split' runs on the CPU .* the GPU split is not built"):
+        LoopbackDomain(1).run(lambda g: Context(g, layout_of(), 1, 1, num_layers=1, transport="split", device="cuda"))
+
+
+def test_run_host_abort_word_stops_a_waiting_interpreter():
+    """A rank waiting for a peer that never comes stops when its abort word is raised, long before the timeout."""
+    layout = layout_of()
+    plan = ReplicaPlan.make(np.array([[-1], [0]], np.int32), experts_per_rank=1)
+
+    def body(group):
+        with Context(group, layout, 1, 1, num_layers=1, transport="host", window="local", chunk_bytes=128,
+                     tile_bytes=16, timeout_s=30.0) as ctx:
+            ctx.register_masters(0, [torch.ones((1, *m.shape), dtype=m.dtype) for m in layout.members], None)
+            if ctx.rank == 0:
+                return None
+            sched = ctx.schedule_for(plan)
+            abort = torch.zeros(1, dtype=torch.int64)
+            threading.Timer(0.2, lambda: _core.store_release(abort.data_ptr(), 1)).start()
+            t0 = time.monotonic()
+            with pytest.raises(_core.AbortedError, match=r"rank 1 weight_sync \(epoch 1\) stopped: its abort word"):
+                ctx.transport.run(Op.MULTICAST, sched, 1, ctx._masters[0], [0], [0, -1], "weight_sync",
+                                  abort_word=abort.data_ptr())
+            return time.monotonic() - t0
+
+    elapsed = LoopbackDomain(2).run(body)[1]
+    assert 0.2 <= elapsed < 5
+
+
+def test_wait_flag_reports_reached_timeout_and_abort():
+    words = torch.zeros(2, dtype=torch.int64)
+    flag, abort = words.data_ptr(), words.data_ptr() + 8
+    assert _core.wait_flag(flag, 1, 0.05) == (1, 0)
+    _core.store_release(flag, 7)
+    assert _core.wait_flag(flag, 7, 0.05) == (0, 7) and _core.load_acquire(flag) == 7
+    _core.store_release(abort, 1)
+    assert _core.wait_flag(flag, 8, 30.0, abort) == (2, 7)
+    with pytest.raises(ValueError, match="8-byte aligned"):
+        _core.wait_flag(flag + 4, 1, 1.0)

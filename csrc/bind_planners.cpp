@@ -122,7 +122,8 @@ I64 split(I64 load, I64 inst_rank, I64 quota, I64 inst_slot, int64_t K) {
 // Checks the arrays and fills a QuotaInput that points into them.
 planners::QuotaInput quota_input(const I64& rank_load, const I64& expert_load, const I64& order,
                                  const py::object& node, I64& node_arr, int64_t slots,
-                                 int64_t min_tokens, int64_t tol, int64_t budget) {
+                                 int64_t min_tokens, int64_t tol, int64_t budget,
+                                 int64_t cover_budget) {
   const int64_t W = rank_load.size(), E = expert_load.size();
   if (W < 1 || E % W || order.size() != E)
     throw std::invalid_argument("quota: rank_load [W], expert_load / order [W * experts_per_rank]");
@@ -144,6 +145,7 @@ planners::QuotaInput quota_input(const I64& rank_load, const I64& expert_load, c
   in.min_tokens = min_tokens;
   in.tol = tol;
   in.budget = budget;
+  in.cover_budget = cover_budget;
   in.rank_load = rank_load.data();
   in.expert_load = expert_load.data();
   in.order = order.data();
@@ -174,13 +176,18 @@ py::dict quota_stats(const planners::QuotaResult& r) {
   d["searched"] = r.searched;
   d["rescued"] = r.rescued;
   d["budget_left"] = r.budget_left;
+  d["covered"] = r.covered;
+  d["cover_met"] = r.cover_met;
+  d["refuted"] = r.refuted;
+  d["cover_budget_left"] = r.cover_budget_left;
   return d;
 }
 
 py::tuple quota_search(I64 rank_load, I64 expert_load, I64 order, py::object node, int64_t slots,
-                       int64_t min_tokens, int64_t tol, int64_t budget) {
+                       int64_t min_tokens, int64_t tol, int64_t budget, int64_t cover_budget) {
   I64 node_arr;
-  auto in = quota_input(rank_load, expert_load, order, node, node_arr, slots, min_tokens, tol, budget);
+  auto in = quota_input(rank_load, expert_load, order, node, node_arr, slots, min_tokens, tol, budget,
+                        cover_budget);
   planners::QuotaResult res;
   {
     py::gil_scoped_release rel;
@@ -190,11 +197,14 @@ py::tuple quota_search(I64 rank_load, I64 expert_load, I64 order, py::object nod
 }
 
 py::tuple quota_feasible(I64 rank_load, I64 expert_load, I64 order, py::object node,
-                         int64_t slots, int64_t min_tokens, int64_t budget, int64_t T) {
+                         int64_t slots, int64_t min_tokens, int64_t budget, int64_t cover_budget,
+                         int64_t T) {
   I64 node_arr;
-  auto in = quota_input(rank_load, expert_load, order, node, node_arr, slots, min_tokens, 1, budget);
+  auto in = quota_input(rank_load, expert_load, order, node, node_arr, slots, min_tokens, 1, budget,
+                        cover_budget);
   planners::QuotaResult res;
   res.budget_left = budget;
+  res.cover_budget_left = cover_budget;
   std::vector<planners::QuotaReplica> reps;
   bool ok;
   {
@@ -277,12 +287,12 @@ void bind_planners(py::module_& m) {
         "Exact token split over expert instances, per replica slot: rep [W, W*K].");
   m.def("quota_search", &quota_search, py::arg("rank_load"), py::arg("expert_load"),
         py::arg("order"), py::arg("node"), py::arg("slots"), py::arg("min_tokens"),
-        py::arg("tol"), py::arg("budget"),
+        py::arg("tol"), py::arg("budget"), py::arg("cover_budget"),
         "Quota planner threshold search: (threshold, replicas [n, 3] (expert, rank, tokens), "
         "stats dict).");
   m.def("quota_feasible", &quota_feasible, py::arg("rank_load"), py::arg("expert_load"),
         py::arg("order"), py::arg("node"), py::arg("slots"), py::arg("min_tokens"),
-        py::arg("budget"), py::arg("T"),
+        py::arg("budget"), py::arg("cover_budget"), py::arg("T"),
         "One quota feasibility test at T: (replicas [n, 3] or None, stats dict).");
   m.def("balance_quotas", &balance, py::arg("el"), py::arg("off"), py::arg("inst"),
         py::arg("base"),

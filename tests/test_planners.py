@@ -495,6 +495,7 @@ def test_eval_quick(tmp_path):
 
 from ultracomm import workloads  # noqa: E402
 from ultracomm.planners import lpt as _lpt  # noqa: E402
+from ultracomm.planners import planted as _planted  # noqa: E402
 from ultracomm.planners import quota as _quota  # noqa: E402
 
 
@@ -536,40 +537,7 @@ def test_quota_finds_what_a_one_pass_greedy_misses():
     np.testing.assert_array_equal(res.slot_src[:, 0], [-1, -1, 1, 0, 0, 1])
 
 
-def planted_load(seed, world, epr, K, n_hot, mean=10_000):
-    """A load with a plan meeting T = mean - 1 + mean // 100 -- the first threshold quota
-    probes (1.01 x mean) -- in which every non-hot rank ends exactly at T: each takes K
-    replicas of hot ranks' experts (30-95 % of its final load) and the hot ranks end with
-    the rest of the tokens, evenly.  Returns (load [world, world * epr], T, replicas
-    [(expert, rank, tokens)])."""
-    rng = np.random.default_rng(seed)
-    E = world * epr
-    T = mean - 1 + mean // 100
-    hot = np.sort(rng.choice(world, size=n_hot, replace=False))
-    recv = np.setdiff1d(np.arange(world), hot)
-    final = np.full(world, T, np.int64)
-    rest = world * mean - recv.size * T
-    final[hot] = rest // n_hot
-    final[hot[: rest % n_hot]] += 1
-    hot_experts = (hot[:, None] * epr + np.arange(epr)).ravel()
-    el = np.zeros(E, np.int64)
-    got = np.zeros(world, np.int64)
-    reps = []
-    for j in recv.tolist():
-        es = rng.choice(hot_experts, size=min(K, hot_experts.size), replace=False)
-        tot = int(T * rng.uniform(0.3, 0.95))
-        cuts = np.sort(rng.integers(1, tot, size=es.size - 1))
-        for e, a in zip(es.tolist(), np.diff(np.concatenate(([0], cuts, [tot]))).tolist()):
-            el[e] += a
-            got[j] += a
-            reps.append((e, j, a))
-    for r in range(world):  # what each rank computes of its own experts
-        own = int(final[r] - got[r])
-        cuts = np.sort(rng.integers(0, own + 1, size=epr - 1))
-        el[r * epr:(r + 1) * epr] += np.diff(np.concatenate(([0], cuts, [own])))
-    load = np.zeros((world, E), np.int64)
-    load[rng.integers(0, world, size=E), np.arange(E)] = el  # each expert from one sender
-    return load, T, reps
+planted_load = _planted.planted_load
 
 
 def _planted_cases(n):
@@ -614,16 +582,103 @@ def test_quota_search_rescues_greedy(case):
     load, T, reps = planted_load(seed, W, epr, K, n_hot)
     _check_planted(load, T, reps, epr)
     d = Domain.flat(W, epr)
-    greedy_only = get_planner("quota")(load, d, K, search_budget=0)
+    greedy_only = get_planner("quota")(load, d, K, search_budget=0, cover_budget=0)
     assert greedy_only.rank_load.max() > T and greedy_only.info["searched"] == 0
-    res = get_planner("quota")(load, d, K)
+    res = get_planner("quota")(load, d, K, cover_budget=0)
     assert res.info["searched"] == res.info["rescued"] == 1
     assert res.info["threshold"] <= T and res.rank_load.max() <= T
     assert res.info["budget_left"] < _quota.SEARCH_BUDGET
     check_result(res, load, d, K)
-    reps_found = _quota.feasible(load, d, K, T)
+    reps_found = _quota.feasible(load, d, K, T, cover_budget=0)
     assert reps_found is not None and reps_found.shape[1] == 3
-    assert _quota.feasible(load, d, K, T, search_budget=0) is None
+    assert _quota.feasible(load, d, K, T, search_budget=0, cover_budget=0) is None
+
+
+def _planted_cases_one_slot(n):
+    out = []
+    for seed in range(n):
+        rng = np.random.default_rng(20_000 + seed)
+        W = int(rng.choice([8, 16, 32, 64]))
+        out.append((seed, W, int(rng.choice([2, 4, 8])), 1, int(rng.integers(1, W // 2 + 1))))
+    return out
+
+
+@pytest.mark.parametrize("case", _planted_cases_one_slot(24))
+def test_quota_meets_planted_plan_one_slot(case):
+    # one slot per rank (bin covering): the cover search must find a plan at T
+    seed, W, epr, K, n_hot = case
+    load, T, reps = planted_load(seed, W, epr, K, n_hot)
+    _check_planted(load, T, reps, epr)
+    d = Domain.flat(W, epr)
+    res = get_planner("quota")(load, d, K)
+    assert res.info["threshold"] <= T and res.rank_load.max() <= T
+    assert res.info["probes"] == 1
+    check_result(res, load, d, K)
+
+
+def _one_slot_feasible_brute(el, epr, T):
+    """Every placement with one slot per rank: each rank below T holds one expert of a rank
+    above T, or none; rank h sheds min(L_h - T, sum over its experts e of min(el_e, spare of
+    e's holders)) (quota_cover.cpp).  True iff some placement brings every rank to <= T."""
+    import itertools
+    W = el.size // epr
+    L = el.reshape(W, epr).sum(1)
+    hot = [h for h in range(W) if L[h] > T]
+    recv = [j for j in range(W) if L[j] < T]
+    exps = [e for h in hot for e in range(h * epr, (h + 1) * epr) if el[e] > 0]
+    for choice in itertools.product([-1] + exps, repeat=len(recv)):
+        got = {}
+        for j, e in zip(recv, choice):
+            if e >= 0:
+                got[e] = got.get(e, 0) + T - L[j]
+        if all(sum(min(el[e], got.get(e, 0)) for e in range(h * epr, (h + 1) * epr))
+               >= L[h] - T for h in hot):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_quota_one_slot_exact_small(seed):
+    # with one slot per rank and min_tokens 1 the feasibility test is exact: it meets T iff
+    # some placement does (brute force), and says "refuted" when it proves none does
+    rng = np.random.default_rng(seed)
+    W, epr = int(rng.choice([4, 5, 6])), int(rng.choice([1, 2]))
+    el = rng.integers(0, 40, size=W * epr) * (rng.random(W * epr) < 0.8)
+    el[: 2 * epr] += rng.integers(20, 60, size=2 * epr)  # two hot ranks
+    load = np.zeros((W, W * epr), np.int64)
+    load[0] = el
+    d = Domain.flat(W, epr)
+    L = el.reshape(W, epr).sum(1)
+    for T in range(int(-(-L.sum() // W)), int(L.max()) + 1):
+        want = _one_slot_feasible_brute(el, epr, T)
+        reps = _quota.feasible(load, d, 1, T, search_budget=0)
+        assert (reps is not None) == want, (seed, T)
+        if reps is not None:
+            final = L.copy()
+            for e, j, a in reps:
+                final[e // epr] -= a
+                final[j] += a
+            assert final.max() <= T
+    res = get_planner("quota")(load, d, 1, eps=0.0)
+    check_result(res, load, d, 1)
+    T = res.info["threshold"]
+    assert _one_slot_feasible_brute(el, epr, T)
+    assert T == -(-L.sum() // W) or not _one_slot_feasible_brute(el, epr, T - 1)
+
+
+def test_quota_one_slot_refutes():
+    # experts 3, 3, 3 on rank 0, one slot on rank 1: T = 5 needs 4 tokens moved, one
+    # replica moves at most 3 -> refused by the necessary conditions or proved by the cover
+    # search, without the bounded search
+    load = np.zeros((2, 6), np.int64)
+    load[0, :3] = 3
+    d = Domain.flat(2, 3)
+    assert _quota.feasible(load, d, 1, 5) is None
+    res = get_planner("quota")(load, d, 1)
+    assert res.info["threshold"] == 6 and res.info["pruned"] + res.info["refuted"] >= 1
+    assert res.info["searched"] == 0
+    with pytest.raises(ValueError, match="cover_budget"):
+        get_planner("quota")(load, d, 1, cover_budget=-1)
 
 
 def test_quota_feasible_and_min_tokens():

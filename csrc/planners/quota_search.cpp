@@ -17,6 +17,7 @@
 #include <functional>
 
 #include "flow_graph.h"
+#include "quota_cover.h"
 
 namespace ultracomm::planners {
 
@@ -26,6 +27,7 @@ constexpr int kSource = 0, kSink = 1;
 constexpr size_t kBranch = 3;  // choices tried per step by the search (best + runners-up)
 constexpr int kMaxDiscrepancy = 3;
 constexpr int kPerReceiver = 2;  // a receiver's runner-up expert is a choice too
+constexpr int64_t kDfsBudget = 4000;  // most cover-search placements the depth-first part takes
 
 struct Cand {
   int64_t gain, left;  // promised tokens; spare left on the looser side (tightest fit first)
@@ -125,7 +127,25 @@ class Feasibility {
       ++stats.pruned;
       return false;
     }
-    bool ok = descend(0);
+    // with one slot per rank the cover search goes first (the greedy rarely meets tight
+    // thresholds there and costs as much); with more, only after the greedy failed
+    bool ok = in_.slots != 1 && descend(0);
+    if (!ok && stats.cover_budget_left > 0) {
+      ++stats.covered;
+      const CoverOutcome c = cover(stats.cover_budget_left);
+      ok = c == CoverOutcome::kFound;
+      stats.cover_met += ok;
+      // exhausting the cover search is a proof only with one slot and no minimum quota
+      if (c == CoverOutcome::kRefuted && in_.slots == 1 && mt_ == 1) {
+        ++stats.refuted;
+        stats.steps += steps_;
+        return false;
+      }
+    }
+    if (!ok && in_.slots == 1) {
+      g_.rollback(start_);
+      ok = descend(0);
+    }
     if (!ok && stats.budget_left > 0) {
       ++stats.searched;
       budget_ = stats.budget_left;
@@ -257,6 +277,48 @@ class Feasibility {
     return true;
   }
 
+  // The cover search (quota_cover.cpp) from the start state; a cover found is pushed as
+  // it is (each hot rank's flow then covers its need) and the max-flow adds what it can.
+  CoverOutcome cover(int64_t& budget) {
+    g_.rollback(start_);
+    CoverProblem p;
+    p.min_tokens = mt_;
+    for (size_t h = 0; h < hot_.size(); ++h) {
+      p.need.push_back(g_.residual(hot_arc_[h]) - (mt_ - 1));
+      p.hot_group.push_back(group_of_rank(hot_[h]));
+    }
+    p.hot_experts.resize(hot_.size());
+    for (int x = 0; x < static_cast<int>(exp_id_.size()); ++x) {
+      p.hot_experts[exp_hot_[x]].push_back(x);
+      p.cap.push_back(in_.expert_load[exp_id_[x]]);
+    }
+    for (size_t j = 0; j < recv_rank_.size(); ++j) {
+      p.spare.push_back(g_.residual(recv_arc_[j]));
+      p.slots.push_back(in_.slots);
+      p.recv_group.push_back(group_of_rank(recv_rank_[j]));
+    }
+    std::vector<CoverPiece> pieces;
+    const auto accept = [&](const std::vector<CoverPiece>& ps) {
+      g_.rollback(start_);
+      for (const CoverPiece& c : ps) {
+        const int arc = g_.add_arc(base_exp_ + c.expert, base_recv_ + c.recv, kFlowInf);
+        for (int a : {hot_arc_[exp_hot_[c.expert]], exp_arc_[c.expert], arc, recv_arc_[c.recv]})
+          g_.add_flow(a, c.tokens);
+      }
+      g_.max_flow(kSource, kSink);
+      return done();
+    };
+    // the depth-first search first (a small share: it proves small cases infeasible), then
+    // with one slot the local search
+    int64_t dfs_budget = std::min<int64_t>(budget / 4, kDfsBudget);
+    budget -= dfs_budget;
+    CoverOutcome out = cover_search(p, dfs_budget, accept, pieces);
+    budget += dfs_budget;
+    if (out == CoverOutcome::kOutOfBudget && in_.slots == 1 && cover_local(p, budget, accept, pieces))
+      out = CoverOutcome::kFound;
+    return out;
+  }
+
   // Replicas below min_tokens are dropped and the flow recomputed on the rest; fails if
   // that leaves a rank min_tokens or more above T.
   bool enforce_min_tokens() {
@@ -308,6 +370,7 @@ bool quota_feasible(const QuotaInput& in, int64_t T, std::vector<QuotaReplica>& 
 QuotaResult quota_search(const QuotaInput& in) {
   QuotaResult res;
   res.budget_left = in.budget;
+  res.cover_budget_left = in.cover_budget;
   int64_t total = 0, hi = 0;
   for (int64_t r = 0; r < in.world; ++r) {
     total += in.rank_load[r];

@@ -11,6 +11,7 @@ struct QuotaInput {
   int64_t min_tokens = 1;  // smallest replica quota; a rank may end min_tokens - 1 above T
   int64_t tol = 1;         // the search stops once its bracket is within tol tokens
   int64_t budget = 0;      // search steps (replica additions) beyond the greedy, per search
+  int64_t cover_budget = 0;  // cover-search piece placements (quota_cover.h), per search
   const int64_t* rank_load = nullptr;    // [world] tokens homed on each rank
   const int64_t* expert_load = nullptr;  // [world * experts_per_rank]
   const int64_t* order = nullptr;        // [world * experts_per_rank] hottest first per rank
@@ -29,6 +30,10 @@ struct QuotaResult {
   int64_t searched = 0;   // probes the greedy failed and the bounded search ran on
   int64_t rescued = 0;    // of those, probes the search turned feasible
   int64_t budget_left = 0;  // search steps not spent (probes share one budget)
+  int64_t covered = 0;    // probes the greedy failed and the cover search ran on
+  int64_t cover_met = 0;  // of those, probes it met
+  int64_t refuted = 0;    // of those, probes it proved infeasible (one slot, min_tokens 1)
+  int64_t cover_budget_left = 0;  // cover-search placements not spent
   std::vector<QuotaReplica> replicas;
 };
 

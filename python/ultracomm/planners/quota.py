@@ -13,19 +13,25 @@ Feasibility at ``T`` (:func:`feasible`; C++, csrc/planners/quota_search.cpp):
   one's tokens to make room (what a one-pass greedy cannot do).
 * Choosing the replicas is the hard part: each rank holds at most ``slots_per_rank``
   replicas, which makes it a packing problem (bin covering reduces to it with one slot
-  per rank, so no polynomial test is exact in general).  Replicas are added one at a
-  time: the (expert, rank with a free slot) pair that promises the most tokens, ties to
-  the tightest fit (the smallest spare left on the looser side), then the lower rank;
-  promises are direct (the hot rank's remaining excess, the expert's tokens left at
-  home, the rank's spare) while any pair has one, then over the widest residual paths
-  (rerouting included).  After each addition the max-flow is recomputed.  A
-  replica may not promise fewer than ``min_tokens`` tokens (a rank may end up to
-  ``min_tokens - 1`` above ``T``); replicas left below it are dropped at the end.
+  per rank, so no polynomial test is exact in general unless P = NP).
+* Greedy: replicas are added one at a time: the (expert, rank with a free slot) pair that
+  promises the most tokens, ties to the tightest fit (the smallest spare left on the looser
+  side), then the lower rank; promises are direct (the hot rank's remaining excess, the
+  expert's tokens left at home, the rank's spare) while any pair has one, then over the
+  widest residual paths (rerouting included).  After each addition the max-flow is
+  recomputed.  A replica may not promise fewer than ``min_tokens`` tokens (a rank may end
+  up to ``min_tokens - 1`` above ``T``); replicas left below it are dropped at the end.
 * Cheap necessary conditions refuse hopeless thresholds first (per node with
   ``intra_node_only``): the receivers' spare must cover the excess, and the replicas the
   hot ranks need at least -- each as many as the fewest of its experts, and as many as
   the fewest receivers, that hold its excess -- must fit in the receivers' slots.
-* When the greedy fails, a limited-discrepancy search retries with runner-up choices
+* Cover search (csrc/planners/quota_cover.cpp), within ``cover_budget`` per call: a
+  depth-first search over which receivers and experts cover each hot rank's excess (hot
+  ranks largest first, tightest receiver first), cutting every branch that wastes more
+  spare than the total slack; then, with one slot per rank, a tabu local search over which
+  expert each receiver holds.  With one slot per rank it runs before the greedy (which
+  seldom meets tight thresholds there); with more, after the greedy failed.
+* When both fail, a limited-discrepancy search retries the greedy with runner-up choices
   (the three best per step, a receiver's second-best expert among them; up to three
   deviations) within ``search_budget`` replica additions per :func:`plan` call, spent
   on the failing probes in the order they come (the first, ``1 + eps`` probe first).
@@ -38,14 +44,26 @@ then bisect until the bracket is within ``tol``; the smallest feasible ``T`` fou
 the plan.  With ``tol = 1`` (means below ``1 / eps``) the search ends on the smallest ``T``
 the feasibility test meets, ``ceil(mean)`` included.
 
-What it finds (measured on the evaluation machine; perf/planners.md, tests/test_planners.py):
-the Zipf, hot-rank and rank-blocked loads of the evaluation meet the 1 % target at the
-first probe, with fewer copies than the one-pass greedy this replaced (EP64 Zipf 1.51 /
-2.01 / 3.03: 38 / 45 / 48 replicas instead of 42 / 49 / 57; rank-blocked EP16 at 3.0,
-where the greedy stopped at 1.02: 17).  On loads built around a known plan at 1.01 with
-every receiver filled exactly (``tests.test_planners.planted_load``), 400 of 400 with 2-3
-slots per rank were met (3 needed the search); with one slot per rank -- bin covering --
-about half are missed.
+What is guaranteed:
+
+* With ``slots_per_rank=1`` and ``min_tokens=1`` the depth-first cover search is
+  complete: if it runs to the end (at most 4000 placements per probe, and a quarter of
+  what ``cover_budget`` has left), its answer is exact -- a plan when one exists, else a
+  proof that none does (``info['refuted']``; checked against brute force on small loads,
+  tests/test_planners.py).  When it stops early the local search, which cannot refute,
+  takes over, and a threshold is then missed only if that runs out of budget too.
+* With more slots per rank the cover search splits a receiver's spare only in the way its
+  order suggests (a partial piece at a hot rank's last receiver), so nothing is exact: a
+  failed probe is not a proof.
+* The threshold search assumes feasibility is monotone in ``T`` and stops within ``tol``
+  tokens of the smallest threshold it could meet, ``ceil(mean)`` included.
+
+What it finds (measured on a loaded 2-core machine, perf/planners.md,
+perf/bench_quota_planted.py): the Zipf, hot-rank and rank-blocked loads of the evaluation
+meet the 1 % target at the first probe.  On loads built around a known plan at 1.01 x
+mean with every receiver filled exactly (:func:`ultracomm.planners.planted.planted_load`),
+world 8-64, 400 loads per slots-per-rank: 1 slot 399/400, 2 slots 399/400, 3 slots
+400/400 (perf/planners.md has the table and the times per call).
 
 Token split: a source rank's own tokens go to its own instance first, the rest
 north-west-corner (:func:`~ultracomm.planners.base.split_tokens`).
@@ -70,12 +88,16 @@ except ImportError:  # pragma: no cover - core not built
     _core_mod = None
     _HAVE_CPP = False
 
-__all__ = ["plan", "feasible", "SEARCH_BUDGET"]
+__all__ = ["plan", "feasible", "SEARCH_BUDGET", "COVER_BUDGET"]
 
 #: Default replica additions the bounded search may spend in one :func:`plan` call, shared
 #: by the threshold probes the greedy fails, first probe first (a few microseconds each at
 #: EP64 on the evaluation machine).
 SEARCH_BUDGET = 256
+
+#: Default piece placements the cover search may spend in one :func:`plan` call, shared by
+#: the threshold probes the greedy fails (tens of nanoseconds each on the evaluation machine).
+COVER_BUDGET = 200_000
 
 
 def _core():
@@ -96,10 +118,10 @@ def _inputs(load: Any, domain: Domain, intra_node_only: bool):
     return load, el, L, order, node
 
 
-def _check_budget(search_budget: int) -> int:
-    if not isinstance(search_budget, (int, np.integer)) or search_budget < 0:
-        raise ValueError(f"search_budget must be an int >= 0, got {search_budget!r}")
-    return int(search_budget)
+def _check_budget(budget: int, name: str = "search_budget") -> int:
+    if not isinstance(budget, (int, np.integer)) or isinstance(budget, bool) or budget < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {budget!r}")
+    return int(budget)
 
 
 def feasible(
@@ -111,6 +133,7 @@ def feasible(
     min_tokens: int = 1,
     intra_node_only: bool = False,
     search_budget: int = SEARCH_BUDGET,
+    cover_budget: int = COVER_BUDGET,
 ) -> np.ndarray | None:
     """One feasibility test of the quota planner at threshold ``T``.
 
@@ -121,16 +144,19 @@ def feasible(
         T: per-rank token threshold.
         min_tokens, intra_node_only: as in :func:`plan`.
         search_budget: replica additions the bounded search may spend after the greedy.
+        cover_budget: piece placements the cover search may spend after the greedy.
 
     Returns:
         int64 ``[n, 3]`` replicas ``(expert, rank, tokens)`` that bring every rank to at
-        most ``T + min_tokens - 1``, or ``None`` if neither the greedy nor the bounded
-        search found such a set (not a proof that none exists, see the module docstring).
+        most ``T + min_tokens - 1``, or ``None`` if none was found.  With one slot per rank
+        and ``min_tokens=1``, ``None`` after the cover search ran to the end (not out of
+        budget) is a proof that no placement meets ``T`` (module docstring).
     """
     load, el, L, order, node = _inputs(load, domain, intra_node_only)
     K = check_slots(slots_per_rank)
     reps, _ = _core().quota_feasible(L, el, order, node, K, max(int(min_tokens), 1),
-                                     _check_budget(search_budget), int(T))
+                                     _check_budget(search_budget),
+                                     _check_budget(cover_budget, "cover_budget"), int(T))
     return reps
 
 
@@ -143,6 +169,7 @@ def plan(
     min_tokens: int = 1,
     intra_node_only: bool = False,
     search_budget: int = SEARCH_BUDGET,
+    cover_budget: int = COVER_BUDGET,
 ) -> PlannerResult:
     """UltraEP quota planner.
 
@@ -154,19 +181,24 @@ def plan(
         min_tokens: smallest quota a replica may take.
         intra_node_only: keep replicas on the expert's home node.
         search_budget: replica additions the bounded search may spend in this call on
-            thresholds the greedy failed (0: greedy only).
+            thresholds the greedy and the cover search failed.
+        cover_budget: piece placements the cover search may spend in this call on
+            thresholds the greedy failed (both 0: greedy only).
 
     ``info``: ``threshold`` (the T met), ``probes`` (feasibility tests run), ``steps``
     (replica additions over all probes), ``pruned`` (probes refused by the necessary
     conditions), ``searched`` / ``rescued`` (probes the greedy failed and the bounded
-    search ran on, and those it then met), ``budget_left``.
+    search ran on, and those it then met), ``budget_left``; ``covered`` / ``cover_met`` /
+    ``refuted`` (probes the greedy failed and the cover search ran on, those it met, those
+    it proved infeasible), ``cover_budget_left``.
     """
     load, el, L, order, node = _inputs(load, domain, intra_node_only)
     K = check_slots(slots_per_rank)
     W = domain.world
     tol = max(1, int(math.floor(eps * L.sum() / W)))
     thr, reps, stats = _core().quota_search(L, el, order, node, K, max(int(min_tokens), 1), tol,
-                                            _check_budget(search_budget))
+                                            _check_budget(search_budget),
+                                            _check_budget(cover_budget, "cover_budget"))
     slot_src = np.full((W, K), -1, np.int32)
     slot_quota = np.zeros((W, K), np.int64)
     if reps.shape[0]:

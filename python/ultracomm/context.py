@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import threading
 import weakref
@@ -513,15 +514,22 @@ class Context:
         sched = mb.schedule
         my_slots, local_index_of = mb.my_slots, mb.local_index_of
         if self._streams is not None:
-            if self._profiler is not None:  # plans and stats; the device's op times are not recorded yet
-                self._profiler.op_untimed(name, mb.vid, mb.layer, mb.plan, sched)
+            on_time = None
+            if self._profiler is not None:  # device time from CUDA events around the enqueue, read lazily
+                on_time = functools.partial(self._profiler.op_end,
+                                            self._profiler.op_begin(name, mb.vid, mb.layer, mb.plan, sched), name)
             with self._lock:  # epochs are taken and enqueued in one order, whatever thread calls
-                self._streams.check_submit(name, async_op)
-                if before is not None:  # enqueued on the caller's stream, ahead of the operation
-                    before()
+                try:
+                    self._streams.check_submit(name, async_op)
+                    if before is not None:  # enqueued on the caller's stream, ahead of the operation
+                        before()
+                except BaseException:
+                    if on_time is not None:
+                        on_time(None)
+                    raise
                 self._epoch += 1
                 return self._streams.submit(name, op, self._epoch, sched, masters, my_slots, local_index_of,
-                                            async_op)
+                                            async_op, on_time=on_time)
 
         def body() -> None:
             if self._broken is not None:  # queued before an earlier operation failed: never start it

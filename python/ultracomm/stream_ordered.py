@@ -58,6 +58,13 @@ class CudaStreams:
         ev.record(torch.cuda.current_stream(self.device))
         return ev
 
+    def timing_event(self) -> Any:
+        """A new timing event recorded on the caller's current stream (the profiler keeps it
+        until its step is written: not pooled)."""
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
     def release(self, ev: Any) -> None:
         if len(self._free) < _EVENT_POOL:
             self._free.append(ev)
@@ -153,15 +160,28 @@ class StreamOrdered:
                 "completion to wait for. Use async_op=False while capturing and synchronize after replay")
 
     def submit(self, name: str, op: Any, epoch: int, schedule: Any, masters: Any, my_slots: Any,
-               local_index_of: Any, async_op: bool) -> Optional[StreamWork]:
+               local_index_of: Any, async_op: bool,
+               on_time: Optional[Callable[[Any], None]] = None) -> Optional[StreamWork]:
         """Enqueue ``op`` at ``epoch`` on the caller's current stream; a Work when ``async_op``.
-        Call :meth:`check_submit` first."""
+        Call :meth:`check_submit` first.  ``on_time`` (the profiler) gets ``(start, end)``
+        timing events recorded on the stream around the operation -- never synchronised here --
+        or ``None`` when the call enqueued nothing (it failed, or it was a loopback rank's share,
+        enqueued by the rank completing the set) and under CUDA graph capture (a captured
+        operation runs at replay, not between events recorded now)."""
+        if on_time is not None and self.streams.is_capturing():
+            on_time(None)
+            on_time = None
+        start = self.streams.timing_event() if on_time is not None else None
         try:
-            self.transport.run(op, schedule, epoch, masters, my_slots, local_index_of, name,
-                               stream=self.streams.stream_handle())
+            enqueued = self.transport.run(op, schedule, epoch, masters, my_slots, local_index_of, name,
+                                          stream=self.streams.stream_handle())
         except BaseException as e:
+            if on_time is not None:
+                on_time(None)
             self._on_error(e)
             raise
+        if on_time is not None:
+            on_time((start, self.streams.timing_event()) if enqueued is not False else None)
         if not async_op:
             return None
         return StreamWork(f"{name} (epoch {epoch})", self.streams.record(), self)

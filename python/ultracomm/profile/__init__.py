@@ -24,10 +24,14 @@ A record holds, per (step, layer, micro-batch):
   instances, as :func:`ultracomm.workloads.max_mean_after` does);
 * the schedule's stats of both ops (per-rank egress/ingress, depth, lower bound, predicted
   time) and its trees (parent rank/slot and depth of every replica slot);
-* measured op times (seconds): the wall time of the transport's ``run`` on this rank's
-  operation thread (host timers).  ``Profiler.op_end`` also takes a ``(start, end)`` pair of
-  CUDA events, resolved when the step is written; the stream-ordered GPU path of a Context does
-  not hand any yet, so on it plans and stats are recorded and op times are not;
+* measured op times (seconds): for the host and p2p transports the wall time of the
+  transport's ``run`` on this rank's operation thread (host timers); for the stream-ordered
+  ones (``tma``, ``copy_engine``) the device time between two CUDA timing events recorded on
+  the caller's stream just before and after the operation is enqueued -- nothing waits for
+  them in the operation; the writer reads ``elapsed_time`` once the end event completed (NaN
+  if it did not within ``op_wait_s``).  In a one-GPU loopback domain a rank's call that only
+  deposits its share has no time; the rank completing the set times the whole set; operations
+  enqueued under CUDA graph capture have none (they run at replay);
 * imbalance (max:mean rank load) before and after balancing, derived when read back.
 
 Anything not given stays empty (masks ``has_load``, ``has_plan``, ``has_stats``; ``NaN`` op

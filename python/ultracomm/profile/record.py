@@ -6,6 +6,7 @@ is computed by the writer thread in :func:`records_to_arrays`, off the training 
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Optional
 
 import numpy as np
@@ -65,17 +66,27 @@ def even_rank_load(expert_load: np.ndarray, slot_src: np.ndarray, home_of: np.nd
     return out
 
 
-def resolve_time(v: Any) -> float:
+def resolve_time(v: Any, wait_s: float = 60.0) -> float:
     """Seconds from a float, or from a ``(start, end)`` pair of CUDA-event-like objects
-    (``end.synchronize()``, ``start.elapsed_time(end)`` in milliseconds)."""
+    (``start.elapsed_time(end)`` in milliseconds, once ``end`` completed: polled with
+    ``end.query()`` for up to ``wait_s``, NaN if it did not complete; objects without
+    ``query`` are ``end.synchronize()``d)."""
     if isinstance(v, tuple):
         start, end = v
-        end.synchronize()
+        if hasattr(end, "query"):
+            deadline = time.monotonic() + wait_s
+            while not end.query():
+                if time.monotonic() >= deadline:
+                    return float("nan")
+                time.sleep(1e-3)
+        else:
+            end.synchronize()
         return float(start.elapsed_time(end)) / 1e3
     return float(v)
 
 
-def records_to_arrays(recs: list[Record], world: int, num_experts: int, slots: int, detail: str) -> dict:
+def records_to_arrays(recs: list[Record], world: int, num_experts: int, slots: int, detail: str,
+                      wait_s: float = 60.0) -> dict:
     """The per-record arrays of ``recs`` (names in :class:`ultracomm.profile.Trace`)."""
     n, W, E, S = len(recs), world, num_experts, slots
     out: dict[str, np.ndarray] = {
@@ -135,6 +146,6 @@ def records_to_arrays(recs: list[Record], world: int, num_experts: int, slots: i
         t = np.full(n, np.nan)
         for i, r in enumerate(recs):
             if op in r.times:
-                t[i] = sum(resolve_time(v) for v in r.times[op])
+                t[i] = sum(resolve_time(v, wait_s) for v in r.times[op])
         out[f"time_{op}"] = t
     return out

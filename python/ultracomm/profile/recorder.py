@@ -258,9 +258,10 @@ class Profiler:
         return rec
 
     def op_end(self, rec: Record, name: str, seconds: Any) -> None:
-        """Called on the Context's operation thread when ``name`` finished: ``seconds`` is a
-        float, a ``(start, end)`` pair of CUDA events (resolved when the step is written), or
-        None (the operation failed: no time)."""
+        """Called when ``name`` finished (host transports, on the Context's operation thread) or
+        was enqueued (stream-ordered transports): ``seconds`` is a float, a ``(start, end)``
+        pair of CUDA timing events recorded on the operation's stream (resolved when the step is
+        written, never synchronised here), or None (the operation failed: no time)."""
         with self._cond:
             if seconds is not None:
                 if rec.sealed:  # already taken by the writer (it waited op_wait_s for this)
@@ -285,11 +286,6 @@ class Profiler:
                 self.op_end(rec, name, time.perf_counter() - t0 if ok else None)
 
         return timed
-
-    def op_untimed(self, name: str, vid: Any, layer: int, plan: Any, schedule: Any) -> None:
-        """:meth:`op_begin` and :meth:`op_end` without a time: a transport whose operations run
-        on device streams (plans and stats are recorded, op times are not)."""
-        self.op_end(self.op_begin(name, vid, layer, plan, schedule), name, None)
 
     def release(self, vid: Any) -> None:
         """The Context released ``vid`` without ``grad_reduce`` (``end``)."""
@@ -351,7 +347,7 @@ class Profiler:
                     r.sealed = True
                 shapes = (self.world or 0, self.num_experts or 0, self.slots_per_rank or 0, self.detail)
             try:
-                arrays = records_to_arrays(recs, *shapes)
+                arrays = records_to_arrays(recs, *shapes, wait_s=self.op_wait_s)
                 first, last = recs[0].step, recs[-1].step
                 name = f"{self._file_no:06d}_step{first}" + (f"-{last}" if last != first else "") + ".npz"
                 _write_npz(self.path / name, arrays)

@@ -17,6 +17,7 @@ that arrives late raises too instead of going on alone.
 from __future__ import annotations
 
 import abc
+import atexit
 import copy
 import datetime
 import pickle
@@ -28,7 +29,7 @@ from typing import Any, Callable, Sequence, TypeVar
 
 import torch.distributed as dist
 
-from .errors import PeerError, UltracommError, UltracommTimeout
+from .errors import ClosedError, PeerError, UltracommError, UltracommTimeout
 
 T = TypeVar("T")
 
@@ -207,12 +208,14 @@ class _StoreBoard(_Board):
         self._store: dist.Store | None = None
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._dead: str | None = None
+        self._busy_until = 0.0  # monotonic time by which every call queued so far has returned
         self.lock = threading.Lock()
         self.sequence = 0
-        thread = threading.Thread(target=_serve_store_calls, args=(self._requests,), name="ultracomm-store",
-                                  daemon=True)
-        thread.start()
+        self._thread = threading.Thread(target=_serve_store_calls, args=(self._requests,), name="ultracomm-store",
+                                        daemon=True)
+        self._thread.start()
         weakref.finalize(self, self._requests.put, None)  # the thread ends with the group
+        _LIVE_BOARDS.add(self)
 
     def _client(self) -> dist.Store:
         if self._store is None:  # cloned on the serving thread: connecting may block too
@@ -225,6 +228,7 @@ class _StoreBoard(_Board):
         if self._dead is not None:
             raise _BoardUnreachable(self._dead)
         reply = _Reply()
+        self._busy_until = max(self._busy_until, time.monotonic()) + timeout_s + _QUICK_S
         self._requests.put((lambda: fn(self._client()), reply))
         if not reply.done.wait(timeout_s + _QUICK_S):
             self._dead = f"a store call got no answer within {timeout_s + _QUICK_S:g} s"
@@ -235,6 +239,21 @@ class _StoreBoard(_Board):
             self._dead = f"{type(reply.error).__name__}: {reply.error}"
             raise _BoardUnreachable(self._dead)
         return reply.value
+
+    def stop(self) -> None:
+        """Stop serving: calls still queued or running end within their own bounds, then the
+        thread ends and the store clone is dropped (later calls raise at once).
+
+        Run at interpreter exit: a thread still inside a c10d call once Python finalizes
+        aborts the process when the call returns (re-taking the GIL then ends the thread by
+        unwinding through C++ frames: std::terminate, "terminate called without an active
+        exception").  A caller that gave up on a silent store leaves such a call behind.
+        """
+        self._dead = self._dead or "ultracomm stopped its store thread (interpreter exit)"
+        self._requests.put(None)
+        self._thread.join(max(0.0, self._busy_until - time.monotonic()) + _QUICK_S)
+        if not self._thread.is_alive():
+            self._store = None
 
     def _quick(self, fn: Callable[[dist.Store], T]) -> T:
         try:
@@ -274,6 +293,14 @@ class _StoreBoard(_Board):
 # this process; it goes with the group.
 _BOARDS: "weakref.WeakKeyDictionary[Any, _StoreBoard]" = weakref.WeakKeyDictionary()
 _BOARDS_LOCK = threading.Lock()
+_LIVE_BOARDS: "weakref.WeakSet[_StoreBoard]" = weakref.WeakSet()  # also those whose group is gone
+
+
+@atexit.register
+def _stop_store_threads() -> None:
+    """Before Python finalizes, no store thread may still be inside a c10d call (see stop)."""
+    for board in list(_LIVE_BOARDS):
+        board.stop()
 
 
 class TorchComm(Comm):
@@ -289,18 +316,32 @@ class TorchComm(Comm):
             )
         from torch.distributed import distributed_c10d as c10d
 
-        self.group = group
-        self.pg = c10d._get_default_group() if group is None else group
+        pg = c10d._get_default_group() if group is None else group
+        # weak: a Context (closed, or kept in a cycle) must not keep the group alive past
+        # destroy_process_group: a gloo group alive at interpreter exit can abort the process (its
+        # worker threads re-take the GIL while Python finalizes)
+        self._pg_ref = weakref.ref(pg)
+        self._default = group is None
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         if self.rank < 0:
             raise ValueError("ultracomm: this process is not a member of the process group passed as group")
         self.timeout_s = float(timeout_s)
         with _BOARDS_LOCK:
-            board = _BOARDS.get(self.pg)
+            board = _BOARDS.get(pg)
             if board is None:
-                board = _BOARDS[self.pg] = _StoreBoard(c10d._get_process_group_store(self.pg))
+                board = _BOARDS[pg] = _StoreBoard(c10d._get_process_group_store(pg))
         self._store_board = board
+
+    @property
+    def pg(self) -> dist.ProcessGroup:
+        """The process group (the default one when ``group`` was None)."""
+        return live_group(self._pg_ref, self.rank)
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """What the user passed as ``group``: None for the default group."""
+        return None if self._default else self.pg
 
     def _board(self) -> _Board:
         return self._store_board
@@ -310,6 +351,17 @@ class TorchComm(Comm):
         with b.lock:
             b.sequence += 1
             return b.sequence - 1
+
+
+def live_group(ref: "weakref.ref[dist.ProcessGroup]", rank: int) -> dist.ProcessGroup:
+    """The process group behind ``ref``, which ultracomm holds weakly; ClosedError once destroyed."""
+    pg = ref()
+    if pg is None:
+        raise ClosedError(
+            f"ultracomm: rank {rank}: the process group was destroyed (torch.distributed.destroy_process_group) "
+            "while an ultracomm Context still uses it; close Contexts before destroying their group, and create "
+            "a new Context on a new group")
+    return pg
 
 
 # ------------------------------------------------------------------ loopback domains

@@ -89,6 +89,7 @@ class Step:
         self._views: list[torch.Tensor] = []
         self._staging: int | None = None
         self._restored = False
+        self._released = False  # _release_graph ran: the forward's outputs are gone
         self._state = "forward" if grad else "done"
 
     # -------------------------------------------------------------- forward
@@ -149,6 +150,9 @@ class Step:
     def _build(self) -> None:
         if self._outputs is not None:
             return
+        if self._released:
+            raise UltracommError(f"ultracomm: layer {self.layer} step (vid {self.vid}): its backward is done (or its "
+                                 "manager closed); replica_weights() and guard() belong to its forward")
         if not self.grad:
             self._outputs = (torch.zeros(()), *self._forward_views())
             return
@@ -188,8 +192,16 @@ class Step:
         self._restored = True
         self._state = "restored"
 
+    def _release_graph(self) -> None:
+        """Drop the forward's outputs: their grad_fn holds this Step (``ctx.step``), a cycle
+        through the C++ autograd graph that Python's gc cannot collect -- it kept every Step,
+        its manager and Context (and so the process group) alive."""
+        self._outputs, self._views = None, []
+        self._released = True
+
     def _backward_reduce(self, grads: Sequence[torch.Tensor]) -> None:
         if self._target is not None:
+            self._release_graph()
             return self._target._backward_reduce(grads)
         mgr = self.manager
         if self._state == "reduced":
@@ -211,6 +223,7 @@ class Step:
             staging[i // S][i % S].add_(g)
         work = mgr.ctx.grad_reduce(self.vid, async_op=True, grads=staging)
         mgr._staging_work[self._staging] = work
+        self._release_graph()
         self._state = "reduced"
         mgr._pending.append((self, work))
         if not mgr._callback_queued:
@@ -385,4 +398,7 @@ class ReplicaManager:
     def close(self) -> None:
         """Wait for pending work and close the Context."""
         self.wait_grads()
+        for step in self._live:  # forwards whose backward never ran
+            step._release_graph()
+        self._live.clear()
         self.ctx.close()

@@ -18,10 +18,13 @@ from __future__ import annotations
 import collections
 import datetime
 import threading
+import weakref
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
+
+from ..comm import live_group
 
 __all__ = ["TorchMessenger", "LoopbackMessenger", "PostError", "messenger_for"]
 
@@ -39,7 +42,8 @@ class TorchMessenger:
         if device.type == "cuda" and "nccl" not in backend:
             raise ValueError(f"ultracomm: transport 'p2p' on {device} needs an NCCL process group, this one is "
                              f"{backend!r}")
-        self.group = group
+        self._group_ref = weakref.ref(group)  # weak, as in TorchComm: ultracomm must not keep a destroyed group alive
+        self._rank = dist.get_rank(group)
         self.global_rank = [dist.get_global_rank(group, r) for r in range(world)]
         self.coalesced = "nccl" in backend  # batch_isend_irecv groups NCCL messages into one Work
         if self.coalesced:
@@ -47,8 +51,13 @@ class TorchMessenger:
             # barrier here (every rank builds the transport together) is that first operation
             dist.barrier(group=group, device_ids=[device.index])
 
+    @property
+    def group(self) -> Any:
+        return live_group(self._group_ref, self._rank)
+
     def exchange(self, ops: Sequence[OpSpec]) -> list:
-        p2p = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, self.global_rank[peer], self.group, tag)
+        group = self.group
+        p2p = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, self.global_rank[peer], group, tag)
                for kind, tensor, peer, tag in ops]
         if not self.coalesced:
             # what batch_isend_irecv does for gloo, one op at a time: a failed post names its message

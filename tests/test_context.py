@@ -1,6 +1,8 @@
 """Context end to end on loopback domains (ranks as threads over `local` windows)."""
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -353,6 +355,35 @@ def test_failed_operation_stops_queued_ones():
             ctx.restore(vid)
 
     _two_ranks_one_swap(fn, timeout_s=0.3)
+
+
+def test_wait_with_a_timeout_raises_ultracomm_timeout_and_the_operation_goes_on():
+    rank0_gave_up = threading.Event()
+
+    def fn(group, ctx, vid, plan):
+        if group.rank == 1:  # runs its part of the swap only once rank 0's wait has given up
+            run = ctx.transport.run
+            ctx.transport.run = lambda *a, **k: (rank0_gave_up.wait(30), run(*a, **k))
+        work = ctx.weight_sync(vid, plan, async_op=True)
+        if group.rank == 0:
+            try:
+                with pytest.raises(ultracomm.UltracommTimeout) as ei:
+                    work.wait(timeout=0.05)
+            finally:
+                rank0_gave_up.set()
+            assert isinstance(ei.value, TimeoutError)  # callers catching the built-in still catch it
+            assert str(ei.value) == (
+                "ultracomm: weight_sync (rank 0, epoch 1) did not finish within wait(timeout=0.05 s); awaited: its "
+                "turn on this rank's ordered worker thread, then its run there (peers' flags and data). The "
+                "operation goes on (bounded by ULTRACOMM_TIMEOUT_S) and the Context stays usable: call wait() again "
+                "to keep waiting")
+            assert not work.is_completed()
+        assert work.wait() is True
+        check_replicas(ctx, plan)
+        ctx.restore(vid)  # still usable
+        check_replicas(ctx, plan)
+
+    _two_ranks_one_swap(fn, timeout_s=30)
 
 
 def test_restore_timeout_names_restore():

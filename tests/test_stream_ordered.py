@@ -18,7 +18,7 @@ import ultracomm
 import ultracomm.stream_ordered as so
 import ultracomm.transports as transports
 from ultracomm import Context, ExpertLayout, LoopbackDomain, Member, ReplicaPlan
-from ultracomm.errors import UltracommError
+from ultracomm.errors import UltracommError, UltracommTimeout
 from ultracomm.records import Op
 from ultracomm.schedule import build_schedule
 from ultracomm.transports.host import HostTransport
@@ -303,7 +303,9 @@ def test_wait_with_timeout_polls_the_event(fake):
         with make_ctx(group, slots=1, epr=1) as ctx:
             ctx.register_masters(0, *masters(0, 1))
             work = ctx.weight_sync(ctx.begin(0), plan, async_op=True)
-            with pytest.raises(TimeoutError, match=r"weight_sync \(epoch 1\) did not finish within 0.01 s"):
+            with pytest.raises(UltracommTimeout, match=r"^ultracomm: weight_sync \(rank 0, epoch 1\) did not finish "
+                               r"within wait\(timeout=0.01 s\); awaited: the operation's completion event on its "
+                               r"CUDA stream"):
                 work.wait(timeout=0.01)  # the fake event completes only when synchronized
             assert not work.is_completed()
             ctx._streams.streams.recorded[0].done = True

@@ -278,7 +278,7 @@ class Context:
                     ctx._fail(e)
 
             self._streams = stream_ordered.StreamOrdered(self.transport, stream_ordered.streams_for(self._cuda_dev),
-                                                         on_error)
+                                                         on_error, self.rank)
         self.replica_weights = self._slot_views(self.wlayout["weights_off"], self.wlayout["weight_stride"],
                                                 self.layout.weight_offsets, [m.dtype for m in self.layout.members])
         self.replica_grads = self._slot_views(self.wlayout["grads_off"], self.wlayout["grad_stride"],
@@ -662,7 +662,7 @@ class Context:
         if self._streams is not None:
             self._streams.synchronize()
             return
-        self._runner.submit("synchronize", lambda: None).wait()
+        self._runner.submit(f"synchronize (rank {self.rank})", lambda: None).wait()
 
     @property
     def closed(self) -> bool:

@@ -46,7 +46,10 @@ class RegistrationError(UltracommError, ValueError):
 class UltracommTimeout(UltracommError, TimeoutError):
     """A wait for a peer passed ``ULTRACOMM_TIMEOUT_S``; the message names this rank, the
     operation and what (which ranks, flags) it waited for.  The group is unusable after it:
-    create a new Context (and usually restart the job)."""
+    create a new Context (and usually restart the job).
+
+    ``Work.wait(timeout=...)`` raises it too when the caller's own ``timeout`` passes first;
+    then only that wait gave up: the operation goes on and ``wait()`` may be called again."""
 
 
 class PeerError(UltracommError):

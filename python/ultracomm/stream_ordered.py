@@ -30,6 +30,9 @@ from .work import Work
 
 __all__ = ["CudaStreams", "StreamWork", "StreamOrdered", "streams_for"]
 
+# what a StreamWork waits for
+STREAM_AWAITS = "the operation's completion event on its CUDA stream (the kernel, after the work queued before it)"
+
 _EVENT_POOL = 64  # completed events kept for reuse
 
 
@@ -95,7 +98,7 @@ class StreamWork(Work):
     """
 
     def __init__(self, name: str, event: Any, owner: "StreamOrdered"):
-        super().__init__(name)
+        super().__init__(name, STREAM_AWAITS)
         self._event = event
         self._owner = owner
 
@@ -120,7 +123,7 @@ class StreamWork(Work):
                 deadline = time.monotonic() + timeout
                 while not self._owner.streams.query(self._event):
                     if time.monotonic() >= deadline:
-                        raise TimeoutError(f"ultracomm: {self.name} did not finish within {timeout} s")
+                        raise self._timed_out(timeout)
                     time.sleep(min(1e-3, timeout))
             self._complete()
         return super().wait(0)
@@ -132,7 +135,8 @@ class StreamOrdered:
     ``on_error(exc)`` is called with the first failure seen (the Context marks itself broken).
     """
 
-    def __init__(self, transport: Any, streams: Any, on_error: Callable[[BaseException], None]):
+    def __init__(self, transport: Any, streams: Any, on_error: Callable[[BaseException], None], rank: int):
+        self.rank = rank  # named in each Work's name
         self.transport = transport
         self.streams = streams
         self._on_error = on_error
@@ -184,7 +188,7 @@ class StreamOrdered:
             on_time((start, self.streams.timing_event()) if enqueued is not False else None)
         if not async_op:
             return None
-        return StreamWork(f"{name} (epoch {epoch})", self.streams.record(), self)
+        return StreamWork(f"{name} (rank {self.rank}, epoch {epoch})", self.streams.record(), self)
 
     def reject(self, op: Any, epoch: int) -> None:
         """Tell peers this rank rejected its plan at ``epoch`` (when the transport can publish it)."""

@@ -6,16 +6,22 @@ import queue
 import threading
 from typing import Callable
 
+from .errors import UltracommTimeout
+
+# what a Work of the ordered worker thread waits for
+RUNNER_AWAITS = "its turn on this rank's ordered worker thread, then its run there (peers' flags and data)"
+
 
 class Work:
     """Handle of an operation started with ``async_op=True``.
 
     ``wait()`` blocks until the operation finished on this rank and re-raises its error
-    (a ``TimeoutError`` naming what was awaited, for instance).  ``is_completed()`` polls.
+    (an ``UltracommTimeout`` naming what was awaited, for instance).  ``is_completed()`` polls.
     """
 
-    def __init__(self, name: str):
-        self.name = name
+    def __init__(self, name: str, awaited: str = RUNNER_AWAITS):
+        self.name = name  # names the operation and this rank, e.g. "weight_sync (rank 0, epoch 3)"
+        self.awaited = awaited
         self._done = threading.Event()
         self._error: BaseException | None = None
 
@@ -27,12 +33,24 @@ class Work:
         return self._done.is_set()
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Wait for completion; raise the operation's error if it failed.  Returns True."""
+        """Wait for completion; raise the operation's error if it failed.  Returns True.
+
+        Raises:
+            UltracommTimeout: ``timeout`` (seconds) passed first.  Only this wait gave up: the
+                operation goes on (bounded by the Context's ``ULTRACOMM_TIMEOUT_S``), so
+                ``wait()`` may be called again.
+        """
         if not self._done.wait(timeout):
-            raise TimeoutError(f"ultracomm: {self.name} did not finish within {timeout} s")
+            raise self._timed_out(timeout)
         if self._error is not None:
             raise self._error
         return True
+
+    def _timed_out(self, timeout: float | None) -> UltracommTimeout:
+        return UltracommTimeout(
+            f"ultracomm: {self.name} did not finish within wait(timeout={timeout:g} s); awaited: {self.awaited}. "
+            "The operation goes on (bounded by ULTRACOMM_TIMEOUT_S) and the Context stays usable: call wait() "
+            "again to keep waiting")
 
     def exception(self) -> BaseException | None:
         return self._error if self._done.is_set() else None

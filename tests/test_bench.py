@@ -22,11 +22,17 @@ def test_bench_small(tmp_path):
     rec = json.loads(out.read_text())
     assert rec["world"] == 2
     rows = rec["rows"]
-    # 2 ops x 2 sizes x (a2a_shm, a2a_gloo, p2p_gloo, direct, relay, relay_gloo)
-    assert len(rows) == 24
-    assert {r["method"] for r in rows} == {"a2a_shm", "a2a_gloo", "p2p_gloo", "direct", "relay", "relay_gloo"}
+    # 2 ops x 2 sizes x (a2a_shm, a2a_gloo, p2p_gloo, direct, relay, relay_gloo, relay_split)
+    assert len(rows) == 28
+    assert {r["method"] for r in rows} == {"a2a_shm", "a2a_gloo", "p2p_gloo", "direct", "relay", "relay_gloo",
+                                           "relay_split"}
     assert {r["transport"] for r in rows if r["method"].endswith("gloo")} == {"gloo (TCP loopback)"}
-    assert {r["transport"] for r in rows if not r["method"].endswith("gloo")} == {"shared memory"}
+    assert {r["transport"] for r in rows if r["method"] == "relay_split"} == \
+        {"shared memory within a domain + gloo across"}
+    assert {r["transport"] for r in rows if not r["method"].endswith(("gloo", "split"))} == {"shared memory"}
+    # 2 ranks in two domains: every replica byte crosses over gloo
+    assert all(r["cross_bytes"] == r["moved_bytes"] > 0 for r in rows if r["method"] == "relay_split")
+    assert all(r["cross_bytes"] is None for r in rows if r["method"] != "relay_split")
     # every method moves bf16 weights and, here, bf16 grads: the same bytes per expert in both ops
     assert {r["grad_dtype"] for r in rows} == {"bf16"}
     assert sorted(r["size"] for r in rows if r["op"] == "grad_reduce") == \

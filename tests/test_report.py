@@ -31,7 +31,8 @@ def test_report_quick(tmp_path):
     assert all(r["wrong"] == 0 for r in rows)
     assert {(r["method"], r["transport"]) for r in rows} == {
         ("a2a_shm", "shared memory"), ("a2a_gloo", "gloo (TCP loopback)"), ("p2p_gloo", "gloo (TCP loopback)"),
-        ("direct", "shared memory"), ("relay", "shared memory"), ("relay_gloo", "gloo (TCP loopback)")}
+        ("direct", "shared memory"), ("relay", "shared memory"), ("relay_gloo", "gloo (TCP loopback)"),
+        ("relay_split", "shared memory within a domain + gloo across")}
     sim = rep["simulated"]
     head = sim["headline"]
     assert [(r["imbalance"], r["grad_dtype"]) for r in head] == [

@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 4 -m ultracomm.bench all [--model qwen3-30b-a3b --scale 0.25]
         [--workload hot-rank|random|zipf:2|hot:0.5|...[,more]] [--min-bytes 1M --max-bytes 16M --factor 4]
-        [--methods a2a_shm,a2a_gloo,p2p_gloo,direct,relay,relay_gloo] [--grad-dtype fp32|bf16]
+        [--methods a2a_shm,a2a_gloo,p2p_gloo,direct,relay,relay_gloo,relay_split] [--grad-dtype fp32|bf16]
         [--iters 5 --warmup 1] [--json FILE] [--plot FILE.png]
 
 Methods, measured side by side in one run on the same plan.  Each row says which transport
@@ -25,6 +25,14 @@ moved its bytes; only rows over the same transport compare algorithms:
 * ``relay_gloo`` (gloo, TCP loopback): the same trees as ``relay`` moved by ultracomm's ``p2p``
   transport (``torch.distributed`` point-to-point; NCCL on GPUs).  ``p2p_gloo`` / ``relay_gloo``
   compares the algorithms over one transport, ``relay_gloo`` / ``relay`` the transports.
+* ``relay_split`` (shared memory + gloo): ultracomm's ``split`` transport with the ranks declared
+  as two memory domains (the lower and the upper half of the ranks, ``ULTRACOMM_DOMAIN`` style;
+  the schedule is told the same two nodes, so each expert crosses between the halves at most
+  once per remote half): edges inside a half run on the host executor over shared memory, edges
+  across as gloo messages through the bridge.  Its ``moved``, ``algbw`` and ``cpbw`` count the
+  same bytes as every row (all replica bytes, whichever transport moved them); the JSON row's
+  ``cross_bytes`` counts the part that went over gloo (chunks of the crossing edges, summed over
+  ranks), printed after the table.  With 2 ranks every edge crosses.
 
 The gloo rows compare transports as much as algorithms (TCP loopback vs shared memory); they
 are kept as what a torch.distributed user without ultracomm would run on a CPU.  ``a2a`` and
@@ -63,12 +71,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-METHODS = ("a2a_shm", "a2a_gloo", "p2p_gloo", "direct", "relay", "relay_gloo")
+METHODS = ("a2a_shm", "a2a_gloo", "p2p_gloo", "direct", "relay", "relay_gloo", "relay_split")
 #: old method names
 ALIASES = {"a2a": "a2a_gloo", "p2p": "p2p_gloo"}
 #: what moved each method's bytes
 TRANSPORT = {"a2a_shm": "shared memory", "a2a_gloo": "gloo (TCP loopback)", "p2p_gloo": "gloo (TCP loopback)",
-             "direct": "shared memory", "relay": "shared memory", "relay_gloo": "gloo (TCP loopback)"}
+             "direct": "shared memory", "relay": "shared memory", "relay_gloo": "gloo (TCP loopback)",
+             "relay_split": "shared memory within a domain + gloo across"}
 GRAD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -236,15 +245,28 @@ def run_case(op: str, size: int, workload: str, args, rank: int, world: int) -> 
     for method in args.methods:
         ctx = echo = None
         threads = torch.get_num_threads()
-        if method in ("direct", "relay", "relay_gloo"):
+        cross = None
+        if method in ("direct", "relay", "relay_gloo", "relay_split"):
+            split = {}
+            if method == "relay_split":  # two declared domains: the lower and the upper half of the ranks
+                halves = [int(r >= (world + 1) // 2) for r in range(world)]
+                split = dict(domain=",".join(f"half{h}" for h in halves), node_of=halves)
+            transport = {"relay_gloo": "p2p", "relay_split": "split"}.get(method, args.transport)
             ctx = Context(None, layout, epr, slots, num_layers=1, relay_mode="off" if method == "direct" else "auto",
                           chunk_bytes=args.chunk_bytes, tile_bytes=min(args.chunk_bytes, 32768),
-                          transport="p2p" if method == "relay_gloo" else args.transport)
+                          transport=transport, **split)
             ctx.register_masters(0, [master], [grad])
             st = ctx.schedule_for(plan).stats("multicast" if op == "weight_sync" else "reduce")
             busiest, lb = (st["max_egress"] if op == "weight_sync" else st["max_ingress"]), st["lower_bound_bytes"]
             depth = st["depth"]
             slot_w, slot_g = ctx.replica_weights[0], ctx.replica_grads[0]
+            if method == "relay_split":
+                from .records import Op
+
+                cross_t = torch.tensor([ctx.transport.program(Op.MULTICAST if op == "weight_sync" else Op.REDUCE,
+                                                              ctx.schedule_for(plan)).bytes_sent], dtype=torch.int64)
+                dist.all_reduce(cross_t)
+                cross = int(cross_t)
         else:
             slot_w = torch.zeros((slots, n), dtype=torch.bfloat16)
             slot_g = torch.zeros((slots, n), dtype=gdt)
@@ -319,7 +341,7 @@ def run_case(op: str, size: int, workload: str, args, rank: int, world: int) -> 
             "time_us": med * 1e6, "p90_us": p90 * 1e6,
             "algbw_GBps": moved / med / 1e9, "busbw_GBps": moved / med / 1e9, "cpbw_GBps": busiest / med / 1e9,
             "busiest_bytes": busiest, "lower_bound_bytes": lb, "lb_ratio": busiest / max(1, lb), "depth": depth,
-            "wrong": int(wrong_t),
+            "wrong": int(wrong_t), "cross_bytes": cross,
         })
     return rows
 
@@ -329,7 +351,7 @@ HEADER = (f"# {'op':>11} {'method':>10} {'over':>6} {'workload':>9} {'size(B)':>
 
 
 def format_row(r: dict) -> str:
-    over = "gloo" if r["transport"].startswith("gloo") else "shm"
+    over = "gloo" if r["transport"].startswith("gloo") else "split" if "+" in r["transport"] else "shm"
     return (f"  {r['op']:>11} {r['method']:>10} {over:>6} {r['workload']:>9} {r['size']:>10} {r['replicas']:>4} "
             f"{r['depth']:>3} "
             f"{r['time_us']:>10.1f} {r['p90_us']:>10.1f} {r['algbw_GBps']:>7.2f} {r['busbw_GBps']:>7.2f} "
@@ -424,7 +446,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     if rank == 0:
         print(f"# ultracomm bench (measured): world {world}; ultracomm transport {transport} over {window} windows "
-              f"({cfg.num_workers} workers); relay_gloo: transport p2p; a2a_shm over {window} windows "
+              f"({cfg.num_workers} workers); relay_gloo: transport p2p; relay_split: transport split over 2 declared "
+              f"domains (halves); a2a_shm over {window} windows "
               f"({cfg.num_workers} torch threads); *_gloo "
               f"over {dist.get_backend()}; {args.slots} slots/rank, {args.experts_per_rank} experts/rank, chunk "
               f"{args.chunk_bytes} B, iters {args.iters} (+{args.warmup} warm-up)"
@@ -442,6 +465,10 @@ def main(argv: list[str] | None = None) -> int:
     wrong = sum(r["wrong"] for r in rows)
     if rank == 0:
         print(f"# #wrong summed over all rows: {wrong}")
+        for r in rows:
+            if r["cross_bytes"] is not None:
+                print(f"# relay_split {r['op']} {r['workload']} {r['size']} B: {r['cross_bytes']} of "
+                      f"{r['moved_bytes']} replica bytes crossed the two domains over gloo")
         for op in ops:
             for workload in workloads:
                 sel = [r for r in rows if r["op"] == op and r["workload"] == workload]

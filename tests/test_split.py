@@ -160,9 +160,11 @@ def test_a_cross_domain_peer_that_never_runs_is_named():
     bridge = ("ultracomm: rank 0 weight_sync (epoch 1, transport split, bridge) gave up after waiting up to 0.5 s to "
               "receive the header of rank 2 (its join: it never started this op) (timeout ULTRACOMM_TIMEOUT_S=0.5); "
               "rank 2 is likely stalled or dead")
-    interp = "rank 0 weight_sync"  # the interpreter's own wait on its shadow of rank 2's ready flag
-    assert msg.startswith(bridge) or (msg.startswith(f"ultracomm: {interp}") and "rank 2" in msg and
-                                      "expert 0 chunk 0" in msg and "never started" in msg), msg
+    # or the interpreter's own wait on its shadow of rank 2's ready flag, whichever expires first
+    interp = ("ultracomm: rank 0 weight_sync (multicast) epoch 1 timed out after 0.5 s waiting for rank 2 to join the "
+              "operation (ready flag) before sending expert 0 chunk ")
+    assert msg.startswith(bridge) or (msg.startswith(interp) and "rank 2 has not started this operation (its ready "
+                                      "flag is at epoch 0): it is likely the stalled or dead rank" in msg), msg
 
 
 @pytest.mark.parametrize("domain,error,match", [
@@ -220,8 +222,8 @@ def test_run_host_abort_word_stops_a_waiting_interpreter():
                 return None
             sched = ctx.schedule_for(plan)
             abort = torch.zeros(1, dtype=torch.int64)
-            threading.Timer(0.2, lambda: _core.store_release(abort.data_ptr(), 1)).start()
             t0 = time.monotonic()
+            threading.Timer(0.2, lambda: _core.store_release(abort.data_ptr(), 1)).start()
             with pytest.raises(_core.AbortedError, match=r"rank 1 weight_sync \(epoch 1\) stopped: its abort word"):
                 ctx.transport.run(Op.MULTICAST, sched, 1, ctx._masters[0], [0], [0, -1], "weight_sync",
                                   abort_word=abort.data_ptr())
@@ -241,3 +243,52 @@ def test_wait_flag_reports_reached_timeout_and_abort():
     assert _core.wait_flag(flag, 8, 30.0, abort) == (2, 7)
     with pytest.raises(ValueError, match="8-byte aligned"):
         _core.wait_flag(flag + 4, 1, 1.0)
+
+
+def _run_two(plan_of, epoch_of, timeout_s=20.0):
+    """Ranks 0 and 1 in two domains call the split transport directly (no plan agreement), each with its own
+    plan and epoch; returns (error text or None, seconds) per rank."""
+    layout = layout_of()
+
+    def body(group):
+        with Context(group, layout, 1, 2, num_layers=1, transport="split", window="local", domain="a,b",
+                     relay_mode="off", chunk_bytes=128, tile_bytes=16, timeout_s=timeout_s) as ctx:
+            ctx.register_masters(0, [torch.ones((1, *m.shape), dtype=m.dtype) for m in layout.members], None)
+            plan = plan_of(ctx.rank)
+            sched = ctx.schedule_for(plan)
+            t0 = time.monotonic()
+            try:
+                ctx.transport.run(Op.MULTICAST, sched, epoch_of(ctx.rank), ctx._masters[0],
+                                  plan.slot_src[ctx.rank].tolist(), plan.local_index_of.tolist(), "weight_sync")
+            except Exception as e:  # noqa: BLE001 - the test inspects it
+                return f"{type(e).__name__}: {e}", time.monotonic() - t0
+            return None, time.monotonic() - t0
+
+    return LoopbackDomain(2).run(body)
+
+
+def test_a_peer_on_another_plan_is_a_plan_error_at_once():
+    """Rank 1 holds expert 0 in slot 0 under one plan, in slot 1 under the other: the headers carry the
+    schedule digests, so both ranks raise PlanError naming the other long before the timeout."""
+    plans = [ReplicaPlan.make(np.array([[-1, -1], s], np.int32), experts_per_rank=1) for s in ([0, -1], [-1, 0])]
+    res = _run_two(lambda r: plans[r], lambda r: 1)
+    for r, (err, elapsed) in enumerate(res):
+        bridge = (f"PlanError: ultracomm: rank {r} weight_sync (epoch 1, transport split, bridge): rank {1 - r} runs "
+                  "another plan (schedule digest ")
+        # or the interpreter, reading the digest the bridge put in its shadow of the peer, was first
+        assert err is not None and (err.startswith(bridge) or (err.startswith("PlanMismatchError") and
+                                                               f"rank {1 - r}" in err)), err
+        assert elapsed < 10, (err, elapsed)
+
+
+def test_ranks_at_different_epochs_are_out_of_step():
+    plan = ReplicaPlan.make(np.array([[-1, -1], [0, -1]], np.int32), experts_per_rank=1)
+    res = _run_two(lambda r: plan, lambda r: 1 + r)
+    err0, elapsed0 = res[0]
+    assert err0 == ("UltracommError: ultracomm: rank 0 weight_sync (epoch 1, transport split, bridge): rank 1 sent "
+                    "the header of epoch 2, this rank is at epoch 1: the ranks called their operations in different "
+                    "orders"), err0
+    assert elapsed0 < 10
+    assert res[1][0] == ("UltracommError: ultracomm: rank 1 weight_sync (epoch 2, transport split, bridge): rank 0 "
+                         "sent the header of epoch 1, this rank is at epoch 2: the ranks called their operations in "
+                         "different orders"), res[1][0]

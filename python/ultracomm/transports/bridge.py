@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from .. import _core
-from ..errors import PlanError, UltracommTimeout
+from ..errors import PlanError, UltracommError, UltracommTimeout
 from ..records import Op
 from .bridge_program import HEADER_TAG, BridgeProgram, Crossing
 from .p2p_messengers import PostError
@@ -192,7 +192,7 @@ class BridgeRun:
         _core.store_release(base + self.wl["digest_off"] + 8 * op, digest)
         _core.store_release(base + self.wl["ready_off"] + 8 * op, epoch)
         if epoch != self.epoch:
-            raise UltracommTimeout(f"ultracomm: {self.where}: rank {q} sent the header of epoch {epoch}, this rank is at "
+            raise UltracommError(f"ultracomm: {self.where}: rank {q} sent the header of epoch {epoch}, this rank is at "
                                    f"epoch {self.epoch}: the ranks called their operations in different orders")
         if digest != self.digest:
             why = "rejected its plan" if digest == _core.REJECTED_DIGEST else \

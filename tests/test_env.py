@@ -22,7 +22,7 @@ def test_defaults():
     assert (c.multicast_sms, c.reduce_sms) == (0, 0)  # auto: resolved per device by ultracomm.sm_budget
     assert (c.transport, c.window, c.relay_mode, c.log_level) == ("auto", "auto", "auto", "warning")
     assert (c.tile_bytes, c.chunk_bytes) == (32768, 1 << 20)
-    assert c.max_depth == 8 and c.deterministic is True and c.timeout_s == 100.0
+    assert c.max_depth == 8 and c.deterministic is True and c.timeout_s == 100.0 and c.plan_check == "auto"
     assert (c.intra_bw, c.inter_bw, c.jitter_us) == (370e9, 50e9, 0)
     assert c == Config()
     assert c.relay is RelayMode.AUTO
@@ -48,6 +48,7 @@ GOOD = {
     "ULTRACOMM_CHUNK_BYTES": ("256K", 262144),
     "ULTRACOMM_RELAY": ("force", "force"),
     "ULTRACOMM_RELAY_MAX_DEPTH": ("2", 2),
+    "ULTRACOMM_PLAN_CHECK": ("Window", "window"),
     "ULTRACOMM_DETERMINISTIC": ("off", False),
     "ULTRACOMM_TIMEOUT_S": ("2.5", 2.5),
     "ULTRACOMM_LOG_LEVEL": ("DEBUG", "debug"),
@@ -106,6 +107,7 @@ BAD = [
     ("ULTRACOMM_CHUNK_BYTES", str(2**64 - 32768), "at most 1099511627776 (1024G)"),
     ("ULTRACOMM_RELAY", "on", "expected one of auto, off, force"),
     ("ULTRACOMM_RELAY_MAX_DEPTH", "0", "must be in [1, 65535]"),
+    ("ULTRACOMM_PLAN_CHECK", "digest", "expected one of auto, agree, window"),
     ("ULTRACOMM_RELAY_MAX_DEPTH", "99999999999", "must be in [1, 65535]"),
     ("ULTRACOMM_DETERMINISTIC", "maybe", "expected one of 1, 0, true, false, yes, no, on, off"),
     ("ULTRACOMM_TIMEOUT_S", "0", "must be a number in (0, 1e+08]"),

@@ -36,7 +36,7 @@ from . import domains
 from .comm import as_comm, require_same
 from .dataplane import check_master_devices, device_type, is_stream_ordered, select, transport_kwargs
 from .env import Config, check_window_layout
-from .errors import ClosedError, RegistrationError, UltracommError, UltracommTimeout
+from .errors import ClosedError, ConfigError, RegistrationError, UltracommError, UltracommTimeout
 from .layout import ExpertLayout
 from .plan import ReplicaPlan
 from .profile import profile_for_context
@@ -158,7 +158,7 @@ class Context:
                                         device_type(self.config.transport, self.config.window, device), device)
             return ((repr(layout), experts_per_rank, slots_per_rank, num_layers, max_microbatches, self.node_of,
                      self.config.chunk_bytes, self.config.relay_mode, self.config.max_depth, self.config.intra_bw,
-                     self.config.inter_bw, *chosen), where)
+                     self.config.inter_bw, self.config.plan_check, *chosen), where)
 
         views = self.comm.agree(local_check, op="Context setup", what="configuration")
         require_same([v[0] for v in views], "Context configuration")
@@ -279,6 +279,14 @@ class Context:
 
             self._streams = stream_ordered.StreamOrdered(self.transport, stream_ordered.streams_for(self._cuda_dev),
                                                          on_error, self.rank)
+        check = self.config.plan_check
+        #: ranks check that they run the same plan through the digests in their windows, not a
+        #: collective per weight_sync (``ULTRACOMM_PLAN_CHECK``; see ultracomm.env "Plan checks")
+        self.window_plan_check = check == "window" or (check == "auto" and self._streams is not None)
+        if self.window_plan_check and getattr(self.transport, "reject", None) is None:
+            raise ConfigError(f"ultracomm: plan_check='window' (ULTRACOMM_PLAN_CHECK) needs a transport whose "
+                              f"window holds ready flags and digests; transport {self.transport.name!r} has none: "
+                              "use plan_check='agree' (or 'auto')")
         self.replica_weights = self._slot_views(self.wlayout["weights_off"], self.wlayout["weight_stride"],
                                                 self.layout.weight_offsets, [m.dtype for m in self.layout.members])
         self.replica_grads = self._slot_views(self.wlayout["grads_off"], self.wlayout["grad_stride"],
@@ -428,11 +436,12 @@ class Context:
         Every rank raises when any rank's plan or masters are invalid or the plans or
         schedules differ, so no rank is left waiting in a later collective or flag.
 
-        Stream-ordered transports skip the collective (it would synchronise the host on every
-        operation): each rank publishes its schedule digest beside its ready flag and the
-        kernel raises a digest mismatch on every rank that meets a different one.  A rank whose
-        own plan is invalid raises here, publishes a rejection when the transport can (peers
-        then fail with "rejected" instead of a timeout) and the Context is broken on every rank.
+        With the window plan check (``ULTRACOMM_PLAN_CHECK=window``; the default of the
+        stream-ordered transports, where the collective would synchronise the host on every
+        operation) there is no collective: each rank publishes its schedule digest beside its
+        ready flag and the executor raises a digest mismatch on every rank that meets a different
+        one.  A rank whose own plan is invalid raises here and publishes a rejection in its
+        window (peers then fail with "rejected" instead of a timeout); its Context is broken.
         """
         local_error: BaseException | None = None
         mine = None
@@ -454,7 +463,7 @@ class Context:
             mine = (key.hex(), sched.digest)
         except (TypeError, ValueError) as e:
             local_error = e
-        if self._streams is not None:
+        if self.window_plan_check:
             if local_error is not None:
                 self._reject_plan(local_error)
             return sched
@@ -497,14 +506,28 @@ class Context:
             self._broken = f"{type(error).__name__}: {error}"
 
     def _reject_plan(self, error: BaseException) -> None:
-        """Stream-ordered path: this rank's plan is invalid; peers learn it from the window."""
+        """Window plan check: this rank's plan is invalid.  It takes the operation's epoch and
+        publishes a rejection in its window instead of running it -- after the operations
+        submitted before it, as the operation would have run -- so peers fail at once; then
+        the Context is broken.  Raises ``error``."""
         if self._broken is None:
+            reason = UltracommError(f"ultracomm: this rank rejected its plan ({error})")
             with self._lock:
                 self._epoch += 1
-                try:
-                    self._streams.reject(Op.MULTICAST, self._epoch)
-                finally:
-                    self._fail(UltracommError(f"ultracomm: this rank rejected its plan ({error})"))
+                epoch = self._epoch
+                if self._streams is not None:
+                    try:
+                        self._streams.reject(Op.MULTICAST, epoch)
+                    finally:
+                        self._fail(reason)
+                else:
+                    def publish() -> None:
+                        try:
+                            self.transport.reject(Op.MULTICAST, epoch)
+                        finally:
+                            self._fail(reason)
+
+                    self._runner.submit(f"plan rejection (rank {self.rank}, epoch {epoch})", publish)
         raise error
 
     def _submit(self, name: str, op: Op, mb: _MicroBatch, masters: Masters, async_op: bool,

@@ -17,6 +17,7 @@ ULTRACOMM_TILE_BYTES       tile_bytes      size (bytes)          32768 (32K)    
 ULTRACOMM_CHUNK_BYTES      chunk_bytes     size (bytes)          1048576 (1M)        bytes per flagged chunk (relay granularity); a multiple of tile_bytes, at most 1024G
 ULTRACOMM_RELAY            relay_mode      choice                auto                auto (relay when the cost model says so) | off (direct) | force
 ULTRACOMM_RELAY_MAX_DEPTH  max_depth       int 1..65535          8                   deepest relay tree the schedule builder may use (a cap: depth is chosen by predicted time; relay=force uses at least 2)
+ULTRACOMM_PLAN_CHECK       plan_check      choice                auto                how ranks make sure they run the same plan: auto | agree | window (see "Plan checks")
 ULTRACOMM_DETERMINISTIC    deterministic   bool                  true                fixed-order fp32 gradient reduction (bit-identical runs)
 ULTRACOMM_TIMEOUT_S        timeout_s       float in (0, 1e8]     100                 seconds any wait for a peer (flag, setup, plan agreement) may take before raising UltracommTimeout
 ULTRACOMM_LOG_LEVEL        log_level       choice                warning             debug | info | warning | error
@@ -44,6 +45,21 @@ Syntax:
   the group size, checked when the Context is built).  Ranks with one key share memory: on the
   CPU they must run on one host (else the Context refuses the declaration).  For machines whose
   hosts cannot be told apart, and to run several "nodes" on one machine (tests).
+
+Plan checks (``plan_check``): every rank must pass the same valid plan to ``weight_sync``.
+
+* ``agree``: a bounded collective over the process group before each ``weight_sync``
+  compares every rank's plan and schedule digest; a rank whose plan is invalid or differs
+  makes every rank raise, naming the ranks, before anything moves.
+* ``window``: no collective per operation.  Each rank publishes its schedule digest beside
+  its ready flag; the executor compares the digest of every peer it exchanges data with and
+  raises ``PlanMismatchError`` (a ``PlanError``) naming both digests before any byte moves
+  between them.  A rank whose own plan is invalid raises its error and publishes a rejection
+  there, so the peers that exchange data with it fail at once ("rank r rejected its plan")
+  rather than after ``timeout_s``.  Ranks that exchange nothing in either plan do not learn of
+  the difference.  Needs a transport with window flags: host, tma, copy_engine (not p2p, split).
+* ``auto``: ``window`` for the stream-ordered transports (``tma``, ``copy_engine``: a
+  collective would synchronise the host with the device on every operation), else ``agree``.
 
 SM defaults (``multicast_sms`` / ``reduce_sms`` = ``auto``, resolved by
 ``ultracomm.sm_budget.default_sms`` when a GPU transport is built; the chosen value and
@@ -87,6 +103,7 @@ __all__ = ["Config", "VARIABLES", "parse_size", "parse_bandwidth", "parse_bool",
 TRANSPORTS = ("auto", "host", "tma", "copy_engine", "p2p", "split")
 WINDOWS = ("auto", "host_shm", "local", "cuda_ipc", "torch_symm", "nvshmem", "cuda_local", "private")
 RELAY_MODES = ("auto", "off", "force")
+PLAN_CHECKS = ("auto", "agree", "window")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 # ULTRACOMM_* names used outside the runtime (build configuration); never warned about.
@@ -248,6 +265,8 @@ VARIABLES: tuple[_Var, ...] = (
          "relay trees: " + " | ".join(RELAY_MODES)),
     _Var("max_depth", "ULTRACOMM_RELAY_MAX_DEPTH", "int", _parse_int, _between(1, 65535),
          "deepest relay tree allowed (a cap; relay=force uses at least 2)"),
+    _Var("plan_check", "ULTRACOMM_PLAN_CHECK", "str", _choice(PLAN_CHECKS), _in(PLAN_CHECKS),
+         "same-plan check: " + " | ".join(PLAN_CHECKS)),
     _Var("deterministic", "ULTRACOMM_DETERMINISTIC", "bool", parse_bool, lambda v: None,
          "fixed-order fp32 gradient reduction"),
     _Var("timeout_s", "ULTRACOMM_TIMEOUT_S", "float", _parse_float, _timeout_check,
@@ -318,6 +337,7 @@ class Config:
     chunk_bytes: int = 1 << 20
     relay_mode: str = "auto"
     max_depth: int = 8
+    plan_check: str = "auto"
     deterministic: bool = True
     timeout_s: float = 100.0
     log_level: str = "warning"

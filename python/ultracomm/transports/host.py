@@ -123,6 +123,13 @@ class HostTransport:
             self._cache[key] = args
         return args
 
+    def reject(self, op: Op, epoch: int) -> None:
+        """This rank rejected its plan for ``op`` at ``epoch``: publish it in its window instead of
+        running the op, so every peer that exchanges data with it raises PlanMismatchError at once."""
+        L = self.wlayout
+        _core.publish_rejection(int(op), self.rank, epoch, self._bases[self.rank], L["slots"], L["weight_slot_bytes"],
+                                L["grad_slot_bytes"], L["chunk_bytes"])
+
     def run(self, op: Op, schedule, epoch: int, masters: Masters, my_slots: Sequence[int],
             local_index_of: Sequence[int], op_name: str | None = None, abort_word: int = 0) -> None:
         """Run ``op`` of ``schedule`` for this rank at ``epoch``; blocks until done here.

@@ -31,6 +31,8 @@ class Recorder:
         self.calls: list[tuple] = []
         self.handles = itertools.count(0x1000)
         self.events = itertools.count(1)
+        self.created: list[tuple[int, int]] = []
+        self.destroyed: list[int] = []
 
 
 class FakeDriver:
@@ -45,6 +47,14 @@ class FakeDriver:
 
     def wait_value(self, stream, addr, value, equal=False):
         self.rec.calls.append(("wait_eq" if equal else "wait", stream, addr, value))
+
+    def stream_create(self, priority=0):
+        h = next(self.rec.handles)
+        self.rec.created.append((h, priority))
+        return h
+
+    def stream_destroy(self, stream):
+        self.rec.destroyed.append(stream)
 
 
 @pytest.fixture
@@ -71,7 +81,7 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(ce, "require", lambda *a, **k: None)
     monkeypatch.setattr(ce, "driver", lambda: FakeDriver(rec))
     monkeypatch.setattr(ce, "_pinned", lambda n: torch.zeros(n, dtype=torch.int64))
-    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: pytest.fail("a pooled torch stream was taken"))
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "ExternalStream", lambda h, device=None: Stream(handle=h))
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
@@ -230,3 +240,23 @@ def test_words_are_where_the_commands_write(fake_cuda, domain, make_transports):
     host = [x.addr for x in cmds if x.what == "started" or x.what.startswith("done")]
     assert host and all(base <= a < base + 8 * t._words.numel() for a in host)
     assert np.all(t._words.numpy() == 0)
+
+
+def test_a_loopback_ranks_failure_abandons_the_shared_device(fake_cuda, domain, make_transports):
+    """Loopback ranks share one device: after any rank's failure none may synchronise it."""
+    loop, alone = make_transports(loopback=True), make_transports(loopback=False)
+    loop[1]._dog.fail(UltracommError("ultracomm: rank 1 weight_sync (multicast) epoch 3 timed out"))
+    alone[1]._dog.fail(UltracommError("ultracomm: rank 1 weight_sync (multicast) epoch 3 timed out"))
+    assert all(t.abandoned_streams() for t in loop)
+    assert [t.abandoned_streams() for t in alone] == [False, True, False, False]
+
+
+def test_internal_streams_are_its_own_and_released_at_close(fake_cuda, domain):
+    plan = ReplicaPlan.make(hot_slot_src(WORLD, SLOTS, EPR, expert=1), experts_per_rank=EPR)
+    t = transports_for(domain, loopback=False)[0]
+    sched, masters, my_slots, lio = args(domain[0], plan)
+    t.run(Op.MULTICAST, sched, 2, masters, my_slots, lio, "weight_sync", stream=CALLER)
+    handles = {x[1] for x in fake_cuda.calls} - {CALLER}
+    assert handles and handles == {h for h, _ in fake_cuda.created}  # driver-made, none from torch's pool
+    t.close()
+    assert sorted(fake_cuda.destroyed) == sorted(handles)

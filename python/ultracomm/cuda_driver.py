@@ -29,6 +29,7 @@ __all__ = ["Driver", "driver", "driver_reason", "CU_STREAM_WAIT_VALUE_GEQ", "CU_
 
 CU_STREAM_WAIT_VALUE_GEQ = 0x0
 CU_STREAM_WAIT_VALUE_EQ = 0x1
+CU_STREAM_NON_BLOCKING = 0x1
 _CUDA_SUCCESS = 0
 
 
@@ -46,6 +47,8 @@ class Driver:
         self._write = self._fn("cuStreamWriteValue64", [ptr, u64, u64, ctypes.c_uint])
         self._wait = self._fn("cuStreamWaitValue64", [ptr, u64, u64, ctypes.c_uint])
         self._err = self._fn("cuGetErrorString", [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)])
+        self._create = self._fn("cuStreamCreateWithPriority", [ctypes.POINTER(ptr), ctypes.c_uint, ctypes.c_int])
+        self._destroy = self._fn("cuStreamDestroy", [ptr])
 
     def _fn(self, name: str, argtypes: list):
         for sym in (f"{name}_v2", name):
@@ -60,6 +63,17 @@ class Driver:
             s = ctypes.c_char_p()
             self._err(rc, ctypes.byref(s))
             raise DriverError(f"ultracomm: {what} failed: CUDA driver error {rc} ({(s.value or b'?').decode()})")
+
+    def stream_create(self, priority: int = 0) -> int:
+        """A new non-blocking stream of the current context (its own, not one of torch's pooled
+        streams, so no other code's work shares it); ``priority``: lower is higher."""
+        s = ctypes.c_void_p()
+        self._check(self._create(ctypes.byref(s), CU_STREAM_NON_BLOCKING, priority), "cuStreamCreateWithPriority")
+        return int(s.value or 0)
+
+    def stream_destroy(self, stream: int) -> None:
+        """Release ``stream`` (work still queued on it completes first, as cuStreamDestroy says)."""
+        self._check(self._destroy(stream), "cuStreamDestroy")
 
     def memcpy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         self._check(self._memcpy(dst, src, nbytes, stream), "cuMemcpyAsync")

@@ -86,6 +86,11 @@ class CopyEngineTransport:
         self._fork = torch.cuda.Event()
         self._dog = Watchdog(rank, self.timeout_s, self._read_device)
         self._dog.start()
+        # the watchdogs whose failure can leave streams blocked on this device in this process:
+        # every rank's of a loopback domain (they share the device), else this rank's
+        self._dogs = (window.shared.setdefault(("ultracomm.copy_engine_watchdogs", tuple(window.peer_bases)), [])
+                      if self._loopback else [])
+        self._dogs.append(self._dog)
 
     # ------------------------------------------------------------------ reduce: the tma kernel
     def _reducer(self):
@@ -125,10 +130,14 @@ class CopyEngineTransport:
                            word_addr(self._words.data_ptr(), None))
 
     # ------------------------------------------------------------------ multicast: streams
-    def _stream(self, key: int) -> torch.cuda.Stream:
+    def _stream(self, key: int) -> torch.cuda.ExternalStream:
+        """The internal stream ``key``: created by the driver, not taken from torch's pool (a pooled
+        stream may be the caller's or anyone's: a blocked wait would stall their work); the
+        watchdog's reads get the highest priority."""
         s = self._streams.get(key)
         if s is None:
-            s = self._streams[key] = torch.cuda.Stream(self.device)
+            handle = self.driver.stream_create(-1 if key == _SIDE else 0)
+            s = self._streams[key] = torch.cuda.ExternalStream(handle, device=self.device)
         return s
 
     def _submit(self, cmd: Cmd, epoch: int, caller: torch.cuda.ExternalStream) -> None:
@@ -240,13 +249,18 @@ class CopyEngineTransport:
             self._tma.check_error()
 
     def abandoned_streams(self) -> bool:
-        """True after a failure: internal streams may stay blocked on a lost peer's flags, so a
-        device-wide synchronize would not return and the window must stay mapped."""
-        return self._dog.failure is not None
+        """True after a failure (in a loopback domain: of any rank, they share the device):
+        internal streams may stay blocked on a lost peer's flags, so a device-wide synchronize
+        would not return and the window must stay mapped."""
+        return any(d.failure is not None for d in self._dogs)
 
     def close(self) -> None:
         """Stop the watchdog and free the reduce kernel's plans (after the caller's synchronize;
         after a failure the Context keeps the window mapped: :meth:`abandoned_streams`)."""
         self._dog.stop()
+        streams, self._streams = self._streams, {}
+        with torch.cuda.device(self.device):
+            for s in streams.values():  # queued work (even blocked for good) keeps its stream alive
+                self.driver.stream_destroy(s.cuda_stream)
         if self._tma is not None:
             self._tma.close()

@@ -24,7 +24,11 @@ satisfy; if it does (a stalled rank that resumes), what they copy is what the pl
 and that rank cannot finish without this rank's later flags: it fails too.  Consequences:
 a device-wide ``torch.cuda.synchronize()`` in this process waits for those streams (the
 Context's own synchronize and close do not, after a failure); the window stays mapped while
-they may still run; detection is as fast as the polling (``check_s``), not the device's.
+they may still run; detection is as fast as the polling (``check_s``), not the device's.  The
+peers' words are read through the transport's own high-priority stream, bounded (1 s): where
+that stream shares a hardware queue with a blocked one (more streams than
+``CUDA_DEVICE_MAX_CONNECTIONS``) the read may not finish, and the operation then fails at the
+timeout with a message that names no flag.
 """
 from __future__ import annotations
 

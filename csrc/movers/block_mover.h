@@ -8,7 +8,7 @@
 #include <type_traits>
 
 #include "group_barrier.h"
-#include "host_flags.h"
+#include "host_mover_base.h"
 #include "host_reduce.h"
 #include "ultracomm/interp.h"
 
@@ -21,12 +21,11 @@ struct BlockGroup {
   alignas(64) unsigned char word[16] = {};
 };
 
-class BlockMover {
+class BlockMover : public HostMoverBase {
  public:
   BlockMover(RunState& run, BlockGroup& group, int tid, int threads, uint32_t jitter_us, uint64_t jitter_seed,
              bool portable_f16)
-      : run_(run), g_(group), tid_(tid), threads_(threads), rng_(jitter_seed), jitter_us_(jitter_us),
-        portable_f16_(portable_f16) {}
+      : HostMoverBase(run, jitter_us, jitter_seed, portable_f16), g_(group), tid_(tid), threads_(threads) {}
 
   bool leader() const { return tid_ == 0; }
   void sync() { g_.bar.arrive_and_wait(); }
@@ -42,20 +41,7 @@ class BlockMover {
     sync();
     return out;
   }
-  int64_t claim() {
-    int64_t i = 0;
-    if (leader()) {
-      i = run_.claim();
-      if (i >= 0 && i < run_.num_tasks) jitter(rng_, jitter_us_);
-    }
-    return broadcast(i);
-  }
-  uint64_t load_acquire(uintptr_t flag) { return host::load_acquire(flag); }
-  void store_release(uintptr_t flag, uint64_t v) { host::store_release(flag, v); }
-  uint64_t now_ns() { return host::now_ns(); }
-  void relax(uint32_t spins) { host::relax(spins); }
-  bool aborted() { return run_.stopped(); }
-  void fail(const ErrorRecord& r) { run_.fail(r); }
+  int64_t claim() { return broadcast(leader() ? claim_task() : int64_t(0)); }  // the leader's claim, shared
   // The broadcast that reported the wait's outcome already ordered every thread after the
   // leader's acquire (barrier), as __syncthreads does on a device.
   void after_acquire() {}
@@ -81,13 +67,9 @@ class BlockMover {
   }
 
  private:
-  RunState& run_;
   BlockGroup& g_;
   int tid_;
   int threads_;
-  uint64_t rng_;
-  uint32_t jitter_us_;
-  bool portable_f16_;
 };
 static_assert(interp::Mover<BlockMover>);
 

@@ -4,16 +4,16 @@
 #include <cstdint>
 #include <cstring>
 
-#include "host_flags.h"
+#include "host_mover_base.h"
 #include "host_reduce.h"
 #include "ultracomm/interp.h"
 
 namespace ultracomm::host {
 
-class HostMover {
+class HostMover : public HostMoverBase {
  public:
   HostMover(RunState& run, uint32_t jitter_us, uint64_t jitter_seed, bool portable_f16)
-      : run_(run), rng_(jitter_seed), jitter_us_(jitter_us), portable_f16_(portable_f16) {}
+      : HostMoverBase(run, jitter_us, jitter_seed, portable_f16) {}
 
   bool leader() const { return true; }
   void sync() {}
@@ -21,17 +21,7 @@ class HostMover {
   T broadcast(T v) {
     return v;
   }
-  int64_t claim() {
-    const int64_t i = run_.claim();
-    if (i >= 0 && i < run_.num_tasks) jitter(rng_, jitter_us_);
-    return i;
-  }
-  uint64_t load_acquire(uintptr_t flag) { return host::load_acquire(flag); }
-  void store_release(uintptr_t flag, uint64_t v) { host::store_release(flag, v); }
-  uint64_t now_ns() { return host::now_ns(); }
-  void relax(uint32_t spins) { host::relax(spins); }
-  bool aborted() { return run_.stopped(); }
-  void fail(const ErrorRecord& r) { run_.fail(r); }
+  int64_t claim() { return claim_task(); }
   void after_acquire() {}  // the acquire load orders this thread's later reads
   void copy(const uintptr_t* dsts, int ndst, uintptr_t src, uint64_t bytes) {
     for (int j = 0; j < ndst; ++j)
@@ -42,12 +32,6 @@ class HostMover {
   void reduce(uintptr_t dst, const Srcs& srcs, int nsrc, uint64_t nelem) {
     reduce_range<D>(dst, srcs, nsrc, 0, nelem, portable_f16_);
   }
-
- private:
-  RunState& run_;
-  uint64_t rng_;
-  uint32_t jitter_us_;
-  bool portable_f16_;
 };
 static_assert(interp::Mover<HostMover>);
 

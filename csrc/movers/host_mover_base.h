@@ -1,0 +1,39 @@
+// HostMoverBase: what the two host movers (HostMover, BlockMover) share -- one rank's run state,
+// the Mover members a group's leader calls (flags, clock, backoff, abort, first failure), all
+// forwarding to host_flags.h, and the leader's claim with the test jitter.  Not a Mover by
+// itself: each mover adds leader/sync/broadcast/claim/copy/reduce.  A plain base (no CRTP):
+// nothing here calls back into the mover, and the calls stay non-virtual.
+#pragma once
+#include <cstdint>
+
+#include "host_flags.h"
+
+namespace ultracomm::host {
+
+class HostMoverBase {
+ public:
+  uint64_t load_acquire(uintptr_t flag) { return host::load_acquire(flag); }
+  void store_release(uintptr_t flag, uint64_t v) { host::store_release(flag, v); }
+  uint64_t now_ns() { return host::now_ns(); }
+  void relax(uint32_t spins) { host::relax(spins); }
+  bool aborted() { return run_.stopped(); }  // a failure, or the caller's abort word
+  void fail(const ErrorRecord& r) { run_.fail(r); }
+
+ protected:
+  HostMoverBase(RunState& run, uint32_t jitter_us, uint64_t jitter_seed, bool portable_f16)
+      : run_(run), rng_(jitter_seed), jitter_us_(jitter_us), portable_f16_(portable_f16) {}
+
+  // The next task index (-1 once aborted), after a random 0..jitter_us sleep before a real task.
+  int64_t claim_task() {
+    const int64_t i = run_.claim();
+    if (i >= 0 && i < run_.num_tasks) jitter(rng_, jitter_us_);
+    return i;
+  }
+
+  RunState& run_;
+  uint64_t rng_;
+  uint32_t jitter_us_;
+  bool portable_f16_;
+};
+
+}  // namespace ultracomm::host

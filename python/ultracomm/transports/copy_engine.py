@@ -24,7 +24,9 @@ Loopback windows (``cuda_local``, every rank a thread of one process on one GPU)
 stream) and the call completing the set enqueues every rank's commands, merged in one deadlock-
 free order (a rank that never calls leaves the set unenqueued; the Works of the others complete
 without it, as with ``tma``).  Not capturable in a CUDA graph: the commands carry the epoch as
-a literal.  The watchdog thread polls host words every 100 us while operations are in flight.
+a literal.  The watchdog thread polls host words every 2 ms while operations are in flight:
+it is off the critical path (the caller's stream passes its joins on the device by itself),
+so it only bounds how late a failure is seen.
 
 Status: command lists, fork/join and the watchdog are checked on the CPU (simulated streams,
 fakes); the driver path has not run on a device here.

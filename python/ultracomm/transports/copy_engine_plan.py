@@ -199,7 +199,8 @@ def simulate(programs: Sequence[Sequence[Cmd]], epoch: int, seed: int = 0,
     stream at random each step (``seed``).  When no stream can move: without ``on_stall``,
     ``RuntimeError`` naming the stuck waits (a deadlock in the command order); with it,
     ``on_stall([(rank, stream, cmd), ...])`` may change memory (a watchdog) and returns whether
-    to look again (``False``: stop).  Returns the ``(rank, stream, cmd)`` left blocked (``[]``: every stream finished)."""
+    to look again (``False``: stop).  Returns the ``(rank, stream, cmd)`` left blocked (``[]``:
+    every stream finished)."""
     rng = random.Random(seed)
     queues: dict[tuple[int, int], list[Cmd]] = {}
     for r, cmds in enumerate(programs):

@@ -97,7 +97,7 @@ class Watchdog:
     """
 
     def __init__(self, rank: int, timeout_s: float, read_device: Callable[[Sequence[int]], Optional[list[int]]],
-                 *, check_s: Optional[float] = None, poll_s: float = 1e-4, clock: Callable[[], float] = time.monotonic,
+                 *, check_s: Optional[float] = None, poll_s: float = 2e-3, clock: Callable[[], float] = time.monotonic,
                  rejected_digest: int = int(_core.REJECTED_DIGEST)):
         self.rank, self.timeout_s = rank, float(timeout_s)
         self.check_s = float(check_s) if check_s is not None else min(0.05, self.timeout_s / 4)

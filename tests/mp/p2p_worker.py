@@ -40,6 +40,9 @@ def check_group(group, node_of, transport: str = "p2p", domain: str | None = Non
                 "host": Context(group, layout, epr, slots, transport="host", window="host_shm", domain="", **kw)}
         assert ctxs["p2p"].transport.name == transport
         assert ctxs["p2p"].window.provider == ("private" if transport == "p2p" else "host_shm")
+        if transport == "split":  # host_shm maps only this rank's domain; the others are reached by messages
+            dom = ctxs["p2p"].domain_of
+            assert [b != 0 for b in ctxs["p2p"].window.peer_bases] == [d == dom[rank] for d in dom], dom
         masters = {}
         for name, ctx in ctxs.items():
             per = [expert_weights(layout, e) for e in range(rank * epr, (rank + 1) * epr)]

@@ -235,7 +235,7 @@ py::tuple balance(I64 el, I64 off, I64 inst, I64 base) {
 }
 
 py::tuple lpt(I64 expert_load, py::object group, int64_t world, int64_t slots,
-              int64_t min_tokens, int64_t budget) {
+              int64_t min_tokens, int64_t budget, int64_t count_rule) {
   const int64_t E = expert_load.size();
   if (world < 1 || E % world || slots < 0)
     throw std::invalid_argument("lpt_plan: expert_load [world * experts_per_rank], slots >= 0");
@@ -245,6 +245,8 @@ py::tuple lpt(I64 expert_load, py::object group, int64_t world, int64_t slots,
   in.slots = slots;
   in.min_tokens = min_tokens;
   in.budget = std::max<int64_t>(budget, 0);
+  if (count_rule < 0 || count_rule > 2) throw std::invalid_argument("lpt_plan: count_rule 0..2");
+  in.count_rule = static_cast<planners::LptCountRule>(count_rule);
   in.expert_load = expert_load.data();
   I64 group_arr;
   if (!group.is_none()) {
@@ -298,7 +300,7 @@ void bind_planners(py::module_& m) {
         py::arg("base"),
         "Min-max quotas on a fixed placement: (max rank load, quota per instance).");
   m.def("lpt_plan", &lpt, py::arg("expert_load"), py::arg("group"), py::arg("world"),
-        py::arg("slots"), py::arg("min_tokens"), py::arg("budget"),
+        py::arg("slots"), py::arg("min_tokens"), py::arg("budget"), py::arg("count_rule"),
         "EPLB within the fixed-home model: (slot_src [W, K], slot_quota [W, K], stats).");
 }
 

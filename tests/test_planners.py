@@ -487,8 +487,15 @@ def test_eval_quick(tmp_path):
                 for variant, *_ in pe.eval_refs.VARIANTS:
                     assert f"| {case} | {gen} {t} | {variant} |" in text, (case, gen, t, variant)
     for goal in ("quota <= 1.01 max:mean on rank-blocked loads", "taot's default never more",
-                 "lpt balances like EPLB", "< 1 ms per call at EP64 (8 nodes x 8)"):
+                 "lpt balances like EPLB", "< 1 ms per call at EP64 (8 nodes x 8)",
+                 "lpt <= 1.01 max:mean on rank-blocked loads"):
         assert goal in text
+    # quota on planted loads: one row per (slots per rank, world), 50 loads per slots value
+    rows = [l.split("|") for l in text.splitlines() if l.startswith("| ") and "/" in l
+            and l.count("|") == 8 and l.split("|")[1].strip() in ("1", "2", "3")]
+    assert len(rows) == 12
+    for K in ("1", "2", "3"):
+        assert sum(int(r[3].split("/")[1]) for r in rows if r[1].strip() == K) == 50
 
 
 # ----------------------------------------------------------------------------- quota search
@@ -785,6 +792,59 @@ def test_lpt_hand_case():
     np.testing.assert_array_equal(res.slot_src[:, 0], [1, 0, 0, 0])
     np.testing.assert_array_equal(res.rank_load, [5, 5, 5, 5])
     assert res.info == {"replicas": 4, "dropped": 0, "idle": res.info["idle"], "max_load": 5}
+
+
+def test_lpt_count_rules_hand_cases():
+    # rank 0: four experts of 4 tokens (16), rank 1: one of 9 (e4), ranks 2-3 empty; one slot
+    # each, 4 replicas.  EPLB's rule: e4 9 -> 4.5 -> 3 (two replicas), then e0, e1 (4 each);
+    # packing (home shares: 12, 3, 0, 0): e4 -> ranks 2, 3; e0 -> rank 1; e1 has no rank
+    # left (dropped); rank 0 keeps e1..e3: 12.  The rank rule (sums 16, 9): e0, e1, e2, e3
+    # (16 -> 14 -> 12 -> 10 -> 8); packing (shares 2; loads 8, 9, 0, 0): e0 -> 2, e1 -> 3,
+    # e2 -> 1, e3 dropped; rank 1 keeps its 9, rank 0 sheds e0, e1 whole: 9.
+    d = Domain.flat(4, 4)
+    load = np.zeros((4, 16), np.int64)
+    load[0, :5] = [4, 4, 4, 4, 9]
+    eplb = get_planner("lpt")(load, d, 1, counts="eplb")
+    rank = get_planner("lpt")(load, d, 1, counts="rank")
+    best = get_planner("lpt")(load, d, 1)
+    for r in (eplb, rank, best):
+        check_result(r, load, d, 1)
+        assert r.info["dropped"] == 1
+    np.testing.assert_array_equal(eplb.slot_src[:, 0], [-1, 0, 4, 4])
+    np.testing.assert_array_equal(rank.slot_src[:, 0], [-1, 2, 0, 1])
+    assert eplb.rank_load.max() == 12 and rank.rank_load.max() == 9
+    np.testing.assert_array_equal(best.slot_src, rank.slot_src)
+    # rank-blocked EP16 at initial 3.0: one rank's 8 equal experts (10011 tokens each, 1.22 x
+    # mean) get no replica under EPLB's rule; the rank rule relieves it
+    load = workloads.rank_blocked_load(16, 128, 8192, 8, 3.0, seed=0)
+    d = Domain.nodes(2, 8, 8)
+    eplb = get_planner("lpt")(load, d, 2, counts="eplb")
+    best = get_planner("lpt")(load, d, 2)
+    _, L = home_rank_load(load, d)
+    assert eplb.rank_load.max() == L[2] == 80088
+    assert best.rank_load.max() < 0.9 * L[2]
+    assert best.info["max_load"] == best.rank_load.max()
+    # "best" is the better of the two (EPLB's on ties)
+    for gen in (workloads.zipf_load, workloads.rank_blocked_load):
+        for t in (1.5, 3.0):
+            load = gen(16, 128, 8192, 8, t, 1)
+            e, r, b = (get_planner("lpt")(load, d, 2, counts=c) for c in ("eplb", "rank", "best"))
+            want = r if r.rank_load.max() < e.rank_load.max() else e
+            np.testing.assert_array_equal(b.slot_src, want.slot_src)
+    with pytest.raises(ValueError, match="counts"):
+        get_planner("lpt")(load, d, 2, counts="even")
+
+
+@pytest.mark.parametrize("target", [1.5, 2.0])
+def test_lpt_rank_blocked_ep16(target):
+    # EPLB's count rule stopped at 1.054 / 1.073 here; the fixed-home rule reaches the mean
+    d = Domain.nodes(2, 8, 8)
+    for seed in range(2):
+        load = workloads.rank_blocked_load(16, 128, 8192, 8, target, seed)
+        res = get_planner("lpt")(load, d, 2)
+        check_result(res, load, d, 2)
+        assert max_mean(res.rank_load) <= 1.01
+        assert max_mean(get_planner("lpt")(load, d, 2, counts="eplb").rank_load) > 1.05
 
 
 def test_balance_quotas_hand_case():

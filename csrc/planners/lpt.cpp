@@ -46,33 +46,52 @@ void replicate(const std::vector<int64_t>& experts, const int64_t* el, int64_t b
   }
 }
 
-}  // namespace
+// The fixed-home count rule: with homes fixed a rank computes at least the home shares of
+// its experts (sum of load / instances), however the replicas are packed, so each replica
+// goes to the rank with the largest such sum, to its expert with the highest load per
+// instance (ties: lower rank, lower expert).  EPLB's rule (replicate) looks at experts
+// alone, which on rank-blocked loads leaves a rank of many equally hot experts without a
+// replica (EP16, initial 3.0: 1.222 max:mean).
+void replicate_by_rank(const std::vector<int64_t>& ranks, int64_t epr, const int64_t* el,
+                       int64_t budget, int64_t max_instances, int64_t mt,
+                       std::vector<int64_t>& count) {
+  auto eligible = [&](int64_t e) {
+    return max_instances > 1 && el[e] >= 2 * mt && count[e] < max_instances &&
+           el[e] / (count[e] + 1) >= mt;
+  };
+  auto share_sum = [&](int64_t r) {
+    double s = 0;
+    for (int64_t e = r * epr; e < (r + 1) * epr; ++e) s += static_cast<double>(el[e]) / count[e];
+    return s;
+  };
+  std::vector<double> est(ranks.size());
+  for (size_t i = 0; i < ranks.size(); ++i) est[i] = share_sum(ranks[i]);
+  for (int64_t placed = 0; placed < budget; ++placed) {
+    int64_t best_i = -1, best_e = -1;
+    for (size_t i = 0; i < ranks.size(); ++i) {
+      if (best_i >= 0 && !(est[i] > est[best_i])) continue;
+      int64_t pick = -1;
+      for (int64_t e = ranks[i] * epr; e < (ranks[i] + 1) * epr; ++e)
+        if (eligible(e) && (pick < 0 || Share{el[e], count[e]} > Share{el[pick], count[pick]}))
+          pick = e;
+      if (pick >= 0) best_i = static_cast<int64_t>(i), best_e = pick;
+    }
+    if (best_e < 0) break;
+    ++count[best_e];
+    est[best_i] = share_sum(ranks[best_i]);
+  }
+}
 
-LptResult lpt_plan(const LptInput& in) {
+const int64_t* el_of(const LptInput& in) { return in.expert_load; }
+
+// Steps 2 and 3 for the replica counts `count`.
+LptResult place(const LptInput& in, const std::vector<int64_t>& grp,
+                const std::vector<int64_t>& groups, const std::vector<int64_t>& count) {
   const int64_t W = in.world, epr = in.experts_per_rank, K = in.slots, E = W * epr;
   const int64_t* el = in.expert_load;
-  const int64_t mt = std::max<int64_t>(in.min_tokens, 1);
   LptResult res;
   res.slot_src.assign(static_cast<size_t>(W * K), -1);
   res.slot_quota.assign(static_cast<size_t>(W * K), 0);
-  std::vector<int64_t> grp(static_cast<size_t>(W), 0);
-  if (in.group) grp.assign(in.group, in.group + W);
-  std::vector<int64_t> groups(grp);
-  std::sort(groups.begin(), groups.end());
-  groups.erase(std::unique(groups.begin(), groups.end()), groups.end());
-  // 1. replica counts per group (budget shared by the group's ranks)
-  std::vector<int64_t> count(static_cast<size_t>(E), 1);
-  for (int64_t g : groups) {
-    std::vector<int64_t> experts;
-    int64_t ranks = 0;
-    for (int64_t r = 0; r < W; ++r)
-      if (grp[r] == g) {
-        ++ranks;
-        for (int64_t i = 0; i < epr; ++i) experts.push_back(r * epr + i);
-      }
-    const int64_t share = groups.size() > 1 ? in.budget * ranks / W : in.budget;
-    replicate(experts, el, share, ranks, mt, count);
-  }
   // 2. balanced packing: replica instances heaviest first (then expert, instance)
   std::vector<std::pair<int64_t, int64_t>> reps;  // (expert, instance)
   for (int64_t e = 0; e < E; ++e)
@@ -146,6 +165,42 @@ LptResult lpt_plan(const LptInput& in) {
       res.idle += quota[i] == 0;
     }
   return res;
+}
+
+}  // namespace
+
+LptResult lpt_plan(const LptInput& in) {
+  const int64_t W = in.world, epr = in.experts_per_rank, E = W * epr;
+  const int64_t mt = std::max<int64_t>(in.min_tokens, 1);
+  std::vector<int64_t> grp(static_cast<size_t>(W), 0);
+  if (in.group) grp.assign(in.group, in.group + W);
+  std::vector<int64_t> groups(grp);
+  std::sort(groups.begin(), groups.end());
+  groups.erase(std::unique(groups.begin(), groups.end()), groups.end());
+  // 1. replica counts per group (budget shared by the group's ranks), by either rule
+  auto counts = [&](bool by_rank) {
+    std::vector<int64_t> count(static_cast<size_t>(E), 1);
+    for (int64_t g : groups) {
+      std::vector<int64_t> experts, members;
+      for (int64_t r = 0; r < W; ++r)
+        if (grp[r] == g) {
+          members.push_back(r);
+          for (int64_t i = 0; i < epr; ++i) experts.push_back(r * epr + i);
+        }
+      const int64_t ranks = static_cast<int64_t>(members.size());
+      const int64_t share = groups.size() > 1 ? in.budget * ranks / W : in.budget;
+      if (by_rank)
+        replicate_by_rank(members, epr, el_of(in), share, ranks, mt, count);
+      else
+        replicate(experts, el_of(in), share, ranks, mt, count);
+    }
+    return count;
+  };
+  if (in.count_rule != LptCountRule::kBest)
+    return place(in, grp, groups, counts(in.count_rule == LptCountRule::kRank));
+  LptResult a = place(in, grp, groups, counts(false));
+  LptResult b = place(in, grp, groups, counts(true));
+  return b.max_load < a.max_load ? b : a;  // ties: EPLB's rule
 }
 
 }  // namespace ultracomm::planners

@@ -32,6 +32,7 @@ VARIANTS = (
     ("taot global", "taot", {"intra_first": False}),
     ("greedy", "greedy", {}),
     ("lpt", "lpt", {}),
+    ("lpt eplb", "lpt", {"counts": "eplb"}),
     ("lpt hier.", "lpt", {"hierarchical": True}),
 )
 
@@ -47,6 +48,7 @@ class RefRow:
     inter: int
     plan_ms: float  # median
     min_ms: float  # fastest call
+    max_ms: float  # slowest call
     target: float  # taot's balance target T / mean (1 + tol, rounded), else 0
     note: str
 
@@ -55,16 +57,17 @@ def _note(info: dict[str, Any]) -> str:
     if "intra_first" in info:
         return f"intra_first: {info['intra_first']}"
     if "probes" in info:
-        return f"probes {info['probes']}, searched {info['searched']}, rescued {info['rescued']}"
+        return (f"probes {info['probes']}, cover met {info['cover_met']} / refuted "
+                f"{info['refuted']}, searched {info['searched']}, rescued {info['rescued']}")
     if "idle" in info:
         return f"idle replicas {info['idle']}, dropped {info['dropped']}"
     return ""
 
 
-def run(time_plan: Callable[..., tuple[Any, float, float]], reps: int, quick: bool = False,
-        seed: int = 1) -> list[RefRow]:
+def run(time_plan: Callable[..., tuple[Any, float, float, float]], reps: int,
+        quick: bool = False, seed: int = 1) -> list[RefRow]:
     """All rows: per case, load and variant.  ``time_plan(fn, load, domain, reps)`` returns
-    ``(result, median ms, fastest ms)``."""
+    ``(result, median ms, fastest ms, slowest ms)``."""
     rows = []
     targets = (TARGETS[0], TARGETS[-1]) if quick else TARGETS
     for label, nodes, gpn, mname in CASES:
@@ -76,22 +79,24 @@ def run(time_plan: Callable[..., tuple[Any, float, float]], reps: int, quick: bo
                 load = gen(W, model.num_experts, TOKENS_PER_RANK, model.top_k, t, seed)
                 _, L = home_rank_load(load, d)
                 for vname, pname, opts in VARIANTS:
-                    res, ms, fast = time_plan(partial(get_planner(pname), **opts), load, d, reps)
+                    res, ms, fast, slow = time_plan(partial(get_planner(pname), **opts), load, d,
+                                                    reps)
                     a, b = res.copies
                     tgt = res.info["target"] / (L.sum() / W) if "target" in res.info else 0.0
                     rows.append(RefRow(label, f"{gname} {t}", vname, max_mean(L),
-                                       max_mean(res.rank_load), a, b, ms, fast, tgt,
+                                       max_mean(res.rank_load), a, b, ms, fast, slow, tgt,
                                        _note(res.info)))
     return rows
 
 
 def table(rows: list[RefRow]) -> str:
     h = ("| case | load | planner | max:mean before | max:mean after | intra copies | "
-         "inter copies | plan ms (fastest / median) | notes |")
+         "inter copies | plan ms (fastest / median / max) | notes |")
     lines = [h, "|" + "|".join(["---"] * (h.count("|") - 1)) + "|"]
     for r in rows:
         lines.append(f"| {r.case} | {r.load} | {r.variant} | {r.before:.3f} | {r.after:.3f} | "
-                     f"{r.intra} | {r.inter} | {r.min_ms:.3f} / {r.plan_ms:.3f} | {r.note} |")
+                     f"{r.intra} | {r.inter} | {r.min_ms:.3f} / {r.plan_ms:.3f} / {r.max_ms:.3f} | "
+                     f"{r.note} |")
     return "\n".join(lines)
 
 
@@ -123,24 +128,35 @@ def goals(rows: list[RefRow], ep64_blocked: list[tuple[str, float]]) -> list[str
         ok = all(a <= 1.02 for _, a in lp)
         out.append("- **lpt balances like EPLB (1.001-1.016) on the Zipf loads**: "
                    f"{'MET' if ok else 'MISSED'} -- " + ", ".join(f"{k} {a:.3f}" for k, a in lp))
-    ep = [(r.variant, r.load, r.min_ms, r.plan_ms) for r in rows if r.case == "EP64"]
+    lb = [(f"{c} {ld}", d["lpt"].after, d["lpt eplb"].after) for (c, ld), d in by.items()
+          if ld.startswith("blocked") and {"lpt", "lpt eplb"} <= d.keys()]
+    if lb:
+        ok = all(a <= 1.01 + 1e-9 for _, a, _ in lb)
+        out.append("- **lpt <= 1.01 max:mean on rank-blocked loads** (EPLB's count rule in "
+                   f"brackets): {'MET' if ok else 'MISSED'} -- "
+                   + ", ".join(f"{k} {a:.3f} ({e:.3f})" for k, a, e in lb))
+    ep = [(r.variant, r.load, r.min_ms, r.plan_ms, r.max_ms) for r in rows if r.case == "EP64"]
     if ep:
         out.append(time_goal("< 1 ms per call at EP64 (8 nodes x 8)", ep))
     return out
 
 
-def time_goal(title: str, timed: list[tuple[str, str, float, float]], limit_ms: float = 1.0) -> str:
-    """A goal bullet over ``(planner, load, fastest ms, median ms)``: judged on each
-    planner's slowest fastest-call time (the uncontended cost; the machine is shared), its
-    median shown beside it."""
-    worst: dict[str, tuple[str, float, float]] = {}
-    for name, load, fast, med in timed:
+def time_goal(title: str, timed: list[tuple[str, str, float, float, float]],
+              limit_ms: float = 1.0) -> str:
+    """A goal bullet over ``(planner, load, fastest ms, median ms, slowest ms)``: judged on
+    each planner's slowest fastest-call time (the uncontended cost; the machine is shared),
+    and, separately, on the slowest median; the slowest single call shown beside them."""
+    worst: dict[str, tuple[str, float, float, float]] = {}
+    for name, load, fast, med, slow in timed:
         if name not in worst or fast > worst[name][1]:
-            worst[name] = (load, fast, med)
-    ok = all(fast < limit_ms for _, fast, _ in worst.values())
-    return (f"- **{title}**: {'MET' if ok else 'MISSED'} (fastest of the repetitions) -- slowest "
-            "per planner, fastest / median: "
-            + ", ".join(f"{p} {fast:.3f} / {med:.3f} ms ({ld})" for p, (ld, fast, med) in worst.items()))
+            worst[name] = (load, fast, med, slow)
+    ok = all(fast < limit_ms for _, fast, _, _ in worst.values())
+    med_ok = all(med < limit_ms for _, _, _, med, _ in timed)
+    return (f"- **{title}**: {'MET' if ok else 'MISSED'} on the fastest call, "
+            f"{'MET' if med_ok else 'MISSED'} on the median -- slowest per planner, fastest / "
+            "median / max: "
+            + ", ".join(f"{p} {fast:.3f} / {med:.3f} / {slow:.3f} ms ({ld})"
+                        for p, (ld, fast, med, slow) in worst.items()))
 
 
 # (world, experts per rank) of greedy's regime table, one node each

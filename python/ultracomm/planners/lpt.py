@@ -4,11 +4,22 @@ EPLB places every physical expert, originals included; here every expert stays o
 home rank and only the ``slots_per_rank`` replica slots are placed.  The steps follow
 EPLB's:
 
-1. Replica counts (EPLB ``replicate_experts``): the ``world * slots_per_rank`` replicas
-   (or ``max_replicas``) are handed out one at a time, each to the expert with the
-   highest load per instance ``load / instances`` (ties: lower id).  An expert gets at
-   most ``world - 1`` replicas (one per other rank), and none once its per-instance load
-   would drop below ``min_tokens``.
+1. Replica counts: the ``world * slots_per_rank`` replicas (or ``max_replicas``) are
+   handed out one at a time. EPLB's ``replicate_experts`` (``counts="eplb"``) gives each
+   to the expert with the highest load per instance ``load / instances`` (ties: lower
+   id); with free placement that bounds the heaviest GPU. With fixed homes, under
+   EPLB's even split, a rank computes the home shares of its experts (the sum of their
+   ``load / instances``) however the replicas are packed, so ``counts="rank"`` gives each replica
+   to the rank with the largest such sum, to its expert with the highest load per
+   instance (ties: lower rank, lower expert). EPLB's rule, which looks at experts alone,
+   leaves a rank of many equally hot experts without a replica on rank-blocked loads
+   (EP16 at initial 3.0: that rank stays at 1.222 x mean; perf/planners.md); the rank
+   rule, which estimates with even shares, can spend replicas on a rank that one min-max
+   replica would have relieved. Neither dominates, so the default (``counts="best"``)
+   runs steps 2-3 for both and keeps the plan whose most loaded rank is lighter (EPLB's
+   on ties; about twice the time). Either way an expert gets at most ``world - 1``
+   replicas (one per other rank), and none once its per-instance load would drop below
+   ``min_tokens``.
 2. Balanced packing (EPLB ``balanced_packing``, longest processing time first): replica
    instances, heaviest first (``load / instances``; ties: lower expert, then instance),
    each go to the rank with the lowest current load among those with a free slot that
@@ -88,6 +99,7 @@ def plan(
     min_tokens: int = 1,
     max_replicas: int | None = None,
     hierarchical: bool = False,
+    counts: str = "best",
 ) -> PlannerResult:
     """EPLB-style replica counts + balanced (LPT) packing, with min-max quotas.
 
@@ -100,16 +112,23 @@ def plan(
         max_replicas: total replicas to place (default ``world * slots_per_rank``; with
             ``hierarchical`` each node gets ``max_replicas * its ranks // world``).
         hierarchical: EPLB's hierarchical policy (replicas stay on the home node).
+        counts: ``"eplb"`` (EPLB's ``replicate_experts``), ``"rank"`` (the fixed-home
+            count rule) or ``"best"`` (both; the plan with the lower most loaded rank,
+            EPLB's on ties); see the module docstring.
 
     ``info``: ``replicas`` (placed), ``dropped`` (no rank could take them), ``idle``
     (placed replicas the quota step gives no tokens), ``max_load`` (the most loaded
     rank's tokens).
     """
+    rules = {"eplb": 0, "rank": 1, "best": 2}
+    if counts not in rules:
+        raise ValueError(f"counts must be 'eplb', 'rank' or 'best', got {counts!r}")
     load = as_load(load, domain)
     K = check_slots(slots_per_rank)
     W = domain.world
     el, _ = home_rank_load(load, domain)
     budget = W * K if max_replicas is None else max(0, min(int(max_replicas), W * K))
     group = domain.node_of if hierarchical else None
-    slot_src, slot_quota, info = _core().lpt_plan(el, group, W, K, max(int(min_tokens), 1), budget)
+    slot_src, slot_quota, info = _core().lpt_plan(el, group, W, K, max(int(min_tokens), 1), budget,
+                                                  rules[counts])
     return build_result(load, domain, slot_src, slot_quota, info)

@@ -1,10 +1,11 @@
 """Loads built around a known quota plan, to check that the quota planner finds plans
-that provably exist (tests/test_planners.py, perf/bench_quota_planted.py)."""
+that provably exist (tests/test_planners.py, perf/planners.md via
+:mod:`ultracomm.planners.eval`)."""
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["planted_load"]
+__all__ = ["planted_load", "planted_family", "planted_table"]
 
 
 def planted_load(seed: int, world: int, epr: int, K: int, n_hot: int,
@@ -42,3 +43,52 @@ def planted_load(seed: int, world: int, epr: int, K: int, n_hot: int,
     load = np.zeros((world, E), np.int64)
     load[rng.integers(0, world, size=E), np.arange(E)] = el  # each expert from one sender
     return load, T, reps
+
+
+def planted_family(cases: int = 200, slots: tuple[int, ...] = (1, 2, 3),
+                   worlds: tuple[int, ...] = (8, 16, 32, 64)) -> list[dict]:
+    """quota on the planted family: per (slots per rank, world), how many loads it met at
+    their planted threshold, its copies against the planted plan's, and the time per
+    :func:`~ultracomm.planners.quota.plan` call (CPU wall-clock, ms).  Two seed families
+    (``10000 + i`` and ``20000 + i`` pick world, experts per rank and hot ranks), ``cases``
+    loads each per slots value."""
+    import time
+
+    from . import Domain, get_planner
+
+    out = []
+    for K in slots:
+        by_w: dict[int, list[tuple[bool, float, int, int]]] = {}
+        for base in (10_000, 20_000):
+            for seed in range(cases):
+                rng = np.random.default_rng(base + seed)
+                W = int(rng.choice(worlds))
+                epr = int(rng.choice([2, 4, 8]))
+                n_hot = int(rng.integers(1, W // 2 + 1))
+                load, T, reps = planted_load(seed, W, epr, K, n_hot)
+                d = Domain.flat(W, epr)
+                t0 = time.perf_counter()
+                res = get_planner("quota")(load, d, K)
+                ms = (time.perf_counter() - t0) * 1e3
+                by_w.setdefault(W, []).append((bool(res.rank_load.max() <= T), ms,
+                                               int((res.slot_src >= 0).sum()), len(reps)))
+        for W in sorted(by_w):
+            rows = by_w[W]
+            ts = np.array([r[1] for r in rows])
+            out.append(dict(slots=K, world=W, met=sum(r[0] for r in rows), loads=len(rows),
+                            copies=sum(r[2] for r in rows), planted=sum(r[3] for r in rows),
+                            ms_median=float(np.median(ts)), ms_p90=float(np.percentile(ts, 90)),
+                            ms_max=float(ts.max())))
+    return out
+
+
+def planted_table(rows: list[dict]) -> str:
+    """Markdown table of :func:`planted_family`'s rows."""
+    h = ("| slots/rank | world | met at the planted threshold | copies (quota / planted) | "
+         "ms median | ms p90 | ms max |")
+    lines = [h, "|" + "|".join(["---"] * (h.count("|") - 1)) + "|"]
+    for r in rows:
+        lines.append(f"| {r['slots']} | {r['world']} | {r['met']}/{r['loads']} | {r['copies']} / "
+                     f"{r['planted']} | {r['ms_median']:.2f} | {r['ms_p90']:.2f} | "
+                     f"{r['ms_max']:.2f} |")
+    return "\n".join(lines)

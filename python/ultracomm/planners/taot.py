@@ -657,11 +657,12 @@ def _plan(load: np.ndarray, domain: Domain, K: int, *, lam: float, eps: float | 
         exc = cap.copy()
     # score terms: alpha * B (1 intra, w_inter inter; home pairs are never allowed) and
     # 0.1 * alpha * OT hint normalised by the home's excess
-    hint = flow[hb][:, ri] / np.maximum(excess[hb], 1e-9)[:, None]
-    static = alpha * Brr[hb][:, ri] + 0.1 * alpha * hint
+    pair = np.ix_(hb, ri)  # one gather per matrix (no [experts, world] intermediate)
+    hint = flow[pair] / np.maximum(excess[hb], 1e-9)[:, None]
+    static = alpha * Brr[pair] + 0.1 * alpha * hint
     allowed = (hb[:, None] != ri[None, :]).astype(np.uint8)
     if two_pass:
-        allowed += allowed & same[hb][:, ri]
+        allowed += allowed & same[pair]
     gs, rs = _match(cap.copy(), grp.astype(np.int64), exc, spare[ri].copy(), static, allowed, K,
                     ri.size, mg, mutual, two_pass, backend)
     e_c, r_c = np.nonzero(gs)

@@ -404,7 +404,8 @@ def render(res: dict[str, list[Row]], wall_s: float) -> str:
         "(1..world/2) drawn per seed; two seed families, "
         f"{sum(r['loads'] for r in res.get('planted', []) if r['slots'] == 1)} loads per "
         "slots-per-rank value. \"met\": the plan's most loaded rank is <= T. Times: the whole "
-        "`plan()` call, one call per load (not repeated), on this shared machine.",
+        "`plan()` call, one call per load (not repeated), in this process's CPU time "
+        "(`time.process_time`: waiting for a core while other work runs is not counted).",
         "",
         planted.planted_table(res.get("planted", [])),
         "",

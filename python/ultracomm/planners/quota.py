@@ -63,9 +63,9 @@ What it finds (measured on a loaded 2-core machine; perf/planners.md, generated 
 loads of the evaluation meet the 1 % target at the first probe.  On loads built around a
 known plan at 1.01 x mean with every receiver filled exactly
 (:func:`ultracomm.planners.planted.planted_load`), world 8-64, 400 loads per slots-per-rank
-value: 1 slot 399/400, 2 slots 399/400, 3 slots 400/400 met (the misses at world 64), with a
-median of 0.3-0.9 ms per call but up to tens of ms where the searches run out of budget on
-a probe (perf/planners.md has the table per world size).
+value: 1 slot 399/400, 2 slots 399/400, 3 slots 400/400 met (the misses at world 64).  A
+call's median CPU time is under 1 ms up to world 64, but calls whose probes exhaust the
+searches' budgets take several ms (perf/planners.md has the distribution per world size).
 
 Token split: a source rank's own tokens go to its own instance first, the rest
 north-west-corner (:func:`~ultracomm.planners.base.split_tokens`).

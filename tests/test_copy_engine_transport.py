@@ -260,3 +260,20 @@ def test_internal_streams_are_its_own_and_released_at_close(fake_cuda, domain):
     assert handles and handles == {h for h, _ in fake_cuda.created}  # driver-made, none from torch's pool
     t.close()
     assert sorted(fake_cuda.destroyed) == sorted(handles)
+
+
+def test_quiesce_waits_for_operations_in_flight_to_end(fake_cuda, domain, make_transports):
+    """A device-wide synchronize may only start once no operation can still fail: quiesce
+    returns when the watchdogs retired every operation (here: one fails)."""
+    import threading
+
+    plan = ReplicaPlan.make(hot_slot_src(WORLD, SLOTS, EPR, expert=1), experts_per_rank=EPR)
+    ts = make_transports(loopback=True)
+    run_all(ts, domain, plan, 5, fake_cuda)
+    assert all(t._dog.pending() == 1 for t in ts)
+    done = threading.Event()
+    waiter = threading.Thread(target=lambda: (ts[0].quiesce(), done.set()), daemon=True)
+    waiter.start()
+    assert not done.wait(0.2)  # still in flight: quiesce waits
+    ts[3]._dog.fail(UltracommError("ultracomm: rank 3 restore (multicast) epoch 5 timed out"))
+    assert done.wait(10) and ts[0].abandoned_streams()

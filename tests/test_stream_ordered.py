@@ -399,3 +399,27 @@ def test_abandoned_streams_skip_the_device_sync_and_keep_the_window(fake, monkey
         return True
 
     assert LoopbackDomain(1).run(body) == [True]
+
+
+class FailsWhileQuiescing(AbandoningTransport):
+    """An operation in flight fails while the Context waits for it to end (quiesce)."""
+
+    def quiesce(self):
+        self.error = self.error or UltracommError("ultracomm: rank 0: weight_sync epoch 1: a peer runs another plan")
+
+
+def test_synchronize_lets_operations_end_before_any_device_sync(fake, monkeypatch):
+    monkeypatch.setitem(transports.TRANSPORTS, "tma", FailsWhileQuiescing)
+
+    def body(group):
+        ctx = make_ctx(group, slots=1, epr=1)
+        ctx.register_masters(0, *masters(0, 1))
+        streams = ctx._streams.streams
+        with pytest.raises(UltracommError, match="a peer runs another plan"):
+            ctx.synchronize()
+        assert streams.syncs == 0  # the failure came first: no device-wide synchronize
+        ctx.close()
+        assert streams.syncs == 0
+        return True
+
+    assert LoopbackDomain(1).run(body) == [True]

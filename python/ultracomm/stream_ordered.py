@@ -198,7 +198,12 @@ class StreamOrdered:
 
     def _abandoned(self) -> bool:
         """The transport left streams blocked for good after a failure (``copy_engine``: waits
-        only a lost peer can satisfy): a device-wide synchronize would never return."""
+        only a lost peer can satisfy): a device-wide synchronize would never return.  A
+        transport with ``quiesce()`` is asked first to let its operations in flight end (done
+        or failed), so that the answer holds for them too."""
+        quiesce = getattr(self.transport, "quiesce", None)
+        if quiesce is not None:
+            quiesce()
         abandoned = getattr(self.transport, "abandoned_streams", None)
         return bool(abandoned()) if abandoned is not None else False
 

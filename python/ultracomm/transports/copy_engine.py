@@ -250,6 +250,14 @@ class CopyEngineTransport:
         if self._tma is not None:
             self._tma.check_error()
 
+    def quiesce(self) -> None:
+        """Wait until no copy_engine operation on this device (loopback: of any rank) is in flight:
+        each ends done or failed within its timeout once its stream reached it (the watchdogs).
+        Before a device-wide synchronize, which must not start while an operation may still
+        fail and leave its streams blocked."""
+        while any(d.pending() for d in self._dogs) and not self.abandoned_streams():
+            time.sleep(1e-3)
+
     def abandoned_streams(self) -> bool:
         """True after a failure (in a loopback domain: of any rank, they share the device):
         internal streams may stay blocked on a lost peer's flags, so a device-wide synchronize

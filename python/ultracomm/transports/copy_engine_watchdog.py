@@ -23,7 +23,9 @@ arrived.  So after a failure the internal streams stay blocked on waits only the
 satisfy; if it does (a stalled rank that resumes), what they copy is what the plan puts there,
 and that rank cannot finish without this rank's later flags: it fails too.  Consequences:
 a device-wide ``torch.cuda.synchronize()`` in this process waits for those streams (the
-Context's own synchronize and close do not, after a failure); the window stays mapped while
+Context's own synchronize and close first let operations in flight end, done or failed, and
+skip it after a failure; a user's own device-wide synchronize right after an operation that
+later fails never returns: synchronise the stream or wait for the Work instead); the window stays mapped while
 they may still run; detection is as fast as the polling (``check_s``), not the device's.  The
 peers' words are read through the transport's own high-priority stream, bounded (1 s): where
 that stream shares a hardware queue with a blocked one (more streams than

@@ -89,7 +89,7 @@ def main() -> None:
     ctx.close()
     left = [n for n in os.listdir("/dev/shm") if n.startswith(f"ultracomm-{os.getpid()}-")]
     assert not left, f"segments left in /dev/shm: {left}"
-    print(f"rank {rank} OK", flush=True)
+    print(f"rank {rank} OK (pid {os.getpid()})", flush=True)
     dist.destroy_process_group()
 
 

@@ -222,15 +222,21 @@ def test_run_host_abort_word_stops_a_waiting_interpreter():
                 return None
             sched = ctx.schedule_for(plan)
             abort = torch.zeros(1, dtype=torch.int64)
-            t0 = time.monotonic()
-            threading.Timer(0.2, lambda: _core.store_release(abort.data_ptr(), 1)).start()
+            raised_at = []
+
+            def raise_abort():
+                raised_at.append(time.monotonic())
+                _core.store_release(abort.data_ptr(), 1)
+
+            threading.Timer(0.2, raise_abort).start()
             with pytest.raises(_core.AbortedError, match=r"rank 1 weight_sync \(epoch 1\) stopped: its abort word"):
                 ctx.transport.run(Op.MULTICAST, sched, 1, ctx._masters[0], [0], [0, -1], "weight_sync",
                                   abort_word=abort.data_ptr())
-            return time.monotonic() - t0
+            return raised_at, time.monotonic()
 
-    elapsed = LoopbackDomain(2).run(body)[1]
-    assert 0.2 <= elapsed < 5
+    raised_at, stopped_at = LoopbackDomain(2).run(body)[1]
+    # it waited for the abort word (raised before it stopped) and stopped long before the 30 s timeout
+    assert len(raised_at) == 1 and 0 <= stopped_at - raised_at[0] < 5
 
 
 def test_wait_flag_reports_reached_timeout_and_abort():

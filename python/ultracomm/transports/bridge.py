@@ -37,7 +37,7 @@ from .. import _core
 from ..errors import PlanError, UltracommError, UltracommTimeout
 from ..records import Op
 from .bridge_program import HEADER_TAG, BridgeProgram, Crossing
-from .p2p_messengers import PostError
+from .p2p_messengers import PostError, peer_failure
 
 __all__ = ["BridgeRun", "INFLIGHT_SENDS"]
 
@@ -79,14 +79,7 @@ class BridgeRun:
         return _core.load_acquire(self.abort_addr) != 0
 
     def _timeout(self, what: str, peer: int, cause: Optional[BaseException] = None, posting: bool = False) -> NoReturn:
-        detail = ""
-        if cause is not None:
-            text = str(cause).strip().splitlines()[0] if str(cause).strip() else "no detail"
-            detail = f" ({type(cause).__name__}: {text})"
-        how = f"could not {what} (posting failed at once)" if posting else \
-            f"gave up after waiting up to {self.timeout_s:g} s to {what}"
-        raise UltracommTimeout(f"ultracomm: {self.where} {how} (timeout ULTRACOMM_TIMEOUT_S={self.timeout_s:g}); "
-                               f"rank {peer} is likely stalled or dead, or called a different operation{detail}")
+        raise peer_failure(self.where, what, peer, self.timeout_s, cause, posting)
 
     # ------------------------------------------------------------------ addresses
     def _slot_off(self, slot: int) -> int:

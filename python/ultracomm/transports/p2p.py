@@ -32,11 +32,10 @@ from typing import Any, NoReturn, Sequence
 
 import torch
 
-from ..errors import UltracommTimeout
 from ..records import MASTER, Op
 from ..reference import ordered_sum
 from .host import Masters
-from .p2p_messengers import PostError, messenger_for
+from .p2p_messengers import PostError, messenger_for, peer_failure
 from .p2p_waves import Message, Program, build_program, cached_program
 
 __all__ = ["P2PTransport", "INFLIGHT_WAVES"]
@@ -143,13 +142,8 @@ class _Run:
         self.done.add(id(work))
 
     def fail(self, msg: Message, incoming: bool, cause: BaseException, posting: bool = False) -> NoReturn:
-        peer = msg.src if incoming else msg.dst
-        detail = str(cause).strip().splitlines()[0] if str(cause).strip() else "no detail"
-        how = (f"could not {self.describe(msg, incoming)} (posting failed at once)" if posting else
-               f"gave up after waiting up to {self.t.timeout_s:g} s to {self.describe(msg, incoming)}")
-        raise UltracommTimeout(
-            f"ultracomm: {self.where} {how} (timeout ULTRACOMM_TIMEOUT_S={self.t.timeout_s:g}); rank {peer} is likely "
-            f"stalled or dead, or called a different operation ({type(cause).__name__}: {detail})") from None
+        raise peer_failure(self.where, self.describe(msg, incoming), msg.src if incoming else msg.dst, self.t.timeout_s,
+                           cause, posting) from None
 
     def describe(self, msg: Message, incoming: bool) -> str:
         """What a wait was for: the peer, the expert, the chunk and the bytes."""

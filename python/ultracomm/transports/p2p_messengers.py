@@ -25,8 +25,9 @@ import torch
 import torch.distributed as dist
 
 from ..comm import live_group
+from ..errors import UltracommTimeout
 
-__all__ = ["TorchMessenger", "LoopbackMessenger", "PostError", "messenger_for"]
+__all__ = ["TorchMessenger", "LoopbackMessenger", "PostError", "messenger_for", "peer_failure"]
 
 OpSpec = tuple  # (kind, tensor, peer, tag)
 
@@ -74,6 +75,23 @@ class TorchMessenger:
             raise PostError(0, e) from None
         whole = _AllOf(works)  # NCCL: one Work for the whole coalesced batch
         return [whole] * len(ops)
+
+
+def peer_failure(where: str, what: str, peer: int, timeout_s: float, cause: BaseException | None,
+                 posting: bool = False) -> UltracommTimeout:
+    """The error for a message to or from ``peer`` that did not complete: posting refused at once,
+    the connection lost while waiting (gloo notices a dead peer's closed socket asynchronously, so
+    a dead peer gives either), or the wait ran out of time."""
+    text = (str(cause).strip().splitlines() or ["no detail"])[0] if cause is not None else ""
+    if posting:
+        how = f"could not {what} (posting failed at once)"
+    elif cause is not None and not (isinstance(cause, TimeoutError) or "timed out" in text.lower()):
+        how = f"could not {what} (the connection failed while waiting)"
+    else:
+        how = f"gave up after waiting up to {timeout_s:g} s to {what}"
+    detail = f" ({type(cause).__name__}: {text})" if cause is not None else ""
+    return UltracommTimeout(f"ultracomm: {where} {how} (timeout ULTRACOMM_TIMEOUT_S={timeout_s:g}); rank {peer} is "
+                            f"likely stalled or dead, or called a different operation{detail}")
 
 
 class PostError(Exception):

@@ -25,6 +25,7 @@ that two ``ultracomm`` runs are bit-identical at every step.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -292,6 +293,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    if a.check:  # which process is which rank (the test checks /dev/shm for this run's leftovers only)
+        print(f"rank {rank} pid {os.getpid()}", flush=True)
     if a.experts % world:
         raise SystemExit(f"--experts {a.experts} must divide by the world size {world}")
     modes = a.modes.split(",")

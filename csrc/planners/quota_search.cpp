@@ -27,7 +27,7 @@ constexpr int kSource = 0, kSink = 1;
 constexpr size_t kBranch = 3;  // choices tried per step by the search (best + runners-up)
 constexpr int kMaxDiscrepancy = 3;
 constexpr int kPerReceiver = 2;  // a receiver's runner-up expert is a choice too
-constexpr int64_t kDfsBudget = 4000;  // most cover-search placements the depth-first part takes
+constexpr int64_t kDfsBudget = 1000;  // most cover-search placements the depth-first part takes
 
 struct Cand {
   int64_t gain, left;  // promised tokens; spare left on the looser side (tightest fit first)

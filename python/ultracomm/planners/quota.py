@@ -47,7 +47,7 @@ the feasibility test meets, ``ceil(mean)`` included.
 What is guaranteed:
 
 * With ``slots_per_rank=1`` and ``min_tokens=1`` the depth-first cover search is
-  complete: if it runs to the end (at most 4000 placements per probe, and a quarter of
+  complete: if it runs to the end (at most 1000 placements per probe, and a quarter of
   what ``cover_budget`` has left), its answer is exact -- a plan when one exists, else a
   proof that none does (``info['refuted']``; checked against brute force on small loads,
   tests/test_planners.py).  When it stops early the local search, which cannot refute,

@@ -243,12 +243,12 @@ def instance_index(slot_src: np.ndarray, domain: Domain) -> tuple[np.ndarray, np
     W, K = slot_src.shape
     E = domain.num_experts
     flat = slot_src.reshape(-1).astype(np.int64)
-    filled = np.flatnonzero(flat >= 0)  # row-major = sorted by (rank, slot)
+    filled = (flat >= 0).nonzero()[0]  # row-major = sorted by (rank, slot)
     ex = flat[filled]
     order = np.argsort(ex, kind="stable")
     ex_sorted = ex[order]
     counts = np.bincount(ex, minlength=E)
-    starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    starts = np.cumsum(counts) - counts  # exclusive prefix sum
     pos = np.arange(ex_sorted.size) - starts[ex_sorted]  # 0-based among e's replicas
     I = 1 + (int(counts.max()) if counts.size and ex.size else 0)
     inst_rank = np.full((E, I), -1, np.int64)

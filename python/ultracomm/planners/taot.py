@@ -71,6 +71,7 @@ give identical results.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import numpy as np
@@ -115,6 +116,35 @@ def topology_cost(domain: Domain, lam: float = 3.0) -> np.ndarray:
     return np.where(domain.same_node, 1.0, float(lam))
 
 
+# Per-domain tables that depend only on the topology and the options, built once per
+# (domain, lam, eps, w_inter) instead of on every call; weak keys, so a dropped Domain
+# drops its tables.
+_TABLES: "weakref.WeakKeyDictionary[Domain, dict]" = weakref.WeakKeyDictionary()
+
+
+def _tables(domain: Domain, lam: float, eps: float, w_inter: float) -> tuple[np.ndarray, ...]:
+    """``(kernel, Brr, bid)``: the Sinkhorn kernel ``exp(-cost / eps)``, the topology
+    preference ``B`` (1 intra, ``w_inter`` inter) and the auction's bonus ``B[r, q] -
+    1e-9 * ((r - q) % world)`` of source ``r`` for a slot on rank ``q`` (the tie-break of
+    :func:`lagrangian_auction`'s ``slot_rank``), all float64 ``[world, world]``."""
+    per = _TABLES.get(domain)
+    if per is None:
+        per = _TABLES[domain] = {}
+    key = (float(lam), float(eps), float(w_inter))
+    t = per.get(key)
+    if t is None:
+        R = domain.world
+        kernel = np.exp(-topology_cost(domain, lam) / eps)
+        Brr = np.where(domain.same_node, 1.0, float(w_inter))
+        bid = Brr - 1e-9 * ((np.arange(R)[:, None] - np.arange(R)[None, :]) % R)
+        for a in (kernel, Brr, bid):
+            a.setflags(write=False)
+        if len(per) >= 8:  # a few option sets per domain at most
+            per.pop(next(iter(per)))
+        t = per[key] = (kernel, Brr, bid)
+    return t
+
+
 def sinkhorn(
     excess: np.ndarray,
     spare: np.ndarray,
@@ -123,6 +153,7 @@ def sinkhorn(
     iters: int = 100,
     tol: float = 1e-6,
     eps0: float = 1e-9,
+    kernel: np.ndarray | None = None,
 ) -> np.ndarray:
     """Phase 1: balanced entropic OT ``T = diag(u) M diag(v)``, ``M = exp(-cost/eps)``.
 
@@ -133,6 +164,8 @@ def sinkhorn(
         eps: entropic regularisation.
         iters: maximum Sinkhorn-Knopp iterations (``u = s~ / M v``, ``v = d / M^T u``).
         tol: stop early once every row sum is within ``tol * sum(s~)`` of ``s~``.
+        kernel: optional precomputed ``exp(-cost / eps)`` ``[R, R]`` (``cost`` is then
+            not read); the planner caches it per domain.
 
     The supply is scaled by ``gamma = min(1, sum(d) / sum(s))`` (feasibility guard),
     and after the iterations each column is capped at its demand.  Refinement: the
@@ -145,14 +178,18 @@ def sinkhorn(
     d = np.asarray(spare, np.float64)
     R = s.size
     T = np.zeros((R, R))
-    hi = np.flatnonzero(s > 0)
-    ci = np.flatnonzero(d > 0)
+    hi = (s > 0).nonzero()[0]
+    ci = (d > 0).nonzero()[0]
     if hi.size == 0 or ci.size == 0:
         return T
-    gamma = min(1.0, d.sum() / max(s.sum(), eps0))
+    s_sum, d_sum = s.sum(), d.sum()
+    gamma = min(1.0, d_sum / max(s_sum, eps0))
     st = gamma * s[hi]
-    dc = d[ci] * min(1.0, s.sum() / max(d.sum(), eps0))
-    M = np.exp(-np.asarray(cost, np.float64)[np.ix_(hi, ci)] / eps)
+    dc = d[ci] * min(1.0, s_sum / max(d_sum, eps0))
+    if kernel is None:
+        M = np.exp(-np.asarray(cost, np.float64)[np.ix_(hi, ci)] / eps)
+    else:  # elementwise the same values as above
+        M = kernel.take(hi, 0).take(ci, 1)  # = kernel[np.ix_(hi, ci)], faster
     v = np.ones(ci.size)
     thr = tol * st.sum()
     Mv = M @ v
@@ -164,7 +201,7 @@ def sinkhorn(
             break
     sub = u[:, None] * M * v[None, :]
     sub *= np.minimum(1.0, dc / (sub.sum(0) + eps0))[None, :]
-    T[np.ix_(hi, ci)] = sub
+    T[hi[:, None], ci] = sub
     return T
 
 
@@ -594,17 +631,16 @@ def plan(
                 price_step=price_step, auction_iters=auction_iters, backend=backend, tol=tol,
                 min_gain_frac=min_gain_frac, spill=spill, mutual=mutual, consolidate=consolidate)
     two_pass = intra_first and domain.num_nodes > 1
-    res = _plan(load, domain, K, two_pass=two_pass, **opts)
+    res, worst = _plan(load, domain, K, two_pass=two_pass, **opts)
     if not two_pass:
         res.info["intra_first"] = "off"
         return res
-    worst = int(res.rank_load.max(initial=0))
     if worst <= res.info["target"]:
         res.info["intra_first"] = "met"
         return res
     # locality cost more than the tolerance of balance: the global matching instead
-    alt = _plan(load, domain, K, two_pass=False, **opts)
-    if int(alt.rank_load.max(initial=0)) < worst:
+    alt, alt_worst = _plan(load, domain, K, two_pass=False, **opts)
+    if alt_worst < worst:
         alt.info.update(intra_first="fallback", intra_first_max=worst)
         return alt
     res.info["intra_first"] = "kept"
@@ -614,8 +650,10 @@ def plan(
 def _plan(load: np.ndarray, domain: Domain, K: int, *, lam: float, eps: float | None,
           w_inter: float, sinkhorn_iters: int, price_step: float, auction_iters: int | None,
           backend: str | None, tol: float, min_gain_frac: float, spill: str, mutual: bool,
-          two_pass: bool, consolidate: bool) -> PlannerResult:
-    """One TAOT run (see :func:`plan`); ``two_pass``: intra-node pairs first."""
+          two_pass: bool, consolidate: bool) -> tuple[PlannerResult, int]:
+    """One TAOT run (see :func:`plan`); ``two_pass``: intra-node pairs first.  Returns the
+    result and its most loaded rank's tokens (``result.rank_load.max()``, from the plan's
+    integers without building ``rank_load``)."""
     W, epr = domain.world, domain.experts_per_rank
     el, L = home_rank_load(load, domain)
     total = int(L.sum())
@@ -628,13 +666,13 @@ def _plan(load: np.ndarray, domain: Domain, K: int, *, lam: float, eps: float | 
     info: dict[str, Any] = {"target": tgt, "min_gain": mg, "auction_rounds": 0}
     if K == 0 or not (excess >= mg).any():
         info["flow"] = np.zeros((W, W))
-        return build_result(load, domain, slot_src, np.zeros((W, K), np.int64), info)
-    cost = topology_cost(domain, lam)
-    flow = sinkhorn(excess, spare, cost, lam if eps is None else eps, sinkhorn_iters)
+        return _none(load, domain, slot_src, info, L)
+    eps_ = lam if eps is None else eps
+    kernel, Brr, bid = _tables(domain, lam, eps_, w_inter)
+    flow = sinkhorn(excess, spare, None, eps_, sinkhorn_iters, kernel=kernel)
     info["flow"] = flow
     home = domain.home_of
     same = domain.same_node
-    Brr = np.where(same, 1.0, float(w_inter))
     alpha = total / el.size  # mean * R / E
     # phase 2 on the compacted problem: candidate experts (of hot ranks) x cold ranks with
     # room for a match; the same as column_first_matching on the full [E, R] inputs
@@ -647,27 +685,31 @@ def _plan(load: np.ndarray, domain: Domain, K: int, *, lam: float, eps: float | 
         cap = cap[ei]
     ri = np.flatnonzero(spare >= mg)
     if ei.size == 0 or ri.size == 0:
-        return build_result(load, domain, slot_src, np.zeros((W, K), np.int64), info)
+        return _none(load, domain, slot_src, info, L)
     hb = home[ei]  # nondecreasing: experts are numbered by home
     if spill == "dynamic":
-        grp = np.cumsum(np.concatenate(([0], hb[1:] != hb[:-1])))
-        exc = excess[hb[np.concatenate(([True], hb[1:] != hb[:-1]))]].copy()
+        newh = np.empty(hb.size, bool)  # first candidate of each home
+        newh[0] = True
+        np.not_equal(hb[1:], hb[:-1], out=newh[1:])
+        grp = np.cumsum(newh) - 1
+        exc = excess[hb[newh]]
     else:
         grp = np.arange(ei.size)
         exc = cap.copy()
     # score terms: alpha * B (1 intra, w_inter inter; home pairs are never allowed) and
     # 0.1 * alpha * OT hint normalised by the home's excess
-    pair = np.ix_(hb, ri)  # one gather per matrix (no [experts, world] intermediate)
-    hint = flow[pair] / np.maximum(excess[hb], 1e-9)[:, None]
-    static = alpha * Brr[pair] + 0.1 * alpha * hint
+    # [experts, ranks] gathers: row take, then column take (= m[np.ix_(hb, ri)], faster)
+    hint = flow.take(hb, 0).take(ri, 1) / np.maximum(excess[hb], 1e-9)[:, None]
+    static = alpha * Brr.take(hb, 0).take(ri, 1) + 0.1 * alpha * hint
     allowed = (hb[:, None] != ri[None, :]).astype(np.uint8)
     if two_pass:
-        allowed += allowed & same[pair]
-    gs, rs = _match(cap.copy(), grp.astype(np.int64), exc, spare[ri].copy(), static, allowed, K,
+        allowed += allowed & same.take(hb, 0).take(ri, 1)
+    # fresh arrays (fancy-indexed): _match may consume them
+    gs, rs = _match(cap, grp.astype(np.int64, copy=False), exc, spare[ri], static, allowed, K,
                     ri.size, mg, mutual, two_pass, backend)
     e_c, r_c = np.nonzero(gs)
     if e_c.size == 0:
-        return build_result(load, domain, slot_src, np.zeros((W, K), np.int64), info)
+        return _none(load, domain, slot_src, info, L)
     e_m, r_m = ei[e_c], ri[r_c]
     rnd_m = rs[e_c, r_c]
     demand = gs[e_c, r_c]
@@ -676,7 +718,12 @@ def _plan(load: np.ndarray, domain: Domain, K: int, *, lam: float, eps: float | 
         shed = np.bincount(hm, weights=demand, minlength=W).astype(np.int64)
         got = np.bincount(r_m, weights=demand, minlength=W).astype(np.int64)
         room = np.maximum(tgt - (L - shed + got), 0)
-        ue, e_u = np.unique(e_m, return_inverse=True)
+        # np.unique(e_m, return_inverse=True): e_m is nondecreasing (row-major nonzero of
+        # gs over ascending candidate experts)
+        newe = np.ones(e_m.size, bool)
+        newe[1:] = e_m[1:] != e_m[:-1]
+        ue = e_m[newe]
+        e_u = np.cumsum(newe) - 1
         left = el[ue] - np.bincount(e_u, weights=demand, minlength=ue.size).astype(np.int64)
         keep, demand = consolidate_replicas(hm, r_m, e_u, ~same[hm, r_m], demand, left, room, backend)
         info["consolidated"] = int(keep.size - keep.sum())
@@ -691,11 +738,42 @@ def _plan(load: np.ndarray, domain: Domain, K: int, *, lam: float, eps: float | 
     slot_src[r_m, k_m] = e_m
     slot_quota = np.zeros((W, K), np.int64)
     slot_quota[r_m, k_m] = demand
-    X, rounds = lagrangian_auction(
-        load, e_m, demand, Brr[:, r_m], price_step, auction_iters, slot_rank=r_m,
-        backend=backend,
-    )
+    if _use_cpp(backend):  # lagrangian_auction's C++ path, its glue on cached tables
+        X, rounds = _auction_cpp(load, e_m, demand, bid[:, r_m], price_step, auction_iters)
+    else:
+        X, rounds = lagrangian_auction(
+            load, e_m, demand, Brr[:, r_m], price_step, auction_iters, slot_rank=r_m,
+            backend=backend,
+        )
     info["auction_rounds"] = rounds
     rep = np.zeros((W, W, K), np.int64)
     rep[:, r_m, k_m] = X
-    return build_result(load, domain, slot_src, slot_quota, info, replica_moves=rep)
+    # most loaded rank: homes less what their replicas take, plus what slots take
+    fin = L - np.bincount(home[e_m], demand, W).astype(np.int64) + np.bincount(
+        r_m, demand, W).astype(np.int64)
+    res = build_result(load, domain, slot_src, slot_quota, info, replica_moves=rep)
+    return res, int(fin.max(initial=0))
+
+
+def _none(load: np.ndarray, domain: Domain, slot_src: np.ndarray, info: dict[str, Any],
+          L: np.ndarray) -> tuple[PlannerResult, int]:
+    """:func:`_plan`'s result without replicas (each rank keeps its load ``L``)."""
+    W, K = slot_src.shape
+    res = build_result(load, domain, slot_src, np.zeros((W, K), np.int64), info)
+    return res, int(L.max(initial=0))
+
+
+def _auction_cpp(load: np.ndarray, se: np.ndarray, demand: np.ndarray, bonus: np.ndarray,
+                 price_step: float, max_iters: int | None) -> tuple[np.ndarray, int]:
+    """:func:`lagrangian_auction` (C++) with ``bonus`` already tie-broken by slot rank and
+    the distinct experts found by marking instead of ``np.unique`` (same result)."""
+    R, E = load.shape
+    S = se.size
+    mark = np.zeros(E, bool)
+    mark[se] = True
+    ue = np.flatnonzero(mark)
+    inv = (np.cumsum(mark) - 1)[se]  # index of each slot's expert among ue (ascending)
+    cap = max_iters if max_iters is not None else R * ue.size + S + 1
+    X, rounds = _core_mod.taot_auction(
+        load[:, ue], inv, np.array(demand, np.int64), bonus, float(price_step), int(cap))
+    return X, int(rounds)

@@ -388,6 +388,7 @@ def build_result(
     info: dict[str, Any] | None = None,
     replica_moves: np.ndarray | None = None,
     backend: str | None = None,
+    expert_load: np.ndarray | None = None,
 ) -> PlannerResult:
     """Assemble a :class:`PlannerResult` from per-slot replica quotas.
 
@@ -401,11 +402,12 @@ def build_result(
             home instance gets every remaining token.  Without it tokens are split by
             :func:`split_tokens` (locality first, then north-west corner).
         backend: for the split (see :func:`split_slots`).
+        expert_load: optional int64 ``[E]`` ``load.sum(0)`` when the caller has it.
     """
     slot_src = np.ascontiguousarray(slot_src, dtype=np.int32)
     inst_rank, slot_inst = instance_index(slot_src, domain)
     E, I = inst_rank.shape
-    total = load.sum(0)
+    total = load.sum(0) if expert_load is None else expert_load
     quota = np.zeros((E, I), np.int64)
     filled = slot_src >= 0
     ex = slot_src[filled].astype(np.int64)

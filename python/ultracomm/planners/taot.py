@@ -751,7 +751,7 @@ def _plan(load: np.ndarray, domain: Domain, K: int, *, lam: float, eps: float | 
     # most loaded rank: homes less what their replicas take, plus what slots take
     fin = L - np.bincount(home[e_m], demand, W).astype(np.int64) + np.bincount(
         r_m, demand, W).astype(np.int64)
-    res = build_result(load, domain, slot_src, slot_quota, info, replica_moves=rep)
+    res = build_result(load, domain, slot_src, slot_quota, info, replica_moves=rep, expert_load=el)
     return res, int(fin.max(initial=0))
 
 

@@ -37,15 +37,20 @@ def test_p2p_gloo_eight_ranks():
     _ok_lines(p.stdout, 8, pairs=False)
 
 
-@pytest.mark.slow
-def test_p2p_dead_and_stalled_peers_are_named(tmp_path):
-    timeout_s = 3.0  # p2p_faults.TIMEOUT_S
-    p = subprocess.run([sys.executable, os.path.join(HERE, "mp", "p2p_faults.py"), str(tmp_path)],
+def _run_faults(tmp_path, transport: str) -> dict:
+    """Run mp/p2p_faults.py (rank 2 killed, rank 3 stopped after a good weight_sync); the survivors' reports."""
+    p = subprocess.run([sys.executable, os.path.join(HERE, "mp", "p2p_faults.py"), str(tmp_path), transport],
                        capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     summary = json.loads(p.stdout.strip().splitlines()[-1])
     assert summary["weight_sync_ok"] == {str(r): True for r in range(4)}
-    res = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)}
+    return {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)}
+
+
+@pytest.mark.slow
+def test_p2p_dead_and_stalled_peers_are_named(tmp_path):
+    timeout_s = 3.0  # p2p_faults.TIMEOUT_S
+    res = _run_faults(tmp_path, "p2p")
     # rank 1 receives expert 2 from the killed rank 2: its connection is gone, the error comes at once
     err = res[1]["error"]
     assert err is not None, "rank 1 did not fail"
@@ -86,12 +91,7 @@ def test_split_dead_and_stalled_cross_domain_peers_are_named(tmp_path):
     """Domains {0, 1} and {2, 3}; rank 2 is killed and rank 3 stopped: rank 1, which receives from rank 2,
     fails at once; rank 0, which sends to rank 3, within the timeout; each names the rank."""
     timeout_s = 3.0  # p2p_faults.TIMEOUT_S
-    p = subprocess.run([sys.executable, os.path.join(HERE, "mp", "p2p_faults.py"), str(tmp_path), "split"],
-                       capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    summary = json.loads(p.stdout.strip().splitlines()[-1])
-    assert summary["weight_sync_ok"] == {str(r): True for r in range(4)}
-    res = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)}
+    res = _run_faults(tmp_path, "split")
     err = res[1]["error"]
     assert err is not None and err.startswith("ultracomm: rank 1 restore (epoch 2, transport split, bridge) could not "), err
     assert re.search(r"\((posting failed at once|the connection failed while waiting)\)", err), err

@@ -294,7 +294,8 @@ def main(argv=None) -> int:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if a.check:  # which process is which rank (the test checks /dev/shm for this run's leftovers only)
-        print(f"rank {rank} pid {os.getpid()}", flush=True)
+        sys.stdout.write(f"rank {rank} pid {os.getpid()}\n")  # one write: torchrun interleaves ranks' output
+        sys.stdout.flush()
     if a.experts % world:
         raise SystemExit(f"--experts {a.experts} must divide by the world size {world}")
     modes = a.modes.split(",")

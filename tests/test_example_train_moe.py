@@ -33,5 +33,6 @@ def test_train_moe_example_checks_pass():
     assert losses["none"][2] < losses["none"][0]  # it trains
     imb = [tuple(map(float, m)) for m in re.findall(r"ultracomm loss [0-9.]+ imbalance ([0-9.]+) -> ([0-9.]+)", out)]
     assert imb and all(before > 2.0 and after < 1.3 for before, after in imb)
-    pids = {int(pid) for pid in re.findall(r"^rank \d pid (\d+)$", out, re.M)}
+    # each rank writes its line in one write, but the launcher may still put it inside another rank's line
+    pids = {int(pid) for pid in re.findall(r"rank \d pid (\d+)", out)}
     assert len(pids) == 4 and not leftover_segments(before, pids), "host_shm segments left in /dev/shm"

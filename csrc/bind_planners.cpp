@@ -1,12 +1,13 @@
 // Python bindings of the planner loops: _core.taot_matching, _core.taot_auction,
-// _core.taot_consolidate, _core.split_slots, _core.quota_search, _core.quota_feasible,
-// _core.balance_quotas, _core.lpt_plan.
+// _core.taot_consolidate, _core.taot_finish, _core.split_slots, _core.quota_search,
+// _core.quota_feasible, _core.balance_quotas, _core.lpt_plan.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "planners/balance.h"
 #include "planners/lpt.h"
@@ -93,6 +94,41 @@ U8 consolidate(I64 home, I64 rank, I64 expert, U8 inter, py::array_t<int64_t> am
                                keep.mutable_data());
   }
   return keep;
+}
+
+py::tuple finish(I64 g, I64 rnd, I64 ei, I64 ri, I64 home, I64 el, I64 L, U8 same, I64 load,
+                 F64 bid, int64_t tgt, int64_t K, bool consolidate, double price_step,
+                 py::object auction_cap) {
+  need(load.ndim() == 2, "load [W, E]");
+  const int64_t W = load.shape(0), E = load.shape(1), ne = ei.size(), nr = ri.size();
+  need(g.ndim() == 2 && g.shape(0) == ne && g.shape(1) == nr, "g [ne, nr]");
+  need(rnd.ndim() == 2 && rnd.shape(0) == ne && rnd.shape(1) == nr, "rnd [ne, nr]");
+  need(home.size() == E && el.size() == E && L.size() == W, "home / el [E], L [W]");
+  need(same.size() == W * W && bid.size() == W * W, "same / bid [W, W]");
+  need(K >= 0, "K >= 0");
+  for (int64_t e = 0; e < E; ++e) need(home.data()[e] >= 0 && home.data()[e] < W, "home in [0, W)");
+  for (int64_t e = 0; e < ne; ++e) need(ei.data()[e] >= 0 && ei.data()[e] < E, "ei in [0, E)");
+  for (int64_t r = 0; r < nr; ++r) need(ri.data()[r] >= 0 && ri.data()[r] < W, "ri in [0, W)");
+  std::vector<int64_t> per_rank(static_cast<size_t>(W), 0);  // slots are written at [rank, k < K]
+  for (int64_t i = 0; i < ne * nr; ++i)
+    if (g.data()[i] != 0) ++per_rank[ri.data()[i % nr]];
+  for (int64_t w = 0; w < W; ++w) need(per_rank[w] <= K, "at most K matches per rank");
+  const bool has_cap = !auction_cap.is_none();
+  planners::TaotFinishIn in{W, E, K, ne, nr, g.data(), rnd.data(), ei.data(), ri.data(),
+                            home.data(), el.data(), L.data(), same.data(), load.data(),
+                            bid.data(), tgt, consolidate, price_step, has_cap,
+                            has_cap ? auction_cap.cast<int64_t>() : 0};
+  py::array_t<int32_t> src({W, K});
+  I64 quota({W, K}), rep({W, W, K});
+  std::fill(src.mutable_data(), src.mutable_data() + W * K, -1);
+  std::fill(quota.mutable_data(), quota.mutable_data() + W * K, 0);
+  std::fill(rep.mutable_data(), rep.mutable_data() + W * W * K, 0);
+  planners::TaotFinish f;
+  {
+    py::gil_scoped_release rel;
+    f = planners::taot_finish(in, src.mutable_data(), quota.mutable_data(), rep.mutable_data());
+  }
+  return py::make_tuple(f.n_matches, src, quota, rep, f.consolidated, f.rounds, f.worst);
 }
 
 I64 split(I64 load, I64 inst_rank, I64 quota, I64 inst_slot, int64_t K) {
@@ -284,6 +320,12 @@ void bind_planners(py::module_& m) {
         py::arg("inter"), py::arg("amt"), py::arg("left"), py::arg("room"),
         "TAOT refinement: drop replicas whose tokens fit elsewhere; updates amt / left / room "
         "in place, returns keep [n].");
+  m.def("taot_finish", &finish, py::arg("g"), py::arg("rnd"), py::arg("ei"), py::arg("ri"),
+        py::arg("home"), py::arg("el"), py::arg("L"), py::arg("same"), py::arg("load"),
+        py::arg("bid"), py::arg("target"), py::arg("K"), py::arg("consolidate"),
+        py::arg("price_step"), py::arg("auction_cap"),
+        "TAOT after phase 2: (matches, slot_src [W, K] int32, slot_quota [W, K], "
+        "rep [W, W, K], consolidated (-1: not run), auction rounds, most loaded rank).");
   m.def("split_slots", &split, py::arg("load"), py::arg("inst_rank"), py::arg("quota"),
         py::arg("inst_slot"), py::arg("K"),
         "Exact token split over expert instances, per replica slot: rep [W, W*K].");

@@ -438,6 +438,11 @@ def test_backends_identical(world, epr, nodes, kind):
     b = get_planner("taot")(load, d, 2, backend="cpp")
     np.testing.assert_array_equal(a.slot_src, b.slot_src)
     np.testing.assert_array_equal(a.token_moves, b.token_moves)
+    # the C++ step after phase 2 (_core.taot_finish) reports what the numpy glue reports
+    np.testing.assert_array_equal(a.slot_moves, b.slot_moves)
+    assert a.info.keys() == b.info.keys() and "consolidated" in b.info
+    for k in a.info:
+        assert np.array_equal(a.info[k], b.info[k]), k
     for name in ("quota", "greedy", "lpt"):  # split: C++ per-slot form == numpy reference
         r = get_planner(name)(load, d, 2)
         inst_rank, slot_inst = _base.instance_index(r.slot_src, d)
@@ -874,3 +879,27 @@ def test_lpt_hierarchical_stays_on_node():
     # the global policy also balances across nodes
     flat = get_planner("lpt")(load, d, 2)
     assert max_mean(flat.rank_load) < max_mean(res.rank_load) < max_mean(L)
+
+
+@needs_cpp
+def test_taot_finish_rejects_bad_shapes():
+    """_core.taot_finish checks its inputs before it runs: an out-of-range candidate expert
+    or a [ne, nr] match table of the wrong shape is a ValueError naming the input."""
+    from ultracomm import _core
+
+    W, E, K = 4, 8, 2
+    load = np.ones((W, E), np.int64)
+    home = np.repeat(np.arange(W), E // W)
+    args = dict(g=np.zeros((2, 2), np.int64), rnd=np.full((2, 2), -1, np.int64),
+                ei=np.array([0, 1]), ri=np.array([2, 3]), home=home, el=load.sum(0),
+                L=np.full(W, 16), same=np.ones((W, W), np.uint8), load=load,
+                bid=np.ones((W, W)), target=16, K=K, consolidate=True, price_step=0.05,
+                auction_cap=None)
+    assert _core.taot_finish(**args)[0] == 0  # no matches: nothing placed
+    with pytest.raises(ValueError, match="ei in"):
+        _core.taot_finish(**{**args, "ei": np.array([0, E])})
+    with pytest.raises(ValueError, match=r"g \[ne, nr\]"):
+        _core.taot_finish(**{**args, "g": np.zeros((3, 2), np.int64)})
+    four = np.zeros((2, 2), np.int64)  # one rank matched 4 times with K = 2 slots
+    with pytest.raises(ValueError, match="at most K matches per rank"):
+        _core.taot_finish(**{**args, "g": four + 5, "ri": np.array([2, 2])})

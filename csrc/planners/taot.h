@@ -21,4 +21,26 @@ void taot_consolidate(int64_t n, const int64_t* home, const int64_t* rank, const
                       const uint8_t* inter, int64_t* amt, int64_t* left, int64_t* room,
                       uint8_t* keep);
 
+// The step after phase 2 (taot_finish.cpp): matches -> consolidation -> slots in round order
+// -> auction -> plan.  g / rnd: taot_matching's [ne, nr] outputs on candidate experts ei and
+// cold ranks ri; same: [W, W] 1 within a node; load: [W, E]; bid: [W, W] auction bonus.
+struct TaotFinishIn {
+  int64_t W, E, K, ne, nr;
+  const int64_t *g, *rnd, *ei, *ri, *home, *el, *L;
+  const uint8_t* same;
+  const int64_t* load;
+  const double* bid;
+  int64_t tgt;
+  bool consolidate;
+  double price_step;
+  bool has_cap;  // else the auction runs until every demand is met
+  int64_t auction_cap;
+};
+struct TaotFinish {
+  int64_t n_matches, consolidated, rounds, worst;  // consolidated: -1 when it did not run
+};
+// slot_src [W, K] (caller: -1), slot_quota [W, K] and rep [W, W, K] (caller: 0).
+TaotFinish taot_finish(const TaotFinishIn& in, int32_t* slot_src, int64_t* slot_quota,
+                       int64_t* rep);
+
 }  // namespace ultracomm::planners

@@ -524,8 +524,10 @@ def render(res: dict[str, list[Row]], wall_s: float) -> str:
         "- TAOT's auction serves, per round, every slot that bid for a source rank (best net bonus "
         "first), so rounds are bounded by the number of sources a slot draws from; the C++ bid scans "
         "source ranks in price order and stops once no rank can beat the best bid (same argmax, "
-        "half the auction time at EP64). Phases 2-3 and the consolidation run in C++; the numpy "
-        "reference gives identical results (tests compare them).",
+        "half the auction time at EP64). Phases 2-3 and the consolidation run in C++, and so does "
+        "everything after phase 2 (`_core.taot_finish`: consolidation inputs, slot order, auction "
+        "inputs, the plan's arrays) in one call; the numpy reference gives identical results "
+        "(tests compare them).",
         "- *Equal or better balance* in the taot goal means: final imbalance at most 0.5 percentage "
         "points above the other planner's, or below it (quota ends at 1.0 %, so taot must end at "
         "<= 1.5 % there). One taot plan is compared with both quota and greedy, so it must also "

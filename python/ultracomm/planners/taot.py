@@ -64,8 +64,9 @@ algorithm), and why -- measured on the EP16/EP32 evaluation loads, see perf/plan
   tolerance and ran all iterations.
 
 Phases 2, 3 and the consolidation run in C++ (``ultracomm._core.taot_matching`` /
-``taot_auction`` / ``taot_consolidate``, csrc/planners/taot.cpp) when the compiled core
-has them; the numpy implementations here are the reference (``backend="numpy"``) and
+``taot_auction`` / ``taot_consolidate``, csrc/planners/taot.cpp; :func:`plan` runs
+everything after phase 2 -- consolidation, slot order, auction, the plan's arrays -- in one
+call, ``taot_finish``, csrc/planners/taot_finish.cpp) when the compiled core has them; the numpy implementations here are the reference (``backend="numpy"``) and
 give identical results.
 """
 from __future__ import annotations
@@ -82,9 +83,10 @@ try:  # compiled loops (csrc/planners/taot.cpp); numpy reference otherwise
     from .. import _core as _core_mod
 
     _HAVE_CPP = hasattr(_core_mod, "taot_auction") and hasattr(_core_mod, "taot_matching")
+    _HAVE_FINISH = hasattr(_core_mod, "taot_finish")  # the step after phase 2 in one call
 except ImportError:  # pragma: no cover - core not built
     _core_mod = None
-    _HAVE_CPP = False
+    _HAVE_CPP = _HAVE_FINISH = False
 
 
 def _use_cpp(backend: str | None) -> bool:
@@ -707,6 +709,18 @@ def _plan(load: np.ndarray, domain: Domain, K: int, *, lam: float, eps: float | 
     # fresh arrays (fancy-indexed): _match may consume them
     gs, rs = _match(cap, grp.astype(np.int64, copy=False), exc, spare[ri], static, allowed, K,
                     ri.size, mg, mutual, two_pass, backend)
+    if _use_cpp(backend) and _HAVE_FINISH:  # the rest below in one C++ call, same results
+        n, slot_src, slot_quota, rep, ncons, rounds, worst = _core_mod.taot_finish(
+            gs, rs, ei, ri, home, el, L, same.view(np.uint8), load, bid, tgt, K,
+            bool(consolidate), float(price_step), auction_iters)
+        if n == 0:
+            return _none(load, domain, slot_src, info, L)
+        if ncons >= 0:
+            info["consolidated"] = ncons
+        info["auction_rounds"] = rounds
+        res = build_result(load, domain, slot_src, slot_quota, info, replica_moves=rep,
+                           expert_load=el)
+        return res, worst
     e_c, r_c = np.nonzero(gs)
     if e_c.size == 0:
         return _none(load, domain, slot_src, info, L)

@@ -82,11 +82,10 @@ from .base import Domain, PlannerResult, as_load, build_result, check_slots, hom
 try:  # compiled loops (csrc/planners/taot.cpp); numpy reference otherwise
     from .. import _core as _core_mod
 
-    _HAVE_CPP = hasattr(_core_mod, "taot_auction") and hasattr(_core_mod, "taot_matching")
-    _HAVE_FINISH = hasattr(_core_mod, "taot_finish")  # the step after phase 2 in one call
+    _HAVE_CPP = all(hasattr(_core_mod, f) for f in ("taot_auction", "taot_matching", "taot_finish"))
 except ImportError:  # pragma: no cover - core not built
     _core_mod = None
-    _HAVE_CPP = _HAVE_FINISH = False
+    _HAVE_CPP = False
 
 
 def _use_cpp(backend: str | None) -> bool:
@@ -709,7 +708,7 @@ def _plan(load: np.ndarray, domain: Domain, K: int, *, lam: float, eps: float | 
     # fresh arrays (fancy-indexed): _match may consume them
     gs, rs = _match(cap, grp.astype(np.int64, copy=False), exc, spare[ri], static, allowed, K,
                     ri.size, mg, mutual, two_pass, backend)
-    if _use_cpp(backend) and _HAVE_FINISH:  # the rest below in one C++ call, same results
+    if _use_cpp(backend):  # the numpy reference below in one C++ call, same results
         n, slot_src, slot_quota, rep, ncons, rounds, worst = _core_mod.taot_finish(
             gs, rs, ei, ri, home, el, L, same.view(np.uint8), load, bid, tgt, K,
             bool(consolidate), float(price_step), auction_iters)
@@ -752,13 +751,9 @@ def _plan(load: np.ndarray, domain: Domain, K: int, *, lam: float, eps: float | 
     slot_src[r_m, k_m] = e_m
     slot_quota = np.zeros((W, K), np.int64)
     slot_quota[r_m, k_m] = demand
-    if _use_cpp(backend):  # lagrangian_auction's C++ path, its glue on cached tables
-        X, rounds = _auction_cpp(load, e_m, demand, bid[:, r_m], price_step, auction_iters)
-    else:
-        X, rounds = lagrangian_auction(
-            load, e_m, demand, Brr[:, r_m], price_step, auction_iters, slot_rank=r_m,
-            backend=backend,
-        )
+    X, rounds = lagrangian_auction(
+        load, e_m, demand, Brr[:, r_m], price_step, auction_iters, slot_rank=r_m, backend=backend,
+    )
     info["auction_rounds"] = rounds
     rep = np.zeros((W, W, K), np.int64)
     rep[:, r_m, k_m] = X
@@ -775,19 +770,3 @@ def _none(load: np.ndarray, domain: Domain, slot_src: np.ndarray, info: dict[str
     W, K = slot_src.shape
     res = build_result(load, domain, slot_src, np.zeros((W, K), np.int64), info)
     return res, int(L.max(initial=0))
-
-
-def _auction_cpp(load: np.ndarray, se: np.ndarray, demand: np.ndarray, bonus: np.ndarray,
-                 price_step: float, max_iters: int | None) -> tuple[np.ndarray, int]:
-    """:func:`lagrangian_auction` (C++) with ``bonus`` already tie-broken by slot rank and
-    the distinct experts found by marking instead of ``np.unique`` (same result)."""
-    R, E = load.shape
-    S = se.size
-    mark = np.zeros(E, bool)
-    mark[se] = True
-    ue = np.flatnonzero(mark)
-    inv = (np.cumsum(mark) - 1)[se]  # index of each slot's expert among ue (ascending)
-    cap = max_iters if max_iters is not None else R * ue.size + S + 1
-    X, rounds = _core_mod.taot_auction(
-        load[:, ue], inv, np.array(demand, np.int64), bonus, float(price_step), int(cap))
-    return X, int(rounds)

@@ -204,9 +204,23 @@ def test_one_cpu_domain_over_two_hosts_is_refused(monkeypatch):
         LoopbackDomain(4).run(body)
 
 
-def test_split_refuses_a_cuda_device():
-    with pytest.raises(ValueError, match="transport 'split' runs on the CPU .* the GPU split is not built"):
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without a GPU")
+def test_split_on_a_cuda_device_without_a_gpu_says_what_is_missing():
+    from ultracomm.cuda_support import NotAvailableError
+
+    with pytest.raises(NotAvailableError, match="transport 'split' on CUDA is not available: "):
         LoopbackDomain(1).run(lambda g: Context(g, layout_of(), 1, 1, num_layers=1, transport="split", device="cuda"))
+
+
+def test_the_cpu_split_refuses_a_cuda_window():
+    from types import SimpleNamespace
+
+    from ultracomm.transports.split import SplitTransport
+
+    win = SimpleNamespace(local=torch.empty(0, device="meta"), peer_bases=[1, 1])
+    with pytest.raises(ValueError, match="SplitTransport runs on the CPU .* ultracomm.transports.split_cuda"):
+        SplitTransport(comm=None, rank=0, world=2, window=win, wlayout={}, layout=None, num_workers=1,
+                       timeout_s=1.0, domain_of=[0, 1])
 
 
 def test_run_host_abort_word_stops_a_waiting_interpreter():

@@ -8,21 +8,20 @@ import numpy as np
 import pytest
 import torch
 
-from ultracomm import ExpertLayout, Member, ReplicaPlan, _core
+from ultracomm import ReplicaPlan, _core
 from ultracomm.records import Op
 from ultracomm.schedule import build_schedule
 from ultracomm.transports import split as split_mod
 from ultracomm.transports.bridge_program import Crossing, build_bridge_program
-from ultracomm.transports.split_stream import (COPY, OWN, RECV, SEND, WAIT_GE, WRITE, Ref, loopback_sequence,
-                                               messages, rank_stream, stream_program)
+from ultracomm.transports.split_stream import (COPY, OWN, RECV, SEND, WAIT_GE, WRITE, loopback_sequence, messages,
+                                               rank_stream, stream_program)
 
 from conftest import hot_slot_src, random_slot_src
 from split_stream_sim import SimHub, StreamDeadlock, run_key_model, streams_of
 from test_p2p import layout_of
 from test_split import run_split
 
-# one expert of 256 fp32 weights and grads, two 128-byte chunks, one slot per rank
-LAYOUT = ExpertLayout((Member("w", (64,), torch.float32),), grad_dtype=torch.float32)
+# one expert of 256 bytes of weights and of grads, two 128-byte chunks, one slot per rank
 WL = _core.window_layout(1, 256, 256, 128)
 DOM = (0, 0, 1, 1)
 

@@ -23,7 +23,7 @@ from conftest import hot_slot_src
     ("cpu", ["a", "b", "c"], "p2p", False),
     ("cuda", ["a", "b"], "p2p", False),
     ("cpu", ["a", "a", "b", "b"], "split", True),
-    ("cuda", ["a", "a", "a", "b"], "p2p", True),
+    ("cuda", ["a", "a", "a", "b"], "split", True),
 ])
 def test_choice_by_domains(device_type, keys, transport, split):
     c = domains.choose_transport(device_type, keys)
@@ -35,9 +35,9 @@ def test_choice_by_domains(device_type, keys, transport, split):
         sizes = np.bincount(c.domain_of).tolist()
         memory = "GPU peer-access" if device_type == "cuda" else "shared-memory"
         if device_type == "cuda":
-            assert c.edge_transport == {"intra": "p2p", "cross": "p2p"}
-            assert c.split.startswith("edges inside a domain could run on tma and only edges across domains need "
-                                      "p2p, but the GPU split executor is not built: every edge runs on p2p")
+            assert c.edge_transport == {"intra": "tma", "cross": "p2p"}
+            assert c.split == ("edges inside a domain run on tma (the persistent kernel over cuda_ipc windows) and "
+                               "edges across domains on p2p (NCCL on a side stream, through device shadows)")
         else:
             assert c.edge_transport == {"intra": "host", "cross": "p2p"}
             assert c.split == ("edges inside a domain run on host (shared-memory windows) and edges across domains "
@@ -52,6 +52,20 @@ def test_one_cuda_domain_over_hosts_takes_nvshmem():
     assert c.describe() == ("transport auto -> tma: all 4 ranks share one GPU peer-access domain over 2 hosts "
                             "(multi-node NVLink): window nvshmem, since CUDA IPC handles do not reach across hosts")
     assert domains.choose_transport("cuda", ["h1/x"] * 2, ["h1/x"] * 2).window is None
+
+
+def test_mixed_cuda_domains_split_unless_a_domain_spans_hosts():
+    # two NVLink domains of one host each, and a single rank: split (tma inside, NCCL across)
+    c = domains.choose_transport("cuda", ["h1/x", "h1/x", "h2/y", "h2/y", "h3/z"],
+                                 ["h1/x", "h1/x", "h2/y", "h2/y", "h3/z"])
+    assert (c.transport, c.domain_of, c.window) == ("split", (0, 0, 1, 1, 2), None)
+    # a multi-node NVLink domain beside another: its window would be nvshmem, which the split does not map
+    c = domains.choose_transport("cuda", ["nvlink:ab/7"] * 2 + ["h3/z"] * 2, ["h1/x", "h2/y", "h3/z", "h3/z"])
+    assert (c.transport, c.edge_transport) == ("p2p", {"intra": "p2p", "cross": "p2p"})
+    assert c.split == ("domains [0] span several hosts (multi-node NVLink), and the GPU split maps a domain with "
+                       "cuda_ipc, which does not reach across hosts: every edge runs on p2p (same results)")
+    assert c.edges(build_schedule(ReplicaPlan.make(hot_slot_src(4, 1, 1, expert=0), experts_per_rank=1), 1024, 2048,
+                                  chunk_bytes=256))["multicast"] == {"p2p": 3}
 
 
 def test_domain_of_numbers_by_first_appearance():

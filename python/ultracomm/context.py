@@ -102,7 +102,7 @@ class Context:
         transport: ``auto`` or a transport name (default from ``ULTRACOMM_TRANSPORT``):
             ``host``, ``tma``, ``p2p``, ``copy_engine``, ``split``.  ``auto`` is ``host`` (CPU) or
             ``tma`` (CUDA) when every rank shares one memory domain, ``p2p`` when no two do, and
-            for a CPU Context whose domains hold several ranks ``split`` (host inside a domain,
+            where domains hold several ranks ``split`` (host -- CUDA: tma -- inside a domain,
             p2p across); see :mod:`ultracomm.domains`, ``transport_choice`` and ``domain_of``.
             Domains are detected (host, NVLink fabric) or declared with ``ULTRACOMM_DOMAIN`` /
             ``domain=``.

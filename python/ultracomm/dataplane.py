@@ -7,8 +7,9 @@ Rules (``transport`` / ``window`` are the config values, ``device`` the Context 
    transport is a GPU one (``tma``); else the CPU.  Contradictions are errors.
 2. ``transport="auto"``: ``tma`` for a CUDA window, ``host`` for a CPU one, when every rank
    shares one memory domain; a Context whose ranks span domains passes the choice of
-   :mod:`ultracomm.domains` (``p2p``, or ``split`` for a CPU Context whose domains hold
-   several ranks; a CUDA domain over several hosts gets the ``nvshmem`` window).  A GPU transport on a machine without a GPU or without
+   :mod:`ultracomm.domains` (``p2p``, or ``split`` where domains hold several ranks: host
+   inside on the CPU, tma inside on CUDA; a CUDA domain over several hosts gets the ``nvshmem``
+   window).  A GPU transport on a machine without a GPU or without
    ``ultracomm._cuda`` raises :class:`~ultracomm.cuda_support.NotAvailableError` naming what
    is missing; so does, after that, a named window that cannot work here (``nvshmem`` without
    nvshmem4py, for instance).
@@ -62,10 +63,6 @@ def device_type(transport: str, window: str, device: Any = None) -> str:
                              f"drop one of them or pick a {t.upper()} window")
         if transport in GPU_TRANSPORTS and t == "cpu":
             raise ValueError(f"ultracomm: transport {transport!r} runs on a GPU but device={device!r}")
-        if transport == "split" and t == "cuda":
-            raise ValueError(f"ultracomm: transport 'split' runs on the CPU (host inside a memory domain, p2p across) but "
-                             f"device={device!r}; the GPU split is not built: use transport='p2p' (or 'auto') for a "
-                             "CUDA Context over several domains")
         if transport == "host" and t == "cuda":
             raise ValueError(f"ultracomm: transport 'host' runs on the CPU but device={device!r}; use transport='tma'"
                              " (or 'auto') for a CUDA Context")

@@ -24,13 +24,15 @@ ranks                                  CPU Context                  CUDA Context
 one domain on one host                 ``host``                     ``tma``
 one domain over several hosts          (refused: no shared memory)  ``tma`` over ``nvshmem``
 no two ranks share a domain            ``p2p`` (gloo)               ``p2p`` (NCCL)
-mixed (some domains hold several)      ``split``: ``host`` inside   ``p2p`` for every edge (the
-                                       a domain, ``p2p`` across     GPU split is not built)
+mixed (some domains hold several)      ``split``: ``host`` inside   ``split``: ``tma`` inside a
+                                       a domain, ``p2p`` across     domain, ``p2p`` (NCCL) across;
+                                                                    ``p2p`` if a domain spans hosts
 =====================================  ===========================  ==============================
 
-``split`` (:mod:`ultracomm.transports.split`) runs one schedule with the edges inside a domain
-on the host executor over shared memory and only the edges across domains as gloo messages,
-with the same bytes as every other executor.  :attr:`TransportChoice.edge_transport` says
+``split`` (:mod:`ultracomm.transports.split`; on CUDA :mod:`ultracomm.transports.split_cuda`)
+runs one schedule with the edges inside a domain on the host executor over shared memory (CUDA:
+the persistent ``tma`` kernel over ``cuda_ipc``) and only the edges across domains as gloo
+(CUDA: NCCL) messages, with the same bytes as every other executor.  :attr:`TransportChoice.edge_transport` says
 which edges go where and :meth:`TransportChoice.edges` counts them for a schedule.  The choice
 is logged once per Context.
 """
@@ -173,11 +175,19 @@ def choose_transport(device_type: str, keys: Sequence[str], hosts: Optional[Sequ
                                edge_transport={"cross": "p2p"})
     spread = f"the ranks span {n} {memory} domains of {sizes} ranks"
     if device_type == "cuda":
+        by: dict[int, set] = {}
+        for d, h in zip(dom, hosts):
+            by.setdefault(d, set()).add(h)
+        wide = sorted(d for d, hs in by.items() if len(hs) > 1)
+        if wide:  # a multi-node NVLink domain beside others: its window would be nvshmem, which split lacks
+            return TransportChoice(
+                "p2p", dom, spread, edge_transport={"intra": "p2p", "cross": "p2p"},
+                split=(f"domains {wide} span several hosts (multi-node NVLink), and the GPU split maps a domain "
+                       "with cuda_ipc, which does not reach across hosts: every edge runs on p2p (same results)"))
         return TransportChoice(
-            "p2p", dom, spread, edge_transport={"intra": "p2p", "cross": "p2p"},
-            split=("edges inside a domain could run on tma and only edges across domains need p2p, but the GPU "
-                   "split executor is not built: every edge runs on p2p (same results; set ULTRACOMM_TRANSPORT=tma "
-                   "if every rank can in fact reach every other's memory)"))
+            "split", dom, spread, edge_transport={"intra": "tma", "cross": "p2p"},
+            split=("edges inside a domain run on tma (the persistent kernel over cuda_ipc windows) and edges across "
+                   "domains on p2p (NCCL on a side stream, through device shadows)"))
     return TransportChoice(
         "split", dom, spread, edge_transport={"intra": "host", "cross": "p2p"},
         split=("edges inside a domain run on host (shared-memory windows) and edges across domains on p2p (gloo "

@@ -57,9 +57,12 @@ Plan checks (``plan_check``): every rank must pass the same valid plan to ``weig
   between them.  A rank whose own plan is invalid raises its error and publishes a rejection
   there, so the peers that exchange data with it fail at once ("rank r rejected its plan")
   rather than after ``timeout_s``.  Ranks that exchange nothing in either plan do not learn of
-  the difference.  Needs a transport with window flags: host, tma, copy_engine (not p2p, split).
-* ``auto``: ``window`` for the stream-ordered transports (``tma``, ``copy_engine``: a
-  collective would synchronise the host with the device on every operation), else ``agree``.
+  the difference.  Needs a transport with window flags: host, tma, copy_engine, split on CUDA
+  (not p2p, not split on the CPU).  Under the CUDA split a rejection reaches the ranks of the
+  rejecting rank's domain at once and the others at their timeout.
+* ``auto``: ``window`` for the stream-ordered transports (``tma``, ``copy_engine``, ``split``
+  on CUDA: a collective would synchronise the host with the device on every operation), else
+  ``agree``.
 
 SM defaults (``multicast_sms`` / ``reduce_sms`` = ``auto``, resolved by
 ``ultracomm.sm_budget.default_sms`` when a GPU transport is built; the chosen value and

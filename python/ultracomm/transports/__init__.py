@@ -9,7 +9,8 @@ name         executor                                                  status
 host         C++ worker threads over host windows (the reference)      built everywhere
 tma          persistent CUDA kernel, TMA bulk copies (stream-ordered)  needs _cuda and a GPU
 p2p          torch.distributed point-to-point (gloo on CPU, NCCL on GPU)  built everywhere
-split        host inside each memory domain, p2p (gloo) across domains   built everywhere (CPU only)
+split        CPU: host inside each memory domain, p2p (gloo) across      built everywhere
+             CUDA: tma inside a domain, NCCL across (stream-ordered)   needs _cuda and a GPU
 copy_engine  cuMemcpyAsync per destination stream + stream flag ops      needs a GPU (reduce: tma)
              (stream-ordered; host watchdog bounds its stream waits)
 ===========  ========================================================  ==========================
@@ -17,8 +18,8 @@ copy_engine  cuMemcpyAsync per destination stream + stream flag ops      needs a
 A transport class has ``name``, ``window_providers`` (the windows it can run over) and
 ``stream_ordered`` (``True``: ``run(..., stream=)`` only enqueues work on a CUDA stream and
 failures are collected by ``check_error()``; absent/``False``: ``run`` blocks until done).
-``tma`` and ``copy_engine`` are imported when first asked for, so ultracomm imports without
-``_cuda``, a driver or a GPU.  ``auto`` is decided with the ranks' memory domains by
+``tma``, ``copy_engine`` and the CUDA ``split`` are imported when first asked for, so
+ultracomm imports without ``_cuda``, a driver or a GPU.  ``auto`` is decided with the ranks' memory domains by
 :mod:`ultracomm.domains`; :func:`resolve_transport` alone maps it by device.
 """
 from __future__ import annotations
@@ -51,12 +52,23 @@ def _load_copy_engine() -> type:
     return importlib.import_module(".copy_engine", __name__).CopyEngineTransport
 
 
+def _load_split_cuda() -> type:
+    require("transport 'split' on CUDA")
+    from ..cuda_driver import driver
+
+    driver()  # NotAvailableError: no libcuda
+    return importlib.import_module(".split_cuda", __name__).SplitCudaTransport
+
+
 def resolve_transport(name: str, device_type: str = "cpu") -> type:
     """Map a transport name to its class; ``auto`` picks ``tma`` for a CUDA Context
-    (``device_type="cuda"``) and ``host`` for a CPU one.  A GPU transport this machine cannot
+    (``device_type="cuda"``) and ``host`` for a CPU one; ``split`` is the CPU or the CUDA split
+    by ``device_type``.  A GPU transport this machine cannot
     run raises :class:`~ultracomm.cuda_support.NotAvailableError` naming what is missing."""
     if name == "auto":
         name = "tma" if device_type == "cuda" else "host"
+    if name == "split" and device_type == "cuda":  # the GPU split (split_cuda.py), loaded when asked for
+        return _load_split_cuda()
     if name in TRANSPORTS:
         return TRANSPORTS[name]
     if name == "tma":

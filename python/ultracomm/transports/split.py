@@ -13,7 +13,7 @@ Window: ``host_shm`` mapping only this rank's domain (``local`` on loopback doma
 every rank is reachable but ranks of other declared domains still go through shadows).
 Messages: the Context's gloo group (or loopback mailboxes).  Only ranks with crossings in an
 op exchange messages in it (one 16-byte header per peer, then one message per crossing chunk).
-CPU only: the GPU variant (tma inside a domain) is not built.
+CPU only: the GPU variant (tma inside a domain, NCCL across) is :mod:`.split_cuda`.
 """
 from __future__ import annotations
 
@@ -52,8 +52,9 @@ class SplitTransport:
             raise ValueError(f"ultracomm: transport 'split' needs domain_of, one memory domain per rank ({world}); "
                              f"got {domain_of!r}")
         if window.local.device.type != "cpu":
-            raise ValueError("ultracomm: transport 'split' runs on the CPU (host executor inside a domain); the GPU "
-                             "split (tma inside a domain, p2p across) is not built: use transport='p2p'")
+            raise ValueError("ultracomm: SplitTransport runs on the CPU (host executor inside a domain); for a GPU "
+                             "window the split is ultracomm.transports.split_cuda.SplitCudaTransport (a Context "
+                             "with transport='split' on a CUDA device picks it)")
         self.rank, self.world = rank, world
         self.window, self.wlayout, self.layout = window, dict(wlayout), layout
         self.timeout_s = float(timeout_s)

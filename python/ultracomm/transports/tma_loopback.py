@@ -79,6 +79,16 @@ class LoopbackRunner:
             self._errors.append((throw, self._names.get(epoch)))
             self._seen[rank] = len(self._errors)  # the rejecting rank raised its own error already
 
+    def record_failure(self, throw: Callable[[int, str | None, float], None], name: str | None,
+                       raised_by: int | None = None) -> None:
+        """A failure found on the host before a launch (``throw(rank, op name, timeout_s)`` raises it
+        as that rank would): every rank's ``check_error`` raises it once, except ``raised_by``,
+        whose own call raised it already."""
+        with self._lock:
+            self._errors.append((throw, name))
+            if raised_by is not None:
+                self._seen[raised_by] = len(self._errors)
+
     def check_error(self, rank: int) -> None:
         with self._lock:
             rec = self.runner.take_error()

@@ -94,10 +94,12 @@ def open_window(provider: str, comm: Comm, nbytes: int, op: str = "window setup"
     """Collectively create a window of ``nbytes`` per rank with ``provider`` (or ``auto``);
     bounded by ``comm.timeout_s``.  ``op`` names the caller's operation in errors.  ``device``:
     the CUDA device of a GPU provider (``None``: the current one); CPU providers take none.
-    ``reach`` (``host_shm`` only): map only the ranks marked ``True`` (this rank's memory domain)."""
+    ``reach`` (``host_shm``, ``cuda_ipc``): map only the ranks marked ``True`` (this rank's memory
+    domain); ignored by providers whose ranks all share one process (``local``, ``cuda_local``)."""
     name = resolve_provider(provider, comm, "cuda" if device is not None else "cpu")
-    if reach is not None and name == "host_shm":
-        return PROVIDERS[name].create(comm, nbytes, op=op, reach=list(reach))
+    if reach is not None and name in ("host_shm", "cuda_ipc"):
+        kw = {"device": device} if name == "cuda_ipc" else {}
+        return PROVIDERS[name].create(comm, nbytes, op=op, reach=list(reach), **kw)
     if device_type_of(name) in ("cuda", "any"):
         return PROVIDERS[name].create(comm, nbytes, op=op, device=device)
     return PROVIDERS[name].create(comm, nbytes, op=op)

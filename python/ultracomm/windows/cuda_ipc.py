@@ -59,7 +59,10 @@ class CudaIpcWindow(Window):
         return torch_cuda_reason()
 
     @classmethod
-    def create(cls, comm: Comm, nbytes: int, op: str = "window setup", device: Any = None) -> "CudaIpcWindow":
+    def create(cls, comm: Comm, nbytes: int, op: str = "window setup", device: Any = None,
+               reach: list[bool] | None = None) -> "CudaIpcWindow":
+        """``reach`` (the GPU ``split`` transport): open only the ranks marked ``True`` (this rank's
+        memory domain, one host); the others get ``peer_bases[r] == 0``."""
         check_usable(cls, comm)
         dev = resolve_device(device)
         mine: dict[str, Any] = {}
@@ -70,7 +73,7 @@ class CudaIpcWindow(Window):
 
         exports = comm.agree(allocate, op=op, what="cuda_ipc window allocation")
         local = mine["local"]
-        hosts = sorted({e["host"] for e in exports})
+        hosts = sorted({e["host"] for r, e in enumerate(exports) if reach is None or reach[r]})
         if len(hosts) > 1:
             raise ValueError(f"ultracomm: cuda_ipc needs every rank on one host, the group spans {hosts}; "
                              "use window='torch_symm' for a multi-node NVLink domain")
@@ -82,6 +85,10 @@ class CudaIpcWindow(Window):
                 if r == comm.rank:  # a process cannot open its own handle: use the tensor itself
                     storages.append(None)
                     bases.append(local.data_ptr())
+                    continue
+                if reach is not None and not reach[r]:  # another memory domain: never opened here
+                    storages.append(None)
+                    bases.append(0)
                     continue
                 if e["nbytes"] != nbytes:
                     raise ValueError(f"rank {r}'s window has {e['nbytes']} bytes, this rank's {nbytes}: "

@@ -1,0 +1,71 @@
+"""A stalled cross-domain rank under the GPU split transport, on a one-GPU loopback domain of 4
+ranks (domains {0, 1} and {2, 3}), in its own process: the side stream stays blocked after the
+failure, which would hang any later device-wide synchronize of a test process.  Prints one JSON
+line with what tests/test_split_cuda_gpu.py checks.
+
+Rank 0 (home of expert 0) runs with its kernel's task list withheld: it joins (ready, digest)
+but never copies expert 0 into its shadows of ranks 2 and 3 (direct multicast), so the side
+stream's wait for that chunk never passes, the kernel of rank 2 or 3 times out waiting for rank
+0's chunk, and the watchdog releases the caller's stream after twice the timeout.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import torch
+
+from ultracomm import Context, ExpertLayout, LoopbackDomain, Member, ReplicaPlan
+
+LAYOUT = ExpertLayout((Member("fc1", (40, 24), torch.float32), Member("fc2", (56,), torch.float32)))
+TIMEOUT_S = 2.0
+
+
+def main() -> dict:
+    ctxs = LoopbackDomain(4).run(lambda g: Context(g, LAYOUT, 1, 1, num_layers=1, transport="split",
+                                                   window="cuda_local", device="cuda:0", domain="a,a,b,b",
+                                                   node_of=[0, 0, 1, 1], relay_mode="off", chunk_bytes=1024,
+                                                   timeout_s=TIMEOUT_S))
+    for c in ctxs:
+        w = [torch.full((1, *m.shape), float(c.rank + 1), device="cuda:0") for m in LAYOUT.members]
+        c.register_masters(0, w, [torch.zeros_like(t) for t in w])
+    tma0 = ctxs[0].transport.tma
+    rank_args = tma0._rank_args
+
+    def withheld(*args):
+        key, make = rank_args(*args)
+
+        def make_empty() -> dict:
+            d = make()
+            d["tasks"] = d["tasks"][:0]
+            return d
+
+        return key + ("withheld",), make_empty
+
+    tma0._rank_args = withheld
+    plan = ReplicaPlan.make(np.array([[-1], [-1], [0], [0]], np.int32), experts_per_rank=1)
+    t = time.monotonic()
+    for c in ctxs:
+        c.weight_sync(c.begin(0), plan, async_op=False)
+    stream = torch.cuda.current_stream()
+    done = torch.cuda.Event()
+    done.record(stream)
+    done.synchronize()  # released by the watchdog, not by the blocked side stream
+    waited = time.monotonic() - t
+    later = bool(torch.ones(4, device="cuda:0").sum().item() == 4.0)
+    errors = []
+    for c in ctxs:
+        try:
+            c.transport.check_error()
+            errors.append(None)
+        except Exception as e:  # noqa: BLE001 - reported
+            errors.append(f"{type(e).__name__}: {e}")
+    abandoned = [c.transport.abandoned_streams() for c in ctxs]
+    for c in ctxs:
+        c.close()  # must not hang on the blocked side stream
+    return dict(errors=errors, waited=waited, later_work=later, abandoned=abandoned, closed=True)
+
+
+if __name__ == "__main__":
+    print(json.dumps(main()), flush=True)

@@ -1,0 +1,157 @@
+"""The GPU split transport on a one-GPU loopback domain (cuda_local) with declared memory domains:
+the tma kernel inside a domain, the crossings as copies on the side stream, against the host
+executor bit for bit (weight_sync, restore, grad_reduce); ranks on different plans raise
+PlanError; the transport refuses CUDA-graph capture.
+
+A stalled cross-domain rank gives a named UltracommTimeout and the watchdog releases the
+caller's stream (in its own process: the side stream stays blocked).
+
+Device-only (``gpu`` marker; scripts/gpu_check.sh runs them).  As with tma, one thread drives
+every loopback rank on one stream.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import ultracomm
+from ultracomm import Context, ExpertLayout, LoopbackDomain, Member, PlanError, ReplicaPlan
+
+from conftest import expert_weights, hot_slot_src, random_slot_src
+from test_copy_engine_gpu import fill_replica_grads  # same replica grads as the copy_engine gpu test
+
+pytestmark = pytest.mark.gpu
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+LAYOUT = ExpertLayout((Member("fc1", (40, 24), torch.bfloat16), Member("fc2", (56,), torch.bfloat16)),
+                      grad_dtype=torch.float32)
+
+
+def make(world, epr, slots, transport, mode, domain, node_of, grad_dtype=torch.float32):
+    layout = ExpertLayout(LAYOUT.members, grad_dtype=grad_dtype)
+    opts = dict(relay_mode=mode, chunk_bytes=1024, tile_bytes=256, timeout_s=20.0, node_of=node_of)
+    if transport == "host":
+        opts.update(transport="host", window="local", num_workers=2)
+        dev = "cpu"
+    else:
+        opts.update(transport=transport, window="cuda_local", device="cuda:0", domain=domain)
+        dev = "cuda:0"
+    ctxs = LoopbackDomain(world).run(lambda g: Context(g, layout, epr, slots, num_layers=1, **opts))
+    grads = []
+    for c in ctxs:
+        per = [expert_weights(layout, e) for e in range(c.rank * epr, (c.rank + 1) * epr)]
+        w = [torch.stack([p[m] for p in per]).contiguous().to(dev) for m in range(2)]
+        g = [torch.full((epr, *m.shape), 0.5, dtype=grad_dtype, device=dev) for m in layout.members]
+        c.register_masters(0, w, g)
+        grads.append(g)
+    return ctxs, grads
+
+
+def run_all(ctxs, grads, plan, host: bool):
+    """weight_sync, restore, grad_reduce of ``plan`` on every rank; per rank (weights, master grads)."""
+    if host:
+        def body(group):
+            c = ctxs[group.rank]
+            vid = c.begin(0)
+            c.weight_sync(vid, plan)
+            w = [t.clone() for t in c.replica_weights]
+            group.barrier()
+            if group.rank == 0:
+                fill_replica_grads(ctxs)
+            group.barrier()
+            c.restore(vid)
+            c.grad_reduce(vid)
+            return w, [t.clone() for t in grads[group.rank]]
+
+        return LoopbackDomain(len(ctxs)).run(body)
+    vids = [c.begin(0) for c in ctxs]
+    for c, v in zip(ctxs, vids):
+        c.weight_sync(v, plan)
+    for c in ctxs:
+        c.synchronize()
+    w = [[t.clone().cpu() for t in c.replica_weights] for c in ctxs]
+    fill_replica_grads(ctxs)
+    for c, v in zip(ctxs, vids):
+        c.restore(v)
+    for c, v in zip(ctxs, vids):
+        c.grad_reduce(v)
+    for c in ctxs:
+        c.synchronize()
+    return [(w[c.rank], [t.cpu() for t in grads[c.rank]]) for c in ctxs]
+
+
+CASES = [  # world, domains, node_of, relay mode, grad dtype
+    (4, "a,a,b,b", [0, 0, 1, 1], "force", torch.float32),
+    (4, "a,a,b,b", [0, 0, 1, 1], "off", torch.bfloat16),
+    (4, "n0,n0,n0,n1", [0, 0, 0, 1], "force", torch.float32),
+    (4, "n0,n0,n0,n1", None, "auto", torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("which", ["hot", "random"])
+@pytest.mark.parametrize("world,domain,node_of,mode,grad_dtype", CASES)
+def test_split_on_the_gpu_matches_the_host_executor_bit_for_bit(which, world, domain, node_of, mode, grad_dtype):
+    epr, slots = 2, 2
+    src = (random_slot_src(np.random.default_rng(7), world, slots, epr, fill=1.0) if which == "random"
+           else hot_slot_src(world, slots, epr, expert=1))
+    plan = ReplicaPlan.make(src, experts_per_rank=epr)
+    hosts, hgrads = make(world, epr, slots, "host", mode, None, node_of, grad_dtype)
+    want = run_all(hosts, hgrads, plan, host=True)
+    for c in hosts:
+        c.close()
+    ctxs, grads = make(world, epr, slots, "auto", mode, domain, node_of, grad_dtype)
+    assert all(c.transport.name == "split" and type(c.transport).__name__ == "SplitCudaTransport" for c in ctxs)
+    got = run_all(ctxs, grads, plan, host=False)
+    assert any(c.transport.shadows.views for c in ctxs)  # chunks crossed domains (not a tma-only run)
+    for r in range(world):
+        for m in range(2):
+            assert torch.equal(got[r][0][m].view(torch.uint8), want[r][0][m].view(torch.uint8)), (r, m, "weights")
+            assert torch.equal(got[r][1][m].view(torch.uint8), want[r][1][m].view(torch.uint8)), (r, m, "grads")
+    for c in ctxs:
+        c.close()
+
+
+def test_loopback_ranks_on_different_plans_raise_plan_error_everywhere():
+    ctxs, _ = make(4, 1, 1, "split", "off", "a,a,b,b", None)
+    a = ReplicaPlan.make(np.array([[-1], [-1], [0], [0]], np.int32), experts_per_rank=1)
+    b = ReplicaPlan.make(np.array([[-1], [-1], [0], [1]], np.int32), experts_per_rank=1)
+    errors = []
+    for c in ctxs:
+        try:
+            c.weight_sync(c.begin(0), b if c.rank == 3 else a)
+            c.synchronize()
+            errors.append(None)
+        except PlanError as e:
+            errors.append(str(e))
+    assert all(e is not None and "runs a different plan for this operation" in e for e in errors), errors
+
+
+def test_split_refuses_graph_capture(monkeypatch):
+    ctxs, _ = make(2, 1, 1, "split", "off", "a,b", None)
+    plan = ReplicaPlan.make(np.array([[1], [0]], np.int32), experts_per_rank=1)
+    vids = [c.begin(0) for c in ctxs]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(ultracomm.UltracommError, match="cannot be captured in a CUDA graph"):
+        ctxs[0].weight_sync(vids[0], plan)
+    monkeypatch.undo()
+    for c in ctxs:
+        c.close()
+
+
+def test_a_stalled_cross_domain_rank_is_a_named_timeout_and_the_callers_stream_is_released():
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "mp", "split_cuda_stall_worker.py")],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    named = [e for e in out["errors"] if e and e.startswith(("TimeoutError: ultracomm: rank 2 weight_sync",
+                                                             "TimeoutError: ultracomm: rank 3 weight_sync"))]
+    assert named and "rank 0" in named[0], out["errors"]  # it waited for rank 0's chunk across domains
+    assert all(e is not None for e in out["errors"])  # every loopback rank learns of the failure
+    assert 2 * 2.0 <= out["waited"] < 20.0  # released by the watchdog at twice the timeout
+    assert out["later_work"] and all(out["abandoned"]) and out["closed"]

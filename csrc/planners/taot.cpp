@@ -154,30 +154,37 @@ int64_t taot_auction(int64_t R, int64_t U, int64_t S, int64_t* supply, const int
   std::vector<Pick> picks, order(static_cast<size_t>(S));
   picks.reserve(static_cast<size_t>(S));
   std::vector<int64_t> head(static_cast<size_t>(R + 1));
-  // Ranks in order of price (= price_step * slots served, so by count): a slot's scan stops
-  // at the first rank whose price leaves it below the best bid found even with the slot's
-  // largest bonus -- prices only separate ranks, the bid is the same argmax (ties: lowest
-  // rank) as a scan of every rank.  Needs price_step >= 0 (prices grow with the count).
+  // Blocks of kBlock consecutive ranks (a node at 8 ranks per node).  Per slot, the blocks
+  // in order of the slot's largest bonus in each (top); per expert and block, a bit mask of
+  // the ranks still holding the expert's tokens.  A slot skips a block when its top less the
+  // block's lowest price is below the best bid so far, and a rank when its top less the
+  // rank's price is: no rank skipped can reach the best bid, nor tie it, so the pick is the
+  // argmax of a scan of every rank (ties: lowest rank).  Once a block's top less the lowest
+  // price of all is below the best bid, so are the later blocks'.  Prices (= price_step x
+  // slots served) must not be negative: price_step >= 0.
+  constexpr int64_t kBlock = 8;
   const bool by_price = price_step >= 0;
-  std::vector<int64_t> byp(static_cast<size_t>(R));
-  std::iota(byp.begin(), byp.end(), 0);
-  std::vector<double> bmax(static_cast<size_t>(S), kNeg);
-  for (int64_t s = 0; s < S; ++s)
-    for (int64_t r = 0; r < R; ++r) bmax[s] = std::max(bmax[s], bT[s * R + r]);
+  const int64_t nb = (R + kBlock - 1) / kBlock;
+  std::vector<double> bnd(static_cast<size_t>(S * nb), kNeg);  // slot's top bonus per block
+  std::vector<int64_t> bord(static_cast<size_t>(S * nb));  // slot's blocks, top bonus first
+  std::vector<uint8_t> has(static_cast<size_t>(U * nb), 0);  // ranks of the block with supply
+  std::vector<double> bmin(static_cast<size_t>(nb), 0.0);  // lowest price in the block
+  for (int64_t s = 0; s < S; ++s) {
+    double* bs = bnd.data() + s * nb;
+    for (int64_t r = 0; r < R; ++r) bs[r / kBlock] = std::max(bs[r / kBlock], bT[s * R + r]);
+    int64_t* bo = bord.data() + s * nb;
+    std::iota(bo, bo + nb, 0);
+    std::stable_sort(bo, bo + nb, [&](int64_t a, int64_t b) { return bs[a] > bs[b]; });
+  }
+  for (int64_t u = 0; u < U; ++u)
+    for (int64_t r = 0; r < R; ++r)
+      if (supT[u * R + r] > 0)
+        has[u * nb + r / kBlock] |= static_cast<uint8_t>(1u << (r % kBlock));
+  double pmin = 0.0;  // the lowest price
   int64_t rounds = 0;
   while (rounds < cap) {
     picks.clear();
     bool active = false;
-    if (by_price)  // insertion sort: counts change little between rounds
-      for (int64_t a = 1; a < R; ++a) {
-        const int64_t x = byp[a];
-        int64_t b = a - 1;
-        while (b >= 0 && (cnt[byp[b]] > cnt[x] || (cnt[byp[b]] == cnt[x] && byp[b] > x))) {
-          byp[b + 1] = byp[b];
-          --b;
-        }
-        byp[b + 1] = x;
-      }
     for (int64_t s = 0; s < S; ++s) {
       if (A[s] <= 0) continue;
       active = true;
@@ -187,14 +194,22 @@ int64_t taot_auction(int64_t R, int64_t U, int64_t S, int64_t* supply, const int
       const int64_t* sp = supT.data() + u * R;
       const double* bb = bT.data() + s * R;
       if (by_price) {
-        const double top = bmax[s];
-        for (const int64_t r : byp) {
-          if (top - price[r] < bs) break;  // no later rank can reach the best bid
-          if (sp[r] <= 0) continue;
-          const double sc = bb[r] - price[r];
-          if (sc > bs || (sc == bs && r < br)) {  // ties: lowest rank
-            bs = sc;
-            br = r;
+        const int64_t* bo = bord.data() + s * nb;
+        const double* tops = bnd.data() + s * nb;
+        const uint8_t* hu = has.data() + u * nb;
+        for (int64_t i = 0; i < nb; ++i) {
+          const int64_t blk = bo[i];
+          const double top = tops[blk];
+          if (top - pmin < bs) break;  // nor can any later block
+          if (top - bmin[blk] < bs) continue;
+          for (unsigned m = hu[blk]; m != 0; m &= m - 1) {
+            const int64_t r = blk * kBlock + __builtin_ctz(m);
+            if (top - price[r] < bs) continue;
+            const double sc = bb[r] - price[r];
+            if (sc > bs || (sc == bs && r < br)) {  // ties: lowest rank
+              bs = sc;
+              br = r;
+            }
           }
         }
       } else {
@@ -238,6 +253,8 @@ int64_t taot_auction(int64_t R, int64_t U, int64_t S, int64_t* supply, const int
         sup -= x;
         A[p.s] -= x;
         ++served[p.r];
+        if (sup == 0)  // the rank no longer holds the expert's tokens
+          has[inv[p.s] * nb + p.r / kBlock] &= static_cast<uint8_t>(~(1u << (p.r % kBlock)));
       }
       lo = hi;
     }
@@ -247,6 +264,12 @@ int64_t taot_auction(int64_t R, int64_t U, int64_t S, int64_t* supply, const int
         price[r] = price_step * static_cast<double>(cnt[r]);
       }
       served[r] = 0;
+    }
+    pmin = price[0];
+    for (int64_t blk = 0; blk < nb; ++blk) {
+      const int64_t lo = blk * kBlock, hi = std::min(R, lo + kBlock);
+      bmin[blk] = *std::min_element(price.begin() + lo, price.begin() + hi);
+      pmin = std::min(pmin, bmin[blk]);
     }
     ++rounds;
   }

@@ -1,6 +1,6 @@
 // Python bindings of the planner loops: _core.taot_matching, _core.taot_auction,
-// _core.taot_consolidate, _core.taot_finish, _core.split_slots, _core.quota_search,
-// _core.quota_feasible, _core.balance_quotas, _core.lpt_plan.
+// _core.taot_consolidate, _core.taot_finish, _core.taot_run, _core.split_slots,
+// _core.quota_search, _core.quota_feasible, _core.balance_quotas, _core.lpt_plan.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
@@ -129,6 +129,43 @@ py::tuple finish(I64 g, I64 rnd, I64 ei, I64 ri, I64 home, I64 el, I64 L, U8 sam
     f = planners::taot_finish(in, src.mutable_data(), quota.mutable_data(), rep.mutable_data());
   }
   return py::make_tuple(f.n_matches, src, quota, rep, f.consolidated, f.rounds, f.worst);
+}
+
+py::tuple run(I64 load, I64 el, I64 L, I64 home, I64 excess, I64 spare, F64 flow, F64 Brr, F64 bid,
+              U8 same, int64_t epr, int64_t K, int64_t tgt, int64_t mg, double alpha,
+              bool dynamic_spill, bool mutual, bool two_pass, bool consolidate, double price_step,
+              py::object auction_cap) {
+  need(load.ndim() == 2, "load [W, E]");
+  const int64_t W = load.shape(0), E = load.shape(1);
+  need(epr >= 1 && W * epr == E, "E = W * experts_per_rank");
+  need(el.size() == E && home.size() == E, "el / home [E]");
+  need(L.size() == W && excess.size() == W && spare.size() == W, "L / excess / spare [W]");
+  for (const F64* a : {&flow, &Brr, &bid}) need(a->size() == W * W, "flow / Brr / bid [W, W]");
+  need(same.size() == W * W, "same [W, W]");
+  need(K >= 0 && mg >= 1, "K >= 0, min_gain >= 1");
+  for (int64_t e = 0; e < E; ++e) need(home.data()[e] >= 0 && home.data()[e] < W, "home in [0, W)");
+  const bool has_cap = !auction_cap.is_none();
+  const planners::TaotRunIn in{W, E, epr, K, load.data(), el.data(), L.data(), home.data(),
+                               excess.data(), spare.data(), flow.data(), Brr.data(), bid.data(),
+                               same.data(), tgt, mg, alpha, dynamic_spill, mutual, two_pass,
+                               consolidate, price_step, has_cap,
+                               has_cap ? auction_cap.cast<int64_t>() : 0};
+  py::array_t<int32_t> src({W, K});
+  I64 squota({W, K}), rep({W, W, K});
+  std::fill(src.mutable_data(), src.mutable_data() + W * K, -1);
+  std::fill(squota.mutable_data(), squota.mutable_data() + W * K, 0);
+  std::fill(rep.mutable_data(), rep.mutable_data() + W * W * K, 0);
+  std::vector<int64_t> q;
+  planners::TaotRun r;
+  {
+    py::gil_scoped_release rel;
+    r = planners::taot_run(in, src.mutable_data(), squota.mutable_data(), rep.mutable_data(), q);
+  }
+  const int64_t I = r.fin.n_matches ? r.instances : 1;
+  I64 quota({E, I});
+  if (r.fin.n_matches) std::copy(q.begin(), q.end(), quota.mutable_data());
+  return py::make_tuple(r.fin.n_matches, src, quota, rep, r.fin.consolidated, r.fin.rounds,
+                        r.fin.worst);
 }
 
 I64 split(I64 load, I64 inst_rank, I64 quota, I64 inst_slot, int64_t K) {
@@ -326,6 +363,14 @@ void bind_planners(py::module_& m) {
         py::arg("price_step"), py::arg("auction_cap"),
         "TAOT after phase 2: (matches, slot_src [W, K] int32, slot_quota [W, K], "
         "rep [W, W, K], consolidated (-1: not run), auction rounds, most loaded rank).");
+  m.def("taot_run", &run, py::arg("load"), py::arg("el"), py::arg("L"), py::arg("home"),
+        py::arg("excess"), py::arg("spare"), py::arg("flow"), py::arg("Brr"), py::arg("bid"),
+        py::arg("same"), py::arg("experts_per_rank"), py::arg("K"), py::arg("target"),
+        py::arg("min_gain"), py::arg("alpha"), py::arg("dynamic_spill"), py::arg("mutual"),
+        py::arg("two_pass"), py::arg("consolidate"), py::arg("price_step"),
+        py::arg("auction_cap"),
+        "TAOT after phase 1: (matches, slot_src [W, K] int32, quota [E, I], rep [W, W, K], "
+        "consolidated (-1: not run), auction rounds, most loaded rank).");
   m.def("split_slots", &split, py::arg("load"), py::arg("inst_rank"), py::arg("quota"),
         py::arg("inst_slot"), py::arg("K"),
         "Exact token split over expert instances, per replica slot: rep [W, W*K].");

@@ -43,7 +43,7 @@ def build_core(pkg: str, work: str) -> None:
     from torch.utils.cpp_extension import load
 
     load(name="_core", sources=cmake_sources(), extra_include_paths=[os.path.join(ROOT, "include"), os.path.join(ROOT, "csrc")],
-         extra_cflags=["-O3", "-std=c++20"], build_directory=work, verbose=False, is_python_module=True)
+         extra_cflags=["-O3", "-std=c++20", "-ffp-contract=off"], build_directory=work, verbose=False, is_python_module=True)
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
     shutil.copy(os.path.join(work, "_core.so"), os.path.join(pkg, "_core" + suffix))
     # cpp_extension links libc10/libtorch: load torch's libraries before _core in this copy

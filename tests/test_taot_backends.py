@@ -82,3 +82,29 @@ def test_auction_pruned_scan_matches_numpy(seed, R, E, S, step, structured):
         d = taot.lagrangian_auction(n, se, demand, bonus, step, cap, None, backend="cpp")
         np.testing.assert_array_equal(c[0], d[0])
         assert c[1] == d[1]
+
+
+@needs_cpp
+def test_taot_run_rejects_bad_inputs():
+    """_core.taot_run checks shapes and ranges before it runs: each bad input is a ValueError
+    naming it; a load with nothing to shed places nothing."""
+    from ultracomm import _core
+
+    W, epr = 4, 2
+    E = W * epr
+    load = np.ones((W, E), np.int64)
+    el, L = load.sum(0), load.sum(0).reshape(W, epr).sum(1)
+    args = dict(load=load, el=el, L=L, home=np.arange(E) // epr, excess=np.zeros(W, np.int64),
+                spare=np.zeros(W, np.int64), flow=np.zeros((W, W)), Brr=np.ones((W, W)),
+                bid=np.ones((W, W)), same=np.ones((W, W), np.uint8), experts_per_rank=epr, K=2,
+                target=8, min_gain=1, alpha=1.0, dynamic_spill=True, mutual=True, two_pass=False,
+                consolidate=True, price_step=0.05, auction_cap=None)
+    n, src, quota, *_ = _core.taot_run(**args)
+    assert n == 0 and (src == -1).all()
+    for bad, match in ((dict(experts_per_rank=3), "experts_per_rank"),
+                       (dict(home=np.full(E, W)), r"home in \[0, W\)"),
+                       (dict(flow=np.zeros((W, W + 1))), "flow / Brr / bid"),
+                       (dict(spare=np.zeros(W + 1, np.int64)), "L / excess / spare"),
+                       (dict(min_gain=0), "min_gain >= 1")):
+        with pytest.raises(ValueError, match=match):
+            _core.taot_run(**{**args, **bad})

@@ -1,6 +1,7 @@
 // TAOT planner loops (see taot.cpp).
 #pragma once
 #include <cstdint>
+#include <vector>
 
 namespace ultracomm::planners {
 
@@ -42,5 +43,28 @@ struct TaotFinish {
 // slot_src [W, K] (caller: -1), slot_quota [W, K] and rep [W, W, K] (caller: 0).
 TaotFinish taot_finish(const TaotFinishIn& in, int32_t* slot_src, int64_t* slot_quota,
                        int64_t* rep);
+
+// Everything after phase 1 (taot_run.cpp): the compacted phase-2 inputs, taot_matching,
+// taot_finish, and the plan's quotas.  excess / spare: [W] (hot ranks shed down to, cold
+// ranks fill up to the target); flow: phase 1's [W, W]; Brr: [W, W] topology preference.
+struct TaotRunIn {
+  int64_t W, E, epr, K;
+  const int64_t *load, *el, *L, *home, *excess, *spare;
+  const double *flow, *Brr, *bid;
+  const uint8_t* same;
+  int64_t tgt, mg;
+  double alpha;
+  bool dynamic_spill, mutual, two_pass, consolidate;
+  double price_step;
+  bool has_cap;
+  int64_t auction_cap;
+};
+struct TaotRun {
+  TaotFinish fin;     // n_matches 0: no replica (the outputs are as the caller set them)
+  int64_t instances;  // columns of quota
+};
+// slot_src / slot_quota / rep as taot_finish; quota: [E, instances] int64 (instance 0: home).
+TaotRun taot_run(const TaotRunIn& in, int32_t* slot_src, int64_t* slot_quota, int64_t* rep,
+                 std::vector<int64_t>& quota);
 
 }  // namespace ultracomm::planners

@@ -523,11 +523,12 @@ def render(res: dict[str, list[Row]], wall_s: float) -> str:
         "~0.1-0.4 ms of memory traffic); `PlannerResult.plan` (ReplicaPlan validation) is lazy too.",
         "- TAOT's auction serves, per round, every slot that bid for a source rank (best net bonus "
         "first), so rounds are bounded by the number of sources a slot draws from; the C++ bid scans "
-        "source ranks in price order and stops once no rank can beat the best bid (same argmax, "
-        "half the auction time at EP64). Phases 2-3 and the consolidation run in C++, and so does "
-        "everything after phase 2 (`_core.taot_finish`: consolidation inputs, slot order, auction "
-        "inputs, the plan's arrays) in one call; the numpy reference gives identical results "
-        "(tests compare them).",
+        "source ranks by blocks of 8 (a node), skipping a block or rank once its largest bonus "
+        "less its price cannot reach the best bid, and only ranks still holding the expert's "
+        "tokens (same argmax and tie-break as a scan of every rank). Everything after phase 1 "
+        "runs in C++ in one call (`_core.taot_run`: phase-2 inputs and scores, matching, "
+        "consolidation, slot order, auction, the plan's quotas); the numpy reference gives "
+        "bit-identical plans (tests compare them).",
         "- *Equal or better balance* in the taot goal means: final imbalance at most 0.5 percentage "
         "points above the other planner's, or below it (quota ends at 1.0 %, so taot must end at "
         "<= 1.5 % there). One taot plan is compared with both quota and greedy, so it must also "

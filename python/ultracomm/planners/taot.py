@@ -64,10 +64,11 @@ algorithm), and why -- measured on the EP16/EP32 evaluation loads, see perf/plan
   tolerance and ran all iterations.
 
 Phases 2, 3 and the consolidation run in C++ (``ultracomm._core.taot_matching`` /
-``taot_auction`` / ``taot_consolidate``, csrc/planners/taot.cpp; :func:`plan` runs
-everything after phase 2 -- consolidation, slot order, auction, the plan's arrays -- in one
-call, ``taot_finish``, csrc/planners/taot_finish.cpp) when the compiled core has them; the numpy implementations here are the reference (``backend="numpy"``) and
-give identical results.
+``taot_auction`` / ``taot_consolidate``, csrc/planners/taot.cpp); :func:`plan` runs everything
+after phase 1 -- the compacted phase-2 inputs and scores, matching, consolidation, slot order,
+auction, the plan's quotas -- in one call (``taot_run``, csrc/planners/taot_run.cpp and
+taot_finish.cpp) when the compiled core has them.  The numpy implementations here are the
+reference (``backend="numpy"``) and give bit-identical plans.
 """
 from __future__ import annotations
 
@@ -82,7 +83,7 @@ from .base import Domain, PlannerResult, as_load, build_result, check_slots, hom
 try:  # compiled loops (csrc/planners/taot.cpp); numpy reference otherwise
     from .. import _core as _core_mod
 
-    _HAVE_CPP = all(hasattr(_core_mod, f) for f in ("taot_auction", "taot_matching", "taot_finish"))
+    _HAVE_CPP = all(hasattr(_core_mod, f) for f in ("taot_auction", "taot_matching", "taot_run"))
 except ImportError:  # pragma: no cover - core not built
     _core_mod = None
     _HAVE_CPP = False
@@ -675,6 +676,17 @@ def _plan(load: np.ndarray, domain: Domain, K: int, *, lam: float, eps: float | 
     home = domain.home_of
     same = domain.same_node
     alpha = total / el.size  # mean * R / E
+    if _use_cpp(backend):  # everything below, and build_result, in one C++ call: same results
+        n, slot_src, quota, rep, ncons, rounds, worst = _core_mod.taot_run(
+            load, el, L, home, excess, spare, flow, Brr, bid, same.view(np.uint8), epr, K, tgt,
+            mg, alpha, spill == "dynamic", bool(mutual), bool(two_pass), bool(consolidate),
+            float(price_step), auction_iters)
+        if n == 0:
+            return _none(load, domain, slot_src, info, L)
+        if ncons >= 0:
+            info["consolidated"] = ncons
+        info["auction_rounds"] = rounds
+        return PlannerResult(slot_src, quota, rep, load, domain, info), worst
     # phase 2 on the compacted problem: candidate experts (of hot ranks) x cold ranks with
     # room for a match; the same as column_first_matching on the full [E, R] inputs
     if spill == "dynamic":
@@ -708,18 +720,6 @@ def _plan(load: np.ndarray, domain: Domain, K: int, *, lam: float, eps: float | 
     # fresh arrays (fancy-indexed): _match may consume them
     gs, rs = _match(cap, grp.astype(np.int64, copy=False), exc, spare[ri], static, allowed, K,
                     ri.size, mg, mutual, two_pass, backend)
-    if _use_cpp(backend):  # the numpy reference below in one C++ call, same results
-        n, slot_src, slot_quota, rep, ncons, rounds, worst = _core_mod.taot_finish(
-            gs, rs, ei, ri, home, el, L, same.view(np.uint8), load, bid, tgt, K,
-            bool(consolidate), float(price_step), auction_iters)
-        if n == 0:
-            return _none(load, domain, slot_src, info, L)
-        if ncons >= 0:
-            info["consolidated"] = ncons
-        info["auction_rounds"] = rounds
-        res = build_result(load, domain, slot_src, slot_quota, info, replica_moves=rep,
-                           expert_load=el)
-        return res, worst
     e_c, r_c = np.nonzero(gs)
     if e_c.size == 0:
         return _none(load, domain, slot_src, info, L)

@@ -602,6 +602,11 @@ def _planted_cases_one_slot(n):
     return out
 
 
+# planted loads whose cover search needs more work at the first probe than the default budget
+# gives it (135358 of the 60000 the first probe may spend: three quarters of COVER_BUDGET)
+_OVER_BUDGET = {(23, 32, 8, 1, 12)}
+
+
 @pytest.mark.parametrize("case", _planted_cases(40) + _planted_cases_one_slot(24))
 def test_quota_meets_planted_plan(case):
     # a plan at T <= 1.01 x mean exists by construction; with one slot per rank (bin covering) the cover
@@ -611,10 +616,51 @@ def test_quota_meets_planted_plan(case):
     _check_planted(load, T, reps, epr)
     d = Domain.flat(W, epr)
     res = get_planner("quota")(load, d, K)
+    check_result(res, load, d, K)
+    if case in _OVER_BUDGET:
+        # the first probe gives up within its share; the next (T + 1 % of the mean) is met
+        assert res.info["threshold"] == T + 100 and res.info["probes"] == 3
+        assert res.rank_load.max() <= T + 100
+        res = get_planner("quota")(load, d, K, cover_budget=200_000)  # 150000 for the probe
+        check_result(res, load, d, K)
     assert res.info["threshold"] <= T and res.rank_load.max() <= T
     assert max_mean(res.rank_load) <= 1.01
     assert res.info["probes"] == 1  # the first probe (T) met
-    check_result(res, load, d, K)
+
+
+def test_quota_probe_budget_shares():
+    # world 64, one slot: no placement the cover search finds within budget meets the planted
+    # T (it needs 381025 units).  The first probe may spend three quarters of COVER_BUDGET,
+    # so the next ones (T + 200, T + 100) still search and meet; before the shares the first
+    # probe took everything and the search ended at T + 400 (1.04 x mean).  With one slot
+    # neither the greedy (steps 0) nor the limited-discrepancy search (searched 0) runs after
+    # the cover search: on the planted loads they met nothing it had missed.
+    load, T, _ = planted_load(86, 64, 4, 1, 27)
+    d = Domain.flat(64, 4)
+    res = get_planner("quota")(load, d, 1)
+    check_result(res, load, d, 1)
+    assert res.info["threshold"] == T + 100 and res.rank_load.max() <= T + 100
+    assert res.info["probes"] == res.info["covered"] == 3 and res.info["cover_met"] == 2
+    assert res.info["steps"] == res.info["searched"] == 0
+    assert res.info["budget_left"] == _quota.SEARCH_BUDGET
+    # deterministic work: the first probe (T) spends its whole share, 60000 of 80000; the
+    # next two (T + 200, then T + 100) what they need of the shares that are left
+    assert res.info["cover_budget_left"] == 8820
+    assert _quota.COVER_BUDGET == 80_000
+
+
+@pytest.mark.parametrize("seed,used", [(0, 30216), (1, 4720), (10, 3784), (20, 2368), (23, 135358)])
+def test_quota_cover_work_unchanged(seed, used):
+    # work the cover search spends before it meets the first probe, pinned from the search
+    # before its local-search scan was restructured (per-receiver and per-expert terms hoisted
+    # out of the scan): same moves, same plans, less time per unit
+    rng = np.random.default_rng(20_000 + seed)
+    W = int(rng.choice([8, 16, 32, 64]))
+    epr, n_hot = int(rng.choice([2, 4, 8])), int(rng.integers(1, W // 2 + 1))
+    load, T, _ = planted_load(seed, W, epr, 1, n_hot)
+    res = get_planner("quota")(load, Domain.flat(W, epr), 1, cover_budget=1_000_000)
+    assert res.info["probes"] == 1 and res.info["threshold"] <= T
+    assert 1_000_000 - res.info["cover_budget_left"] == used
 
 
 def _one_slot_feasible_brute(el, epr, T):

@@ -222,6 +222,9 @@ bool cover_local(const CoverProblem& p, int64_t& budget,
   };
   std::vector<int> short_x;
   std::vector<int64_t> tabu_until(static_cast<size_t>(R), 0);
+  std::vector<int64_t> out_d(static_cast<size_t>(R)), spv(static_cast<size_t>(R)),
+      rgrp(static_cast<size_t>(R));
+  for (int j = 0; j < R; ++j) spv[j] = sp(j), rgrp[j] = p.recv_group[recv[j]];
   int64_t iter = 0;
   constexpr int64_t kFlowInfLocal = int64_t{1} << 62;
   while (budget > 0 && R > 0) {
@@ -255,16 +258,23 @@ bool cover_local(const CoverProblem& p, int64_t& budget,
       if ((tabu && D + d > 0) || d > best || (d == best && next(2))) return;
       best = d, bi = i, bj = j, bx = x;
     };
+    // what each receiver's leaving its expert changes (the same for every x), and per x
+    // the terms of delta(x, t) that do not depend on t: the scan is most of the time
+    for (int j = 0; j < R; ++j) out_d[j] = delta(at[j], -sp(j));
     for (int x : short_x) {
+      const int hx = hot_of[x];
+      const int64_t gx = got[x], cx = p.cap[x], sh = shed[hx] - std::min(gx, cx);
+      const int64_t gap0 = gap(hx, shed[hx]), grp = p.hot_group[hx];
+      auto into_x = [&](int64_t d) { return gap(hx, sh + std::min(gx + d, cx)) - gap0; };
       for (int j = 0; j < R; ++j) {  // j moves to x, or swaps with a smaller i at x
         const int y = at[j];
-        if (y == x || !group_ok(j, x)) continue;
-        const int64_t t = sp(j);
-        if (y >= 0 && hot_of[y] == hot_of[x]) continue;
-        consider(delta(y, -t) + delta(x, t), j, -1, x);
+        if (y == x || rgrp[j] != grp) continue;
+        const int64_t t = spv[j];
+        if (y >= 0 && hot_of[y] == hx) continue;
+        consider(out_d[j] + into_x(t), j, -1, x);
         for (int i : members[x]) {
-          if (sp(i) >= t || !group_ok(i, y)) continue;
-          consider(delta(x, t - sp(i)) + delta(y, sp(i) - t), i, j, -1);
+          if (spv[i] >= t || !group_ok(i, y)) continue;
+          consider(into_x(t - spv[i]) + delta(y, spv[i] - t), i, j, -1);
         }
       }
       budget -= R;

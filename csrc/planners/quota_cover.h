@@ -39,7 +39,7 @@ CoverOutcome cover_search(const CoverProblem& p, int64_t& budget,
 // (moves and swaps that lower the total uncovered need, random swaps on plateaus; a fixed
 // seed, so deterministic), then experts by largest remaining cap.  Finds covers the
 // depth-first search runs out of budget on; never refutes.  Spends at most `budget`
-// move evaluations.
+// units: each iteration costs one per (short expert, usable receiver) pair it scans.
 bool cover_local(const CoverProblem& p, int64_t& budget,
                  const std::function<bool(const std::vector<CoverPiece>&)>& accept,
                  std::vector<CoverPiece>& pieces);

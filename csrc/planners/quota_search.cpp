@@ -8,8 +8,9 @@
 // -- and the max-flow reroutes tokens over the replicas already placed after each
 // addition.  Promises are direct (hot rank -> expert -> receiver) while any direct
 // candidate is left, then over the widest residual paths (rerouting included).  Cheap
-// necessary conditions refuse hopeless thresholds first; when the greedy fails, a
-// limited-discrepancy search retries with runner-up choices within a step budget.
+// necessary conditions refuse hopeless thresholds first; when the greedy fails, the cover
+// search (quota_cover.cpp) and, with more than one slot, a limited-discrepancy search
+// retry within work budgets that the probes share (each at most 3/4 of what is left).
 #include "quota_search.h"
 
 #include <algorithm>
@@ -28,6 +29,10 @@ constexpr size_t kBranch = 3;  // choices tried per step by the search (best + r
 constexpr int kMaxDiscrepancy = 3;
 constexpr int kPerReceiver = 2;  // a receiver's runner-up expert is a choice too
 constexpr int64_t kDfsBudget = 1000;  // most cover-search placements the depth-first part takes
+
+// What one probe may spend of a budget that the probes of one search share: three
+// quarters of what is left (all of it below 4), so the probes after a hard one still search.
+int64_t probe_share(int64_t left) { return left < 4 ? left : left - left / 4; }
 
 struct Cand {
   int64_t gain, left;  // promised tokens; spare left on the looser side (tightest fit first)
@@ -130,9 +135,15 @@ class Feasibility {
     // with one slot per rank the cover search goes first (the greedy rarely meets tight
     // thresholds there and costs as much); with more, only after the greedy failed
     bool ok = in_.slots != 1 && descend(0);
-    if (!ok && stats.cover_budget_left > 0) {
+    const bool covered = !ok && stats.cover_budget_left > 0;
+    if (covered) {
       ++stats.covered;
-      const CoverOutcome c = cover(stats.cover_budget_left);
+      // a probe spends at most three quarters of what is left, so that the looser
+      // thresholds the search tries next still get a cover search
+      const int64_t share = probe_share(stats.cover_budget_left);
+      int64_t left = share;
+      const CoverOutcome c = cover(left);
+      stats.cover_budget_left -= share - left;
       ok = c == CoverOutcome::kFound;
       stats.cover_met += ok;
       // exhausting the cover search is a proof only with one slot and no minimum quota
@@ -142,20 +153,24 @@ class Feasibility {
         return false;
       }
     }
-    if (!ok && in_.slots == 1) {
+    // with one slot, the greedy only where the cover search did not run (after it, the
+    // greedy met no planted load it had missed), and never the limited-discrepancy search
+    // (it met none either; perf/planners.md)
+    if (!ok && in_.slots == 1 && !covered) {
       g_.rollback(start_);
       ok = descend(0);
     }
-    if (!ok && stats.budget_left > 0) {
+    if (!ok && in_.slots > 1 && stats.budget_left > 0) {
       ++stats.searched;
-      budget_ = stats.budget_left;
+      const int64_t share = probe_share(stats.budget_left);
+      budget_ = share;
       for (int d = 1; d <= kMaxDiscrepancy && !ok && budget_ > 0; ++d) {
         g_.rollback(start_);
         searching_ = true;
         ok = descend(d);
       }
       stats.rescued += ok;
-      stats.budget_left = std::max<int64_t>(budget_, 0);
+      stats.budget_left -= share - std::max<int64_t>(budget_, 0);
     }
     stats.steps += steps_;
     if (ok) ok = enforce_min_tokens();

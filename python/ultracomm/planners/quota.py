@@ -29,12 +29,21 @@ Feasibility at ``T`` (:func:`feasible`; C++, csrc/planners/quota_search.cpp):
   depth-first search over which receivers and experts cover each hot rank's excess (hot
   ranks largest first, tightest receiver first), cutting every branch that wastes more
   spare than the total slack; then, with one slot per rank, a tabu local search over which
-  expert each receiver holds.  With one slot per rank it runs before the greedy (which
-  seldom meets tight thresholds there); with more, after the greedy failed.
-* When both fail, a limited-discrepancy search retries the greedy with runner-up choices
-  (the three best per step, a receiver's second-best expert among them; up to three
-  deviations) within ``search_budget`` replica additions per :func:`plan` call, spent
-  on the failing probes in the order they come (the first, ``1 + eps`` probe first).
+  expert each receiver holds.  With one slot per rank it replaces the greedy (which seldom
+  meets tight thresholds there and, run after it, met no planted load it had missed); with
+  more, it runs after the greedy failed.
+* With more than one slot per rank, when both fail, a limited-discrepancy search retries
+  the greedy with runner-up choices (the three best per step, a receiver's second-best
+  expert among them; up to three deviations) within ``search_budget`` replica additions
+  per :func:`plan` call.  (With one slot it met no planted load the cover search had
+  missed, so it does not run there.)
+* Bounded work: both budgets count work, never time, so plans are deterministic.  The
+  probes of one call share them, and a probe may spend at most three quarters of what is
+  left, so that after a hard tight probe the looser ones still search.  The defaults
+  (``COVER_BUDGET`` 80000 units of about 10 ns, ``SEARCH_BUDGET`` 128 additions of a few
+  microseconds at EP64) keep a call's search under 1 ms on the evaluation machine; the
+  greedy itself is not budgeted (at most ``slots_per_rank`` additions per receiver per
+  probe).
 * Model: hot ranks (above ``T``) never take replicas (UltraEP's model), so a plan that
   needs a hot rank to take another's tokens while shedding its own is out of reach.
 
@@ -48,10 +57,10 @@ What is guaranteed:
 
 * With ``slots_per_rank=1`` and ``min_tokens=1`` the depth-first cover search is
   complete: if it runs to the end (at most 1000 placements per probe, and a quarter of
-  what ``cover_budget`` has left), its answer is exact -- a plan when one exists, else a
-  proof that none does (``info['refuted']``; checked against brute force on small loads,
-  tests/test_planners.py).  When it stops early the local search, which cannot refute,
-  takes over, and a threshold is then missed only if that runs out of budget too.
+  the probe's share of ``cover_budget``), its answer is exact -- a plan when one exists,
+  else a proof that none does (``info['refuted']``; checked against brute force on small
+  loads, tests/test_planners.py).  When it stops early the local search, which cannot
+  refute, takes over, and a threshold is then missed only if that runs out of budget too.
 * With more slots per rank the cover search splits a receiver's spare only in the way its
   order suggests (a partial piece at a hot rank's last receiver), so nothing is exact: a
   failed probe is not a proof.
@@ -63,9 +72,11 @@ What it finds (measured on a loaded 2-core machine; perf/planners.md, generated 
 loads of the evaluation meet the 1 % target at the first probe.  On loads built around a
 known plan at 1.01 x mean with every receiver filled exactly
 (:func:`ultracomm.planners.planted.planted_load`), world 8-64, 400 loads per slots-per-rank
-value: 1 slot 399/400, 2 slots 399/400, 3 slots 400/400 met (the misses at world 64).  A
-call's median CPU time is under 1 ms up to world 64, but calls whose probes exhaust the
-searches' budgets take several ms (perf/planners.md has the distribution per world size).
+value: 1 slot 395/400, 2 slots 399/400, 3 slots 400/400 met; every miss ends at the next
+probe, 1.02 x mean.  Four of the one-slot misses are the budget's price: their local
+search needs 135000-172000 units at the first probe (``cover_budget=240_000`` meets them,
+and calls then take up to ~2.5 ms); the fifth (world 64) and the two-slot miss (world 64)
+are not met by the searches even with ten times the budgets.
 
 Token split: a source rank's own tokens go to its own instance first, the rest
 north-west-corner (:func:`~ultracomm.planners.base.split_tokens`).
@@ -93,13 +104,15 @@ except ImportError:  # pragma: no cover - core not built
 __all__ = ["plan", "feasible", "SEARCH_BUDGET", "COVER_BUDGET"]
 
 #: Default replica additions the bounded search may spend in one :func:`plan` call, shared
-#: by the threshold probes the greedy fails, first probe first (a few microseconds each at
-#: EP64 on the evaluation machine).
-SEARCH_BUDGET = 256
+#: by the threshold probes the greedy fails (each at most three quarters of what is left;
+#: a few microseconds each at EP64 on the evaluation machine).
+SEARCH_BUDGET = 128
 
-#: Default piece placements the cover search may spend in one :func:`plan` call, shared by
-#: the threshold probes the greedy fails (tens of nanoseconds each on the evaluation machine).
-COVER_BUDGET = 200_000
+#: Default work the cover search may spend in one :func:`plan` call (depth-first piece
+#: placements, and (expert, receiver) pairs scanned by the local search), shared by the
+#: threshold probes the greedy fails, each at most three quarters of what is left (about
+#: 10 ns per unit on the evaluation machine: the whole budget is under 1 ms).
+COVER_BUDGET = 80_000
 
 
 def _core():

@@ -19,13 +19,19 @@ Sections (each prints a table like nccl-tests and goes into the JSON):
             fill: S = one chunk (32 KiB .. 4 MiB), per-hop cost = slope of time over D;
             stream: S = 64 MiB, chunked at 32 KiB .. 4 MiB: does per-chunk signalling cost rate
   launch    empty kernel (``_cuda``) and a persistent launch with no tasks (world 1)
+  copy_engine  the ``copy_engine`` transport (zero SMs: ``cuMemcpyAsync`` per destination stream,
+            stream flag waits and writes) on the same loopback domains as the tile mover's copy
+            (1 -> 1, copy sizes) and fan-out (1 -> N) rows: same schedule, bytes and dtype, same
+            #wrong check; last, because a failed copy_engine operation leaves internal streams
+            blocked (no device-wide synchronize may follow: later sections are skipped and the
+            process ends without tearing CUDA down)
 
 Bytes counted (say exactly what a rate means):
   size      bytes of ONE source buffer (an expert's weights or grads: S)
   algbw     payload / time: bytes delivered to outputs (copy S, fan-out N*S, reduce S (the
             output), relay stream D*S (every hop's replica), relay fill D*S)
   busbw     HBM traffic / time: copy 2S (read + write); fan-out, one multicast (1+N)S, N copies
-            2NS; reduce (k+2)S (k sources, read and write the output), torch.sum (k+2)S too
+            2NS; copy_engine 2NS (each destination's copy reads the source); reduce (k+2)S (k sources, read and write the output), torch.sum (k+2)S too
             (k+1 stacked rows, one output); relay 2DS
   time      GPU time per operation: CUDA events around ``reps`` back-to-back operations
             (median of 3 trials); ``cpu-bound`` marks rows whose enqueueing took longer than the GPU
@@ -50,8 +56,12 @@ and ``hop_bw`` (intercept and 1/slope of per-hop cost against chunk bytes), plus
 compute capability, SM count, date, torch and CUDA versions.  Unmeasured fields are null.
 
     python perf/bench_gpu.py [--quick] [--out DIR] [--json FILE] [--profile FILE] [--only copy,sweep]
+                             [--budget-s SECONDS]
 
-Without a CUDA device it prints why and exits with status 2 (nothing measured).
+The results JSON (and the profile, once the copy section measured cudaMemcpyAsync) are rewritten
+after every section, so a run stopped from outside keeps what it measured.  ``--budget-s``: no
+section or row starts after that many seconds (rows not started say so); 30 s are kept for
+copy_engine.  Without a CUDA device it prints why and exits with status 2 (nothing measured).
 """
 from __future__ import annotations
 
@@ -70,8 +80,10 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-SECTIONS = ("launch", "flag", "copy", "fanout", "sweep", "reduce", "relay")
+SECTIONS = ("launch", "flag", "copy", "fanout", "sweep", "reduce", "relay", "copy_engine")
 MiB = 1 << 20
+FANOUT_BYTES = 64 * MiB
+CE_RESERVE_S = 30.0  # of --budget-s, kept for the copy_engine section
 GOAL_COPY, GOAL_COPY_SMS, GOAL_REDUCE = 0.90, 16, 0.85
 SENTINEL = 0xA5
 
@@ -105,6 +117,27 @@ class Row:
         return dict(section=self.section, case=self.case, impl=self.impl, size=self.size, time_s=self.time_s,
                     payload_bytes=self.payload, traffic_bytes=self.traffic, algbw=self.algbw, busbw=self.busbw,
                     wrong=self.wrong, note=self.note, **self.extra)
+
+
+def copy_engine_row(case: str, n: int, size: int, time_s: Optional[float], wrong: Optional[int], note: str = "",
+                    tile: Optional[Row] = None) -> Row:
+    """The copy_engine row of a 1 -> n multicast of ``size`` bytes: payload nS, traffic 2nS (each
+    destination's copy reads the source), no SM; ``tile``: the tile mover's row of the same case and
+    size, whose rate it is compared to."""
+    row = Row("copy_engine", case, "copy engine", size, time_s, n * size, 2 * n * size, wrong,
+              ", ".join(x for x in ("0 SMs", note) if x), dict(sms=0, destinations=n))
+    if tile is not None and tile.algbw and row.algbw:
+        row.note += f", {100 * row.algbw / tile.algbw:.1f}% of tile mover"
+        row.extra["vs_tile_mover"] = row.algbw / tile.algbw
+    return row
+
+
+def tile_row(rows: Sequence[Row], n: int, size: int) -> Optional[Row]:
+    """The tile mover's measured row of a 1 -> n multicast of ``size`` bytes (copy or fanout)."""
+    section = "copy" if n == 1 else "fanout"
+    got = [r for r in rows if r.section == section and r.impl == "tile mover" and r.case == f"1->{n}"
+           and r.size == size and r.time_s]
+    return got[0] if got else None
 
 
 def fmt_size(n: int) -> str:
@@ -253,7 +286,7 @@ class Timer:
         torch = self.torch
         reps = reps or self.reps
         fn()
-        torch.cuda.synchronize()
+        torch.cuda.current_stream().synchronize()  # not the device: a failed copy_engine op's streams stay blocked
         times, cpu_bound = [], False
         for _ in range(self.trials):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -268,6 +301,12 @@ class Timer:
             times.append(gpu / reps)
             cpu_bound |= host >= 0.9 * gpu
         return statistics.median(times), cpu_bound
+
+
+# cudaMemcpyAsync(void *dst, const void *src, size_t count, enum cudaMemcpyKind kind, cudaStream_t stream)
+# (tests/test_gpu_paths_cpu.py checks both against cuda_runtime_api.h)
+CUDART_MEMCPY_ASYNC_ARGTYPES = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+CUDA_MEMCPY_DEVICE_TO_DEVICE = 3
 
 
 def _cudart():
@@ -288,7 +327,7 @@ def _cudart():
     if path is None:
         raise RuntimeError("libcudart not found in this process or on the library path")
     lib = ctypes.CDLL(path)
-    lib.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    lib.cudaMemcpyAsync.argtypes = CUDART_MEMCPY_ASYNC_ARGTYPES
     lib.cudaMemcpyAsync.restype = ctypes.c_int
     return lib
 
@@ -296,7 +335,7 @@ def _cudart():
 class Gpu:
     """Measurements; each section appends Rows and never raises (failures become notes)."""
 
-    def __init__(self, quick: bool):
+    def __init__(self, quick: bool, budget_s: Optional[float] = None, reserve_s: float = 0.0):
         import torch
 
         import ultracomm
@@ -311,6 +350,13 @@ class Gpu:
         self.timer = Timer(torch, reps=5 if quick else 20)
         self.rows: list[Row] = []
         self.errors: list[str] = []
+        self.deadline = None if budget_s is None else time.monotonic() + budget_s
+        self.reserve_s = reserve_s  # kept for copy_engine by the sections before it
+        self.poisoned: Optional[str] = None  # why no device-wide synchronize may run any more
+        self.kept: list = []  # what blocked copy_engine streams may still write: never freed
+        from ultracomm.cuda_driver import driver_reason
+
+        self.ce_reason = driver_reason()
         self.tma_reason = cuda_support.cuda_module_reason()
         self.cuda = cuda_support.cuda_module()
         if self.tma_reason is None:
@@ -334,15 +380,28 @@ class Gpu:
 
     def memcpy(self, dst, src, nbytes: int) -> None:
         rc = self.cudart.cudaMemcpyAsync(ctypes.c_void_p(dst.data_ptr()), ctypes.c_void_p(src.data_ptr()),
-                                         nbytes, 3, ctypes.c_void_p(self.stream()))  # 3: DeviceToDevice
+                                         nbytes, CUDA_MEMCPY_DEVICE_TO_DEVICE, ctypes.c_void_p(self.stream()))
         if rc != 0:
             raise RuntimeError(f"cudaMemcpyAsync returned {rc}")
 
     def wrong_bytes(self, got, want) -> int:
         return int((got.view(self.torch.uint8) != want.view(self.torch.uint8)).sum())
 
+    def late(self, section: str, case: str = "-", reserve: bool = True) -> bool:
+        """True (and a row saying so) when the budget leaves no time for this row (``reserve``: keep
+        the copy_engine section's share)."""
+        if self.deadline is None or time.monotonic() + (self.reserve_s if reserve else 0.0) < self.deadline:
+            return False
+        self.rows.append(Row(section, case, "-", 0, None, 0, 0, None, "not measured: out of time (--budget-s)"))
+        return True
+
     def section(self, name: str, fn: Callable[[], None]) -> None:
         t0 = time.perf_counter()
+        if self.poisoned:
+            self.rows.append(Row(name, "-", "-", 0, None, 0, 0, None, f"not measured: {self.poisoned}"))
+            return
+        if self.late(name, reserve=name != "copy_engine"):
+            return
         try:
             fn()
         except Exception as e:  # noqa: BLE001 - one failing section must not hide the others
@@ -417,8 +476,9 @@ class Gpu:
 
     def run_copy(self) -> None:
         torch = self.torch
-        sizes = [MiB, 16 * MiB, 256 * MiB] if self.quick else [MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB, 1 << 30]
-        for size in sizes:
+        for size in self.copy_sizes():
+            if self.late("copy", fmt_size(size)):
+                return
             src = torch.randint(0, 256, (size,), dtype=torch.uint8, device=self.dev)
             dst = torch.empty_like(src)
             if self.cudart is not None:
@@ -432,6 +492,9 @@ class Gpu:
                 self.mover_missing("copy", "1->1", size)
                 continue
             self.rows.append(self.mover_multicast("copy", "1->1", 1, size))
+
+    def copy_sizes(self) -> list[int]:
+        return [MiB, 16 * MiB, 256 * MiB] if self.quick else [MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB, 1 << 30]
 
     def mover_multicast(self, section: str, case: str, n: int, size: int, **cfg) -> Row:
         """Home rank 0 multicasts one expert of ``size`` bytes into ``n`` replicas (direct)."""
@@ -447,8 +510,10 @@ class Gpu:
 
     def run_fanout(self) -> None:
         torch = self.torch
-        size = 64 * MiB
+        size = FANOUT_BYTES
         for n in (2, 4, 8):
+            if self.late("fanout", f"1->{n}"):
+                return
             if self.cudart is not None:
                 src = torch.randint(0, 256, (size,), dtype=torch.uint8, device=self.dev)
                 dsts = [torch.empty_like(src) for _ in range(n)]
@@ -475,6 +540,8 @@ class Gpu:
             del src, dst
         ref = self.rows[-1].algbw if self.cudart is not None else None
         for ctas in ((1, 2, 4, 8, 16, 32) if self.quick else (1, 2, 4, 6, 8, 12, 16, 24, 32)):
+            if self.late("sweep", f"{ctas} CTAs"):
+                return
             if self.tma_reason:
                 self.mover_missing("sweep", f"{ctas} CTAs", size)
                 continue
@@ -494,6 +561,8 @@ class Gpu:
             n = size_elems // dt.itemsize if name != "fp32-1cta" else 4 * MiB // 4
             nbytes = n * dt.itemsize
             case = f"k={k} {name}"
+            if self.late("reduce", case):
+                return
             if name != "fp32-1cta":
                 stacked = torch.randn((k + 1, n), device=self.dev).to(dt)
                 out = torch.empty(n, dtype=dt, device=self.dev)
@@ -539,6 +608,8 @@ class Gpu:
         for chunk in chunks:
             for mode, size in (("fill", chunk), ("stream", 64 * MiB)):
                 for depth in (1, 2, 3, 4):
+                    if self.late("relay", f"D={depth} chunk={fmt_size(chunk)} {mode}"):
+                        return
                     d = self.domain(depth + 1, one_expert(depth), size, self.torch.float32, chunk_bytes=chunk,
                                     relay_mode="force" if depth > 1 else "off", max_depth=max(depth, 2))
                     try:
@@ -551,6 +622,23 @@ class Gpu:
                                          ("" if chain else "NOT a chain: excluded from the fit")
                                          + (" cpu-bound" if cpu else ""),
                                          dict(mode=mode, depth=depth, chunk=chunk, chain=chain)))
+
+
+    def run_copy_engine(self) -> None:
+        cases = [(1, size) for size in self.copy_sizes()] + [(n, FANOUT_BYTES) for n in (2, 4, 8)]
+        for n, size in cases:
+            if self.ce_reason:
+                self.rows.append(copy_engine_row(f"1->{n}", n, size, None, None, f"not measured: {self.ce_reason}"))
+                continue
+            if self.late("copy_engine", f"1->{n} {fmt_size(size)}", reserve=False):
+                return
+            d = self.domain(n + 1, one_expert(n), size, self.torch.float32, relay_mode="off", transport="copy_engine")
+            try:
+                t, cpu, wrong = d.timed_multicast(self.timer)
+            finally:
+                d.close()
+            self.rows.append(copy_engine_row(f"1->{n}", n, size, t, wrong, "cpu-bound" if cpu else "",
+                                             tile_row(self.rows, n, size)))
 
 
 def one_expert(n: int) -> np.ndarray:
@@ -570,22 +658,22 @@ def ordered_sum(torch, stacked):
 
 class Loopback:
     """A one-GPU loopback domain of ``world`` ranks holding one expert of ``nbytes`` (weights and
-    grads, slot 0), run by ``ultracomm.cuda_loopback`` (all ranks in ONE persistent launch) over
-    the schedule ultracomm builds for the plan.  CTAs per rank: ``ctas`` / ``reduce_ctas`` when
-    given, else what a Context would use (``ultracomm.sm_budget``)."""
+    grads, slot 0), over the schedule ultracomm builds for the plan, run by
+    ``ultracomm.cuda_loopback`` (``transport="tma"``: all ranks in ONE persistent launch; CTAs per
+    rank: ``ctas`` / ``reduce_ctas`` when given, else what a Context would use
+    (``ultracomm.sm_budget``)) or by one ``copy_engine`` transport per rank (multicast only; the
+    rank completing each set enqueues every rank's commands, as in a Context)."""
 
     def __init__(self, gpu: Gpu, world: int, slot_src: np.ndarray, nbytes: int, grad_dtype, *,
                  multicast_sms: int = 0, reduce_sms: int = 0, chunk_bytes: int = 1 << 20, relay_mode: str = "off",
-                 max_depth: int = 8, timeout_s: float = 10.0):
+                 max_depth: int = 8, timeout_s: float = 10.0, transport: str = "tma"):
         torch, uc = gpu.torch, gpu.uc
         from ultracomm import _core
-        from ultracomm.cuda_loopback import CudaLoopback
-        from ultracomm.env import Config
         from ultracomm.records import Op
         from ultracomm.schedule import build_schedule
-        from ultracomm.sm_budget import choices_for_device
 
         self.gpu, self.torch, self.world = gpu, torch, world
+        self.lb, self.ce, self.plans = None, [], {}
         n = nbytes // grad_dtype.itemsize
         if n * grad_dtype.itemsize != nbytes:
             raise ValueError(f"{nbytes} bytes is not a whole number of {grad_dtype} elements")
@@ -600,6 +688,15 @@ class Loopback:
         self.weights = [torch.randint(-8, 8, (n,), device=gpu.dev).to(grad_dtype) if r == 0 else
                         torch.zeros(n, dtype=grad_dtype, device=gpu.dev) for r in range(world)]
         self.grads = [torch.zeros(n, dtype=grad_dtype, device=gpu.dev) for _ in range(world)]
+        self.ops = {"multicast": Op.MULTICAST, "reduce": Op.REDUCE}
+        self.epoch = 0  # the kernel runs max(requested, last + 1); copy_engine runs it as given
+        if transport == "copy_engine":
+            self._copy_engine(plan, layout, timeout_s)
+            return
+        from ultracomm.cuda_loopback import CudaLoopback
+        from ultracomm.env import Config
+        from ultracomm.sm_budget import choices_for_device
+
         cfg = Config()
         mc, rd = choices_for_device(multicast_sms, reduce_sms, cfg.intra_bw, gpu.info["sms"], gpu.info["name"])
         self.lb = CudaLoopback(world, self.wl, self.windows, timeout_s=timeout_s)
@@ -620,8 +717,28 @@ class Loopback:
                 master_ptrs=[[m.data_ptr()] for m in masters], local_index_of=lio, my_slots=slots,
                 grad_dtype=grad_dtype, slot_parent=[p.tolist() for p in self.sched.tree(op)[0]],
                 digest=self.sched.digest)
-        self.ops = {"multicast": Op.MULTICAST, "reduce": Op.REDUCE}
-        self.epoch = 0  # the kernel runs max(requested, last + 1)
+
+    def _copy_engine(self, plan, layout, timeout_s: float) -> None:
+        """One CopyEngineTransport per rank over cuda_local-like windows (every rank's window on
+        this GPU, one dict shared by the domain) and each rank's masters (its weights)."""
+        from types import SimpleNamespace
+
+        from ultracomm.transports.copy_engine import CopyEngineTransport
+        from ultracomm.transports.host import Masters
+
+        shared: dict = {}
+        bases = [w.data_ptr() for w in self.windows]
+        n = self.glayout[0]
+        self.ctas = self.reduce_ctas = 0
+        self.capped = False
+        self.slots = [plan.slot_src[r].tolist() for r in range(self.world)]
+        self.lio = plan.local_index_of.tolist()
+        self.masters = [Masters.of((self.weights[r].view(1, n),), None, 1, ["w"]) for r in range(self.world)]
+        for r in range(self.world):
+            win = SimpleNamespace(provider="cuda_local", rank=r, world=self.world, local=self.windows[r],
+                                  peer_bases=bases, loopback=True, shared=shared)
+            self.ce.append(CopyEngineTransport(rank=r, world=self.world, window=win, wlayout=self.wl, layout=layout,
+                                               timeout_s=timeout_s))
 
     def slot(self, r: int, region: str):
         """Rank r's slot 0 in the weights or grads region of its window (a view)."""
@@ -632,12 +749,22 @@ class Loopback:
     def run(self, op: str) -> None:
         self.epoch += 1
         o = self.ops[op]
+        if self.ce:
+            if op != "multicast":
+                raise ValueError("the bench runs copy_engine's multicast only (its reduce is the tma kernel)")
+            stream = self.torch.cuda.current_stream(self.gpu.dev).cuda_stream
+            for r, t in enumerate(self.ce):  # the last rank's call enqueues the whole set
+                t.run(o, self.sched, self.epoch, self.masters[r], self.slots[r], self.lio, "weight_sync", stream=stream)
+            return
         self.lb.launch(self.plans[o], self.epoch, ctas_per_rank=self.ctas if op == "multicast" else self.reduce_ctas,
                        op_name="weight_sync" if op == "multicast" else "grad_reduce")
 
     def check(self) -> None:
-        self.torch.cuda.synchronize()
-        self.lb.check_error()
+        self.torch.cuda.current_stream(self.gpu.dev).synchronize()
+        for t in self.ce:
+            t.check_error()
+        if self.lb is not None:
+            self.lb.check_error()
 
     def timed_multicast(self, timer: Timer) -> tuple[float, bool, int]:
         """(seconds per multicast, cpu-bound, #wrong of the first and the last one)."""
@@ -676,9 +803,54 @@ class Loopback:
         return [int(x) for x in pr[:, 0]] == [-1, *range(depth)] and int(dep.max()) == depth
 
     def close(self) -> None:
+        ce, self.ce = self.ce, []
+        for t in ce:
+            t.quiesce()  # every copy_engine operation in flight ends, done or failed
+        if any(t.abandoned_streams() for t in ce):
+            # internal streams stay blocked on flags and may still copy into these windows: no
+            # device-wide synchronize, no cudaFree (it synchronises the device) from now on
+            self.gpu.poisoned = "a copy_engine operation failed earlier and left its streams blocked"
+            self.gpu.kept.append(self.windows)
+            for t in ce:
+                t.close()
+            return
         self.torch.cuda.synchronize()
+        for t in ce:
+            t.close()
         self.plans, self.windows, self.lb = {}, [], None
         self.torch.cuda.empty_cache()
+
+
+def results_record(device: dict, stamp: str, quick: bool, sections: Sequence[str], rows: Sequence[Row],
+                   errors: Sequence[str]) -> dict:
+    """The results JSON: device, date, sections asked for, goal lines, errors, every row."""
+    return dict(device=device, date=stamp, quick=quick, sections=list(sections), goals=goal_lines(rows),
+                errors=list(errors), rows=[r.to_dict() for r in rows])
+
+
+def wrong_total(rows: Sequence[Row]) -> int:
+    """#wrong over ultracomm's and CUDA's rows (torch.sum's informational rows excluded)."""
+    return sum(r.wrong or 0 for r in rows if not r.note.startswith("informational"))
+
+
+def write_results(gpu: "Gpu", args, only: Sequence[str], stamp: str) -> tuple[str, Optional[str]]:
+    """(results JSON path, profile path or None); rewritten after every section."""
+    os.makedirs(args.out, exist_ok=True)
+    out_json = args.json or os.path.join(args.out, "bench_gpu.json")
+    with open(out_json + ".tmp", "w") as f:
+        json.dump(results_record(gpu.info, stamp, args.quick, only, gpu.rows, gpu.errors), f, indent=1)
+    os.replace(out_json + ".tmp", out_json)
+    prof = build_profile(gpu.rows, gpu.info, stamp)
+    if prof["d2d_copy_bw"] is None:
+        return out_json, None
+    from ultracomm.hwprofile import validate
+
+    validate(prof)
+    dev = "".join(c if c.isalnum() else "-" for c in gpu.info["name"]).strip("-")
+    path = args.profile or os.path.join(args.out, f"{stamp[:10]}_{dev}_profile.json")
+    with open(path, "w") as f:
+        json.dump(prof, f, indent=1)
+    return out_json, path
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -688,6 +860,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--json", help="results JSON (default OUT/bench_gpu.json)")
     ap.add_argument("--profile", help="hardware profile JSON (default OUT/<date>_<device>_profile.json)")
     ap.add_argument("--only", help=f"comma-separated sections of {','.join(SECTIONS)}")
+    ap.add_argument("--budget-s", type=float, help="start no section or row after this many seconds")
     args = ap.parse_args(argv)
     only = SECTIONS if not args.only else tuple(s.strip() for s in args.only.split(","))
     bad = [s for s in only if s not in SECTIONS]
@@ -697,39 +870,37 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if why:
         print(f"bench_gpu: nothing measured: {why}", file=sys.stderr)
         return 2
-    gpu = Gpu(args.quick)
+    gpu = Gpu(args.quick, args.budget_s, CE_RESERVE_S if "copy_engine" in only else 0.0)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     print(f"bench_gpu: {gpu.info['name']} (cc {gpu.info['cc']}, {gpu.info['sms']} SMs), torch {gpu.info['torch']}, "
-          f"CUDA {gpu.info['cuda']}; tile mover: {'available' if not gpu.tma_reason else gpu.tma_reason}")
+          f"CUDA {gpu.info['cuda']}; tile mover: {'available' if not gpu.tma_reason else gpu.tma_reason}; "
+          f"copy engine: {'available' if not gpu.ce_reason else gpu.ce_reason}")
+    out_json, prof = None, None
     for name in only:
         gpu.section(name, getattr(gpu, f"run_{name}"))
+        try:
+            out_json, prof = write_results(gpu, args, only, stamp)
+        except Exception as e:  # noqa: BLE001 - the next sections still run; the error is reported
+            if not any(x.startswith("results:") for x in gpu.errors):
+                gpu.errors.append(f"results: {type(e).__name__}: {e}")
+                traceback.print_exc()
     for name in only:
         rows = [r for r in gpu.rows if r.section == name]
         if rows:
             print(f"\n## {name}\n{format_table(rows)}")
-    goals = goal_lines(gpu.rows)
-    print("\n" + "\n".join(goals))
-    wrong = sum(r.wrong or 0 for r in gpu.rows if not r.note.startswith("informational"))
+    print("\n" + "\n".join(goal_lines(gpu.rows)))
+    wrong = wrong_total(gpu.rows)
     print(f"bench_gpu: #wrong total (ultracomm and CUDA rows) = {wrong}")
-    os.makedirs(args.out, exist_ok=True)
-    out_json = args.json or os.path.join(args.out, "bench_gpu.json")
-    with open(out_json, "w") as f:
-        json.dump(dict(device=gpu.info, date=stamp, quick=args.quick, sections=list(only), goals=goals,
-                       errors=gpu.errors, rows=[r.to_dict() for r in gpu.rows]), f, indent=1)
     print(f"bench_gpu: results in {out_json}")
-    prof = build_profile(gpu.rows, gpu.info, stamp)
-    if prof["d2d_copy_bw"] is None:
-        print("bench_gpu: no profile written (the copy section did not measure cudaMemcpyAsync)")
-    else:
-        from ultracomm.hwprofile import validate
-
-        validate(prof)
-        dev = "".join(c if c.isalnum() else "-" for c in gpu.info["name"]).strip("-")
-        path = args.profile or os.path.join(args.out, f"{stamp[:10]}_{dev}_profile.json")
-        with open(path, "w") as f:
-            json.dump(prof, f, indent=1)
-        print(f"bench_gpu: hardware profile in {path}")
-    return 1 if (gpu.errors or wrong) else 0
+    print(f"bench_gpu: hardware profile in {prof}" if prof else
+          "bench_gpu: no profile written (the copy section did not measure cudaMemcpyAsync)")
+    rc = 1 if (gpu.errors or wrong) else 0
+    if gpu.poisoned:  # tearing CUDA down (cudaFree, a device-wide synchronize) would wait forever
+        print(f"bench_gpu: exiting without CUDA teardown: {gpu.poisoned}", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    return rc
 
 
 if __name__ == "__main__":

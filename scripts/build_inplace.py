@@ -42,6 +42,9 @@ def cmake_sources() -> list[str]:
 def build_core(pkg: str, work: str) -> None:
     from torch.utils.cpp_extension import load
 
+    # load() imports the module it built, and _core's init imports ultracomm.errors and
+    # ultracomm.records: from this copy (on a bare machine no other ultracomm is installed)
+    sys.path.insert(0, os.path.dirname(pkg))
     load(name="_core", sources=cmake_sources(), extra_include_paths=[os.path.join(ROOT, "include"), os.path.join(ROOT, "csrc")],
          extra_cflags=["-O3", "-std=c++20", "-ffp-contract=off"], build_directory=work, verbose=False, is_python_module=True)
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
@@ -99,7 +102,10 @@ def cuda_commands(nvcc: str, work: str, out: str) -> tuple[list[list[str]], list
     compiles, objs = [], []
     for src in kernels:
         obj = os.path.join(work, os.path.basename(src) + ".o")
-        compiles.append([nvcc, "-std=c++20", "-O3", *inc, *gencode, *nvcc_flags, "-Xcompiler=-fPIC", "-c", src, "-o", obj])
+        # --threads 0: the architectures of one file compile in parallel (k_persistent.cu's four
+        # are the longest single step of the build)
+        compiles.append([nvcc, "-std=c++20", "-O3", *inc, *gencode, *nvcc_flags, "--threads", "0", "-Xcompiler=-fPIC",
+                         "-c", src, "-o", obj])
         objs.append(obj)
     for s in host_srcs:
         src = os.path.join(ROOT, "csrc", s)
@@ -154,9 +160,12 @@ def main() -> int:
     # cpp_extension waits forever on the lock a failed or killed earlier build left behind
     if os.path.exists(os.path.join(work, "lock")):
         os.remove(os.path.join(work, "lock"))
-    build_core(pkg, work)
-    if not args.no_cuda:
-        build_cuda(pkg, os.path.join(out, "cuda_obj"), dry_run=False)
+    # _cuda (nvcc, the longest part) builds while cpp_extension builds _core
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as ex:
+        cuda = None if args.no_cuda else ex.submit(build_cuda, pkg, os.path.join(out, "cuda_obj"), False)
+        build_core(pkg, work)
+        if cuda is not None:
+            cuda.result()
     print(out)
     return 0
 

@@ -5,19 +5,28 @@
 #      cmake are present; if that is missing or fails, scripts/build_inplace.py (torch's
 #      cpp_extension: _core and _cuda) into build/inplace, put on PYTHONPATH
 #   2. the `gpu`-marked tests (pytest -m gpu: tma, copy_engine incl. its stalled-rank and
-#      digest-mismatch runs in subprocesses, profiler GPU op times), junit XML + log
-#   3. perf/bench_gpu.py: tables, results JSON and the hardware profile JSON
+#      digest-mismatch runs in subprocesses, profiler GPU op times), junit XML + log; one line per
+#      test (a hang names its test), tracebacks of a test still running after 60 s, and with
+#      pytest-timeout installed a 120 s limit per test
+#   3. perf/bench_gpu.py: tables, results JSON and the hardware profile JSON (rewritten after each
+#      section; --budget-s ends it before the step's timeout)
 #   4. if time is left: the CPU benches (host executor, schedule builder) for the record
-# Everything lands under $OUT (default perf/out/gpu).  Commit the profile and the tables of a real
-# device under perf/gpu/ (date and device in the name): `cp $OUT/*_profile.json perf/gpu/`.
+# A step that runs out of time gets SIGINT (pytest still writes its XML), SIGKILL 10 s later.
+# Results under $OUT (default perf/out/gpu), at most 7 files, so that a machine that returns few
+# files returns all: env.txt (versions, build result, the final line), gpu-tests.log,
+# gpu-tests.xml, bench_gpu.txt, bench_gpu.json, <date>_<device>_profile.json, and logs.tar.gz
+# (every step's own output: build logs, bench stderr, CPU benches; `tar xzf logs.tar.gz`).
+# Commit the profile and the tables of a real device under perf/gpu/ (date and device in the name):
+# `cp $OUT/*_profile.json perf/gpu/`.
 # Exit status: 0 when the build, the gpu tests and the bench (#wrong = 0) all passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-perf/out/gpu}"
-mkdir -p "$OUT"
+LOGS="$OUT/logs"
+mkdir -p "$LOGS"
 PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1
-DEADLINE=$((SECONDS + 470))  # the whole check stays under 8 minutes
+DEADLINE=$((SECONDS + 470))  # the whole check stays under 8 minutes (each step: + 10 s to die)
 exec 3>&1  # progress lines go to the terminal even when a step's output goes to a log
 
 # step NAME CAP CMD...: run CMD with timeout min(CAP, time left before the deadline); its status
@@ -27,8 +36,14 @@ step() {
   if [ "$left" -lt 10 ]; then echo "gpu_check: $name skipped: out of time" >&3; return 124; fi
   [ "$cap" -gt "$left" ] && cap=$left
   echo "gpu_check: $name (timeout ${cap}s)" >&3
-  timeout "$cap" "$@"
+  timeout -s INT -k 10 "$cap" "$@"
 }
+
+# pack: every step's own output into one archive beside the results (also on an early exit)
+pack() {
+  if [ -d "$LOGS" ] && tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs; then rm -rf "$LOGS"; fi
+}
+trap pack EXIT
 
 {
   date -u; nvidia-smi -L 2>&1 || true; nvcc --version 2>&1 | tail -1; cmake --version 2>&1 | head -1
@@ -38,40 +53,45 @@ cat "$OUT/env.txt"
 
 rc_build=1
 if "$PY" -c "import scikit_build_core, pybind11" 2>/dev/null && command -v cmake >/dev/null; then
-  step build-pip 240 "$PY" -m pip install --no-build-isolation --no-deps --no-index -e . > "$OUT/build.log" 2>&1
+  step build-pip 240 "$PY" -m pip install --no-build-isolation --no-deps --no-index -e . > "$LOGS/build.log" 2>&1
   rc_build=$?
-  [ "$rc_build" = 0 ] || { echo "gpu_check: pip build failed (rc=$rc_build):"; tail -15 "$OUT/build.log"; }
+  [ "$rc_build" = 0 ] || { echo "gpu_check: pip build failed (rc=$rc_build):"; tail -15 "$LOGS/build.log"; }
 else
-  echo "gpu_check: no scikit-build-core/pybind11/cmake: skipping the pip build" | tee "$OUT/build.log"
+  echo "gpu_check: no scikit-build-core/pybind11/cmake: skipping the pip build" | tee "$LOGS/build.log"
 fi
 if [ "$rc_build" = 0 ] && ! "$PY" -c "import ultracomm._cuda" 2>/dev/null; then
   echo "gpu_check: the pip build has no ultracomm._cuda (CMake found no nvcc?): trying the fallback build"
   rc_build=1
 fi
 if [ "$rc_build" != 0 ]; then
-  step build-inplace 200 "$PY" scripts/build_inplace.py > "$OUT/build_inplace.out" 2> "$OUT/build_inplace.log"
+  step build-inplace 200 "$PY" scripts/build_inplace.py > "$LOGS/build_inplace.out" 2> "$LOGS/build_inplace.log"
   rc_build=$?
-  dir=$(tail -1 "$OUT/build_inplace.out" 2>/dev/null)
+  dir=$(tail -1 "$LOGS/build_inplace.out" 2>/dev/null)
   [ "$rc_build" = 0 ] && export PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}"
-  [ "$rc_build" = 0 ] || { echo "gpu_check: fallback build failed (rc=$rc_build):"; tail -30 "$OUT/build_inplace.log"; }
+  [ "$rc_build" = 0 ] || { echo "gpu_check: fallback build failed (rc=$rc_build):"; tail -30 "$LOGS/build_inplace.log"; }
 fi
 "$PY" -c "import ultracomm, ultracomm._core; from ultracomm.cuda_support import cuda_module_reason as r; \
 print('gpu_check: ultracomm from', ultracomm.__file__, '; _cuda:', r() or 'loads')" 2>&1 | tee -a "$OUT/env.txt"
 
-step gpu-tests 200 "$PY" -m pytest tests -q -m gpu --continue-on-collection-errors -p no:cacheprovider \
-  --junitxml="$OUT/gpu-tests.xml" > "$OUT/gpu-tests.log" 2>&1
+per_test=()
+"$PY" -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout=120)
+step gpu-tests 200 "$PY" -m pytest tests -v -m gpu --continue-on-collection-errors -p no:cacheprovider \
+  -o faulthandler_timeout=60 ${per_test[@]+"${per_test[@]}"} --junitxml="$OUT/gpu-tests.xml" > "$OUT/gpu-tests.log" 2>&1
 rc_test=$?
 [ "$rc_test" = 5 ] && rc_test=0  # no gpu-marked test collected
 tail -15 "$OUT/gpu-tests.log"
 
-step bench-gpu 180 "$PY" perf/bench_gpu.py --out "$OUT" > "$OUT/bench_gpu.txt" 2> "$OUT/bench_gpu.log"
+left=$((DEADLINE - SECONDS))
+budget=$(( (left < 180 ? left : 180) - 25 ))  # the bench stops starting rows in time to print and write
+step bench-gpu 180 "$PY" perf/bench_gpu.py --out "$OUT" --budget-s "$budget" > "$OUT/bench_gpu.txt" \
+  2> "$LOGS/bench_gpu.log"
 rc_bench=$?
 cat "$OUT/bench_gpu.txt"
-[ "$rc_bench" = 0 ] || { echo "gpu_check: bench_gpu rc=$rc_bench"; tail -20 "$OUT/bench_gpu.log"; }
+[ "$rc_bench" = 0 ] || { echo "gpu_check: bench_gpu rc=$rc_bench"; tail -20 "$LOGS/bench_gpu.log"; }
 
-step bench-host 40 "$PY" perf/bench_host.py --json "$OUT/bench_host.json" > "$OUT/bench_host.log" 2>&1 \
+step bench-host 40 "$PY" perf/bench_host.py --json "$LOGS/bench_host.json" > "$LOGS/bench_host.log" 2>&1 \
   || echo "gpu_check: bench_host did not finish"
-step bench-schedule 30 "$PY" perf/bench_schedule.py --json "$OUT/bench_schedule.json" > "$OUT/bench_schedule.log" 2>&1 \
+step bench-schedule 30 "$PY" perf/bench_schedule.py --json "$LOGS/bench_schedule.json" > "$LOGS/bench_schedule.log" 2>&1 \
   || echo "gpu_check: bench_schedule did not finish"
-echo "gpu_check: build=$rc_build tests=$rc_test bench=$rc_bench in ${SECONDS}s; results in $OUT"
+echo "gpu_check: build=$rc_build tests=$rc_test bench=$rc_bench in ${SECONDS}s; results in $OUT" | tee -a "$OUT/env.txt"
 [ "$rc_build" = 0 ] && [ "$rc_test" = 0 ] && [ "$rc_bench" = 0 ]

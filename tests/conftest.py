@@ -8,6 +8,8 @@ import torch
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
+        # slow (multi-process) tests last: a device check under a deadline runs the quick ones first
+        items.sort(key=lambda item: "slow" in item.keywords)
         return
     skip = pytest.mark.skip(reason="needs a CUDA device; none on this machine")
     for item in items:

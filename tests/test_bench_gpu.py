@@ -2,7 +2,9 @@
 scripts/gpu_check.sh's structure.  The measurements themselves need a device (gpu_check.sh runs them)."""
 from __future__ import annotations
 
+import ctypes
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -164,3 +166,189 @@ def test_gpu_check_step_respects_the_deadline(left, cap, want_rc, want):
     script = f"exec 3>&1\nDEADLINE=$((SECONDS + {left}))\n{_step_function()}\nstep demo {cap} true"
     p = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30)
     assert (p.returncode, p.stdout.strip()) == (want_rc, want)
+
+
+# ----------------------------------------------------------------------------- the copy_engine row
+
+def test_copy_engine_row_counts_bytes_and_compares_with_the_tile_mover():
+    tile = Row("fanout", "1->4", "tile mover", 64 * MiB, 1e-3, 4 * 64 * MiB, 5 * 64 * MiB, 0, "20 CTAs/rank",
+               dict(ctas=20))
+    rows = [Row("fanout", "1->4", "4 x cudaMemcpyAsync", 64 * MiB, 1e-3, 4 * 64 * MiB, 8 * 64 * MiB, 0), tile]
+    assert bg.tile_row(rows, 4, 64 * MiB) is tile
+    assert bg.tile_row(rows, 4, MiB) is None and bg.tile_row(rows, 2, 64 * MiB) is None
+    r = bg.copy_engine_row("1->4", 4, 64 * MiB, 2e-3, 0, "cpu-bound", tile)
+    assert (r.section, r.case, r.impl, r.size) == ("copy_engine", "1->4", "copy engine", 64 * MiB)
+    assert r.payload == 4 * 64 * MiB and r.traffic == 2 * 4 * 64 * MiB  # each copy reads the source
+    assert r.algbw == 4 * 64 * MiB / 2e-3 and r.busbw == 8 * 64 * MiB / 2e-3
+    assert r.note == "0 SMs, cpu-bound, 50.0% of tile mover"
+    d = r.to_dict()
+    assert (d["sms"], d["destinations"], d["vs_tile_mover"], d["wrong"]) == (0, 4, 0.5, 0)
+    missing = bg.copy_engine_row("1->1", 1, MiB, None, None, "not measured: no libcuda")
+    assert missing.algbw is None and missing.note == "0 SMs, not measured: no libcuda"
+    assert "vs_tile_mover" not in missing.to_dict()
+
+
+def test_copy_engine_rows_in_the_table_and_the_json_record():
+    rows = [Row("copy", "1->1", "tile mover", 256 * MiB, 200e-6, 256 * MiB, 512 * MiB, 0, "16 CTAs/rank")]
+    rows.append(bg.copy_engine_row("1->1", 1, 256 * MiB, 400e-6, 3, "", bg.tile_row(rows, 1, 256 * MiB)))
+    lines = bg.format_table([r for r in rows if r.section == "copy_engine"]).splitlines()
+    assert lines[2].split()[:8] == ["256M", "1->1", "copy", "engine", "400.00", "671.1", "1342.2", "3"]
+    assert lines[2].endswith("0 SMs, 50.0% of tile mover")
+    rec = bg.results_record(DEVICE, "2026-12-01T00:00:00Z", False, bg.SECTIONS, rows, [])
+    assert json.loads(json.dumps(rec)) == rec  # plain JSON
+    ce = [x for x in rec["rows"] if x["section"] == "copy_engine"]
+    assert len(ce) == 1 and ce[0]["payload_bytes"] == 256 * MiB and ce[0]["traffic_bytes"] == 512 * MiB
+    assert ce[0]["wrong"] == 3 and ce[0]["impl"] == "copy engine" and rec["sections"][-1] == "copy_engine"
+    assert bg.wrong_total(rows) == 3
+    informational = Row("reduce", "k=2 fp32", "torch.sum", 4, 1.0, 4, 16, 7, "informational #wrong: torch's order")
+    assert bg.wrong_total(rows + [informational]) == 3
+
+
+def stub_gpu(**kw):
+    """A Gpu without a device: its bookkeeping only."""
+    g = object.__new__(bg.Gpu)
+    g.rows, g.errors, g.poisoned, g.kept, g.deadline, g.reserve_s = [], [], None, [], None, 0.0
+    g.__dict__.update(kw)
+    return g
+
+
+def test_budget_keeps_time_for_copy_engine_and_a_poisoned_device_skips_sections():
+    import time
+
+    g = stub_gpu(deadline=time.monotonic() + 20.0, reserve_s=30.0)
+    assert g.late("relay", "D=1") and not g.late("copy_engine", "1->1 1M", reserve=False)
+    assert [(r.section, r.case, r.time_s, r.note) for r in g.rows] == [
+        ("relay", "D=1", None, "not measured: out of time (--budget-s)")]
+    assert not stub_gpu().late("relay")  # no budget
+    g = stub_gpu(poisoned="a copy_engine operation failed earlier and left its streams blocked")
+    g.section("copy_engine", lambda: pytest.fail("a section ran on a poisoned device"))
+    assert g.rows[0].note == "not measured: a copy_engine operation failed earlier and left its streams blocked"
+
+
+def test_only_copy_engine_and_a_budget_are_accepted():
+    if bg.unavailable_reason() is None:
+        pytest.skip("this machine has a GPU: main would measure")
+    assert bg.main(["--only", "copy_engine", "--budget-s", "60"]) == 2
+
+
+class RunningDriver:
+    """Executes each driver call at once on host memory; a stream wait must already hold when it is
+    enqueued (a loopback set is submitted in an order that runs on one queue)."""
+
+    def __init__(self):
+        self.handles, self.calls = iter(range(0x100, 1 << 20)), 0
+
+    def bind(self, device):
+        pass
+
+    def stream_create(self, priority=0):
+        return next(self.handles)
+
+    def stream_destroy(self, stream):
+        pass
+
+    def memcpy(self, dst, src, nbytes, stream):
+        self.calls += 1
+        ctypes.memmove(dst, src, nbytes)
+
+    def write_value(self, stream, addr, value):
+        ctypes.c_uint64.from_address(addr).value = value
+
+    def wait_value(self, stream, addr, value, equal=False):
+        from ultracomm.transports.copy_engine_plan import geq
+
+        v = ctypes.c_uint64.from_address(addr).value
+        assert v == value if equal else geq(v, value), "a stream wait enqueued before its flag was raised"
+
+
+@pytest.fixture
+def host_copy_engine(monkeypatch):
+    """The copy_engine transport and torch.cuda's streams and events, on host memory."""
+    import contextlib
+    import types
+
+    import torch
+
+    import ultracomm.transports.copy_engine as ce
+
+    drv = RunningDriver()
+    stream = types.SimpleNamespace(cuda_stream=0x77, synchronize=lambda: None, wait_event=lambda ev: None)
+    event = lambda *a, **k: types.SimpleNamespace(record=lambda s=None: None, query=lambda: True)  # noqa: E731
+    monkeypatch.setattr(ce, "require", lambda *a, **k: None)
+    monkeypatch.setattr(ce, "driver", lambda: drv)
+    monkeypatch.setattr(ce, "_pinned", lambda n: torch.zeros(n, dtype=torch.int64))
+    monkeypatch.setattr(torch.cuda, "Event", event)
+    monkeypatch.setattr(torch.cuda, "ExternalStream", lambda h, device=None: types.SimpleNamespace(
+        cuda_stream=h, wait_event=lambda ev: None))
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    return drv
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_copy_engine_loopback_domain_multicasts_bit_exact_on_host_memory(host_copy_engine, n):
+    """The bench's copy_engine domain end to end on the CPU: one transport per rank, the last rank's
+    call enqueues the set, every replica gets the home's bytes, #wrong counts what differs."""
+    import torch
+
+    import ultracomm
+
+    g = stub_gpu(torch=torch, uc=ultracomm, dev=torch.device("cpu"))
+    size = 3 * 4096 + 64  # several 4 KiB chunks and a tail, fp32
+    d = bg.Loopback(g, n + 1, bg.one_expert(n), size, torch.float32, chunk_bytes=4096, transport="copy_engine")
+    assert d.lb is None and len(d.ce) == n + 1 and d.ctas == 0
+    d.fill_replicas(bg.SENTINEL)
+    assert d.multicast_wrong() == n * size  # nothing moved yet: every byte is the sentinel
+    d.run("multicast")
+    assert d.multicast_wrong() == 0 and host_copy_engine.calls >= n * 4
+    d.slot(n, "weights").view(torch.uint8)[5] ^= 1  # one flipped byte is one wrong byte
+    assert d.multicast_wrong() == 1
+    d.run("multicast")  # the next epoch repairs it
+    assert d.multicast_wrong() == 0 and d.epoch == 2
+    with pytest.raises(ValueError, match="multicast only"):
+        d.run("reduce")
+    d.close()
+    assert g.poisoned is None and d.ce == [] and d.windows == []
+
+
+def test_a_failed_copy_engine_domain_poisons_the_device(host_copy_engine):
+    import torch
+
+    import ultracomm
+    from ultracomm.errors import UltracommError
+
+    g = stub_gpu(torch=torch, uc=ultracomm, dev=torch.device("cpu"))
+    d = bg.Loopback(g, 2, bg.one_expert(1), 4096, torch.float32, chunk_bytes=4096, transport="copy_engine")
+    windows = d.windows
+    d.ce[1]._dog.fail(UltracommError("ultracomm: rank 1 weight_sync (multicast) epoch 1 timed out"))
+    with pytest.raises(UltracommError, match="timed out"):
+        d.check()
+    d.close()
+    assert g.poisoned and g.kept == [windows]  # blocked streams may still write into them
+
+
+def test_gpu_check_leaves_few_files_and_packs_every_log(tmp_path):
+    """Results stay a handful of files under $OUT (a remote machine may return only a few); every
+    step's own output goes into logs.tar.gz, also when the script ends early."""
+    import tarfile
+
+    text = open(os.path.join(ROOT, "scripts", "gpu_check.sh")).read()
+    top = set(re.findall(r'"\$OUT/([^"/$]+)"', text)) - {"logs"}  # the folder that is packed
+    assert top == {"env.txt", "gpu-tests.xml", "gpu-tests.log", "bench_gpu.txt", "logs.tar.gz"}, top
+    assert len(top) + 2 <= 8  # + bench_gpu.json and the profile, written by bench_gpu.py into $OUT
+    assert "trap pack EXIT" in text and re.search(r'LOGS="\$OUT/logs"', text)
+    pack = re.search(r"pack\(\) \{.*?\n\}", text, re.S).group(0)
+    out = tmp_path / "out"
+    (out / "logs").mkdir(parents=True)
+    for i in range(12):
+        (out / "logs" / f"step{i}.log").write_text(f"log {i}\n")
+    (out / "env.txt").write_text("env\n")
+    p = subprocess.run(["bash", "-c", f'OUT="{out}"; LOGS="$OUT/logs"\n{pack}\ntrap pack EXIT\nexit 3'],
+                       capture_output=True, text=True, timeout=30)
+    assert p.returncode == 3, p.stderr  # the script's own status survives the trap
+    assert sorted(os.listdir(out)) == ["env.txt", "logs.tar.gz"]
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        assert sorted(tar.getnames()) == ["logs", *sorted(f"logs/step{i}.log" for i in range(12))]
+        assert tar.extractfile("logs/step7.log").read() == b"log 7\n"

@@ -113,7 +113,7 @@ def test_copy_engine_matches_host_bit_for_bit(mode, which):
 
 def run_worker(case: str) -> dict:
     p = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "mp", "copy_engine_failure_worker.py"), case],
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
 

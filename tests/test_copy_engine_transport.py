@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 import types
 
 import numpy as np
@@ -33,11 +34,15 @@ class Recorder:
         self.events = itertools.count(1)
         self.created: list[tuple[int, int]] = []
         self.destroyed: list[int] = []
+        self.bound: list[tuple[str, int, int]] = []  # (thread, device, driver calls made before)
 
 
 class FakeDriver:
     def __init__(self, rec):
         self.rec = rec
+
+    def bind(self, device):
+        self.rec.bound.append((threading.current_thread().name, device, len(self.rec.calls)))
 
     def memcpy(self, dst, src, nbytes, stream):
         self.rec.calls.append(("copy", stream, dst, src, nbytes))
@@ -277,3 +282,18 @@ def test_quiesce_waits_for_operations_in_flight_to_end(fake_cuda, domain, make_t
     assert not done.wait(0.2)  # still in flight: quiesce waits
     ts[3]._dog.fail(UltracommError("ultracomm: rank 3 restore (multicast) epoch 5 timed out"))
     assert done.wait(10) and ts[0].abandoned_streams()
+
+
+def test_each_thread_binds_the_device_context_before_its_driver_calls(fake_cuda, domain, make_transports):
+    """Driver calls need a current context, which a thread has only after a runtime call of its
+    own: the enqueuing thread and the watchdog's reads bind the device first."""
+    plan = ReplicaPlan.make(hot_slot_src(WORLD, SLOTS, EPR, expert=1), experts_per_rank=EPR)
+    t = make_transports(loopback=False)[0]
+    sched, masters, my_slots, lio = args(domain[0], plan)
+    t.run(Op.MULTICAST, sched, 3, masters, my_slots, lio, "weight_sync", stream=CALLER)
+    assert fake_cuda.bound == [(threading.current_thread().name, 0, 0)] and fake_cuda.calls
+    before = len(fake_cuda.calls)
+    reader = threading.Thread(target=t._read_device, args=([t._words.data_ptr()],), name="reader")
+    reader.start()
+    reader.join(10)
+    assert fake_cuda.bound[1:] == [("reader", 0, before)] and fake_cuda.calls[before][0] == "copy"

@@ -15,7 +15,9 @@ Calls (driver API, unified addressing: peer-mapped and IPC-mapped addresses are 
 Addresses may be device memory (windows, peers' windows) or pinned host memory (``cudaHostAlloc``:
 with unified addressing its host pointer is its device pointer): the watchdog's words.
 
-The ``_v2`` entry points are used where the driver has them (CUDA 12+), else the originals.
+Each call binds the symbol cuda.h binds (:data:`SIGNATURES`: ``cuStreamWaitValue64_v2`` and
+co. on CUDA 12+), else the original where an older driver lacks it.  Every thread that makes
+these calls first makes the device's primary context current (:meth:`Driver.bind`).
 """
 from __future__ import annotations
 
@@ -25,12 +27,32 @@ from typing import Optional
 
 from .cuda_support import NotAvailableError
 
-__all__ = ["Driver", "driver", "driver_reason", "CU_STREAM_WAIT_VALUE_GEQ", "CU_STREAM_WAIT_VALUE_EQ"]
+__all__ = ["Driver", "DriverError", "SIGNATURES", "driver", "driver_reason", "CU_STREAM_WAIT_VALUE_GEQ",
+           "CU_STREAM_WAIT_VALUE_EQ"]
 
 CU_STREAM_WAIT_VALUE_GEQ = 0x0
 CU_STREAM_WAIT_VALUE_EQ = 0x1
 CU_STREAM_NON_BLOCKING = 0x1
 _CUDA_SUCCESS = 0
+
+_U64, _PTR, _UINT, _INT = ctypes.c_uint64, ctypes.c_void_p, ctypes.c_uint, ctypes.c_int
+# API name -> (the symbol cuda.h binds it to without per-thread default streams, argtypes), all
+# returning CUresult.  Pinned, not guessed: libcuda also exports older versions under the plain
+# names (cuStreamDestroy, cuStreamWaitValue64 are v1), and a "_v2" of an API whose header binds
+# the plain name would be another function.  tests/test_gpu_paths_cpu.py checks this table
+# against cuda.h's prototypes.
+SIGNATURES: dict[str, tuple[str, list]] = {
+    "cuMemcpyAsync": ("cuMemcpyAsync", [_U64, _U64, ctypes.c_size_t, _PTR]),
+    "cuStreamWriteValue64": ("cuStreamWriteValue64_v2", [_PTR, _U64, _U64, _UINT]),
+    "cuStreamWaitValue64": ("cuStreamWaitValue64_v2", [_PTR, _U64, _U64, _UINT]),
+    "cuGetErrorString": ("cuGetErrorString", [_INT, ctypes.POINTER(ctypes.c_char_p)]),
+    "cuStreamCreateWithPriority": ("cuStreamCreateWithPriority", [ctypes.POINTER(_PTR), _UINT, _INT]),
+    "cuStreamDestroy": ("cuStreamDestroy_v2", [_PTR]),
+    "cuDeviceGet": ("cuDeviceGet", [ctypes.POINTER(_INT), _INT]),
+    "cuDevicePrimaryCtxRetain": ("cuDevicePrimaryCtxRetain", [ctypes.POINTER(_PTR), _INT]),
+    "cuCtxGetCurrent": ("cuCtxGetCurrent", [ctypes.POINTER(_PTR)]),
+    "cuCtxSetCurrent": ("cuCtxSetCurrent", [_PTR]),
+}
 
 
 class DriverError(RuntimeError):
@@ -42,27 +64,51 @@ class Driver:
 
     def __init__(self, lib: ctypes.CDLL):
         self.lib = lib
-        u64, ptr = ctypes.c_uint64, ctypes.c_void_p
-        self._memcpy = self._fn("cuMemcpyAsync", [u64, u64, ctypes.c_size_t, ptr])
-        self._write = self._fn("cuStreamWriteValue64", [ptr, u64, u64, ctypes.c_uint])
-        self._wait = self._fn("cuStreamWaitValue64", [ptr, u64, u64, ctypes.c_uint])
-        self._err = self._fn("cuGetErrorString", [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)])
-        self._create = self._fn("cuStreamCreateWithPriority", [ctypes.POINTER(ptr), ctypes.c_uint, ctypes.c_int])
-        self._destroy = self._fn("cuStreamDestroy", [ptr])
+        self.symbols: dict[str, str] = {}  # API name -> the symbol bound
+        self._memcpy = self._fn("cuMemcpyAsync")
+        self._write = self._fn("cuStreamWriteValue64")
+        self._wait = self._fn("cuStreamWaitValue64")
+        self._err = self._fn("cuGetErrorString")
+        self._create = self._fn("cuStreamCreateWithPriority")
+        self._destroy = self._fn("cuStreamDestroy")
+        self._device_get = self._fn("cuDeviceGet")
+        self._retain = self._fn("cuDevicePrimaryCtxRetain")
+        self._get_ctx = self._fn("cuCtxGetCurrent")
+        self._set_ctx = self._fn("cuCtxSetCurrent")
+        self._primary: dict[int, int] = {}  # device ordinal -> its primary context (retained once)
 
-    def _fn(self, name: str, argtypes: list):
-        for sym in (f"{name}_v2", name):
+    def _fn(self, name: str):
+        symbol, argtypes = SIGNATURES[name]
+        # the header's symbol; the plain name only where a driver predates it (same arguments)
+        for sym in dict.fromkeys((symbol, name)):
             f = getattr(self.lib, sym, None)
             if f is not None:
                 f.argtypes, f.restype = argtypes, ctypes.c_int
+                self.symbols[name] = sym
                 return f
-        raise NotAvailableError(f"ultracomm: transport 'copy_engine' is not available: the driver has no {name}")
+        raise NotAvailableError(f"ultracomm: transport 'copy_engine' is not available: the driver has no {symbol}")
 
     def _check(self, rc: int, what: str) -> None:
         if rc != _CUDA_SUCCESS:
             s = ctypes.c_char_p()
             self._err(rc, ctypes.byref(s))
             raise DriverError(f"ultracomm: {what} failed: CUDA driver error {rc} ({(s.value or b'?').decode()})")
+
+    def bind(self, device: int) -> None:
+        """Make ``device``'s primary context (the one torch's runtime uses) current on this thread.
+        Driver calls need a current context, and a thread gets one only from its first runtime
+        call that needs it (torch skips ``cudaSetDevice`` when the device already matches): a
+        watchdog thread or a rank's thread may have made none yet."""
+        ctx = self._primary.get(device)
+        if ctx is None:
+            dev, c = ctypes.c_int(), ctypes.c_void_p()
+            self._check(self._device_get(ctypes.byref(dev), int(device)), "cuDeviceGet")
+            self._check(self._retain(ctypes.byref(c), dev), "cuDevicePrimaryCtxRetain")
+            ctx = self._primary.setdefault(device, int(c.value or 0))
+        cur = ctypes.c_void_p()
+        self._check(self._get_ctx(ctypes.byref(cur)), "cuCtxGetCurrent")
+        if int(cur.value or 0) != ctx:
+            self._check(self._set_ctx(ctx), "cuCtxSetCurrent")
 
     def stream_create(self, priority: int = 0) -> int:
         """A new non-blocking stream of the current context (its own, not one of torch's pooled

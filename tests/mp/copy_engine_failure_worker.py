@@ -7,8 +7,10 @@ synchronize of a test process).  Prints one JSON line with what the test checks.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
+import traceback
 
 import numpy as np
 import torch
@@ -94,4 +96,14 @@ def mismatch() -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps({"stalled": stalled, "mismatch": mismatch}[sys.argv[1]]()), flush=True)
+    rc = 0
+    try:
+        print(json.dumps({"stalled": stalled, "mismatch": mismatch}[sys.argv[1]]()), flush=True)
+    except BaseException:  # noqa: BLE001 - reported, then the same exit as below
+        traceback.print_exc()
+        rc = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # no interpreter teardown: its CUDA cleanup (a cudaFree, a context release) could wait for the
+    # internal streams the failure left blocked for good, and the test would see a timeout
+    os._exit(rc)

@@ -75,6 +75,7 @@ class CopyEngineTransport:
         self.window, self.wlayout, self.layout = window, wlayout, layout
         self.timeout_s = float(timeout_s)
         self.device = window.local.device
+        self._ordinal = torch.device(self.device).index or 0  # for Driver.bind (a CUDA tensor's has an index)
         self._loopback = bool(getattr(window, "loopback", False))
         self._tma_kw = dict(rank=rank, world=world, window=window, wlayout=wlayout, layout=layout,
                             timeout_s=timeout_s, **tma_kw)
@@ -167,6 +168,7 @@ class CopyEngineTransport:
         for t, _, p in items:
             if p is not None:
                 t._dog.add(p)
+        items[0][0].driver.bind(items[0][0]._ordinal)  # this thread may have no current context yet
         caller = torch.cuda.ExternalStream(stream, device=items[0][0].device)
         for r, cmd in submission_order([c for _, c, _ in items]):
             items[r][0]._submit(cmd, epoch, caller)
@@ -225,6 +227,7 @@ class CopyEngineTransport:
         when the copy did not finish within a bound (never blocks the watchdog for long)."""
         out: list[int] = []
         with torch.cuda.device(self.device):
+            self.driver.bind(self._ordinal)  # the watchdog's thread made no runtime call before
             side = self._stream(_SIDE)
             n = self._scratch.numel()
             for i in range(0, len(addrs), n):
@@ -270,6 +273,8 @@ class CopyEngineTransport:
         self._dog.stop()
         streams, self._streams = self._streams, {}
         with torch.cuda.device(self.device):
+            if streams:
+                self.driver.bind(self._ordinal)
             for s in streams.values():  # queued work (even blocked for good) keeps its stream alive
                 self.driver.stream_destroy(s.cuda_stream)
         if self._tma is not None:

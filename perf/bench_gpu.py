@@ -623,7 +623,6 @@ class Gpu:
                                          + (" cpu-bound" if cpu else ""),
                                          dict(mode=mode, depth=depth, chunk=chunk, chain=chain)))
 
-
     def run_copy_engine(self) -> None:
         cases = [(1, size) for size in self.copy_sizes()] + [(n, FANOUT_BYTES) for n in (2, 4, 8)]
         for n, size in cases:

@@ -52,6 +52,10 @@ trap pack EXIT
 cat "$OUT/env.txt"
 
 rc_build=1
+export CUDAFLAGS="${CUDAFLAGS:+$CUDAFLAGS }--threads 0"  # CMake's nvcc: a file's architectures in parallel
+if [ -z "${CUDACXX:-}" ]; then  # CMake may miss an nvcc off PATH (build_inplace.py also tries /usr/local/cuda)
+  for c in "$(command -v nvcc)" /usr/local/cuda/bin/nvcc; do [ -x "$c" ] && { export CUDACXX="$c"; break; }; done
+fi
 if "$PY" -c "import scikit_build_core, pybind11" 2>/dev/null && command -v cmake >/dev/null; then
   step build-pip 240 "$PY" -m pip install --no-build-isolation --no-deps --no-index -e . > "$LOGS/build.log" 2>&1
   rc_build=$?
@@ -60,10 +64,12 @@ else
   echo "gpu_check: no scikit-build-core/pybind11/cmake: skipping the pip build" | tee "$LOGS/build.log"
 fi
 if [ "$rc_build" = 0 ] && ! "$PY" -c "import ultracomm._cuda" 2>/dev/null; then
-  echo "gpu_check: the pip build has no ultracomm._cuda (CMake found no nvcc?): trying the fallback build"
+  echo "gpu_check: the pip build has no ultracomm._cuda (CMake found no nvcc?): uninstalling it, trying the fallback build"
   rc_build=1
 fi
 if [ "$rc_build" != 0 ]; then
+  # an editable install's import hook comes before PYTHONPATH and would shadow build/inplace
+  "$PY" -m pip uninstall -y ultracomm >> "$LOGS/build.log" 2>&1
   step build-inplace 200 "$PY" scripts/build_inplace.py > "$LOGS/build_inplace.out" 2> "$LOGS/build_inplace.log"
   rc_build=$?
   dir=$(tail -1 "$LOGS/build_inplace.out" 2>/dev/null)

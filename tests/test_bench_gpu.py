@@ -146,6 +146,8 @@ def test_gpu_check_script_structure():
     assert int(re.search(r"DEADLINE=\$\(\(SECONDS \+ (\d+)\)\)", text).group(1)) <= 480  # under 8 minutes
     assert re.search(r"step build-pip \d+ .*pip install --no-build-isolation", text)
     assert re.search(r"step build-inplace \d+ .*scripts/build_inplace\.py", text)  # the fallback build
+    # a pip build without _cuda is uninstalled first: its editable import hook precedes PYTHONPATH
+    assert text.index("pip uninstall -y ultracomm") < text.index("step build-inplace")
     assert re.search(r"step gpu-tests \d+ .*-m pytest tests .*-m gpu", text)
     assert re.search(r"step bench-gpu \d+ .*perf/bench_gpu\.py --out \"\$OUT\"", text)
     outside = re.sub(r"step\(\) \{.*?\n\}", "", text, flags=re.S)

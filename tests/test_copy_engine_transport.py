@@ -297,3 +297,30 @@ def test_each_thread_binds_the_device_context_before_its_driver_calls(fake_cuda,
     reader.start()
     reader.join(10)
     assert fake_cuda.bound[1:] == [("reader", 0, before)] and fake_cuda.calls[before][0] == "copy"
+
+
+def test_a_failed_enqueue_releases_the_joins_and_abandons_the_streams(fake_cuda, domain, make_transports):
+    """A driver call that fails halfway leaves earlier commands queued (the caller's stream may wait
+    on joins nobody writes, the operation may have no clock): the watchdogs fail at once."""
+    from ultracomm.cuda_driver import DriverError
+    from ultracomm.transports.copy_engine_watchdog import ABORT, read_host
+
+    plan = ReplicaPlan.make(hot_slot_src(WORLD, SLOTS, EPR, expert=1), experts_per_rank=EPR)
+    ts = make_transports(loopback=True)
+    boom = DriverError("ultracomm: cuStreamWaitValue64 failed: CUDA driver error 801 (operation not supported)")
+
+    def refuse(*a, **k):
+        raise boom
+
+    for t in ts:
+        t.driver.wait_value = refuse
+    with pytest.raises(DriverError, match="not supported"):
+        run_all(ts, domain, plan, 6, fake_cuda)
+    assert fake_cuda.calls  # the prefixes were enqueued before the failing wait
+    for t in ts:
+        assert t.abandoned_streams() and t._dog.pending() == 0
+        joins = sorted(t._dog._all_joins)
+        assert joins and read_host(joins) == [ABORT] * len(joins)
+        with pytest.raises(UltracommError, match=r"enqueueing a copy_engine operation \(epoch 6\) failed: .*801"):
+            t.check_error()
+    ts[1].quiesce()  # returns: nothing is left in flight

@@ -168,10 +168,19 @@ class CopyEngineTransport:
         for t, _, p in items:
             if p is not None:
                 t._dog.add(p)
-        items[0][0].driver.bind(items[0][0]._ordinal)  # this thread may have no current context yet
-        caller = torch.cuda.ExternalStream(stream, device=items[0][0].device)
-        for r, cmd in submission_order([c for _, c, _ in items]):
-            items[r][0]._submit(cmd, epoch, caller)
+        try:
+            items[0][0].driver.bind(items[0][0]._ordinal)  # this thread may have no current context yet
+            caller = torch.cuda.ExternalStream(stream, device=items[0][0].device)
+            for r, cmd in submission_order([c for _, c, _ in items]):
+                items[r][0]._submit(cmd, epoch, caller)
+        except Exception as e:
+            # what was enqueued stays queued: the caller's stream may wait on joins no stream will
+            # write, and an operation whose `started` word is never written has no clock.  Fail
+            # every rank's watchdog: the joins are released, the streams count as abandoned.
+            for t, _, _ in items:
+                t._dog.fail(UltracommError(f"ultracomm: rank {t.rank}: enqueueing a copy_engine operation (epoch "
+                                           f"{epoch}) failed: {e}"))
+            raise
 
     def run(self, op: Op, schedule, epoch: int, masters: Masters, my_slots: Sequence[int],
             local_index_of: Sequence[int], op_name: str | None = None, *, stream: int) -> bool:

@@ -48,6 +48,7 @@ SIGNATURES: dict[str, tuple[str, list]] = {
     "cuGetErrorString": ("cuGetErrorString", [_INT, ctypes.POINTER(ctypes.c_char_p)]),
     "cuStreamCreateWithPriority": ("cuStreamCreateWithPriority", [ctypes.POINTER(_PTR), _UINT, _INT]),
     "cuStreamDestroy": ("cuStreamDestroy_v2", [_PTR]),
+    "cuInit": ("cuInit", [_UINT]),
     "cuDeviceGet": ("cuDeviceGet", [ctypes.POINTER(_INT), _INT]),
     "cuDevicePrimaryCtxRetain": ("cuDevicePrimaryCtxRetain", [ctypes.POINTER(_PTR), _INT]),
     "cuCtxGetCurrent": ("cuCtxGetCurrent", [ctypes.POINTER(_PTR)]),
@@ -71,6 +72,7 @@ class Driver:
         self._err = self._fn("cuGetErrorString")
         self._create = self._fn("cuStreamCreateWithPriority")
         self._destroy = self._fn("cuStreamDestroy")
+        self._init = self._fn("cuInit")
         self._device_get = self._fn("cuDeviceGet")
         self._retain = self._fn("cuDevicePrimaryCtxRetain")
         self._get_ctx = self._fn("cuCtxGetCurrent")
@@ -102,6 +104,7 @@ class Driver:
         ctx = self._primary.get(device)
         if ctx is None:
             dev, c = ctypes.c_int(), ctypes.c_void_p()
+            self._check(self._init(0), "cuInit")  # done by torch's runtime already; idempotent
             self._check(self._device_get(ctypes.byref(dev), int(device)), "cuDeviceGet")
             self._check(self._retain(ctypes.byref(c), dev), "cuDevicePrimaryCtxRetain")
             ctx = self._primary.setdefault(device, int(c.value or 0))

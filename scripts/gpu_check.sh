@@ -31,12 +31,15 @@ exec 3>&1  # progress lines go to the terminal even when a step's output goes to
 
 # step NAME CAP CMD...: run CMD with timeout min(CAP, time left before the deadline); its status
 step() {
-  local name=$1 cap=$2 left=$((DEADLINE - SECONDS))
+  local name=$1 cap=$2 left=$((DEADLINE - SECONDS)) t0=$SECONDS rc
   shift 2
   if [ "$left" -lt 10 ]; then echo "gpu_check: $name skipped: out of time" >&3; return 124; fi
   [ "$cap" -gt "$left" ] && cap=$left
   echo "gpu_check: $name (timeout ${cap}s)" >&3
   timeout -s INT -k 10 "$cap" "$@"
+  rc=$?
+  echo "gpu_check: $name rc=$rc in $((SECONDS - t0))s" >&3
+  return $rc
 }
 
 # pack: every step's own output into one archive beside the results (also on an early exit)
@@ -57,7 +60,7 @@ if [ -z "${CUDACXX:-}" ]; then  # CMake may miss an nvcc off PATH (build_inplace
   for c in "$(command -v nvcc)" /usr/local/cuda/bin/nvcc; do [ -x "$c" ] && { export CUDACXX="$c"; break; }; done
 fi
 if "$PY" -c "import scikit_build_core, pybind11" 2>/dev/null && command -v cmake >/dev/null; then
-  step build-pip 240 "$PY" -m pip install --no-build-isolation --no-deps --no-index -e . > "$LOGS/build.log" 2>&1
+  step build-pip 240 "$PY" -m pip install -v --no-build-isolation --no-deps --no-index -e . > "$LOGS/build.log" 2>&1
   rc_build=$?
   [ "$rc_build" = 0 ] || { echo "gpu_check: pip build failed (rc=$rc_build):"; tail -15 "$LOGS/build.log"; }
 else

@@ -144,7 +144,7 @@ def test_gpu_check_script_structure():
     text = open(path).read()
     assert "set -uo pipefail" in text
     assert int(re.search(r"DEADLINE=\$\(\(SECONDS \+ (\d+)\)\)", text).group(1)) <= 480  # under 8 minutes
-    assert re.search(r"step build-pip \d+ .*pip install --no-build-isolation", text)
+    assert re.search(r"step build-pip \d+ .*pip install .*--no-build-isolation", text)
     assert re.search(r"step build-inplace \d+ .*scripts/build_inplace\.py", text)  # the fallback build
     # a pip build without _cuda is uninstalled first: its editable import hook precedes PYTHONPATH
     assert text.index("pip uninstall -y ultracomm") < text.index("step build-inplace")
@@ -159,15 +159,24 @@ def _step_function() -> str:
     return re.search(r"step\(\) \{.*?\n\}", text, re.S).group(0)
 
 
-@pytest.mark.parametrize("left, cap, want_rc, want", [
-    (100, 30, 0, "gpu_check: demo (timeout 30s)"),     # the step's own cap
-    (20, 30, 0, "gpu_check: demo (timeout 20s)"),      # cut to the time left
-    (5, 30, 124, "gpu_check: demo skipped: out of time"),
+@pytest.mark.parametrize("left, cap, cmd, want_rc, want", [
+    (100, 30, "true", 0, ["gpu_check: demo (timeout 30s)", "gpu_check: demo rc=0 in 0s"]),  # the step's own cap
+    (20, 30, "exit 3", 3, ["gpu_check: demo (timeout 20s)", "gpu_check: demo rc=3 in 0s"]),  # cut to the time left
+    (5, 30, "true", 124, ["gpu_check: demo skipped: out of time"]),
 ])
-def test_gpu_check_step_respects_the_deadline(left, cap, want_rc, want):
-    script = f"exec 3>&1\nDEADLINE=$((SECONDS + {left}))\n{_step_function()}\nstep demo {cap} true"
+def test_gpu_check_step_respects_the_deadline(left, cap, cmd, want_rc, want):
+    script = f"exec 3>&1\nDEADLINE=$((SECONDS + {left}))\n{_step_function()}\nstep demo {cap} bash -c '{cmd}'"
     p = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30)
-    assert (p.returncode, p.stdout.strip()) == (want_rc, want)
+    assert (p.returncode, p.stdout.splitlines()) == (want_rc, want)
+
+
+def test_gpu_check_step_interrupts_then_kills_at_its_timeout():
+    """SIGINT first (pytest writes its XML, Python prints where it was), SIGKILL 10 s later."""
+    script = (f"exec 3>&1\nDEADLINE=$((SECONDS + 100))\n{_step_function()}\n"
+              "step demo 1 python3 -c 'import time\ntry:\n time.sleep(30)\nexcept KeyboardInterrupt:\n print(\"interrupted\")\n raise'")
+    p = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+    lines = p.stdout.splitlines()
+    assert lines[:2] == ["gpu_check: demo (timeout 1s)", "interrupted"] and p.returncode == 124, p.stdout + p.stderr
 
 
 # ----------------------------------------------------------------------------- the copy_engine row

@@ -110,8 +110,8 @@ def cuda_commands(nvcc: str, work: str, out: str) -> tuple[list[list[str]], list
     for s in host_srcs:
         src = os.path.join(ROOT, "csrc", s)
         obj = os.path.join(work, s.replace("/", "_") + ".o")
-        compiles.append([cxx, "-std=c++20", "-O3", "-fPIC", "-fvisibility=hidden", "-Wall", "-Wextra", *inc, *py_inc,
-                         "-c", src, "-o", obj])
+        compiles.append([cxx, "-std=c++20", "-O3", "-ffp-contract=off", "-fPIC", "-fvisibility=hidden", "-Wall", "-Wextra",
+                         *inc, *py_inc, "-c", src, "-o", obj])
         objs.append(obj)
     libdir = next((d for d in (f"{cuda_home}/lib64", f"{cuda_home}/targets/x86_64-linux/lib", f"{cuda_home}/lib")
                    if os.path.exists(os.path.join(d, "libcudart_static.a"))), f"{cuda_home}/lib64")

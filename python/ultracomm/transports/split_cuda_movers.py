@@ -9,9 +9,11 @@ on a one-GPU loopback domain, with one ``cuMemcpyAsync`` per message.
   the side stream current.  ProcessGroupNCCL makes its NCCL stream wait for the current stream
   before the op, and ``Work.wait()`` makes the current stream wait for the op (stream-level, the
   host does not block), so the side stream's order is the global order of the module above.
-  Inside a batch, point-to-point ops run on the group's own communicator (made by one barrier
-  when the transport is built), not on a per-pair communicator that the first send to a peer
-  would create while the host waits for that peer.
+  A batch is used (not a bare isend) because torch's NCCL coalescing path is meant to run
+  point-to-point ops on the group's communicator (made by one barrier when the transport is
+  built) rather than a per-pair communicator that the first send to a peer would create while
+  the host waits for that peer -- unverified here (no device): if a first op per pair still
+  blocks the host, it blocks once per pair, in the same global order on both ends.
 * COPY (loopback, :func:`enqueue_loopback`): NCCL refuses two ranks on one GPU, so a message is
   one device-to-device ``cuMemcpyAsync`` from the sender's Ref to the receiver's.
 
@@ -66,7 +68,7 @@ class NcclMessenger:
         import torch.distributed as dist
 
         fn = dist.isend if kind == SEND else dist.irecv
-        with torch.cuda.stream(side):
+        with torch.cuda.device(buf.device), torch.cuda.stream(side):  # NCCL wants the current device set
             for w in dist.batch_isend_irecv([dist.P2POp(fn, buf, self.global_rank[peer], self.group)]):
                 w.wait()  # NCCL: the current (side) stream waits for the op; the host does not
 

@@ -324,3 +324,17 @@ def test_a_failed_enqueue_releases_the_joins_and_abandons_the_streams(fake_cuda,
         with pytest.raises(UltracommError, match=r"enqueueing a copy_engine operation \(epoch 6\) failed: .*801"):
             t.check_error()
     ts[1].quiesce()  # returns: nothing is left in flight
+
+
+def test_close_after_a_failure_keeps_the_reduce_kernel(fake_cuda, domain):
+    """Freeing the tma reducer's device plans is a cudaFree, a device-wide wait that blocked streams
+    never end: after a failure the transport keeps it for good; otherwise it frees it."""
+    closed = []
+    failed, healthy = transports_for(domain, loopback=False)[:2]
+    for t in (failed, healthy):
+        t._tma = types.SimpleNamespace(close=lambda t=t: closed.append(t.rank))
+    failed._dog.fail(UltracommError("ultracomm: rank 0 weight_sync (multicast) epoch 2 timed out"))
+    kept = failed._tma
+    failed.close()
+    healthy.close()
+    assert closed == [healthy.rank] and kept in ce._KEPT

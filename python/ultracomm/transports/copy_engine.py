@@ -53,6 +53,7 @@ __all__ = ["CopyEngineTransport"]
 
 _READ_WAIT_S = 1.0  # bound on the watchdog's device reads (a side copy behind a blocked queue)
 _SIDE = -3  # stream key of the watchdog's reads (MAIN, DRAIN and ranks are the others)
+_KEPT: list = []  # reduce kernels of transports whose streams were abandoned: never freed (see close)
 
 
 def _pinned(n: int) -> torch.Tensor:
@@ -287,4 +288,9 @@ class CopyEngineTransport:
             for s in streams.values():  # queued work (even blocked for good) keeps its stream alive
                 self.driver.stream_destroy(s.cuda_stream)
         if self._tma is not None:
-            self._tma.close()
+            if self.abandoned_streams():
+                # freeing its device plans or runner is a cudaFree, which waits for every stream of
+                # the device: the blocked ones never finish
+                _KEPT.append(self._tma)
+            else:
+                self._tma.close()

@@ -22,22 +22,34 @@ void taot_matching(int64_t ne, int64_t nr, int64_t* sp_e, const int64_t* grp, in
                    int64_t* sp_r, const double* stat, const uint8_t* allowed, int64_t K,
                    int64_t n_inner, int64_t min_gain, bool mutual, bool two_pass, int64_t* g,
                    int64_t* rnd) {
-  // g, rnd: [ne, nr], caller-initialised (0 / -1).  allowed[i]: 0 never, 1 in the last pass,
-  // 2 in every pass (two_pass: pass 0 only matches pairs marked 2).
   const int64_t mg = std::max<int64_t>(min_gain, 1);
-  // allowance levels, 0 once the pair is used (a pair matches at most once)
   std::vector<uint8_t> lvl(allowed, allowed + ne * nr);
   std::vector<uint8_t> matched(static_cast<size_t>(nr));
   std::vector<int64_t> slots(static_cast<size_t>(nr), K);
   std::vector<int64_t> spill(static_cast<size_t>(ne));
+  // each rank's proposal (best expert, its score) and the version of that expert's row it
+  // was computed on: scores only fall within a round (spills, spares and allowances only
+  // shrink), so while that row is unchanged no other expert can overtake it (nor tie it
+  // with a lower id: it would have won the scan) and the proposal stands
   std::vector<int64_t> best_e(static_cast<size_t>(nr));
   std::vector<double> best_s(static_cast<size_t>(nr));
-  std::vector<int64_t> eb_r(static_cast<size_t>(ne));  // each expert's best rank (mutual)
-  std::vector<double> eb_s(static_cast<size_t>(ne));
-  // per expert: the winning (score, rank) of the current iteration
+  std::vector<int64_t> best_v(static_cast<size_t>(nr));
+  std::vector<int64_t> ver(static_cast<size_t>(ne), 0);  // bumped when a row's scores change
+  std::vector<int64_t> eb_r(static_cast<size_t>(ne));  // each proposed expert's best rank
+  std::vector<uint8_t> eb_ok(static_cast<size_t>(ne), 0);
   std::vector<double> win_s(static_cast<size_t>(ne));
   std::vector<int64_t> win_r(static_cast<size_t>(ne));
-  std::vector<int64_t> winners, act_r, act_e, a_sp(static_cast<size_t>(nr));
+  std::vector<int64_t> winners, act_r, act_e, a_sp(static_cast<size_t>(nr)), proposed;
+  // experts of each group (they share the group's cap)
+  int64_t ng = 0;
+  for (int64_t e = 0; e < ne; ++e) ng = std::max(ng, grp[e] + 1);
+  std::vector<int64_t> gstart(static_cast<size_t>(ng + 1), 0), gmem(static_cast<size_t>(ne));
+  for (int64_t e = 0; e < ne; ++e) ++gstart[grp[e] + 1];
+  for (int64_t q = 0; q < ng; ++q) gstart[q + 1] += gstart[q];
+  {
+    std::vector<int64_t> pos(gstart.begin(), gstart.end() - 1);
+    for (int64_t e = 0; e < ne; ++e) gmem[pos[grp[e]]++] = e;
+  }
   winners.reserve(static_cast<size_t>(ne));
   act_r.reserve(static_cast<size_t>(nr));
   act_e.reserve(static_cast<size_t>(ne));
@@ -45,56 +57,75 @@ void taot_matching(int64_t ne, int64_t nr, int64_t* sp_e, const int64_t* grp, in
   for (int64_t pass = 0; pass < passes; ++pass) {
     const uint8_t need = (two_pass && pass == 0) ? 2 : 1;
     for (int64_t k = 0; k < K; ++k) {
-      for (int64_t r = 0; r < nr; ++r) matched[r] = slots[r] <= 0;
+      for (int64_t r = 0; r < nr; ++r) {
+        matched[r] = slots[r] <= 0;
+        best_v[r] = -1;  // a new round: every proposal is scanned afresh
+      }
       for (int64_t it = 0; it < n_inner; ++it) {
-        // active ranks (unmatched, room for a match) and experts (spill >= mg); candidates
-        // only shrink within a round, so a rank without one is dropped for the round
         act_r.clear();
-        for (int64_t r = 0; r < nr; ++r) {
-          best_e[r] = -1;
-          best_s[r] = kNeg;
+        for (int64_t r = 0; r < nr; ++r)
           if (!matched[r] && sp_r[r] >= mg) act_r.push_back(r);
-        }
         act_e.clear();
         for (int64_t e = 0; e < ne; ++e) {
           spill[e] = std::min(sp_e[e], exc[grp[e]]);
-          eb_r[e] = -1;
-          eb_s[e] = kNeg;
           if (spill[e] >= mg) act_e.push_back(e);
         }
         if (act_r.empty() || act_e.empty()) break;
         const int64_t na = static_cast<int64_t>(act_r.size());
         for (int64_t j = 0; j < na; ++j) a_sp[j] = sp_r[act_r[j]];
-        for (const int64_t e : act_e) {
-          const int64_t se = spill[e];
-          const uint8_t* lv = lvl.data() + e * nr;
-          const double* st = stat + e * nr;
-          double ebs = kNeg;
-          int64_t ebr = -1;
-          for (int64_t j = 0; j < na; ++j) {
-            const int64_t r = act_r[j];
-            if (lv[r] < need) continue;
-            const int64_t gain = std::min(se, a_sp[j]);
+        // proposals: rescan the ranks whose best expert's row changed
+        for (int64_t j = 0; j < na; ++j) {
+          const int64_t r = act_r[j];
+          if (best_v[r] >= 0 && (best_e[r] < 0 || ver[best_e[r]] == best_v[r])) continue;
+          double bs = kNeg;
+          int64_t be = -1;
+          for (const int64_t e : act_e) {
+            const int64_t i = e * nr + r;
+            if (lvl[i] < need) continue;
+            const int64_t gain = std::min(spill[e], a_sp[j]);
             if (gain < mg) continue;
-            const double s = static_cast<double>(gain) + st[r];
-            if (s > best_s[r]) {  // experts ascend: ties keep the lowest expert id
-              best_s[r] = s;
-              best_e[r] = e;
-            }
-            if (s > ebs) {  // ranks ascend: ties keep the lowest rank
-              ebs = s;
-              ebr = r;
+            const double s = static_cast<double>(gain) + stat[i];
+            if (s > bs) {  // experts ascend: ties keep the lowest expert id
+              bs = s;
+              be = e;
             }
           }
-          eb_s[e] = ebs;
-          eb_r[e] = ebr;
+          best_e[r] = be;
+          best_s[r] = bs;
+          best_v[r] = be < 0 ? 0 : ver[be];
         }
         for (const int64_t r : act_r)
           if (best_e[r] < 0) matched[r] = 1;  // no candidate left this round
-        // arbitration: per expert the highest score, then the lowest rank
+        // each proposed expert's best rank (mutual acceptance)
+        proposed.clear();
+        if (mutual)
+          for (const int64_t r : act_r) {
+            const int64_t e = best_e[r];
+            if (e < 0 || eb_ok[e]) continue;
+            eb_ok[e] = 1;
+            proposed.push_back(e);
+            const int64_t se = spill[e];
+            const uint8_t* lv = lvl.data() + e * nr;
+            const double* st = stat + e * nr;
+            double ebs = kNeg;
+            int64_t ebr = -1;
+            for (int64_t j = 0; j < na; ++j) {
+              const int64_t q = act_r[j];
+              if (lv[q] < need) continue;
+              const int64_t gain = std::min(se, a_sp[j]);
+              if (gain < mg) continue;
+              const double s = static_cast<double>(gain) + st[q];
+              if (s > ebs) {  // ranks ascend: ties keep the lowest rank
+                ebs = s;
+                ebr = q;
+              }
+            }
+            eb_r[e] = ebr;
+          }
+        for (const int64_t e : proposed) eb_ok[e] = 0;
         std::fill(win_r.begin(), win_r.end(), -1);
         winners.clear();
-        for (int64_t r = 0; r < nr; ++r) {
+        for (const int64_t r : act_r) {
           const int64_t e = best_e[r];
           if (e < 0) continue;
           if (mutual && eb_r[e] != r) continue;
@@ -108,7 +139,6 @@ void taot_matching(int64_t ne, int64_t nr, int64_t* sp_e, const int64_t* grp, in
           }
         }
         if (winners.empty()) break;
-        // apply: highest score first, then lowest expert id; shared home excess clips
         std::sort(winners.begin(), winners.end(), [&](int64_t a, int64_t b) {
           if (win_s[a] != win_s[b]) return win_s[a] > win_s[b];
           return a < b;
@@ -126,6 +156,7 @@ void taot_matching(int64_t ne, int64_t nr, int64_t* sp_e, const int64_t* grp, in
           lvl[i] = 0;
           matched[r] = 1;
           --slots[r];
+          for (int64_t m = gstart[grp[e]]; m < gstart[grp[e] + 1]; ++m) ++ver[gmem[m]];
         }
       }
     }

@@ -224,6 +224,7 @@ bool cover_local(const CoverProblem& p, int64_t& budget,
   std::vector<int64_t> tabu_until(static_cast<size_t>(R), 0);
   std::vector<int64_t> out_d(static_cast<size_t>(R)), spv(static_cast<size_t>(R)),
       rgrp(static_cast<size_t>(R));
+  std::vector<int> hot_at(static_cast<size_t>(R));  // hot rank of each receiver's expert
   for (int j = 0; j < R; ++j) spv[j] = sp(j), rgrp[j] = p.recv_group[recv[j]];
   int64_t iter = 0;
   constexpr int64_t kFlowInfLocal = int64_t{1} << 62;
@@ -260,18 +261,24 @@ bool cover_local(const CoverProblem& p, int64_t& budget,
     };
     // what each receiver's leaving its expert changes (the same for every x), and per x
     // the terms of delta(x, t) that do not depend on t: the scan is most of the time
-    for (int j = 0; j < R; ++j) out_d[j] = delta(at[j], -sp(j));
+    for (int j = 0; j < R; ++j) {
+      out_d[j] = delta(at[j], -sp(j));
+      hot_at[j] = at[j] < 0 ? -1 : hot_of[at[j]];
+    }
     for (int x : short_x) {
       const int hx = hot_of[x];
       const int64_t gx = got[x], cx = p.cap[x], sh = shed[hx] - std::min(gx, cx);
       const int64_t gap0 = gap(hx, shed[hx]), grp = p.hot_group[hx];
       auto into_x = [&](int64_t d) { return gap(hx, sh + std::min(gx + d, cx)) - gap0; };
+      // into_x only falls as d grows: no move into x does better than lb; a move that
+      // cannot reach the best so far is skipped (consider would reject it unchanged)
+      const int64_t lb = gap(hx, sh + cx) - gap0;
       for (int j = 0; j < R; ++j) {  // j moves to x, or swaps with a smaller i at x
+        if (hot_at[j] == hx || rgrp[j] != grp) continue;  // (j at x: the same hot rank)
         const int y = at[j];
-        if (y == x || rgrp[j] != grp) continue;
         const int64_t t = spv[j];
-        if (y >= 0 && hot_of[y] == hx) continue;
-        consider(out_d[j] + into_x(t), j, -1, x);
+        if (out_d[j] + lb <= best) consider(out_d[j] + into_x(t), j, -1, x);
+        if (lb > best) continue;  // a swap adds delta(y, < 0) >= 0 to into_x >= lb
         for (int i : members[x]) {
           if (spv[i] >= t || !group_ok(i, y)) continue;
           consider(into_x(t - spv[i]) + delta(y, spv[i] - t), i, j, -1);

@@ -42,6 +42,26 @@ default global policy, like EPLB with one node, to balance across nodes).
 Like EPLB it fills every slot it can: good balance, many copies (a replica the quota
 step leaves without tokens is kept, as EPLB would copy it; ``info["idle"]`` counts
 them).
+
+What differs from EPLB, exactly:
+
+* Only the replica slots are placed; every expert keeps its home instance on its home
+  rank (EPLB places every physical expert, originals included).
+* Counts: EPLB's ``replicate_experts`` rule, plus the fixed-home rank rule (step 1); the
+  default keeps the plan of either whose most loaded rank is lighter.
+* Packing: EPLB's ``balanced_packing`` over the replica instances only, rank loads
+  starting from the home instances' even shares; a rank takes at most ``slots_per_rank``
+  replicas, never a replica of its own expert or a second one of the same expert; a
+  replica no rank can take is dropped (``info["dropped"]``).
+* Quotas: min-max for the placement (step 3) instead of EPLB's even split.
+* Hierarchical: the node of every expert is fixed by its home (EPLB first packs expert
+  groups onto nodes).
+
+Where it stays short: on the rank-blocked EP16 load at initial 3.0 it ends at 1.098 x mean
+where quota and taot reach 1.010 (perf/planners.md, "lpt on rank-blocked loads"): with the
+shares already min-max, what is left is the placement, and at 1.01 x mean that is a tight
+covering (spare only 4 % above the excess, in 22 slots) that counting and LPT packing by
+shares do not solve.
 """
 from __future__ import annotations
 

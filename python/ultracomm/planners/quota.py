@@ -74,9 +74,11 @@ known plan at 1.01 x mean with every receiver filled exactly
 (:func:`ultracomm.planners.planted.planted_load`), world 8-64, 400 loads per slots-per-rank
 value: 1 slot 395/400, 2 slots 399/400, 3 slots 400/400 met; every miss ends at the next
 probe, 1.02 x mean.  Four of the one-slot misses are the budget's price: their local
-search needs 135000-172000 units at the first probe (``cover_budget=240_000`` meets them,
-and calls then take up to ~2.5 ms); the fifth (world 64) and the two-slot miss (world 64)
-are not met by the searches even with ten times the budgets.
+search needs 70000-172000 units at the first probe (``cover_budget=240_000`` meets them,
+at up to 2-3 ms per call); the fifth (world 64) needs 381000, and the two-slot miss (world
+64) about 2000 limited-discrepancy additions (``search_budget=5000``: ~13 ms).  Once the
+replicas are placed, meeting ``T`` is decided exactly (the max-flow); what these misses
+lack is the placement, the NP-hard part.
 
 Token split: a source rank's own tokens go to its own instance first, the rest
 north-west-corner (:func:`~ultracomm.planners.base.split_tokens`).

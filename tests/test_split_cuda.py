@@ -10,18 +10,21 @@ import numpy as np
 import pytest
 import torch
 
-from ultracomm import PlanError, ReplicaPlan
+from ultracomm import ExpertLayout, Member, PlanError, ReplicaPlan
 from ultracomm.records import Op
 from ultracomm.schedule import build_schedule
+from ultracomm.transports.host import Masters
 from ultracomm.transports.split_cuda import SplitCudaTransport
 from ultracomm.transports.split_cuda_shadow import NO_SHADOW, DeviceShadows
 from ultracomm.transports.split_cuda_watchdog import DONE, PROGRESS, STARTED, SideWatchdog, progress_value
 from ultracomm.transports.tma_loopback import LoopbackRunner
 from ultracomm.transports.split_stream import COPY, OWN, WAIT_GE, WRITE, loopback_sequence, stream_program
 
+from test_gpu_paths_cpu import Bindings, assert_reached_cuda, real_cuda  # noqa: F401 - real_cuda is a fixture
 from test_split_stream import DOM, WL, programs_2x2
 
 PLAN = ReplicaPlan.make(np.array([[-1], [-1], [0], [0]], dtype=np.int32), experts_per_rank=1)
+LAYOUT = ExpertLayout((Member("w", (64,), torch.float32),), grad_dtype=torch.float32)  # 256 B, as WL
 
 
 def schedule(mode):
@@ -228,3 +231,41 @@ def test_bad_inputs_are_refused_with_what_to_do():
         sh.ensure([1])
     assert sh.ensure([2]) and not sh.ensure([2]) and sh.bytes_held() == 64
     assert sh.bases([10, 11, 12, 13]) == [10, 11, sh.views[2].data_ptr(), NO_SHADOW]
+
+
+@pytest.mark.parametrize("loopback", [False, True])
+def test_the_pointer_tables_pass_the_real_bindings_plan_checks(real_cuda, monkeypatch, loopback):
+    """With the real ``_cuda`` binding (no device: it fails at its first CUDA call, which comes
+    before its plan validation), every rank's plan arguments convert; the pointer tables -- shadows
+    and NO_SHADOW for other domains -- hold no null or misaligned base, which csrc/validate_exec.cpp
+    would refuse on a device."""
+    from ultracomm.transports import split_cuda as split_cuda_mod
+    from ultracomm.transports import tma as tma_mod
+
+    monkeypatch.setattr(tma_mod, "cuda_runtime", lambda device, what="": Bindings(real_cuda))
+    monkeypatch.setattr(split_cuda_mod, "DeviceShadows", lambda *a: DeviceShadows(
+        *a[:3], "cpu", alloc=lambda n, dev: torch.zeros(n, dtype=torch.uint8)))
+    shared: dict = {}
+    ts = []
+    for r in range(4):
+        win = SimpleNamespace(provider="cuda_local" if loopback else "cuda_ipc", world=4, loopback=loopback,
+                              shared=shared, local=SimpleNamespace(device=torch.device("cuda", 0)),
+                              peer_bases=[0x7000_0000_0000 + (i << 32) if loopback or DOM[i] == DOM[r] else 0
+                                          for i in range(4)])
+        log = Log()
+        ts.append(SplitCudaTransport(comm=None, rank=r, world=4, window=win, wlayout=WL, layout=LAYOUT,
+                                     num_workers=1, timeout_s=2.0, multicast_sms=2, reduce_sms=2, domain_of=DOM,
+                                     drv=FakeDriver(log), messenger=FakeMessenger(log), side=FakeSide(log),
+                                     dog=SideWatchdog(r, 2.0, log.append, words=torch.zeros(3, dtype=torch.int64),
+                                                      autostart=False)))
+    assert [t.tma.multicast_sms for t in ts] == [2] * 4  # below the NCCL reserve's cap (132 - 16 SMs)
+    w = (torch.zeros((1, 64), dtype=torch.float32), )
+    masters = Masters.of(w, w, 1, ["w"])
+    for op in (Op.MULTICAST, Op.REDUCE):
+        with pytest.raises(RuntimeError) as ei:
+            for t in ts:  # a loopback set reaches the binding at its last rank
+                t.run(op, schedule("force"), 1, masters, PLAN.slot_src[t.rank].tolist(),
+                      PLAN.local_index_of.tolist(), "x", 0)
+        assert_reached_cuda(ei)
+    assert ts[0].tma._bases[2] == ts[0].shadows.views[2].data_ptr() and ts[0].tma._bases[3] == NO_SHADOW
+    assert all(b != 0 and b % 8 == 0 for t in ts for b in t.tma._bases)

@@ -131,14 +131,16 @@ class SplitCudaTransport:
                 raise ValueError(f"ultracomm: transport 'split': rank {r} is in this rank's memory domain but the "
                                  "window does not reach it")
         self.loopback = bool(getattr(window, "loopback", False))
-        if tma is None:
+        if drv is None:
             from ..cuda_driver import driver
+
+            drv = driver()
+        if tma is None:
             from .tma import TmaTransport
 
             tma = TmaTransport(rank=rank, world=world, window=window, wlayout=wlayout, layout=layout,
                                num_workers=num_workers, timeout_s=timeout_s, multicast_sms=multicast_sms,
                                reduce_sms=reduce_sms)
-            drv = driver()
             if not self.loopback:
                 cap = max(1, tma.runner.sm_count - NCCL_SM_RESERVE)
                 tma.multicast_sms, tma.reduce_sms = min(tma.multicast_sms, cap), min(tma.reduce_sms, cap)

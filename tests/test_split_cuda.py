@@ -58,6 +58,9 @@ class FakeTma:
         if shared is not None:  # one LoopbackRunner per loopback domain, as tma_loopback.runner_for keeps it
             self._loopback = shared.setdefault("runner", LoopbackRunner(FakeCuda(log), 4, 0, 5.0))
 
+    def close(self):
+        self.log.append(("tma_close", self.rank))
+
     def check_error(self):  # the kernel recorded nothing (loopback: the domain's runner says)
         if hasattr(self, "_loopback"):
             self._loopback.check_error(self.rank)
@@ -82,6 +85,11 @@ class FakeDriver:
 
     def memcpy(self, dst, src, nbytes, stream):
         self.log.append(("copy", stream, dst, src, nbytes))
+
+    bound: tuple = ()
+
+    def bind(self, device):  # not in the log: it orders nothing on a stream
+        self.bound += (device,)
 
 
 class FakeMessenger:

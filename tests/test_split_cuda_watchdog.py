@@ -9,6 +9,7 @@ import torch
 
 from ultracomm import UltracommTimeout
 from ultracomm.records import Op
+from ultracomm.transports import split_cuda
 from ultracomm.transports.split_cuda_watchdog import ABORT, DONE, PROGRESS, STARTED, SideWatchdog, progress_value
 from ultracomm.transports.split_stream import stream_program
 
@@ -94,6 +95,19 @@ def test_the_transport_raises_it_once_and_reports_abandoned_streams():
     with pytest.raises(UltracommTimeout, match=r"rank 0 weight_sync \(epoch 3, transport split, side stream\)"):
         t.check_error()
     t.check_error()
+    # closing frees nothing the blocked side stream may still use or that a cudaFree would wait for
+    shadows = t.shadows
+    t.close()
+    assert ("tma_close", 0) not in log and shadows.views and (t.tma, shadows) in split_cuda._KEPT
+
+
+def test_close_after_success_frees_the_kernel_plans_and_shadows():
+    log = Log()
+    t = transport(0, log, window_of(0))
+    t.run(Op.MULTICAST, schedule("force"), 3, None, [-1], [0], "weight_sync", 5)
+    assert t.shadows.views
+    t.close()
+    assert log[-1] == ("tma_close", 0) and not t.shadows.views and t.drv.bound[-1] == 0
 
 
 def test_loopback_every_rank_raises_the_watchdogs_error():

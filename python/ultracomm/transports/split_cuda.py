@@ -63,6 +63,7 @@ NCCL_SM_RESERVE = 16  # SMs the persistent kernel leaves free for NCCL's kernels
 _CACHE = 128
 _LOCK = threading.Lock()  # the loopback domain's shared dict
 _DIGEST_MISMATCH = 2  # ErrorCode kDigestMismatch (include/ultracomm/error_record.h)
+_KEPT: list = []  # (kernel, shadows) of transports closed with a blocked side stream: never freed
 
 
 def _side_launches(window: Any) -> LoopbackLaunches:
@@ -220,6 +221,7 @@ class SplitCudaTransport:
         word after each message (``enqueue(mark)``), done; the caller's stream joins on done (a
         host word the watchdog can release)."""
         dog, drv = self.dog, self.drv
+        self._bind()
         self.side.fork(stream)
         launch()
         side = self.side.get()[0]
@@ -301,7 +303,19 @@ class SplitCudaTransport:
         """Stop the watchdog; free plans, shadows and the side stream (after the caller's synchronize;
         after a failure the Context keeps the window mapped: :meth:`abandoned_streams`)."""
         self.dog.stop()
-        self.tma.close()
-        if not self.abandoned_streams():  # a blocked side stream may still write into its shadows
+        self._bind()
+        if self.abandoned_streams():
+            # freeing the kernel's plans, its runner or the shadows is a cudaFree, which waits for every
+            # stream of the device: the blocked side stream never finishes (and may still write shadows)
+            _KEPT.append((self.tma, self.shadows))
+        else:
+            self.tma.close()
             self.shadows.close()
         self.side.close()
+
+    def _bind(self) -> None:
+        """Make the device's primary context current on this thread before driver calls (a rank's
+        or the closing thread may have made no runtime call yet: :meth:`Driver.bind`)."""
+        bind = getattr(self.drv, "bind", None)
+        if bind is not None:
+            bind(self.window.local.device.index or 0)

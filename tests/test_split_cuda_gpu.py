@@ -35,7 +35,8 @@ LAYOUT = ExpertLayout((Member("fc1", (40, 24), torch.bfloat16), Member("fc2", (5
 
 def make(world, epr, slots, transport, mode, domain, node_of, grad_dtype=torch.float32):
     layout = ExpertLayout(LAYOUT.members, grad_dtype=grad_dtype)
-    opts = dict(relay_mode=mode, chunk_bytes=1024, tile_bytes=256, timeout_s=20.0, node_of=node_of)
+    # tiny shapes: a short timeout, so that a failure cannot eat gpu_check's whole test step
+    opts = dict(relay_mode=mode, chunk_bytes=1024, tile_bytes=256, timeout_s=3.0, node_of=node_of)
     if transport == "host":
         opts.update(transport="host", window="local", num_workers=2)
         dev = "cpu"
@@ -120,15 +121,22 @@ def test_loopback_ranks_on_different_plans_raise_plan_error_everywhere():
     ctxs, _ = make(4, 1, 1, "split", "off", "a,a,b,b", None)
     a = ReplicaPlan.make(np.array([[-1], [-1], [0], [0]], np.int32), experts_per_rank=1)
     b = ReplicaPlan.make(np.array([[-1], [-1], [0], [1]], np.int32), experts_per_rank=1)
-    errors = []
+    errors: list = [None] * len(ctxs)
+    # every rank deposits first (ranks 0-2 only join the launch set; rank 3's call completes it and
+    # raises), then each synchronizes: the check runs when the set is complete, not at each call
     for c in ctxs:
         try:
             c.weight_sync(c.begin(0), b if c.rank == 3 else a)
-            c.synchronize()
-            errors.append(None)
         except PlanError as e:
-            errors.append(str(e))
+            errors[c.rank] = str(e)
+    for c in ctxs:
+        try:
+            c.synchronize()
+        except PlanError as e:
+            errors[c.rank] = str(e)
     assert all(e is not None and "runs a different plan for this operation" in e for e in errors), errors
+    for c in ctxs:
+        c.close()
 
 
 def test_split_refuses_graph_capture(monkeypatch):

@@ -98,7 +98,7 @@ def test_the_transport_raises_it_once_and_reports_abandoned_streams():
     # closing frees nothing the blocked side stream may still use or that a cudaFree would wait for
     shadows = t.shadows
     t.close()
-    assert ("tma_close", 0) not in log and shadows.views and (t.tma, shadows) in split_cuda._KEPT
+    assert ("tma_close", 0) not in log and shadows.views and (t.tma, shadows, t.dog) in split_cuda._KEPT
 
 
 def test_close_after_success_frees_the_kernel_plans_and_shadows():
@@ -130,3 +130,64 @@ def test_loopback_every_rank_raises_the_watchdogs_error():
         with pytest.raises(UltracommTimeout, match="side stream\\) gave up after 10 s copying message 1 of 6"):
             t.check_error()
         t.check_error()
+
+
+class FailingMessenger:
+    def __init__(self):
+        self.posted = 0
+
+    def post(self, kind, buf, peer, side):
+        self.posted += 1
+        if self.posted == 2:
+            raise RuntimeError("NCCL error: unhandled system error")
+
+
+def test_a_failed_enqueue_abandons_the_side_stream_and_releases_the_join():
+    log = Log()
+    t = transport(0, log, window_of(0))
+    t.messenger = FailingMessenger()
+    with pytest.raises(split_cuda.UltracommError,
+                       match=r"rank 0 weight_sync \(epoch 3, transport split\): enqueueing the side stream failed "
+                             r"\(RuntimeError: NCCL error: unhandled system error\)"):
+        t.run(Op.MULTICAST, schedule("force"), 3, None, [-1], [0], "weight_sync", 5)
+    # nothing waits for the half-queued op: released join, no pending op, streams reported abandoned
+    assert int(t.dog.words[DONE]) == ABORT and t.dog.pending() == 0 and t.abandoned_streams()
+    t.check_error()  # raised where it happened, not a second time
+    t.close()
+    assert ("tma_close", 0) not in log
+
+
+def test_the_side_group_has_its_own_nccl_options(monkeypatch):
+    import types
+
+    import torch.distributed as dist
+
+    from ultracomm.transports import split_cuda_movers as movers
+
+    made = {}
+
+    class Options:
+        def __init__(self):
+            self.config = types.SimpleNamespace()
+
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", types.SimpleNamespace(Options=Options), raising=False)
+    monkeypatch.setattr(dist, "get_global_rank", lambda g, r: 10 + r)
+    monkeypatch.setattr(dist, "new_group", lambda ranks, **kw: made.update(ranks=ranks, **kw) or "side-pg")
+    monkeypatch.setattr(dist, "barrier", lambda group, device_ids: made.update(barrier=(group, device_ids)))
+    m = movers.side_group("user-pg", 3, torch.device("cuda", 1), split_cuda.NCCL_SM_RESERVE)
+    cfg = made["pg_options"].config
+    assert (cfg.cga_cluster_size, cfg.min_ctas, cfg.max_ctas) == (1, 1, split_cuda.NCCL_SM_RESERVE)
+    assert made["ranks"] == [10, 11, 12] and made["backend"] == "nccl" and made["use_local_synchronization"]
+    assert made["barrier"] == ("side-pg", [1]) and m.group == "side-pg" and m.global_rank == [10, 11, 12] and m.owned
+
+
+def test_one_hardware_queue_is_warned_about(monkeypatch, caplog):
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    with caplog.at_level("WARNING", logger="ultracomm"):
+        transport(0, Log(), window_of(0))
+    assert "CUDA_DEVICE_MAX_CONNECTIONS=1 puts every stream of the device in one hardware queue" in caplog.text
+    caplog.clear()
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+    with caplog.at_level("WARNING", logger="ultracomm"):
+        transport(0, Log(), window_of(0))
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in caplog.text

@@ -467,3 +467,15 @@ def check_window_layout(wlayout: Mapping[str, int]) -> None:
         if end > nxt or wlayout["total_bytes"] >= 2**63:
             raise ConfigError(f"ultracomm: the window layout's {name} region overruns the next one ({end} > {nxt}): "
                               "the slot sizes are too large for a window; use fewer or smaller slots")
+
+
+def cuda_device_max_connections(environ: Optional[Mapping[str, str]] = None) -> Optional[int]:
+    """CUDA's ``CUDA_DEVICE_MAX_CONNECTIONS`` (not ultracomm's: read here so that every variable
+    ultracomm looks at is in this module), or None when unset or not an integer.  At 1 every
+    stream of a device shares one hardware queue: work queued behind a stream memory wait that
+    never completes waits with it (the ``split`` transport warns)."""
+    env = os.environ if environ is None else environ
+    try:
+        return int(env.get("CUDA_DEVICE_MAX_CONNECTIONS", ""))
+    except ValueError:
+        return None

@@ -21,17 +21,24 @@ window (``tma``'s ``reject``): ranks of its domain raise ``PlanError`` at once, 
 domains (to which no header goes, as the rejecting rank has no program) time out naming it.
 
 SMs: the kernel's CTAs per rank are capped at the device's SMs minus :data:`NCCL_SM_RESERVE`
-(NCCL's point-to-point kernels need SMs of their own while the persistent kernel spins; the
-loopback mover copies with copy engines and needs none).  Not capturable in a CUDA graph: the
+(NCCL's point-to-point kernels need SMs of their own while the persistent kernel spins), and the
+side stream's own NCCL group is made with at most that many CTAs and thread-block clusters off
+(:func:`.split_cuda_movers.side_group`: sm_90's default clusters of 4 must fit in one GPC); the
+loopback mover copies with copy engines and needs none.  16 is a guess until a device run.  Not capturable in a CUDA graph: the
 side stream's flag operations carry the host's epoch as a literal (refused while capturing).
 
 Failures: the caller's stream joins the side stream through a pinned host word that a watchdog
-releases after twice the timeout (:mod:`.split_cuda_watchdog`), so a cross-domain peer that dies
+releases after twice the timeout (:mod:`.split_cuda_watchdog`; CUDA does not see the ordering that
+stream waits make, so with ``CUDA_DEVICE_MAX_CONNECTIONS=1`` -- one hardware queue for all
+streams -- the release may not reach work queued behind the blocked side stream: a warning says
+so), so a cross-domain peer that dies
 gives ``UltracommTimeout`` at ``Work.wait()`` (the kernel's, naming the peer it waited for, then
 the watchdog's, naming the stuck message), not a hung caller stream.  The side stream itself stays
 blocked (an NCCL receive or a stream wait cannot be cancelled) until NCCL's own timeout aborts
-its communicator: after that the Context skips device-wide synchronisation and keeps the window
-mapped.  Status: built and checked on the CPU with fakes; not run on a device here.  Shadows are
+its communicator (torch's process-group timeout; with its default async error handling that tears
+the process down -- the side stream's messages use the transport's own NCCL group, so the user's
+group is not the one aborted): until then the Context skips device-wide synchronisation and keeps
+the window, the kernel's plans and the shadows allocated (freeing is a device-wide wait).  Status: built and checked on the CPU with fakes; not run on a device here.  Shadows are
 full-size allocations (:mod:`.split_cuda_shadow`).
 """
 from __future__ import annotations
@@ -44,13 +51,14 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..cuda_support import make_error_record, raise_record
+from ..env import cuda_device_max_connections
 from ..errors import UltracommError
 from ..loopback_launch import Deposit, LoopbackLaunches
 from ..records import Op
 from .bridge_program import build_bridge_program
 from .host import Masters, op_digest
 from .p2p_waves import cached_program
-from .split_cuda_movers import NcclMessenger, Spaces, enqueue_loopback, enqueue_rank_stream
+from .split_cuda_movers import Spaces, enqueue_loopback, enqueue_rank_stream, side_group
 from .split_cuda_shadow import DeviceShadows
 from .split_cuda_watchdog import DONE, PROGRESS, STARTED, SideWatchdog, progress_value
 from .split_stream import loopback_sequence, messages, rank_stream
@@ -155,9 +163,14 @@ class SplitCudaTransport:
         if messenger is None and crosses and not self.loopback:
             from .p2p_messengers import messenger_for
 
-            m = messenger_for(comm, world, window.local.device)  # NCCL group; its barrier makes the communicator
-            messenger = NcclMessenger(m.group, m.global_rank)
+            m = messenger_for(comm, world, window.local.device)  # checks the group is NCCL
+            messenger = side_group(m.group, world, window.local.device, NCCL_SM_RESERVE)
         self.messenger = messenger
+        if crosses and cuda_device_max_connections() == 1:
+            log.warning("ultracomm split: CUDA_DEVICE_MAX_CONNECTIONS=1 puts every stream of the device in one "
+                        "hardware queue: if a cross-domain peer fails, the watchdog's release of this rank's "
+                        "stream may not reach work queued behind the blocked side stream (it can hang instead of "
+                        "raising UltracommTimeout); leave the variable unset or > 1 with this transport")
         self.side = side if side is not None else SideStream(drv, window.local.device)
         self.dog = dog if dog is not None else SideWatchdog(rank, timeout_s, self._on_dog_failure)
         self._errors: list[BaseException] = []
@@ -198,6 +211,7 @@ class SplitCudaTransport:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise UltracommError("ultracomm: transport 'split' cannot be captured in a CUDA graph (its side stream's "
                                  "flag operations carry the epoch as a literal); run it outside the capture")
+        self._bind()  # before the first driver call (shadows, the side stream) on this thread
         prog, ops = self.program(op, schedule)
         self._ensure_shadows(prog.peers)
         if self.loopback:
@@ -221,20 +235,35 @@ class SplitCudaTransport:
         word after each message (``enqueue(mark)``), done; the caller's stream joins on done (a
         host word the watchdog can release)."""
         dog, drv = self.dog, self.drv
-        self._bind()
         self.side.fork(stream)
         launch()
         side = self.side.get()[0]
-        drv.write_value(side, dog.addr(STARTED), epoch)
-        enqueue(lambda k: drv.write_value(side, dog.addr(PROGRESS), progress_value(epoch, k)))
-        drv.write_value(side, dog.addr(DONE), epoch)
-        drv.wait_value(stream, dog.addr(DONE), epoch)
+        try:
+            drv.write_value(side, dog.addr(STARTED), epoch)
+            enqueue(lambda k: drv.write_value(side, dog.addr(PROGRESS), progress_value(epoch, k)))
+            drv.write_value(side, dog.addr(DONE), epoch)
+            drv.wait_value(stream, dog.addr(DONE), epoch)
+        except BaseException as e:
+            # part of the op is queued (the kernel, maybe waits or a receive on the side stream) and may
+            # never finish: fail like a watchdog timeout so nothing waits for it (abandoned_streams)
+            err = UltracommError(f"ultracomm: rank {self.rank} {name} (epoch {epoch}, transport split): enqueueing "
+                                 f"the side stream failed ({type(e).__name__}: {e}); this Context cannot be used "
+                                 f"further: close it")
+            dog.abandon(err)
+            if self.loopback:  # the other ranks of the launch raise it at their check_error
+
+                def throw(me: int, op_name: str | None, timeout_s: float) -> None:
+                    raise err
+
+                self.tma._loopback.record_failure(throw, None, raised_by=self.rank)
+            raise err from e
         dog.add(epoch, name, ops)
 
     def _launch_loopback(self, deps: Sequence[Deposit]) -> None:
         """Every loopback rank deposited: fork, one kernel launch for all, the merged crossings on
         one side stream, join (all on the one stream every rank used)."""
         stream, epoch = deps[0].stream, max(d.epoch for d in deps)
+        self._bind()  # the launching rank's thread
         self._check_plans(deps, epoch)
         progs = [d.item[1] for d in deps]
         seq = loopback_sequence([p for p in progs if p.peers], self.wlayout)
@@ -307,10 +336,12 @@ class SplitCudaTransport:
         if self.abandoned_streams():
             # freeing the kernel's plans, its runner or the shadows is a cudaFree, which waits for every
             # stream of the device: the blocked side stream never finishes (and may still write shadows)
-            _KEPT.append((self.tma, self.shadows))
+            _KEPT.append((self.tma, self.shadows, self.dog))  # the dog's pinned words too: queued writes
         else:
             self.tma.close()
             self.shadows.close()
+            if self.messenger is not None and hasattr(self.messenger, "close"):
+                self.messenger.close()
         self.side.close()
 
     def _bind(self) -> None:

@@ -20,7 +20,10 @@ on a one-GPU loopback domain, with one ``cuMemcpyAsync`` per message.
 What stays blocked on a failure: a WAIT_GE whose flag never comes, and an NCCL receive whose
 peer never sends, hold the side stream (and that NCCL communicator's stream) until the peer
 shows up or the process group's own timeout aborts the communicator; ultracomm cannot cancel
-either.  The caller's stream joins the side stream through a host word that a watchdog can
+either.  torch times an NCCL op from when it was queued, so an op stuck behind a blocked wait
+also reaches that timeout, and with torch's default async error handling the process is then
+torn down.  The messages use the transport's own NCCL group (:func:`side_group`), so the
+user's group and its collectives are not the ones aborted.  The caller's stream joins the side stream through a host word that a watchdog can
 release (:mod:`.split_cuda_watchdog`).
 """
 from __future__ import annotations
@@ -31,7 +34,7 @@ import torch
 
 from .split_stream import COPY, OWN, RECV, SEND, WAIT_GE, WRITE, Ref, StreamOp
 
-__all__ = ["Spaces", "NcclMessenger", "enqueue_rank_stream", "enqueue_loopback"]
+__all__ = ["Spaces", "NcclMessenger", "side_group", "side_group_options", "enqueue_rank_stream", "enqueue_loopback"]
 
 
 class Spaces:
@@ -59,10 +62,19 @@ class Driver(Protocol):  # ultracomm.cuda_driver.Driver's calls used here
 
 class NcclMessenger:
     """SEND/RECV of a rank's side stream over a torch.distributed NCCL group (module docstring).
-    ``global_rank[r]``: the global rank of group rank ``r``."""
+    ``global_rank[r]``: the global rank of group rank ``r``; ``owned``: the group was made for
+    this messenger (:func:`side_group`) and :meth:`close` destroys it."""
 
-    def __init__(self, group: Any, global_rank: Sequence[int]):
-        self.group, self.global_rank = group, list(global_rank)
+    def __init__(self, group: Any, global_rank: Sequence[int], owned: bool = False):
+        self.group, self.global_rank, self.owned = group, list(global_rank), owned
+
+    def close(self) -> None:
+        """Destroy an owned group (only when no side stream is blocked in it: the caller checks)."""
+        if self.owned and self.group is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group(self.group)
+        self.group = None
 
     def post(self, kind: str, buf: torch.Tensor, peer: int, side: torch.cuda.Stream) -> None:
         import torch.distributed as dist
@@ -71,6 +83,34 @@ class NcclMessenger:
         with torch.cuda.device(buf.device), torch.cuda.stream(side):  # NCCL wants the current device set
             for w in dist.batch_isend_irecv([dist.P2POp(fn, buf, self.global_rank[peer], self.group)]):
                 w.wait()  # NCCL: the current (side) stream waits for the op; the host does not
+
+
+def side_group_options(max_ctas: int) -> Any:
+    """NCCL options for the side stream's own communicator: thread-block clusters off (sm_90's
+    default of 4 CTAs per cluster must fit in one GPC, which the persistent kernel's CTAs may
+    leave too fragmented) and at most ``max_ctas`` CTAs, so NCCL's kernels fit on the SMs the
+    persistent kernel leaves free (unverified on a device)."""
+    import torch.distributed as dist
+
+    opts = dist.ProcessGroupNCCL.Options()
+    opts.config.cga_cluster_size = 1
+    opts.config.min_ctas = 1
+    opts.config.max_ctas = int(max_ctas)
+    return opts
+
+
+def side_group(comm_group: Any, world: int, device: torch.device, max_ctas: int) -> NcclMessenger:
+    """A new NCCL group over the ranks of the Context's group ``comm_group`` for the side stream
+    (its own communicator: NCCL options of :func:`side_group_options`, and a failure that leaves
+    it blocked leaves the user's group alone).  Collective over ``comm_group``'s ranks only."""
+    import torch.distributed as dist
+
+    ranks = [dist.get_global_rank(comm_group, r) for r in range(world)]
+    group = dist.new_group(ranks, backend="nccl", pg_options=side_group_options(max_ctas),
+                           use_local_synchronization=True)
+    # a group's first batch_isend_irecv must involve every rank: make the communicator now, together
+    dist.barrier(group=group, device_ids=[device.index])
+    return NcclMessenger(group, ranks, owned=True)
 
 
 def enqueue_rank_stream(ops: Sequence[StreamOp], epoch: int, spaces: Spaces, side: int, drv: Driver,

@@ -116,6 +116,16 @@ class SideWatchdog:
             self._pending.clear()
         self.on_failure(err)
 
+    def abandon(self, err: BaseException) -> None:
+        """An op failed while being enqueued (the caller raises ``err``): give up on the side stream
+        as a timeout would -- release any join already queued, forget what is pending -- without
+        calling ``on_failure`` (the error is raised where it happened)."""
+        with self._lock:
+            if self.failure is None:
+                self.failure = err
+            self.words[DONE] = ABORT
+            self._pending.clear()
+
     def _timeout(self, p: _Pending, k: int, bound: float) -> UltracommTimeout:
         where = f"ultracomm: rank {self.rank} {p.name} (epoch {p.epoch}, transport split, side stream)"
         if k >= len(p.messages):

@@ -54,17 +54,11 @@ def fill_replica_grads(ctxs):
             t.copy_(torch.arange(t.numel(), dtype=torch.float32).reshape(t.shape) * 1e-3 + 0.25 * (c.rank + 1) + m)
 
 
-@pytest.mark.parametrize("mode", ["off", "force"])
-@pytest.mark.parametrize("which", ["random", "hot"])
-def test_copy_engine_matches_host_bit_for_bit(mode, which):
-    world, epr, slots = 4, 2, 2
-    src = (random_slot_src(np.random.default_rng(3), world, slots, epr, fill=1.0) if which == "random"
-           else hot_slot_src(world, slots, epr, expert=1))
-    plan = ReplicaPlan.make(src, experts_per_rank=epr)
+def host_reference(hosts, hgrads, plan):
+    """The host executor's results on loopback Contexts ``hosts`` (master grads ``hgrads``):
+    weight_sync, replica grads filled, restore, grad_reduce; per rank (weights, master grads)."""
 
-    hosts, hgrads = make(world, epr, slots, "host", mode)
-
-    def host_body(group):
+    def body(group):
         c = hosts[group.rank]
         vid = c.begin(0)
         c.weight_sync(vid, plan)
@@ -77,7 +71,19 @@ def test_copy_engine_matches_host_bit_for_bit(mode, which):
         c.grad_reduce(vid)
         return w, [t.clone() for t in hgrads[group.rank]]
 
-    host = LoopbackDomain(world).run(host_body)
+    return LoopbackDomain(len(hosts)).run(body)
+
+
+@pytest.mark.parametrize("mode", ["off", "force"])
+@pytest.mark.parametrize("which", ["random", "hot"])
+def test_copy_engine_matches_host_bit_for_bit(mode, which):
+    world, epr, slots = 4, 2, 2
+    src = (random_slot_src(np.random.default_rng(3), world, slots, epr, fill=1.0) if which == "random"
+           else hot_slot_src(world, slots, epr, expert=1))
+    plan = ReplicaPlan.make(src, experts_per_rank=epr)
+
+    hosts, hgrads = make(world, epr, slots, "host", mode)
+    host = host_reference(hosts, hgrads, plan)
     for c in hosts:
         c.close()
 

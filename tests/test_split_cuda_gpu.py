@@ -24,7 +24,7 @@ import ultracomm
 from ultracomm import Context, ExpertLayout, LoopbackDomain, Member, PlanError, ReplicaPlan
 
 from conftest import expert_weights, hot_slot_src, random_slot_src
-from test_copy_engine_gpu import fill_replica_grads  # same replica grads as the copy_engine gpu test
+from test_copy_engine_gpu import fill_replica_grads, host_reference  # the copy_engine gpu test's grads and reference
 
 pytestmark = pytest.mark.gpu
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,20 +57,7 @@ def make(world, epr, slots, transport, mode, domain, node_of, grad_dtype=torch.f
 def run_all(ctxs, grads, plan, host: bool):
     """weight_sync, restore, grad_reduce of ``plan`` on every rank; per rank (weights, master grads)."""
     if host:
-        def body(group):
-            c = ctxs[group.rank]
-            vid = c.begin(0)
-            c.weight_sync(vid, plan)
-            w = [t.clone() for t in c.replica_weights]
-            group.barrier()
-            if group.rank == 0:
-                fill_replica_grads(ctxs)
-            group.barrier()
-            c.restore(vid)
-            c.grad_reduce(vid)
-            return w, [t.clone() for t in grads[group.rank]]
-
-        return LoopbackDomain(len(ctxs)).run(body)
+        return host_reference(ctxs, grads, plan)
     vids = [c.begin(0) for c in ctxs]
     for c, v in zip(ctxs, vids):
         c.weight_sync(v, plan)

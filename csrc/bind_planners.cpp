@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "planners/balance.h"
@@ -96,6 +97,16 @@ U8 consolidate(I64 home, I64 rank, I64 expert, U8 inter, py::array_t<int64_t> am
   return keep;
 }
 
+// A plan without replicas: slot_src [W, K] int32 -1, slot quotas [W, K] and moves [W, W, K] 0.
+std::tuple<py::array_t<int32_t>, I64, I64> empty_slots(int64_t W, int64_t K) {
+  py::array_t<int32_t> src({W, K});
+  I64 quota({W, K}), rep({W, W, K});
+  std::fill(src.mutable_data(), src.mutable_data() + W * K, -1);
+  std::fill(quota.mutable_data(), quota.mutable_data() + W * K, 0);
+  std::fill(rep.mutable_data(), rep.mutable_data() + W * W * K, 0);
+  return {src, quota, rep};
+}
+
 py::tuple finish(I64 g, I64 rnd, I64 ei, I64 ri, I64 home, I64 el, I64 L, U8 same, I64 load,
                  F64 bid, int64_t tgt, int64_t K, bool consolidate, double price_step,
                  py::object auction_cap) {
@@ -118,11 +129,7 @@ py::tuple finish(I64 g, I64 rnd, I64 ei, I64 ri, I64 home, I64 el, I64 L, U8 sam
                             home.data(), el.data(), L.data(), same.data(), load.data(),
                             bid.data(), tgt, consolidate, price_step, has_cap,
                             has_cap ? auction_cap.cast<int64_t>() : 0};
-  py::array_t<int32_t> src({W, K});
-  I64 quota({W, K}), rep({W, W, K});
-  std::fill(src.mutable_data(), src.mutable_data() + W * K, -1);
-  std::fill(quota.mutable_data(), quota.mutable_data() + W * K, 0);
-  std::fill(rep.mutable_data(), rep.mutable_data() + W * W * K, 0);
+  auto [src, quota, rep] = empty_slots(W, K);
   planners::TaotFinish f;
   {
     py::gil_scoped_release rel;
@@ -150,11 +157,7 @@ py::tuple run(I64 load, I64 el, I64 L, I64 home, I64 excess, I64 spare, F64 flow
                                same.data(), tgt, mg, alpha, dynamic_spill, mutual, two_pass,
                                consolidate, price_step, has_cap,
                                has_cap ? auction_cap.cast<int64_t>() : 0};
-  py::array_t<int32_t> src({W, K});
-  I64 squota({W, K}), rep({W, W, K});
-  std::fill(src.mutable_data(), src.mutable_data() + W * K, -1);
-  std::fill(squota.mutable_data(), squota.mutable_data() + W * K, 0);
-  std::fill(rep.mutable_data(), rep.mutable_data() + W * W * K, 0);
+  auto [src, squota, rep] = empty_slots(W, K);
   std::vector<int64_t> q;
   planners::TaotRun r;
   {

@@ -306,10 +306,12 @@ def test_auction_hand_cases():
     assert rounds == 2
 
 
-def _auction_inputs(rng, R: int, E: int, S: int, max_tokens: int):
-    """Random auction inputs: tokens n [R, E], slot experts [S], demands whose per-expert total
-    fits the expert's tokens, bonuses [R, S]."""
+def _auction_inputs(rng, R: int, E: int, S: int, max_tokens: int, sparse: bool = False):
+    """Random auction inputs: tokens n [R, E] (``sparse``: a random share of them 0), slot
+    experts [S], demands whose per-expert total fits the expert's tokens, bonuses [R, S]."""
     n = rng.integers(0, max_tokens, size=(R, E))
+    if sparse:
+        n *= rng.random((R, E)) < rng.random()
     se = rng.integers(0, E, size=S)
     demand = np.zeros(S, np.int64)
     for e in range(E):
@@ -378,17 +380,23 @@ def test_auction_cpp_matches_numpy(seed, R, E, S):
 
 @needs_cpp
 @settings(max_examples=80, deadline=None)
-@given(st.integers(0, 2**31 - 1), st.integers(1, 6), st.integers(1, 3), st.integers(1, 3),
-       st.booleans(), st.booleans(), st.booleans(), st.integers(1, 6))
-def test_matching_cpp_matches_numpy(seed, R, epr, K, dyn, mutual, two_pass, mg):
+@given(st.integers(0, 2**31 - 1), st.integers(1, 24), st.integers(1, 4), st.integers(1, 3),
+       st.booleans(), st.booleans(), st.booleans(), st.integers(1, 6), st.booleans())
+def test_matching_cpp_matches_numpy(seed, R, epr, K, dyn, mutual, two_pass, mg, tied):
+    """The C++ matching (which keeps a rank's proposal while its expert's row is unchanged)
+    gives the numpy reference's matches and rounds: many ranks, shared home caps, homes in
+    shuffled order, and (``tied``) integer hints so that scores tie."""
     rng = np.random.default_rng(seed)
     E = R * epr
-    home = np.arange(E) // epr
-    spill = rng.integers(0, 30, size=E)
-    spare = rng.integers(0, 30, size=R)
+    home = rng.permutation(np.arange(E) // epr)
+    spill = rng.integers(0, 30 * epr, size=E)
+    spare = rng.integers(0, 30 * epr, size=R)
     B = rng.choice([0.5, 1.0], size=(E, R))
-    hint = rng.random((E, R)) * rng.integers(0, 2)
-    hx = rng.integers(0, 40, size=R) if dyn else None
+    if tied:
+        hint = rng.integers(0, 3, size=(E, R)).astype(float)
+    else:
+        hint = rng.random((E, R)) * rng.integers(0, 2)
+    hx = rng.integers(0, 40 * epr, size=R) if dyn else None
     fp = rng.random((E, R)) < 0.5 if two_pass else None
     kw = dict(home_excess=hx, min_gain=mg, mutual=mutual, first_pass=fp)
     a = taot.column_first_matching(spill, spare, B, hint, home, K, 3.0, backend="numpy", **kw)

@@ -1,8 +1,8 @@
 """TAOT's C++ path gives bit-identical plans to the numpy reference (backend="numpy") on a
 family of seeded loads (the eval's EP64 shapes, EP16/EP72, Zipf / rank-blocked / hot-rank)
 and option sets; the pruned C++ auction picks what a scan of every rank picks, on random
-inputs over several blocks of ranks and price steps; and the C++ matching's cached proposals
-give the numpy reference's matches."""
+inputs over several blocks of ranks and price steps (the matching's cached proposals:
+test_planners.test_matching_cpp_matches_numpy)."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from test_planners import _auction_inputs
 from ultracomm import workloads
 from ultracomm.planners import Domain, taot
 
@@ -61,14 +62,7 @@ def test_auction_pruned_scan_matches_numpy(seed, R, E, S, step, structured):
     """Slots' bids over up to 5 blocks of 8 ranks: the block and rank pruning of the C++ bid
     keeps the numpy argmax (ties: lowest rank), with node-structured or arbitrary bonuses."""
     rng = np.random.default_rng(seed)
-    n = rng.integers(0, 30, size=(R, E)) * (rng.random((R, E)) < rng.random())
-    se = rng.integers(0, E, size=S)
-    demand = np.zeros(S, np.int64)
-    for e in range(E):
-        idx = np.flatnonzero(se == e)
-        if idx.size:
-            cuts = np.sort(rng.integers(0, n[:, e].sum() + 1, size=idx.size))
-            demand[idx] = np.diff(cuts, prepend=0)
+    n, se, demand, _ = _auction_inputs(rng, R, E, S, 30, sparse=True)
     sr = rng.integers(0, R, size=S)
     if structured:  # taot's bonus: 1 within a node of 8, 0.5 across, tie-broken by slot rank
         bonus = np.where((np.arange(R)[:, None] // 8) == (sr[None, :] // 8), 1.0, 0.5)
@@ -109,27 +103,3 @@ def test_taot_run_rejects_bad_inputs():
                        (dict(min_gain=0), "min_gain >= 1")):
         with pytest.raises(ValueError, match=match):
             _core.taot_run(**{**args, **bad})
-
-
-@needs_cpp
-@settings(max_examples=80, deadline=None)
-@given(st.integers(0, 2**31 - 1), st.integers(2, 24), st.integers(1, 4), st.integers(1, 3),
-       st.booleans(), st.booleans(), st.booleans(), st.integers(1, 4))
-def test_matching_cached_proposals_match_numpy(seed, R, epr, K, dyn, mutual, two_pass, mg):
-    """The C++ matching keeps a rank's proposal while its expert's row is unchanged: the same
-    matches and rounds as the numpy reference's full rescans, with many ranks, shared home
-    caps, homes in shuffled order and tied scores (integer hints, two bonus levels)."""
-    rng = np.random.default_rng(seed)
-    E = R * epr
-    home = rng.permutation(np.arange(E) // epr)
-    spill = rng.integers(0, 60, size=E)
-    spare = rng.integers(0, 60, size=R)
-    B = rng.choice([0.5, 1.0], size=(E, R))
-    hint = rng.integers(0, 3, size=(E, R)).astype(float)
-    hx = rng.integers(0, 90, size=R) if dyn else None
-    fp = rng.random((E, R)) < 0.5 if two_pass else None
-    kw = dict(home_excess=hx, min_gain=mg, mutual=mutual, first_pass=fp)
-    a = taot.column_first_matching(spill, spare, B, hint, home, K, 3.0, backend="numpy", **kw)
-    b = taot.column_first_matching(spill, spare, B, hint, home, K, 3.0, backend="cpp", **kw)
-    np.testing.assert_array_equal(a[0], b[0])
-    np.testing.assert_array_equal(a[1], b[1])

@@ -541,7 +541,9 @@ def render(res: dict[str, list[Row]], wall_s: float) -> str:
         "first), so rounds are bounded by the number of sources a slot draws from; the C++ bid scans "
         "source ranks by blocks of 8 (a node), skipping a block or rank once its largest bonus "
         "less its price cannot reach the best bid, and only ranks still holding the expert's "
-        "tokens (same argmax and tie-break as a scan of every rank). Everything after phase 1 "
+        "tokens (same argmax and tie-break as a scan of every rank); the C++ matching rescans "
+        "only the cold ranks whose proposed expert's row changed (scores only fall within a "
+        "round, so the other proposals stand). Everything after phase 1 "
         "runs in C++ in one call (`_core.taot_run`: phase-2 inputs and scores, matching, "
         "consolidation, slot order, auction, the plan's quotas); the numpy reference gives "
         "bit-identical plans (tests compare them).",

@@ -142,9 +142,8 @@ def test_peer_on_another_plan_is_a_plan_error_and_receives_nothing():
     assert out["waited"] < 2.0  # found by the digest check, before the timeout
 
 
-def test_copy_engine_refuses_graph_capture(monkeypatch):
-    """Its commands carry the epoch as a literal: a replayed graph would rerun an old epoch."""
-    ctxs, _ = make(2, 1, 1, "copy_engine", "off")
+def assert_refuses_capture(ctxs, monkeypatch):
+    """Two loopback Contexts: a weight_sync while a capture is in progress is refused, then closed."""
     plan = ReplicaPlan.make(np.array([[1], [0]], np.int32), experts_per_rank=1)
     vids = [c.begin(0) for c in ctxs]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
@@ -153,3 +152,8 @@ def test_copy_engine_refuses_graph_capture(monkeypatch):
     monkeypatch.undo()
     for c in ctxs:
         c.close()
+
+
+def test_copy_engine_refuses_graph_capture(monkeypatch):
+    """Its commands carry the epoch as a literal: a replayed graph would rerun an old epoch."""
+    assert_refuses_capture(make(2, 1, 1, "copy_engine", "off")[0], monkeypatch)

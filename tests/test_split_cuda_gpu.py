@@ -20,11 +20,10 @@ import numpy as np
 import pytest
 import torch
 
-import ultracomm
 from ultracomm import Context, ExpertLayout, LoopbackDomain, Member, PlanError, ReplicaPlan
 
 from conftest import expert_weights, hot_slot_src, random_slot_src
-from test_copy_engine_gpu import fill_replica_grads, host_reference  # the copy_engine gpu test's grads and reference
+from test_copy_engine_gpu import assert_refuses_capture, fill_replica_grads, host_reference  # the copy_engine gpu test's grads and reference
 
 pytestmark = pytest.mark.gpu
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -127,15 +126,7 @@ def test_loopback_ranks_on_different_plans_raise_plan_error_everywhere():
 
 
 def test_split_refuses_graph_capture(monkeypatch):
-    ctxs, _ = make(2, 1, 1, "split", "off", "a,b", None)
-    plan = ReplicaPlan.make(np.array([[1], [0]], np.int32), experts_per_rank=1)
-    vids = [c.begin(0) for c in ctxs]
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    with pytest.raises(ultracomm.UltracommError, match="cannot be captured in a CUDA graph"):
-        ctxs[0].weight_sync(vids[0], plan)
-    monkeypatch.undo()
-    for c in ctxs:
-        c.close()
+    assert_refuses_capture(make(2, 1, 1, "split", "off", "a,b", None)[0], monkeypatch)
 
 
 def test_a_stalled_cross_domain_rank_is_a_named_timeout_and_the_callers_stream_is_released():

@@ -91,11 +91,20 @@ DevicePlan::DevicePlan(const std::vector<ExecArgs>& ranks) {
     v.refs = at<Ref>(base, off[i].refs, static_cast<size_t>(a.num_refs));
     std::memcpy(img.bytes.data() + i * sizeof(ExecView), &v, sizeof v);
   }
-  const cudaError_t e = cudaMemcpy(blob_, img.bytes.data(), bytes_, cudaMemcpyHostToDevice);
+  // A pageable-memory cudaMemcpy returns once the bytes are staged, "but the DMA to final
+  // destination may not have completed" (CUDA runtime API, memcpy synchronization behavior);
+  // the DMA rides the legacy stream, which does not order torch's non-blocking streams, so a
+  // launch enqueued there next could read a half-written plan.  Wait for the legacy stream.
+  cudaError_t e = cudaMemcpy(blob_, img.bytes.data(), bytes_, cudaMemcpyHostToDevice);
+  const char* call = "cudaMemcpy(plan upload)";
+  if (e == cudaSuccess) {
+    e = cudaStreamSynchronize(cudaStreamLegacy);
+    call = "cudaStreamSynchronize(cudaStreamLegacy) after the plan upload";
+  }
   if (e != cudaSuccess) {
     cudaFree(blob_);
     blob_ = nullptr;
-    throw_cuda(e, "cudaMemcpy(plan upload)", __FILE__, __LINE__);
+    throw_cuda(e, call, __FILE__, __LINE__);
   }
   views_ = static_cast<const ExecView*>(blob_);
 }

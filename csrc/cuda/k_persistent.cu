@@ -25,14 +25,13 @@ using DeviceMover = dev::VecMover;
 #endif
 
 // Group-collective: this rank's view into shared memory (read by every thread for every
-// task), with the launch's epoch: max(requested, last run + 1) (persistent_args.h).
+// task), with the launch's epoch, one for all its ranks (persistent_args.h launch_epoch).
 __device__ void load_view(ExecView& view, const PersistentArgs& a, int rank, uint64_t& epoch) {
   static_assert(sizeof(ExecView) % 8 == 0);
   const uint64_t* src = reinterpret_cast<const uint64_t*>(a.views + rank);
   uint64_t* dst = reinterpret_cast<uint64_t*>(&view);
   for (int i = threadIdx.x; i < static_cast<int>(sizeof(ExecView) / 8); i += blockDim.x) dst[i] = src[i];
-  const uint64_t last = a.state->ranks[rank].last_epoch;
-  epoch = a.epoch > last + 1 ? a.epoch : last + 1;
+  epoch = launch_epoch(*a.state, a.epoch, a.nranks);
   __syncthreads();
   if (threadIdx.x == 0) view.epoch = epoch;
   __syncthreads();
@@ -76,7 +75,7 @@ __global__ void __launch_bounds__(dev::kThreads, 1) k_persistent(const Persisten
   if (last_to_arrive(&a.state->done_ctas, gridDim.x, m) && m.leader()) {
     for (int r = 0; r < a.nranks; ++r) {
       RankState& s = a.state->ranks[r];
-      s.last_epoch = a.epoch > s.last_epoch + 1 ? a.epoch : s.last_epoch + 1;
+      s.last_epoch = epoch;
       s.next_task = 0;
       s.done_workers = 0;
     }

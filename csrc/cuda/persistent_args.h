@@ -1,10 +1,10 @@
 // The persistent kernel's argument struct and the state a launch shares with the next one:
 // plain structs, identical for nvcc and g++ (the launcher and the bindings fill them).
 //
-// Epochs.  A launch runs epoch e = max(args.epoch, last epoch this rank ran + 1): eager
+// Epochs.  A launch runs epoch e = max(args.epoch, last epoch its ranks ran + 1): eager
 // launches get the Context's epoch, and a CUDA graph replay (whose arguments are frozen at
 // capture) still runs a fresh, larger epoch on every rank (all ranks replay the same
-// sequence).  The launch's last CTA records e per rank and resets the claim counters, so
+// sequence).  The launch's last CTA records e for its ranks and resets the claim counters, so
 // nothing is reset from the host (no memset node, no allocation, graph-capturable).
 #pragma once
 #include <cstdint>
@@ -12,6 +12,7 @@
 
 #include "ultracomm/error_record.h"
 #include "ultracomm/exec_view.h"
+#include "ultracomm/hd.h"
 
 namespace ultracomm {
 
@@ -55,6 +56,18 @@ struct PersistentArgs {
   uint32_t flags;
   uint32_t pad;
 };
+
+// The epoch one launch runs, the same for every rank it runs: max(requested, each of its ranks'
+// last epoch + 1).  One value per launch: loopback ranks wait on each other's flags for
+// >= their own epoch (a rank one epoch ahead would wait forever on the others), and the abort
+// word stops only groups whose epoch it reached.  Read before any CTA of the launch finished,
+// recorded by the launch's last CTA, so every CTA computes the same value.
+UC_INLINE uint64_t launch_epoch(const DeviceState& s, uint64_t requested, int32_t nranks) {
+  uint64_t e = requested;
+  for (int32_t r = 0; r < nranks && r < kMaxLoopbackRanks; ++r)
+    if (s.ranks[r].last_epoch + 1 > e) e = s.ranks[r].last_epoch + 1;
+  return e;
+}
 
 static_assert(std::is_trivially_copyable_v<PersistentArgs> && sizeof(PersistentArgs) <= 4096,
               "kernel arguments must be a small POD");

@@ -1,0 +1,117 @@
+// The host side of _cuda (csrc/cuda/device_plan.cpp, runner.cpp) linked against a stub CUDA
+// runtime that logs every call, so its call sequence and checks run on a machine without a
+// GPU.  The kernels' launchers (launch.h) are stubs too.  Usage: probe <scenario>; prints the
+// log (one call a line) and "threw <what>" for an exception.
+#include <cuda_runtime_api.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "device_plan.h"
+#include "launch.h"
+#include "runner.h"
+
+namespace {
+std::vector<std::string> g_log;
+cudaError_t g_fail_sync = cudaSuccess;  // what cudaStreamSynchronize returns
+int g_coresident_per_sm = 2;
+unsigned char g_device_mem[1 << 16];
+size_t g_device_used = 0;
+void log(const std::string& s) { g_log.push_back(s); }
+}  // namespace
+
+extern "C" {
+cudaError_t cudaGetDeviceCount(int* n) { *n = 1; return cudaSuccess; }
+cudaError_t cudaGetDevice(int* d) { *d = 0; return cudaSuccess; }
+cudaError_t cudaSetDevice(int) { return cudaSuccess; }
+cudaError_t cudaGetLastError() { return cudaSuccess; }
+const char* cudaGetErrorName(cudaError_t e) { return e == cudaErrorLaunchFailure ? "cudaErrorLaunchFailure" : "err"; }
+const char* cudaGetErrorString(cudaError_t) { return "stub error"; }
+cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr a, int) {
+  *v = a == cudaDevAttrComputeCapabilityMajor ? 9 : a == cudaDevAttrMultiProcessorCount ? 132 : 0;
+  return cudaSuccess;
+}
+cudaError_t cudaMalloc(void** p, size_t n) {
+  log("cudaMalloc " + std::to_string(n));
+  *p = g_device_mem + g_device_used;
+  g_device_used += (n + 255) / 256 * 256;
+  return cudaSuccess;
+}
+cudaError_t cudaFree(void*) { log("cudaFree"); return cudaSuccess; }
+cudaError_t cudaMemset(void* p, int v, size_t n) { std::memset(p, v, n); log("cudaMemset"); return cudaSuccess; }
+cudaError_t cudaMemcpy(void* d, const void* s, size_t n, cudaMemcpyKind k) {
+  std::memcpy(d, s, n);
+  log("cudaMemcpy " + std::to_string(n) + (k == cudaMemcpyHostToDevice ? " H2D" : " other"));
+  return cudaSuccess;
+}
+cudaError_t cudaStreamSynchronize(cudaStream_t s) {
+  log(std::string("cudaStreamSynchronize ") + (s == cudaStreamLegacy ? "legacy" : "other"));
+  return g_fail_sync;
+}
+cudaError_t cudaDeviceSynchronize() { log("cudaDeviceSynchronize"); return cudaSuccess; }
+cudaError_t cudaHostAlloc(void** p, size_t n, unsigned int flags) {
+  *p = std::calloc(1, n);
+  log(std::string("cudaHostAlloc") + (flags & cudaHostAllocMapped ? " mapped" : ""));
+  return cudaSuccess;
+}
+cudaError_t cudaHostGetDevicePointer(void** d, void* h, unsigned int) { *d = h; return cudaSuccess; }
+cudaError_t cudaFreeHost(void* p) { std::free(p); return cudaSuccess; }
+cudaError_t cudaStreamIsCapturing(cudaStream_t, cudaStreamCaptureStatus* st) {
+  *st = cudaStreamCaptureStatusNone;
+  return cudaSuccess;
+}
+}
+
+namespace ultracomm::gpu {
+void setup_persistent(int cc_major) { log("setup_persistent " + std::to_string(cc_major)); }
+uint32_t persistent_smem_bytes(int cc_major) { return cc_major >= 9 ? 65568 : 0; }
+int persistent_max_coresident(int, int, int) { return g_coresident_per_sm * 132; }
+void launch_persistent(const PersistentArgs& a, int, uint32_t smem, bool cooperative, cudaStream_t) {
+  log("launch grid " + std::to_string(a.nranks * a.ctas_per_rank) + " smem " + std::to_string(smem) +
+      (cooperative ? " cooperative" : " plain"));
+}
+void launch_reject(Op, uint64_t, uintptr_t, const WindowLayout&, cudaStream_t) {}
+}  // namespace ultracomm::gpu
+
+using namespace ultracomm;
+
+static ExecArgs one_rank(int rank, int world) {
+  ExecArgs a;
+  a.op = Op::kMulticast;
+  a.rank = rank;
+  a.world = world;
+  a.epoch = 1;
+  a.layout = WindowLayout::make(1, 256, 256, 256);
+  for (int r = 0; r < world; ++r) a.window_bases.push_back(0x100000u * (r + 1));
+  a.member_off = {0};
+  a.member_bytes = {256};
+  a.my_slots = {-1};
+  return a;
+}
+
+int main(int argc, char** argv) {
+  const std::string sc = argc > 1 ? argv[1] : "";
+  try {
+    if (sc == "plan_upload" || sc == "plan_upload_sync_fails") {
+      if (sc == "plan_upload_sync_fails") g_fail_sync = cudaErrorLaunchFailure;
+      gpu::DevicePlan plan({one_rank(0, 2), one_rank(1, 2)});
+      log("plan ready " + std::to_string(plan.bytes()));
+    } else if (sc.rfind("launch_", 0) == 0) {  // launch_<nranks>_<ctas_per_rank>
+      int nranks = 0, ctas = 0;
+      std::sscanf(sc.c_str(), "launch_%d_%d", &nranks, &ctas);
+      std::vector<ExecArgs> ranks;
+      for (int r = 0; r < nranks; ++r) ranks.push_back(one_rank(r, nranks));
+      gpu::DevicePlan plan(ranks);
+      gpu::Runner runner(0);
+      g_log.clear();
+      runner.launch(plan, 1, ctas, nullptr, 0);
+    }
+  } catch (const std::exception& e) {
+    log(std::string("threw ") + e.what());
+  }
+  for (const auto& l : g_log) std::printf("%s\n", l.c_str());
+  return 0;
+}

@@ -1,0 +1,77 @@
+"""The host side of ``_cuda`` (csrc/cuda/device_plan.cpp, runner.cpp) against a stub CUDA
+runtime that logs every call (tests/cpp/cudart_stub_probe.cpp, built with g++ -Werror and
+the toolkit's headers): the order of the runtime calls and the launch checks, without a GPU.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from cuda_build import find_nvcc
+
+ROOT = Path(__file__).resolve().parents[1]
+CXX = shutil.which("g++")
+
+
+def cuda_include() -> Path | None:
+    nvcc = find_nvcc()
+    cands = [Path(os.path.realpath(nvcc)).parent.parent / "include"] if nvcc else []
+    cands.append(Path("/usr/local/cuda/include"))
+    return next((c for c in cands if (c / "cuda_runtime_api.h").exists()), None)
+
+
+INC = cuda_include()
+pytestmark = pytest.mark.skipif(CXX is None or INC is None, reason="needs g++ and the CUDA toolkit headers")
+
+
+@pytest.fixture(scope="module")
+def probe(tmp_path_factory) -> Path:
+    exe = tmp_path_factory.mktemp("cudart_stub") / "probe"
+    srcs = ["tests/cpp/cudart_stub_probe.cpp", "csrc/cuda/device_plan.cpp", "csrc/cuda/runner.cpp",
+            "csrc/host_executor.cpp", "csrc/validate_exec.cpp", "csrc/error_text.cpp"]
+    r = subprocess.run([CXX, "-std=c++20", "-O1", "-Wall", "-Wextra", "-Werror", "-pthread", f"-I{ROOT / 'include'}",
+                        f"-I{ROOT / 'csrc'}", f"-I{ROOT / 'csrc' / 'cuda'}", f"-I{INC}", *(str(ROOT / s) for s in srcs),
+                        "-o", str(exe)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return exe
+
+
+def calls(probe: Path, scenario: str) -> list[str]:
+    return subprocess.run([str(probe), scenario], capture_output=True, text=True, check=True).stdout.splitlines()
+
+
+def test_plan_upload_waits_for_the_copy_to_land(probe):
+    # a pageable cudaMemcpy may return before its DMA landed; the DMA rides the legacy stream,
+    # which does not order torch's non-blocking streams: the plan waits for that stream
+    log = calls(probe, "plan_upload")
+    assert log[:3] == ["cudaMalloc 832", "cudaMemcpy 832 H2D", "cudaStreamSynchronize legacy"], log
+    assert log[3] == "plan ready 832" and log[4:] == ["cudaFree"], log
+
+
+def test_plan_upload_failure_frees_and_names_the_call(probe):
+    log = calls(probe, "plan_upload_sync_fails")
+    assert log[3] == "cudaFree", log
+    assert log[4].startswith("threw ultracomm._cuda: cudaStreamSynchronize(cudaStreamLegacy) after the plan upload "
+                             "failed: cudaErrorLaunchFailure"), log
+    assert "plan ready" not in "\n".join(log)
+
+
+def test_loopback_launch_is_cooperative_with_the_movers_shared_memory(probe):
+    # sm_90 stub device: TmaMover's 4 x 16 KiB stages + 4 mbarriers of dynamic shared memory
+    assert calls(probe, "launch_2_4")[0] == "launch grid 8 smem 65568 cooperative"
+
+
+def test_one_rank_launch_is_plain(probe):
+    assert calls(probe, "launch_1_4")[0] == "launch grid 4 smem 65568 plain"
+
+
+def test_loopback_launch_beyond_coresidency_is_refused_before_launch(probe):
+    log = calls(probe, "launch_4_100")
+    assert not [line for line in log if line.startswith("launch ")], log
+    assert log[-1] == ("threw ultracomm._cuda.Runner.launch: a loopback launch of 4 ranks x 100 CTAs = 400 CTAs cannot "
+                       "be co-resident on device 0 (at most 264 on its 132 SMs); every rank's CTAs must run at once, "
+                       "lower ctas_per_rank"), log

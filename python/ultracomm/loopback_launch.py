@@ -88,13 +88,14 @@ class LoopbackLaunches:
 _LOCK = threading.Lock()
 
 
-def launches_for(window: Any) -> LoopbackLaunches:
+def launches_for(window: Any, name: str = "ultracomm.loopback_launches") -> LoopbackLaunches:
     """The launch sets of ``window``'s loopback domain and window set (created by the first rank
-    to ask; every rank of one Context gets the same object)."""
+    to ask; every rank of one Context gets the same object); ``name`` keeps one user's sets apart
+    from another's on the same window."""
     shared = getattr(window, "shared", None)
     if shared is None or not getattr(window, "loopback", False):
         raise ValueError(f"ultracomm: window {getattr(window, 'provider', window)!r} is not a loopback window")
-    key = ("ultracomm.loopback_launches", tuple(window.peer_bases))
+    key = (name, tuple(window.peer_bases))
     with _LOCK:
         obj = shared.get(key)
         if obj is None:

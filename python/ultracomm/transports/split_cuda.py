@@ -53,7 +53,7 @@ import torch
 from ..cuda_support import make_error_record, raise_record
 from ..env import cuda_device_max_connections
 from ..errors import UltracommError
-from ..loopback_launch import Deposit, LoopbackLaunches
+from ..loopback_launch import Deposit, launches_for
 from ..records import Op
 from .bridge_program import build_bridge_program
 from .host import Masters, op_digest
@@ -61,7 +61,8 @@ from .p2p_waves import cached_program
 from .split_cuda_movers import Spaces, enqueue_loopback, enqueue_rank_stream, side_group
 from .split_cuda_shadow import DeviceShadows
 from .split_cuda_watchdog import DONE, PROGRESS, STARTED, SideWatchdog, progress_value
-from .split_stream import loopback_sequence, messages, rank_stream
+from .split_stream import loopback_sequence, stream_program
+from .tma_loopback import raiser
 
 __all__ = ["SplitCudaTransport", "NCCL_SM_RESERVE"]
 
@@ -74,16 +75,6 @@ _DIGEST_MISMATCH = 2  # ErrorCode kDigestMismatch (include/ultracomm/error_recor
 _KEPT: list = []  # (kernel, shadows) of transports closed with a blocked side stream: never freed
 
 
-def _side_launches(window: Any) -> LoopbackLaunches:
-    """The loopback domain's split launch sets (each completes with every rank's share)."""
-    key = ("ultracomm.split_cuda_launches", tuple(int(b) for b in window.peer_bases))
-    with _LOCK:
-        got = window.shared.get(key)
-        if got is None:
-            got = window.shared[key] = LoopbackLaunches(window.world)
-    return got
-
-
 class SideStream:
     """The transport's own side stream (driver-made, non-blocking: no other code's work shares it),
     forked from the caller's stream with an event (the join is a host word: :meth:`SplitCudaTransport._bridged`)."""
@@ -92,6 +83,7 @@ class SideStream:
         self.drv, self.device = drv, device
         self.handle: int | None = None
         self.stream: Any = None
+        self.event: Any = None
 
     def get(self) -> tuple[int, Any]:
         """(stream handle, the same as a torch stream)."""
@@ -101,9 +93,10 @@ class SideStream:
         return self.handle, self.stream
 
     def fork(self, caller: int) -> None:
-        ev = torch.cuda.Event()
-        ev.record(torch.cuda.ExternalStream(caller, device=self.device))
-        self.get()[1].wait_event(ev)
+        if self.event is None:  # one event, re-recorded: wait_event captures its state when called
+            self.event = torch.cuda.Event()
+        self.event.record(torch.cuda.ExternalStream(caller, device=self.device))
+        self.get()[1].wait_event(self.event)
 
     def close(self) -> None:
         if self.handle is not None:
@@ -176,10 +169,13 @@ class SplitCudaTransport:
         self._errors: list[BaseException] = []
         self._programs: dict = {}
         self._dogs = [self.dog]
+        self._seqs: dict = {}  # loopback: (op digest) -> the domain's merged side-stream sequence
         if self.loopback:
+            self._launches = launches_for(window, "ultracomm.split_cuda_launches")
             key = ("ultracomm.split_cuda_spaces", tuple(int(b) for b in window.peer_bases))
             with _LOCK:
-                window.shared.setdefault(key, {})[rank] = self.spaces
+                self._spaces_of = window.shared.setdefault(key, {})
+                self._spaces_of[rank] = self.spaces
                 # the domain's side streams share the device: one failed, all skip device-wide syncs
                 self._dogs = window.shared.setdefault(("ultracomm.split_cuda_dogs",) + key[1:], [])
                 self._dogs.append(self.dog)
@@ -193,7 +189,7 @@ class SplitCudaTransport:
             prog = build_bridge_program(op, schedule, self.rank, schedule.tasks(op, self.rank),
                                         schedule.refs(op, self.rank), slot_src, home_of, self.domain_of,
                                         self.wlayout["chunk_bytes"], slot_bytes)
-            return prog, rank_stream(messages(prog, self.wlayout), self.rank)
+            return prog, stream_program(prog, self.wlayout)
 
         return cached_program(self._programs, schedule, op, self.world, build, _CACHE)
 
@@ -218,8 +214,8 @@ class SplitCudaTransport:
             key, make = self.tma._rank_args(op, schedule, masters, my_slots, local_index_of)
             ctas = self.tma.multicast_sms if op == Op.MULTICAST else self.tma.reduce_sms
             item = ((key, make, ctas, op_name), prog, op_digest(schedule.digest, op))
-            return _side_launches(self.window).deposit(Deposit(self.rank, int(op), int(epoch), int(stream), item),
-                                                       self._launch_loopback)
+            return self._launches.deposit(Deposit(self.rank, int(op), int(epoch), int(stream), item),
+                                          self._launch_loopback)
         if not prog.peers:  # nothing crosses here in this op: the kernel alone
             return self.tma.run(op, schedule, epoch, masters, my_slots, local_index_of, op_name, stream)
         side, side_stream = self.side.get()
@@ -251,11 +247,7 @@ class SplitCudaTransport:
                                  f"further: close it")
             dog.abandon(err)
             if self.loopback:  # the other ranks of the launch raise it at their check_error
-
-                def throw(me: int, op_name: str | None, timeout_s: float) -> None:
-                    raise err
-
-                self.tma._loopback.record_failure(throw, None, raised_by=self.rank)
+                self.tma._loopback.record_failure(raiser(err), None, raised_by=self.rank)
             raise err from e
         dog.add(epoch, name, ops)
 
@@ -265,17 +257,19 @@ class SplitCudaTransport:
         stream, epoch = deps[0].stream, max(d.epoch for d in deps)
         self._bind()  # the launching rank's thread
         self._check_plans(deps, epoch)
-        progs = [d.item[1] for d in deps]
-        seq = loopback_sequence([p for p in progs if p.peers], self.wlayout)
+        seq = self._seqs.get(deps[0].item[2])  # every rank's op digest is the same (checked above)
+        if seq is None:
+            if len(self._seqs) >= _CACHE:
+                self._seqs.clear()
+            seq = self._seqs[deps[0].item[2]] = loopback_sequence([d.item[1] for d in deps if d.item[1].peers],
+                                                                  self.wlayout)
+        kernel = [Deposit(d.rank, d.op, d.epoch, d.stream, d.item[0]) for d in deps]
         if not seq:
-            self.tma._loopback.launch([Deposit(d.rank, d.op, d.epoch, d.stream, d.item[0]) for d in deps], self.rank)
+            self.tma._loopback.launch(kernel, self.rank)
             return
-        key = ("ultracomm.split_cuda_spaces", tuple(int(b) for b in self.window.peer_bases))
-        spaces_of = self.window.shared[key]
-        side = self.side.get()[0]
+        spaces_of, side = self._spaces_of, self.side.get()[0]
         self._bridged(stream, int(epoch), deps[0].item[0][3] or Op(int(deps[0].op)).name.lower(), seq,
-                      lambda: self.tma._loopback.launch([Deposit(d.rank, d.op, d.epoch, d.stream, d.item[0])
-                                                         for d in deps], self.rank),
+                      lambda: self.tma._loopback.launch(kernel, self.rank),
                       lambda mark: enqueue_loopback(seq, int(epoch), spaces_of, side, self.drv, mark))
 
     def _check_plans(self, deps: Sequence[Deposit], epoch: int) -> None:
@@ -303,10 +297,7 @@ class SplitCudaTransport:
     def _on_dog_failure(self, err: BaseException) -> None:
         """The watchdog released a join (its thread): loopback -- every rank raises it; else this rank."""
         if self.loopback:
-            def throw(me: int, name: str | None, timeout_s: float) -> None:
-                raise err
-
-            self.tma._loopback.record_failure(throw, None)
+            self.tma._loopback.record_failure(raiser(err), None)
         else:
             self._errors.append(err)
 

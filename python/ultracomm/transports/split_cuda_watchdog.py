@@ -29,11 +29,11 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..errors import UltracommTimeout
+from .copy_engine_watchdog import ABORT
 from .split_stream import COPY, RECV, SEND, StreamOp
 
 __all__ = ["ABORT", "STARTED", "PROGRESS", "DONE", "SideWatchdog", "progress_value", "messages_of"]
 
-ABORT = (1 << 63) - 1  # a GEQ join passes for every epoch
 STARTED, PROGRESS, DONE = 0, 1, 2  # word indices
 _SHIFT = 20
 
@@ -52,7 +52,7 @@ def messages_of(ops: Sequence[StreamOp]) -> list[StreamOp]:
 class _Pending:
     epoch: int
     name: str
-    messages: list
+    ops: Sequence[StreamOp]  # its stream operations (the messages are picked out only on a timeout)
     t0: Optional[float] = None
 
 
@@ -78,7 +78,7 @@ class SideWatchdog:
 
     def add(self, epoch: int, name: str, ops: Sequence[StreamOp]) -> None:
         with self._lock:
-            self._pending.append(_Pending(int(epoch), name, messages_of(ops)))
+            self._pending.append(_Pending(int(epoch), name, ops))
         if self._thread is None and self.autostart:
             self._thread = threading.Thread(target=self._loop, name=f"ultracomm-split-watchdog-r{self.rank}",
                                             daemon=True)
@@ -127,14 +127,15 @@ class SideWatchdog:
             self._pending.clear()
 
     def _timeout(self, p: _Pending, k: int, bound: float) -> UltracommTimeout:
+        msgs = messages_of(p.ops)
         where = f"ultracomm: rank {self.rank} {p.name} (epoch {p.epoch}, transport split, side stream)"
-        if k >= len(p.messages):
-            return UltracommTimeout(f"{where} gave up after {bound:g} s: all {len(p.messages)} messages moved but "
+        if k >= len(msgs):
+            return UltracommTimeout(f"{where} gave up after {bound:g} s: all {len(msgs)} messages moved but "
                                     f"the stream did not finish (timeout ULTRACOMM_TIMEOUT_S={self.timeout_s:g})")
-        m = p.messages[k]
+        m = msgs[k]
         verb = {SEND: "sending", RECV: "receiving", COPY: "copying"}[m.kind]
         return UltracommTimeout(
-            f"{where} gave up after {bound:g} s {verb} message {k + 1} of {len(p.messages)}: {m.what}"
+            f"{where} gave up after {bound:g} s {verb} message {k + 1} of {len(msgs)}: {m.what}"
             f"{f' (peer rank {m.peer})' if m.kind != COPY else ''}; the other end never took part (a stalled or "
             f"dead rank) or a kernel never produced the chunk (its own error, raised first, says which) "
             f"(timeout ULTRACOMM_TIMEOUT_S={self.timeout_s:g})")

@@ -58,7 +58,7 @@ class LoopbackRunner:
                 self.runner.launch(plan, epoch, max(d.item[2] for d in deposits), stream, False)
             except Exception as e:
                 # the other ranks' parts never run: their check_error says why
-                self._errors.append((_raiser(e), name))
+                self._errors.append((raiser(e), name))
                 self._seen[launcher] = len(self._errors)
                 raise
             if len(self._names) > 1024:
@@ -103,7 +103,8 @@ class LoopbackRunner:
         throw(rank, name, self.timeout_s)
 
 
-def _raiser(e: BaseException) -> Callable[[int, str | None, float], None]:
+def raiser(e: BaseException) -> Callable[[int, str | None, float], None]:
+    """A ``throw(rank, op name, timeout_s)`` for :meth:`LoopbackRunner.record_failure` that raises ``e``."""
     def throw(rank: int, name: str | None, timeout_s: float) -> None:
         raise e
 

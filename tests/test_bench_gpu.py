@@ -287,7 +287,7 @@ def host_copy_engine(monkeypatch):
     event = lambda *a, **k: types.SimpleNamespace(record=lambda s=None: None, query=lambda: True)  # noqa: E731
     monkeypatch.setattr(ce, "require", lambda *a, **k: None)
     monkeypatch.setattr(ce, "driver", lambda: drv)
-    monkeypatch.setattr(ce, "_pinned", lambda n: torch.zeros(n, dtype=torch.int64))
+    monkeypatch.setattr(ce, "pinned_words", lambda n: torch.zeros(n, dtype=torch.int64))
     monkeypatch.setattr(torch.cuda, "Event", event)
     monkeypatch.setattr(torch.cuda, "ExternalStream", lambda h, device=None: types.SimpleNamespace(
         cuda_stream=h, wait_event=lambda ev: None))

@@ -85,7 +85,7 @@ def fake_cuda(monkeypatch):
 
     monkeypatch.setattr(ce, "require", lambda *a, **k: None)
     monkeypatch.setattr(ce, "driver", lambda: FakeDriver(rec))
-    monkeypatch.setattr(ce, "_pinned", lambda n: torch.zeros(n, dtype=torch.int64))
+    monkeypatch.setattr(ce, "pinned_words", lambda n: torch.zeros(n, dtype=torch.int64))
     monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: pytest.fail("a pooled torch stream was taken"))
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "ExternalStream", lambda h, device=None: Stream(handle=h))

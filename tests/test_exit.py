@@ -10,20 +10,15 @@ unwinding it through C++ frames: std::terminate).
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
+from conftest import free_port
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_script(body: str, tmp_path) -> subprocess.CompletedProcess:

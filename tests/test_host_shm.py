@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import sys
 import time
 
@@ -16,15 +15,9 @@ import torch.multiprocessing as mp
 from ultracomm.windows.host_shm import SHM_DIR, sweep_stale_segments
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from conftest import expert_weights, leftover_segments, shm_segments  # noqa: E402
+from conftest import expert_weights, free_port, leftover_segments, shm_segments  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="needs POSIX shared memory (/dev/shm)")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _init(rank: int, world: int, port: int) -> None:
@@ -59,7 +52,7 @@ def test_torch_multiprocessing_spawn_context():
     before = shm_segments()
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_spawned_context, args=(world, _free_port(), results), nprocs=world, join=True)
+        mp.spawn(_spawned_context, args=(world, free_port(), results), nprocs=world, join=True)
         results = dict(results)
     assert {r: ok for r, (ok, _) in results.items()} == {r: True for r in range(world)}
     assert not leftover_segments(before, {pid for _, pid in results.values()})
@@ -80,7 +73,7 @@ def _killed_after_setup(rank: int, world: int, port: int) -> None:
 def test_nothing_left_in_dev_shm_after_a_crash():
     before = shm_segments()
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_killed_after_setup, args=(r, 2, port)) for r in range(2)]
     for p in procs:
         p.start()

@@ -35,6 +35,9 @@ class NowDriver:
     def __init__(self, timeout_s: float = 2 * TIMEOUT_S):
         self.timeout_s = timeout_s
 
+    def bind(self, device):  # the enqueuing thread is the CPU: no context to make current
+        pass
+
     def wait_value(self, stream, addr, value, equal=False):
         deadline = time.monotonic() + self.timeout_s
         while _core.load_acquire(addr) < value:

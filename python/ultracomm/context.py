@@ -515,18 +515,17 @@ class Context:
             with self._lock:
                 self._epoch += 1
                 epoch = self._epoch
-                if self._streams is not None:
+                reject = self._streams.reject if self._streams is not None else self.transport.reject
+
+                def publish() -> None:
                     try:
-                        self._streams.reject(Op.MULTICAST, epoch)
+                        reject(Op.MULTICAST, epoch)
                     finally:
                         self._fail(reason)
-                else:
-                    def publish() -> None:
-                        try:
-                            self.transport.reject(Op.MULTICAST, epoch)
-                        finally:
-                            self._fail(reason)
 
+                if self._streams is not None:  # stream-ordered: enqueued now, after the earlier operations
+                    publish()
+                else:
                     self._runner.submit(f"plan rejection (rank {self.rank}, epoch {epoch})", publish)
         raise error
 

@@ -46,7 +46,7 @@ from ..loopback_launch import Deposit, launches_for
 from ..records import Op
 from .copy_engine_plan import (EPOCH, MAIN, Cmd, flag_addr, host_words, multicast_commands,
                                submission_order, word_addr)
-from .copy_engine_watchdog import Pending, Watchdog, pending_for
+from .copy_engine_watchdog import Pending, Watchdog, pending_for, pinned_words
 from .host import Masters, op_digest
 
 __all__ = ["CopyEngineTransport"]
@@ -55,11 +55,6 @@ _READ_WAIT_S = 1.0  # bound on the watchdog's device reads (a side copy behind a
 _SIDE = -3  # stream key of the watchdog's reads (MAIN, DRAIN and ranks are the others)
 _KEPT: list = []  # reduce kernels of transports whose streams were abandoned: never freed (see close)
 
-
-def _pinned(n: int) -> torch.Tensor:
-    """``n`` zeroed int64 words of pinned host memory (``cudaHostAlloc``: mapped, so the pointer is
-    also the device address with unified addressing)."""
-    return torch.zeros(n, dtype=torch.int64, pin_memory=True)
 
 
 class CopyEngineTransport:
@@ -85,8 +80,8 @@ class CopyEngineTransport:
         self._cache: dict[int, list[Cmd]] = {}
         # started, done[DRAIN], done[d]: pinned host memory, so the watchdog reads and writes
         # them without a CUDA call (and its abort never waits behind a blocked stream)
-        self._words = _pinned(host_words(world))
-        self._scratch = _pinned(64)
+        self._words = pinned_words(host_words(world))
+        self._scratch = pinned_words(64)
         self._fork = torch.cuda.Event()
         self._dog = Watchdog(rank, self.timeout_s, self._read_device)
         self._dog.start()

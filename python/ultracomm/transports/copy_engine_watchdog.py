@@ -40,6 +40,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
+import torch
+
 from .. import _core
 from ..cuda_support import make_error_record, raise_record
 from ..errors import UltracommTimeout
@@ -49,6 +51,12 @@ from .copy_engine_plan import EPOCH, MAIN, Cmd, flag_addr, geq
 __all__ = ["ABORT", "Pending", "Watchdog", "pending_for", "read_host"]
 
 ABORT = (1 << 63) - 1  # a GEQ join wait ((int64_t)(ABORT - epoch) >= 0) passes for every epoch < 2^63
+
+
+def pinned_words(n: int) -> torch.Tensor:
+    """``n`` zeroed int64 words of pinned host memory (``cudaHostAlloc``: mapped, so the pointer is
+    also the device address with unified addressing): the host words stream waits and writes use."""
+    return torch.zeros(n, dtype=torch.int64, pin_memory=True)
 _TIMEOUT, _MISMATCH, _REJECTED = 1, 2, 3
 
 

@@ -338,6 +338,4 @@ class SplitCudaTransport:
     def _bind(self) -> None:
         """Make the device's primary context current on this thread before driver calls (a rank's
         or the closing thread may have made no runtime call yet: :meth:`Driver.bind`)."""
-        bind = getattr(self.drv, "bind", None)
-        if bind is not None:
-            bind(self.window.local.device.index or 0)
+        self.drv.bind(self.window.local.device.index or 0)

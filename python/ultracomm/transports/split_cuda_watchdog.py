@@ -29,7 +29,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..errors import UltracommTimeout
-from .copy_engine_watchdog import ABORT
+from .copy_engine_watchdog import ABORT, pinned_words
 from .split_stream import COPY, RECV, SEND, StreamOp
 
 __all__ = ["ABORT", "STARTED", "PROGRESS", "DONE", "SideWatchdog", "progress_value", "messages_of"]
@@ -65,7 +65,7 @@ class SideWatchdog:
                  words: Optional[torch.Tensor] = None, clock: Callable[[], float] = time.monotonic,
                  poll_s: float = 0.002, autostart: bool = True):
         self.rank, self.timeout_s, self.on_failure = rank, float(timeout_s), on_failure
-        self.words = words if words is not None else torch.zeros(3, dtype=torch.int64, pin_memory=True)
+        self.words = words if words is not None else pinned_words(3)
         self.clock, self.poll_s, self.autostart = clock, poll_s, autostart
         self._pending: deque[_Pending] = deque()
         self._lock = threading.Lock()

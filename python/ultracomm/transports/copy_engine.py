@@ -46,14 +46,15 @@ from ..loopback_launch import Deposit, launches_for
 from ..records import Op
 from .copy_engine_plan import (EPOCH, MAIN, Cmd, flag_addr, host_words, multicast_commands,
                                submission_order, word_addr)
-from .copy_engine_watchdog import Pending, Watchdog, pending_for, pinned_words
+from .copy_engine_watchdog import (KEPT, Pending, Watchdog, abandoned, device_watchdogs, pending_for, pinned_words,
+                                   quiesce)
 from .host import Masters, op_digest
 
 __all__ = ["CopyEngineTransport"]
 
 _READ_WAIT_S = 1.0  # bound on the watchdog's device reads (a side copy behind a blocked queue)
 _SIDE = -3  # stream key of the watchdog's reads (MAIN, DRAIN and ranks are the others)
-_KEPT: list = []  # reduce kernels of transports whose streams were abandoned: never freed (see close)
+_KEPT = KEPT  # reduce kernels of transports whose streams were abandoned land here (see close)
 
 
 
@@ -87,9 +88,7 @@ class CopyEngineTransport:
         self._dog.start()
         # the watchdogs whose failure can leave streams blocked on this device in this process:
         # every rank's of a loopback domain (they share the device), else this rank's
-        self._dogs = (window.shared.setdefault(("ultracomm.copy_engine_watchdogs", tuple(window.peer_bases)), [])
-                      if self._loopback else [])
-        self._dogs.append(self._dog)
+        self._dogs = device_watchdogs(window, "ultracomm.copy_engine_watchdogs", self._dog, self._loopback)
 
     # ------------------------------------------------------------------ reduce: the tma kernel
     def _reducer(self):
@@ -263,14 +262,13 @@ class CopyEngineTransport:
         each ends done or failed within its timeout once its stream reached it (the watchdogs).
         Before a device-wide synchronize, which must not start while an operation may still
         fail and leave its streams blocked."""
-        while any(d.pending() for d in self._dogs) and not self.abandoned_streams():
-            time.sleep(1e-3)
+        quiesce(self._dogs)
 
     def abandoned_streams(self) -> bool:
         """True after a failure (in a loopback domain: of any rank, they share the device):
         internal streams may stay blocked on a lost peer's flags, so a device-wide synchronize
         would not return and the window must stay mapped."""
-        return any(d.failure is not None for d in self._dogs)
+        return abandoned(self._dogs)
 
     def close(self) -> None:
         """Stop the watchdog and free the reduce kernel's plans (after the caller's synchronize;

@@ -53,6 +53,32 @@ __all__ = ["ABORT", "Pending", "Watchdog", "pending_for", "read_host"]
 ABORT = (1 << 63) - 1  # a GEQ join wait ((int64_t)(ABORT - epoch) >= 0) passes for every epoch < 2^63
 
 
+# objects a blocked stream may still use (kernels' plans, shadows, host words), kept by transports
+# closed after a failure: never freed (freeing is a device-wide wait that would not return)
+KEPT: list = []
+
+
+def device_watchdogs(window, name: str, dog, loopback: bool) -> list:
+    """The watchdogs whose failure can leave streams blocked on this device in this process, with
+    ``dog`` added: every rank's of a loopback domain (they share the device; one list per ``name``
+    and window set), else this rank's alone."""
+    dogs = window.shared.setdefault((name, tuple(int(b) for b in window.peer_bases)), []) if loopback else []
+    dogs.append(dog)
+    return dogs
+
+
+def abandoned(dogs: Sequence) -> bool:
+    """True once any of ``dogs`` failed: its streams may stay blocked for good."""
+    return any(d.failure is not None for d in dogs)
+
+
+def quiesce(dogs: Sequence) -> None:
+    """Wait until none of ``dogs`` has an operation in flight (each ends done or failed within its
+    timeout once its stream reached it) or one failed: before a device-wide synchronize."""
+    while any(d.pending() for d in dogs) and not abandoned(dogs):
+        time.sleep(1e-3)
+
+
 def pinned_words(n: int) -> torch.Tensor:
     """``n`` zeroed int64 words of pinned host memory (``cudaHostAlloc``: mapped, so the pointer is
     also the device address with unified addressing): the host words stream waits and writes use."""

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from typing import Any, Callable, Sequence
 
 import torch
@@ -59,6 +58,7 @@ from .bridge_program import build_bridge_program
 from .host import Masters, op_digest
 from .p2p_waves import cached_program
 from .split_cuda_movers import Spaces, enqueue_loopback, enqueue_rank_stream, side_group
+from .copy_engine_watchdog import KEPT, abandoned, device_watchdogs, quiesce
 from .split_cuda_shadow import DeviceShadows
 from .split_cuda_watchdog import DONE, PROGRESS, STARTED, SideWatchdog, progress_value
 from .split_stream import loopback_sequence, stream_program
@@ -72,7 +72,7 @@ NCCL_SM_RESERVE = 16  # SMs the persistent kernel leaves free for NCCL's kernels
 _CACHE = 128
 _LOCK = threading.Lock()  # the loopback domain's shared dict
 _DIGEST_MISMATCH = 2  # ErrorCode kDigestMismatch (include/ultracomm/error_record.h)
-_KEPT: list = []  # (kernel, shadows) of transports closed with a blocked side stream: never freed
+_KEPT = KEPT  # (kernel, shadows, watchdog) of transports closed with a blocked side stream land here
 
 
 class SideStream:
@@ -168,7 +168,6 @@ class SplitCudaTransport:
         self.dog = dog if dog is not None else SideWatchdog(rank, timeout_s, self._on_dog_failure)
         self._errors: list[BaseException] = []
         self._programs: dict = {}
-        self._dogs = [self.dog]
         self._seqs: dict = {}  # loopback: (op digest) -> the domain's merged side-stream sequence
         if self.loopback:
             self._launches = launches_for(window, "ultracomm.split_cuda_launches")
@@ -176,9 +175,8 @@ class SplitCudaTransport:
             with _LOCK:
                 self._spaces_of = window.shared.setdefault(key, {})
                 self._spaces_of[rank] = self.spaces
-                # the domain's side streams share the device: one failed, all skip device-wide syncs
-                self._dogs = window.shared.setdefault(("ultracomm.split_cuda_dogs",) + key[1:], [])
-                self._dogs.append(self.dog)
+        # loopback: the domain's side streams share the device: one failed, all skip device-wide syncs
+        self._dogs = device_watchdogs(window, "ultracomm.split_cuda_dogs", self.dog, self.loopback)
 
     # ------------------------------------------------------------------ plans
     def program(self, op: Op, schedule) -> tuple[Any, list]:
@@ -311,13 +309,12 @@ class SplitCudaTransport:
     def quiesce(self) -> None:
         """Wait until no op of this domain's side streams is in flight (each ends done or failed
         within twice the timeout once its stream reached it), before a device-wide synchronize."""
-        while any(d.pending() for d in self._dogs) and not self.abandoned_streams():
-            time.sleep(1e-3)
+        quiesce(self._dogs)
 
     def abandoned_streams(self) -> bool:
         """True after a watchdog released a join: a side stream stays blocked (module docstring), so a
         device-wide synchronize would not return and the window must stay mapped."""
-        return any(d.failed() for d in self._dogs)
+        return abandoned(self._dogs)
 
     def close(self) -> None:
         """Stop the watchdog; free plans, shadows and the side stream (after the caller's synchronize;

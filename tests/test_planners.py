@@ -446,7 +446,7 @@ def test_backends_identical(world, epr, nodes, kind):
     b = get_planner("taot")(load, d, 2, backend="cpp")
     np.testing.assert_array_equal(a.slot_src, b.slot_src)
     np.testing.assert_array_equal(a.token_moves, b.token_moves)
-    # the C++ step after phase 2 (_core.taot_finish) reports what the numpy glue reports
+    # the C++ steps after phase 1 (_core.taot_run) report what the numpy glue reports
     np.testing.assert_array_equal(a.slot_moves, b.slot_moves)
     assert a.info.keys() == b.info.keys() and "consolidated" in b.info
     for k in a.info:

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from test_planners import _auction_inputs
-from ultracomm import workloads
+from test_taot_fast_path import _load
 from ultracomm.planners import Domain, taot
 
 needs_cpp = pytest.mark.skipif(not taot._HAVE_CPP, reason="_core built without the TAOT loops")
@@ -21,12 +21,6 @@ GEOMETRIES = [(8, 8, 4), (1, 64, 4), (2, 8, 8), (9, 8, 4)]
 LOADS = [("zipf", 1.5), ("zipf", 3.0), ("blocked", 2.0), ("blocked", 3.0), ("hot", 0.7)]
 OPTIONS = [{}, {"intra_first": False}, {"consolidate": False, "mutual": False},
            {"spill": "paper", "auction_iters": 3}, {"tol": 0.02, "price_step": 0.2}]
-
-
-def _load(world: int, epr: int, kind: str, skew: float, seed: int) -> np.ndarray:
-    gen = {"zipf": workloads.zipf_load, "blocked": workloads.rank_blocked_load,
-           "hot": workloads.hot_rank_load}[kind]
-    return gen(world, world * epr, 8192, 8, skew, seed=seed)
 
 
 def _assert_same(a, b, what: str) -> None:

@@ -82,8 +82,6 @@ void replicate_by_rank(const std::vector<int64_t>& ranks, int64_t epr, const int
   }
 }
 
-const int64_t* el_of(const LptInput& in) { return in.expert_load; }
-
 // Steps 2 and 3 for the replica counts `count`.
 LptResult place(const LptInput& in, const std::vector<int64_t>& grp,
                 const std::vector<int64_t>& groups, const std::vector<int64_t>& count) {
@@ -190,16 +188,18 @@ LptResult lpt_plan(const LptInput& in) {
       const int64_t ranks = static_cast<int64_t>(members.size());
       const int64_t share = groups.size() > 1 ? in.budget * ranks / W : in.budget;
       if (by_rank)
-        replicate_by_rank(members, epr, el_of(in), share, ranks, mt, count);
+        replicate_by_rank(members, epr, in.expert_load, share, ranks, mt, count);
       else
-        replicate(experts, el_of(in), share, ranks, mt, count);
+        replicate(experts, in.expert_load, share, ranks, mt, count);
     }
     return count;
   };
   if (in.count_rule != LptCountRule::kBest)
     return place(in, grp, groups, counts(in.count_rule == LptCountRule::kRank));
-  LptResult a = place(in, grp, groups, counts(false));
-  LptResult b = place(in, grp, groups, counts(true));
+  const std::vector<int64_t> by_expert = counts(false), by_rank = counts(true);
+  LptResult a = place(in, grp, groups, by_expert);
+  if (by_rank == by_expert) return a;  // place() is a function of the counts: the same plan
+  LptResult b = place(in, grp, groups, by_rank);
   return b.max_load < a.max_load ? b : a;  // ties: EPLB's rule
 }
 

@@ -161,7 +161,8 @@ def feasible(
         T: per-rank token threshold.
         min_tokens, intra_node_only: as in :func:`plan`.
         search_budget: replica additions the bounded search may spend after the greedy.
-        cover_budget: piece placements the cover search may spend after the greedy.
+        cover_budget: piece placements the cover search may spend (after the greedy; with one slot
+            per rank, instead of it).
 
     Returns:
         int64 ``[n, 3]`` replicas ``(expert, rank, tokens)`` that bring every rank to at
@@ -200,7 +201,8 @@ def plan(
         search_budget: replica additions the bounded search may spend in this call on
             thresholds the greedy and the cover search failed.
         cover_budget: piece placements the cover search may spend in this call on
-            thresholds the greedy failed (both 0: greedy only).
+            thresholds the greedy failed, or with one slot per rank on every threshold, in
+            place of the greedy (both 0: greedy only).
 
     ``info``: ``threshold`` (the T met), ``probes`` (feasibility tests run), ``steps``
     (replica additions over all probes), ``pruned`` (probes refused by the necessary

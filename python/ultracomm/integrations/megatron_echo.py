@@ -3,11 +3,9 @@
 ECHO (NVIDIA/Megatron-LM PR #2368, ``megatron/core/transformer/moe/``) clones hot experts
 into spare slots each step.  Its two seams, with the same names and shapes:
 
-* :func:`gen_offloading_plan` (``offloading_planner.gen_offloading_plan``): per-rank
-  routing in, ``(rerouting_map [T, E + S], rerouted_probs [T, E + S],
-  expert_offloading_map [E, S])`` out, ``S = num_ep_ranks * num_spare_experts_per_ep_rank``
-  global spare slots (slot ``j`` on rank ``j // num_spare_experts_per_ep_rank``).  Here an
-  ultracomm planner (``quota`` by default) decides and tokens move by its integer quotas.
+* :func:`gen_offloading_plan` (``offloading_planner.gen_offloading_plan``), from
+  :mod:`ultracomm.integrations.echo_planner`: upstream's algorithms, arguments and column
+  order (per rank its home experts, then its spares), or an ultracomm planner by name.
 * :class:`EchoExpertDispatcher`, the dispatcher duck type: ``preprocess(expert_offloading_map)
   -> metadata`` and ``expert_dispatch(metadata, *expert_weights) -> list[Tensor]`` (one
   tensor per local spare slot), called once for fc1's and once for fc2's per-expert
@@ -37,44 +35,10 @@ import torch
 
 from ..context import Context
 from ..layout import ExpertLayout, Member
-from ..moe.reroute import RerouteTable, reroute
 from ..plan import ReplicaPlan
-from ..planners import Domain, get_planner
+from .echo_planner import gen_offloading_plan
 
 __all__ = ["gen_offloading_plan", "EchoExpertDispatcher", "EchoDispatchMetadata", "close_dispatchers"]
-
-
-def gen_offloading_plan(routing_map: torch.Tensor, probs: torch.Tensor, tokens_per_expert_per_ep_rank: torch.Tensor,
-                        ep_rank: int | torch.Tensor, num_ep_ranks: int, num_spare_experts_per_ep_rank: int = 1,
-                        threshold_multiplier: float = 0.0, index_dtype: torch.dtype = torch.int32,
-                        assignment_algorithm: str = "quota", **planner_options: Any
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ECHO's planner seam, planned by an ultracomm planner.
-
-    Args:
-        routing_map: bool ``[T, E]``, this EP rank's tokens; ``probs``: ``[T, E]``.
-        tokens_per_expert_per_ep_rank: int ``[num_ep_ranks, E]``, every rank's counts (the
-            same on every rank, so every rank computes the same plan).
-        ep_rank, num_ep_ranks, num_spare_experts_per_ep_rank: as in ECHO.
-        threshold_multiplier, index_dtype: accepted for compatibility (unused).
-        assignment_algorithm: an ultracomm planner (``quota``, ``taot``, ``greedy``, ``lpt``).
-    Returns:
-        ``(rerouting_map bool [T, E + S], rerouted_probs [T, E + S], expert_offloading_map
-        bool [E, S])`` on ``routing_map``'s device.
-    """
-    try:
-        planner = get_planner(assignment_algorithm)
-    except KeyError:
-        raise ValueError(f"ultracomm: assignment_algorithm {assignment_algorithm!r} is not an ultracomm planner; use "
-                         "quota, taot, greedy or lpt") from None
-    E = routing_map.shape[1]
-    if E % num_ep_ranks:
-        raise ValueError(f"ultracomm: {E} experts do not divide over num_ep_ranks={num_ep_ranks}")
-    load = tokens_per_expert_per_ep_rank.detach().to("cpu", torch.int64).numpy()
-    result = planner(load, Domain.flat(num_ep_ranks, E // num_ep_ranks), num_spare_experts_per_ep_rank,
-                     **planner_options)
-    rmap, rprobs = reroute(routing_map, probs, RerouteTable.from_result(result, int(ep_rank), "echo"))
-    return rmap, rprobs, result.plan.to_echo_map().to(routing_map.device)
 
 
 @dataclass

@@ -19,6 +19,7 @@ for why every rank reaches every collective, also with no token on its replicas.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Sequence
 
 import numpy as np
@@ -47,6 +48,43 @@ def _tensors(member: Any) -> list[torch.Tensor]:
     return [member] if isinstance(member, torch.Tensor) else list(member)
 
 
+def _describe(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"{x.dtype} {list(x.shape)} on {x.device}"
+    return type(x).__name__
+
+
+def _orphaned(manager_ref: weakref.ref, vid: int) -> None:
+    """A live step was garbage-collected before its backward: abandon it at the next call
+    (not here: a finalizer runs wherever the last reference happened to drop)."""
+    manager = manager_ref()
+    if manager is not None:
+        manager._orphans.append(vid)
+
+
+def _will_execute(node: Any) -> bool:
+    """Whether the running backward pass will execute ``node``."""
+    return node is not None and torch._C._will_engine_execute_node(node)
+
+
+def _nearest_in_graph(start: Any, steps: list["Step"]) -> list["Step"]:
+    """The step whose node a breadth-first walk from ``start`` (the node whose backward is
+    running) meets first: the recompute belongs to the checkpointed region ``start`` is in."""
+    want = {s._node(): s for s in steps}
+    seen, frontier = set(), [start]
+    while frontier:
+        nxt = []
+        for node in frontier:
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            if node in want:
+                return [want[node]]
+            nxt.extend(fn for fn, _ in node.next_functions)
+        frontier = nxt
+    return []
+
+
 class _Layer:
     """A registered layer: its master parameters and where their reduced grads go."""
 
@@ -59,8 +97,9 @@ class _Layer:
         for p, acc in zip(self.params, self.grads):
             for t, a in zip(_tensors(p), _tensors(acc)):
                 if t.requires_grad:
-                    g = a.to(t.dtype)
-                    t.grad = g if t.grad is None else t.grad.add_(g)
+                    # a copy, never ``a`` itself: ``a`` is zeroed below and refilled by the next
+                    # backward, so a ``.grad`` that aliased it would read back as zeros
+                    t.grad = a.to(t.dtype, copy=True) if t.grad is None else t.grad.add_(a)
                 a.zero_()
 
 
@@ -85,11 +124,19 @@ class Step:
         epr = result.domain.experts_per_rank
         self.imbalance = (max_mean(load.sum(0).reshape(-1, epr).sum(1)), max_mean(result.rank_load))
         self._tables: dict[str, RerouteTable] = {}
-        self._outputs: tuple[torch.Tensor, ...] | None = None
-        self._views: list[torch.Tensor] = []
+        # The forward's outputs are held weakly (the token strongly only until guard()): their
+        # autograd node holds this Step, so strong references back would make a cycle through
+        # C++ that Python's gc cannot collect -- a forward without a backward would keep the
+        # Step, its manager and Context alive.  Weak, the graph's death is observable.
+        self._built = False
+        self._plain: list[torch.Tensor] | None = None  # no-grad steps: views without a graph
+        self._token: torch.Tensor | None = None
+        self._view_refs: list[weakref.ref] = []
+        self._node_ref: weakref.ref | None = None
+        self._finalizer: weakref.finalize | None = None  # abandons the step if it dies unreduced
         self._staging: int | None = None
         self._restored = False
-        self._released = False  # _release_graph ran: the forward's outputs are gone
+        self._released = False  # backward done, abandoned, or manager closed
         self._state = "forward" if grad else "done"
 
     # -------------------------------------------------------------- forward
@@ -111,6 +158,9 @@ class Step:
         if layout not in LAYOUTS:
             raise ValueError(f"ultracomm: layout must be one of {LAYOUTS}, got {layout!r}")
         src = self.manager.rank if source is None else source
+        if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < self.manager.world:
+            raise ValueError(f"ultracomm: rerouted(source={source!r}): source must be a rank in "
+                             f"0..{self.manager.world - 1} (default: this rank)")
         key = f"{layout}:{src}"
         table = self._tables.get(key)
         if table is None:
@@ -126,9 +176,15 @@ class Step:
         (no copy), so run the expert compute before another layer's ``step`` and wrap its
         output in :meth:`guard`.  Slot ``s`` holds expert ``self.replicas()[s]`` (-1: empty).
         """
-        self._build()
+        views = self._build()
+        if views is None:
+            views = self._plain if self._plain is not None else [r() for r in self._view_refs]
+            if any(v is None for v in views):
+                raise UltracommError(
+                    f"ultracomm: layer {self.layer} step (vid {self.vid}): the tensors an earlier replica_weights() "
+                    "returned were dropped; call replica_weights() once per step and keep its tensors until guard()")
         M, S = len(self.manager.layout.members), self.manager.slots_per_rank
-        return [list(self._outputs[1 + m * S:1 + (m + 1) * S]) for m in range(M)]
+        return [list(views[m * S:(m + 1) * S]) for m in range(M)]
 
     def replicas(self) -> list[int]:
         """Expert held by each of this rank's replica slots (-1 = empty)."""
@@ -140,25 +196,41 @@ class Step:
         if not self.grad:
             return x
         self._build()
-        return _Guard.apply(x, self._outputs[0], self)
+        token, self._token = self._token, None
+        if token is None:
+            raise UltracommError(f"ultracomm: layer {self.layer} step (vid {self.vid}): guard() was already called; "
+                                 "call it once per step, on the expert output")
+        return _Guard.apply(x, token, self)
 
     def wait_grads(self) -> None:
         """Wait for every pending gradient reduction of the manager (see
         :meth:`ReplicaManager.wait_grads`)."""
         self.manager.wait_grads()
 
-    def _build(self) -> None:
-        if self._outputs is not None:
-            return
+    def _build(self) -> list[torch.Tensor] | None:
+        """Create the forward's outputs once; returns the views when it created them."""
         if self._released:
-            raise UltracommError(f"ultracomm: layer {self.layer} step (vid {self.vid}): its backward is done (or its "
-                                 "manager closed); replica_weights() and guard() belong to its forward")
+            raise UltracommError(f"ultracomm: layer {self.layer} step (vid {self.vid}): its backward is done, it was "
+                                 "abandoned, or its manager closed; replica_weights() and guard() belong to its forward")
+        if self._built:
+            return None
+        self._built = True
         if not self.grad:
-            self._outputs = (torch.zeros(()), *self._forward_views())
-            return
-        layer = self.manager._layers[self.layer]
-        self._outputs = _ReplicaWeights.apply(self, *layer.anchors)
-        self._views = list(self._outputs[1:])
+            self._plain = self._forward_views()
+            return self._plain
+        token, *views = _ReplicaWeights.apply(self, *self.manager._layers[self.layer].anchors)
+        self._token = token
+        self._view_refs = [weakref.ref(v) for v in views]
+        self._node_ref = weakref.ref(token.grad_fn)
+        return views
+
+    def _views(self) -> list[torch.Tensor | None]:
+        return [r() for r in self._view_refs]
+
+    def _node(self) -> Any:
+        """This step's ``_ReplicaWeights`` autograd node (None before replica_weights/guard,
+        or once its graph is freed)."""
+        return None if self._node_ref is None else self._node_ref()
 
     def _forward_views(self) -> list[torch.Tensor]:
         mgr = self.manager
@@ -176,14 +248,14 @@ class Step:
         if self._target is not None:  # a recomputed forward's node: act for the original step
             return self._target._backward_restore()
         mgr = self.manager
-        if self._state == "reduced":
-            raise UltracommError(f"ultracomm: layer {self.layer} step (vid {self.vid}) was already reduced; "
-                                 "a step supports one backward pass (no retain_graph re-runs)")
+        self._check_backward()
         if self._staging is None:
             self._staging = mgr._acquire_staging()
         staging = mgr._staging[self._staging]
         S = mgr.slots_per_rank
-        for i, t in enumerate(self._views):  # the fused fp32 wgrad path writes straight into staging
+        for i, t in enumerate(self._views()):  # the fused fp32 wgrad path writes straight into staging
+            if t is None:  # dropped by the caller: not in the graph, gets no gradient
+                continue
             t.main_grad = staging[i // S][i % S]
             t.grad_added_to_main_grad = False
         if mgr._slots_owner is not self:
@@ -192,21 +264,28 @@ class Step:
         self._restored = True
         self._state = "restored"
 
+    def _check_backward(self) -> None:
+        if self._state == "reduced":
+            raise UltracommError(f"ultracomm: layer {self.layer} step (vid {self.vid}) was already reduced; "
+                                 "a step supports one backward pass (no retain_graph re-runs)")
+        if self._state == "abandoned":
+            raise UltracommError(f"ultracomm: layer {self.layer} step (vid {self.vid}) was abandoned "
+                                 "(ReplicaManager.abandon() or close()) before its backward; its replica gradients "
+                                 "cannot be reduced any more")
+
     def _release_graph(self) -> None:
-        """Drop the forward's outputs: their grad_fn holds this Step (``ctx.step``), a cycle
-        through the C++ autograd graph that Python's gc cannot collect -- it kept every Step,
-        its manager and Context (and so the process group) alive."""
-        self._outputs, self._views = None, []
+        """The forward is over for good: replica_weights()/guard() raise from now on."""
+        self._token, self._view_refs, self._plain = None, [], None
         self._released = True
+        if self._finalizer is not None:
+            self._finalizer.detach()
 
     def _backward_reduce(self, grads: Sequence[torch.Tensor]) -> None:
         if self._target is not None:
             self._release_graph()
             return self._target._backward_reduce(grads)
         mgr = self.manager
-        if self._state == "reduced":
-            raise UltracommError(f"ultracomm: layer {self.layer} step (vid {self.vid}) was already reduced; "
-                                 "a step supports one backward pass (no retain_graph re-runs)")
+        self._check_backward()
         if not self._restored and mgr._slots_owner is not self:
             raise UltracommError(
                 f"ultracomm: layer {self.layer} (vid {self.vid}): the replica slots were overwritten by layer "
@@ -217,14 +296,15 @@ class Step:
             self._staging = mgr._acquire_staging()
         staging = mgr._staging[self._staging]
         S = mgr.slots_per_rank
-        for i, (t, g) in enumerate(zip(self._views, grads)):
-            if getattr(t, "grad_added_to_main_grad", False) or g is None:
+        for i, (t, g) in enumerate(zip(self._views(), grads)):
+            if g is None or getattr(t, "grad_added_to_main_grad", False):
                 continue
             staging[i // S][i % S].add_(g)
         work = mgr.ctx.grad_reduce(self.vid, async_op=True, grads=staging)
         mgr._staging_work[self._staging] = work
         self._release_graph()
         self._state = "reduced"
+        mgr._live.pop(self.vid, None)
         mgr._pending.append((self, work))
         if not mgr._callback_queued:
             mgr._callback_queued = True
@@ -271,8 +351,11 @@ class ReplicaManager:
         self._staging: list[list[torch.Tensor]] = []
         self._staging_work: list[Any] = []
         self._next_staging = 0
-        self._slots_owner: Step | None = None
-        self._live: list[Step] = []
+        self._owner_ref: weakref.ref | None = None
+        # steps whose backward has not reduced yet, held weakly: a step lives as long as its
+        # autograd graph (or the caller) holds it; one that dies unreduced is abandoned
+        self._live: dict[int, weakref.ref] = {}
+        self._orphans: list[int] = []
         self._pending: list[tuple[Step, Any]] = []
         self._callback_queued = False
 
@@ -324,9 +407,8 @@ class ReplicaManager:
         """
         if not isinstance(layer, int) or not 0 <= layer < self.num_layers or self._layers[layer] is None:
             raise RegistrationError(f"ultracomm: layer {layer!r} is not registered; call register_layer first")
-        if routing_map.dtype != torch.bool or tuple(routing_map.shape[1:]) != (self.num_experts,):
-            raise ValueError(f"ultracomm: routing_map must be bool [tokens, {self.num_experts}], got "
-                             f"{routing_map.dtype} {list(routing_map.shape)}")
+        self._check_routing(routing_map, probs)
+        self._collect_orphans()
         grad = torch.is_grad_enabled()
         if grad and torch._C._current_autograd_node() is not None:
             target = self._recompute_target(layer, routing_map)
@@ -336,27 +418,111 @@ class ReplicaManager:
         result = self.planner(load, self.domain, self.slots_per_rank, **self.planner_options)
         if self.ctx._profiler is not None:  # the loads the balancer saw, beside the ops' plan/stats/times
             self.ctx._profiler.record(layer, load=load, plan=result)
-        vid = self.ctx.begin(layer)
-        sync = self.ctx.weight_sync(vid, result.plan, async_op=True)
-        step = Step(self, layer, result, routing_map, probs, vid, sync, grad)
+        try:
+            vid = self.ctx.begin(layer)
+        except UltracommError as e:
+            if "in flight" not in str(e):
+                raise
+            raise UltracommError(
+                f"ultracomm: layer {layer} already has {self.ctx.max_microbatches} steps whose backward has not run; "
+                "run their backward, call ReplicaManager.abandon() to drop them (an evaluation forward with grad "
+                "enabled, a skipped step), or create the manager with a larger max_microbatches") from None
+        try:
+            sync = self.ctx.weight_sync(vid, result.plan, async_op=True)
+            step = Step(self, layer, result, routing_map, probs, vid, sync, grad)
+        except BaseException:
+            self.ctx.end(vid)  # nothing of this step survives: its slot is free again
+            raise
         self._slots_owner = step
         if grad:
-            self._live.append(step)
+            self._live[vid] = weakref.ref(step)
+            step._finalizer = weakref.finalize(step, _orphaned, weakref.ref(self), vid)
+            step._finalizer.atexit = False
         else:
             self.ctx.end(vid)  # no backward will restore or reduce it
         return step
 
+    def _check_routing(self, routing_map: Any, probs: Any) -> None:
+        """Everything ``step`` needs of its inputs, checked before it takes a slot."""
+        E = self.num_experts
+        if not isinstance(routing_map, torch.Tensor) or routing_map.dtype != torch.bool or routing_map.dim() != 2 \
+                or routing_map.shape[1] != E:
+            raise ValueError(f"ultracomm: routing_map must be a bool [tokens, {E}] tensor, got "
+                             f"{_describe(routing_map)}")
+        if probs is None:
+            return
+        if not isinstance(probs, torch.Tensor) or not probs.is_floating_point() \
+                or tuple(probs.shape) != tuple(routing_map.shape):
+            raise ValueError(f"ultracomm: probs must be a floating-point [tokens, {E}] tensor shaped like "
+                             f"routing_map {list(routing_map.shape)} (or None), got {_describe(probs)}")
+        if probs.device != routing_map.device:
+            raise ValueError(f"ultracomm: probs is on {probs.device} but routing_map on {routing_map.device}; "
+                             "pass both on the same device")
+
+    # -------------------------------------------------------------- abandoned steps
+    @property
+    def _slots_owner(self) -> "Step | None":
+        """The step whose replicas the slots hold now (held weakly: see Step._build)."""
+        return None if self._owner_ref is None else self._owner_ref()
+
+    @_slots_owner.setter
+    def _slots_owner(self, step: "Step | None") -> None:
+        self._owner_ref = None if step is None else weakref.ref(step)
+
+    def _live_steps(self) -> list[Step]:
+        return [s for s in (r() for r in self._live.values()) if s is not None]
+
+    def _collect_orphans(self) -> None:
+        """Abandon the steps that died unreduced (their autograd graph was freed)."""
+        orphans, self._orphans = self._orphans, []
+        for vid in orphans:
+            if self._live.pop(vid, None) is not None and not self.ctx.closed:
+                self.ctx.end(vid)
+
+    def abandon(self) -> list[int]:
+        """Drop every step whose backward has not run (an evaluation forward with grad
+        enabled, a step skipped after a NaN loss), freeing their micro-batch slots; their
+        backward then raises.  Steps whose autograd graph is freed are dropped by themselves
+        at the next ``step``.  Call it on every rank alike (the steps' collectives are paired).
+
+        Returns:
+            The layers of the dropped steps, in the order they were taken.
+        """
+        self._collect_orphans()
+        dropped = []
+        for vid, ref in list(self._live.items()):
+            step = ref()
+            del self._live[vid]
+            if step is not None:
+                step._release_graph()
+                step._state = "abandoned"
+                dropped.append(step.layer)
+            self.ctx.end(vid)
+        return dropped
+
     def _recompute_target(self, layer: int, routing_map: torch.Tensor) -> Step | None:
-        # non-reentrant checkpointing: the forward's step is alive and not reduced; pipeline
-        # schedules run backward in forward order per layer, so the oldest one is recomputed
-        for s in self._live:
-            if s.layer == layer and s._state != "reduced":
-                if not torch.equal(s.routing_map, routing_map):
-                    raise UltracommError(
-                        f"ultracomm: layer {layer}: the recomputed routing differs from the forward's; activation "
-                        "recompute needs a deterministic router (same inputs, same routing)")
-                return s
-        return None
+        """The live step whose forward this call recomputes (non-reentrant checkpointing), or
+        None (a reentrant recompute: its first forward ran under no_grad and left no step).
+
+        With several micro-batches of ``layer`` in flight the one being recomputed is the one
+        whose graph the running backward pass executes -- not the oldest: pipeline schedules
+        run backwards in any order (F0 F1 B1 B0)."""
+        live = [s for s in self._live_steps() if s.layer == layer]
+        if not live:
+            return None
+        hits = [s for s in live if _will_execute(s._node())]
+        if len(hits) > 1:  # one backward over several micro-batches: the nearest in the graph
+            hits = _nearest_in_graph(torch._C._current_autograd_node(), hits)
+        if not hits:  # a step without replica weights/guard (no node): match by routing
+            hits = [s for s in live if s._node() is None and torch.equal(s.routing_map, routing_map)]
+            if not hits:
+                return None
+        target = hits[0]
+        if not torch.equal(target.routing_map, routing_map):
+            raise UltracommError(
+                f"ultracomm: layer {layer}: the recomputed routing differs from the forward's; activation "
+                "recompute needs a deterministic router (same inputs, same routing)")
+        return target
 
     def _recompute(self, target: Step, routing_map: torch.Tensor, probs: torch.Tensor | None) -> Step:
         # the slots may still hold the target (every rank decides alike: same calls, same owner)
@@ -389,8 +555,6 @@ class ReplicaManager:
             work.wait()
             if self._staging_work[step._staging] is work:
                 self._staging_work[step._staging] = None
-            if step in self._live:
-                self._live.remove(step)
         for layer in sorted({step.layer for step, _ in pending}):
             if self._layers[layer].fold:
                 self._layers[layer].fold_into_grad()
@@ -398,7 +562,8 @@ class ReplicaManager:
     def close(self) -> None:
         """Wait for pending work and close the Context."""
         self.wait_grads()
-        for step in self._live:  # forwards whose backward never ran
+        for step in self._live_steps():  # forwards whose backward never ran
             step._release_graph()
+            step._state = "abandoned"
         self._live.clear()
         self.ctx.close()

@@ -3,20 +3,29 @@ rank's tokens, so a rank computes the tokens routed to the expert instances it h
 a token all-to-all, and a float64 no-replication reference is one loop in one thread."""
 from __future__ import annotations
 
-import torch
+from typing import Any, Callable
 
-from ultracomm import ExpertLayout, Member
+import torch
+import torch.utils.checkpoint as cp
+
+from ultracomm import ExpertLayout, LoopbackDomain, Member
 
 H, I = 6, 5  # hidden, expert inner size
 
 
-def layout(dtype=torch.float32) -> ExpertLayout:
-    return ExpertLayout((Member("fc1", (I, H), dtype), Member("fc2", (H, I), dtype)))
+def layout(dtype=torch.float32, bias: bool = False) -> ExpertLayout:
+    members = [Member("fc1", (I, H), dtype), Member("fc2", (H, I), dtype)]
+    if bias:
+        members += [Member("b1", (I,), dtype), Member("b2", (H,), dtype)]
+    return ExpertLayout(tuple(members))
 
 
-def master_weights(expert: int, dtype=torch.float32) -> list[torch.Tensor]:
+def master_weights(expert: int, dtype=torch.float32, bias: bool = False) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(500 + expert)
-    return [(torch.randn(I, H, generator=g) / 2).to(dtype), (torch.randn(H, I, generator=g) / 2).to(dtype)]
+    ws = [(torch.randn(I, H, generator=g) / 2).to(dtype), (torch.randn(H, I, generator=g) / 2).to(dtype)]
+    if bias:
+        ws += [(torch.randn(I, generator=g) / 2).to(dtype), (torch.randn(H, generator=g) / 2).to(dtype)]
+    return ws
 
 
 def batch(rank: int, layer: int, mb: int, num_experts: int, tokens: int = 24, top_k: int = 2,
@@ -33,8 +42,12 @@ def batch(rank: int, layer: int, mb: int, num_experts: int, tokens: int = 24, to
     return x, rmap, probs, torch.randn(tokens, H, generator=g).to(dtype)
 
 
-def expert_fn(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, linear) -> torch.Tensor:
-    return linear(torch.nn.functional.silu(linear(x, w1)), w2)
+def expert_fn(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, linear, b1: torch.Tensor | None = None,
+              b2: torch.Tensor | None = None) -> torch.Tensor:
+    h = linear(x, w1)
+    h = torch.nn.functional.silu(h if b1 is None else h + b1)
+    y = linear(h, w2)
+    return y if b2 is None else y + b2
 
 
 def reference_grads(world: int, epr: int, layers: int, mbs: int, tokens: int = 24, hot: float = 3.0):
@@ -76,20 +89,26 @@ def check_grads(per_rank_grads, world: int, epr: int, layers: int, mbs: int = 1,
 
 
 def rank_loss(step, rank: int, world: int, layer: int, mb: int, masters, replicas, linear,
-              tokens: int = 24, hot: float = 3.0, skip_replicas: bool = False, dtype=torch.float32) -> torch.Tensor:
+              tokens: int | Callable[[int], int] = 24, hot: float = 3.0, skip_replicas: bool = False,
+              dtype=torch.float32) -> torch.Tensor:
     """The part of the loss computed on ``rank``: every source rank's tokens that the rerouted
-    (echo layout) map sends to an instance hosted here, times a fixed upstream gradient."""
+    (echo layout) map sends to an instance hosted here, times a fixed upstream gradient.
+    ``masters[m][j]``: member ``m`` of home expert ``j``; ``replicas[m][k]``: of slot ``k``;
+    ``tokens``: per rank, or a function of the rank."""
     E = step.manager.num_experts
     epr, K = step.manager.experts_per_rank, step.manager.slots_per_rank
+    ntok = tokens if callable(tokens) else (lambda s: tokens)
     loss = torch.zeros((), dtype=torch.float32)
     for s in range(world):
-        x, rmap, probs, up = batch(s, layer, mb, E, tokens, hot=hot, dtype=dtype)
+        x, rmap, probs, up = batch(s, layer, mb, E, ntok(s), hot=hot, dtype=dtype)
         cmap, cprobs = step.rerouted("echo", rmap, probs, source=s)
         for j in range(epr):  # home experts
             e = rank * epr + j
             t = cmap[:, e].nonzero().squeeze(1)
-            y = expert_fn(x[t], masters[0][j], masters[1][j], linear) * cprobs[t, e, None]
-            loss = loss + (y * up[t]).float().sum()
+            if t.numel() == 0:  # as dispatchers do: an expert without tokens is not run (its .grad may stay None)
+                continue
+            y = expert_fn(x[t], *[m[j] for m in masters[:2]], linear, *[m[j] for m in masters[2:]])
+            loss = loss + (y * cprobs[t, e, None] * up[t]).float().sum()
         if skip_replicas:
             continue
         for k in range(K):
@@ -97,6 +116,119 @@ def rank_loss(step, rank: int, world: int, layer: int, mb: int, masters, replica
             t = cmap[:, c].nonzero().squeeze(1)
             if t.numel() == 0:
                 continue
-            y = expert_fn(x[t], replicas[0][k], replicas[1][k], linear) * cprobs[t, c, None]
-            loss = loss + (y * up[t]).float().sum()
+            y = expert_fn(x[t], *[m[k] for m in replicas[:2]], linear, *[m[k] for m in replicas[2:]])
+            loss = loss + (y * cprobs[t, c, None] * up[t]).float().sum()
     return loss
+
+
+# ------------------------------------------------------------------ whole training runs
+FORMS = ("stacked", "list", "parameter_list")
+
+
+def parse_schedule(text: str) -> list[tuple[str, int]]:
+    """``"F0 F1 B1 B0"`` -> ``[("F", 0), ("F", 1), ("B", 1), ("B", 0)]``."""
+    out = [(w[0], int(w[1:])) for w in text.split()]
+    assert all(k in "FB" for k, _ in out), text
+    return out
+
+
+def in_flight(schedule: list[tuple[str, int]]) -> int:
+    """Most micro-batches forwarded and not yet backwarded at once."""
+    live = peak = 0
+    for kind, _ in schedule:
+        live += 1 if kind == "F" else -1
+        peak = max(peak, live)
+    return peak
+
+
+def make_params(rank: int, epr: int, layers: int, dtype, form: str, main_grad: bool, bias: bool) -> list[list[Any]]:
+    """Per layer, per member: this rank's masters in ``form`` (``stacked``: one ``[epr, ...]``
+    Parameter; ``list``: a list of per-expert Parameters (Megatron's weight0..N);
+    ``parameter_list``: an ``nn.ParameterList`` of them), with an fp32 ``main_grad`` if asked."""
+    out = []
+    for _ in range(layers):
+        ws = [master_weights(rank * epr + j, dtype, bias) for j in range(epr)]
+        members = []
+        for m in range(len(ws[0])):
+            if form == "stacked":
+                members.append(torch.nn.Parameter(torch.stack([w[m] for w in ws])))
+            else:
+                ps = [torch.nn.Parameter(w[m].clone()) for w in ws]
+                members.append(ps if form == "list" else torch.nn.ParameterList(ps))
+        for t in (t for m in members for t in (m if not isinstance(m, torch.Tensor) else [m])):
+            if main_grad:
+                t.main_grad = torch.zeros(t.shape, dtype=torch.float32)
+        out.append(members)
+    return out
+
+
+def master_grads(params: list[list[Any]], main_grad: bool) -> list[list[torch.Tensor]]:
+    """Per layer, per member ``[epr, ...]``: with ``main_grad``, ``main_grad + .grad`` (what
+    Megatron's DDP hook adds up: fused wgrads land in main_grad, the rest in .grad), else
+    ``.grad``; a tensor that got no gradient counts as zeros."""
+    def g(t):
+        grad = torch.zeros_like(t) if t.grad is None else t.grad
+        return t.main_grad + grad.float() if main_grad else grad.clone()
+    return [[g(m) if isinstance(m, torch.Tensor) else torch.stack([g(t) for t in m]) for m in ps]
+            for ps in params]
+
+
+def train(world: int, epr: int, slots: int, layers: int, schedule: str | list = "F0 B0", *, planner: Any = "quota",
+          checkpoint: str | None = None, dtype=torch.float32, form: str = "stacked", main_grad: bool = False,
+          bias: bool = False, hot: float = 3.0, zero_rank: int | None = None, tokens: int = 24, lin: Any = None,
+          guard: bool = True, skip_replicas_on: tuple = (), max_microbatches: int | None = None,
+          timeout: float = 240):
+    """Train ``layers`` MoE layers of the loopback model on ``world`` ranks with a
+    ``ReplicaManager``, micro-batches forwarded and backwarded in ``schedule`` order.
+
+    ``checkpoint``: None, ``"reentrant"`` or ``"non_reentrant"`` (each layer checkpointed);
+    ``zero_rank``: a rank whose batches have no token.  Returns per rank
+    ``(master_grads(...), [step.imbalance, ...])``."""
+    from ultracomm.moe import ReplicaManager, linear
+    lin = lin or linear
+    order = parse_schedule(schedule) if isinstance(schedule, str) else list(schedule)
+    E = world * epr
+
+    def ntok(s: int) -> int:
+        return 0 if s == zero_rank else tokens
+
+    def body(group):
+        r = group.rank
+        mgr = ReplicaManager(group, layout(dtype, bias), epr, slots, layers,
+                             max_microbatches=max_microbatches or in_flight(order), planner=planner, timeout_s=20)
+        params = make_params(r, epr, layers, dtype, form, main_grad, bias)
+        for layer in range(layers):
+            mgr.register_layer(layer, params[layer])
+        imbalance = []
+
+        def layer_loss(layer, mb, anchor):
+            _, rmap, probs, _ = batch(r, layer, mb, E, ntok(r), hot=hot, dtype=dtype)
+            step = mgr.step(layer, rmap, probs)
+            imbalance.append(step.imbalance)
+            reps = None if r in skip_replicas_on else step.replica_weights()
+            loss = rank_loss(step, r, world, layer, mb, params[layer], reps, lin, tokens=ntok, hot=hot,
+                             skip_replicas=r in skip_replicas_on, dtype=dtype)
+            return (step.guard(loss) if guard else loss) * anchor
+
+        def forward(mb):
+            total = 0
+            anchor = torch.ones((), dtype=dtype, requires_grad=True)
+            for layer in range(layers):
+                if checkpoint is None:
+                    total = total + layer_loss(layer, mb, anchor)
+                else:
+                    total = total + cp.checkpoint(layer_loss, layer, mb, anchor,
+                                                  use_reentrant=checkpoint == "reentrant")
+            return total
+
+        losses = {}
+        for kind, mb in order:
+            if kind == "F":
+                losses[mb] = forward(mb)
+            else:
+                losses.pop(mb).backward()
+        out = master_grads(params, main_grad)
+        mgr.close()
+        return out, imbalance
+
+    return LoopbackDomain(world).run(body, timeout=timeout)

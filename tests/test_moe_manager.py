@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import torch.utils.checkpoint as cp
 
 import moe_harness as mh
 from ultracomm import LoopbackDomain, UltracommError
@@ -37,71 +36,21 @@ def fixed_planner(slot_src: np.ndarray):
 
 
 def params_for(rank: int, layers: int, dtype=torch.float32, main_grad: bool = False, per_expert: bool = False):
-    out = []
-    for _ in range(layers):
-        ws = [mh.master_weights(rank * EPR + j, dtype) for j in range(EPR)]
-        if per_expert:  # Megatron keeps one parameter per expert (weight0..N)
-            ps = [[torch.nn.Parameter(w[m].clone()) for w in ws] for m in range(2)]
-        else:
-            ps = [torch.nn.Parameter(torch.stack([w[m] for w in ws])) for m in range(2)]
-        if main_grad:
-            for p in (t for m in ps for t in (m if isinstance(m, list) else [m])):
-                p.main_grad = torch.zeros(p.shape, dtype=torch.float32)
-        out.append(ps)
-    return out
-
-
-def grads_of(params, main_grad: bool):
-    def g(t):
-        return (t.main_grad if main_grad else t.grad).clone()
-    return [[torch.stack([g(t) for t in m]) if isinstance(m, list) else g(m) for m in ps] for ps in params]
+    return mh.make_params(rank, EPR, layers, dtype, "list" if per_expert else "stacked", main_grad, False)
 
 
 def run(order: str = "plain", mbs: int = 1, checkpoint: str | None = None, planner="quota",
         skip_replicas_on: tuple = (), guard: bool = True, dtype=torch.float32, main_grad: bool = False,
         per_expert: bool = False, max_microbatches: int | None = None, hot: float = 3.0, lin=linear):
-    """Per rank ``(grads[layer][member] [EPR, ...], imbalances)``."""
-    def body(group):
-        r = group.rank
-        mgr = ReplicaManager(group, mh.layout(dtype), EPR, K, LAYERS,
-                             max_microbatches=max_microbatches or mbs, planner=planner, timeout_s=20)
-        params = params_for(r, LAYERS, dtype, main_grad, per_expert)
-        for layer in range(LAYERS):
-            mgr.register_layer(layer, params[layer])
-        imbalance = []
-
-        def layer_loss(layer, mb, anchor):
-            x, rmap, probs, _ = mh.batch(r, layer, mb, E, hot=hot, dtype=dtype)
-            step = mgr.step(layer, rmap, probs)
-            imbalance.append(step.imbalance)
-            reps = None if r in skip_replicas_on else step.replica_weights()
-            loss = mh.rank_loss(step, r, WORLD, layer, mb, params[layer], reps, lin, hot=hot,
-                                skip_replicas=r in skip_replicas_on, dtype=dtype)
-            return (step.guard(loss) if guard else loss) * anchor
-
-        def forward(mb):
-            total = 0
-            anchor = torch.ones((), dtype=dtype, requires_grad=True)
-            for layer in range(LAYERS):
-                if checkpoint is None:
-                    total = total + layer_loss(layer, mb, anchor)
-                else:
-                    total = total + cp.checkpoint(layer_loss, layer, mb, anchor,
-                                                  use_reentrant=checkpoint == "reentrant")
-            return total
-
-        if order == "plain":
-            for mb in range(mbs):
-                forward(mb).backward()
-        else:  # every forward first, then the backwards in forward order (a pipeline's warm-up)
-            losses = [forward(mb) for mb in range(mbs)]
-            for loss in losses:
-                loss.backward()
-        out = grads_of(params, main_grad)
-        mgr.close()
-        return out, imbalance
-
-    return LoopbackDomain(WORLD).run(body, timeout=240)
+    """Per rank ``(grads[layer][member] [EPR, ...], imbalances)``; ``order``: ``plain``
+    (F0 B0 F1 B1 ...) or ``interleaved`` (every forward, then the backwards in forward order)."""
+    if order == "plain":
+        schedule = " ".join(f"F{m} B{m}" for m in range(mbs))
+    else:
+        schedule = " ".join([f"F{m}" for m in range(mbs)] + [f"B{m}" for m in range(mbs)])
+    return mh.train(WORLD, EPR, K, LAYERS, schedule, planner=planner, checkpoint=checkpoint, dtype=dtype,
+                    form="list" if per_expert else "stacked", main_grad=main_grad, hot=hot, lin=lin, guard=guard,
+                    skip_replicas_on=skip_replicas_on, max_microbatches=max_microbatches or mbs)
 
 
 def check_against_reference(results, mbs=1):

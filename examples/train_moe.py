@@ -6,7 +6,8 @@ Every rank holds ``experts // world`` experts (SwiGLU: fc1 [2I, H], fc2 [H, I]);
 skewed towards a few hot experts sends each token to ``top_k`` of them; tokens travel to the
 rank that computes them with ``all_to_all_single`` (gloo on CPU, NCCL on GPUs).  Each step
 runs ``--microbatches`` micro-batches in a 1F1B order (two forwards in flight, then one
-forward per backward), then an SGD update.  The modes:
+forward per backward; ``--schedule`` gives another order, e.g. ``"F0 F1 B1 B0"``), then an
+SGD update.  The modes:
 
 * ``none``: no replication: every token goes to its expert's home rank.
 * ``ultracomm``: ``ultracomm.moe.ReplicaManager`` plans replicas of the hot experts per
@@ -222,6 +223,27 @@ def one_f_one_b(n: int, warmup: int = 2) -> list[tuple[str, int]]:
     return order
 
 
+def schedule_of(text: str, n: int) -> list[tuple[str, int]]:
+    """``--schedule``: ``1f1b`` or an explicit order such as ``"F0 F1 B1 B0"`` (pipeline
+    stages run backwards in any order; each micro-batch once forward, then once backward)."""
+    if text == "1f1b":
+        return one_f_one_b(n)
+    order = [(w[0], int(w[1:])) for w in text.split() if w[:1] in ("F", "B") and w[1:].isdigit()]
+    if len(order) != len(text.split()) or sorted(order) != sorted([("F", i) for i in range(n)] + [("B", i) for i in range(n)]) \
+            or any(order.index(("B", i)) < order.index(("F", i)) for i in range(n)):
+        raise SystemExit(f"--schedule {text!r}: give 1f1b or each of F0..F{n - 1} and B0..B{n - 1} once, every B after "
+                         "its F (--microbatches is the count)")
+    return order
+
+
+def in_flight(order: list[tuple[str, int]]) -> int:
+    live = peak = 0
+    for kind, _ in order:
+        live += 1 if kind == "F" else -1
+        peak = max(peak, live)
+    return peak
+
+
 def train(a, mode: str, rank: int, world: int):
     """Returns per step ``(loss, [master grads])``."""
     model = Model(a, rank, world)
@@ -229,7 +251,9 @@ def train(a, mode: str, rank: int, world: int):
     planner = get_planner(a.planner)
     if mode == "ultracomm":
         layout = ultracomm.ExpertLayout.swiglu(a.hidden, a.inner, dtype=torch.float32)
-        mgr = ReplicaManager(None, layout, model.epr, a.slots, a.layers, max_microbatches=2, planner=a.planner)
+        order = schedule_of(a.schedule, a.microbatches)
+        mgr = ReplicaManager(None, layout, model.epr, a.slots, a.layers, max_microbatches=in_flight(order),
+                             planner=a.planner)
         for layer in range(a.layers):
             mgr.register_layer(layer, [model.fc1[layer], model.fc2[layer]])
     history = []
@@ -238,7 +262,7 @@ def train(a, mode: str, rank: int, world: int):
         for p in model.parameters():
             p.grad = None
         losses, stats, pending = [], [], {}
-        for kind, mb in one_f_one_b(a.microbatches):
+        for kind, mb in schedule_of(a.schedule, a.microbatches):
             if kind == "F":
                 g = torch.Generator().manual_seed(a.seed + 7919 * step + 104729 * mb + rank)
                 h = torch.randn(a.tokens, a.hidden, generator=g)
@@ -283,6 +307,7 @@ def main(argv=None) -> int:
     p.add_argument("--inner", type=int, default=24)
     p.add_argument("--tokens", type=int, default=64, help="tokens per rank and micro-batch")
     p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--schedule", default="1f1b", help='1f1b, or an order such as "F0 F1 B1 B0"')
     p.add_argument("--hot", type=int, default=3, help="hot experts (their logits get --skew added)")
     p.add_argument("--skew", type=float, default=2.5)
     p.add_argument("--planner", default="quota")

@@ -530,7 +530,7 @@ class Context:
         raise error
 
     def _submit(self, name: str, op: Op, mb: _MicroBatch, masters: Masters, async_op: bool,
-                before: Callable[[], None] | None = None) -> Work | None:
+                before: Callable[[], None] | None = None, after: Callable[[], None] | None = None) -> Work | None:
         if self._broken is not None:
             raise UltracommError(f"ultracomm: this Context failed earlier ({self._broken}); create a new Context")
         sched = mb.schedule
@@ -551,7 +551,7 @@ class Context:
                     raise
                 self._epoch += 1
                 return self._streams.submit(name, op, self._epoch, sched, masters, my_slots, local_index_of,
-                                            async_op, on_time=on_time)
+                                            async_op, on_time=on_time, after=after)
 
         def body() -> None:
             if self._broken is not None:  # queued before an earlier operation failed: never start it
@@ -561,6 +561,8 @@ class Context:
                 if before is not None:
                     before()
                 self.transport.run(op, sched, epoch, masters, my_slots, local_index_of, name)
+                if after is not None:  # in the queue: before any later operation starts
+                    after()
             except BaseException as e:
                 self._broken = f"{type(e).__name__}: {e}"
                 raise
@@ -623,13 +625,13 @@ class Context:
                     and mb.overwritten_by is None:
                 mb.overwritten_by = writer.layer
 
-    def grad_reduce(self, vid: int, async_op: bool = False,
-                    grads: Sequence[torch.Tensor] | None = None) -> Work | None:
+    def grad_reduce(self, vid: int, async_op: bool = False, grads: Sequence[torch.Tensor] | None = None, *,
+                    release: bool = True, zero_replica_grads: bool = False) -> Work | None:
         """Add every replica's gradient (``replica_grads``) into its home expert's master grad.
 
         Deterministic: for each element, fp32 ``acc = master``, then the sources in the order
         the schedule lists them (relays pre-reduce their subtree first), cast back to the
-        grad dtype.  Releases ``vid``.
+        grad dtype.  Releases ``vid`` unless ``release=False``.
 
         A relay's ``replica_grads`` slot is overwritten with its partial sum (its own grad
         plus its children's), so replica grads are consumed by this call; with
@@ -639,6 +641,15 @@ class Context:
         dtype, copied into ``replica_grads`` right before the reduction, in the operation
         queue (so a caller can stage the next micro-batch's grads while an earlier reduction
         still reads the slots).
+
+        ``zero_replica_grads``: once every reader has consumed them, zero this rank's filled
+        replica grad slots (every member), as part of the operation -- what UltraEP's reduce
+        leaves behind, so hosts that accumulate replica grads with ``+=`` start from zero.
+        Not available on a one-GPU loopback domain (its ranks' shares launch together later).
+
+        ``release=False`` keeps ``vid`` and its plan in flight (``restore`` and ``grad_reduce``
+        may run on it again; ``end(vid)`` releases it).  Its slots count as not restored again:
+        a later multicast of another layer makes the next ``grad_reduce`` raise until ``restore``.
 
         Raises :class:`UltracommError` if another layer's multicast overwrote the slots after
         ``vid``'s ``weight_sync`` and ``restore(vid)`` was never called: its backward then
@@ -663,13 +674,29 @@ class Context:
                 for dst, src in zip(self.replica_grads, grads):
                     dst.copy_(src)
             before = copy_grads
+        after: Callable[[], None] | None = None
+        if zero_replica_grads:
+            if self._streams is not None and getattr(self.window, "loopback", False):
+                raise ValueError("ultracomm: grad_reduce(zero_replica_grads=True) is not supported on a one-GPU "
+                                 "loopback domain (cuda_local windows): a rank's share runs in a later launch, so "
+                                 "the zeroing could not follow it; zero the slots after work.wait() instead")
+            filled = [s for s, e in enumerate(mb.my_slots) if e >= 0]
+
+            def zero_slots() -> None:
+                for g in self.replica_grads:
+                    for s in filled:
+                        g[s].zero_()
+            after = zero_slots
         masters = self._check_masters(mb.layer)
         if masters.grads is None:
             raise RegistrationError(f"ultracomm: layer {mb.layer} was registered without grads "
                                     f"(register_masters({mb.layer}, weights, None)); grad_reduce needs them: register "
                                     "the master grads too")
-        work = self._submit("grad_reduce", Op.REDUCE, mb, masters, async_op, before)
-        self._vids[vid % len(self._vids)] = None
+        work = self._submit("grad_reduce", Op.REDUCE, mb, masters, async_op, before, after)
+        if release:
+            self._vids[vid % len(self._vids)] = None
+        else:  # the slots hold other layers' data as soon as one multicasts
+            mb.restored = False
         return work
 
     def replicas(self, vid: int) -> list[int]:

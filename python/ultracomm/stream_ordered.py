@@ -165,13 +165,15 @@ class StreamOrdered:
 
     def submit(self, name: str, op: Any, epoch: int, schedule: Any, masters: Any, my_slots: Any,
                local_index_of: Any, async_op: bool,
-               on_time: Optional[Callable[[Any], None]] = None) -> Optional[StreamWork]:
+               on_time: Optional[Callable[[Any], None]] = None,
+               after: Optional[Callable[[], None]] = None) -> Optional[StreamWork]:
         """Enqueue ``op`` at ``epoch`` on the caller's current stream; a Work when ``async_op``.
         Call :meth:`check_submit` first.  ``on_time`` (the profiler) gets ``(start, end)``
         timing events recorded on the stream around the operation -- never synchronised here --
         or ``None`` when the call enqueued nothing (it failed, or it was a loopback rank's share,
         enqueued by the rank completing the set) and under CUDA graph capture (a captured
-        operation runs at replay, not between events recorded now)."""
+        operation runs at replay, not between events recorded now).  ``after`` runs right after
+        the operation is enqueued (to enqueue follow-up work behind it on the same stream)."""
         if on_time is not None and self.streams.is_capturing():
             on_time(None)
             on_time = None
@@ -184,6 +186,8 @@ class StreamOrdered:
                 on_time(None)
             self._on_error(e)
             raise
+        if after is not None:  # enqueued behind the operation, ahead of its Work's event
+            after()
         if on_time is not None:
             on_time((start, self.streams.timing_event()) if enqueued is not False else None)
         if not async_op:

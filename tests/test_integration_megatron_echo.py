@@ -1,14 +1,20 @@
-"""The Megatron MoE ECHO adapter against a stand-in of ECHO's MoE layer: per layer the
-global token counts go to ``gen_offloading_plan``, its ``expert_offloading_map`` to the
+"""The Megatron MoE ECHO adapter against a stand-in of upstream's BalancedMoELayer: per layer
+the global token counts go to ``gen_offloading_plan``, its ``expert_offloading_map`` to the
 dispatcher's ``preprocess``, and fc1's and fc2's per-expert weights (Megatron's
-``weight0..N``, with ``main_grad`` and ``grad_added_to_main_grad`` as Megatron's DDP sets
-them) to ``expert_dispatch``; a grouped GEMM (every weight touched, also with zero tokens)
-computes the home and spare experts.  Ranks are threads; tokens reach the rank that
+``weight0..N``) to ``dispatch``; the rerouted map is read in Megatron's column order (per rank
+its home experts, then its spares); a grouped GEMM (every weight touched, also with zero
+tokens) computes the home and spare experts.  Ranks are threads; tokens reach the rank that
 computes them through a shared dict.
 
-Interfaces: NVIDIA/Megatron-LM PR #2368, ``megatron/core/transformer/moe/offloading_planner.py``
-(``gen_offloading_plan``) and the expert-weight dispatcher (``preprocess(map) -> metadata``,
-``expert_dispatch(metadata, *weights) -> list[Tensor]``)."""
+Upstream: Victarry/Megatron-LM ``megatron/core/transformer/moe/balanced_moe_layer.py`` at
+ae807d3f3473beffa83099c1b489d1a360383acb (``_install_spare_expert_weights``: ``dispatch(metadata,
+*home_weights, runtime_weight_dtype=)``; ``_fold_runtime_main_grads``:
+``fold_spare_gradients(metadata, *spare_grads, reference_weight_dtype=)``) and the
+``expert_weight_dispatcher.py`` it imports (``_AllToAllExpertWeightDispatch``: outputs zeros
+for an empty spare, the home weight for a filled one, the same rank included; backward returns
+each home weight the sum of its spares' gradients).  Megatron's DDP hook: megatron-core
+0.16.1 wheel, ``megatron/core/distributed/distributed_data_parallel.py``
+``_make_backward_post_hook`` and ``zero_grad_buffer``."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -21,87 +27,218 @@ from ultracomm import LoopbackDomain
 from ultracomm.integrations.megatron_echo import EchoExpertDispatcher, close_dispatchers, gen_offloading_plan
 from ultracomm.moe import linear
 
-WORLD, M, S, LAYERS = 4, 2, 1, 2  # ECHO's approx_bin_packing default: one spare slot per EP rank
+WORLD, M, S, LAYERS = 4, 2, 1, 2  # upstream's approx_bin_packing default: one spare slot per EP rank
 E = WORLD * M
 H, I = mh.H, mh.I
 
 
-def grouped_gemm(x, w1, w2):
-    """One expert of a grouped GEMM: runs (and so produces a weight gradient) even for 0 rows."""
-    return mh.expert_fn(x, w1, w2, linear)
+def grouped_gemm(x, w1, w2, fused: bool):
+    """One expert of a grouped GEMM: runs (and so produces a weight gradient) even for 0 rows.
+    ``fused``: weight grads go straight into ``main_grad`` with ``grad_added_to_main_grad`` set
+    (TE's gradient-accumulation fusion, as ``ultracomm.moe.linear`` does); else plain autograd."""
+    return mh.expert_fn(x, w1, w2, linear if fused else (lambda a, w: a @ w.t()))
 
 
-def run(main_grad: bool = True, layers: int = LAYERS):
+def megatron_ddp_hook(param: torch.nn.Parameter) -> None:
+    """megatron-core 0.16.1 DDP, restated: ``__init__`` sets ``grad_added_to_main_grad = False``
+    (reset again only by ``zero_grad_buffer``, once per iteration); a hook on the param's grad
+    accumulator adds ``.grad`` into ``main_grad`` unless ``grad_added_to_main_grad`` is set,
+    then clears ``.grad``."""
+    param.main_grad = torch.zeros(param.shape)
+    param.grad_added_to_main_grad = False
+
+    def hook(*unused):
+        if param.grad is not None and (not param.grad_added_to_main_grad or getattr(param, "zero_out_wgrad", False)):
+            param.main_grad.add_(param.grad.data)
+        param.grad = None
+
+    acc = param.expand_as(param).grad_fn.next_functions[0][0]
+    acc.register_hook(hook)
+    param._ddp_grad_acc = acc  # kept alive as DDP keeps self.grad_accs
+
+
+MODES = ["fused", "plain", "grad"]  # DDP + TE-style fused wgrad; DDP + autograd .grad; no DDP (.grad)
+
+
+def run(mode: str = "fused", layers: int = LAYERS, schedule: str = "F0 B0", algorithm: str = "approx_bin_packing"):
+    """Train ``layers`` MoE layers on ``WORLD`` ranks in ``schedule`` (forward/backward of
+    micro-batches, e.g. ``F0 F1 B1 B0``); returns per rank ``([layer][member] -> [M, *shape]``
+    home grads (``main_grad`` through the DDP hook, or ``.grad``), DDP flags)."""
+    ddp, fused = mode != "grad", mode == "fused"
     domain = LoopbackDomain(WORLD)
+    steps = schedule.split()
+    in_flight = max(sum(1 for s in steps[:i + 1] if s[0] == "F") - sum(1 for s in steps[:i + 1] if s[0] == "B")
+                    for i in range(len(steps)))
 
     def body(group):
         r = group.rank
-        config = SimpleNamespace(pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None)
+        config = SimpleNamespace(pipeline_model_parallel_size=in_flight, virtual_pipeline_model_parallel_size=None)
         params, dispatchers = [], []
         for layer in range(layers):  # every layer's dispatcher is built with the model
             ws = [mh.master_weights(r * M + j) for j in range(M)]
             fc1 = [torch.nn.Parameter(w[0].clone()) for w in ws]  # TEGroupedLinear weight0..N
             fc2 = [torch.nn.Parameter(w[1].clone()) for w in ws]
-            if main_grad:
+            if ddp:
                 for p in fc1 + fc2:
-                    p.main_grad = torch.zeros(p.shape)
-                    p.grad_added_to_main_grad = False  # as DistributedDataParallel initialises it
+                    megatron_ddp_hook(p)
             params.append((fc1, fc2))
             dispatchers.append(EchoExpertDispatcher(config, group, E, WORLD * S, timeout_s=20))
-        total = torch.zeros(())
-        for layer in range(layers):
-            x, rmap, probs, up = mh.batch(r, layer, 0, E)
-            counts = torch.stack([torch.as_tensor(c) for c in group.all_gather_object(rmap.sum(0), op="test", what="token counts")])
-            rerouting_map, rerouted_probs, offloading_map = gen_offloading_plan(
-                rmap, probs, counts, r, WORLD, S)
-            assert rerouting_map.shape == (x.shape[0], E + WORLD * S) and offloading_map.shape == (E, WORLD * S)
-            meta = dispatchers[layer].preprocess(offloading_map)
-            spare_fc1 = dispatchers[layer].expert_dispatch(meta, *params[layer][0])
-            spare_fc2 = dispatchers[layer].expert_dispatch(meta, *params[layer][1])
-            assert len(spare_fc1) == S and spare_fc1[0].shape == (I, H) and spare_fc2[0].shape == (H, I)
-            domain.shared[(layer, r)] = (x, rerouting_map, rerouted_probs.detach(), up)
-            group.barrier()
-            for local in range(M + S):  # Megatron's column order: per rank its homes, then its spares
-                col = r * (M + S) + local
-                if local < M:
-                    w1, w2 = params[layer][0][local], params[layer][1][local]
-                else:
-                    w1, w2 = spare_fc1[local - M], spare_fc2[local - M]
-                for s in range(WORLD):
-                    xs, cmap, cprobs, us = domain.shared[(layer, s)]
-                    t = cmap[:, col].nonzero().squeeze(1)
-                    y = grouped_gemm(xs[t], w1, w2) * cprobs[t, col, None]
-                    total = total + (y * us[t]).sum()
-            group.barrier()
-        total.backward()
-        grads = [[torch.stack([p.main_grad if main_grad else p.grad for p in params[layer][m]]) for m in range(2)]
+        losses = {}
+        for step in steps:
+            mb = int(step[1:])
+            if step[0] == "B":
+                losses.pop(mb).backward()
+                continue
+            total = torch.zeros(())
+            for layer in range(layers):
+                x, rmap, probs, up = mh.batch(r, layer, mb, E)
+                counts = torch.stack([torch.as_tensor(c) for c in group.all_gather_object(
+                    rmap.sum(0), op="test", what="token counts")]).to(torch.int32)
+                rerouting_map, rerouted_probs, offloading_map = gen_offloading_plan(
+                    rmap, probs, counts, ep_rank=r, num_ep_ranks=WORLD, num_spare_experts_per_ep_rank=S,
+                    assignment_algorithm=algorithm)
+                meta = dispatchers[layer].preprocess(offloading_map)
+                spare_fc1 = dispatchers[layer].dispatch(meta, *params[layer][0])
+                spare_fc2 = dispatchers[layer].dispatch(meta, *params[layer][1])
+                assert len(spare_fc1) == S and spare_fc1[0].shape == (I, H) and spare_fc2[0].shape == (H, I)
+                domain.shared[(mb, layer, r)] = (x, rerouting_map, rerouted_probs.detach(), up)
+                group.barrier()
+                for local in range(M + S):  # Megatron's column order: per rank its homes, then its spares
+                    col = r * (M + S) + local
+                    if local < M:
+                        w1, w2 = params[layer][0][local], params[layer][1][local]
+                    else:
+                        w1, w2 = spare_fc1[local - M], spare_fc2[local - M]
+                    for s in range(WORLD):
+                        xs, cmap, cprobs, us = domain.shared[(mb, layer, s)]
+                        t = cmap[:, col].nonzero().squeeze(1)
+                        y = grouped_gemm(xs[t], w1, w2, fused) * cprobs[t, col, None]
+                        total = total + (y * us[t]).sum()
+                group.barrier()
+            losses[mb] = total
+        grads = [[torch.stack([p.main_grad if ddp else p.grad for p in params[layer][m]]) for m in range(2)]
                  for layer in range(layers)]
-        flags = [p.grad_added_to_main_grad for fc in params for ps in fc for p in ps] if main_grad else []
+        flags = [p.grad_added_to_main_grad for fc in params for ps in fc for p in ps] if ddp else []
         close_dispatchers(group)
         return grads, flags
 
     return domain.run(body, timeout=240)
 
 
-@pytest.mark.parametrize("main_grad", [True, False], ids=["main_grad", "grad"])
-def test_echo_adapter_grads_match_no_replication(main_grad):
-    results = run(main_grad)
+@pytest.mark.parametrize("mode", MODES)
+def test_echo_adapter_grads_match_no_replication(mode):
+    results = run(mode)
     mh.check_grads([grads for grads, _ in results], WORLD, M, LAYERS)
-    assert all(all(flags) for _, flags in results)  # the dispatcher added into main_grad and said so, as ECHO does
+    if mode == "plain":
+        assert not any(flag for _, flags in results for flag in flags)  # the adapter leaves DDP's flag alone
 
 
-def test_dispatcher_rejects_bad_maps():
+@pytest.mark.parametrize("mode", ["fused", "plain"])
+def test_ddp_accumulates_every_micro_batch(mode):
+    """Three micro-batches through Megatron's DDP hook: every home grad is the sum of all three
+    (an adapter that set grad_added_to_main_grad after the first drops the home experts' own
+    .grad of the second and third -- DDP resets the flag only per iteration; one that returns
+    the spares' sum only through autograd loses it where the fused wgrad set the flag)."""
+    results = run(mode, layers=1, schedule="F0 B0 F1 B1 F2 B2")
+    mh.check_grads([grads for grads, _ in results], WORLD, M, 1, mbs=3)
+
+
+@pytest.mark.parametrize("mode", ["fused", "plain"])
+def test_pipeline_order_and_one_shot_greedy(mode):
+    results = run(mode, layers=2, schedule="F0 F1 B1 B0", algorithm="one_shot_greedy")
+    mh.check_grads([grads for grads, _ in results], WORLD, M, 2, mbs=2)
+
+
+def offloading_map() -> torch.Tensor:
+    """2 ranks, 2 home experts and 2 spares each.  Spare 0 (rank 0, slot 0) holds expert 0 on
+    its own home rank (a local copy, allowed upstream); spare 1 (rank 0, slot 1) expert 3;
+    spare 2 (rank 1, slot 0) expert 0; spare 3 empty."""
+    m = torch.zeros(4, 4, dtype=torch.bool)
+    m[0, 0] = m[3, 1] = m[0, 2] = True
+    return m
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dispatch_outputs_and_gradients_follow_upstream(dtype):
+    """dispatch: local spare k gets the weight of the expert its column names (same rank
+    included), zeros when empty, in runtime_weight_dtype; backward: each home weight gets the
+    sum of its spares' gradients (summed in fp32 for bf16 weights, returned in their dtype)."""
+    def body(group):
+        r = group.rank
+        d = EchoExpertDispatcher(SimpleNamespace(), group, 4, 4, timeout_s=20)
+        try:
+            weights = [torch.nn.Parameter(torch.full((3, 2), float(10 * (2 * r + j) + 1), dtype=dtype))
+                       for j in range(2)]
+            meta = d.preprocess(offloading_map())
+            assert meta.local_spare_home_indices.tolist() == ([0, 3] if r == 0 else [0, -1])
+            out = d.dispatch(meta, *weights, runtime_weight_dtype=torch.float64)
+            assert [t.dtype for t in out] == [torch.float64, torch.float64]
+            got = [float(t.detach()[0, 0]) for t in out] + [bool(t.eq(t[0, 0]).all()) for t in out]
+            # spare k's gradient: (rank + 1) * (k + 1) everywhere
+            sum(((r + 1) * (k + 1) * t).sum() for k, t in enumerate(out)).backward()
+            assert all(w.grad.dtype == dtype for w in weights)
+            return got, [w.grad.clone() for w in weights]
+        finally:
+            close_dispatchers(group)
+
+    (got0, grads0), (got1, grads1) = LoopbackDomain(2).run(body, timeout=120)
+    assert got0 == [1.0, 31.0, True, True]  # expert 0 (local copy), expert 3 (from rank 1)
+    assert got1 == [1.0, 0.0, True, True]  # expert 0 (from rank 0), empty
+    # expert 0: rank 0's spare 0 (1 * 1) + rank 1's spare 0 (2 * 1); expert 3: rank 0's spare 1 (1 * 2)
+    assert [float(g[0, 0]) for g in grads0] == [3.0, 0.0] and [float(g[0, 0]) for g in grads1] == [0.0, 2.0]
+    assert all(bool(g.eq(g[0, 0]).all()) for g in grads0 + grads1)
+
+
+def test_fold_spare_gradients():
+    """Upstream's fold_spare_gradients: the local home experts' sums of the spare gradients,
+    in the grad-combine dtype (fp32 for bf16 weights by default)."""
+    def body(group):
+        r = group.rank
+        d = EchoExpertDispatcher(SimpleNamespace(), group, 4, 4, timeout_s=20)
+        try:
+            weights = [torch.zeros(3, 2, dtype=torch.bfloat16) for _ in range(2)]
+            meta = d.preprocess(offloading_map())
+            with torch.no_grad():
+                d.dispatch(meta, *weights)
+            spare = [torch.full((3, 2), float((r + 1) * (k + 1)), dtype=torch.bfloat16) for k in range(2)]
+            folded = d.fold_spare_gradients(meta, *spare, reference_weight_dtype=torch.bfloat16)
+            return [(f.dtype, float(f[0, 0])) for f in folded]
+        finally:
+            close_dispatchers(group)
+
+    got = LoopbackDomain(2).run(body, timeout=120)
+    assert got == [[(torch.float32, 3.0), (torch.float32, 0.0)], [(torch.float32, 0.0), (torch.float32, 2.0)]]
+
+
+def test_dispatcher_rejects_bad_input():
     def body(group):
         d = EchoExpertDispatcher(SimpleNamespace(), group, 4, 2)
         try:
-            with pytest.raises(ValueError, match="bool"):
+            pre = "ultracomm: EchoExpertDispatcher: "
+            with pytest.raises(ValueError) as e:
                 d.preprocess(torch.zeros(4, 2))
-            with pytest.raises(ValueError, match=r"shape \[4, 2\]"):
+            assert str(e.value) == pre + "expert_offloading_map must be a bool tensor, got torch.float32"
+            with pytest.raises(ValueError) as e:
                 d.preprocess(torch.zeros(4, 3, dtype=torch.bool))
+            assert str(e.value) == pre + "expert_offloading_map must have shape [4, 2], got [4, 3]"
             two = torch.zeros(4, 2, dtype=torch.bool)
             two[0, 1] = two[1, 1] = True
-            with pytest.raises(ValueError, match="holds one expert"):
+            with pytest.raises(ValueError) as e:
                 d.preprocess(two)
+            assert str(e.value) == pre + ("spare slot 1 of expert_offloading_map holds experts [0, 1]; each spare "
+                                          "slot holds at most one home expert")
+            meta = d.preprocess(torch.zeros(4, 2, dtype=torch.bool))
+            with pytest.raises(ValueError) as e:
+                d.dispatch(meta, torch.zeros(2))
+            assert str(e.value) == pre + "expected 2 local home weights, got 1"
+            with pytest.raises(ValueError) as e:
+                d.fold_spare_gradients(meta, torch.zeros(2))
+            assert str(e.value) == pre + ("fold_spare_gradients: no dispatch of [2] torch.float32 weights by this "
+                                          "layer yet; call dispatch(metadata, *home_weights) first (or pass "
+                                          "reference_weight_dtype)")
+            with pytest.raises(ValueError) as e:
+                EchoExpertDispatcher(SimpleNamespace(), group, 3, 2)
+            assert str(e.value) == pre + "num_home_experts must be a positive multiple of the EP size 2, got 3"
         finally:
             close_dispatchers(group)
 

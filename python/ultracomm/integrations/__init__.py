@@ -1,7 +1,8 @@
 """Adapters that speak the interfaces of the MoE stacks ultracomm plugs into:
 
 * :mod:`ultracomm.integrations.megatron_echo`: Megatron MoE ECHO's ``gen_offloading_plan``
-  and expert-weight dispatcher (``preprocess`` / ``expert_dispatch``).
+  (:mod:`~ultracomm.integrations.echo_planner`) and expert-weight dispatcher (``preprocess`` /
+  ``dispatch`` / ``fold_spare_gradients``).
 * :mod:`ultracomm.integrations.ultraep`: UltraEP's ``Manager`` (switch by changing the import).
 * :mod:`ultracomm.integrations.vllm_eplb`: vLLM's EPLB communicator (``add_send`` /
   ``add_recv`` / ``execute``), one multicast per moved expert.

@@ -1,10 +1,12 @@
 """The UltraEP adapter driven the way UltraEP's README drives ``ultra_ep.Manager``: its three
 backward hooks (restore, start and join grad_reduce), ``update_placement`` ->
 ``weight_sync`` -> ``reroute`` per layer, per-expert master lists with ``main_grad``-style
-fp32 grads, replica grads written into ``local_replica_{fc1,fc2}_grad_buffer``.
+fp32 grads, replica wgrads added (``+=``) into ``local_replica_{fc1,fc2}_grad_buffer`` and never
+zeroed by the host (UltraEP's reduce does that), two training iterations.
 
 Ranks are threads; tokens reach the rank hosting their physical expert through a shared
-dict (standing in for the token dispatcher, which UltraEP leaves to the framework)."""
+dict (standing in for the token dispatcher, which UltraEP leaves to the framework).
+Contract tests of UltraEP's own behaviour are in test_integration_ultraep_contract.py."""
 from __future__ import annotations
 
 import pytest
@@ -32,8 +34,6 @@ class RestoreReplicaWeights(_BackwardHook):
     @staticmethod
     def backward(ctx, g):
         ctx.manager.weight_sync(ctx.vid, async_finish=False)  # restore before the expert Dgrad
-        ctx.manager.local_replica_fc1_grad_buffer.zero_()      # this layer's replica wgrads start here
-        ctx.manager.local_replica_fc2_grad_buffer.zero_()
         return g, None, None
 
 
@@ -56,7 +56,7 @@ class JoinGradReduce(torch.autograd.Function):
         return g, None
 
 
-def run(restore_hook: bool = True, planner: str = "quota"):
+def run(restore_hook: bool = True, planner: str = "quota", iterations: int = 2):
     domain = LoopbackDomain(WORLD)
 
     def body(group):
@@ -68,7 +68,8 @@ def run(restore_hook: bool = True, planner: str = "quota"):
         assert manager.local_replica_fc1_weight_buffer.shape == (R, I * H)
         assert manager.local_replica_fc2_grad_buffer.shape == (R, H * I)
         # fc1 is 120 bytes: fc2 starts at the next 16-byte boundary, so no joined [R, fc1 + fc2] view
-        assert manager.local_replica_weight_buffer is None
+        with pytest.raises(ValueError, match=r"local_replica_weight_buffer .* expert_fc1_numel=30 is not"):
+            manager.local_replica_weight_buffer
         params = {}
         for layer in range(1, LAYERS + 1):  # Megatron's layer numbers start at 1
             ws = [mh.master_weights(r * M + j) for j in range(M)]
@@ -80,10 +81,10 @@ def run(restore_hook: bool = True, planner: str = "quota"):
                                                     [p.main_grad for p in fc2])
             params[layer] = (fc1, fc2)
 
-        def transformer_layer(hidden, layer):
+        def transformer_layer(hidden, layer, it):
             vid = manager.allocate_microbatch_slot(layer)
             hidden = JoinGradReduce.apply(hidden, manager)
-            x, rmap, probs, up = mh.batch(r, layer - 1, 0, E)
+            x, rmap, probs, up = mh.batch(r, layer - 1, it, E)
             manager.update_placement(vid, rmap)
             ws_event = manager.weight_sync(vid, async_finish=True)
             eprobs, emap = manager.reroute(vid, probs, rmap)
@@ -91,7 +92,7 @@ def run(restore_hook: bool = True, planner: str = "quota"):
             assert emap.shape == (x.shape[0], WORLD * (M + R)) and int(emap.sum()) == int(rmap.sum())
             hidden = StartGradReduce.apply(hidden, manager, vid)
             # "dispatch": every rank posts its tokens; each computes the physical experts it hosts
-            domain.shared[(layer, r)] = (x, emap, eprobs.detach(), up)
+            domain.shared[(layer, it, r)] = (x, emap, eprobs.detach(), up)
             group.barrier()
             scale = hidden * 0 + 1  # exactly 1, zero gradient: the expert backward runs before `hidden`s
             out = torch.zeros(())
@@ -100,13 +101,14 @@ def run(restore_hook: bool = True, planner: str = "quota"):
                 if j < M:
                     w1, w2 = params[layer][0][j], params[layer][1][j]
                 else:
-                    # the replica buffers as weights whose fp32 wgrads land in the replica grad buffers
+                    # the replica buffers as weights whose fp32 wgrads `linear` adds (+=) into the replica
+                    # grad buffers (Megatron's fused wgrad accumulation); the host never zeroes them
                     w1 = manager.local_replica_fc1_weight_buffer[j - M].view(I, H).detach().requires_grad_()
                     w2 = manager.local_replica_fc2_weight_buffer[j - M].view(H, I).detach().requires_grad_()
                     w1.main_grad = manager.local_replica_fc1_grad_buffer[j - M].view(I, H)
                     w2.main_grad = manager.local_replica_fc2_grad_buffer[j - M].view(H, I)
                 for s in range(WORLD):
-                    xs, es, ps, us = domain.shared[(layer, s)]
+                    xs, es, ps, us = domain.shared[(layer, it, s)]
                     t = es[:, p].nonzero().squeeze(1)
                     if t.numel():
                         y = mh.expert_fn(xs[t] * scale, w1, w2, linear) * ps[t, p, None]
@@ -115,11 +117,13 @@ def run(restore_hook: bool = True, planner: str = "quota"):
                 out = RestoreReplicaWeights.apply(out, manager, vid)
             return hidden + out
 
-        hidden = torch.ones((), requires_grad=True)
-        h = hidden
-        for layer in range(1, LAYERS + 1):
-            h = transformer_layer(h, layer)
-        h.backward()
+        for it in range(iterations):  # main_grad accumulates over the iterations, as over micro-batches
+            h = torch.ones((), requires_grad=True)
+            for layer in range(1, LAYERS + 1):
+                h = transformer_layer(h, layer, it)
+            h.backward()
+            for t in (manager.local_replica_fc1_grad_buffer, manager.local_replica_fc2_grad_buffer):
+                assert not t.any()  # the last grad_reduce cleared what the backward added
         grads = [[torch.stack([p.main_grad for p in params[layer][m]]) for m in range(2)]
                  for layer in range(1, LAYERS + 1)]
         placement = (manager.physical_to_logical_map.clone(), manager.logical_to_physical_map.clone(),
@@ -133,7 +137,7 @@ def run(restore_hook: bool = True, planner: str = "quota"):
 
 def test_ultraep_readme_hooks_give_no_replication_grads():
     results = run()
-    mh.check_grads([grads for grads, _ in results], WORLD, M, LAYERS)
+    mh.check_grads([grads for grads, _ in results], WORLD, M, LAYERS, mbs=2)
     for grads, placement in results:
         p2l, l2p, counts, quota = placement
         vid = 1  # layer 1, micro-batch slot 0 (max_microbatches=1)
@@ -151,7 +155,7 @@ def test_forgotten_restore_hook_raises_in_grad_reduce():
     # without RestoreReplicaWeights, layer 1's backward runs on layer 2's replicas: the
     # adapter's grad_reduce must refuse to reduce those gradients
     with pytest.raises(UltracommError, match=r"layer 2's multicast overwrote the replica slots"):
-        run(restore_hook=False)
+        run(restore_hook=False, iterations=1)
 
 
 def test_joined_replica_buffers_alias_the_member_buffers():

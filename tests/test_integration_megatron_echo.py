@@ -189,12 +189,16 @@ def test_dispatch_outputs_and_gradients_follow_upstream(dtype):
     assert all(bool(g.eq(g[0, 0]).all()) for g in grads0 + grads1)
 
 
-def test_fold_spare_gradients():
+@pytest.mark.parametrize("policy, combine", [(None, torch.float32), ("param_dtype", torch.bfloat16)])
+def test_fold_spare_gradients(policy, combine):
     """Upstream's fold_spare_gradients: the local home experts' sums of the spare gradients,
-    in the grad-combine dtype (fp32 for bf16 weights by default)."""
+    in the grad-combine dtype (``moe_balance_expert_weight_grad_combine_dtype``: fp32 for bf16
+    weights by default, the weights' dtype with ``param_dtype``)."""
+    config = SimpleNamespace() if policy is None else SimpleNamespace(moe_balance_expert_weight_grad_combine_dtype=policy)
+
     def body(group):
         r = group.rank
-        d = EchoExpertDispatcher(SimpleNamespace(), group, 4, 4, timeout_s=20)
+        d = EchoExpertDispatcher(config, group, 4, 4, timeout_s=20)
         try:
             weights = [torch.zeros(3, 2, dtype=torch.bfloat16) for _ in range(2)]
             meta = d.preprocess(offloading_map())
@@ -207,7 +211,7 @@ def test_fold_spare_gradients():
             close_dispatchers(group)
 
     got = LoopbackDomain(2).run(body, timeout=120)
-    assert got == [[(torch.float32, 3.0), (torch.float32, 0.0)], [(torch.float32, 0.0), (torch.float32, 2.0)]]
+    assert got == [[(combine, 3.0), (combine, 0.0)], [(combine, 0.0), (combine, 2.0)]]
 
 
 def test_dispatcher_rejects_bad_input():

@@ -153,7 +153,7 @@ def test_probs_where_nothing_was_routed():
     pr2368 multiplies the probs by the new map."""
     m = rank0_map()
     probs = torch.full((14, 4), 0.25)
-    keep, _ = gen_offloading_plan(m, probs, COUNTS, 0, 2)[1], None
+    keep = gen_offloading_plan(m, probs, COUNTS, 0, 2)[1]
     zero = gen_offloading_plan(m, probs, COUNTS, 0, 2, upstream="pr2368")[1]
     assert float(keep[2, 0]) == 0.25 and float(zero[2, 0]) == 0.0  # token 2 was not routed to expert 0
     assert float(keep[0, 0]) == 0.0 and float(keep[0, 5]) == 0.25  # token 0 moved to the spare
@@ -167,7 +167,8 @@ def test_upstream_argument_names_and_defaults():
     m = rank0_map()
     a = gen_offloading_plan(map_token_to_expert=m, probs_routing=m.float(), count_tokens_per_expert_from_ep_rank=COUNTS,
                             ep_rank=torch.tensor(0), num_ep_ranks=2, num_spare_experts_per_ep_rank=1,
-                            threshold_multiplier=0.0, dtype_index=torch.int64, assignment_algorithm="approx_bin_packing")
+                            threshold_multiplier=0.0, dtype_index=torch.int64,
+                            assignment_algorithm="approx_bin_packing")
     b = gen_offloading_plan(m, m.float(), COUNTS, 0, 2)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
 

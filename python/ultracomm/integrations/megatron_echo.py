@@ -235,15 +235,16 @@ class EchoExpertDispatcher:
         per_slot = cpu.sum(0)
         if bool((per_slot > 1).any()):
             j = int((per_slot > 1).nonzero()[0])
-            raise _err(f"spare slot {j} of expert_offloading_map holds experts {cpu[:, j].nonzero().squeeze(1).tolist()}"
-                       "; each spare slot holds at most one home expert")
+            held = cpu[:, j].nonzero().squeeze(1).tolist()
+            raise _err(f"spare slot {j} of expert_offloading_map holds experts {held}; each spare slot holds at most "
+                       "one home expert")
         M, K, R = self.num_local_home_experts, self.num_local_spare_experts, self.ep_size
         src = torch.where(per_slot > 0, cpu.to(torch.int64).argmax(0), -1)  # home expert of each spare
         remote = src.clone().view(R, K)
         home_rank = torch.where(remote >= 0, remote // M, -1)
         remote[home_rank == torch.arange(R)[:, None]] = -1  # a spare on its home rank: a local copy
         mine = src.view(R, K)[self.ep_rank]
-        local = [(k, int(e) - self.ep_rank * M) for k, e in enumerate(mine.tolist()) if e >= 0 and e // M == self.ep_rank]
+        local = [(k, e - self.ep_rank * M) for k, e in enumerate(mine.tolist()) if e >= 0 and e // M == self.ep_rank]
         plan = ReplicaPlan.make(remote.to(torch.int32), self.num_home_experts, experts_per_rank=M)
         return EchoDispatchMetadata(m, plan, mine.clone().to(m.device), local)
 
@@ -262,7 +263,8 @@ class EchoExpertDispatcher:
             raise _err("all expert weights of one dispatch call must have one shape, dtype and device")
         runtime = dtype if runtime_weight_dtype is None else runtime_weight_dtype
         if not isinstance(runtime, torch.dtype) or not runtime.is_floating_point:
-            raise _err(f"runtime_weight_dtype must be a floating-point torch dtype or None, got {runtime_weight_dtype!r}")
+            raise _err(f"runtime_weight_dtype must be a floating-point torch dtype or None, got "
+                       f"{runtime_weight_dtype!r}")
         combine = _combine_dtype(dtype, self.policy)
         key = (shape, dtype, combine)
         call = metadata.dispatched.get(key, 0)  # fc1 and fc2 of one shape get a Context each

@@ -4,8 +4,9 @@
   (:mod:`~ultracomm.integrations.echo_planner`) and expert-weight dispatcher (``preprocess`` /
   ``dispatch`` / ``fold_spare_gradients``).
 * :mod:`ultracomm.integrations.ultraep`: UltraEP's ``Manager`` (switch by changing the import).
-* :mod:`ultracomm.integrations.vllm_eplb`: vLLM's EPLB communicator (``add_send`` /
-  ``add_recv`` / ``execute``), one multicast per moved expert.
+* :mod:`ultracomm.integrations.vllm_eplb`: vLLM's EPLB communicator and its factory
+  ``create_eplb_communicator`` (vLLM 0.21 - 0.34, each release's calls in
+  :mod:`~ultracomm.integrations.vllm_protocol`), one multicast per moved expert.
 
 Each module imports only torch and ultracomm; the frameworks themselves are not needed.
 """

@@ -2,24 +2,39 @@
 
 vLLM rearranges experts between an old and a new ``phy2log`` map
 (``vllm/distributed/eplb/rebalance_execute.py``, ``move_to_buffer``): per layer it calls
-``communicator.set_transfer_context(old_indices, layer_idx)``, then
 ``add_send([w[src_row] for w in expert_weights], dst_rank, expert_id=e)`` and
-``add_recv([b[dst_row] for b in expert_weights_buffers], src_rank, expert_id=e)`` for every
-remote move, then ``execute()`` (``vllm/distributed/eplb/eplb_communicator.py``).  Its
-communicators turn each pair into a point-to-point send, so an expert going to N ranks
-leaves its holder N times.  :class:`UltracommEplbCommunicator` keeps the interface and, in
-``execute()``, turns every expert's moves into one ultracomm multicast: one source (the
-lowest-ranked rank that sends it; every holder of a logical expert holds the same weights)
-and all its receivers, through a relay tree.
+``add_recv([b[dst_row] for b in expert_buffer], src_rank, expert_id=e)`` for every remote
+move, then ``execute()``; around that, release by release, ``set_transfer_context`` and the
+properties listed in :mod:`ultracomm.integrations.vllm_protocol`.  vLLM's communicators turn
+each pair into a point-to-point send, so an expert going to N ranks leaves its holder N times.
+Here ``execute()`` turns every expert's moves into one ultracomm multicast: one source (the
+lowest-ranked rank that sends it; every holder of a logical expert holds the same weights) and
+all its receivers, through a relay tree.
 
-Before/after::
+Checked against vLLM 0.21 to 0.34 (the communicator calls of each release; a communicator is
+made for one release, by default the installed vLLM's, and refuses others' calls).  The
+factory has vLLM's signature, so vLLM's own code can use it::
 
-    communicator = create_eplb_communicator(group_coordinator, "torch_nccl", expert_weights)
-    communicator = UltracommEplbCommunicator(ep_group, expert_weights)            # after
+    from vllm.distributed.eplb.eplb_communicator import create_eplb_communicator    # before
+    from ultracomm.integrations.vllm_eplb import create_eplb_communicator           # after
+    communicator = create_eplb_communicator(group_coordinator, backend, expert_weights, expert_buffer)
+
+(vLLM 0.21-0.22: ``create_eplb_communicator(group_coordinator, backend, expert_weights)`` with
+one layer's tensors, as those releases call it.)  ``eplb_state`` imports the factory by name:
+``vllm.distributed.eplb.eplb_state.create_eplb_communicator = create_eplb_communicator``
+switches a running vLLM over.
+
+The stream given to ``set_stream`` (vLLM's async EPLB worker) carries the transfer: on a GPU
+the multicast and the copies into the receive buffer are enqueued on it, as vLLM's own
+communicators do, and the worker's ``stream.synchronize()`` waits for them.
+
+Not checked: on a GPU (the tests here run CPU tensors and stand-in streams), and vLLM's
+elastic EP (``StatelessGroupCoordinator``), whose groups this factory has not been tried on.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+import contextlib
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -28,39 +43,77 @@ from ..context import Context
 from ..errors import PlanError
 from ..layout import ExpertLayout, Member
 from ..plan import ReplicaPlan
+from .vllm_protocol import Protocol, protocol_for
 
-__all__ = ["UltracommEplbCommunicator"]
+__all__ = ["UltracommEplbCommunicator", "create_eplb_communicator"]
+
+
+def _current_stream() -> Any:
+    return torch.accelerator.current_stream()
+
+
+def _set_stream(stream: Any) -> None:
+    torch.accelerator.set_stream(stream)
+
+
+@contextlib.contextmanager
+def _on_stream(stream: Any) -> Iterator[None]:
+    """``stream`` is the current stream inside (nothing changes for ``None``), as vLLM's
+    communicators run their transfers."""
+    if stream is None:
+        yield
+        return
+    before = _current_stream()
+    _set_stream(stream)
+    try:
+        yield
+    finally:
+        _set_stream(before)
+
+
+def _expert_tensors(expert_weights: Any, what: str) -> list[torch.Tensor]:
+    if isinstance(expert_weights, torch.Tensor) or not expert_weights \
+            or not all(isinstance(t, torch.Tensor) for t in expert_weights):
+        raise ValueError(f"ultracomm: {what} must list one layer's expert weight tensors, each "
+                         "[num_local_physical_experts, ...]")
+    return list(expert_weights)
 
 
 class UltracommEplbCommunicator:
-    """vLLM ``EplbCommunicator`` duck type (``add_send``, ``add_recv``, ``execute``).
+    """vLLM's ``EplbCommunicator`` interface for one EP group.
 
     Args:
-        ep_group: the EP process group (or ``LoopbackGroup``).
+        ep_group: the EP process group (any backend: only its Store is used) or a ``LoopbackGroup``.
         expert_weights: one layer's expert weight tensors, each
             ``[num_local_physical_experts, ...]`` (the shapes and dtypes every layer uses).
-        context_options: ``Context`` keywords (``timeout_s``, ``relay_mode``, ...).
+        stream: the stream transfers run on (vLLM sets it with ``set_stream``).
+        vllm_version: the vLLM release whose calls this communicator answers (``None``: the
+            installed vLLM's, else 0.34); outside 0.21 - 0.34 raises ``ConfigError``.
+        context_options: ``Context`` keywords (``timeout_s``, ``relay_mode``, ...); the Context
+            lives where the weights do unless ``device=`` says otherwise.
 
     After ``execute()``, ``last_plan`` is the plan it ran (``None`` if nothing moved) and
     ``last_stats`` its schedule's statistics (trees, egress, lower bound).
     """
 
-    needs_profile_buffer_reservation = False
-
-    def __init__(self, ep_group: Any, expert_weights: Sequence[torch.Tensor], cuda_stream: Any = None,
-                 **context_options: Any):
-        if not expert_weights:
-            raise ValueError("ultracomm: expert_weights must list the layer's expert weight tensors")
-        self.ppr = int(expert_weights[0].shape[0])
-        if any(int(w.shape[0]) != self.ppr for w in expert_weights):
+    def __init__(self, ep_group: Any, expert_weights: Sequence[torch.Tensor], stream: Any = None, *,
+                 vllm_version: str | None = None, **context_options: Any):
+        self.protocol: Protocol = protocol_for(vllm_version)  # before anything is allocated
+        expert_weights = _expert_tensors(expert_weights, "expert_weights")
+        self.ppr = int(expert_weights[0].shape[0]) if expert_weights[0].dim() else 0
+        if self.ppr < 1 or any(t.dim() == 0 or int(t.shape[0]) != self.ppr for t in expert_weights):
             raise ValueError("ultracomm: every expert weight tensor needs the same leading "
-                             "num_local_physical_experts dimension")
+                             "num_local_physical_experts dimension (at least 1)")
+        device = expert_weights[0].device
+        self._cuda = device.type == "cuda"
+        if self._cuda:
+            context_options.setdefault("device", device)
         self.members = [Member(f"w{i}", tuple(w.shape[1:]) or (1,), w.dtype) for i, w in enumerate(expert_weights)]
-        layout = ExpertLayout(tuple(self.members))
-        self.ctx = Context(ep_group, layout, self.ppr, self.ppr, 1, 1, **context_options)
+        self.ctx = Context(ep_group, ExpertLayout(tuple(self.members)), self.ppr, self.ppr, 1, 1, **context_options)
         self.rank, self.world = self.ctx.rank, self.ctx.world
-        self._spare = [torch.zeros(m.shape, dtype=m.dtype, device=expert_weights[0].device) for m in self.members]
-        self._cuda_stream = cuda_stream
+        self._spare = [torch.zeros(m.shape, dtype=m.dtype, device=device) for m in self.members]
+        self._stream = stream
+        self._done: Any = None  # event after the last execute's work (GPU): a later stream waits for it
         self._sends: list[tuple[int, int, list[torch.Tensor]]] = []
         self._recvs: list[tuple[int, int, list[torch.Tensor]]] = []
         self.layer_idx: int | None = None
@@ -68,20 +121,44 @@ class UltracommEplbCommunicator:
         self.last_stats: dict | None = None
 
     # ------------------------------------------------------------------ vLLM's interface
-    def set_stream(self, cuda_stream: Any) -> None:
-        self._cuda_stream = cuda_stream
+    @property
+    def needs_profile_buffer_reservation(self) -> bool:
+        """False: the window is allocated at construction, vLLM's profile run need not reserve
+        NCCL buffers for it."""
+        return False
 
-    def set_transfer_context(self, old_indices: Any, layer_idx: int) -> None:
-        self.layer_idx = layer_idx
+    @property
+    def needs_recv_rows(self) -> bool:
+        """False (vLLM 0.34): ``execute`` learns every rank's moves itself."""
+        return False
 
-    def add_send(self, tensors: Sequence[torch.Tensor], dst_rank: int, expert_id: int | None = None) -> None:
-        self._sends.append((self._expert(expert_id, "add_send"), int(dst_rank), self._check(tensors, "add_send")))
+    @property
+    def owned_expert_buffer(self) -> list[torch.Tensor] | None:
+        """None (vLLM 0.34): received rows land in vLLM's own ``expert_buffer``."""
+        return None
 
-    def add_recv(self, tensors: Sequence[torch.Tensor], src_rank: int, expert_id: int | None = None) -> None:
-        self._recvs.append((self._expert(expert_id, "add_recv"), int(src_rank), self._check(tensors, "add_recv")))
+    def set_stream(self, stream: Any) -> None:
+        self._stream = stream
 
-    def execute(self) -> None:
+    def set_transfer_context(self, old_indices: Any, layer_idx: int, recv_rows: Any = None) -> None:
+        if not self.protocol.transfer_context:
+            self._mismatch("set_transfer_context()", "0.23")
+        if recv_rows is not None and not self.protocol.recv_rows:
+            self._mismatch("set_transfer_context(..., recv_rows)", "0.34")
+        self.layer_idx = int(layer_idx)
+
+    def add_send(self, tensors: Sequence[torch.Tensor], dst_rank: int, expert_id: int) -> None:
+        self._sends.append((int(expert_id), self._peer(dst_rank, "add_send", "dst_rank"),
+                            self._check(tensors, "add_send")))
+
+    def add_recv(self, tensors: Sequence[torch.Tensor], src_rank: int, expert_id: int) -> None:
+        self._recvs.append((int(expert_id), self._peer(src_rank, "add_recv", "src_rank"),
+                            self._check(tensors, "add_recv")))
+
+    def execute(self, old_indices: Any = None) -> None:
         """Run every queued move as one multicast per expert; collective (every rank calls it)."""
+        if old_indices is not None and not self.protocol.execute_old_indices:
+            self._mismatch("execute(old_indices=)", "0.21 and 0.22", newer=False)
         sends, recvs = self._sends, self._recvs
         self._sends, self._recvs = [], []
         sent = sorted({e for e, _, _ in sends})
@@ -93,29 +170,40 @@ class UltracommEplbCommunicator:
             return
         plan = ReplicaPlan.make(slot_src, experts_per_rank=self.ppr)
         source = {e: t for e, _, t in sends}
-        weights = []
-        for m in range(len(self.members)):
-            rows = [self._aligned(source[e][m], self.members[m].shape) for e in sent]
-            rows += [self._spare[m]] * (self.ppr - len(sent))
-            weights.append(rows)
-        self.ctx.register_masters(0, weights, None)
-        vid = self.ctx.begin(0)
-        try:
-            self.ctx.weight_sync(vid, plan)
-            for k, (_, _, tensors) in enumerate(recvs):
-                for m, t in enumerate(tensors):
-                    t.copy_(self.ctx.replica_weights[m][k].view(t.shape))
-        finally:
-            self.ctx.end(vid)
+        with _on_stream(self._stream):
+            if self._done is not None:  # the replica slots are reused: wait for the last copy-out
+                _current_stream().wait_event(self._done)
+            weights = []
+            for m in range(len(self.members)):
+                rows = [self._aligned(source[e][m], self.members[m].shape) for e in sent]
+                rows += [self._spare[m]] * (self.ppr - len(sent))
+                weights.append(rows)
+            self.ctx.register_masters(0, weights, None)
+            vid = self.ctx.begin(0)
+            try:
+                self.ctx.weight_sync(vid, plan)  # stream-ordered transports enqueue on this stream
+                for k, (_, _, tensors) in enumerate(recvs):
+                    for m, t in enumerate(tensors):
+                        t.copy_(self.ctx.replica_weights[m][k].view(t.shape), non_blocking=self._cuda)
+            finally:
+                self.ctx.end(vid)
+            if self._cuda:
+                self._done = torch.Event()
+                self._done.record()
         self.last_plan, self.last_stats = plan, self.ctx.schedule_for(plan).stats()
 
     # ------------------------------------------------------------------ internals
-    @staticmethod
-    def _expert(expert_id: int | None, what: str) -> int:
-        if expert_id is None:
-            raise ValueError(f"ultracomm: {what} needs expert_id= (which logical expert moves): moves of one expert "
-                             "become one multicast")
-        return int(expert_id)
+    def _mismatch(self, call: str, release: str, newer: bool = True) -> None:
+        raise TypeError(f"ultracomm: {call} is a call of vLLM {release}{'+' if newer else ''}, but this "
+                        f"communicator was made for vLLM {self.protocol.version} (vllm_version=); make it with "
+                        "the vllm_version of the vLLM that drives it")
+
+    def _peer(self, rank: Any, what: str, arg: str) -> int:
+        r = int(rank)
+        if not 0 <= r < self.world or r == self.rank:
+            raise ValueError(f"ultracomm: {what}: {arg}={rank!r} must be another rank of the EP group "
+                             f"(0..{self.world - 1}, not this rank {self.rank})")
+        return r
 
     def _check(self, tensors: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
         tensors = list(tensors)
@@ -157,3 +245,53 @@ class UltracommEplbCommunicator:
                 src = min(senders[e])  # one source per expert: the whole move is one multicast
                 slot_src[d, k] = src * ppr + views[src][2].index(e)
         return slot_src
+
+
+def create_eplb_communicator(group_coordinator: Any, backend: str | None, expert_weights: Any,
+                             expert_buffer: Sequence[torch.Tensor] | None = None, *,
+                             vllm_version: str | None = None, **context_options: Any) -> UltracommEplbCommunicator:
+    """vLLM's factory, same arguments (``vllm/distributed/eplb/eplb_communicator.py``).
+
+    Args:
+        group_coordinator: vLLM's ``GroupCoordinator`` of the EPLB group; its ``cpu_group``
+            carries ultracomm's control plane.
+        backend: vLLM's configured backend name; every backend is replaced by ultracomm, so it is
+            only kept as ``communicator.backend``.
+        expert_weights: vLLM 0.23+: every MoE layer's tensors (``model.expert_weights``), all
+            layers alike; 0.21-0.22: one layer's (``model.expert_weights[0]``).
+        expert_buffer: vLLM 0.23+: the receive buffer vLLM allocated (one tensor per weight
+            tensor, a layer's shape); checked, left to vLLM (``owned_expert_buffer`` is None).
+            vLLM 0.21-0.22 has none.
+        vllm_version, context_options: as :class:`UltracommEplbCommunicator`.
+    """
+    protocol = protocol_for(vllm_version)
+    if backend is not None and not isinstance(backend, str):
+        raise ValueError(f"ultracomm: backend must be vLLM's communicator backend name (a str), got {backend!r}")
+    if protocol.factory_all_layers:
+        if isinstance(expert_weights, torch.Tensor) or not expert_weights or \
+                any(isinstance(layer, torch.Tensor) for layer in expert_weights):
+            raise ValueError(f"ultracomm: vLLM {protocol.version} passes expert_weights as every MoE layer's "
+                             "list of tensors (model.expert_weights); got one layer's tensors or none")
+        layers = [_expert_tensors(layer, f"expert_weights[{i}]") for i, layer in enumerate(expert_weights)]
+        first = layers[0]
+        for i, layer in enumerate(layers[1:], 1):
+            if [(t.shape, t.dtype) for t in layer] != [(t.shape, t.dtype) for t in first]:
+                raise ValueError(f"ultracomm: expert_weights[{i}] differs from expert_weights[0] in its tensors' "
+                                 "shapes or dtypes; every MoE layer must have the same expert tensors")
+        if expert_buffer is not None:
+            buf = list(expert_buffer)
+            if [(tuple(b.shape), b.dtype) for b in buf] != [(tuple(t.shape), t.dtype) for t in first]:
+                raise ValueError("ultracomm: expert_buffer must be one tensor per expert weight tensor, each shaped "
+                                 "like a layer's (torch.empty_like of expert_weights[0])")
+    else:
+        if expert_buffer is not None:
+            raise ValueError(f"ultracomm: vLLM {protocol.version}'s create_eplb_communicator takes no expert_buffer "
+                             "(added in 0.23); drop it, or pass the vllm_version of the vLLM that calls this")
+        first = _expert_tensors(expert_weights, f"expert_weights (vLLM {protocol.version}: one layer's tensors)")
+    group = getattr(group_coordinator, "cpu_group", None)
+    if group is None:
+        raise ValueError("ultracomm: group_coordinator must be vLLM's GroupCoordinator of the EPLB group (with a "
+                         "cpu_group), as vLLM's get_eplb_group() returns")
+    comm = UltracommEplbCommunicator(group, first, vllm_version=protocol.version, **context_options)
+    comm.backend = backend
+    return comm

@@ -265,17 +265,21 @@ def coordinator(group):
     return types.SimpleNamespace(cpu_group=group, device_group=group, rank_in_group=getattr(group, "rank", None))
 
 
-def make(version: str, group, layers, buffer, **options):
-    """``eplb_state``'s construction for ``version``: the factory, then (0.34) the receive buffer."""
+def make(version: str, group, layers, buffer, backend: str = "torch_nccl", **options):
+    """``eplb_state``'s construction for ``version``: the factory, then (0.34) the receive buffer
+    (0.34 passes none for ``symm_mem`` and takes the communicator's)."""
     p = protocol_for(version)
     if p.factory_all_layers:
-        comm = create_eplb_communicator(coordinator(group), "torch_nccl", layers, buffer, vllm_version=version,
+        if p.recv_rows and backend == "symm_mem":
+            buffer = None
+        comm = create_eplb_communicator(coordinator(group), backend, layers, buffer, vllm_version=version,
                                         timeout_s=20, **options)
     else:
         comm = create_eplb_communicator(coordinator(group), "torch_nccl", layers[0], vllm_version=version,
                                         timeout_s=20, **options)
     if p.recv_rows:
         buffer = comm.owned_expert_buffer or buffer
+        assert buffer is not None  # as eplb_state asserts
     return comm, buffer
 
 
@@ -342,6 +346,14 @@ def test_vllm_rearrangement_gives_vllms_weights(version):
     rng = np.random.default_rng(5)
     old2, new2 = random_maps(rng, 4, 7, empties=3)
     check(version, [OLD, old2], [NEW, new2])
+
+
+def test_vllm_034_without_expert_buffer():
+    """vLLM 0.34 configured with ``symm_mem``: ``eplb_state`` passes ``expert_buffer=None`` and
+    receives into ``communicator.owned_expert_buffer`` (asserting it is not None)."""
+    rng = np.random.default_rng(6)
+    old2, new2 = random_maps(rng, 4, 9, empties=1)
+    check("0.34.0", [OLD, old2], [NEW, new2], backend="symm_mem")
 
 
 @pytest.mark.parametrize("version", ["0.32.0", "0.34.0"])
@@ -494,15 +506,24 @@ def test_factory_arguments_checked_per_release():
     with pytest.raises(ValueError, match=r"backend must be vLLM's communicator backend name \(a str\), got 3"):
         create_eplb_communicator(coordinator(group), 3, [w], buf, vllm_version="0.34.0")
 
-    def body(g):  # the factory's communicator: vLLM's backend name kept, the first layer's shapes
-        c = create_eplb_communicator(coordinator(g), "symm_mem", [w, [t.clone() for t in w]], None,
-                                     vllm_version="0.34.0", timeout_s=20)
+    def body(g):  # vLLM's backend name kept, the first layer's shapes; a buffer of its own only when
+        # 0.34 passes none
+        made = [create_eplb_communicator(coordinator(g), backend, [w, [t.clone() for t in w]], buffer,
+                                         vllm_version=version, timeout_s=20)
+                for backend, buffer, version in [("symm_mem", None, "0.34.0"), ("torch_nccl", buf, "0.34.0"),
+                                                 ("nixl", None, "0.33.0")]]
         try:
-            return c.backend, c.ppr, [m.shape for m in c.members]
+            return [(c.backend, c.ppr, [m.shape for m in c.members],
+                     c.owned_expert_buffer and [(tuple(t.shape), t.dtype) for t in c.owned_expert_buffer])
+                    for c in made]
         finally:
-            c.ctx.close()
+            for c in made:
+                c.ctx.close()
 
-    assert LoopbackDomain(2).run(body) == [("symm_mem", PPR, [(10, 6), (7,)])] * 2
+    owned = [((3, 10, 6), torch.bfloat16), ((3, 7), torch.float32)]
+    assert LoopbackDomain(2).run(body) == [[("symm_mem", PPR, [(10, 6), (7,)], owned),
+                                            ("torch_nccl", PPR, [(10, 6), (7,)], None),
+                                            ("nixl", PPR, [(10, 6), (7,)], None)]] * 2
 
 
 def test_mismatched_moves_and_bad_peers():

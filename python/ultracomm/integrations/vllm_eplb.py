@@ -114,6 +114,7 @@ class UltracommEplbCommunicator:
         self._spare = [torch.zeros(m.shape, dtype=m.dtype, device=device) for m in self.members]
         self._stream = stream
         self._done: Any = None  # event after the last execute's work (GPU): a later stream waits for it
+        self._owned: list[torch.Tensor] | None = None  # a receive buffer of our own (see the factory)
         self._sends: list[tuple[int, int, list[torch.Tensor]]] = []
         self._recvs: list[tuple[int, int, list[torch.Tensor]]] = []
         self.layer_idx: int | None = None
@@ -134,8 +135,9 @@ class UltracommEplbCommunicator:
 
     @property
     def owned_expert_buffer(self) -> list[torch.Tensor] | None:
-        """None (vLLM 0.34): received rows land in vLLM's own ``expert_buffer``."""
-        return None
+        """vLLM 0.34 receives into ``owned_expert_buffer or expert_buffer``: None (vLLM's own
+        buffer) unless the factory was given none, as 0.34 does for its ``symm_mem`` backend."""
+        return self._owned
 
     def set_stream(self, stream: Any) -> None:
         self._stream = stream
@@ -261,7 +263,8 @@ def create_eplb_communicator(group_coordinator: Any, backend: str | None, expert
             layers alike; 0.21-0.22: one layer's (``model.expert_weights[0]``).
         expert_buffer: vLLM 0.23+: the receive buffer vLLM allocated (one tensor per weight
             tensor, a layer's shape); checked, left to vLLM (``owned_expert_buffer`` is None).
-            vLLM 0.21-0.22 has none.
+            ``None`` (vLLM 0.34 passes it for ``backend="symm_mem"`` and then needs
+            ``owned_expert_buffer``): the communicator allocates one.  vLLM 0.21-0.22 has none.
         vllm_version, context_options: as :class:`UltracommEplbCommunicator`.
     """
     protocol = protocol_for(vllm_version)
@@ -294,4 +297,6 @@ def create_eplb_communicator(group_coordinator: Any, backend: str | None, expert
                          "cpu_group), as vLLM's get_eplb_group() returns")
     comm = UltracommEplbCommunicator(group, first, vllm_version=protocol.version, **context_options)
     comm.backend = backend
+    if expert_buffer is None and protocol.recv_rows:
+        comm._owned = [torch.empty_like(t) for t in first]
     return comm

@@ -364,16 +364,17 @@ def test_vllm_migration_batches_give_vllms_weights(version):
     check(version, [OLD, old2], [NEW, new2], batched=True)
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(8))
 def test_random_placements_match_vllm(seed):
-    """Random maps with replicas, same-rank duplicates and -1 rows, world 2 to 5, relay on or off."""
+    """Random maps with replicas, same-rank duplicates and -1 rows, world 2 to 5, relay on or off;
+    releases 0.21 ... 0.34 in turn, 0.32's and 0.34's in batched rounds."""
     rng = np.random.default_rng(100 + seed)
     world = int(rng.integers(2, 6))
     experts = int(rng.integers(world, world * PPR + 1))
     maps = [random_maps(rng, world, experts, empties=int(rng.integers(0, 3))) for _ in range(2)]
-    version = VERSIONS[seed % len(VERSIONS)]
+    version = VERSIONS[seed * 5 % len(VERSIONS)]
     check(version, [m[0] for m in maps], [m[1] for m in maps],
-          batched=protocol_for(version).migration_batches and seed % 2 == 0,
+          batched=protocol_for(version).migration_batches and seed % 4 != 1,
           relay_mode="force" if seed % 3 == 0 else "off")
 
 

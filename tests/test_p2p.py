@@ -94,10 +94,11 @@ def test_tasks_that_disagree_with_the_tree_are_refused():
 
 # ---------------------------------------------------------------------------------------------- Context
 def run_ops(transport, world, plans, layout, epr, slots, mode, node_of=None, chunk=128, async_restore=True,
-            window=None, expect=None, **kw):
+            window=None, expect=None, alpha_beta=True, **kw):
     """weight_sync + restore + grad_reduce of every plan; per rank, the pool's weight and grad bytes after
     each multicast and each reduce, and the master grads.  ``expect``: the transport ``transport`` must
-    become (auto); ``kw``: more Context arguments."""
+    become (auto); ``alpha_beta=False``: a p2p Context builds its schedules as the host executor's
+    (``chunk``, ``mode``) instead of choosing by its cost model; ``kw``: more Context arguments."""
     window = window or ("local" if transport == "host" else "private")
 
     def body(group):
@@ -106,6 +107,8 @@ def run_ops(transport, world, plans, layout, epr, slots, mode, node_of=None, chu
                      relay_mode=mode, node_of=node_of, chunk_bytes=chunk, tile_bytes=16, num_workers=2,
                      timeout_s=30.0, **kw) as ctx:
             assert ctx.window.provider == window and ctx.transport.name == (expect or transport)
+            if not alpha_beta:
+                ctx.transport.message_costs = None
             r = ctx.rank
             per = [expert_weights(layout, e) for e in range(r * epr, (r + 1) * epr)]
             w = [torch.stack([p[m] for p in per]).contiguous() for m in range(2)]
@@ -150,7 +153,7 @@ def test_p2p_context_is_bit_identical_to_the_host_executor(world, node_of, mode,
     plans = [ReplicaPlan.make(hot_slot_src(world, slots, epr, expert=1), experts_per_rank=epr)] + \
             [ReplicaPlan.make(random_slot_src(rng, world, slots, epr, 0.9), experts_per_rank=epr) for _ in range(2)]
     host = run_ops("host", world, plans, layout, epr, slots, mode, node_of)
-    p2p = run_ops("p2p", world, plans, layout, epr, slots, mode, node_of)
+    p2p = run_ops("p2p", world, plans, layout, epr, slots, mode, node_of, alpha_beta=False)
     for r in range(world):
         assert len(host[r]) == len(p2p[r])
         for i, (a, b) in enumerate(zip(host[r], p2p[r])):
@@ -196,6 +199,7 @@ def test_p2p_timeout_names_rank_expert_and_chunk():
     msg, elapsed = res[1]
     assert msg is not None and res[0][0] is None
     assert msg.startswith("ultracomm: rank 1 weight_sync (epoch 1, transport p2p) gave up after waiting up to 0.5 s "
-                          "to receive expert 0 chunk 0 (bytes [0, 128) of its slot 0) from rank 0"), msg
+                          "to receive expert 0 chunk 0 (bytes [0, 204) of its slot 0) from rank 0"), msg  # direct: one
+    # message per member (the alpha-beta choice: no chunking without a relay to pipeline)
     assert "rank 0 is likely stalled or dead" in msg
     assert 0.5 <= elapsed < 5

@@ -56,7 +56,7 @@ def test_p2p_dead_and_stalled_peers_are_named(tmp_path):
     assert err is not None, "rank 1 did not fail"
     # gloo notices the closed socket asynchronously: posting fails at once, or the posted wait fails
     assert re.match(r"ultracomm: rank 1 restore \(epoch 2, transport p2p\) could not receive expert 2 chunk 0 "
-                    r"\(bytes \[0, 4096\) of its slot 0\) from rank 2 \((posting failed at once|the connection failed "
+                    r"\(bytes \[0, 8192\) of its slot 0\) from rank 2 \((posting failed at once|the connection failed "
                     r"while waiting)\)", err), err
     assert "rank 2 is likely stalled or dead" in err and "Connection closed by peer" in err, err
     assert res[1]["elapsed"] < timeout_s, res[1]["elapsed"]
@@ -64,7 +64,7 @@ def test_p2p_dead_and_stalled_peers_are_named(tmp_path):
     err = res[0]["error"]
     assert err is not None, "rank 0 did not fail"
     assert err.startswith(f"ultracomm: rank 0 restore (epoch 2, transport p2p) gave up after waiting up to {timeout_s:g} "
-                          "s to send expert 0 chunk 0 (bytes [0, 4096) of rank 3's slot 0) to rank 3"), err
+                          "s to send expert 0 chunk 0 (bytes [0, 8192) of rank 3's slot 0) to rank 3"), err
     assert "rank 3 is likely stalled or dead" in err and "Timed out" in err, err
     assert timeout_s <= res[0]["elapsed"] < timeout_s + 10, res[0]["elapsed"]
 

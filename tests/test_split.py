@@ -25,7 +25,7 @@ from test_p2p import layout_of, run_ops
 def run_split(world, plans, layout, epr, slots, mode, node_of, domain):
     """run_ops's sequence under transport auto with declared domains (it must pick split)."""
     return run_ops("auto", world, plans, layout, epr, slots, mode, node_of, window="local", expect="split",
-                   domain=domain)
+                   domain=domain, alpha_beta=False)  # the host executor's trees: a byte-for-byte comparison
 
 
 def crossings(plans, layout, world, mode, node_of, domain) -> int:
@@ -119,11 +119,12 @@ def test_shadows_keep_flags_and_give_back_slot_pages():
             nchunks = wl["weight_chunks"]
             arrival = shadow[wl["arrival_off"]:wl["arrival_off"] + 8 * nchunks].view(torch.int64)
             return (int(flags[0]), int(shadow[:wl["ready_off"]].count_nonzero()), arrival.tolist(),
-                    ctx.window.local[wl["ready_off"]:wl["ready_off"] + 8].view(torch.int64).item())
+                    ctx.window.local[wl["ready_off"]:wl["ready_off"] + 8].view(torch.int64).item(), wl["chunk_bytes"])
 
-    ready, nonzero, arrival, own_ready = LoopbackDomain(world).run(body)[0]
+    ready, nonzero, arrival, own_ready, chunk = LoopbackDomain(world).run(body)[0]
     assert ready == 1 and own_ready == 1  # rank 1's header said epoch 1, as its own window does
-    assert arrival == [1] * 4
+    # the crossing chunk is raised to what a gloo message pays for (ultracomm.alpha_beta): the whole slot
+    assert chunk == 16384 and arrival == [1]
     assert nonzero == 0
 
 

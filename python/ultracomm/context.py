@@ -33,6 +33,7 @@ import torch
 
 from . import _core, stream_ordered
 from . import domains
+from .alpha_beta import COSTS, choose_schedule, split_chunk_bytes
 from .comm import as_comm, require_same
 from .dataplane import check_master_devices, device_type, is_stream_ordered, select, transport_kwargs
 from .env import Config, check_window_layout
@@ -168,6 +169,12 @@ class Context:
         reach = None
         if self._transport_cls.name == "split":  # shared memory reaches this rank's domain only
             reach = [d == self.domain_of[self.rank] for d in self.domain_of]
+            if self._cuda_dev is None:  # chunks that cross domains are gloo messages: large enough to pay
+                chunk = split_chunk_bytes(self.config.chunk_bytes, self.config.tile_bytes,
+                                          max(layout.weight_bytes, layout.grad_bytes), COSTS["gloo"])
+                if chunk != self.wlayout["chunk_bytes"]:
+                    self.wlayout = _core.window_layout(slots_per_rank, layout.weight_bytes, layout.grad_bytes, chunk)
+                    check_window_layout(self.wlayout)
         self.window = open_window(self._provider, self.comm, self.wlayout["total_bytes"], op="Context setup",
                                   device=self._cuda_dev, reach=reach)
         try:
@@ -412,9 +419,24 @@ class Context:
         sched = self._schedules.get(key)
         if sched is None:
             c = self.config
-            sched = build_schedule(plan, self.layout.weight_bytes, self.layout.grad_bytes, node_of=self.node_of,
-                                   chunk_bytes=c.chunk_bytes, relay_mode=c.relay_mode, max_depth=c.max_depth,
-                                   intra_bw=c.intra_bw, inter_bw=c.inter_bw, rank=self.rank)
+            costs = getattr(self.transport, "message_costs", None)
+            split = self.transport.name == "split"
+            if costs is not None and not split:  # a message transport: chunk and tree by its alpha-beta model
+                if len(set(self.domain_of)) == 1:  # one host: every rank's messages share its cores
+                    costs = dataclasses.replace(costs, shared=True)
+                sched = choose_schedule(plan, self.layout.weight_bytes, self.layout.grad_bytes, costs,
+                                        relay_mode=c.relay_mode, max_depth=c.max_depth, node_of=self.node_of,
+                                        rank=self.rank).schedule
+            else:
+                inter = {}
+                if split and costs is not None:  # shared memory inside a domain, messages between domains
+                    shm = COSTS["host_shm"]
+                    inter = dict(intra_bw=shm.beta_Bps, intra_latency_s=shm.alpha_s, inter_bw=costs.beta_Bps,
+                                 inter_latency_s=costs.alpha_s)
+                sched = build_schedule(plan, self.layout.weight_bytes, self.layout.grad_bytes, node_of=self.node_of,
+                                       chunk_bytes=self.wlayout["chunk_bytes"], relay_mode=c.relay_mode,
+                                       max_depth=c.max_depth, rank=self.rank,
+                                       **{"intra_bw": c.intra_bw, "inter_bw": c.inter_bw, **inter})
             self._schedules[key] = sched
             if log.isEnabledFor(logging.DEBUG):
                 st = sched.stats()

@@ -100,10 +100,15 @@ def ordered_sum(dst: torch.Tensor, srcs: Sequence[torch.Tensor], dtype: torch.dt
     """The determinism contract on one segment, in place: ``dst = dtype(f32(dst) + f32(srcs[0]) +
     f32(srcs[1]) + ...)``, left to right, one rounding at the end.  ``dst`` and ``srcs`` are
     equally long ``uint8`` tensors holding ``dtype`` elements."""
-    acc = _typed(dst, dtype).float()
+    d = _typed(dst, dtype)
+    # fp32 in place when dst is a view (each fp32 add rounds once either way); else one fp32 copy.
+    # add_ upcasts a bf16/fp16 source exactly, as .float() would: the same bits, no temporaries
+    in_place = dtype == torch.float32 and d.data_ptr() == dst.data_ptr()
+    acc = d if in_place else d.float()
     for s in srcs:
-        acc = acc + _typed(s, dtype).float()
-    dst.copy_(acc.to(dtype).view(torch.uint8))
+        acc.add_(_typed(s, dtype))
+    if not in_place:
+        dst.copy_(acc.to(dtype).view(torch.uint8))
 
 
 def reference_reduce(tasks_by_rank: Sequence[np.ndarray], refs_by_rank: Sequence[np.ndarray],

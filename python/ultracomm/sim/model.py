@@ -19,13 +19,23 @@ from .fabric import Fabric
 
 
 def schedule_for(plan, weight_bytes: int, grad_bytes: int, fabric: Fabric, relay_mode: str = "auto",
-                 chunk_bytes: int = 1 << 20, max_depth: Optional[int] = None):
+                 chunk_bytes: int = 1 << 20, max_depth: Optional[int] = None, costs=None):
     """:func:`~ultracomm.schedule.build_schedule` with the fabric's nodes, bandwidths and hop
-    latencies (latency + chunk overhead per hop); ``max_depth`` None: the builder's default."""
+    latencies (latency + chunk overhead per hop); ``max_depth`` None: the builder's default.
+
+    ``costs`` (an :class:`ultracomm.alpha_beta.AlphaBeta`): the schedule a message transport
+    (``p2p``: NCCL point-to-point, gloo) runs instead -- the same :func:`~ultracomm.alpha_beta.choose_schedule`
+    the Context uses, so simulated message-transport figures follow its chunk and tree choice
+    (``chunk_bytes`` is then ignored)."""
     from ..schedule import build_schedule
 
     fab = fabric.for_world(int(plan.world))
     kw = {} if max_depth is None else {"max_depth": int(max_depth)}
+    if costs is not None:
+        from ..alpha_beta import choose_schedule
+
+        return choose_schedule(plan, int(weight_bytes), int(grad_bytes), costs, relay_mode=relay_mode,
+                               node_of=fab.nodes if fab.multi_node else None, **kw).schedule
     return build_schedule(plan, int(weight_bytes), int(grad_bytes),
                           node_of=fab.nodes if fab.multi_node else None, chunk_bytes=int(chunk_bytes),
                           relay_mode=relay_mode, intra_bw=fab.intra_bw, inter_bw=fab.inter_bw,

@@ -32,6 +32,7 @@ from typing import Any, NoReturn, Sequence
 
 import torch
 
+from ..alpha_beta import costs_for_backend
 from ..records import MASTER, Op
 from ..reference import ordered_sum
 from .host import Masters
@@ -65,6 +66,8 @@ class P2PTransport:
         self.timeout_s = float(timeout_s)
         self.device = window.local.device
         self.messenger = messenger_for(comm, world, self.device)
+        #: the alpha-beta costs the Context builds this transport's schedules with (chunk, tree)
+        self.message_costs = costs_for_backend(getattr(self.messenger, "backend", "gloo"))
         self._members = {Op.MULTICAST: (list(layout.weight_offsets), list(layout.weight_sizes)),
                          Op.REDUCE: (list(layout.grad_offsets), list(layout.grad_sizes))}
         self._programs: dict[tuple[int, int], Program] = {}
@@ -76,7 +79,7 @@ class P2PTransport:
         slot_bytes = self.wlayout["weight_slot_bytes" if op == Op.MULTICAST else "grad_slot_bytes"]
         return cached_program(self._programs, schedule, op, self.world, lambda slot_src, home_of: build_program(
             op, schedule, self.rank, schedule.tasks(op, self.rank), schedule.refs(op, self.rank), slot_src, home_of,
-            self.wlayout["chunk_bytes"], slot_bytes, mo, mb), _CACHE)
+            schedule.chunk_bytes, slot_bytes, mo, mb), _CACHE)
 
     def _slot_bytes(self, op: Op, slot: int, lo: int, hi: int) -> torch.Tensor:
         if op == Op.MULTICAST:
@@ -163,8 +166,8 @@ class _Run:
         for m in recvs:
             if self.op == Op.MULTICAST:
                 buf = self.t._slot_bytes(self.op, m.slot, m.lo, m.hi)
-            else:
-                buf = self.inbox[m] = torch.empty(m.hi - m.lo, dtype=torch.uint8, device=self.t.device)
+            else:  # receive buffers live with the (cached) program: no allocation per operation
+                buf = self.inbox[m] = self.prog.buffer(m, self.t.device)
             ops.append(("recv", buf, m.src, m.tag))
             msgs.append(m)
         if not ops:

@@ -36,7 +36,7 @@ class TorchMessenger:
     """``batch_isend_irecv`` over a process group; peers are ranks of that group."""
 
     def __init__(self, group: Any, world: int, device: torch.device):
-        backend = str(dist.get_backend(group)).lower()
+        backend = self.backend = str(dist.get_backend(group)).lower()
         if device.type == "cpu" and "gloo" not in backend:
             raise ValueError(f"ultracomm: transport 'p2p' on the CPU needs a gloo process group, this one is "
                              f"{backend!r}; create the Context with device='cuda' for NCCL, or use a gloo group")

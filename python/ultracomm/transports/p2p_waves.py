@@ -26,6 +26,7 @@ import dataclasses
 from typing import Any, Callable, Sequence
 
 import numpy as np
+import torch
 
 from ..records import MASTER, Op
 from ..reference import member_segments
@@ -95,6 +96,16 @@ class Program:
     waves: list[Wave]
     #: multicast: the receive messages a relay's send of (slot, chunk) waits for
     forward_deps: dict[tuple[int, int], list[Message]]
+    #: reduce: a receive buffer per message, made on first use and kept with the program
+    buffers: dict[Message, Any] = dataclasses.field(default_factory=dict)
+
+    def buffer(self, msg: Message, device: Any) -> Any:
+        """The receive buffer of ``msg`` (uint8, ``msg.hi - msg.lo`` bytes), reused by every
+        operation that runs this program (one operation at a time per transport)."""
+        buf = self.buffers.get(msg)
+        if buf is None:
+            buf = self.buffers[msg] = torch.empty(msg.hi - msg.lo, dtype=torch.uint8, device=device)
+        return buf
 
     @property
     def num_messages(self) -> int:

@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import torch
 
 from .. import _core
+from ..alpha_beta import COSTS
 from ..records import Op
 from .bridge import BridgeRun
 from .bridge_program import BridgeProgram, build_bridge_program
@@ -56,6 +57,9 @@ class SplitTransport:
                              "window the split is ultracomm.transports.split_cuda.SplitCudaTransport (a Context "
                              "with transport='split' on a CUDA device picks it)")
         self.rank, self.world = rank, world
+        #: the alpha-beta costs of the messages between domains (gloo): the Context builds this
+        #: transport's trees with them (and host shared memory's inside a domain)
+        self.message_costs = COSTS["gloo"]
         self.window, self.wlayout, self.layout = window, dict(wlayout), layout
         self.timeout_s = float(timeout_s)
         self.domain_of = tuple(int(d) for d in domain_of)

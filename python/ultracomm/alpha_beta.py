@@ -1,0 +1,159 @@
+"""The alpha-beta cost model of message transports, and the schedule choice it makes.
+
+On a transport where every message has a fixed cost (``alpha``: posting, matching, a
+context switch; gloo over TCP, NCCL point-to-point across nodes) besides its bytes
+(``bytes / beta``), chunk streaming and relay hops are not free: ``n`` chunks of an edge pay
+``n * alpha``, and each relay level adds one chunk's time and one ``alpha`` to the path.  So
+the choice NCCL makes between its algorithms is made here too, per plan: among direct sends
+(one message per member and edge) and relay trees with pipelined chunks, the schedule with
+the smallest predicted time, where a rank's time is ``messages * alpha + bytes / beta`` on
+its busiest link plus the pipeline fill of the tree (``(depth - 1) * (chunk / beta + alpha)``).
+
+One place: :class:`~ultracomm.context.Context` uses :func:`choose_schedule` for the ``p2p``
+transport (:data:`COSTS`, by process-group backend), and the simulator
+(:func:`ultracomm.sim.model.schedule_for` with ``costs=``) uses the same function, so
+simulated NCCL point-to-point figures follow the same choice.
+
+The window transports (shared memory, NVLink) keep the builder's own model: their
+per-chunk cost is a flag, microseconds below a chunk's transfer time.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional
+
+__all__ = ["AlphaBeta", "COSTS", "costs_for_backend", "choose_schedule", "predicted_s", "Choice", "split_chunk_bytes"]
+
+
+@dataclasses.dataclass(frozen=True)
+class AlphaBeta:
+    """Per-message cost ``alpha_s`` (seconds) and per-rank link bandwidth ``beta_Bps``
+    (bytes/s, each direction); ``source`` says where the figures come from.
+
+    ``shared``: every rank's messages cross one medium of ``beta_Bps`` in all (ranks on one
+    host: TCP loopback is the host's cores and memory), so a link's time is all the bytes
+    moved, not the busiest rank's, and a relay can only add its hop."""
+
+    alpha_s: float
+    beta_Bps: float
+    source: str = ""
+    shared: bool = False
+
+    def __post_init__(self) -> None:
+        if not (self.alpha_s >= 0 and math.isfinite(self.alpha_s)):
+            raise ValueError(f"ultracomm: alpha_s must be a finite number >= 0, got {self.alpha_s!r}")
+        if not (self.beta_Bps > 0 and math.isfinite(self.beta_Bps)):
+            raise ValueError(f"ultracomm: beta_Bps must be a positive finite number, got {self.beta_Bps!r}")
+
+    def pipeline_chunk(self, nbytes: int, levels: int = 1) -> int:
+        """The chunk that minimises ``(nbytes / c) * alpha + levels * (c / beta + alpha)``
+        (the busiest link's message costs against the fill of ``levels`` relay levels):
+        ``sqrt(alpha * beta * nbytes / levels)``, at least 64 KiB, at most ``nbytes`` (rounded up
+        to 16 bytes)."""
+        if nbytes <= 0:
+            return 1
+        c = math.sqrt(self.alpha_s * self.beta_Bps * nbytes / max(1, levels))
+        return _align(min(nbytes, max(1 << 16, c)))
+
+
+#: Measured or sourced figures per process-group backend (what the ``p2p`` transport runs on).
+COSTS: dict[str, AlphaBeta] = {
+    # perf/README.md section 6: gloo over TCP loopback on the 2-core CI machine, 4 ranks: a
+    # one-way message of 1 KiB took 0.3-2 ms (scheduling on shared cores), 8 MiB ran at
+    # 1.5-1.7 GB/s.  The larger alpha is the conservative one: it only makes chunks larger.
+    # perf/README.md section 6: the host executor over POSIX shared memory moved 4.5-9 GB/s
+    # (algbw) on the same machine; a chunk's flag and a worker's wake-up, ~20 us (estimate).
+    "host_shm": AlphaBeta(20e-6, 6e9, "measured: host executor over shared memory, 2-core CPU machine"),
+    "gloo": AlphaBeta(1e-3, 1.6e9, "measured: gloo TCP loopback, 2-core CPU machine (perf/README.md section 6)"),
+    # NCCL point-to-point across nodes: 400 Gb/s RDMA NICs achieve ~50 GB/s per GPU (FACTS.md);
+    # per message ~10 us of launch and protocol (an estimate, not measured here).
+    "nccl": AlphaBeta(10e-6, 50e9, "estimate: RDMA 50 GB/s per GPU (FACTS.md), 10 us per message"),
+}
+
+
+def _align(nbytes: float) -> int:
+    """Round up to the builder's chunk granularity (16 bytes)."""
+    return max(16, -(-int(math.ceil(nbytes)) // 16) * 16)
+
+
+def split_chunk_bytes(chunk_bytes: int, tile_bytes: int, slot_bytes: int, costs: AlphaBeta) -> int:
+    """The window chunk of a ``split`` transport on the CPU: a crossing moves one chunk per
+    message, so the chunk is at least the pipeline chunk of a two-level path over ``costs``
+    (rounded up to ``tile_bytes``); a larger configured ``chunk_bytes`` is kept."""
+    want = costs.pipeline_chunk(slot_bytes, 2)
+    want = -(-want // tile_bytes) * tile_bytes
+    return max(int(chunk_bytes), int(want))
+
+
+def costs_for_backend(backend: str) -> AlphaBeta:
+    """:data:`COSTS` of a process-group backend name (``"gloo"``, ``"nccl"``, ``"cpu:gloo,cuda:nccl"``)."""
+    b = str(backend).lower()
+    for name, cost in COSTS.items():
+        if name in b:
+            return cost
+    return COSTS["gloo"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """What :func:`choose_schedule` picked: the schedule, its chunk and relay mode, and the
+    predicted times of both operations (seconds, under the model)."""
+
+    schedule: Any
+    chunk_bytes: int
+    relay_mode: str
+    predicted_s: tuple[float, float]
+
+    def describe(self) -> str:
+        d = [self.schedule.stats(op)["depth"] for op in ("multicast", "reduce")]
+        how = lambda depth: "direct" if depth <= 1 else f"relay depth {depth}"  # noqa: E731
+        return (f"multicast {how(d[0])}, reduce {how(d[1])}, chunk {self.chunk_bytes} B "
+                f"(predicted {self.predicted_s[0] * 1e3:.2f} / {self.predicted_s[1] * 1e3:.2f} ms)")
+
+
+def predicted_s(schedule: Any, op: str, costs: AlphaBeta) -> float:
+    """The model's time of ``op`` (``"multicast"`` / ``"reduce"``) of ``schedule``: on the
+    busiest link (all links, when ``costs.shared``), one message per chunk of each replica it
+    carries; plus the fill."""
+    st = schedule.stats(op)
+    nbytes, chunks = int(st["bytes"]), max(1, int(st["chunks"]))
+    if nbytes == 0 or st["max_link_bytes"] == 0:
+        return 0.0
+    units = (sum(st["egress"]) if costs.shared else st["max_link_bytes"]) / nbytes
+    chunk = nbytes / chunks
+    link = units * (nbytes / costs.beta_Bps + chunks * costs.alpha_s)
+    return link + max(0, int(st["depth"]) - 1) * (chunk / costs.beta_Bps + costs.alpha_s)
+
+
+def choose_schedule(plan: Any, weight_bytes: int, grad_bytes: int, costs: AlphaBeta, *, relay_mode: str = "auto",
+                    max_depth: int = 8, node_of: Optional[Any] = None, rank: Optional[int] = None) -> Choice:
+    """The schedule of ``plan`` for a message transport with ``costs``.
+
+    Candidates: direct sends with one chunk per slot (``relay_mode="off"``), and relay trees
+    with the pipelined chunk of each depth the builder may pick (``relay_mode`` ``auto`` or
+    ``force``); the one with the smallest sum of both operations' :func:`predicted_s` wins
+    (ties: direct).  ``relay_mode="off"`` has only the direct candidate, ``"force"`` only
+    relay trees.  Deterministic: every rank picks alike from the same plan.
+    """
+    from .schedule import build_schedule
+
+    whole = _align(max(int(weight_bytes), int(grad_bytes), 1))
+    kw = dict(node_of=node_of, intra_bw=costs.beta_Bps, inter_bw=costs.beta_Bps, intra_latency_s=costs.alpha_s,
+              inter_latency_s=costs.alpha_s, max_depth=max_depth, rank=rank)
+    cands: list[tuple[int, str]] = []
+    if relay_mode != "force":
+        cands.append((whole, "off"))
+    if relay_mode != "off":
+        for levels in (1, 2, 3):
+            c = costs.pipeline_chunk(whole, levels)
+            if (c, relay_mode) not in cands:
+                cands.append((c, relay_mode))
+    best: Optional[Choice] = None
+    for chunk, mode in cands:
+        s = build_schedule(plan, weight_bytes, grad_bytes, chunk_bytes=chunk, relay_mode=mode, **kw)
+        t = (predicted_s(s, "multicast", costs), predicted_s(s, "reduce", costs))
+        if best is None or sum(t) < sum(best.predicted_s) * (1 - 1e-9):
+            best = Choice(s, chunk, mode, t)
+    assert best is not None
+    return best

@@ -14,7 +14,7 @@ quiet() { "$@" 2>&1 | grep -vE "^WARNING: Location|^\s*$" || true; return "${PIP
 if ! python -c "import torch, sys; sys.exit(0 if tuple(map(int, torch.__version__.split('+')[0].split('.')[:2])) >= (2, 4) else 1)" 2>/dev/null; then
   quiet pip install -q "torch==2.13.0" || quiet pip install -q "torch>=2.4"
 fi
-quiet pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" ninja "cmake>=3.24" numpy "pytest>=8" "hypothesis>=6" matplotlib
+quiet pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" ninja "cmake>=3.26" numpy "pytest>=8" "hypothesis>=6" matplotlib
 # optional extra ultracomm[nvshmem]: its import check runs where it installs (it imports without a GPU)
 python -c "import nvshmem.core" 2>/dev/null || quiet pip install -q "nvshmem4py-cu13" || \
   echo "setup: nvshmem4py-cu13 not installed (optional; the nvshmem import check skips)"

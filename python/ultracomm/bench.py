@@ -245,7 +245,7 @@ def run_case(op: str, size: int, workload: str, args, rank: int, world: int) -> 
     for method in args.methods:
         ctx = echo = None
         threads = torch.get_num_threads()
-        cross = None
+        cross = choice = None
         if method in ("direct", "relay", "relay_gloo", "relay_split"):
             split = {}
             if method == "relay_split":  # two declared domains: the lower and the upper half of the ranks
@@ -259,6 +259,9 @@ def run_case(op: str, size: int, workload: str, args, rank: int, world: int) -> 
             st = ctx.schedule_for(plan).stats("multicast" if op == "weight_sync" else "reduce")
             busiest, lb = (st["max_egress"] if op == "weight_sync" else st["max_ingress"]), st["lower_bound_bytes"]
             depth = st["depth"]
+            # what the schedule choice made of this plan (p2p: ultracomm.alpha_beta; else the builder)
+            choice = (f"{'direct' if depth <= 1 else f'relay depth {depth}'}, {st['chunks']} chunk(s) of "
+                      f"{ctx.schedule_for(plan).chunk_bytes} B")
             slot_w, slot_g = ctx.replica_weights[0], ctx.replica_grads[0]
             if method == "relay_split":
                 from .records import Op
@@ -341,7 +344,7 @@ def run_case(op: str, size: int, workload: str, args, rank: int, world: int) -> 
             "time_us": med * 1e6, "p90_us": p90 * 1e6,
             "algbw_GBps": moved / med / 1e9, "busbw_GBps": moved / med / 1e9, "cpbw_GBps": busiest / med / 1e9,
             "busiest_bytes": busiest, "lower_bound_bytes": lb, "lb_ratio": busiest / max(1, lb), "depth": depth,
-            "wrong": int(wrong_t), "cross_bytes": cross,
+            "wrong": int(wrong_t), "cross_bytes": cross, "choice": choice,
         })
     return rows
 
@@ -466,6 +469,8 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         print(f"# #wrong summed over all rows: {wrong}")
         for r in rows:
+            if r["choice"] is not None and r["method"] in ("relay_gloo", "relay_split"):
+                print(f"# choice {r['method']} {r['op']} {r['workload']} {r['size']} B: {r['choice']}")
             if r["cross_bytes"] is not None:
                 print(f"# relay_split {r['op']} {r['workload']} {r['size']} B: {r['cross_bytes']} of "
                       f"{r['moved_bytes']} replica bytes crossed the two domains over gloo")

@@ -20,7 +20,6 @@ import abc
 import atexit
 import copy
 import datetime
-import pickle
 import queue
 import threading
 import time
@@ -29,6 +28,7 @@ from typing import Any, Callable, Sequence, TypeVar
 
 import torch.distributed as dist
 
+from . import wire
 from .errors import ClosedError, PeerError, UltracommError, UltracommTimeout
 
 T = TypeVar("T")
@@ -83,7 +83,7 @@ class Comm(abc.ABC):
         return other
 
     def all_gather_object(self, obj: Any, *, op: str, what: str) -> list[Any]:
-        """Every rank's ``obj``, in rank order (torch groups pickle it; loopback shares it).
+        """Every rank's ``obj``, in rank order (torch groups: in :mod:`ultracomm.wire` format; loopback shares it).
 
         ``op`` names the user-facing operation (``"Context setup"``, ``"weight_sync"``),
         ``what`` the exchange within it (``"plan agreement"``); both appear in errors.
@@ -263,7 +263,7 @@ class _StoreBoard(_Board):
             raise _BoardUnreachable(self._dead) from None
 
     def post(self, key: str, value: Any) -> None:
-        data = pickle.dumps(value)
+        data = wire.encode(value)  # parsed strictly by read(), never unpickled
         self._quick(lambda st: st.set(key, data))
 
     def wait(self, keys: Sequence[str], timeout_s: float) -> bool:
@@ -277,7 +277,14 @@ class _StoreBoard(_Board):
         return self._quick(lambda st: [st.check([k]) for k in keys])
 
     def read(self, keys: Sequence[str]) -> list[Any]:
-        return [pickle.loads(v) for v in self._quick(lambda st: st.multi_get(list(keys)))]
+        out = []
+        for key, v in zip(keys, self._quick(lambda st: st.multi_get(list(keys)))):
+            try:
+                out.append(wire.decode(v))
+            except wire.WireError as e:
+                raise UltracommError(f"ultracomm: the store value under {key!r} is not one ultracomm wrote ({e}); "
+                                     "another process wrote into this process group's store") from None
+        return out
 
     def remove(self, key: str) -> None:
         def delete(st: dist.Store) -> None:

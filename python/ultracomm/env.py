@@ -19,7 +19,7 @@ ULTRACOMM_RELAY            relay_mode      choice                auto           
 ULTRACOMM_RELAY_MAX_DEPTH  max_depth       int 1..65535          8                   deepest relay tree the schedule builder may use (a cap: depth is chosen by predicted time; relay=force uses at least 2)
 ULTRACOMM_PLAN_CHECK       plan_check      choice                auto                how ranks make sure they run the same plan: auto | agree | window (see "Plan checks")
 ULTRACOMM_DETERMINISTIC    deterministic   bool                  true                fixed-order fp32 gradient reduction (bit-identical runs)
-ULTRACOMM_TIMEOUT_S        timeout_s       float in (0, 1e8]     100                 seconds any wait for a peer (flag, setup, plan agreement) may take before raising UltracommTimeout
+ULTRACOMM_TIMEOUT_S        timeout_s       float in [0.1, 1e8]   100                 seconds any wait for a peer (flag, setup, plan agreement) may take before raising UltracommTimeout
 ULTRACOMM_LOG_LEVEL        log_level       choice                warning             debug | info | warning | error
 ULTRACOMM_INTRA_BW         intra_bw        bandwidth (bytes/s)   370e9               intra-node link bandwidth for the schedule cost model
 ULTRACOMM_INTER_BW         inter_bw        bandwidth (bytes/s)   50e9                inter-node link bandwidth for the schedule cost model
@@ -208,6 +208,7 @@ class _Var:
 #: chunk counts and window offsets (uint64) could overflow.
 MAX_CHUNK_BYTES = 1 << 40
 MAX_TIMEOUT_S = 1e8  # ~3 years: "never" in practice; still a finite timedelta for the store
+MIN_TIMEOUT_S = 0.1  # below this a Context setup (a few store round trips) cannot finish: every call would time out
 
 
 def _between(lo: int, hi: int) -> Callable[[Any], Optional[str]]:
@@ -219,7 +220,9 @@ def _positive_finite(v: float) -> Optional[str]:
 
 
 def _timeout_check(v: float) -> Optional[str]:
-    return None if math.isfinite(v) and 0 < v <= MAX_TIMEOUT_S else f"must be a number in (0, {MAX_TIMEOUT_S:g}]"
+    if math.isfinite(v) and MIN_TIMEOUT_S <= v <= MAX_TIMEOUT_S:
+        return None
+    return f"must be a number of seconds in [{MIN_TIMEOUT_S:g}, {MAX_TIMEOUT_S:g}]"
 
 
 def _tile_check(v: int) -> Optional[str]:

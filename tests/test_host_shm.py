@@ -128,3 +128,36 @@ def test_one_rank_failing_to_create_fails_every_rank(monkeypatch):
 
     assert LoopbackDomain(3).run(body, timeout=60) == [True] * 3
     assert not leftover_segments(before, {os.getpid()})
+
+
+def test_a_name_collision_leaves_the_other_file_alone(monkeypatch):
+    """Rank 1's segment name is already taken (another process's file -- as root setup used to
+    unlink it): every rank fails with a clear error, the planted file keeps its bytes, and the
+    segments the ranks did create are gone."""
+    from ultracomm import LoopbackDomain
+    from ultracomm.windows import host_shm
+
+    planted = os.path.join(SHM_DIR, f"ultracomm-{os.getpid()}-{'ab' * 6}-r1")
+    with open(planted, "wb") as f:
+        f.write(b"someone's data")
+    real_name = host_shm.segment_name
+    monkeypatch.setattr(host_shm, "segment_name",
+                        lambda rank: os.path.basename(planted) if rank == 1 else real_name(rank))
+    before = shm_segments() - {os.path.basename(planted)}
+
+    def body(group):
+        with pytest.raises(RuntimeError) as err:
+            host_shm.HostShmWindow.create(group, 4096)
+        assert str(err.value) == (
+            f"ultracomm: host_shm segment names of ranks [1] already exist in {SHM_DIR} ({os.path.basename(planted)}): "
+            "another process holds them; they were left alone. Retry (names are random), and check what else "
+            "writes to /dev/shm")
+        return True
+
+    try:
+        assert LoopbackDomain(3).run(body, timeout=60) == [True] * 3
+        with open(planted, "rb") as f:
+            assert f.read() == b"someone's data"
+        assert not leftover_segments(before, {os.getpid()}) - {os.path.basename(planted)}
+    finally:
+        os.unlink(planted)

@@ -105,7 +105,8 @@ def sweep_stale_segments(shm_dir: str = SHM_DIR, min_age_s: float = STALE_AFTER_
 
 def _map(path: str, nbytes: int, create: bool) -> mmap.mmap:
     flags = os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT | os.O_EXCL if create else 0)
-    fd = os.open(path, flags, 0o600)
+    fd = os.open(path, flags, 0o600)  # create: FileExistsError for an entry that is not ours
+    done = False
     try:
         if create:
             os.ftruncate(fd, nbytes)
@@ -124,9 +125,14 @@ def _map(path: str, nbytes: int, create: bool) -> mmap.mmap:
                     f"ultracomm: shared-memory segment {path} has {st.st_size} bytes, expected {nbytes}: "
                     "ranks disagree on the window size (different layouts or slots_per_rank?)"
                 )
-        return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        m = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        done = True
+        return m
     finally:
         os.close(fd)
+        if create and not done:  # this call created the file (O_EXCL): remove what it could not finish
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
 
 def _unlink_all(names: list[str]) -> None:
@@ -155,17 +161,31 @@ class HostShmWindow(Window):
             return segment_name(comm.rank)
 
         names = comm.agree(choose_name, op=op, what="host_shm name exchange")
-        valid = [n for r, n in enumerate(names) if _is_name_for(n, r)]  # the only names ever unlinked
+        # the only names ever unlinked: those whose owner reports it created the segment itself
+        # (O_EXCL); an entry that was there already (a name collision, someone else's file) stays
+        created: list[str] = []
         own: mmap.mmap | None = None
         maps: list[mmap.mmap | None] = []
         try:
-            def create_own() -> None:
+            def create_own() -> str | None:
                 nonlocal own
                 for r, n in enumerate(names):  # every rank checks every name before anything is opened
                     check_segment_name(n, r)
-                own = _map(os.path.join(SHM_DIR, names[comm.rank]), nbytes, create=True)
+                try:
+                    own = _map(os.path.join(SHM_DIR, names[comm.rank]), nbytes, create=True)
+                    created.append(names[comm.rank])  # unlinked here even if a peer fails this step
+                except FileExistsError:
+                    return "exists"  # not ours: never unlinked
+                return None
 
-            comm.agree(create_own, op=op, what="host_shm segment creation")
+            statuses = comm.agree(create_own, op=op, what="host_shm segment creation")
+            created[:] = [n for r, n in enumerate(names) if statuses[r] is None and _is_name_for(n, r)]
+            taken = [r for r, st in enumerate(statuses) if st is not None]
+            if taken:
+                raise RuntimeError(
+                    f"ultracomm: host_shm segment names of ranks {taken} already exist in {SHM_DIR} "
+                    f"({', '.join(names[r] for r in taken)}): another process holds them; they were left alone. "
+                    "Retry (names are random), and check what else writes to /dev/shm")
 
             def map_peers() -> None:
                 for r, n in enumerate(names):
@@ -184,7 +204,7 @@ class HostShmWindow(Window):
             raise
         finally:
             # every rank has mapped every segment, or setup failed: no name is needed any more
-            _unlink_all(valid)
+            _unlink_all(created)
         views = [None if m is None else torch.frombuffer(m, dtype=torch.uint8) for m in maps]
         return cls(comm.rank, comm.world, nbytes, [m for m in maps if m is not None], views)
 

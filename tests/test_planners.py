@@ -957,3 +957,42 @@ def test_taot_finish_rejects_bad_shapes():
     four = np.zeros((2, 2), np.int64)  # one rank matched 4 times with K = 2 slots
     with pytest.raises(ValueError, match="at most K matches per rank"):
         _core.taot_finish(**{**args, "g": four + 5, "ri": np.array([2, 2])})
+
+
+# ------------------------------------------------------------------ int64 bounds (issue 23 item 5)
+@pytest.mark.parametrize("name", ["quota", "taot", "greedy", "lpt"])
+def test_planners_at_the_token_maximum_conserve_every_token(name):
+    """At MAX_LOAD_TOTAL (2**48) tokens, all on one expert, every planner returns (lpt used not
+    to) and its per-rank loads add up to exactly the tokens given (sums wrapped from 2**58)."""
+    from ultracomm.planners.base import MAX_LOAD_TOTAL
+
+    world, epr = 4, 2
+    dom = Domain(world, np.zeros(world, np.int64), epr)
+    load = np.zeros((world, world * epr), np.int64)
+    load[:, 0] = MAX_LOAD_TOTAL // world
+    r = get_planner(name)(load, dom, 2)
+    assert int(np.asarray(r.rank_load, dtype=object).sum()) == MAX_LOAD_TOTAL
+    assert max(r.rank_load) > 0
+
+
+@pytest.mark.parametrize("load, message", [
+    (lambda L: L + np.eye(*L.shape, dtype=np.int64),
+     "load holds 281474976710660 tokens in all; a plan holds at most 281474976710656 (2**48)"),
+    (lambda L: np.full(L.shape, 1 << 62, np.int64),
+     "load holds 147573952589676412928 tokens in all; a plan holds at most 281474976710656 (2**48)"),
+    (lambda L: np.full(L.shape, (1 << 64) - 1, np.uint64),
+     "load holds 18446744073709551615 tokens for one expert; a plan holds at most 281474976710656 (2**48) tokens "
+     "in all"),
+])
+def test_loads_above_the_maximum_are_refused_before_planning(load, message):
+    from ultracomm.errors import PlanError
+    from ultracomm.planners.base import MAX_LOAD_TOTAL
+
+    world, epr = 4, 2
+    dom = Domain(world, np.zeros(world, np.int64), epr)
+    base = np.zeros((world, world * epr), np.int64)
+    base[:, 0] = MAX_LOAD_TOTAL // world
+    for name in ("quota", "taot", "greedy", "lpt"):
+        with pytest.raises(PlanError) as err:
+            get_planner(name)(load(base), dom, 2)
+        assert str(err.value).endswith(message), str(err.value)

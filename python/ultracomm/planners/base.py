@@ -201,8 +201,15 @@ class PlannerResult:
 # ----------------------------------------------------------------------------- helpers
 
 
+#: Most tokens one plan may hold (the sum of ``load``): 2**48, far above any batch, and low
+#: enough that the planners' int64 arithmetic (sums, products with world and slot counts,
+#: thresholds) cannot wrap; above it they reported "busiest 0 -> 0" or did not return.
+MAX_LOAD_TOTAL = 1 << 48
+
+
 def as_load(load: Any, domain: Domain) -> np.ndarray:
-    """Check and convert ``load`` to a C-contiguous int64 numpy ``[world, E]``."""
+    """Check and convert ``load`` to a C-contiguous int64 numpy ``[world, E]`` (non-negative,
+    at most :data:`MAX_LOAD_TOTAL` tokens in all)."""
     try:
         import torch
 
@@ -215,6 +222,9 @@ def as_load(load: Any, domain: Domain) -> np.ndarray:
     a = np.asarray(load)
     if a.dtype.kind not in "iu":
         raise PlanError(f"load must hold integer token counts, got dtype {a.dtype}")
+    if a.size and a.dtype.kind == "u" and int(a.max()) > MAX_LOAD_TOTAL:  # before int64 could wrap it
+        raise PlanError(f"load holds {int(a.max())} tokens for one expert; a plan holds at most "
+                        f"{MAX_LOAD_TOTAL} (2**48) tokens in all")
     a = np.ascontiguousarray(a, dtype=np.int64)
     if a.shape != (domain.world, domain.num_experts):
         raise PlanError(
@@ -223,6 +233,10 @@ def as_load(load: Any, domain: Domain) -> np.ndarray:
         )
     if a.size and a.min() < 0:
         raise PlanError("load must be non-negative")
+    total = float(a.sum(dtype=np.float64))  # exact below 2**53; int64 could wrap
+    if total > MAX_LOAD_TOTAL:
+        raise PlanError(f"load holds {int(a.astype(object).sum())} tokens in all; a plan holds at most "
+                        f"{MAX_LOAD_TOTAL} (2**48)")
     return a
 
 

@@ -48,6 +48,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from .profile import Trace, load_trace, spread_expert_load
+from .profile.trace_checks import TraceError, check_options
 
 __all__ = ["Setting", "WhatIf", "plan_and_schedule", "replay", "sample_rows", "main"]
 
@@ -323,11 +324,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--json", metavar="FILE", help="also write rows and summary as JSON")
     a = ap.parse_args(argv)
     try:
+        check_options(a)  # before the trace is read: bad options fail at once
+        planners = [p.strip() for p in a.planner.split(",") if p.strip()]
+        if not planners:
+            raise TraceError(f"--planner {a.planner!r}: name at least one of quota, taot, greedy, lpt, recorded")
         trace = load_trace(a.trace, loads=False, world=a.ep)
         model = a.model or trace.meta.get("model") or "qwen3-235b-a22b"
         setting = Setting(domain=a.domain, ep=a.ep or trace.world, slots=a.slots, model=model, tflops=a.tflops,
                           forward_only=a.forward_only, max_chunks=a.max_chunks)
-        planners = [p.strip() for p in a.planner.split(",") if p.strip()]
         res = replay(trace, planners, setting, max_records=a.max_records)
     except (ValueError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -337,8 +341,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     print(res.render(a.trace))
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res.to_json(), f, indent=1, default=str)
+        try:
+            with open(a.json, "w") as f:
+                json.dump(res.to_json(), f, indent=1, default=str)
+        except OSError as e:
+            print(f"error: --json {a.json}: {e.strerror}", file=sys.stderr)
+            return 2
     return 0
 
 

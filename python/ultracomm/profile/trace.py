@@ -2,7 +2,6 @@
 statistics (see :mod:`ultracomm.profile`)."""
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,6 +11,8 @@ import numpy as np
 
 from .fields import FORMAT, INDEX, OPS, VERSION, empty_arrays, int_array, spread_expert_load
 from .recorder import Profiler
+from .trace_checks import (MAX_INDEX_BYTES, MAX_WORLD, TraceError, bounded_int, check_part, load_counts, load_npz,
+                           member_path, parse_index, read_regular)
 
 PathLike = Union[str, os.PathLike]
 
@@ -117,8 +118,8 @@ class Trace:
                 fname, local = self._lazy[i]
                 if fname not in cache:
                     cache.clear()
-                    with np.load(Path(self.path) / fname) as z:
-                        cache[fname] = z["load"]
+                    root = Path(self.path)
+                    cache[fname] = load_npz(member_path(root, fname, "a listed records file"), "a records file")["load"]
                 yield cache[fname][local].astype(np.int64)
             else:
                 yield spread_expert_load(a["expert_load"][i], self.world)
@@ -158,7 +159,7 @@ def _max_mean_rows(x: np.ndarray) -> np.ndarray:
 
 
 def _read_dir(path: Path, loads: bool) -> Trace:
-    idx = json.loads((path / INDEX).read_text())
+    idx = parse_index(read_regular(path / INDEX, INDEX, MAX_INDEX_BYTES), str(path / INDEX))
     if idx.get("format") != FORMAT:
         raise ValueError(f"ultracomm.profile: {path / INDEX} is not an ultracomm profile index")
     if idx.get("version") != VERSION:
@@ -166,15 +167,16 @@ def _read_dir(path: Path, loads: bool) -> Trace:
                          f"reads version {VERSION}")
     parts: list[dict] = []
     lazy: list = []
-    for f in idx["files"]:
-        with np.load(path / f["file"]) as z:
-            d = {k: z[k] for k in z.files if k != "load" or loads}
-        parts.append(d)
-        lazy.extend((f["file"], j) for j in range(d["step"].size))
     world = int(idx["world"] or 0)
     E = int(idx["num_experts"] or 0)
-    epr = int(idx["experts_per_rank"] or (E // world if world else 0))
-    S = int(idx["slots_per_rank"] or 0)
+    epr = int(idx.get("experts_per_rank") or (E // world if world else 0))
+    S = int(idx.get("slots_per_rank") or 0)
+    for f in idx["files"]:
+        fp = member_path(path, f["file"], "a listed records file")
+        d = load_npz(fp, "a records file", skip=() if loads else ("load",))
+        check_part(d, world, E, S, str(fp))
+        parts.append(d)
+        lazy.extend((f["file"], j) for j in range(d["step"].size))
     if parts:
         keys = set(parts[0])
         for p in parts[1:]:
@@ -184,7 +186,10 @@ def _read_dir(path: Path, loads: bool) -> Trace:
                 if "load" not in p:
                     p["load"] = np.zeros((p["step"].size, world, E), np.int32)
             keys.add("load")
-        arrays = {k: np.concatenate([p[k] for p in parts]) for k in sorted(keys)}
+        try:
+            arrays = {k: np.concatenate([p[k] for p in parts]) for k in sorted(keys)}
+        except ValueError as e:
+            raise TraceError(f"{path}: the records files disagree on an array's shape or type ({e})") from None
         if "load" in arrays:
             arrays["load"] = arrays["load"].astype(np.int64)
     else:
@@ -220,21 +225,19 @@ def load_trace(path: PathLike, *, loads: bool = True, world: Optional[int] = Non
                 raise ValueError(f"ultracomm.profile: {p} holds traces of ranks {ranks}, not rank {r}")
             return _read_dir(p / f"rank{r}", loads)
         raise ValueError(f"ultracomm.profile: {p} holds no trace (no {INDEX}, no rank<r>/{INDEX})")
-    if p.suffix in (".npy", ".npz") and p.is_file():
+    if p.suffix in (".npy", ".npz"):  # regular files only: read_counts refuses FIFOs without blocking
         if world is None:
             raise ValueError(f"ultracomm.profile: {p} holds routing statistics; say how many EP ranks they "
                              "come from (world=..., --ep on the command line)")
+        bounded_int(world, "world (--ep)", 1, MAX_WORLD, str(p))
         return from_routing_stats(read_counts(p), world, meta={"source": str(p)})
     raise ValueError(f"ultracomm.profile: {p} is neither a trace directory nor a .npy/.npz routing-statistics file")
 
 
 def read_counts(path: PathLike) -> np.ndarray:
-    """The routing-statistics array in a ``.npy`` file (or the first array of a ``.npz``)."""
-    z = np.load(path)
-    if isinstance(z, np.ndarray):
-        return z
-    with z:
-        return z[z.files[0]]
+    """The routing-statistics array in a ``.npy`` file (or the first array of a ``.npz``):
+    a regular file, bounded in size, integer counts (see :mod:`.trace_checks`)."""
+    return load_counts(Path(path))
 
 
 def from_routing_stats(counts: Any, world: int, *, experts_per_rank: Optional[int] = None,

@@ -6,6 +6,7 @@ import sys
 from typing import Optional, Sequence
 
 from ..profile import load_trace
+from ..profile.trace_checks import check_options
 from . import write_html
 
 
@@ -29,6 +30,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                                         "driven by Playwright; nothing is downloaded)")
     a = ap.parse_args(argv)
     try:
+        check_options(a)  # before the trace is read: bad options fail at once
         trace = load_trace(a.trace, loads=False, world=a.ep)
         size = write_html(trace, a.out, planner=a.planner, domain=a.domain, slots=a.slots, model=a.model,
                           title=a.title, max_cells=a.max_cells, max_detail=a.max_detail, max_points=a.max_points)

@@ -122,7 +122,7 @@ BAD = [
     ("ULTRACOMM_DEBUG_JITTER_US", "-5", "must be in [0, 1000000]"),
     ("ULTRACOMM_DEBUG_JITTER_US", str(2**32), "must be in [0, 1000000]"),
     ("ULTRACOMM_HW_PROFILE", "/nonexistent/gpu_profile.json", "no such file"),
-    ("ULTRACOMM_PROFILE", str(REPO / "pyproject.toml"), "names an existing file"),
+    ("ULTRACOMM_PROFILE", str(REPO / "pyproject.toml"), "it is not a directory; give a directory (created when missing)"),
     ("ULTRACOMM_DOMAIN", "node 0", "key 'node 0' is not 1 to 128 characters from A-Z a-z 0-9 . _ : / @ + -"),
     ("ULTRACOMM_DOMAIN", "a,", "key '' is not 1 to 128 characters"),
     ("ULTRACOMM_DOMAIN", "x" * 129, "is not 1 to 128 characters"),

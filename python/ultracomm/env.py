@@ -25,7 +25,7 @@ ULTRACOMM_INTRA_BW         intra_bw        bandwidth (bytes/s)   370e9          
 ULTRACOMM_INTER_BW         inter_bw        bandwidth (bytes/s)   50e9                inter-node link bandwidth for the schedule cost model
 ULTRACOMM_DEBUG_JITTER_US  jitter_us       int 0..1000000        0                   testing aid: random delay up to this many us before each host task
 ULTRACOMM_HW_PROFILE       hw_profile      path                  (search)            hardware profile JSON for the SM defaults (ultracomm/hwprofile.py); unset: newest perf/gpu/*profile*.json of this GPU
-ULTRACOMM_PROFILE          profile         path                  (empty: off)        directory a Context records its load profile into (``ultracomm.profile``; one ``rank<r>`` subdirectory per rank when world > 1)
+ULTRACOMM_PROFILE          profile         path                  (empty: off)        directory a Context records its load profile into (``ultracomm.profile``; one ``rank<r>`` subdirectory per rank when world > 1; a rerun writes into a fresh ``run<n>`` subdirectory; must be this user's and not group- or world-writable)
 ULTRACOMM_DOMAIN           domain          domain                (empty: detect)     this rank's memory domain, overriding detection (``ultracomm.domains``): one key, or one key per rank of the Context's group
 =========================  ==============  ====================  ==================  =====================================================
 
@@ -242,9 +242,11 @@ def _file_or_empty(v: str) -> Optional[str]:
 
 
 def _profile_check(v: str) -> Optional[str]:
-    if v and os.path.isfile(v):
-        return "names an existing file; give a directory (created when missing)"
-    return None
+    # at parse time, so that /dev/null or someone else's directory fails naming the variable
+    from .private_dir import why_not_a_dir
+
+    why = why_not_a_dir(v) if v else None
+    return None if why is None else f"it {why}"
 
 
 def _in(options: tuple[str, ...]) -> Callable[[Any], Optional[str]]:

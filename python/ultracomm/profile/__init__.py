@@ -61,6 +61,20 @@ thread.  It collects the steps handed over within ``write_interval_s`` (1 s), wa
 rewrites ``index.json`` (atomically).  When the writer falls behind, recording waits: memory
 stays bounded whatever the disk does.  An error of the writer is raised by the next call.
 
+Directories and files
+---------------------
+A trace directory is created with mode 0700; an existing one (and, for a Context, the directory
+``ULTRACOMM_PROFILE`` or ``profile=`` names) must belong to this user and not be group- or
+world-writable, else the Profiler refuses it (:mod:`ultracomm.private_dir`): anyone else who can
+write there could plant symbolic links at the names the writer uses.  Every file is created
+exclusively (``O_EXCL|O_NOFOLLOW``, mode 0600) under an unpredictable temporary name in the
+checked directory, then renamed into place.
+
+Reruns: a Context given a directory that already holds a trace (a job run again with the same
+``ULTRACOMM_PROFILE``) writes into the first free ``run<n>`` subdirectory (``run1``, ``run2``,
+...; with world > 1 ``run<n>/rank<r>``, the first run ``rank<r>`` directly below the
+directory).  A :class:`Profiler` made directly refuses such a directory unless ``overwrite=True``.
+
 Cost when off
 -------------
 A Context without a profile pays one ``is not None`` test per operation; ``perf/bench_profile.py``

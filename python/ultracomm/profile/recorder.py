@@ -2,18 +2,21 @@
 (see :mod:`ultracomm.profile`)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import secrets
 import threading
 import time
 import warnings
 import weakref
 import zipfile
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, BinaryIO, Iterator, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
+from ..private_dir import PrivateDirError, create_exclusive, make_private_dir, open_private
 from .fields import DETAILS, FORMAT, INDEX, OPS, VERSION, int_array
 from .record import Record, plan_shape, records_to_arrays
 
@@ -24,8 +27,11 @@ class Profiler:
     """Records loads, plans, schedule stats and op times per (step, layer, micro-batch).
 
     Args:
-        path: directory to write (created; must not hold a trace already unless
-            ``overwrite=True``).
+        path: directory to write (created with mode 0700; must not hold a trace already unless
+            ``overwrite=True``).  An existing directory must belong to this user and not be
+            group- or world-writable (:mod:`ultracomm.private_dir`); files are created in it
+            exclusively, mode 0600, never through a symbolic link, under unpredictable
+            temporary names, then renamed into place.
         detail: ``"full"`` keeps the load matrix ``[world, E]``; ``"experts"`` only its
             per-expert totals ``[E]``.
         steps: ``"auto"`` (a step ends when a layer comes back while nothing is in flight) or
@@ -57,18 +63,12 @@ class Profiler:
         self.path = Path(path)
         if self.path.is_file():
             raise ValueError(f"ultracomm.profile: {self.path} is a file; give a directory")
-        if (self.path / INDEX).exists() and not overwrite:
-            raise ValueError(f"ultracomm.profile: {self.path} already holds a trace; pick another directory, "
-                             "remove it, or pass overwrite=True")
-        self.path.mkdir(parents=True, exist_ok=True)
-        if overwrite:
-            for old in self.path.glob("*.npz"):
-                old.unlink()
+        self.meta = dict(meta or {})
+        json.dumps(self.meta)  # fail now, not in the writer thread
+        self._dir_fd = _claim_dir(self.path, overwrite)  # every file is created relative to it
         self.detail, self.auto_steps = detail, steps == "auto"
         self.max_buffer_bytes, self.op_wait_s = max_buffer_bytes, float(op_wait_s)
         self.write_interval_s = float(write_interval_s)
-        self.meta = dict(meta or {})
-        json.dumps(self.meta)  # fail now, not in the writer thread
         self.world: Optional[int] = None
         self.num_experts: Optional[int] = None
         self.slots_per_rank: Optional[int] = None
@@ -350,7 +350,7 @@ class Profiler:
                 arrays = records_to_arrays(recs, *shapes, wait_s=self.op_wait_s)
                 first, last = recs[0].step, recs[-1].step
                 name = f"{self._file_no:06d}_step{first}" + (f"-{last}" if last != first else "") + ".npz"
-                _write_npz(self.path / name, arrays)
+                _write_npz(self._dir_fd, name, arrays)
                 with self._cond:
                     self._file_no += 1
                     self._files.append({"file": name, "steps": [first, last], "records": len(recs)})
@@ -374,9 +374,8 @@ class Profiler:
                    "num_experts": self.num_experts, "experts_per_rank": self.experts_per_rank,
                    "slots_per_rank": self.slots_per_rank, "node_of": self.node_of, "rank": self.rank,
                    "meta": self.meta, "late_ops": self._late, "files": list(self._files)}
-        tmp = self.path / (INDEX + ".tmp")
-        tmp.write_text(json.dumps(idx, indent=1))
-        os.replace(tmp, self.path / INDEX)
+        with _replacing(self._dir_fd, INDEX) as f:
+            f.write(json.dumps(idx, indent=1).encode())
 
     def close(self) -> None:
         """Write what is buffered, wait for the writer, and close.  Idempotent."""
@@ -393,6 +392,8 @@ class Profiler:
             self._write_index()
         except OSError as e:
             self._error = self._error or e
+        finally:
+            os.close(self._dir_fd)
         if self._error is not None:
             err, self._error = self._error, None
             raise RuntimeError(f"ultracomm.profile: writing the trace to {self.path} failed: {err}") from err
@@ -412,20 +413,92 @@ class Profiler:
         return f"Profiler({str(self.path)!r}, detail={self.detail!r}, step={self._step})"
 
 
-def _write_npz(path: Path, arrays: Mapping[str, np.ndarray]) -> None:
+class TraceExistsError(ValueError):
+    """The directory already holds a trace (``index.json``) and ``overwrite`` was not given."""
+
+
+def _claim_dir(path: Path, overwrite: bool) -> int:
+    """Create ``path`` private (mode 0700; an existing one must be this user's and not group- or
+    world-writable: :mod:`ultracomm.private_dir`) and claim it: without ``overwrite`` the first
+    ``index.json`` is created exclusively, so two writers never share a directory.  Returns the
+    directory's descriptor."""
+    try:
+        make_private_dir(str(path))
+        fd = open_private(str(path))
+    except PrivateDirError as e:
+        raise PrivateDirError(f"ultracomm.profile: {e}") from None
+    try:
+        if overwrite:
+            for name in os.listdir(fd):
+                if name.endswith(".npz"):
+                    os.unlink(name, dir_fd=fd)
+        else:
+            try:
+                os.close(create_exclusive(fd, INDEX))  # the claim; filled by the first _write_index
+            except FileExistsError:
+                raise TraceExistsError(f"ultracomm.profile: {path} already holds a trace; pick another directory, "
+                                       "remove it, or pass overwrite=True") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+@contextlib.contextmanager
+def _replacing(dir_fd: int, name: str) -> Iterator[BinaryIO]:
+    """A file that replaces ``name`` in ``dir_fd`` atomically once written: written first under an
+    unpredictable temporary name, created exclusively (mode 0600, never through a link)."""
+    tmp = f".{name}.{secrets.token_hex(8)}.tmp"
+    f = os.fdopen(create_exclusive(dir_fd, tmp), "wb")
+    try:
+        with f:
+            yield f
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        raise
+
+
+def _write_npz(dir_fd: int, name: str, arrays: Mapping[str, np.ndarray]) -> None:
     """``np.savez_compressed`` at deflate level 1 (fast), written to a temporary name first."""
-    tmp = path.with_suffix(".tmp")
-    with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_DEFLATED, compresslevel=1) as zf:
+    with _replacing(dir_fd, name) as out, \
+            zipfile.ZipFile(out, "w", compression=zipfile.ZIP_DEFLATED, compresslevel=1) as zf:
         for k, v in arrays.items():
             with zf.open(k + ".npy", "w", force_zip64=True) as f:
                 np.lib.format.write_array(f, np.ascontiguousarray(v), allow_pickle=False)
-    os.replace(tmp, path)
+
+
+MAX_RUNS = 10000  # run<n> subdirectories searched for a free one
+
+
+def run_dir(base: PathLike, rank: int, world: int) -> Profiler:
+    """A Profiler in the first free run directory of ``base`` for this rank: ``base`` itself
+    (``base/rank<r>`` when world > 1), else ``base/run1``, ``base/run2``, ... (each with its
+    ``rank<r>``).  A directory is taken when it holds no trace (``index.json``); the claim is
+    exclusive.  Each rank searches on its own, so the ranks of a run land in the same ``run<n>``
+    whenever every earlier run wrote all its ranks."""
+    base = Path(base)
+    try:
+        make_private_dir(str(base))
+    except PrivateDirError as e:
+        raise PrivateDirError(f"ultracomm.profile: {e}") from None
+    for n in range(MAX_RUNS):
+        d = base if n == 0 else base / f"run{n}"
+        try:
+            return Profiler(d / f"rank{rank}" if world > 1 else d)
+        except TraceExistsError:
+            continue
+    raise ValueError(f"ultracomm.profile: {base} already holds {MAX_RUNS} runs; give another directory")
 
 
 def profile_for_context(profile: Any, ctx: Any) -> Optional[Profiler]:
     """The Profiler a Context records into: ``profile`` if it is one (the caller owns it),
     a new one in directory ``profile`` (or ``ctx.config.profile``, from ``ULTRACOMM_PROFILE``;
-    ``rank<r>`` below it when world > 1; the Context closes it), or None (off)."""
+    ``rank<r>`` below it when world > 1; a rerun into a directory that holds a trace already
+    writes into a fresh ``run<n>`` subdirectory: :func:`run_dir`; the Context closes it), or
+    None (off)."""
+    from_env = profile is None
     if profile is None:
         profile = ctx.config.profile or None
         if profile is None:
@@ -435,10 +508,12 @@ def profile_for_context(profile: Any, ctx: Any) -> Optional[Profiler]:
     if isinstance(profile, Profiler):
         prof, owned = profile, False
     elif isinstance(profile, (str, os.PathLike)):
-        path = Path(profile)
-        if ctx.world > 1:
-            path = path / f"rank{ctx.rank}"
-        prof, owned = Profiler(path), True
+        try:
+            prof, owned = run_dir(profile, ctx.rank, ctx.world), True
+        except PrivateDirError as e:
+            if from_env:
+                raise PrivateDirError(f"{e} (ULTRACOMM_PROFILE)") from None
+            raise
     else:
         raise TypeError(f"ultracomm: profile must be a directory, a Profiler, False or None; got "
                         f"{type(profile).__name__}")

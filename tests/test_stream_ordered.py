@@ -38,7 +38,7 @@ class FakeStreams:
         self.capturing = False
         self.recorded: list[FakeEvent] = []
         self.released: list[FakeEvent] = []
-        self.syncs = 0
+        self.syncs = self.host_waits = self.stream_waits = 0
 
     def check_current_device(self):
         pass
@@ -60,8 +60,12 @@ class FakeStreams:
     def query(self, ev):
         return ev.done
 
-    def wait_event(self, ev):
+    def wait_event(self, ev):  # a host wait
+        self.host_waits += 1
         ev.done = True
+
+    def stream_wait(self, ev):  # the caller's stream waits: the host goes on
+        self.stream_waits += 1
 
     def synchronize(self):
         self.syncs += 1
@@ -423,3 +427,46 @@ def test_synchronize_lets_operations_end_before_any_device_sync(fake, monkeypatc
         return True
 
     assert LoopbackDomain(1).run(body) == [True]
+
+
+def test_manager_step_forward_and_backward_never_wait_on_the_host(fake):
+    """ReplicaManager over a stream-ordered transport (issue 19 item 6): weight_sync before the
+    expert compute, the staging reuse and the end of the backward are stream waits, not host
+    waits; the master grads equal the host executor's bit for bit."""
+    import moe_harness as mh
+    from ultracomm.moe import ReplicaManager, linear
+
+    world, epr, slots, layers = 2, 2, 1, 2
+    E = world * epr
+
+    def run(stream_ordered: bool):
+        def body(group):
+            r = group.rank
+            kw = dict(transport="tma", window="local") if stream_ordered else dict(transport="host")
+            mgr = ReplicaManager(group, mh.layout(), epr, slots, layers, max_microbatches=2, timeout_s=20,
+                                 chunk_bytes=64, tile_bytes=16, **kw)
+            params = mh.make_params(r, epr, layers, torch.float32, "stacked", False, False)
+            for layer in range(layers):
+                mgr.register_layer(layer, params[layer])
+            for mb in range(2):
+                total = 0
+                anchor = torch.ones((), requires_grad=True)
+                for layer in range(layers):
+                    _, rmap, probs, _ = mh.batch(r, layer, mb, E)
+                    step = mgr.step(layer, rmap, probs)
+                    loss = mh.rank_loss(step, r, world, layer, mb, params[layer], step.replica_weights(), linear)
+                    total = total + step.guard(loss) * anchor
+                total.backward()
+            out = mh.master_grads(params, False)
+            mgr.close()
+            return out
+        return LoopbackDomain(world).run(body)
+
+    got = run(True)
+    assert fake and all(s.host_waits == 0 and s.stream_waits > 0 for s in fake), \
+        [(s.host_waits, s.stream_waits) for s in fake]
+    want = run(False)
+    for a, b in zip(got, want):
+        for la, lb in zip(a, b):
+            for x, y in zip(la, lb):
+                assert torch.equal(x, y)

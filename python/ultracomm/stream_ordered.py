@@ -78,6 +78,10 @@ class CudaStreams:
     def wait_event(self, ev: Any) -> None:
         ev.synchronize()
 
+    def stream_wait(self, ev: Any) -> None:
+        """The caller's current stream waits for ``ev`` (no host wait; capturable)."""
+        torch.cuda.current_stream(self.device).wait_event(ev)
+
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
 
@@ -114,6 +118,13 @@ class StreamWork(Work):
         if not self._done.is_set() and self._owner.streams.query(self._event):
             self._complete()
         return self._done.is_set()
+
+    def wait_stream(self) -> None:
+        """The caller's current stream waits for this operation's event: work enqueued there
+        next runs after it, and the host does not wait (CUDA-graph capturable).  A failure is
+        reported by the next ``wait()``, ``synchronize()`` or operation of the Context."""
+        if not self._done.is_set() and self._event is not None:
+            self._owner.streams.stream_wait(self._event)
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         if not self._done.is_set():

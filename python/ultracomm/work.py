@@ -46,6 +46,13 @@ class Work:
             raise self._error
         return True
 
+    def wait_stream(self) -> None:
+        """Order what the caller enqueues next after this operation, with as little host
+        waiting as the transport allows.  Host-executed operations (this class) can only be
+        waited for on the host: the same as :meth:`wait`.  Stream-ordered ones make the
+        caller's current CUDA stream wait (:meth:`ultracomm.stream_ordered.StreamWork.wait_stream`)."""
+        self.wait()
+
     def _timed_out(self, timeout: float | None) -> UltracommTimeout:
         return UltracommTimeout(
             f"ultracomm: {self.name} did not finish within wait(timeout={timeout:g} s); awaited: {self.awaited}. "

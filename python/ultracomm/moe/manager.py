@@ -234,7 +234,7 @@ class Step:
 
     def _forward_views(self) -> list[torch.Tensor]:
         mgr = self.manager
-        self._sync.wait()
+        self._sync.wait_stream()  # stream-ordered: the caller's stream waits, not the host
         owner = self._target or self
         if mgr._slots_owner is not owner:
             raise UltracommError(
@@ -535,8 +535,8 @@ class ReplicaManager:
         i = self._next_staging
         self._next_staging ^= 1
         work = self._staging_work[i]
-        if work is not None:  # its reduce copies out of it inside the ordered runner
-            work.wait()
+        if work is not None:  # its reduce copies out of it: the zero_() below must come after
+            work.wait_stream()
             self._staging_work[i] = None
         for t in self._staging[i]:
             t.zero_()
@@ -549,10 +549,12 @@ class ReplicaManager:
     def wait_grads(self) -> None:
         """Wait for every launched gradient reduction and put the results in place
         (``main_grad`` is written by the reduction itself; ``.grad`` gets the fp32 sum
-        added).  Runs by itself at the end of each backward pass."""
+        added).  Runs by itself at the end of each backward pass.  Stream-ordered
+        transports (GPU): the caller's current stream waits for the reductions, the host
+        does not -- read the grads on that stream, or synchronize first."""
         pending, self._pending = self._pending, []
         for step, work in pending:  # all of them first: a layer's fp32 buffer may take several
-            work.wait()
+            work.wait_stream()  # the folds below and the optimizer are stream work after it
             if self._staging_work[step._staging] is work:
                 self._staging_work[step._staging] = None
         for layer in sorted({step.layer for step, _ in pending}):

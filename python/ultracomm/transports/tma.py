@@ -22,7 +22,8 @@ multicast_sms=None, reduce_sms=None)``
     and no allocation after the first call with a given (schedule digest, op, masters, slots):
     the task lists are uploaded once per plan into a device cache (:data:`PLAN_CACHE` entries;
     the first use allocates and copies synchronously, so run each plan once before capturing
-    a CUDA graph).  The kernel publishes the schedule digest beside ``ready[op]`` (a peer on
+    a CUDA graph; a plan used while capturing is pinned, never freed while the transport
+    lives: :mod:`.device_plan_cache`).  The kernel publishes the schedule digest beside ``ready[op]`` (a peer on
     another plan raises ``PlanError`` on every rank touching it).  Graph replays run fresh
     epochs on their own (the kernel runs max(epoch, last + 1)).
 
@@ -49,13 +50,13 @@ Loopback windows (``cuda_local``: every rank a thread of one process, windows on
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from typing import Callable, Sequence
 
 from ..cuda_support import cuda_runtime, raise_record, record_epoch
 from ..loopback_launch import Deposit, launches_for
 from ..records import Op
 from ..sm_budget import ANALYTIC_PER_SM_BW, default_sms
+from .device_plan_cache import DevicePlanCache
 from .host import GRAD_DTYPE_CODE, Masters
 from .tma_loopback import runner_for
 
@@ -104,7 +105,7 @@ class TmaTransport:
         self._bases = [int(b) for b in window.peer_bases]
         self._members = {Op.MULTICAST: (list(layout.weight_offsets), list(layout.weight_sizes)),
                          Op.REDUCE: (list(layout.grad_offsets), list(layout.grad_sizes))}
-        self._plans: OrderedDict = OrderedDict()
+        self._plans = DevicePlanCache(PLAN_CACHE)  # plans a CUDA graph captured are never freed
         self._names: dict[int, str | None] = {}
 
     def _rank_args(self, op: Op, schedule, masters: Masters, my_slots: Sequence[int],
@@ -127,15 +128,7 @@ class TmaTransport:
         return key, make
 
     def _plan(self, key: tuple, make) -> object:
-        plan = self._plans.get(key)
-        if plan is not None:
-            self._plans.move_to_end(key)
-            return plan
-        plan = self._cuda.DevicePlan([make()], self.device)
-        self._plans[key] = plan
-        if len(self._plans) > PLAN_CACHE:
-            self._plans.popitem(last=False)  # frees device memory (cudaFree synchronises the device)
-        return plan
+        return self._plans.get(key, lambda: self._cuda.DevicePlan([make()], self.device))
 
     def run(self, op: Op, schedule, epoch: int, masters: Masters, my_slots: Sequence[int],
             local_index_of: Sequence[int], op_name: str | None, stream: int) -> bool:

@@ -13,11 +13,11 @@ rank gets at once from its ``run()``.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from typing import Any, Callable, Sequence
 
 from ..cuda_support import make_error_record, raise_record, record_epoch
 from ..loopback_launch import Deposit
+from .device_plan_cache import DevicePlanCache
 
 __all__ = ["LoopbackRunner", "runner_for"]
 
@@ -32,7 +32,7 @@ class LoopbackRunner:
         self.world, self.device, self.timeout_s, self.cuda = world, device, timeout_s, cuda
         self.runner = cuda.Runner(device)
         self._lock = threading.Lock()
-        self._plans: OrderedDict = OrderedDict()
+        self._plans = DevicePlanCache(PLAN_CACHE)  # plans a CUDA graph captured are never freed
         # every failure, in order: (raise it as rank r would, op name)
         self._errors: list[tuple[Callable[[int, str | None, float], None], str | None]] = []
         self._seen: dict[int, int] = {}  # rank -> failures it raised
@@ -47,14 +47,8 @@ class LoopbackRunner:
         with self._lock:
             try:
                 key = (op, tuple(d.item[0] for d in deposits))
-                plan = self._plans.get(key)
-                if plan is None:
-                    plan = self.cuda.DevicePlan([d.item[1]() for d in deposits], self.device)
-                    self._plans[key] = plan
-                    if len(self._plans) > PLAN_CACHE:
-                        self._plans.popitem(last=False)  # frees device memory (cudaFree synchronises)
-                else:
-                    self._plans.move_to_end(key)
+                plan = self._plans.get(key, lambda: self.cuda.DevicePlan([d.item[1]() for d in deposits],
+                                                                         self.device))
                 self.runner.launch(plan, epoch, max(d.item[2] for d in deposits), stream, False)
             except Exception as e:
                 # the other ranks' parts never run: their check_error says why

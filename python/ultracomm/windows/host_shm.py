@@ -135,6 +135,17 @@ def _map(path: str, nbytes: int, create: bool) -> mmap.mmap:
                 os.unlink(path)
 
 
+def _unlink_own_user(names: list[str]) -> None:
+    """Unlink those of ``names`` that are regular files of this user (never another user's)."""
+    uid = os.getuid()
+    for n in names:
+        path = os.path.join(SHM_DIR, n)
+        with contextlib.suppress(OSError):
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == uid:
+                os.unlink(path)
+
+
 def _unlink_all(names: list[str]) -> None:
     for n in names:
         with contextlib.suppress(OSError):
@@ -161,9 +172,12 @@ class HostShmWindow(Window):
             return segment_name(comm.rank)
 
         names = comm.agree(choose_name, op=op, what="host_shm name exchange")
-        # the only names ever unlinked: those whose owner reports it created the segment itself
-        # (O_EXCL); an entry that was there already (a name collision, someone else's file) stays
-        created: list[str] = []
+        # never unlinked: a name whose owner found it taken (a collision: someone else's file).  If
+        # the creation step failed (a rank died in it) the peers' names are unlinked where they
+        # are regular files of this user, so a dead rank's segment does not stay behind
+        valid = [n for r, n in enumerate(names) if _is_name_for(n, r)]
+        created: list[str] | None = None
+        taken_names: set[str] = set()
         own: mmap.mmap | None = None
         maps: list[mmap.mmap | None] = []
         try:
@@ -173,13 +187,13 @@ class HostShmWindow(Window):
                     check_segment_name(n, r)
                 try:
                     own = _map(os.path.join(SHM_DIR, names[comm.rank]), nbytes, create=True)
-                    created.append(names[comm.rank])  # unlinked here even if a peer fails this step
                 except FileExistsError:
+                    taken_names.add(names[comm.rank])
                     return "exists"  # not ours: never unlinked
                 return None
 
             statuses = comm.agree(create_own, op=op, what="host_shm segment creation")
-            created[:] = [n for r, n in enumerate(names) if statuses[r] is None and _is_name_for(n, r)]
+            created = [n for r, n in enumerate(names) if statuses[r] is None and _is_name_for(n, r)]
             taken = [r for r, st in enumerate(statuses) if st is not None]
             if taken:
                 raise RuntimeError(
@@ -204,7 +218,10 @@ class HostShmWindow(Window):
             raise
         finally:
             # every rank has mapped every segment, or setup failed: no name is needed any more
-            _unlink_all(created)
+            if created is not None:
+                _unlink_all(created)
+            else:
+                _unlink_own_user([n for n in valid if n not in taken_names])
         views = [None if m is None else torch.frombuffer(m, dtype=torch.uint8) for m in maps]
         return cls(comm.rank, comm.world, nbytes, [m for m in maps if m is not None], views)
 

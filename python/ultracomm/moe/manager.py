@@ -30,7 +30,7 @@ from ..errors import RegistrationError, UltracommError
 from ..layout import ExpertLayout
 from ..planners import Domain, PlannerResult, get_planner, max_mean
 from .autograd import _Guard, _ReplicaWeights
-from .loads import gather_loads
+from .loads import LoadBoard, gather_loads
 from .reroute import LAYOUTS, RerouteTable, reroute
 
 __all__ = ["ReplicaManager", "Step"]
@@ -356,6 +356,8 @@ class ReplicaManager:
         # autograd graph (or the caller) holds it; one that dies unreduced is abandoned
         self._live: dict[int, weakref.ref] = {}
         self._orphans: list[int] = []
+        #: loads exchanged through a host-memory window when every rank maps it (no store call per step)
+        self._board = LoadBoard.for_context(self.ctx)
         self._pending: list[tuple[Step, Any]] = []
         self._callback_queued = False
 
@@ -414,7 +416,10 @@ class ReplicaManager:
             target = self._recompute_target(layer, routing_map)
             if target is not None:
                 return self._recompute(target, routing_map, probs)
-        load = gather_loads(self.ctx.comm, routing_map.sum(0), op=f"step(layer {layer})")
+        if self._board is not None:
+            load = self._board.gather(routing_map.sum(0), op=f"step(layer {layer})")
+        else:
+            load = gather_loads(self.ctx.comm, routing_map.sum(0), op=f"step(layer {layer})")
         result = self.planner(load, self.domain, self.slots_per_rank, **self.planner_options)
         if self.ctx._profiler is not None:  # the loads the balancer saw, beside the ops' plan/stats/times
             self.ctx._profiler.record(layer, load=load, plan=result)
@@ -568,4 +573,7 @@ class ReplicaManager:
             step._release_graph()
             step._state = "abandoned"
         self._live.clear()
+        board, self._board = self._board, None
+        if board is not None:
+            board.close()
         self.ctx.close()

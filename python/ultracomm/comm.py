@@ -193,6 +193,20 @@ def _serve_store_calls(requests: queue.SimpleQueue) -> None:
         del fn, reply
 
 
+def _wait_unless_stalled(done: threading.Event, bound_s: float) -> bool:
+    """``done.wait(bound_s)``, except that time this process itself did not run does not count
+    against the store.  A process stopped (SIGSTOP, a debugger, a frozen container) past the
+    bound wakes with the bound spent and the store's answer, which came while it was stopped,
+    not yet read by the serving thread: waiting as long again as it overslept, up to
+    ``_QUICK_S``, lets that thread hand it over instead of the store being declared dead.  A
+    wait that returns on time (a store that is really silent) costs nothing more."""
+    t0 = time.monotonic()
+    if done.wait(bound_s):
+        return True
+    overslept = time.monotonic() - t0 - bound_s
+    return overslept > 0 and done.wait(min(overslept, _QUICK_S))
+
+
 class _StoreBoard(_Board):
     """A group's c10d Store, through a clone served by one daemon thread.
 
@@ -228,10 +242,11 @@ class _StoreBoard(_Board):
         if self._dead is not None:
             raise _BoardUnreachable(self._dead)
         reply = _Reply()
-        self._busy_until = max(self._busy_until, time.monotonic()) + timeout_s + _QUICK_S
+        bound = timeout_s + _QUICK_S
+        self._busy_until = max(self._busy_until, time.monotonic()) + bound
         self._requests.put((lambda: fn(self._client()), reply))
-        if not reply.done.wait(timeout_s + _QUICK_S):
-            self._dead = f"a store call got no answer within {timeout_s + _QUICK_S:g} s"
+        if not _wait_unless_stalled(reply.done, bound):
+            self._dead = f"a store call got no answer within {bound:g} s"
             raise _BoardUnreachable(self._dead)
         if isinstance(reply.error, dist.DistStoreError) and "timeout" in str(reply.error).lower():
             raise reply.error  # the store answered: the keys are not there (yet)

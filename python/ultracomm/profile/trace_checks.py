@@ -10,12 +10,13 @@ for shape and type, and shapes and counts are bounded before planners or arrays 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, Iterator
 
 import numpy as np
 
@@ -49,18 +50,25 @@ def _open_regular(path: Path, what: str) -> int:
     return fd
 
 
-def read_regular(path: Path, what: str, limit: int) -> bytes:
-    """The bytes of regular file ``path`` (at most ``limit``; FIFOs, devices and directories
-    are refused without blocking)."""
+@contextlib.contextmanager
+def regular_file(path: Path, what: str, limit: int) -> Iterator[BinaryIO]:
+    """Regular file ``path`` open for reading, at most ``limit`` bytes (FIFOs, devices and
+    directories are refused without blocking)."""
     fd = _open_regular(path, what)
     try:
         size = os.fstat(fd).st_size
         if size > limit:
             raise TraceError(f"{path}: {what} is {size} bytes, more than the {limit} this reader accepts")
         with os.fdopen(fd, "rb", closefd=False) as f:
-            return f.read(limit + 1)
+            yield f
     finally:
         os.close(fd)
+
+
+def read_regular(path: Path, what: str, limit: int) -> bytes:
+    """The bytes of regular file ``path`` (see :func:`regular_file`)."""
+    with regular_file(path, what, limit) as f:
+        return f.read(limit + 1)
 
 
 def member_path(root: Path, name: Any, what: str) -> Path:
@@ -123,18 +131,11 @@ def load_counts(path: Path) -> np.ndarray:
             raise TraceError(f"{path}: {what} holds no array")
         a = next(iter(arrays.values()))
     else:
-        fd = _open_regular(path, what)
-        try:
-            size = os.fstat(fd).st_size
-            if size > MAX_ARRAY_BYTES:
-                raise TraceError(f"{path}: {what} is {size} bytes, more than the {MAX_ARRAY_BYTES} this reader accepts")
-            with os.fdopen(fd, "rb", closefd=False) as f:
-                try:
-                    a = np.lib.format.read_array(f, allow_pickle=False)
-                except (ValueError, OSError, EOFError) as e:
-                    raise TraceError(f"{path}: {what} is not a valid .npy array ({e})") from None
-        finally:
-            os.close(fd)
+        with regular_file(path, what, MAX_ARRAY_BYTES) as f:
+            try:
+                a = np.lib.format.read_array(f, allow_pickle=False)
+            except (ValueError, OSError, EOFError) as e:
+                raise TraceError(f"{path}: {what} is not a valid .npy array ({e})") from None
     return check_counts(a, f"{path}: {what}")
 
 

@@ -9,6 +9,7 @@ import torch
 
 from .. import _core
 from ..records import Op
+from .who_stopped import latest_epochs, stopped_note
 
 GRAD_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -140,11 +141,33 @@ class HostTransport:
             member_off, member_bytes, ptrs = self._weight_members + (masters.weight_ptrs,)
         else:
             member_off, member_bytes, ptrs = self._grad_members + (masters.grad_ptrs,)
+        try:
+            self._run_host(op, epoch, tasks, refs, slot_parent, member_off, member_bytes, ptrs, my_slots,
+                           local_index_of, op_name, op_digest(schedule.digest, op), abort_word)
+        except _core.TimeoutError as e:
+            note = self._who_stopped(str(e), epoch)
+            if note is None:
+                raise
+            raise _core.TimeoutError(f"{e}; {note}") from None
+
+    def _who_stopped(self, message: str, epoch: int) -> str | None:
+        """What the ready flags in this window say about who stopped first (who_stopped.py)."""
+        try:
+            own = list(self.window.peer_bases)
+        except Exception:  # noqa: BLE001 - a closed window: nothing to read
+            return None
+        # a pointer that differs from the window's is a stand-in (split shadows), not the peer's flags
+        readable = [b != 0 and b == w for b, w in zip(self._bases, own)]
+        return stopped_note(message, epoch, self.rank,
+                            latest_epochs(self._bases, readable, self.wlayout["ready_off"]))
+
+    def _run_host(self, op, epoch, tasks, refs, slot_parent, member_off, member_bytes, ptrs, my_slots,
+                  local_index_of, op_name, digest, abort_word) -> None:
         _core.run_host(
             int(op), self.rank, self.world, epoch,
             self.wlayout["slots"], self.wlayout["weight_slot_bytes"], self.wlayout["grad_slot_bytes"],
             self.wlayout["chunk_bytes"], self._bases, member_off, member_bytes, list(ptrs), list(local_index_of),
             self._grad_code, list(my_slots), tasks, refs,
             self.num_workers, self.timeout_s, self.jitter_us, epoch,
-            slot_parent=slot_parent, op_name=op_name, digest=op_digest(schedule.digest, op), abort_word=abort_word,
+            slot_parent=slot_parent, op_name=op_name, digest=digest, abort_word=abort_word,
         )

@@ -494,10 +494,11 @@ def main() -> int:
     parts.append(ep8_section(cases, sens, optimistic))
     parts.append(calibration_section(cal))
     parts.append(measured_section(bench, p.stdout, a.nproc, zipf))
-    extra = os.path.join(HERE, "message_transports.md")  # section 6b: measured by hand (issue 21), kept verbatim
-    if os.path.exists(extra):
-        with open(extra) as f:
-            parts.append(f.read())
+    for name in ("message_transports.md", "control_plane.md"):  # sections 6b, 6c: measured by hand, kept verbatim
+        extra = os.path.join(HERE, name)
+        if os.path.exists(extra):
+            with open(extra) as f:
+                parts.append(f.read())
     parts.append(assumptions_section(fab))
     parts.append(f"\n_Report generated in {time.time() - t0:.0f} s._\n")
     with open(os.path.join(a.out, "README.md"), "w") as f:

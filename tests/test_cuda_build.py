@@ -99,6 +99,19 @@ def test_sass_no_noncoherent_loads(compiled, arch):
         assert not bad, (name, arch, bad)
 
 
+@needs_nvcc
+@pytest.mark.parametrize("arch", [80, 90, 100])
+def test_sass_join_by_first_ticket(compiled, arch):
+    # the CTA that joins (publishes ready[op]) is elected by a ticket, RankState::join_ticket,
+    # not by blockIdx: beside the two last-to-arrive counters (done_workers, done_ctas) each
+    # kernel holds a third 32-bit device-scope atomic add (two when worker 0 joined), and the
+    # 64-bit one of the task claims
+    for fn, text in cb.kernel_sass(_sass_or_skip(compiled, "k_persistent", arch)).items():
+        adds32 = re.findall(r"\bATOM\.E\.ADD\.STRONG\.GPU\b", text)
+        adds64 = re.findall(r"\bATOM\.E\.ADD\.64\.STRONG\.GPU\b", text)
+        assert (len(adds32), len(adds64)) == (3, 1), (fn, len(adds32), len(adds64))
+
+
 def test_inline_asm_only_in_ptx_extra():
     files = glob.glob(os.path.join(ROOT, "csrc", "cuda", "*")) + glob.glob(os.path.join(ROOT, "include", "ultracomm", "*"))
     assert files

@@ -40,8 +40,9 @@ def probe(tmp_path_factory) -> Path:
     return exe
 
 
-def calls(probe: Path, scenario: str) -> list[str]:
-    return subprocess.run([str(probe), scenario], capture_output=True, text=True, check=True).stdout.splitlines()
+def calls(probe: Path, scenario: str, *args: str) -> list[str]:
+    return subprocess.run([str(probe), scenario, *args], capture_output=True, text=True,
+                          check=True).stdout.splitlines()
 
 
 def test_plan_upload_waits_for_the_copy_to_land(probe):
@@ -62,11 +63,11 @@ def test_plan_upload_failure_frees_and_names_the_call(probe):
 
 def test_loopback_launch_is_cooperative_with_the_movers_shared_memory(probe):
     # sm_90 stub device: TmaMover's 4 x 16 KiB stages + 4 mbarriers of dynamic shared memory
-    assert calls(probe, "launch_2_4")[0] == "launch grid 8 smem 65568 cooperative"
+    assert calls(probe, "launch_2_4")[0] == "launch grid 8 smem 65568 cooperative s0"
 
 
 def test_one_rank_launch_is_plain(probe):
-    assert calls(probe, "launch_1_4")[0] == "launch grid 4 smem 65568 plain"
+    assert calls(probe, "launch_1_4")[0] == "launch grid 4 smem 65568 plain s0"
 
 
 def test_loopback_launch_beyond_coresidency_is_refused_before_launch(probe):
@@ -75,3 +76,28 @@ def test_loopback_launch_beyond_coresidency_is_refused_before_launch(probe):
     assert log[-1] == ("threw ultracomm._cuda.Runner.launch: a loopback launch of 4 ranks x 100 CTAs = 400 CTAs cannot "
                        "be co-resident on device 0 (at most 264 on its 132 SMs); every rank's CTAs must run at once, "
                        "lower ctas_per_rank"), log
+
+
+def test_launches_of_one_kind_on_two_streams_wait_for_the_previous(probe):
+    # one DeviceState per op kind: a launch on another stream than the previous one of its kind
+    # waits on the event recorded after it; same stream: in-stream order, no wait; the other
+    # kind (reduce, its own state and event) is independent
+    log = [c for c in calls(probe, "streams", "m1", "m1", "m2", "r1", "r3", "m3") if c != "cudaFree"]
+    assert log == ["launch grid 1 smem 65568 plain s1", "cudaEventRecord e1 s1",
+                   "launch grid 1 smem 65568 plain s1", "cudaEventRecord e1 s1",
+                   "cudaStreamWaitEvent s2 e1", "launch grid 1 smem 65568 plain s2", "cudaEventRecord e1 s2",
+                   "launch grid 1 smem 65568 plain s1", "cudaEventRecord e2 s1",
+                   "cudaStreamWaitEvent s3 e2", "launch grid 1 smem 65568 plain s3", "cudaEventRecord e2 s3",
+                   "cudaStreamWaitEvent s3 e1", "launch grid 1 smem 65568 plain s3", "cudaEventRecord e1 s3"], log
+
+
+def test_launch_order_inside_a_capture_and_across_its_boundary(probe):
+    # stub: stream handles >= 100 are capturing, capture id = handle // 100.  Within one capture
+    # the wait is a graph edge; an event recorded eagerly is never waited on from a capture, nor
+    # one recorded in a capture from outside it or from another capture (cudaErrorCapturedEvent)
+    log = [c for c in calls(probe, "streams", "m1", "m100", "m101", "m201", "m2") if c != "cudaFree"]
+    assert log == ["launch grid 1 smem 65568 plain s1", "cudaEventRecord e1 s1",
+                   "launch grid 1 smem 65568 plain s100", "cudaEventRecord e1 s100",
+                   "cudaStreamWaitEvent s101 e1", "launch grid 1 smem 65568 plain s101", "cudaEventRecord e1 s101",
+                   "launch grid 1 smem 65568 plain s201", "cudaEventRecord e1 s201",
+                   "launch grid 1 smem 65568 plain s2", "cudaEventRecord e1 s2"], log

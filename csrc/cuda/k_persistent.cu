@@ -48,6 +48,15 @@ __device__ bool last_to_arrive(uint32_t* counter, uint32_t count, dev::MoverBase
   return m.broadcast(last) != 0;
 }
 
+// Group-collective: true in the first CTA to take a ticket from `counter` (relaxed: the ticket
+// only elects, it publishes nothing).
+__device__ bool first_ticket(uint32_t* counter, dev::MoverBase& m) {
+  uint32_t first = 0;
+  if (m.leader())
+    first = cuda::atomic_ref<uint32_t, cuda::thread_scope_device>(*counter).fetch_add(1, cuda::memory_order_relaxed) == 0;
+  return m.broadcast(first) != 0;
+}
+
 template <class D>
 __global__ void __launch_bounds__(dev::kThreads, 1) k_persistent(const PersistentArgs a) {
 #if defined(__CUDA_ARCH__)
@@ -55,14 +64,16 @@ __global__ void __launch_bounds__(dev::kThreads, 1) k_persistent(const Persisten
   __shared__ ExecView view;
   extern __shared__ __align__(128) unsigned char dyn_smem[];
   const int rank = static_cast<int>(blockIdx.x) / a.ctas_per_rank;
-  const int worker = static_cast<int>(blockIdx.x) % a.ctas_per_rank;
   RankState& rs = a.state->ranks[rank];
   uint64_t epoch = 0;
   load_view(view, a, rank, epoch);
   DeviceMover m(dev::MoverEnv{a.state, a.err, &rs.next_task, epoch}, &sh, dyn_smem, (a.flags & kForceVector) != 0);
 
-  // join (worker 0) overlaps the other workers' first claims: they only wait on peers' flags.
-  if (worker == 0) interp::join(view, m);
+  // join by the rank's first CTA to start (ticket 0), not by worker 0: CTAs of one launch need
+  // not all be resident at once (a one-rank launch is not cooperative), and peers wait on this
+  // rank's ready flag while its started CTAs spin on theirs; a join left to a CTA still queued
+  // behind them would never come.  It overlaps the other workers' first claims.
+  if (first_ticket(&rs.join_ticket, m)) interp::join(view, m);
   interp::run_tasks<DeviceMover, D>(view, m);
   // drain once per rank, by its last CTA out of run_tasks, unless the launch failed.
   if (last_to_arrive(&rs.done_workers, static_cast<uint32_t>(a.ctas_per_rank), m)) {
@@ -78,6 +89,7 @@ __global__ void __launch_bounds__(dev::kThreads, 1) k_persistent(const Persisten
       s.last_epoch = epoch;
       s.next_task = 0;
       s.done_workers = 0;
+      s.join_ticket = 0;
     }
     a.state->done_ctas = 0;
   }

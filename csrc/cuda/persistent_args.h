@@ -23,7 +23,7 @@ struct alignas(64) RankState {
   uint64_t next_task;     // claim counter of this launch; 0 between launches
   uint64_t last_epoch;    // epoch of the last launch that ran this rank
   uint32_t done_workers;  // CTAs of this rank past run_tasks; the last one drains.  0 between
-  uint32_t pad0;
+  uint32_t join_ticket;   // CTAs of this rank that started; ticket 0 joins.  0 between launches
   uint64_t pad[5];
 };
 

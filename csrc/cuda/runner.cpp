@@ -56,12 +56,32 @@ Runner::Runner(int device) : device_(device) {
   std::memset(p, 0, kNumOps * sizeof(ErrorSlot));
   UC_CUDA_CHECK(cudaHostGetDevicePointer(&p, err_host_, 0));
   err_dev_ = static_cast<ErrorSlot*>(p);
+  for (auto& ev : last_) UC_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
   UC_CUDA_CHECK(cudaDeviceSynchronize());  // the memset is done before any launch reads the state
 }
 
 Runner::~Runner() {
+  for (auto ev : last_)
+    if (ev) cudaEventDestroy(ev);
   if (state_) cudaFree(state_);
   if (err_host_) cudaFreeHost(err_host_);
+}
+
+// Two launches of one op kind on two streams would run at once on one DeviceState: the second
+// would claim the first one's tasks and its last CTA reset the counters under it.  Wait on the
+// event recorded after the previous launch of the kind.  Only where both sides are in the same
+// world: both eager, or both in one capture (then the wait is a graph edge).  An event last
+// recorded in a capture cannot be waited on outside it (cudaErrorCapturedEvent), nor an eager
+// one from inside a capture without making it an external node whose meaning changes at
+// replay; across that boundary the order is the stream the user launches the graph on.
+unsigned long long Runner::order_after_last(int op, cudaStream_t stream) {
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  unsigned long long id = 0;
+  UC_CUDA_CHECK(cudaStreamGetCaptureInfo(stream, &st, &id));
+  const unsigned long long capture = st == cudaStreamCaptureStatusActive ? id : 0;
+  if (launched_[op] && last_stream_[op] != stream && last_capture_[op] == capture)
+    UC_CUDA_CHECK(cudaStreamWaitEvent(stream, last_[op], 0));
+  return capture;
 }
 
 int Runner::max_coresident(int grad_dtype) const { return coresident_[grad_dtype >= 0 && grad_dtype < 3 ? grad_dtype : 0]; }
@@ -92,12 +112,14 @@ void Runner::launch(const DevicePlan& plan, uint64_t epoch, int ctas_per_rank, c
   a.ctas_per_rank = ctas_per_rank;
   a.flags = flags;
   DeviceGuard guard(device_);
+  const unsigned long long capture = order_after_last(op, stream);
   // Cooperative (co-residency guaranteed or the launch fails) for loopback grids, except while
   // the stream is captured into a graph: the occupancy check above is what holds there.
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  UC_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-  launch_persistent(a, plan.grad_dtype(), persistent_smem_bytes(cc_major_),
-                    loopback && capture == cudaStreamCaptureStatusNone, stream);
+  launch_persistent(a, plan.grad_dtype(), persistent_smem_bytes(cc_major_), loopback && capture == 0, stream);
+  UC_CUDA_CHECK(cudaEventRecord(last_[op], stream));
+  launched_[op] = true;
+  last_stream_[op] = stream;
+  last_capture_[op] = capture;
 }
 
 std::optional<ErrorRecord> Runner::take_error() {

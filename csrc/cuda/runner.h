@@ -36,8 +36,11 @@ class Runner {
   Runner& operator=(const Runner&) = delete;
 
   // Enqueues plan's operation on `stream` at `epoch` (the kernel runs max(epoch, last + 1) of
-  // this runner's previous launches of that op), ctas_per_rank CTAs per rank.  Loopback plans (nranks > 1) need every CTA co-resident:
-  // std::invalid_argument naming the limit otherwise.  flags: persistent_args.h kForceVector.
+  // this runner's previous launches of that op), ctas_per_rank CTAs per rank.  Loopback plans
+  // (nranks > 1) need every CTA co-resident: std::invalid_argument naming the limit otherwise.
+  // flags: persistent_args.h kForceVector.  A launch on another stream than the previous one of
+  // its op waits for it (cudaStreamWaitEvent: a graph edge while both are in one capture); an
+  // eager launch and a captured one are not ordered here (the graph's launch stream orders them).
   void launch(const DevicePlan& plan, uint64_t epoch, int ctas_per_rank, cudaStream_t stream, uint32_t flags);
 
   // A failure a launch recorded since the last call, if any (call after the stream reached
@@ -61,6 +64,13 @@ class Runner {
   ErrorSlot* err_host_ = nullptr;  // mapped host memory, [kNumOps]
   ErrorSlot* err_dev_ = nullptr;   // its device address
   uint64_t seen_error_epoch_[kNumOps] = {0, 0};
+  // Launches of one op kind share state_[op] (claim counters, join ticket, epochs): each one
+  // waits for the previous one of its kind when that went to another stream (order_after_last).
+  unsigned long long order_after_last(int op, cudaStream_t stream);  // the stream's capture id, 0 = eager
+  cudaEvent_t last_[kNumOps] = {nullptr, nullptr};         // recorded after each launch of the kind
+  cudaStream_t last_stream_[kNumOps] = {nullptr, nullptr};
+  unsigned long long last_capture_[kNumOps] = {0, 0};      // capture id of that launch, 0 = eager
+  bool launched_[kNumOps] = {false, false};
 };
 
 }  // namespace ultracomm::gpu

@@ -63,15 +63,38 @@ cudaError_t cudaStreamIsCapturing(cudaStream_t, cudaStreamCaptureStatus* st) {
   *st = cudaStreamCaptureStatusNone;
   return cudaSuccess;
 }
+// streams are named by their handle's value (1 = "s1"); handles >= 100 capture, id = handle / 100
+std::string sname(cudaStream_t s) { return "s" + std::to_string(reinterpret_cast<uintptr_t>(s)); }
+cudaError_t cudaStreamGetCaptureInfo(cudaStream_t s, cudaStreamCaptureStatus* st, unsigned long long* id,
+                                     cudaGraph_t*, const cudaGraphNode_t**, const cudaGraphEdgeData**, size_t*) {
+  const uintptr_t h = reinterpret_cast<uintptr_t>(s);
+  *st = h >= 100 ? cudaStreamCaptureStatusActive : cudaStreamCaptureStatusNone;
+  if (id) *id = h / 100;
+  return cudaSuccess;
+}
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned int) {
+  static int n = 0;
+  *e = reinterpret_cast<cudaEvent_t>(static_cast<uintptr_t>(++n));
+  return cudaSuccess;
+}
+cudaError_t cudaEventDestroy(cudaEvent_t) { return cudaSuccess; }
+cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
+  log("cudaEventRecord e" + std::to_string(reinterpret_cast<uintptr_t>(e)) + " " + sname(s));
+  return cudaSuccess;
+}
+cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned int) {
+  log("cudaStreamWaitEvent " + sname(s) + " e" + std::to_string(reinterpret_cast<uintptr_t>(e)));
+  return cudaSuccess;
+}
 }
 
 namespace ultracomm::gpu {
 void setup_persistent(int cc_major) { log("setup_persistent " + std::to_string(cc_major)); }
 uint32_t persistent_smem_bytes(int cc_major) { return cc_major >= 9 ? 65568 : 0; }
 int persistent_max_coresident(int, int, int) { return g_coresident_per_sm * 132; }
-void launch_persistent(const PersistentArgs& a, int, uint32_t smem, bool cooperative, cudaStream_t) {
+void launch_persistent(const PersistentArgs& a, int, uint32_t smem, bool cooperative, cudaStream_t s) {
   log("launch grid " + std::to_string(a.nranks * a.ctas_per_rank) + " smem " + std::to_string(smem) +
-      (cooperative ? " cooperative" : " plain"));
+      (cooperative ? " cooperative" : " plain") + " " + sname(s));
 }
 void launch_reject(Op, uint64_t, uintptr_t, const WindowLayout&, cudaStream_t) {}
 }  // namespace ultracomm::gpu
@@ -108,6 +131,17 @@ int main(int argc, char** argv) {
       gpu::Runner runner(0);
       g_log.clear();
       runner.launch(plan, 1, ctas, nullptr, 0);
+    } else if (sc.rfind("streams", 0) == 0) {  // streams <op><handle> ...: one launch each
+      gpu::DevicePlan mc({one_rank(0, 1)});
+      ExecArgs r = one_rank(0, 1);
+      r.op = Op::kReduce;
+      gpu::DevicePlan red({r});
+      gpu::Runner runner(0);
+      g_log.clear();
+      for (int i = 2; i < argc; ++i) {
+        const uintptr_t h = std::strtoull(argv[i] + 1, nullptr, 10);
+        runner.launch(argv[i][0] == 'm' ? mc : red, 1, 1, reinterpret_cast<cudaStream_t>(h), 0);
+      }
     }
   } catch (const std::exception& e) {
     log(std::string("threw ") + e.what());

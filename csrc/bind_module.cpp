@@ -8,6 +8,7 @@ void bind_schedule(py::module_& m);
 void bind_host_executor(py::module_& m);
 void bind_planners(py::module_& m);
 void bind_flags(py::module_& m);
+void bind_quota_device(py::module_& m);
 }  // namespace ultracomm
 
 PYBIND11_MODULE(_core, m) {
@@ -16,4 +17,5 @@ PYBIND11_MODULE(_core, m) {
   ultracomm::bind_host_executor(m);
   ultracomm::bind_planners(m);
   ultracomm::bind_flags(m);
+  ultracomm::bind_quota_device(m);
 }

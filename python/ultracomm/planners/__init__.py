@@ -15,6 +15,7 @@ integer token conservation).
 ``taot``   TAOT: Sinkhorn flow hint, column-first matching, Lagrangian auction
 ``greedy`` FEPLB: move the busiest whole expert of the most loaded rank (mild skew)
 ``lpt``    DeepSeek EPLB: replica counts, balanced packing; min-max quotas (fixed homes)
+``device`` the device control plane's quota planner (same C++ as the GPU kernel), host build
 =========  ==================================================================
 """
 from __future__ import annotations
@@ -33,19 +34,20 @@ __all__ = [
     "copy_counts",
 ]
 
-from . import greedy, lpt, quota, taot
+from . import device, greedy, lpt, quota, taot
 
 PLANNERS: dict[str, Callable[..., PlannerResult]] = {
     "quota": quota.plan,
     "taot": taot.plan,
     "greedy": greedy.plan,
     "lpt": lpt.plan,
+    "device": device.plan,
 }
 
 
 def get_planner(name: str) -> Callable[..., PlannerResult]:
     """The ``plan`` function registered as ``name`` (``quota``, ``taot``, ``greedy``,
-    ``lpt``)."""
+    ``lpt``, ``device``)."""
     try:
         return PLANNERS[name]
     except KeyError:

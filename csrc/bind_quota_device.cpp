@@ -24,15 +24,15 @@ const char* status_text(int32_t s) {
   switch (s) {
     case quota::kBadShape: return "world, experts_per_rank or slots outside the planner's capacity";
     case quota::kBadLoad: return "an expert load is negative, or the total is above 2**48 tokens";
-    case quota::kBadOption: return "min_tokens and tol must be in [1, 2**48]";
+    case quota::kBadOption: return "min_tokens must be in [1, 2**48], tol in [0, 2**48]";
     case quota::kBadNode: return "node_of has a negative node";
     default: return "unknown status";
   }
 }
 
 py::tuple quota_device(I64 expert_load, py::object node_of, int64_t world, int64_t experts_per_rank,
-                       int64_t slots, int64_t min_tokens, int64_t tol, int64_t lanes) {
-  if (world < 1 || world > quota::kMaxWorld || experts_per_rank < 1 || slots < 1 ||
+                       int64_t slots, int64_t min_tokens, int64_t tol, int64_t eps_bp, int64_t lanes) {
+  if (world < 1 || world > quota::kMaxWorld || experts_per_rank < 1 || slots < 0 ||
       slots > quota::kMaxSlots || world * experts_per_rank > quota::kMaxExperts)
     throw std::invalid_argument("quota_device: " + std::string(status_text(quota::kBadShape)) +
                                 " (world <= " + std::to_string(quota::kMaxWorld) + ", slots <= " +
@@ -40,10 +40,12 @@ py::tuple quota_device(I64 expert_load, py::object node_of, int64_t world, int64
                                 std::to_string(quota::kMaxExperts) + ")");
   if (expert_load.ndim() != 1 || expert_load.shape(0) != world * experts_per_rank)
     throw std::invalid_argument("quota_device: expert_load must be int64 [world * experts_per_rank]");
+  if (eps_bp < 0 || eps_bp > 10000) throw std::invalid_argument("quota_device: eps_bp must be in [0, 10000]");
   if (lanes < 1 || lanes > 64) throw std::invalid_argument("quota_device: lanes must be in [1, 64]");
   I32 node;
   quota::Problem p{static_cast<int32_t>(world), static_cast<int32_t>(experts_per_rank),
-                   static_cast<int32_t>(slots), min_tokens, tol, expert_load.data(), nullptr};
+                   static_cast<int32_t>(slots), min_tokens, tol, static_cast<int32_t>(eps_bp),
+                   expert_load.data(), nullptr};
   if (!node_of.is_none()) {
     node = node_of.cast<I32>();
     if (node.ndim() != 1 || node.shape(0) != world)
@@ -90,7 +92,7 @@ py::tuple quota_device(I64 expert_load, py::object node_of, int64_t world, int64
 void bind_quota_device(py::module_& m) {
   m.def("quota_device", &quota_device, py::arg("expert_load"), py::arg("node_of"), py::arg("world"),
         py::arg("experts_per_rank"), py::arg("slots"), py::arg("min_tokens"), py::arg("tol"),
-        py::arg("lanes") = 1,
+        py::arg("eps_bp"), py::arg("lanes") = 1,
         "Device quota planner, host build: (slot_src [W, K] int32, slot_quota [W, K] int64, info).");
   m.attr("QUOTA_DEVICE_MAX_WORLD") = quota::kMaxWorld;
   m.attr("QUOTA_DEVICE_MAX_EXPERTS") = quota::kMaxExperts;

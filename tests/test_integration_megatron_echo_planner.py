@@ -290,5 +290,5 @@ def test_other_arguments_are_named():
     bad("dtype_index must be an integer torch dtype (torch.int32 or torch.int64), got torch.float32",
         dtype_index=torch.float32)
     bad("assignment_algorithm must be 'approx_bin_packing' or 'one_shot_greedy' (Megatron's) or an ultracomm "
-        "planner (greedy, lpt, quota, taot), got 'max_flow'", assignment_algorithm="max_flow")
+        "planner (device, greedy, lpt, quota, taot), got 'max_flow'", assignment_algorithm="max_flow")
     bad("upstream must be one of ['balanced_moe', 'pr2368'], got 'main'", upstream="main")

@@ -144,7 +144,7 @@ OPTION_CASES = [  # (tool, options, error text); the trace itself is good
     ("whatif", ["--ep", "0"], "--ep 0: EP ranks must be in [1, 65536]"),
     ("whatif", ["--max-records", "-1"], "--max-records -1: must be 0 (no limit) or a positive count"),
     ("whatif", ["--max-chunks", "-3"], "--max-chunks -3: must be 0 (no limit) or a positive count"),
-    ("whatif", ["--planner", ","], "--planner ',': name at least one of quota, taot, greedy, lpt, recorded"),
+    ("whatif", ["--planner", ","], "--planner ',': name at least one of quota, taot, greedy, lpt, device, recorded"),
     ("whatif", ["--tflops", "1e-300"], "--tflops 1e-300: achieved TFLOP/s must be a number in [0.001, 1e7]"),
     ("whatif", ["--slots", "0"], "--slots 0: replica slots per rank must be in [1, 1024]"),
     ("whatif", ["--domain", "99999999999x8-rdma"], "--domain 99999999999x8-rdma: at most 8192 nodes of 8 (65536 ranks)"),

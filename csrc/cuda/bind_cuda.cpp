@@ -173,6 +173,29 @@ into text/exception with _core.format_error / _core.raise_error_record.)doc")
       "Enqueue on `stream`: this rank rejected its plan for `op` at `epoch` (its window at device address "
       "window_base): peers touching it raise PlanError \"rank r rejected its plan\" instead of timing out.");
   m.def(
+      "quota_scratch_bytes", &quota_scratch_bytes, py::arg("world"), py::arg("experts"), py::arg("slots"),
+      "Device scratch bytes of one quota_plan launch (8-byte aligned buffer).");
+  m.def(
+      "quota_plan",
+      [](uintptr_t loads, uintptr_t expert_load, uintptr_t node_of, uintptr_t scratch, uintptr_t slot_src,
+         uintptr_t slot_quota, uintptr_t result, int32_t world, int32_t experts_per_rank, int32_t slots,
+         int64_t min_tokens, int64_t tol, int32_t eps_bp, uintptr_t stream) {
+        if (!loads || loads % 4 || !slot_src || slot_src % 4 || node_of % 4 || !expert_load || expert_load % 8 ||
+            !scratch || scratch % 8 || !slot_quota || slot_quota % 8 || !result || result % 8)
+          throw std::invalid_argument("ultracomm._cuda.quota_plan: device pointers must be non-null and aligned "
+                                      "to their element (int32: 4, int64/scratch/result: 8)");
+        QuotaArgs a{reinterpret_cast<const int32_t*>(loads), reinterpret_cast<int64_t*>(expert_load),
+                    reinterpret_cast<const int32_t*>(node_of), reinterpret_cast<int64_t*>(scratch),
+                    reinterpret_cast<int32_t*>(slot_src), reinterpret_cast<int64_t*>(slot_quota),
+                    reinterpret_cast<quota::Result*>(result), world, experts_per_rank, slots, min_tokens, tol, eps_bp};
+        launch_quota_plan(a, as_stream(stream));
+      },
+      py::arg("loads"), py::arg("expert_load"), py::arg("node_of"), py::arg("scratch"), py::arg("slot_src"),
+      py::arg("slot_quota"), py::arg("result"), py::arg("world"), py::arg("experts_per_rank"), py::arg("slots"),
+      py::arg("min_tokens"), py::arg("tol"), py::arg("eps_bp"), py::arg("stream"),
+      "Enqueue the device quota planner (launch.h launch_quota_plan) on `stream`; result: 3 int64 words "
+      "(status | probes << 32, rounds | replicas << 32, threshold).");
+  m.def(
       "launch_empty", [](uintptr_t stream) { launch_empty(as_stream(stream)); }, py::arg("stream"),
       "Enqueue an empty kernel (launch floor).");
   m.def(

@@ -8,6 +8,7 @@
 
 #include "mover_limits.h"
 #include "persistent_args.h"
+#include "ultracomm/quota_plan.h"
 #include "ultracomm/window_layout.h"
 
 namespace ultracomm::gpu {
@@ -43,5 +44,24 @@ void launch_empty(cudaStream_t stream);  // launch floor: one CTA, one thread, n
 // successive launches continue from the values left (base = first value to write).
 void launch_flag_pingpong(uint64_t* ping, uint64_t* pong, uint64_t base, int64_t iters, uint64_t timeout_ns,
                           uint64_t* out, cudaStream_t stream);
+
+// The device quota planner (k_quota.cu, include/ultracomm/quota_plan.h): every pointer is
+// device memory.  loads: int32 [world, E] gathered token counts; expert_load: int64 [E]
+// written (per-expert totals); node_of: int32 [world] or nullptr; scratch:
+// quota_scratch_bytes(); slot_src int32 / slot_quota int64 [world, slots] and result written.
+struct QuotaArgs {
+  const int32_t* loads;
+  int64_t* expert_load;
+  const int32_t* node_of;
+  int64_t* scratch;
+  int32_t* slot_src;
+  int64_t* slot_quota;
+  quota::Result* result;
+  int32_t world, experts_per_rank, slots;
+  int64_t min_tokens, tol;
+  int32_t eps_bp;
+};
+int64_t quota_scratch_bytes(int32_t world, int32_t experts, int32_t slots);
+void launch_quota_plan(const QuotaArgs& a, cudaStream_t stream);
 
 }  // namespace ultracomm::gpu

@@ -35,16 +35,17 @@ enum Status : int32_t {
   kOk = 0,
   kBadShape = 1,      // world / experts_per_rank / slots out of [1, capacity]
   kBadLoad = 2,       // a negative expert load, or a total above kMaxTokens
-  kBadOption = 3,     // min_tokens or tol outside [1, kMaxTokens]
+  kBadOption = 3,     // min_tokens outside [1, kMaxTokens], tol outside [0, kMaxTokens], eps_bp outside [0, 10000]
   kBadNode = 4,       // node_of[r] < 0
 };
 
 struct Problem {
   int32_t world;
   int32_t experts_per_rank;  // expert e lives on rank e / experts_per_rank
-  int32_t slots;             // replica slots per rank
+  int32_t slots;             // replica slots per rank (0: nothing to place)
   int64_t min_tokens;        // smallest piece a replica may take (>= 1)
-  int64_t tol;               // the search stops when the bracket is within tol tokens (>= 1)
+  int64_t tol;               // the search stops when the bracket is within tol tokens; 0: from eps_bp
+  int32_t eps_bp;            // tol = max(1, floor(mean) * eps_bp / 10000) when tol is 0
   const int64_t* expert_load;  // [E] tokens of each expert, summed over source ranks
   const int32_t* node_of;      // [world] node of each rank; nullptr: replicas go anywhere
   UC_HD int32_t experts() const { return world * experts_per_rank; }
@@ -107,10 +108,12 @@ UC_INLINE ProbeState probe_view(int64_t* s, int32_t W, int32_t E, int32_t K, int
 }
 
 UC_INLINE int32_t check_problem(const Problem& p) {
-  if (p.world < 1 || p.world > kMaxWorld || p.experts_per_rank < 1 || p.slots < 1 ||
+  if (p.world < 1 || p.world > kMaxWorld || p.experts_per_rank < 1 || p.slots < 0 ||
       p.slots > kMaxSlots || int64_t(p.world) * p.experts_per_rank > kMaxExperts)
     return kBadShape;
-  if (p.min_tokens < 1 || p.tol < 1 || p.min_tokens > kMaxTokens || p.tol > kMaxTokens) return kBadOption;
+  if (p.min_tokens < 1 || p.min_tokens > kMaxTokens || p.tol < 0 || p.tol > kMaxTokens || p.eps_bp < 0 ||
+      p.eps_bp > 10000)
+    return kBadOption;
   return kOk;
 }
 
@@ -298,7 +301,10 @@ UC_INLINE Bracket start_bracket(const Problem& p, Shared sh) {
     mx = sh.rank_load[r] > mx ? sh.rank_load[r] : mx;
   }
   const int64_t lb = (total + p.world - 1) / p.world;
-  Bracket b{lb - 1, mx, p.tol, 0};
+  // integers only, so every build derives the same tol: floor(mean) <= 2^48, eps_bp <= 10^4
+  int64_t tol = p.tol > 0 ? p.tol : (total / p.world) * p.eps_bp / 10000;
+  tol = tol < 1 ? 1 : tol;
+  Bracket b{lb - 1, mx, tol, 0};
   if (b.lo >= b.hi) b.lo = b.hi - 1;  // balanced already: T = mx, nothing to move
   return b;
 }

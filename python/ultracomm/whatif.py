@@ -310,7 +310,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     "step saves.  Simulated and modelled, no GPU.")
     ap.add_argument("trace", help="trace directory (ultracomm.profile) or a [steps, layers, E] .npy/.npz")
     ap.add_argument("--planner", default="quota,taot,greedy,lpt",
-                    help="comma-separated: quota, taot, greedy, lpt, recorded (the trace's own plans)")
+                    help="comma-separated: quota, taot, greedy, lpt, device, recorded (the trace's own plans)")
     ap.add_argument("--domain", default="nvl72", help="fabric preset: h100x8, h200x8, nvl72, <n>x8-rdma")
     ap.add_argument("--ep", type=int, default=None, help="EP ranks (default: the trace's world)")
     ap.add_argument("--slots", type=int, default=2, help="replica slots per rank")
@@ -327,7 +327,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         check_options(a)  # before the trace is read: bad options fail at once
         planners = [p.strip() for p in a.planner.split(",") if p.strip()]
         if not planners:
-            raise TraceError(f"--planner {a.planner!r}: name at least one of quota, taot, greedy, lpt, recorded")
+            raise TraceError(f"--planner {a.planner!r}: name at least one of quota, taot, greedy, lpt, device, recorded")
         trace = load_trace(a.trace, loads=False, world=a.ep)
         model = a.model or trace.meta.get("model") or "qwen3-235b-a22b"
         setting = Setting(domain=a.domain, ep=a.ep or trace.world, slots=a.slots, model=model, tflops=a.tflops,

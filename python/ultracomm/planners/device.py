@@ -8,8 +8,9 @@ arithmetic only, no allocation and fixed capacities:
 * Threshold search: the smallest global per-rank token threshold ``T`` it can meet, searched
   in rounds of 8 thresholds (concurrent on the GPU, one warp each; in turn on the host):
   round 0 gallops up from ``ceil(mean) - 1`` in steps of ``tol * 2**i``, later rounds split
-  the bracket evenly; it stops when the bracket is within ``tol = max(1, floor(eps *
-  mean))`` tokens.  The rounds depend only on the probes' answers, so every build, lane
+  the bracket evenly; it stops when the bracket is within ``tol = max(1, floor(mean) *
+  eps_bp // 10000)`` tokens (``eps`` in steps of 0.0001, integers only so every build
+  derives the same ``tol``).  The rounds depend only on the probes' answers, so every build, lane
   count and rank computes the same plan from the same loads (no broadcast, no leader).
 * A probe at ``T``: hot ranks (home load above ``T``), largest first, shed their experts'
   tokens, hottest expert first, to replicas on cold ranks.  Each replica takes one piece, on
@@ -25,7 +26,6 @@ higher or place more replicas; perf/planners.md measures both on the evaluation 
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
@@ -40,7 +40,7 @@ except ImportError:  # pragma: no cover - core not built
     _core_mod = None
     _HAVE_CPP = False
 
-__all__ = ["plan", "MAX_WORLD", "MAX_EXPERTS", "MAX_SLOTS"]
+__all__ = ["plan", "plan_on_gpu", "decode_result", "MAX_WORLD", "MAX_EXPERTS", "MAX_SLOTS"]
 
 MAX_WORLD = 1024
 MAX_EXPERTS = 1 << 16
@@ -81,6 +81,23 @@ def plan(
                            "(pip install --no-build-isolation -e .)")
     load = as_load(load, domain)
     K = check_slots(slots_per_rank)
+    _check(domain, K, min_tokens)
+    W, epr = domain.world, domain.experts_per_rank
+    eps_bp = _eps_bp(eps)
+    el = np.ascontiguousarray(load.sum(0), dtype=np.int64)
+    node = np.ascontiguousarray(domain.node_of, dtype=np.int32) if intra_node_only else None
+    slot_src, slot_quota, info = _core_mod.quota_device(el, node, W, epr, K, int(min_tokens), 0, eps_bp,
+                                                        int(lanes))
+    return build_result(load, domain, slot_src, slot_quota, dict(info))
+
+
+def _eps_bp(eps: float) -> int:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps <= 1:
+        raise ValueError(f"eps must be a float in [0, 1], got {eps!r}")
+    return int(round(eps * 10000))
+
+
+def _check(domain: Domain, K: int, min_tokens: int) -> None:
     W, epr = domain.world, domain.experts_per_rank
     if W > MAX_WORLD or W * epr > MAX_EXPERTS or K > MAX_SLOTS:
         raise ValueError(f"the device planner holds world <= {MAX_WORLD}, experts <= {MAX_EXPERTS}, "
@@ -88,10 +105,66 @@ def plan(
                          "(use a host planner: planner='quota')")
     if not isinstance(min_tokens, (int, np.integer)) or isinstance(min_tokens, bool) or min_tokens < 1:
         raise ValueError(f"min_tokens must be an int >= 1, got {min_tokens!r}")
-    if not (isinstance(eps, (int, float)) and 0 <= eps < 1):
-        raise ValueError(f"eps must be a float in [0, 1), got {eps!r}")
-    el = np.ascontiguousarray(load.sum(0), dtype=np.int64)
-    tol = max(1, int(math.floor(eps * int(el.sum()) / W)))
-    node = np.ascontiguousarray(domain.node_of, dtype=np.int32) if intra_node_only else None
-    slot_src, slot_quota, info = _core_mod.quota_device(el, node, W, epr, K, int(min_tokens), tol, int(lanes))
-    return build_result(load, domain, slot_src, slot_quota, dict(info))
+
+
+STATUS = {1: "world, experts_per_rank or slots beyond the planner's capacity",
+          2: "an expert load is negative, or the total is above 2**48 tokens",
+          3: "min_tokens, tol or eps out of range", 4: "node_of has a negative node"}
+
+
+def plan_on_gpu(loads: "torch.Tensor", domain: Domain, slots_per_rank: int, *, eps: float = 0.01,
+                min_tokens: int = 1, intra_node_only: bool = False, stream: "torch.cuda.Stream | None" = None,
+                out: "dict | None" = None) -> "dict":
+    """Run the same planner as :func:`plan` on the GPU, stream-ordered, with no host sync.
+
+    Args:
+        loads: int32 ``[world, E]`` CUDA tensor, the gathered token counts.
+        domain, slots_per_rank, eps, min_tokens, intra_node_only: as in :func:`plan`.
+        stream: the CUDA stream to enqueue on (default: the current stream).
+        out: buffers of an earlier call with the same shapes, reused (no allocation; what a
+            captured CUDA graph needs).
+
+    Returns:
+        dict of CUDA tensors: ``slot_src`` int32 ``[world, slots]``, ``slot_quota`` int64
+        ``[world, slots]``, ``expert_load`` int64 ``[E]``, ``result`` int64 ``[3]`` (status |
+        probes << 32, rounds | replicas << 32, threshold), ``scratch``; read them after the
+        stream's work (``decode_result`` turns ``result`` into a dict, raising on a bad status).
+    """
+    import torch
+
+    from .. import cuda_support
+
+    K = check_slots(slots_per_rank)
+    _check(domain, K, min_tokens)
+    W, epr = domain.world, domain.experts_per_rank
+    E = W * epr
+    if not (isinstance(loads, torch.Tensor) and loads.is_cuda and loads.dtype == torch.int32
+            and tuple(loads.shape) == (W, E) and loads.is_contiguous()):
+        raise ValueError(f"loads must be a contiguous int32 CUDA tensor of shape [{W}, {E}]")
+    dev = loads.device
+    cuda = cuda_support.cuda_runtime(dev.index, "the device planner")
+    if out is None:
+        out = dict(
+            slot_src=torch.empty((W, K), dtype=torch.int32, device=dev),
+            slot_quota=torch.empty((W, K), dtype=torch.int64, device=dev),
+            expert_load=torch.empty(E, dtype=torch.int64, device=dev),
+            result=torch.zeros(3, dtype=torch.int64, device=dev),
+            scratch=torch.empty(cuda.quota_scratch_bytes(W, E, K) // 8, dtype=torch.int64, device=dev),
+        )
+        out["node_of"] = (torch.as_tensor(np.asarray(domain.node_of, np.int32), device=dev)
+                          if intra_node_only else None)
+    s = stream if stream is not None else torch.cuda.current_stream(dev)
+    node = out.get("node_of")
+    cuda.quota_plan(loads.data_ptr(), out["expert_load"].data_ptr(), node.data_ptr() if node is not None else 0,
+                    out["scratch"].data_ptr(), out["slot_src"].data_ptr(), out["slot_quota"].data_ptr(),
+                    out["result"].data_ptr(), W, epr, K, int(min_tokens), 0, _eps_bp(eps), s.cuda_stream)
+    return out
+
+
+def decode_result(result: Any) -> dict:
+    """``plan_on_gpu``'s ``result`` words (host copy) as a dict; raises ValueError on a bad status."""
+    w = [int(x) for x in (result.tolist() if hasattr(result, "tolist") else result)]
+    status, probes = w[0] & 0xFFFFFFFF, w[0] >> 32
+    if status:
+        raise ValueError(f"device planner: {STATUS.get(status, f'status {status}')}")
+    return dict(threshold=w[2], probes=probes, rounds=w[1] & 0xFFFFFFFF, replicas=w[1] >> 32)

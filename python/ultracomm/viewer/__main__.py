@@ -18,7 +18,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--ep", type=int, default=None, help="EP ranks of a routing-statistics file")
     ap.add_argument("--planner", default="auto",
                     help="auto (recorded plans, quota for records without), recorded, none, or a planner "
-                         "(quota, taot, greedy, lpt) applied to the sampled records")
+                         "(quota, taot, greedy, lpt, device) applied to the sampled records")
     ap.add_argument("--domain", default=None, help="fabric for plans made here (default: one that holds the world)")
     ap.add_argument("--slots", type=int, default=2, help="replica slots per rank for plans made here")
     ap.add_argument("--model", default=None, help="model preset for expert bytes (default: trace meta, else qwen3-235b-a22b)")

@@ -46,7 +46,7 @@ def test_build_lists_explicit_architectures():
 
 @needs_nvcc
 def test_every_source_compiles_without_spills_or_local_memory(compiled):
-    assert {"k_persistent", "k_bench"} <= set(compiled)
+    assert {"k_persistent", "k_bench", "k_loads"} <= set(compiled)
     for name, c in compiled.items():
         assert "warning" not in c.log.lower(), c.log
         funcs = cb.ptxas_functions(c.log)
@@ -110,6 +110,21 @@ def test_sass_join_by_first_ticket(compiled, arch):
         adds32 = re.findall(r"\bATOM\.E\.ADD\.STRONG\.GPU\b", text)
         adds64 = re.findall(r"\bATOM\.E\.ADD\.64\.STRONG\.GPU\b", text)
         assert (len(adds32), len(adds64)) == (3, 1), (fn, len(adds32), len(adds64))
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch", [80, 90, 100])
+def test_sass_load_exchange_flags(compiled, arch):
+    # k_load_exchange (moe/board_layout.py protocol): the flag after the pushed counts is a
+    # system-scope release (MEMBAR.ALL.SYS + ST...64.STRONG.SYS), the wait a system-scope acquire
+    # (LD...64.STRONG.SYS + CCTL.IVALL), and the timeout's status one CAS
+    kernels = cb.kernel_sass(_sass_or_skip(compiled, "k_loads", arch))
+    assert len(kernels) == 1
+    ops = _ops(next(iter(kernels.values())))
+    assert {o for o in ops if o.startswith("ST") and o.endswith(".64.STRONG.SYS")}, ops
+    assert {o for o in ops if o.startswith("LD") and o.endswith(".64.STRONG.SYS")}, ops
+    assert "MEMBAR.ALL.SYS" in ops and "CCTL.IVALL" in ops, ops
+    assert {o for o in ops if o.startswith("ATOMG") and ".CAS" in o}, ops
 
 
 def test_inline_asm_only_in_ptx_extra():

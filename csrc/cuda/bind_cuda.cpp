@@ -20,6 +20,9 @@
 namespace py = pybind11;
 
 namespace ultracomm::gpu {
+
+void bind_loads(py::module_& m);  // bind_loads.cpp
+
 namespace {
 
 // The bytes of a C-contiguous buffer of sizeof(T)-byte records, copied (a plan copies them to
@@ -172,6 +175,7 @@ into text/exception with _core.format_error / _core.raise_error_record.)doc")
       py::arg("grad_slot_bytes"), py::arg("chunk_bytes"), py::arg("stream"),
       "Enqueue on `stream`: this rank rejected its plan for `op` at `epoch` (its window at device address "
       "window_base): peers touching it raise PlanError \"rank r rejected its plan\" instead of timing out.");
+  bind_loads(m);
   m.def(
       "quota_scratch_bytes", &quota_scratch_bytes, py::arg("world"), py::arg("experts"), py::arg("slots"),
       "Device scratch bytes of one quota_plan launch (8-byte aligned buffer).");

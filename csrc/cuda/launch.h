@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "load_exchange.h"
 #include "mover_limits.h"
 #include "persistent_args.h"
 #include "ultracomm/quota_plan.h"
@@ -33,6 +34,10 @@ void launch_persistent(const PersistentArgs& a, int grad_dtype, uint32_t smem_by
 // Enqueues interp.h's publish_rejection for op at epoch in the window at own_base (device
 // address): kRejectedDigest beside ready[op] = epoch (k_reject.cu).
 void launch_reject(Op op, uint64_t epoch, uintptr_t own_base, const WindowLayout& layout, cudaStream_t stream);
+
+// Enqueues one expert-load exchange (k_loads.cu; protocol in load_exchange.h): grid = a.nranks
+// CTAs, one per rank entry.  The caller validated the arguments (bind_cuda.cpp).
+void launch_load_exchange(const LoadExchangeArgs& a, cudaStream_t stream);
 
 // Microbenchmarks (perf/bench_gpu.py).
 void launch_empty(cudaStream_t stream);  // launch floor: one CTA, one thread, no work

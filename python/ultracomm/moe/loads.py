@@ -2,11 +2,13 @@
 
 Two ways, the same result (int64 ``[world, E]``, rank order):
 
-* :class:`LoadBoard` (a Context whose window every rank maps in host memory: the host
-  executor over ``host_shm`` or ``local``): each rank writes its ``[E]`` counts into its own
-  region of a small symmetric window and raises an epoch flag; the others wait (bounded) for
-  the flag and read the counts -- an all-gather over shared memory, no store and no
-  ``torch.distributed`` call per step.
+* a load board (a Context whose window every rank maps): each rank writes its ``[E]`` counts
+  into every rank's board with an epoch flag, then waits (bounded) for every rank's flag in its
+  own board -- an all-gather over symmetric memory, no store and no ``torch.distributed`` call
+  per step.  :class:`LoadBoard` does it in host memory (the host executor over ``host_shm`` or
+  ``local``); :class:`~ultracomm.moe.loads_gpu.GpuLoadBoard` in GPU windows (``cuda_ipc``,
+  ``cuda_local``) with a kernel, no device-to-host copy before the exchange.  One layout and
+  protocol for both: :mod:`ultracomm.moe.board_layout`.
 * :func:`gather_loads` (any other Context): the group's bounded store exchange.
 """
 from __future__ import annotations
@@ -20,10 +22,9 @@ import torch
 from .. import _core
 from ..comm import Comm
 from ..errors import UltracommTimeout
+from .board_layout import MAX_COUNT, BoardLayout
 
-__all__ = ["gather_loads", "LoadBoard"]
-
-_ENTRIES = 2  # a rank can be at most one exchange ahead of the slowest reader (it waits for all)
+__all__ = ["gather_loads", "LoadBoard", "board_for_context", "timeout_text"]
 
 
 def gather_loads(comm: Comm, counts: torch.Tensor, op: str = "step") -> np.ndarray:
@@ -37,18 +38,42 @@ def gather_loads(comm: Comm, counts: torch.Tensor, op: str = "step") -> np.ndarr
     return np.stack(comm.all_gather_object(mine, op=op, what="expert loads")).astype(np.int64)
 
 
-class LoadBoard:
-    """Expert loads exchanged through a host-memory window (see the module docstring).
+def timeout_text(rank: int, op: str, timeout_s: float, missing: list[int]) -> str:
+    """The error of an exchange whose ``missing`` ranks never posted (both boards say this)."""
+    return (f"ultracomm: rank {rank} {op} (expert loads) timed out after {timeout_s:g} s: ranks {missing} did not "
+            f"post their loads (timeout ULTRACOMM_TIMEOUT_S={timeout_s:g}); they are likely stalled or dead, or called "
+            "a different operation: every rank must call step() for the same layers in the same order")
 
-    Layout per rank: ``_ENTRIES`` entries of (uint64 epoch flag, int64 ``[E]`` counts); the
-    exchange ``n`` uses entry ``n % _ENTRIES``.  A rank posts exchange ``n + 1`` only after it
-    read every rank's ``n``, so no entry is overwritten while a peer still reads it.
-    """
+
+def check_counts(counts: np.ndarray, num_experts: int) -> np.ndarray:
+    """int32 ``[E]`` of one rank's counts, or ValueError naming what is wrong."""
+    if counts.shape != (num_experts,):
+        raise ValueError(f"ultracomm: expert counts must be [{num_experts}], got {list(counts.shape)}")
+    if counts.size and (counts.min() < 0 or counts.max() > MAX_COUNT):
+        raise ValueError(f"ultracomm: expert counts must be in 0..{MAX_COUNT} (int32 on the load board), got "
+                         f"{int(counts.min())}..{int(counts.max())}")
+    return np.ascontiguousarray(counts, dtype=np.int32)
+
+
+def board_for_context(ctx: Any) -> Any:
+    """The load board beside ``ctx``: host memory (:class:`LoadBoard`), GPU windows
+    (:class:`~ultracomm.moe.loads_gpu.GpuLoadBoard`), or None (the store exchange)."""
+    board = LoadBoard.for_context(ctx)
+    if board is None:
+        from .loads_gpu import GpuLoadBoard
+
+        board = GpuLoadBoard.for_context(ctx)
+    return board
+
+
+class LoadBoard:
+    """Expert loads exchanged through host-memory boards (layout and protocol:
+    :mod:`ultracomm.moe.board_layout`; memcpy and host release/acquire atomics)."""
 
     def __init__(self, window: Any, num_experts: int, rank: int, world: int, timeout_s: float):
         self.window, self.E, self.rank, self.world = window, int(num_experts), rank, world
+        self.layout = BoardLayout(world, self.E)
         self.timeout_s = float(timeout_s)
-        self.entry_bytes = 8 * (1 + self.E)
         self.seq = 0
 
     @classmethod
@@ -59,38 +84,29 @@ class LoadBoard:
             return None
         from ..windows import open_window
 
-        nbytes = -(-(_ENTRIES * 8 * (1 + ctx.num_experts)) // 64) * 64
+        nbytes = BoardLayout(ctx.world, ctx.num_experts).total_bytes
         board = open_window(w.provider, ctx.comm, nbytes, op="ReplicaManager setup (load board)")
         return cls(board, ctx.num_experts, ctx.rank, ctx.world, ctx.config.timeout_s)
 
-    def _entry(self, rank: int, n: int) -> int:
-        return self.window.peer_bases[rank] + (n % _ENTRIES) * self.entry_bytes
-
     def gather(self, counts: torch.Tensor, op: str = "step") -> np.ndarray:
         """int64 ``[world, E]``: every rank's ``counts``; bounded by the Context's timeout."""
-        mine = counts.detach().to("cpu", torch.int64).numpy()
-        if mine.shape != (self.E,):
-            raise ValueError(f"ultracomm: expert counts must be [{self.E}], got {list(mine.shape)}")
+        mine = check_counts(counts.detach().to("cpu", torch.int64).numpy(), self.E)
         self.seq += 1
-        n = self.seq
-        own = self._entry(self.rank, n)
-        ctypes.memmove(own + 8, np.ascontiguousarray(mine).ctypes.data, 8 * self.E)
-        _core.store_release(own, n)  # the counts are visible before the flag says so
+        n, L, bases = self.seq, self.layout, self.window.peer_bases
+        for q in range(self.world):  # push into every board, then publish (release after the counts)
+            ctypes.memmove(bases[q] + L.counts(n, self.rank), mine.ctypes.data, 4 * self.E)
+            _core.store_release(bases[q] + L.record(n, self.rank), n)
+        own = bases[self.rank]
         out = np.empty((self.world, self.E), np.int64)
         missing = []
         for q in range(self.world):
-            addr = self._entry(q, n)
-            status, _ = _core.wait_flag(addr, n, self.timeout_s if not missing else 1e-3)
+            status, _ = _core.wait_flag(own + L.record(n, q), n, self.timeout_s if not missing else 1e-3)
             if status != 0:
                 missing.append(q)
                 continue
-            out[q] = np.ctypeslib.as_array((ctypes.c_int64 * self.E).from_address(addr + 8))
+            out[q] = np.ctypeslib.as_array((ctypes.c_int32 * self.E).from_address(own + L.counts(n, q)))
         if missing:
-            raise UltracommTimeout(
-                f"ultracomm: rank {self.rank} {op} (expert loads) timed out after {self.timeout_s:g} s: ranks "
-                f"{missing} did not post their loads (timeout ULTRACOMM_TIMEOUT_S={self.timeout_s:g}); they are "
-                "likely stalled or dead, or called a different operation: every rank must call step() for the same "
-                "layers in the same order")
+            raise UltracommTimeout(timeout_text(self.rank, op, self.timeout_s, missing))
         return out
 
     def close(self) -> None:

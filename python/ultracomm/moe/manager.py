@@ -30,7 +30,7 @@ from ..errors import RegistrationError, UltracommError
 from ..layout import ExpertLayout
 from ..planners import Domain, PlannerResult, get_planner, max_mean
 from .autograd import _Guard, _ReplicaWeights
-from .loads import LoadBoard, gather_loads
+from .loads import board_for_context, gather_loads
 from .reroute import LAYOUTS, RerouteTable, reroute
 
 __all__ = ["ReplicaManager", "Step"]
@@ -356,8 +356,9 @@ class ReplicaManager:
         # autograd graph (or the caller) holds it; one that dies unreduced is abandoned
         self._live: dict[int, weakref.ref] = {}
         self._orphans: list[int] = []
-        #: loads exchanged through a host-memory window when every rank maps it (no store call per step)
-        self._board = LoadBoard.for_context(self.ctx)
+        #: loads exchanged through a load board (host memory or GPU windows) where every rank maps
+        #: every board (no store call per step); else None: the store exchange
+        self._board = board_for_context(self.ctx)
         self._pending: list[tuple[Step, Any]] = []
         self._callback_queued = False
 

@@ -1,0 +1,93 @@
+// ultracomm._cuda.load_exchange: validates one launch of k_load_exchange (load_exchange.h)
+// and enqueues it.  Pointers cross as integers (tensor.data_ptr()), the stream as its handle.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+#include <string>
+
+#include "launch.h"
+#include "load_exchange.h"
+
+namespace py = pybind11;
+
+namespace ultracomm::gpu {
+namespace {
+
+[[noreturn]] void bad(const std::string& msg) { throw std::invalid_argument("ultracomm._cuda.load_exchange: " + msg); }
+
+uintptr_t ptr(const py::dict& d, const char* key, uintptr_t align, size_t i) {
+  if (!d.contains(key)) bad("rank entry " + std::to_string(i) + " lacks '" + key + "'");
+  const auto p = d[key].cast<uintptr_t>();
+  if (p == 0 || p % align)
+    bad("rank entry " + std::to_string(i) + ": '" + key + "' must be a " + std::to_string(align) +
+        "-byte aligned device address");
+  return p;
+}
+
+LoadExchangeArgs make_args(const py::list& ranks, int32_t world, int32_t num_experts, int32_t entries,
+                           uint64_t record_bytes, double timeout_s) {
+  LoadExchangeArgs a{};
+  if (ranks.empty() || ranks.size() > static_cast<size_t>(kMaxLoopbackRanks))
+    bad("one launch runs 1 to " + std::to_string(kMaxLoopbackRanks) + " rank entries, got " +
+        std::to_string(ranks.size()));
+  if (world < 1) bad("world must be >= 1");
+  if (num_experts < 1) bad("num_experts must be >= 1");
+  if (entries < 2) bad("entries must be >= 2 (a record is rewritten only after its reader posted the next)");
+  if (record_bytes % 8 || record_bytes < 8 + 4 * static_cast<uint64_t>(num_experts))
+    bad("record_bytes must be a multiple of 8 holding the flag and num_experts int32 counts (>= " +
+        std::to_string(8 + 4 * static_cast<uint64_t>(num_experts)) + ")");
+  if (!(timeout_s > 0)) bad("timeout_s must be > 0");
+  a.nranks = static_cast<int32_t>(ranks.size());
+  a.world = world;
+  a.num_experts = num_experts;
+  a.entries = entries;
+  a.record_bytes = record_bytes;
+  a.timeout_ns = timeout_s >= 1e9 ? std::numeric_limits<uint64_t>::max() : static_cast<uint64_t>(timeout_s * 1e9);
+  uint64_t seen = 0;  // ranks of this launch (a loopback world is <= 64 ranks)
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    const auto d = ranks[i].cast<py::dict>();
+    LoadRankArgs& r = a.ranks[i];
+    r.counts = reinterpret_cast<const int32_t*>(ptr(d, "counts", 4, i));
+    r.out = reinterpret_cast<int32_t*>(ptr(d, "out", 4, i));
+    r.status = reinterpret_cast<int32_t*>(ptr(d, "status", 4, i));
+    r.bases = reinterpret_cast<const uintptr_t*>(ptr(d, "bases", 8, i));
+    r.seq = reinterpret_cast<uint64_t*>(ptr(d, "seq", 8, i));
+    if (!d.contains("rank")) bad("rank entry " + std::to_string(i) + " lacks 'rank'");
+    r.rank = d["rank"].cast<int32_t>();
+    if (r.rank < 0 || r.rank >= world)
+      bad("rank entry " + std::to_string(i) + ": rank " + std::to_string(r.rank) + " is out of range 0.." +
+          std::to_string(world - 1));
+    if (r.rank < 64) {
+      if (seen >> r.rank & 1) bad("rank " + std::to_string(r.rank) + " appears twice in one launch");
+      seen |= uint64_t(1) << r.rank;
+    }
+  }
+  return a;
+}
+
+}  // namespace
+
+void bind_loads(py::module_& m) {
+  m.attr("LOAD_STATUS_TIMEOUT") = kLoadStatusTimeout;
+  m.def(
+      "load_exchange",
+      [](const py::list& ranks, int32_t world, int32_t num_experts, int32_t entries, uint64_t record_bytes,
+         double timeout_s, uintptr_t stream) {
+        const LoadExchangeArgs a = make_args(ranks, world, num_experts, entries, record_bytes, timeout_s);
+        launch_load_exchange(a, reinterpret_cast<cudaStream_t>(stream));
+      },
+      py::arg("ranks"), py::arg("world"), py::arg("num_experts"), py::arg("entries"), py::arg("record_bytes"),
+      py::arg("timeout_s"), py::arg("stream"),
+      R"doc(Enqueue one expert-load exchange on `stream` (csrc/cuda/load_exchange.h).
+
+ranks: one dict per rank this launch runs (one, or every rank of a one-GPU loopback domain)
+with device addresses counts (int32 [E]), out (int32 [world, E]), status (int32 [4]: 0 ok or
+LOAD_STATUS_TIMEOUT, awaited rank, flag seen lo/hi), bases (uint64 [world]: board bases),
+seq (uint64, zero before the first exchange) and rank.  Validated before anything is
+enqueued (ValueError); no allocation, no synchronisation (capturable).)doc");
+}
+
+}  // namespace ultracomm::gpu

@@ -1,0 +1,101 @@
+"""The device control plane's quota planner, host build, beside the host ``quota`` planner.
+
+    python perf/bench_planner_device.py [--reps 200] [--json out.json]
+
+Side by side in one run on the planner evaluation loads (EP64 flat, EP16 / EP32 on nodes;
+planners/eval.py): per call, the median microseconds of
+
+* ``quota``: ``planners.quota.plan`` (C++ search, numpy around it), and ``quota core``: its
+  C++ call alone (``_core.quota_search``);
+* ``device``: ``planners.device.plan`` and ``device core``: ``_core.quota_device`` alone --
+  the code the GPU kernel compiles (include/ultracomm/quota_plan.h), run on one host thread;
+
+with each plan's max:mean rank load and replica copies.  CPU figures from whatever machine runs
+it; the GPU kernel's time is perf/bench_gpu.py's (needs a device).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+from ultracomm import _core, workloads  # noqa: E402
+from ultracomm.planners import Domain, get_planner, max_mean  # noqa: E402
+from ultracomm.planners import eval as ev  # noqa: E402
+from ultracomm.planners import quota as quota_mod  # noqa: E402
+
+
+def cases():
+    out = []
+    _, W, mname, _ = ev.EP64
+    m = workloads.get_model(mname)
+    dom = Domain.flat(W, m.experts_per_rank(W))
+    args = (W, m.num_experts, ev.TOKENS_PER_RANK, m.top_k)
+    out += [(f"EP64 zipf {t}", dom, workloads.zipf_load(*args, t, seed=1)) for t in ev.ZIPF_TARGETS]
+    out += [(f"EP64 blocked {t}", dom, workloads.rank_blocked_load(*args, t, seed=1)) for t in ev.BLOCKED_TARGETS]
+    out += [(f"EP64 hot {f}", dom, workloads.hot_rank_load(*args, f, seed=1)) for f in ev.HOT_FRACTIONS[::3]]
+    for label, nodes, gpn, mname, _ in ev.TAOT_CASES:
+        m = workloads.get_model(mname)
+        Wn = nodes * gpn
+        d = Domain.nodes(nodes, gpn, m.experts_per_rank(Wn))
+        out.append((f"{label} zipf 1.5", d, workloads.zipf_load(Wn, m.num_experts, ev.TOKENS_PER_RANK, m.top_k,
+                                                               1.5, seed=50 + Wn)))
+    return out
+
+
+def median_us(fn, reps: int) -> float:
+    fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return 1e6 * statistics.median(ts)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    quota, device = get_planner("quota"), get_planner("device")
+    rows = []
+    print(f"{'load':18s} {'K':>2s} {'quota us':>9s} {'core':>7s} {'device us':>10s} {'core':>7s} "
+          f"{'q max:mean':>10s} {'d max:mean':>10s} {'q copies':>8s} {'d copies':>8s}")
+    for name, dom, load in cases():
+        for K in (1, 2):
+            W, epr = dom.world, dom.experts_per_rank
+            q, d = quota(load, dom, K), device(load, dom, K)
+            L, el, order = quota_mod._inputs(load, dom, False)[2], quota_mod._inputs(load, dom, False)[1], \
+                quota_mod._inputs(load, dom, False)[3]
+            tol = max(1, int(0.01 * L.sum() / W))
+            elx = np.ascontiguousarray(load.sum(0), np.int64)
+            row = dict(
+                load=name, world=W, experts=W * epr, slots=K,
+                quota_us=median_us(lambda: quota(load, dom, K), a.reps),
+                quota_core_us=median_us(lambda: _core.quota_search(L, el, order, None, K, 1, tol,
+                                                                    quota_mod.SEARCH_BUDGET,
+                                                                    quota_mod.COVER_BUDGET), a.reps),
+                device_us=median_us(lambda: device(load, dom, K), a.reps),
+                device_core_us=median_us(lambda: _core.quota_device(elx, None, W, epr, K, 1, 0, 100), a.reps),
+                quota_max_mean=round(max_mean(q.rank_load), 4), device_max_mean=round(max_mean(d.rank_load), 4),
+                quota_copies=sum(q.copies), device_copies=sum(d.copies),
+                device_probes=d.info["probes"], device_rounds=d.info["rounds"])
+            rows.append(row)
+            print(f"{name:18s} {K:2d} {row['quota_us']:9.0f} {row['quota_core_us']:7.0f} {row['device_us']:10.0f} "
+                  f"{row['device_core_us']:7.0f} {row['quota_max_mean']:10.4f} {row['device_max_mean']:10.4f} "
+                  f"{row['quota_copies']:8d} {row['device_copies']:8d}", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(machine=os.uname().nodename, cpus=os.cpu_count(), reps=a.reps, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

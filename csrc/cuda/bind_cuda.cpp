@@ -199,6 +199,30 @@ into text/exception with _core.format_error / _core.raise_error_record.)doc")
       py::arg("min_tokens"), py::arg("tol"), py::arg("eps_bp"), py::arg("stream"),
       "Enqueue the device quota planner (launch.h launch_quota_plan) on `stream`; result: 3 int64 words "
       "(status | probes << 32, rounds | replicas << 32, threshold).");
+  m.def("reroute_scratch_bytes", &reroute_scratch_bytes, py::arg("world"), py::arg("experts"),
+        "Device scratch bytes of one reroute_table launch.");
+  m.def(
+      "reroute_table",
+      [](uintptr_t loads, uintptr_t slot_src, uintptr_t slot_quota, uintptr_t scratch, uintptr_t bounds,
+         uintptr_t columns, int32_t world, int32_t experts_per_rank, int32_t slots, int32_t rank, int32_t layout,
+         uintptr_t stream) {
+        if (!loads || loads % 4 || !slot_src || slot_src % 4 || !slot_quota || slot_quota % 8 || !scratch ||
+            scratch % 8 || !bounds || bounds % 8 || !columns || columns % 8)
+          throw std::invalid_argument("ultracomm._cuda.reroute_table: device pointers must be non-null and aligned "
+                                      "to their element (int32: 4, int64: 8)");
+        if (world < 1 || experts_per_rank < 1 || slots < 0 || rank < 0 || rank >= world || (layout != 0 && layout != 1))
+          throw std::invalid_argument("ultracomm._cuda.reroute_table: world, experts_per_rank >= 1, slots >= 0, "
+                                      "rank in [0, world), layout 0 (echo) or 1 (physical)");
+        RerouteArgs a{reinterpret_cast<const int32_t*>(loads), reinterpret_cast<const int32_t*>(slot_src),
+                      reinterpret_cast<const int64_t*>(slot_quota), reinterpret_cast<int64_t*>(scratch),
+                      reinterpret_cast<int64_t*>(bounds), reinterpret_cast<int64_t*>(columns), world,
+                      experts_per_rank, slots, rank, layout};
+        launch_reroute_table(a, as_stream(stream));
+      },
+      py::arg("loads"), py::arg("slot_src"), py::arg("slot_quota"), py::arg("scratch"), py::arg("bounds"),
+      py::arg("columns"), py::arg("world"), py::arg("experts_per_rank"), py::arg("slots"), py::arg("rank"),
+      py::arg("layout"), py::arg("stream"),
+      "Enqueue the device reroute (launch.h launch_reroute_table) on `stream`.");
   m.def(
       "launch_empty", [](uintptr_t stream) { launch_empty(as_stream(stream)); }, py::arg("stream"),
       "Enqueue an empty kernel (launch floor).");

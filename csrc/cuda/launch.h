@@ -67,6 +67,21 @@ struct QuotaArgs {
   int32_t eps_bp;
 };
 int64_t quota_scratch_bytes(int32_t world, int32_t experts, int32_t slots);
+
+// Device reroute (k_reroute.cu, include/ultracomm/token_split.h): source rank `rank`'s
+// RerouteTable, bounds / columns int64 [E, world], from loads int32 [world, E] and the plan
+// (slot_src int32, slot_quota int64 [world, slots]); scratch: reroute_scratch_bytes().
+struct RerouteArgs {
+  const int32_t* loads;
+  const int32_t* slot_src;
+  const int64_t* slot_quota;
+  int64_t* scratch;
+  int64_t* bounds;
+  int64_t* columns;
+  int32_t world, experts_per_rank, slots, rank, layout;
+};
+int64_t reroute_scratch_bytes(int32_t world, int32_t experts);
+void launch_reroute_table(const RerouteArgs& a, cudaStream_t stream);
 void launch_quota_plan(const QuotaArgs& a, cudaStream_t stream);
 
 }  // namespace ultracomm::gpu

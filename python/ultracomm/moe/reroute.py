@@ -89,6 +89,56 @@ class RerouteTable:
             raise AssertionError("ultracomm: planner moved more tokens than the source rank has")
         return cls(torch.from_numpy(np.cumsum(counts, axis=1)), torch.from_numpy(columns), P)
 
+    @classmethod
+    def from_plan(cls, loads: torch.Tensor, slot_src: torch.Tensor, slot_quota: torch.Tensor, rank: int,
+                  experts_per_rank: int, layout: str = "echo",
+                  out: "dict | None" = None) -> "RerouteTable":
+        """The table for source rank ``rank`` computed where the plan is, by the device reroute
+        (``include/ultracomm/token_split.h``: the same split as the planners').
+
+        Args:
+            loads: int32 ``[world, E]`` gathered token counts.
+            slot_src: int32 ``[world, slots]``; slot_quota: int64 ``[world, slots]`` (a
+                device planner's output, e.g. ``planners.device.plan_on_gpu``).
+            rank: this source rank; experts_per_rank: fixes each expert's home.
+            layout: ``echo`` or ``physical``.
+            out: buffers of an earlier call with the same shapes (CUDA: reused, no allocation).
+
+        On CUDA tensors the table is computed by a kernel on the current stream (no host sync,
+        capturable); on CPU tensors by the host build of the same code.  ``bounds`` /
+        ``columns`` are ``[E, world]`` (padded: unused instances never selected).
+        """
+        if layout not in LAYOUTS:
+            raise ValueError(f"ultracomm: reroute layout must be one of {LAYOUTS}, got {layout!r}")
+        W, K = slot_src.shape
+        E = W * experts_per_rank
+        for name, t, dt, shape in (("loads", loads, torch.int32, (W, E)), ("slot_src", slot_src, torch.int32, (W, K)),
+                                   ("slot_quota", slot_quota, torch.int64, (W, K))):
+            if t.dtype != dt or tuple(t.shape) != shape or t.device != slot_src.device:
+                raise ValueError(f"ultracomm: {name} must be {dt} {list(shape)} on {slot_src.device}, got "
+                                 f"{t.dtype} {list(t.shape)} on {t.device}")
+        P = num_columns(layout, E, W, K)
+        lay = LAYOUTS.index(layout)
+        if slot_src.device.type != "cuda":
+            from .. import _core
+
+            b, c = _core.reroute_table(loads.numpy(), slot_src.numpy(), slot_quota.numpy(), experts_per_rank,
+                                       rank, lay)
+            return cls(torch.from_numpy(b), torch.from_numpy(c), P)
+        from .. import cuda_support
+
+        dev = slot_src.device
+        cuda = cuda_support.cuda_runtime(dev.index, "the device reroute")
+        if out is None:
+            out = dict(bounds=torch.empty((E, W), dtype=torch.int64, device=dev),
+                       columns=torch.empty((E, W), dtype=torch.int64, device=dev),
+                       scratch=torch.empty(cuda.reroute_scratch_bytes(W, E) // 8, dtype=torch.int64, device=dev))
+        args = [t.contiguous() for t in (loads, slot_src, slot_quota)]
+        cuda.reroute_table(args[0].data_ptr(), args[1].data_ptr(), args[2].data_ptr(), out["scratch"].data_ptr(),
+                           out["bounds"].data_ptr(), out["columns"].data_ptr(), W, experts_per_rank, K, rank, lay,
+                           torch.cuda.current_stream(dev).cuda_stream)
+        return cls(out["bounds"], out["columns"], P)
+
     def to(self, device: torch.device) -> "RerouteTable":
         return RerouteTable(self.bounds.to(device, non_blocking=True),
                             self.columns.to(device, non_blocking=True), self.num_columns)

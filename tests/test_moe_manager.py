@@ -178,3 +178,24 @@ def test_profiled_manager_records_the_loads_the_planner_saw(tmp_path):
             assert np.array_equal(tr.load_matrix(i), want)
             assert np.array_equal(tr["slot_src"][i], seen[(r, layer)][1])
             assert tr["time_weight_sync"][i] > 0 and tr["time_grad_reduce"][i] > 0
+
+
+def test_default_planner_is_the_device_planner_with_a_logged_fallback(caplog):
+    """Issue 19 item 7: the device control plane's planner is the default; beyond its capacities the manager
+    plans with host ``quota`` and says so in one log line."""
+    from ultracomm.moe import manager as mgr_mod
+    from ultracomm.planners import get_planner
+
+    assert get_planner("device") is mgr_mod.device_planner.plan
+    import inspect
+    assert inspect.signature(mgr_mod.ReplicaManager.__init__).parameters["planner"].default == "device"
+    assert mgr_mod.device_planner.fits(1024, 65536, 8) and not mgr_mod.device_planner.fits(1025, 1025, 1)
+    assert not mgr_mod.device_planner.fits(8, 64, 9) and not mgr_mod.device_planner.fits(8, 65537, 1)
+
+
+def test_device_planner_grads_match_no_replication_and_repeat_bit_identically():
+    first = run(planner="device", mbs=2, order="interleaved")
+    check_against_reference(first, mbs=2)
+    before, after = first[0][1][0]
+    assert before > 3 and after < 1.1  # the device planner balanced the skewed router
+    assert bitwise_equal(first, run(planner="device", mbs=2, order="interleaved"))

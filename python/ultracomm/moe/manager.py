@@ -19,6 +19,7 @@ for why every rank reaches every collective, also with no token on its replicas.
 """
 from __future__ import annotations
 
+import logging
 import weakref
 from typing import Any, Sequence
 
@@ -29,11 +30,14 @@ from ..context import Context
 from ..errors import RegistrationError, UltracommError
 from ..layout import ExpertLayout
 from ..planners import Domain, PlannerResult, get_planner, max_mean
+from ..planners import device as device_planner
 from .autograd import _Guard, _ReplicaWeights
 from .loads import board_for_context, gather_loads
 from .reroute import LAYOUTS, RerouteTable, reroute
 
 __all__ = ["ReplicaManager", "Step"]
+
+_log = logging.getLogger("ultracomm")
 
 
 def _alias(t: torch.Tensor) -> torch.Tensor:
@@ -322,8 +326,11 @@ class ReplicaManager:
         slots_per_rank: replica slots per rank.
         num_layers: MoE layers.
         max_microbatches: micro-batches in flight per layer (pipeline parallelism).
-        planner: ``quota`` | ``taot`` | ``greedy`` | ``lpt`` or a callable with the
-            planners' signature; ``planner_options`` go to it.
+        planner: ``device`` (default: the device control plane's quota planner, the same
+            C++ a GPU runs; beyond its capacities -- world 1024, 65536 experts, 8 slots --
+            the manager falls back to ``quota`` and logs one line) | ``quota`` | ``taot`` |
+            ``greedy`` | ``lpt`` (host planners) or a callable with the planners'
+            signature; ``planner_options`` go to it.
         reroute_layout: default layout of :meth:`Step.rerouted` (``echo`` or ``physical``).
         node_of: node of each rank (planners' topology and the schedule's tiers).
         context: an existing Context to use instead of building one.
@@ -331,7 +338,7 @@ class ReplicaManager:
     """
 
     def __init__(self, group: Any, layout: ExpertLayout, experts_per_rank: int, slots_per_rank: int,
-                 num_layers: int, max_microbatches: int = 1, *, planner: Any = "quota",
+                 num_layers: int, max_microbatches: int = 1, *, planner: Any = "device",
                  planner_options: dict | None = None, reroute_layout: str = "echo",
                  node_of: Sequence[int] | None = None, context: Context | None = None, **context_options: Any):
         if reroute_layout not in LAYOUTS:
@@ -344,6 +351,10 @@ class ReplicaManager:
         self.experts_per_rank, self.slots_per_rank, self.num_layers = c.experts_per_rank, c.slots_per_rank, c.num_layers
         self.num_experts = c.num_experts
         self.domain = Domain(self.world, np.asarray(c.node_of, np.int64), self.experts_per_rank)
+        if planner == "device" and not device_planner.fits(self.world, self.num_experts, self.slots_per_rank):
+            _log.warning("ultracomm: world %d, %d experts, %d slots exceed the device planner's capacities; "
+                         "planning with the host planner 'quota'", self.world, self.num_experts, self.slots_per_rank)
+            planner = "quota"
         self.planner = get_planner(planner) if isinstance(planner, str) else planner
         self.planner_options = dict(planner_options or {})
         self.reroute_layout = reroute_layout

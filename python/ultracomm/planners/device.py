@@ -40,7 +40,7 @@ except ImportError:  # pragma: no cover - core not built
     _core_mod = None
     _HAVE_CPP = False
 
-__all__ = ["plan", "plan_on_gpu", "decode_result", "MAX_WORLD", "MAX_EXPERTS", "MAX_SLOTS"]
+__all__ = ["plan", "plan_on_gpu", "decode_result", "fits", "MAX_WORLD", "MAX_EXPERTS", "MAX_SLOTS"]
 
 MAX_WORLD = 1024
 MAX_EXPERTS = 1 << 16
@@ -95,6 +95,11 @@ def _eps_bp(eps: float) -> int:
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps <= 1:
         raise ValueError(f"eps must be a float in [0, 1], got {eps!r}")
     return int(round(eps * 10000))
+
+
+def fits(world: int, num_experts: int, slots_per_rank: int) -> bool:
+    """Whether a problem of this size is within the planner's capacities."""
+    return world <= MAX_WORLD and num_experts <= MAX_EXPERTS and slots_per_rank <= MAX_SLOTS
 
 
 def _check(domain: Domain, K: int, min_tokens: int) -> None:

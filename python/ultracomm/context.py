@@ -594,7 +594,14 @@ class Context:
         with self._lock:  # epochs are taken and queued in one order, whatever thread calls
             self._epoch += 1
             epoch = self._epoch
-            work = self._runner.submit(f"{name} (rank {self.rank}, epoch {epoch})", body)
+            # a synchronous call with nothing queued runs here, in the same order (no thread hand-off)
+            inline = None if async_op else self._runner.claim_inline()
+            if inline is None:
+                work = self._runner.submit(f"{name} (rank {self.rank}, epoch {epoch})", body)
+        if inline is not None:
+            log.debug("rank %d: %s vid-layer %d epoch %d runs on the calling thread", self.rank, name, mb.layer, epoch)
+            inline(body)
+            return None
         log.debug("rank %d: %s vid-layer %d epoch %d submitted", self.rank, name, mb.layer, epoch)
         if async_op:
             return work

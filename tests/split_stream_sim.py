@@ -204,7 +204,7 @@ class SimBridge:
     def stopped(self) -> bool:
         return _core.load_acquire(self.abort_addr) != 0
 
-    def start(self) -> None:
+    def start(self, lanes=None) -> None:  # lanes: BridgeRun's persistent threads, not used here
         self.hub._register(self)
 
     def fail(self, error: BaseException) -> None:

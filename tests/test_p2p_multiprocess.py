@@ -89,7 +89,7 @@ def test_split_gloo_against_the_host_executor(world, domains, node_of, pairs):
 @pytest.mark.slow
 def test_split_dead_and_stalled_cross_domain_peers_are_named(tmp_path):
     """Domains {0, 1} and {2, 3}; rank 2 is killed and rank 3 stopped: rank 1, which receives from rank 2,
-    fails at once; rank 0, which sends to rank 3, within the timeout; each names the rank."""
+    fails at once naming it; rank 0 within the timeout, naming rank 1 (see below)."""
     timeout_s = 3.0  # p2p_faults.TIMEOUT_S
     res = _run_faults(tmp_path, "split")
     err = res[1]["error"]
@@ -97,9 +97,11 @@ def test_split_dead_and_stalled_cross_domain_peers_are_named(tmp_path):
     assert re.search(r"\((posting failed at once|the connection failed while waiting)\)", err), err
     assert "rank 2 is likely stalled or dead" in err, err
     assert "Connection closed by peer" in err and res[1]["elapsed"] < timeout_s, (err, res[1]["elapsed"])
-    err = res[0]["error"]  # the bridge's header wait or the interpreter's wait on its shadow of rank 3
-    bridge = ("ultracomm: rank 0 restore (epoch 2, transport split, bridge) gave up after waiting up to 3 s to receive "
-              "the header of rank 3 (its join: it never started this op)")
-    interp = "ultracomm: rank 0 restore (multicast) epoch 2 timed out after 3 s waiting for rank 3 to join the operation"
-    assert err is not None and (err.startswith(bridge) or err.startswith(interp)), err
+    # restore runs weight_sync's plan: no header (bridge.py), so rank 0 learns of the stop from the data it
+    # is owed -- expert 1 from rank 1, which stopped at the dead rank 2 -- while its 8 KiB send to the
+    # stopped rank 3 completes into the socket buffer.  (A header of the op would have named rank 3.)
+    err = res[0]["error"]
+    interp = ("ultracomm: rank 0 restore (multicast) epoch 2 timed out after 3 s waiting for rank 1 to deliver expert 1 "
+              "chunk 0 into slot 0 (arrival flag)")
+    assert err is not None and err.startswith(interp), err
     assert timeout_s <= res[0]["elapsed"] < timeout_s + 4, res[0]["elapsed"]

@@ -12,7 +12,8 @@ partials, master grads summed in the schedule's fp32 order -- are those of the h
 Window: ``host_shm`` mapping only this rank's domain (``local`` on loopback domains, where
 every rank is reachable but ranks of other declared domains still go through shadows).
 Messages: the Context's gloo group (or loopback mailboxes).  Only ranks with crossings in an
-op exchange messages in it (one 16-byte header per peer, then one message per crossing chunk).
+op exchange messages in it (a 16-byte header per peer when the op's plan changed, then one
+message per crossing chunk).
 CPU only: the GPU variant (tma inside a domain, NCCL across) is :mod:`.split_cuda`.
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 from .. import _core
 from ..alpha_beta import COSTS
 from ..records import Op
-from .bridge import BridgeRun
+from .bridge import BridgeLanes, BridgeRun
 from .bridge_program import BridgeProgram, build_bridge_program
 from .host import HostTransport, Masters, op_digest
 from .p2p_messengers import messenger_for
@@ -72,6 +73,8 @@ class SplitTransport:
                                   num_workers=num_workers, timeout_s=timeout_s, jitter_us=jitter_us,
                                   peer_bases=self.shadows.bases(window.peer_bases))
         self.messenger = messenger_for(comm, world, torch.device("cpu")) if self.shadows.views else None
+        #: the bridge's send and receive threads, kept for the transport's life (not started per op)
+        self.lanes = BridgeLanes(f"ultracomm-bridge-r{rank}") if self.messenger is not None else None
         self._programs: dict[tuple[int, int], BridgeProgram] = {}
 
     def program(self, op: Op, schedule) -> BridgeProgram:
@@ -95,7 +98,7 @@ class SplitTransport:
         bridge = BridgeRun(self.messenger, prog, epoch, op_digest(schedule.digest, op), self.window.local,
                            self.window.peer_bases[self.rank], self.shadows, self.wlayout, abort, self.timeout_s,
                            f"rank {self.rank} {name} (epoch {epoch}, transport split, bridge)")
-        bridge.start()
+        bridge.start(self.lanes)
         try:
             self.host.run(op, schedule, epoch, masters, my_slots, local_index_of, name, abort_word=abort.data_ptr())
         except _core.AbortedError:

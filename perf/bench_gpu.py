@@ -80,7 +80,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-SECTIONS = ("launch", "flag", "copy", "fanout", "sweep", "reduce", "relay", "copy_engine")
+SECTIONS = ("launch", "flag", "control", "copy", "fanout", "sweep", "reduce", "relay", "copy_engine")
 MiB = 1 << 20
 FANOUT_BYTES = 64 * MiB
 CE_RESERVE_S = 30.0  # of --budget-s, kept for the copy_engine section
@@ -456,6 +456,67 @@ class Gpu:
                                  "persistent launch, world 1" + (", cpu-bound" if cpu else "")))
         finally:
             d.close()
+
+    def run_control(self) -> None:
+        """The device control plane per layer and micro-batch (issue 19): plan + reroute table as kernels
+        (``k_quota``, ``k_reroute``) on EP8- and EP64-shaped loads, beside the host path they replace (loads
+        copied to the host, the same planner's host build, the table built and uploaded).  #wrong: plan and
+        table entries that differ from the host build's (the kernels must match it bit for bit)."""
+        torch = self.torch
+        from ultracomm import workloads
+        from ultracomm.moe.reroute import RerouteTable
+        from ultracomm.planners import Domain, get_planner
+        from ultracomm.planners import device as dp
+
+        if self.cuda_reason or not hasattr(self.cuda, "quota_plan"):
+            self.rows.append(Row("control", "-", "-", 0, None, 0, 0, None,
+                                 f"not measured: {self.cuda_reason or 'this _cuda build has no quota_plan'}"))
+            return
+        host_plan = get_planner("device")
+        for label, W, epr in (("EP8", 8, 32), ("EP64", 64, 4)):
+            E = W * epr
+            dom = Domain.flat(W, epr)
+            load = workloads.zipf_load(W, E, 8192, 8, 2.0, seed=1)
+            loads = torch.as_tensor(load, dtype=torch.int32, device=self.dev)
+            out = dp.plan_on_gpu(loads, dom, 2)
+            tab: dict = {}
+
+            def device_path():
+                dp.plan_on_gpu(loads, dom, 2, out=out)
+                RerouteTable.from_plan(loads, out["slot_src"], out["slot_quota"], 0, epr, "echo",
+                                       out=tab or None)
+
+            t_plan, _ = self.timer(lambda: dp.plan_on_gpu(loads, dom, 2, out=out), reps=20)
+            first = RerouteTable.from_plan(loads, out["slot_src"], out["slot_quota"], 0, epr, "echo")
+            tab.update(bounds=first.bounds, columns=first.columns,
+                       scratch=torch.empty(self.cuda.reroute_scratch_bytes(W, E) // 8, dtype=torch.int64,
+                                           device=self.dev))
+            t_all, _ = self.timer(device_path, reps=20)
+            torch.cuda.synchronize(self.dev)
+            ref = host_plan(load, dom, 2)
+            want_q = np.where(ref.slot_src >= 0, ref.slot_moves.sum(0), 0)
+            wrong = int((out["slot_src"].cpu().numpy() != ref.slot_src).sum()
+                        + (out["slot_quota"].cpu().numpy() != want_q).sum())
+            ht = RerouteTable.from_plan(*(x.cpu() for x in (loads, out["slot_src"], out["slot_quota"])), 0, epr, "echo")
+            wrong += int((first.bounds.cpu() != ht.bounds).sum() + (first.columns.cpu() != ht.columns).sum())
+            info = dp.decode_result(out["result"].cpu())
+            note = f"probes {info['probes']}, rounds {info['rounds']}, replicas {info['replicas']}"
+            self.rows.append(Row("control", f"{label} plan", "k_quota", E, t_plan, 0, 0, wrong, note))
+            self.rows.append(Row("control", f"{label} plan+reroute", "k_quota+k_reroute", E, t_all, 0, 0, wrong, note))
+
+            def host_path():
+                res = host_plan(loads.cpu().numpy().astype(np.int64), dom, 2)
+                RerouteTable.from_result(res, 0, "echo").to(self.dev)
+                torch.cuda.current_stream(self.dev).synchronize()
+
+            host_path()
+            ts = []
+            for _ in range(5 if self.quick else 20):
+                t0 = time.perf_counter()
+                host_path()
+                ts.append(time.perf_counter() - t0)
+            self.rows.append(Row("control", f"{label} plan+reroute", "host (D2H, plan, H2D)", E, statistics.median(ts),
+                                 0, 0, None, "wall time incl. the host sync"))
 
     def run_flag(self) -> None:
         torch = self.torch

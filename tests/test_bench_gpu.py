@@ -171,9 +171,10 @@ def test_gpu_check_step_respects_the_deadline(left, cap, cmd, want_rc, want):
 
 
 def test_gpu_check_step_interrupts_then_kills_at_its_timeout():
-    """SIGINT first (pytest writes its XML, Python prints where it was), SIGKILL 10 s later."""
+    """SIGINT first (pytest writes its XML, Python prints where it was), SIGKILL 10 s later.  (python3 -S: no site
+    packages to import, so a loaded machine cannot stretch its start past the 1 s step.)"""
     script = (f"exec 3>&1\nDEADLINE=$((SECONDS + 100))\n{_step_function()}\n"
-              "step demo 1 python3 -c 'import time\ntry:\n time.sleep(30)\nexcept KeyboardInterrupt:\n print(\"interrupted\")\n raise'")
+              "step demo 1 python3 -S -c 'import time\ntry:\n time.sleep(30)\nexcept KeyboardInterrupt:\n print(\"interrupted\")\n raise'")
     p = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
     lines = p.stdout.splitlines()
     assert lines[:2] == ["gpu_check: demo (timeout 1s)", "interrupted"] and p.returncode == 124, p.stdout + p.stderr

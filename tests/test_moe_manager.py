@@ -193,6 +193,30 @@ def test_default_planner_is_the_device_planner_with_a_logged_fallback(caplog):
     assert not mgr_mod.device_planner.fits(8, 64, 9) and not mgr_mod.device_planner.fits(8, 65537, 1)
 
 
+def test_beyond_the_device_planners_capacity_the_manager_logs_and_plans_with_quota(monkeypatch, caplog):
+    import logging
+
+    from ultracomm import LoopbackDomain
+    from ultracomm.moe import ReplicaManager
+    from ultracomm.moe import manager as mgr_mod
+    from ultracomm.planners import get_planner
+
+    monkeypatch.setattr(mgr_mod.device_planner, "MAX_SLOTS", 1)  # as if 2 slots were beyond it
+
+    def body(group):
+        mgr = ReplicaManager(group, mh.layout(), 2, 2, 1, timeout_s=20)
+        chosen = mgr.planner
+        mgr.close()
+        return chosen
+
+    with caplog.at_level(logging.WARNING, logger="ultracomm"):
+        chosen = LoopbackDomain(2).run(body, timeout=120)
+    assert all(c is get_planner("quota") for c in chosen)
+    lines = [r.getMessage() for r in caplog.records if "device planner" in r.getMessage()]
+    assert lines == ["ultracomm: world 2, 4 experts, 2 slots exceed the device planner's capacities; "
+                     "planning with the host planner 'quota'"] * 2
+
+
 def test_device_planner_grads_match_no_replication_and_repeat_bit_identically():
     first = run(planner="device", mbs=2, order="interleaved")
     check_against_reference(first, mbs=2)

@@ -99,9 +99,15 @@ def test_choice_is_logged_once_and_says_which_edges_go_where(caplog):
                      "p2p (gloo messages through shadow windows and a bridge)" for r in range(world)]
 
 
-def test_shadows_keep_flags_and_give_back_slot_pages():
+@pytest.mark.parametrize("direct", [False, True])
+def test_shadows_keep_flags_and_give_back_slot_pages(monkeypatch, direct):
     """After an op the shadow of the receiving peer holds its ready/digest words (from its header) and
-    the arrival flags its interpreter raised, and its slot bytes read as zeros again (pages returned)."""
+    -- shadow protocol -- the arrival flags its interpreter raised, and its slot bytes read as zeros
+    again (pages returned).  Direct crossings (bridge_direct.py) never touch the shadow's slots or
+    arrival flags: the chunk goes from the master to the peer."""
+    from ultracomm.transports import split as split_mod
+
+    monkeypatch.setattr(split_mod, "DIRECT_CROSSINGS", direct)
     world, epr, slots = 2, 1, 1
     layout = ExpertLayout((Member("w", (64, 64), torch.float32),))  # slot bytes span whole pages
     plan = ReplicaPlan.make(np.array([[-1], [0]], np.int32), experts_per_rank=epr)
@@ -124,7 +130,7 @@ def test_shadows_keep_flags_and_give_back_slot_pages():
     ready, nonzero, arrival, own_ready, chunk = LoopbackDomain(world).run(body)[0]
     assert ready == 1 and own_ready == 1  # rank 1's header said epoch 1, as its own window does
     # the crossing chunk is raised to what a gloo message pays for (ultracomm.alpha_beta): the whole slot
-    assert chunk == 16384 and arrival == [1]
+    assert chunk == 16384 and arrival == [0 if direct else 1]
     assert nonzero == 0
 
 

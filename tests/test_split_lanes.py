@@ -84,3 +84,51 @@ def test_headers_only_when_the_plan_changes_and_bytes_stay_exact():
                 want = sum(0.25 * (q + 1) for q in range(4) for x in plan.slot_src[q].tolist() if x == e)
                 for j in range(len(LAYOUT.members)):
                     assert torch.equal(grads[j][i], torch.full_like(grads[j][i], want)), (r, k, i, j)
+
+
+def test_direct_plans_cover_every_path_of_the_bit_exact_cases():
+    """The cases test_split.py runs byte for byte against the host executor (same plans, same chunk
+    as its crossing count) move crossings by every path of bridge_direct.py: early sends (masters,
+    leaf grads), lane sends (relays), early receives (leaf slots, hidden from the interpreter) and
+    lane receives (relay slots, reduce sources)."""
+    from ultracomm import domains
+    from ultracomm.records import Op
+    from ultracomm.schedule import build_schedule
+    from ultracomm.transports.bridge_direct import build_direct_plan
+    from ultracomm.transports.bridge_program import build_bridge_program
+
+    from conftest import hot_slot_src, random_slot_src
+    from test_split import CASES, layout_of
+
+    seen = {op: {"early_sends": 0, "lane_sends": 0, "early_recvs": 0, "lane_recvs": 0} for op in Op}
+    for world, domain, node_of, mode, grad_dtype in CASES:
+        layout, epr, slots = layout_of(grad_dtype), 2, 3
+        rng = np.random.default_rng(world * 13 + len(mode))
+        plans = [ReplicaPlan.make(hot_slot_src(world, slots, epr, expert=1), experts_per_rank=epr)] + \
+                [ReplicaPlan.make(random_slot_src(rng, world, slots, epr, 0.9), experts_per_rank=epr) for _ in range(2)]
+        dom = domains.domain_of(domain.split(","))
+        for plan in plans:
+            sched = build_schedule(plan, layout.weight_bytes, layout.grad_bytes, chunk_bytes=128, relay_mode=mode,
+                                   node_of=node_of)
+            for op, nbytes, mo, mb in ((Op.MULTICAST, layout.weight_bytes, layout.weight_offsets, layout.weight_sizes),
+                                       (Op.REDUCE, layout.grad_bytes, layout.grad_offsets, layout.grad_sizes)):
+                for r in range(world):
+                    tasks, refs = sched.tasks(op, r), sched.refs(op, r)
+                    prog = build_bridge_program(op, sched, r, tasks, refs, plan.slot_src.numpy(), plan.home_of.numpy(),
+                                                dom, 128, nbytes)
+                    d = build_direct_plan(prog, sched, tasks, refs, dom, list(mo), list(mb))
+                    for k in seen[op]:
+                        seen[op][k] += len(getattr(d, k))
+                    # every crossing is moved by exactly one path; segments lie inside its chunk
+                    assert sorted(p.x.tag * 64 + p.x.dst for p in d.early_sends + d.lane_sends) == sorted(x.tag * 64 + x.dst for x in prog.sends)
+                    assert sorted(p.x.tag * 64 + p.x.src for p in d.early_recvs + d.lane_recvs) == sorted(x.tag * 64 + x.src for x in prog.recvs)
+                    for p in d.early_sends + d.lane_sends + d.early_recvs + d.lane_recvs:
+                        assert p.segs and all(p.x.lo <= lo < hi <= p.x.hi for _, lo, hi in p.segs)
+                    if op == Op.MULTICAST:  # the interpreter keeps only refs inside the domain
+                        assert all(dom[int(x["rank"])] == dom[r] for x in d.refs)
+                        assert {p.x.slot for p in d.early_recvs} == set(d.hidden)
+                    else:
+                        assert d.tasks is tasks and {p.x.slot for p in d.early_sends} == set(d.hidden)
+    assert all(seen[Op.MULTICAST].values()), seen
+    assert seen[Op.REDUCE]["early_sends"] and seen[Op.REDUCE]["lane_sends"] and seen[Op.REDUCE]["lane_recvs"], seen
+    assert seen[Op.REDUCE]["early_recvs"] == 0

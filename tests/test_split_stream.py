@@ -200,6 +200,7 @@ def test_streams_beside_the_interpreter_give_the_host_executors_bytes(monkeypatc
     host = run_ops("host", world, plans, layout, epr, slots, mode, node_of)
     hub = SimHub(order)
     monkeypatch.setattr(split_mod, "BridgeRun", hub.bridge)
+    monkeypatch.setattr(split_mod, "DIRECT_CROSSINGS", False)  # the GPU stream's (shadow) protocol
     split = run_split(world, plans, layout, epr, slots, mode, node_of, domain)
     assert hub.moved > 0 and hub.deadlocks == []
     for r in range(world):
@@ -216,6 +217,7 @@ def test_sends_before_receives_deadlock_beside_the_interpreter(monkeypatch):
     slot_src[0, 0], slot_src[2, 0] = 4, 1
     hub = SimHub("sends_first")
     monkeypatch.setattr(split_mod, "BridgeRun", hub.bridge)
+    monkeypatch.setattr(split_mod, "DIRECT_CROSSINGS", False)
     with pytest.raises(StreamDeadlock, match="no stream can move: rank 0: send header"):
         run_split(4, [ReplicaPlan.make(slot_src, experts_per_rank=epr)], layout, epr, slots, "force", [0, 0, 1, 1],
                   "a,a,b,b")

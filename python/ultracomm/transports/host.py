@@ -132,11 +132,16 @@ class HostTransport:
                                 L["grad_slot_bytes"], L["chunk_bytes"])
 
     def run(self, op: Op, schedule, epoch: int, masters: Masters, my_slots: Sequence[int],
-            local_index_of: Sequence[int], op_name: str | None = None, abort_word: int = 0) -> None:
+            local_index_of: Sequence[int], op_name: str | None = None, abort_word: int = 0,
+            lists: tuple | None = None) -> None:
         """Run ``op`` of ``schedule`` for this rank at ``epoch``; blocks until done here.
         ``op_name`` (``weight_sync``, ``restore``, ``grad_reduce``) names the operation in errors;
-        ``abort_word``: address of a uint64 that stops the run once nonzero (``_core.run_host``)."""
+        ``abort_word``: address of a uint64 that stops the run once nonzero (``_core.run_host``);
+        ``lists``: ``(tasks, refs)`` to run instead of the schedule's (the split transport's
+        direct crossings drop the refs to other domains)."""
         tasks, refs, slot_parent = self._args(op, schedule)
+        if lists is not None:
+            tasks, refs = lists
         if op == Op.MULTICAST:
             member_off, member_bytes, ptrs = self._weight_members + (masters.weight_ptrs,)
         else:

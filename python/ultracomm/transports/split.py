@@ -26,6 +26,7 @@ from .. import _core
 from ..alpha_beta import COSTS
 from ..records import Op
 from .bridge import BridgeLanes, BridgeRun
+from .bridge_direct import MAX_SEGMENTS, DirectBridge, DirectPlan, build_direct_plan
 from .bridge_program import BridgeProgram, build_bridge_program
 from .host import HostTransport, Masters, op_digest
 from .p2p_messengers import messenger_for
@@ -35,6 +36,12 @@ from .shadow import Shadows
 __all__ = ["SplitTransport"]
 
 _CACHE = 128  # (schedule, op) bridge programs kept
+
+#: crossings move between real buffers (:mod:`.bridge_direct`: no shadow copy of multicast chunks,
+#: the calling thread moves what no task waits for).  False: the shadow protocol of :mod:`.bridge`
+#: for every crossing -- the one the GPU split stream runs, simulated on the CPU by
+#: tests/split_stream_sim.py.
+DIRECT_CROSSINGS = True
 
 
 class SplitTransport:
@@ -76,6 +83,9 @@ class SplitTransport:
         #: the bridge's send and receive threads, kept for the transport's life (not started per op)
         self.lanes = BridgeLanes(f"ultracomm-bridge-r{rank}") if self.messenger is not None else None
         self._programs: dict[tuple[int, int], BridgeProgram] = {}
+        self._direct: dict[tuple[int, int], DirectPlan] = {}
+        self._members = {Op.MULTICAST: (list(layout.weight_offsets), list(layout.weight_sizes)),
+                         Op.REDUCE: (list(layout.grad_offsets), list(layout.grad_sizes))}
 
     def program(self, op: Op, schedule) -> BridgeProgram:
         """This rank's (cached) crossings of ``op`` for ``schedule``."""
@@ -83,6 +93,21 @@ class SplitTransport:
         return cached_program(self._programs, schedule, op, self.world, lambda slot_src, home_of: build_bridge_program(
             op, schedule, self.rank, schedule.tasks(op, self.rank), schedule.refs(op, self.rank), slot_src, home_of,
             self.domain_of, self.wlayout["chunk_bytes"], slot_bytes), _CACHE)
+
+    def direct_plan(self, op: Op, schedule, prog: BridgeProgram) -> DirectPlan | None:
+        """This rank's (cached) :class:`~.bridge_direct.DirectPlan` of ``op``, or None for the shadow
+        protocol (``DIRECT_CROSSINGS`` off, or more members than direct tags allow)."""
+        if not DIRECT_CROSSINGS or len(self._members[op][0]) > MAX_SEGMENTS:
+            return None
+        key = (schedule.digest, int(op))
+        plan = self._direct.get(key)
+        if plan is None:
+            if len(self._direct) >= _CACHE:
+                self._direct.clear()
+            plan = self._direct[key] = build_direct_plan(prog, schedule, schedule.tasks(op, self.rank),
+                                                         schedule.refs(op, self.rank), self.domain_of,
+                                                         *self._members[op])
+        return plan
 
     def run(self, op: Op, schedule, epoch: int, masters: Masters, my_slots: Sequence[int],
             local_index_of: Sequence[int], op_name: str | None = None) -> None:
@@ -95,12 +120,24 @@ class SplitTransport:
             self.host.run(op, schedule, epoch, masters, my_slots, local_index_of, name)
             return
         abort = torch.zeros(1, dtype=torch.int64)
-        bridge = BridgeRun(self.messenger, prog, epoch, op_digest(schedule.digest, op), self.window.local,
-                           self.window.peer_bases[self.rank], self.shadows, self.wlayout, abort, self.timeout_s,
-                           f"rank {self.rank} {name} (epoch {epoch}, transport split, bridge)")
+        args = (self.messenger, prog, epoch, op_digest(schedule.digest, op), self.window.local,
+                self.window.peer_bases[self.rank], self.shadows, self.wlayout, abort, self.timeout_s,
+                f"rank {self.rank} {name} (epoch {epoch}, transport split, bridge)")
+        direct = self.direct_plan(op, schedule, prog)
+        lists = None
+        if direct is None:
+            bridge = BridgeRun(*args)
+        else:
+            mc = op == Op.MULTICAST
+            bridge = DirectBridge(*args, plan=direct, members=masters.weights if mc else masters.grads,
+                                  local_index_of=local_index_of, member_off=self._members[op][0])
+            lists, my_slots = (direct.tasks, direct.refs), direct.my_slots(my_slots)
         bridge.start(self.lanes)
         try:
-            self.host.run(op, schedule, epoch, masters, my_slots, local_index_of, name, abort_word=abort.data_ptr())
+            self.host.run(op, schedule, epoch, masters, my_slots, local_index_of, name, abort_word=abort.data_ptr(),
+                          lists=lists)
+            if direct is not None:
+                bridge.finish_early()
         except _core.AbortedError:
             pass  # the bridge failed first: its error is raised below
         except BaseException as e:  # the interpreter failed first: stop the bridge

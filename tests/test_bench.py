@@ -61,3 +61,24 @@ def test_bench_zipf_workloads_and_plot(tmp_path):
     assert all(r["wrong"] == 0 for r in rows)
     assert abs(rows[0]["imbalance"] - 1.5) < 0.05 and abs(rows[2]["imbalance"] - 2.0) < 0.05
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_bench_interleaved_methods_check_every_byte(tmp_path):
+    """--interleave: every method set up at once and timed round-robin; each still verified (#wrong),
+    each with its own iterations, grads and choice."""
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "-m",
+           "ultracomm.bench", "all", "--workload", "zipf:3", "--experts-per-rank", "4", "--top-k", "2",
+           "--min-bytes", "64K", "--max-bytes", "64K", "--iters", "3", "--interleave",
+           "--methods", "p2p_gloo,relay_gloo,relay_split", "--json", str(out)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "ULTRACOMM_NUM_WORKERS": "2"})
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "methods interleaved per iteration" in p.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["op"], r["method"]) for r in rows] == [(op, m) for op in ("weight_sync", "grad_reduce")
+                                                      for m in ("p2p_gloo", "relay_gloo", "relay_split")]
+    assert all(r["wrong"] == 0 and r["time_us"] > 0 for r in rows)
+    assert all(r["choice"] for r in rows if r["method"] != "p2p_gloo")
+    assert all(0 < r["cross_bytes"] < r["moved_bytes"] for r in rows if r["method"] == "relay_split")

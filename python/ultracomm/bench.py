@@ -215,6 +215,9 @@ class TorchBaselines:
 
 # ------------------------------------------------------------------------------ one case
 def run_case(op: str, size: int, workload: str, args, rank: int, world: int) -> list[dict]:
+    """Every method of ``args.methods`` on one (op, size, workload); one row each.  Methods run one
+    after another, or -- ``args.interleave`` -- all set up at once and timed round-robin, one
+    iteration of each in turn, so load that drifts on a shared machine hits every method alike."""
     from .context import Context
     from .layout import ExpertLayout, Member
 
@@ -231,18 +234,15 @@ def run_case(op: str, size: int, workload: str, args, rank: int, world: int) -> 
     for s, e in enumerate(my_slot_experts):
         if e >= 0:
             expected[s] = (torch.arange(n, dtype=torch.float32) + (e % epr) * n + (e // epr) * 7).to(torch.bfloat16)
-    grad = torch.zeros((epr, n), dtype=gdt)
     nbytes = layout.weight_bytes if op == "weight_sync" else layout.grad_bytes
     want_grad = torch.tensor([float(counts[e]) for e in range(rank * epr, (rank + 1) * epr)]).unsqueeze(1).to(gdt)
 
     def check_weights(slot_tensor: torch.Tensor) -> int:
         return sum(int((slot_tensor[s] != w).sum()) for s, w in expected.items())
 
-    def check_grads() -> int:
-        return int((grad != want_grad).sum())
-
-    rows = []
-    for method in args.methods:
+    def prepare(method: str) -> dict:
+        """The method's timed callable, its untimed setup and check, the row's facts and its teardown."""
+        grad = torch.zeros((epr, n), dtype=gdt)  # per method: interleaved methods must not share it
         ctx = echo = None
         threads = torch.get_num_threads()
         cross = choice = None
@@ -281,7 +281,6 @@ def run_case(op: str, size: int, workload: str, args, rank: int, world: int) -> 
                 from .echo_shm import EchoShm
 
                 echo = EchoShm(plan, as_comm(None), n, torch.bfloat16, gdt, timeout_s=args.timeout_s)
-                torch.set_num_threads(args.workers)  # as many threads as ultracomm's host executor
             else:
                 base = TorchBaselines(plan, rank, epr, n)
                 scratch = [torch.empty(n, dtype=gdt) for rows_ in base.send_rows for _ in rows_]
@@ -297,10 +296,8 @@ def run_case(op: str, size: int, workload: str, args, rank: int, world: int) -> 
                 fn = lambda: base.a2a_weights(master, slot_w)  # noqa: E731
             else:
                 fn = lambda: base.p2p_weights(master, slot_w)  # noqa: E731
-            times, wrong = _times(fn, args.iters, args.warmup, setup=lambda: slot_w.zero_(),
-                                  check=lambda: check_weights(slot_w))
-            if ctx is not None:
-                ctx.end(vid)
+            setup, check = (lambda: slot_w.zero_()), (lambda: check_weights(slot_w))
+            end = (lambda: ctx.end(vid)) if ctx is not None else (lambda: None)
         else:
             def setup():  # untimed: fresh inputs (relays overwrite their slot with the partial)
                 grad.zero_()
@@ -320,19 +317,56 @@ def run_case(op: str, size: int, workload: str, args, rank: int, world: int) -> 
                 fn = lambda: base.a2a_grads(slot_g, grad)  # noqa: E731
             else:
                 fn = lambda: base.p2p_grads(slot_g, grad, scratch)  # noqa: E731
-            times, wrong = _times(fn, args.iters, args.warmup, setup, check_grads)
+            check = lambda: int((grad != want_grad).sum())  # noqa: E731
+            end = lambda: None  # noqa: E731
+        if method == "a2a_shm":  # as many torch threads as ultracomm's host executor, while it runs
+            run = fn
+
+            def fn() -> None:
+                torch.set_num_threads(args.workers)
+                try:
+                    run()
+                finally:
+                    torch.set_num_threads(threads)
         if lb is None:  # the lower bound does not depend on the method: take it from a schedule
             from .schedule import build_schedule
 
             s = build_schedule(plan, layout.weight_bytes, layout.grad_bytes, chunk_bytes=args.chunk_bytes,
                                relay_mode="off")
             lb = s.stats("multicast" if op == "weight_sync" else "reduce")["lower_bound_bytes"]
-        if ctx is not None:
-            ctx.close()
-        if echo is not None:
-            echo.close()
-            torch.set_num_threads(threads)
-        wrong_t = torch.tensor([wrong], dtype=torch.int64)
+
+        def close() -> None:
+            end()
+            if ctx is not None:
+                ctx.close()
+            if echo is not None:
+                echo.close()
+        return dict(fn=fn, setup=setup, check=check, close=close, busiest=busiest, lb=lb, depth=depth,
+                    cross=cross, choice=choice, times=[], wrong=0)
+
+    cases: dict[str, dict] = {}
+    if args.interleave:
+        for method in args.methods:
+            cases[method] = prepare(method)
+        for i in range(args.warmup + args.iters):
+            for method in args.methods:
+                c = cases[method]
+                t, w = _times(c["fn"], 1, 0, c["setup"], c["check"])
+                c["wrong"] += w
+                if i >= args.warmup:
+                    c["times"] += t
+        for c in cases.values():
+            c["close"]()
+    else:
+        for method in args.methods:
+            c = cases[method] = prepare(method)
+            c["times"], c["wrong"] = _times(c["fn"], args.iters, args.warmup, c["setup"], c["check"])
+            c["close"]()
+    rows = []
+    for method in args.methods:
+        c = cases[method]
+        times, busiest, lb = c["times"], c["busiest"], c["lb"]
+        wrong_t = torch.tensor([c["wrong"]], dtype=torch.int64)
         dist.all_reduce(wrong_t)
         med = statistics.median(times)
         p90 = sorted(times)[min(len(times) - 1, int(round(0.9 * (len(times) - 1))))]
@@ -343,8 +377,8 @@ def run_case(op: str, size: int, workload: str, args, rank: int, world: int) -> 
             "replicas": replicas, "max_replicas": max(counts) if counts else 0, "moved_bytes": moved,
             "time_us": med * 1e6, "p90_us": p90 * 1e6,
             "algbw_GBps": moved / med / 1e9, "busbw_GBps": moved / med / 1e9, "cpbw_GBps": busiest / med / 1e9,
-            "busiest_bytes": busiest, "lower_bound_bytes": lb, "lb_ratio": busiest / max(1, lb), "depth": depth,
-            "wrong": int(wrong_t), "cross_bytes": cross, "choice": choice,
+            "busiest_bytes": busiest, "lower_bound_bytes": lb, "lb_ratio": busiest / max(1, lb), "depth": c["depth"],
+            "wrong": int(wrong_t), "cross_bytes": c["cross"], "choice": c["choice"],
         })
     return rows
 
@@ -403,6 +437,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--factor", type=int, default=4)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--interleave", action="store_true",
+                   help="set every method up at once and time them round-robin (one iteration each in turn)")
     p.add_argument("--slots", type=int, default=2)
     p.add_argument("--experts-per-rank", type=int, default=2)
     p.add_argument("--top-k", type=int, default=8)
@@ -454,6 +490,7 @@ def main(argv: list[str] | None = None) -> int:
               f"({cfg.num_workers} torch threads); *_gloo "
               f"over {dist.get_backend()}; {args.slots} slots/rank, {args.experts_per_rank} experts/rank, chunk "
               f"{args.chunk_bytes} B, iters {args.iters} (+{args.warmup} warm-up)"
+              + (", methods interleaved per iteration" if args.interleave else "")
               + (f"; model {args.model} x{args.scale}" if args.model else ""))
         print(f"# size: bytes of one expert (bf16 weights / {args.grad_dtype} grads); algbw = replicas x size / time; busbw = "
               "algbw x 1; cpbw = busiest rank's link bytes / time; lb = busiest bytes / lower bound; GB/s")

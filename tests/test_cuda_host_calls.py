@@ -31,7 +31,8 @@ pytestmark = pytest.mark.skipif(CXX is None or INC is None, reason="needs g++ an
 @pytest.fixture(scope="module")
 def probe(tmp_path_factory) -> Path:
     exe = tmp_path_factory.mktemp("cudart_stub") / "probe"
-    srcs = ["tests/cpp/cudart_stub_probe.cpp", "csrc/cuda/device_plan.cpp", "csrc/cuda/runner.cpp",
+    srcs = ["tests/cpp/cudart_stub_probe.cpp", "csrc/cuda/device_plan.cpp", "csrc/cuda/plan_arena.cpp",
+            "csrc/cuda/runner.cpp",
             "csrc/host_executor.cpp", "csrc/validate_exec.cpp", "csrc/error_text.cpp"]
     r = subprocess.run([CXX, "-std=c++20", "-O1", "-Wall", "-Wextra", "-Werror", "-pthread", f"-I{ROOT / 'include'}",
                         f"-I{ROOT / 'csrc'}", f"-I{ROOT / 'csrc' / 'cuda'}", f"-I{INC}", *(str(ROOT / s) for s in srcs),
@@ -101,3 +102,55 @@ def test_launch_order_inside_a_capture_and_across_its_boundary(probe):
                    "cudaStreamWaitEvent s101 e1", "launch grid 1 smem 65568 plain s101", "cudaEventRecord e1 s101",
                    "launch grid 1 smem 65568 plain s201", "cudaEventRecord e1 s201",
                    "launch grid 1 smem 65568 plain s2", "cudaEventRecord e1 s2"], log
+
+
+def _arena(probe, scenario):
+    log = calls(probe, scenario)
+    i = log.index("-- write slot 1")
+    return log[:i], log[i:]
+
+
+def test_plan_arena_is_allocated_once_and_written_with_async_copies(probe):
+    # setup: the runner's state, then the arena: device memory and pinned staging, once
+    setup, run = _arena(probe, "arena")
+    assert setup[-3:] == ["cudaMalloc 4608", "cudaHostAlloc", "arena 4608 area 768"], setup  # 3 slots x 2 ops
+    # after setup: no cudaMalloc / cudaFree / pageable cudaMemcpy / host synchronisation; a new
+    # plan is one async copy from the staging on the launch stream, behind the wait for the
+    # previous launch of its kind, and the kernel reads it at the slot's fixed address (slot 1's
+    # multicast area: arena base 8448 + 2 x 768); running what the slot holds copies nothing
+    view = "  views +9984 op 0 tasks 1 at +10432"
+    assert run == ["-- write slot 1",
+                   "cudaMemcpyAsync 504 H2D s1 +9984", "cudaEventRecord e5 s1",
+                   "launch grid 1 smem 65568 plain s1", view, "cudaEventRecord e1 s1",
+                   "-- rerun slot 1",
+                   "launch grid 1 smem 65568 plain s1", view, "cudaEventRecord e1 s1",
+                   "-- rewrite slot 1",
+                   "cudaEventQuery e5",  # the previous copy out of this staging finished: no wait
+                   "cudaMemcpyAsync 504 H2D s1 +9984", "cudaEventRecord e5 s1",
+                   "launch grid 1 smem 65568 plain s1", view, "cudaEventRecord e1 s1",
+                   "-- slot 2 empty", "cudaFree", "cudaFree",
+                   "threw ultracomm._cuda.Runner.launch: plan arena slot 2 holds no plan for this op; pass the "
+                   "plan's rank entries"], run
+
+
+def test_plan_arena_waits_only_when_the_device_is_a_whole_slot_cycle_behind(probe):
+    _, run = _arena(probe, "arena_behind")  # the stub's previous copy out of the staging is still queued
+    i = run.index("-- rewrite slot 1")
+    assert run[i + 1:i + 4] == ["cudaEventQuery e5", "cudaEventSynchronize e5", "cudaMemcpyAsync 504 H2D s1 +9984"]
+    assert run.count("cudaEventSynchronize e5") == 1
+
+
+def test_plan_arena_under_capture_copies_from_the_staging_at_replay(probe):
+    # a captured copy is a graph node reading the staging when replayed: no event is recorded for
+    # it (an event recorded in a capture cannot be queried outside it)
+    _, run = _arena(probe, "arena_capture")
+    assert [c for c in run if c.startswith("cudaMemcpyAsync")] == ["cudaMemcpyAsync 504 H2D s100 +9984"] * 2
+    assert not [c for c in run if c.startswith(("cudaEventQuery", "cudaEventSynchronize", "cudaEventRecord e5"))]
+
+
+def test_plan_beyond_the_arena_bounds_is_refused_before_anything_moves(probe):
+    _, run = _arena(probe, "arena_over")
+    assert run == ["-- write slot 1", "cudaFree", "cudaFree",
+                   "threw ultracomm._cuda.PlanArena: rank entry 0: 3 tasks exceed the plan arena's bound of 2 for "
+                   "multicast (set at setup from the Context's experts, slots, world, window chunks and loopback "
+                   "ranks)"], run

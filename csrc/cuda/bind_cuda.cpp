@@ -86,6 +86,32 @@ ExecArgs exec_args(const py::dict& d, std::vector<Task>& tasks, std::vector<Ref>
   return a;
 }
 
+// Rank entries of one launch as ExecArgs; `tasks` / `refs` own their records.
+std::vector<ExecArgs> rank_args(const py::list& ranks, std::vector<std::vector<Task>>& tasks,
+                                std::vector<std::vector<Ref>>& refs) {
+  tasks.resize(ranks.size());
+  refs.resize(ranks.size());
+  std::vector<ExecArgs> args;
+  args.reserve(ranks.size());
+  for (size_t i = 0; i < ranks.size(); ++i) args.push_back(exec_args(ranks[i].cast<py::dict>(), tasks[i], refs[i]));
+  return args;
+}
+
+PlanBounds bounds(int nranks, int world, int num_experts, int64_t masters, int slots, std::pair<int64_t, int64_t> tasks,
+                  std::pair<int64_t, int64_t> refs) {
+  PlanBounds b;
+  b.nranks = nranks;
+  b.world = world;
+  b.num_experts = num_experts;
+  b.masters = masters;
+  b.slots = slots;
+  b.tasks[0] = tasks.first;
+  b.tasks[1] = tasks.second;
+  b.refs[0] = refs.first;
+  b.refs[1] = refs.second;
+  return b;
+}
+
 std::unique_ptr<DevicePlan> make_plan(const py::list& ranks, int device) {
   std::vector<std::vector<Task>> tasks(ranks.size());
   std::vector<std::vector<Ref>> refs(ranks.size());
@@ -129,6 +155,33 @@ then uploaded once (allocates and copies synchronously: build plans before graph
       .def_property_readonly("device", &DevicePlan::device)
       .def_property_readonly("nbytes", &DevicePlan::bytes);
 
+  m.def(
+      "plan_arena_bytes",
+      [](int num_slots, int nranks, int world, int num_experts, int64_t masters, int slots,
+         std::pair<int64_t, int64_t> tasks, std::pair<int64_t, int64_t> refs) {
+        return PlanArena::bytes_for(num_slots, bounds(nranks, world, num_experts, masters, slots, tasks, refs));
+      },
+      py::arg("num_slots"), py::arg("nranks"), py::arg("world"), py::arg("num_experts"), py::arg("masters"),
+      py::arg("slots"), py::arg("tasks"), py::arg("refs"),
+      "Device bytes (and as many pinned host bytes) of a PlanArena with these bounds; allocates nothing.");
+  py::class_<PlanArena>(m, "PlanArena", R"doc(Every plan slot of one executor in one device allocation.
+
+PlanArena(device, num_slots, nranks, world, num_experts, masters, slots, tasks, refs): tasks and
+refs are (multicast, reduce) bounds per rank entry.  Allocated once (device memory + pinned
+staging); Runner.launch_slot writes a plan into a slot with an async copy on the launch stream.)doc")
+      .def(py::init([](int device, int num_slots, int nranks, int world, int num_experts, int64_t masters, int slots,
+                       std::pair<int64_t, int64_t> tasks, std::pair<int64_t, int64_t> refs) {
+             const PlanBounds b = bounds(nranks, world, num_experts, masters, slots, tasks, refs);
+             PlanArena::bytes_for(num_slots, b);  // bounds checked before the device is touched
+             DeviceGuard guard(device);
+             return std::make_unique<PlanArena>(device, num_slots, b);
+           }),
+           py::arg("device"), py::arg("num_slots"), py::arg("nranks"), py::arg("world"), py::arg("num_experts"),
+           py::arg("masters"), py::arg("slots"), py::arg("tasks"), py::arg("refs"))
+      .def_property_readonly("nbytes", &PlanArena::bytes)
+      .def_property_readonly("num_slots", &PlanArena::num_slots)
+      .def_property_readonly("device", &PlanArena::device);
+
   py::class_<Runner>(m, "Runner", R"doc(Launch state of one executor on one device.
 
 Runner(device) allocates the device state and a mapped error record.  launch(plan, epoch,
@@ -145,6 +198,23 @@ into text/exception with _core.format_error / _core.raise_error_record.)doc")
           },
           py::arg("plan"), py::arg("epoch"), py::arg("ctas_per_rank"), py::arg("stream"),
           py::arg("force_vector") = false)
+      .def(
+          "launch_slot",
+          [](Runner& r, PlanArena& arena, int slot, int op, const py::object& ranks, uint64_t epoch, int ctas_per_rank,
+             uintptr_t stream, bool force_vector) {
+            if (op != 0 && op != 1) throw std::invalid_argument("ultracomm._cuda.Runner.launch_slot: op must be 0 or 1");
+            std::vector<std::vector<Task>> tasks;
+            std::vector<std::vector<Ref>> refs;
+            std::vector<ExecArgs> args;
+            if (!ranks.is_none()) args = rank_args(ranks.cast<py::list>(), tasks, refs);
+            r.launch(arena, slot, static_cast<Op>(op), ranks.is_none() ? nullptr : &args, epoch, ctas_per_rank,
+                     as_stream(stream), force_vector ? kForceVector : 0u);
+          },
+          py::arg("arena"), py::arg("slot"), py::arg("op"), py::arg("ranks"), py::arg("epoch"), py::arg("ctas_per_rank"),
+          py::arg("stream"), py::arg("force_vector") = false,
+          "Enqueue the plan of arena slot `slot` for `op` (ranks: the plan's rank entries, as DevicePlan takes "
+          "them, to write into the slot first; None: run what the slot holds).  No allocation, no host wait "
+          "(the upload is an async copy from pinned staging on `stream`).")
       .def("take_error",
            [](Runner& r) -> py::object {
              const auto e = r.take_error();

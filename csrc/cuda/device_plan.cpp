@@ -1,5 +1,5 @@
 // DevicePlan: host image of the views and their arrays, pointers rebased onto one device
-// allocation, one synchronous copy.
+// allocation, one synchronous copy (tests and benchmarks; the transports use PlanArena).
 #include "device_plan.h"
 
 #include <cuda_runtime_api.h>
@@ -14,7 +14,9 @@
 namespace ultracomm::gpu {
 namespace {
 
-[[noreturn]] void bad(const std::string& msg) { throw std::invalid_argument("ultracomm._cuda.DevicePlan: " + msg); }
+[[noreturn]] void bad(const std::string& who, const std::string& msg) {
+  throw std::invalid_argument("ultracomm._cuda." + who + ": " + msg);
+}
 
 // Host image of the allocation: arrays appended at 16-byte aligned offsets.
 struct Image {
@@ -27,38 +29,39 @@ struct Image {
   }
 };
 
+size_t align16(size_t x) { return (x + 15) / 16 * 16; }
+
 // The device address of `off` in the allocation at `base`, or null for an empty array.
 template <class T>
 const T* at(uintptr_t base, size_t off, size_t n) {
   return n ? reinterpret_cast<const T*>(base + off) : nullptr;
 }
 
-void check_same(const ExecArgs& a, const ExecArgs& r0, size_t i) {
-  const std::string who = "rank entry " + std::to_string(i);
+void check_same(const ExecArgs& a, const ExecArgs& r0, size_t i, const std::string& who) {
+  const std::string entry = "rank entry " + std::to_string(i);
   if (a.op != r0.op || a.world != r0.world || a.grad_dtype != r0.grad_dtype)
-    bad(who + ": op, world and grad_dtype must be the same for every rank of a launch");
+    bad(who, entry + ": op, world and grad_dtype must be the same for every rank of a launch");
   if (a.layout.total_bytes != r0.layout.total_bytes || a.layout.slots != r0.layout.slots ||
       a.layout.chunk_bytes != r0.layout.chunk_bytes)
-    bad(who + ": every rank of a launch must have the same window layout");
+    bad(who, entry + ": every rank of a launch must have the same window layout");
 }
 
 }  // namespace
 
-DevicePlan::DevicePlan(const std::vector<ExecArgs>& ranks) {
-  if (ranks.empty()) bad("no ranks");
+void check_launch_ranks(const std::vector<ExecArgs>& ranks, const char* who) {
+  if (ranks.empty()) bad(who, "no ranks");
   if (ranks.size() > static_cast<size_t>(kMaxLoopbackRanks))
-    bad(std::to_string(ranks.size()) + " ranks; one launch runs at most " + std::to_string(kMaxLoopbackRanks));
+    bad(who, std::to_string(ranks.size()) + " ranks; one launch runs at most " + std::to_string(kMaxLoopbackRanks));
   for (size_t i = 0; i < ranks.size(); ++i) {
     validate(ranks[i]);
     if (ranks[i].member_off.size() > static_cast<size_t>(kMaxMembers))
-      bad("an expert has at most " + std::to_string(kMaxMembers) + " members on the device");
-    check_same(ranks[i], ranks[0], i);
+      bad(who, "an expert has at most " + std::to_string(kMaxMembers) + " members on the device");
+    check_same(ranks[i], ranks[0], i, who);
   }
-  nranks_ = static_cast<int>(ranks.size());
-  op_ = ranks[0].op;
-  grad_dtype_ = static_cast<int>(ranks[0].grad_dtype);
+}
 
-  // 1. host image: views first (patched below), then each rank's arrays
+std::vector<unsigned char> plan_image(const std::vector<ExecArgs>& ranks, uintptr_t base) {
+  // views first (patched below), then each rank's arrays
   Image img;
   img.bytes.resize(sizeof(ExecView) * ranks.size());
   struct Offsets { size_t bases, masters, lidx, slots, parent, tasks, refs; };
@@ -73,12 +76,6 @@ DevicePlan::DevicePlan(const std::vector<ExecArgs>& ranks) {
     off[i].tasks = img.add(a.tasks, static_cast<size_t>(a.num_tasks) * sizeof(Task));
     off[i].refs = img.add(a.refs, static_cast<size_t>(a.num_refs) * sizeof(Ref));
   }
-  bytes_ = img.bytes.size();
-
-  // 2. one allocation; views point into it
-  UC_CUDA_CHECK(cudaGetDevice(&device_));
-  UC_CUDA_CHECK(cudaMalloc(&blob_, bytes_));
-  const uintptr_t base = reinterpret_cast<uintptr_t>(blob_);
   for (size_t i = 0; i < ranks.size(); ++i) {
     const ExecArgs& a = ranks[i];
     ExecView v = make_view(a);
@@ -91,11 +88,31 @@ DevicePlan::DevicePlan(const std::vector<ExecArgs>& ranks) {
     v.refs = at<Ref>(base, off[i].refs, static_cast<size_t>(a.num_refs));
     std::memcpy(img.bytes.data() + i * sizeof(ExecView), &v, sizeof v);
   }
+  return std::move(img.bytes);
+}
+
+size_t plan_image_bytes(int64_t nranks, int64_t world, int64_t num_experts, int64_t masters, int64_t slots,
+                        int64_t tasks, int64_t refs) {
+  const size_t per_rank = align16(world * sizeof(uintptr_t)) + align16(masters * sizeof(uintptr_t)) +
+                          align16(num_experts * sizeof(int32_t)) + 2 * align16(slots * sizeof(int32_t)) +
+                          align16(tasks * sizeof(Task)) + align16(refs * sizeof(Ref));
+  return align16(nranks * sizeof(ExecView)) + nranks * per_rank;
+}
+
+DevicePlan::DevicePlan(const std::vector<ExecArgs>& ranks) {
+  check_launch_ranks(ranks, "DevicePlan");
+  nranks_ = static_cast<int>(ranks.size());
+  op_ = ranks[0].op;
+  grad_dtype_ = static_cast<int>(ranks[0].grad_dtype);
+  UC_CUDA_CHECK(cudaGetDevice(&device_));
+  bytes_ = plan_image(ranks, 0).size();
+  UC_CUDA_CHECK(cudaMalloc(&blob_, bytes_));
+  const std::vector<unsigned char> img = plan_image(ranks, reinterpret_cast<uintptr_t>(blob_));
   // A pageable-memory cudaMemcpy returns once the bytes are staged, "but the DMA to final
   // destination may not have completed" (CUDA runtime API, memcpy synchronization behavior);
   // the DMA rides the legacy stream, which does not order torch's non-blocking streams, so a
   // launch enqueued there next could read a half-written plan.  Wait for the legacy stream.
-  cudaError_t e = cudaMemcpy(blob_, img.bytes.data(), bytes_, cudaMemcpyHostToDevice);
+  cudaError_t e = cudaMemcpy(blob_, img.data(), bytes_, cudaMemcpyHostToDevice);
   const char* call = "cudaMemcpy(plan upload)";
   if (e == cudaSuccess) {
     e = cudaStreamSynchronize(cudaStreamLegacy);

@@ -1,7 +1,7 @@
 // DevicePlan: one operation's per-rank ExecViews and every array they point to (window
-// bases, master pointers, slot tables, tasks, refs), uploaded once into ONE device allocation.
-// A launch then only passes the views' device address: no per-launch upload or allocation
-// (the Python layer caches plans by schedule digest).
+// bases, master pointers, slot tables, tasks, refs), uploaded once into ONE device allocation
+// (tests and benchmarks: ultracomm.cuda_loopback).  The transports write their plans into the
+// slots of a PlanArena allocated at setup instead (plan_arena.h).
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -11,6 +11,20 @@
 #include "ultracomm/host_executor.h"
 
 namespace ultracomm::gpu {
+
+// Checks the rank entries of one launch as run_host does (validate), plus the device's limits
+// and that every entry has the same op, world, layout and grad dtype (std::invalid_argument,
+// prefixed with `who`), before anything is allocated or written.
+void check_launch_ranks(const std::vector<ExecArgs>& ranks, const char* who);
+
+// Host image of one launch's views and arrays ([ExecView x nranks], then per rank: window
+// bases, masters, local_index_of, my_slots, slot_parent, tasks, refs, each 16-byte aligned),
+// with every pointer rebased onto `base`, the device address the image will be copied to.
+std::vector<unsigned char> plan_image(const std::vector<ExecArgs>& ranks, uintptr_t base);
+
+// Bytes plan_image takes for nranks entries of these sizes (it grows with each of them).
+size_t plan_image_bytes(int64_t nranks, int64_t world, int64_t num_experts, int64_t masters, int64_t slots,
+                        int64_t tasks, int64_t refs);
 
 class DevicePlan {
  public:

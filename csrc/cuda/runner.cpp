@@ -2,6 +2,7 @@
 #include "runner.h"
 
 #include <cstring>
+#include <functional>
 #include <stdexcept>
 
 #include "cuda_check.h"
@@ -88,34 +89,68 @@ int Runner::max_coresident(int grad_dtype) const { return coresident_[grad_dtype
 
 void Runner::launch(const DevicePlan& plan, uint64_t epoch, int ctas_per_rank, cudaStream_t stream, uint32_t flags) {
   const std::string where = "ultracomm._cuda.Runner.launch: ";
-  if (epoch < 1) throw std::invalid_argument(where + "epoch must be >= 1 (flags start at 0)");
-  if (ctas_per_rank < 1) throw std::invalid_argument(where + "ctas_per_rank must be >= 1");
   if (plan.device() != device_)
     throw std::invalid_argument(where + "the plan lives on device " + std::to_string(plan.device()) +
                                 ", this runner on device " + std::to_string(device_));
-  const int64_t grid = static_cast<int64_t>(plan.nranks()) * ctas_per_rank;
+  const Shape shape{plan.views(), plan.nranks(), plan.op(), plan.grad_dtype()};
+  launch_views(shape, epoch, ctas_per_rank, stream, flags, where, [](unsigned long long) {});
+}
+
+void Runner::launch(PlanArena& arena, int slot, Op op, const std::vector<ExecArgs>* upload, uint64_t epoch,
+                    int ctas_per_rank, cudaStream_t stream, uint32_t flags) {
+  const std::string where = "ultracomm._cuda.Runner.launch: ";
+  if (arena.device() != device_)
+    throw std::invalid_argument(where + "the plan arena lives on device " + std::to_string(arena.device()) +
+                                ", this runner on device " + std::to_string(device_));
+  Shape shape{arena.views(slot, op), 0, op, 0};
+  if (upload != nullptr) {
+    arena.check(*upload);  // before anything moves
+    if ((*upload)[0].op != op) throw std::invalid_argument(where + "the plan's op differs from the launch's");
+    shape.nranks = static_cast<int>(upload->size());
+    shape.grad_dtype = static_cast<int>((*upload)[0].grad_dtype);
+  } else {
+    const PlanArena::Area& a = arena.area(slot, op);
+    if (!a.written)
+      throw std::invalid_argument(where + "plan arena slot " + std::to_string(slot) + " holds no plan for this op; "
+                                  "pass the plan's rank entries");
+    shape.nranks = a.nranks;
+    shape.grad_dtype = a.grad_dtype;
+  }
+  // the upload goes after the wait for the previous launch of this op kind: that launch (or one
+  // before it) may still read this area
+  launch_views(shape, epoch, ctas_per_rank, stream, flags, where, [&](unsigned long long capture) {
+    if (upload != nullptr) arena.write(slot, *upload, stream, capture != 0);
+  });
+}
+
+void Runner::launch_views(const Shape& p, uint64_t epoch, int ctas_per_rank, cudaStream_t stream, uint32_t flags,
+                          const std::string& where, const std::function<void(unsigned long long)>& before) {
+  if (epoch < 1) throw std::invalid_argument(where + "epoch must be >= 1 (flags start at 0)");
+  if (ctas_per_rank < 1) throw std::invalid_argument(where + "ctas_per_rank must be >= 1");
+  const int64_t grid = static_cast<int64_t>(p.nranks) * ctas_per_rank;
   if (grid > (int64_t(1) << 31) - 1) throw std::invalid_argument(where + "grid too large");
-  const bool loopback = plan.nranks() > 1;
-  if (loopback && grid > max_coresident(plan.grad_dtype()))
+  const bool loopback = p.nranks > 1;
+  if (loopback && grid > max_coresident(p.grad_dtype))
     throw std::invalid_argument(
-        where + "a loopback launch of " + std::to_string(plan.nranks()) + " ranks x " + std::to_string(ctas_per_rank) +
+        where + "a loopback launch of " + std::to_string(p.nranks) + " ranks x " + std::to_string(ctas_per_rank) +
         " CTAs = " + std::to_string(grid) + " CTAs cannot be co-resident on device " + std::to_string(device_) +
-        " (at most " + std::to_string(max_coresident(plan.grad_dtype())) + " on its " + std::to_string(sm_count_) +
+        " (at most " + std::to_string(max_coresident(p.grad_dtype)) + " on its " + std::to_string(sm_count_) +
         " SMs); every rank's CTAs must run at once, lower ctas_per_rank");
-  const int op = static_cast<int>(plan.op());
+  const int op = static_cast<int>(p.op);
   PersistentArgs a{};
-  a.views = plan.views();
+  a.views = p.views;
   a.state = state_ + op;
   a.err = err_dev_ + op;
   a.epoch = epoch;
-  a.nranks = plan.nranks();
+  a.nranks = p.nranks;
   a.ctas_per_rank = ctas_per_rank;
   a.flags = flags;
   DeviceGuard guard(device_);
   const unsigned long long capture = order_after_last(op, stream);
+  before(capture);
   // Cooperative (co-residency guaranteed or the launch fails) for loopback grids, except while
   // the stream is captured into a graph: the occupancy check above is what holds there.
-  launch_persistent(a, plan.grad_dtype(), persistent_smem_bytes(cc_major_), loopback && capture == 0, stream);
+  launch_persistent(a, p.grad_dtype, persistent_smem_bytes(cc_major_), loopback && capture == 0, stream);
   UC_CUDA_CHECK(cudaEventRecord(last_[op], stream));
   launched_[op] = true;
   last_stream_[op] = stream;

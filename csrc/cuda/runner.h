@@ -5,10 +5,13 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "device_plan.h"
+#include "plan_arena.h"
 #include "persistent_args.h"
 
 namespace ultracomm::gpu {
@@ -43,6 +46,13 @@ class Runner {
   // eager launch and a captured one are not ordered here (the graph's launch stream orders them).
   void launch(const DevicePlan& plan, uint64_t epoch, int ctas_per_rank, cudaStream_t stream, uint32_t flags);
 
+  // The same for the plan in arena slot `slot`, area `op`.  upload: the plan's rank entries to
+  // write there first (checked against the arena's bounds before anything moves; the async copy
+  // is enqueued after the wait for the previous launch of this op kind, which may still read
+  // the area), or null to run what the slot holds (std::invalid_argument if it holds nothing).
+  void launch(PlanArena& arena, int slot, Op op, const std::vector<ExecArgs>* upload, uint64_t epoch,
+              int ctas_per_rank, cudaStream_t stream, uint32_t flags);
+
   // A failure a launch recorded since the last call, if any (call after the stream reached
   // the launch, e.g. after an event or stream synchronisation); multicast's first.
   std::optional<ErrorRecord> take_error();
@@ -55,6 +65,15 @@ class Runner {
   bool tma() const { return cc_major_ >= 9; }  // the mover k_persistent runs on this device
 
  private:
+  struct Shape {
+    const ExecView* views;
+    int nranks;
+    Op op;
+    int grad_dtype;
+  };
+  // checks, ordering, before(capture id) (the plan upload), launch, event
+  void launch_views(const Shape& p, uint64_t epoch, int ctas_per_rank, cudaStream_t stream, uint32_t flags,
+                    const std::string& where, const std::function<void(unsigned long long)>& before);
   int device_;
   int cc_major_ = 0, cc_minor_ = 0, sm_count_ = 0;
   int coresident_[3] = {0, 0, 0};  // per grad dtype

@@ -17,8 +17,10 @@
 namespace {
 std::vector<std::string> g_log;
 cudaError_t g_fail_sync = cudaSuccess;  // what cudaStreamSynchronize returns
+bool g_event_not_ready = false;          // what cudaEventQuery says
+bool g_views = false;                    // log each launch's rank-0 view
 int g_coresident_per_sm = 2;
-unsigned char g_device_mem[1 << 16];
+unsigned char g_device_mem[1 << 20];
 size_t g_device_used = 0;
 void log(const std::string& s) { g_log.push_back(s); }
 }  // namespace
@@ -82,6 +84,20 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
   log("cudaEventRecord e" + std::to_string(reinterpret_cast<uintptr_t>(e)) + " " + sname(s));
   return cudaSuccess;
 }
+cudaError_t cudaEventQuery(cudaEvent_t e) {
+  log("cudaEventQuery e" + std::to_string(reinterpret_cast<uintptr_t>(e)));
+  return g_event_not_ready ? cudaErrorNotReady : cudaSuccess;
+}
+cudaError_t cudaEventSynchronize(cudaEvent_t e) {
+  log("cudaEventSynchronize e" + std::to_string(reinterpret_cast<uintptr_t>(e)));
+  return cudaSuccess;
+}
+cudaError_t cudaMemcpyAsync(void* d, const void* s, size_t n, cudaMemcpyKind k, cudaStream_t st) {
+  std::memcpy(d, s, n);
+  log("cudaMemcpyAsync " + std::to_string(n) + (k == cudaMemcpyHostToDevice ? " H2D " : " other ") + sname(st) +
+      " +" + std::to_string(static_cast<unsigned char*>(d) - g_device_mem));
+  return cudaSuccess;
+}
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned int) {
   log("cudaStreamWaitEvent " + sname(s) + " e" + std::to_string(reinterpret_cast<uintptr_t>(e)));
   return cudaSuccess;
@@ -95,6 +111,14 @@ int persistent_max_coresident(int, int, int) { return g_coresident_per_sm * 132;
 void launch_persistent(const PersistentArgs& a, int, uint32_t smem, bool cooperative, cudaStream_t s) {
   log("launch grid " + std::to_string(a.nranks * a.ctas_per_rank) + " smem " + std::to_string(smem) +
       (cooperative ? " cooperative" : " plain") + " " + sname(s));
+  if (g_views) {
+    // the kernel's view of rank 0: what the launch would run
+    ExecView v;
+    std::memcpy(&v, a.views, sizeof v);
+    log("  views +" + std::to_string(reinterpret_cast<const unsigned char*>(a.views) - g_device_mem) + " op " +
+        std::to_string(static_cast<int>(v.op)) + " tasks " + std::to_string(v.num_tasks) + " at +" +
+        std::to_string(reinterpret_cast<const unsigned char*>(v.tasks) - g_device_mem));
+  }
 }
 void launch_reject(Op, uint64_t, uintptr_t, const WindowLayout&, cudaStream_t) {}
 }  // namespace ultracomm::gpu
@@ -131,6 +155,40 @@ int main(int argc, char** argv) {
       gpu::Runner runner(0);
       g_log.clear();
       runner.launch(plan, 1, ctas, nullptr, 0);
+    } else if (sc == "arena" || sc == "arena_capture" || sc == "arena_behind" || sc == "arena_over") {
+      g_views = true;
+      gpu::PlanBounds b;
+      b.world = 2;
+      b.num_experts = 2;
+      b.masters = 1;
+      b.slots = 1;
+      b.tasks[0] = b.tasks[1] = 2;
+      b.refs[0] = b.refs[1] = 2;
+      gpu::Runner runner(0);
+      gpu::PlanArena arena(0, 3, b);
+      log("arena " + std::to_string(arena.bytes()) + " area " + std::to_string(gpu::PlanArena::area_bytes(b, Op::kMulticast)));
+      std::vector<Task> tasks(sc == "arena_over" ? 3 : 1);
+      std::vector<Ref> refs(1, Ref{1, 0});
+      ExecArgs a = one_rank(0, 2);
+      a.local_index_of = {0, -1};
+      a.master_ptrs = {0x9000};
+      a.my_slots = {-1};
+      a.tasks = tasks.data();
+      a.num_tasks = static_cast<int64_t>(tasks.size());
+      for (auto& t : tasks) t = Task{1, 0, 0, 0, 0, 0, 1, 0, 0, 256, Ref{0, -1}};
+      a.refs = refs.data();
+      a.num_refs = 1;
+      std::vector<ExecArgs> plan{a};
+      if (sc == "arena_behind") g_event_not_ready = true;
+      cudaStream_t s = reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(sc == "arena_capture" ? 100 : 1));
+      log("-- write slot 1");
+      runner.launch(arena, 1, Op::kMulticast, &plan, 1, 1, s, 0);
+      log("-- rerun slot 1");
+      runner.launch(arena, 1, Op::kMulticast, nullptr, 2, 1, s, 0);
+      log("-- rewrite slot 1");
+      runner.launch(arena, 1, Op::kMulticast, &plan, 3, 1, s, 0);
+      log("-- slot 2 empty");
+      runner.launch(arena, 2, Op::kMulticast, nullptr, 4, 1, s, 0);
     } else if (sc.rfind("streams", 0) == 0) {  // streams <op><handle> ...: one launch each
       gpu::DevicePlan mc({one_rank(0, 1)});
       ExecArgs r = one_rank(0, 1);

@@ -1,0 +1,147 @@
+// PlanArena: one device allocation and its pinned staging, written per slot with async copies.
+#include "plan_arena.h"
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include "cuda_check.h"
+#include "persistent_args.h"
+
+namespace ultracomm::gpu {
+namespace {
+
+constexpr size_t kAreaAlign = 256;
+constexpr int64_t kMaxCount = int64_t(1) << 40;  // keeps every size below in 64-bit arithmetic
+constexpr size_t kMaxArenaBytes = size_t(1) << 44;
+
+[[noreturn]] void bad(const std::string& msg) { throw std::invalid_argument("ultracomm._cuda.PlanArena: " + msg); }
+
+const char* op_name(Op op) { return op == Op::kMulticast ? "multicast" : "reduce"; }
+
+void check_bounds(int num_slots, const PlanBounds& b) {
+  if (num_slots < 1) bad("num_slots must be >= 1");
+  if (b.nranks < 1 || b.nranks > kMaxLoopbackRanks)
+    bad("nranks must be 1.." + std::to_string(kMaxLoopbackRanks) + ", got " + std::to_string(b.nranks));
+  if (b.world < 1 || b.num_experts < 1 || b.slots < 0 || b.masters < 0)
+    bad("world and num_experts must be >= 1, slots and masters >= 0");
+  for (int op = 0; op < kNumOps; ++op)
+    if (b.tasks[op] < 0 || b.refs[op] < 0 || b.tasks[op] > kMaxCount || b.refs[op] > kMaxCount)
+      bad("task and ref bounds must be in 0..2^40");
+  if (b.masters > kMaxCount || b.slots > (1 << 20)) bad("masters must be <= 2^40 and slots <= 2^20");
+}
+
+}  // namespace
+
+size_t PlanArena::area_bytes(const PlanBounds& b, Op op) {
+  const int i = static_cast<int>(op);
+  const size_t n = plan_image_bytes(b.nranks, b.world, b.num_experts, b.masters, b.slots, b.tasks[i], b.refs[i]);
+  return (n + kAreaAlign - 1) / kAreaAlign * kAreaAlign;
+}
+
+size_t PlanArena::bytes_for(int num_slots, const PlanBounds& b) {
+  check_bounds(num_slots, b);
+  const unsigned __int128 total = (unsigned __int128)(area_bytes(b, Op::kMulticast) + area_bytes(b, Op::kReduce)) *
+                                  static_cast<unsigned>(num_slots);
+  if (total > kMaxArenaBytes) bad("the arena would exceed 2^44 bytes; lower num_layers x max_microbatches");
+  return static_cast<size_t>(total);
+}
+
+PlanArena::PlanArena(int device, int num_slots, const PlanBounds& bounds)
+    : device_(device), num_slots_(num_slots), bounds_(bounds) {
+  bytes_ = bytes_for(num_slots, bounds);
+  area_[0] = area_bytes(bounds, Op::kMulticast);
+  area_[1] = area_bytes(bounds, Op::kReduce);
+  areas_.resize(static_cast<size_t>(num_slots) * kNumOps);
+  copied_.assign(areas_.size(), nullptr);
+  in_flight_.assign(areas_.size(), false);
+  try {
+    void* p = nullptr;
+    UC_CUDA_CHECK(cudaMalloc(&p, bytes_));
+    dev_ = static_cast<unsigned char*>(p);
+    UC_CUDA_CHECK(cudaHostAlloc(&p, bytes_, cudaHostAllocDefault));
+    staging_ = static_cast<unsigned char*>(p);
+    for (auto& ev : copied_) UC_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+  } catch (...) {
+    release();
+    throw;
+  }
+}
+
+PlanArena::~PlanArena() { release(); }
+
+// No throw (destructor); the caller synchronised the device first (a kernel may read dev_).
+void PlanArena::release() {
+  for (auto& ev : copied_)
+    if (ev) cudaEventDestroy(ev), ev = nullptr;
+  if (staging_) cudaFreeHost(staging_), staging_ = nullptr;
+  if (dev_) cudaFree(dev_), dev_ = nullptr;
+}
+
+size_t PlanArena::index(int slot, Op op) const {
+  if (slot < 0 || slot >= num_slots_)
+    bad("slot " + std::to_string(slot) + " is out of range 0.." + std::to_string(num_slots_ - 1));
+  return static_cast<size_t>(slot) * kNumOps + static_cast<size_t>(op);
+}
+
+size_t PlanArena::offset(int slot, Op op) const {
+  return static_cast<size_t>(slot) * (area_[0] + area_[1]) + (op == Op::kReduce ? area_[0] : 0);
+}
+
+const ExecView* PlanArena::views(int slot, Op op) const {
+  (void)index(slot, op);
+  return reinterpret_cast<const ExecView*>(dev_ + offset(slot, op));
+}
+
+void PlanArena::check(const std::vector<ExecArgs>& ranks) const {
+  check_launch_ranks(ranks, "PlanArena");
+  const PlanBounds& b = bounds_;
+  const int op = static_cast<int>(ranks[0].op);
+  const auto over = [&](const std::string& who, const char* name, int64_t n, int64_t limit) {
+    if (n > limit)
+      bad(who + std::to_string(n) + " " + name + " exceed the plan arena's bound of " + std::to_string(limit) +
+          " for " + op_name(ranks[0].op) + " (set at setup from the Context's experts, slots, world, window chunks and "
+          "loopback ranks)");
+  };
+  over("", "rank entries", static_cast<int64_t>(ranks.size()), b.nranks);
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    const ExecArgs& a = ranks[i];
+    const std::string who = "rank entry " + std::to_string(i) + ": ";
+    over(who, "window bases", static_cast<int64_t>(a.window_bases.size()), b.world);
+    over(who, "experts", static_cast<int64_t>(a.local_index_of.size()), b.num_experts);
+    over(who, "master pointers", static_cast<int64_t>(a.master_ptrs.size()), b.masters);
+    over(who, "slots", static_cast<int64_t>(std::max(a.my_slots.size(), a.slot_parent.size())), b.slots);
+    over(who, "tasks", a.num_tasks, b.tasks[op]);
+    over(who, "refs", a.num_refs, b.refs[op]);
+  }
+}
+
+void PlanArena::write(int slot, const std::vector<ExecArgs>& ranks, cudaStream_t stream, bool capturing) {
+  check(ranks);
+  const Op op = ranks[0].op;
+  const size_t i = index(slot, op), off = offset(slot, op);
+  const std::vector<unsigned char> img = plan_image(ranks, reinterpret_cast<uintptr_t>(dev_ + off));
+  if (img.size() > area_[static_cast<int>(op)])  // unreachable after check(): the image grows with each bound
+    bad("a plan image of " + std::to_string(img.size()) + " bytes does not fit its area");
+  // The previous copy out of this staging area may still be queued (the host is ahead of the
+  // device by a whole cycle of this slot): it must read the old bytes before they change.
+  if (in_flight_[i]) {
+    const cudaError_t q = cudaEventQuery(copied_[i]);
+    if (q == cudaErrorNotReady) UC_CUDA_CHECK(cudaEventSynchronize(copied_[i]));
+    else if (q != cudaSuccess) throw_cuda(q, "cudaEventQuery(plan staging)", __FILE__, __LINE__);
+    in_flight_[i] = false;
+  }
+  std::memcpy(staging_ + off, img.data(), img.size());
+  UC_CUDA_CHECK(cudaMemcpyAsync(dev_ + off, staging_ + off, img.size(), cudaMemcpyHostToDevice, stream));
+  if (!capturing) {
+    UC_CUDA_CHECK(cudaEventRecord(copied_[i], stream));
+    in_flight_[i] = true;
+  }
+  Area& a = areas_[i];
+  a.nranks = static_cast<int>(ranks.size());
+  a.grad_dtype = static_cast<int>(ranks[0].grad_dtype);
+  a.written = true;
+}
+
+}  // namespace ultracomm::gpu

@@ -182,6 +182,47 @@ def test_cuda_graph_capture_and_replay():
         c.close()
 
 
+def test_a_captured_weight_sync_replays_the_plan_its_vid_slot_holds():
+    # plan arena (issue 19 item 5): the kernel reads its vid slot's plan at a fixed address, so a
+    # replay runs whatever was written into the slot last -- here an eager weight_sync of the next
+    # vid in the slot, with another plan, after the capture
+    world, epr, slots = 3, 1, 2
+    layout = layout_of(torch.float32)
+    plan_a = ReplicaPlan.make(np.array([[1, 2], [0, 2], [0, 1]], np.int32), experts_per_rank=epr)
+    plan_b = ReplicaPlan.make(np.array([[2, 1], [2, 0], [1, -1]], np.int32), experts_per_rank=epr)
+    ctxs, regs = make(world, layout, epr, slots, "tma")
+    assert len({c.plan_arena_bytes() for c in ctxs}) == 1 and ctxs[0].plan_arena_bytes() > 0
+    warm = [c.begin(0) for c in ctxs]
+    for c, v in zip(ctxs, warm):
+        c.weight_sync(v, plan_a)  # slot 0 holds plan A: the capture below uploads nothing
+    for c, v in zip(ctxs, warm):
+        c.end(v)
+    graph = torch.cuda.CUDAGraph()
+    vids = [c.begin(0) for c in ctxs]
+    with torch.cuda.graph(graph):
+        for c, v in zip(ctxs, vids):
+            c.weight_sync(v, plan_a)
+    for c, v in zip(ctxs, vids):
+        c.end(v)
+    nxt = [c.begin(0) for c in ctxs]
+    for c, v in zip(ctxs, nxt):
+        c.weight_sync(v, plan_b)  # eager: writes plan B into slot 0
+    for c in ctxs:
+        c.synchronize()
+        for t in c.replica_weights:
+            t.zero_()
+    graph.replay()
+    for c in ctxs:
+        c.synchronize()
+    for c in ctxs:
+        for s, e in enumerate(plan_b.slot_src[c.rank].tolist()):
+            for m, t in enumerate(c.replica_weights):
+                want = regs[e // epr][0][m][e % epr] if e >= 0 else torch.zeros_like(t[s])
+                assert torch.equal(t[s].cpu(), want.cpu()), f"rank {c.rank} slot {s} member {m}"
+    for c in ctxs:
+        c.close()
+
+
 def test_async_op_refused_while_capturing():
     layout = layout_of(torch.float32)
     plan = ReplicaPlan.make(np.array([[1], [0]], np.int32), experts_per_rank=1)

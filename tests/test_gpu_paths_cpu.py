@@ -168,9 +168,18 @@ class Bindings:
     def __getattr__(self, name):
         return getattr(self._cuda, name)
 
+    def PlanArena(self, device, num_slots, **bounds):  # noqa: N802 - needs a device to allocate
+        self._cuda.plan_arena_bytes(num_slots, **bounds)  # the real bounds check
+        return types.SimpleNamespace(device=device, num_slots=num_slots, bounds=bounds)
+
     def Runner(self, device):  # noqa: N802 - the binding's name
+        def launch_slot(arena, slot, op, ranks, *a):
+            if ranks is None:
+                pytest.fail("launched without a plan")
+            self._cuda.DevicePlan(ranks, device)  # converts and validates every entry, then needs the device
+
         return types.SimpleNamespace(sm_count=132, mover="tma", max_coresident=lambda dtype=0: 1024,
-                                     launch=lambda *a: pytest.fail("launched without a plan"))
+                                     launch=lambda *a: pytest.fail("launched without a plan"), launch_slot=launch_slot)
 
 
 def small_case():

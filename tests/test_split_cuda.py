@@ -41,13 +41,13 @@ class FakeCuda:
     def __init__(self, log):
         self.log = log
 
-    def DevicePlan(self, args, device):
-        return tuple(args)
+    def PlanArena(self, device, num_slots, **bounds):  # noqa: N802 - the binding's name
+        return SimpleNamespace(device=device, num_slots=num_slots)
 
     def Runner(self, device):
-        return SimpleNamespace(take_error=lambda: None, launch=lambda plan, epoch, ctas, stream, coop: self.log.append(
-            ("launch_all", plan, epoch, ctas, stream)))
-
+        return SimpleNamespace(take_error=lambda: None,
+                               launch_slot=lambda arena, slot, op, ranks, epoch, ctas, stream, coop: self.log.append(
+                                   ("launch_all", tuple(ranks) if ranks is not None else None, epoch, ctas, stream)))
 
 
 class FakeTma:

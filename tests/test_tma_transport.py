@@ -1,6 +1,7 @@
 """The tma transport's Python side on a CPU machine, with ``ultracomm._cuda`` replaced by a
-recording fake: what one rank uploads (run_host's arguments for its rank), that plans are
-uploaded once per (schedule, op, masters, slots), the launch arguments, that a loopback
+recording fake: what one rank uploads (run_host's arguments for its rank), that a plan is
+written into its plan-arena slot only when the slot holds another (restore / grad_reduce of a
+vid reuse its slot), the arena's bounds, the launch arguments, that a loopback
 domain's ranks meet and launch ONCE after the last rank enqueued, and that a kernel's error
 record comes back as the host executor's exception and text on every rank, once."""
 from __future__ import annotations
@@ -26,14 +27,23 @@ class FakePlan:
         self.ranks, self.device = ranks, device
 
 
+class FakeArena:
+    def __init__(self, device, num_slots, bounds):
+        self.device, self.num_slots, self.bounds = device, num_slots, bounds
+
+
 class FakeRunner:
     sm_count, mover = 132, "tma"
 
-    def __init__(self, device):
-        self.device, self.launches, self.errors = device, [], []
+    def __init__(self, device, cuda):
+        self.device, self.launches, self.errors, self.cuda = device, [], [], cuda
 
-    def launch(self, plan, epoch, ctas, stream, force_vector):
-        self.launches.append((plan, epoch, ctas, stream, force_vector))
+    def launch_slot(self, arena, slot, op, ranks, epoch, ctas, stream, force_vector):
+        plan = None
+        if ranks is not None:  # written into the slot
+            plan = FakePlan(ranks, arena.device)
+            self.cuda.plans.append(plan)
+        self.launches.append((plan, epoch, ctas, stream, force_vector, slot, op))
 
     def take_error(self):
         return self.errors.pop(0) if self.errors else None
@@ -41,18 +51,21 @@ class FakeRunner:
 
 class FakeCuda:
     def __init__(self):
-        self.plans, self.runners, self.rejections = [], [], []
+        self.plans, self.runners, self.rejections, self.arenas = [], [], [], []
 
     def publish_rejection(self, *args):
         self.rejections.append(args)
 
-    def DevicePlan(self, ranks, device):  # noqa: N802 - the binding's name
-        p = FakePlan(ranks, device)
-        self.plans.append(p)
-        return p
+    def PlanArena(self, device, num_slots, **bounds):  # noqa: N802 - the binding's name
+        a = FakeArena(device, num_slots, bounds)
+        self.arenas.append(a)
+        return a
+
+    def plan_arena_bytes(self, num_slots, **bounds):
+        return num_slots * 1000 + bounds["tasks"][0]
 
     def Runner(self, device):  # noqa: N802
-        r = FakeRunner(device)
+        r = FakeRunner(device, self)
         self.runners.append(r)
         return r
 
@@ -115,8 +128,38 @@ def test_one_rank_uploads_its_arguments_once_and_launches(fake_cuda):
     assert a["slot_parent"] == sched.tree(Op.MULTICAST)[0][2].tolist() and a["timeout_s"] == 3.0
     assert rd.ranks[0]["op"] == 1 and rd.ranks[0]["master_ptrs"] == list(m.grad_ptrs) and rd.ranks[0]["grad_dtype"] == 0
     runner = fake_cuda.runners[0]
-    assert [(l[0], l[1], l[2], l[3]) for l in runner.launches] == [(mc, 1, 5, 1234), (mc, 2, 5, 1234),
-                                                                 (mc, 3, 5, 1234), (rd, 4, 7, 99)]
+    # no vid slot: scratch slots (the first two after the 0 vid slots), the plan written once
+    assert [(l[0], l[1], l[2], l[3], l[5]) for l in runner.launches] == [(mc, 1, 5, 1234, 0), (None, 2, 5, 1234, 0),
+                                                                       (None, 3, 5, 1234, 0), (rd, 4, 7, 99, 1)]
+
+
+def test_vid_slots_keep_their_plans_and_the_arena_is_sized_at_setup(fake_cuda):
+    layout, plan, wl, sched = setup()
+    t = transport(2, 4, FakeWindow(4, wl["total_bytes"]), layout, wl, experts_per_rank=1, plan_slots=6)
+    # allocated in the constructor, with the bounds the schedule builder keeps to:
+    # (experts_per_rank + slots) x chunks tasks, world x slots refs, per op
+    (arena,) = fake_cuda.arenas
+    assert arena.num_slots == 6 + 8  # vid slots + scratch
+    assert arena.bounds == dict(nranks=1, world=4, num_experts=4, masters=2, slots=2,
+                                tasks=(3 * wl["weight_chunks"], 3 * wl["grad_chunks"]), refs=(8, 8))
+    assert t.plan_arena_bytes == 14 * 1000 + 3 * wl["weight_chunks"]
+    m = masters_of(layout)
+    my, lio = plan.slot_src[2].tolist(), plan.local_index_of.tolist()
+    t.run(Op.MULTICAST, sched, 1, m, my, lio, "weight_sync", stream=1, slot=5)
+    t.run(Op.MULTICAST, sched, 2, m, my, lio, "restore", stream=1, slot=5)      # the vid's plan: no upload
+    t.run(Op.REDUCE, sched, 3, m, my, lio, "grad_reduce", stream=1, slot=5)     # its reduce area: written once
+    t.run(Op.MULTICAST, sched, 4, m, my, lio, "weight_sync", stream=1, slot=4)  # another vid: its own slot
+    t.run(Op.MULTICAST, sched, 5, m, my, lio, "restore", stream=1, slot=5)      # slot 5 still holds it
+    src = np.asarray(plan.slot_src).copy()
+    src[0, 1] = -1  # another plan: rank 0 holds no replica
+    other = build_schedule(ReplicaPlan.make(src, experts_per_rank=1), wl["weight_slot_bytes"], wl["grad_slot_bytes"],
+                           chunk_bytes=64)
+    assert other.digest != sched.digest
+    t.run(Op.MULTICAST, other, 6, m, my, lio, "weight_sync", stream=1, slot=5)  # the slot's next vid: rewritten
+    got = [(l[5], l[6], l[0] is not None) for l in fake_cuda.runners[0].launches]
+    assert got == [(5, 0, True), (5, 0, False), (5, 1, True), (4, 0, True), (5, 0, False), (5, 0, True)]
+    with pytest.raises(ValueError, match=r"^ultracomm: plan slot 6 is out of range 0\.\.5 "):
+        t.run(Op.MULTICAST, sched, 7, m, my, lio, "weight_sync", stream=1, slot=6)
 
 
 def record(code, rank, op, epoch, expert=0, chunk=1, slot=0, peer=1, flag_kind=2, observed=0, peer_ready=0):
@@ -158,11 +201,13 @@ def test_loopback_ranks_launch_once_after_the_last_rank(fake_cuda):
             assert len(runner.launches) == epoch - 5
             ts[r].run(Op.MULTICAST, sched, epoch, ms[r], plan.slot_src[r].tolist(), lio, "weight_sync", stream=11)
         assert len(runner.launches) == epoch - 4
-        p, e, ctas, stream, _ = runner.launches[-1]
+        p, e, ctas, stream = runner.launches[-1][:4]
         assert e == epoch and ctas == 6 and stream == 11  # the most CTAs any rank asked for
-        assert [a["rank"] for a in p.ranks] == [0, 1, 2, 3]
-        assert [a["master_ptrs"] for a in p.ranks] == [list(m.weight_ptrs) for m in ms]
-    assert len(fake_cuda.plans) == 1  # the domain's plan uploaded once
+    p = runner.launches[0][0]
+    assert [a["rank"] for a in p.ranks] == [0, 1, 2, 3]
+    assert [a["master_ptrs"] for a in p.ranks] == [list(m.weight_ptrs) for m in ms]
+    assert len(fake_cuda.plans) == 1 and runner.launches[1][0] is None  # the domain's plan written once
+    assert len(fake_cuda.arenas) == 1 and fake_cuda.arenas[0].bounds["nranks"] == 4  # one arena, every rank
     # a failure of the shared launch is raised by every rank, once each
     raw = record(1, 2, 0, 6, peer=0)
     runner.errors.append(raw)
@@ -228,7 +273,7 @@ def test_loopback_launch_failure_reaches_every_rank(fake_cuda):
     def refuse(*a):
         raise ValueError("a loopback launch of 4 ranks x 5 CTAs cannot be co-resident")
 
-    fake_cuda.runners[-1].launch = refuse
+    fake_cuda.runners[-1].launch_slot = refuse
     lio = plan.local_index_of.tolist()
     for r in range(3):
         ts[r].run(Op.MULTICAST, sched, 1, masters_of(layout), plan.slot_src[r].tolist(), lio, "weight_sync", 0)

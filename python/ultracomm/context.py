@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import inspect
 import logging
 import threading
 import weakref
@@ -271,10 +272,13 @@ class Context:
         """Build the transport and the replica views over the window (every rank agrees it worked)."""
         kw = transport_kwargs(self._transport_cls, self.config, self._cuda_dev, rank=self.rank, world=self.world,
                               window=self.window, wlayout=self.wlayout, layout=self.layout, comm=self.comm,
-                              domain_of=self.domain_of)
+                              domain_of=self.domain_of, experts_per_rank=self.experts_per_rank,
+                              plan_slots=self.num_layers * self.max_microbatches)
         #: CTAs per rank the GPU transport was given (``{}`` for the host transport)
         self.sm_counts = {k: kw[f"{k}_sms"] for k in ("multicast", "reduce") if f"{k}_sms" in kw}
         self.transport = self._transport_cls(**kw)
+        # transports with a plan arena take the vid's slot: restore / grad_reduce reuse its plan
+        self._slot_kw = "slot" in inspect.signature(self.transport.run).parameters
         self._streams: stream_ordered.StreamOrdered | None = None
         if is_stream_ordered(self.transport):
             me = weakref.ref(self)  # the finaliser holds the streams: they must not keep the Context alive
@@ -573,7 +577,7 @@ class Context:
                     raise
                 self._epoch += 1
                 return self._streams.submit(name, op, self._epoch, sched, masters, my_slots, local_index_of,
-                                            async_op, on_time=on_time, after=after)
+                                            async_op, on_time=on_time, after=after, slot=self._slot_of(mb))
 
         def body() -> None:
             if self._broken is not None:  # queued before an earlier operation failed: never start it
@@ -582,7 +586,8 @@ class Context:
             try:
                 if before is not None:
                     before()
-                self.transport.run(op, sched, epoch, masters, my_slots, local_index_of, name)
+                self.transport.run(op, sched, epoch, masters, my_slots, local_index_of, name,
+                                   **({"slot": self._slot_of(mb)} if self._slot_kw else {}))
                 if after is not None:  # in the queue: before any later operation starts
                     after()
             except BaseException as e:
@@ -607,6 +612,21 @@ class Context:
             return work
         work.wait()
         return None
+
+    def _slot_of(self, mb: _MicroBatch) -> int | None:
+        """The plan-arena slot of ``mb``'s vid, for transports that keep plans per vid."""
+        return mb.vid % len(self._vids) if self._slot_kw else None
+
+    def plan_arena_bytes(self) -> int:
+        """Device memory this rank's transport set aside at setup for its plans (the plan arena:
+        one slot per ``num_layers x max_microbatches`` vid and op kind, sized for the largest plan
+        this Context's experts, slots, world and window chunks allow, plus a few scratch slots), in
+        bytes; as much again is pinned host memory (the staging its async uploads copy from).  0
+        for transports without one (host, p2p, split's host side).  A loopback domain's ranks
+        (``cuda_local``) share one arena that holds every rank's plan, so each reports the whole.
+        Like DeepEP's buffer-size hints, it tells what memory to leave for ultracomm; nothing is
+        allocated for plans after setup."""
+        return int(getattr(self.transport, "plan_arena_bytes", 0))
 
     def _check_usable(self) -> None:
         self._check_open()

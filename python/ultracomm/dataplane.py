@@ -120,8 +120,10 @@ def transport_kwargs(transport_cls: type, config: Config, cuda_dev: torch.device
         log.debug("ultracomm: rank %s: multicast_sms=%d (%s)", base.get("rank"), mc.sms, mc.source)
         log.debug("ultracomm: rank %s: reduce_sms=%d (%s)", base.get("rank"), rd.sms, rd.source)
         kw.update(multicast_sms=mc.sms, reduce_sms=rd.sms)
-    # the process group and the domains go only to transports that ask for them by name (p2p, split)
-    return {k: v for k, v in kw.items() if k in params or (any_kw and k not in ("comm", "domain_of"))}
+    # the process group, the domains and the plan arena's shape go only to transports that ask for
+    # them by name (p2p, split; tma)
+    named_only = ("comm", "domain_of", "experts_per_rank", "plan_slots")
+    return {k: v for k, v in kw.items() if k in params or (any_kw and k not in named_only)}
 
 
 def check_master_devices(window_device: torch.device, transport_name: str, names: Sequence[str],

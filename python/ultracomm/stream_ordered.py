@@ -177,21 +177,23 @@ class StreamOrdered:
     def submit(self, name: str, op: Any, epoch: int, schedule: Any, masters: Any, my_slots: Any,
                local_index_of: Any, async_op: bool,
                on_time: Optional[Callable[[Any], None]] = None,
-               after: Optional[Callable[[], None]] = None) -> Optional[StreamWork]:
+               after: Optional[Callable[[], None]] = None, slot: Optional[int] = None) -> Optional[StreamWork]:
         """Enqueue ``op`` at ``epoch`` on the caller's current stream; a Work when ``async_op``.
         Call :meth:`check_submit` first.  ``on_time`` (the profiler) gets ``(start, end)``
         timing events recorded on the stream around the operation -- never synchronised here --
         or ``None`` when the call enqueued nothing (it failed, or it was a loopback rank's share,
         enqueued by the rank completing the set) and under CUDA graph capture (a captured
         operation runs at replay, not between events recorded now).  ``after`` runs right after
-        the operation is enqueued (to enqueue follow-up work behind it on the same stream)."""
+        the operation is enqueued (to enqueue follow-up work behind it on the same stream).  ``slot``:
+        the plan-arena slot of the operation's vid, passed to transports that take one."""
         if on_time is not None and self.streams.is_capturing():
             on_time(None)
             on_time = None
         start = self.streams.timing_event() if on_time is not None else None
         try:
             enqueued = self.transport.run(op, schedule, epoch, masters, my_slots, local_index_of, name,
-                                          stream=self.streams.stream_handle())
+                                          stream=self.streams.stream_handle(),
+                                          **({"slot": slot} if slot is not None else {}))
         except BaseException as e:
             if on_time is not None:
                 on_time(None)

@@ -5,7 +5,7 @@ caller's CUDA stream.
 Interface (stable; ``Context`` and the GPU tests use exactly this):
 
 ``TmaTransport(*, rank, world, window, wlayout, layout, num_workers, timeout_s, jitter_us=0,
-multicast_sms=None, reduce_sms=None)``
+multicast_sms=None, reduce_sms=None, experts_per_rank=None, plan_slots=0)``
     ``window``: a GPU window (``cuda_ipc``, ``torch_symm``, ``cuda_local`` or ``nvshmem``) whose
     ``peer_bases`` are device addresses of every rank's window as this device addresses them
     and whose ``local`` is a CUDA tensor (its device is the one the kernel runs on).
@@ -13,19 +13,23 @@ multicast_sms=None, reduce_sms=None)``
     / ``ULTRACOMM_REDUCE_SMS``, resolved by ``Context``); ``None`` takes
     :func:`ultracomm.sm_budget.default_sms` of ``link_bytes_per_s`` (keyword, default 450e9).
     ``num_workers`` and ``jitter_us`` (host-executor knobs) are accepted and ignored.
+    ``plan_slots``: vid slots of the plan arena (``Context``: num_layers x max_microbatches);
+    with ``experts_per_rank`` the arena is allocated here (:attr:`plan_arena_bytes`), else at the
+    first ``run`` (its local experts are then the first plan's).
     Raises :class:`~ultracomm.cuda_support.NotAvailableError` naming what is missing (a CPU
     torch, no device, no ``_cuda`` in the build, no driver, a pre-sm_80 GPU).
 
-``run(op, schedule, epoch, masters, my_slots, local_index_of, op_name, stream) -> bool``
+``run(op, schedule, epoch, masters, my_slots, local_index_of, op_name, stream, slot=None) -> bool``
     Enqueues the operation on ``stream`` (a ``cudaStream_t`` as int, e.g.
     ``torch.cuda.current_stream().cuda_stream``) and returns at once: no host synchronisation,
-    and no allocation after the first call with a given (schedule digest, op, masters, slots):
-    the task lists are uploaded once per plan into a device cache (:data:`PLAN_CACHE` entries;
-    the first use allocates and copies synchronously, so run each plan once before capturing
-    a CUDA graph; a plan used while capturing is pinned, never freed while the transport
-    lives: :mod:`.device_plan_cache`).  The kernel publishes the schedule digest beside ``ready[op]`` (a peer on
-    another plan raises ``PlanError`` on every rank touching it).  Graph replays run fresh
-    epochs on their own (the kernel runs max(epoch, last + 1)).
+    no allocation and no pageable copy.  The plan goes into the plan arena (:mod:`.plan_slots`):
+    into vid slot ``slot`` (``Context`` passes ``vid % plan_slots``; restore and grad_reduce of
+    the vid reuse what weight_sync wrote) or, for ``slot=None``, a scratch slot (pinned while a
+    CUDA graph captures it); a new plan is one async copy from pinned staging on ``stream``.
+    A plan beyond the arena's bounds raises ``ValueError`` before anything is enqueued.  The
+    kernel publishes the schedule digest beside ``ready[op]`` (a peer on another plan raises
+    ``PlanError`` on every rank touching it).  Graph replays run fresh epochs on their own (the
+    kernel runs max(epoch, last + 1)) and the plan their slot holds when they run.
 
 Loopback windows (``cuda_local``: every rank a thread of one process, windows on one GPU):
     each rank's n-th ``run`` joins the n-th launch (:mod:`ultracomm.loopback_launch`: same
@@ -39,7 +43,7 @@ Loopback windows (``cuda_local``: every rank a thread of one process, windows on
     window (stream-ordered), so peers raise ``PlanError`` instead of timing out.
 
 ``close() -> None``
-    Frees the device plans (after the device finished the queued kernels).
+    Frees the plan arena (after the device finished the queued kernels).
 
 ``check_error() -> None``
     After the stream reached a launch (event or stream synchronised): raises
@@ -56,15 +60,13 @@ from ..cuda_support import cuda_runtime, raise_record, record_epoch
 from ..loopback_launch import Deposit, launches_for
 from ..records import Op
 from ..sm_budget import ANALYTIC_PER_SM_BW, default_sms
-from .device_plan_cache import DevicePlanCache
 from .host import GRAD_DTYPE_CODE, Masters
+from .plan_slots import PlanSlots, arena_bounds, arena_bytes
 from .tma_loopback import runner_for
 
-__all__ = ["TmaTransport", "PLAN_CACHE"]
+__all__ = ["TmaTransport"]
 
 log = logging.getLogger("ultracomm")
-
-PLAN_CACHE = 64  # device plans kept per transport (least recently used evicted)
 
 
 class TmaTransport:
@@ -76,7 +78,8 @@ class TmaTransport:
 
     def __init__(self, *, rank: int, world: int, window, wlayout: dict, layout, num_workers: int,
                  timeout_s: float, jitter_us: int = 0, multicast_sms: int | None = None,
-                 reduce_sms: int | None = None, link_bytes_per_s: float = 450e9):
+                 reduce_sms: int | None = None, link_bytes_per_s: float = 450e9, experts_per_rank: int | None = None,
+                 plan_slots: int = 0):
         local = window.local
         if getattr(local, "device", None) is None or local.device.type != "cuda":
             raise ValueError(f"ultracomm: the tma transport needs a GPU window, got {window.provider!r} on "
@@ -88,8 +91,21 @@ class TmaTransport:
         self.rank, self.world = rank, world
         self.window, self.wlayout, self.layout = window, dict(wlayout), layout
         self.timeout_s = float(timeout_s)
+        if plan_slots < 0:
+            raise ValueError(f"ultracomm: plan_slots must be >= 0, got {plan_slots}")
+        self.plan_slots = int(plan_slots)
+        self._arena_shape = None
+        if experts_per_rank is not None:
+            loopback = bool(getattr(window, "loopback", False))
+            self._arena_shape = dict(nranks=world if loopback else 1, world=world,
+                                     experts_per_rank=int(experts_per_rank), members=len(layout.members),
+                                     wlayout=dict(wlayout))
+        #: device bytes of this rank's plan arena (as many again in pinned host memory); a loopback
+        #: domain's ranks share one arena of that size
+        self.plan_arena_bytes = arena_bytes(self._cuda, self.plan_slots, **self._arena_shape) \
+            if self._arena_shape is not None else 0
         # a loopback window (cuda_local): one launch runs every rank (tma_loopback.py)
-        self._loopback = (runner_for(window, self._cuda, self.device, self.timeout_s)
+        self._loopback = (runner_for(window, self._cuda, self.device, self.timeout_s, self.plan_slots)
                           if getattr(window, "loopback", False) else None)
         self.runner = self._loopback.runner if self._loopback is not None else self._cuda.Runner(self.device)
         sms = self.runner.sm_count
@@ -105,14 +121,28 @@ class TmaTransport:
         self._bases = [int(b) for b in window.peer_bases]
         self._members = {Op.MULTICAST: (list(layout.weight_offsets), list(layout.weight_sizes)),
                          Op.REDUCE: (list(layout.grad_offsets), list(layout.grad_sizes))}
-        self._plans = DevicePlanCache(PLAN_CACHE)  # plans a CUDA graph captured are never freed
+        self._slots = PlanSlots(self.plan_slots)
+        self._arena = None
+        if self._loopback is None and self._arena_shape is not None:
+            self._arena = self._make_arena(self._arena_shape)
+        elif self._loopback is not None and self._arena_shape is not None:
+            self._loopback.ensure_arena(self._arena_shape)
         self._names: dict[int, str | None] = {}
+
+    def _make_arena(self, shape: dict) -> object:
+        return self._cuda.PlanArena(self.device, self._slots.num_slots, **arena_bounds(**shape))
+
+    def _shape_of(self, masters: Masters, local_index_of: Sequence[int]) -> dict:
+        """The arena's shape when the constructor was not told experts_per_rank: the first plan's."""
+        n_local = sum(1 for i in local_index_of if i >= 0)
+        return dict(nranks=self.world if self._loopback is not None else 1, world=self.world,
+                    experts_per_rank=max(n_local, 1), members=len(self.layout.members), wlayout=dict(self.wlayout))
 
     def _rank_args(self, op: Op, schedule, masters: Masters, my_slots: Sequence[int],
                    local_index_of: Sequence[int]) -> tuple[tuple, "Callable[[], dict]"]:
         """(cache key, builder of this rank's DevicePlan arguments) of one operation."""
         ptrs = masters.weight_ptrs if op == Op.MULTICAST else masters.grad_ptrs
-        key = (schedule.digest, int(op), tuple(ptrs), tuple(my_slots), tuple(local_index_of))
+        key = (schedule.digest, int(op), tuple(ptrs), tuple(my_slots), tuple(local_index_of), tuple(self._bases))
 
         def make() -> dict:
             member_off, member_bytes = self._members[op]
@@ -127,21 +157,25 @@ class TmaTransport:
 
         return key, make
 
-    def _plan(self, key: tuple, make) -> object:
-        return self._plans.get(key, lambda: self._cuda.DevicePlan([make()], self.device))
-
     def run(self, op: Op, schedule, epoch: int, masters: Masters, my_slots: Sequence[int],
-            local_index_of: Sequence[int], op_name: str | None, stream: int) -> bool:
+            local_index_of: Sequence[int], op_name: str | None, stream: int, slot: int | None = None) -> bool:
         """Enqueue ``op`` of ``schedule`` for this rank at ``epoch`` on ``stream`` (see module doc)."""
         op = Op(int(op))
         key, make = self._rank_args(op, schedule, masters, my_slots, local_index_of)
         ctas = self.multicast_sms if op == Op.MULTICAST else self.reduce_sms
         if self._loopback is not None:  # the rank completing the set launches every rank
             lb = self._loopback
+            if self._arena_shape is None:
+                lb.ensure_arena(self._shape_of(masters, local_index_of))
             return launches_for(self.window).deposit(Deposit(self.rank, int(op), int(epoch), int(stream),
-                                                             (key, make, ctas, op_name)),
+                                                             (key, make, ctas, op_name, slot)),
                                                      lambda deps: lb.launch(deps, self.rank))
-        self.runner.launch(self._plan(key, make), int(epoch), ctas, int(stream), False)
+        if self._arena is None:
+            self._arena = self._make_arena(self._shape_of(masters, local_index_of))
+        where, upload = self._slots.place(int(op), key, slot)
+        self.runner.launch_slot(self._arena, where, int(op), [make()] if upload else None, int(epoch), ctas,
+                                int(stream), False)
+        self._slots.written(where, int(op), key)
         if len(self._names) > 1024:
             self._names.clear()
         self._names[int(epoch)] = op_name
@@ -158,8 +192,8 @@ class TmaTransport:
                                      L["grad_slot_bytes"], L["chunk_bytes"], int(stream))
 
     def close(self) -> None:
-        """Free this rank's device plans (the caller synchronised the device first)."""
-        self._plans.clear()
+        """Free this rank's plan arena (the caller synchronised the device first)."""
+        self._arena = None
 
     def check_error(self) -> None:
         """Raise the first failure recorded since the last call (see module doc)."""

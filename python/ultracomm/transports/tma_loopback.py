@@ -5,7 +5,8 @@ until the timeout).
 
 Pairing the ranks' calls into launches is :mod:`ultracomm.loopback_launch`'s (each rank's n-th
 call joins the n-th launch, all on one stream); this module holds the domain's one ``Runner``,
-its device plans (uploaded once per set of rank arguments) and its failures: a failure of the
+its one plan arena (:mod:`.plan_slots`; a launch's plan, every rank's entry, goes into the vid
+slot the ranks name, written only when it changed) and its failures: a failure of the
 shared launch is raised by every rank's ``check_error()``, once each; so is a rank's rejection
 of its plan, and a launch that could not start (bad plan, grid too large), which the launching
 rank gets at once from its ``run()``.
@@ -17,39 +18,51 @@ from typing import Any, Callable, Sequence
 
 from ..cuda_support import make_error_record, raise_record, record_epoch
 from ..loopback_launch import Deposit
-from .device_plan_cache import DevicePlanCache
+from .plan_slots import PlanSlots, arena_bounds
 
 __all__ = ["LoopbackRunner", "runner_for"]
-
-PLAN_CACHE = 64
 _REJECTED = 3  # ErrorCode kRejected (include/ultracomm/error_record.h)
 
 
 class LoopbackRunner:
     """One per loopback window set, shared by its ranks' transports."""
 
-    def __init__(self, cuda: Any, world: int, device: int, timeout_s: float):
+    def __init__(self, cuda: Any, world: int, device: int, timeout_s: float, plan_slots: int = 0):
         self.world, self.device, self.timeout_s, self.cuda = world, device, timeout_s, cuda
         self.runner = cuda.Runner(device)
         self._lock = threading.Lock()
-        self._plans = DevicePlanCache(PLAN_CACHE)  # plans a CUDA graph captured are never freed
+        self._slots = PlanSlots(plan_slots)
+        self.arena: Any = None
         # every failure, in order: (raise it as rank r would, op name)
         self._errors: list[tuple[Callable[[int, str | None, float], None], str | None]] = []
         self._seen: dict[int, int] = {}  # rank -> failures it raised
         self._names: dict[int, str | None] = {}
 
+    def ensure_arena(self, shape: dict) -> None:
+        """Allocate the domain's plan arena (the first rank to set up; the others find it)."""
+        with self._lock:
+            if self.arena is None:
+                self.arena = self.cuda.PlanArena(self.device, self._slots.num_slots, **arena_bounds(**shape))
+
     def launch(self, deposits: Sequence[Deposit], launcher: int) -> None:
-        """Launch every rank's share (``item = (plan key, args builder, ctas, op name)``, in rank
-        order) once; ``launcher`` is the rank whose call completed the set."""
+        """Launch every rank's share (``item = (plan key, args builder, ctas, op name[, vid slot])``,
+        in rank order) once; ``launcher`` is the rank whose call completed the set."""
         op, stream = int(deposits[0].op), deposits[0].stream
         epoch = max(d.epoch for d in deposits)  # the kernel runs max(epoch, last + 1) anyway
         name = deposits[0].item[3]
         with self._lock:
             try:
+                vids = {d.item[4] if len(d.item) > 4 else None for d in deposits}
+                if len(vids) > 1:
+                    raise ValueError(f"ultracomm: loopback ranks ran one operation on different vid slots "
+                                     f"{sorted(vids, key=str)}; every rank must begin its micro-batches in the same "
+                                     "order")
                 key = (op, tuple(d.item[0] for d in deposits))
-                plan = self._plans.get(key, lambda: self.cuda.DevicePlan([d.item[1]() for d in deposits],
-                                                                         self.device))
-                self.runner.launch(plan, epoch, max(d.item[2] for d in deposits), stream, False)
+                slot, upload = self._slots.place(op, key, vids.pop())
+                ranks = [d.item[1]() for d in deposits] if upload else None
+                self.runner.launch_slot(self.arena, slot, op, ranks, epoch, max(d.item[2] for d in deposits), stream,
+                                        False)
+                self._slots.written(slot, op, key)
             except Exception as e:
                 # the other ranks' parts never run: their check_error says why
                 self._errors.append((raiser(e), name))
@@ -108,11 +121,11 @@ def raiser(e: BaseException) -> Callable[[int, str | None, float], None]:
 _LOCK = threading.Lock()
 
 
-def runner_for(window: Any, cuda: Any, device: int, timeout_s: float) -> LoopbackRunner:
+def runner_for(window: Any, cuda: Any, device: int, timeout_s: float, plan_slots: int = 0) -> LoopbackRunner:
     """The loopback runner of ``window``'s domain and window set (created by the first rank)."""
     key = ("ultracomm.tma_loopback_runner", tuple(int(b) for b in window.peer_bases))
     with _LOCK:
         got = window.shared.get(key)
         if got is None:
-            got = window.shared[key] = LoopbackRunner(cuda, window.world, device, timeout_s)
+            got = window.shared[key] = LoopbackRunner(cuda, window.world, device, timeout_s, plan_slots)
     return got

@@ -3,12 +3,14 @@
     torchrun --nproc-per-node 4 perf/bench_step.py [--steps 200]
 
 Side by side in one run, per step (forward only: loads -> plan -> weight_sync):
-* ``store``: the loads through the group's store (``all_gather_object``) and a plan agreement
-  through it per weight_sync (``plan_check="agree"``) -- the manager before issue 19;
-* ``window``: the loads through the shared-memory window (``LoadBoard``) and the plan checked
-  through the window digests (``plan_check="window"``): no store call per step.
-Prints the median microseconds per step of the slowest rank and the ratio, plus the planner
-alone (``quota`` on the same loads).  Measured on whatever machine runs it (CPU).
+* ``store``: the loads through the group's store (``all_gather_object``), the host ``quota``
+  planner and a plan agreement through the store per weight_sync (``plan_check="agree"``) --
+  the manager before issue 19;
+* ``window``: the loads through the shared-memory window (``LoadBoard``), the device control
+  plane's planner (``device``, host build: the default) and the plan checked through the window
+  digests (``plan_check="window"``): no store call per step.
+Prints the median microseconds per step of the slowest rank and the ratio, plus each planner
+alone on the same loads.  Measured on whatever machine runs it (CPU).
 """
 from __future__ import annotations
 
@@ -43,7 +45,8 @@ def main() -> None:
     out = {}
     for mode in ("store", "window"):
         mgr = ReplicaManager(None, layout, epr, 2, 1, transport="host", window="host_shm",
-                             plan_check="agree" if mode == "store" else "window")
+                             plan_check="agree" if mode == "store" else "window",
+                             planner="quota" if mode == "store" else "device")
         if mode == "store":
             mgr._board = None
         mgr.register_layer(0, [torch.zeros(epr, 16)])
@@ -61,17 +64,18 @@ def main() -> None:
         out[mode] = statistics.median(times) * 1e6
         mgr.close()
     load = np.stack([np.bincount(np.arange(E) % E, minlength=E)] * world) * 37
-    plan = get_planner("quota")
-    t = []
-    for _ in range(50):
-        t0 = time.perf_counter()
-        plan(load, mgr.domain, 2)
-        t.append(time.perf_counter() - t0)
-    out["quota_planner"] = statistics.median(t) * 1e6
+    for name in ("quota", "device"):
+        plan = get_planner(name)
+        t = []
+        for _ in range(50):
+            t0 = time.perf_counter()
+            plan(load, mgr.domain, 2)
+            t.append(time.perf_counter() - t0)
+        out[f"{name}_planner"] = statistics.median(t) * 1e6
     if rank == 0:
         print(f"world {world}: step store {out['store']:.0f} us, window {out['window']:.0f} us, "
-              f"store/window {out['store'] / out['window']:.2f}x; quota planner alone {out['quota_planner']:.0f} us",
-              flush=True)
+              f"store/window {out['store'] / out['window']:.2f}x; planners alone: quota {out['quota_planner']:.0f} us, "
+              f"device {out['device_planner']:.0f} us", flush=True)
         if a.json:
             with open(a.json, "w") as f:
                 json.dump({"world": world, **out}, f)

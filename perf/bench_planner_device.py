@@ -24,30 +24,17 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-
-from ultracomm import _core, workloads  # noqa: E402
-from ultracomm.planners import Domain, get_planner, max_mean  # noqa: E402
+from ultracomm import _core  # noqa: E402
+from ultracomm.planners import get_planner, max_mean  # noqa: E402
 from ultracomm.planners import eval as ev  # noqa: E402
 from ultracomm.planners import quota as quota_mod  # noqa: E402
 
 
 def cases():
-    out = []
-    _, W, mname, _ = ev.EP64
-    m = workloads.get_model(mname)
-    dom = Domain.flat(W, m.experts_per_rank(W))
-    args = (W, m.num_experts, ev.TOKENS_PER_RANK, m.top_k)
-    out += [(f"EP64 zipf {t}", dom, workloads.zipf_load(*args, t, seed=1)) for t in ev.ZIPF_TARGETS]
-    out += [(f"EP64 blocked {t}", dom, workloads.rank_blocked_load(*args, t, seed=1)) for t in ev.BLOCKED_TARGETS]
-    out += [(f"EP64 hot {f}", dom, workloads.hot_rank_load(*args, f, seed=1)) for f in ev.HOT_FRACTIONS[::3]]
-    for label, nodes, gpn, mname, _ in ev.TAOT_CASES:
-        m = workloads.get_model(mname)
-        Wn = nodes * gpn
-        d = Domain.nodes(nodes, gpn, m.experts_per_rank(Wn))
-        out.append((f"{label} zipf 1.5", d, workloads.zipf_load(Wn, m.num_experts, ev.TOKENS_PER_RANK, m.top_k,
-                                                               1.5, seed=50 + Wn)))
-    return out
+    """The evaluation's EP64 loads (hot-rank: 30% and 90%) and its TAOT cases at 50% imbalance."""
+    keep = ("EP64 zipf", "EP64 blocked", "EP64 hot 30%", "EP64 hot 90%", "EP16 50%", "EP32 50%")
+    named = [(f"{case} {lname}", dom, load) for case, lname, dom, load in ev.evaluation_loads()]
+    return [c for c in named if c[0].startswith(keep)]
 
 
 def median_us(fn, reps: int) -> float:

@@ -149,3 +149,19 @@ def ptxas_functions(log: str) -> dict[tuple[str, str], str]:
         if m and arch:
             out[(arch, m.group(1))] = "\n".join(lines[i + 1:i + 3])
     return out
+
+
+def kernel_texts(source: str, function: str) -> list[str]:
+    """The SASS of the one kernel whose mangled name contains ``function`` in ``csrc/cuda/<source>.cu``,
+    one text per real architecture; skips the calling test when nvcc or cuobjdump is missing."""
+    import pytest
+
+    if find_nvcc() is None or find_tool("cuobjdump") is None:
+        pytest.skip("nvcc / cuobjdump not found")
+    c = compile_all()[source]
+    out = []
+    for arch in real_archs():
+        fns = [v for k, v in kernel_sass(sass(c, arch)).items() if function in k]
+        assert len(fns) == 1, f"{function} in {source}.cu for sm_{arch}: {len(fns)} kernels"
+        out.append(fns[0])
+    return out

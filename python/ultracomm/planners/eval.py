@@ -124,6 +124,30 @@ def _evaluate(case, load_name, load, domain, model, fabric, reps, max_chunks, na
     return rows
 
 
+def evaluation_loads(quick: bool = False) -> list[tuple[str, str, Domain, np.ndarray]]:
+    """``(case, load name, domain, load)`` of the evaluation: the TAOT cases' Zipf imbalances, then
+    EP64's Zipf, rank-blocked and hot-rank loads (``quick``: a subset)."""
+    out = []
+    for label, nodes, gpn, mname, _ in TAOT_CASES:
+        model = workloads.get_model(mname)
+        W = nodes * gpn
+        domain = Domain.nodes(nodes, gpn, model.experts_per_rank(W))
+        for imb in (IMBALANCES[::2] if quick else IMBALANCES):
+            out.append((label, f"{imb * 100:.0f}%", domain, workloads.zipf_load(
+                W, model.num_experts, TOKENS_PER_RANK, model.top_k, 1.0 + imb, seed=int(imb * 100) + W)))
+    label, W, mname, _ = EP64
+    model = workloads.get_model(mname)
+    domain = Domain.flat(W, model.experts_per_rank(W))
+    args = (W, model.num_experts, TOKENS_PER_RANK, model.top_k)
+    zipf = (ZIPF_TARGETS[0], ZIPF_TARGETS[-1]) if quick else ZIPF_TARGETS
+    blocked = (BLOCKED_TARGETS[-1],) if quick else BLOCKED_TARGETS
+    hot = (HOT_FRACTIONS[0], HOT_FRACTIONS[-1]) if quick else HOT_FRACTIONS
+    out += [(label, f"zipf {t}", domain, workloads.zipf_load(*args, t, seed=1)) for t in zipf]
+    out += [(label, f"blocked {t}", domain, workloads.rank_blocked_load(*args, t, seed=1)) for t in blocked]
+    out += [(label, f"hot {f * 100:.0f}%", domain, workloads.hot_rank_load(*args, f, seed=1)) for f in hot]
+    return out
+
+
 def copy_lower_bound(load: np.ndarray, domain: Domain, max_imb: float,
                      inter_weight: float = INTER_WEIGHT) -> float:
     """A lower bound on the weighted copies any plan needs to end at most ``max_imb``
@@ -165,44 +189,25 @@ def run(quick: bool = False, names=NAMES) -> dict[str, list[Row]]:
     reps = 5 if quick else 60
     max_chunks = 4 if quick else 16
     out: dict[str, list[Any]] = {"taot": [], "ep64": [], "bound": [], "ablation": [], "refs": []}
-    imbs = IMBALANCES[::2] if quick else IMBALANCES
     abl = {label: [] for label, _ in ABLATION}
-    for label, nodes, gpn, mname, fab in TAOT_CASES:
-        model = workloads.get_model(mname)
-        W = nodes * gpn
-        epr = model.experts_per_rank(W)
-        domain = Domain.nodes(nodes, gpn, epr)
-        for imb in imbs:
-            load = workloads.zipf_load(W, model.num_experts, TOKENS_PER_RANK, model.top_k,
-                                       1.0 + imb, seed=int(imb * 100) + W)
-            rows = _evaluate(label, f"{imb * 100:.0f}%", load, domain, model, fab, reps,
-                             max_chunks, names)
-            out["taot"] += rows
-            q = [r for r in rows if r.planner == "quota"]
-            if q:  # weighted copies any plan needs to stay within 0.5 pts of quota
-                out["bound"].append((label, f"{imb * 100:.0f}%",  # type: ignore[arg-type]
-                                     copy_lower_bound(load, domain, q[0].after - 1 + 0.005)))
-            from . import taot as _taot
+    fabric = {label: (workloads.get_model(mname), fab) for label, _, _, mname, fab in TAOT_CASES}
+    fabric[EP64[0]] = (workloads.get_model(EP64[2]), EP64[3])
+    for label, lname, domain, load in evaluation_loads(quick):
+        model, fab = fabric[label]
+        rows = _evaluate(label, lname, load, domain, model, fab, reps, max_chunks, names)
+        if label == EP64[0]:
+            out["ep64"] += rows
+            continue
+        out["taot"] += rows
+        q = [r for r in rows if r.planner == "quota"]
+        if q:  # weighted copies any plan needs to stay within 0.5 pts of quota
+            out["bound"].append((label, lname, copy_lower_bound(load, domain, q[0].after - 1 + 0.005)))  # type: ignore[arg-type]
+        from . import taot as _taot
 
-            for alabel, opts in ABLATION:
-                r = _taot.plan(load, domain, K, **opts)
-                abl[alabel].append((label, f"{imb * 100:.0f}%", max_mean(r.rank_load),
-                                    r.copies, r.weighted_cost(INTER_WEIGHT)))
+        for alabel, opts in ABLATION:
+            r = _taot.plan(load, domain, K, **opts)
+            abl[alabel].append((label, lname, max_mean(r.rank_load), r.copies, r.weighted_cost(INTER_WEIGHT)))
     out["ablation"] = [(k, v) for k, v in abl.items()]  # type: ignore[misc]
-    label, W, mname, fab = EP64
-    model = workloads.get_model(mname)
-    epr = model.experts_per_rank(W)
-    domain = Domain.flat(W, epr)
-    loads = [(f"zipf {t}", workloads.zipf_load(W, model.num_experts, TOKENS_PER_RANK, model.top_k, t, seed=1))
-             for t in ((ZIPF_TARGETS[0], ZIPF_TARGETS[-1]) if quick else ZIPF_TARGETS)]
-    loads += [(f"blocked {t}", workloads.rank_blocked_load(W, model.num_experts, TOKENS_PER_RANK,
-                                                           model.top_k, t, seed=1))
-              for t in ((BLOCKED_TARGETS[-1],) if quick else BLOCKED_TARGETS)]
-    loads += [(f"hot {f * 100:.0f}%", workloads.hot_rank_load(W, model.num_experts, TOKENS_PER_RANK,
-                                                              model.top_k, f, seed=1))
-              for f in ((HOT_FRACTIONS[0], HOT_FRACTIONS[-1]) if quick else HOT_FRACTIONS)]
-    for lname, load in loads:
-        out["ep64"] += _evaluate(label, lname, load, domain, model, fab, reps, max_chunks, names)
     out["refs"] = eval_refs.run(_time_plan, reps, quick)  # type: ignore[assignment]
     out["planted"] = planted.planted_family(25 if quick else 200)  # type: ignore[assignment]
     out["_meta"] = [dict(reps=reps, max_chunks=max_chunks, quick=quick)]  # type: ignore[list-item]

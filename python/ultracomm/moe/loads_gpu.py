@@ -57,8 +57,8 @@ class GpuLoadBoard:
         self.timeout_s = float(timeout_s)
         dev = window.local.device
         self.device = dev
-        self._cuda = cuda_runtime(dev.index if dev.index is not None else torch.cuda.current_device(),
-                                  "the GPU load board")
+        index = dev.index if dev.index is not None else (torch.cuda.current_device() if dev.type == "cuda" else 0)
+        self._cuda = cuda_runtime(index, "the GPU load board")
         # allocated once: the kernel's arguments are fixed addresses (a captured graph replays them)
         self._bases = torch.tensor([int(b) for b in window.peer_bases], dtype=torch.int64, device=dev)
         self._counts = torch.zeros(self.E, dtype=torch.int32, device=dev)
@@ -67,6 +67,10 @@ class GpuLoadBoard:
         self.out = self._buf[_STATUS_WORDS:].view(world, self.E)
         self._loopback = bool(getattr(window, "loopback", False))
         self._last: _Share | None = None
+
+    def _stream(self) -> int:
+        """The caller's current stream on the board's device (the exchange is enqueued there)."""
+        return torch.cuda.current_stream(self.device).cuda_stream
 
     @classmethod
     def for_context(cls, ctx: Any) -> "GpuLoadBoard | None":
@@ -105,7 +109,7 @@ class GpuLoadBoard:
             raise ValueError(f"ultracomm: expert counts must be on the load board's device {self.device}, got "
                              f"{counts.device}")
         self._counts.copy_(counts.detach())  # on the stream, ahead of the exchange
-        stream = torch.cuda.current_stream(self.device).cuda_stream
+        stream = self._stream()
         if not self._loopback:
             self._launch([self._entry()], stream)
             return self.out

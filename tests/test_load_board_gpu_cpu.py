@@ -1,0 +1,130 @@
+"""GpuLoadBoard's Python side on a CPU machine (moe/loads_gpu.py), with ``_cuda.load_exchange``
+replaced by a fake that does what the kernel does (every rank entry's counts gathered into its
+``out``, or a timeout status naming a rank): the kernel's arguments (board layout, timeout, one
+launch for every loopback rank, in rank order, from the rank completing the set), the host
+result, and the errors -- a rank that never posts is named, by the kernel's status or, on a
+loopback domain, by the launch that never came.  The kernel itself: test_load_board_gpu.py."""
+from __future__ import annotations
+
+import threading
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from ultracomm import UltracommTimeout
+from ultracomm.moe import loads_gpu
+from ultracomm.moe.board_layout import BoardLayout
+
+
+class FakeCuda:
+    def __init__(self, boards, status=None):
+        self.boards, self.calls, self.status = boards, [], status
+
+    def load_exchange(self, ranks, world, num_experts, entries, record_bytes, timeout_s, stream):
+        self.calls.append(([e["rank"] for e in ranks], world, num_experts, entries, record_bytes, timeout_s, stream))
+        counts = torch.stack([b._counts for b in self.boards])
+        for e in ranks:
+            b = self.boards[e["rank"]]
+            assert (e["counts"], e["out"], e["status"]) == (b._counts.data_ptr(), b.out.data_ptr(), b._buf.data_ptr())
+            b.out.copy_(counts)
+            b._buf[:4] = torch.tensor(self.status or [0, 0, 0, 0], dtype=torch.int32)
+
+
+def boards(world, E, loopback, timeout_s=5.0, status=None, monkeypatch=None):
+    made: list = []
+    fake = FakeCuda(made, status)
+    monkeypatch.setattr(loads_gpu, "cuda_runtime", lambda device, what="": fake)
+    shared: dict = {}
+    for r in range(world):
+        win = types.SimpleNamespace(provider="cuda_local" if loopback else "cuda_ipc", world=world,
+                                    loopback=loopback, shared=shared, local=torch.zeros(1),
+                                    peer_bases=[0x7000_0000 + (q << 20) for q in range(world)], close=lambda: None)
+        b = loads_gpu.GpuLoadBoard(win, E, r, world, timeout_s)
+        b._stream = lambda: 42
+        made.append(b)
+    return made, fake
+
+
+def test_one_rank_per_process_launches_its_own_exchange(monkeypatch):
+    bs, fake = boards(3, 5, loopback=False, monkeypatch=monkeypatch)
+    for r, b in enumerate(bs):  # each rank on its own (the fake gathers what every board holds)
+        b._counts.copy_(torch.arange(5) + 10 * r)
+    got = bs[1].gather(torch.arange(5) + 10)
+    L = BoardLayout(3, 5)
+    assert fake.calls == [([1], 3, 5, 2, L.record_bytes, 5.0, 42)]
+    assert got.dtype == np.int64 and got.tolist() == [[10 * r + e for e in range(5)] for r in range(3)]
+
+
+def test_a_timeout_status_names_the_rank_awaited(monkeypatch):
+    bs, _ = boards(2, 3, loopback=False, timeout_s=0.5, status=[1, 1, 0, 0], monkeypatch=monkeypatch)
+    with pytest.raises(UltracommTimeout) as err:
+        bs[0].gather(torch.zeros(3, dtype=torch.int64), op="step(layer 4)")
+    assert str(err.value) == ("ultracomm: rank 0 step(layer 4) (expert loads) timed out after 0.5 s: ranks [1] did "
+                              "not post their loads (timeout ULTRACOMM_TIMEOUT_S=0.5); they are likely stalled or "
+                              "dead, or called a different operation: every rank must call step() for the same layers "
+                              "in the same order")
+
+
+def test_bad_counts_are_refused_before_anything_is_enqueued(monkeypatch):
+    bs, fake = boards(2, 3, loopback=False, monkeypatch=monkeypatch)
+    with pytest.raises(ValueError, match=r"^ultracomm: expert counts must be \[3\], got \[4\]$"):
+        bs[0].gather(torch.zeros(4, dtype=torch.int64))
+    assert not fake.calls
+
+
+def _threads(bs, fn):
+    out, errs = [None] * len(bs), []
+
+    def run(r):
+        try:
+            out[r] = fn(r, bs[r])
+        except BaseException as e:  # noqa: BLE001 - returned to the test
+            out[r] = e
+
+    ts = [threading.Thread(target=run, args=(r,)) for r in range(len(bs))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+    return out
+
+
+def test_loopback_ranks_share_one_launch(monkeypatch):
+    bs, fake = boards(4, 6, loopback=True, monkeypatch=monkeypatch)
+    res = _threads(bs, lambda r, b: [b.gather(torch.arange(6) + 100 * r + n) for n in range(3)])
+    assert len(fake.calls) == 3 and all(c[0] == [0, 1, 2, 3] and c[6] == 42 for c in fake.calls)
+    for r in range(4):
+        for n in range(3):
+            assert res[r][n].tolist() == [[100 * q + n + e for e in range(6)] for q in range(4)]
+
+
+def test_a_loopback_rank_that_never_posts_is_named(monkeypatch):
+    bs, fake = boards(3, 2, loopback=True, timeout_s=0.3, monkeypatch=monkeypatch)
+
+    def body(r, b):
+        if r == 2:
+            return None
+        return b.gather(torch.zeros(2, dtype=torch.int64), op="step(layer 0)")
+
+    res = _threads(bs, body)
+    assert not fake.calls
+    for r in (0, 1):
+        assert isinstance(res[r], UltracommTimeout)
+        assert str(res[r]).startswith(f"ultracomm: rank {r} step(layer 0) (expert loads) timed out after 0.3 s: "
+                                      "ranks [2] did not post their loads")
+
+
+def test_without_cuda_the_store_exchange_stays(monkeypatch):
+    from ultracomm.cuda_support import NotAvailableError
+
+    def unavailable(device, what=""):
+        raise NotAvailableError("ultracomm: the GPU load board is not available: no CUDA device")
+
+    monkeypatch.setattr(loads_gpu, "cuda_runtime", unavailable)
+    win = types.SimpleNamespace(provider="cuda_ipc", local=types.SimpleNamespace(device=torch.device("cuda", 0)),
+                                peer_bases=[1, 2])
+    assert loads_gpu.GpuLoadBoard.for_context(types.SimpleNamespace(window=win)) is None
+    win.provider = "torch_symm"  # not a board provider
+    assert loads_gpu.GpuLoadBoard.for_context(types.SimpleNamespace(window=win)) is None

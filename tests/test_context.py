@@ -395,3 +395,27 @@ def test_restore_timeout_names_restore():
                 ctx.restore(vid)
 
     _two_ranks_one_swap(fn, timeout_s=0.3)
+
+
+def test_set_relay_mode_rebuilds_schedules_and_checks_the_mode():
+    """Context.set_relay_mode: schedules built afterwards use the new mode (the cached one is
+    dropped), a bad mode is refused; stream_ordered is False on the host executor."""
+    layout = make_layout(64, 32)
+    plan = ReplicaPlan.make(hot_slot_src(4, 2, 1), experts_per_rank=1)
+
+    def body(group):
+        from ultracomm.errors import ConfigError
+
+        with Context(group, layout, 1, 2, num_layers=1, relay_mode="force", chunk_bytes=16, tile_bytes=16,
+                     timeout_s=30.0) as ctx:
+            forced = ctx.schedule_for(plan).stats()
+            ctx.set_relay_mode("off")
+            direct = ctx.schedule_for(plan).stats()
+            with pytest.raises(ConfigError):
+                ctx.set_relay_mode("sometimes")
+            assert ctx.config.relay_mode == "off" and not ctx.stream_ordered
+            return forced, direct
+
+    for forced, direct in LoopbackDomain(4).run(body):
+        assert forced != direct
+        assert direct["multicast"]["depth"] == 1 and forced["multicast"]["depth"] >= 2

@@ -763,6 +763,20 @@ class Context:
         self._runner.submit(f"synchronize (rank {self.rank})", lambda: None).wait()
 
     @property
+    def stream_ordered(self) -> bool:
+        """True when operations are enqueued on the caller's current CUDA stream (GPU transports);
+        False when they run on this Context's own thread (host executor, ``p2p``, ...)."""
+        return self._streams is not None
+
+    def set_relay_mode(self, mode: str) -> None:
+        """Use relay mode ``mode`` (``auto`` | ``off`` | ``force``, as ``ULTRACOMM_RELAY``) for the
+        schedules built from now on; cached schedules of the old mode are dropped.  Every rank must
+        call it between the same operations (ranks must build the same schedules)."""
+        self._check_open()
+        self.config = self.config.replace(relay_mode=mode)
+        self._schedules.clear()
+
+    @property
     def closed(self) -> bool:
         """True after ``close()`` (or a failed setup)."""
         return self._runner is None

@@ -294,7 +294,7 @@ class Manager:
     def get_comm_stream(self) -> torch.cuda.Stream:
         """The stream the operations run on: ultracomm's GPU transports enqueue on the caller's
         current stream, so that is the one returned.  Raises where there is no such stream."""
-        if self.ctx._streams is None:
+        if not self.ctx.stream_ordered:
             raise RuntimeError(
                 f"ultracomm UltraEP adapter: get_comm_stream() has no CUDA stream to return: this Manager's transport "
                 f"{self.ctx.transport.name!r} is not stream-ordered (its operations run on ultracomm's own thread and "
@@ -308,8 +308,7 @@ class Manager:
         normalized = plan_mode.lower().replace("_", "")
         if normalized not in _PLAN_MODES:
             raise ValueError("plan_mode must be one of: direct, adaptive_relay, force_relay")
-        self.ctx.config = self.ctx.config.replace(relay_mode=_PLAN_MODES[normalized])
-        self.ctx._schedules.clear()  # cached by plan digest: built under the old relay mode
+        self.ctx.set_relay_mode(_PLAN_MODES[normalized])
         self.weight_sync_plan_mode = normalized
 
     def set_grad_reduce_deterministic(self, deterministic: bool) -> None:

@@ -10,6 +10,7 @@ void bind_planners(py::module_& m);
 void bind_flags(py::module_& m);
 void bind_quota_device(py::module_& m);
 void bind_token_split(py::module_& m);
+void bind_sched_portable(py::module_& m);
 }  // namespace ultracomm
 
 PYBIND11_MODULE(_core, m) {
@@ -20,4 +21,5 @@ PYBIND11_MODULE(_core, m) {
   ultracomm::bind_flags(m);
   ultracomm::bind_quota_device(m);
   ultracomm::bind_token_split(m);
+  ultracomm::bind_sched_portable(m);
 }

@@ -1,0 +1,133 @@
+// _core.build_schedule_portable: the host build of the device control plane's schedule builder
+// (include/ultracomm/sched_build.h), the same source k_build.cu runs on the GPU.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "ultracomm/sched_build.h"
+
+namespace py = pybind11;
+
+namespace ultracomm {
+namespace {
+
+using I32 = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
+
+const char* status_text(int32_t s) {
+  switch (s) {
+    case psched::kBadShape: return "world, slots or num_experts outside the builder's capacity";
+    case psched::kBadPlan:
+      return "slot_src/home_of invalid (expert out of range, replica on its home rank, or an expert twice on a rank)";
+    case psched::kBadOption:
+      return "chunk_bytes must be a positive multiple of 16, bytes <= 2**40, max_depth in [1, 64], rank in [0, world)";
+    case psched::kBadNode: return "node_of has a node outside [0, world)";
+    case psched::kOverflow: return "the task or ref output is too small";
+    default: return "unknown status";
+  }
+}
+
+py::array records(const std::vector<uint8_t>& raw, int64_t n, size_t size, const char* dtype_name) {
+  py::object dt = py::module_::import("ultracomm.records").attr(dtype_name);
+  py::array a(py::dtype::from_args(dt), std::vector<py::ssize_t>{py::ssize_t(n)});
+  if (n) std::copy(raw.data(), raw.data() + n * size, static_cast<uint8_t*>(a.mutable_data()));
+  return a;
+}
+
+py::dict build(const I32& slot_src, const I32& home_of, py::object node_of, uint64_t weight_bytes, uint64_t grad_bytes,
+               uint64_t chunk_bytes, int64_t rank, int64_t max_depth, uint64_t hop_bytes) {
+  if (slot_src.ndim() != 2) throw std::invalid_argument("build_schedule_portable: slot_src must be int32 [world, slots]");
+  if (home_of.ndim() != 1) throw std::invalid_argument("build_schedule_portable: home_of must be int32 [num_experts]");
+  const int64_t W = slot_src.shape(0), S = slot_src.shape(1), E = home_of.shape(0);
+  if (W < 1 || W > psched::kMaxWorld || S > psched::kMaxSlots || E > psched::kMaxExperts)
+    throw std::invalid_argument("build_schedule_portable: " + std::string(status_text(psched::kBadShape)) +
+                                " (world <= " + std::to_string(psched::kMaxWorld) + ", slots <= " +
+                                std::to_string(psched::kMaxSlots) + ", experts <= " +
+                                std::to_string(psched::kMaxExperts) + ")");
+  I32 node;
+  psched::Problem p{};
+  p.world = int32_t(W);
+  p.slots = int32_t(S);
+  p.num_experts = int32_t(E);
+  p.max_depth = int32_t(std::clamp<int64_t>(max_depth, -1, 1 << 20));
+  p.rank = int32_t(std::clamp<int64_t>(rank, -1, 1 << 20));
+  p.slot_src = slot_src.data();
+  p.home_of = home_of.data();
+  if (!node_of.is_none()) {
+    node = node_of.cast<I32>();
+    if (node.ndim() != 1 || node.shape(0) != W)
+      throw std::invalid_argument("build_schedule_portable: node_of must be int32 [world]");
+    p.node_of = node.data();
+  }
+  p.weight_bytes = weight_bytes;
+  p.grad_bytes = grad_bytes;
+  p.chunk_bytes = chunk_bytes;
+  p.hop_bytes = hop_bytes;
+  const int32_t st = psched::check_problem(p);
+  if (st != psched::kOk) throw std::invalid_argument(std::string("build_schedule_portable: ") + status_text(st));
+  std::vector<int64_t> scratch(psched::scratch_words(p.world, p.slots, p.num_experts));
+  // output bounds: every sender node of the rank with every chunk; every replica as a ref
+  int64_t homed = 0;
+  for (int64_t e = 0; e < E; ++e) homed += p.home_of[e] == p.rank;
+  const uint64_t cb = std::max<uint64_t>(chunk_bytes, 1);
+  const int64_t tcap[2] = {(homed + S) * psched::chunks_of(weight_bytes, cb), (homed + S) * psched::chunks_of(grad_bytes, cb)};
+  std::vector<uint8_t> traw[2], rraw[2];
+  psched::OpOut out[2];
+  for (int op = 0; op < 2; ++op) {
+    traw[op].resize(std::max<int64_t>(tcap[op], 1) * sizeof(Task));
+    rraw[op].resize(std::max<int64_t>(W * S, 1) * sizeof(Ref));
+    out[op] = psched::OpOut{reinterpret_cast<Task*>(traw[op].data()), tcap[op],
+                            reinterpret_cast<Ref*>(rraw[op].data()), W * S};
+  }
+  psched::Result res{};
+  {
+    py::gil_scoped_release rel;
+    res = psched::build(p, scratch.data(), out[0], out[1]);
+  }
+  if (res.status != psched::kOk)
+    throw std::invalid_argument(std::string("build_schedule_portable: ") + status_text(res.status));
+  const psched::View v = psched::view(scratch.data(), p.world, p.slots, p.num_experts);
+  py::dict d;
+  const char* names[2] = {"multicast", "reduce"};
+  for (int op = 0; op < 2; ++op) {
+    py::dict o;
+    o["tasks"] = records(traw[op], res.num_tasks[op], sizeof(Task), "TASK_DTYPE");
+    o["refs"] = records(rraw[op], res.num_refs[op], sizeof(Ref), "REF_DTYPE");
+    const char* fields[3] = {"parent_rank", "parent_slot", "depth"};
+    for (int f = 0; f < 3; ++f) {
+      py::array_t<int32_t> a({W, S});
+      const int32_t* tb = psched::tree_of(v.trees, W * S, 1 + op) + f * W * S;
+      std::copy(tb, tb + W * S, a.mutable_data());
+      o[fields[f]] = a;
+    }
+    o["cap"] = res.cap[op];
+    o["busiest"] = res.busiest[op];
+    o["depth_max"] = res.depth[op];
+    d[names[op]] = o;
+  }
+  d["digest"] = res.digest;
+  d["lower_bound"] = res.lower_bound;
+  d["candidates"] = res.candidates;
+  return d;
+}
+
+}  // namespace
+
+void bind_sched_portable(py::module_& m) {
+  m.def("build_schedule_portable", &build, py::arg("slot_src"), py::arg("home_of"), py::arg("node_of"),
+        py::arg("weight_bytes"), py::arg("grad_bytes"), py::arg("chunk_bytes"), py::arg("rank"),
+        py::arg("max_depth"), py::arg("hop_bytes"),
+        "Portable schedule builder, host build: {multicast: {tasks, refs, parent_rank, parent_slot, depth, ...}, "
+        "reduce: {...}, digest, lower_bound, candidates} for one rank.");
+  m.def("schedule_portable_scratch_bytes",
+        [](int32_t W, int32_t S, int32_t E) { return 8 * psched::scratch_words(W, S, E); }, py::arg("world"),
+        py::arg("slots"), py::arg("num_experts"));
+  m.attr("SCHEDULE_PORTABLE_MAX_WORLD") = psched::kMaxWorld;
+  m.attr("SCHEDULE_PORTABLE_MAX_SLOTS") = psched::kMaxSlots;
+  m.attr("SCHEDULE_PORTABLE_MAX_EXPERTS") = psched::kMaxExperts;
+}
+
+}  // namespace ultracomm

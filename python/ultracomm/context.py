@@ -159,7 +159,8 @@ class Context:
             where = domains.rank_domain(self.config.domain, self.rank, self.world,
                                         device_type(self.config.transport, self.config.window, device), device)
             return ((repr(layout), experts_per_rank, slots_per_rank, num_layers, max_microbatches, self.node_of,
-                     self.config.chunk_bytes, self.config.relay_mode, self.config.max_depth, self.config.intra_bw,
+                     self.config.chunk_bytes, self.config.relay_mode, self.config.max_depth,
+                     self.config.schedule_builder, self.config.intra_bw,
                      self.config.inter_bw, self.config.plan_check, *chosen), where)
 
         views = self.comm.agree(local_check, op="Context setup", what="configuration")
@@ -437,10 +438,20 @@ class Context:
                     shm = COSTS["host_shm"]
                     inter = dict(intra_bw=shm.beta_Bps, intra_latency_s=shm.alpha_s, inter_bw=costs.beta_Bps,
                                  inter_latency_s=costs.alpha_s)
-                sched = build_schedule(plan, self.layout.weight_bytes, self.layout.grad_bytes, node_of=self.node_of,
-                                       chunk_bytes=self.wlayout["chunk_bytes"], relay_mode=c.relay_mode,
-                                       max_depth=c.max_depth, rank=self.rank,
-                                       **{"intra_bw": c.intra_bw, "inter_bw": c.inter_bw, **inter})
+                if c.schedule_builder == "portable":  # the device control plane's builder (sched_build.h)
+                    from .schedule_portable import build_schedule_portable
+
+                    # its own tree choice: relay "off" means direct (depth 1); "force" is not honoured
+                    sched = build_schedule_portable(
+                        plan, self.layout.weight_bytes, self.layout.grad_bytes, rank=self.rank, node_of=self.node_of,
+                        chunk_bytes=self.wlayout["chunk_bytes"], max_depth=1 if c.relay_mode == "off" else c.max_depth,
+                        intra_bw=inter.get("intra_bw", c.intra_bw),
+                        **({"intra_latency_s": inter["intra_latency_s"]} if inter else {}))
+                else:
+                    sched = build_schedule(plan, self.layout.weight_bytes, self.layout.grad_bytes,
+                                           node_of=self.node_of, chunk_bytes=self.wlayout["chunk_bytes"],
+                                           relay_mode=c.relay_mode, max_depth=c.max_depth, rank=self.rank,
+                                           **{"intra_bw": c.intra_bw, "inter_bw": c.inter_bw, **inter})
             self._schedules[key] = sched
             if log.isEnabledFor(logging.DEBUG):
                 st = sched.stats()

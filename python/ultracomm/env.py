@@ -5,29 +5,30 @@ reads the variables below (unset or empty = default); ``config.replace(**overrid
 returns a validated copy with per-call overrides (Python values, or strings in the
 same syntax as the variables).
 
-=========================  ==============  ====================  ==================  =====================================================
-variable                   field           type                  default             meaning
-=========================  ==============  ====================  ==================  =====================================================
-ULTRACOMM_NUM_WORKERS      num_workers     int 1..1024           min(4, cpu_count)   host executor worker threads per rank (CPU analogue of SMs)
-ULTRACOMM_MULTICAST_SMS    multicast_sms   int 0..4096 | auto    auto (0)            SMs (thread blocks) the GPU executor uses for multicast; auto: see "SM defaults"
-ULTRACOMM_REDUCE_SMS       reduce_sms      int 0..4096 | auto    auto (0)            SMs (thread blocks) the GPU executor uses for gradient reduction; auto: see "SM defaults"
-ULTRACOMM_TRANSPORT        transport       choice                auto                auto | host | tma | copy_engine | p2p | split (host within a memory domain, p2p across: ultracomm.domains)
-ULTRACOMM_WINDOW           window          choice                auto                auto | host_shm | local | cuda_ipc | torch_symm | nvshmem | cuda_local (one-GPU loopback) | private (p2p: no peer mapping)
-ULTRACOMM_TILE_BYTES       tile_bytes      size (bytes)          32768 (32K)         bytes moved per tile; a positive multiple of 16, at most 1024G
-ULTRACOMM_CHUNK_BYTES      chunk_bytes     size (bytes)          1048576 (1M)        bytes per flagged chunk (relay granularity); a multiple of tile_bytes, at most 1024G
-ULTRACOMM_RELAY            relay_mode      choice                auto                auto (relay when the cost model says so) | off (direct) | force
-ULTRACOMM_RELAY_MAX_DEPTH  max_depth       int 1..65535          8                   deepest relay tree the schedule builder may use (a cap: depth is chosen by predicted time; relay=force uses at least 2)
-ULTRACOMM_PLAN_CHECK       plan_check      choice                auto                how ranks make sure they run the same plan: auto | agree | window (see "Plan checks")
-ULTRACOMM_DETERMINISTIC    deterministic   bool                  true                fixed-order fp32 gradient reduction (bit-identical runs)
-ULTRACOMM_TIMEOUT_S        timeout_s       float in [0.1, 1e8]   100                 seconds any wait for a peer (flag, setup, plan agreement) may take before raising UltracommTimeout
-ULTRACOMM_LOG_LEVEL        log_level       choice                warning             debug | info | warning | error
-ULTRACOMM_INTRA_BW         intra_bw        bandwidth (bytes/s)   370e9               intra-node link bandwidth for the schedule cost model
-ULTRACOMM_INTER_BW         inter_bw        bandwidth (bytes/s)   50e9                inter-node link bandwidth for the schedule cost model
-ULTRACOMM_DEBUG_JITTER_US  jitter_us       int 0..1000000        0                   testing aid: random delay up to this many us before each host task
-ULTRACOMM_HW_PROFILE       hw_profile      path                  (search)            hardware profile JSON for the SM defaults (ultracomm/hwprofile.py); unset: newest perf/gpu/*profile*.json of this GPU
-ULTRACOMM_PROFILE          profile         path                  (empty: off)        directory a Context records its load profile into (``ultracomm.profile``; one ``rank<r>`` subdirectory per rank when world > 1; a rerun writes into a fresh ``run<n>`` subdirectory; must be this user's and not group- or world-writable)
-ULTRACOMM_DOMAIN           domain          domain                (empty: detect)     this rank's memory domain, overriding detection (``ultracomm.domains``): one key, or one key per rank of the Context's group
-=========================  ==============  ====================  ==================  =====================================================
+==========================  ================  ====================  ==================  =====================================================
+variable                    field             type                  default             meaning
+==========================  ================  ====================  ==================  =====================================================
+ULTRACOMM_NUM_WORKERS       num_workers       int 1..1024           min(4, cpu_count)   host executor worker threads per rank (CPU analogue of SMs)
+ULTRACOMM_MULTICAST_SMS     multicast_sms     int 0..4096 | auto    auto (0)            SMs (thread blocks) the GPU executor uses for multicast; auto: see "SM defaults"
+ULTRACOMM_REDUCE_SMS        reduce_sms        int 0..4096 | auto    auto (0)            SMs (thread blocks) the GPU executor uses for gradient reduction; auto: see "SM defaults"
+ULTRACOMM_TRANSPORT         transport         choice                auto                auto | host | tma | copy_engine | p2p | split (host within a memory domain, p2p across: ultracomm.domains)
+ULTRACOMM_WINDOW            window            choice                auto                auto | host_shm | local | cuda_ipc | torch_symm | nvshmem | cuda_local (one-GPU loopback) | private (p2p: no peer mapping)
+ULTRACOMM_TILE_BYTES        tile_bytes        size (bytes)          32768 (32K)         bytes moved per tile; a positive multiple of 16, at most 1024G
+ULTRACOMM_CHUNK_BYTES       chunk_bytes       size (bytes)          1048576 (1M)        bytes per flagged chunk (relay granularity); a multiple of tile_bytes, at most 1024G
+ULTRACOMM_RELAY             relay_mode        choice                auto                auto (relay when the cost model says so) | off (direct) | force
+ULTRACOMM_RELAY_MAX_DEPTH   max_depth         int 1..65535          8                   deepest relay tree the schedule builder may use (a cap: depth is chosen by predicted time; relay=force uses at least 2)
+ULTRACOMM_SCHEDULE_BUILDER  schedule_builder  choice                host                host (csrc/schedule_builder.cpp) | portable (include/ultracomm/sched_build.h, the device control plane's builder: shared-memory transports only, message transports keep host; relay=off gives direct trees, relay=force is not honoured)
+ULTRACOMM_PLAN_CHECK        plan_check        choice                auto                how ranks make sure they run the same plan: auto | agree | window (see "Plan checks")
+ULTRACOMM_DETERMINISTIC     deterministic     bool                  true                fixed-order fp32 gradient reduction (bit-identical runs)
+ULTRACOMM_TIMEOUT_S         timeout_s         float in [0.1, 1e8]   100                 seconds any wait for a peer (flag, setup, plan agreement) may take before raising UltracommTimeout
+ULTRACOMM_LOG_LEVEL         log_level         choice                warning             debug | info | warning | error
+ULTRACOMM_INTRA_BW          intra_bw          bandwidth (bytes/s)   370e9               intra-node link bandwidth for the schedule cost model
+ULTRACOMM_INTER_BW          inter_bw          bandwidth (bytes/s)   50e9                inter-node link bandwidth for the schedule cost model
+ULTRACOMM_DEBUG_JITTER_US   jitter_us         int 0..1000000        0                   testing aid: random delay up to this many us before each host task
+ULTRACOMM_HW_PROFILE        hw_profile        path                  (search)            hardware profile JSON for the SM defaults (ultracomm/hwprofile.py); unset: newest perf/gpu/*profile*.json of this GPU
+ULTRACOMM_PROFILE           profile           path                  (empty: off)        directory a Context records its load profile into (``ultracomm.profile``; one ``rank<r>`` subdirectory per rank when world > 1; a rerun writes into a fresh ``run<n>`` subdirectory; must be this user's and not group- or world-writable)
+ULTRACOMM_DOMAIN            domain            domain                (empty: detect)     this rank's memory domain, overriding detection (``ultracomm.domains``): one key, or one key per rank of the Context's group
+==========================  ================  ====================  ==================  =====================================================
 
 Syntax:
 
@@ -107,6 +108,7 @@ TRANSPORTS = ("auto", "host", "tma", "copy_engine", "p2p", "split")
 WINDOWS = ("auto", "host_shm", "local", "cuda_ipc", "torch_symm", "nvshmem", "cuda_local", "private")
 RELAY_MODES = ("auto", "off", "force")
 PLAN_CHECKS = ("auto", "agree", "window")
+SCHEDULE_BUILDERS = ("host", "portable")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 # ULTRACOMM_* names used outside the runtime (build configuration); never warned about.
@@ -273,6 +275,8 @@ VARIABLES: tuple[_Var, ...] = (
          "relay trees: " + " | ".join(RELAY_MODES)),
     _Var("max_depth", "ULTRACOMM_RELAY_MAX_DEPTH", "int", _parse_int, _between(1, 65535),
          "deepest relay tree allowed (a cap; relay=force uses at least 2)"),
+    _Var("schedule_builder", "ULTRACOMM_SCHEDULE_BUILDER", "str", _choice(SCHEDULE_BUILDERS), _in(SCHEDULE_BUILDERS),
+         "schedule builder: " + " | ".join(SCHEDULE_BUILDERS)),
     _Var("plan_check", "ULTRACOMM_PLAN_CHECK", "str", _choice(PLAN_CHECKS), _in(PLAN_CHECKS),
          "same-plan check: " + " | ".join(PLAN_CHECKS)),
     _Var("deterministic", "ULTRACOMM_DETERMINISTIC", "bool", parse_bool, lambda v: None,
@@ -345,6 +349,7 @@ class Config:
     chunk_bytes: int = 1 << 20
     relay_mode: str = "auto"
     max_depth: int = 8
+    schedule_builder: str = "host"
     plan_check: str = "auto"
     deterministic: bool = True
     timeout_s: float = 100.0

@@ -3,10 +3,12 @@
     torchrun --nproc-per-node 4 -m ultracomm.bench all [--model qwen3-30b-a3b --scale 0.25]
         [--workload hot-rank|random|zipf:2|hot:0.5|...[,more]] [--min-bytes 1M --max-bytes 16M --factor 4]
         [--methods a2a_shm,a2a_gloo,p2p_gloo,direct,relay,relay_gloo,relay_split] [--grad-dtype fp32|bf16]
-        [--iters 5 --warmup 1] [--json FILE] [--plot FILE.png]
+        [--iters 5 --warmup 1] [--interleave] [--json FILE] [--plot FILE.png]
 
-Methods, measured side by side in one run on the same plan.  Each row says which transport
-moved its bytes; only rows over the same transport compare algorithms:
+Methods, measured side by side in one run on the same plan (``--interleave``: all set up at once
+and timed round-robin, one iteration of each in turn, so drifting load on a shared machine hits
+them alike).  Each row says which transport moved its bytes; only rows over the same transport
+compare algorithms:
 
 * ``a2a_shm`` (shared memory): the all-to-all weight distribution of Megatron's MoE ECHO --
   ``index_select`` staging, direct exchange, barrier (:mod:`ultracomm.echo_shm`) -- over the

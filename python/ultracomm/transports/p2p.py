@@ -159,18 +159,16 @@ class _Run:
 
     def post(self, sends: list, recvs: list[Message]) -> None:
         ops, msgs = [], []
-        # receives first: a peer's message then lands in its buffer as it arrives (gloo: read by the
-        # I/O thread), instead of waiting in the socket until this rank has posted its own sends
+        for item in sends:
+            m = item.msg
+            ops.append(("send", self.source(m.expert, item.self_slot, m.member, m.lo, m.hi), m.dst, m.tag))
+            msgs.append(m)
         for m in recvs:
             if self.op == Op.MULTICAST:
                 buf = self.t._slot_bytes(self.op, m.slot, m.lo, m.hi)
             else:  # receive buffers live with the (cached) program: no allocation per operation
                 buf = self.inbox[m] = self.prog.buffer(m, self.t.device)
             ops.append(("recv", buf, m.src, m.tag))
-            msgs.append(m)
-        for item in sends:
-            m = item.msg
-            ops.append(("send", self.source(m.expert, item.self_slot, m.member, m.lo, m.hi), m.dst, m.tag))
             msgs.append(m)
         if not ops:
             return

@@ -32,6 +32,8 @@ def run(args) -> int:
         for world in args.worlds:
             for size in args.sizes:
                 path = os.path.join(args.out, f"w{world}_s{size}_r{rep}.json")
+                if os.path.exists(path):  # a resumed sweep keeps what it measured
+                    continue
                 cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                        "-m", "ultracomm.bench", "all", "--workload", "zipf:1.5,2,3", "--methods", METHODS,
                        "--top-k", "2", "--experts-per-rank", "8", "--iters", str(args.iters), "--interleave",

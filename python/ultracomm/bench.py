@@ -236,6 +236,8 @@ def run_case(op: str, size: int, workload: str, args, rank: int, world: int) -> 
     for s, e in enumerate(my_slot_experts):
         if e >= 0:
             expected[s] = (torch.arange(n, dtype=torch.float32) + (e % epr) * n + (e // epr) * 7).to(torch.bfloat16)
+    # one master grad for every method: each run zeroes it first and is checked before the next starts
+    grad = torch.zeros((epr, n), dtype=gdt)
     nbytes = layout.weight_bytes if op == "weight_sync" else layout.grad_bytes
     want_grad = torch.tensor([float(counts[e]) for e in range(rank * epr, (rank + 1) * epr)]).unsqueeze(1).to(gdt)
 
@@ -244,7 +246,6 @@ def run_case(op: str, size: int, workload: str, args, rank: int, world: int) -> 
 
     def prepare(method: str) -> dict:
         """The method's timed callable, its untimed setup and check, the row's facts and its teardown."""
-        grad = torch.zeros((epr, n), dtype=gdt)  # per method: interleaved methods must not share it
         ctx = echo = None
         threads = torch.get_num_threads()
         cross = choice = None

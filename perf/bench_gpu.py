@@ -1,9 +1,9 @@
 """Single-GPU measurements of the tma data plane, side by side with CUDA/torch baselines (issue 8, section 6).
 
 Everything runs on ONE GPU: the tile mover is ultracomm's persistent kernel over a one-GPU
-loopback domain (``ultracomm.cuda_loopback``: every rank's window on this GPU, all ranks in
+loopback domain (``ultracomm.cuda.loopback``: every rank's window on this GPU, all ranks in
 one launch) running the schedules ultracomm builds.  A "hop" is therefore HBM -> HBM, not
-NVLink.  CTAs per rank are what a Context would use (``ultracomm.sm_budget``) unless a
+NVLink.  CTAs per rank are what a Context would use (``ultracomm.cuda.sm_budget``) unless a
 section sweeps them.
 
 Sections (each prints a table like nccl-tests and goes into the JSON):
@@ -46,8 +46,8 @@ CTAs (sweep, best row with <= 16 CTAs at 256 MiB); reduction >= 85% of torch.sum
 (largest size, every k and dtype).
 
 Hardware profile (``--profile``, default ``$OUT/<date>_<device>_profile.json``; schema
-``ultracomm.hwprofile/1``, validated by ``ultracomm.hwprofile.validate`` before writing, read
-by ``ultracomm.sm_budget`` and ``ultracomm.sim`` through ``ultracomm.hwprofile.find_profile``):
+``ultracomm.hwprofile/1``, validated by ``ultracomm.cuda.hwprofile.validate`` before writing, read
+by ``ultracomm.cuda.sm_budget`` and ``ultracomm.sim`` through ``ultracomm.cuda.hwprofile.find_profile``):
 ``d2d_copy_bw`` (cudaMemcpyAsync payload rate at the largest copy), ``per_sm_copy_bw`` (1-CTA
 sweep row), ``per_sm_reduce_bw`` (1-CTA fp32 k=2 reduction), ``sm_sweep`` [[CTAs, payload
 B/s]], ``reduce_bw`` / ``torch_reduce_bw`` (fp32, largest k, largest size), ``flag_rtt_s``,
@@ -268,7 +268,7 @@ def build_profile(rows: Sequence[Row], device: dict, stamp: str) -> dict:
 def unavailable_reason() -> Optional[str]:
     """Why nothing can be measured here (no torch CUDA device), or None."""
     try:
-        from ultracomm.cuda_support import torch_cuda_reason
+        from ultracomm.cuda.support import torch_cuda_reason
     except Exception as e:  # noqa: BLE001 - an unbuilt package is a reason too
         return f"ultracomm does not import ({e})"
     return torch_cuda_reason()
@@ -339,7 +339,7 @@ class Gpu:
         import torch
 
         import ultracomm
-        from ultracomm import cuda_support
+        from ultracomm.cuda import support as cuda_support
 
         self.torch, self.uc = torch, ultracomm
         self.quick = quick
@@ -354,7 +354,7 @@ class Gpu:
         self.reserve_s = reserve_s  # kept for copy_engine by the sections before it
         self.poisoned: Optional[str] = None  # why no device-wide synchronize may run any more
         self.kept: list = []  # what blocked copy_engine streams may still write: never freed
-        from ultracomm.cuda_driver import driver_reason
+        from ultracomm.cuda.driver import driver_reason
 
         self.ce_reason = driver_reason()
         self.tma_reason = cuda_support.cuda_module_reason()
@@ -365,9 +365,9 @@ class Gpu:
         self.cuda_reason = self.tma_reason  # what the _cuda microkernels need
         if self.tma_reason is None:
             try:
-                importlib.import_module("ultracomm.cuda_loopback")
+                importlib.import_module("ultracomm.cuda.loopback")
             except ImportError as e:
-                self.tma_reason = f"ultracomm.cuda_loopback does not load ({e})"
+                self.tma_reason = f"ultracomm.cuda.loopback does not load ({e})"
         try:
             self.cudart = _cudart()
             self.cudart_reason = None
@@ -463,7 +463,7 @@ class Gpu:
         copied to the host, the same planner's host build, the table built and uploaded).  #wrong: plan and
         table entries that differ from the host build's (the kernels must match it bit for bit)."""
         torch = self.torch
-        from ultracomm import workloads
+        from ultracomm.tools import workloads
         from ultracomm.moe.reroute import RerouteTable
         from ultracomm.planners import Domain, get_planner
         from ultracomm.planners import device as dp
@@ -719,9 +719,9 @@ def ordered_sum(torch, stacked):
 class Loopback:
     """A one-GPU loopback domain of ``world`` ranks holding one expert of ``nbytes`` (weights and
     grads, slot 0), over the schedule ultracomm builds for the plan, run by
-    ``ultracomm.cuda_loopback`` (``transport="tma"``: all ranks in ONE persistent launch; CTAs per
+    ``ultracomm.cuda.loopback`` (``transport="tma"``: all ranks in ONE persistent launch; CTAs per
     rank: ``ctas`` / ``reduce_ctas`` when given, else what a Context would use
-    (``ultracomm.sm_budget``)) or by one ``copy_engine`` transport per rank (multicast only; the
+    (``ultracomm.cuda.sm_budget``)) or by one ``copy_engine`` transport per rank (multicast only; the
     rank completing each set enqueues every rank's commands, as in a Context)."""
 
     def __init__(self, gpu: Gpu, world: int, slot_src: np.ndarray, nbytes: int, grad_dtype, *,
@@ -753,9 +753,9 @@ class Loopback:
         if transport == "copy_engine":
             self._copy_engine(plan, layout, timeout_s)
             return
-        from ultracomm.cuda_loopback import CudaLoopback
+        from ultracomm.cuda.loopback import CudaLoopback
         from ultracomm.env import Config
-        from ultracomm.sm_budget import choices_for_device
+        from ultracomm.cuda.sm_budget import choices_for_device
 
         cfg = Config()
         mc, rd = choices_for_device(multicast_sms, reduce_sms, cfg.intra_bw, gpu.info["sms"], gpu.info["name"])
@@ -903,7 +903,7 @@ def write_results(gpu: "Gpu", args, only: Sequence[str], stamp: str) -> tuple[st
     prof = build_profile(gpu.rows, gpu.info, stamp)
     if prof["d2d_copy_bw"] is None:
         return out_json, None
-    from ultracomm.hwprofile import validate
+    from ultracomm.cuda.hwprofile import validate
 
     validate(prof)
     dev = "".join(c if c.isalnum() else "-" for c in gpu.info["name"]).strip("-")

@@ -31,7 +31,7 @@ import torch
 
 from ultracomm import _core
 from ultracomm.records import MASTER, Op, TaskKind
-from ultracomm.reference import tasks_from_trees
+from ultracomm.tools.reference import tasks_from_trees
 
 WORLD = 4
 DTYPES = {"fp32": (torch.float32, 0), "bf16": (torch.bfloat16, 1), "fp16": (torch.float16, 2)}

@@ -26,7 +26,7 @@ import numpy as np
 
 from ultracomm import _core  # noqa: E402
 from ultracomm.planners import get_planner, max_mean  # noqa: E402
-from ultracomm.planners import eval as ev  # noqa: E402
+from ultracomm.tools import planner_eval as ev  # noqa: E402
 from ultracomm.planners import quota as quota_mod  # noqa: E402
 
 

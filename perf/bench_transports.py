@@ -4,7 +4,7 @@ world 4 and 8, 1/8/32 MiB experts, zipf 1.5/2/3, both ops -- measured, then tabu
     python perf/bench_transports.py run --reps 3 --out perf/out/transports    # torchrun per (rep, world, size)
     python perf/bench_transports.py table perf/out/transports                 # markdown rows + summary
 
-``run``: one ``torchrun -m ultracomm.bench all --interleave`` per repetition, world and size (the three
+``run``: one ``torchrun -m ultracomm.tools.bench all --interleave`` per repetition, world and size (the three
 methods set up together and timed round-robin, one iteration each in turn, so drifting load on a
 shared machine hits them alike); each writes ``w{world}_s{size}_r{rep}.json``.  ``table``: per row
 the median over repetitions of each run's median time (slowest rank), the ratios to p2p_gloo, and
@@ -35,7 +35,7 @@ def run(args) -> int:
                 if os.path.exists(path):  # a resumed sweep keeps what it measured
                     continue
                 cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-                       "-m", "ultracomm.bench", "all", "--workload", "zipf:1.5,2,3", "--methods", METHODS,
+                       "-m", "ultracomm.tools.bench", "all", "--workload", "zipf:1.5,2,3", "--methods", METHODS,
                        "--top-k", "2", "--experts-per-rank", "8", "--iters", str(args.iters), "--interleave",
                        "--min-bytes", size, "--max-bytes", size, "--json", path]
                 print(f"# rep {rep} world {world} size {size}", flush=True)

@@ -15,7 +15,7 @@ moves, no GPU) or measured (this machine's CPU).  Sections:
 3. sensitivity of the EP64 goal (hop latency + per-chunk overhead x chunk size);
 4. EP8 relay gains, flagged unverified, under the pessimistic settings;
 5. simulated vs published (UltraEP), with the model's stated error;
-6. measured on this machine: ``torchrun -m ultracomm.bench`` (ECHO over the same shared memory,
+6. measured on this machine: ``torchrun -m ultracomm.tools.bench`` (ECHO over the same shared memory,
    gloo baselines labelled as such, ultracomm direct and relay);
 7. the model's cost parameters and their sources.
 """
@@ -290,7 +290,7 @@ def measured_section(bench: dict, stdout: str, nproc: int, zipf: str) -> str:
     not_faster = [f"{op} {w} (direct {t['direct'] / 1e3:.2f} ms, relay {t['relay'] / 1e3:.2f} ms)"
                   for (op, w), t in by.items() if "direct" in t and "relay" in t and t["relay"] >= t["direct"]]
     shm_slower = [f"{op} {w}" for (op, w), t in by.items() if "a2a_shm" in t and "relay" in t and t["relay"] >= t["a2a_shm"]]
-    return (f"## 6. Measured on this machine (CPU)\n\n`torchrun --nproc-per-node {nproc} -m ultracomm.bench all "
+    return (f"## 6. Measured on this machine (CPU)\n\n`torchrun --nproc-per-node {nproc} -m ultracomm.tools.bench all "
             f"--workload {zipf} ...` (OMP_WAIT_POLICY=PASSIVE so idle OpenMP threads do not spin on shared cores). "
             f"{bench['world']} ranks as processes on {os.cpu_count()} cores, so ranks and worker threads share cores: "
             "these figures show the protocol working and CPU ratios, not GPU bandwidth. Methods and what moved their "
@@ -335,7 +335,7 @@ def assumptions_section(fab) -> str:
     return ("## 7. The model's costs and their sources (simulated inputs)\n\nValues of the `nvl72` preset as used "
             "above" + (f", with the hardware profile {fab.profile} applied" if fab.profile else
                        ": **no hardware profile exists yet, so none of these was measured on a GPU**")
-            + ". A profile from `perf/bench_gpu.py` (`ultracomm.hwprofile`) replaces the per-SM rates, HBM copy rate, "
+            + ". A profile from `perf/bench_gpu.py` (`ultracomm.cuda.hwprofile`) replaces the per-SM rates, HBM copy rate, "
             "per-chunk overhead, launch floor and SM count (`python -m ultracomm.sim --profile FILE`; the report "
             "picks `ULTRACOMM_HW_PROFILE` or the newest `perf/gpu/*profile*.json`).\n\n"
             + md_table(["Fabric field", "value", "source"], rows) + "\n")
@@ -434,7 +434,7 @@ def main() -> int:
     # max:mean can never exceed the rank count: keep the targets a world of nproc can reach
     zipf = "zipf:" + ",".join(f"{x:g}" for x in (1.5, 2, 3) if x < a.nproc)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.nproc}", "-m",
-           "ultracomm.bench", "all", "--workload", zipf, "--experts-per-rank", "8", "--top-k", "2",
+           "ultracomm.tools.bench", "all", "--workload", zipf, "--experts-per-rank", "8", "--top-k", "2",
            "--slots", "2", "--min-bytes", size, "--max-bytes", size, "--iters", "3" if a.quick else "5",
            "--chunk-bytes", "256K", "--json", bench_json, "--plot", bench_png]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}

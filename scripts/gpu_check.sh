@@ -79,7 +79,7 @@ if [ "$rc_build" != 0 ]; then
   [ "$rc_build" = 0 ] && export PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}"
   [ "$rc_build" = 0 ] || { echo "gpu_check: fallback build failed (rc=$rc_build):"; tail -30 "$LOGS/build_inplace.log"; }
 fi
-"$PY" -c "import ultracomm, ultracomm._core; from ultracomm.cuda_support import cuda_module_reason as r; \
+"$PY" -c "import ultracomm, ultracomm._core; from ultracomm.cuda.support import cuda_module_reason as r; \
 print('gpu_check: ultracomm from', ultracomm.__file__, '; _cuda:', r() or 'loads')" 2>&1 | tee -a "$OUT/env.txt"
 
 per_test=()

@@ -57,14 +57,14 @@ def expert_weights(layout, expert: int) -> list[torch.Tensor]:
 
 def expected_master_grads(schedule, layout, plan, init_master, init_replica, with_slots: bool = False):
     """Master grads after grad_reduce, by replaying ``schedule``'s reduce tasks (all ranks' lists)
-    with ``ultracomm.reference.reference_reduce``.
+    with ``ultracomm.tools.reference.reference_reduce``.
 
     ``init_master[r][m]``: rank r's master grads ``[experts_per_rank, *shape]`` before;
     ``init_replica[r][m]``: rank r's replica grads ``[slots, *shape]`` before.
     Returns per rank, per member, ``[experts_per_rank, *shape]``; with ``with_slots`` also the
     replica grads after (relays hold their partial sums), per rank, per member ``[slots, *shape]``.
     """
-    from ultracomm.reference import reference_reduce, slot_image, split_image
+    from ultracomm.tools.reference import reference_reduce, slot_image, split_image
 
     world, slots = plan.world, plan.slots_per_rank
     home = plan.home_of.tolist()

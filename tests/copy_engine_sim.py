@@ -8,7 +8,7 @@ import torch
 
 from ultracomm import Context, ExpertLayout, LoopbackDomain, Member
 from ultracomm.records import Op
-from ultracomm.transports.copy_engine_plan import host_words, multicast_commands
+from ultracomm.transports.copy_engine.plan import host_words, multicast_commands
 from ultracomm.transports.host import op_digest
 
 from conftest import expert_weights

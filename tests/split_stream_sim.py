@@ -1,4 +1,4 @@
-"""A CPU model of the GPU split transport's side streams (ultracomm.transports.split_stream).
+"""A CPU model of the GPU split transport's side streams (ultracomm.transports.split.stream).
 
 Every rank's stream operations run on ONE FIFO queue per rank; a SEND completes only together
 with the matching RECV at the head of the peer's queue (rendezvous: the most NCCL promises).
@@ -22,7 +22,7 @@ from typing import Callable, Optional, Sequence
 
 from ultracomm import _core
 from ultracomm.errors import UltracommError
-from ultracomm.transports.split_stream import (COPY, OWN, RECV, SEND, WAIT_GE, WRITE, StreamOp, loopback_sequence,
+from ultracomm.transports.split.stream import (COPY, OWN, RECV, SEND, WAIT_GE, WRITE, StreamOp, loopback_sequence,
                                                messages, rank_stream)
 
 

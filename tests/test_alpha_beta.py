@@ -11,7 +11,7 @@ import torch
 from conftest import expert_weights, hot_slot_src
 from ultracomm import Context, ExpertLayout, LoopbackDomain, Member, ReplicaPlan
 from ultracomm.alpha_beta import COSTS, AlphaBeta, choose_schedule, predicted_s, split_chunk_bytes
-from ultracomm.reference import reference_reduce_tree
+from ultracomm.tools.reference import reference_reduce_tree
 from ultracomm.sim import model as sim_model
 from ultracomm.sim.fabric import get_fabric
 

@@ -13,7 +13,7 @@ import pytest
 def test_bench_small(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-           "ultracomm.bench", "all", "--min-bytes", "64K", "--max-bytes", "256K", "--factor", "4",
+           "ultracomm.tools.bench", "all", "--min-bytes", "64K", "--max-bytes", "256K", "--factor", "4",
            "--iters", "2", "--warmup", "1", "--chunk-bytes", "32K", "--grad-dtype", "bf16", "--json", str(out)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
                        env={**os.environ, "OMP_NUM_THREADS": "1", "ULTRACOMM_NUM_WORKERS": "2"})
@@ -49,7 +49,7 @@ def test_bench_small(tmp_path):
 def test_bench_zipf_workloads_and_plot(tmp_path):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "-m",
-           "ultracomm.bench", "weight_sync", "--workload", "zipf:1.5,2", "--experts-per-rank", "4", "--top-k", "2",
+           "ultracomm.tools.bench", "weight_sync", "--workload", "zipf:1.5,2", "--experts-per-rank", "4", "--top-k", "2",
            "--min-bytes", "64K", "--max-bytes", "64K", "--iters", "2", "--chunk-bytes", "16K",
            "--methods", "a2a,relay", "--json", str(out), "--plot", str(png)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
@@ -69,7 +69,7 @@ def test_bench_interleaved_methods_check_every_byte(tmp_path):
     each with its own iterations, grads and choice."""
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "-m",
-           "ultracomm.bench", "all", "--workload", "zipf:3", "--experts-per-rank", "4", "--top-k", "2",
+           "ultracomm.tools.bench", "all", "--workload", "zipf:3", "--experts-per-rank", "4", "--top-k", "2",
            "--min-bytes", "64K", "--max-bytes", "64K", "--iters", "3", "--interleave",
            "--methods", "p2p_gloo,relay_gloo,relay_split", "--json", str(out)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=240,

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from ultracomm.hwprofile import validate
+from ultracomm.cuda.hwprofile import validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -267,7 +267,7 @@ class RunningDriver:
         ctypes.c_uint64.from_address(addr).value = value
 
     def wait_value(self, stream, addr, value, equal=False):
-        from ultracomm.transports.copy_engine_plan import geq
+        from ultracomm.transports.copy_engine.plan import geq
 
         v = ctypes.c_uint64.from_address(addr).value
         assert v == value if equal else geq(v, value), "a stream wait enqueued before its flag was raised"

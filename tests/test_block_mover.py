@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ultracomm.records import Op
-from ultracomm.reference import reference_reduce
+from ultracomm.tools.reference import reference_reduce
 from ultracomm.schedule import build_schedule
 
 from test_host_executor import ESIZE, FILL, Cluster, _random_plan, check_multicast, ok

@@ -245,7 +245,7 @@ def test_mismatched_context_configuration():
 
 
 def test_unknown_transport_and_window_rejected_before_setup():
-    from ultracomm.cuda_support import cuda_module_reason, torch_cuda_reason
+    from ultracomm.cuda.support import cuda_module_reason, torch_cuda_reason
 
     def body(group):
         if torch_cuda_reason() or cuda_module_reason():  # a machine that cannot run tma says why

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from ultracomm import ReplicaPlan
-from ultracomm.cuda_support import NotAvailableError
-from ultracomm.transports.copy_engine_plan import (DRAIN, EPOCH, MAIN, flag_addr, geq, simulate, submission_order,
+from ultracomm.cuda.support import NotAvailableError
+from ultracomm.transports.copy_engine.plan import (DRAIN, EPOCH, MAIN, flag_addr, geq, simulate, submission_order,
                                                    word_addr)
 
 from conftest import hot_slot_src, random_slot_src
@@ -184,7 +184,7 @@ def test_relay_without_its_arrival_wait_is_caught():
 
 def test_copy_engine_here_says_what_is_missing():
     from ultracomm import transports
-    from ultracomm.cuda_support import torch_cuda_reason
+    from ultracomm.cuda.support import torch_cuda_reason
 
     if torch_cuda_reason() is None:
         pytest.skip("this machine has a CUDA device")

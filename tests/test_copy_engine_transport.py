@@ -19,7 +19,7 @@ import ultracomm.transports.copy_engine as ce
 from ultracomm import ReplicaPlan, _core
 from ultracomm.errors import UltracommError
 from ultracomm.records import Op
-from ultracomm.transports.copy_engine_plan import EPOCH, MAIN, flag_addr, submission_order
+from ultracomm.transports.copy_engine.plan import EPOCH, MAIN, flag_addr, submission_order
 
 from conftest import hot_slot_src
 from copy_engine_sim import host_contexts
@@ -302,8 +302,8 @@ def test_each_thread_binds_the_device_context_before_its_driver_calls(fake_cuda,
 def test_a_failed_enqueue_releases_the_joins_and_abandons_the_streams(fake_cuda, domain, make_transports):
     """A driver call that fails halfway leaves earlier commands queued (the caller's stream may wait
     on joins nobody writes, the operation may have no clock): the watchdogs fail at once."""
-    from ultracomm.cuda_driver import DriverError
-    from ultracomm.transports.copy_engine_watchdog import ABORT, read_host
+    from ultracomm.cuda.driver import DriverError
+    from ultracomm.transports.copy_engine.watchdog import ABORT, read_host
 
     plan = ReplicaPlan.make(hot_slot_src(WORLD, SLOTS, EPR, expert=1), experts_per_rank=EPR)
     ts = make_transports(loopback=True)

@@ -13,8 +13,8 @@ import torch
 from ultracomm import ReplicaPlan, _core
 from ultracomm.errors import PlanError, UltracommTimeout
 from ultracomm.records import Op
-from ultracomm.transports.copy_engine_plan import MAIN, Cmd, flag_addr, simulate, word_addr
-from ultracomm.transports.copy_engine_watchdog import ABORT, Watchdog, pending_for, read_host
+from ultracomm.transports.copy_engine.plan import MAIN, Cmd, flag_addr, simulate, word_addr
+from ultracomm.transports.copy_engine.watchdog import ABORT, Watchdog, pending_for, read_host
 from ultracomm.transports.host import op_digest
 
 from conftest import hot_slot_src

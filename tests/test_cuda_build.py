@@ -175,7 +175,7 @@ def test_cuda_module_links_no_libcuda_cudart_or_torch():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")
 def test_tma_without_gpu_raises_clear_error():
-    from ultracomm.cuda_support import NotAvailableError, cuda_runtime
+    from ultracomm.cuda.support import NotAvailableError, cuda_runtime
     from ultracomm.errors import UltracommError
 
     with pytest.raises(NotAvailableError, match="the tma transport is not available: .*(CPU build|no CUDA device|driver)"):

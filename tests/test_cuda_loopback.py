@@ -16,7 +16,7 @@ import torch
 
 from ultracomm import _core
 from ultracomm.records import MASTER, Op, TaskKind
-from ultracomm.reference import slot_image, tasks_from_trees
+from ultracomm.tools.reference import slot_image, tasks_from_trees
 
 from test_host_executor import layout_members
 
@@ -28,7 +28,7 @@ DIGEST = 0x5EED_0001
 
 
 def _require_cuda():
-    from ultracomm.cuda_support import cuda_runtime
+    from ultracomm.cuda.support import cuda_runtime
 
     try:
         return cuda_runtime(torch.cuda.current_device(), "the CUDA loopback executor")
@@ -124,7 +124,7 @@ class GpuCopy:
     """The domain's initial state copied to the GPU, and a CudaLoopback over it."""
 
     def __init__(self, d: Domain, timeout_s=10.0):
-        from ultracomm.cuda_loopback import CudaLoopback
+        from ultracomm.cuda.loopback import CudaLoopback
 
         self.d = d
         self.win = [w.cuda() for w in d.win]

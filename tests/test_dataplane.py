@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-import ultracomm.cuda_support as cs
+import ultracomm.cuda.support as cs
 import ultracomm.transports as transports
 import ultracomm.windows as windows
 from ultracomm import Context, ExpertLayout, LoopbackDomain, Member
@@ -15,8 +15,8 @@ from ultracomm.comm import Comm
 from ultracomm.dataplane import check_master_devices, device_type, select, transport_kwargs
 from ultracomm.env import Config
 from ultracomm.errors import RegistrationError
-from ultracomm.hwprofile import validate
-from ultracomm.sm_budget import ANALYTIC_PER_SM_BW, choose_sms, default_sms
+from ultracomm.cuda.hwprofile import validate
+from ultracomm.cuda.sm_budget import ANALYTIC_PER_SM_BW, choose_sms, default_sms
 from ultracomm.transports.host import HostTransport
 from ultracomm.windows import CudaIpcWindow, CudaLocalWindow, TorchSymmWindow
 
@@ -295,8 +295,8 @@ def test_import_without_cuda_module(monkeypatch):
 
 
 def test_profile_lookup_needs_a_device_or_a_path(tmp_path, monkeypatch):
-    from ultracomm import hwprofile
-    from ultracomm.sm_budget import choices_for_device
+    from ultracomm.cuda import hwprofile
+    from ultracomm.cuda.sm_budget import choices_for_device
 
     (tmp_path / "h200_profile.json").write_text(__import__("json").dumps(_profile()))
     monkeypatch.setattr(hwprofile, "DEFAULT_DIR", str(tmp_path))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ultracomm.comm import run_loopback
-from ultracomm.echo_shm import EchoShm
+from ultracomm.tools.echo_shm import EchoShm
 from ultracomm.plan import ReplicaPlan
 
 # 3 ranks x 2 experts; -1 = empty slot; no rank holds a replica of its own expert

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 def test_defaults():
     c = Config.from_env({})
     assert c.num_workers == min(4, os.cpu_count() or 1)
-    assert (c.multicast_sms, c.reduce_sms) == (0, 0)  # auto: resolved per device by ultracomm.sm_budget
+    assert (c.multicast_sms, c.reduce_sms) == (0, 0)  # auto: resolved per device by ultracomm.cuda.sm_budget
     assert (c.transport, c.window, c.relay_mode, c.log_level) == ("auto", "auto", "auto", "warning")
     assert (c.tile_bytes, c.chunk_bytes) == (32768, 1 << 20)
     assert c.max_depth == 8 and c.deterministic is True and c.timeout_s == 100.0 and c.plan_check == "auto"

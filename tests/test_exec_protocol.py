@@ -13,7 +13,7 @@ from ultracomm import _core
 from ultracomm.errors import LayoutError, PlanError
 from ultracomm.layout import MAX_MEMBERS, ExpertLayout, Member
 from ultracomm.records import MASTER, Op, TaskKind
-from ultracomm.reference import tasks_from_trees as build_tasks
+from ultracomm.tools.reference import tasks_from_trees as build_tasks
 
 from test_host_executor import Cluster, slots_of
 

@@ -6,8 +6,9 @@ import ctypes
 
 import pytest
 
-from ultracomm import domains, fabric
-from ultracomm.fabric import FabricInfo, fabric_key
+from ultracomm.dataplane import domains
+from ultracomm.cuda import fabric
+from ultracomm.cuda.fabric import FabricInfo, fabric_key
 
 UUID = "00112233445566778899aabbccddeeff"
 

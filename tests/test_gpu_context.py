@@ -14,7 +14,7 @@ import torch
 
 import ultracomm
 from ultracomm import Context, ExpertLayout, LoopbackDomain, Member, ReplicaPlan
-from ultracomm.cuda_support import cuda_module_reason
+from ultracomm.cuda.support import cuda_module_reason
 from ultracomm.schedule import build_schedule
 
 from conftest import expected_master_grads, expert_weights, random_slot_src

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from ultracomm import ExpertLayout, Member, ReplicaPlan, _core
-from ultracomm.cuda_driver import SIGNATURES, Driver
+from ultracomm.cuda.driver import SIGNATURES, Driver
 from ultracomm.records import Op
 from ultracomm.schedule import build_schedule
 
@@ -150,7 +150,7 @@ def test_driver_binds_the_primary_context_once_per_thread():
 
 @pytest.fixture
 def real_cuda():
-    from ultracomm.cuda_support import cuda_module, cuda_module_reason
+    from ultracomm.cuda.support import cuda_module, cuda_module_reason
 
     if cuda_module() is None:
         pytest.skip(f"ultracomm._cuda not built here ({cuda_module_reason()})")
@@ -227,7 +227,7 @@ def test_tma_transport_arguments_convert_in_the_real_binding(real_cuda, monkeypa
 
 def test_cuda_loopback_and_bench_arguments_convert_in_the_real_binding(real_cuda, monkeypatch):
     import ultracomm
-    import ultracomm.cuda_loopback as cl
+    import ultracomm.cuda.loopback as cl
 
     monkeypatch.setattr(cl, "cuda_runtime", lambda device, what="": Bindings(real_cuda))
     bg = bench()
@@ -248,7 +248,7 @@ def test_cuda_loopback_and_bench_arguments_convert_in_the_real_binding(real_cuda
 
 
 def _cpu_loopback_init(self, world, wlayout, windows, *, timeout_s=10.0):
-    from ultracomm.cuda_loopback import cuda_runtime
+    from ultracomm.cuda.loopback import cuda_runtime
 
     self.world, self.wlayout, self.windows, self.device, self.timeout_s = world, dict(wlayout), list(windows), 0, timeout_s
     self._cuda = cuda_runtime(0)
@@ -264,7 +264,7 @@ def test_cuda_loopback_harness_runs_its_host_half():
     tree and a builder schedule of its random plans: what its device tests compare against."""
     import test_cuda_loopback as tcl
     from ultracomm.records import TaskKind
-    from ultracomm.reference import tasks_from_trees
+    from ultracomm.tools.reference import tasks_from_trees
 
     for shape, (world, slots, trees) in sorted(tcl.TREES.items()):
         d = tcl.Domain(world, slots, [1000, 333, 7], [250, 3], chunk=4096, grad_dtype=torch.bfloat16,

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from ultracomm.hwprofile import DEFAULT_DIR, SCHEMA, find_profile, load_profile, profile_paths, validate
+from ultracomm.cuda.hwprofile import DEFAULT_DIR, SCHEMA, find_profile, load_profile, profile_paths, validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

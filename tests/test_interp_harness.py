@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from ultracomm.records import Op
-from ultracomm.reference import reference_reduce, slot_image
+from ultracomm.tools.reference import reference_reduce, slot_image
 from ultracomm.schedule import build_schedule
 
 from test_host_executor import layout_members

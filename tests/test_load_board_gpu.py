@@ -16,7 +16,7 @@ pytestmark = pytest.mark.gpu
 
 
 def _cuda():
-    from ultracomm.cuda_support import cuda_runtime
+    from ultracomm.cuda.support import cuda_runtime
 
     try:
         return cuda_runtime(torch.cuda.current_device(), "the GPU load board")

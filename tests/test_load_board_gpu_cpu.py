@@ -117,7 +117,7 @@ def test_a_loopback_rank_that_never_posts_is_named(monkeypatch):
 
 
 def test_without_cuda_the_store_exchange_stays(monkeypatch):
-    from ultracomm.cuda_support import NotAvailableError
+    from ultracomm.cuda.support import NotAvailableError
 
     def unavailable(device, what=""):
         raise NotAvailableError("ultracomm: the GPU load board is not available: no CUDA device")

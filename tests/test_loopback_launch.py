@@ -1,4 +1,4 @@
-"""One launch for all loopback ranks (ultracomm.loopback_launch): pairing by call order, any
+"""One launch for all loopback ranks (ultracomm.cuda.loopback_launch): pairing by call order, any
 arrival order, one thread or many, and the errors the completing rank raises."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from ultracomm.errors import UltracommError
-from ultracomm.loopback_launch import Deposit, LoopbackLaunches, launches_for
+from ultracomm.cuda.loopback_launch import Deposit, LoopbackLaunches, launches_for
 
 
 def recorder():

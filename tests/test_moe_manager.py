@@ -144,7 +144,7 @@ def test_bf16_weights_get_fp32_wgrads_in_main_grad():
 
 def test_profiled_manager_records_the_loads_the_planner_saw(tmp_path):
     """With a profile, each step's record holds the gathered [world, E] loads and the
-    planner's plan beside the ops' times, so `ultracomm.whatif` can replay a manager run."""
+    planner's plan beside the ops' times, so `ultracomm.tools.whatif` can replay a manager run."""
     from ultracomm.profile import Profiler, load_trace
 
     seen: dict = {}

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ultracomm import Context, ExpertLayout, LoopbackDomain, Member
-from ultracomm.cuda_support import NotAvailableError, cuda_module_reason, torch_cuda_reason
+from ultracomm.cuda.support import NotAvailableError, cuda_module_reason, torch_cuda_reason
 from ultracomm.windows import PROVIDERS, nvshmem as nvw
 
 

@@ -13,7 +13,7 @@ import torch
 from ultracomm import Context, ExpertLayout, LoopbackDomain, Member, ReplicaPlan, UltracommTimeout
 from ultracomm.records import Op
 from ultracomm.schedule import build_schedule
-from ultracomm.transports.p2p_waves import build_program
+from ultracomm.transports.p2p.waves import build_program
 
 from conftest import expert_weights, hot_slot_src, random_slot_src
 

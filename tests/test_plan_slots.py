@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from ultracomm import UltracommError
-from ultracomm.transports.plan_slots import SCRATCH, PlanSlots, arena_bounds
+from ultracomm.transports.tma.plan_slots import SCRATCH, PlanSlots, arena_bounds
 
 
 def run(slots, op, key, vid=None):

@@ -10,10 +10,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ultracomm import workloads
+from ultracomm.tools import workloads
 from ultracomm.planners import Domain, get_planner, max_mean
 from ultracomm.planners import device as dev_planner
-from ultracomm.planners import eval as ev
+from ultracomm.tools import planner_eval as ev
 
 from test_planners import check_result
 

@@ -472,7 +472,7 @@ def test_phase_hand_cases_numpy_reference(monkeypatch):
 
 
 def test_eval_quick(tmp_path):
-    from ultracomm.planners import eval as pe
+    from ultracomm.tools import planner_eval as pe
 
     out = tmp_path / "planners.md"
     assert pe.main(["--quick", "--out", str(out)]) == 0
@@ -513,9 +513,9 @@ def test_eval_quick(tmp_path):
 
 # ----------------------------------------------------------------------------- quota search
 
-from ultracomm import workloads  # noqa: E402
+from ultracomm.tools import workloads  # noqa: E402
 from ultracomm.planners import lpt as _lpt  # noqa: E402
-from ultracomm.planners import planted as _planted  # noqa: E402
+from ultracomm.tools import planted as _planted  # noqa: E402
 from ultracomm.planners import quota as _quota  # noqa: E402
 
 

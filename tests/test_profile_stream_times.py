@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import ultracomm.stream_ordered as so
+import ultracomm.cuda.stream_ordered as so
 import ultracomm.transports as transports
 from ultracomm import LoopbackDomain, ReplicaPlan
 from ultracomm.profile import Profiler, load_trace

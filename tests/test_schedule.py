@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from ultracomm import _core
 from ultracomm.records import MASTER, REF_DTYPE, TASK_DTYPE, Op, TaskKind
-from ultracomm.reference import reference_reduce_tree
+from ultracomm.tools.reference import reference_reduce_tree
 from ultracomm.schedule import build_schedule
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -455,7 +455,7 @@ def test_tree_lower_bound_chain():
 def test_repair_lowers_the_greedy_bottleneck():
     # Zipf plan of perf/bench_schedule.py (world 64, 3 slots): the greedy alone reaches a max
     # egress of 4 experts at depth <= 8; the repair pass on its best candidate reaches 3.
-    from ultracomm.workloads import zipf_slot_src
+    from ultracomm.tools.workloads import zipf_slot_src
 
     slot_src, home_of = zipf_slot_src(64 * 1000 + 3, 64, 3, 256)
     plan = make_plan(slot_src, home_of)

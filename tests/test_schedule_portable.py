@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ultracomm.records import MASTER, Op, TaskKind
-from ultracomm.reference import reference_reduce_tree, tasks_from_trees
+from ultracomm.tools.reference import reference_reduce_tree, tasks_from_trees
 from ultracomm.schedule_portable import build_schedule_portable
 
 from test_schedule import hot_plan, make_plan, random_plan
@@ -207,9 +207,9 @@ def test_bad_plan():
 def _eval_cases():
     """The planners' evaluation plans (planners/eval.py: TAOT EP16/EP32 on 2/4 nodes, UltraEP EP64
     on one node), planned by the device planner."""
-    from ultracomm import workloads
+    from ultracomm.tools import workloads
     from ultracomm.planners import Domain, get_planner
-    from ultracomm.planners import eval as ev
+    from ultracomm.tools import planner_eval as ev
 
     out = []
     for label, nodes, gpn, mname, _ in ev.TAOT_CASES:

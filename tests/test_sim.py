@@ -7,7 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from ultracomm import sim, workloads
+from ultracomm import sim
+from ultracomm.tools import workloads
 from ultracomm.plan import ReplicaPlan
 from ultracomm.schedule import build_schedule
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ultracomm import sim, workloads
+from ultracomm import sim
+from ultracomm.tools import workloads
 from ultracomm.layout import ExpertLayout
 from ultracomm.sim import calibration, sensitivity_grid as sens
 

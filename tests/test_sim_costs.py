@@ -7,7 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from ultracomm import sim, workloads
+from ultracomm import sim
+from ultracomm.tools import workloads
 
 BW = 1e9
 LAT = 1e-6
@@ -94,7 +95,7 @@ def test_host_costs_on_weight_sync_only():
 
 
 def test_presets_charge_ultracomm_defaults():
-    from ultracomm.sm_budget import ANALYTIC_PER_SM_BW, default_sms
+    from ultracomm.cuda.sm_budget import ANALYTIC_PER_SM_BW, default_sms
 
     for name, sms in (("h100x8", 23), ("h200x8", 23), ("nvl72", 32), ("2x8-rdma", 23)):
         f = sim.get_fabric(name)
@@ -108,7 +109,7 @@ def test_presets_charge_ultracomm_defaults():
 
 
 def profile_dict(**over) -> dict:
-    from ultracomm.hwprofile import SCHEMA
+    from ultracomm.cuda.hwprofile import SCHEMA
 
     d = dict(schema=SCHEMA, device="made-up GPU", compute_capability="9.0", sm_count=100,
              date="2026-01-01T00:00:00Z", torch="2.11", cuda="13.0", source="tests", d2d_copy_bw=2e12,

@@ -13,10 +13,10 @@ import torch
 
 from ultracomm import Context, ExpertLayout, LoopbackDomain, Member, ReplicaPlan, UltracommTimeout, _core
 from ultracomm.env import ConfigError
-from ultracomm import domains
+from ultracomm.dataplane import domains
 from ultracomm.records import Op
 from ultracomm.schedule import build_schedule
-from ultracomm.transports.bridge_program import build_bridge_program
+from ultracomm.transports.split.bridge_program import build_bridge_program
 
 from conftest import expert_weights, hot_slot_src, random_slot_src
 from test_p2p import layout_of, run_ops
@@ -103,7 +103,7 @@ def test_choice_is_logged_once_and_says_which_edges_go_where(caplog):
 def test_shadows_keep_flags_and_give_back_slot_pages(monkeypatch, direct):
     """After an op the shadow of the receiving peer holds its ready/digest words (from its header) and
     -- shadow protocol -- the arrival flags its interpreter raised, and its slot bytes read as zeros
-    again (pages returned).  Direct crossings (bridge_direct.py) never touch the shadow's slots or
+    again (pages returned).  Direct crossings (transports/split/bridge_direct.py) never touch the shadow's slots or
     arrival flags: the chunk goes from the master to the peer."""
     from ultracomm.transports import split as split_mod
 
@@ -198,7 +198,7 @@ def test_ranks_that_declare_different_lists_are_refused():
 
 
 def test_one_cpu_domain_over_two_hosts_is_refused(monkeypatch):
-    from ultracomm import domains
+    from ultracomm.dataplane import domains
 
     hosts = ["h1/x", "h1/x", "h2/y", "h2/y"]
     monkeypatch.setattr(domains, "host_key", lambda: hosts[int(threading.current_thread().name.rsplit("rank", 1)[1])])
@@ -213,7 +213,7 @@ def test_one_cpu_domain_over_two_hosts_is_refused(monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without a GPU")
 def test_split_on_a_cuda_device_without_a_gpu_says_what_is_missing():
-    from ultracomm.cuda_support import NotAvailableError
+    from ultracomm.cuda.support import NotAvailableError
 
     with pytest.raises(NotAvailableError, match="transport 'split' on CUDA is not available: "):
         LoopbackDomain(1).run(lambda g: Context(g, layout_of(), 1, 1, num_layers=1, transport="split", device="cuda"))
@@ -225,7 +225,7 @@ def test_the_cpu_split_refuses_a_cuda_window():
     from ultracomm.transports.split import SplitTransport
 
     win = SimpleNamespace(local=torch.empty(0, device="meta"), peer_bases=[1, 1])
-    with pytest.raises(ValueError, match="SplitTransport runs on the CPU .* ultracomm.transports.split_cuda"):
+    with pytest.raises(ValueError, match="SplitTransport runs on the CPU .* ultracomm.transports.split.cuda"):
         SplitTransport(comm=None, rank=0, world=2, window=win, wlayout={}, layout=None, num_workers=1,
                        timeout_s=1.0, domain_of=[0, 1])
 

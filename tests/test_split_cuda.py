@@ -14,11 +14,11 @@ from ultracomm import ExpertLayout, Member, PlanError, ReplicaPlan
 from ultracomm.records import Op
 from ultracomm.schedule import build_schedule
 from ultracomm.transports.host import Masters
-from ultracomm.transports.split_cuda import SplitCudaTransport
-from ultracomm.transports.split_cuda_shadow import NO_SHADOW, DeviceShadows
-from ultracomm.transports.split_cuda_watchdog import DONE, PROGRESS, STARTED, SideWatchdog, progress_value
-from ultracomm.transports.tma_loopback import LoopbackRunner
-from ultracomm.transports.split_stream import COPY, OWN, WAIT_GE, WRITE, loopback_sequence, stream_program
+from ultracomm.transports.split.cuda import SplitCudaTransport
+from ultracomm.transports.split.cuda_shadow import NO_SHADOW, DeviceShadows
+from ultracomm.transports.split.cuda_watchdog import DONE, PROGRESS, STARTED, SideWatchdog, progress_value
+from ultracomm.transports.tma.loopback import LoopbackRunner
+from ultracomm.transports.split.stream import COPY, OWN, WAIT_GE, WRITE, loopback_sequence, stream_program
 
 from test_gpu_paths_cpu import Bindings, assert_reached_cuda, real_cuda  # noqa: F401 - real_cuda is a fixture
 from test_split_stream import DOM, WL, programs_2x2
@@ -247,7 +247,7 @@ def test_the_pointer_tables_pass_the_real_bindings_plan_checks(real_cuda, monkey
     before its plan validation), every rank's plan arguments convert; the pointer tables -- shadows
     and NO_SHADOW for other domains -- hold no null or misaligned base, which csrc/validate_exec.cpp
     would refuse on a device."""
-    from ultracomm.transports import split_cuda as split_cuda_mod
+    from ultracomm.transports.split import cuda as split_cuda_mod
     from ultracomm.transports import tma as tma_mod
 
     monkeypatch.setattr(tma_mod, "cuda_runtime", lambda device, what="": Bindings(real_cuda))

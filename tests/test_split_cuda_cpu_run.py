@@ -19,8 +19,8 @@ from ultracomm import ReplicaPlan, _core
 from ultracomm.records import Op
 from ultracomm.schedule import build_schedule
 from ultracomm.transports.host import HostTransport, Masters
-from ultracomm.transports.split_cuda import SplitCudaTransport
-from ultracomm.transports.split_cuda_watchdog import SideWatchdog
+from ultracomm.transports.split.cuda import SplitCudaTransport
+from ultracomm.transports.split.cuda_watchdog import SideWatchdog
 
 from conftest import expert_weights, hot_slot_src, random_slot_src
 from test_p2p import layout_of

@@ -9,9 +9,9 @@ import torch
 
 from ultracomm import UltracommTimeout
 from ultracomm.records import Op
-from ultracomm.transports import split_cuda
-from ultracomm.transports.split_cuda_watchdog import ABORT, DONE, PROGRESS, STARTED, SideWatchdog, progress_value
-from ultracomm.transports.split_stream import stream_program
+from ultracomm.transports.split import cuda as split_cuda
+from ultracomm.transports.split.cuda_watchdog import ABORT, DONE, PROGRESS, STARTED, SideWatchdog, progress_value
+from ultracomm.transports.split.stream import stream_program
 
 from test_split_cuda import Log, schedule, transport, window_of
 from test_split_stream import WL, programs_2x2
@@ -162,7 +162,7 @@ def test_the_side_group_has_its_own_nccl_options(monkeypatch):
 
     import torch.distributed as dist
 
-    from ultracomm.transports import split_cuda_movers as movers
+    from ultracomm.transports.split import cuda_movers as movers
 
     made = {}
 

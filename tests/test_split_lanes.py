@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from ultracomm import Context, ExpertLayout, LoopbackDomain, Member, ReplicaPlan
-from ultracomm.transports.bridge_program import HEADER_TAG
+from ultracomm.transports.split.bridge_program import HEADER_TAG
 
 EPR, SLOTS = 2, 2
 LAYOUT = ExpertLayout((Member("a", (33,), torch.float32), Member("b", (7, 5), torch.float32)))
@@ -88,14 +88,14 @@ def test_headers_only_when_the_plan_changes_and_bytes_stay_exact():
 
 def test_direct_plans_cover_every_path_of_the_bit_exact_cases():
     """The cases test_split.py runs byte for byte against the host executor (same plans, same chunk
-    as its crossing count) move crossings by every path of bridge_direct.py: early sends (masters,
+    as its crossing count) move crossings by every path of transports/split/bridge_direct.py: early sends (masters,
     leaf grads), lane sends (relays), early receives (leaf slots, hidden from the interpreter) and
     lane receives (relay slots, reduce sources)."""
-    from ultracomm import domains
+    from ultracomm.dataplane import domains
     from ultracomm.records import Op
     from ultracomm.schedule import build_schedule
-    from ultracomm.transports.bridge_direct import build_direct_plan
-    from ultracomm.transports.bridge_program import build_bridge_program
+    from ultracomm.transports.split.bridge_direct import build_direct_plan
+    from ultracomm.transports.split.bridge_program import build_bridge_program
 
     from conftest import hot_slot_src, random_slot_src
     from test_split import CASES, layout_of

@@ -1,4 +1,4 @@
-"""The GPU split transport's bridge as stream operations (ultracomm.transports.split_stream):
+"""The GPU split transport's bridge as stream operations (ultracomm.transports.split.stream):
 exact records for small 2x2 schedules, the order argument under a rendezvous model, and the
 stream lists executed beside the real host interpreter (tests/split_stream_sim.py) giving the
 host executor's bytes; a wrong order is caught as a deadlock, not by a timer."""
@@ -12,8 +12,8 @@ from ultracomm import ReplicaPlan, _core
 from ultracomm.records import Op
 from ultracomm.schedule import build_schedule
 from ultracomm.transports import split as split_mod
-from ultracomm.transports.bridge_program import Crossing, build_bridge_program
-from ultracomm.transports.split_stream import (COPY, OWN, RECV, SEND, WAIT_GE, WRITE, loopback_sequence, messages,
+from ultracomm.transports.split.bridge_program import Crossing, build_bridge_program
+from ultracomm.transports.split.stream import (COPY, OWN, RECV, SEND, WAIT_GE, WRITE, loopback_sequence, messages,
                                                rank_stream, stream_program)
 
 from conftest import hot_slot_src, random_slot_src

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import ultracomm
-import ultracomm.stream_ordered as so
+import ultracomm.cuda.stream_ordered as so
 import ultracomm.transports as transports
 from ultracomm import Context, ExpertLayout, LoopbackDomain, Member, ReplicaPlan
 from ultracomm.errors import UltracommError, UltracommTimeout

@@ -15,7 +15,7 @@ import torch
 
 import ultracomm
 from ultracomm import ExpertLayout, Member, ReplicaPlan, _core
-from ultracomm.cuda_support import make_error_record
+from ultracomm.cuda.support import make_error_record
 from ultracomm.records import Op
 from ultracomm.schedule import build_schedule
 from ultracomm.transports import tma as tma_mod

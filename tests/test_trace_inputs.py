@@ -162,7 +162,7 @@ OPTION_CASES = [  # (tool, options, error text); the trace itself is good
 
 
 def run_tool(tool: str, args: list, cwd) -> subprocess.CompletedProcess:
-    mod = {"whatif": "ultracomm.whatif", "viewer": "ultracomm.viewer", "profile": "ultracomm.profile"}[tool]
+    mod = {"whatif": "ultracomm.tools.whatif", "viewer": "ultracomm.viewer", "profile": "ultracomm.profile"}[tool]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "python"), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run([sys.executable, "-m", mod, *args], capture_output=True, text=True, timeout=60, cwd=cwd,
                           env=env)

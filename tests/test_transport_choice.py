@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ultracomm import Context, ExpertLayout, LoopbackDomain, Member, ReplicaPlan
-from ultracomm import domains
+from ultracomm.dataplane import domains
 from ultracomm.env import Config
 from ultracomm.schedule import build_schedule
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ultracomm import build_schedule, workloads
+from ultracomm import build_schedule
+from ultracomm.tools import workloads
 from ultracomm.planners import Domain, get_planner
 from ultracomm.profile import Profiler, from_routing_stats, load_trace
 from ultracomm.viewer import render_html, write_html

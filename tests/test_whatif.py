@@ -1,4 +1,4 @@
-"""ultracomm.whatif: the replay's numbers are the planners' and the simulator's on the same loads."""
+"""ultracomm.tools.whatif: the replay's numbers are the planners' and the simulator's on the same loads."""
 from __future__ import annotations
 
 import json
@@ -8,11 +8,12 @@ import sys
 import numpy as np
 import pytest
 
-from ultracomm import sim, workloads
+from ultracomm import sim
+from ultracomm.tools import workloads
 from ultracomm.planners import Domain, get_planner
 from ultracomm.planners.base import copy_counts
 from ultracomm.profile import Profiler, from_routing_stats, load_trace, spread_expert_load
-from ultracomm.whatif import Setting, replay, sample_rows
+from ultracomm.tools.whatif import Setting, replay, sample_rows
 
 W, EPR, SLOTS = 8, 4, 2
 E = W * EPR
@@ -123,7 +124,7 @@ def test_routing_stats_replay_skips_recorded():
 
 
 def test_cli(trace, tmp_path):
-    out = subprocess.run([sys.executable, "-m", "ultracomm.whatif", trace.path, "--planner", "quota,recorded",
+    out = subprocess.run([sys.executable, "-m", "ultracomm.tools.whatif", trace.path, "--planner", "quota,recorded",
                           "--domain", "h200x8", "--ep", "8", "--max-chunks", "4", "--tflops", "400",
                           "--max-records", "2", "--json", str(tmp_path / "w.json")],
                          capture_output=True, text=True, check=True).stdout
@@ -137,6 +138,6 @@ def test_cli(trace, tmp_path):
     assert f"{m['imbalance_before']:.3f}" in line and f"{m['weight_sync_s'] * 1e3:.3f}" in line
     assert f"{m['a2a_grad_reduce_s'] * 1e3:.3f}" in line and f"{m['net_s'] * 1e3:.3f}" in line
     assert "simulated and modelled, no GPU" in out and "400 TFLOP/s (assumed)" in out
-    bad = subprocess.run([sys.executable, "-m", "ultracomm.whatif", trace.path, "--planner", "nope"],
+    bad = subprocess.run([sys.executable, "-m", "ultracomm.tools.whatif", trace.path, "--planner", "nope"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown planner(s) ['nope']" in bad.stderr

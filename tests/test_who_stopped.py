@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from ultracomm import Context, LoopbackDomain, ReplicaPlan, UltracommTimeout, build_schedule
-from ultracomm.transports.who_stopped import stopped_note
+from ultracomm.transports.host.who_stopped import stopped_note
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_context import make_layout, masters_for  # noqa: E402

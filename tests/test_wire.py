@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from ultracomm import wire
 from ultracomm.comm import _StoreBoard
-from ultracomm.domains import RankDomain
+from ultracomm.dataplane.domains import RankDomain
 from ultracomm.errors import UltracommError
 
 

@@ -1,6 +1,6 @@
 // DevicePlan: one operation's per-rank ExecViews and every array they point to (window
 // bases, master pointers, slot tables, tasks, refs), uploaded once into ONE device allocation
-// (tests and benchmarks: ultracomm.cuda_loopback).  The transports write their plans into the
+// (tests and benchmarks: ultracomm.cuda.loopback).  The transports write their plans into the
 // slots of a PlanArena allocated at setup instead (plan_arena.h).
 #pragma once
 #include <cstddef>

@@ -1,7 +1,7 @@
 // Microkernels for perf/bench_gpu.py: the launch floor and the flag round trip between two
 // CTAs with the same system-scope release/acquire the movers use (mover_common.cuh).  The
 // copy / fan-out / reduction / relay-chain measurements run real schedules through
-// k_persistent instead (ultracomm.cuda_loopback).
+// k_persistent instead (ultracomm.cuda.loopback).
 #include <cuda/atomic>
 
 #include "cuda_check.h"

@@ -16,7 +16,7 @@ was awaited.  Setup agrees on success: if any rank fails a setup step, every ran
 
 With a GPU transport (``tma``: ``device="cuda"``, a GPU window, or ``transport="tma"``; and
 ``copy_engine``) the operations are stream-ordered: they are enqueued on the caller's current
-CUDA stream and return at once (see :mod:`ultracomm.stream_ordered`); device errors surface at
+CUDA stream and return at once (see :mod:`ultracomm.cuda.stream_ordered`); device errors surface at
 ``work.wait()`` or ``synchronize()``.
 """
 from __future__ import annotations
@@ -32,8 +32,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import _core, stream_ordered
-from . import domains
+from . import _core
+from .cuda import stream_ordered
+from .dataplane import domains
 from .alpha_beta import COSTS, choose_schedule, split_chunk_bytes
 from .comm import as_comm, require_same
 from .dataplane import check_master_devices, device_type, is_stream_ordered, select, transport_kwargs
@@ -105,7 +106,7 @@ class Context:
             ``host``, ``tma``, ``p2p``, ``copy_engine``, ``split``.  ``auto`` is ``host`` (CPU) or
             ``tma`` (CUDA) when every rank shares one memory domain, ``p2p`` when no two do, and
             where domains hold several ranks ``split`` (host -- CUDA: tma -- inside a domain,
-            p2p across); see :mod:`ultracomm.domains`, ``transport_choice`` and ``domain_of``.
+            p2p across); see :mod:`ultracomm.dataplane.domains`, ``transport_choice`` and ``domain_of``.
             Domains are detected (host, NVLink fabric) or declared with ``ULTRACOMM_DOMAIN`` /
             ``domain=``.
         window: window provider (default from ``ULTRACOMM_WINDOW``).
@@ -165,7 +166,7 @@ class Context:
 
         views = self.comm.agree(local_check, op="Context setup", what="configuration")
         require_same([v[0] for v in views], "Context configuration")
-        # every rank's memory domain decides auto (and what split does); ultracomm.domains
+        # every rank's memory domain decides auto (and what split does); ultracomm.dataplane.domains
         self.comm.agree(lambda: self._choose([v[1] for v in views], device), op="Context setup",
                         what="memory domains and transport choice")
         reach = None
@@ -240,11 +241,11 @@ class Context:
                         for n in self.node_of)):
                 raise ValueError(f"ultracomm: node_of must list, for each of the {self.world} ranks, an int node "
                                  f"index in [0, {self.world}); got {node_of!r}")
-        #: what ``transport="auto"`` chose and why (:class:`ultracomm.domains.TransportChoice`); ``None``
+        #: what ``transport="auto"`` chose and why (:class:`ultracomm.dataplane.domains.TransportChoice`); ``None``
         #: when the transport was named
         self.transport_choice: domains.TransportChoice | None = None
         self._transport_cls = None
-        #: memory domain index of every rank (:mod:`ultracomm.domains`), agreed at setup
+        #: memory domain index of every rank (:mod:`ultracomm.dataplane.domains`), agreed at setup
         self.domain_of: tuple[int, ...] = ()
         if self.config.transport not in ("auto", "split"):
             self._transport_cls, self._provider, self._cuda_dev = select(self.config, comm, device)

@@ -11,7 +11,7 @@ variable                    field             type                  default     
 ULTRACOMM_NUM_WORKERS       num_workers       int 1..1024           min(4, cpu_count)   host executor worker threads per rank (CPU analogue of SMs)
 ULTRACOMM_MULTICAST_SMS     multicast_sms     int 0..4096 | auto    auto (0)            SMs (thread blocks) the GPU executor uses for multicast; auto: see "SM defaults"
 ULTRACOMM_REDUCE_SMS        reduce_sms        int 0..4096 | auto    auto (0)            SMs (thread blocks) the GPU executor uses for gradient reduction; auto: see "SM defaults"
-ULTRACOMM_TRANSPORT         transport         choice                auto                auto | host | tma | copy_engine | p2p | split (host within a memory domain, p2p across: ultracomm.domains)
+ULTRACOMM_TRANSPORT         transport         choice                auto                auto | host | tma | copy_engine | p2p | split (host within a memory domain, p2p across: ultracomm.dataplane.domains)
 ULTRACOMM_WINDOW            window            choice                auto                auto | host_shm | local | cuda_ipc | torch_symm | nvshmem | cuda_local (one-GPU loopback) | private (p2p: no peer mapping)
 ULTRACOMM_TILE_BYTES        tile_bytes        size (bytes)          32768 (32K)         bytes moved per tile; a positive multiple of 16, at most 1024G
 ULTRACOMM_CHUNK_BYTES       chunk_bytes       size (bytes)          1048576 (1M)        bytes per flagged chunk (relay granularity); a multiple of tile_bytes, at most 1024G
@@ -25,9 +25,9 @@ ULTRACOMM_LOG_LEVEL         log_level         choice                warning     
 ULTRACOMM_INTRA_BW          intra_bw          bandwidth (bytes/s)   370e9               intra-node link bandwidth for the schedule cost model
 ULTRACOMM_INTER_BW          inter_bw          bandwidth (bytes/s)   50e9                inter-node link bandwidth for the schedule cost model
 ULTRACOMM_DEBUG_JITTER_US   jitter_us         int 0..1000000        0                   testing aid: random delay up to this many us before each host task
-ULTRACOMM_HW_PROFILE        hw_profile        path                  (search)            hardware profile JSON for the SM defaults (ultracomm/hwprofile.py); unset: newest perf/gpu/*profile*.json of this GPU
+ULTRACOMM_HW_PROFILE        hw_profile        path                  (search)            hardware profile JSON for the SM defaults (ultracomm/cuda/hwprofile.py); unset: newest perf/gpu/*profile*.json of this GPU
 ULTRACOMM_PROFILE           profile           path                  (empty: off)        directory a Context records its load profile into (``ultracomm.profile``; one ``rank<r>`` subdirectory per rank when world > 1; a rerun writes into a fresh ``run<n>`` subdirectory; must be this user's and not group- or world-writable)
-ULTRACOMM_DOMAIN            domain            domain                (empty: detect)     this rank's memory domain, overriding detection (``ultracomm.domains``): one key, or one key per rank of the Context's group
+ULTRACOMM_DOMAIN            domain            domain                (empty: detect)     this rank's memory domain, overriding detection (``ultracomm.dataplane.domains``): one key, or one key per rank of the Context's group
 ==========================  ================  ====================  ==================  =====================================================
 
 Syntax:
@@ -66,7 +66,7 @@ Plan checks (``plan_check``): every rank must pass the same valid plan to ``weig
   ``agree``.
 
 SM defaults (``multicast_sms`` / ``reduce_sms`` = ``auto``, resolved by
-``ultracomm.sm_budget.default_sms`` when a GPU transport is built; the chosen value and
+``ultracomm.cuda.sm_budget.default_sms`` when a GPU transport is built; the chosen value and
 its source are logged at ``ULTRACOMM_LOG_LEVEL=debug``)::
 
     sms = clamp(ceil(intra_bw / per_sm_rate), 1, min(32, SMs of the device))

@@ -47,7 +47,7 @@ class UltracommTimeout(UltracommError, TimeoutError):
     """A wait for a peer passed ``ULTRACOMM_TIMEOUT_S``; the message names this rank, the
     operation and what (which ranks, flags) it waited for; on the host transport, when the
     rank waited for had started the operation, also the ranks whose ready flags show they never
-    started it, the first to stop first (``ultracomm.transports.who_stopped``, which says where
+    started it, the first to stop first (``ultracomm.transports.host.who_stopped``, which says where
     the window cannot know).  The group is unusable after it:
     create a new Context (and usually restart the job).
 

@@ -25,7 +25,7 @@ is ascending ``(rank, slot)``; then writes ``acc`` back in the grad dtype.  A re
 runs first (lower level) and its partial is the source its parent reads.  So the home's
 gradient chunk is, recursively, ``self + sum_{children c by (rank, slot)} partial(c)`` with
 ``partial(c) = grad(c) + sum_{children of c by (rank, slot)} partial(...)``.  See
-``ultracomm.reference.reference_reduce_tree``, which reproduces it bit for bit in numpy.
+``ultracomm.tools.reference.reference_reduce_tree``, which reproduces it bit for bit in numpy.
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ candidate with the least ``max(k, fixed) * bytes + depth * (chunk + hop)`` wins.
 
 Task lists, summation order and levels are those of :mod:`ultracomm.schedule` (see its
 docstring): a reduce sums a node's children in ``(rank, slot)`` order, recursively, so
-``ultracomm.reference.reference_reduce_tree`` reproduces the result bit for bit.  The digest
+``ultracomm.tools.reference.reference_reduce_tree`` reproduces the result bit for bit.  The digest
 differs from the host builder's for the same plan (its first word tags the builder), so ranks
 that mix the two builders are caught by the executors' digest check.
 """

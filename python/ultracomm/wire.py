@@ -47,7 +47,7 @@ class WireError(ValueError):
 
 
 def _dataclasses() -> dict[str, type]:
-    from .domains import RankDomain
+    from .dataplane.domains import RankDomain
 
     return {"RankDomain": RankDomain}
 

@@ -50,7 +50,7 @@ class Work:
         """Order what the caller enqueues next after this operation, with as little host
         waiting as the transport allows.  Host-executed operations (this class) can only be
         waited for on the host: the same as :meth:`wait`.  Stream-ordered ones make the
-        caller's current CUDA stream wait (:meth:`ultracomm.stream_ordered.StreamWork.wait_stream`)."""
+        caller's current CUDA stream wait (:meth:`ultracomm.cuda.stream_ordered.StreamWork.wait_stream`)."""
         self.wait()
 
     def _timed_out(self, timeout: float | None) -> UltracommTimeout:

@@ -42,7 +42,7 @@ import torch
 from ..comm import as_comm
 from ..context import Context
 from ..dataplane import device_type
-from ..domains import domain_of, rank_domain
+from ..dataplane.domains import domain_of, rank_domain
 from ..env import Config
 from ..layout import ExpertLayout, Member
 from ..moe.loads import gather_loads
@@ -72,7 +72,7 @@ _runtime_sizes: dict[int, int] = {}
 def init_runtime(group: Any) -> int:
     """UltraEP's ``init_runtime(group)``: the number of ranks that share this rank's memory
     domain (UltraEP's NVLink domain size).  Collective the first time per group (one exchange
-    of domain keys, :mod:`ultracomm.domains`); later calls return the cached size.  UltraEP
+    of domain keys, :mod:`ultracomm.dataplane.domains`); later calls return the cached size.  UltraEP
     allows one EP group per process (NVSHMEM); ultracomm has no process-wide runtime, so any
     number of groups may be used."""
     key = id(group)

@@ -11,7 +11,7 @@ that never posted is named after ``ULTRACOMM_TIMEOUT_S`` (the kernel's bounded w
 
 Loopback (``cuda_local``): spinning kernels of several ranks must run in one launch (one
 rank's CTA would otherwise wait on a rank queued behind it), so each rank deposits its share
-and the rank completing the set launches every rank (:mod:`ultracomm.loopback_launch`: same
+and the rank completing the set launches every rank (:mod:`ultracomm.cuda.loopback_launch`: same
 order of calls, one stream); ``gather`` then waits (bounded) until that launch is enqueued, so
 loopback ranks calling ``gather`` need a thread each.
 """
@@ -24,9 +24,9 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ..cuda_support import NotAvailableError, cuda_runtime
+from ..cuda.support import NotAvailableError, cuda_runtime
 from ..errors import UltracommError, UltracommTimeout
-from ..loopback_launch import Deposit, launches_for
+from ..cuda.loopback_launch import Deposit, launches_for
 from .board_layout import BoardLayout
 from .loads import timeout_text
 

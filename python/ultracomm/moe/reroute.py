@@ -125,7 +125,7 @@ class RerouteTable:
             b, c = _core.reroute_table(loads.numpy(), slot_src.numpy(), slot_quota.numpy(), experts_per_rank,
                                        rank, lay)
             return cls(torch.from_numpy(b), torch.from_numpy(c), P)
-        from .. import cuda_support
+        from ..cuda import support as cuda_support
 
         dev = slot_src.device
         cuda = cuda_support.cuda_runtime(dev.index, "the device reroute")

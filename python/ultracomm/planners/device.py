@@ -137,7 +137,7 @@ def plan_on_gpu(loads: "torch.Tensor", domain: Domain, slots_per_rank: int, *, e
     """
     import torch
 
-    from .. import cuda_support
+    from ..cuda import support as cuda_support
 
     K = check_slots(slots_per_rank)
     _check(domain, K, min_tokens)

@@ -68,10 +68,10 @@ What is guaranteed:
   tokens of the smallest threshold it could meet, ``ceil(mean)`` included.
 
 What it finds (measured on a loaded 2-core machine; perf/planners.md, generated with
-:func:`ultracomm.planners.planted.planted_family`): the Zipf, hot-rank and rank-blocked
+:func:`ultracomm.tools.planted.planted_family`): the Zipf, hot-rank and rank-blocked
 loads of the evaluation meet the 1 % target at the first probe.  On loads built around a
 known plan at 1.01 x mean with every receiver filled exactly
-(:func:`ultracomm.planners.planted.planted_load`), world 8-64, 400 loads per slots-per-rank
+(:func:`ultracomm.tools.planted.planted_load`), world 8-64, 400 loads per slots-per-rank
 value: 1 slot 395/400, 2 slots 399/400, 3 slots 400/400 met; every miss ends at the next
 probe, 1.02 x mean.  Four of the one-slot misses are the budget's price: their local
 search needs 70000-172000 units at the first probe (``cover_budget=240_000`` meets them,

@@ -1,4 +1,4 @@
-"""What the trace readers (:func:`~ultracomm.profile.load_trace`, ``python -m ultracomm.whatif``,
+"""What the trace readers (:func:`~ultracomm.profile.load_trace`, ``python -m ultracomm.tools.whatif``,
 ``python -m ultracomm.viewer``) accept, checked before anything large is read or allocated.
 
 Traces come from other machines and other people: a reader must end, in bounded time and

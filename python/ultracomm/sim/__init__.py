@@ -26,7 +26,7 @@ on a GPU.  Modules, one concern each:
 
 Hardware profiles: ``--profile FILE`` (or ``ULTRACOMM_HW_PROFILE``, or the newest
 ``perf/gpu/*profile*.json``) applies what ``perf/bench_gpu.py`` measured (schema in
-:mod:`ultracomm.hwprofile`: per-SM copy and reduce rates, HBM copy rate, per-chunk overhead,
+:mod:`ultracomm.cuda.hwprofile`: per-SM copy and reduce rates, HBM copy rate, per-chunk overhead,
 launch floor, SM count); without one the assumed costs of :mod:`ultracomm.sim.hardware` stand,
 and every output says which.
 

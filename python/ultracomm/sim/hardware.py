@@ -3,10 +3,10 @@
 No GPU run of this project exists yet, so every default below is an *assumption* derived
 from a published figure (cited in :data:`SOURCES`) or a plain estimate (said so).
 ``perf/bench_gpu.py`` measures what one GPU can tell and writes a hardware profile
-(:mod:`ultracomm.hwprofile`, schema ``ultracomm.hwprofile/1``); :func:`apply_profile` puts
+(:mod:`ultracomm.cuda.hwprofile`, schema ``ultracomm.hwprofile/1``); :func:`apply_profile` puts
 its values into a :class:`~ultracomm.sim.fabric.Fabric` (``python -m ultracomm.sim
 --profile FILE``; without ``--profile`` the CLI and the report use
-:func:`ultracomm.hwprofile.find_profile`: ``ULTRACOMM_HW_PROFILE``, else the newest
+:func:`ultracomm.cuda.hwprofile.find_profile`: ``ULTRACOMM_HW_PROFILE``, else the newest
 ``perf/gpu/*profile*.json``, else these defaults).
 
 ==================  =========  ==========================================  =====================
@@ -30,7 +30,7 @@ h2d_bw              25 GB/s    host-to-device copy                         --
 
 SM budgets.  The presets charge what ultracomm's GPU executor runs with when
 ``ULTRACOMM_MULTICAST_SMS`` / ``ULTRACOMM_REDUCE_SMS`` are ``auto``:
-:func:`ultracomm.sm_budget.choose_sms` with the fabric's own link bandwidth (as a user sets
+:func:`ultracomm.cuda.sm_budget.choose_sms` with the fabric's own link bandwidth (as a user sets
 ``ULTRACOMM_INTRA_BW`` for the builder), i.e. ``clamp(ceil(intra_bw / per-SM rate), 1,
 min(32, SMs))`` with the profile's per-SM rates when one is applied, else ultracomm's analytic
 floor (16.3 GB/s): 23 SMs on NVLink4, 32 on NVLink5.  The simulated throughput of those SMs
@@ -57,8 +57,8 @@ SOURCES: dict[str, str] = {
     "intra_bw": "NVLink4 370 GB/s achieved (NCCL's model 20.6 GB/s x 18; p2p copies 371-380 GB/s, FACTS.md); "
                 "NVLink5 740 GB/s = 900 x 370/450, assumed.",
     "sms": "Vendor: 132 SMs per H100 / H200 SXM, 148 per B200.",
-    "multicast_sms": "ultracomm's auto SM default (ultracomm.sm_budget) for this fabric's link bandwidth.",
-    "reduce_sms": "ultracomm's auto SM default (ultracomm.sm_budget) for this fabric's link bandwidth.",
+    "multicast_sms": "ultracomm's auto SM default (ultracomm.cuda.sm_budget) for this fabric's link bandwidth.",
+    "reduce_sms": "ultracomm's auto SM default (ultracomm.cuda.sm_budget) for this fabric's link bandwidth.",
     "host_build_s": "One rank's schedule build at world 64 measured 11-27 us on a 2-core CI VM "
                     "(perf/bench_schedule.py; a host CPU figure).",
     "d2h_latency_s": "Estimate: one small device-to-host copy and its synchronisation.",
@@ -83,20 +83,20 @@ H2D_BW = 25e9
 
 def auto_budgets(intra_bw: float, sms: int, profile=None) -> dict[str, int]:
     """``{"multicast_sms", "reduce_sms"}``: ultracomm's auto SM default for a rank whose link
-    moves ``intra_bw`` bytes/s on a GPU with ``sms`` SMs (:func:`ultracomm.sm_budget.choose_sms`,
+    moves ``intra_bw`` bytes/s on a GPU with ``sms`` SMs (:func:`ultracomm.cuda.sm_budget.choose_sms`,
     with ``profile``'s per-SM rates when given)."""
-    from ..sm_budget import choose_sms
+    from ..cuda.sm_budget import choose_sms
 
     return {f"{k}_sms": choose_sms(k, 0, intra_bw, sms or None, profile).sms for k in ("multicast", "reduce")}
 
 
 def apply_profile(fabric, profile: Union[str, "object"], budgets: bool = True):
     """``fabric`` with what a hardware profile measured (a path, or an
-    :class:`ultracomm.hwprofile.HwProfile`): HBM copy rate, launch floor, per-chunk overhead,
+    :class:`ultracomm.cuda.hwprofile.HwProfile`): HBM copy rate, launch floor, per-chunk overhead,
     per-SM copy and reduce rates, SM count; with ``budgets`` the SM budgets are recomputed by
     ultracomm's auto rule from the profile's per-SM rates.  The profile's hop cost is HBM to
     HBM on one GPU, so the link latencies stay as they were."""
-    from ..hwprofile import load_profile
+    from ..cuda.hwprofile import load_profile
 
     prof = load_profile(profile) if isinstance(profile, str) else profile
     over = dict(prof.fabric_overrides())
@@ -112,9 +112,9 @@ def apply_profile(fabric, profile: Union[str, "object"], budgets: bool = True):
 
 def default_profile(path: Optional[str] = None):
     """The hardware profile the CLI and the report use: ``path``, else ``ULTRACOMM_HW_PROFILE``,
-    else the newest ``perf/gpu/*profile*.json`` (:func:`ultracomm.hwprofile.find_profile`);
+    else the newest ``perf/gpu/*profile*.json`` (:func:`ultracomm.cuda.hwprofile.find_profile`);
     None when there is none (then the defaults above stand)."""
     from ..env import Config
-    from ..hwprofile import find_profile
+    from ..cuda.hwprofile import find_profile
 
     return find_profile(path=path or Config.from_env().hw_profile or None)

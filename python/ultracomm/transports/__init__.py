@@ -20,13 +20,13 @@ A transport class has ``name``, ``window_providers`` (the windows it can run ove
 failures are collected by ``check_error()``; absent/``False``: ``run`` blocks until done).
 ``tma``, ``copy_engine`` and the CUDA ``split`` are imported when first asked for, so
 ultracomm imports without ``_cuda``, a driver or a GPU.  ``auto`` is decided with the ranks' memory domains by
-:mod:`ultracomm.domains`; :func:`resolve_transport` alone maps it by device.
+:mod:`ultracomm.dataplane.domains`; :func:`resolve_transport` alone maps it by device.
 """
 from __future__ import annotations
 
 import importlib
 
-from ..cuda_support import NotAvailableError, require
+from ..cuda.support import NotAvailableError, require
 from .host import HostTransport
 from .p2p import P2PTransport
 from .split import SplitTransport
@@ -46,7 +46,7 @@ def _load_tma() -> type:
 
 def _load_copy_engine() -> type:
     require("transport 'copy_engine'", need_module=False)
-    from ..cuda_driver import driver
+    from ..cuda.driver import driver
 
     driver()  # NotAvailableError: no libcuda
     return importlib.import_module(".copy_engine", __name__).CopyEngineTransport
@@ -54,20 +54,20 @@ def _load_copy_engine() -> type:
 
 def _load_split_cuda() -> type:
     require("transport 'split' on CUDA")
-    from ..cuda_driver import driver
+    from ..cuda.driver import driver
 
     driver()  # NotAvailableError: no libcuda
-    return importlib.import_module(".split_cuda", __name__).SplitCudaTransport
+    return importlib.import_module(".split.cuda", __name__).SplitCudaTransport
 
 
 def resolve_transport(name: str, device_type: str = "cpu") -> type:
     """Map a transport name to its class; ``auto`` picks ``tma`` for a CUDA Context
     (``device_type="cuda"``) and ``host`` for a CPU one; ``split`` is the CPU or the CUDA split
     by ``device_type``.  A GPU transport this machine cannot
-    run raises :class:`~ultracomm.cuda_support.NotAvailableError` naming what is missing."""
+    run raises :class:`~ultracomm.cuda.support.NotAvailableError` naming what is missing."""
     if name == "auto":
         name = "tma" if device_type == "cuda" else "host"
-    if name == "split" and device_type == "cuda":  # the GPU split (split_cuda.py), loaded when asked for
+    if name == "split" and device_type == "cuda":  # the GPU split (transports/split/cuda.py), loaded when asked for
         return _load_split_cuda()
     if name in TRANSPORTS:
         return TRANSPORTS[name]

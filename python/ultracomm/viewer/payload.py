@@ -11,7 +11,7 @@ Budgets (all parameters of :func:`build_payload`):
 * detail samples (per-rank load, placement, trees, egress): at most ``max_detail`` records in
   all, evenly spaced over each layer's records (first and last kept) plus the layer's most
   imbalanced record.  Samples without a recorded plan are planned here with ``planner``
-  (:func:`ultracomm.whatif.plan_and_schedule`) when they have a load.
+  (:func:`ultracomm.tools.whatif.plan_and_schedule`) when they have a load.
 
 A 1000-step x 94-layer x 128-expert trace stays under ~5 MB of HTML with the defaults.
 """
@@ -205,7 +205,7 @@ def build_payload(trace: Trace, *, planner: str = "auto", domain: Optional[str] 
     pname = "quota" if planner == "auto" else planner
     setting = None
     if fill and (plan_here or not a["has_plan"].all()) and a["has_load"].any():
-        from ..whatif import Setting
+        from ..tools.whatif import Setting
 
         model = model or trace.meta.get("model") or "qwen3-235b-a22b"
         setting = Setting(domain=domain or default_domain(trace.world), ep=trace.world, slots=slots, model=model)
@@ -229,7 +229,7 @@ def build_payload(trace: Trace, *, planner: str = "auto", domain: Optional[str] 
                                    "after": None, "slot_src": None, "mc": None, "rd": None, "plan_source": None,
                                    "times": {op: _num(a[f"time_{op}"][i] * 1e3) for op in OPS}}
             if i in loads:
-                from ..whatif import plan_and_schedule
+                from ..tools.whatif import plan_and_schedule
 
                 res, sched = plan_and_schedule(loads[i], pname, info["fabric"], slots, info["weight_bytes"],
                                                info["grad_bytes"])

@@ -31,7 +31,7 @@ import logging
 from typing import Any, Sequence
 
 from ..comm import Comm
-from ..cuda_support import NotAvailableError
+from ..cuda.support import NotAvailableError
 from .base import Window
 from .cuda_ipc import CudaIpcWindow
 from .cuda_local import CudaLocalWindow

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..comm import Comm
-from ..cuda_support import resolve_device, torch_cuda_reason
+from ..cuda.support import resolve_device, torch_cuda_reason
 from .base import Window
 from .gpu_common import check_usable, zero_and_barrier
 

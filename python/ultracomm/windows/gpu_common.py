@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..comm import Comm
-from ..cuda_support import require
+from ..cuda.support import require
 
 
 def check_usable(cls: Any, comm: Comm) -> None:

@@ -18,7 +18,7 @@ after every Context over nvshmem windows is closed -- frees the heap allocations
 NVSHMEM.  A process that exits without it leaves the cleanup to NVSHMEM's own teardown.
 
 Where nvshmem4py is not installed, or the machine has no GPU, the provider is "not available"
-with the reason (:class:`~ultracomm.cuda_support.NotAvailableError`), never an ImportError.
+with the reason (:class:`~ultracomm.cuda.support.NotAvailableError`), never an ImportError.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from ..comm import Comm
-from ..cuda_support import NotAvailableError, resolve_device, torch_cuda_reason
+from ..cuda.support import NotAvailableError, resolve_device, torch_cuda_reason
 from .base import Window
 from .gpu_common import zero_and_barrier
 

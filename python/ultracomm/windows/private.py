@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..comm import Comm
-from ..cuda_support import resolve_device
+from ..cuda.support import resolve_device
 from .base import Window
 
 

@@ -1,0 +1,158 @@
+"""Choosing a Context's data plane: device, transport and window, and the checks that follow.
+
+Rules (``transport`` / ``window`` are the config values, ``device`` the Context argument):
+
+1. Where the window lives: ``device`` when given (``"cpu"``, ``"cuda"``, ``"cuda:N"``, an
+   index); else where an explicitly named window lives; else CUDA when an explicitly named
+   transport is a GPU one (``tma``); else the CPU.  Contradictions are errors.
+2. ``transport="auto"``: ``tma`` for a CUDA window, ``host`` for a CPU one, when every rank
+   shares one memory domain; a Context whose ranks span domains passes the choice of
+   :mod:`ultracomm.dataplane.domains` (``p2p``, or ``split`` where domains hold several ranks: host
+   inside on the CPU, tma inside on CUDA; a CUDA domain over several hosts gets the ``nvshmem``
+   window).  A GPU transport on a machine without a GPU or without
+   ``ultracomm._cuda`` raises :class:`~ultracomm.cuda.support.NotAvailableError` naming what
+   is missing; so does, after that, a named window that cannot work here (``nvshmem`` without
+   nvshmem4py, for instance).
+3. ``window="auto"``: the best provider for that device among the transport's providers
+   (``ultracomm.windows``).
+4. ``register_masters``: tensors on the window's device; for a CUDA window every
+   (expert, member) address 16-byte aligned (TMA bulk copies; contiguity is the layout's check).
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any, Sequence
+
+import torch
+
+from ..comm import Comm
+from ..cuda.support import NotAvailableError, resolve_device
+from .domains import TransportChoice
+from ..env import Config
+from ..errors import RegistrationError
+from ..cuda.sm_budget import choices_for_device
+from ..transports import GPU_TRANSPORTS, resolve_transport
+from ..windows import PROVIDERS, device_type_of, resolve_provider
+
+__all__ = ["device_type", "select", "transport_kwargs", "check_master_devices", "is_stream_ordered"]
+
+log = logging.getLogger("ultracomm")
+
+TMA_ALIGN = 16  # bytes: cp.async.bulk needs 16-byte aligned addresses and sizes
+
+
+def _type_of(device: Any) -> str:
+    t = "cuda" if isinstance(device, int) and not isinstance(device, bool) else torch.device(device).type
+    if t not in ("cpu", "cuda"):
+        raise ValueError(f"ultracomm: device must be a CPU or CUDA device, got {device!r}")
+    return t
+
+
+def device_type(transport: str, window: str, device: Any = None) -> str:
+    """``"cpu"`` or ``"cuda"``: where the Context's window lives (rule 1)."""
+    if window != "auto" and window not in PROVIDERS:
+        resolve_provider(window, None)  # raises: provider not in this build
+    win_type = device_type_of(window) if window != "auto" else None
+    if win_type == "any":  # private: lives where the device says
+        win_type = None
+    if device is not None:
+        t = _type_of(device)
+        if win_type is not None and win_type != t:
+            raise ValueError(f"ultracomm: window {window!r} lives on the {win_type.upper()} but device={device!r}; "
+                             f"drop one of them or pick a {t.upper()} window")
+        if transport in GPU_TRANSPORTS and t == "cpu":
+            raise ValueError(f"ultracomm: transport {transport!r} runs on a GPU but device={device!r}")
+        if transport == "host" and t == "cuda":
+            raise ValueError(f"ultracomm: transport 'host' runs on the CPU but device={device!r}; use transport='tma'"
+                             " (or 'auto') for a CUDA Context")
+        return t
+    if win_type is not None:
+        return win_type
+    return "cuda" if transport in GPU_TRANSPORTS else "cpu"
+
+
+def select(config: Config, comm: Comm, device: Any = None,
+           choice: TransportChoice | None = None) -> tuple[type, str, torch.device | None]:
+    """(transport class, window provider, CUDA device or ``None``) for a Context (rules 1-3).
+    ``choice``: what ``transport="auto"`` became from the ranks' domains (logged once here)."""
+    dtype = device_type(config.transport, config.window, device)
+    transport_cls = resolve_transport(choice.transport if choice is not None else config.transport, dtype)
+    window = config.window
+    if window == "auto" and choice is not None and choice.window is not None:
+        window = choice.window  # the domain needs it (nvshmem: a CUDA domain over several hosts)
+    provider = resolve_provider(window, comm, dtype, allowed=transport_cls.window_providers)
+    if provider not in transport_cls.window_providers:
+        raise ValueError(f"ultracomm: transport {transport_cls.name!r} cannot use window {provider!r}; "
+                         f"use one of {transport_cls.window_providers}")
+    why = getattr(PROVIDERS[provider], "unavailable_reason", lambda c: None)(comm)
+    if window != "auto" and why:
+        raise NotAvailableError(f"ultracomm: window {provider!r} is not available: {why}")
+    cuda_dev = resolve_device(device) if dtype == "cuda" else None
+    if choice is not None:
+        log.info("ultracomm: rank %d: %s", comm.rank, choice.describe())
+    log.info("ultracomm: rank %d: transport %s (%s), window %s (%s)%s", comm.rank, transport_cls.name,
+             config.transport, provider, config.window, f" on {cuda_dev}" if cuda_dev is not None else "")
+    return transport_cls, provider, cuda_dev
+
+
+def is_stream_ordered(transport: Any) -> bool:
+    """True for transports whose ``run`` only enqueues work on a CUDA stream."""
+    return bool(getattr(transport, "stream_ordered", False))
+
+
+def transport_kwargs(transport_cls: type, config: Config, cuda_dev: torch.device | None,
+                     **base: Any) -> dict[str, Any]:
+    """The keyword arguments ``transport_cls`` accepts: ``base`` (``comm`` only when the transport names
+    it) plus the config's executor knobs and,
+    for transports that take them, ``multicast_sms`` / ``reduce_sms`` (resolved: env value or the
+    analytic default of :mod:`ultracomm.cuda.sm_budget`, logged at debug level)."""
+    params = inspect.signature(transport_cls).parameters
+    any_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    kw = dict(base, num_workers=config.num_workers, timeout_s=config.timeout_s, jitter_us=config.jitter_us)
+    if any_kw or "multicast_sms" in params or "reduce_sms" in params:
+        dev_sms = name = None
+        if cuda_dev is not None:
+            props = torch.cuda.get_device_properties(cuda_dev)
+            dev_sms, name = props.multi_processor_count, props.name
+        mc, rd = choices_for_device(config.multicast_sms, config.reduce_sms, config.intra_bw, dev_sms, name,
+                                    config.hw_profile)
+        log.debug("ultracomm: rank %s: multicast_sms=%d (%s)", base.get("rank"), mc.sms, mc.source)
+        log.debug("ultracomm: rank %s: reduce_sms=%d (%s)", base.get("rank"), rd.sms, rd.source)
+        kw.update(multicast_sms=mc.sms, reduce_sms=rd.sms)
+    # the process group, the domains and the plan arena's shape go only to transports that ask for
+    # them by name (p2p, split; tma)
+    named_only = ("comm", "domain_of", "experts_per_rank", "plan_slots")
+    return {k: v for k, v in kw.items() if k in params or (any_kw and k not in named_only)}
+
+
+def check_master_devices(window_device: torch.device, transport_name: str, names: Sequence[str],
+                         weights: Sequence, grads: Sequence, experts_per_rank: int) -> None:
+    """Rule 4; ``names`` are the layout's member names (for the messages).  A member is a
+    stacked ``[experts_per_rank, ...]`` tensor or a list of per-expert tensors."""
+    entries = []  # (label, tensor, bytes of one expert's row in it)
+    for kind, members in (("weights", weights), ("grads", grads)):
+        for n, m in zip(names, members):
+            if isinstance(m, torch.Tensor):
+                entries.append((f"{kind}[{n!r}]", m, m.numel() // max(experts_per_rank, 1) * m.element_size()))
+            else:
+                entries += [(f"{kind}[{n!r}][{i}]", t, t.numel() * t.element_size()) for i, t in enumerate(m)]
+    if window_device.type == "cpu":
+        for label, t, _ in entries:
+            if t.device.type != "cpu":
+                raise RegistrationError(
+                    f"ultracomm: {label} is on {t.device}, but this Context's window is on the CPU "
+                    f"(transport {transport_name!r}); move the tensors with .cpu(), or create the Context "
+                    "with device='cuda' to run the tma transport on the GPU")
+        return
+    for label, t, per_expert in entries:
+        if t.device != window_device:
+            raise RegistrationError(
+                f"ultracomm: {label} is on {t.device}, but this Context's window is on {window_device}; "
+                f"the {transport_name} transport reads and writes masters on the window's GPU: move them "
+                f"with .to('{window_device}')")
+        if t.numel() and (t.data_ptr() % TMA_ALIGN or per_expert % TMA_ALIGN):
+            raise RegistrationError(
+                f"ultracomm: {label}: every expert's row must start 16-byte aligned for TMA bulk copies, "
+                f"got base 0x{t.data_ptr():x} and {per_expert} bytes per expert; register a fresh allocation "
+                "and pad the member so that its bytes per expert are a multiple of 16")

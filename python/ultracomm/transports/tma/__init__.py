@@ -1,0 +1,205 @@
+"""The ``tma`` transport: runs this rank's task lists with the persistent CUDA kernel
+(``ultracomm._cuda``; sm_90+: TMA bulk copies, sm_80: 16-byte vector loads/stores) on the
+caller's CUDA stream.
+
+Interface (stable; ``Context`` and the GPU tests use exactly this):
+
+``TmaTransport(*, rank, world, window, wlayout, layout, num_workers, timeout_s, jitter_us=0,
+multicast_sms=None, reduce_sms=None, experts_per_rank=None, plan_slots=0)``
+    ``window``: a GPU window (``cuda_ipc``, ``torch_symm``, ``cuda_local`` or ``nvshmem``) whose
+    ``peer_bases`` are device addresses of every rank's window as this device addresses them
+    and whose ``local`` is a CUDA tensor (its device is the one the kernel runs on).
+    ``multicast_sms`` / ``reduce_sms``: CTAs per launch (one per SM; ``ULTRACOMM_MULTICAST_SMS``
+    / ``ULTRACOMM_REDUCE_SMS``, resolved by ``Context``); ``None`` takes
+    :func:`ultracomm.cuda.sm_budget.default_sms` of ``link_bytes_per_s`` (keyword, default 450e9).
+    ``num_workers`` and ``jitter_us`` (host-executor knobs) are accepted and ignored.
+    ``plan_slots``: vid slots of the plan arena (``Context``: num_layers x max_microbatches);
+    with ``experts_per_rank`` the arena is allocated here (:attr:`plan_arena_bytes`), else at the
+    first ``run`` (its local experts are then the first plan's).
+    Raises :class:`~ultracomm.cuda.support.NotAvailableError` naming what is missing (a CPU
+    torch, no device, no ``_cuda`` in the build, no driver, a pre-sm_80 GPU).
+
+``run(op, schedule, epoch, masters, my_slots, local_index_of, op_name, stream, slot=None) -> bool``
+    Enqueues the operation on ``stream`` (a ``cudaStream_t`` as int, e.g.
+    ``torch.cuda.current_stream().cuda_stream``) and returns at once: no host synchronisation,
+    no allocation and no pageable copy.  The plan goes into the plan arena (:mod:`.plan_slots`):
+    into vid slot ``slot`` (``Context`` passes ``vid % plan_slots``; restore and grad_reduce of
+    the vid reuse what weight_sync wrote) or, for ``slot=None``, a scratch slot (pinned while a
+    CUDA graph captures it); a new plan is one async copy from pinned staging on ``stream``.
+    A plan beyond the arena's bounds raises ``ValueError`` before anything is enqueued.  The
+    kernel publishes the schedule digest beside ``ready[op]`` (a peer on another plan raises
+    ``PlanError`` on every rank touching it).  Graph replays run fresh epochs on their own (the
+    kernel runs max(epoch, last + 1)) and the plan their slot holds when they run.
+
+Loopback windows (``cuda_local``: every rank a thread of one process, windows on one GPU):
+    each rank's n-th ``run`` joins the n-th launch (:mod:`ultracomm.cuda.loopback_launch`: same
+    operations in the same order, one stream) and the call completing the set launches all
+    ranks in one grid (:mod:`.loopback`), since only one launch keeps every rank's CTAs
+    co-resident.  A ``Work`` of an earlier rank completes before that launch ran; ``run``
+    returns ``False`` for such a share (``True`` when the call enqueued the launch).
+
+``reject(op, epoch, stream) -> None``
+    This rank rejected its plan: publishes kRejectedDigest beside ``ready[op] = epoch`` in its
+    window (stream-ordered), so peers raise ``PlanError`` instead of timing out.
+
+``close() -> None``
+    Frees the plan arena (after the device finished the queued kernels).
+
+``check_error() -> None``
+    After the stream reached a launch (event or stream synchronised): raises
+    ``UltracommTimeout`` (rank, operation, expert, chunk, peer, as the host executor words it),
+    ``PlanError`` (a peer runs another plan or rejected its plan) or ``UltracommError``, for
+    the first failure recorded since the last call; otherwise returns.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable, Sequence
+
+from ...cuda.support import cuda_runtime, raise_record, record_epoch
+from ...cuda.loopback_launch import Deposit, launches_for
+from ...records import Op
+from ...cuda.sm_budget import ANALYTIC_PER_SM_BW, default_sms
+from ..host import GRAD_DTYPE_CODE, Masters
+from .plan_slots import PlanSlots, arena_bounds, arena_bytes
+from .loopback import runner_for
+
+__all__ = ["TmaTransport"]
+
+log = logging.getLogger("ultracomm")
+
+
+class TmaTransport:
+    """Persistent-kernel executor over GPU windows (see the module docstring)."""
+
+    name = "tma"
+    window_providers = ("cuda_ipc", "torch_symm", "cuda_local", "nvshmem")
+    stream_ordered = True
+
+    def __init__(self, *, rank: int, world: int, window, wlayout: dict, layout, num_workers: int,
+                 timeout_s: float, jitter_us: int = 0, multicast_sms: int | None = None,
+                 reduce_sms: int | None = None, link_bytes_per_s: float = 450e9, experts_per_rank: int | None = None,
+                 plan_slots: int = 0):
+        local = window.local
+        if getattr(local, "device", None) is None or local.device.type != "cuda":
+            raise ValueError(f"ultracomm: the tma transport needs a GPU window, got {window.provider!r} on "
+                             f"{getattr(local, 'device', 'host')}")
+        import torch
+
+        self.device = local.device.index if local.device.index is not None else torch.cuda.current_device()
+        self._cuda = cuda_runtime(self.device)
+        self.rank, self.world = rank, world
+        self.window, self.wlayout, self.layout = window, dict(wlayout), layout
+        self.timeout_s = float(timeout_s)
+        if plan_slots < 0:
+            raise ValueError(f"ultracomm: plan_slots must be >= 0, got {plan_slots}")
+        self.plan_slots = int(plan_slots)
+        self._arena_shape = None
+        if experts_per_rank is not None:
+            loopback = bool(getattr(window, "loopback", False))
+            self._arena_shape = dict(nranks=world if loopback else 1, world=world,
+                                     experts_per_rank=int(experts_per_rank), members=len(layout.members),
+                                     wlayout=dict(wlayout))
+        #: device bytes of this rank's plan arena (as many again in pinned host memory); a loopback
+        #: domain's ranks share one arena of that size
+        self.plan_arena_bytes = arena_bytes(self._cuda, self.plan_slots, **self._arena_shape) \
+            if self._arena_shape is not None else 0
+        # a loopback window (cuda_local): one launch runs every rank (loopback.py)
+        self._loopback = (runner_for(window, self._cuda, self.device, self.timeout_s, self.plan_slots)
+                          if getattr(window, "loopback", False) else None)
+        self.runner = self._loopback.runner if self._loopback is not None else self._cuda.Runner(self.device)
+        sms = self.runner.sm_count
+        auto = default_sms(link_bytes_per_s, ANALYTIC_PER_SM_BW, sms)  # Context passes both (env/profile)
+        self.multicast_sms = int(multicast_sms) if multicast_sms is not None else auto
+        self.reduce_sms = int(reduce_sms) if reduce_sms is not None else auto
+        for what, v in (("multicast_sms", self.multicast_sms), ("reduce_sms", self.reduce_sms)):
+            if v < 1:
+                raise ValueError(f"ultracomm: {what} must be >= 1, got {v}")
+        log.debug("ultracomm tma: rank %d device %d (%s mover, %d SMs): multicast_sms=%d reduce_sms=%d",
+                  rank, self.device, self.runner.mover, sms, self.multicast_sms, self.reduce_sms)
+        self._grad_code = GRAD_DTYPE_CODE[layout.grad_dtype]
+        self._bases = [int(b) for b in window.peer_bases]
+        self._members = {Op.MULTICAST: (list(layout.weight_offsets), list(layout.weight_sizes)),
+                         Op.REDUCE: (list(layout.grad_offsets), list(layout.grad_sizes))}
+        self._slots = PlanSlots(self.plan_slots)
+        self._arena = None
+        if self._loopback is None and self._arena_shape is not None:
+            self._arena = self._make_arena(self._arena_shape)
+        elif self._loopback is not None and self._arena_shape is not None:
+            self._loopback.ensure_arena(self._arena_shape)
+        self._names: dict[int, str | None] = {}
+
+    def _make_arena(self, shape: dict) -> object:
+        return self._cuda.PlanArena(self.device, self._slots.num_slots, **arena_bounds(**shape))
+
+    def _shape_of(self, masters: Masters, local_index_of: Sequence[int]) -> dict:
+        """The arena's shape when the constructor was not told experts_per_rank: the first plan's."""
+        n_local = sum(1 for i in local_index_of if i >= 0)
+        return dict(nranks=self.world if self._loopback is not None else 1, world=self.world,
+                    experts_per_rank=max(n_local, 1), members=len(self.layout.members), wlayout=dict(self.wlayout))
+
+    def _rank_args(self, op: Op, schedule, masters: Masters, my_slots: Sequence[int],
+                   local_index_of: Sequence[int]) -> tuple[tuple, "Callable[[], dict]"]:
+        """(cache key, builder of this rank's DevicePlan arguments) of one operation."""
+        ptrs = masters.weight_ptrs if op == Op.MULTICAST else masters.grad_ptrs
+        key = (schedule.digest, int(op), tuple(ptrs), tuple(my_slots), tuple(local_index_of), tuple(self._bases))
+
+        def make() -> dict:
+            member_off, member_bytes = self._members[op]
+            L = self.wlayout
+            return dict(op=int(op), rank=self.rank, world=self.world, slots=L["slots"],
+                        weight_slot_bytes=L["weight_slot_bytes"], grad_slot_bytes=L["grad_slot_bytes"],
+                        chunk_bytes=L["chunk_bytes"], window_bases=self._bases, member_off=member_off,
+                        member_bytes=member_bytes, master_ptrs=list(ptrs), local_index_of=list(local_index_of),
+                        grad_dtype=self._grad_code, my_slots=list(my_slots), tasks=schedule.tasks(op, self.rank),
+                        refs=schedule.refs(op, self.rank), timeout_s=self.timeout_s,
+                        slot_parent=schedule.tree(op)[0][self.rank].tolist(), digest=schedule.digest)
+
+        return key, make
+
+    def run(self, op: Op, schedule, epoch: int, masters: Masters, my_slots: Sequence[int],
+            local_index_of: Sequence[int], op_name: str | None, stream: int, slot: int | None = None) -> bool:
+        """Enqueue ``op`` of ``schedule`` for this rank at ``epoch`` on ``stream`` (see module doc)."""
+        op = Op(int(op))
+        key, make = self._rank_args(op, schedule, masters, my_slots, local_index_of)
+        ctas = self.multicast_sms if op == Op.MULTICAST else self.reduce_sms
+        if self._loopback is not None:  # the rank completing the set launches every rank
+            lb = self._loopback
+            if self._arena_shape is None:
+                lb.ensure_arena(self._shape_of(masters, local_index_of))
+            return launches_for(self.window).deposit(Deposit(self.rank, int(op), int(epoch), int(stream),
+                                                             (key, make, ctas, op_name, slot)),
+                                                     lambda deps: lb.launch(deps, self.rank))
+        if self._arena is None:
+            self._arena = self._make_arena(self._shape_of(masters, local_index_of))
+        where, upload = self._slots.place(int(op), key, slot)
+        self.runner.launch_slot(self._arena, where, int(op), [make()] if upload else None, int(epoch), ctas,
+                                int(stream), False)
+        self._slots.written(where, int(op), key)
+        if len(self._names) > 1024:
+            self._names.clear()
+        self._names[int(epoch)] = op_name
+        return True
+
+    def reject(self, op: Op, epoch: int, stream: int) -> None:
+        """This rank rejected its plan for ``op`` at ``epoch``: publish it in its window
+        (stream-ordered), so peers raise ``PlanError`` "rank r rejected its plan" at once."""
+        if self._loopback is not None:
+            self._loopback.reject(self.rank, int(op), int(epoch), self.wlayout, self._bases[self.rank], int(stream))
+            return
+        L = self.wlayout
+        self._cuda.publish_rejection(int(op), int(epoch), self._bases[self.rank], L["slots"], L["weight_slot_bytes"],
+                                     L["grad_slot_bytes"], L["chunk_bytes"], int(stream))
+
+    def close(self) -> None:
+        """Free this rank's plan arena (the caller synchronised the device first)."""
+        self._arena = None
+
+    def check_error(self) -> None:
+        """Raise the first failure recorded since the last call (see module doc)."""
+        if self._loopback is not None:
+            self._loopback.check_error(self.rank)
+            return
+        rec = self.runner.take_error()
+        if rec is not None:
+            raise_record(rec, self._names.get(record_epoch(rec)), self.timeout_s)

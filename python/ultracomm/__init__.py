@@ -6,7 +6,8 @@ deterministically.  See ``Context`` for the runtime API and ``ReplicaPlan`` for 
 
 Names are imported lazily (PEP 562), so ``import ultracomm.plan`` stays light; ``dir(ultracomm)``
 lists them.  The drop-in for MoE stacks is :class:`ReplicaManager` (``ultracomm.moe``); adapters
-for Megatron ECHO, UltraEP and vLLM EPLB live in ``ultracomm.integrations``.
+for Megatron ECHO, UltraEP and vLLM EPLB live in ``ultracomm.integrations``; the README's Layout
+section shows the package's layers.
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ _EXPORTS = {
     "build_schedule": "schedule", "run_loopback": "comm", "UltracommTimeout": "errors", "PeerError": "errors",
     "ClosedError": "errors", "ReplicaManager": "moe",
 }
-_SUBMODULES = ("moe", "integrations", "planners", "workloads", "env", "bench", "sim")
+_SUBMODULES = ("moe", "integrations", "planners", "tools", "env", "sim")
+_MOVED = ("workloads", "bench")  # still resolve (their old paths warn), not listed: ultracomm.tools.*
 
 __all__ = sorted(_EXPORTS)
 
@@ -36,7 +38,7 @@ def __dir__() -> list[str]:
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-    elif name in _SUBMODULES:
+    elif name in _SUBMODULES or name in _MOVED:
         value = importlib.import_module(f".{name}", __name__)
     else:
         raise AttributeError(f"module 'ultracomm' has no attribute {name!r}")

@@ -8,8 +8,9 @@ occupies bytes ``[member_off[m], member_off[m] + member_bytes[m])``; bytes betwe
   home's member bytes.
 * :func:`tasks_from_trees` -- task lists built by hand from explicit trees (no builder).
 * :func:`reference_reduce_tree` -- the same order derived from the reduce tree (parents).
-* :func:`ordered_sum` -- one segment's reduction in the documented order (the ``p2p`` transport
-  uses it too); :func:`member_segments` -- the member byte ranges of a chunk.
+* :func:`ordered_sum` -- one segment's reduction in the documented order; :func:`member_segments`
+  -- the member byte ranges of a chunk (both from :mod:`ultracomm.transports.segments`, where the
+  ``p2p`` and ``copy_engine`` transports take them from).
 * :func:`reference_reduce` -- replays a schedule's reduce tasks in their documented order:
   per element, ``acc = float32(self)``, then ``acc += float32(source)`` for the sources left
   to right, then ``self = acc.to(grad dtype)``; a relay's partial is rounded into its slot's
@@ -17,12 +18,13 @@ occupies bytes ``[member_off[m], member_off[m] + member_bytes[m])``; bytes betwe
 """
 from __future__ import annotations
 
-from typing import Iterator, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 import torch
 
 from ..records import MASTER, REF_DTYPE, TASK_DTYPE, TaskKind
+from ..transports.segments import member_segments, ordered_sum
 
 
 def _u8(t: torch.Tensor) -> torch.Tensor:
@@ -74,41 +76,6 @@ def reference_multicast(slot_src: Sequence[Sequence[int]], masters: Mapping[int,
                 t[s] = images[int(e)]
         out.append(t)
     return out
-
-
-def member_segments(offset: int, nbytes: int, member_off: Sequence[int],
-                    member_bytes: Sequence[int]) -> Iterator[tuple[int, int, int]]:
-    """``(m, lo, hi)`` for every member ``m`` intersecting ``[offset, offset + nbytes)``, in member
-    order: the byte ranges an executor's copy or reduce of that range touches (the executors'
-    ``for_each_segment``; padding between members is never moved)."""
-    end = offset + nbytes
-    for m, (off, nb) in enumerate(zip(member_off, member_bytes)):
-        lo, hi = max(offset, off), min(end, off + nb)
-        if lo < hi:
-            yield m, lo, hi
-
-
-def _typed(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A ``uint8`` range as ``dtype`` (a copy only where the range is not aligned for a view)."""
-    try:
-        return t.view(dtype)
-    except RuntimeError:
-        return t.clone().view(dtype)
-
-
-def ordered_sum(dst: torch.Tensor, srcs: Sequence[torch.Tensor], dtype: torch.dtype) -> None:
-    """The determinism contract on one segment, in place: ``dst = dtype(f32(dst) + f32(srcs[0]) +
-    f32(srcs[1]) + ...)``, left to right, one rounding at the end.  ``dst`` and ``srcs`` are
-    equally long ``uint8`` tensors holding ``dtype`` elements."""
-    d = _typed(dst, dtype)
-    # fp32 in place when dst is a view (each fp32 add rounds once either way); else one fp32 copy.
-    # add_ upcasts a bf16/fp16 source exactly, as .float() would: the same bits, no temporaries
-    in_place = dtype == torch.float32 and d.data_ptr() == dst.data_ptr()
-    acc = d if in_place else d.float()
-    for s in srcs:
-        acc.add_(_typed(s, dtype))
-    if not in_place:
-        dst.copy_(acc.to(dtype).view(torch.uint8))
 
 
 def reference_reduce(tasks_by_rank: Sequence[np.ndarray], refs_by_rank: Sequence[np.ndarray],

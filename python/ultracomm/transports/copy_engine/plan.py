@@ -47,7 +47,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from ...records import MASTER, Op
-from ...tools.reference import member_segments
+from ..segments import member_segments
 
 __all__ = ["Cmd", "EPOCH", "MAIN", "DRAIN", "host_words", "word_addr", "multicast_commands",
            "submission_order", "simulate", "geq"]

@@ -34,7 +34,7 @@ import torch
 
 from ...alpha_beta import costs_for_backend
 from ...records import MASTER, Op
-from ...tools.reference import ordered_sum
+from ..segments import ordered_sum
 from ..host import Masters
 from .messengers import PostError, messenger_for, peer_failure
 from .waves import Message, Program, build_program, cached_program

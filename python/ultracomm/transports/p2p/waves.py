@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from ...records import MASTER, Op
-from ...tools.reference import member_segments
+from ..segments import member_segments
 
 __all__ = ["Message", "Program", "build_program", "multicast_depths", "reduce_heights", "cached_program"]
 

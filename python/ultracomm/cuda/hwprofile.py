@@ -57,12 +57,13 @@ def _default_dir() -> str:
     """``perf/gpu`` of the source checkout this module runs from: the nearest ancestor holding
     ``perf/`` (``python/ultracomm`` in an editable install, ``build/inplace/ultracomm`` in the
     fallback build); in an installed wheel there is none and nothing is found there."""
-    here = os.path.dirname(os.path.abspath(__file__))
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # ultracomm/ (this file: cuda/)
+    here = package
     for _ in range(4):
         here = os.path.dirname(here)
         if os.path.isdir(os.path.join(here, "perf")):
             return os.path.join(here, "perf", "gpu")
-    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "perf", "gpu")
+    return os.path.join(os.path.dirname(package), "perf", "gpu")
 
 
 #: Where ``perf/bench_gpu.py``'s profiles are committed (``perf/gpu`` of the source checkout).

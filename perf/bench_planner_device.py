@@ -60,8 +60,7 @@ def main() -> None:
         for K in (1, 2):
             W, epr = dom.world, dom.experts_per_rank
             q, d = quota(load, dom, K), device(load, dom, K)
-            L, el, order = quota_mod._inputs(load, dom, False)[2], quota_mod._inputs(load, dom, False)[1], \
-                quota_mod._inputs(load, dom, False)[3]
+            _, el, L, order, _ = quota_mod._inputs(load, dom, False)
             tol = max(1, int(0.01 * L.sum() / W))
             elx = np.ascontiguousarray(load.sum(0), np.int64)
             row = dict(

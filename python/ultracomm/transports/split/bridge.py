@@ -229,20 +229,32 @@ class BridgeRun:
 
     # ------------------------------------------------------------------ receive lane
     def _recv(self) -> None:
-        for q, work, buf in self._hrecv:
-            if self.stopped():
-                return
-            self._complete(work, f"receive the header of rank {q} (its join: it never started this op)", q)
-            self._publish_header(q, buf.numpy().view(np.uint64))
+        if not self._recv_headers():
+            return
         for x, work, what in self._posted:
             if self.stopped():
                 return
             self._complete(work, what, x.src)
-            if self.mc:
-                flag = self.own_base + self._flag_off("arrival", x.slot, x.chunk)
-            else:
-                flag = self.shadows.base(x.src) + self._flag_off("grad_ready", x.slot, x.chunk)
-            _core.store_release(flag, self.epoch)
+            self._landed(x)
+
+    def _recv_headers(self) -> bool:
+        """The peers' headers (their joins), published as their windows would show them; False
+        once the run stopped."""
+        for q, work, buf in self._hrecv:
+            if self.stopped():
+                return False
+            self._complete(work, f"receive the header of rank {q} (its join: it never started this op)", q)
+            self._publish_header(q, buf.numpy().view(np.uint64))
+        return True
+
+    def _landed(self, x) -> None:
+        """Crossing ``x``'s bytes arrived: raise the flag its reader waits on (multicast: own
+        arrival; reduce: the source's grad_ready in its shadow)."""
+        if self.mc:
+            flag = self.own_base + self._flag_off("arrival", x.slot, x.chunk)
+        else:
+            flag = self.shadows.base(x.src) + self._flag_off("grad_ready", x.slot, x.chunk)
+        _core.store_release(flag, self.epoch)
 
     def _publish_header(self, q: int, hdr: np.ndarray) -> None:
         """Peer ``q``'s join, as its window would show it: digest, then ready (release)."""

@@ -37,7 +37,7 @@ import torch
 
 from ... import _core
 from ...records import MASTER, REF_DTYPE, Op
-from ...tools.reference import member_segments
+from ..segments import member_segments
 from .bridge import BridgeLanes, BridgeRun
 from .bridge_program import BridgeProgram, Crossing
 
@@ -220,21 +220,13 @@ class DirectBridge(BridgeRun):
             self._complete(work, f"send its header to rank {q}", q)
 
     def _recv(self) -> None:
-        for q, work, buf in self._hrecv:
-            if self.stopped():
-                return
-            self._complete(work, f"receive the header of rank {q} (its join: it never started this op)", q)
-            self._publish_header(q, buf.numpy().view(np.uint64))
+        if not self._recv_headers():
+            return
         for p, works in self._lane_recv:
             if self.stopped():
                 return
             self._complete_part(p, works, False)
-            x = p.x
-            if self.mc:
-                flag = self.own_base + self._flag_off("arrival", x.slot, x.chunk)
-            else:
-                flag = self.shadows.base(x.src) + self._flag_off("grad_ready", x.slot, x.chunk)
-            _core.store_release(flag, self.epoch)
+            self._landed(p.x)
 
     def start(self, lanes: Optional[BridgeLanes] = None) -> None:
         self.prog = dataclasses.replace(self.prog, sends=tuple(p.x for p in self.plan.lane_sends))

@@ -203,3 +203,57 @@ def test_p2p_timeout_names_rank_expert_and_chunk():
     # message per member (the alpha-beta choice: no chunking without a relay to pipeline)
     assert "rank 0 is likely stalled or dead" in msg
     assert 0.5 <= elapsed < 5
+
+
+def test_p2p_bound_buffers_follow_new_masters_and_repeat_exactly():
+    """The p2p transport resolves each message's tensors once per (program, masters, local index map)
+    (transports/p2p/bound.py) and reuses them: a repeated restore / grad_reduce moves the same exact
+    bytes, and masters registered again (new tensors, new addresses) are read from, not the old ones."""
+    world, epr, slots = 4, 2, 3
+    layout = layout_of()
+    plan = ReplicaPlan.make(hot_slot_src(world, slots, epr, expert=1), experts_per_rank=epr)
+
+    def body(group):
+        out = []
+        with Context(group, layout, epr, slots, num_layers=1, transport="p2p", window="private", chunk_bytes=128,
+                     tile_bytes=16, timeout_s=30.0) as ctx:
+            r = ctx.rank
+            per = [expert_weights(layout, e) for e in range(r * epr, (r + 1) * epr)]
+            w = [torch.stack([p[m] for p in per]).contiguous() for m in range(2)]
+            g = [torch.zeros((epr, *m.shape), dtype=layout.grad_dtype) for m in layout.members]
+            ctx.register_masters(0, w, g)
+            vid = ctx.begin(0)
+            ctx.weight_sync(vid, plan)
+            for _ in range(2):  # the second restore reuses the binding of the first
+                for t in ctx.replica_weights:
+                    t.zero_()
+                ctx.restore(vid)
+                out.append([t.clone() for t in ctx.replica_weights])
+            w2 = [(x.float() + 1).to(x.dtype) for x in w]  # new tensors, other bytes
+            g2 = [torch.full_like(x, 0.5) for x in g]
+            ctx.register_masters(0, w2, g2)
+            ctx.restore(vid)
+            out.append([t.clone() for t in ctx.replica_weights])
+            for k in range(2):  # grads 1.0 from every filled slot, twice into the same master grads
+                for t in ctx.replica_grads:
+                    t.fill_(1.0)
+                ctx.grad_reduce(vid, release=k == 1)
+            out.append([x.clone() for x in g2] + [x.clone() for x in g])
+        return out
+
+    res = LoopbackDomain(world).run(body)
+    counts = plan.num_replicas.tolist()
+    for r in range(world):
+        first, again, renewed, grads = res[r]
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+        for s, e in enumerate(plan.slot_src[r].tolist()):
+            if e < 0:
+                continue
+            for m, want in enumerate(expert_weights(layout, e)):
+                assert torch.equal(first[m][s], want)
+                assert torch.equal(renewed[m][s], (want.float() + 1).to(want.dtype))
+        for i in range(epr):  # exact: 0.5 + n (two reductions of n ones each), the old grads untouched
+            n = counts[r * epr + i]
+            for m in range(2):
+                assert torch.equal(grads[m][i], torch.full_like(grads[m][i], 0.5 + 2 * n))
+                assert torch.equal(grads[2 + m][i], torch.zeros_like(grads[2 + m][i]))

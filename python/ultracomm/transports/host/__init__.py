@@ -76,9 +76,13 @@ class Masters:
         """``"weights['fc1']"`` (``"grads['fc1'][3]"`` for a per-expert list) for the first
         tensor whose address, shape or storage differs from registration; ``None`` if all
         are as registered."""
-        for (label, t), fp in zip(self._tensors(), self.fingerprints):
+        flat = self.__dict__.get("_flat")
+        if flat is None:  # the tensors in _tensors() order, without their labels (made only for a report)
+            flat = tuple(t for _, t in self._tensors())
+            object.__setattr__(self, "_flat", flat)
+        for i, (t, fp) in enumerate(zip(flat, self.fingerprints)):
             if _fingerprint(t) != fp:
-                return label
+                return self._tensors()[i][0]
         return None
 
 

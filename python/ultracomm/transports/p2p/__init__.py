@@ -37,6 +37,7 @@ from ...records import MASTER, Op
 from ..segments import ordered_sum
 from ..host import Masters
 from .messengers import PostError, messenger_for, peer_failure
+from .bound import Bound, BoundWave, bind
 from .waves import Message, Program, build_program, cached_program
 
 __all__ = ["P2PTransport", "INFLIGHT_WAVES"]
@@ -71,6 +72,8 @@ class P2PTransport:
         self._members = {Op.MULTICAST: (list(layout.weight_offsets), list(layout.weight_sizes)),
                          Op.REDUCE: (list(layout.grad_offsets), list(layout.grad_sizes))}
         self._programs: dict[tuple[int, int], Program] = {}
+        #: per op, the last (schedule, masters, local index map) run and its binding, compared by identity
+        self._last: dict[Op, tuple] = {}
 
     # ------------------------------------------------------------------ program and buffers
     def program(self, op: Op, schedule) -> Program:
@@ -97,14 +100,41 @@ class P2PTransport:
         return _flat_bytes(t[li])[lo - member_off:hi - member_off]
 
     # ------------------------------------------------------------------ run
+    def bound(self, op: Op, prog: Program, masters: Masters, local_index_of: Sequence[int]) -> Bound:
+        """``prog`` bound to this op's buffers (:mod:`.bound`), kept with the program per masters
+        (their addresses) and local index map: an operation that repeats a plan resolves nothing."""
+        key = (masters.weight_ptrs if op == Op.MULTICAST else masters.grad_ptrs, tuple(local_index_of))
+        cache = prog.bindings
+        b = cache.get(key)
+        if b is None:
+            if len(cache) >= 4:
+                cache.clear()
+            members = masters.weights if op == Op.MULTICAST else masters.grads
+            member_off = self._members[op][0]
+            lio = list(local_index_of)
+
+            def source(expert: int, self_slot: int, m: int, lo: int, hi: int) -> torch.Tensor:
+                if self_slot == MASTER:
+                    return self._master_bytes(members, lio[expert], m, member_off[m], lo, hi)
+                return self._slot_bytes(op, self_slot, lo, hi)
+
+            b = cache[key] = bind(prog, op, source, lambda slot, lo, hi: self._slot_bytes(op, slot, lo, hi),
+                                  self.device, self.layout.grad_dtype)
+        return b
+
     def run(self, op: Op, schedule, epoch: int, masters: Masters, my_slots: Sequence[int],
             local_index_of: Sequence[int], op_name: str | None = None) -> None:
         """Run ``op`` of ``schedule`` for this rank at ``epoch``; blocks until this rank's messages
         are done.  ``op_name`` (``weight_sync``, ``restore``, ``grad_reduce``) names the operation
         in errors."""
         op = Op(op)
-        prog = self.program(op, schedule)
-        run = _Run(self, op, prog, masters, list(local_index_of), op_name or op.name.lower(), epoch)
+        last = self._last.get(op)
+        if last is not None and last[0] is schedule and last[1] is masters and last[2] is local_index_of:
+            b = last[3]  # the same operation as last time (restore, a repeated grad_reduce): nothing to look up
+        else:
+            b = self.bound(op, self.program(op, schedule), masters, local_index_of)
+            self._last[op] = (schedule, masters, local_index_of, b)
+        run = _Run(self, op, b, op_name or op.name.lower(), epoch)
         if self.device.type == "cuda":
             with torch.cuda.device(self.device):  # NCCL posts on the current device's streams
                 run.execute()
@@ -113,35 +143,30 @@ class P2PTransport:
 
 
 class _Run:
-    """One operation's progress: posted works by message, waves in flight, receive buffers."""
+    """One operation's progress: the Work of each posted message (by message id) and the waves
+    in flight."""
 
-    def __init__(self, t: P2PTransport, op: Op, prog: Program, masters: Masters, local_index_of: list[int],
-                 op_name: str, epoch: int):
-        self.t, self.op, self.prog = t, op, prog
-        self.local_index_of = local_index_of
-        self.where = f"rank {t.rank} {op_name} (epoch {epoch}, transport p2p)"
-        mc = op == Op.MULTICAST
-        self.members = masters.weights if mc else masters.grads
-        self.member_off = t._members[op][0]
-        self.dtype = t.layout.grad_dtype
-        self.works: dict[Message, Any] = {}   # message -> its Work (a coalesced batch: the batch's one Work)
+    def __init__(self, t: P2PTransport, op: Op, bound: Bound, op_name: str, epoch: int):
+        self.t, self.op, self.b = t, op, bound
+        self.op_name, self.epoch = op_name, epoch
+        self.works: list[Any] = [None] * len(bound.messages)  # a coalesced batch: the batch's one Work
         self.done: set[int] = set()           # ids of Works that completed
-        self.inbox: dict[Message, torch.Tensor] = {}  # reduce: received bytes until their task ran
-        self.in_flight: list[list[Message]] = []
+        self.in_flight: list[list[int]] = []
+        self.timeout = datetime.timedelta(seconds=t.timeout_s)
 
-    def source(self, expert: int, self_slot: int, m: int, lo: int, hi: int) -> torch.Tensor:
-        if self_slot == MASTER:
-            return self.t._master_bytes(self.members, self.local_index_of[expert], m, self.member_off[m], lo, hi)
-        return self.t._slot_bytes(self.op, self_slot, lo, hi)
+    @property
+    def where(self) -> str:
+        return f"rank {self.t.rank} {self.op_name} (epoch {self.epoch}, transport p2p)"
 
-    def wait(self, msg: Message, incoming: bool) -> None:
-        work = self.works[msg]
+    def wait(self, i: int) -> None:
+        work = self.works[i]
         if id(work) in self.done:
             return
         try:
-            work.wait(datetime.timedelta(seconds=self.t.timeout_s))
+            work.wait(self.timeout)
         except Exception as e:  # gloo: timeout or a closed connection (a dead peer)
-            self.fail(msg, incoming, e)
+            msg = self.b.messages[i]
+            self.fail(msg, msg.dst == self.t.rank, e)
         self.done.add(id(work))
 
     def fail(self, msg: Message, incoming: bool, cause: BaseException, posting: bool = False) -> NoReturn:
@@ -157,54 +182,43 @@ class _Run:
         return (f"receive {what} rank {msg.src}'s grad slot {msg.slot}) from rank {msg.src}" if incoming else
                 f"send {what} its grad slot {msg.slot}) to rank {msg.dst}")
 
-    def post(self, sends: list, recvs: list[Message]) -> None:
-        ops, msgs = [], []
-        for item in sends:
-            m = item.msg
-            ops.append(("send", self.source(m.expert, item.self_slot, m.member, m.lo, m.hi), m.dst, m.tag))
-            msgs.append(m)
-        for m in recvs:
-            if self.op == Op.MULTICAST:
-                buf = self.t._slot_bytes(self.op, m.slot, m.lo, m.hi)
-            else:  # receive buffers live with the (cached) program: no allocation per operation
-                buf = self.inbox[m] = self.prog.buffer(m, self.t.device)
-            ops.append(("recv", buf, m.src, m.tag))
-            msgs.append(m)
-        if not ops:
+    def post(self, wave: BoundWave) -> None:
+        if not wave.ops:
             return
         try:
-            handles = self.t.messenger.exchange(ops)
+            handles = self.t.messenger.exchange(wave.ops)
         except PostError as e:
-            self.fail(msgs[e.index], msgs[e.index].dst == self.t.rank, e.cause, posting=True)
-        for m, handle in zip(msgs, handles):
-            self.works[m] = handle
-        self.in_flight.append(msgs)
+            msg = self.b.messages[wave.ids[e.index]]
+            self.fail(msg, msg.dst == self.t.rank, e.cause, posting=True)
+        works = self.works
+        for i, handle in zip(wave.ids, handles):
+            works[i] = handle
+        self.in_flight.append(wave.ids)
 
     def retire_oldest(self) -> None:
-        for m in self.in_flight.pop(0):
-            self.wait(m, incoming=m.dst == self.t.rank)
+        for i in self.in_flight.pop(0):
+            self.wait(i)
 
-    def reduce(self, item) -> None:
-        for m in item.sources:
-            self.wait(m, incoming=True)
-        dst = self.source(item.expert, item.self_slot, item.member, item.lo, item.hi)
-        ordered_sum(dst, [self.inbox.pop(m) for m in item.sources], self.dtype)
+    def reduce(self, r) -> None:
+        for i in r.sources:
+            self.wait(i)
+        if r.fast is not None:  # fp32 in place, left to right: what ordered_sum does, views made once
+            acc, srcs = r.fast
+            for s in srcs:
+                acc.add_(s)
+        else:
+            ordered_sum(r.dst, r.bufs, self.t.layout.grad_dtype)
 
     def execute(self) -> None:
-        try:
-            for wave in self.prog.waves:
-                while len(self.in_flight) >= INFLIGHT_WAVES:
-                    self.retire_oldest()
-                for item in wave.reduces:  # in task-list order: a relay's partial before it is sent
-                    self.reduce(item)
-                for item in wave.sends:
-                    if item.self_slot != MASTER and self.op == Op.MULTICAST:
-                        for dep in self.prog.forward_deps[(item.self_slot, item.msg.chunk)]:
-                            self.wait(dep, incoming=True)
-                self.post(wave.sends, wave.recvs)
-            while self.in_flight:
+        for wave in self.b.waves:
+            while len(self.in_flight) >= INFLIGHT_WAVES:
                 self.retire_oldest()
-        finally:
-            self.inbox.clear()
+            for r in wave.reduces:  # in task-list order: a relay's partial before it is sent
+                self.reduce(r)
+            for i in wave.deps:  # multicast: a relay forwards chunks it received
+                self.wait(i)
+            self.post(wave)
+        while self.in_flight:
+            self.retire_oldest()
         if self.t.device.type == "cuda":
             torch.cuda.current_stream(self.t.device).synchronize()

@@ -58,17 +58,20 @@ class TorchMessenger:
 
     def exchange(self, ops: Sequence[OpSpec]) -> list:
         group = self.group
-        p2p = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, self.global_rank[peer], group, tag)
-               for kind, tensor, peer, tag in ops]
         if not self.coalesced:
-            # what batch_isend_irecv does for gloo, one op at a time: a failed post names its message
+            # what batch_isend_irecv does for gloo (isend / irecv one op at a time), minus their Python
+            # argument checks: the group's own send / recv with the peer's rank in the group (ours already
+            # are) and uint8 tensors.  A failed post names its message
             works = []
-            for i, op in enumerate(p2p):
+            send, recv = group.send, group.recv
+            for i, (kind, tensor, peer, tag) in enumerate(ops):
                 try:
-                    works.append(op.op(op.tensor, op.peer, op.group, op.tag))
+                    works.append((send if kind == "send" else recv)([tensor], peer, tag))
                 except RuntimeError as e:  # a peer's connection is gone
                     raise PostError(i, e) from None
             return works
+        p2p = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, self.global_rank[peer], group, tag)
+               for kind, tensor, peer, tag in ops]
         try:
             works = dist.batch_isend_irecv(p2p)
         except RuntimeError as e:

@@ -98,6 +98,8 @@ class Program:
     forward_deps: dict[tuple[int, int], list[Message]]
     #: reduce: a receive buffer per message, made on first use and kept with the program
     buffers: dict[Message, Any] = dataclasses.field(default_factory=dict)
+    #: the program bound to buffers (:mod:`.bound`), per (master addresses, local index map)
+    bindings: dict[tuple, Any] = dataclasses.field(default_factory=dict)
 
     def buffer(self, msg: Message, device: Any) -> Any:
         """The receive buffer of ``msg`` (uint8, ``msg.hi - msg.lo`` bytes), reused by every

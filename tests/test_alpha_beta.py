@@ -10,7 +10,7 @@ import torch
 
 from conftest import expert_weights, hot_slot_src
 from ultracomm import Context, ExpertLayout, LoopbackDomain, Member, ReplicaPlan
-from ultracomm.alpha_beta import COSTS, AlphaBeta, choose_schedule, predicted_s, split_chunk_bytes
+from ultracomm.alpha_beta import COSTS, AlphaBeta, best_chunk, choose_schedule, predicted_s, split_chunk_bytes
 from ultracomm.tools.reference import reference_reduce_tree
 from ultracomm.sim import model as sim_model
 from ultracomm.sim.fabric import get_fabric
@@ -59,6 +59,30 @@ def test_pipeline_and_split_chunks():
     assert split_chunk_bytes(256 * 1024, 32768, 8 * MiB, g) % 32768 == 0
     assert split_chunk_bytes(256 * 1024, 32768, 8 * MiB, g) > 256 * 1024
     assert split_chunk_bytes(64 * MiB, 32768, 8 * MiB, g) == 64 * MiB  # a larger configured chunk is kept
+    # whole numbers of chunks: at 2 MiB over gloo a second message (1 ms) costs more than the fill it
+    # saves (2 levels x 0.66 ms): one chunk for one level, two for two
+    assert g.pipeline_chunk(2 * MiB, 1) == 2 * MiB and g.pipeline_chunk(2 * MiB, 2) == MiB
+    # split: one gloo crossing per path, then 2 shared-memory levels (20 us, 6 GB/s) -- one chunk up to
+    # 4 MiB, 2 of 8 MiB at 16 MiB, 5 at 64 MiB
+    assert [split_chunk_bytes(MiB, 32768, n * MiB, g) for n in (2, 4, 16)] == [2 * MiB, 4 * MiB, 8 * MiB]
+    assert -(-64 * MiB // split_chunk_bytes(MiB, 32768, 64 * MiB, g)) == 5
+
+
+@pytest.mark.parametrize("alpha,beta,levels,granule", [(1e-3, 1.6e9, 2, 16), (10e-6, 50e9, 1, 16), (20e-6, 6e9, 3, 4096),
+                                                        (5e-4, 1e9, 1, 32768)])
+def test_best_chunk_is_the_best_whole_number_of_chunks(alpha, beta, levels, granule):
+    """best_chunk checks only a few chunk counts (the time is convex in them); every count agrees."""
+    link, inside = AlphaBeta(alpha, beta), COSTS["host_shm"]
+    for n in (1000, 65536, 3 * MiB + 5, 16 * MiB, 100 * MiB):
+        got = best_chunk(n, link, ((inside, levels),), granule=granule)
+
+        def t(c):
+            return -(-n // c) * alpha + n / beta + levels * (c / inside.beta_Bps + inside.alpha_s)
+        whole = -(-n // granule) * granule
+        lo = min(whole, -(-65536 // granule) * granule)
+        cands = sorted({min(whole, max(lo, -(-(-(-n // k)) // granule) * granule)) for k in range(1, n // lo + 2)})
+        assert got % granule == 0 and lo <= got <= whole
+        assert t(got) <= min(t(c) for c in cands) * (1 + 1e-12), (n, got)
     with pytest.raises(ValueError, match="beta_Bps must be a positive finite number, got 0"):
         AlphaBeta(1e-6, 0)
 
@@ -106,9 +130,9 @@ def test_p2p_context_runs_its_choice_with_the_documented_reduction_order():
 
 def test_split_raises_its_crossing_chunk_and_still_streams_large_slots():
     """A split Context on the CPU: its window chunk is raised to what a gloo message pays for,
-    which for a 4 MiB slot still leaves several chunks; weights and the reduction in the
+    which for a 16 MiB slot still leaves two chunks; weights and the reduction in the
     schedule's documented order come out exact."""
-    world, epr, slots, n = 4, 1, 1, 1 << 20
+    world, epr, slots, n = 4, 1, 1, 1 << 22  # 16 MiB slots: two chunks over gloo (4 MiB would be one)
     layout = ExpertLayout((Member("w", (n,), torch.float32),), grad_dtype=torch.float32)
     plan = ReplicaPlan.make(np.array([[-1], [0], [0], [0]], np.int32), experts_per_rank=epr)
     gen = torch.Generator().manual_seed(7)

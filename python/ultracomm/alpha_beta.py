@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
-__all__ = ["AlphaBeta", "COSTS", "costs_for_backend", "choose_schedule", "predicted_s", "Choice", "split_chunk_bytes"]
+__all__ = ["AlphaBeta", "COSTS", "best_chunk", "costs_for_backend", "choose_schedule", "predicted_s", "Choice",
+           "split_chunk_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,14 +48,41 @@ class AlphaBeta:
             raise ValueError(f"ultracomm: beta_Bps must be a positive finite number, got {self.beta_Bps!r}")
 
     def pipeline_chunk(self, nbytes: int, levels: int = 1) -> int:
-        """The chunk that minimises ``(nbytes / c) * alpha + levels * (c / beta + alpha)``
-        (the busiest link's message costs against the fill of ``levels`` relay levels):
-        ``sqrt(alpha * beta * nbytes / levels)``, at least 64 KiB, at most ``nbytes`` (rounded up
-        to 16 bytes)."""
-        if nbytes <= 0:
-            return 1
-        c = math.sqrt(self.alpha_s * self.beta_Bps * nbytes / max(1, levels))
-        return _align(min(nbytes, max(1 << 16, c)))
+        """The chunk that minimises ``ceil(nbytes / c) * alpha + levels * (c / beta + alpha)``
+        (the busiest link's message costs against the fill of ``levels`` relay levels), over
+        whole numbers of chunks (:func:`best_chunk`): one chunk where a second message costs more
+        than the fill it saves.  At least 64 KiB, at most ``nbytes`` (rounded up to 16 bytes)."""
+        return best_chunk(nbytes, self, ((self, levels),))
+
+
+def best_chunk(nbytes: int, link: AlphaBeta, fill: Sequence[tuple[AlphaBeta, int]], granule: int = 16,
+               min_chunk: int = 1 << 16) -> int:
+    """The chunk (a multiple of ``granule``) of an ``nbytes`` slot that minimises the model's time
+    ``m * link.alpha + nbytes / link.beta + sum(levels * (c / beta + alpha) for (beta, alpha), levels in fill)``,
+    ``m = ceil(nbytes / c)`` messages over the busiest link and each further level of the path
+    (``fill``: its costs and how many such levels) adding one chunk's time.  The time is convex in
+    the number of chunks ``k``, so the whole numbers around the continuous optimum
+    ``sqrt(nbytes * sum(levels / beta) / link.alpha)`` and ``k = 1`` are the candidates; ties go to
+    fewer chunks.  At least ``min_chunk`` (unless the slot is smaller), at most the slot."""
+    n = int(nbytes)
+    if n <= 0:
+        return 1
+    g = max(1, int(granule))
+    whole = -(-n // g) * g
+    lo = min(whole, -(-int(min_chunk) // g) * g)
+    inv_beta = sum(levels / f.beta_Bps for f, levels in fill)
+    k_star = math.sqrt(n * inv_beta / link.alpha_s) if link.alpha_s > 0 else float(n)
+    kmax = max(1, -(-n // lo))
+    ks = {1, kmax} | {min(kmax, max(1, int(k_star) + d)) for d in (-1, 0, 1, 2)}
+    best = None
+    for k in sorted(ks):
+        c = min(whole, max(lo, -(-(-(-n // k)) // g) * g))
+        m = -(-n // c)
+        t = m * link.alpha_s + n / link.beta_Bps + sum(levels * (c / f.beta_Bps + f.alpha_s) for f, levels in fill)
+        if best is None or t < best[0] * (1 - 1e-12):
+            best = (t, c)
+    assert best is not None
+    return best[1]
 
 
 #: Measured or sourced figures per process-group backend (what the ``p2p`` transport runs on).
@@ -77,12 +105,16 @@ def _align(nbytes: float) -> int:
     return max(16, -(-int(math.ceil(nbytes)) // 16) * 16)
 
 
-def split_chunk_bytes(chunk_bytes: int, tile_bytes: int, slot_bytes: int, costs: AlphaBeta) -> int:
-    """The window chunk of a ``split`` transport on the CPU: a crossing moves one chunk per
-    message, so the chunk is at least the pipeline chunk of a two-level path over ``costs``
-    (rounded up to ``tile_bytes``); a larger configured ``chunk_bytes`` is kept."""
-    want = costs.pipeline_chunk(slot_bytes, 2)
-    want = -(-want // tile_bytes) * tile_bytes
+def split_chunk_bytes(chunk_bytes: int, tile_bytes: int, slot_bytes: int, costs: AlphaBeta,
+                      inside: Optional[AlphaBeta] = None, inside_levels: int = 2) -> int:
+    """The window chunk of a ``split`` transport on the CPU (:func:`best_chunk`, in whole tiles):
+    a crossing moves one chunk per message over ``costs`` (one crossing per path: a remote
+    domain's gateway hangs from the home's domain), then up to ``inside_levels`` relay levels
+    inside a domain over ``inside`` (host shared memory) each add one chunk's time.  So a slot
+    whose crossing cannot pay for a second message is one chunk (2 MiB over gloo), a large one a
+    few.  A larger configured ``chunk_bytes`` is kept."""
+    inside = COSTS["host_shm"] if inside is None else inside
+    want = best_chunk(slot_bytes, costs, ((inside, inside_levels),), granule=tile_bytes)
     return max(int(chunk_bytes), int(want))
 
 

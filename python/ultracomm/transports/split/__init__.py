@@ -145,5 +145,5 @@ class SplitTransport:
         finished = bridge.join()
         if bridge.error is not None:
             raise bridge.error
-        if finished:
-            self.shadows.release(prog.peers)
+        if finished:  # the pages stay for the next op of this plan (shadow.py: Memory)
+            self.shadows.settle(prog.peers, schedule.digest)

@@ -9,12 +9,16 @@ chunks for that peer, ``consumed`` flags) and reads from it (reduce sources, the
 
 Memory.  A shadow reserves the window's size in address space only (``MAP_NORESERVE``): a
 page costs memory once touched.  What is touched in one op is the chunks that cross to or
-from that peer (weights for multicast, grads for reduce) plus the flag pages; after each op
-:meth:`Shadows.release` hands the slot pages back (``MADV_DONTNEED``: they read as zeros
-again), so between ops a shadow holds only its flag pages (``8 x (2 + 2 x ops + slots x
-(weight chunks + 2 x grad chunks))`` bytes, page-rounded) and during an op at most the bytes
-that cross plus those.  Epoch flags survive the release; the slot bytes need not (each op
-writes every crossing chunk before it is read).
+from that peer (weights for multicast, grads for reduce) plus the flag pages.  They stay for
+the next op of the same plan (:meth:`Shadows.settle`): handing them back after every op made
+each op fault every page in again, zero-filled, while gloo wrote a crossing into it -- 2-3 ms
+per op on 2 MiB crossings, as long as the message itself (perf/README.md section 6b).  Once an
+op runs another plan, the pages its predecessor's plan touched are handed back
+(``MADV_DONTNEED``: they read as zeros again).  So between ops a shadow holds its flag pages
+(``8 x (2 + 2 x ops + slots x (weight chunks + 2 x grad chunks))`` bytes, page-rounded) and
+at most the bytes that crossed under the last plan, as the ``p2p`` transport keeps its receive
+buffers per program.  Epoch flags survive a release; the slot bytes need not (each op writes
+every crossing chunk before it is read).
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ class Shadows:
         self.nbytes = nbytes
         self._data_end = data_end  # slot bytes: [0, data_end) of the layout (flags follow)
         self._maps: dict[int, mmap.mmap] = {}
+        self._resident: dict[int, int] = {}  # peer -> the plan whose op last touched its shadow's pages
         self.views: dict[int, torch.Tensor] = {}
         for r, d in enumerate(domain_of):
             if d != domain_of[rank]:
@@ -49,6 +54,16 @@ class Shadows:
 
     def base(self, peer: int) -> int:
         return int(self.views[peer].data_ptr())
+
+    def settle(self, peers: Sequence[int], plan: int) -> None:
+        """An op of ``plan`` (a schedule digest) over ``peers``' shadows finished: keep their pages
+        for the next op of that plan; hand back the pages of every shadow last used by another plan."""
+        stale = [r for r, p in self._resident.items() if p != plan]
+        self.release(stale)
+        for r in stale:
+            del self._resident[r]
+        for r in peers:
+            self._resident[r] = plan
 
     def release(self, peers: Sequence[int]) -> None:
         """Hand back the slot pages of ``peers``' shadows (flags stay)."""

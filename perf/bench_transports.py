@@ -5,10 +5,12 @@ world 4 and 8, 1/8/32 MiB experts, zipf 1.5/2/3, both ops -- measured, then tabu
     python perf/bench_transports.py table perf/out/transports                 # markdown rows + summary
 
 ``run``: one ``torchrun -m ultracomm.tools.bench all --interleave`` per repetition, world and size (the three
-methods set up together and timed round-robin, one iteration each in turn, so drifting load on a
-shared machine hits them alike); each writes ``w{world}_s{size}_r{rep}.json``.  ``table``: per row
-the median over repetitions of each run's median time (slowest rank), the ratios to p2p_gloo, and
-the schedule choice the builder made (the same in every repetition: the plan is seeded).
+methods set up together and timed round-robin, one iteration each in turn, the order rotated each
+round, so drifting load on a shared machine hits them alike); each writes
+``w{world}_s{size}_r{rep}.json`` (with the load average at its start and end).  ``table``: per row
+the median over repetitions of each run's median time (slowest rank), the ratios to p2p_gloo, the
+schedule choice the builder made (the same in every repetition: the plan is seeded) and the load
+averages.
 """
 from __future__ import annotations
 
@@ -48,8 +50,11 @@ def run(args) -> int:
 
 def table(args) -> int:
     runs: dict[tuple, list[dict]] = {}
+    loads: list[tuple[str, float, float]] = []
     for path in sorted(glob.glob(os.path.join(args.dir, "w*_s*_r*.json"))):
         rec = json.load(open(path))
+        if "loadavg" in rec:  # the 1-minute load average when the run started and ended
+            loads.append((os.path.basename(path), rec["loadavg"]["before"][0], rec["loadavg"]["after"][0]))
         for r in rec["rows"]:
             runs.setdefault((r["op"], rec["world"], r["size"], r["workload"]), []).append(r)
     print("| op | world | size | workload | repl | runs | p2p_gloo ms | relay_gloo ms | relay_gloo / p2p_gloo | "
@@ -76,6 +81,10 @@ def table(args) -> int:
         print(f"- {m}/p2p_gloo: median {statistics.median(v):.2f}, min {min(v):.2f}, max {max(v):.2f}, "
               f"rows > 1: {sum(x > 1 for x in v)}/{len(v)}")
     print(f"- #wrong summed over all runs: {wrong}")
+    if loads:
+        every = [x for _, b, a in loads for x in (b, a)]
+        print(f"- load average (1 min) at the start and end of each run: {min(every):.1f}-{max(every):.1f} "
+              f"({', '.join(f'{n[:-5]} {b:.1f}/{a:.1f}' for n, b, a in loads)})")
     return 1 if wrong else 0
 
 

@@ -75,10 +75,20 @@ def test_bench_interleaved_methods_check_every_byte(tmp_path):
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
                        env={**os.environ, "OMP_NUM_THREADS": "1", "ULTRACOMM_NUM_WORKERS": "2"})
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert "methods interleaved per iteration" in p.stdout
-    rows = json.loads(out.read_text())["rows"]
+    assert "methods interleaved per iteration" in p.stdout and "# load average (1 min) " in p.stdout
+    rec = json.loads(out.read_text())
+    assert [len(rec["loadavg"][k]) for k in ("before", "after")] == [3, 3]
+    rows = rec["rows"]
     assert [(r["op"], r["method"]) for r in rows] == [(op, m) for op in ("weight_sync", "grad_reduce")
                                                       for m in ("p2p_gloo", "relay_gloo", "relay_split")]
     assert all(r["wrong"] == 0 and r["time_us"] > 0 for r in rows)
     assert all(r["choice"] for r in rows if r["method"] != "p2p_gloo")
     assert all(0 < r["cross_bytes"] < r["moved_bytes"] for r in rows if r["method"] == "relay_split")
+
+
+def test_interleaved_rounds_rotate_the_methods():
+    from ultracomm.tools.bench import round_order
+
+    m = ["p2p_gloo", "relay_gloo", "relay_split"]
+    assert [round_order(m, i) for i in range(4)] == [m, m[1:] + m[:1], m[2:] + m[:2], m]
+    assert round_order([], 3) == []

@@ -6,8 +6,9 @@
         [--iters 5 --warmup 1] [--interleave] [--json FILE] [--plot FILE.png]
 
 Methods, measured side by side in one run on the same plan (``--interleave``: all set up at once
-and timed round-robin, one iteration of each in turn, so drifting load on a shared machine hits
-them alike).  Each row says which transport moved its bytes; only rows over the same transport
+and timed round-robin, one iteration of each in turn, the round's order rotated each iteration,
+so drifting load on a shared machine hits them alike; the load average before and after is
+printed and kept in the JSON).  Each row says which transport moved its bytes; only rows over the same transport
 compare algorithms:
 
 * ``a2a_shm`` (shared memory): the all-to-all weight distribution of Megatron's MoE ECHO --
@@ -65,6 +66,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import time
 from typing import Callable
@@ -215,11 +217,19 @@ class TorchBaselines:
             master_grad[i].add_(scratch[k])
 
 
+def round_order(methods: list[str], i: int) -> list[str]:
+    """The methods' order in round ``i`` of an interleaved run: rotated by one each round, so each
+    method takes each place in turn and none always runs right after the same other one."""
+    k = i % len(methods) if methods else 0
+    return list(methods[k:]) + list(methods[:k])
+
+
 # ------------------------------------------------------------------------------ one case
 def run_case(op: str, size: int, workload: str, args, rank: int, world: int) -> list[dict]:
     """Every method of ``args.methods`` on one (op, size, workload); one row each.  Methods run one
     after another, or -- ``args.interleave`` -- all set up at once and timed round-robin, one
-    iteration of each in turn, so load that drifts on a shared machine hits every method alike."""
+    iteration of each in turn (the round's order rotated each iteration), so load that drifts on a
+    shared machine hits every method alike."""
     from ..context import Context
     from ..layout import ExpertLayout, Member
 
@@ -352,7 +362,7 @@ def run_case(op: str, size: int, workload: str, args, rank: int, world: int) -> 
         for method in args.methods:
             cases[method] = prepare(method)
         for i in range(args.warmup + args.iters):
-            for method in args.methods:
+            for method in round_order(args.methods, i):
                 c = cases[method]
                 t, w = _times(c["fn"], 1, 0, c["setup"], c["check"])
                 c["wrong"] += w
@@ -486,6 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     transport = resolve_transport(args.transport or cfg.transport).name
     window = "host_shm" if cfg.window == "auto" else cfg.window  # what Context picks for a process group
     rows = []
+    load_before = os.getloadavg()
     if rank == 0:
         print(f"# ultracomm bench (measured): world {world}; ultracomm transport {transport} over {window} windows "
               f"({cfg.num_workers} workers); relay_gloo: transport p2p; relay_split: transport split over 2 declared "
@@ -506,8 +517,10 @@ def main(argv: list[str] | None = None) -> int:
                     if rank == 0:
                         print(format_row(row), flush=True)
     wrong = sum(r["wrong"] for r in rows)
+    load_after = os.getloadavg()
     if rank == 0:
         print(f"# #wrong summed over all rows: {wrong}")
+        print(f"# load average (1 min) {load_before[0]:.2f} before, {load_after[0]:.2f} after")
         for r in rows:
             if r["choice"] is not None and r["method"] in ("relay_gloo", "relay_split"):
                 print(f"# choice {r['method']} {r['op']} {r['workload']} {r['size']} B: {r['choice']}")
@@ -527,7 +540,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"world": world, "transport": transport, "window": window, "baseline_backend": dist.get_backend(),
-                           "device": "cpu", "args": {k: v for k, v in vars(args).items()}, "rows": rows}, f, indent=1)
+                           "device": "cpu", "args": {k: v for k, v in vars(args).items()}, "rows": rows,
+                           "loadavg": {"before": list(load_before), "after": list(load_after)}}, f, indent=1)
         if args.plot:
             plot(rows, args.plot, f"measured: {world} ranks, {'GPU' if torch.cuda.is_available() else 'CPU only'}; "
                                   "solid: shared memory, dotted: gloo TCP loopback")

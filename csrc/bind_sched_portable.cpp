@@ -2,6 +2,7 @@
 // (include/ultracomm/sched_build.h), the same source k_build.cu runs on the GPU.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <algorithm>
 #include <stdexcept>
@@ -9,6 +10,7 @@
 #include <vector>
 
 #include "ultracomm/sched_build.h"
+#include "ultracomm/slot_build.h"
 
 namespace py = pybind11;
 
@@ -37,8 +39,10 @@ py::array records(const std::vector<uint8_t>& raw, int64_t n, size_t size, const
   return a;
 }
 
-py::dict build(const I32& slot_src, const I32& home_of, py::object node_of, uint64_t weight_bytes, uint64_t grad_bytes,
-               uint64_t chunk_bytes, int64_t rank, int64_t max_depth, uint64_t hop_bytes) {
+// The problem of build / build_into_views (numpy inputs kept alive by the caller).
+psched::Problem problem_of(const I32& slot_src, const I32& home_of, const py::object& node_of, I32& node,
+                           uint64_t weight_bytes, uint64_t grad_bytes, uint64_t chunk_bytes, int64_t rank,
+                           int64_t max_depth, uint64_t hop_bytes) {
   if (slot_src.ndim() != 2) throw std::invalid_argument("build_schedule_portable: slot_src must be int32 [world, slots]");
   if (home_of.ndim() != 1) throw std::invalid_argument("build_schedule_portable: home_of must be int32 [num_experts]");
   const int64_t W = slot_src.shape(0), S = slot_src.shape(1), E = home_of.shape(0);
@@ -47,7 +51,6 @@ py::dict build(const I32& slot_src, const I32& home_of, py::object node_of, uint
                                 " (world <= " + std::to_string(psched::kMaxWorld) + ", slots <= " +
                                 std::to_string(psched::kMaxSlots) + ", experts <= " +
                                 std::to_string(psched::kMaxExperts) + ")");
-  I32 node;
   psched::Problem p{};
   p.world = int32_t(W);
   p.slots = int32_t(S);
@@ -66,6 +69,15 @@ py::dict build(const I32& slot_src, const I32& home_of, py::object node_of, uint
   p.grad_bytes = grad_bytes;
   p.chunk_bytes = chunk_bytes;
   p.hop_bytes = hop_bytes;
+  return p;
+}
+
+py::dict build(const I32& slot_src, const I32& home_of, py::object node_of, uint64_t weight_bytes, uint64_t grad_bytes,
+               uint64_t chunk_bytes, int64_t rank, int64_t max_depth, uint64_t hop_bytes) {
+  I32 node;
+  const psched::Problem p =
+      problem_of(slot_src, home_of, node_of, node, weight_bytes, grad_bytes, chunk_bytes, rank, max_depth, hop_bytes);
+  const int64_t W = p.world, S = p.slots, E = p.num_experts;
   const int32_t st = psched::check_problem(p);
   if (st != psched::kOk) throw std::invalid_argument(std::string("build_schedule_portable: ") + status_text(st));
   std::vector<int64_t> scratch(psched::scratch_words(p.world, p.slots, p.num_experts));
@@ -114,6 +126,73 @@ py::dict build(const I32& slot_src, const I32& home_of, py::object node_of, uint
   return d;
 }
 
+// The host build of the device step's write into a plan-arena slot (slot_build.h): two
+// ExecViews in host memory whose arrays are at capacity, as PlanArena::write_template leaves
+// them (my_slots and slot_parent first filled with 7, an expert id no test uses, so a missing
+// write shows), built into; returns per op what the views hold afterwards.
+py::dict build_views(const I32& slot_src, const I32& home_of, py::object node_of, uint64_t weight_bytes,
+                     uint64_t grad_bytes, uint64_t chunk_bytes, int64_t rank, int64_t max_depth, uint64_t hop_bytes,
+                     std::vector<int64_t> task_cap, std::vector<int64_t> ref_cap, int64_t view_rank) {
+  I32 node;
+  const psched::Problem p =
+      problem_of(slot_src, home_of, node_of, node, weight_bytes, grad_bytes, chunk_bytes, rank, max_depth, hop_bytes);
+  if (task_cap.size() != 2 || ref_cap.size() != 2 || task_cap[0] < 0 || task_cap[1] < 0 || ref_cap[0] < 0 ||
+      ref_cap[1] < 0)
+    throw std::invalid_argument("build_into_views: task_cap and ref_cap must be two counts >= 0 (multicast, reduce)");
+  const int64_t S = p.slots;
+  std::vector<int64_t> scratch(psched::scratch_words(std::max(p.world, 1), std::max(p.slots, 0), std::max(p.num_experts, 1)));
+  std::vector<Task> tasks[2];
+  std::vector<Ref> refs[2];
+  std::vector<int32_t> mine[2], parent[2];
+  ExecView views[2]{};
+  ExecView* vp[2] = {&views[0], &views[1]};
+  psched::SlotCaps caps{};
+  for (int op = 0; op < 2; ++op) {
+    tasks[op].resize(std::max<int64_t>(task_cap[op], 1));
+    refs[op].resize(std::max<int64_t>(ref_cap[op], 1));
+    mine[op].assign(std::max<int64_t>(S, 1), 7);
+    parent[op].assign(std::max<int64_t>(S, 1), 7);
+    views[op].op = op == 0 ? Op::kMulticast : Op::kReduce;
+    views[op].rank = int32_t(view_rank < 0 ? p.rank : view_rank);
+    views[op].world = p.world;
+    views[op].layout.slots = p.slots;
+    views[op].tasks = tasks[op].data();
+    views[op].refs = refs[op].data();
+    views[op].my_slots = mine[op].data();
+    views[op].slot_parent = parent[op].data();
+    views[op].num_tasks = -1;
+    views[op].num_refs = -1;
+    caps.task_cap[op] = task_cap[op];
+    caps.ref_cap[op] = ref_cap[op];
+  }
+  psched::Result res{};
+  {
+    py::gil_scoped_release rel;
+    res = psched::build_into_views(p, scratch.data(), vp, caps);
+  }
+  py::dict d;
+  const char* names[2] = {"multicast", "reduce"};
+  for (int op = 0; op < 2; ++op) {
+    py::dict o;
+    const int64_t nt = std::max<int64_t>(views[op].num_tasks, 0), nr = std::max<int64_t>(views[op].num_refs, 0);
+    std::vector<uint8_t> traw(reinterpret_cast<uint8_t*>(tasks[op].data()),
+                              reinterpret_cast<uint8_t*>(tasks[op].data()) + nt * sizeof(Task));
+    std::vector<uint8_t> rraw(reinterpret_cast<uint8_t*>(refs[op].data()),
+                              reinterpret_cast<uint8_t*>(refs[op].data()) + nr * sizeof(Ref));
+    o["tasks"] = records(traw, nt, sizeof(Task), "TASK_DTYPE");
+    o["refs"] = records(rraw, nr, sizeof(Ref), "REF_DTYPE");
+    o["num_tasks"] = views[op].num_tasks;
+    o["num_refs"] = views[op].num_refs;
+    o["my_slots"] = std::vector<int32_t>(mine[op].begin(), mine[op].begin() + S);
+    o["slot_parent"] = std::vector<int32_t>(parent[op].begin(), parent[op].begin() + S);
+    o["digest"] = views[op].digest;
+    d[names[op]] = o;
+  }
+  d["status"] = res.status;
+  d["digest"] = res.digest;
+  return d;
+}
+
 }  // namespace
 
 void bind_sched_portable(py::module_& m) {
@@ -122,6 +201,12 @@ void bind_sched_portable(py::module_& m) {
         py::arg("max_depth"), py::arg("hop_bytes"),
         "Portable schedule builder, host build: {multicast: {tasks, refs, parent_rank, parent_slot, depth, ...}, "
         "reduce: {...}, digest, lower_bound, candidates} for one rank.");
+  m.def("build_into_views", &build_views, py::arg("slot_src"), py::arg("home_of"), py::arg("node_of"),
+        py::arg("weight_bytes"), py::arg("grad_bytes"), py::arg("chunk_bytes"), py::arg("rank"), py::arg("max_depth"),
+        py::arg("hop_bytes"), py::arg("task_cap"), py::arg("ref_cap"), py::arg("view_rank") = -1,
+        "Host build of slot_build.h (the device step's write into a plan-arena slot): {multicast: {tasks, refs, "
+        "num_tasks, num_refs, my_slots, slot_parent, digest}, reduce: {...}, status, digest}.  view_rank: the "
+        "views' rank if not `rank` (tests a template of another rank).");
   m.def("schedule_portable_scratch_bytes",
         [](int32_t W, int32_t S, int32_t E) { return 8 * psched::scratch_words(W, S, E); }, py::arg("world"),
         py::arg("slots"), py::arg("num_experts"));

@@ -265,13 +265,15 @@ def test_kernel_compiles_without_local_memory():
         pytest.skip("nvcc not found (CUDA compile checks need it)")
     c = cb.compile_all()["k_build"]
     assert "warning" not in c.log.lower(), c.log
-    funcs = {k: v for k, v in cb.ptxas_functions(c.log).items() if "k_build_schedule" in k[1]}
-    assert {a for a, _ in funcs} == {f"sm_{a}" for a in cb.real_archs()}, funcs
+    for kernel in ("k_build_schedule", "k_build_slot"):  # the builder, and the device step's build into a slot
+        found = {a for a, f in cb.ptxas_functions(c.log) if kernel in f}
+        assert found == {f"sm_{a}" for a in cb.real_archs()}, (kernel, found)
+    funcs = {k: v for k, v in cb.ptxas_functions(c.log).items() if "k_build_" in k[1]}
     for key, props in funcs.items():
         assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in props, (key, props)
     if cb.find_tool("cuobjdump") is None:
         pytest.skip("cuobjdump not found: pip install nvidia-cuda-cuobjdump")
     for arch in cb.real_archs():
         text = cb.sass(c, arch)
-        assert "k_build_schedule" in text
+        assert "k_build_schedule" in text and "k_build_slot" in text
         assert not re.search(r"\b(LDL|STL)\b", text), f"local memory in sm_{arch} SASS"

@@ -16,6 +16,7 @@
 #include "launch.h"
 #include "mover_limits.h"
 #include "runner.h"
+#include "k_build.h"
 
 namespace py = pybind11;
 
@@ -215,6 +216,48 @@ into text/exception with _core.format_error / _core.raise_error_record.)doc")
           "Enqueue the plan of arena slot `slot` for `op` (ranks: the plan's rank entries, as DevicePlan takes "
           "them, to write into the slot first; None: run what the slot holds).  No allocation, no host wait "
           "(the upload is an async copy from pinned staging on `stream`).")
+      .def(
+          "write_template",
+          [](Runner& r, PlanArena& arena, int slot, const py::list& ranks, uintptr_t stream) {
+            std::vector<std::vector<Task>> tasks;
+            std::vector<std::vector<Ref>> refs;
+            const std::vector<ExecArgs> args = rank_args(ranks, tasks, refs);
+            r.write_template(arena, slot, args, as_stream(stream));
+          },
+          py::arg("arena"), py::arg("slot"), py::arg("ranks"), py::arg("stream"),
+          "Write the static part of a device-built plan (rank entries without tasks, as DevicePlan takes them) "
+          "into arena slot `slot`, its lists at the arena's bounds, for build_slot to fill (async copy on `stream`).")
+      .def(
+          "build_slot",
+          [](Runner& r, PlanArena& arena, int slot, int entry, uintptr_t slot_src, uintptr_t home_of, uintptr_t node_of,
+             int32_t world, int32_t slots, int32_t num_experts, int32_t rank, int32_t max_depth, uint64_t weight_bytes,
+             uint64_t grad_bytes, uint64_t chunk_bytes, uint64_t hop_bytes, uintptr_t scratch, uintptr_t result,
+             uintptr_t stream) {
+            if (!slot_src || slot_src % 4 || !home_of || home_of % 4 || node_of % 4)
+              throw std::invalid_argument("ultracomm._cuda.Runner.build_slot: slot_src and home_of must be non-null "
+                                          "int32 device arrays, node_of one or 0");
+            psched::Problem p{};
+            p.world = world;
+            p.slots = slots;
+            p.num_experts = num_experts;
+            p.max_depth = max_depth;
+            p.rank = rank;
+            p.slot_src = reinterpret_cast<const int32_t*>(slot_src);
+            p.home_of = reinterpret_cast<const int32_t*>(home_of);
+            p.node_of = reinterpret_cast<const int32_t*>(node_of);
+            p.weight_bytes = weight_bytes;
+            p.grad_bytes = grad_bytes;
+            p.chunk_bytes = chunk_bytes;
+            p.hop_bytes = hop_bytes;
+            r.build_slot(arena, slot, entry, p, reinterpret_cast<int64_t*>(scratch),
+                         reinterpret_cast<psched::Result*>(result), as_stream(stream));
+          },
+          py::arg("arena"), py::arg("slot"), py::arg("entry"), py::arg("slot_src"), py::arg("home_of"),
+          py::arg("node_of"), py::arg("world"), py::arg("slots"), py::arg("num_experts"), py::arg("rank"),
+          py::arg("max_depth"), py::arg("weight_bytes"), py::arg("grad_bytes"), py::arg("chunk_bytes"),
+          py::arg("hop_bytes"), py::arg("scratch"), py::arg("result"), py::arg("stream"),
+          "Enqueue the device step's schedule build (include/ultracomm/slot_build.h) of rank entry `entry` into "
+          "both op areas of arena slot `slot`; result: psched::Result (BUILD_RESULT_BYTES bytes of device memory).")
       .def("take_error",
            [](Runner& r) -> py::object {
              const auto e = r.take_error();
@@ -228,6 +271,9 @@ into text/exception with _core.format_error / _core.raise_error_record.)doc")
       .def_property_readonly("sm_count", &Runner::sm_count)
       .def_property_readonly("mover", [](const Runner& r) { return r.tma() ? "tma" : "vector"; });
 
+  m.def("build_scratch_bytes", &build_scratch_bytes, py::arg("world"), py::arg("slots"), py::arg("experts"),
+        "Device scratch bytes of one build_slot launch.");
+  m.attr("BUILD_RESULT_BYTES") = sizeof(psched::Result);
   m.def(
       "publish_rejection",
       [](int op, uint64_t epoch, uintptr_t window_base, int32_t slots, uint64_t weight_slot_bytes,

@@ -21,9 +21,10 @@ namespace {
 // Host image of the allocation: arrays appended at 16-byte aligned offsets.
 struct Image {
   std::vector<unsigned char> bytes;
-  size_t add(const void* p, size_t n) {
+  // n bytes of p, then zeros up to `room` bytes (room >= n)
+  size_t add(const void* p, size_t n, size_t room = 0) {
     const size_t off = (bytes.size() + 15) / 16 * 16;
-    bytes.resize(off + n);
+    bytes.resize(off + (room > n ? room : n));
     if (n) std::memcpy(bytes.data() + off, p, n);
     return off;
   }
@@ -60,7 +61,7 @@ void check_launch_ranks(const std::vector<ExecArgs>& ranks, const char* who) {
   }
 }
 
-std::vector<unsigned char> plan_image(const std::vector<ExecArgs>& ranks, uintptr_t base) {
+std::vector<unsigned char> plan_image(const std::vector<ExecArgs>& ranks, uintptr_t base, const ImageCapacity* cap) {
   // views first (patched below), then each rank's arrays
   Image img;
   img.bytes.resize(sizeof(ExecView) * ranks.size());
@@ -71,21 +72,26 @@ std::vector<unsigned char> plan_image(const std::vector<ExecArgs>& ranks, uintpt
     off[i].bases = img.add(a.window_bases.data(), a.window_bases.size() * sizeof(uintptr_t));
     off[i].masters = img.add(a.master_ptrs.data(), a.master_ptrs.size() * sizeof(uintptr_t));
     off[i].lidx = img.add(a.local_index_of.data(), a.local_index_of.size() * sizeof(int32_t));
-    off[i].slots = img.add(a.my_slots.data(), a.my_slots.size() * sizeof(int32_t));
-    off[i].parent = img.add(a.slot_parent.data(), a.slot_parent.size() * sizeof(int32_t));
-    off[i].tasks = img.add(a.tasks, static_cast<size_t>(a.num_tasks) * sizeof(Task));
-    off[i].refs = img.add(a.refs, static_cast<size_t>(a.num_refs) * sizeof(Ref));
+    const size_t room_slots = cap ? static_cast<size_t>(cap->slots) * sizeof(int32_t) : 0;
+    off[i].slots = img.add(a.my_slots.data(), a.my_slots.size() * sizeof(int32_t), room_slots);
+    off[i].parent = img.add(a.slot_parent.data(), a.slot_parent.size() * sizeof(int32_t), room_slots);
+    off[i].tasks = img.add(a.tasks, static_cast<size_t>(a.num_tasks) * sizeof(Task),
+                           cap ? static_cast<size_t>(cap->tasks) * sizeof(Task) : 0);
+    off[i].refs = img.add(a.refs, static_cast<size_t>(a.num_refs) * sizeof(Ref),
+                          cap ? static_cast<size_t>(cap->refs) * sizeof(Ref) : 0);
   }
+  // a template's arrays exist even when empty now: the device step writes into them
+  const auto n_or_cap = [&](size_t n, int64_t c) { return cap && c > 0 ? static_cast<size_t>(c) : n; };
   for (size_t i = 0; i < ranks.size(); ++i) {
     const ExecArgs& a = ranks[i];
     ExecView v = make_view(a);
     v.window_bases = at<uintptr_t>(base, off[i].bases, a.window_bases.size());
     v.master_ptrs = at<uintptr_t>(base, off[i].masters, a.master_ptrs.size());
     v.local_index_of = at<int32_t>(base, off[i].lidx, a.local_index_of.size());
-    v.my_slots = at<int32_t>(base, off[i].slots, a.my_slots.size());
-    v.slot_parent = at<int32_t>(base, off[i].parent, a.slot_parent.size());
-    v.tasks = at<Task>(base, off[i].tasks, static_cast<size_t>(a.num_tasks));
-    v.refs = at<Ref>(base, off[i].refs, static_cast<size_t>(a.num_refs));
+    v.my_slots = at<int32_t>(base, off[i].slots, n_or_cap(a.my_slots.size(), cap ? cap->slots : 0));
+    v.slot_parent = at<int32_t>(base, off[i].parent, n_or_cap(a.slot_parent.size(), cap ? cap->slots : 0));
+    v.tasks = at<Task>(base, off[i].tasks, n_or_cap(static_cast<size_t>(a.num_tasks), cap ? cap->tasks : 0));
+    v.refs = at<Ref>(base, off[i].refs, n_or_cap(static_cast<size_t>(a.num_refs), cap ? cap->refs : 0));
     std::memcpy(img.bytes.data() + i * sizeof(ExecView), &v, sizeof v);
   }
   return std::move(img.bytes);

@@ -17,10 +17,21 @@ namespace ultracomm::gpu {
 // prefixed with `who`), before anything is allocated or written.
 void check_launch_ranks(const std::vector<ExecArgs>& ranks, const char* who);
 
+// Array sizes of a template image (PlanArena::write_template): my_slots and slot_parent hold
+// `slots`, tasks `tasks` and refs `refs` entries whatever the rank entries carry (zero-filled
+// beyond), so the device step can build into them (include/ultracomm/slot_build.h).
+struct ImageCapacity {
+  int64_t slots;
+  int64_t tasks;
+  int64_t refs;
+};
+
 // Host image of one launch's views and arrays ([ExecView x nranks], then per rank: window
 // bases, masters, local_index_of, my_slots, slot_parent, tasks, refs, each 16-byte aligned),
 // with every pointer rebased onto `base`, the device address the image will be copied to.
-std::vector<unsigned char> plan_image(const std::vector<ExecArgs>& ranks, uintptr_t base);
+// cap: the template layout above (nullptr: each array as long as the entry's).
+std::vector<unsigned char> plan_image(const std::vector<ExecArgs>& ranks, uintptr_t base,
+                                      const ImageCapacity* cap = nullptr);
 
 // Bytes plan_image takes for nranks entries of these sizes (it grows with each of them).
 size_t plan_image_bytes(int64_t nranks, int64_t world, int64_t num_experts, int64_t masters, int64_t slots,

@@ -19,6 +19,14 @@ __global__ void __launch_bounds__(32, 1) k_build_schedule(gpu::BuildArgs a) {
 #endif
 }
 
+// The device step's build (slot_build.h): same one-lane pass, written into the arena slot's views.
+__global__ void __launch_bounds__(32, 1) k_build_slot(gpu::SlotBuildArgs a) {
+#if defined(__CUDA_ARCH__)
+  if (threadIdx.x != 0) return;
+  *a.result = psched::build_into_views(a.problem, a.scratch, a.views, a.caps);
+#endif
+}
+
 }  // namespace
 
 namespace gpu {
@@ -29,6 +37,11 @@ int64_t build_scratch_bytes(int32_t world, int32_t slots, int32_t experts) {
 
 void launch_build_schedule(const BuildArgs& a, cudaStream_t stream) {
   k_build_schedule<<<1, 32, 0, stream>>>(a);
+  UC_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_build_slot(const SlotBuildArgs& a, cudaStream_t stream) {
+  k_build_slot<<<1, 32, 0, stream>>>(a);
   UC_CUDA_CHECK(cudaGetLastError());
 }
 

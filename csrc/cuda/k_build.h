@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "ultracomm/sched_build.h"
+#include "ultracomm/slot_build.h"
 
 namespace ultracomm::gpu {
 
@@ -21,5 +22,16 @@ struct BuildArgs {
 
 int64_t build_scratch_bytes(int32_t world, int32_t slots, int32_t experts);
 void launch_build_schedule(const BuildArgs& a, cudaStream_t stream);
+
+// The device step: this rank entry's lists of both ops built into its ExecViews of one plan
+// arena slot (include/ultracomm/slot_build.h), whose templates the host wrote at setup.
+struct SlotBuildArgs {
+  psched::Problem problem;      // arrays in device memory
+  int64_t* scratch;             // build_scratch_bytes()
+  ExecView* views[2];           // device addresses: multicast, reduce
+  psched::SlotCaps caps;
+  psched::Result* result;       // device memory: status, counts, digest
+};
+void launch_build_slot(const SlotBuildArgs& a, cudaStream_t stream);
 
 }  // namespace ultracomm::gpu

@@ -54,6 +54,11 @@ class PlanArena {
   // becomes a graph node reading the staging at each replay; no event is recorded for it.
   void write(int slot, const std::vector<ExecArgs>& ranks, cudaStream_t stream, bool capturing);
 
+  // The same for a device-built plan's template (include/ultracomm/slot_build.h): the entries'
+  // static part, with my_slots / slot_parent / tasks / refs at the arena's bounds (ImageCapacity),
+  // for the device step to build into (Runner::build_slot).  The entries carry no task.
+  void write_template(int slot, const std::vector<ExecArgs>& ranks, cudaStream_t stream, bool capturing);
+
   struct Area {
     int nranks = 0;
     int grad_dtype = 0;
@@ -68,6 +73,8 @@ class PlanArena {
 
  private:
   void release();
+  void write_image(int slot, const std::vector<ExecArgs>& ranks, cudaStream_t stream, bool capturing,
+                   const ImageCapacity* cap);
   size_t index(int slot, Op op) const;
   size_t offset(int slot, Op op) const;
   int device_ = 0;

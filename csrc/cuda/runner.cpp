@@ -1,6 +1,8 @@
 // Runner: device state, mapped error slot, launch checks.
 #include "runner.h"
 
+#include "k_build.h"
+
 #include <cstring>
 #include <functional>
 #include <stdexcept>
@@ -121,6 +123,43 @@ void Runner::launch(PlanArena& arena, int slot, Op op, const std::vector<ExecArg
   launch_views(shape, epoch, ctas_per_rank, stream, flags, where, [&](unsigned long long capture) {
     if (upload != nullptr) arena.write(slot, *upload, stream, capture != 0);
   });
+}
+
+void Runner::write_template(PlanArena& arena, int slot, const std::vector<ExecArgs>& ranks, cudaStream_t stream) {
+  if (arena.device() != device_)
+    throw std::invalid_argument("ultracomm._cuda.Runner.write_template: the plan arena lives on another device");
+  arena.check(ranks);  // before anything moves
+  DeviceGuard guard(device_);
+  const unsigned long long capture = order_after_last(static_cast<int>(ranks[0].op), stream);
+  arena.write_template(slot, ranks, stream, capture != 0);
+}
+
+void Runner::build_slot(PlanArena& arena, int slot, int entry, const psched::Problem& problem, int64_t* scratch,
+                        psched::Result* result, cudaStream_t stream) {
+  const std::string where = "ultracomm._cuda.Runner.build_slot: ";
+  if (arena.device() != device_) throw std::invalid_argument(where + "the plan arena lives on another device");
+  SlotBuildArgs a{};
+  for (int op = 0; op < kNumOps; ++op) {
+    const PlanArena::Area& area = arena.area(slot, static_cast<Op>(op));
+    if (!area.written)
+      throw std::invalid_argument(where + "plan arena slot " + std::to_string(slot) + " has no template for " +
+                                  (op == 0 ? "multicast" : "reduce") + "; write_template first");
+    if (entry < 0 || entry >= area.nranks)
+      throw std::invalid_argument(where + "rank entry " + std::to_string(entry) + " is not in the slot's " +
+                                  std::to_string(area.nranks) + " entries");
+    a.views[op] = const_cast<ExecView*>(arena.views(slot, static_cast<Op>(op))) + entry;
+    a.caps.task_cap[op] = arena.bounds().tasks[op];
+    a.caps.ref_cap[op] = arena.bounds().refs[op];
+  }
+  if (!scratch || reinterpret_cast<uintptr_t>(scratch) % 8 || !result || reinterpret_cast<uintptr_t>(result) % 8)
+    throw std::invalid_argument(where + "scratch and result must be non-null, 8-byte aligned device memory");
+  a.problem = problem;
+  a.scratch = scratch;
+  a.result = result;
+  DeviceGuard guard(device_);
+  // both areas may still be read by the previous launch of their kind
+  for (int op = 0; op < kNumOps; ++op) order_after_last(op, stream);
+  launch_build_slot(a, stream);
 }
 
 void Runner::launch_views(const Shape& p, uint64_t epoch, int ctas_per_rank, cudaStream_t stream, uint32_t flags,

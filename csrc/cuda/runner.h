@@ -13,6 +13,7 @@
 #include "device_plan.h"
 #include "plan_arena.h"
 #include "persistent_args.h"
+#include "ultracomm/sched_build.h"
 
 namespace ultracomm::gpu {
 
@@ -52,6 +53,16 @@ class Runner {
   // the area), or null to run what the slot holds (std::invalid_argument if it holds nothing).
   void launch(PlanArena& arena, int slot, Op op, const std::vector<ExecArgs>* upload, uint64_t epoch,
               int ctas_per_rank, cudaStream_t stream, uint32_t flags);
+
+  // A device-built plan (include/ultracomm/slot_build.h).  write_template: the rank entries'
+  // static part into arena slot `slot` (PlanArena::write_template), after the previous launch
+  // of the op kind (it may read the area).  build_slot: enqueues k_build_slot for rank entry
+  // `entry` of both op areas of `slot` (both templates written: std::invalid_argument
+  // otherwise), after the previous launches of both kinds; then launch(arena, slot, op, nullptr,
+  // ...) runs what it built.  problem's arrays, scratch and result are device memory.
+  void write_template(PlanArena& arena, int slot, const std::vector<ExecArgs>& ranks, cudaStream_t stream);
+  void build_slot(PlanArena& arena, int slot, int entry, const psched::Problem& problem, int64_t* scratch,
+                  psched::Result* result, cudaStream_t stream);
 
   // A failure a launch recorded since the last call, if any (call after the stream reached
   // the launch, e.g. after an event or stream synchronisation); multicast's first.

@@ -1,0 +1,66 @@
+// The device step's schedule, written where the persistent kernel reads it: the portable builder
+// (sched_build.h) run into this rank's ExecViews of one plan-arena slot (both op kinds), so a
+// plan made on the GPU never visits the host.  Compiled by g++ (`_core.build_into_views`, what
+// the CPU tests run) and by nvcc (csrc/cuda/k_build.cu `k_build_slot`), like sched_build.h.
+//
+// The views' static part -- op, rank, world, layout, window bases, members, master pointers,
+// local_index_of, grad dtype, timeout -- is the host's, written once per slot at setup
+// (PlanArena::write_template).  Its arrays are at capacity: `tasks` holds task_cap Tasks,
+// `refs` ref_cap Refs, `my_slots` and `slot_parent` the layout's slots.  This file writes the
+// rest, per op: the task and ref lists, my_slots (the plan's row of this rank), slot_parent
+// (each own slot's parent rank in that op's tree), num_tasks, num_refs and the digest.
+//
+// A build that fails (a plan the builder refuses, lists beyond the capacities) writes no task
+// and the rejected digest: the rank publishes a rejection at its join, so peers raise PlanError
+// "rank r rejected its plan" instead of timing out; the Result says why (status).
+#pragma once
+#include <cstdint>
+
+#include "ultracomm/error_record.h"
+#include "ultracomm/exec_view.h"
+#include "ultracomm/sched_build.h"
+
+namespace ultracomm::psched {
+
+struct SlotCaps {
+  int64_t task_cap[2];  // per op: Tasks the view's task array holds
+  int64_t ref_cap[2];   // per op: Refs its ref array holds
+};
+
+// One thread.  views[0]: the multicast view, views[1]: the reduce view (this rank's entry of
+// each area).  Scratch: scratch_words(world, slots, experts) int64 words.
+UC_INLINE Result build_into_views(const Problem& p, int64_t* scratch, ExecView* const views[2], const SlotCaps& caps) {
+  OpOut out[2];
+  UC_UNROLL
+  for (int op = 0; op < 2; ++op)
+    out[op] = OpOut{const_cast<Task*>(views[op]->tasks), caps.task_cap[op], const_cast<Ref*>(views[op]->refs),
+                    caps.ref_cap[op]};
+  Result res = build(p, scratch, out[0], out[1]);
+  const bool ok = res.status == kOk;
+  const int64_t S = p.slots;
+  const int64_t WS = int64_t(p.world) * S;
+  // the view's shape must be the problem's: a template of another Context never gets a list
+  bool fits = true;
+  UC_UNROLL
+  for (int op = 0; op < 2; ++op)
+    fits = fits && views[op]->rank == p.rank && views[op]->world == p.world && views[op]->layout.slots == p.slots;
+  if (ok && !fits) res.status = kBadShape;
+  UC_UNROLL
+  for (int op = 0; op < 2; ++op) {
+    ExecView* v = views[op];
+    int32_t* my = const_cast<int32_t*>(v->my_slots);
+    int32_t* parent = const_cast<int32_t*>(v->slot_parent);
+    const int32_t* pr = res.status == kOk ? tree_of(view(scratch, p.world, p.slots, p.num_experts).trees, WS, 1 + op)
+                                          : nullptr;
+    for (int64_t s = 0; s < S && fits; ++s) {
+      my[s] = res.status == kOk ? p.slot_src[int64_t(p.rank) * S + s] : -1;
+      if (parent != nullptr) parent[s] = pr != nullptr ? pr[int64_t(p.rank) * S + s] : -1;
+    }
+    v->num_tasks = res.status == kOk ? res.num_tasks[op] : 0;
+    v->num_refs = res.status == kOk ? res.num_refs[op] : 0;
+    v->digest = res.status == kOk ? res.digest : kRejectedDigest;
+  }
+  return res;
+}
+
+}  // namespace ultracomm::psched

@@ -1,0 +1,89 @@
+"""The device step's build into a plan-arena slot (include/ultracomm/slot_build.h), host build
+``_core.build_into_views`` -- the code ``k_build_slot`` runs on the GPU: on every rank of random
+plans (with and without nodes, depth limits and chunk sizes) both views get exactly the portable
+builder's task and ref bytes, this rank's plan row as ``my_slots``, its slots' parents in that
+op's tree as ``slot_parent``, the counts and the digest; a build that cannot fit its views
+writes no task and the rejected digest (peers raise PlanError instead of waiting)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ultracomm import _core
+
+from test_schedule import random_plan
+
+REJECTED = (1 << 64) - 1  # kRejectedDigest (include/ultracomm/error_record.h)
+K_BAD_SHAPE, K_OVERFLOW = 1, 5  # psched::Status
+
+
+def _caps(plan, wb, gb, chunk):
+    """The plan arena's bounds for these sizes (transports/tma/plan_slots.arena_bounds)."""
+    W, S = plan.slot_src.shape
+    epr = -(-len(plan.home_of) // W)
+    chunks = [max(1, -(-b // chunk)) for b in (wb, gb)]
+    return [(epr + S) * c for c in chunks], [W * S, W * S]
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6), world=st.integers(2, 48), slots=st.integers(1, 4), epr=st.integers(1, 3),
+       nodes=st.sampled_from([0, 2, 4]), chunk=st.sampled_from([16, 64, 4096]), max_depth=st.sampled_from([1, 2, 8]))
+def test_views_hold_the_portable_builders_lists_on_every_rank(seed, world, slots, epr, nodes, chunk, max_depth):
+    rng = np.random.default_rng(seed)
+    plan = random_plan(rng, world, slots, world * epr, fill=0.9)
+    node_of = None if nodes == 0 else (np.arange(world) * min(nodes, world) // world).astype(np.int32)
+    wb, gb = int(rng.integers(0, 200)) * 16, int(rng.integers(1, 200)) * 16
+    tcap, rcap = _caps(plan, wb, gb, chunk)
+    digests = set()
+    for r in range(world):
+        args = (plan.slot_src, plan.home_of, node_of, wb, gb, chunk, r, max_depth, 64)
+        got = _core.build_into_views(*args, tcap, rcap)
+        want = _core.build_schedule_portable(*args)
+        assert got["status"] == 0
+        for op in ("multicast", "reduce"):
+            g, w = got[op], want[op]
+            assert g["tasks"].tobytes() == w["tasks"].tobytes(), (r, op)
+            assert g["refs"].tobytes() == w["refs"].tobytes(), (r, op)
+            assert (g["num_tasks"], g["num_refs"]) == (len(w["tasks"]), len(w["refs"]))
+            assert g["my_slots"] == plan.slot_src[r].tolist()
+            assert g["slot_parent"] == w["parent_rank"][r].tolist()
+            assert g["digest"] == want["digest"]
+        digests.add(got["digest"])
+    assert len(digests) == 1  # every rank publishes the same digest
+
+
+def _small():
+    slot_src = np.array([[5, 9], [1, 13], [2, -1], [5, 6]], np.int32)
+    home_of = (np.arange(16) // 4).astype(np.int32)
+    return slot_src, home_of
+
+
+def test_overflow_writes_no_task_and_the_rejected_digest():
+    slot_src, home_of = _small()
+    got = _core.build_into_views(slot_src, home_of, None, 4096, 8192, 1024, 0, 8, 64, [1, 1000], [100, 100])
+    assert got["status"] == K_OVERFLOW
+    for op in ("multicast", "reduce"):
+        v = got[op]
+        assert (v["num_tasks"], v["num_refs"], v["digest"]) == (0, 0, REJECTED)
+        assert v["my_slots"] == [-1, -1] and v["slot_parent"] == [-1, -1]
+
+
+def test_a_template_of_another_rank_is_not_written():
+    """The views were set up for rank 1, the problem is rank 0's: nothing lands in their slot
+    arrays (still the 7s the test filled them with) and the digest says rejected."""
+    slot_src, home_of = _small()
+    got = _core.build_into_views(slot_src, home_of, None, 4096, 8192, 1024, 0, 8, 64, [100, 100], [100, 100],
+                                 view_rank=1)
+    assert got["status"] == K_BAD_SHAPE
+    for op in ("multicast", "reduce"):
+        v = got[op]
+        assert (v["num_tasks"], v["digest"]) == (0, REJECTED)
+        assert v["my_slots"] == [7, 7] and v["slot_parent"] == [7, 7]
+
+
+def test_bad_caps_raise():
+    slot_src, home_of = _small()
+    with pytest.raises(ValueError, match="task_cap and ref_cap must be two counts"):
+        _core.build_into_views(slot_src, home_of, None, 4096, 8192, 1024, 0, 8, 64, [100], [100, 100])

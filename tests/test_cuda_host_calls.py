@@ -113,7 +113,9 @@ def _arena(probe, scenario):
 def test_plan_arena_is_allocated_once_and_written_with_async_copies(probe):
     # setup: the runner's state, then the arena: device memory and pinned staging, once
     setup, run = _arena(probe, "arena")
-    assert setup[-3:] == ["cudaMalloc 4608", "cudaHostAlloc", "arena 4608 area 768"], setup  # 3 slots x 2 ops
+    # 3 slots x (2 op areas of 768 bytes + 256 bytes of builder scratch); the pinned staging; the
+    # device builds' results in mapped host memory
+    assert setup[-4:] == ["cudaMalloc 5376", "cudaHostAlloc", "cudaHostAlloc mapped", "arena 5376 area 768"], setup
     # after setup: no cudaMalloc / cudaFree / pageable cudaMemcpy / host synchronisation; a new
     # plan is one async copy from the staging on the launch stream, behind the wait for the
     # previous launch of its kind, and the kernel reads it at the slot's fixed address (slot 1's
@@ -131,6 +133,47 @@ def test_plan_arena_is_allocated_once_and_written_with_async_copies(probe):
                    "-- slot 2 empty", "cudaFree", "cudaFree",
                    "threw ultracomm._cuda.Runner.launch: plan arena slot 2 holds no plan for this op; pass the "
                    "plan's rank entries"], run
+
+
+def test_device_step_builds_into_the_templates_and_runs_what_it_built(probe):
+    """The device step's host calls (issue 19): the static part of both op areas of a vid slot
+    written once (async copies, the reduce one behind the reduce launch still running on another
+    stream), the build enqueued behind every launch that may read the areas, then the persistent
+    kernel runs what the build left: this rank's lists of the plan, exactly the portable builder's
+    counts, parents and digest (the stub's "device" is host memory, so the build really runs)."""
+    import numpy as np
+
+    from ultracomm import _core
+
+    src = [5, 9, 1, 13, 2, -1, 5, 6]
+    log = calls(probe, "device_step", *map(str, src))
+    want = _core.build_schedule_portable(np.array(src, np.int32).reshape(4, 2), (np.arange(16) // 4).astype(np.int32),
+                                         None, 256, 512, 256, 1, 8, 64)
+    i = log.index("-- templates slot 1")
+    d = want["digest"]
+    mc, rd = want["multicast"], want["reduce"]
+    views = [f"  view {op} tasks {len(w['tasks'])} refs {len(w['refs'])} digest {d} my_slots 1,13 parent "
+             f"{w['parent_rank'][1][0]},{w['parent_rank'][1][1]} first_task_expert {w['tasks'][0]['expert']}"
+             for op, w in ((0, mc), (1, rd))]
+    assert log[i:i + 17] == [
+        "-- templates slot 1",
+        "cudaMemcpyAsync 896 H2D s1 +10752", "cudaEventRecord e5 s1",
+        "cudaStreamWaitEvent s1 e2", "cudaMemcpyAsync 1184 H2D s1 +11776", "cudaEventRecord e6 s1",
+        "-- build slot 1",
+        "cudaStreamWaitEvent s1 e2", "launch build_slot views +10752 +11776 caps 6/12 s1",
+        *views, f"  result status 0 digest {d}",
+        "-- run slot 1",
+        "launch grid 1 smem 65568 plain s1", f"  views +10752 op 0 tasks {len(mc['tasks'])} at +11296",
+        "cudaEventRecord e1 s1", "cudaStreamWaitEvent s1 e2"], log[i:]
+    assert (mc["parent_rank"][1].tolist(), rd["parent_rank"][1].tolist()) == ([0, 3], [0, 3])
+    # a build that does not fit its template (another rank's) runs nothing and publishes a rejection
+    j = log.index("-- build as rank 2 into rank 1's template")
+    rejected = str((1 << 64) - 1)
+    assert [line.split(" my_slots")[0] for line in log[j + 2:j + 4]] == [
+        f"  view 0 tasks 0 refs 0 digest {rejected}", f"  view 1 tasks 0 refs 0 digest {rejected}"]
+    assert log[j + 4].startswith("  result status 1 ")  # kBadShape: the host raises it (check_error)
+    assert log[-1] == ("threw ultracomm._cuda.Runner.build_slot: plan arena slot 2 has no template for multicast; "
+                       "write_template first")
 
 
 def test_plan_arena_waits_only_when_the_device_is_a_whole_slot_cycle_behind(probe):

@@ -181,7 +181,21 @@ staging); Runner.launch_slot writes a plan into a slot with an async copy on the
            py::arg("masters"), py::arg("slots"), py::arg("tasks"), py::arg("refs"))
       .def_property_readonly("nbytes", &PlanArena::bytes)
       .def_property_readonly("num_slots", &PlanArena::num_slots)
-      .def_property_readonly("device", &PlanArena::device);
+      .def_property_readonly("device", &PlanArena::device)
+      .def(
+          "build_result",
+          [](const PlanArena& a, int slot) {
+            const psched::Result r = a.build_result(slot);
+            py::dict d;
+            d["status"] = r.status;
+            d["num_tasks"] = py::make_tuple(r.num_tasks[0], r.num_tasks[1]);
+            d["num_refs"] = py::make_tuple(r.num_refs[0], r.num_refs[1]);
+            d["depth"] = py::make_tuple(r.depth[0], r.depth[1]);
+            d["digest"] = r.digest;
+            return d;
+          },
+          py::arg("slot"),
+          "What the last device build of `slot` reported (status 0 = ok; read after the stream reached it).");
 
   py::class_<Runner>(m, "Runner", R"doc(Launch state of one executor on one device.
 
@@ -231,8 +245,7 @@ into text/exception with _core.format_error / _core.raise_error_record.)doc")
           "build_slot",
           [](Runner& r, PlanArena& arena, int slot, int entry, uintptr_t slot_src, uintptr_t home_of, uintptr_t node_of,
              int32_t world, int32_t slots, int32_t num_experts, int32_t rank, int32_t max_depth, uint64_t weight_bytes,
-             uint64_t grad_bytes, uint64_t chunk_bytes, uint64_t hop_bytes, uintptr_t scratch, uintptr_t result,
-             uintptr_t stream) {
+             uint64_t grad_bytes, uint64_t chunk_bytes, uint64_t hop_bytes, uintptr_t stream) {
             if (!slot_src || slot_src % 4 || !home_of || home_of % 4 || node_of % 4)
               throw std::invalid_argument("ultracomm._cuda.Runner.build_slot: slot_src and home_of must be non-null "
                                           "int32 device arrays, node_of one or 0");
@@ -249,15 +262,14 @@ into text/exception with _core.format_error / _core.raise_error_record.)doc")
             p.grad_bytes = grad_bytes;
             p.chunk_bytes = chunk_bytes;
             p.hop_bytes = hop_bytes;
-            r.build_slot(arena, slot, entry, p, reinterpret_cast<int64_t*>(scratch),
-                         reinterpret_cast<psched::Result*>(result), as_stream(stream));
+            r.build_slot(arena, slot, entry, p, as_stream(stream));
           },
           py::arg("arena"), py::arg("slot"), py::arg("entry"), py::arg("slot_src"), py::arg("home_of"),
           py::arg("node_of"), py::arg("world"), py::arg("slots"), py::arg("num_experts"), py::arg("rank"),
           py::arg("max_depth"), py::arg("weight_bytes"), py::arg("grad_bytes"), py::arg("chunk_bytes"),
-          py::arg("hop_bytes"), py::arg("scratch"), py::arg("result"), py::arg("stream"),
+          py::arg("hop_bytes"), py::arg("stream"),
           "Enqueue the device step's schedule build (include/ultracomm/slot_build.h) of rank entry `entry` into "
-          "both op areas of arena slot `slot`; result: psched::Result (BUILD_RESULT_BYTES bytes of device memory).")
+          "both op areas of arena slot `slot` (its scratch and result are the arena's: PlanArena.build_result).")
       .def("take_error",
            [](Runner& r) -> py::object {
              const auto e = r.take_error();
@@ -271,9 +283,6 @@ into text/exception with _core.format_error / _core.raise_error_record.)doc")
       .def_property_readonly("sm_count", &Runner::sm_count)
       .def_property_readonly("mover", [](const Runner& r) { return r.tma() ? "tma" : "vector"; });
 
-  m.def("build_scratch_bytes", &build_scratch_bytes, py::arg("world"), py::arg("slots"), py::arg("experts"),
-        "Device scratch bytes of one build_slot launch.");
-  m.attr("BUILD_RESULT_BYTES") = sizeof(psched::Result);
   m.def(
       "publish_rejection",
       [](int op, uint64_t epoch, uintptr_t window_base, int32_t slots, uint64_t weight_slot_bytes,

@@ -40,10 +40,17 @@ size_t PlanArena::area_bytes(const PlanBounds& b, Op op) {
   return (n + kAreaAlign - 1) / kAreaAlign * kAreaAlign;
 }
 
+size_t PlanArena::scratch_bytes(const PlanBounds& b) {
+  if (b.world > psched::kMaxWorld || b.slots > psched::kMaxSlots || b.num_experts > psched::kMaxExperts) return 0;
+  const size_t n = 8 * static_cast<size_t>(psched::scratch_words(b.world, static_cast<int32_t>(b.slots), b.num_experts));
+  return (n + kAreaAlign - 1) / kAreaAlign * kAreaAlign;
+}
+
 size_t PlanArena::bytes_for(int num_slots, const PlanBounds& b) {
   check_bounds(num_slots, b);
-  const unsigned __int128 total = (unsigned __int128)(area_bytes(b, Op::kMulticast) + area_bytes(b, Op::kReduce)) *
-                                  static_cast<unsigned>(num_slots);
+  const unsigned __int128 total =
+      (unsigned __int128)(area_bytes(b, Op::kMulticast) + area_bytes(b, Op::kReduce) + scratch_bytes(b)) *
+      static_cast<unsigned>(num_slots);
   if (total > kMaxArenaBytes) bad("the arena would exceed 2^44 bytes; lower num_layers x max_microbatches");
   return static_cast<size_t>(total);
 }
@@ -53,6 +60,7 @@ PlanArena::PlanArena(int device, int num_slots, const PlanBounds& bounds)
   bytes_ = bytes_for(num_slots, bounds);
   area_[0] = area_bytes(bounds, Op::kMulticast);
   area_[1] = area_bytes(bounds, Op::kReduce);
+  scratch_ = scratch_bytes(bounds);
   areas_.resize(static_cast<size_t>(num_slots) * kNumOps);
   copied_.assign(areas_.size(), nullptr);
   in_flight_.assign(areas_.size(), false);
@@ -62,6 +70,11 @@ PlanArena::PlanArena(int device, int num_slots, const PlanBounds& bounds)
     dev_ = static_cast<unsigned char*>(p);
     UC_CUDA_CHECK(cudaHostAlloc(&p, bytes_, cudaHostAllocDefault));
     staging_ = static_cast<unsigned char*>(p);
+    UC_CUDA_CHECK(cudaHostAlloc(&p, sizeof(psched::Result) * static_cast<size_t>(num_slots), cudaHostAllocMapped));
+    results_ = static_cast<psched::Result*>(p);
+    std::memset(static_cast<void*>(results_), 0, sizeof(psched::Result) * static_cast<size_t>(num_slots));
+    UC_CUDA_CHECK(cudaHostGetDevicePointer(&p, results_, 0));
+    results_dev_ = static_cast<psched::Result*>(p);
     for (auto& ev : copied_) UC_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
   } catch (...) {
     release();
@@ -76,6 +89,7 @@ void PlanArena::release() {
   for (auto& ev : copied_)
     if (ev) cudaEventDestroy(ev), ev = nullptr;
   if (staging_) cudaFreeHost(staging_), staging_ = nullptr;
+  if (results_) cudaFreeHost(results_), results_ = nullptr, results_dev_ = nullptr;
   if (dev_) cudaFree(dev_), dev_ = nullptr;
 }
 
@@ -92,6 +106,26 @@ size_t PlanArena::offset(int slot, Op op) const {
 const ExecView* PlanArena::views(int slot, Op op) const {
   (void)index(slot, op);
   return reinterpret_cast<const ExecView*>(dev_ + offset(slot, op));
+}
+
+int64_t* PlanArena::build_scratch(int slot) const {
+  (void)index(slot, Op::kMulticast);
+  if (scratch_ == 0) return nullptr;
+  const size_t areas = static_cast<size_t>(num_slots_) * (area_[0] + area_[1]);
+  return reinterpret_cast<int64_t*>(dev_ + areas + static_cast<size_t>(slot) * scratch_);
+}
+
+psched::Result* PlanArena::build_result_dev(int slot) const {
+  (void)index(slot, Op::kMulticast);
+  return results_dev_ + slot;
+}
+
+psched::Result PlanArena::build_result(int slot) const {
+  (void)index(slot, Op::kMulticast);
+  psched::Result r;
+  // written by the device; the caller read it after the stream reached the build
+  std::memcpy(&r, const_cast<const psched::Result*>(results_ + slot), sizeof r);
+  return r;
 }
 
 void PlanArena::check(const std::vector<ExecArgs>& ranks) const {

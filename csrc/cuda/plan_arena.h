@@ -8,6 +8,9 @@
 //
 // Device / staging layout: area(slot, op) at slot * (area[0] + area[1]) + (op ? area[0] : 0);
 // an area holds plan_image (device_plan.h) of its plan, rebased onto the area's address.
+// After the areas, per slot, the device step's builder scratch (Runner::build_slot; none when
+// the bounds exceed the builder's capacities); and per slot one psched::Result in mapped host
+// memory, where the build reports its status (read by the host without a copy or a wait).
 #pragma once
 #include <cuda_runtime_api.h>
 
@@ -16,6 +19,7 @@
 #include <vector>
 
 #include "device_plan.h"
+#include "ultracomm/sched_build.h"
 
 namespace ultracomm::gpu {
 
@@ -43,6 +47,7 @@ class PlanArena {
   // Device bytes (the pinned staging takes as many) of an arena with these bounds.
   static size_t bytes_for(int num_slots, const PlanBounds& b);
   static size_t area_bytes(const PlanBounds& b, Op op);
+  static size_t scratch_bytes(const PlanBounds& b);  // per slot, 0 beyond the builder's capacities
 
   // Checks `ranks` as DevicePlan does, then that each entry fits the bounds (each count named
   // with its limit), before anything is written: std::invalid_argument.
@@ -66,6 +71,11 @@ class PlanArena {
   };
   const Area& area(int slot, Op op) const { return areas_[index(slot, op)]; }
   const ExecView* views(int slot, Op op) const;  // device address of the area
+  // The device step's build of `slot`: its scratch (device memory; null when the bounds exceed
+  // the builder's capacities), its Result's device address, and what the last build wrote there.
+  int64_t* build_scratch(int slot) const;
+  psched::Result* build_result_dev(int slot) const;
+  psched::Result build_result(int slot) const;
   int num_slots() const { return num_slots_; }
   int device() const { return device_; }
   size_t bytes() const { return bytes_; }
@@ -84,6 +94,9 @@ class PlanArena {
   size_t bytes_ = 0;
   unsigned char* dev_ = nullptr;      // device memory
   unsigned char* staging_ = nullptr;  // pinned host memory, same layout
+  size_t scratch_ = 0;                // builder scratch bytes per slot, after the areas
+  psched::Result* results_ = nullptr;      // mapped host memory, [num_slots]
+  psched::Result* results_dev_ = nullptr;  // its device address
   std::vector<Area> areas_;
   std::vector<cudaEvent_t> copied_;   // per area: recorded after its last eager copy
   std::vector<bool> in_flight_;       // copied_ was recorded and not yet seen complete

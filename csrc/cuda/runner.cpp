@@ -134,8 +134,7 @@ void Runner::write_template(PlanArena& arena, int slot, const std::vector<ExecAr
   arena.write_template(slot, ranks, stream, capture != 0);
 }
 
-void Runner::build_slot(PlanArena& arena, int slot, int entry, const psched::Problem& problem, int64_t* scratch,
-                        psched::Result* result, cudaStream_t stream) {
+void Runner::build_slot(PlanArena& arena, int slot, int entry, const psched::Problem& problem, cudaStream_t stream) {
   const std::string where = "ultracomm._cuda.Runner.build_slot: ";
   if (arena.device() != device_) throw std::invalid_argument(where + "the plan arena lives on another device");
   SlotBuildArgs a{};
@@ -151,11 +150,19 @@ void Runner::build_slot(PlanArena& arena, int slot, int entry, const psched::Pro
     a.caps.task_cap[op] = arena.bounds().tasks[op];
     a.caps.ref_cap[op] = arena.bounds().refs[op];
   }
-  if (!scratch || reinterpret_cast<uintptr_t>(scratch) % 8 || !result || reinterpret_cast<uintptr_t>(result) % 8)
-    throw std::invalid_argument(where + "scratch and result must be non-null, 8-byte aligned device memory");
+  const PlanBounds& b = arena.bounds();
+  if (problem.world != b.world || problem.slots != b.slots || problem.num_experts > b.num_experts)
+    throw std::invalid_argument(where + "the problem (world " + std::to_string(problem.world) + ", slots " +
+                                std::to_string(problem.slots) + ", experts " + std::to_string(problem.num_experts) +
+                                ") is not the arena's (world " + std::to_string(b.world) + ", slots " +
+                                std::to_string(b.slots) + ", experts <= " + std::to_string(b.num_experts) + ")");
+  a.scratch = arena.build_scratch(slot);
+  if (a.scratch == nullptr)
+    throw std::invalid_argument(where + "world " + std::to_string(b.world) + ", slots " + std::to_string(b.slots) +
+                                ", experts " + std::to_string(b.num_experts) + " exceed the device schedule builder's "
+                                "capacities (world <= 1024, slots <= 8, experts <= 65536); use a host-built plan");
   a.problem = problem;
-  a.scratch = scratch;
-  a.result = result;
+  a.result = arena.build_result_dev(slot);
   DeviceGuard guard(device_);
   // both areas may still be read by the previous launch of their kind
   for (int op = 0; op < kNumOps; ++op) order_after_last(op, stream);

@@ -59,10 +59,10 @@ class Runner {
   // of the op kind (it may read the area).  build_slot: enqueues k_build_slot for rank entry
   // `entry` of both op areas of `slot` (both templates written: std::invalid_argument
   // otherwise), after the previous launches of both kinds; then launch(arena, slot, op, nullptr,
-  // ...) runs what it built.  problem's arrays, scratch and result are device memory.
+  // ...) runs what it built.  problem's arrays are device memory.
   void write_template(PlanArena& arena, int slot, const std::vector<ExecArgs>& ranks, cudaStream_t stream);
-  void build_slot(PlanArena& arena, int slot, int entry, const psched::Problem& problem, int64_t* scratch,
-                  psched::Result* result, cudaStream_t stream);
+  // The build uses the slot's scratch and reports into its Result (PlanArena::build_result).
+  void build_slot(PlanArena& arena, int slot, int entry, const psched::Problem& problem, cudaStream_t stream);
 
   // A failure a launch recorded since the last call, if any (call after the stream reached
   // the launch, e.g. after an event or stream synchronisation); multicast's first.

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "device_plan.h"
+#include "k_build.h"
 #include "launch.h"
 #include "runner.h"
 
@@ -121,6 +122,13 @@ void launch_persistent(const PersistentArgs& a, int, uint32_t smem, bool coopera
   }
 }
 void launch_reject(Op, uint64_t, uintptr_t, const WindowLayout&, cudaStream_t) {}
+// The stub's device memory is host memory: run the build the kernel runs (slot_build.h) in place.
+void launch_build_slot(const SlotBuildArgs& a, cudaStream_t s) {
+  log("launch build_slot views +" + std::to_string(reinterpret_cast<unsigned char*>(a.views[0]) - g_device_mem) +
+      " +" + std::to_string(reinterpret_cast<unsigned char*>(a.views[1]) - g_device_mem) + " caps " +
+      std::to_string(a.caps.task_cap[0]) + "/" + std::to_string(a.caps.task_cap[1]) + " " + sname(s));
+  *a.result = psched::build_into_views(a.problem, a.scratch, a.views, a.caps);
+}
 }  // namespace ultracomm::gpu
 
 using namespace ultracomm;
@@ -189,6 +197,80 @@ int main(int argc, char** argv) {
       runner.launch(arena, 1, Op::kMulticast, &plan, 3, 1, s, 0);
       log("-- slot 2 empty");
       runner.launch(arena, 2, Op::kMulticast, nullptr, 4, 1, s, 0);
+    } else if (sc == "device_step") {  // templates, the device build, launches of what it built
+      g_views = true;
+      const int W = 4, S = 2, epr = 4, rank = 1;
+      gpu::PlanBounds b;
+      b.world = W;
+      b.num_experts = W * epr;
+      b.masters = epr;
+      b.slots = S;
+      b.tasks[0] = (epr + S) * 1;  // 256-byte weights, 512-byte grads in 256-byte chunks
+      b.tasks[1] = (epr + S) * 2;
+      b.refs[0] = b.refs[1] = W * S;
+      gpu::Runner runner(0);
+      gpu::PlanArena arena(0, 3, b);
+      std::vector<ExecArgs> tmpl[2];
+      for (int op = 0; op < 2; ++op) {
+        ExecArgs a = one_rank(rank, W);
+        a.op = op == 0 ? Op::kMulticast : Op::kReduce;
+        a.layout = WindowLayout::make(S, 256, 512, 256);
+        a.member_bytes = {op == 0 ? 256u : 512u};
+        for (int e = 0; e < W * epr; ++e) a.local_index_of.push_back(e / epr == rank ? e % epr : -1);
+        for (int i = 0; i < epr; ++i) a.master_ptrs.push_back(0x9000 + 0x1000 * i);
+        a.my_slots = {-1, -1};
+        a.slot_parent = {-1, -1};
+        a.digest = 1;
+        tmpl[op].push_back(a);
+      }
+      // the plan, read from argv: W x S expert ids (what the device planner left in device memory)
+      std::vector<int32_t> slot_src, home_of;
+      for (int i = 2; i < argc; ++i) slot_src.push_back(std::atoi(argv[i]));
+      slot_src.resize(W * S, -1);
+      for (int e = 0; e < W * epr; ++e) home_of.push_back(e / epr);
+      psched::Problem p{};
+      p.world = W;
+      p.slots = S;
+      p.num_experts = W * epr;
+      p.max_depth = 8;
+      p.rank = rank;
+      p.slot_src = slot_src.data();
+      p.home_of = home_of.data();
+      p.weight_bytes = 256;
+      p.grad_bytes = 512;
+      p.chunk_bytes = 256;
+      p.hop_bytes = 64;
+      cudaStream_t s1 = reinterpret_cast<cudaStream_t>(uintptr_t(1)), s2 = reinterpret_cast<cudaStream_t>(uintptr_t(2));
+      const auto show = [&](int slot) {
+        for (int op = 0; op < 2; ++op) {
+          ExecView v;
+          std::memcpy(&v, arena.views(slot, static_cast<Op>(op)), sizeof v);
+          log("  view " + std::to_string(op) + " tasks " + std::to_string(v.num_tasks) + " refs " +
+              std::to_string(v.num_refs) + " digest " + std::to_string(v.digest) + " my_slots " +
+              std::to_string(v.my_slots[0]) + "," + std::to_string(v.my_slots[1]) + " parent " +
+              std::to_string(v.slot_parent[0]) + "," + std::to_string(v.slot_parent[1]) + " first_task_expert " +
+              std::to_string(v.num_tasks ? v.tasks[0].expert : -1));
+        }
+        const psched::Result r = arena.build_result(slot);
+        log("  result status " + std::to_string(r.status) + " digest " + std::to_string(r.digest));
+      };
+      log("-- reduce on s2");
+      runner.launch(arena, 0, Op::kReduce, &tmpl[1], 1, 1, s2, 0);
+      log("-- templates slot 1");
+      runner.write_template(arena, 1, tmpl[0], s1);
+      runner.write_template(arena, 1, tmpl[1], s1);
+      log("-- build slot 1");
+      runner.build_slot(arena, 1, 0, p, s1);
+      show(1);
+      log("-- run slot 1");
+      runner.launch(arena, 1, Op::kMulticast, nullptr, 2, 1, s1, 0);
+      runner.launch(arena, 1, Op::kReduce, nullptr, 3, 1, s1, 0);
+      log("-- build as rank 2 into rank 1's template");
+      p.rank = 2;
+      runner.build_slot(arena, 1, 0, p, s1);
+      show(1);
+      log("-- build slot 2 without a template");
+      runner.build_slot(arena, 2, 0, p, s1);
     } else if (sc.rfind("streams", 0) == 0) {  // streams <op><handle> ...: one launch each
       gpu::DevicePlan mc({one_rank(0, 1)});
       ExecArgs r = one_rank(0, 1);

@@ -30,6 +30,10 @@ class FakePlan:
 class FakeArena:
     def __init__(self, device, num_slots, bounds):
         self.device, self.num_slots, self.bounds = device, num_slots, bounds
+        self.status: dict[int, int] = {}  # slot -> what its last device build reports
+
+    def build_result(self, slot):
+        return dict(status=self.status.get(slot, 0))
 
 
 class FakeRunner:
@@ -47,6 +51,14 @@ class FakeRunner:
 
     def take_error(self):
         return self.errors.pop(0) if self.errors else None
+
+    # resident plans (transports/tma/resident.py)
+    def write_template(self, arena, slot, ranks, stream):
+        self.launches.append(("template", slot, [r["op"] for r in ranks], [r["rank"] for r in ranks], stream))
+        self.templates = getattr(self, "templates", []) + [ranks]
+
+    def build_slot(self, arena, slot, entry, *, stream, **args):
+        self.launches.append(("build", slot, entry, args["rank"], stream))
 
 
 class FakeCuda:

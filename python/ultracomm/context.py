@@ -42,9 +42,11 @@ from .env import Config, check_window_layout
 from .errors import ClosedError, ConfigError, RegistrationError, UltracommError, UltracommTimeout
 from .layout import ExpertLayout
 from .plan import ReplicaPlan
+from .resident_plan import DeviceSchedule, ResidentPlan
 from .profile import profile_for_context
 from .records import Op
 from .schedule import Schedule, build_schedule
+from .schedule_portable import hop_bytes
 from .transports.host import Masters
 from .windows import open_window
 from .work import OrderedRunner, Work
@@ -81,8 +83,8 @@ def _release(runner: OrderedRunner, window: Any, streams: Any) -> None:
 class _MicroBatch:
     layer: int
     vid: int
-    plan: ReplicaPlan | None = None
-    schedule: Schedule | None = None
+    plan: ReplicaPlan | ResidentPlan | None = None
+    schedule: Schedule | DeviceSchedule | None = None
     my_slots: list[int] | None = None        # this rank's row of plan.slot_src
     local_index_of: list[int] | None = None  # plan.local_index_of, as a list for the executor
     restored: bool = False                   # restore() (or weights_copied) since weight_sync
@@ -190,6 +192,7 @@ class Context:
         self._vids: list[_MicroBatch | None] = [None] * (num_layers * max_microbatches)
         self._begun = 0  # micro-batches begun: vids carry it so a released vid is never taken for a new one
         self._schedules: collections.OrderedDict[bytes, Schedule] = collections.OrderedDict()
+        self._device_inputs: dict = {}  # device -> (home_of, node_of) tensors of resident plans' builds
         self._epoch = 0
         self._lock = threading.Lock()
         self._broken: str | None = None
@@ -417,11 +420,16 @@ class Context:
         return masters
 
     # ------------------------------------------------------------------ operations
-    def schedule_for(self, plan: ReplicaPlan, key: bytes | None = None) -> Schedule:
+    def schedule_for(self, plan: ReplicaPlan, key: bytes | None = None, builder: str | None = None) -> Schedule:
         """The (cached) schedule of ``plan`` with this Context's configuration (this rank's lists).
-        ``key``: ``plan.digest()`` if the caller has it already."""
+        ``key``: ``plan.digest()`` if the caller has it already.  ``builder``: ``portable`` builds
+        with the device control plane's builder whatever ``schedule_builder`` says (a resident
+        plan on the host path); default the configuration's."""
         self._check_open()
         key = plan.digest() if key is None else key
+        builder = builder or self.config.schedule_builder
+        if builder != self.config.schedule_builder:
+            key = key + builder.encode()
         sched = self._schedules.get(key)
         if sched is None:
             c = self.config
@@ -439,7 +447,7 @@ class Context:
                     shm = COSTS["host_shm"]
                     inter = dict(intra_bw=shm.beta_Bps, intra_latency_s=shm.alpha_s, inter_bw=costs.beta_Bps,
                                  inter_latency_s=costs.alpha_s)
-                if c.schedule_builder == "portable":  # the device control plane's builder (sched_build.h)
+                if builder == "portable":  # the device control plane's builder (sched_build.h)
                     from .schedule_portable import build_schedule_portable
 
                     # its own tree choice: relay "off" means direct (depth 1); "force" is not honoured
@@ -467,7 +475,7 @@ class Context:
             self._schedules.move_to_end(key)
         return sched
 
-    def _prepare_plan(self, plan: ReplicaPlan, layer: int | None = None) -> Schedule:
+    def _prepare_plan(self, plan: ReplicaPlan, layer: int | None = None, builder: str | None = None) -> Schedule:
         """Validate ``plan`` and ``layer``'s masters here, build the schedule, then agree with
         every rank (collective, bounded).
 
@@ -497,7 +505,7 @@ class Context:
             if layer is not None:
                 self._check_masters(layer)
             key = plan.digest()
-            sched = self.schedule_for(plan, key)
+            sched = self.schedule_for(plan, key, builder)
             mine = (key.hex(), sched.digest)
         except (TypeError, ValueError) as e:
             local_error = e
@@ -576,8 +584,11 @@ class Context:
         if self._streams is not None:
             on_time = None
             if self._profiler is not None:  # device time from CUDA events around the enqueue, read lazily
+                resident = isinstance(sched, DeviceSchedule)  # its plan is on the device: times only
                 on_time = functools.partial(self._profiler.op_end,
-                                            self._profiler.op_begin(name, mb.vid, mb.layer, mb.plan, sched), name)
+                                            self._profiler.op_begin(name, mb.vid, mb.layer,
+                                                                    None if resident else mb.plan,
+                                                                    None if resident else sched), name)
             with self._lock:  # epochs are taken and enqueued in one order, whatever thread calls
                 try:
                     self._streams.check_submit(name, async_op)
@@ -645,20 +656,75 @@ class Context:
         if self._broken is not None:
             raise UltracommError(f"ultracomm: this Context failed earlier ({self._broken}); create a new Context")
 
-    def weight_sync(self, vid: int, plan: ReplicaPlan, async_op: bool = False) -> Work | None:
+    def weight_sync(self, vid: int, plan: ReplicaPlan | ResidentPlan, async_op: bool = False) -> Work | None:
         """Multicast the home experts of ``vid``'s layer into the replica slots ``plan`` names.
 
         On return (or ``work.wait()``), ``replica_weights[m][s]`` on rank ``r`` holds member
         ``m`` of expert ``plan.slot_src[r, s]``.  Collective: every rank passes the same plan.
+
+        ``plan`` may be a :class:`~ultracomm.resident_plan.ResidentPlan` (the plan as an int32
+        ``[world, slots]`` tensor, e.g. the device planner's output): on the ``tma`` transport
+        with the tensor on the window's GPU the schedule is built on the GPU into the vid's plan
+        slot and nothing goes to the host (no validation there either: an invalid plan is
+        rejected by the device build, raised by the next ``synchronize()``, and peers raise
+        ``PlanError``); elsewhere it is copied to the host and built by the same portable builder.
         """
         self._check_usable()
         mb = self._get(vid)
+        if isinstance(plan, ResidentPlan):
+            return self._weight_sync_resident(mb, plan, async_op)
         sched = self._prepare_plan(plan, mb.layer)
         mb.plan, mb.schedule = plan, sched
         mb.my_slots, mb.local_index_of = plan.slot_src[self.rank].tolist(), plan.local_index_of.tolist()
         work = self._submit("weight_sync", Op.MULTICAST, mb, self._masters[mb.layer], async_op)
         self._wrote_slots(mb)
         return work
+
+    def _weight_sync_resident(self, mb: _MicroBatch, plan: ResidentPlan, async_op: bool) -> Work | None:
+        if (plan.world, plan.slots_per_rank) != (self.world, self.slots_per_rank):
+            raise ValueError(f"ultracomm: plan is for world {plan.world}, {plan.slots_per_rank} slots per rank; this "
+                             f"Context has world {self.world}, {self.slots_per_rank} slots per rank")
+        on_device = bool(getattr(self.transport, "build_on_device", False)) and plan.slot_src.is_cuda
+        if not on_device:  # the host path: the same portable builder, on a host copy of the plan
+            host = plan.host_plan(self.experts_per_rank)
+            sched = self._prepare_plan(host, mb.layer, builder="portable")
+            mb.plan, mb.schedule = host, sched
+            mb.my_slots, mb.local_index_of = host.slot_src[self.rank].tolist(), host.local_index_of.tolist()
+        else:
+            if plan.slot_src.device != self.window.local.device:
+                raise ValueError(f"ultracomm: ResidentPlan.slot_src is on {plan.slot_src.device}, the Context's window "
+                                 f"on {self.window.local.device}; make the plan on the window's device")
+            if not self.window_plan_check:
+                raise ConfigError("ultracomm: a resident plan is checked by digests in the window, not by a host "
+                                  "collective; create the Context with plan_check='window' (ULTRACOMM_PLAN_CHECK) "
+                                  "or pass a ReplicaPlan")
+            self._check_masters(mb.layer)
+            mb.plan, mb.schedule = plan, self._device_schedule(plan)
+            mb.my_slots, mb.local_index_of = None, self._home_local_index
+        work = self._submit("weight_sync", Op.MULTICAST, mb, self._masters[mb.layer], async_op)
+        self._wrote_slots(mb)
+        return work
+
+    def _device_schedule(self, plan: ResidentPlan) -> DeviceSchedule:
+        """The device build's inputs for ``plan`` (fixed-home experts, this Context's chunking,
+        depth limit and cost model; the same numbers ``schedule_for`` gives the host build)."""
+        dev = plan.slot_src.device
+        fixed = self._device_inputs.get(dev)
+        if fixed is None:
+            E, epr = self.num_experts, self.experts_per_rank
+            home = torch.arange(E, dtype=torch.int32, device=dev) // epr
+            nodes = None if len(set(self.node_of)) == 1 else torch.tensor(self.node_of, dtype=torch.int32, device=dev)
+            fixed = self._device_inputs[dev] = (home, nodes)
+        c = self.config
+        return DeviceSchedule(plan, fixed[0], fixed[1], self.rank, self.num_experts,
+                              1 if c.relay_mode == "off" else c.max_depth, self.layout.weight_bytes,
+                              self.layout.grad_bytes, self.wlayout["chunk_bytes"], hop_bytes(c.intra_bw))
+
+    @property
+    def _home_local_index(self) -> list[int]:
+        """local_index_of of the fixed-home model: expert e is local index e % epr on rank e // epr."""
+        epr = self.experts_per_rank
+        return [e % epr if e // epr == self.rank else -1 for e in range(self.num_experts)]
 
     def restore(self, vid: int, async_op: bool = False) -> Work | None:
         """Re-multicast ``vid``'s plan (the slots were reused by other layers since its forward)."""
@@ -741,7 +807,9 @@ class Context:
                 raise ValueError("ultracomm: grad_reduce(zero_replica_grads=True) is not supported on a one-GPU "
                                  "loopback domain (cuda_local windows): a rank's share runs in a later launch, so "
                                  "the zeroing could not follow it; zero the slots after work.wait() instead")
-            filled = [s for s, e in enumerate(mb.my_slots) if e >= 0]
+            # a resident plan's row is on the device: every slot (an empty one's grads are unused)
+            filled = list(range(self.slots_per_rank)) if mb.my_slots is None else \
+                [s for s, e in enumerate(mb.my_slots) if e >= 0]
 
             def zero_slots() -> None:
                 for g in self.replica_grads:

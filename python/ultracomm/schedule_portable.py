@@ -29,7 +29,17 @@ from . import _core
 from .records import REF_DTYPE, TASK_DTYPE
 from .schedule import OpLike, _i32, _op
 
-__all__ = ["PortableSchedule", "build_schedule_portable", "MAX_WORLD", "MAX_SLOTS", "MAX_EXPERTS"]
+__all__ = ["PortableSchedule", "build_schedule_portable", "hop_bytes", "MAX_WORLD", "MAX_SLOTS", "MAX_EXPERTS",
+           "INTRA_LATENCY_S"]
+
+INTRA_LATENCY_S = 2e-6  # the cost model's per-hop latency by default (a flag and a wake-up on NVLink)
+
+
+def hop_bytes(intra_bw: float, intra_latency_s: float = INTRA_LATENCY_S) -> int:
+    """The cost model's per-hop latency as whole bytes of link time (the build is integer-only)."""
+    if not (intra_bw > 0 and intra_latency_s >= 0):
+        raise ValueError("build_schedule_portable: intra_bw must be > 0 and intra_latency_s >= 0")
+    return int(round(float(intra_latency_s) * float(intra_bw)))
 
 MAX_WORLD = int(_core.SCHEDULE_PORTABLE_MAX_WORLD)
 MAX_SLOTS = int(_core.SCHEDULE_PORTABLE_MAX_SLOTS)
@@ -148,7 +158,7 @@ def build_schedule_portable(
     chunk_bytes: int = 1 << 20,
     max_depth: int = 8,
     intra_bw: float = 370e9,
-    intra_latency_s: float = 2e-6,
+    intra_latency_s: float = INTRA_LATENCY_S,
 ) -> PortableSchedule:
     """Build ``rank``'s multicast and reduce task lists of ``plan`` with the portable builder.
 
@@ -165,9 +175,7 @@ def build_schedule_portable(
     for name, v in (("weight_bytes", weight_bytes), ("grad_bytes", grad_bytes), ("chunk_bytes", chunk_bytes)):
         if int(v) < 0:
             raise ValueError(f"build_schedule_portable: {name} must be >= 0, got {v}")
-    if not (intra_bw > 0 and intra_latency_s >= 0):
-        raise ValueError("build_schedule_portable: intra_bw must be > 0 and intra_latency_s >= 0")
-    hop = int(round(float(intra_latency_s) * float(intra_bw)))
+    hop = hop_bytes(intra_bw, intra_latency_s)
     raw = _core.build_schedule_portable(slot_src, home_of, nodes, int(weight_bytes), int(grad_bytes),
                                         int(chunk_bytes), int(rank), int(max_depth), hop)
     inputs = dict(world=world, slots_per_rank=slots, num_experts=len(home_of), slot_src=slot_src.reshape(-1).tolist(),

@@ -38,6 +38,13 @@ Loopback windows (``cuda_local``: every rank a thread of one process, windows on
     co-resident.  A ``Work`` of an earlier rank completes before that launch ran; ``run``
     returns ``False`` for such a share (``True`` when the call enqueued the launch).
 
+Resident plans (``schedule`` a :class:`~ultracomm.resident_plan.DeviceSchedule`, from
+``Context.weight_sync(vid, ResidentPlan(...))``): the plan never visits the host.  ``run``
+enqueues, on its ``weight_sync``, the device build of its lists into the vid's slot
+(:mod:`.resident`: templates once per slot and masters, ``k_build_slot`` per rank entry) and
+then the launch; ``restore`` / ``grad_reduce`` run what the slot holds.  A failed build is
+raised by ``check_error``.
+
 ``reject(op, epoch, stream) -> None``
     This rank rejected its plan: publishes kRejectedDigest beside ``ready[op] = epoch`` in its
     window (stream-ordered), so peers raise ``PlanError`` instead of timing out.
@@ -56,13 +63,17 @@ from __future__ import annotations
 import logging
 from typing import Callable, Sequence
 
+import numpy as np
+
 from ...cuda.support import cuda_runtime, raise_record, record_epoch
 from ...cuda.loopback_launch import Deposit, launches_for
-from ...records import Op
+from ...records import REF_DTYPE, TASK_DTYPE, Op
+from ...resident_plan import DeviceSchedule
 from ...cuda.sm_budget import ANALYTIC_PER_SM_BW, default_sms
 from ..host import GRAD_DTYPE_CODE, Masters
 from .plan_slots import PlanSlots, arena_bounds, arena_bytes
 from .loopback import runner_for
+from .resident import ResidentSlots, Share
 
 __all__ = ["TmaTransport"]
 
@@ -75,6 +86,8 @@ class TmaTransport:
     name = "tma"
     window_providers = ("cuda_ipc", "torch_symm", "cuda_local", "nvshmem")
     stream_ordered = True
+    #: takes resident plans (DeviceSchedule): builds their lists on the GPU
+    build_on_device = True
 
     def __init__(self, *, rank: int, world: int, window, wlayout: dict, layout, num_workers: int,
                  timeout_s: float, jitter_us: int = 0, multicast_sms: int | None = None,
@@ -122,6 +135,7 @@ class TmaTransport:
         self._members = {Op.MULTICAST: (list(layout.weight_offsets), list(layout.weight_sizes)),
                          Op.REDUCE: (list(layout.grad_offsets), list(layout.grad_sizes))}
         self._slots = PlanSlots(self.plan_slots)
+        self._resident = ResidentSlots(self._slots)
         self._arena = None
         if self._loopback is None and self._arena_shape is not None:
             self._arena = self._make_arena(self._arena_shape)
@@ -157,12 +171,39 @@ class TmaTransport:
 
         return key, make
 
+    def _share(self, sched: DeviceSchedule, masters: Masters, local_index_of: Sequence[int]) -> Share:
+        """This rank's entry of a resident plan's launch (resident.py)."""
+        lio = [int(i) for i in local_index_of]
+        S = int(self.wlayout["slots"])
+
+        def ptrs(op: int) -> list[int]:
+            # registered without grads: no reduction can run (Context refuses it); the weights'
+            # pointers stand in so the reduce template is well-formed, and the key tells them apart
+            p = masters.grad_ptrs if op == int(Op.REDUCE) and masters.grad_ptrs is not None else masters.weight_ptrs
+            return list(p)
+
+        def template(op: int) -> dict:
+            member_off, member_bytes = self._members[Op(op)]
+            L = self.wlayout
+            return dict(op=op, rank=self.rank, world=self.world, slots=S, weight_slot_bytes=L["weight_slot_bytes"],
+                        grad_slot_bytes=L["grad_slot_bytes"], chunk_bytes=L["chunk_bytes"], window_bases=self._bases,
+                        member_off=member_off, member_bytes=member_bytes, master_ptrs=ptrs(op), local_index_of=lio,
+                        grad_dtype=self._grad_code, my_slots=[-1] * S, tasks=np.zeros(0, TASK_DTYPE),
+                        refs=np.zeros(0, REF_DTYPE), timeout_s=self.timeout_s, slot_parent=[-1] * S, digest=1)
+
+        def template_key(op: int) -> tuple:
+            return (op, masters.grad_ptrs is None, tuple(ptrs(op)), tuple(lio), tuple(self._bases))
+
+        return Share(sched.token, template, template_key, sched.build_args())
+
     def run(self, op: Op, schedule, epoch: int, masters: Masters, my_slots: Sequence[int],
             local_index_of: Sequence[int], op_name: str | None, stream: int, slot: int | None = None) -> bool:
         """Enqueue ``op`` of ``schedule`` for this rank at ``epoch`` on ``stream`` (see module doc)."""
         op = Op(int(op))
-        key, make = self._rank_args(op, schedule, masters, my_slots, local_index_of)
         ctas = self.multicast_sms if op == Op.MULTICAST else self.reduce_sms
+        if isinstance(schedule, DeviceSchedule):
+            return self._run_resident(op, schedule, epoch, masters, local_index_of, op_name, stream, slot, ctas)
+        key, make = self._rank_args(op, schedule, masters, my_slots, local_index_of)
         if self._loopback is not None:  # the rank completing the set launches every rank
             lb = self._loopback
             if self._arena_shape is None:
@@ -176,6 +217,26 @@ class TmaTransport:
         self.runner.launch_slot(self._arena, where, int(op), [make()] if upload else None, int(epoch), ctas,
                                 int(stream), False)
         self._slots.written(where, int(op), key)
+        if len(self._names) > 1024:
+            self._names.clear()
+        self._names[int(epoch)] = op_name
+        return True
+
+    def _run_resident(self, op: Op, sched: DeviceSchedule, epoch: int, masters: Masters,
+                      local_index_of: Sequence[int], op_name: str | None, stream: int, slot: int | None,
+                      ctas: int) -> bool:
+        share = self._share(sched, masters, local_index_of)
+        if self._loopback is not None:
+            lb = self._loopback
+            if self._arena_shape is None:
+                lb.ensure_arena(self._shape_of(masters, local_index_of))
+            return launches_for(self.window).deposit(
+                Deposit(self.rank, int(op), int(epoch), int(stream), (("resident", share.token), None, ctas, op_name,
+                                                                      slot, share)),
+                lambda deps: lb.launch(deps, self.rank))
+        if self._arena is None:
+            self._arena = self._make_arena(self._shape_of(masters, local_index_of))
+        self._resident.launch(self.runner, self._arena, slot, int(op), [share], int(epoch), ctas, int(stream))
         if len(self._names) > 1024:
             self._names.clear()
         self._names[int(epoch)] = op_name
@@ -200,6 +261,10 @@ class TmaTransport:
         if self._loopback is not None:
             self._loopback.check_error(self.rank)
             return
+        # a failed device build first: the kernel's digest mismatches and rejections follow from it
+        failure = self._resident.take_failure(self._arena, self.rank) if self._arena is not None else None
         rec = self.runner.take_error()
+        if failure is not None:
+            raise failure
         if rec is not None:
             raise_record(rec, self._names.get(record_epoch(rec)), self.timeout_s)

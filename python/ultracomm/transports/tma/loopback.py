@@ -19,6 +19,7 @@ from typing import Any, Callable, Sequence
 from ...cuda.support import make_error_record, raise_record, record_epoch
 from ...cuda.loopback_launch import Deposit
 from .plan_slots import PlanSlots, arena_bounds
+from .resident import ResidentSlots
 
 __all__ = ["LoopbackRunner", "runner_for"]
 _REJECTED = 3  # ErrorCode kRejected (include/ultracomm/error_record.h)
@@ -32,6 +33,7 @@ class LoopbackRunner:
         self.runner = cuda.Runner(device)
         self._lock = threading.Lock()
         self._slots = PlanSlots(plan_slots)
+        self._resident = ResidentSlots(self._slots)
         self.arena: Any = None
         # every failure, in order: (raise it as rank r would, op name)
         self._errors: list[tuple[Callable[[int, str | None, float], None], str | None]] = []
@@ -57,12 +59,19 @@ class LoopbackRunner:
                     raise ValueError(f"ultracomm: loopback ranks ran one operation on different vid slots "
                                      f"{sorted(vids, key=str)}; every rank must begin its micro-batches in the same "
                                      "order")
-                key = (op, tuple(d.item[0] for d in deposits))
-                slot, upload = self._slots.place(op, key, vids.pop())
-                ranks = [d.item[1]() for d in deposits] if upload else None
-                self.runner.launch_slot(self.arena, slot, op, ranks, epoch, max(d.item[2] for d in deposits), stream,
-                                        False)
-                self._slots.written(slot, op, key)
+                shares = [d.item[5] if len(d.item) > 5 else None for d in deposits]
+                ctas = max(d.item[2] for d in deposits)
+                if any(s is not None for s in shares):  # a resident plan: built on the device (resident.py)
+                    if any(s is None for s in shares):
+                        raise ValueError("ultracomm: loopback ranks ran one operation with resident and host-built "
+                                         "plans; every rank must pass the same kind of plan")
+                    self._resident.launch(self.runner, self.arena, vids.pop(), op, shares, epoch, ctas, stream)
+                else:
+                    key = (op, tuple(d.item[0] for d in deposits))
+                    slot, upload = self._slots.place(op, key, vids.pop())
+                    ranks = [d.item[1]() for d in deposits] if upload else None
+                    self.runner.launch_slot(self.arena, slot, op, ranks, epoch, ctas, stream, False)
+                    self._slots.written(slot, op, key)
             except Exception as e:
                 # the other ranks' parts never run: their check_error says why
                 self._errors.append((raiser(e), name))
@@ -98,6 +107,9 @@ class LoopbackRunner:
 
     def check_error(self, rank: int) -> None:
         with self._lock:
+            failure = self._resident.take_failure(self.arena, rank) if self.arena is not None else None
+            if failure is not None:  # a rank's device build failed: every rank raises it once
+                self._errors.append((raiser(failure), None))
             rec = self.runner.take_error()
             if rec is not None:
                 self._errors.append((lambda me, name, t, rec=rec: raise_record(rec, name, t),

@@ -65,6 +65,8 @@ class PlanSlots:
         self.num_slots = self.vid_slots + SCRATCH
         self._capturing = capturing
         self._held: dict[tuple[int, int], Hashable] = {}  # (slot, op) -> key of the plan written there
+        # (slot, op) -> key of the resident-plan template there (resident.py); a host plan clears it
+        self._templates: dict[tuple[int, int], Hashable] = {}
         self._scratch: "OrderedDict[Hashable, int]" = OrderedDict()  # key -> scratch slot, LRU first
         self.pinned: set[int] = set()
 
@@ -103,4 +105,21 @@ class PlanSlots:
         return slot
 
     def written(self, slot: int, op: int, key: Hashable) -> None:
+        """A host-built plan ``key`` was written into (slot, op): its image replaced any template."""
+        self._held[(slot, int(op))] = key
+        self._templates.pop((slot, int(op)), None)
+
+    def held(self, slot: int, op: int) -> Hashable:
+        """The key of the plan (slot, op) holds, or None."""
+        return self._held.get((slot, int(op)))
+
+    # resident plans (resident.py): a template, then device builds into it
+    def template(self, slot: int, op: int) -> Hashable:
+        return self._templates.get((slot, int(op)))
+
+    def templated(self, slot: int, op: int, key: Hashable) -> None:
+        self._templates[(slot, int(op))] = key
+        self._held.pop((slot, int(op)), None)  # the template's lists are empty until a build
+
+    def built(self, slot: int, op: int, key: Hashable) -> None:
         self._held[(slot, int(op))] = key

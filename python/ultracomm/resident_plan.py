@@ -1,0 +1,107 @@
+"""Plans that stay where they were made: the device control plane's hand-off to ``Context``.
+
+``ResidentPlan(slot_src)`` is a replica plan as a tensor -- int32 ``[world, slots]``, the expert
+each replica slot holds (-1 empty), e.g. the device planner's output
+(:func:`ultracomm.planners.device.plan_on_gpu`) -- passed to :meth:`Context.weight_sync`
+without a host copy.  What the Context does with it depends on where it runs:
+
+* the ``tma`` transport, ``slot_src`` on the window's GPU: nothing goes to the host.  The
+  schedule is built on the GPU (``include/ultracomm/slot_build.h``, kernel ``k_build_slot``)
+  straight into the vid's plan-arena slot, and the persistent kernel runs it; ``restore`` and
+  ``grad_reduce`` of the vid run what the slot holds.  No host validation either: a plan the
+  builder refuses (an expert on its own home, an expert twice on a rank, ids out of range)
+  makes the rank publish a rejection -- peers raise ``PlanError`` "rank r rejected its plan"
+  -- and this rank's next ``synchronize()`` / ``Work.wait()`` raises why.
+* any other transport (or a CPU tensor): the plan is copied to the host (on a GPU that copy
+  waits for the stream), validated as a :class:`~ultracomm.plan.ReplicaPlan`, and built by the
+  host build of the same portable builder (``ultracomm.schedule_portable``), so both paths run
+  the same trees, the same summation order and the same digest.
+
+:class:`DeviceSchedule` is what the Context hands the ``tma`` transport for such a plan: the
+builder's inputs, which the transport turns into ``Runner.build_slot`` calls.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any
+
+import torch
+
+from .plan import ReplicaPlan
+
+__all__ = ["ResidentPlan", "DeviceSchedule", "BUILD_STATUS"]
+
+#: psched::Status of a device build (include/ultracomm/sched_build.h), as the host raises it
+BUILD_STATUS = {
+    1: "world, slots or experts beyond the device builder's capacities (world <= 1024, slots <= 8, experts <= 65536)",
+    2: "the plan is invalid (an expert id out of range, a replica on its home rank, or an expert twice on a rank)",
+    3: "the build options are invalid (chunk bytes, bytes per expert, depth limit or rank)",
+    4: "node_of names a node outside [0, world)",
+    5: "the lists exceed the plan arena's bounds",
+}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ResidentPlan:
+    """A replica plan as a tensor, wherever it was made (see the module docstring).
+
+    Attributes:
+        slot_src: int32 ``[world, slots]``: expert held by each replica slot (-1: empty);
+            on the GPU of the Context's window (built there, no host copy) or on the CPU.
+    """
+
+    slot_src: torch.Tensor
+
+    def __post_init__(self) -> None:
+        t = self.slot_src
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 2 or not t.is_contiguous():
+            got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"ultracomm: ResidentPlan.slot_src must be a contiguous int32 [world, slots] tensor, got "
+                             f"{got}")
+
+    @property
+    def world(self) -> int:
+        return int(self.slot_src.shape[0])
+
+    @property
+    def slots_per_rank(self) -> int:
+        return int(self.slot_src.shape[1])
+
+    def host_plan(self, experts_per_rank: int) -> ReplicaPlan:
+        """The plan on the host (a copy: on a GPU it waits for the stream that makes it)."""
+        return ReplicaPlan.make(self.slot_src.cpu().numpy(), experts_per_rank=experts_per_rank)
+
+
+_TOKENS = itertools.count(1)
+
+
+@dataclasses.dataclass(eq=False)
+class DeviceSchedule:
+    """A resident plan's schedule, to be built on the device: the inputs of
+    ``_cuda.Runner.build_slot`` (``slot_src`` / ``home_of`` / ``node_of`` are device tensors).
+
+    ``token`` names this weight_sync's plan: a vid slot holding it needs no new build
+    (``restore``, ``grad_reduce``); ``digest`` is unknown on the host (``None``)."""
+
+    plan: ResidentPlan
+    home_of: torch.Tensor
+    node_of: torch.Tensor | None
+    rank: int
+    num_experts: int
+    max_depth: int
+    weight_bytes: int
+    grad_bytes: int
+    chunk_bytes: int
+    hop_bytes: int
+    token: int = dataclasses.field(default_factory=lambda: next(_TOKENS))
+    digest: Any = None
+
+    def build_args(self) -> dict:
+        """Keyword arguments of ``Runner.build_slot`` beside arena, slot, entry and stream."""
+        src = self.plan.slot_src
+        return dict(slot_src=src.data_ptr(), home_of=self.home_of.data_ptr(),
+                    node_of=0 if self.node_of is None else self.node_of.data_ptr(), world=int(src.shape[0]),
+                    slots=int(src.shape[1]), num_experts=self.num_experts, rank=self.rank, max_depth=self.max_depth,
+                    weight_bytes=self.weight_bytes, grad_bytes=self.grad_bytes, chunk_bytes=self.chunk_bytes,
+                    hop_bytes=self.hop_bytes)

@@ -1,0 +1,80 @@
+"""``Context.weight_sync(vid, ResidentPlan(...))`` on the host executor: the plan (an int32
+tensor, as the device planner leaves it) is copied to the host and built by the portable builder
+whatever ``schedule_builder`` says -- the same lists, digest and summation order as the device
+build (tests/test_slot_build.py) -- so replica weights are exact and master grads bit-identical
+to a portable-builder run of the same plan as a ReplicaPlan; bad tensors are refused before
+anything moves."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ultracomm import Context, LoopbackDomain, ReplicaPlan
+from ultracomm.resident_plan import ResidentPlan
+
+from conftest import random_slot_src
+from test_context import check_replicas, make_layout, masters_for
+from test_schedule_portable_context import run
+
+
+def test_resident_plan_runs_the_portable_builders_schedule():
+    world, slots, epr = 4, 2, 2
+    slot_src = random_slot_src(np.random.default_rng(3), world, slots, epr, fill=1.0)
+    plan = ReplicaPlan.make(slot_src, experts_per_rank=epr)
+    layout = make_layout(9, 21, grad_dtype=torch.float32)
+    gen = torch.Generator().manual_seed(5)
+    init_master = [[torch.randn((epr, *m.shape), generator=gen) for m in layout.members] for _ in range(world)]
+    init_replica = [[torch.randn((slots, *m.shape), generator=gen) for m in layout.members] for _ in range(world)]
+    want = run("portable", plan, layout, epr, slots, init_master, init_replica)
+
+    def body(group):
+        r = group.rank
+        with Context(group, layout, epr, slots, num_layers=1, chunk_bytes=32, tile_bytes=16, num_workers=2,
+                     timeout_s=30.0, schedule_builder="host") as ctx:
+            weights, grads = masters_for(layout, r, epr)
+            ctx.register_masters(0, weights, grads)
+            for m in range(len(layout.members)):
+                grads[m].copy_(init_master[r][m])
+                ctx.replica_grads[m].copy_(init_replica[r][m])
+            group.barrier()
+            vid = ctx.begin(0)
+            ctx.weight_sync(vid, ResidentPlan(torch.from_numpy(np.ascontiguousarray(slot_src, np.int32))))
+            check_replicas(ctx, plan)
+            assert ctx.replicas(vid) == slot_src[r].tolist()
+            ctx.grad_reduce(vid)
+            return [g.clone() for g in grads]
+
+    got = LoopbackDomain(world).run(body)
+    for r in range(world):
+        for m in range(len(layout.members)):
+            assert torch.equal(got[r][m].view(torch.uint8), want[r][0][m].view(torch.uint8)), (r, m)
+
+
+@pytest.mark.parametrize("bad, msg", [
+    (torch.zeros((4, 2), dtype=torch.int64), r"ResidentPlan.slot_src must be a contiguous int32 \[world, slots\] "
+                                              r"tensor, got torch.int64 \[4, 2\]"),
+    (torch.zeros((4, 2, 1), dtype=torch.int32), r"got torch.int32 \[4, 2, 1\]"),
+    (torch.zeros((2, 4), dtype=torch.int32).t(), r"contiguous"),
+])
+def test_bad_resident_plan_tensors_are_refused(bad, msg):
+    with pytest.raises(ValueError, match=msg):
+        ResidentPlan(bad)
+
+
+def test_resident_plan_of_another_shape_is_refused_before_anything_moves():
+    layout = make_layout(9, 21, grad_dtype=torch.float32)
+
+    def body(group):
+        with Context(group, layout, 2, 2, num_layers=1, chunk_bytes=32, tile_bytes=16, num_workers=2,
+                     timeout_s=30.0) as ctx:
+            weights, grads = masters_for(layout, group.rank, 2)
+            ctx.register_masters(0, weights, grads)
+            vid = ctx.begin(0)
+            with pytest.raises(ValueError, match="plan is for world 2, 3 slots per rank; this Context has world 2, "
+                                                 "2 slots per rank"):
+                ctx.weight_sync(vid, ResidentPlan(torch.full((2, 3), -1, dtype=torch.int32)))
+            ctx.end(vid)
+            return True
+
+    assert LoopbackDomain(2).run(body) == [True, True]

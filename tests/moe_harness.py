@@ -81,11 +81,16 @@ def check_grads(per_rank_grads, world: int, epr: int, layers: int, mbs: int = 1,
     no-replication reference within ``tol`` of each tensor's largest gradient."""
     ref = reference_grads(world, epr, layers, mbs)
     for r, grads in enumerate(per_rank_grads):
-        for layer in range(layers):
-            for m in range(2):
-                want = torch.stack([ref[layer][r * epr + j][m] for j in range(epr)])
-                got = grads[layer][m].double()
-                assert (got - want).abs().max() <= tol * want.abs().max(), f"rank {r} layer {layer} member {m}"
+        check_rank_grads(grads, r, ref, epr, layers, tol)
+
+
+def check_rank_grads(grads, rank: int, ref, epr: int, layers: int, tol: float = TOL) -> None:
+    """Rank ``rank``'s part of :func:`check_grads` against ``ref = reference_grads(...)``."""
+    for layer in range(layers):
+        for m in range(2):
+            want = torch.stack([ref[layer][rank * epr + j][m] for j in range(epr)])
+            got = grads[layer][m].double()
+            assert (got - want).abs().max() <= tol * want.abs().max(), f"rank {rank} layer {layer} member {m}"
 
 
 def rank_loss(step, rank: int, world: int, layer: int, mb: int, masters, replicas, linear,
@@ -174,61 +179,73 @@ def master_grads(params: list[list[Any]], main_grad: bool) -> list[list[torch.Te
 
 
 def train(world: int, epr: int, slots: int, layers: int, schedule: str | list = "F0 B0", *, planner: Any = "quota",
-          checkpoint: str | None = None, dtype=torch.float32, form: str = "stacked", main_grad: bool = False,
-          bias: bool = False, hot: float = 3.0, zero_rank: int | None = None, tokens: int = 24, lin: Any = None,
-          guard: bool = True, skip_replicas_on: tuple = (), max_microbatches: int | None = None,
-          timeout: float = 240):
-    """Train ``layers`` MoE layers of the loopback model on ``world`` ranks with a
-    ``ReplicaManager``, micro-batches forwarded and backwarded in ``schedule`` order.
+          timeout: float = 240, **kw):
+    """Train ``layers`` MoE layers of the loopback model on ``world`` loopback ranks with a
+    ``ReplicaManager`` (:func:`train_rank` on each).  Returns per rank
+    ``(master_grads(...), [step.imbalance, ...])``."""
+    return LoopbackDomain(world).run(
+        lambda group: train_rank(group, group.rank, world, epr, slots, layers, schedule, planner=planner, **kw),
+        timeout=timeout)
+
+
+def train_rank(group: Any, rank: int, world: int, epr: int, slots: int, layers: int, schedule: str | list = "F0 B0",
+               *, planner: Any = "quota", checkpoint: str | None = None, dtype=torch.float32, form: str = "stacked",
+               main_grad: bool = False, bias: bool = False, hot: float = 3.0, zero_rank: int | None = None,
+               tokens: int = 24, lin: Any = None, guard: bool = True, skip_replicas_on: tuple = (),
+               max_microbatches: int | None = None, counter: Any = None, manager_options: dict | None = None):
+    """One rank of :func:`train`: micro-batches forwarded and backwarded in ``schedule`` order.
 
     ``checkpoint``: None, ``"reentrant"`` or ``"non_reentrant"`` (each layer checkpointed);
-    ``zero_rank``: a rank whose batches have no token.  Returns per rank
-    ``(master_grads(...), [step.imbalance, ...])``."""
+    ``zero_rank``: a rank whose batches have no token; ``counter``: an object whose ``arm()``
+    is called once setup is done (manager built, layers registered) and ``disarm()`` before the
+    manager closes (tests counting the calls a training step makes)."""
     from ultracomm.moe import ReplicaManager, linear
     lin = lin or linear
     order = parse_schedule(schedule) if isinstance(schedule, str) else list(schedule)
     E = world * epr
+    r = rank
 
     def ntok(s: int) -> int:
         return 0 if s == zero_rank else tokens
 
-    def body(group):
-        r = group.rank
-        mgr = ReplicaManager(group, layout(dtype, bias), epr, slots, layers,
-                             max_microbatches=max_microbatches or in_flight(order), planner=planner, timeout_s=20)
-        params = make_params(r, epr, layers, dtype, form, main_grad, bias)
+    mgr = ReplicaManager(group, layout(dtype, bias), epr, slots, layers,
+                         max_microbatches=max_microbatches or in_flight(order), planner=planner, timeout_s=20,
+                         **(manager_options or {}))
+    params = make_params(r, epr, layers, dtype, form, main_grad, bias)
+    for layer in range(layers):
+        mgr.register_layer(layer, params[layer])
+    imbalance = []
+    if counter is not None:
+        counter.arm()
+
+    def layer_loss(layer, mb, anchor):
+        _, rmap, probs, _ = batch(r, layer, mb, E, ntok(r), hot=hot, dtype=dtype)
+        step = mgr.step(layer, rmap, probs)
+        imbalance.append(step.imbalance)
+        reps = None if r in skip_replicas_on else step.replica_weights()
+        loss = rank_loss(step, r, world, layer, mb, params[layer], reps, lin, tokens=ntok, hot=hot,
+                         skip_replicas=r in skip_replicas_on, dtype=dtype)
+        return (step.guard(loss) if guard else loss) * anchor
+
+    def forward(mb):
+        total = 0
+        anchor = torch.ones((), dtype=dtype, requires_grad=True)
         for layer in range(layers):
-            mgr.register_layer(layer, params[layer])
-        imbalance = []
-
-        def layer_loss(layer, mb, anchor):
-            _, rmap, probs, _ = batch(r, layer, mb, E, ntok(r), hot=hot, dtype=dtype)
-            step = mgr.step(layer, rmap, probs)
-            imbalance.append(step.imbalance)
-            reps = None if r in skip_replicas_on else step.replica_weights()
-            loss = rank_loss(step, r, world, layer, mb, params[layer], reps, lin, tokens=ntok, hot=hot,
-                             skip_replicas=r in skip_replicas_on, dtype=dtype)
-            return (step.guard(loss) if guard else loss) * anchor
-
-        def forward(mb):
-            total = 0
-            anchor = torch.ones((), dtype=dtype, requires_grad=True)
-            for layer in range(layers):
-                if checkpoint is None:
-                    total = total + layer_loss(layer, mb, anchor)
-                else:
-                    total = total + cp.checkpoint(layer_loss, layer, mb, anchor,
-                                                  use_reentrant=checkpoint == "reentrant")
-            return total
-
-        losses = {}
-        for kind, mb in order:
-            if kind == "F":
-                losses[mb] = forward(mb)
+            if checkpoint is None:
+                total = total + layer_loss(layer, mb, anchor)
             else:
-                losses.pop(mb).backward()
-        out = master_grads(params, main_grad)
-        mgr.close()
-        return out, imbalance
+                total = total + cp.checkpoint(layer_loss, layer, mb, anchor,
+                                              use_reentrant=checkpoint == "reentrant")
+        return total
 
-    return LoopbackDomain(world).run(body, timeout=timeout)
+    losses = {}
+    for kind, mb in order:
+        if kind == "F":
+            losses[mb] = forward(mb)
+        else:
+            losses.pop(mb).backward()
+    out = master_grads(params, main_grad)
+    if counter is not None:
+        counter.disarm()
+    mgr.close()
+    return out, imbalance

@@ -78,3 +78,27 @@ def test_resident_plan_of_another_shape_is_refused_before_anything_moves():
             return True
 
     assert LoopbackDomain(2).run(body) == [True, True]
+
+
+def test_manager_default_runs_the_device_control_planes_host_build():
+    """ReplicaManager's default planner on the host executor: the device planner's host build
+    hands the plan over as a ResidentPlan, so the schedule is the portable builder's (the one a
+    GPU builds); a host planner keeps the configured builder."""
+    import moe_harness as mh
+    from ultracomm.moe import ReplicaManager
+    from ultracomm.schedule_portable import PortableSchedule
+
+    def body(group):
+        kinds = {}
+        for planner in ("device", "quota"):
+            mgr = ReplicaManager(group, mh.layout(), 2, 2, 1, timeout_s=20, planner=planner)
+            mgr.register_layer(0, mh.make_params(group.rank, 2, 1, torch.float32, "stacked", False, False)[0])
+            with torch.no_grad():
+                _, rmap, probs, _ = mh.batch(group.rank, 0, 0, 8)
+                mgr.step(0, rmap, probs)
+            kinds[planner] = (mgr.control_plane, {type(s).__name__ for s in mgr.ctx._schedules.values()})
+            mgr.close()
+        return kinds
+
+    for kinds in LoopbackDomain(4).run(body):
+        assert kinds == {"device": ("host", {PortableSchedule.__name__}), "quota": (None, {"Schedule"})}

@@ -145,11 +145,18 @@ class GpuLoadBoard:
         here = next((set(r) for r in pending.values() if self.rank in r), set())
         return [q for q in range(self.world) if q not in here]
 
+    def exchange(self, counts: torch.Tensor, op: str = "step") -> torch.Tensor:
+        """:meth:`post`, and on a loopback domain wait (bounded, on the host: no device sync)
+        until the shared launch is enqueued, so work this rank enqueues next reads the result.
+        Returns ``[world, E]`` int32 on the device."""
+        out = self.post(counts)
+        self._wait_launched(op)
+        return out
+
     def gather(self, counts: torch.Tensor, op: str = "step") -> np.ndarray:
         """int64 ``[world, E]`` on the host: :meth:`post`, then one copy back (the host
         planners need the loads); a rank that never posted raises ``UltracommTimeout`` naming it."""
-        self.post(counts)
-        self._wait_launched(op)
+        self.exchange(counts, op)
         host = self._buf.cpu()  # waits for the exchange on this stream
         status = host[:4].tolist()
         if status[0] != 0:

@@ -31,6 +31,8 @@ from ..errors import RegistrationError, UltracommError
 from ..layout import ExpertLayout
 from ..planners import Domain, PlannerResult, get_planner, max_mean
 from ..planners import device as device_planner
+from ..planners.base import build_result
+from ..resident_plan import ResidentPlan
 from .autograd import _Guard, _ReplicaWeights
 from .loads import board_for_context, gather_loads
 from .reroute import LAYOUTS, RerouteTable, reroute
@@ -38,6 +40,23 @@ from .reroute import LAYOUTS, RerouteTable, reroute
 __all__ = ["ReplicaManager", "Step"]
 
 _log = logging.getLogger("ultracomm")
+
+
+class _OnStream:
+    """The Work of an operation enqueued on the caller's stream without one (during CUDA graph
+    capture): later work on that stream is ordered after it already."""
+
+    def wait_stream(self) -> None:
+        pass
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+_ON_STREAM = _OnStream()
 
 
 def _alias(t: torch.Tensor) -> torch.Tensor:
@@ -114,19 +133,20 @@ class Step:
         layer: the layer index.
         vid: the Context's micro-batch slot id.
         result: the planner's :class:`~ultracomm.planners.PlannerResult` (plan, quotas,
-            token moves).
-        imbalance: ``(before, after)`` max:mean of the per-rank token loads.
+            token moves).  On the device-resident path (GPU) the plan lives on the GPU and
+            ``result`` is made on first access from host copies: a host synchronisation.
+        imbalance: ``(before, after)`` max:mean of the per-rank token loads (from ``result``).
     """
 
-    def __init__(self, manager: "ReplicaManager", layer: int, result: PlannerResult, routing_map: torch.Tensor,
-                 probs: torch.Tensor | None, vid: int | None, sync: Any, grad: bool, target: "Step | None" = None):
-        self.manager, self.layer, self.result = manager, layer, result
+    def __init__(self, manager: "ReplicaManager", layer: int, result: PlannerResult | None,
+                 routing_map: torch.Tensor, probs: torch.Tensor | None, vid: int | None, sync: Any, grad: bool,
+                 target: "Step | None" = None, resident: dict | None = None):
+        self.manager, self.layer, self._result = manager, layer, result
         self.routing_map, self.probs = routing_map, probs
         self.vid, self._sync, self.grad, self._target = vid, sync, grad, target
         self.device = routing_map.device
-        load = np.asarray(result.load)
-        epr = result.domain.experts_per_rank
-        self.imbalance = (max_mean(load.sum(0).reshape(-1, epr).sum(1)), max_mean(result.rank_load))
+        # the device-resident path: the planner's buffers of this vid slot (loads, plan, reroute)
+        self._resident = resident
         self._tables: dict[str, RerouteTable] = {}
         # The forward's outputs are held weakly (the token strongly only until guard()): their
         # autograd node holds this Step, so strong references back would make a cycle through
@@ -142,6 +162,23 @@ class Step:
         self._restored = False
         self._released = False  # backward done, abandoned, or manager closed
         self._state = "forward" if grad else "done"
+
+    @property
+    def result(self) -> PlannerResult:
+        if self._result is None:  # device-resident: host copies of the loads and the plan (a sync)
+            bufs, mgr = self._resident, self.manager
+            plan = bufs["plan"]
+            info = device_planner.decode_result(plan["result"].cpu())
+            self._result = build_result(bufs["loads"].cpu().numpy().astype(np.int64), mgr.domain,
+                                        plan["slot_src"].cpu().numpy(), plan["slot_quota"].cpu().numpy(), info)
+        return self._result
+
+    @property
+    def imbalance(self) -> tuple[float, float]:
+        res = self.result
+        load = np.asarray(res.load)
+        epr = res.domain.experts_per_rank
+        return max_mean(load.sum(0).reshape(-1, epr).sum(1)), max_mean(res.rank_load)
 
     # -------------------------------------------------------------- forward
     def rerouted(self, layout: str | None = None, routing_map: torch.Tensor | None = None,
@@ -167,7 +204,13 @@ class Step:
                              f"0..{self.manager.world - 1} (default: this rank)")
         key = f"{layout}:{src}"
         table = self._tables.get(key)
-        if table is None:
+        if table is None and self._resident is not None:  # on the GPU, from the plan there (no host sync)
+            bufs = self._resident
+            plan = bufs["plan"]
+            table = self._tables[key] = RerouteTable.from_plan(
+                bufs["loads"], plan["slot_src"], plan["slot_quota"], src, self.manager.experts_per_rank, layout,
+                out=bufs["tables"].setdefault(key, {}))
+        elif table is None:
             table = self._tables[key] = RerouteTable.from_result(self.result, src, layout).to(self.device)
         rm = self.routing_map if routing_map is None else routing_map
         pr = self.probs if routing_map is None and probs is None else probs
@@ -191,7 +234,10 @@ class Step:
         return [list(views[m * S:(m + 1) * S]) for m in range(M)]
 
     def replicas(self) -> list[int]:
-        """Expert held by each of this rank's replica slots (-1 = empty)."""
+        """Expert held by each of this rank's replica slots (-1 = empty); on the device-resident
+        path a host copy (a sync)."""
+        if self._resident is not None and self._result is None:
+            return self._resident["plan"]["slot_src"][self.manager.rank].tolist()
         return self.result.slot_src[self.manager.rank].tolist()
 
     def guard(self, x: torch.Tensor) -> torch.Tensor:
@@ -304,7 +350,9 @@ class Step:
             if g is None or getattr(t, "grad_added_to_main_grad", False):
                 continue
             staging[i // S][i % S].add_(g)
-        work = mgr.ctx.grad_reduce(self.vid, async_op=True, grads=staging)
+        async_op = mgr._async_ok()
+        work = mgr.ctx.grad_reduce(self.vid, async_op=async_op, grads=staging) if async_op else \
+            (mgr.ctx.grad_reduce(self.vid, grads=staging) or _ON_STREAM)
         mgr._staging_work[self._staging] = work
         self._release_graph()
         self._state = "reduced"
@@ -372,6 +420,27 @@ class ReplicaManager:
         self._board = board_for_context(self.ctx)
         self._pending: list[tuple[Step, Any]] = []
         self._callback_queued = False
+        #: the device control plane runs the step: "device" (loads, plan, schedule build and
+        #: reroute on the GPU, nothing on the host), "host" (the same C++ built for the host:
+        #: board, device planner, portable schedule builder), or None (a host planner)
+        self.control_plane = self._control_plane(planner)
+        self._resident_bufs: dict[int, dict] = {}  # vid slot -> its loads, plan and reroute buffers
+
+    def _control_plane(self, planner: Any) -> str | None:
+        if planner != "device":
+            return None
+        from .loads_gpu import GpuLoadBoard
+
+        if isinstance(self._board, GpuLoadBoard) and getattr(self.ctx.transport, "build_on_device", False):
+            if "lanes" in self.planner_options:
+                raise ValueError("ultracomm: planner_options lanes is the host build's; the GPU runs a warp per probe")
+            return "device"
+        return "host"
+
+    def _async_ok(self) -> bool:
+        """Whether operations may return a Work: not while the current stream captures a CUDA
+        graph (a captured operation has no completion; stream order is what holds it)."""
+        return not (self.ctx.stream_ordered and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
     # -------------------------------------------------------------- setup
     def register_layer(self, layer: int, params: Sequence[Any]) -> None:
@@ -428,28 +497,10 @@ class ReplicaManager:
             target = self._recompute_target(layer, routing_map)
             if target is not None:
                 return self._recompute(target, routing_map, probs)
-        if self._board is not None:
-            load = self._board.gather(routing_map.sum(0), op=f"step(layer {layer})")
+        if self.control_plane == "device":
+            vid, step = self._step_on_device(layer, routing_map, probs, grad)
         else:
-            load = gather_loads(self.ctx.comm, routing_map.sum(0), op=f"step(layer {layer})")
-        result = self.planner(load, self.domain, self.slots_per_rank, **self.planner_options)
-        if self.ctx._profiler is not None:  # the loads the balancer saw, beside the ops' plan/stats/times
-            self.ctx._profiler.record(layer, load=load, plan=result)
-        try:
-            vid = self.ctx.begin(layer)
-        except UltracommError as e:
-            if "in flight" not in str(e):
-                raise
-            raise UltracommError(
-                f"ultracomm: layer {layer} already has {self.ctx.max_microbatches} steps whose backward has not run; "
-                "run their backward, call ReplicaManager.abandon() to drop them (an evaluation forward with grad "
-                "enabled, a skipped step), or create the manager with a larger max_microbatches") from None
-        try:
-            sync = self.ctx.weight_sync(vid, result.plan, async_op=True)
-            step = Step(self, layer, result, routing_map, probs, vid, sync, grad)
-        except BaseException:
-            self.ctx.end(vid)  # nothing of this step survives: its slot is free again
-            raise
+            vid, step = self._step_on_host(layer, routing_map, probs, grad)
         self._slots_owner = step
         if grad:
             self._live[vid] = weakref.ref(step)
@@ -458,6 +509,71 @@ class ReplicaManager:
         else:
             self.ctx.end(vid)  # no backward will restore or reduce it
         return step
+
+    def _begin(self, layer: int) -> int:
+        try:
+            return self.ctx.begin(layer)
+        except UltracommError as e:
+            if "in flight" not in str(e):
+                raise
+            raise UltracommError(
+                f"ultracomm: layer {layer} already has {self.ctx.max_microbatches} steps whose backward has not run; "
+                "run their backward, call ReplicaManager.abandon() to drop them (an evaluation forward with grad "
+                "enabled, a skipped step), or create the manager with a larger max_microbatches") from None
+
+    def _step_on_host(self, layer: int, routing_map: torch.Tensor, probs: torch.Tensor | None,
+                      grad: bool) -> tuple[int, Step]:
+        """Loads to the host, a planner there, the plan handed over: a host planner, or the device
+        control plane's host build (then the schedule is the portable builder's, as on a GPU)."""
+        if self._board is not None:
+            load = self._board.gather(routing_map.sum(0), op=f"step(layer {layer})")
+        else:
+            load = gather_loads(self.ctx.comm, routing_map.sum(0), op=f"step(layer {layer})")
+        result = self.planner(load, self.domain, self.slots_per_rank, **self.planner_options)
+        if self.ctx._profiler is not None:  # the loads the balancer saw, beside the ops' plan/stats/times
+            self.ctx._profiler.record(layer, load=load, plan=result)
+        plan = result.plan
+        if self.control_plane == "host":
+            plan = ResidentPlan(torch.from_numpy(np.ascontiguousarray(result.plan.slot_src, dtype=np.int32)))
+        vid = self._begin(layer)
+        try:
+            sync = self.ctx.weight_sync(vid, plan, async_op=True)
+            return vid, Step(self, layer, result, routing_map, probs, vid, sync, grad)
+        except BaseException:
+            self.ctx.end(vid)  # nothing of this step survives: its slot is free again
+            raise
+
+    def _step_on_device(self, layer: int, routing_map: torch.Tensor, probs: torch.Tensor | None,
+                        grad: bool) -> tuple[int, Step]:
+        """The device-resident step: the loads' all-gather through the GPU windows, the quota
+        planner, the schedule build into the vid's plan slot and the multicast, all enqueued on
+        the current stream -- no host synchronisation, no store or torch.distributed call,
+        capturable in a CUDA graph (buffers are allocated at a vid slot's first step)."""
+        op = f"step(layer {layer})"
+        loads = self._board.exchange(routing_map.sum(0), op=op)
+        vid = self._begin(layer)
+        try:
+            bufs = self._resident_buffers(vid % (self.num_layers * self.ctx.max_microbatches), loads)
+            bufs["loads"].copy_(loads)  # the board's buffer is the next exchange's: keep this step's
+            device_planner.plan_on_gpu(bufs["loads"], self.domain, self.slots_per_rank, out=bufs["plan"],
+                                       **self.planner_options)
+            plan = ResidentPlan(bufs["plan"]["slot_src"])
+            async_op = self._async_ok()
+            sync = self.ctx.weight_sync(vid, plan, async_op=async_op) if async_op else \
+                (self.ctx.weight_sync(vid, plan) or _ON_STREAM)
+            return vid, Step(self, layer, None, routing_map, probs, vid, sync, grad, resident=bufs)
+        except BaseException:
+            self.ctx.end(vid)
+            raise
+
+    def _resident_buffers(self, slot: int, loads: torch.Tensor) -> dict:
+        """The device buffers of vid slot ``slot`` (allocated at its first step; reused after, so a
+        captured graph reads and writes the same memory at every replay)."""
+        bufs = self._resident_bufs.get(slot)
+        if bufs is None:
+            bufs = self._resident_bufs[slot] = dict(loads=torch.empty_like(loads), plan=None, tables={})
+            bufs["plan"] = device_planner.plan_on_gpu(loads, self.domain, self.slots_per_rank, **self.planner_options)
+        return bufs
 
     def _check_routing(self, routing_map: Any, probs: Any) -> None:
         """Everything ``step`` needs of its inputs, checked before it takes a slot."""
@@ -543,9 +659,15 @@ class ReplicaManager:
 
     def _recompute(self, target: Step, routing_map: torch.Tensor, probs: torch.Tensor | None) -> Step:
         # the slots may still hold the target (every rank decides alike: same calls, same owner)
-        sync = target._sync if self._slots_owner is target else self.ctx.restore(target.vid, async_op=True)
+        if self._slots_owner is target:
+            sync = target._sync
+        elif self._async_ok():
+            sync = self.ctx.restore(target.vid, async_op=True)
+        else:
+            sync = self.ctx.restore(target.vid) or _ON_STREAM
         self._slots_owner = target
-        return Step(self, target.layer, target.result, routing_map, probs, target.vid, sync, True, target=target)
+        return Step(self, target.layer, target._result, routing_map, probs, target.vid, sync, True, target=target,
+                    resident=target._resident)
 
     # -------------------------------------------------------------- gradients
     def _acquire_staging(self) -> int:

@@ -102,7 +102,8 @@ class RerouteTable:
                 device planner's output, e.g. ``planners.device.plan_on_gpu``).
             rank: this source rank; experts_per_rank: fixes each expert's home.
             layout: ``echo`` or ``physical``.
-            out: buffers of an earlier call with the same shapes (CUDA: reused, no allocation).
+            out: buffers of an earlier call with the same shapes (CUDA: reused, no allocation), or
+                an empty dict that this call fills with the buffers it allocates.
 
         On CUDA tensors the table is computed by a kernel on the current stream (no host sync,
         capturable); on CPU tensors by the host build of the same code.  ``bounds`` /
@@ -129,8 +130,9 @@ class RerouteTable:
 
         dev = slot_src.device
         cuda = cuda_support.cuda_runtime(dev.index, "the device reroute")
-        if out is None:
-            out = dict(bounds=torch.empty((E, W), dtype=torch.int64, device=dev),
+        if not out:  # none, or an empty dict to fill (the caller keeps it for the next call)
+            out = {} if out is None else out
+            out.update(bounds=torch.empty((E, W), dtype=torch.int64, device=dev),
                        columns=torch.empty((E, W), dtype=torch.int64, device=dev),
                        scratch=torch.empty(cuda.reroute_scratch_bytes(W, E) // 8, dtype=torch.int64, device=dev))
         args = [t.contiguous() for t in (loads, slot_src, slot_quota)]

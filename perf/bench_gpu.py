@@ -276,6 +276,12 @@ def unavailable_reason() -> Optional[str]:
 
 # ----------------------------------------------------------------------------- device side
 
+def _core_records(name: str):
+    from ultracomm import records
+
+    return getattr(records, name)
+
+
 class Timer:
     """GPU time per call of ``fn`` (CUDA events, median of trials) and whether enqueueing was the bottleneck."""
 
@@ -515,6 +521,89 @@ class Gpu:
                 ts.append(time.perf_counter() - t0)
             self.rows.append(Row("control", f"{label} plan+reroute", "host (D2H, plan, H2D)", E, statistics.median(ts),
                                  0, 0, None, "wall time incl. the host sync"))
+            self.control_build(label, W, epr, loads, out, dom)
+
+    def control_build(self, label: str, W: int, epr: int, loads, out: dict, dom) -> None:
+        """The rest of the device step (issue 19): the loads' all-gather (k_load_exchange, every rank of a
+        W-rank loopback world in one launch) and the schedule build into a plan-arena slot (k_build_slot,
+        rank 0's lists of a DeepSeek-V3-sized expert: 3 x 7168 x 2048 bf16 weights, fp32 grads, 1 MiB
+        chunks), alone and as the whole control plane (exchange + plan + build + reroute).  #wrong: the
+        build's status, task counts and digest against its host build (_core.build_into_views)."""
+        torch = self.torch
+        from ultracomm import _core
+        from ultracomm.moe.board_layout import BoardLayout
+        from ultracomm.moe.reroute import RerouteTable
+        from ultracomm.planners import device as dp
+
+        if not hasattr(self.cuda.Runner, "build_slot"):
+            self.rows.append(Row("control", f"{label} build", "-", 0, None, 0, 0, None,
+                                 "not measured: this _cuda build has no Runner.build_slot"))
+            return
+        E, S = W * epr, 2
+        wb, gb, chunk = 3 * 7168 * 2048 * 2, 3 * 7168 * 2048 * 4, 1 << 20
+        wl = _core.window_layout(S, wb, gb, chunk)
+        runner = self.cuda.Runner(self.dev.index)
+        tasks = ((epr + S) * wl["weight_chunks"], (epr + S) * wl["grad_chunks"])
+        arena = self.cuda.PlanArena(self.dev.index, 1, nranks=1, world=W, num_experts=E, masters=epr, slots=S,
+                                    tasks=tasks, refs=(W * S, W * S))
+        stream = self.stream()
+        for op in (0, 1):  # rank 0's static part (addresses are never dereferenced: nothing is launched)
+            entry = dict(op=op, rank=0, world=W, slots=S, weight_slot_bytes=wl["weight_slot_bytes"],
+                         grad_slot_bytes=wl["grad_slot_bytes"], chunk_bytes=wl["chunk_bytes"],
+                         window_bases=[(r + 1) << 32 for r in range(W)], member_off=[0],
+                         member_bytes=[wb if op == 0 else gb], master_ptrs=[(64 + i) << 24 for i in range(epr)],
+                         local_index_of=[e if e < epr else -1 for e in range(E)], grad_dtype=0, my_slots=[-1] * S,
+                         tasks=np.zeros(0, _core_records("TASK_DTYPE")), refs=np.zeros(0, _core_records("REF_DTYPE")),
+                         timeout_s=10.0, slot_parent=[-1] * S, digest=1)
+            runner.write_template(arena, 0, [entry], stream)
+        home = torch.arange(E, dtype=torch.int32, device=self.dev) // epr
+        hop = 740
+
+        def build():
+            runner.build_slot(arena, 0, 0, slot_src=out["slot_src"].data_ptr(), home_of=home.data_ptr(), node_of=0,
+                              world=W, slots=S, num_experts=E, rank=0, max_depth=8, weight_bytes=wb, grad_bytes=gb,
+                              chunk_bytes=chunk, hop_bytes=hop, stream=stream)
+
+        t_build, _ = self.timer(build, reps=20)
+        torch.cuda.synchronize(self.dev)
+        got = arena.build_result(0)
+        src = out["slot_src"].cpu().numpy()
+        want = _core.build_into_views(src, home.cpu().numpy(), None, wb, gb, chunk, 0, 8, hop, list(tasks),
+                                      [W * S, W * S])
+        wrong = int(got["status"] != 0) + int(got["digest"] != want["digest"]) + sum(
+            int(got["num_tasks"][i] != want[n]["num_tasks"]) for i, n in enumerate(("multicast", "reduce")))
+        note = f"tasks {got['num_tasks'][0]}/{got['num_tasks'][1]}, depth {got['depth'][0]}/{got['depth'][1]}"
+        self.rows.append(Row("control", f"{label} build", "k_build_slot", E, t_build, 0, 0, wrong, note))
+        # the loads' all-gather: W loopback ranks' boards on this GPU, one launch
+        L = BoardLayout(W, E)
+        boards = torch.zeros((W, L.total_bytes), dtype=torch.uint8, device=self.dev)
+        bases = torch.tensor([boards[r].data_ptr() for r in range(W)], dtype=torch.int64, device=self.dev)
+        counts = loads.clone()
+        gathered = torch.zeros((W, W, E), dtype=torch.int32, device=self.dev)
+        status = torch.zeros((W, 8), dtype=torch.int32, device=self.dev)
+        seq = torch.zeros((W, 1), dtype=torch.int64, device=self.dev)
+        entries = [dict(counts=counts[r].data_ptr(), out=gathered[r].data_ptr(), status=status[r].data_ptr(),
+                        bases=bases.data_ptr(), seq=seq[r].data_ptr(), rank=r) for r in range(W)]
+
+        def exchange():
+            self.cuda.load_exchange(entries, L.world, L.num_experts, L.entries, L.record_bytes, 10.0, stream)
+
+        t_x, _ = self.timer(exchange, reps=20)
+        torch.cuda.synchronize(self.dev)
+        wrong_x = int((gathered.cpu() != loads.cpu().unsqueeze(0)).sum()) + int(status[:, 0].cpu().ne(0).sum())
+        self.rows.append(Row("control", f"{label} exchange", "k_load_exchange", E, t_x, 0, 0, wrong_x,
+                             f"all {W} ranks in one launch (per rank: its own CTA)"))
+        tab = {}
+
+        def whole():
+            exchange()
+            dp.plan_on_gpu(gathered[0], dom, S, out=out)
+            build()
+            RerouteTable.from_plan(gathered[0], out["slot_src"], out["slot_quota"], 0, epr, "echo", out=tab)
+
+        t_all, _ = self.timer(whole, reps=20)
+        self.rows.append(Row("control", f"{label} exchange+plan+build+reroute", "device step", E, t_all, 0, 0,
+                             wrong + wrong_x, "the whole control plane of one layer and micro-batch"))
 
     def run_flag(self) -> None:
         torch = self.torch

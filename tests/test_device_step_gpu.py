@@ -25,7 +25,7 @@ from ultracomm.resident_plan import ResidentPlan
 from ultracomm.schedule_portable import build_schedule_portable
 
 from conftest import expected_master_grads
-from test_gpu_context import bits, layout_of, load_grads, make, need_tma, seeded_grads  # noqa: F401 - fixture
+from test_gpu_context import bits, fresh_inputs, layout_of, make, need_tma  # noqa: F401 - fixture
 from test_schedule_portable_context import AllRanks
 
 pytestmark = pytest.mark.gpu
@@ -72,13 +72,7 @@ def test_captured_control_plane_replays_three_routings():
     for k, seed in enumerate((1, 2, 3)):
         host_loads = zipf_loads(seed, world, E)
         loads.copy_(torch.from_numpy(host_loads))
-        for c, (w, _) in zip(ctxs, regs):
-            for m in range(len(w)):
-                w[m].copy_(torch.full_like(w[m], float(10 * k + c.rank + m + 1)))
-            for t in c.replica_weights:
-                t.zero_()
-        master, replica = seeded_grads(layout, world, epr, slots, seed=200 + k)
-        load_grads(ctxs, regs, master, replica)
+        master, replica = fresh_inputs(ctxs, regs, layout, epr, slots, k, seed=200 + k)
         res = device_planner.plan(host_loads.astype(np.int64), domain, slots)  # the planner's host build
         plan = ReplicaPlan.make(np.asarray(res.slot_src, np.int32), experts_per_rank=epr)
         plans.append(plan.slot_src.tolist())

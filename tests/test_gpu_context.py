@@ -74,6 +74,19 @@ def load_grads(ctxs, regs, master, replica):
             c.replica_grads[m].copy_(replica[c.rank][m])
 
 
+def fresh_inputs(ctxs, regs, layout, epr, slots, k, seed):
+    """Before replay ``k``: master weights ``10 k + rank + member + 1``, replica slots zeroed, seeded
+    grads loaded; returns ``(master, replica)`` grads as seeded_grads."""
+    for c, (w, _) in zip(ctxs, regs):
+        for m in range(len(w)):
+            w[m].copy_(torch.full_like(w[m], float(10 * k + c.rank + m + 1)))
+        for t in c.replica_weights:
+            t.zero_()
+    master, replica = seeded_grads(layout, len(ctxs), epr, slots, seed=seed)
+    load_grads(ctxs, regs, master, replica)
+    return master, replica
+
+
 def bits(t: torch.Tensor) -> torch.Tensor:
     t = t.detach().cpu()
     return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
@@ -160,13 +173,7 @@ def test_cuda_graph_capture_and_replay():
             c.grad_reduce(v)
 
     for replay in range(2):  # fresh inputs each time: a replay that reused an old epoch would see stale flags
-        for c, (w, _) in zip(ctxs, regs):
-            for m in range(len(w)):
-                w[m].copy_(torch.full_like(w[m], float(10 * replay + c.rank + m + 1)))
-            for t in c.replica_weights:
-                t.zero_()
-        master, replica = seeded_grads(layout, world, epr, slots, seed=100 + replay)
-        load_grads(ctxs, regs, master, replica)
+        master, replica = fresh_inputs(ctxs, regs, layout, epr, slots, replay, seed=100 + replay)
         want = expected_master_grads(full, layout, plan, master, replica)
         graph.replay()
         for c in ctxs:

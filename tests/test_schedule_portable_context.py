@@ -28,7 +28,9 @@ class AllRanks:
         return self.scheds[r].refs(op, r)
 
 
-def run(builder, plan, layout, epr, slots, init_master, init_replica, **kw):
+def run(builder, plan, layout, epr, slots, init_master, init_replica, sync_plan=None, **kw):
+    """Every rank's master grads and schedule after weight_sync and grad_reduce of ``plan`` (or of
+    ``sync_plan``, another form of it, e.g. a ResidentPlan), replica weights checked."""
     def body(group):
         r = group.rank
         with Context(group, layout, epr, slots, num_layers=1, chunk_bytes=32, tile_bytes=16, num_workers=2,
@@ -40,10 +42,12 @@ def run(builder, plan, layout, epr, slots, init_master, init_replica, **kw):
                 ctx.replica_grads[m].copy_(init_replica[r][m])
             group.barrier()
             vid = ctx.begin(0)
-            ctx.weight_sync(vid, plan)
+            ctx.weight_sync(vid, plan if sync_plan is None else sync_plan)
             check_replicas(ctx, plan)
+            assert ctx.replicas(vid) == plan.slot_src[r].tolist()
+            sched = ctx._get(vid).schedule  # the schedule the operations ran
             ctx.grad_reduce(vid)
-            return [g.clone() for g in grads], ctx.schedule_for(plan)
+            return [g.clone() for g in grads], sched
 
     return LoopbackDomain(plan.world).run(body)
 

@@ -132,7 +132,8 @@ py::dict build(const I32& slot_src, const I32& home_of, py::object node_of, uint
 // write shows), built into; returns per op what the views hold afterwards.
 py::dict build_views(const I32& slot_src, const I32& home_of, py::object node_of, uint64_t weight_bytes,
                      uint64_t grad_bytes, uint64_t chunk_bytes, int64_t rank, int64_t max_depth, uint64_t hop_bytes,
-                     std::vector<int64_t> task_cap, std::vector<int64_t> ref_cap, int64_t view_rank) {
+                     std::vector<int64_t> task_cap, std::vector<int64_t> ref_cap, int64_t view_rank,
+                     int32_t upstream) {
   I32 node;
   const psched::Problem p =
       problem_of(slot_src, home_of, node_of, node, weight_bytes, grad_bytes, chunk_bytes, rank, max_depth, hop_bytes);
@@ -168,7 +169,7 @@ py::dict build_views(const I32& slot_src, const I32& home_of, py::object node_of
   psched::Result res{};
   {
     py::gil_scoped_release rel;
-    res = psched::build_into_views(p, scratch.data(), vp, caps);
+    res = psched::build_into_views(p, scratch.data(), vp, caps, upstream);
   }
   py::dict d;
   const char* names[2] = {"multicast", "reduce"};
@@ -204,9 +205,11 @@ void bind_sched_portable(py::module_& m) {
   m.def("build_into_views", &build_views, py::arg("slot_src"), py::arg("home_of"), py::arg("node_of"),
         py::arg("weight_bytes"), py::arg("grad_bytes"), py::arg("chunk_bytes"), py::arg("rank"), py::arg("max_depth"),
         py::arg("hop_bytes"), py::arg("task_cap"), py::arg("ref_cap"), py::arg("view_rank") = -1,
+        py::arg("upstream") = 0,
         "Host build of slot_build.h (the device step's write into a plan-arena slot): {multicast: {tasks, refs, "
         "num_tasks, num_refs, my_slots, slot_parent, digest}, reduce: {...}, status, digest}.  view_rank: the "
-        "views' rank if not `rank` (tests a template of another rank).");
+        "views' rank if not `rank` (tests a template of another rank); upstream: 6 (the loads' exchange failed) or 7 "
+        "(the planner failed): nothing is built.");
   m.def("schedule_portable_scratch_bytes",
         [](int32_t W, int32_t S, int32_t E) { return 8 * psched::scratch_words(W, S, E); }, py::arg("world"),
         py::arg("slots"), py::arg("num_experts"));

@@ -119,16 +119,17 @@ def test_plan_arena_is_allocated_once_and_written_with_async_copies(probe):
     # after setup: no cudaMalloc / cudaFree / pageable cudaMemcpy / host synchronisation; a new
     # plan is one async copy from the staging on the launch stream, behind the wait for the
     # previous launch of its kind, and the kernel reads it at the slot's fixed address (slot 1's
-    # multicast area: arena base 8448 + 2 x 768); running what the slot holds copies nothing
-    view = "  views +9984 op 0 tasks 1 at +10432"
+    # multicast area: arena base 8448 + 2 x 768; its lists at the arena's bounds, so that a device
+    # build may follow in the same slot); running what the slot holds copies nothing
+    view = "  views +9984 op 0 tasks 1 at +10448"
     assert run == ["-- write slot 1",
-                   "cudaMemcpyAsync 504 H2D s1 +9984", "cudaEventRecord e5 s1",
+                   "cudaMemcpyAsync 576 H2D s1 +9984", "cudaEventRecord e5 s1",
                    "launch grid 1 smem 65568 plain s1", view, "cudaEventRecord e1 s1",
                    "-- rerun slot 1",
                    "launch grid 1 smem 65568 plain s1", view, "cudaEventRecord e1 s1",
                    "-- rewrite slot 1",
                    "cudaEventQuery e5",  # the previous copy out of this staging finished: no wait
-                   "cudaMemcpyAsync 504 H2D s1 +9984", "cudaEventRecord e5 s1",
+                   "cudaMemcpyAsync 576 H2D s1 +9984", "cudaEventRecord e5 s1",
                    "launch grid 1 smem 65568 plain s1", view, "cudaEventRecord e1 s1",
                    "-- slot 2 empty", "cudaFree", "cudaFree",
                    "threw ultracomm._cuda.Runner.launch: plan arena slot 2 holds no plan for this op; pass the "
@@ -155,23 +156,36 @@ def test_device_step_builds_into_the_templates_and_runs_what_it_built(probe):
     views = [f"  view {op} tasks {len(w['tasks'])} refs {len(w['refs'])} digest {d} my_slots 1,13 parent "
              f"{w['parent_rank'][1][0]},{w['parent_rank'][1][1]} first_task_expert {w['tasks'][0]['expert']}"
              for op, w in ((0, mc), (1, rd))]
-    assert log[i:i + 17] == [
+    want_log = [
         "-- templates slot 1",
-        "cudaMemcpyAsync 896 H2D s1 +10752", "cudaEventRecord e5 s1",
+        "cudaMemcpyAsync 896 H2D s1 +10752", "cudaEventRecord e5 s1", "cudaEventRecord e1 s1",
         "cudaStreamWaitEvent s1 e2", "cudaMemcpyAsync 1184 H2D s1 +11776", "cudaEventRecord e6 s1",
-        "-- build slot 1",
-        "cudaStreamWaitEvent s1 e2", "launch build_slot views +10752 +11776 caps 6/12 s1",
-        *views, f"  result status 0 digest {d}",
+        "cudaEventRecord e2 s1",
+        "-- build slot 1",  # behind both templates on its own stream: nothing to wait for
+        "launch build_slot views +10752 +11776 caps 6/12 s1", "cudaEventRecord e1 s1", "cudaEventRecord e2 s1",
+        *views, f"  result generation 1 status 0 digest {d}",
         "-- run slot 1",
         "launch grid 1 smem 65568 plain s1", f"  views +10752 op 0 tasks {len(mc['tasks'])} at +11296",
-        "cudaEventRecord e1 s1", "cudaStreamWaitEvent s1 e2"], log[i:]
+        "cudaEventRecord e1 s1",
+        "launch grid 1 smem 65568 plain s1", f"  views +11776 op 1 tasks {len(rd['tasks'])} at +12320",
+        "cudaEventRecord e2 s1"]
+    assert log[i:i + len(want_log) + 1] == [*want_log, "-- build as rank 2 into rank 1's template"], log[i:]
     assert (mc["parent_rank"][1].tolist(), rd["parent_rank"][1].tolist()) == ([0, 3], [0, 3])
+    rejected = str((1 << 64) - 1)
+    cleared = [f"  view {op} tasks 0 refs 0 digest {rejected} my_slots -1,-1 parent -1,-1 first_task_expert -1"
+               for op in (0, 1)]
     # a build that does not fit its template (another rank's) runs nothing and publishes a rejection
     j = log.index("-- build as rank 2 into rank 1's template")
-    rejected = str((1 << 64) - 1)
-    assert [line.split(" my_slots")[0] for line in log[j + 2:j + 4]] == [
-        f"  view 0 tasks 0 refs 0 digest {rejected}", f"  view 1 tasks 0 refs 0 digest {rejected}"]
-    assert log[j + 4].startswith("  result status 1 ")  # kBadShape: the host raises it (check_error)
+    assert log[j + 4:j + 7] == [*cleared, "  result generation 2 status 1 digest 0"]  # kBadShape
+    # inputs that failed upstream (here the loads' exchange) are not built from; the build on s2
+    # waits for both kinds' launches on s1, and the next reduce on s1 waits for the build
+    j = log.index("-- build after a failed exchange")
+    assert log[j + 1:j + 8] == ["cudaStreamWaitEvent s2 e1", "cudaStreamWaitEvent s2 e2",
+                                "launch build_slot views +10752 +11776 caps 6/12 s2", "cudaEventRecord e1 s2",
+                                "cudaEventRecord e2 s2", *cleared]
+    assert log[j + 8] == "  result generation 3 status 6 digest 0"  # kExchangeFailed
+    j = log.index("-- reduce on s1 after the build on s2")
+    assert log[j + 1:j + 3] == ["cudaStreamWaitEvent s1 e2", "launch grid 1 smem 65568 plain s1"]
     assert log[-1] == ("threw ultracomm._cuda.Runner.build_slot: plan arena slot 2 has no template for multicast; "
                        "write_template first")
 
@@ -179,7 +193,7 @@ def test_device_step_builds_into_the_templates_and_runs_what_it_built(probe):
 def test_plan_arena_waits_only_when_the_device_is_a_whole_slot_cycle_behind(probe):
     _, run = _arena(probe, "arena_behind")  # the stub's previous copy out of the staging is still queued
     i = run.index("-- rewrite slot 1")
-    assert run[i + 1:i + 4] == ["cudaEventQuery e5", "cudaEventSynchronize e5", "cudaMemcpyAsync 504 H2D s1 +9984"]
+    assert run[i + 1:i + 4] == ["cudaEventQuery e5", "cudaEventSynchronize e5", "cudaMemcpyAsync 576 H2D s1 +9984"]
     assert run.count("cudaEventSynchronize e5") == 1
 
 
@@ -187,7 +201,7 @@ def test_plan_arena_under_capture_copies_from_the_staging_at_replay(probe):
     # a captured copy is a graph node reading the staging when replayed: no event is recorded for
     # it (an event recorded in a capture cannot be queried outside it)
     _, run = _arena(probe, "arena_capture")
-    assert [c for c in run if c.startswith("cudaMemcpyAsync")] == ["cudaMemcpyAsync 504 H2D s100 +9984"] * 2
+    assert [c for c in run if c.startswith("cudaMemcpyAsync")] == ["cudaMemcpyAsync 576 H2D s100 +9984"] * 2
     assert not [c for c in run if c.startswith(("cudaEventQuery", "cudaEventSynchronize", "cudaEventRecord e5"))]
 
 

@@ -8,9 +8,13 @@ launch).
   each replay plans anew on the device, the planner's output equals its host build's, replica
   weights are exact and master grads bit-identical to the documented fp32 order of the portable
   schedule of that plan (expected_master_grads).
+  The same calls run eagerly under ``torch.cuda.set_sync_debug_mode("error")`` first.
 * ReplicaManager's training step (step, replica weights, a dense 2-layer toy MoE forward,
-  backward) under ``torch.cuda.set_sync_debug_mode("error")``: no host synchronisation, and master
-  grads within 1e-5 of the float64 no-replication reference."""
+  backward with a restore) under ``set_sync_debug_mode("error")``: no host synchronisation, and
+  master grads within 1e-5 of the float64 no-replication reference.  On ONE rank: a manager
+  refuses a one-GPU loopback domain of more than one rank (its ranks' shares launch together, later than
+  a rank's own compute; tests/test_moe_manager.py checks the refusal), so on one GPU only a
+  world of one exercises its device path end to end (replication itself is the first test's)."""
 from __future__ import annotations
 
 import numpy as np
@@ -60,6 +64,13 @@ def test_captured_control_plane_replays_three_routings():
             c.grad_reduce(v)
 
     step([c.begin(0) for c in ctxs])  # eager: the vid slot's templates are written here, not in the capture
+    for c in ctxs:
+        c.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # the control plane's calls, eager: no host synchronisation
+    try:
+        step([c.begin(0) for c in ctxs])
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
     for c in ctxs:
         c.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -127,7 +138,7 @@ def test_manager_training_step_makes_no_host_sync(monkeypatch):
     monkeypatch.setattr(mh, "H", 8)
     monkeypatch.setattr(mh, "I", 4)
 
-    world, epr, K, layers, T = 4, 2, 2, 2, 16
+    world, epr, K, layers, T = 1, 4, 2, 2, 16
     E = world * epr
     dev = torch.device("cuda", 0)
 

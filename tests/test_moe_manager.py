@@ -223,3 +223,18 @@ def test_device_planner_grads_match_no_replication_and_repeat_bit_identically():
     before, after = first[0][1][0]
     assert before > 3 and after < 1.1  # the device planner balanced the skewed router
     assert bitwise_equal(first, run(planner="device", mbs=2, order="interleaved"))
+
+
+def test_manager_refuses_a_one_gpu_loopback_domain_of_several_ranks():
+    """cuda_local windows run every rank's share of an operation in one launch, enqueued by the
+    last rank to call it: a manager's forward compute and backward (one autograd device thread
+    for every rank) would run before the operations they read, so it refuses, naming what to use."""
+    from types import SimpleNamespace
+
+    from ultracomm.errors import ConfigError
+    from ultracomm.moe import ReplicaManager
+
+    ctx = SimpleNamespace(stream_ordered=True, window=SimpleNamespace(loopback=True), world=2)
+    with pytest.raises(ConfigError, match="ReplicaManager cannot run on a one-GPU loopback domain .cuda_local "
+                                          "windows. of more than one rank.*Use one process per GPU"):
+        ReplicaManager(None, None, 1, 1, 1, context=ctx)

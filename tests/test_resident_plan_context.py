@@ -87,3 +87,20 @@ def test_manager_default_runs_the_device_control_planes_host_build():
 
     for kinds in LoopbackDomain(4).run(body):
         assert kinds == {"device": ("host", {PortableSchedule.__name__}), "quota": (None, {"Schedule"})}
+
+
+def test_failed_inputs_are_refused_on_the_host_path_too():
+    """The status words a device build checks first (tests/test_slot_build.py) are checked on the
+    host path as well: a plan made from loads that never all arrived, or a refused plan, is not run."""
+    from ultracomm.errors import UltracommError
+
+    src = torch.full((2, 1), -1, dtype=torch.int32)
+    ok = ResidentPlan(src, exchange_status=torch.zeros(4, dtype=torch.int32),
+                      planner_result=torch.zeros(3, dtype=torch.int64))
+    assert ok.host_plan(1).slot_src.tolist() == [[-1], [-1]]
+    with pytest.raises(UltracommError, match="the expert loads' exchange timed out"):
+        ResidentPlan(src, exchange_status=torch.tensor([1, 3, 0, 0], dtype=torch.int32)).host_plan(1)
+    with pytest.raises(UltracommError, match="the planner refused the loads"):
+        ResidentPlan(src, planner_result=torch.tensor([2 | (5 << 32), 0, 0], dtype=torch.int64)).host_plan(1)
+    with pytest.raises(ValueError, match=r"ResidentPlan.planner_result must be a torch.int64 tensor"):
+        ResidentPlan(src, planner_result=torch.zeros(3, dtype=torch.int32))

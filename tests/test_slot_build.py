@@ -71,8 +71,9 @@ def test_overflow_writes_no_task_and_the_rejected_digest():
 
 
 def test_a_template_of_another_rank_is_not_written():
-    """The views were set up for rank 1, the problem is rank 0's: nothing lands in their slot
-    arrays (still the 7s the test filled them with) and the digest says rejected."""
+    """The views were set up for rank 1, the problem is rank 0's: no list is built, the views'
+    slots are cleared (the 7s the test filled them with become -1: the rank's drain then waits on
+    nothing) and the digest says rejected."""
     slot_src, home_of = _small()
     got = _core.build_into_views(slot_src, home_of, None, 4096, 8192, 1024, 0, 8, 64, [100, 100], [100, 100],
                                  view_rank=1)
@@ -80,7 +81,21 @@ def test_a_template_of_another_rank_is_not_written():
     for op in ("multicast", "reduce"):
         v = got[op]
         assert (v["num_tasks"], v["digest"]) == (0, REJECTED)
-        assert v["my_slots"] == [7, 7] and v["slot_parent"] == [7, 7]
+        assert v["my_slots"] == [-1, -1] and v["slot_parent"] == [-1, -1]
+
+
+@pytest.mark.parametrize("upstream", [6, 7], ids=["exchange-failed", "planner-failed"])
+def test_failed_inputs_are_not_built_from(upstream):
+    """The loads' exchange timed out, or the planner refused the loads: the build rejects with
+    that status instead of building lists from partial or stale inputs."""
+    slot_src, home_of = _small()
+    got = _core.build_into_views(slot_src, home_of, None, 4096, 8192, 1024, 0, 8, 64, [100, 100], [100, 100],
+                                 upstream=upstream)
+    assert got["status"] == upstream
+    for op in ("multicast", "reduce"):
+        v = got[op]
+        assert (v["num_tasks"], v["num_refs"], v["digest"]) == (0, 0, REJECTED)
+        assert v["my_slots"] == [-1, -1] and v["slot_parent"] == [-1, -1]
 
 
 def test_bad_caps_raise():

@@ -82,12 +82,18 @@ def test_failed_build_is_what_check_error_raises(fake_cuda):
     layout, _, wl, _ = setup()
     t = transport(0, 4, FakeWindow(4, wl["total_bytes"]), layout, wl, experts_per_rank=1, plan_slots=4)
     t.run(Op.MULTICAST, dsched(), 1, masters_of(layout), None, LIO, "weight_sync", stream=1, slot=3)
-    fake_cuda.arenas[0].status[3] = 2  # kBadPlan
+    arena = fake_cuda.arenas[0]
+    arena.report(3, 0)
+    t.check_error()  # built fine
+    arena.report(3, 2)  # kBadPlan (e.g. at a graph replay: no call of the host enqueued it)
     with pytest.raises(UltracommError, match=r"^ultracomm: rank 0: the device schedule build of plan slot 3 failed: "
                                              r"the plan is invalid \(an expert id out of range, a replica on its home "
                                              r"rank, or an expert twice on a rank\); the rank published a rejection"):
         t.check_error()
-    t.check_error()  # reported once
+    t.check_error()  # each failed generation once
+    arena.report(3, 6)  # the next build: its loads never all arrived
+    with pytest.raises(UltracommError, match="the expert loads' exchange timed out"):
+        t.check_error()
 
 
 def test_loopback_builds_every_ranks_entry_then_launches_once(fake_cuda):
@@ -113,8 +119,9 @@ def test_loopback_builds_every_ranks_entry_then_launches_once(fake_cuda):
     assert got == [("template", 1, [0] * 4, [0, 1, 2, 3], 5), ("template", 1, [1] * 4, [0, 1, 2, 3], 5),
                    *[("build", 1, r, r, 5) for r in range(4)], ("launch", 1, 0, True)]
     assert sorted(out, key=str) == [False, False, False, True]
-    fake_cuda.arenas[0].status[1] = 5  # kOverflow: every rank raises it once
+    fake_cuda.arenas[0].report(1, 5, entries=4)  # kOverflow: every rank raises it once
     for r in range(4):
-        with pytest.raises(UltracommError, match="the device schedule build of plan slot 1 failed: the lists exceed"):
+        with pytest.raises(UltracommError, match=r"rank entry 0 \(checked by rank \d\): the device schedule build "
+                                                 r"of plan slot 1 failed: the lists exceed"):
             ts[r].check_error()
         ts[r].check_error()

@@ -30,10 +30,17 @@ class FakePlan:
 class FakeArena:
     def __init__(self, device, num_slots, bounds):
         self.device, self.num_slots, self.bounds = device, num_slots, bounds
-        self.status: dict[int, int] = {}  # slot -> what its last device build reports
+        self.reports: dict[tuple[int, int], tuple[int, int]] = {}  # (slot, entry) -> (generation, status)
 
-    def build_result(self, slot):
-        return dict(status=self.status.get(slot, 0))
+    def build_result(self, slot, entry=0):
+        gen, status = self.reports.get((slot, entry), (0, 0))
+        return dict(generation=gen, status=status)
+
+    def report(self, slot, status, entries=1):
+        """What the device would report after another build of every entry of ``slot``."""
+        for e in range(entries):
+            gen, _ = self.reports.get((slot, e), (0, 0))
+            self.reports[(slot, e)] = (gen + 1, status)
 
 
 class FakeRunner:

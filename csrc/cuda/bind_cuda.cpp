@@ -184,9 +184,11 @@ staging); Runner.launch_slot writes a plan into a slot with an async copy on the
       .def_property_readonly("device", &PlanArena::device)
       .def(
           "build_result",
-          [](const PlanArena& a, int slot) {
-            const psched::Result r = a.build_result(slot);
+          [](const PlanArena& a, int slot, int entry) {
+            const psched::BuildReport rep = a.build_report(slot, entry);
+            const psched::Result& r = rep.result;
             py::dict d;
+            d["generation"] = rep.generation;
             d["status"] = r.status;
             d["num_tasks"] = py::make_tuple(r.num_tasks[0], r.num_tasks[1]);
             d["num_refs"] = py::make_tuple(r.num_refs[0], r.num_refs[1]);
@@ -194,8 +196,9 @@ staging); Runner.launch_slot writes a plan into a slot with an async copy on the
             d["digest"] = r.digest;
             return d;
           },
-          py::arg("slot"),
-          "What the last device build of `slot` reported (status 0 = ok; read after the stream reached it).");
+          py::arg("slot"), py::arg("entry") = 0,
+          "What the last device build of rank entry `entry` of `slot` reported: generation (builds so far, 0: "
+          "none), status (0 = ok), counts, depths, digest.  Mapped host memory: no copy, no wait.");
 
   py::class_<Runner>(m, "Runner", R"doc(Launch state of one executor on one device.
 
@@ -245,10 +248,13 @@ into text/exception with _core.format_error / _core.raise_error_record.)doc")
           "build_slot",
           [](Runner& r, PlanArena& arena, int slot, int entry, uintptr_t slot_src, uintptr_t home_of, uintptr_t node_of,
              int32_t world, int32_t slots, int32_t num_experts, int32_t rank, int32_t max_depth, uint64_t weight_bytes,
-             uint64_t grad_bytes, uint64_t chunk_bytes, uint64_t hop_bytes, uintptr_t stream) {
-            if (!slot_src || slot_src % 4 || !home_of || home_of % 4 || node_of % 4)
+             uint64_t grad_bytes, uint64_t chunk_bytes, uint64_t hop_bytes, uintptr_t stream, uintptr_t exchange_status,
+             uintptr_t plan_result) {
+            if (!slot_src || slot_src % 4 || !home_of || home_of % 4 || node_of % 4 || exchange_status % 4 ||
+                plan_result % 8)
               throw std::invalid_argument("ultracomm._cuda.Runner.build_slot: slot_src and home_of must be non-null "
-                                          "int32 device arrays, node_of one or 0");
+                                          "int32 device arrays, node_of and exchange_status int32 ones or 0, "
+                                          "plan_result int64 words or 0");
             psched::Problem p{};
             p.world = world;
             p.slots = slots;
@@ -262,14 +268,17 @@ into text/exception with _core.format_error / _core.raise_error_record.)doc")
             p.grad_bytes = grad_bytes;
             p.chunk_bytes = chunk_bytes;
             p.hop_bytes = hop_bytes;
-            r.build_slot(arena, slot, entry, p, as_stream(stream));
+            r.build_slot(arena, slot, entry, p, reinterpret_cast<const int32_t*>(exchange_status),
+                         reinterpret_cast<const int64_t*>(plan_result), as_stream(stream));
           },
           py::arg("arena"), py::arg("slot"), py::arg("entry"), py::arg("slot_src"), py::arg("home_of"),
           py::arg("node_of"), py::arg("world"), py::arg("slots"), py::arg("num_experts"), py::arg("rank"),
           py::arg("max_depth"), py::arg("weight_bytes"), py::arg("grad_bytes"), py::arg("chunk_bytes"),
-          py::arg("hop_bytes"), py::arg("stream"),
+          py::arg("hop_bytes"), py::arg("stream"), py::arg("exchange_status") = 0, py::arg("plan_result") = 0,
           "Enqueue the device step's schedule build (include/ultracomm/slot_build.h) of rank entry `entry` into "
-          "both op areas of arena slot `slot` (its scratch and result are the arena's: PlanArena.build_result).")
+          "both op areas of arena slot `slot` (its scratch and report are the arena's: PlanArena.build_result). "
+          "exchange_status / plan_result: device addresses of the loads' exchange status word and the planner's "
+          "result words, or 0; when either says it failed the build publishes a rejection instead.")
       .def("take_error",
            [](Runner& r) -> py::object {
              const auto e = r.take_error();

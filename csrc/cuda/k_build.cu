@@ -3,6 +3,8 @@
 // is a short sequential pass); it reads the plan from device memory and writes this rank's task
 // lists, refs and digest into caller memory (a plan arena slot): no host involvement, no
 // allocation, capturable in a CUDA graph.
+#include <cuda/atomic>
+
 #include "cuda_check.h"
 #include "k_build.h"
 #include "ultracomm/sched_build.h"
@@ -23,7 +25,13 @@ __global__ void __launch_bounds__(32, 1) k_build_schedule(gpu::BuildArgs a) {
 __global__ void __launch_bounds__(32, 1) k_build_slot(gpu::SlotBuildArgs a) {
 #if defined(__CUDA_ARCH__)
   if (threadIdx.x != 0) return;
-  *a.result = psched::build_into_views(a.problem, a.scratch, a.views, a.caps);
+  int32_t upstream = 0;
+  if (a.exchange_status != nullptr && *a.exchange_status != 0) upstream = psched::kExchangeFailed;
+  else if (a.plan_result != nullptr && (*a.plan_result & 0xffffffff) != 0) upstream = psched::kPlanFailed;
+  a.report->result = psched::build_into_views(a.problem, a.scratch, a.views, a.caps, upstream);
+  // the host reads the generation, then the result: publish the result first
+  __threadfence_system();
+  cuda::atomic_ref<uint64_t, cuda::thread_scope_system>(a.report->generation).fetch_add(1, cuda::memory_order_release);
 #endif
 }
 

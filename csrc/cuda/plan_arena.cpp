@@ -70,11 +70,12 @@ PlanArena::PlanArena(int device, int num_slots, const PlanBounds& bounds)
     dev_ = static_cast<unsigned char*>(p);
     UC_CUDA_CHECK(cudaHostAlloc(&p, bytes_, cudaHostAllocDefault));
     staging_ = static_cast<unsigned char*>(p);
-    UC_CUDA_CHECK(cudaHostAlloc(&p, sizeof(psched::Result) * static_cast<size_t>(num_slots), cudaHostAllocMapped));
-    results_ = static_cast<psched::Result*>(p);
-    std::memset(static_cast<void*>(results_), 0, sizeof(psched::Result) * static_cast<size_t>(num_slots));
-    UC_CUDA_CHECK(cudaHostGetDevicePointer(&p, results_, 0));
-    results_dev_ = static_cast<psched::Result*>(p);
+    const size_t reports = sizeof(psched::BuildReport) * static_cast<size_t>(num_slots) * bounds.nranks;
+    UC_CUDA_CHECK(cudaHostAlloc(&p, reports, cudaHostAllocMapped));
+    reports_ = static_cast<psched::BuildReport*>(p);
+    std::memset(static_cast<void*>(reports_), 0, reports);
+    UC_CUDA_CHECK(cudaHostGetDevicePointer(&p, reports_, 0));
+    reports_dev_ = static_cast<psched::BuildReport*>(p);
     for (auto& ev : copied_) UC_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
   } catch (...) {
     release();
@@ -89,7 +90,7 @@ void PlanArena::release() {
   for (auto& ev : copied_)
     if (ev) cudaEventDestroy(ev), ev = nullptr;
   if (staging_) cudaFreeHost(staging_), staging_ = nullptr;
-  if (results_) cudaFreeHost(results_), results_ = nullptr, results_dev_ = nullptr;
+  if (reports_) cudaFreeHost(reports_), reports_ = nullptr, reports_dev_ = nullptr;
   if (dev_) cudaFree(dev_), dev_ = nullptr;
 }
 
@@ -115,17 +116,24 @@ int64_t* PlanArena::build_scratch(int slot) const {
   return reinterpret_cast<int64_t*>(dev_ + areas + static_cast<size_t>(slot) * scratch_);
 }
 
-psched::Result* PlanArena::build_result_dev(int slot) const {
+size_t PlanArena::report_index(int slot, int entry) const {
   (void)index(slot, Op::kMulticast);
-  return results_dev_ + slot;
+  if (entry < 0 || entry >= bounds_.nranks)
+    bad("rank entry " + std::to_string(entry) + " is out of range 0.." + std::to_string(bounds_.nranks - 1));
+  return static_cast<size_t>(slot) * bounds_.nranks + entry;
 }
 
-psched::Result PlanArena::build_result(int slot) const {
-  (void)index(slot, Op::kMulticast);
-  psched::Result r;
-  // written by the device; the caller read it after the stream reached the build
-  std::memcpy(&r, const_cast<const psched::Result*>(results_ + slot), sizeof r);
-  return r;
+psched::BuildReport* PlanArena::build_report_dev(int slot, int entry) const {
+  return reports_dev_ + report_index(slot, entry);
+}
+
+psched::BuildReport PlanArena::build_report(int slot, int entry) const {
+  const psched::BuildReport* r = reports_ + report_index(slot, entry);
+  psched::BuildReport out;
+  // written by the device: the generation last (after a system fence), so read it first
+  out.generation = __atomic_load_n(&r->generation, __ATOMIC_ACQUIRE);
+  std::memcpy(&out.result, const_cast<const psched::Result*>(&r->result), sizeof out.result);
+  return out;
 }
 
 void PlanArena::check(const std::vector<ExecArgs>& ranks) const {
@@ -152,7 +160,10 @@ void PlanArena::check(const std::vector<ExecArgs>& ranks) const {
 }
 
 void PlanArena::write(int slot, const std::vector<ExecArgs>& ranks, cudaStream_t stream, bool capturing) {
-  write_image(slot, ranks, stream, capturing, nullptr);
+  check(ranks);
+  const int op = static_cast<int>(ranks[0].op);
+  const ImageCapacity cap{bounds_.slots, bounds_.tasks[op], bounds_.refs[op]};
+  write_image(slot, ranks, stream, capturing, &cap);
 }
 
 void PlanArena::write_template(int slot, const std::vector<ExecArgs>& ranks, cudaStream_t stream, bool capturing) {
@@ -174,6 +185,9 @@ void PlanArena::write_image(int slot, const std::vector<ExecArgs>& ranks, cudaSt
     bad("a plan image of " + std::to_string(img.size()) + " bytes does not fit its area");
   // The previous copy out of this staging area may still be queued (the host is ahead of the
   // device by a whole cycle of this slot): it must read the old bytes before they change.
+  if (in_flight_[i] && capturing)  // no event query inside a capture: write the slot eagerly first
+    bad("plan slot " + std::to_string(slot) + ": a new plan or template inside a CUDA graph capture while an "
+        "eager copy into the same slot may still be in flight; run the step once eagerly before capturing it");
   if (in_flight_[i]) {
     const cudaError_t q = cudaEventQuery(copied_[i]);
     if (q == cudaErrorNotReady) UC_CUDA_CHECK(cudaEventSynchronize(copied_[i]));

@@ -8,9 +8,11 @@
 //
 // Device / staging layout: area(slot, op) at slot * (area[0] + area[1]) + (op ? area[0] : 0);
 // an area holds plan_image (device_plan.h) of its plan, rebased onto the area's address.
-// After the areas, per slot, the device step's builder scratch (Runner::build_slot; none when
-// the bounds exceed the builder's capacities); and per slot one psched::Result in mapped host
-// memory, where the build reports its status (read by the host without a copy or a wait).
+// Every image is laid out at the bounds (ImageCapacity), so a device build may follow a host
+// plan in any slot (also at a graph replay).  After the areas, per slot, the device step's
+// builder scratch (Runner::build_slot; none when the bounds exceed the builder's capacities);
+// and per slot and rank entry one psched::BuildReport in mapped host memory, where each build
+// reports its status (read by the host without a copy or a wait).
 #pragma once
 #include <cuda_runtime_api.h>
 
@@ -19,7 +21,7 @@
 #include <vector>
 
 #include "device_plan.h"
-#include "ultracomm/sched_build.h"
+#include "ultracomm/slot_build.h"
 
 namespace ultracomm::gpu {
 
@@ -56,7 +58,8 @@ class PlanArena {
   // Writes `ranks` (checked) into area(slot, ranks[0].op): the staging first (waiting for the
   // previous copy out of that area's staging only if it is still in flight, i.e. the device is a
   // whole cycle of this slot behind), then cudaMemcpyAsync on `stream`.  capturing: the copy
-  // becomes a graph node reading the staging at each replay; no event is recorded for it.
+  // becomes a graph node reading the staging at each replay; no event is recorded for it (and a
+  // capture that would have to wait for an eager copy is refused: std::invalid_argument).
   void write(int slot, const std::vector<ExecArgs>& ranks, cudaStream_t stream, bool capturing);
 
   // The same for a device-built plan's template (include/ultracomm/slot_build.h): the entries'
@@ -72,10 +75,11 @@ class PlanArena {
   const Area& area(int slot, Op op) const { return areas_[index(slot, op)]; }
   const ExecView* views(int slot, Op op) const;  // device address of the area
   // The device step's build of `slot`: its scratch (device memory; null when the bounds exceed
-  // the builder's capacities), its Result's device address, and what the last build wrote there.
+  // the builder's capacities), the device address of rank entry `entry`'s report, and what the
+  // last build of that entry reported (generation 0: none yet).
   int64_t* build_scratch(int slot) const;
-  psched::Result* build_result_dev(int slot) const;
-  psched::Result build_result(int slot) const;
+  psched::BuildReport* build_report_dev(int slot, int entry) const;
+  psched::BuildReport build_report(int slot, int entry) const;
   int num_slots() const { return num_slots_; }
   int device() const { return device_; }
   size_t bytes() const { return bytes_; }
@@ -95,8 +99,9 @@ class PlanArena {
   unsigned char* dev_ = nullptr;      // device memory
   unsigned char* staging_ = nullptr;  // pinned host memory, same layout
   size_t scratch_ = 0;                // builder scratch bytes per slot, after the areas
-  psched::Result* results_ = nullptr;      // mapped host memory, [num_slots]
-  psched::Result* results_dev_ = nullptr;  // its device address
+  psched::BuildReport* reports_ = nullptr;      // mapped host memory, [num_slots][nranks]
+  psched::BuildReport* reports_dev_ = nullptr;  // its device address
+  size_t report_index(int slot, int entry) const;
   std::vector<Area> areas_;
   std::vector<cudaEvent_t> copied_;   // per area: recorded after its last eager copy
   std::vector<bool> in_flight_;       // copied_ was recorded and not yet seen complete

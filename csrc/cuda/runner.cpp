@@ -130,11 +130,21 @@ void Runner::write_template(PlanArena& arena, int slot, const std::vector<ExecAr
     throw std::invalid_argument("ultracomm._cuda.Runner.write_template: the plan arena lives on another device");
   arena.check(ranks);  // before anything moves
   DeviceGuard guard(device_);
-  const unsigned long long capture = order_after_last(static_cast<int>(ranks[0].op), stream);
+  const int op = static_cast<int>(ranks[0].op);
+  const unsigned long long capture = order_after_last(op, stream);
   arena.write_template(slot, ranks, stream, capture != 0);
+  mark_last(op, stream, capture);  // the next launch of the kind on another stream waits for the copy
 }
 
-void Runner::build_slot(PlanArena& arena, int slot, int entry, const psched::Problem& problem, cudaStream_t stream) {
+void Runner::mark_last(int op, cudaStream_t stream, unsigned long long capture) {
+  UC_CUDA_CHECK(cudaEventRecord(last_[op], stream));
+  launched_[op] = true;
+  last_stream_[op] = stream;
+  last_capture_[op] = capture;
+}
+
+void Runner::build_slot(PlanArena& arena, int slot, int entry, const psched::Problem& problem,
+                        const int32_t* exchange_status, const int64_t* plan_result, cudaStream_t stream) {
   const std::string where = "ultracomm._cuda.Runner.build_slot: ";
   if (arena.device() != device_) throw std::invalid_argument(where + "the plan arena lives on another device");
   SlotBuildArgs a{};
@@ -162,11 +172,15 @@ void Runner::build_slot(PlanArena& arena, int slot, int entry, const psched::Pro
                                 ", experts " + std::to_string(b.num_experts) + " exceed the device schedule builder's "
                                 "capacities (world <= 1024, slots <= 8, experts <= 65536); use a host-built plan");
   a.problem = problem;
-  a.result = arena.build_result_dev(slot);
+  a.report = arena.build_report_dev(slot, entry);
+  a.exchange_status = exchange_status;
+  a.plan_result = plan_result;
   DeviceGuard guard(device_);
   // both areas may still be read by the previous launch of their kind
-  for (int op = 0; op < kNumOps; ++op) order_after_last(op, stream);
+  unsigned long long capture = 0;
+  for (int op = 0; op < kNumOps; ++op) capture = order_after_last(op, stream);
   launch_build_slot(a, stream);
+  for (int op = 0; op < kNumOps; ++op) mark_last(op, stream, capture);
 }
 
 void Runner::launch_views(const Shape& p, uint64_t epoch, int ctas_per_rank, cudaStream_t stream, uint32_t flags,
@@ -197,10 +211,7 @@ void Runner::launch_views(const Shape& p, uint64_t epoch, int ctas_per_rank, cud
   // Cooperative (co-residency guaranteed or the launch fails) for loopback grids, except while
   // the stream is captured into a graph: the occupancy check above is what holds there.
   launch_persistent(a, p.grad_dtype, persistent_smem_bytes(cc_major_), loopback && capture == 0, stream);
-  UC_CUDA_CHECK(cudaEventRecord(last_[op], stream));
-  launched_[op] = true;
-  last_stream_[op] = stream;
-  last_capture_[op] = capture;
+  mark_last(op, stream, capture);
 }
 
 std::optional<ErrorRecord> Runner::take_error() {

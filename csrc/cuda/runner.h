@@ -61,8 +61,13 @@ class Runner {
   // otherwise), after the previous launches of both kinds; then launch(arena, slot, op, nullptr,
   // ...) runs what it built.  problem's arrays are device memory.
   void write_template(PlanArena& arena, int slot, const std::vector<ExecArgs>& ranks, cudaStream_t stream);
-  // The build uses the slot's scratch and reports into its Result (PlanArena::build_result).
-  void build_slot(PlanArena& arena, int slot, int entry, const psched::Problem& problem, cudaStream_t stream);
+  // The build uses the slot's scratch and reports into the entry's BuildReport
+  // (PlanArena::build_report).  exchange_status / plan_result (device memory, or null): the
+  // loads' exchange status word and the planner's result words; when either says it failed
+  // the build rejects instead of building from them.  Launches of either kind after it on
+  // another stream wait for it (it writes both areas).
+  void build_slot(PlanArena& arena, int slot, int entry, const psched::Problem& problem,
+                  const int32_t* exchange_status, const int64_t* plan_result, cudaStream_t stream);
 
   // A failure a launch recorded since the last call, if any (call after the stream reached
   // the launch, e.g. after an event or stream synchronisation); multicast's first.
@@ -97,6 +102,7 @@ class Runner {
   // Launches of one op kind share state_[op] (claim counters, join ticket, epochs): each one
   // waits for the previous one of its kind when that went to another stream (order_after_last).
   unsigned long long order_after_last(int op, cudaStream_t stream);  // the stream's capture id, 0 = eager
+  void mark_last(int op, cudaStream_t stream, unsigned long long capture);  // records last_[op] on stream
   cudaEvent_t last_[kNumOps] = {nullptr, nullptr};         // recorded after each launch of the kind
   cudaStream_t last_stream_[kNumOps] = {nullptr, nullptr};
   unsigned long long last_capture_[kNumOps] = {0, 0};      // capture id of that launch, 0 = eager

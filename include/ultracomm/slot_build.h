@@ -12,7 +12,9 @@
 //
 // A build that fails (a plan the builder refuses, lists beyond the capacities) writes no task
 // and the rejected digest: the rank publishes a rejection at its join, so peers raise PlanError
-// "rank r rejected its plan" instead of timing out; the Result says why (status).
+// "rank r rejected its plan" instead of timing out; the Result says why (status).  So does a
+// build whose inputs failed upstream (`upstream`: the loads' exchange timed out, the planner
+// refused the loads): nothing is built from partial or stale inputs.
 #pragma once
 #include <cstdint>
 
@@ -22,29 +24,47 @@
 
 namespace ultracomm::psched {
 
+// Statuses beyond sched_build.h's: the build's inputs failed before it ran.
+constexpr int32_t kExchangeFailed = 6;  // the loads' all-gather timed out (a rank never posted)
+constexpr int32_t kPlanFailed = 7;      // the planner refused the loads
+
 struct SlotCaps {
   int64_t task_cap[2];  // per op: Tasks the view's task array holds
   int64_t ref_cap[2];   // per op: Refs its ref array holds
 };
 
+// What a build reports to the host (in mapped host memory): the result, then the generation,
+// incremented after it (the host reports each generation's failure once, also of graph replays).
+struct BuildReport {
+  Result result;
+  uint64_t generation;
+};
+
 // One thread.  views[0]: the multicast view, views[1]: the reduce view (this rank's entry of
 // each area).  Scratch: scratch_words(world, slots, experts) int64 words.
-UC_INLINE Result build_into_views(const Problem& p, int64_t* scratch, ExecView* const views[2], const SlotCaps& caps) {
-  OpOut out[2];
-  UC_UNROLL
-  for (int op = 0; op < 2; ++op)
-    out[op] = OpOut{const_cast<Task*>(views[op]->tasks), caps.task_cap[op], const_cast<Ref*>(views[op]->refs),
-                    caps.ref_cap[op]};
-  Result res = build(p, scratch, out[0], out[1]);
-  const bool ok = res.status == kOk;
-  const int64_t S = p.slots;
-  const int64_t WS = int64_t(p.world) * S;
+// upstream: 0, or kExchangeFailed / kPlanFailed (then nothing is built).
+UC_INLINE Result build_into_views(const Problem& p, int64_t* scratch, ExecView* const views[2], const SlotCaps& caps,
+                                  int32_t upstream = 0) {
   // the view's shape must be the problem's: a template of another Context never gets a list
   bool fits = true;
   UC_UNROLL
   for (int op = 0; op < 2; ++op)
     fits = fits && views[op]->rank == p.rank && views[op]->world == p.world && views[op]->layout.slots == p.slots;
-  if (ok && !fits) res.status = kBadShape;
+  Result res{};
+  if (upstream != 0) {
+    res.status = upstream;
+  } else if (!fits) {
+    res.status = kBadShape;
+  } else {
+    OpOut out[2];
+    UC_UNROLL
+    for (int op = 0; op < 2; ++op)
+      out[op] = OpOut{const_cast<Task*>(views[op]->tasks), caps.task_cap[op], const_cast<Ref*>(views[op]->refs),
+                      caps.ref_cap[op]};
+    res = build(p, scratch, out[0], out[1]);
+  }
+  const int64_t S = p.slots;
+  const int64_t WS = int64_t(p.world) * S;
   UC_UNROLL
   for (int op = 0; op < 2; ++op) {
     ExecView* v = views[op];
@@ -52,7 +72,9 @@ UC_INLINE Result build_into_views(const Problem& p, int64_t* scratch, ExecView* 
     int32_t* parent = const_cast<int32_t*>(v->slot_parent);
     const int32_t* pr = res.status == kOk ? tree_of(view(scratch, p.world, p.slots, p.num_experts).trees, WS, 1 + op)
                                           : nullptr;
-    for (int64_t s = 0; s < S && fits; ++s) {
+    // the view's own slots (a failed build clears them: the rank's drain then waits on nothing)
+    const int64_t n = v->layout.slots < S ? v->layout.slots : S;
+    for (int64_t s = 0; s < n; ++s) {
       my[s] = res.status == kOk ? p.slot_src[int64_t(p.rank) * S + s] : -1;
       if (parent != nullptr) parent[s] = pr != nullptr ? pr[int64_t(p.rank) * S + s] : -1;
     }

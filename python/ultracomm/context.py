@@ -193,6 +193,10 @@ class Context:
         self._begun = 0  # micro-batches begun: vids carry it so a released vid is never taken for a new one
         self._schedules: collections.OrderedDict[bytes, Schedule] = collections.OrderedDict()
         self._device_inputs: dict = {}  # device -> (home_of, node_of) tensors of resident plans' builds
+        epr = self.experts_per_rank  # local_index_of of the fixed-home model (resident plans)
+        self._home_local_index = [e % epr if e // epr == self.rank else -1 for e in range(self.num_experts)]
+        if getattr(self.transport, "build_on_device", False):
+            self._device_inputs_for(self.window.local.device)
         self._epoch = 0
         self._lock = threading.Lock()
         self._broken: str | None = None
@@ -707,24 +711,22 @@ class Context:
 
     def _device_schedule(self, plan: ResidentPlan) -> DeviceSchedule:
         """The device build's inputs for ``plan`` (fixed-home experts, this Context's chunking,
-        depth limit and cost model; the same numbers ``schedule_for`` gives the host build)."""
-        dev = plan.slot_src.device
-        fixed = self._device_inputs.get(dev)
-        if fixed is None:
-            E, epr = self.num_experts, self.experts_per_rank
-            home = torch.arange(E, dtype=torch.int32, device=dev) // epr
-            nodes = None if len(set(self.node_of)) == 1 else torch.tensor(self.node_of, dtype=torch.int32, device=dev)
-            fixed = self._device_inputs[dev] = (home, nodes)
+        depth limit and cost model; the same numbers ``schedule_for`` gives the portable host build)."""
+        home, nodes = self._device_inputs_for(plan.slot_src.device)
         c = self.config
-        return DeviceSchedule(plan, fixed[0], fixed[1], self.rank, self.num_experts,
+        return DeviceSchedule(plan, home, nodes, self.rank, self.num_experts,
                               1 if c.relay_mode == "off" else c.max_depth, self.layout.weight_bytes,
                               self.layout.grad_bytes, self.wlayout["chunk_bytes"], hop_bytes(c.intra_bw))
 
-    @property
-    def _home_local_index(self) -> list[int]:
-        """local_index_of of the fixed-home model: expert e is local index e % epr on rank e // epr."""
-        epr = self.experts_per_rank
-        return [e % epr if e // epr == self.rank else -1 for e in range(self.num_experts)]
+    def _device_inputs_for(self, dev: torch.device) -> tuple:
+        """``(home_of, node_of)`` int32 tensors on ``dev`` for the device builds (made at setup for
+        the window's GPU: never first inside a CUDA graph capture, where they would not exist yet)."""
+        fixed = self._device_inputs.get(dev)
+        if fixed is None:
+            home = torch.arange(self.num_experts, dtype=torch.int32, device=dev) // self.experts_per_rank
+            nodes = None if len(set(self.node_of)) == 1 else torch.tensor(self.node_of, dtype=torch.int32, device=dev)
+            fixed = self._device_inputs[dev] = (home, nodes)
+        return fixed
 
     def restore(self, vid: int, async_op: bool = False) -> Work | None:
         """Re-multicast ``vid``'s plan (the slots were reused by other layers since its forward)."""

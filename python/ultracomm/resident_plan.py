@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from .errors import UltracommError
 from .plan import ReplicaPlan
 
 __all__ = ["ResidentPlan", "DeviceSchedule", "BUILD_STATUS"]
@@ -39,6 +40,8 @@ BUILD_STATUS = {
     3: "the build options are invalid (chunk bytes, bytes per expert, depth limit or rank)",
     4: "node_of names a node outside [0, world)",
     5: "the lists exceed the plan arena's bounds",
+    6: "the expert loads' exchange timed out (a rank never posted its loads), so nothing was built from them",
+    7: "the planner refused the loads, so nothing was built from its output",
 }
 
 
@@ -49,9 +52,16 @@ class ResidentPlan:
     Attributes:
         slot_src: int32 ``[world, slots]``: expert held by each replica slot (-1: empty);
             on the GPU of the Context's window (built there, no host copy) or on the CPU.
+        exchange_status: optional int32 tensor on the same device whose first word is nonzero
+            when the loads the plan was made from failed to arrive (``GpuLoadBoard.status``);
+        planner_result: optional int64 ``[3]`` tensor, ``plan_on_gpu``'s ``result`` (its status
+            in the low 32 bits of word 0).  The device build checks both first: a failed input
+            is rejected, not built from (on the host path they are checked on the host).
     """
 
     slot_src: torch.Tensor
+    exchange_status: torch.Tensor | None = None
+    planner_result: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         t = self.slot_src
@@ -59,6 +69,12 @@ class ResidentPlan:
             got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"ultracomm: ResidentPlan.slot_src must be a contiguous int32 [world, slots] tensor, got "
                              f"{got}")
+        for name, w, dt in (("exchange_status", self.exchange_status, torch.int32),
+                            ("planner_result", self.planner_result, torch.int64)):
+            if w is not None and (not isinstance(w, torch.Tensor) or w.dtype != dt or w.numel() < 1
+                                  or w.device != t.device):
+                raise ValueError(f"ultracomm: ResidentPlan.{name} must be a {dt} tensor on the plan's device "
+                                 f"{t.device}, or None")
 
     @property
     def world(self) -> int:
@@ -69,7 +85,11 @@ class ResidentPlan:
         return int(self.slot_src.shape[1])
 
     def host_plan(self, experts_per_rank: int) -> ReplicaPlan:
-        """The plan on the host (a copy: on a GPU it waits for the stream that makes it)."""
+        """The plan on the host (a copy: on a GPU it waits for the stream that makes it); raises
+        ``UltracommError`` when ``exchange_status`` / ``planner_result`` say its inputs failed."""
+        for word, status in ((self.exchange_status, 6), (self.planner_result, 7)):
+            if word is not None and int(word.reshape(-1)[0].item()) & 0xFFFFFFFF:
+                raise UltracommError(f"ultracomm: {BUILD_STATUS[status]}")
         return ReplicaPlan.make(self.slot_src.cpu().numpy(), experts_per_rank=experts_per_rank)
 
 
@@ -99,8 +119,10 @@ class DeviceSchedule:
 
     def build_args(self) -> dict:
         """Keyword arguments of ``Runner.build_slot`` beside arena, slot, entry and stream."""
-        src = self.plan.slot_src
+        src, p = self.plan.slot_src, self.plan
         return dict(slot_src=src.data_ptr(), home_of=self.home_of.data_ptr(),
+                    exchange_status=0 if p.exchange_status is None else p.exchange_status.data_ptr(),
+                    plan_result=0 if p.planner_result is None else p.planner_result.data_ptr(),
                     node_of=0 if self.node_of is None else self.node_of.data_ptr(), world=int(src.shape[0]),
                     slots=int(src.shape[1]), num_experts=self.num_experts, rank=self.rank, max_depth=self.max_depth,
                     weight_bytes=self.weight_bytes, grad_bytes=self.grad_bytes, chunk_bytes=self.chunk_bytes,

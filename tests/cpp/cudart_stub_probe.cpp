@@ -127,7 +127,11 @@ void launch_build_slot(const SlotBuildArgs& a, cudaStream_t s) {
   log("launch build_slot views +" + std::to_string(reinterpret_cast<unsigned char*>(a.views[0]) - g_device_mem) +
       " +" + std::to_string(reinterpret_cast<unsigned char*>(a.views[1]) - g_device_mem) + " caps " +
       std::to_string(a.caps.task_cap[0]) + "/" + std::to_string(a.caps.task_cap[1]) + " " + sname(s));
-  *a.result = psched::build_into_views(a.problem, a.scratch, a.views, a.caps);
+  int32_t upstream = 0;
+  if (a.exchange_status != nullptr && *a.exchange_status != 0) upstream = psched::kExchangeFailed;
+  else if (a.plan_result != nullptr && (*a.plan_result & 0xffffffff) != 0) upstream = psched::kPlanFailed;
+  a.report->result = psched::build_into_views(a.problem, a.scratch, a.views, a.caps, upstream);
+  a.report->generation++;
 }
 }  // namespace ultracomm::gpu
 
@@ -251,8 +255,9 @@ int main(int argc, char** argv) {
               std::to_string(v.slot_parent[0]) + "," + std::to_string(v.slot_parent[1]) + " first_task_expert " +
               std::to_string(v.num_tasks ? v.tasks[0].expert : -1));
         }
-        const psched::Result r = arena.build_result(slot);
-        log("  result status " + std::to_string(r.status) + " digest " + std::to_string(r.digest));
+        const psched::BuildReport r = arena.build_report(slot, 0);
+        log("  result generation " + std::to_string(r.generation) + " status " + std::to_string(r.result.status) +
+            " digest " + std::to_string(r.result.digest));
       };
       log("-- reduce on s2");
       runner.launch(arena, 0, Op::kReduce, &tmpl[1], 1, 1, s2, 0);
@@ -260,17 +265,24 @@ int main(int argc, char** argv) {
       runner.write_template(arena, 1, tmpl[0], s1);
       runner.write_template(arena, 1, tmpl[1], s1);
       log("-- build slot 1");
-      runner.build_slot(arena, 1, 0, p, s1);
+      runner.build_slot(arena, 1, 0, p, nullptr, nullptr, s1);
       show(1);
       log("-- run slot 1");
       runner.launch(arena, 1, Op::kMulticast, nullptr, 2, 1, s1, 0);
       runner.launch(arena, 1, Op::kReduce, nullptr, 3, 1, s1, 0);
       log("-- build as rank 2 into rank 1's template");
       p.rank = 2;
-      runner.build_slot(arena, 1, 0, p, s1);
+      runner.build_slot(arena, 1, 0, p, nullptr, nullptr, s1);
       show(1);
+      log("-- build after a failed exchange");
+      p.rank = 1;
+      const int32_t exchange_failed = 1;
+      runner.build_slot(arena, 1, 0, p, &exchange_failed, nullptr, s2);
+      show(1);
+      log("-- reduce on s1 after the build on s2");
+      runner.launch(arena, 1, Op::kReduce, nullptr, 4, 1, s1, 0);
       log("-- build slot 2 without a template");
-      runner.build_slot(arena, 2, 0, p, s1);
+      runner.build_slot(arena, 2, 0, p, nullptr, nullptr, s1);
     } else if (sc.rfind("streams", 0) == 0) {  // streams <op><handle> ...: one launch each
       gpu::DevicePlan mc({one_rank(0, 1)});
       ExecArgs r = one_rank(0, 1);

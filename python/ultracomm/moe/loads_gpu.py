@@ -65,6 +65,8 @@ class GpuLoadBoard:
         self._buf = torch.zeros(_STATUS_WORDS + world * self.E, dtype=torch.int32, device=dev)
         self._seq = torch.zeros(1, dtype=torch.int64, device=dev)
         self.out = self._buf[_STATUS_WORDS:].view(world, self.E)
+        #: int32 status words of the last exchange (word 0 nonzero: a rank never posted; word 1 names it)
+        self.status = self._buf[:_STATUS_WORDS]
         self._loopback = bool(getattr(window, "loopback", False))
         self._last: _Share | None = None
 

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ..context import Context
-from ..errors import RegistrationError, UltracommError
+from ..errors import ConfigError, RegistrationError, UltracommError
 from ..layout import ExpertLayout
 from ..planners import Domain, PlannerResult, get_planner, max_mean
 from ..planners import device as device_planner
@@ -145,7 +145,7 @@ class Step:
         self.routing_map, self.probs = routing_map, probs
         self.vid, self._sync, self.grad, self._target = vid, sync, grad, target
         self.device = routing_map.device
-        # the device-resident path: the planner's buffers of this vid slot (loads, plan, reroute)
+        # the device-resident path: this step's copies of its loads and plan (device tensors)
         self._resident = resident
         self._tables: dict[str, RerouteTable] = {}
         # The forward's outputs are held weakly (the token strongly only until guard()): their
@@ -166,11 +166,10 @@ class Step:
     @property
     def result(self) -> PlannerResult:
         if self._result is None:  # device-resident: host copies of the loads and the plan (a sync)
-            bufs, mgr = self._resident, self.manager
-            plan = bufs["plan"]
-            info = device_planner.decode_result(plan["result"].cpu())
-            self._result = build_result(bufs["loads"].cpu().numpy().astype(np.int64), mgr.domain,
-                                        plan["slot_src"].cpu().numpy(), plan["slot_quota"].cpu().numpy(), info)
+            snap, mgr = self._resident, self.manager
+            info = device_planner.decode_result(snap["result"].cpu())
+            self._result = build_result(snap["loads"].cpu().numpy().astype(np.int64), mgr.domain,
+                                        snap["slot_src"].cpu().numpy(), snap["slot_quota"].cpu().numpy(), info)
         return self._result
 
     @property
@@ -205,11 +204,9 @@ class Step:
         key = f"{layout}:{src}"
         table = self._tables.get(key)
         if table is None and self._resident is not None:  # on the GPU, from the plan there (no host sync)
-            bufs = self._resident
-            plan = bufs["plan"]
+            snap = self._resident
             table = self._tables[key] = RerouteTable.from_plan(
-                bufs["loads"], plan["slot_src"], plan["slot_quota"], src, self.manager.experts_per_rank, layout,
-                out=bufs["tables"].setdefault(key, {}))
+                snap["loads"], snap["slot_src"], snap["slot_quota"], src, self.manager.experts_per_rank, layout)
         elif table is None:
             table = self._tables[key] = RerouteTable.from_result(self.result, src, layout).to(self.device)
         rm = self.routing_map if routing_map is None else routing_map
@@ -237,7 +234,7 @@ class Step:
         """Expert held by each of this rank's replica slots (-1 = empty); on the device-resident
         path a host copy (a sync)."""
         if self._resident is not None and self._result is None:
-            return self._resident["plan"]["slot_src"][self.manager.rank].tolist()
+            return self._resident["slot_src"][self.manager.rank].tolist()
         return self.result.slot_src[self.manager.rank].tolist()
 
     def guard(self, x: torch.Tensor) -> torch.Tensor:
@@ -395,6 +392,14 @@ class ReplicaManager:
             group, layout, experts_per_rank, slots_per_rank, num_layers, max_microbatches, node_of=node_of,
             **context_options)
         c = self.ctx
+        if c.stream_ordered and getattr(c.window, "loopback", False) and c.world > 1:
+            raise ConfigError(
+                "ultracomm: ReplicaManager cannot run on a one-GPU loopback domain (cuda_local windows) of more "
+                "than one rank: there one launch runs every rank's share of an operation, enqueued by the last "
+                "rank to call it, so a rank's forward compute and its backward (every rank's autograd nodes run on "
+                "one device thread) would be enqueued before the operation they read.  Use one process per GPU "
+                "(cuda_ipc or torch_symm windows), the host executor, or Context operations driven from one "
+                "thread (as tests/test_gpu_context.py does)")
         self.layout, self.rank, self.world = c.layout, c.rank, c.world
         self.experts_per_rank, self.slots_per_rank, self.num_layers = c.experts_per_rank, c.slots_per_rank, c.num_layers
         self.num_experts = c.num_experts
@@ -555,13 +560,18 @@ class ReplicaManager:
         try:
             bufs = self._resident_buffers(vid % (self.num_layers * self.ctx.max_microbatches), loads)
             bufs["loads"].copy_(loads)  # the board's buffer is the next exchange's: keep this step's
-            device_planner.plan_on_gpu(bufs["loads"], self.domain, self.slots_per_rank, out=bufs["plan"],
+            out = bufs["plan"]
+            device_planner.plan_on_gpu(bufs["loads"], self.domain, self.slots_per_rank, out=out,
                                        **self.planner_options)
-            plan = ResidentPlan(bufs["plan"]["slot_src"])
+            # the build rejects (instead of using them) loads that never all arrived or a refused plan
+            plan = ResidentPlan(out["slot_src"], exchange_status=self._board.status, planner_result=out["result"])
             async_op = self._async_ok()
             sync = self.ctx.weight_sync(vid, plan, async_op=async_op) if async_op else \
                 (self.ctx.weight_sync(vid, plan) or _ON_STREAM)
-            return vid, Step(self, layer, None, routing_map, probs, vid, sync, grad, resident=bufs)
+            # the step's own copy (stream-ordered, small): the vid slot's buffers serve its next step
+            snap = dict(loads=bufs["loads"].clone(), slot_src=out["slot_src"].clone(),
+                        slot_quota=out["slot_quota"].clone(), result=out["result"].clone())
+            return vid, Step(self, layer, None, routing_map, probs, vid, sync, grad, resident=snap)
         except BaseException:
             self.ctx.end(vid)
             raise
@@ -571,7 +581,7 @@ class ReplicaManager:
         captured graph reads and writes the same memory at every replay)."""
         bufs = self._resident_bufs.get(slot)
         if bufs is None:
-            bufs = self._resident_bufs[slot] = dict(loads=torch.empty_like(loads), plan=None, tables={})
+            bufs = self._resident_bufs[slot] = dict(loads=torch.empty_like(loads), plan=None)
             bufs["plan"] = device_planner.plan_on_gpu(loads, self.domain, self.slots_per_rank, **self.planner_options)
         return bufs
 

@@ -136,6 +136,7 @@ class TmaTransport:
                          Op.REDUCE: (list(layout.grad_offsets), list(layout.grad_sizes))}
         self._slots = PlanSlots(self.plan_slots)
         self._resident = ResidentSlots(self._slots)
+        self._templates: dict = {}  # (id(masters), id(local_index_of)) -> resident plans' templates
         self._arena = None
         if self._loopback is None and self._arena_shape is not None:
             self._arena = self._make_arena(self._arena_shape)
@@ -172,29 +173,35 @@ class TmaTransport:
         return key, make
 
     def _share(self, sched: DeviceSchedule, masters: Masters, local_index_of: Sequence[int]) -> Share:
-        """This rank's entry of a resident plan's launch (resident.py)."""
+        """This rank's entry of a resident plan's launch (resident.py).  The templates and their
+        keys depend only on the masters and local_index_of: made once per pair (E-long lists)."""
+        key = (id(masters), id(local_index_of))
+        got = self._templates.get(key)
+        if got is None or got[0] is not masters or got[1] is not local_index_of:
+            got = self._templates[key] = (masters, local_index_of, *self._template_fns(masters, local_index_of))
+            if len(self._templates) > 256:  # masters registered again and again: forget the oldest
+                self._templates.pop(next(iter(self._templates)))
+        return Share(sched.token, got[2], got[3], sched.build_args())
+
+    def _template_fns(self, masters: Masters, local_index_of: Sequence[int]) -> tuple:
         lio = [int(i) for i in local_index_of]
         S = int(self.wlayout["slots"])
-
-        def ptrs(op: int) -> list[int]:
-            # registered without grads: no reduction can run (Context refuses it); the weights'
-            # pointers stand in so the reduce template is well-formed, and the key tells them apart
-            p = masters.grad_ptrs if op == int(Op.REDUCE) and masters.grad_ptrs is not None else masters.weight_ptrs
-            return list(p)
+        # registered without grads: no reduction can run (Context refuses it); the weights'
+        # pointers stand in so the reduce template is well-formed, and the key tells them apart
+        ptrs = {int(Op.MULTICAST): list(masters.weight_ptrs),
+                int(Op.REDUCE): list(masters.grad_ptrs if masters.grad_ptrs is not None else masters.weight_ptrs)}
+        keys = {op: (op, masters.grad_ptrs is None, tuple(p), tuple(lio), tuple(self._bases)) for op, p in ptrs.items()}
 
         def template(op: int) -> dict:
             member_off, member_bytes = self._members[Op(op)]
             L = self.wlayout
             return dict(op=op, rank=self.rank, world=self.world, slots=S, weight_slot_bytes=L["weight_slot_bytes"],
                         grad_slot_bytes=L["grad_slot_bytes"], chunk_bytes=L["chunk_bytes"], window_bases=self._bases,
-                        member_off=member_off, member_bytes=member_bytes, master_ptrs=ptrs(op), local_index_of=lio,
+                        member_off=member_off, member_bytes=member_bytes, master_ptrs=ptrs[op], local_index_of=lio,
                         grad_dtype=self._grad_code, my_slots=[-1] * S, tasks=np.zeros(0, TASK_DTYPE),
                         refs=np.zeros(0, REF_DTYPE), timeout_s=self.timeout_s, slot_parent=[-1] * S, digest=1)
 
-        def template_key(op: int) -> tuple:
-            return (op, masters.grad_ptrs is None, tuple(ptrs(op)), tuple(lio), tuple(self._bases))
-
-        return Share(sched.token, template, template_key, sched.build_args())
+        return template, keys.__getitem__
 
     def run(self, op: Op, schedule, epoch: int, masters: Masters, my_slots: Sequence[int],
             local_index_of: Sequence[int], op_name: str | None, stream: int, slot: int | None = None) -> bool:

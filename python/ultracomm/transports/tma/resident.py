@@ -10,9 +10,10 @@ slot_parent, counts, digest), then the persistent kernel runs the slot; ``restor
 ``grad_reduce`` of the vid run what the slot holds.  Under CUDA graph capture all of it is
 captured: a replay rebuilds from whatever the planner's output buffer holds then.
 
-A failed build (status in mapped host memory, ``PlanArena.build_result``) made the rank publish
-a rejection; :meth:`ResidentSlots.take_failure` turns it into the error its ``check_error``
-raises.
+A failed build made the rank publish a rejection; it reports in mapped host memory
+(``PlanArena.build_result(slot, entry)``: a status and a generation the build increments), and
+:meth:`ResidentSlots.take_failure` raises each failed generation once -- also of builds a CUDA
+graph replay ran, which the host never enqueued itself.
 """
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ class ResidentSlots:
 
     def __init__(self, slots: PlanSlots):
         self.slots = slots
-        self._built: set[int] = set()  # slots built since the last take_failure
+        self._entries: dict[int, int] = {}  # slot -> rank entries its builds write (slots ever built)
+        self._seen: dict[tuple[int, int], int] = {}  # (slot, entry) -> generation already checked
 
     def launch(self, runner: Any, arena: Any, slot: int | None, op: int, shares: Sequence[Share], epoch: int,
                ctas: int, stream: int) -> None:
@@ -68,20 +70,28 @@ class ResidentSlots:
                 runner.build_slot(arena, slot, entry, stream=stream, **s.build_args)
             for o in (int(Op.MULTICAST), int(Op.REDUCE)):
                 self.slots.built(slot, o, key)
-            self._built.add(slot)
+            self._entries[slot] = len(shares)
         elif self.slots.template(slot, op) != tuple(s.template_key(op) for s in shares):
             raise UltracommError(f"ultracomm: plan slot {slot}: the masters (or window) changed since this resident "
                                  "plan's weight_sync built its lists; call weight_sync again after register_masters")
         runner.launch_slot(arena, slot, op, None, epoch, ctas, stream, False)
 
     def take_failure(self, arena: Any, rank: int) -> UltracommError | None:
-        """The error of a failed device build since the last call (read after the stream reached
-        the builds: their status is in mapped host memory, no copy), or None."""
-        built, self._built = self._built, set()
-        for slot in sorted(built):
-            r = arena.build_result(slot)
-            if r["status"] != 0:
-                why = BUILD_STATUS.get(int(r["status"]), f"status {r['status']}")
-                return UltracommError(f"ultracomm: rank {rank}: the device schedule build of plan slot {slot} failed: "
-                                      f"{why}; the rank published a rejection (peers raise PlanError)")
-        return None
+        """The error of a device build that failed since the last call (read after the stream
+        reached the builds: their reports are in mapped host memory, no copy), or None.  Every
+        slot ever built is looked at, so builds of graph replays are reported too, each once."""
+        failure = None
+        for slot, entries in sorted(self._entries.items()):
+            for entry in range(entries):
+                r = arena.build_result(slot, entry)
+                gen = int(r["generation"])
+                if gen == self._seen.get((slot, entry), 0):
+                    continue
+                self._seen[(slot, entry)] = gen
+                if r["status"] != 0 and failure is None:
+                    who = f"rank {rank}" if entries == 1 else f"rank entry {entry} (checked by rank {rank})"
+                    why = BUILD_STATUS.get(int(r["status"]), f"status {r['status']}")
+                    failure = UltracommError(
+                        f"ultracomm: {who}: the device schedule build of plan slot {slot} failed: {why}; the rank "
+                        "published a rejection (peers raise PlanError) and ran no task of it")
+        return failure

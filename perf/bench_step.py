@@ -6,9 +6,10 @@ Side by side in one run, per step (forward only: loads -> plan -> weight_sync):
 * ``store``: the loads through the group's store (``all_gather_object``), the host ``quota``
   planner and a plan agreement through the store per weight_sync (``plan_check="agree"``) --
   the manager before issue 19;
-* ``window``: the loads through the shared-memory window (``LoadBoard``), the device control
-  plane's planner (``device``, host build: the default) and the plan checked through the window
-  digests (``plan_check="window"``): no store call per step.
+* ``window``: the manager's default -- the device control plane's host build: the loads through
+  the shared-memory window (``LoadBoard``), its quota planner (``device``), the plan handed over
+  as a ``ResidentPlan`` and built by its schedule builder (``portable``), checked through the
+  window digests (``plan_check="window"``): no store or ``torch.distributed`` call per step.
 Prints the median microseconds per step of the slowest rank and the ratio, plus each planner
 alone on the same loads.  Measured on whatever machine runs it (CPU).
 """

@@ -126,9 +126,9 @@ def test_plan_arena_is_allocated_once_and_written_with_async_copies(probe):
                    "cudaMemcpyAsync 576 H2D s1 +9984", "cudaEventRecord e5 s1",
                    "launch grid 1 smem 65568 plain s1", view, "cudaEventRecord e1 s1",
                    "-- rerun slot 1",
+                   "cudaEventQuery e5",  # an eager launch retires the finished copies (a capture may then write)
                    "launch grid 1 smem 65568 plain s1", view, "cudaEventRecord e1 s1",
-                   "-- rewrite slot 1",
-                   "cudaEventQuery e5",  # the previous copy out of this staging finished: no wait
+                   "-- rewrite slot 1",  # the previous copy out of this staging finished: no query, no wait
                    "cudaMemcpyAsync 576 H2D s1 +9984", "cudaEventRecord e5 s1",
                    "launch grid 1 smem 65568 plain s1", view, "cudaEventRecord e1 s1",
                    "-- slot 2 empty", "cudaFree", "cudaFree",
@@ -163,8 +163,9 @@ def test_device_step_builds_into_the_templates_and_runs_what_it_built(probe):
         "cudaEventRecord e2 s1",
         "-- build slot 1",  # behind both templates on its own stream: nothing to wait for
         "launch build_slot views +10752 +11776 caps 6/12 s1", "cudaEventRecord e1 s1", "cudaEventRecord e2 s1",
-        *views, f"  result generation 1 status 0 digest {d}",
-        "-- run slot 1",
+        *views, f"  result generation 1 status 0 digest {d} failures 0",
+        "-- run slot 1",  # the first eager launch retires the finished copies (the earlier reduce's, the templates)
+        "cudaEventQuery e4", "cudaEventQuery e5", "cudaEventQuery e6",
         "launch grid 1 smem 65568 plain s1", f"  views +10752 op 0 tasks {len(mc['tasks'])} at +11296",
         "cudaEventRecord e1 s1",
         "launch grid 1 smem 65568 plain s1", f"  views +11776 op 1 tasks {len(rd['tasks'])} at +12320",
@@ -176,14 +177,14 @@ def test_device_step_builds_into_the_templates_and_runs_what_it_built(probe):
                for op in (0, 1)]
     # a build that does not fit its template (another rank's) runs nothing and publishes a rejection
     j = log.index("-- build as rank 2 into rank 1's template")
-    assert log[j + 4:j + 7] == [*cleared, "  result generation 2 status 1 digest 0"]  # kBadShape
+    assert log[j + 4:j + 7] == [*cleared, "  result generation 2 status 1 digest 0 failures 1"]  # kBadShape
     # inputs that failed upstream (here the loads' exchange) are not built from; the build on s2
     # waits for both kinds' launches on s1, and the next reduce on s1 waits for the build
     j = log.index("-- build after a failed exchange")
     assert log[j + 1:j + 8] == ["cudaStreamWaitEvent s2 e1", "cudaStreamWaitEvent s2 e2",
                                 "launch build_slot views +10752 +11776 caps 6/12 s2", "cudaEventRecord e1 s2",
                                 "cudaEventRecord e2 s2", *cleared]
-    assert log[j + 8] == "  result generation 3 status 6 digest 0"  # kExchangeFailed
+    assert log[j + 8] == "  result generation 3 status 6 digest 0 failures 2"  # kExchangeFailed
     j = log.index("-- reduce on s1 after the build on s2")
     assert log[j + 1:j + 3] == ["cudaStreamWaitEvent s1 e2", "launch grid 1 smem 65568 plain s1"]
     assert log[-1] == ("threw ultracomm._cuda.Runner.build_slot: plan arena slot 2 has no template for multicast; "
@@ -193,7 +194,9 @@ def test_device_step_builds_into_the_templates_and_runs_what_it_built(probe):
 def test_plan_arena_waits_only_when_the_device_is_a_whole_slot_cycle_behind(probe):
     _, run = _arena(probe, "arena_behind")  # the stub's previous copy out of the staging is still queued
     i = run.index("-- rewrite slot 1")
-    assert run[i + 1:i + 4] == ["cudaEventQuery e5", "cudaEventSynchronize e5", "cudaMemcpyAsync 576 H2D s1 +9984"]
+    # the launch's retire finds it in flight, then the write waits for it
+    assert run[i + 1:i + 5] == ["cudaEventQuery e5", "cudaEventQuery e5", "cudaEventSynchronize e5",
+                                "cudaMemcpyAsync 576 H2D s1 +9984"]
     assert run.count("cudaEventSynchronize e5") == 1
 
 

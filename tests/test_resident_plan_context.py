@@ -104,3 +104,36 @@ def test_failed_inputs_are_refused_on_the_host_path_too():
         ResidentPlan(src, planner_result=torch.tensor([2 | (5 << 32), 0, 0], dtype=torch.int64)).host_plan(1)
     with pytest.raises(ValueError, match=r"ResidentPlan.planner_result must be a torch.int64 tensor"):
         ResidentPlan(src, planner_result=torch.zeros(3, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("plan_check", ["agree", "window"])
+def test_a_rank_whose_inputs_failed_makes_every_rank_raise(plan_check):
+    """Rank 0's loads never all arrived (its exchange status says so): it raises why, and rank 1
+    -- whose own plan is fine -- raises at once too instead of waiting for the timeout (through the
+    plan agreement, or the rejection rank 0 publishes in its window)."""
+    from ultracomm.errors import PlanError, UltracommError
+
+    layout = make_layout(9, 21, grad_dtype=torch.float32)
+
+    def body(group):
+        with Context(group, layout, 1, 1, num_layers=1, chunk_bytes=32, tile_bytes=16, num_workers=2,
+                     timeout_s=30.0, plan_check=plan_check) as ctx:
+            weights, grads = masters_for(layout, group.rank, 1)
+            ctx.register_masters(0, weights, grads)
+            vid = ctx.begin(0)
+            status = torch.tensor([1 if group.rank == 0 else 0, 1, 0, 0], dtype=torch.int32)
+            plan = ResidentPlan(torch.tensor([[1], [0]], dtype=torch.int32), exchange_status=status)
+            try:
+                ctx.weight_sync(vid, plan)
+                if plan_check == "window":
+                    ctx.synchronize()
+            except (UltracommError, ValueError) as e:
+                return type(e), str(e)
+            return None
+
+    got = LoopbackDomain(2).run(body, timeout=120)
+    assert got[0][0] is UltracommError and "the expert loads' exchange timed out" in got[0][1]
+    if plan_check == "agree":
+        assert got[1][0] is ValueError and "ranks [0] rejected their plan" in got[1][1]
+    else:
+        assert issubclass(got[1][0], PlanError) and "rank 0 rejected its plan" in got[1][1], got[1]

@@ -91,8 +91,15 @@ def test_failed_build_is_what_check_error_raises(fake_cuda):
                                              r"rank, or an expert twice on a rank\); the rank published a rejection"):
         t.check_error()
     t.check_error()  # each failed generation once
-    arena.report(3, 6)  # the next build: its loads never all arrived
+    arena.report(3, 6)  # the next build: its loads never all arrived ...
+    arena.report(3, 0)  # ... and a good build after it before anyone looked: the failure stays
     with pytest.raises(UltracommError, match="the expert loads' exchange timed out"):
+        t.check_error()
+    t.check_error()
+    arena.report(3, 7)
+    arena.report(3, 2)  # two failures between checks: both counted, the last one's reason
+    with pytest.raises(UltracommError, match=r"the plan is invalid .*\(2 failed builds since the last check; the "
+                                             r"last one's reason\)"):
         t.check_error()
 
 

@@ -30,17 +30,24 @@ class FakePlan:
 class FakeArena:
     def __init__(self, device, num_slots, bounds):
         self.device, self.num_slots, self.bounds = device, num_slots, bounds
-        self.reports: dict[tuple[int, int], tuple[int, int]] = {}  # (slot, entry) -> (generation, status)
+        # (slot, entry) -> (generation, status, failures, failed_status)
+        self.reports: dict[tuple[int, int], tuple[int, int, int, int]] = {}
+        self.retired = 0
 
     def build_result(self, slot, entry=0):
-        gen, status = self.reports.get((slot, entry), (0, 0))
-        return dict(generation=gen, status=status)
+        gen, status, failures, failed_status = self.reports.get((slot, entry), (0, 0, 0, 0))
+        return dict(generation=gen, status=status, failures=failures, failed_status=failed_status)
 
     def report(self, slot, status, entries=1):
         """What the device would report after another build of every entry of ``slot``."""
         for e in range(entries):
-            gen, _ = self.reports.get((slot, e), (0, 0))
-            self.reports[(slot, e)] = (gen + 1, status)
+            gen, _, failures, failed_status = self.reports.get((slot, e), (0, 0, 0, 0))
+            if status:
+                failures, failed_status = failures + 1, status
+            self.reports[(slot, e)] = (gen + 1, status, failures, failed_status)
+
+    def retire(self):
+        self.retired += 1
 
 
 class FakeRunner:

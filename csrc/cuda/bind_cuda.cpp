@@ -194,11 +194,17 @@ staging); Runner.launch_slot writes a plan into a slot with an async copy on the
             d["num_refs"] = py::make_tuple(r.num_refs[0], r.num_refs[1]);
             d["depth"] = py::make_tuple(r.depth[0], r.depth[1]);
             d["digest"] = r.digest;
+            d["failures"] = rep.failed_seq & 1 ? -1 : static_cast<int64_t>(rep.failed_seq / 2);
+            d["failed_status"] = rep.failed.status;
             return d;
           },
           py::arg("slot"), py::arg("entry") = 0,
-          "What the last device build of rank entry `entry` of `slot` reported: generation (builds so far, 0: "
-          "none), status (0 = ok), counts, depths, digest.  Mapped host memory: no copy, no wait.");
+          "What the device builds of rank entry `entry` of `slot` reported: generation (builds so far, 0: none), "
+          "status (0 = ok), counts, depths and digest of the last one; failures (failed builds so far; -1 while the "
+          "device writes one: ask again) and failed_status (the last failure's).  Mapped host memory: no copy, no "
+          "wait.")
+      .def("retire", &PlanArena::retire,
+           "Forget the finished eager copies into the arena (a capture may then write those slots).");
 
   py::class_<Runner>(m, "Runner", R"doc(Launch state of one executor on one device.
 

@@ -89,7 +89,9 @@ std::vector<unsigned char> plan_image(const std::vector<ExecArgs>& ranks, uintpt
     v.master_ptrs = at<uintptr_t>(base, off[i].masters, a.master_ptrs.size());
     v.local_index_of = at<int32_t>(base, off[i].lidx, a.local_index_of.size());
     v.my_slots = at<int32_t>(base, off[i].slots, n_or_cap(a.my_slots.size(), cap ? cap->slots : 0));
-    v.slot_parent = at<int32_t>(base, off[i].parent, n_or_cap(a.slot_parent.size(), cap ? cap->slots : 0));
+    // an entry without parents keeps none (null: timeouts then name no parent), also at capacity
+    v.slot_parent = a.slot_parent.empty() ? nullptr
+                                          : at<int32_t>(base, off[i].parent, n_or_cap(a.slot_parent.size(), cap ? cap->slots : 0));
     v.tasks = at<Task>(base, off[i].tasks, n_or_cap(static_cast<size_t>(a.num_tasks), cap ? cap->tasks : 0));
     v.refs = at<Ref>(base, off[i].refs, n_or_cap(static_cast<size_t>(a.num_refs), cap ? cap->refs : 0));
     std::memcpy(img.bytes.data() + i * sizeof(ExecView), &v, sizeof v);

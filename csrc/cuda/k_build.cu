@@ -28,10 +28,19 @@ __global__ void __launch_bounds__(32, 1) k_build_slot(gpu::SlotBuildArgs a) {
   int32_t upstream = 0;
   if (a.exchange_status != nullptr && *a.exchange_status != 0) upstream = psched::kExchangeFailed;
   else if (a.plan_result != nullptr && (*a.plan_result & 0xffffffff) != 0) upstream = psched::kPlanFailed;
-  a.report->result = psched::build_into_views(a.problem, a.scratch, a.views, a.caps, upstream);
+  const psched::Result res = psched::build_into_views(a.problem, a.scratch, a.views, a.caps, upstream);
+  using Word = cuda::atomic_ref<uint64_t, cuda::thread_scope_system>;
+  if (res.status != psched::kOk) {  // sequence lock: odd while written (slot_build.h BuildReport)
+    Word(a.report->failed_seq).fetch_add(1, cuda::memory_order_relaxed);
+    __threadfence_system();
+    a.report->failed = res;
+    __threadfence_system();
+    Word(a.report->failed_seq).fetch_add(1, cuda::memory_order_release);
+  }
+  a.report->result = res;
   // the host reads the generation, then the result: publish the result first
   __threadfence_system();
-  cuda::atomic_ref<uint64_t, cuda::thread_scope_system>(a.report->generation).fetch_add(1, cuda::memory_order_release);
+  Word(a.report->generation).fetch_add(1, cuda::memory_order_release);
 #endif
 }
 

@@ -129,11 +129,33 @@ psched::BuildReport* PlanArena::build_report_dev(int slot, int entry) const {
 
 psched::BuildReport PlanArena::build_report(int slot, int entry) const {
   const psched::BuildReport* r = reports_ + report_index(slot, entry);
-  psched::BuildReport out;
-  // written by the device: the generation last (after a system fence), so read it first
+  psched::BuildReport out{};
+  // the last build: written by the device with the generation last, so read it first (the
+  // result may already be the next build's: informational only)
   out.generation = __atomic_load_n(&r->generation, __ATOMIC_ACQUIRE);
   std::memcpy(&out.result, const_cast<const psched::Result*>(&r->result), sizeof out.result);
+  // the last failure, behind its sequence lock: retry while the device writes it
+  for (int tries = 0; tries < 1000; ++tries) {
+    const uint64_t s1 = __atomic_load_n(&r->failed_seq, __ATOMIC_ACQUIRE);
+    if (s1 & 1) continue;
+    std::memcpy(&out.failed, const_cast<const psched::Result*>(&r->failed), sizeof out.failed);
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    if (__atomic_load_n(&r->failed_seq, __ATOMIC_ACQUIRE) == s1) {
+      out.failed_seq = s1;
+      return out;
+    }
+  }
+  out.failed_seq = 1;  // still being written after 1000 reads: say "unknown" (odd), the caller retries later
   return out;
+}
+
+void PlanArena::retire() {
+  for (size_t i = 0; i < in_flight_.size(); ++i) {
+    if (!in_flight_[i]) continue;
+    const cudaError_t q = cudaEventQuery(copied_[i]);
+    if (q == cudaSuccess) in_flight_[i] = false;
+    else if (q != cudaErrorNotReady) throw_cuda(q, "cudaEventQuery(plan staging)", __FILE__, __LINE__);
+  }
 }
 
 void PlanArena::check(const std::vector<ExecArgs>& ranks) const {
@@ -185,9 +207,10 @@ void PlanArena::write_image(int slot, const std::vector<ExecArgs>& ranks, cudaSt
     bad("a plan image of " + std::to_string(img.size()) + " bytes does not fit its area");
   // The previous copy out of this staging area may still be queued (the host is ahead of the
   // device by a whole cycle of this slot): it must read the old bytes before they change.
-  if (in_flight_[i] && capturing)  // no event query inside a capture: write the slot eagerly first
+  if (in_flight_[i] && capturing)  // no event query inside a capture
     bad("plan slot " + std::to_string(slot) + ": a new plan or template inside a CUDA graph capture while an "
-        "eager copy into the same slot may still be in flight; run the step once eagerly before capturing it");
+        "eager copy into the same slot may still be in flight; synchronize() before capturing (or capture a "
+        "step whose plans the slots already hold)");
   if (in_flight_[i]) {
     const cudaError_t q = cudaEventQuery(copied_[i]);
     if (q == cudaErrorNotReady) UC_CUDA_CHECK(cudaEventSynchronize(copied_[i]));

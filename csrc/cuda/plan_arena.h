@@ -78,6 +78,9 @@ class PlanArena {
   // the builder's capacities), the device address of rank entry `entry`'s report, and what the
   // last build of that entry reported (generation 0: none yet).
   int64_t* build_scratch(int slot) const;
+  // Forgets the eager copies out of the staging that have finished (an event query each; never
+  // inside a capture): a capture may then write those areas.
+  void retire();
   psched::BuildReport* build_report_dev(int slot, int entry) const;
   psched::BuildReport build_report(int slot, int entry) const;
   int num_slots() const { return num_slots_; }

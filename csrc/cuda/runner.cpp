@@ -121,6 +121,7 @@ void Runner::launch(PlanArena& arena, int slot, Op op, const std::vector<ExecArg
   // the upload goes after the wait for the previous launch of this op kind: that launch (or one
   // before it) may still read this area
   launch_views(shape, epoch, ctas_per_rank, stream, flags, where, [&](unsigned long long capture) {
+    if (capture == 0) arena.retire();  // copies that finished no longer keep a capture from the slot
     if (upload != nullptr) arena.write(slot, *upload, stream, capture != 0);
   });
 }

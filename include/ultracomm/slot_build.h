@@ -33,11 +33,16 @@ struct SlotCaps {
   int64_t ref_cap[2];   // per op: Refs its ref array holds
 };
 
-// What a build reports to the host (in mapped host memory): the result, then the generation,
-// incremented after it (the host reports each generation's failure once, also of graph replays).
+// What builds report to the host (in mapped host memory).  `result` / `generation`: the last
+// build (the generation incremented after its result).  `failed` / `failed_seq`: the last FAILED
+// build, behind a sequence lock -- failed_seq is odd while `failed` is written and even after,
+// failed_seq / 2 failures so far -- so a failure stays visible however many builds (graph
+// replays, steps) run before the host looks, and the host never takes a half-written record.
 struct BuildReport {
   Result result;
   uint64_t generation;
+  Result failed;
+  uint64_t failed_seq;
 };
 
 // One thread.  views[0]: the multicast view, views[1]: the reduce view (this rank's entry of

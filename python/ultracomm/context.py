@@ -493,26 +493,27 @@ class Context:
         one.  A rank whose own plan is invalid raises here and publishes a rejection in its
         window (peers then fail with "rejected" instead of a timeout); its Context is broken.
         """
-        local_error: BaseException | None = None
+        local_error: BaseException | None = plan if isinstance(plan, BaseException) else None
         mine = None
-        try:
-            if not isinstance(plan, ReplicaPlan):
-                raise TypeError(f"ultracomm: plan must be a ReplicaPlan, got {type(plan).__name__}; "
-                                "build one with ReplicaPlan.make(...) or a converter")
-            if (plan.world, plan.slots_per_rank, plan.num_experts) != (self.world, self.slots_per_rank,
-                                                                       self.num_experts):
-                raise ValueError(
-                    f"ultracomm: plan is for world {plan.world}, {plan.slots_per_rank} slots per rank, "
-                    f"{plan.num_experts} experts; this Context has world {self.world}, {self.slots_per_rank} "
-                    f"slots per rank, {self.num_experts} experts")
-            plan.validate(experts_per_rank=self.experts_per_rank)
-            if layer is not None:
-                self._check_masters(layer)
-            key = plan.digest()
-            sched = self.schedule_for(plan, key, builder)
-            mine = (key.hex(), sched.digest)
-        except (TypeError, ValueError) as e:
-            local_error = e
+        if local_error is None:  # else a ResidentPlan that could not become a host plan: shared as invalid
+            try:
+                if not isinstance(plan, ReplicaPlan):
+                    raise TypeError(f"ultracomm: plan must be a ReplicaPlan, got {type(plan).__name__}; "
+                                    "build one with ReplicaPlan.make(...) or a converter")
+                if (plan.world, plan.slots_per_rank, plan.num_experts) != (self.world, self.slots_per_rank,
+                                                                           self.num_experts):
+                    raise ValueError(
+                        f"ultracomm: plan is for world {plan.world}, {plan.slots_per_rank} slots per rank, "
+                        f"{plan.num_experts} experts; this Context has world {self.world}, {self.slots_per_rank} "
+                        f"slots per rank, {self.num_experts} experts")
+                plan.validate(experts_per_rank=self.experts_per_rank)
+                if layer is not None:
+                    self._check_masters(layer)
+                key = plan.digest()
+                sched = self.schedule_for(plan, key, builder)
+                mine = (key.hex(), sched.digest)
+            except (TypeError, ValueError) as e:
+                local_error = e
         if self.window_plan_check:
             if local_error is not None:
                 self._reject_plan(local_error)
@@ -690,7 +691,10 @@ class Context:
                              f"Context has world {self.world}, {self.slots_per_rank} slots per rank")
         on_device = bool(getattr(self.transport, "build_on_device", False)) and plan.slot_src.is_cuda
         if not on_device:  # the host path: the same portable builder, on a host copy of the plan
-            host = plan.host_plan(self.experts_per_rank)
+            try:
+                host = plan.host_plan(self.experts_per_rank)
+            except (UltracommError, ValueError, TypeError) as e:  # failed inputs or an invalid plan: as an
+                host = e                                           # invalid plan, so every rank learns of it
             sched = self._prepare_plan(host, mb.layer, builder="portable")
             mb.plan, mb.schedule = host, sched
             mb.my_slots, mb.local_index_of = host.slot_src[self.rank].tolist(), host.local_index_of.tolist()

@@ -131,6 +131,10 @@ void launch_build_slot(const SlotBuildArgs& a, cudaStream_t s) {
   if (a.exchange_status != nullptr && *a.exchange_status != 0) upstream = psched::kExchangeFailed;
   else if (a.plan_result != nullptr && (*a.plan_result & 0xffffffff) != 0) upstream = psched::kPlanFailed;
   a.report->result = psched::build_into_views(a.problem, a.scratch, a.views, a.caps, upstream);
+  if (a.report->result.status != psched::kOk) {
+    a.report->failed = a.report->result;
+    a.report->failed_seq += 2;
+  }
   a.report->generation++;
 }
 }  // namespace ultracomm::gpu
@@ -257,7 +261,7 @@ int main(int argc, char** argv) {
         }
         const psched::BuildReport r = arena.build_report(slot, 0);
         log("  result generation " + std::to_string(r.generation) + " status " + std::to_string(r.result.status) +
-            " digest " + std::to_string(r.result.digest));
+            " digest " + std::to_string(r.result.digest) + " failures " + std::to_string(r.failed_seq / 2));
       };
       log("-- reduce on s2");
       runner.launch(arena, 0, Op::kReduce, &tmpl[1], 1, 1, s2, 0);

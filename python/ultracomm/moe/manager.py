@@ -393,6 +393,8 @@ class ReplicaManager:
             **context_options)
         c = self.ctx
         if c.stream_ordered and getattr(c.window, "loopback", False) and c.world > 1:
+            if context is None:  # ours: nothing else will close it
+                c.close()
             raise ConfigError(
                 "ultracomm: ReplicaManager cannot run on a one-GPU loopback domain (cuda_local windows) of more "
                 "than one rank: there one launch runs every rank's share of an operation, enqueued by the last "

@@ -61,6 +61,7 @@ raised by ``check_error``.
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Callable, Sequence
 
 import numpy as np
@@ -177,10 +178,12 @@ class TmaTransport:
         keys depend only on the masters and local_index_of: made once per pair (E-long lists)."""
         key = (id(masters), id(local_index_of))
         got = self._templates.get(key)
-        if got is None or got[0] is not masters or got[1] is not local_index_of:
-            got = self._templates[key] = (masters, local_index_of, *self._template_fns(masters, local_index_of))
-            if len(self._templates) > 256:  # masters registered again and again: forget the oldest
-                self._templates.pop(next(iter(self._templates)))
+        if got is None or got[0]() is not masters or got[1] is not local_index_of:
+            # held weakly: masters registered anew must not keep the old tensors alive
+            for k in [k for k, v in self._templates.items() if v[0]() is None]:
+                del self._templates[k]
+            got = self._templates[key] = (weakref.ref(masters), local_index_of,
+                                          *self._template_fns(masters, local_index_of))
         return Share(sched.token, got[2], got[3], sched.build_args())
 
     def _template_fns(self, masters: Masters, local_index_of: Sequence[int]) -> tuple:
@@ -269,6 +272,8 @@ class TmaTransport:
             self._loopback.check_error(self.rank)
             return
         # a failed device build first: the kernel's digest mismatches and rejections follow from it
+        if self._arena is not None:
+            self._arena.retire()  # the stream reached the launches: their copies are done
         failure = self._resident.take_failure(self._arena, self.rank) if self._arena is not None else None
         rec = self.runner.take_error()
         if failure is not None:

@@ -107,13 +107,15 @@ class LoopbackRunner:
 
     def check_error(self, rank: int) -> None:
         with self._lock:
-            failure = self._resident.take_failure(self.arena, rank) if self.arena is not None else None
-            if failure is not None:  # a rank's device build failed: every rank raises it once
-                self._errors.append((raiser(failure), None))
             rec = self.runner.take_error()
             if rec is not None:
                 self._errors.append((lambda me, name, t, rec=rec: raise_record(rec, name, t),
                                      self._names.get(record_epoch(rec))))
+            if self.arena is not None:
+                self.arena.retire()
+            failure = self._resident.take_failure(self.arena, rank) if self.arena is not None else None
+            if failure is not None:  # a rank's device build failed: the cause, raised by every rank once
+                self._errors.append((raiser(failure), None))  # last: raised before the rejections it caused
             seen = self._seen.get(rank, 0)
             if seen >= len(self._errors):
                 return

@@ -11,9 +11,9 @@ slot_parent, counts, digest), then the persistent kernel runs the slot; ``restor
 captured: a replay rebuilds from whatever the planner's output buffer holds then.
 
 A failed build made the rank publish a rejection; it reports in mapped host memory
-(``PlanArena.build_result(slot, entry)``: a status and a generation the build increments), and
-:meth:`ResidentSlots.take_failure` raises each failed generation once -- also of builds a CUDA
-graph replay ran, which the host never enqueued itself.
+(``PlanArena.build_result(slot, entry)``: the count of failed builds and the last one's status,
+behind a sequence lock), and :meth:`ResidentSlots.take_failure` raises each new failure once --
+also of builds a CUDA graph replay ran, which the host never enqueued itself.
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ class ResidentSlots:
     def __init__(self, slots: PlanSlots):
         self.slots = slots
         self._entries: dict[int, int] = {}  # slot -> rank entries its builds write (slots ever built)
-        self._seen: dict[tuple[int, int], int] = {}  # (slot, entry) -> generation already checked
+        self._seen: dict[tuple[int, int], int] = {}  # (slot, entry) -> failed builds already reported
 
     def launch(self, runner: Any, arena: Any, slot: int | None, op: int, shares: Sequence[Share], epoch: int,
                ctas: int, stream: int) -> None:
@@ -77,21 +77,24 @@ class ResidentSlots:
         runner.launch_slot(arena, slot, op, None, epoch, ctas, stream, False)
 
     def take_failure(self, arena: Any, rank: int) -> UltracommError | None:
-        """The error of a device build that failed since the last call (read after the stream
-        reached the builds: their reports are in mapped host memory, no copy), or None.  Every
-        slot ever built is looked at, so builds of graph replays are reported too, each once."""
+        """The error of a device build that failed since the last call, or None.  Each rank
+        entry's report counts its failed builds and keeps the last one (mapped host memory, read
+        without a copy or a wait), so failures of builds the host never enqueued (graph replays)
+        and of builds followed by good ones before anyone looked are raised too, each once."""
         failure = None
         for slot, entries in sorted(self._entries.items()):
             for entry in range(entries):
                 r = arena.build_result(slot, entry)
-                gen = int(r["generation"])
-                if gen == self._seen.get((slot, entry), 0):
+                failed = int(r["failures"])
+                if failed < 0 or failed == self._seen.get((slot, entry), 0):  # -1: being written, ask again
                     continue
-                self._seen[(slot, entry)] = gen
-                if r["status"] != 0 and failure is None:
+                n = failed - self._seen.get((slot, entry), 0)
+                self._seen[(slot, entry)] = failed
+                if failure is None:
                     who = f"rank {rank}" if entries == 1 else f"rank entry {entry} (checked by rank {rank})"
-                    why = BUILD_STATUS.get(int(r["status"]), f"status {r['status']}")
+                    why = BUILD_STATUS.get(int(r["failed_status"]), f"status {r['failed_status']}")
+                    more = f" ({n} failed builds since the last check; the last one's reason)" if n > 1 else ""
                     failure = UltracommError(
-                        f"ultracomm: {who}: the device schedule build of plan slot {slot} failed: {why}; the rank "
-                        "published a rejection (peers raise PlanError) and ran no task of it")
+                        f"ultracomm: {who}: the device schedule build of plan slot {slot} failed: {why}{more}; the "
+                        "rank published a rejection (peers raise PlanError) and ran no task of it")
         return failure

@@ -112,7 +112,8 @@ def test_register_masters_rejects_bad_per_expert_lists():
 
 def test_public_names_are_discoverable():
     names = dir(ultracomm)
-    for name in ("Context", "ReplicaPlan", "ExpertLayout", "ReplicaManager", "UltracommTimeout", "moe",
-                 "integrations", "planners"):
+    for name in ("Context", "ReplicaPlan", "ResidentPlan", "ExpertLayout", "ReplicaManager", "UltracommTimeout",
+                 "moe", "integrations", "planners"):
         assert name in names, name
     assert ultracomm.ReplicaManager is ultracomm.moe.ReplicaManager
+    assert ultracomm.ResidentPlan is ultracomm.resident_plan.ResidentPlan

@@ -22,7 +22,7 @@ _EXPORTS = {
     "Op": "records", "PlanError": "errors", "RegistrationError": "errors", "RelayMode": "records",
     "ReplicaPlan": "plan", "Schedule": "schedule", "UltracommError": "errors", "Work": "work",
     "build_schedule": "schedule", "run_loopback": "comm", "UltracommTimeout": "errors", "PeerError": "errors",
-    "ClosedError": "errors", "ReplicaManager": "moe",
+    "ClosedError": "errors", "ReplicaManager": "moe", "ResidentPlan": "resident_plan",
 }
 _SUBMODULES = ("moe", "integrations", "planners", "tools", "env", "sim")
 _MOVED = ("workloads", "bench")  # still resolve (their old paths warn), not listed: ultracomm.tools.*

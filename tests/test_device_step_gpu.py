@@ -14,7 +14,9 @@ launch).
   master grads within 1e-5 of the float64 no-replication reference.  On ONE rank: a manager
   refuses a one-GPU loopback domain of more than one rank (its ranks' shares launch together, later than
   a rank's own compute; tests/test_moe_manager.py checks the refusal), so on one GPU only a
-  world of one exercises its device path end to end (replication itself is the first test's)."""
+  world of one exercises its device path end to end (replication itself is the first test's).
+* The whole manager training step captured once and replayed with three routings, equal to eager
+  execution bit for bit (world 1, as above)."""
 from __future__ import annotations
 
 import numpy as np
@@ -186,3 +188,83 @@ def test_manager_training_step_makes_no_host_sync(monkeypatch):
         mgr.ctx.synchronize()  # and no failure was recorded
     for mgr, _, _ in state:
         mgr.close()
+
+
+def test_manager_training_step_captured_once_replays_three_routings(monkeypatch):
+    """The whole training step through ReplicaManager -- loads' exchange, plan, schedule build,
+    weight_sync, the dense toy MoE forward, backward with its restore and reduction into
+    main_grad -- captured ONCE in a CUDA graph and replayed with three routings written into the
+    captured input tensors: each replay's master grads equal an eager step's on that routing bit for
+    bit.  World 1 (see the module docstring): the control plane runs entire, no replica is placed."""
+    from ultracomm.moe import ReplicaManager
+
+    monkeypatch.setattr(mh, "H", 8)
+    monkeypatch.setattr(mh, "I", 4)
+    world, epr, K, layers, T = 1, 4, 2, 2, 16
+    E = world * epr
+    dev = torch.device("cuda", 0)
+
+    def setup(group):
+        mgr = ReplicaManager(group, mh.layout(), epr, K, layers, transport="tma", window="cuda_local",
+                             device="cuda:0", timeout_s=20)
+        params = [[torch.nn.Parameter(p.detach().to(dev)) for p in layer]
+                  for layer in mh.make_params(0, epr, layers, torch.float32, "stacked", False, False)]
+        for layer_params in params:
+            for p in layer_params:
+                p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=dev)  # Megatron's fp32 buffer
+        for layer in range(layers):
+            mgr.register_layer(layer, params[layer])
+        return mgr, params
+
+    ((mgr, params),) = LoopbackDomain(world).run(setup)
+    static = [[t.to(dev) for t in mh.batch(0, layer, 0, E, T)] for layer in range(layers)]  # x, rmap, probs, up
+
+    def route(seed):  # a new routing, written into the tensors the graph reads
+        for layer in range(layers):
+            _, rmap, probs, _ = mh.batch(0, layer, seed, E, T)
+            static[layer][1].copy_(rmap)
+            static[layer][2].copy_(probs)
+
+    def zero():
+        for layer_params in params:
+            for p in layer_params:
+                p.main_grad.zero_()
+                p.grad = None
+
+    def train_step():
+        total = torch.zeros((), device=dev)
+        for layer in range(layers):
+            x, rmap, probs, up = static[layer]
+            step = mgr.step(layer, rmap, probs)
+            loss = dense_rank_loss(step, 0, world, epr, K, [(x, rmap, probs, up)], params[layer],
+                                   step.replica_weights())
+            total = total + step.guard(loss)
+        total.backward()
+
+    def grads():
+        return [[p.main_grad.clone() for p in layer_params] for layer_params in params]
+
+    seeds = (1, 2, 3)
+    want = []
+    for seed in seeds:  # eager: the references, and the warm-up (vid slots' buffers, templates)
+        route(seed)
+        zero()
+        train_step()
+        torch.cuda.synchronize()
+        want.append(grads())
+    assert any(not torch.equal(a, b) for a, b in zip(want[0][0], want[1][0]))  # the routings differ
+    route(seeds[0])
+    zero()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        train_step()
+    for k, seed in enumerate(seeds):
+        route(seed)
+        zero()
+        graph.replay()
+        torch.cuda.synchronize()
+        for layer, (got_l, want_l) in enumerate(zip(grads(), want[k])):
+            for m, (g, w) in enumerate(zip(got_l, want_l)):
+                assert torch.equal(bits(g), bits(w)), f"replay {k} layer {layer} member {m}"
+    mgr.ctx.synchronize()
+    mgr.close()

@@ -127,6 +127,26 @@ def dense_rank_loss(step, rank, world, epr, K, batches, masters, replicas):
     return loss
 
 
+def gpu_manager(group, epr, K, layers, main_grad=False):
+    """A ReplicaManager on the loopback domain's GPU (tma, cuda_local) with the harness's masters of
+    this rank on the device (with an fp32 ``main_grad`` each if asked, as Megatron's); the caller
+    sets mh.H / mh.I to multiples of 4 floats first (TMA: 16-byte rows)."""
+    from ultracomm.moe import ReplicaManager
+
+    dev = torch.device("cuda", 0)
+    mgr = ReplicaManager(group, mh.layout(), epr, K, layers, transport="tma", window="cuda_local", device="cuda:0",
+                         timeout_s=20)
+    assert mgr.control_plane == "device"
+    params = [[torch.nn.Parameter(p.detach().to(dev)) for p in layer]
+              for layer in mh.make_params(group.rank, epr, layers, torch.float32, "stacked", False, False)]
+    for p in (p for layer_params in params for p in layer_params):
+        if main_grad:
+            p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=dev)
+    for layer in range(layers):
+        mgr.register_layer(layer, params[layer])
+    return mgr, params
+
+
 def mh_linear():
     from ultracomm.moe import linear
 
@@ -134,8 +154,6 @@ def mh_linear():
 
 
 def test_manager_training_step_makes_no_host_sync(monkeypatch):
-    from ultracomm.moe import ReplicaManager
-
     # the harness's model with every expert member a multiple of 16 bytes (TMA bulk copies)
     monkeypatch.setattr(mh, "H", 8)
     monkeypatch.setattr(mh, "I", 4)
@@ -145,14 +163,7 @@ def test_manager_training_step_makes_no_host_sync(monkeypatch):
     dev = torch.device("cuda", 0)
 
     def setup(group):
-        r = group.rank
-        mgr = ReplicaManager(group, mh.layout(), epr, K, layers, transport="tma", window="cuda_local",
-                             device="cuda:0", timeout_s=20)
-        assert mgr.control_plane == "device"
-        params = [[torch.nn.Parameter(p.detach().to(dev)) for p in layer]
-                  for layer in mh.make_params(r, epr, layers, torch.float32, "stacked", False, False)]
-        for layer in range(layers):
-            mgr.register_layer(layer, params[layer])
+        mgr, params = gpu_manager(group, epr, K, layers)
         batches = [[tuple(t.to(dev) for t in mh.batch(s, layer, 0, E, T)) for s in range(world)]
                    for layer in range(layers)]
         return mgr, params, batches
@@ -196,7 +207,6 @@ def test_manager_training_step_captured_once_replays_three_routings(monkeypatch)
     main_grad -- captured ONCE in a CUDA graph and replayed with three routings written into the
     captured input tensors: each replay's master grads equal an eager step's on that routing bit for
     bit.  World 1 (see the module docstring): the control plane runs entire, no replica is placed."""
-    from ultracomm.moe import ReplicaManager
 
     monkeypatch.setattr(mh, "H", 8)
     monkeypatch.setattr(mh, "I", 4)
@@ -204,19 +214,7 @@ def test_manager_training_step_captured_once_replays_three_routings(monkeypatch)
     E = world * epr
     dev = torch.device("cuda", 0)
 
-    def setup(group):
-        mgr = ReplicaManager(group, mh.layout(), epr, K, layers, transport="tma", window="cuda_local",
-                             device="cuda:0", timeout_s=20)
-        params = [[torch.nn.Parameter(p.detach().to(dev)) for p in layer]
-                  for layer in mh.make_params(0, epr, layers, torch.float32, "stacked", False, False)]
-        for layer_params in params:
-            for p in layer_params:
-                p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=dev)  # Megatron's fp32 buffer
-        for layer in range(layers):
-            mgr.register_layer(layer, params[layer])
-        return mgr, params
-
-    ((mgr, params),) = LoopbackDomain(world).run(setup)
+    ((mgr, params),) = LoopbackDomain(world).run(lambda g: gpu_manager(g, epr, K, layers, main_grad=True))
     static = [[t.to(dev) for t in mh.batch(0, layer, 0, E, T)] for layer in range(layers)]  # x, rmap, probs, up
 
     def route(seed):  # a new routing, written into the tensors the graph reads

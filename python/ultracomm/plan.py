@@ -130,8 +130,25 @@ def _default_home_of(num_experts: int, world: int, experts_per_rank: int | None)
 # ----------------------------------------------------------------------------- plan
 
 
+class SlotShape:
+    """``world`` and ``slots_per_rank`` of a plan held as ``slot_src [world, slots_per_rank]``
+    (:class:`ReplicaPlan`, :class:`~ultracomm.resident_plan.ResidentPlan`)."""
+
+    slot_src: torch.Tensor
+
+    @property
+    def world(self) -> int:
+        """Number of ranks (rows of ``slot_src``)."""
+        return int(self.slot_src.shape[0])
+
+    @property
+    def slots_per_rank(self) -> int:
+        """Replica slots per rank (columns of ``slot_src``)."""
+        return int(self.slot_src.shape[1])
+
+
 @dataclass(frozen=True, eq=False)
-class ReplicaPlan:
+class ReplicaPlan(SlotShape):
     """Which logical expert each replica slot holds.
 
     Attributes:
@@ -315,16 +332,6 @@ class ReplicaPlan:
                 )
 
     # -- shape properties ---------------------------------------------------------
-
-    @property
-    def world(self) -> int:
-        """Number of ranks (rows of ``slot_src``)."""
-        return int(self.slot_src.shape[0])
-
-    @property
-    def slots_per_rank(self) -> int:
-        """Replica slots per rank (columns of ``slot_src``)."""
-        return int(self.slot_src.shape[1])
 
     @property
     def num_experts(self) -> int:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from .errors import UltracommError
-from .plan import ReplicaPlan
+from .plan import ReplicaPlan, SlotShape
 
 __all__ = ["ResidentPlan", "DeviceSchedule", "BUILD_STATUS"]
 
@@ -46,7 +46,7 @@ BUILD_STATUS = {
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class ResidentPlan:
+class ResidentPlan(SlotShape):
     """A replica plan as a tensor, wherever it was made (see the module docstring).
 
     Attributes:
@@ -75,14 +75,6 @@ class ResidentPlan:
                                   or w.device != t.device):
                 raise ValueError(f"ultracomm: ResidentPlan.{name} must be a {dt} tensor on the plan's device "
                                  f"{t.device}, or None")
-
-    @property
-    def world(self) -> int:
-        return int(self.slot_src.shape[0])
-
-    @property
-    def slots_per_rank(self) -> int:
-        return int(self.slot_src.shape[1])
 
     def host_plan(self, experts_per_rank: int) -> ReplicaPlan:
         """The plan on the host (a copy: on a GPU it waits for the stream that makes it); raises

@@ -25,9 +25,7 @@ __global__ void __launch_bounds__(32, 1) k_build_schedule(gpu::BuildArgs a) {
 __global__ void __launch_bounds__(32, 1) k_build_slot(gpu::SlotBuildArgs a) {
 #if defined(__CUDA_ARCH__)
   if (threadIdx.x != 0) return;
-  int32_t upstream = 0;
-  if (a.exchange_status != nullptr && *a.exchange_status != 0) upstream = psched::kExchangeFailed;
-  else if (a.plan_result != nullptr && (*a.plan_result & 0xffffffff) != 0) upstream = psched::kPlanFailed;
+  const int32_t upstream = psched::upstream_status(a.exchange_status, a.plan_result);
   const psched::Result res = psched::build_into_views(a.problem, a.scratch, a.views, a.caps, upstream);
   using Word = cuda::atomic_ref<uint64_t, cuda::thread_scope_system>;
   if (res.status != psched::kOk) {  // sequence lock: odd while written (slot_build.h BuildReport)

@@ -183,26 +183,22 @@ void PlanArena::check(const std::vector<ExecArgs>& ranks) const {
 
 void PlanArena::write(int slot, const std::vector<ExecArgs>& ranks, cudaStream_t stream, bool capturing) {
   check(ranks);
-  const int op = static_cast<int>(ranks[0].op);
-  const ImageCapacity cap{bounds_.slots, bounds_.tasks[op], bounds_.refs[op]};
-  write_image(slot, ranks, stream, capturing, &cap);
+  write_image(slot, ranks, stream, capturing);
 }
 
 void PlanArena::write_template(int slot, const std::vector<ExecArgs>& ranks, cudaStream_t stream, bool capturing) {
   check(ranks);
   for (const ExecArgs& a : ranks)
     if (a.num_tasks != 0 || a.num_refs != 0) bad("a template entry carries no task or ref (the device builds them)");
-  const int op = static_cast<int>(ranks[0].op);
-  const ImageCapacity cap{bounds_.slots, bounds_.tasks[op], bounds_.refs[op]};
-  write_image(slot, ranks, stream, capturing, &cap);
+  write_image(slot, ranks, stream, capturing);
 }
 
-void PlanArena::write_image(int slot, const std::vector<ExecArgs>& ranks, cudaStream_t stream, bool capturing,
-                            const ImageCapacity* cap) {
-  check(ranks);
+// Every image at the bounds: a device build may follow any plan in its area (checked entries).
+void PlanArena::write_image(int slot, const std::vector<ExecArgs>& ranks, cudaStream_t stream, bool capturing) {
   const Op op = ranks[0].op;
+  const ImageCapacity cap{bounds_.slots, bounds_.tasks[static_cast<int>(op)], bounds_.refs[static_cast<int>(op)]};
   const size_t i = index(slot, op), off = offset(slot, op);
-  const std::vector<unsigned char> img = plan_image(ranks, reinterpret_cast<uintptr_t>(dev_ + off), cap);
+  const std::vector<unsigned char> img = plan_image(ranks, reinterpret_cast<uintptr_t>(dev_ + off), &cap);
   if (img.size() > area_[static_cast<int>(op)])  // unreachable after check(): the image grows with each bound
     bad("a plan image of " + std::to_string(img.size()) + " bytes does not fit its area");
   // The previous copy out of this staging area may still be queued (the host is ahead of the

@@ -90,8 +90,7 @@ class PlanArena {
 
  private:
   void release();
-  void write_image(int slot, const std::vector<ExecArgs>& ranks, cudaStream_t stream, bool capturing,
-                   const ImageCapacity* cap);
+  void write_image(int slot, const std::vector<ExecArgs>& ranks, cudaStream_t stream, bool capturing);
   size_t index(int slot, Op op) const;
   size_t offset(int slot, Op op) const;
   int device_ = 0;

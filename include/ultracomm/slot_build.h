@@ -28,6 +28,14 @@ namespace ultracomm::psched {
 constexpr int32_t kExchangeFailed = 6;  // the loads' all-gather timed out (a rank never posted)
 constexpr int32_t kPlanFailed = 7;      // the planner refused the loads
 
+// The build's `upstream` from its inputs' status words (either may be null): the loads' exchange
+// status (nonzero: it failed), the planner's result words (low 32 bits of [0]: its status).
+UC_INLINE int32_t upstream_status(const int32_t* exchange_status, const int64_t* plan_result) {
+  if (exchange_status != nullptr && *exchange_status != 0) return kExchangeFailed;
+  if (plan_result != nullptr && (*plan_result & 0xffffffff) != 0) return kPlanFailed;
+  return 0;
+}
+
 struct SlotCaps {
   int64_t task_cap[2];  // per op: Tasks the view's task array holds
   int64_t ref_cap[2];   // per op: Refs its ref array holds

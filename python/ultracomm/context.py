@@ -479,7 +479,8 @@ class Context:
             self._schedules.move_to_end(key)
         return sched
 
-    def _prepare_plan(self, plan: ReplicaPlan, layer: int | None = None, builder: str | None = None) -> Schedule:
+    def _prepare_plan(self, plan: ReplicaPlan | BaseException, layer: int | None = None,
+                      builder: str | None = None) -> Schedule:
         """Validate ``plan`` and ``layer``'s masters here, build the schedule, then agree with
         every rank (collective, bounded).
 
@@ -676,42 +677,40 @@ class Context:
         """
         self._check_usable()
         mb = self._get(vid)
-        if isinstance(plan, ResidentPlan):
-            return self._weight_sync_resident(mb, plan, async_op)
-        sched = self._prepare_plan(plan, mb.layer)
-        mb.plan, mb.schedule = plan, sched
-        mb.my_slots, mb.local_index_of = plan.slot_src[self.rank].tolist(), plan.local_index_of.tolist()
+        builder = None
+        if isinstance(plan, ResidentPlan):  # None: set up to be built on the device
+            plan, builder = self._resident(mb, plan), "portable"
+        if plan is not None:
+            sched = self._prepare_plan(plan, mb.layer, builder)
+            mb.plan, mb.schedule = plan, sched
+            mb.my_slots, mb.local_index_of = plan.slot_src[self.rank].tolist(), plan.local_index_of.tolist()
         work = self._submit("weight_sync", Op.MULTICAST, mb, self._masters[mb.layer], async_op)
         self._wrote_slots(mb)
         return work
 
-    def _weight_sync_resident(self, mb: _MicroBatch, plan: ResidentPlan, async_op: bool) -> Work | None:
+    def _resident(self, mb: _MicroBatch, plan: ResidentPlan) -> ReplicaPlan | BaseException | None:
+        """A resident plan's route: None when it is built on the device (``mb`` set up for it), else
+        the host copy of the plan to build with the portable builder -- or why it has none (failed
+        inputs, an invalid plan: ``_prepare_plan`` shares it as an invalid plan, so every rank learns)."""
         if (plan.world, plan.slots_per_rank) != (self.world, self.slots_per_rank):
             raise ValueError(f"ultracomm: plan is for world {plan.world}, {plan.slots_per_rank} slots per rank; this "
                              f"Context has world {self.world}, {self.slots_per_rank} slots per rank")
-        on_device = bool(getattr(self.transport, "build_on_device", False)) and plan.slot_src.is_cuda
-        if not on_device:  # the host path: the same portable builder, on a host copy of the plan
+        if not (getattr(self.transport, "build_on_device", False) and plan.slot_src.is_cuda):
             try:
-                host = plan.host_plan(self.experts_per_rank)
-            except (UltracommError, ValueError, TypeError) as e:  # failed inputs or an invalid plan: as an
-                host = e                                           # invalid plan, so every rank learns of it
-            sched = self._prepare_plan(host, mb.layer, builder="portable")
-            mb.plan, mb.schedule = host, sched
-            mb.my_slots, mb.local_index_of = host.slot_src[self.rank].tolist(), host.local_index_of.tolist()
-        else:
-            if plan.slot_src.device != self.window.local.device:
-                raise ValueError(f"ultracomm: ResidentPlan.slot_src is on {plan.slot_src.device}, the Context's window "
-                                 f"on {self.window.local.device}; make the plan on the window's device")
-            if not self.window_plan_check:
-                raise ConfigError("ultracomm: a resident plan is checked by digests in the window, not by a host "
-                                  "collective; create the Context with plan_check='window' (ULTRACOMM_PLAN_CHECK) "
-                                  "or pass a ReplicaPlan")
-            self._check_masters(mb.layer)
-            mb.plan, mb.schedule = plan, self._device_schedule(plan)
-            mb.my_slots, mb.local_index_of = None, self._home_local_index
-        work = self._submit("weight_sync", Op.MULTICAST, mb, self._masters[mb.layer], async_op)
-        self._wrote_slots(mb)
-        return work
+                return plan.host_plan(self.experts_per_rank)
+            except (UltracommError, ValueError, TypeError) as e:
+                return e
+        if plan.slot_src.device != self.window.local.device:
+            raise ValueError(f"ultracomm: ResidentPlan.slot_src is on {plan.slot_src.device}, the Context's window "
+                             f"on {self.window.local.device}; make the plan on the window's device")
+        if not self.window_plan_check:
+            raise ConfigError("ultracomm: a resident plan is checked by digests in the window, not by a host "
+                              "collective; create the Context with plan_check='window' (ULTRACOMM_PLAN_CHECK) "
+                              "or pass a ReplicaPlan")
+        self._check_masters(mb.layer)
+        mb.plan, mb.schedule = plan, self._device_schedule(plan)
+        mb.my_slots, mb.local_index_of = None, self._home_local_index
+        return None
 
     def _device_schedule(self, plan: ResidentPlan) -> DeviceSchedule:
         """The device build's inputs for ``plan`` (fixed-home experts, this Context's chunking,

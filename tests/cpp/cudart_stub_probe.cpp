@@ -127,9 +127,7 @@ void launch_build_slot(const SlotBuildArgs& a, cudaStream_t s) {
   log("launch build_slot views +" + std::to_string(reinterpret_cast<unsigned char*>(a.views[0]) - g_device_mem) +
       " +" + std::to_string(reinterpret_cast<unsigned char*>(a.views[1]) - g_device_mem) + " caps " +
       std::to_string(a.caps.task_cap[0]) + "/" + std::to_string(a.caps.task_cap[1]) + " " + sname(s));
-  int32_t upstream = 0;
-  if (a.exchange_status != nullptr && *a.exchange_status != 0) upstream = psched::kExchangeFailed;
-  else if (a.plan_result != nullptr && (*a.plan_result & 0xffffffff) != 0) upstream = psched::kPlanFailed;
+  const int32_t upstream = psched::upstream_status(a.exchange_status, a.plan_result);
   a.report->result = psched::build_into_views(a.problem, a.scratch, a.views, a.caps, upstream);
   if (a.report->result.status != psched::kOk) {
     a.report->failed = a.report->result;

@@ -347,9 +347,7 @@ class Step:
             if g is None or getattr(t, "grad_added_to_main_grad", False):
                 continue
             staging[i // S][i % S].add_(g)
-        async_op = mgr._async_ok()
-        work = mgr.ctx.grad_reduce(self.vid, async_op=async_op, grads=staging) if async_op else \
-            (mgr.ctx.grad_reduce(self.vid, grads=staging) or _ON_STREAM)
+        work = mgr._enqueue(mgr.ctx.grad_reduce, self.vid, grads=staging)
         mgr._staging_work[self._staging] = work
         self._release_graph()
         self._state = "reduced"
@@ -431,7 +429,7 @@ class ReplicaManager:
         #: reroute on the GPU, nothing on the host), "host" (the same C++ built for the host:
         #: board, device planner, portable schedule builder), or None (a host planner)
         self.control_plane = self._control_plane(planner)
-        self._resident_bufs: dict[int, dict] = {}  # vid slot -> its loads, plan and reroute buffers
+        self._plan_bufs: dict[int, dict] = {}  # vid slot -> the device planner's output buffers
 
     def _control_plane(self, planner: Any) -> str | None:
         if planner != "device":
@@ -544,7 +542,7 @@ class ReplicaManager:
             plan = ResidentPlan(torch.from_numpy(np.ascontiguousarray(result.plan.slot_src, dtype=np.int32)))
         vid = self._begin(layer)
         try:
-            sync = self.ctx.weight_sync(vid, plan, async_op=True)
+            sync = self._enqueue(self.ctx.weight_sync, vid, plan)
             return vid, Step(self, layer, result, routing_map, probs, vid, sync, grad)
         except BaseException:
             self.ctx.end(vid)  # nothing of this step survives: its slot is free again
@@ -560,32 +558,35 @@ class ReplicaManager:
         loads = self._board.exchange(routing_map.sum(0), op=op)
         vid = self._begin(layer)
         try:
-            bufs = self._resident_buffers(vid % (self.num_layers * self.ctx.max_microbatches), loads)
-            bufs["loads"].copy_(loads)  # the board's buffer is the next exchange's: keep this step's
-            out = bufs["plan"]
-            device_planner.plan_on_gpu(bufs["loads"], self.domain, self.slots_per_rank, out=out,
-                                       **self.planner_options)
+            step_loads = loads.clone()  # this step's own copy: the board's buffer is the next exchange's
+            out = self._plan_buffers(vid % (self.num_layers * self.ctx.max_microbatches), loads)
+            device_planner.plan_on_gpu(step_loads, self.domain, self.slots_per_rank, out=out, **self.planner_options)
             # the build rejects (instead of using them) loads that never all arrived or a refused plan
             plan = ResidentPlan(out["slot_src"], exchange_status=self._board.status, planner_result=out["result"])
-            async_op = self._async_ok()
-            sync = self.ctx.weight_sync(vid, plan, async_op=async_op) if async_op else \
-                (self.ctx.weight_sync(vid, plan) or _ON_STREAM)
-            # the step's own copy (stream-ordered, small): the vid slot's buffers serve its next step
-            snap = dict(loads=bufs["loads"].clone(), slot_src=out["slot_src"].clone(),
-                        slot_quota=out["slot_quota"].clone(), result=out["result"].clone())
+            sync = self._enqueue(self.ctx.weight_sync, vid, plan)
+            # the step's own copies (stream-ordered, small): the vid slot's buffers serve its next step
+            snap = dict(loads=step_loads, slot_src=out["slot_src"].clone(), slot_quota=out["slot_quota"].clone(),
+                        result=out["result"].clone())
             return vid, Step(self, layer, None, routing_map, probs, vid, sync, grad, resident=snap)
         except BaseException:
             self.ctx.end(vid)
             raise
 
-    def _resident_buffers(self, slot: int, loads: torch.Tensor) -> dict:
-        """The device buffers of vid slot ``slot`` (allocated at its first step; reused after, so a
-        captured graph reads and writes the same memory at every replay)."""
-        bufs = self._resident_bufs.get(slot)
-        if bufs is None:
-            bufs = self._resident_bufs[slot] = dict(loads=torch.empty_like(loads), plan=None)
-            bufs["plan"] = device_planner.plan_on_gpu(loads, self.domain, self.slots_per_rank, **self.planner_options)
-        return bufs
+    def _plan_buffers(self, slot: int, loads: torch.Tensor) -> dict:
+        """The device planner's output buffers of vid slot ``slot`` (allocated at its first step;
+        reused after, so a captured graph writes the same memory at every replay)."""
+        out = self._plan_bufs.get(slot)
+        if out is None:
+            out = self._plan_bufs[slot] = device_planner.plan_on_gpu(loads, self.domain, self.slots_per_rank,
+                                                                         **self.planner_options)
+        return out
+
+    def _enqueue(self, fn: Any, *args: Any, **kw: Any) -> Any:
+        """``fn(..., async_op=True)``'s Work; while the stream captures a CUDA graph ``fn(...)``
+        enqueued without one (stream order holds it) and :data:`_ON_STREAM` in its place."""
+        if self._async_ok():
+            return fn(*args, async_op=True, **kw)
+        return fn(*args, **kw) or _ON_STREAM
 
     def _check_routing(self, routing_map: Any, probs: Any) -> None:
         """Everything ``step`` needs of its inputs, checked before it takes a slot."""
@@ -671,12 +672,7 @@ class ReplicaManager:
 
     def _recompute(self, target: Step, routing_map: torch.Tensor, probs: torch.Tensor | None) -> Step:
         # the slots may still hold the target (every rank decides alike: same calls, same owner)
-        if self._slots_owner is target:
-            sync = target._sync
-        elif self._async_ok():
-            sync = self.ctx.restore(target.vid, async_op=True)
-        else:
-            sync = self.ctx.restore(target.vid) or _ON_STREAM
+        sync = target._sync if self._slots_owner is target else self._enqueue(self.ctx.restore, target.vid)
         self._slots_owner = target
         return Step(self, target.layer, target._result, routing_map, probs, target.vid, sync, True, target=target,
                     resident=target._resident)

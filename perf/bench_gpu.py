@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import ctypes.util
 import datetime
 import importlib
 import json
@@ -327,8 +328,6 @@ def _cudart():
     except OSError:
         pass
     if path is None:
-        import ctypes.util
-
         path = ctypes.util.find_library("cudart")
     if path is None:
         raise RuntimeError("libcudart not found in this process or on the library path")

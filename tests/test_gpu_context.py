@@ -268,7 +268,7 @@ def test_timeout_surfaces_at_wait():
     vids = [c.begin(0) for c in ctxs]
     # the home (rank 0) joins but its copy tasks are withheld: rank 1 waits for chunks that never come
     build = ctxs[0].schedule_for
-    ctxs[0].schedule_for = lambda plan, key=None: WithheldTasks(build(plan, key))
+    ctxs[0].schedule_for = lambda plan, key=None, builder=None: WithheldTasks(build(plan, key, builder))
     works = [c.weight_sync(v, plan, async_op=True) for c, v in zip(ctxs, vids)]
     failed = []
     for r, w in enumerate(works):

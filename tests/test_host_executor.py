@@ -601,6 +601,55 @@ def test_reduce_special_values_bit_exact_nan_included(dtype, portable):
     assert torch.isnan(cl.master_grads[0][0].float()).any() and torch.isinf(cl.master_grads[0][0].float()).any()
 
 
+def _nan_rule_cases(dtype):
+    """(acc, src1, src2, expected) bit patterns of the documented NaN rule (half.h sum_rn: x86's
+    addss with the accumulator first, written out so that the GPU kernel gives the same bits)."""
+    if dtype == torch.float32:
+        A, B, C, one, inf, ninf = 0x7F812345, 0xFFC0BEEF, 0x7FC00077, 0x3F800000, 0x7F800000, 0xFF800000
+        q = 0x00400000
+        return [(A, B, one, A | q),            # both NaN: the accumulator's, quieted
+                (one, B, C, B | q),            # the first NaN in summation order
+                (one, one, C, C | q),
+                (inf, ninf, one, 0xFFC00000),  # inf + -inf: the default NaN
+                (0x7F800001, one, one, 0x7FC00001)]
+    if dtype == torch.bfloat16:  # bf16 stores every NaN as 0xFFFF (ATen's vector cast)
+        A, B, C, one, inf, ninf = 0x7F81, 0xFFC1, 0x7FC7, 0x3F80, 0x7F80, 0xFF80
+        return [(A, B, one, 0xFFFF), (one, B, C, 0xFFFF), (one, one, C, 0xFFFF), (inf, ninf, one, 0xFFFF)]
+    A, B, C, one, inf, ninf = 0x7C15, 0xFE01, 0x7E33, 0x3C00, 0x7C00, 0xFC00  # fp16: payload kept, quieted
+    return [(A, B, one, A | 0x0200), (one, B, C, B | 0x0200), (one, one, C, C | 0x0200), (inf, ninf, one, 0xFE00)]
+
+
+@pytest.mark.parametrize("dtype,portable", [(torch.float32, False), (torch.bfloat16, False), (torch.float16, False),
+                                            (torch.float16, True)], ids=["fp32", "bf16", "fp16", "fp16-portable"])
+def test_reduce_nan_rule_is_the_documented_one(dtype, portable):
+    """Several NaNs in one element's sum: the first in summation order (master, then the
+    sources in list order) comes back quieted, inf + -inf is 0xFFC00000 -- exact bits on the
+    vector body and the scalar tail, the rule the CUDA kernel implements too (tests/
+    test_cuda_loopback.py compares the two executors on random bits, NaNs included)."""
+    cases = _nan_rule_cases(dtype)
+    n = 8 * 64 + 3  # the vector path's blocks and a scalar tail
+    ib = torch.int32 if dtype == torch.float32 else torch.int16
+    bits = 32 if dtype == torch.float32 else 16
+
+    def col(k):
+        return torch.tensor([(v - (1 << bits) if v >= 1 << (bits - 1) else v)
+                             for v in (cases[i % len(cases)][k] for i in range(n))], dtype=ib)
+
+    cl = Cluster(3, 1, [n * ESIZE[dtype]], chunk=4096, num_experts=1, home_of=[0], grad_dtype=dtype)
+    trees = [(0, 0, {(0, MASTER): [(1, 0), (2, 0)]})]
+    tasks, refs = build_tasks(3, trees, cl.gsb, cl.chunk, TaskKind.REDUCE)
+    assert [tuple(r) for r in refs[0][:2]] == [(1, 0), (2, 0)]  # summation order: master, rank 1, rank 2
+    cl.master_grads[0][0].view(ib).copy_(col(0))
+    nb = n * ESIZE[dtype]
+    cl.grad_slot(1, 0)[:nb].copy_(col(1).view(torch.uint8))
+    cl.grad_slot(2, 0)[:nb].copy_(col(2).view(torch.uint8))
+    ok(cl.run(Op.REDUCE, tasks, refs, slots_of(3, 1, trees), portable_f16=portable))
+    got, want = cl.master_grads[0][0].view(ib), col(3)
+    bad = (got != want).nonzero().flatten()[:5].tolist()
+    assert not bad, [(i, hex(got[i].item() & ((1 << bits) - 1)), hex(want[i].item() & ((1 << bits) - 1)))
+                     for i in bad]
+
+
 # ------------------------------------------------------------------------------------------
 # with the schedule builder (ultracomm.schedule.build_schedule), random plans
 

@@ -28,7 +28,7 @@ def test_gpu_op_times_from_events(tmp_path, transport):
     profs = [Profiler(tmp_path / f"r{r}") for r in range(world)]
     ctxs = LoopbackDomain(world).run(lambda g: Context(
         g, LAYOUT, epr, slots, num_layers=1, transport=transport, window="cuda_local", device="cuda:0",
-        chunk_bytes=1024, timeout_s=20.0, profile=profs[g.rank]))
+        chunk_bytes=1024, tile_bytes=256, timeout_s=20.0, profile=profs[g.rank]))
     for c in ctxs:
         per = [expert_weights(LAYOUT, e) for e in range(c.rank * epr, (c.rank + 1) * epr)]
         w = [torch.stack([p[m] for p in per]).contiguous().cuda() for m in range(2)]

@@ -230,7 +230,7 @@ __device__ inline void vec_copy(const uintptr_t* dsts, int ndst, uintptr_t src, 
 // ---------------------------------------------------------------------------------------
 // Ordered reduction: dst[i] = D(f32(dst[i]) + f32(src0[i]) + f32(src1[i]) + ...), left to right
 // in fp32 registers, the same operations in the same order as the host executor (D's
-// conversions are half.h's integer-rounding ones: bit-identical).  Element i belongs to one
+// conversions and the add, sum_rn, are half.h's: bit-identical, NaNs too).  Element i belongs to one
 // thread; no atomics.
 
 template <class D, class Srcs>
@@ -238,7 +238,7 @@ __device__ __forceinline__ void reduce_one(uintptr_t dst, const Srcs& srcs, int 
   using T = typename D::T;
   const uint64_t off = i * sizeof(T);
   float acc = D::load(load_g<T>(dst + off));
-  for (int s = 0; s < nsrc; ++s) acc += D::load(load_g<T>(srcs[s] + off));
+  for (int s = 0; s < nsrc; ++s) acc = detail::sum_rn(acc, D::load(load_g<T>(srcs[s] + off)));
   store_g(dst + off, D::store(acc));
 }
 
@@ -257,7 +257,7 @@ __device__ __forceinline__ void reduce_pack(uintptr_t dst, const Srcs& srcs, int
     v = load_g<uint4>(srcs[s] + byte_off);
     memcpy(e, &v, 16);
 #pragma unroll
-    for (int k = 0; k < E; ++k) acc[k] += D::load(e[k]);
+    for (int k = 0; k < E; ++k) acc[k] = detail::sum_rn(acc[k], D::load(e[k]));
   }
 #pragma unroll
   for (int k = 0; k < E; ++k) e[k] = D::store(acc[k]);

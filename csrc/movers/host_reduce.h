@@ -1,6 +1,6 @@
 // Host reduction of one segment's element range [first, first + n):
 //   dst[i] = D::store(D::load(dst[i]) + D::load(src_0[i]) + D::load(src_1[i]) + ...)
-// in fp32, sources in list order.  Blocks of 512 elements keep the accumulator in L1.
+// in fp32, sources in list order, each + being half.h's sum_rn (NaNs as the device kernel).  Blocks of 512 elements keep the accumulator in L1.
 // fp16 uses F16C when the CPU has it (the instructions torch's CPU casts use; same bits as
 // half.h, which the scalar tail and `portable` use).
 #pragma once
@@ -30,13 +30,22 @@ void reduce_scalar(uintptr_t dst_seg, const Srcs& srcs, int nsrc, uint64_t first
     for (size_t i = 0; i < m; ++i) acc[i] = D::load(dst[i0 + i]);
     for (int s = 0; s < nsrc; ++s) {
       const T* p = reinterpret_cast<const T*>(srcs[s]) + first + i0;
-      for (size_t i = 0; i < m; ++i) acc[i] += D::load(p[i]);
+      for (size_t i = 0; i < m; ++i) acc[i] = detail::sum_rn(acc[i], D::load(p[i]));
     }
     for (size_t i = 0; i < m; ++i) dst[i0 + i] = D::store(acc[i]);
   }
 }
 
 #if defined(__x86_64__)
+// detail::sum_rn on 8 lanes: NaN lanes chosen explicitly (acc's first, quieted), whatever
+// operand order the compiler gives vaddps; inf + -inf is vaddps's own default NaN
+__attribute__((target("avx2,f16c"))) inline __m256 sum8(__m256 a, __m256 b) {
+  const __m256 quiet = _mm256_castsi256_ps(_mm256_set1_epi32(0x00400000));
+  __m256 r = _mm256_add_ps(a, b);
+  r = _mm256_blendv_ps(r, _mm256_or_ps(b, quiet), _mm256_cmp_ps(b, b, _CMP_UNORD_Q));
+  return _mm256_blendv_ps(r, _mm256_or_ps(a, quiet), _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+}
+
 template <class Srcs>
 __attribute__((target("avx2,f16c"))) void reduce_f16c(uintptr_t dst_seg, const Srcs& srcs, int nsrc, uint64_t first,
                                                        uint64_t n) {
@@ -52,9 +61,9 @@ __attribute__((target("avx2,f16c"))) void reduce_f16c(uintptr_t dst_seg, const S
     for (int s = 0; s < nsrc; ++s) {
       const uint16_t* p = reinterpret_cast<const uint16_t*>(srcs[s]) + first + i0;
       for (size_t i = 0; i < mv; i += 8)
-        _mm256_store_ps(acc + i, _mm256_add_ps(_mm256_load_ps(acc + i),
-                                               _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i)))));
-      for (size_t i = mv; i < m; ++i) acc[i] += detail::f16_to_f32(p[i]);
+        _mm256_store_ps(acc + i, sum8(_mm256_load_ps(acc + i),
+                                      _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i)))));
+      for (size_t i = mv; i < m; ++i) acc[i] = detail::sum_rn(acc[i], detail::f16_to_f32(p[i]));
     }
     uint16_t* out = dst + i0;
     for (size_t i = 0; i < mv; i += 8)

@@ -5,7 +5,8 @@
 // Needs IEEE float arithmetic in the default rounding mode: do not build with -ffast-math.
 // UC_HD: the device kernel uses the same integer rounding (not __float2bfloat16_rn, which
 // returns a canonical NaN); its float steps use __fmul_rn / __fadd_rn so that nvcc cannot
-// contract them into an FMA (one rounding instead of two would change the bits).
+// contract them into an FMA (one rounding instead of two would change the bits), and NaNs are
+// handled in integers (a GPU's float operations return a canonical NaN, x86's the operand's).
 #pragma once
 #include <cstdint>
 #include <cstring>
@@ -47,6 +48,20 @@ UC_INLINE float add_rn(float a, float b) {
 #endif
 }
 
+UC_INLINE bool f32_is_nan(uint32_t u) { return (u & 0x7fffffffu) > 0x7f800000u; }
+
+// acc + x of a reduction, rounded once, with NaNs defined as x86's addss/vaddps with acc first:
+// a NaN operand comes back quieted, acc's when both are NaN, and inf + -inf is the default NaN
+// 0xFFC00000.  Written out because a GPU add returns the canonical 0x7FFFFFFF instead, and a
+// compiler may swap the operands of a host add (the payload would follow the swap).
+UC_INLINE float sum_rn(float acc, float x) {
+  const uint32_t a = f32_bits(acc), b = f32_bits(x);
+  if (f32_is_nan(a)) return f32_from_bits(a | 0x00400000u);
+  if (f32_is_nan(b)) return f32_from_bits(b | 0x00400000u);
+  const float r = add_rn(acc, x);
+  return f32_is_nan(f32_bits(r)) ? f32_from_bits(0xFFC00000u) : r;
+}
+
 UC_INLINE float bf16_to_f32(uint16_t h) { return f32_from_bits(static_cast<uint32_t>(h) << 16); }
 
 UC_INLINE uint16_t f32_to_bf16(float f) {
@@ -59,6 +74,8 @@ UC_INLINE uint16_t f32_to_bf16(float f) {
 UC_INLINE float f16_to_f32(uint16_t h) {
   const uint32_t w = static_cast<uint32_t>(h) << 16;
   const uint32_t sign = w & 0x80000000u;
+  // NaN: quieted, payload kept (vcvtph2ps); spelled out: a GPU multiply would return its canonical NaN
+  if ((h & 0x7C00u) == 0x7C00u && (h & 0x03FFu)) return f32_from_bits(sign | 0x7FC00000u | ((h & 0x03FFu) << 13));
   const uint32_t two_w = w + w;
   const uint32_t exp_offset = 0xE0u << 23;
   const float exp_scale = 0x1.0p-112f;

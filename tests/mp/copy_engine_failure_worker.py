@@ -25,7 +25,7 @@ TIMEOUT_S = 2.0
 
 def contexts():
     ctxs = LoopbackDomain(2).run(lambda g: Context(g, LAYOUT, 1, 1, num_layers=1, transport="copy_engine",
-                                                   window="cuda_local", device="cuda:0", chunk_bytes=1024,
+                                                   window="cuda_local", device="cuda:0", chunk_bytes=1024, tile_bytes=256,
                                                    timeout_s=TIMEOUT_S))
     for c in ctxs:
         w = [torch.full((1, *m.shape), float(c.rank + 1), device="cuda:0") for m in LAYOUT.members]

@@ -26,7 +26,7 @@ TIMEOUT_S = 2.0
 def main() -> dict:
     ctxs = LoopbackDomain(4).run(lambda g: Context(g, LAYOUT, 1, 1, num_layers=1, transport="split",
                                                    window="cuda_local", device="cuda:0", domain="a,a,b,b",
-                                                   node_of=[0, 0, 1, 1], relay_mode="off", chunk_bytes=1024,
+                                                   node_of=[0, 0, 1, 1], relay_mode="off", chunk_bytes=1024, tile_bytes=256,
                                                    timeout_s=TIMEOUT_S))
     for c in ctxs:
         w = [torch.full((1, *m.shape), float(c.rank + 1), device="cuda:0") for m in LAYOUT.members]

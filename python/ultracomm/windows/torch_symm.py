@@ -12,6 +12,7 @@ prefers this provider on process groups when torch has it.
 from __future__ import annotations
 
 import importlib
+import socket
 import warnings
 from typing import Any
 
@@ -72,6 +73,15 @@ class TorchSymmWindow(Window):
                 warnings.simplefilter("ignore", category=FutureWarning)
                 warnings.simplefilter("ignore", category=DeprecationWarning)
                 symm.enable_symm_mem_for_group(name)
+        # torch's rendezvous refuses two ranks on one device ("allocations from overlapping devices"):
+        # say so, with the ranks and the provider that works there, before anything is allocated
+        where = comm.agree(lambda: (socket.gethostname(), str(torch.cuda.get_device_properties(dev).uuid)),
+                           op=op, what="torch_symm devices")
+        for r, w in enumerate(where):
+            q = where.index(w)
+            if q != r:
+                raise ValueError(f"ultracomm: window 'torch_symm' needs one GPU per rank, but ranks {q} and {r} use "
+                                 f"the same GPU ({dev} on {w[0]}); use window='cuda_ipc' for ranks that share a GPU")
         mine: dict[str, Any] = {}
 
         def allocate() -> None:  # everywhere first: a rank that cannot must not leave peers in rendezvous

@@ -209,6 +209,7 @@ class SplitCudaTransport:
         prog, ops = self.program(op, schedule)
         self._ensure_shadows(prog.peers)
         if self.loopback:
+            self.tma.loopback_arena(masters, local_index_of)  # the launch writes the plan into its arena
             key, make = self.tma._rank_args(op, schedule, masters, my_slots, local_index_of)
             ctas = self.tma.multicast_sms if op == Op.MULTICAST else self.tma.reduce_sms
             item = ((key, make, ctas, op_name), prog, op_digest(schedule.digest, op))

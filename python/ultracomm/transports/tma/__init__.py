@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -145,6 +145,13 @@ class TmaTransport:
             self._loopback.ensure_arena(self._arena_shape)
         self._names: dict[int, str | None] = {}
 
+    def loopback_arena(self, masters: Masters, local_index_of: Sequence[int]) -> Any:
+        """The loopback domain's launcher, its plan arena allocated (sized for these masters when
+        the transport was made without an arena shape); every loopback launch path calls it."""
+        if self._arena_shape is None:
+            self._loopback.ensure_arena(self._shape_of(masters, local_index_of))
+        return self._loopback
+
     def _make_arena(self, shape: dict) -> object:
         return self._cuda.PlanArena(self.device, self._slots.num_slots, **arena_bounds(**shape))
 
@@ -215,9 +222,7 @@ class TmaTransport:
             return self._run_resident(op, schedule, epoch, masters, local_index_of, op_name, stream, slot, ctas)
         key, make = self._rank_args(op, schedule, masters, my_slots, local_index_of)
         if self._loopback is not None:  # the rank completing the set launches every rank
-            lb = self._loopback
-            if self._arena_shape is None:
-                lb.ensure_arena(self._shape_of(masters, local_index_of))
+            lb = self.loopback_arena(masters, local_index_of)
             return launches_for(self.window).deposit(Deposit(self.rank, int(op), int(epoch), int(stream),
                                                              (key, make, ctas, op_name, slot)),
                                                      lambda deps: lb.launch(deps, self.rank))
@@ -237,9 +242,7 @@ class TmaTransport:
                       ctas: int) -> bool:
         share = self._share(sched, masters, local_index_of)
         if self._loopback is not None:
-            lb = self._loopback
-            if self._arena_shape is None:
-                lb.ensure_arena(self._shape_of(masters, local_index_of))
+            lb = self.loopback_arena(masters, local_index_of)
             return launches_for(self.window).deposit(
                 Deposit(self.rank, int(op), int(epoch), int(stream), (("resident", share.token), None, ctas, op_name,
                                                                       slot, share)),

@@ -11,6 +11,12 @@ round, so drifting load on a shared machine hits them alike); each writes
 the median over repetitions of each run's median time (slowest rank), the ratios to p2p_gloo, the
 schedule choice the builder made (the same in every repetition: the plan is seeded) and the load
 averages.
+
+``--pairs WORLD:SIZE[,...]`` (default ``8:32M``): sizes whose three methods do not fit in memory at
+once (8 ranks x 3 Contexts of 32 MiB weights / 64 MiB grads per expert were OOM-killed on a 24 GB
+machine) run as two interleaved pairs instead, ``p2p_gloo,relay_gloo`` then ``p2p_gloo,relay_split``
+(``w{world}_s{size}_r{rep}_gloo.json`` / ``_split.json``); the table gives each ratio to the
+p2p_gloo of its own runs and shows both p2p_gloo times (``a / b``).
 """
 from __future__ import annotations
 
@@ -25,6 +31,10 @@ import sys
 WORLDS = (4, 8)
 SIZES = ("1M", "8M", "32M")
 METHODS = "p2p_gloo,relay_gloo,relay_split"
+#: (world, size) run as two pairs by default: all three methods at once ran out of memory
+PAIRS = ("8:32M",)
+#: the pairs' file suffix and methods
+PAIR_RUNS = (("_gloo", "p2p_gloo,relay_gloo"), ("_split", "p2p_gloo,relay_split"))
 
 
 def run(args) -> int:
@@ -33,30 +43,36 @@ def run(args) -> int:
     for rep in range(args.reps):
         for world in args.worlds:
             for size in args.sizes:
-                path = os.path.join(args.out, f"w{world}_s{size}_r{rep}.json")
-                if os.path.exists(path):  # a resumed sweep keeps what it measured
-                    continue
-                cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-                       "-m", "ultracomm.tools.bench", "all", "--workload", "zipf:1.5,2,3", "--methods", METHODS,
-                       "--top-k", "2", "--experts-per-rank", "8", "--iters", str(args.iters), "--interleave",
-                       "--min-bytes", size, "--max-bytes", size, "--json", path]
-                print(f"# rep {rep} world {world} size {size}", flush=True)
-                p = subprocess.run(cmd, env=env, capture_output=True, text=True)
-                if p.returncode != 0:
-                    print(p.stdout[-3000:] + p.stderr[-3000:], file=sys.stderr)
-                    return p.returncode
+                runs = PAIR_RUNS if f"{world}:{size}" in args.pairs else (("", METHODS),)
+                for suffix, methods in runs:
+                    path = os.path.join(args.out, f"w{world}_s{size}_r{rep}{suffix}.json")
+                    if os.path.exists(path):  # a resumed sweep keeps what it measured
+                        continue
+                    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+                           "-m", "ultracomm.tools.bench", "all", "--workload", "zipf:1.5,2,3", "--methods", methods,
+                           "--top-k", "2", "--experts-per-rank", "8", "--iters", str(args.iters), "--interleave",
+                           "--min-bytes", size, "--max-bytes", size, "--json", path]
+                    print(f"# rep {rep} world {world} size {size} {methods}", flush=True)
+                    p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+                    if p.returncode != 0:
+                        print(p.stdout[-3000:] + p.stderr[-3000:], file=sys.stderr)
+                        return p.returncode
     return 0
 
 
 def table(args) -> int:
+    # per (op, world, size, workload): one {method: row} per run (a run: one JSON file)
     runs: dict[tuple, list[dict]] = {}
     loads: list[tuple[str, float, float]] = []
     for path in sorted(glob.glob(os.path.join(args.dir, "w*_s*_r*.json"))):
         rec = json.load(open(path))
         if "loadavg" in rec:  # the 1-minute load average when the run started and ended
             loads.append((os.path.basename(path), rec["loadavg"]["before"][0], rec["loadavg"]["after"][0]))
+        per: dict[tuple, dict] = {}
         for r in rec["rows"]:
-            runs.setdefault((r["op"], rec["world"], r["size"], r["workload"]), []).append(r)
+            per.setdefault((r["op"], rec["world"], r["size"], r["workload"]), {})[r["method"]] = r
+        for key, by_method in per.items():
+            runs.setdefault(key, []).append(by_method)
     print("| op | world | size | workload | repl | runs | p2p_gloo ms | relay_gloo ms | relay_gloo / p2p_gloo | "
           "relay_gloo choice | relay_split ms | relay_split / p2p_gloo | relay_split choice | gloo bytes of relay_split |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -64,17 +80,24 @@ def table(args) -> int:
     wrong = 0
     for op in ("weight_sync", "grad_reduce"):
         for key in sorted(k for k in runs if k[0] == op):
-            rows = runs[key]
-            wrong += sum(r["wrong"] for r in rows)
-            by = {m: [r for r in rows if r["method"] == m] for m in ("p2p_gloo", "relay_gloo", "relay_split")}
-            ms = {m: statistics.median(r["time_us"] for r in v) / 1e3 for m, v in by.items()}
-            for m in ratios:
-                ratios[m].append(ms[m] / ms["p2p_gloo"])
-            split = by["relay_split"][0]
-            print(f"| {op} | {key[1]} | {key[2]} | {key[3]} | {split['replicas']} | {len(by['p2p_gloo'])} | "
-                  f"{ms['p2p_gloo']:.2f} | {ms['relay_gloo']:.2f} | {ms['relay_gloo'] / ms['p2p_gloo']:.2f} | "
-                  f"{by['relay_gloo'][0]['choice']} | {ms['relay_split']:.2f} | "
-                  f"{ms['relay_split'] / ms['p2p_gloo']:.2f} | {split['choice']} | "
+            row_runs = runs[key]
+            wrong += sum(r["wrong"] for run in row_runs for r in run.values())
+            ms, base, count = {}, {}, {}
+            for m in ratios:  # each method against the p2p_gloo of the runs it was timed in
+                mine = [run for run in row_runs if m in run and "p2p_gloo" in run]
+                ms[m] = statistics.median(run[m]["time_us"] for run in mine) / 1e3
+                base[m] = statistics.median(run["p2p_gloo"]["time_us"] for run in mine) / 1e3
+                count[m] = len(mine)
+                ratios[m].append(ms[m] / base[m])
+            paired = any(len(run) < 3 for run in row_runs)
+            gloo = next(run["relay_gloo"] for run in row_runs if "relay_gloo" in run)
+            split = next(run["relay_split"] for run in row_runs if "relay_split" in run)
+            p2p = f"{base['relay_gloo']:.2f}" if not paired else f"{base['relay_gloo']:.2f} / {base['relay_split']:.2f}"
+            n = f"{count['relay_gloo']}" if not paired else f"{count['relay_gloo']}+{count['relay_split']} (pairs)"
+            print(f"| {op} | {key[1]} | {key[2]} | {key[3]} | {split['replicas']} | {n} | "
+                  f"{p2p} | {ms['relay_gloo']:.2f} | {ms['relay_gloo'] / base['relay_gloo']:.2f} | "
+                  f"{gloo['choice']} | {ms['relay_split']:.2f} | "
+                  f"{ms['relay_split'] / base['relay_split']:.2f} | {split['choice']} | "
                   f"{split['cross_bytes']} of {split['moved_bytes']} |")
     print()
     for m, v in ratios.items():
@@ -97,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--worlds", type=lambda s: [int(x) for x in s.split(",")], default=list(WORLDS))
     r.add_argument("--sizes", type=lambda s: s.split(","), default=list(SIZES))
     r.add_argument("--out", default="perf/out/transports")
+    r.add_argument("--pairs", type=lambda s: [x for x in s.split(",") if x], default=list(PAIRS),
+                   help="WORLD:SIZE cases run as two pairs of methods (memory); empty: none")
     t = sub.add_parser("table")
     t.add_argument("dir")
     args = p.parse_args(argv)

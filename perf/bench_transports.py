@@ -77,6 +77,7 @@ def table(args) -> int:
           "relay_gloo choice | relay_split ms | relay_split / p2p_gloo | relay_split choice | gloo bytes of relay_split |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     ratios: dict[str, list[float]] = {"relay_gloo": [], "relay_split": []}
+    spread: list[float] = []  # p2p_gloo against itself: its slowest / fastest run of a row (the noise floor)
     wrong = 0
     for op in ("weight_sync", "grad_reduce"):
         for key in sorted(k for k in runs if k[0] == op):
@@ -89,6 +90,9 @@ def table(args) -> int:
                 base[m] = statistics.median(run["p2p_gloo"]["time_us"] for run in mine) / 1e3
                 count[m] = len(mine)
                 ratios[m].append(ms[m] / base[m])
+            own = [run["p2p_gloo"]["time_us"] for run in row_runs if "p2p_gloo" in run]
+            if len(own) > 1:
+                spread.append(max(own) / min(own))
             paired = any(len(run) < 3 for run in row_runs)
             gloo = next(run["relay_gloo"] for run in row_runs if "relay_gloo" in run)
             split = next(run["relay_split"] for run in row_runs if "relay_split" in run)
@@ -103,6 +107,9 @@ def table(args) -> int:
     for m, v in ratios.items():
         print(f"- {m}/p2p_gloo: median {statistics.median(v):.2f}, min {min(v):.2f}, max {max(v):.2f}, "
               f"rows > 1: {sum(x > 1 for x in v)}/{len(v)}")
+    if spread:
+        print(f"- p2p_gloo against itself (its slowest / fastest run of a row, {len(spread)} rows with more than "
+              f"one run): median {statistics.median(spread):.2f}, max {max(spread):.2f}")
     print(f"- #wrong summed over all runs: {wrong}")
     if loads:
         every = [x for _, b, a in loads for x in (b, a)]

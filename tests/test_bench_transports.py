@@ -79,6 +79,9 @@ def test_table_rows_ratios_and_pairs(bt, tmp_path, capsys):
                       "3145728 of 6291456 |")
     assert "- relay_gloo/p2p_gloo: median 0.95, min 0.90, max 1.00, rows > 1: 0/2" in out
     assert "- relay_split/p2p_gloo: median 1.04, min 0.83, max 1.25, rows > 1: 1/2" in out
+    # the noise floor: p2p_gloo's runs of a row against each other (world 4: 4000 / 2000; world 8: 10000 / 8000)
+    assert "- p2p_gloo against itself (its slowest / fastest run of a row, 2 rows with more than one run): " \
+           "median 1.62, max 2.00" in out
     assert "- #wrong summed over all runs: 0" in out
     assert out[-1] == ("- load average (1 min) at the start and end of each run: 1.5-4.0 (w4_s1M_r0 1.5/2.5, "
                        "w4_s1M_r1 3.0/4.0, w8_s1M_r0_gloo 1.5/2.5, w8_s1M_r0_split 1.5/2.5)")

@@ -258,13 +258,21 @@ def test_a_loopback_ranks_failure_abandons_the_shared_device(fake_cuda, domain, 
 
 def test_internal_streams_are_its_own_and_released_at_close(fake_cuda, domain):
     plan = ReplicaPlan.make(hot_slot_src(WORLD, SLOTS, EPR, expert=1), experts_per_rank=EPR)
-    t = transports_for(domain, loopback=False)[0]
+    ts = transports_for(domain, loopback=False)
+    # every transport made its watchdog's read stream at setup, at the highest priority: made
+    # later, from the watchdog, cuStreamCreate waited for a caller's legacy stream that was
+    # blocked on a join only the watchdog releases (a deadlock seen on an H200)
+    assert [p for _, p in fake_cuda.created] == [-1] * len(ts)
+    t, setup = ts[0], {h for h, _ in fake_cuda.created}
+    side = t._streams[ce._SIDE].cuda_stream
     sched, masters, my_slots, lio = args(domain[0], plan)
     t.run(Op.MULTICAST, sched, 2, masters, my_slots, lio, "weight_sync", stream=CALLER)
     handles = {x[1] for x in fake_cuda.calls} - {CALLER}
-    assert handles and handles == {h for h, _ in fake_cuda.created}  # driver-made, none from torch's pool
+    assert handles and handles == {h for h, _ in fake_cuda.created} - setup  # driver-made, none from torch's pool
     t.close()
-    assert sorted(fake_cuda.destroyed) == sorted(handles)
+    for other in ts[1:]:
+        other.close()
+    assert side in fake_cuda.destroyed and set(handles) <= set(fake_cuda.destroyed)
 
 
 def test_quiesce_waits_for_operations_in_flight_to_end(fake_cuda, domain, make_transports):
@@ -284,19 +292,47 @@ def test_quiesce_waits_for_operations_in_flight_to_end(fake_cuda, domain, make_t
     assert done.wait(10) and ts[0].abandoned_streams()
 
 
+def test_quiesce_after_a_failure_waits_for_the_other_ranks_running_operations(fake_cuda, domain, make_transports):
+    """A loopback rank's failure must not cut short another rank's operation that is running:
+    that rank's own watchdog still reports its error (an H200 run of the plan-mismatch case
+    returned None for the second rank).  Operations no stream reached are not waited for."""
+    import threading
+
+    from ultracomm.transports.copy_engine.plan import word_addr
+    from ultracomm.transports.copy_engine.watchdog import write_host
+
+    plan = ReplicaPlan.make(hot_slot_src(WORLD, SLOTS, EPR, expert=1), experts_per_rank=EPR)
+    ts = make_transports(loopback=True)
+    run_all(ts, domain, plan, 5, fake_cuda)
+    write_host(word_addr(ts[1]._words.data_ptr(), None), 5)  # rank 1's caller stream reached its op
+    done = threading.Event()
+    waiter = threading.Thread(target=lambda: (ts[0].quiesce(), done.set()), daemon=True)
+    waiter.start()
+    ts[3]._dog.fail(UltracommError("ultracomm: rank 3 weight_sync (multicast) epoch 5 timed out"))
+    assert not done.wait(0.3)  # rank 1's running op has not ended
+    assert ts[1]._dog.running() == 1 and ts[2]._dog.running() == 0
+    ts[1]._dog.fail(UltracommError("ultracomm: rank 1 weight_sync (multicast) epoch 5: rank 0 runs a different plan"))
+    assert done.wait(10)
+    with pytest.raises(UltracommError, match="rank 1 weight_sync"):
+        ts[1].check_error()
+
+
 def test_each_thread_binds_the_device_context_before_its_driver_calls(fake_cuda, domain, make_transports):
     """Driver calls need a current context, which a thread has only after a runtime call of its
     own: the enqueuing thread and the watchdog's reads bind the device first."""
     plan = ReplicaPlan.make(hot_slot_src(WORLD, SLOTS, EPR, expert=1), experts_per_rank=EPR)
+    me = threading.current_thread().name
     t = make_transports(loopback=False)[0]
+    n0 = len(fake_cuda.bound)  # each transport's setup binds before it makes its watchdog's stream
+    assert fake_cuda.bound == [(me, 0, 0)] * WORLD
     sched, masters, my_slots, lio = args(domain[0], plan)
     t.run(Op.MULTICAST, sched, 3, masters, my_slots, lio, "weight_sync", stream=CALLER)
-    assert fake_cuda.bound == [(threading.current_thread().name, 0, 0)] and fake_cuda.calls
+    assert fake_cuda.bound[n0:] == [(me, 0, 0)] and fake_cuda.calls
     before = len(fake_cuda.calls)
     reader = threading.Thread(target=t._read_device, args=([t._words.data_ptr()],), name="reader")
     reader.start()
     reader.join(10)
-    assert fake_cuda.bound[1:] == [("reader", 0, before)] and fake_cuda.calls[before][0] == "copy"
+    assert fake_cuda.bound[n0 + 1:] == [("reader", 0, before)] and fake_cuda.calls[before][0] == "copy"
 
 
 def test_a_failed_enqueue_releases_the_joins_and_abandons_the_streams(fake_cuda, domain, make_transports):

@@ -72,6 +72,9 @@ class FakeTma:
     def _rank_args(self, op, schedule, masters, my_slots, local_index_of):
         return ("key", self.rank, int(op), schedule.digest), lambda: ("args", self.rank, int(op))
 
+    def loopback_arena(self, masters, local_index_of):  # the real one allocates the domain's plan arena
+        return self._loopback
+
 
 class FakeDriver:
     def __init__(self, log):

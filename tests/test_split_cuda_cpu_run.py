@@ -87,6 +87,9 @@ class HostKernel:
         self.runs = runs
         self._loopback = SimpleNamespace(launch=self._launch_all)
 
+    def loopback_arena(self, masters, local_index_of):  # the real one allocates the domain's plan arena
+        return self._loopback
+
     def _rank_args(self, op, schedule, masters, my_slots, local_index_of):
         bases = list(self._bases)
 

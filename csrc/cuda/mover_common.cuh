@@ -231,15 +231,24 @@ __device__ inline void vec_copy(const uintptr_t* dsts, int ndst, uintptr_t src, 
 // Ordered reduction: dst[i] = D(f32(dst[i]) + f32(src0[i]) + f32(src1[i]) + ...), left to right
 // in fp32 registers, the same operations in the same order as the host executor (D's
 // conversions and the add, sum_rn, are half.h's: bit-identical, NaNs too).  Element i belongs to one
-// thread; no atomics.
+// thread; no atomics.  The 16-byte path adds plainly and applies the NaN rule only to elements
+// whose sum came out NaN (NaN absorbs: a sum with no NaN step is the plain one), re-reading their
+// inputs: the hot loop stays a load and an add per element and source.
+
+// The element at byte offset off, summed with the NaN rule at every step (dst not yet written).
+template <class D, class Srcs>
+__device__ __forceinline__ float reduce_elem(uintptr_t dst, const Srcs& srcs, int nsrc, uint64_t off) {
+  using T = typename D::T;
+  float acc = D::load(load_g<T>(dst + off));
+  for (int s = 0; s < nsrc; ++s) acc = detail::sum_rn(acc, D::load(load_g<T>(srcs[s] + off)));
+  return acc;
+}
 
 template <class D, class Srcs>
 __device__ __forceinline__ void reduce_one(uintptr_t dst, const Srcs& srcs, int nsrc, uint64_t i) {
   using T = typename D::T;
   const uint64_t off = i * sizeof(T);
-  float acc = D::load(load_g<T>(dst + off));
-  for (int s = 0; s < nsrc; ++s) acc = detail::sum_rn(acc, D::load(load_g<T>(srcs[s] + off)));
-  store_g(dst + off, D::store(acc));
+  store_g(dst + off, D::store(reduce_elem<D, Srcs>(dst, srcs, nsrc, off)));
 }
 
 // The 16 bytes at byte_off of dst and of every source.
@@ -257,10 +266,14 @@ __device__ __forceinline__ void reduce_pack(uintptr_t dst, const Srcs& srcs, int
     v = load_g<uint4>(srcs[s] + byte_off);
     memcpy(e, &v, 16);
 #pragma unroll
-    for (int k = 0; k < E; ++k) acc[k] = detail::sum_rn(acc[k], D::load(e[k]));
+    for (int k = 0; k < E; ++k) acc[k] = detail::add_rn(acc[k], D::load(e[k]));
   }
 #pragma unroll
-  for (int k = 0; k < E; ++k) e[k] = D::store(acc[k]);
+  for (int k = 0; k < E; ++k) {
+    if (__builtin_expect(detail::f32_is_nan(detail::f32_bits(acc[k])), 0))
+      acc[k] = reduce_elem<D, Srcs>(dst, srcs, nsrc, byte_off + k * sizeof(T));
+    e[k] = D::store(acc[k]);
+  }
   memcpy(&v, e, 16);
   store_g(dst + byte_off, v);
 }

@@ -54,12 +54,18 @@ UC_INLINE bool f32_is_nan(uint32_t u) { return (u & 0x7fffffffu) > 0x7f800000u; 
 // a NaN operand comes back quieted, acc's when both are NaN, and inf + -inf is the default NaN
 // 0xFFC00000.  Written out because a GPU add returns the canonical 0x7FFFFFFF instead, and a
 // compiler may swap the operands of a host add (the payload would follow the swap).
-UC_INLINE float sum_rn(float acc, float x) {
+// The add runs first and the rule only where it gave a NaN (a NaN sum has a NaN operand or is
+// inf + -inf): one compare per element on the hot path.
+UC_INLINE float sum_nan_rule(float acc, float x) {
   const uint32_t a = f32_bits(acc), b = f32_bits(x);
   if (f32_is_nan(a)) return f32_from_bits(a | 0x00400000u);
   if (f32_is_nan(b)) return f32_from_bits(b | 0x00400000u);
+  return f32_from_bits(0xFFC00000u);
+}
+UC_INLINE float sum_rn(float acc, float x) {
   const float r = add_rn(acc, x);
-  return f32_is_nan(f32_bits(r)) ? f32_from_bits(0xFFC00000u) : r;
+  if (__builtin_expect(f32_is_nan(f32_bits(r)), 0)) return sum_nan_rule(acc, x);
+  return r;
 }
 
 UC_INLINE float bf16_to_f32(uint16_t h) { return f32_from_bits(static_cast<uint32_t>(h) << 16); }

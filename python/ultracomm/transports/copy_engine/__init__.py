@@ -85,6 +85,12 @@ class CopyEngineTransport:
         self._scratch = pinned_words(64)
         self._fork = torch.cuda.Event()
         self._dog = Watchdog(rank, self.timeout_s, self._read_device)
+        # the watchdog's read stream exists before any operation: creating a stream waits for the
+        # legacy default stream, and a caller's legacy stream blocked on a join only the watchdog
+        # releases would then never let the watchdog read (seen on an H200, 2026-12-04)
+        with torch.cuda.device(self.device):
+            self.driver.bind(self._ordinal)
+            self._stream(_SIDE)
         self._dog.start()
         # the watchdogs whose failure can leave streams blocked on this device in this process:
         # every rank's of a loopback domain (they share the device), else this rank's

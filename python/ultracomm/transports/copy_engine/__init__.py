@@ -29,7 +29,10 @@ it is off the critical path (the caller's stream passes its joins on the device 
 so it only bounds how late a failure is seen.
 
 Status: command lists, fork/join and the watchdog are checked on the CPU (simulated streams,
-fakes); the driver path has not run on a device here.
+fakes).  On an H200 (perf/gpu/README.md) the driver path copies bit-exactly and refuses graph
+capture; its stalled-peer and plan-mismatch paths hung or half-reported there, and their fixes
+(the watchdog's stream made at setup, quiesce waiting for running operations) have not run on
+a device yet.
 """
 from __future__ import annotations
 

@@ -38,7 +38,7 @@ blocked (an NCCL receive or a stream wait cannot be cancelled) until NCCL's own 
 its communicator (torch's process-group timeout; with its default async error handling that tears
 the process down -- the side stream's messages use the transport's own NCCL group, so the user's
 group is not the one aborted): until then the Context skips device-wide synchronisation and keeps
-the window, the kernel's plans and the shadows allocated (freeing is a device-wide wait).  Status: built and checked on the CPU with fakes; not run on a device here.  Shadows are
+the window, the kernel's plans and the shadows allocated (freeing is a device-wide wait).  Status: on an H200 (perf/gpu/README.md) a one-GPU loopback domain matches the host executor bit for bit and refuses ranks on different plans; a stalled cross-domain rank still hangs the caller's stream there (traced, not fixed).  Shadows are
 full-size allocations (:mod:`.cuda_shadow`).
 """
 from __future__ import annotations

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One-shot GPU check for a bare single-GPU machine (torch with CUDA, nvcc, pytest, ninja; maybe no
 # cmake; no network).  Steps, each under its own timeout and all under one deadline (8 minutes):
-#   1. build: pip + scikit-build-core (no isolation, no index) when scikit-build-core, pybind11 and
-#      cmake are present; if that is missing or fails, scripts/build_inplace.py (torch's
+#   1. build: pip + scikit-build-core (no isolation, no index; for this GPU's architecture only) when
+#      scikit-build-core, pybind11 and cmake are present; if that is missing or fails, scripts/build_inplace.py (torch's
 #      cpp_extension: _core and _cuda) into build/inplace, put on PYTHONPATH
 #   2. the `gpu`-marked tests (pytest -m gpu: tma, copy_engine incl. its stalled-rank and
 #      digest-mismatch runs in subprocesses, profiler GPU op times), junit XML + log; one line per
@@ -55,6 +55,11 @@ trap pack EXIT
 cat "$OUT/env.txt"
 
 rc_build=1
+# only this GPU's architecture (a third of the compile; the wheel's default builds every CI target)
+if [ -z "${SKBUILD_CMAKE_DEFINE:-}" ]; then
+  cc=$("$PY" -c "import torch; M, m = torch.cuda.get_device_capability(); print(f'{M}{m}')" 2>/dev/null) \
+    && [ -n "$cc" ] && export SKBUILD_CMAKE_DEFINE="ULTRACOMM_CUDA_ARCHITECTURES=${cc}-real"
+fi
 export CUDAFLAGS="${CUDAFLAGS:+$CUDAFLAGS }--threads 0"  # CMake's nvcc: a file's architectures in parallel
 if [ -z "${CUDACXX:-}" ]; then  # CMake may miss an nvcc off PATH (build_inplace.py also tries /usr/local/cuda)
   for c in "$(command -v nvcc)" /usr/local/cuda/bin/nvcc; do [ -x "$c" ] && { export CUDACXX="$c"; break; }; done

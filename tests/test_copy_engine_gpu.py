@@ -9,9 +9,6 @@ collective: one thread drives every loopback rank on one stream.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -20,11 +17,11 @@ import torch
 import ultracomm
 from ultracomm import Context, ExpertLayout, LoopbackDomain, Member, ReplicaPlan
 
+import gpu_worker
 from conftest import expert_weights, hot_slot_src, random_slot_src
 
 pytestmark = pytest.mark.gpu
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYOUT = ExpertLayout((Member("fc1", (40, 24), torch.bfloat16), Member("fc2", (56,), torch.bfloat16)),
                       grad_dtype=torch.float32)
 
@@ -118,8 +115,7 @@ def test_copy_engine_matches_host_bit_for_bit(mode, which):
 
 
 def run_worker(case: str) -> dict:
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "mp", "copy_engine_failure_worker.py"), case],
-                       capture_output=True, text=True, timeout=60)
+    p = gpu_worker.run_worker("copy_engine_failure_worker.py", case)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
 

@@ -12,9 +12,6 @@ every loopback rank on one stream.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -22,11 +19,11 @@ import torch
 
 from ultracomm import Context, ExpertLayout, LoopbackDomain, Member, PlanError, ReplicaPlan
 
+import gpu_worker
 from conftest import expert_weights, hot_slot_src, random_slot_src
 from test_copy_engine_gpu import assert_refuses_capture, fill_replica_grads, host_reference  # the copy_engine gpu test's grads and reference
 
 pytestmark = pytest.mark.gpu
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 LAYOUT = ExpertLayout((Member("fc1", (40, 24), torch.bfloat16), Member("fc2", (56,), torch.bfloat16)),
                       grad_dtype=torch.float32)
@@ -130,8 +127,7 @@ def test_split_refuses_graph_capture(monkeypatch):
 
 
 def test_a_stalled_cross_domain_rank_is_a_named_timeout_and_the_callers_stream_is_released():
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "mp", "split_cuda_stall_worker.py")],
-                       capture_output=True, text=True, timeout=120)
+    p = gpu_worker.run_worker("split_cuda_stall_worker.py")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
     named = [e for e in out["errors"] if e and e.startswith(("TimeoutError: ultracomm: rank 2 weight_sync",

@@ -20,6 +20,15 @@ from test_schedule import hot_plan, make_plan, random_plan
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
+def random_problem(seed, world, slots, epr, nodes):
+    """(plan, node_of, weight bytes, grad bytes) of a random problem: a plan 90% filled, ``nodes``
+    nodes of consecutive ranks (0: none), member sizes in whole 16-byte units (weights may be 0)."""
+    rng = np.random.default_rng(seed)
+    plan = random_plan(rng, world, slots, world * epr, fill=0.9)
+    node_of = None if nodes == 0 else (np.arange(world) * min(nodes, world) // world).astype(np.int32)
+    return plan, node_of, int(rng.integers(0, 200)) * 16, int(rng.integers(1, 200)) * 16
+
+
 def build_all(plan, wb, gb, **kw):
     return [build_schedule_portable(plan, wb, gb, rank=r, **kw) for r in range(plan.world)]
 
@@ -96,10 +105,7 @@ def check(plan, scheds, wb, gb, chunk, node_of=None, max_depth=8):
 @given(seed=st.integers(0, 10**6), world=st.integers(2, 64), slots=st.integers(1, 4), epr=st.integers(1, 3),
        nodes=st.sampled_from([0, 2, 4]), chunk=st.sampled_from([16, 64, 4096]), max_depth=st.sampled_from([1, 2, 8]))
 def test_random_plans_valid_identical_on_every_rank(seed, world, slots, epr, nodes, chunk, max_depth):
-    rng = np.random.default_rng(seed)
-    plan = random_plan(rng, world, slots, world * epr, fill=0.9)
-    node_of = None if nodes == 0 else (np.arange(world) * min(nodes, world) // world).astype(np.int32)
-    wb, gb = int(rng.integers(0, 200)) * 16, int(rng.integers(1, 200)) * 16
+    plan, node_of, wb, gb = random_problem(seed, world, slots, epr, nodes)
     scheds = build_all(plan, wb, gb, node_of=node_of, chunk_bytes=chunk, max_depth=max_depth)
     check(plan, scheds, wb, gb, chunk, node_of, max_depth)
 

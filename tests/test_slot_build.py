@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from ultracomm import _core
 
-from test_schedule import random_plan
+from test_schedule_portable import random_problem
 
 REJECTED = (1 << 64) - 1  # kRejectedDigest (include/ultracomm/error_record.h)
 K_BAD_SHAPE, K_OVERFLOW = 1, 5  # psched::Status
@@ -31,10 +31,7 @@ def _caps(plan, wb, gb, chunk):
 @given(seed=st.integers(0, 10**6), world=st.integers(2, 48), slots=st.integers(1, 4), epr=st.integers(1, 3),
        nodes=st.sampled_from([0, 2, 4]), chunk=st.sampled_from([16, 64, 4096]), max_depth=st.sampled_from([1, 2, 8]))
 def test_views_hold_the_portable_builders_lists_on_every_rank(seed, world, slots, epr, nodes, chunk, max_depth):
-    rng = np.random.default_rng(seed)
-    plan = random_plan(rng, world, slots, world * epr, fill=0.9)
-    node_of = None if nodes == 0 else (np.arange(world) * min(nodes, world) // world).astype(np.int32)
-    wb, gb = int(rng.integers(0, 200)) * 16, int(rng.integers(1, 200)) * 16
+    plan, node_of, wb, gb = random_problem(seed, world, slots, epr, nodes)
     tcap, rcap = _caps(plan, wb, gb, chunk)
     digests = set()
     for r in range(world):
@@ -60,14 +57,22 @@ def _small():
     return slot_src, home_of
 
 
+def assert_rejected(got, refs=True):
+    """Both views of a rejected build: no task (and, with ``refs``, no ref), the rejected digest,
+    and every slot cleared (-1: the rank's drain waits on nothing)."""
+    for op in ("multicast", "reduce"):
+        v = got[op]
+        assert (v["num_tasks"], v["digest"]) == (0, REJECTED)
+        if refs:
+            assert v["num_refs"] == 0
+        assert v["my_slots"] == [-1, -1] and v["slot_parent"] == [-1, -1]
+
+
 def test_overflow_writes_no_task_and_the_rejected_digest():
     slot_src, home_of = _small()
     got = _core.build_into_views(slot_src, home_of, None, 4096, 8192, 1024, 0, 8, 64, [1, 1000], [100, 100])
     assert got["status"] == K_OVERFLOW
-    for op in ("multicast", "reduce"):
-        v = got[op]
-        assert (v["num_tasks"], v["num_refs"], v["digest"]) == (0, 0, REJECTED)
-        assert v["my_slots"] == [-1, -1] and v["slot_parent"] == [-1, -1]
+    assert_rejected(got)
 
 
 def test_a_template_of_another_rank_is_not_written():
@@ -78,10 +83,7 @@ def test_a_template_of_another_rank_is_not_written():
     got = _core.build_into_views(slot_src, home_of, None, 4096, 8192, 1024, 0, 8, 64, [100, 100], [100, 100],
                                  view_rank=1)
     assert got["status"] == K_BAD_SHAPE
-    for op in ("multicast", "reduce"):
-        v = got[op]
-        assert (v["num_tasks"], v["digest"]) == (0, REJECTED)
-        assert v["my_slots"] == [-1, -1] and v["slot_parent"] == [-1, -1]
+    assert_rejected(got, refs=False)
 
 
 @pytest.mark.parametrize("upstream", [6, 7], ids=["exchange-failed", "planner-failed"])
@@ -92,10 +94,7 @@ def test_failed_inputs_are_not_built_from(upstream):
     got = _core.build_into_views(slot_src, home_of, None, 4096, 8192, 1024, 0, 8, 64, [100, 100], [100, 100],
                                  upstream=upstream)
     assert got["status"] == upstream
-    for op in ("multicast", "reduce"):
-        v = got[op]
-        assert (v["num_tasks"], v["num_refs"], v["digest"]) == (0, 0, REJECTED)
-        assert v["my_slots"] == [-1, -1] and v["slot_parent"] == [-1, -1]
+    assert_rejected(got)
 
 
 def test_bad_caps_raise():

@@ -91,7 +91,9 @@ def _via_ctypes(uuid: str) -> Optional[FabricInfo]:
         lib.nvmlShutdown()
 
 
-def _device_uuid(device: Any) -> str:
+def device_uuid(device: Any) -> str:
+    """``device``'s UUID as nvidia-smi prints it (``GPU-...`` / ``MIG-...``): one GPU's identity
+    across processes."""
     import torch
 
     uuid = str(torch.cuda.get_device_properties(device).uuid)
@@ -102,7 +104,7 @@ def gpu_fabric_info(device: Any) -> Optional[FabricInfo]:
     """The NVLink fabric registration of CUDA ``device`` (an index or ``torch.device``), or ``None``
     when NVML is missing, the GPU has no fabric, or anything fails (logged at debug level)."""
     try:
-        uuid = _device_uuid(device)
+        uuid = device_uuid(device)
     except Exception as e:  # noqa: BLE001 - no GPU, no CUDA torch: no fabric info
         log.debug("ultracomm: no fabric info for %s: %s", device, e)
         return None

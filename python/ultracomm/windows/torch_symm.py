@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ..comm import Comm
+from ..cuda.fabric import device_uuid
 from ..cuda.support import resolve_device, torch_cuda_reason
 from .base import Window
 from .gpu_common import check_usable, zero_and_barrier
@@ -75,7 +76,7 @@ class TorchSymmWindow(Window):
                 symm.enable_symm_mem_for_group(name)
         # torch's rendezvous refuses two ranks on one device ("allocations from overlapping devices"):
         # say so, with the ranks and the provider that works there, before anything is allocated
-        where = comm.agree(lambda: (socket.gethostname(), str(torch.cuda.get_device_properties(dev).uuid)),
+        where = comm.agree(lambda: (socket.gethostname(), device_uuid(dev)),
                            op=op, what="torch_symm devices")
         for r, w in enumerate(where):
             q = where.index(w)

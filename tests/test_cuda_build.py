@@ -91,6 +91,19 @@ def test_sass_sm80_vector_path(compiled):
 
 @needs_nvcc
 @pytest.mark.parametrize("arch", [80, 90, 100])
+def test_sass_reduction_adds_are_plain_rounded_adds(compiled, arch):
+    """The ordered reduction is bit-identical to the host executor only if every + is one
+    rounded fp32 add: FADDs in the kernels, and no fused multiply-add anywhere (half.h's
+    conversions multiply and add separately; a contracted FFMA rounds once instead of twice)."""
+    kernels = cb.kernel_sass(_sass_or_skip(compiled, "k_persistent", arch))
+    for fn, text in kernels.items():
+        ops = _ops(text)
+        assert {o for o in ops if o.startswith("FADD")}, fn
+        assert not {o for o in ops if o.startswith(("FFMA", "HFMA"))}, (fn, arch)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch", [80, 90, 100])
 def test_sass_no_noncoherent_loads(compiled, arch):
     # ld.global.nc (SASS: LDG...CONSTANT) may return stale data a peer wrote after the acquire
     for name in compiled:

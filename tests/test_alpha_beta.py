@@ -162,3 +162,38 @@ def test_split_raises_its_crossing_chunk_and_still_streams_large_slots():
         assert torch.equal(res[r][0], w0)
     want = reference_reduce_tree(sched, {(r, 0): grads[(r, 0)].numpy() for r in (1, 2, 3)}, {0: master0.numpy()})
     assert np.array_equal(res[0][1].numpy(), want[0])
+
+
+# ---------------------------------------------------------------------------------------------- split route
+def _fan_out_schedule(weight_bytes: int):
+    """World 4, domains {0, 1} and {2, 3}; expert 0 (home rank 0) in a slot of ranks 1, 2 and 3, direct:
+    rank 0 sends it three times, twice across (to 2 and 3), once inside its domain (to 1)."""
+    from ultracomm.schedule import build_schedule
+
+    src = np.array([[-1], [0], [0], [0]], np.int32)
+    plan = ReplicaPlan.make(src, experts_per_rank=1)
+    return build_schedule(plan, weight_bytes, 2 * weight_bytes, node_of=[0, 0, 1, 1], chunk_bytes=1 << 20,
+                          relay_mode="off")
+
+
+def test_split_route_weighs_the_bytes_kept_off_messages_against_the_fixed_cost():
+    from ultracomm.alpha_beta import split_route
+
+    gloo, shm = COSTS["gloo"], COSTS["host_shm"]
+    assert (shm.op_alpha_s, gloo.beta_Bps) == (1.25e-3, 1.6e9)
+    for mib, op, want in ((1, "multicast", "messages"), (1, "reduce", "messages"), (2, "multicast", "messages"),
+                          (2, "reduce", "split"), (8, "multicast", "split")):
+        sched = _fan_out_schedule(mib << 20)
+        r = split_route(sched, op, [0, 0, 1, 1])
+        kept = (mib << 20) * (1 if op == "multicast" else 2)  # the edge 0 <- / -> 1 inside domain 0
+        assert r.saved_bytes == kept and r.saved_s == kept / 1.6e9
+        assert r.fixed_s == 2 * 1.25e-3  # per rank of the largest domain: 2 ranks
+        assert r.route == want, (mib, op, r)
+    # the same bytes where a domain holds four ranks: twice the fixed cost (5 ms), so 4 MiB of grads kept
+    # off gloo (2.6 ms) no longer pay for shared memory
+    sched = _fan_out_schedule(2 << 20)
+    assert split_route(sched, "reduce", [0, 0, 1, 1]).route == "split"
+    r = split_route(sched, "reduce", [0, 0, 0, 0, 1, 1, 1, 1])
+    assert (r.route, r.fixed_s, r.saved_bytes) == ("messages", 4 * 1.25e-3, 4 << 20)
+    with pytest.raises(ValueError, match="op_alpha_s must be a finite number >= 0"):
+        AlphaBeta(1e-3, 1e9, op_alpha_s=-1.0)

@@ -47,6 +47,7 @@ GOOD = {
     "ULTRACOMM_TILE_BYTES": ("16K", 16384),
     "ULTRACOMM_CHUNK_BYTES": ("256K", 262144),
     "ULTRACOMM_RELAY": ("force", "force"),
+    "ULTRACOMM_SPLIT_ROUTE": ("Messages", "messages"),
     "ULTRACOMM_RELAY_MAX_DEPTH": ("2", 2),
     "ULTRACOMM_SCHEDULE_BUILDER": ("Portable", "portable"),
     "ULTRACOMM_PLAN_CHECK": ("Window", "window"),
@@ -107,6 +108,7 @@ BAD = [
     # 2^64 - 32768: a multiple of the tile that ceil-divides to zero chunks in 64-bit arithmetic
     ("ULTRACOMM_CHUNK_BYTES", str(2**64 - 32768), "at most 1099511627776 (1024G)"),
     ("ULTRACOMM_RELAY", "on", "expected one of auto, off, force"),
+    ("ULTRACOMM_SPLIT_ROUTE", "bridge", "expected one of auto, split, messages"),
     ("ULTRACOMM_RELAY_MAX_DEPTH", "0", "must be in [1, 65535]"),
     ("ULTRACOMM_PLAN_CHECK", "digest", "expected one of auto, agree, window"),
     ("ULTRACOMM_SCHEDULE_BUILDER", "device", "expected one of host, portable"),

@@ -37,10 +37,11 @@ def test_p2p_gloo_eight_ranks():
     _ok_lines(p.stdout, 8, pairs=False)
 
 
-def _run_faults(tmp_path, transport: str) -> dict:
+def _run_faults(tmp_path, transport: str, env: dict | None = None) -> dict:
     """Run mp/p2p_faults.py (rank 2 killed, rank 3 stopped after a good weight_sync); the survivors' reports."""
     p = subprocess.run([sys.executable, os.path.join(HERE, "mp", "p2p_faults.py"), str(tmp_path), transport],
-                       capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                       capture_output=True, text=True, timeout=240,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     summary = json.loads(p.stdout.strip().splitlines()[-1])
     assert summary["weight_sync_ok"] == {str(r): True for r in range(4)}
@@ -72,13 +73,15 @@ def test_p2p_dead_and_stalled_peers_are_named(tmp_path):
 # ---------------------------------------------------------------------------------------------- split
 # host_shm inside each declared memory domain, gloo across: every byte as the host executor's
 @pytest.mark.slow
-@pytest.mark.parametrize("world,domains,node_of,pairs", [
-    (4, "a,a,b,b", "0,0,1,1", True),  # 2 nodes x 2 ranks, and the pairs {0,1}, {2,3} as groups of two domains
-    (4, "a,a,a,b", "", False),  # uneven: 3 + 1, schedule on one node (more edges cross)
-    (8, "a,a,a,a,b,b,b,b", "0,0,0,0,1,1,1,1", False),  # 2 nodes x 4 ranks
+@pytest.mark.parametrize("world,domains,node_of,pairs,route", [
+    (4, "a,a,b,b", "0,0,1,1", True, "split"),  # 2 nodes x 2 ranks, and the pairs {0,1}, {2,3} as groups of two domains
+    (4, "a,a,a,b", "", False, "split"),  # uneven: 3 + 1, schedule on one node (more edges cross)
+    (8, "a,a,a,a,b,b,b,b", "0,0,0,0,1,1,1,1", False, "split"),  # 2 nodes x 4 ranks
+    (4, "a,a,b,b", "0,0,1,1", False, "messages"),  # every edge a gloo message (small experts under auto)
 ])
-def test_split_gloo_against_the_host_executor(world, domains, node_of, pairs):
-    env = {"P2P_TRANSPORT": "split", "ULTRACOMM_DOMAIN": domains, "P2P_NODE_OF": node_of}
+def test_split_gloo_against_the_host_executor(world, domains, node_of, pairs, route):
+    env = {"P2P_TRANSPORT": "split", "ULTRACOMM_DOMAIN": domains, "P2P_NODE_OF": node_of,
+           "ULTRACOMM_SPLIT_ROUTE": route}
     if pairs:
         env["P2P_PAIRS"] = "1"
     p = torchrun("p2p_worker.py", world, env=env, timeout=400)
@@ -91,7 +94,7 @@ def test_split_dead_and_stalled_cross_domain_peers_are_named(tmp_path):
     """Domains {0, 1} and {2, 3}; rank 2 is killed and rank 3 stopped: rank 1, which receives from rank 2,
     fails at once naming it; rank 0 within the timeout, naming rank 1 (see below)."""
     timeout_s = 3.0  # p2p_faults.TIMEOUT_S
-    res = _run_faults(tmp_path, "split")
+    res = _run_faults(tmp_path, "split", {"ULTRACOMM_SPLIT_ROUTE": "split"})  # the bridge's failures
     err = res[1]["error"]
     assert err is not None and err.startswith("ultracomm: rank 1 restore (epoch 2, transport split, bridge) could not "), err
     assert re.search(r"\((posting failed at once|the connection failed while waiting)\)", err), err

@@ -22,10 +22,18 @@ from conftest import expert_weights, hot_slot_src, random_slot_src
 from test_p2p import layout_of, run_ops
 
 
-def run_split(world, plans, layout, epr, slots, mode, node_of, domain):
-    """run_ops's sequence under transport auto with declared domains (it must pick split)."""
+@pytest.fixture(autouse=True)
+def _bridge_route(monkeypatch):
+    """These tests are about the bridge: the split route, whatever the alpha-beta model would pick for
+    their small experts (tests that compare the routes say which one they run)."""
+    monkeypatch.setenv("ULTRACOMM_SPLIT_ROUTE", "split")
+
+
+def run_split(world, plans, layout, epr, slots, mode, node_of, domain, route="split"):
+    """run_ops's sequence under transport auto with declared domains (it must pick split), on ``route``."""
     return run_ops("auto", world, plans, layout, epr, slots, mode, node_of, window="local", expect="split",
-                   domain=domain, alpha_beta=False)  # the host executor's trees: a byte-for-byte comparison
+                   domain=domain, alpha_beta=False,  # the host executor's trees: a byte-for-byte comparison
+                   split_route=route)
 
 
 def crossings(plans, layout, world, mode, node_of, domain) -> int:
@@ -53,14 +61,18 @@ CASES = [  # world, domains, node_of, relay mode, grad dtype
 ]
 
 
+@pytest.mark.parametrize("route", ["split", "messages"])
 @pytest.mark.parametrize("world,domain,node_of,mode,grad_dtype", CASES)
-def test_split_is_bit_identical_to_the_host_executor(world, domain, node_of, mode, grad_dtype):
+def test_split_is_bit_identical_to_the_host_executor(world, domain, node_of, mode, grad_dtype, route):
+    """Both routes (ultracomm.alpha_beta.split_route): every byte of every pool and master grad as the
+    host executor's.  The messages route multicasts with the direct schedule and reduces with the
+    split schedule where its tree is direct (else on the split route: the bits follow the tree)."""
     layout, epr, slots = layout_of(grad_dtype), 2, 3
     rng = np.random.default_rng(world * 13 + len(mode))
     plans = [ReplicaPlan.make(hot_slot_src(world, slots, epr, expert=1), experts_per_rank=epr)] + \
             [ReplicaPlan.make(random_slot_src(rng, world, slots, epr, 0.9), experts_per_rank=epr) for _ in range(2)]
     host = run_ops("host", world, plans, layout, epr, slots, mode, node_of)
-    split = run_split(world, plans, layout, epr, slots, mode, node_of, domain)
+    split = run_split(world, plans, layout, epr, slots, mode, node_of, domain, route)
     assert crossings(plans, layout, world, mode, node_of, domain) > 0  # chunks really crossed domains
     for r in range(world):
         assert len(host[r]) == len(split[r])
@@ -335,3 +347,62 @@ def test_ranks_at_different_epochs_are_out_of_step():
     assert res[1][0] == ("UltracommError: ultracomm: rank 1 weight_sync (epoch 2, transport split, bridge): rank 0 "
                          "sent the header of epoch 1, this rank is at epoch 2: the ranks called their operations in "
                          "different orders"), res[1][0]
+
+
+def test_routes_run_where_they_say_and_auto_follows_the_model():
+    """ULTRACOMM_SPLIT_ROUTE / split_route: ``messages`` runs the multicast through the p2p transport
+    (direct schedule) and never the bridge; a relay-tree reduction stays on the split route (its bits
+    follow the tree); ``auto`` asks ultracomm.alpha_beta.split_route per op -- 1 KiB experts: messages;
+    ``split`` never calls p2p.  Bytes checked against the experts either way."""
+    from ultracomm.transports.split.bridge_direct import DirectBridge
+
+    world, epr, slots = 4, 1, 2
+    layout = layout_of(torch.float32)
+    plan = ReplicaPlan.make(np.array([[-1, -1], [0, -1], [0, 1], [0, 1]], np.int32), experts_per_rank=epr)
+
+    def body(group, route, relay):
+        calls = []
+        with Context(group, layout, epr, slots, num_layers=1, transport="split", window="local", domain="a,a,b,b",
+                     node_of=[0, 0, 1, 1], relay_mode=relay, chunk_bytes=128, tile_bytes=16, timeout_s=30.0,
+                     split_route=route) as ctx:
+            t = ctx.transport
+            real_p2p, real_start = t.p2p.run, DirectBridge.start
+            t.p2p.run = lambda op, sched, *a, **k: (calls.append(("p2p", int(op), sched.stats("multicast")["depth"])),
+                                                     real_p2p(op, sched, *a, **k))[1]
+            w = [torch.stack([expert_weights(layout, ctx.rank)[m]]) for m in range(2)]
+            g = [torch.zeros((epr, *m.shape), dtype=layout.grad_dtype) for m in layout.members]
+            ctx.register_masters(0, w, g)
+            import unittest.mock as um
+            with um.patch.object(DirectBridge, "start", lambda self, *a, **k: (calls.append(("bridge", int(self.prog.op))),
+                                                                                real_start(self, *a, **k))[1]):
+                vid = ctx.begin(0)
+                ctx.weight_sync(vid, plan)
+                for s, e in enumerate(plan.slot_src[ctx.rank].tolist()):
+                    if e >= 0:
+                        for m, want in enumerate(expert_weights(layout, e)):
+                            assert torch.equal(ctx.replica_weights[m][s], want), (ctx.rank, s, m)
+                for t_ in ctx.replica_grads:
+                    t_.fill_(1.0)
+                ctx.grad_reduce(vid)  # releases the vid
+            sched = ctx.schedule_for(plan)
+            routes = [t.route(op, sched).route for op in (Op.MULTICAST, Op.REDUCE)]
+            return calls, routes, sched.stats("reduce")["depth"], [x.clone() for x in g]
+
+    counts = plan.num_replicas.tolist()
+    for route, relay in (("messages", "force"), ("auto", "force"), ("split", "off"), ("auto", "off")):
+        res = LoopbackDomain(world).run(lambda g: body(g, route, relay))
+        for r, (calls, routes, depth, grads) in enumerate(res):
+            assert depth == (1 if relay == "off" else 2)
+            want = {"messages": ["messages", "split" if depth > 1 else "messages"],
+                    "auto": ["messages", "split" if depth > 1 else "messages"],  # 1 KiB: nothing pays
+                    "split": ["split", "split"]}[route]
+            assert routes == want, (route, relay, r, routes)
+            # what ran: p2p with the direct schedule for a messages op, the bridge for a split op that crosses
+            assert [c for c in calls if c[0] == "p2p"] == [("p2p", int(op), 1) for op, x in
+                                                           zip((Op.MULTICAST, Op.REDUCE), routes) if x == "messages"]
+            # the master grads: one per replica plus the home's own zero, exact
+            for m, gt in enumerate(grads):
+                assert torch.equal(gt[0], torch.full_like(gt[0], float(counts[r]))), (route, relay, r, m)
+        # the bridge ran for exactly the ops on the split route (some rank of each has crossings)
+        bridged = {c[1] for calls, *_ in res for c in calls if c[0] == "bridge"}
+        assert bridged == {int(op) for op, x in zip((Op.MULTICAST, Op.REDUCE), res[0][1]) if x == "split"}, route

@@ -28,7 +28,7 @@ def test_headers_only_when_the_plan_changes_and_bytes_stay_exact():
     def body(group):
         r = group.rank
         ctx = Context(group, LAYOUT, EPR, SLOTS, num_layers=1, transport="split", window="local", domain="a,a,b,b",
-                      timeout_s=30.0)
+                      timeout_s=30.0, split_route="split")  # the bridge's route (small experts: auto sends messages)
         headers: list[int] = []
         real = ctx.transport.messenger.exchange
 

@@ -24,7 +24,7 @@ import math
 from typing import Any, Optional, Sequence
 
 __all__ = ["AlphaBeta", "COSTS", "best_chunk", "costs_for_backend", "choose_schedule", "predicted_s", "Choice",
-           "split_chunk_bytes"]
+           "split_chunk_bytes", "split_route", "Route"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,12 +40,18 @@ class AlphaBeta:
     beta_Bps: float
     source: str = ""
     shared: bool = False
+    #: fixed cost of one operation on this path per rank of a memory domain that takes part,
+    #: besides its messages or chunks (a window transport's join, worker hand-offs and drain):
+    #: what running a domain's edges on this tier adds to an operation (:func:`split_route`)
+    op_alpha_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not (self.alpha_s >= 0 and math.isfinite(self.alpha_s)):
             raise ValueError(f"ultracomm: alpha_s must be a finite number >= 0, got {self.alpha_s!r}")
         if not (self.beta_Bps > 0 and math.isfinite(self.beta_Bps)):
             raise ValueError(f"ultracomm: beta_Bps must be a positive finite number, got {self.beta_Bps!r}")
+        if not (self.op_alpha_s >= 0 and math.isfinite(self.op_alpha_s)):
+            raise ValueError(f"ultracomm: op_alpha_s must be a finite number >= 0, got {self.op_alpha_s!r}")
 
     def pipeline_chunk(self, nbytes: int, levels: int = 1) -> int:
         """The chunk that minimises ``ceil(nbytes / c) * alpha + levels * (c / beta + alpha)``
@@ -92,7 +98,13 @@ COSTS: dict[str, AlphaBeta] = {
     # 1.5-1.7 GB/s.  The larger alpha is the conservative one: it only makes chunks larger.
     # perf/README.md section 6: the host executor over POSIX shared memory moved 4.5-9 GB/s
     # (algbw) on the same machine; a chunk's flag and a worker's wake-up, ~20 us (estimate).
-    "host_shm": AlphaBeta(20e-6, 6e9, "measured: host executor over shared memory, 2-core CPU machine"),
+    # op_alpha_s: relay_split against p2p_gloo on that machine (perf/README.md section 6b, "route"):
+    # with 4 KiB experts (fixed costs only) split took ~1 ms more per op than p2p_gloo at 4 ranks,
+    # and split lost where the bytes it keeps off gloo take less than ~2.5 ms to send at 4 ranks (2 per
+    # domain) and ~5 ms at 8 (4 per domain): its host executor's join and hand-offs, on more ranks
+    # than cores, run beside the messages instead of under them.
+    "host_shm": AlphaBeta(20e-6, 6e9, "measured: host executor over shared memory, 2-core CPU machine",
+                          op_alpha_s=1.25e-3),
     "gloo": AlphaBeta(1e-3, 1.6e9, "measured: gloo TCP loopback, 2-core CPU machine (perf/README.md section 6)"),
     # NCCL point-to-point across nodes: 400 Gb/s RDMA NICs achieve ~50 GB/s per GPU (FACTS.md);
     # per message ~10 us of launch and protocol (an estimate, not measured here).
@@ -189,3 +201,44 @@ def choose_schedule(plan: Any, weight_bytes: int, grad_bytes: int, costs: AlphaB
             best = Choice(s, chunk, mode, t)
     assert best is not None
     return best
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """What :func:`split_route` picked for one operation of a ``split`` schedule: ``"split"``
+    (shared memory inside each domain, messages across) or ``"messages"`` (every edge a message,
+    the direct schedule), with the model's inputs."""
+
+    route: str
+    saved_bytes: int       # bytes that shared memory keeps off the messages under the split route
+    saved_s: float         # their time over the messages' link
+    fixed_s: float         # what the shared-memory tier adds to the operation
+
+    def describe(self) -> str:
+        return (f"{self.route} ({self.saved_bytes} B kept off messages = {self.saved_s * 1e3:.2f} ms vs "
+                f"{self.fixed_s * 1e3:.2f} ms fixed cost of shared memory)")
+
+
+def split_route(schedule: Any, op: str, domain_of: Sequence[int], messages: Optional[AlphaBeta] = None,
+                inside: Optional[AlphaBeta] = None) -> Route:
+    """The route of ``op`` (``"multicast"`` / ``"reduce"``) of a ``split`` transport's
+    ``schedule`` (built with the domains as nodes).
+
+    Under the split route the edges inside a domain run on shared memory and only the crossings
+    are messages; the shared-memory tier costs ``inside.op_alpha_s`` per rank of the largest
+    domain, once per operation.  Every edge a message (the direct schedule, as the ``p2p``
+    transport runs on one host) costs no such thing but sends the inside edges' bytes too, at
+    ``messages.beta_Bps``.  So: ``"messages"`` when those bytes take less time than the fixed
+    cost -- small experts, where a relay cannot pay for itself -- else ``"split"``.  Ties: split.
+    Deterministic from the schedule (every rank picks alike)."""
+    messages = COSTS["gloo"] if messages is None else messages
+    inside = COSTS["host_shm"] if inside is None else inside
+    st = schedule.stats(op)
+    total, cross = ("egress", "inter_egress") if op == "multicast" else ("ingress", "inter_ingress")
+    saved = int(sum(st[total]) - sum(st[cross]))
+    per_domain: dict[int, int] = {}
+    for d in domain_of:
+        per_domain[int(d)] = per_domain.get(int(d), 0) + 1
+    fixed = inside.op_alpha_s * max(per_domain.values(), default=1)
+    saved_s = saved / messages.beta_Bps
+    return Route("messages" if saved_s < fixed else "split", saved, saved_s, fixed)

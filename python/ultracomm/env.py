@@ -17,6 +17,7 @@ ULTRACOMM_TILE_BYTES        tile_bytes        size (bytes)          32768 (32K) 
 ULTRACOMM_CHUNK_BYTES       chunk_bytes       size (bytes)          1048576 (1M)        bytes per flagged chunk (relay granularity); a multiple of tile_bytes, at most 1024G
 ULTRACOMM_RELAY             relay_mode        choice                auto                auto (relay when the cost model says so) | off (direct) | force
 ULTRACOMM_RELAY_MAX_DEPTH   max_depth         int 1..65535          8                   deepest relay tree the schedule builder may use (a cap: depth is chosen by predicted time; relay=force uses at least 2)
+ULTRACOMM_SPLIT_ROUTE       split_route       choice                auto                transport split on the CPU: auto (per operation, by the alpha-beta model: ultracomm.alpha_beta.split_route) | split (shared memory inside a domain, messages across) | messages (every edge a message, the direct schedule)
 ULTRACOMM_SCHEDULE_BUILDER  schedule_builder  choice                host                host (csrc/schedule_builder.cpp) | portable (include/ultracomm/sched_build.h, the device control plane's builder: shared-memory transports only, message transports keep host; relay=off gives direct trees, relay=force is not honoured)
 ULTRACOMM_PLAN_CHECK        plan_check        choice                auto                how ranks make sure they run the same plan: auto | agree | window (see "Plan checks")
 ULTRACOMM_DETERMINISTIC     deterministic     bool                  true                fixed-order fp32 gradient reduction (bit-identical runs)
@@ -107,6 +108,7 @@ __all__ = ["Config", "VARIABLES", "parse_size", "parse_bandwidth", "parse_bool",
 TRANSPORTS = ("auto", "host", "tma", "copy_engine", "p2p", "split")
 WINDOWS = ("auto", "host_shm", "local", "cuda_ipc", "torch_symm", "nvshmem", "cuda_local", "private")
 RELAY_MODES = ("auto", "off", "force")
+SPLIT_ROUTES = ("auto", "split", "messages")
 PLAN_CHECKS = ("auto", "agree", "window")
 SCHEDULE_BUILDERS = ("host", "portable")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -275,6 +277,8 @@ VARIABLES: tuple[_Var, ...] = (
          "relay trees: " + " | ".join(RELAY_MODES)),
     _Var("max_depth", "ULTRACOMM_RELAY_MAX_DEPTH", "int", _parse_int, _between(1, 65535),
          "deepest relay tree allowed (a cap; relay=force uses at least 2)"),
+    _Var("split_route", "ULTRACOMM_SPLIT_ROUTE", "str", _choice(SPLIT_ROUTES), _in(SPLIT_ROUTES),
+         "CPU split transport route: " + " | ".join(SPLIT_ROUTES)),
     _Var("schedule_builder", "ULTRACOMM_SCHEDULE_BUILDER", "str", _choice(SCHEDULE_BUILDERS), _in(SCHEDULE_BUILDERS),
          "schedule builder: " + " | ".join(SCHEDULE_BUILDERS)),
     _Var("plan_check", "ULTRACOMM_PLAN_CHECK", "str", _choice(PLAN_CHECKS), _in(PLAN_CHECKS),
@@ -349,6 +353,7 @@ class Config:
     chunk_bytes: int = 1 << 20
     relay_mode: str = "auto"
     max_depth: int = 8
+    split_route: str = "auto"
     schedule_builder: str = "host"
     plan_check: str = "auto"
     deterministic: bool = True

@@ -109,7 +109,8 @@ def transport_kwargs(transport_cls: type, config: Config, cuda_dev: torch.device
     analytic default of :mod:`ultracomm.cuda.sm_budget`, logged at debug level)."""
     params = inspect.signature(transport_cls).parameters
     any_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    kw = dict(base, num_workers=config.num_workers, timeout_s=config.timeout_s, jitter_us=config.jitter_us)
+    kw = dict(base, num_workers=config.num_workers, timeout_s=config.timeout_s, jitter_us=config.jitter_us,
+              split_route=config.split_route)
     if any_kw or "multicast_sms" in params or "reduce_sms" in params:
         dev_sms = name = None
         if cuda_dev is not None:
@@ -121,8 +122,8 @@ def transport_kwargs(transport_cls: type, config: Config, cuda_dev: torch.device
         log.debug("ultracomm: rank %s: reduce_sms=%d (%s)", base.get("rank"), rd.sms, rd.source)
         kw.update(multicast_sms=mc.sms, reduce_sms=rd.sms)
     # the process group, the domains and the plan arena's shape go only to transports that ask for
-    # them by name (p2p, split; tma)
-    named_only = ("comm", "domain_of", "experts_per_rank", "plan_slots")
+    # them by name (p2p, split; tma; the CPU split's route)
+    named_only = ("comm", "domain_of", "experts_per_rank", "plan_slots", "split_route")
     return {k: v for k, v in kw.items() if k in params or (any_kw and k not in named_only)}
 
 

@@ -35,7 +35,11 @@ compare algorithms:
   across as gloo messages through the bridge.  Its ``moved``, ``algbw`` and ``cpbw`` count the
   same bytes as every row (all replica bytes, whichever transport moved them); the JSON row's
   ``cross_bytes`` counts the part that went over gloo (chunks of the crossing edges, summed over
-  ranks), printed after the table.  With 2 ranks every edge crosses.
+  ranks; every byte where the split transport's route is ``messages``), printed after the
+  table.  With 2 ranks every edge crosses.  Its ``choice`` says the route
+  (:func:`ultracomm.alpha_beta.split_route`): ``split: ...`` (the tree it ran) or ``messages:
+  direct ...`` (every edge a gloo message: small experts, where shared memory cannot pay for its
+  fixed cost).
 
 The gloo rows compare transports as much as algorithms (TCP loopback vs shared memory); they
 are kept as what a torch.distributed user without ultracomm would run on a CPU.  ``a2a`` and
@@ -275,12 +279,23 @@ def run_case(op: str, size: int, workload: str, args, rank: int, world: int) -> 
             # what the schedule choice made of this plan (p2p: ultracomm.alpha_beta; else the builder)
             choice = (f"{'direct' if depth <= 1 else f'relay depth {depth}'}, {st['chunks']} chunk(s) of "
                       f"{ctx.schedule_for(plan).chunk_bytes} B")
+            if method == "relay_split" and getattr(ctx.transport, "route", None) is not None:
+                from ..records import Op
+
+                route = ctx.transport.route(Op.MULTICAST if op == "weight_sync" else Op.REDUCE, ctx.schedule_for(plan))
+                if route.route == "messages":  # every edge a message (ultracomm.alpha_beta.split_route)
+                    ran = ctx.transport.message_schedule(Op.MULTICAST if op == "weight_sync" else Op.REDUCE,
+                                                         ctx.schedule_for(plan))
+                    rst = ran.stats("multicast" if op == "weight_sync" else "reduce")
+                    choice = f"messages: direct, {rst['chunks']} chunk(s) of {ran.chunk_bytes} B"
+                else:
+                    choice = "split: " + choice
             slot_w, slot_g = ctx.replica_weights[0], ctx.replica_grads[0]
             if method == "relay_split":
                 from ..records import Op
 
-                cross_t = torch.tensor([ctx.transport.program(Op.MULTICAST if op == "weight_sync" else Op.REDUCE,
-                                                              ctx.schedule_for(plan)).bytes_sent], dtype=torch.int64)
+                cross_t = torch.tensor([ctx.transport.message_bytes(Op.MULTICAST if op == "weight_sync" else Op.REDUCE,
+                                                                    ctx.schedule_for(plan))], dtype=torch.int64)
                 dist.all_reduce(cross_t)
                 cross = int(cross_t)
         else:
@@ -389,6 +404,8 @@ def run_case(op: str, size: int, workload: str, args, rank: int, world: int) -> 
             "size": nbytes, "grad_dtype": args.grad_dtype,
             "replicas": replicas, "max_replicas": max(counts) if counts else 0, "moved_bytes": moved,
             "time_us": med * 1e6, "p90_us": p90 * 1e6,
+            # per iteration, in round order (interleaved: round i of every method): paired comparisons
+            "times_us": [t * 1e6 for t in times], "interleaved": bool(args.interleave),
             "algbw_GBps": moved / med / 1e9, "busbw_GBps": moved / med / 1e9, "cpbw_GBps": busiest / med / 1e9,
             "busiest_bytes": busiest, "lower_bound_bytes": lb, "lb_ratio": busiest / max(1, lb), "depth": c["depth"],
             "wrong": int(wrong_t), "cross_bytes": c["cross"], "choice": c["choice"],
@@ -526,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"# choice {r['method']} {r['op']} {r['workload']} {r['size']} B: {r['choice']}")
             if r["cross_bytes"] is not None:
                 print(f"# relay_split {r['op']} {r['workload']} {r['size']} B: {r['cross_bytes']} of "
-                      f"{r['moved_bytes']} replica bytes crossed the two domains over gloo")
+                      f"{r['moved_bytes']} replica bytes went over gloo")
         for op in ops:
             for workload in workloads:
                 sel = [r for r in rows if r["op"] == op and r["workload"] == workload]

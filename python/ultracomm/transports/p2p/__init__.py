@@ -60,6 +60,8 @@ class P2PTransport:
 
     name = "p2p"
     window_providers = ("private",)
+    #: how errors name the transport (the split transport's messages route says so)
+    label = "p2p"
 
     def __init__(self, *, comm: Any, rank: int, world: int, window, wlayout: dict, layout, timeout_s: float):
         self.rank, self.world = rank, world
@@ -156,7 +158,7 @@ class _Run:
 
     @property
     def where(self) -> str:
-        return f"rank {self.t.rank} {self.op_name} (epoch {self.epoch}, transport p2p)"
+        return f"rank {self.t.rank} {self.op_name} (epoch {self.epoch}, transport {self.t.label})"
 
     def wait(self, i: int) -> None:
         work = self.works[i]

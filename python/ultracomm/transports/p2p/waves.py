@@ -113,6 +113,11 @@ class Program:
     def num_messages(self) -> int:
         return sum(len(w.sends) + len(w.recvs) for w in self.waves)
 
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes of this rank's outgoing messages."""
+        return sum(x.msg.hi - x.msg.lo for w in self.waves for x in w.sends)
+
 
 def cached_program(cache: dict, schedule, op: Op, world: int, build: Callable[[np.ndarray, np.ndarray], Any],
                    limit: int = 128) -> Any:

@@ -15,25 +15,49 @@ Messages: the Context's gloo group (or loopback mailboxes).  Only ranks with cro
 op exchange messages in it (a 16-byte header per peer when the op's plan changed, then one
 message per crossing chunk).
 CPU only: the GPU variant (tma inside a domain, NCCL across) is :mod:`.cuda`.
+
+Route (per operation and schedule, ``ULTRACOMM_SPLIT_ROUTE``; ``auto`` asks
+:func:`ultracomm.alpha_beta.split_route`).  Shared memory inside a domain pays a fixed cost per
+operation -- the host executor's join, worker hand-offs and drain, beside the bridge -- which
+the bytes it keeps off the messages must pay for.  Where they cannot (small experts), the
+operation runs as the ``p2p`` transport would run it on one host: every edge a message, out of
+and into the same buffers -- a multicast with the direct schedule of the same plan
+(:func:`ultracomm.alpha_beta.choose_schedule` with relays off: copies, so the same bytes), a
+reduction with this schedule where its tree is direct (a relay tree keeps the split route:
+relays round their partials, so the bits follow the tree).  Both routes give the host
+executor's bytes for the schedule (tests/test_split.py runs both).  Ranks pick alike: the
+route is a function of the schedule.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+import dataclasses
+from typing import Any, NamedTuple, Sequence
 
 import torch
 
 from ... import _core
-from ...alpha_beta import COSTS
+from ...alpha_beta import COSTS, Route, choose_schedule, split_route
 from ...records import Op
 from .bridge import BridgeLanes, BridgeRun
 from .bridge_direct import MAX_SEGMENTS, DirectBridge, DirectPlan, build_direct_plan
 from .bridge_program import BridgeProgram, build_bridge_program
 from ..host import HostTransport, Masters, op_digest
+from ..p2p import P2PTransport
 from ..p2p.messengers import messenger_for
 from ..p2p.waves import cached_program
 from .shadow import Shadows
 
 __all__ = ["SplitTransport"]
+
+
+class _PlanInputs(NamedTuple):
+    """A schedule's plan inputs, in the shape ``build_schedule`` reads a plan."""
+
+    world: int
+    slots_per_rank: int
+    num_experts: int
+    slot_src: Any
+    home_of: Any
 
 _CACHE = 128  # (schedule, op) bridge programs kept
 
@@ -56,10 +80,14 @@ class SplitTransport:
     window_providers = ("host_shm", "local")
 
     def __init__(self, *, comm: Any, rank: int, world: int, window, wlayout: dict, layout, num_workers: int,
-                 timeout_s: float, jitter_us: int = 0, domain_of: Sequence[int] | None = None):
+                 timeout_s: float, jitter_us: int = 0, domain_of: Sequence[int] | None = None,
+                 split_route: str = "auto"):
         if domain_of is None or len(domain_of) != world:
             raise ValueError(f"ultracomm: transport 'split' needs domain_of, one memory domain per rank ({world}); "
                              f"got {domain_of!r}")
+        if split_route not in ("auto", "split", "messages"):
+            raise ValueError(f"ultracomm: transport 'split': split_route must be auto, split or messages; got "
+                             f"{split_route!r}")
         if window.local.device.type != "cpu":
             raise ValueError("ultracomm: SplitTransport runs on the CPU (host executor inside a domain); for a GPU "
                              "window the split is ultracomm.transports.split.cuda.SplitCudaTransport (a Context "
@@ -86,6 +114,74 @@ class SplitTransport:
         self._direct: dict[tuple[int, int], DirectPlan] = {}
         self._members = {Op.MULTICAST: (list(layout.weight_offsets), list(layout.weight_sizes)),
                          Op.REDUCE: (list(layout.grad_offsets), list(layout.grad_sizes))}
+        self.split_route = split_route
+        #: the messages' alpha-beta costs of the route choice (kept apart from ``message_costs``, which
+        #: tests clear to build the host executor's schedules)
+        self.route_costs = COSTS["gloo"]
+        #: the messages route: the p2p transport over this window's buffers and the same process group
+        self.p2p = None
+        if self.messenger is not None:
+            self.p2p = P2PTransport(comm=comm, rank=rank, world=world, window=window, wlayout=wlayout, layout=layout,
+                                    timeout_s=timeout_s)
+            self.p2p.label = "split, messages route"
+        self._routes: dict[tuple[int, int], Route] = {}
+        self._direct_schedules: dict[int, object] = {}
+
+    # ------------------------------------------------------------------ route
+    def route(self, op: Op, schedule) -> Route:
+        """This op's route for ``schedule`` (cached per schedule digest): the configured one, or
+        under ``auto`` what :func:`ultracomm.alpha_beta.split_route` says.  With one domain
+        (nothing crosses) the route is ``split``: the host executor alone."""
+        op = Op(op)
+        key = (schedule.digest, int(op))
+        r = self._routes.get(key)
+        if r is None:
+            name = "multicast" if op == Op.MULTICAST else "reduce"
+            r = split_route(schedule, name, self.domain_of, self.route_costs, COSTS["host_shm"])
+            if self.split_route != "auto" or self.p2p is None:
+                forced = self.split_route if self.p2p is not None else "split"
+                r = Route(forced, r.saved_bytes, r.saved_s, r.fixed_s)
+            if r.route == "messages" and op == Op.REDUCE and schedule.stats(name)["depth"] > 1:
+                # a reduction's bits follow its tree (relays round their partials): messages run this
+                # schedule, whose relay hops would cost a message each -- the split route it is
+                r = Route("split", r.saved_bytes, r.saved_s, r.fixed_s)
+            if len(self._routes) >= 2 * _CACHE:
+                self._routes.clear()
+            self._routes[key] = r
+        return r
+
+    def message_schedule(self, op: Op, schedule):
+        """What the messages route runs for ``op``: multicast the direct schedule (copies: the same
+        bytes whatever the tree), reduce ``schedule`` itself (direct there: :meth:`route` keeps
+        relay trees on the split route), so the sums are those of ``schedule``'s order."""
+        return self.direct_schedule(schedule) if Op(op) == Op.MULTICAST else schedule
+
+    def direct_schedule(self, schedule):
+        """The direct schedule of ``schedule``'s plan, one chunk per slot, as the ``p2p`` transport
+        chooses on one host (cached per digest)."""
+        d = self._direct_schedules.get(schedule.digest)
+        if d is None:
+            import numpy as np
+
+            inp = schedule.inputs()
+            world, slots = int(inp["world"]), int(inp["slots_per_rank"])
+            plan = _PlanInputs(world, slots, int(inp["num_experts"]),
+                               np.asarray(inp["slot_src"], dtype=np.int32).reshape(world, slots),
+                               np.asarray(inp["home_of"], dtype=np.int32))
+            d = choose_schedule(plan, int(inp["weight_bytes"]), int(inp["grad_bytes"]),
+                                dataclasses.replace(self.route_costs, shared=True), relay_mode="off",
+                                rank=self.rank).schedule
+            if len(self._direct_schedules) >= _CACHE:
+                self._direct_schedules.clear()
+            self._direct_schedules[schedule.digest] = d
+        return d
+
+    def message_bytes(self, op: Op, schedule) -> int:
+        """Bytes this rank sends as messages in ``op`` of ``schedule`` under its route."""
+        op = Op(op)
+        if self.route(op, schedule).route == "messages":
+            return int(self.p2p.program(op, self.message_schedule(op, schedule)).bytes_sent)
+        return int(self.program(op, schedule).bytes_sent)
 
     def program(self, op: Op, schedule) -> BridgeProgram:
         """This rank's (cached) crossings of ``op`` for ``schedule``."""
@@ -114,8 +210,11 @@ class SplitTransport:
         """Run ``op`` of ``schedule`` for this rank at ``epoch``; blocks until done here (the
         interpreter drained and the bridge's messages completed)."""
         op = Op(op)
-        prog = self.program(op, schedule)
         name = op_name or ("weight_sync" if op == Op.MULTICAST else "grad_reduce")
+        if self.route(op, schedule).route == "messages":  # every edge a message
+            self.p2p.run(op, self.message_schedule(op, schedule), epoch, masters, my_slots, local_index_of, name)
+            return
+        prog = self.program(op, schedule)
         if not prog.peers:  # nothing crosses here in this op: the host executor alone
             self.host.run(op, schedule, epoch, masters, my_slots, local_index_of, name)
             return

@@ -15,7 +15,11 @@ transport (:data:`COSTS`, by process-group backend), and the simulator
 simulated NCCL point-to-point figures follow the same choice.
 
 The window transports (shared memory, NVLink) keep the builder's own model: their
-per-chunk cost is a flag, microseconds below a chunk's transfer time.
+per-chunk cost is a flag, microseconds below a chunk's transfer time.  What a window tier costs
+per *operation* (``op_alpha_s``: its join, hand-offs and drain) decides the ``split``
+transport's route on the CPU (:func:`split_route`): shared memory inside each domain with
+messages across, or every edge a message where the bytes shared memory would keep off the
+messages cannot pay for that fixed cost.
 """
 from __future__ import annotations
 

@@ -182,18 +182,20 @@ def test_split_route_weighs_the_bytes_kept_off_messages_against_the_fixed_cost()
     gloo, shm = COSTS["gloo"], COSTS["host_shm"]
     assert (shm.op_alpha_s, gloo.beta_Bps) == (1.25e-3, 1.6e9)
     for mib, op, want in ((1, "multicast", "messages"), (1, "reduce", "messages"), (2, "multicast", "messages"),
-                          (2, "reduce", "split"), (8, "multicast", "split")):
+                          (2, "reduce", "messages"), (4, "multicast", "split"), (4, "reduce", "split"),
+                          (8, "multicast", "split")):
         sched = _fan_out_schedule(mib << 20)
         r = split_route(sched, op, [0, 0, 1, 1])
         kept = (mib << 20) * (1 if op == "multicast" else 2)  # the edge 0 <- / -> 1 inside domain 0
         assert r.saved_bytes == kept and r.saved_s == kept / 1.6e9
-        assert r.fixed_s == 2 * 1.25e-3  # per rank of the largest domain: 2 ranks
+        # per rank of the largest domain (2 ranks), twice for a reduction (two hand-offs per edge)
+        assert r.fixed_s == 2 * 1.25e-3 * (1 if op == "multicast" else 2)
         assert r.route == want, (mib, op, r)
-    # the same bytes where a domain holds four ranks: twice the fixed cost (5 ms), so 4 MiB of grads kept
-    # off gloo (2.6 ms) no longer pay for shared memory
-    sched = _fan_out_schedule(2 << 20)
+    # the same bytes where a domain holds four ranks: twice the fixed cost, so 8 MiB of grads kept off
+    # gloo (5.2 ms) no longer pay for shared memory (10 ms)
+    sched = _fan_out_schedule(4 << 20)
     assert split_route(sched, "reduce", [0, 0, 1, 1]).route == "split"
     r = split_route(sched, "reduce", [0, 0, 0, 0, 1, 1, 1, 1])
-    assert (r.route, r.fixed_s, r.saved_bytes) == ("messages", 4 * 1.25e-3, 4 << 20)
+    assert (r.route, r.fixed_s, r.saved_bytes) == ("messages", 4 * 1.25e-3 * 2, 8 << 20)
     with pytest.raises(ValueError, match="op_alpha_s must be a finite number >= 0"):
         AlphaBeta(1e-3, 1e9, op_alpha_s=-1.0)

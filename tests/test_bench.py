@@ -97,9 +97,18 @@ def test_bench_interleaved_methods_check_every_byte(tmp_path):
     assert [r["choice"].split(":")[0] for r in rows if r["method"] == "relay_split"][0] == "messages"
 
 
-def test_interleaved_rounds_rotate_the_methods():
+def test_interleaved_rounds_take_every_order():
+    """Every permutation in turn: each method in each place, and right after each other method, equally often."""
+    import collections
+
     from ultracomm.tools.bench import round_order
 
     m = ["p2p_gloo", "relay_gloo", "relay_split"]
-    assert [round_order(m, i) for i in range(4)] == [m, m[1:] + m[:1], m[2:] + m[:2], m]
+    rounds = [round_order(m, i) for i in range(12)]
+    assert rounds[:6] == [list(p) for p in __import__("itertools").permutations(m)] and rounds[6:] == rounds[:6]
+    seq = [x for r in rounds[:6] for x in r]  # the run as it goes, round after round
+    after = collections.Counter(zip(seq, seq[1:] + seq[:1]))
+    assert all(after[(a, b)] == after[(b, a)] for a in m for b in m if a != b)
+    assert {x: [r.index(x) for r in rounds[:6]].count(0) for x in m} == {x: 2 for x in m}
+    assert round_order(["a", "b"], 0) == ["a", "b"] and round_order(["a", "b"], 1) == ["b", "a"]
     assert round_order([], 3) == []

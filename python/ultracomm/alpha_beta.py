@@ -105,8 +105,8 @@ COSTS: dict[str, AlphaBeta] = {
     # op_alpha_s: relay_split against p2p_gloo on that machine (perf/README.md section 6b, "route"):
     # with 4 KiB experts (fixed costs only) split took ~1 ms more per op than p2p_gloo at 4 ranks,
     # and split lost where the bytes it keeps off gloo take less than ~2.5 ms to send at 4 ranks (2 per
-    # domain) and ~5 ms at 8 (4 per domain): its host executor's join and hand-offs, on more ranks
-    # than cores, run beside the messages instead of under them.
+    # domain) and ~5 ms at 8 (4 per domain) -- about twice that for a reduction: its host executor's
+    # join and hand-offs, on more ranks than cores, run beside the messages instead of under them.
     "host_shm": AlphaBeta(20e-6, 6e9, "measured: host executor over shared memory, 2-core CPU machine",
                           op_alpha_s=1.25e-3),
     "gloo": AlphaBeta(1e-3, 1.6e9, "measured: gloo TCP loopback, 2-core CPU machine (perf/README.md section 6)"),
@@ -230,7 +230,7 @@ def split_route(schedule: Any, op: str, domain_of: Sequence[int], messages: Opti
 
     Under the split route the edges inside a domain run on shared memory and only the crossings
     are messages; the shared-memory tier costs ``inside.op_alpha_s`` per rank of the largest
-    domain, once per operation.  Every edge a message (the direct schedule, as the ``p2p``
+    domain, once per operation -- twice for a reduction, whose edges are two hand-offs each.  Every edge a message (the direct schedule, as the ``p2p``
     transport runs on one host) costs no such thing but sends the inside edges' bytes too, at
     ``messages.beta_Bps``.  So: ``"messages"`` when those bytes take less time than the fixed
     cost -- small experts, where a relay cannot pay for itself -- else ``"split"``.  Ties: split.
@@ -243,6 +243,8 @@ def split_route(schedule: Any, op: str, domain_of: Sequence[int], messages: Opti
     per_domain: dict[int, int] = {}
     for d in domain_of:
         per_domain[int(d)] = per_domain.get(int(d), 0) + 1
-    fixed = inside.op_alpha_s * max(per_domain.values(), default=1)
+    # a reduction's edge inside a domain is two hand-offs (the child's grad_ready, the parent's
+    # consumed) where a multicast edge is one (arrival)
+    fixed = inside.op_alpha_s * max(per_domain.values(), default=1) * (2 if op == "reduce" else 1)
     saved_s = saved / messages.beta_Bps
     return Route("messages" if saved_s < fixed else "split", saved, saved_s, fixed)

@@ -6,8 +6,8 @@
         [--iters 5 --warmup 1] [--interleave] [--json FILE] [--plot FILE.png]
 
 Methods, measured side by side in one run on the same plan (``--interleave``: all set up at once
-and timed round-robin, one iteration of each in turn, the round's order rotated each iteration,
-so drifting load on a shared machine hits them alike; the load average before and after is
+and timed round-robin, one iteration of each in turn, each round in the next permutation of the
+methods, so drifting load on a shared machine hits them alike; the load average before and after is
 printed and kept in the JSON).  Each row says which transport moved its bytes; only rows over the same transport
 compare algorithms:
 
@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import statistics
@@ -222,10 +223,12 @@ class TorchBaselines:
 
 
 def round_order(methods: list[str], i: int) -> list[str]:
-    """The methods' order in round ``i`` of an interleaved run: rotated by one each round, so each
-    method takes each place in turn and none always runs right after the same other one."""
-    k = i % len(methods) if methods else 0
-    return list(methods[k:]) + list(methods[:k])
+    """The methods' order in round ``i`` of an interleaved run: every permutation in turn, so each
+    method takes each place equally often and runs right after each other method equally often.
+    (Rotating one order keeps the cycle: with three methods A always ran after C, B after A --
+    whatever the one before leaves behind, threads winding down, caches, lands on one method.)"""
+    perms = list(itertools.permutations(methods))
+    return list(perms[i % len(perms)]) if perms else []
 
 
 # ------------------------------------------------------------------------------ one case

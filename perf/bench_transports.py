@@ -67,13 +67,13 @@ def run(args) -> int:
     return 0
 
 
-def _paired(row_runs: list[dict], m: str):
-    """``m`` against the p2p_gloo of its own runs, round by round (ultracomm.tools.paired), or None
-    when the runs did not keep their per-iteration times (JSON older than ``times_us``)."""
+def _paired(mine: list[dict], m: str):
+    """``m`` against p2p_gloo round by round over the runs ``mine`` that timed both
+    (ultracomm.tools.paired), or None when a run kept no per-iteration times (JSON older than
+    ``times_us``)."""
     from ultracomm.tools.paired import compare
 
-    mine = [run for run in row_runs if m in run and "p2p_gloo" in run]
-    if not mine or any("times_us" not in run[m] or "times_us" not in run["p2p_gloo"] for run in mine):
+    if any("times_us" not in run[m] or "times_us" not in run["p2p_gloo"] for run in mine):
         return None
     return compare([(run[m]["times_us"], run["p2p_gloo"]["times_us"]) for run in mine])
 
@@ -104,17 +104,16 @@ def table(args) -> int:
         for key in sorted(k for k in runs if k[0] == op):
             row_runs = runs[key]
             wrong += sum(r["wrong"] for run in row_runs for r in run.values())
-            if not all(m in run or len(run) < 3 for run in row_runs for m in methods) or \
-                    not all(any(m in run for run in row_runs) for m in methods):
+            mine = {m: [run for run in row_runs if m in run and "p2p_gloo" in run] for m in methods}
+            if not all(mine.values()):
                 print(f"| {op} | {key[1]} | {key[2]} | {key[3]} | (a partial run: not every method measured) |")
                 continue
             ms, base, count, cell = {}, {}, {}, {}
             for m in methods:  # each method against the p2p_gloo of the runs it was timed in
-                mine = [run for run in row_runs if m in run and "p2p_gloo" in run]
-                ms[m] = statistics.median(run[m]["time_us"] for run in mine) / 1e3
-                base[m] = statistics.median(run["p2p_gloo"]["time_us"] for run in mine) / 1e3
-                count[m] = len(mine)
-                pr = _paired(row_runs, m)
+                ms[m] = statistics.median(run[m]["time_us"] for run in mine[m]) / 1e3
+                base[m] = statistics.median(run["p2p_gloo"]["time_us"] for run in mine[m]) / 1e3
+                count[m] = len(mine[m])
+                pr = _paired(mine[m], m)
                 if pr is None:  # no per-round times: the ratio of the medians
                     ratios[m].append(ms[m] / base[m])
                     cell[m] = (f"{ms[m] / base[m]:.2f} (medians)", "-")

@@ -100,12 +100,13 @@ def test_bench_interleaved_methods_check_every_byte(tmp_path):
 def test_interleaved_rounds_take_every_order():
     """Every permutation in turn: each method in each place, and right after each other method, equally often."""
     import collections
+    import itertools
 
     from ultracomm.tools.bench import round_order
 
     m = ["p2p_gloo", "relay_gloo", "relay_split"]
     rounds = [round_order(m, i) for i in range(12)]
-    assert rounds[:6] == [list(p) for p in __import__("itertools").permutations(m)] and rounds[6:] == rounds[:6]
+    assert rounds[:6] == [list(p) for p in itertools.permutations(m)] and rounds[6:] == rounds[:6]
     seq = [x for r in rounds[:6] for x in r]  # the run as it goes, round after round
     after = collections.Counter(zip(seq, seq[1:] + seq[:1]))
     assert all(after[(a, b)] == after[(b, a)] for a in m for b in m if a != b)

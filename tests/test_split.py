@@ -349,7 +349,7 @@ def test_ranks_at_different_epochs_are_out_of_step():
                          "different orders"), res[1][0]
 
 
-def test_routes_run_where_they_say_and_auto_follows_the_model():
+def test_routes_run_where_they_say_and_auto_follows_the_model(monkeypatch):
     """ULTRACOMM_SPLIT_ROUTE / split_route: ``messages`` runs the multicast through the p2p transport
     (direct schedule) and never the bridge; a relay-tree reduction stays on the split route (its bits
     follow the tree); ``auto`` asks ultracomm.alpha_beta.split_route per op -- 1 KiB experts: messages;
@@ -359,6 +359,11 @@ def test_routes_run_where_they_say_and_auto_follows_the_model():
     world, epr, slots = 4, 1, 2
     layout = layout_of(torch.float32)
     plan = ReplicaPlan.make(np.array([[-1, -1], [0, -1], [0, 1], [0, 1]], np.int32), experts_per_rank=epr)
+    # patched once for every rank (the ranks are threads: patching per rank would race)
+    bridge_calls: list = []
+    real_start = DirectBridge.start
+    monkeypatch.setattr(DirectBridge, "start", lambda self, *a, **k: (bridge_calls.append(("bridge", int(self.prog.op))),
+                                                                      real_start(self, *a, **k))[1])
 
     def body(group, route, relay):
         calls = []
@@ -366,30 +371,28 @@ def test_routes_run_where_they_say_and_auto_follows_the_model():
                      node_of=[0, 0, 1, 1], relay_mode=relay, chunk_bytes=128, tile_bytes=16, timeout_s=30.0,
                      split_route=route) as ctx:
             t = ctx.transport
-            real_p2p, real_start = t.p2p.run, DirectBridge.start
+            real_p2p = t.p2p.run
             t.p2p.run = lambda op, sched, *a, **k: (calls.append(("p2p", int(op), sched.stats("multicast")["depth"])),
                                                      real_p2p(op, sched, *a, **k))[1]
             w = [torch.stack([expert_weights(layout, ctx.rank)[m]]) for m in range(2)]
             g = [torch.zeros((epr, *m.shape), dtype=layout.grad_dtype) for m in layout.members]
             ctx.register_masters(0, w, g)
-            import unittest.mock as um
-            with um.patch.object(DirectBridge, "start", lambda self, *a, **k: (calls.append(("bridge", int(self.prog.op))),
-                                                                                real_start(self, *a, **k))[1]):
-                vid = ctx.begin(0)
-                ctx.weight_sync(vid, plan)
-                for s, e in enumerate(plan.slot_src[ctx.rank].tolist()):
-                    if e >= 0:
-                        for m, want in enumerate(expert_weights(layout, e)):
-                            assert torch.equal(ctx.replica_weights[m][s], want), (ctx.rank, s, m)
-                for t_ in ctx.replica_grads:
-                    t_.fill_(1.0)
-                ctx.grad_reduce(vid)  # releases the vid
+            vid = ctx.begin(0)
+            ctx.weight_sync(vid, plan)
+            for s, e in enumerate(plan.slot_src[ctx.rank].tolist()):
+                if e >= 0:
+                    for m, want in enumerate(expert_weights(layout, e)):
+                        assert torch.equal(ctx.replica_weights[m][s], want), (ctx.rank, s, m)
+            for t_ in ctx.replica_grads:
+                t_.fill_(1.0)
+            ctx.grad_reduce(vid)  # releases the vid
             sched = ctx.schedule_for(plan)
             routes = [t.route(op, sched).route for op in (Op.MULTICAST, Op.REDUCE)]
             return calls, routes, sched.stats("reduce")["depth"], [x.clone() for x in g]
 
     counts = plan.num_replicas.tolist()
     for route, relay in (("messages", "force"), ("auto", "force"), ("split", "off"), ("auto", "off")):
+        bridge_calls.clear()
         res = LoopbackDomain(world).run(lambda g: body(g, route, relay))
         for r, (calls, routes, depth, grads) in enumerate(res):
             assert depth == (1 if relay == "off" else 2)
@@ -404,5 +407,5 @@ def test_routes_run_where_they_say_and_auto_follows_the_model():
             for m, gt in enumerate(grads):
                 assert torch.equal(gt[0], torch.full_like(gt[0], float(counts[r]))), (route, relay, r, m)
         # the bridge ran for exactly the ops on the split route (some rank of each has crossings)
-        bridged = {c[1] for calls, *_ in res for c in calls if c[0] == "bridge"}
+        bridged = {c[1] for c in bridge_calls}
         assert bridged == {int(op) for op, x in zip((Op.MULTICAST, Op.REDUCE), res[0][1]) if x == "split"}, route

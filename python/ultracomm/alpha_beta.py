@@ -23,6 +23,7 @@ messages cannot pay for that fixed cost.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from typing import Any, Optional, Sequence
@@ -230,8 +231,9 @@ def split_route(schedule: Any, op: str, domain_of: Sequence[int], messages: Opti
 
     Under the split route the edges inside a domain run on shared memory and only the crossings
     are messages; the shared-memory tier costs ``inside.op_alpha_s`` per rank of the largest
-    domain, once per operation -- twice for a reduction, whose edges are two hand-offs each.  Every edge a message (the direct schedule, as the ``p2p``
-    transport runs on one host) costs no such thing but sends the inside edges' bytes too, at
+    domain, once per operation -- twice for a reduction, whose edges are two hand-offs each.
+    Every edge a message (the direct schedule, as the ``p2p`` transport runs on one host) costs
+    no such thing but sends the inside edges' bytes too, at
     ``messages.beta_Bps``.  So: ``"messages"`` when those bytes take less time than the fixed
     cost -- small experts, where a relay cannot pay for itself -- else ``"split"``.  Ties: split.
     Deterministic from the schedule (every rank picks alike)."""
@@ -240,9 +242,7 @@ def split_route(schedule: Any, op: str, domain_of: Sequence[int], messages: Opti
     st = schedule.stats(op)
     total, cross = ("egress", "inter_egress") if op == "multicast" else ("ingress", "inter_ingress")
     saved = int(sum(st[total]) - sum(st[cross]))
-    per_domain: dict[int, int] = {}
-    for d in domain_of:
-        per_domain[int(d)] = per_domain.get(int(d), 0) + 1
+    per_domain = collections.Counter(int(d) for d in domain_of)
     # a reduction's edge inside a domain is two hand-offs (the child's grad_ready, the parent's
     # consumed) where a multicast edge is one (arrival)
     fixed = inside.op_alpha_s * max(per_domain.values(), default=1) * (2 if op == "reduce" else 1)

@@ -276,29 +276,23 @@ def run_case(op: str, size: int, workload: str, args, rank: int, world: int) -> 
                           chunk_bytes=args.chunk_bytes, tile_bytes=min(args.chunk_bytes, 32768),
                           transport=transport, **split)
             ctx.register_masters(0, [master], [grad])
-            st = ctx.schedule_for(plan).stats("multicast" if op == "weight_sync" else "reduce")
+            sched, opname = ctx.schedule_for(plan), ("multicast" if op == "weight_sync" else "reduce")
+            st = sched.stats(opname)
             busiest, lb = (st["max_egress"] if op == "weight_sync" else st["max_ingress"]), st["lower_bound_bytes"]
             depth = st["depth"]
             # what the schedule choice made of this plan (p2p: ultracomm.alpha_beta; else the builder)
-            choice = (f"{'direct' if depth <= 1 else f'relay depth {depth}'}, {st['chunks']} chunk(s) of "
-                      f"{ctx.schedule_for(plan).chunk_bytes} B")
-            if method == "relay_split" and getattr(ctx.transport, "route", None) is not None:
+            choice = f"{'direct' if depth <= 1 else f'relay depth {depth}'}, {st['chunks']} chunk(s) of {sched.chunk_bytes} B"
+            slot_w, slot_g = ctx.replica_weights[0], ctx.replica_grads[0]
+            if method == "relay_split":  # its route (ultracomm.alpha_beta.split_route) and its bytes over gloo
                 from ..records import Op
 
-                route = ctx.transport.route(Op.MULTICAST if op == "weight_sync" else Op.REDUCE, ctx.schedule_for(plan))
-                if route.route == "messages":  # every edge a message (ultracomm.alpha_beta.split_route)
-                    ran = ctx.transport.message_schedule(Op.MULTICAST if op == "weight_sync" else Op.REDUCE,
-                                                         ctx.schedule_for(plan))
-                    rst = ran.stats("multicast" if op == "weight_sync" else "reduce")
-                    choice = f"messages: direct, {rst['chunks']} chunk(s) of {ran.chunk_bytes} B"
+                uop = Op.MULTICAST if op == "weight_sync" else Op.REDUCE
+                if ctx.transport.route(uop, sched).route == "messages":  # every edge a message
+                    ran = ctx.transport.message_schedule(uop, sched)
+                    choice = f"messages: direct, {ran.stats(opname)['chunks']} chunk(s) of {ran.chunk_bytes} B"
                 else:
                     choice = "split: " + choice
-            slot_w, slot_g = ctx.replica_weights[0], ctx.replica_grads[0]
-            if method == "relay_split":
-                from ..records import Op
-
-                cross_t = torch.tensor([ctx.transport.message_bytes(Op.MULTICAST if op == "weight_sync" else Op.REDUCE,
-                                                                    ctx.schedule_for(plan))], dtype=torch.int64)
+                cross_t = torch.tensor([ctx.transport.message_bytes(uop, sched)], dtype=torch.int64)
                 dist.all_reduce(cross_t)
                 cross = int(cross_t)
         else:

@@ -31,12 +31,14 @@ route is a function of the schedule.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from ... import _core
 from ...alpha_beta import COSTS, Route, choose_schedule, split_route
+from ...plan import ReplicaPlan
 from ...records import Op
 from .bridge import BridgeLanes, BridgeRun
 from .bridge_direct import MAX_SEGMENTS, DirectBridge, DirectPlan, build_direct_plan
@@ -48,16 +50,6 @@ from ..p2p.waves import cached_program
 from .shadow import Shadows
 
 __all__ = ["SplitTransport"]
-
-
-class _PlanInputs(NamedTuple):
-    """A schedule's plan inputs, in the shape ``build_schedule`` reads a plan."""
-
-    world: int
-    slots_per_rank: int
-    num_experts: int
-    slot_src: Any
-    home_of: Any
 
 _CACHE = 128  # (schedule, op) bridge programs kept
 
@@ -138,13 +130,12 @@ class SplitTransport:
         if r is None:
             name = "multicast" if op == Op.MULTICAST else "reduce"
             r = split_route(schedule, name, self.domain_of, self.route_costs, COSTS["host_shm"])
-            if self.split_route != "auto" or self.p2p is None:
-                forced = self.split_route if self.p2p is not None else "split"
-                r = Route(forced, r.saved_bytes, r.saved_s, r.fixed_s)
-            if r.route == "messages" and op == Op.REDUCE and schedule.stats(name)["depth"] > 1:
-                # a reduction's bits follow its tree (relays round their partials): messages run this
-                # schedule, whose relay hops would cost a message each -- the split route it is
-                r = Route("split", r.saved_bytes, r.saved_s, r.fixed_s)
+            want = r.route if self.split_route == "auto" else self.split_route
+            if self.p2p is None or (want == "messages" and op == Op.REDUCE and schedule.stats(name)["depth"] > 1):
+                # nothing crosses (one domain); or a reduction's bits follow its tree (relays round their
+                # partials), and messages along a relay tree would pay a message per hop: split it is
+                want = "split"
+            r = dataclasses.replace(r, route=want)
             if len(self._routes) >= 2 * _CACHE:
                 self._routes.clear()
             self._routes[key] = r
@@ -161,13 +152,9 @@ class SplitTransport:
         chooses on one host (cached per digest)."""
         d = self._direct_schedules.get(schedule.digest)
         if d is None:
-            import numpy as np
-
             inp = schedule.inputs()
-            world, slots = int(inp["world"]), int(inp["slots_per_rank"])
-            plan = _PlanInputs(world, slots, int(inp["num_experts"]),
-                               np.asarray(inp["slot_src"], dtype=np.int32).reshape(world, slots),
-                               np.asarray(inp["home_of"], dtype=np.int32))
+            plan = ReplicaPlan.make(np.asarray(inp["slot_src"], dtype=np.int32).reshape(int(inp["world"]), -1),
+                                    home_of=np.asarray(inp["home_of"], dtype=np.int32))
             d = choose_schedule(plan, int(inp["weight_bytes"]), int(inp["grad_bytes"]),
                                 dataclasses.replace(self.route_costs, shared=True), relay_mode="off",
                                 rank=self.rank).schedule

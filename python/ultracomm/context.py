@@ -324,11 +324,15 @@ class Context:
                 inner[i] = inner[i + 1] * member.shape[i + 1]
             # window sizes and offsets are 256/16-byte aligned; each view gets its own tensor over the window
             # (own version counter): autograd may save a replica weight while grads are written next to it
+            # (the window may start inside its storage -- a page-aligned pool -- and as_strided's offset
+            # counts from the storage's start)
             local = self.window.local
+            base = local.storage_offset()
+            assert base % esz == 0, f"window starts {base} B into its storage, not a multiple of {esz}"
             flat = torch.empty(0, dtype=dt, device=local.device).set_(
-                local.untyped_storage(), local.storage_offset() // esz, (local.numel() // esz,), (1,))
+                local.untyped_storage(), base // esz, (local.numel() // esz,), (1,))
             views.append(torch.as_strided(flat, (self.slots_per_rank, *member.shape), (stride // esz, *inner),
-                                          (region_off + off) // esz))
+                                          (base + region_off + off) // esz))
         return tuple(views)
 
     def register_masters(self, layer: int, weights: Sequence, grads: Sequence | None = None) -> None:

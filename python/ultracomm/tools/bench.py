@@ -22,7 +22,10 @@ compare algorithms:
   ``index_add_`` into the master grads.
 * ``p2p_gloo`` (gloo, TCP loopback): ``torch.distributed`` point-to-point
   (``batch_isend_irecv``) from each home straight into each replica slot, and back for
-  gradients (the home adds them in rank order).
+  gradients (the home adds them in rank order).  Its slot and receive buffers are plain
+  ``torch.zeros`` / ``torch.empty``, as a user would allocate them; ultracomm's replica pool and
+  receive buffers start on a page (:mod:`ultracomm.host_memory`), which makes gloo's receives
+  faster (``perf/bench_recv_alignment.py``) -- part of what relay_gloo / p2p_gloo measures.
 * ``direct`` (shared memory): ultracomm, relay off (home -> every replica).
 * ``relay`` (shared memory): ultracomm, relay auto (relay trees with chunk streaming when they help).
 * ``relay_gloo`` (gloo, TCP loopback): the same trees as ``relay`` moved by ultracomm's ``p2p``

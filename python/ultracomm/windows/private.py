@@ -14,6 +14,7 @@ import torch
 
 from ..comm import Comm
 from ..cuda.support import resolve_device
+from ..host_memory import page_aligned_zeros
 from .base import Window
 
 
@@ -32,13 +33,14 @@ class PrivateWindow(Window):
 
     @classmethod
     def create(cls, comm: Comm, nbytes: int, op: str = "window setup", device: Any = None) -> "PrivateWindow":
-        """This rank's zeroed pool (CPU when ``device`` is ``None``); every rank agrees it was
-        allocated (bounded), so a rank that ran out of memory fails every rank."""
+        """This rank's zeroed pool (CPU when ``device`` is ``None``; page-aligned there, see
+        :mod:`ultracomm.host_memory`); every rank agrees it was allocated (bounded), so a rank
+        that ran out of memory fails every rank."""
         dev = torch.device("cpu") if device is None else resolve_device(device)
 
         pool: list[torch.Tensor] = []
         # only the outcome is exchanged (a torch group pickles what agree returns)
-        comm.agree(lambda: pool.append(torch.zeros(nbytes, dtype=torch.uint8, device=dev)), op=op,
+        comm.agree(lambda: pool.append(page_aligned_zeros(nbytes, dev)), op=op,
                    what="private replica pool allocation")
         return cls(comm.rank, comm.world, pool[0])
 

@@ -26,8 +26,8 @@ import dataclasses
 from typing import Any, Callable, Sequence
 
 import numpy as np
-import torch
 
+from ...host_memory import page_aligned_empty
 from ...records import MASTER, Op
 from ..segments import member_segments
 
@@ -102,11 +102,12 @@ class Program:
     bindings: dict[tuple, Any] = dataclasses.field(default_factory=dict)
 
     def buffer(self, msg: Message, device: Any) -> Any:
-        """The receive buffer of ``msg`` (uint8, ``msg.hi - msg.lo`` bytes), reused by every
-        operation that runs this program (one operation at a time per transport)."""
+        """The receive buffer of ``msg`` (uint8, ``msg.hi - msg.lo`` bytes, page-aligned on the
+        CPU: :mod:`ultracomm.host_memory`), reused by every operation that runs this program
+        (one operation at a time per transport)."""
         buf = self.buffers.get(msg)
         if buf is None:
-            buf = self.buffers[msg] = torch.empty(msg.hi - msg.lo, dtype=torch.uint8, device=device)
+            buf = self.buffers[msg] = page_aligned_empty(msg.hi - msg.lo, device)
         return buf
 
     @property

@@ -23,16 +23,14 @@ import time
 import torch
 import torch.distributed as dist
 
-from ultracomm.host_memory import PAGE_BYTES
-from ultracomm.tools.bench import TorchBaselines, make_plan, parse_size, round_order
+from ultracomm.host_memory import page_aligned_zeros
+from ultracomm.tools.bench import TorchBaselines, expected_slots, make_plan, master_weights, parse_size, round_order
 from ultracomm.tools.paired import compare
 
 
 def at_offset(nbytes: int, offset: int) -> torch.Tensor:
-    """``uint8 [nbytes]``, zeroed, starting ``offset`` bytes into a page."""
-    raw = torch.zeros(nbytes + 2 * PAGE_BYTES, dtype=torch.uint8)
-    k = (offset - raw.data_ptr()) % PAGE_BYTES
-    return raw[k:k + nbytes]
+    """``uint8 [nbytes]``, zeroed, starting ``offset`` (< a page) bytes into a page."""
+    return page_aligned_zeros(offset + nbytes)[offset:]
 
 
 def main() -> int:
@@ -48,13 +46,10 @@ def main() -> int:
     epr, slots, n = 8, 2, args.size // 2
     plan, _ = make_plan(args.workload, world, slots, epr, top_k=2)
     base = TorchBaselines(plan, rank, epr, n)
-    master = (torch.arange(epr * n, dtype=torch.float32).reshape(epr, n) + rank * 7).to(torch.bfloat16)
+    master = master_weights(rank, epr, n)
     offsets = [int(x) for x in args.offsets.split(",")]
     bufs = {o: at_offset(slots * n * 2, o).view(torch.bfloat16).view(slots, n) for o in offsets}
-    want: dict[int, torch.Tensor] = {}  # slot -> the bytes it must hold
-    for s, e in enumerate(plan.slot_src[rank].tolist()):
-        if e >= 0:
-            want[s] = (torch.arange(n, dtype=torch.float32) + (e % epr) * n + (e // epr) * 7).to(torch.bfloat16)
+    want = expected_slots(plan, rank, epr, n)
     times: dict[int, list[float]] = {o: [] for o in offsets}
     wrong = 0
     for i in range(args.rounds + 1):  # round 0: warm-up

@@ -1,13 +1,13 @@
 """Page-aligned host buffers for bytes that cross sockets.
 
-The kernel copies a TCP message between its own page-sized buffers and the user's; a user
-buffer that starts 64 B into a page (where ``torch.empty`` puts a large CPU tensor: glibc's
-``mmap`` chunk header plus torch's 64-byte alignment) makes every page-sized copy straddle two
-destination pages.  Measured on this project's CPU machine (perf/README.md section 6b): gloo
-receives of 8 MiB into page-aligned buffers took 0.91-0.95x the time of receives into the
-same bytes 64 B into a page, side by side in one run.  So the buffers ultracomm owns and moves
-over sockets (the ``private`` replica pool, the ``p2p`` transport's receive buffers) start on
-a page.  CUDA allocations are already 256-byte aligned and are left as torch makes them.
+A large CPU tensor from ``torch.empty`` starts 64 B into a page (glibc's ``mmap`` chunk header
+plus torch's 64-byte alignment).  gloo receives into such buffers were slower than into the same
+bytes starting on a page: 1.19x at world 4 and 1.06x at world 8, 8 MiB experts, paired rounds
+on this project's CPU machine (``perf/bench_recv_alignment.py``, perf/README.md section 6b; a
+buffer 2048 B into a page was as fast as one on a page, and why the kernel's copy minds 64 B was
+not traced).  So the buffers ultracomm owns and moves over sockets (the ``private`` replica pool,
+the ``p2p`` transport's receive buffers) start on a page.  CUDA allocations are already 256-byte
+aligned and are left as torch makes them.
 """
 from __future__ import annotations
 

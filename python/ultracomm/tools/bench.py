@@ -129,6 +129,23 @@ def make_plan(workload: str, world: int, slots: int, epr: int, top_k: int = 8, s
     return plan, wl.imbalance(load, epr)
 
 
+def expert_row(expert: int, epr: int, n: int) -> torch.Tensor:
+    """Expert ``expert``'s bench weights, bf16 ``[n]``: ``j + local * n + 7 * home`` (distinct per
+    expert, so a slot that holds another expert's bytes is counted wrong)."""
+    home, local = divmod(expert, epr)
+    return (torch.arange(n, dtype=torch.float32) + local * n + home * 7).to(torch.bfloat16)
+
+
+def master_weights(rank: int, epr: int, n: int) -> torch.Tensor:
+    """This rank's master experts, bf16 ``[epr, n]``."""
+    return torch.stack([expert_row(rank * epr + i, epr, n) for i in range(epr)])
+
+
+def expected_slots(plan, rank: int, epr: int, n: int) -> dict[int, torch.Tensor]:
+    """``{slot: the bf16 [n] row a weight_sync must leave there}`` for this rank's filled slots."""
+    return {s: expert_row(e, epr, n) for s, e in enumerate(plan.slot_src[rank].tolist()) if e >= 0}
+
+
 def busiest_home_bytes(plan, nbytes: int) -> int:
     """Bytes on the busiest home's link in the direct pattern: its egress when it sends every
     replica (multicast), its ingress when it receives every replica's grad (reduce)."""
@@ -251,11 +268,8 @@ def run_case(op: str, size: int, workload: str, args, rank: int, world: int) -> 
     counts = plan.num_replicas.tolist()
     replicas = int((plan.slot_src >= 0).sum())
     my_slot_experts = plan.slot_src[rank].tolist()
-    master = (torch.arange(epr * n, dtype=torch.float32).reshape(epr, n) + rank * 7).to(torch.bfloat16)
-    expected = {}
-    for s, e in enumerate(my_slot_experts):
-        if e >= 0:
-            expected[s] = (torch.arange(n, dtype=torch.float32) + (e % epr) * n + (e // epr) * 7).to(torch.bfloat16)
+    master = master_weights(rank, epr, n)
+    expected = expected_slots(plan, rank, epr, n)
     # one master grad for every method: each run zeroes it first and is checked before the next starts
     grad = torch.zeros((epr, n), dtype=gdt)
     nbytes = layout.weight_bytes if op == "weight_sync" else layout.grad_bytes

@@ -1,11 +1,17 @@
 """The autograd pieces of a :class:`~ultracomm.moe.manager.Step`.
 
-Three nodes per (layer, micro-batch) make the replica protocol part of the graph, so no
-user writes hooks:
+Autograd is the contract: a replica's gradient reaches its master only as the return value
+of a backward, so autograd accumulates it like any other gradient -- DDP's and Megatron's
+hooks fire after it, ``torch.autograd.grad`` returns it, ``None`` stays ``None``.  Three nodes
+per (layer, micro-batch):
 
-* ``_ReplicaWeights`` (forward: wait for ``weight_sync``, hand out the replica slots as
-  tensors; backward: fold the replicas' gradients into per-step fp32 staging and launch
-  ``grad_reduce``).  It also outputs a 0-d *token* that ``_Guard`` consumes.
+* ``_ReplicaWeights`` (inputs: the layer's masters; outputs: a 0-d *token* and the replica
+  slots as tensors).  Forward: wait for ``weight_sync``.  Backward: fold the replicas'
+  gradients into fp32 staging, run ``grad_reduce`` into the manager's fp32 master staging
+  (collective, deterministic; on the host executor the node waits for it, on a GPU the
+  return is stream-ordered) and *return* each master's reduced replica contribution --
+  or, for a master that has a ``main_grad`` at that moment (Megatron's gradient-accumulation
+  fusion), add it there and return what Megatron's fused path returns.
 * ``_Guard`` on the expert output (backward: ``restore`` the slots before the expert Dgrad).
   Because it consumes the token, the engine runs ``_ReplicaWeights.backward`` only after
   the guard's backward *and* after every consumer of the replica weights: on a rank whose
@@ -37,9 +43,8 @@ class _ReplicaWeights(torch.autograd.Function):
         return (token, *views)
 
     @staticmethod
-    def backward(ctx: Any, _token_grad: torch.Tensor, *grads: torch.Tensor) -> tuple[None, ...]:
-        ctx.step._backward_reduce(grads)
-        return (None,) * (1 + ctx.num_masters)
+    def backward(ctx: Any, _token_grad: torch.Tensor, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return (None, *ctx.step._backward_reduce(grads, ctx.needs_input_grad[1:]))
 
 
 class _Guard(torch.autograd.Function):
@@ -75,9 +80,19 @@ class _Linear(torch.autograd.Function):
         if main_grad is None:
             return dx, dy2.t() @ x2
         main_grad.add_(dy2.t().float() @ x2.float())  # fp32 wgrad, accumulated in place
-        if hasattr(w, "grad_added_to_main_grad"):
-            w.grad_added_to_main_grad = True
-        return dx, None
+        return dx, fused_wgrad_return(w)
+
+
+def fused_wgrad_return(w: torch.Tensor) -> torch.Tensor | None:
+    """What Megatron's fused wgrad path returns once it has added into ``w.main_grad``: under
+    Megatron's DDP (``w`` has ``grad_added_to_main_grad``) it sets the flag and returns a dummy
+    gradient, so that the grad-accumulator hook fires (it then skips ``.grad``); else None.
+    Megatron's dummy is ``torch.empty`` (``torch.zeros`` under ``zero_out_wgrad``); ours is
+    always zeros, so a hook that adds ``.grad`` anyway adds nothing."""
+    if not hasattr(w, "grad_added_to_main_grad"):
+        return None
+    w.grad_added_to_main_grad = True
+    return torch.zeros(w.shape, dtype=w.dtype, device=w.device)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -91,8 +106,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ``[..., out]`` in ``x``'s dtype.
 
     When ``weight`` has a ``main_grad`` attribute at backward time, ``dW = dy.T @ x`` is
-    computed in fp32 and added into it (``weight.grad_added_to_main_grad`` set where it
-    exists, as Megatron's fused path does) and no gradient is returned for ``weight``;
-    otherwise this is an ordinary linear.
+    computed in fp32 and added into it and the weight's autograd gradient is what Megatron's
+    fused path returns (:func:`fused_wgrad_return`: under Megatron's DDP, the flag
+    ``grad_added_to_main_grad`` set and a zero dummy; else None); otherwise this is an
+    ordinary linear.
     """
     return _Linear.apply(x, weight)

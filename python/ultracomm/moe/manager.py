@@ -12,10 +12,11 @@
     y = step.guard(y)                            # backward: restore, then the reduce fires
 
 Backward needs nothing else: the guard restores the slots before the expert Dgrad, the
-replica weights' node folds their gradients into fp32 staging and launches ``grad_reduce``,
-and at the end of the backward pass the reduced gradients are in ``main_grad`` (parameters
-that have one, as in Megatron) or added into ``.grad``.  See :mod:`ultracomm.moe.autograd`
-for why every rank reaches every collective, also with no token on its replicas.
+replica weights' node folds their gradients into fp32 staging, runs ``grad_reduce`` and
+returns each master's reduced replica contribution *through autograd* (added into the
+``main_grad`` the master has at that moment where it has one, as Megatron's fused path does).
+See :mod:`ultracomm.moe.autograd` for why every rank reaches every collective, also with no
+token on its replicas.
 """
 from __future__ import annotations
 
@@ -85,6 +86,15 @@ def _orphaned(manager_ref: weakref.ref, vid: int) -> None:
         manager._orphans.append(vid)
 
 
+def _fused_dummy(t: torch.Tensor) -> torch.Tensor | None:
+    """The autograd gradient of a master whose replica sum went into ``main_grad``: under
+    Megatron's DDP (``grad_added_to_main_grad`` exists) a zero dummy, so its grad-accumulator
+    hook fires and adds nothing whichever path the home wgrad took -- the flag is left alone
+    (DDP resets it once per iteration: setting it would drop an unfused home ``.grad`` of the
+    next micro-batch); else None."""
+    return torch.zeros(t.shape, dtype=t.dtype, device=t.device) if hasattr(t, "grad_added_to_main_grad") else None
+
+
 def _will_execute(node: Any) -> bool:
     """Whether the running backward pass will execute ``node``."""
     return node is not None and torch._C._will_engine_execute_node(node)
@@ -109,21 +119,22 @@ def _nearest_in_graph(start: Any, steps: list["Step"]) -> list["Step"]:
 
 
 class _Layer:
-    """A registered layer: its master parameters and where their reduced grads go."""
+    """A registered layer: its master parameters, flat (the ``_ReplicaWeights`` node's inputs),
+    with each one's member and first expert row."""
 
-    def __init__(self, params: list[Any], grads: list[Any], fold: bool):
-        self.params, self.grads, self.fold = params, grads, fold
-        self.anchors = [t for p in params for t in _tensors(p)]
+    def __init__(self, params: list[Any]):
+        self.params = params
+        self.anchors: list[torch.Tensor] = []
+        self.rows: list[tuple[int, int, int]] = []  # (member, first expert, experts) per anchor
+        for m, p in enumerate(params):
+            ts = _tensors(p)
+            for j, t in enumerate(ts):
+                self.anchors.append(t)
+                self.rows.append((m, 0, t.shape[0]) if len(ts) == 1 and isinstance(p, torch.Tensor) else (m, j, 1))
 
-    def fold_into_grad(self) -> None:
-        """``.grad`` mode: add the reduced replica contributions into ``.grad``, then clear."""
-        for p, acc in zip(self.params, self.grads):
-            for t, a in zip(_tensors(p), _tensors(acc)):
-                if t.requires_grad:
-                    # a copy, never ``a`` itself: ``a`` is zeroed below and refilled by the next
-                    # backward, so a ``.grad`` that aliased it would read back as zeros
-                    t.grad = a.to(t.dtype, copy=True) if t.grad is None else t.grad.add_(a)
-                a.zero_()
+    def frozen(self) -> bool:
+        """No master takes a gradient (LoRA, router-only fine-tuning): multicast only."""
+        return not any(t.requires_grad for t in self.anchors)
 
 
 class Step:
@@ -160,6 +171,7 @@ class Step:
         self._finalizer: weakref.finalize | None = None  # abandons the step if it dies unreduced
         self._staging: int | None = None
         self._restored = False
+        self._frozen = False  # every master frozen: no graph to them, nothing to reduce
         self._released = False  # backward done, abandoned, or manager closed
         self._state = "forward" if grad else "done"
 
@@ -247,6 +259,9 @@ class Step:
         if token is None:
             raise UltracommError(f"ultracomm: layer {self.layer} step (vid {self.vid}): guard() was already called; "
                                  "call it once per step, on the expert output")
+        if self._frozen and not x.requires_grad:  # no backward will come through here: done now
+            self._finish()
+            return x
         return _Guard.apply(x, token, self)
 
     def wait_grads(self) -> None:
@@ -265,7 +280,13 @@ class Step:
         if not self.grad:
             self._plain = self._forward_views()
             return self._plain
-        token, *views = _ReplicaWeights.apply(self, *self.manager._layers[self.layer].anchors)
+        layer = self.manager._layers[self.layer]
+        if layer.frozen():  # no master takes a gradient: the backward restores (Dgrad) and reduces nothing
+            self._frozen = True
+            self._plain = self._forward_views()
+            self._token = torch.zeros((), dtype=torch.float32, device=self.device)
+            return self._plain
+        token, *views = _ReplicaWeights.apply(self, *layer.anchors)
         self._token = token
         self._view_refs = [weakref.ref(v) for v in views]
         self._node_ref = weakref.ref(token.grad_fn)
@@ -296,20 +317,30 @@ class Step:
             return self._target._backward_restore()
         mgr = self.manager
         self._check_backward()
-        if self._staging is None:
+        if self._staging is None and not self._frozen:
             self._staging = mgr._acquire_staging()
-        staging = mgr._staging[self._staging]
         S = mgr.slots_per_rank
         for i, t in enumerate(self._views()):  # the fused fp32 wgrad path writes straight into staging
             if t is None:  # dropped by the caller: not in the graph, gets no gradient
                 continue
-            t.main_grad = staging[i // S][i % S]
-            t.grad_added_to_main_grad = False
+            # no grad_added_to_main_grad: a fused wgrad then returns None for the view, an unfused
+            # one its gradient, and _backward_reduce adds whichever comes into the same staging
+            t.main_grad = mgr._staging[self._staging][i // S][i % S]
         if mgr._slots_owner is not self:
             mgr.ctx.restore(self.vid)
             mgr._slots_owner = self
         self._restored = True
         self._state = "restored"
+        if self._frozen:  # the Dgrad needed the weights back; there is nothing to reduce
+            self._finish()
+
+    def _finish(self) -> None:
+        """A step without a reduction (frozen masters) is over: its micro-batch slot is free."""
+        mgr = self.manager
+        self._release_graph()
+        self._state = "reduced"
+        if mgr._live.pop(self.vid, None) is not None and not mgr.ctx.closed:
+            mgr.ctx.end(self.vid)
 
     def _check_backward(self) -> None:
         if self._state == "reduced":
@@ -327,10 +358,13 @@ class Step:
         if self._finalizer is not None:
             self._finalizer.detach()
 
-    def _backward_reduce(self, grads: Sequence[torch.Tensor]) -> None:
+    def _backward_reduce(self, grads: Sequence[torch.Tensor | None],
+                         needs: Sequence[bool]) -> list[torch.Tensor | None]:
+        """The replicas' gradients of this step -> ``grad_reduce`` -> per master anchor its
+        reduced replica contribution (what ``_ReplicaWeights.backward`` returns)."""
         if self._target is not None:
             self._release_graph()
-            return self._target._backward_reduce(grads)
+            return self._target._backward_reduce(grads, needs)
         mgr = self.manager
         self._check_backward()
         if not self._restored and mgr._slots_owner is not self:
@@ -343,19 +377,30 @@ class Step:
             self._staging = mgr._acquire_staging()
         staging = mgr._staging[self._staging]
         S = mgr.slots_per_rank
-        for i, (t, g) in enumerate(zip(self._views(), grads)):
-            if g is None or getattr(t, "grad_added_to_main_grad", False):
-                continue
-            staging[i // S][i % S].add_(g)
+        for i, g in enumerate(grads):  # unfused wgrads; fused ones are in the staging already
+            if g is not None:
+                staging[i // S][i % S].add_(g)
+        rows = self._reduced_rows()
+        mgr._zero_master_staging(rows)
         work = mgr._enqueue(mgr.ctx.grad_reduce, self.vid, grads=staging)
         mgr._staging_work[self._staging] = work
         self._release_graph()
         self._state = "reduced"
         mgr._live.pop(self.vid, None)
-        mgr._pending.append((self, work))
-        if not mgr._callback_queued:
-            mgr._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(mgr._end_of_backward)
+        # the host waits here; a stream-ordered reduce makes the current stream wait instead,
+        # so what is returned below is computed after it (no host synchronisation)
+        work.wait_stream()
+        return mgr._master_contributions(self.layer, rows, needs)
+
+    def _reduced_rows(self) -> list[int] | None:
+        """This rank's expert rows (local index) that have a replica anywhere under this step's
+        plan; None on the device-resident path (the plan is on the GPU: every row, no sync)."""
+        if self._result is None:
+            return None
+        mgr = self.manager
+        lo = mgr.rank * mgr.experts_per_rank
+        experts = {int(e) for e in np.asarray(self._result.plan.slot_src).ravel() if lo <= e < lo + mgr.experts_per_rank}
+        return sorted(e - lo for e in experts)
 
 
 class ReplicaManager:
@@ -413,6 +458,7 @@ class ReplicaManager:
         self.reroute_layout = reroute_layout
         self._layers: list[_Layer | None] = [None] * self.num_layers
         self._staging: list[list[torch.Tensor]] = []
+        self._master_grads: list[torch.Tensor] = []
         self._staging_work: list[Any] = []
         self._next_staging = 0
         self._owner_ref: weakref.ref | None = None
@@ -423,8 +469,6 @@ class ReplicaManager:
         #: loads exchanged through a load board (host memory or GPU windows) where every rank maps
         #: every board (no store call per step); else None: the store exchange
         self._board = board_for_context(self.ctx)
-        self._pending: list[tuple[Step, Any]] = []
-        self._callback_queued = False
         #: the device control plane runs the step: "device" (loads, plan, schedule build and
         #: reroute on the GPU, nothing on the host), "host" (the same C++ built for the host:
         #: board, device planner, portable schedule builder), or None (a host planner)
@@ -455,32 +499,32 @@ class ReplicaManager:
             params: one entry per layout member: a stacked ``[experts_per_rank, *shape]``
                 tensor (e.g. an ``nn.Parameter``) or a list of ``experts_per_rank``
                 per-expert ``[*shape]`` tensors (Megatron's ``weight0..N``).
-        If every tensor has a ``main_grad`` (Megatron), reduced replica gradients are
-        added there; otherwise the manager keeps an fp32 buffer per member and adds it into
-        ``.grad`` at the end of each backward pass.
+        The replicas' reduced gradients reach these tensors through autograd, at backward
+        time: returned as their gradient, or added into the ``main_grad`` a tensor has at that
+        moment (Megatron's ``DistributedDataParallel`` may allocate it after this call, and
+        rebind it between steps).  Tensors with ``requires_grad=False`` get replicas and no
+        reduction.
         """
         if not isinstance(layer, int) or not 0 <= layer < self.num_layers:
             raise RegistrationError(f"ultracomm: layer {layer!r} is out of range 0..{self.num_layers - 1}")
         params = [p if isinstance(p, torch.Tensor) else list(p) for p in params]
         flat = [t for p in params for t in _tensors(p)]
-        if flat and all(getattr(t, "main_grad", None) is not None for t in flat):
-            grads = [p.main_grad if isinstance(p, torch.Tensor) else [t.main_grad for t in p] for p in params]
-            fold = False
-        else:
-            gd = self.layout.grad_dtype
-            grads = [torch.zeros(p.shape, dtype=gd, device=p.device) if isinstance(p, torch.Tensor)
-                     else [torch.zeros(t.shape, dtype=gd, device=t.device) for t in p] for p in params]
-            fold = True
-        self.ctx.register_masters(layer, [p.detach() if isinstance(p, torch.Tensor) else [t.detach() for t in p]
-                                          for p in params], grads)
-        self._layers[layer] = _Layer(params, grads, fold)
-        if not self._staging:  # two fp32 staging sets: a reduce in flight never blocks the next layer's wgrads
-            dev = flat[0].device if flat else torch.device("cpu")
-            gd = self.layout.grad_dtype
-            S = self.slots_per_rank
+        dev = flat[0].device if flat else torch.device("cpu")
+        gd, S = self.layout.grad_dtype, self.slots_per_rank
+        if not self._staging:
+            # the reduction lands in the manager's fp32 staging, shared by every layer (one reduce
+            # at a time returns from it), never in a user tensor: no user pointer is baked into a
+            # schedule or a captured graph.  Replica grads: two sets, so a reduce in flight never
+            # blocks the next layer's wgrads.
+            self._master_grads = [torch.zeros((self.experts_per_rank, *m.shape), dtype=gd, device=dev)
+                                  for m in self.layout.members]
             self._staging = [[torch.zeros((S, *m.shape), dtype=gd, device=dev) for m in self.layout.members]
                              for _ in range(2)]
             self._staging_work = [None, None]
+        grads = [g if isinstance(p, torch.Tensor) else list(g.unbind(0)) for p, g in zip(params, self._master_grads)]
+        self.ctx.register_masters(layer, [p.detach() if isinstance(p, torch.Tensor) else [t.detach() for t in p]
+                                          for p in params], grads)
+        self._layers[layer] = _Layer(params)
 
     # -------------------------------------------------------------- per layer and micro-batch
     def step(self, layer: int, routing_map: torch.Tensor, probs: torch.Tensor | None = None) -> Step:
@@ -689,28 +733,53 @@ class ReplicaManager:
             t.zero_()
         return i
 
-    def _end_of_backward(self) -> None:
-        self._callback_queued = False
-        self.wait_grads()
+    def _zero_master_staging(self, rows: list[int] | None) -> None:
+        """Zero the rows the next reduction adds into (every row where the plan is on the GPU)."""
+        for g in self._master_grads:
+            if rows is None:
+                g.zero_()
+            else:
+                for j in rows:
+                    g[j].zero_()
+
+    def _master_contributions(self, layer: int, rows: list[int] | None,
+                              needs: Sequence[bool]) -> list[torch.Tensor | None]:
+        """Per master anchor of ``layer``, from the staging a reduction just filled: its reduced
+        replica contribution as an autograd gradient in the master's dtype (None where no expert
+        of it has a replica, or it takes no gradient); or, where the master has a ``main_grad``
+        now, the contribution added into it and what Megatron's fused path returns instead."""
+        out: list[torch.Tensor | None] = []
+        L = self._layers[layer]
+        for t, (m, j0, n), need in zip(L.anchors, L.rows, needs):
+            mine = list(range(n)) if rows is None else [j - j0 for j in rows if j0 <= j < j0 + n]
+            if not need or not mine:
+                out.append(None)
+                continue
+            src = self._master_grads[m][j0:j0 + n].view(t.shape)  # a per-expert anchor: n == 1
+            main_grad = getattr(t, "main_grad", None)
+            if main_grad is not None:
+                if len(mine) == n:
+                    main_grad.add_(src)
+                else:
+                    for k in mine:
+                        main_grad[k].add_(src[k])
+                out.append(_fused_dummy(t))
+            elif len(mine) == n:
+                out.append(src.to(t.dtype, copy=True))
+            else:  # rows without a replica: zeros (the staging there holds another layer's sums)
+                g = torch.zeros(t.shape, dtype=t.dtype, device=t.device)
+                for k in mine:
+                    g[k].copy_(src[k])
+                out.append(g)
+        return out
 
     def wait_grads(self) -> None:
-        """Wait for every launched gradient reduction and put the results in place
-        (``main_grad`` is written by the reduction itself; ``.grad`` gets the fp32 sum
-        added).  Runs by itself at the end of each backward pass.  Stream-ordered
-        transports (GPU): the caller's current stream waits for the reductions, the host
-        does not -- read the grads on that stream, or synchronize first."""
-        pending, self._pending = self._pending, []
-        for step, work in pending:  # all of them first: a layer's fp32 buffer may take several
-            work.wait_stream()  # the folds below and the optimizer are stream work after it
-            if self._staging_work[step._staging] is work:
-                self._staging_work[step._staging] = None
-        for layer in sorted({step.layer for step, _ in pending}):
-            if self._layers[layer].fold:
-                self._layers[layer].fold_into_grad()
+        """Kept for compatibility: nothing to wait for.  The replicas' gradients are returned
+        through autograd by the backward node that reduces them (on the host executor it waits
+        for the reduction; stream-ordered transports make the stream wait instead)."""
 
     def close(self) -> None:
-        """Wait for pending work and close the Context."""
-        self.wait_grads()
+        """Drop the steps whose backward never ran and close the Context."""
         for step in self._live_steps():  # forwards whose backward never ran
             step._release_graph()
             step._state = "abandoned"

@@ -50,6 +50,11 @@ def make(tmp_path, kind: str) -> str:
             np.save(p, np.array([{"a": 1}], dtype=object), allow_pickle=True)
         elif kind == "npy:fifo":
             os.mkfifo(p)
+        elif kind == "npy:lying-header":  # 10**12 elements claimed, 16 bytes held
+            with open(p, "wb") as f:
+                np.lib.format.write_array_header_1_0(f, {"descr": "<i8", "fortran_order": False,
+                                                         "shape": (10 ** 6, 10 ** 6)})
+                f.write(bytes(16))
         elif kind == "npy:truncated":
             np.save(p, np.zeros((2, 2, E), np.int64))
             with open(p, "r+b") as f:
@@ -100,6 +105,22 @@ def make(tmp_path, kind: str) -> str:
     elif kind == "truncated-npz":
         with open(os.path.join(t, first), "r+b") as f:
             f.truncate(40)
+    elif kind in ("no-expert_load", "no-has_plan"):
+        with np.load(os.path.join(t, first)) as z:
+            d = {k: z[k] for k in z.files if k != kind[3:]}
+        np.savez(os.path.join(t, first), **d)
+    elif kind == "lying-npz":  # member 'step.npy' claims 10**12 records in 8 bytes
+        with np.load(os.path.join(t, first)) as z:
+            d = {k: z[k] for k in z.files}
+        with zipfile.ZipFile(os.path.join(t, first), "w") as zf:
+            for k, v in d.items():
+                with zf.open(k + ".npy", "w") as f:
+                    if k == "step":
+                        np.lib.format.write_array_header_1_0(f, {"descr": "<i8", "fortran_order": False,
+                                                                 "shape": (10 ** 12,)})
+                        f.write(bytes(8))
+                    else:
+                        np.lib.format.write_array(f, v)
     elif kind == "huge-counts":
         with np.load(os.path.join(t, first)) as z:
             d = {k: z[k] for k in z.files}
@@ -129,6 +150,14 @@ CASES = [
     ("fifo-npz", [], "a records file is not a regular file"),
     ("empty-npz", [], "has no 'step' array: not an ultracomm trace file"),
     ("truncated-npz", [], "a records file is not a readable .npz"),
+    ("no-expert_load", [], "000000_step0.npz lacks the array(s) 'expert_load' that every ultracomm records file "
+                           "holds; the file is damaged or not from ultracomm.profile: record or import the trace "
+                           "again"),
+    ("no-has_plan", [], "000000_step0.npz lacks the array(s) 'has_plan' that every ultracomm records file holds; "
+                        "the file is damaged or not from ultracomm.profile: record or import the trace again"),
+    ("lying-npz", [], "000000_step0.npz: a records file member 'step.npy' has a .npy header that claims shape "
+                      "(1000000000000,) int64 (8000000000000 bytes) but only 8 bytes follow it; the file is truncated "
+                      "or damaged: write it again (numpy.save)"),
     ("huge-counts", [], "array 'expert_load' holds a count of 4611686018427387904, more than 281474976710656 (2**48)"),
     ("npy:huge", ["--ep", "4"], "holds a count of 9223372036854775807, more than 281474976710656 (2**48)"),
     ("npy:uint64", ["--ep", "4"], "holds a count of 18446744073709551615, more than 281474976710656 (2**48)"),
@@ -136,6 +165,9 @@ CASES = [
     ("npy:float", ["--ep", "4"], "must hold integer token counts, got dtype float64"),
     ("npy:pickled", ["--ep", "4"], "the routing-statistics file is not a valid .npy array"),
     ("npy:fifo", ["--ep", "4"], "the routing-statistics file is not a regular file"),
+    ("npy:lying-header", ["--ep", "4"], "counts.npy: the routing-statistics file has a .npy header that claims shape "
+                                        "(1000000, 1000000) int64 (8000000000000 bytes) but only 16 bytes follow it; "
+                                        "the file is truncated or damaged: write it again (numpy.save)"),
     ("npy:truncated", ["--ep", "4"], "the routing-statistics file is not a valid .npy array"),
     ("npy:huge", ["--ep", "1000000000000"], "--ep 1000000000000: EP ranks must be in [1, 65536]"),
 ]
@@ -194,6 +226,18 @@ def test_bad_options_give_one_clear_line(tmp_path, tool, opts, text):
 def test_load_trace_raises_the_same_errors_in_process(tmp_path):
     with pytest.raises(TraceError, match="leaves the trace directory"):
         load_trace(make(tmp_path, "dotdot"))
+
+
+@pytest.mark.parametrize("kind", ["no-expert_load", "no-has_plan", "lying-npz", "npy:lying-header"])
+def test_load_trace_and_profile_show_refuse_what_once_raised_key_or_memory_errors(tmp_path, kind):
+    """These ended in KeyError (an array the readers index) or numpy's MemoryError (a header
+    claiming 10**12 elements is allocated before the data is read)."""
+    path = make(tmp_path, kind)
+    text = dict((c[0], c[2]) for c in CASES)[kind]
+    with pytest.raises(TraceError) as err:
+        load_trace(path, world=W)
+    assert str(err.value).endswith(text), str(err.value)
+    one_error_line(run_tool("profile", ["show", path, "--ep", str(W)], tmp_path), text)
 
 
 def test_a_decompression_bomb_is_refused_before_inflating(tmp_path):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import stat
 import zipfile
@@ -20,9 +21,11 @@ from typing import Any, BinaryIO, Iterator
 
 import numpy as np
 
+from .fields import empty_arrays
+
 __all__ = ["TraceError", "MAX_WORLD", "MAX_EXPERTS", "MAX_SLOTS", "MAX_INDEX_BYTES", "MAX_ARRAY_BYTES",
-           "MAX_COUNT", "read_regular", "member_path", "load_npz", "load_counts", "check_index", "check_counts",
-           "bounded_int", "output_path"]
+           "MAX_COUNT", "RECORD_ARRAYS", "read_regular", "member_path", "load_npz", "read_npy", "load_counts",
+           "check_index", "check_counts", "bounded_int", "output_path"]
 
 MAX_WORLD = 1 << 16          #: EP ranks a trace may describe
 MAX_EXPERTS = 1 << 20        #: experts per layer
@@ -30,6 +33,8 @@ MAX_SLOTS = 1 << 10          #: replica slots per rank
 MAX_INDEX_BYTES = 16 << 20   #: an index.json larger than this is refused
 MAX_ARRAY_BYTES = 4 << 30    #: decompressed bytes of one .npz / .npy (all members)
 MAX_COUNT = 1 << 48          #: tokens in one count (the planners' bound, ultracomm.planners.base.MAX_LOAD_TOTAL)
+#: arrays every records file holds (the recorder writes them all; readers index them without asking)
+RECORD_ARRAYS = tuple(empty_arrays(0, 0, 0))
 
 
 class TraceError(ValueError):
@@ -112,14 +117,37 @@ def load_npz(path: Path, what: str, limit: int = MAX_ARRAY_BYTES, skip: tuple = 
                         raise TraceError(f"{path}: {what} holds {info.filename!r}, not a .npy array")
                     if info.filename[:-4] in skip:
                         continue
+                    where = f"{path}: {what} member {info.filename!r}"
                     try:
                         with zf.open(info) as m:
-                            out[info.filename[:-4]] = np.lib.format.read_array(m, allow_pickle=False)
+                            out[info.filename[:-4]] = read_npy(m, info.file_size, where)
+                    except TraceError:
+                        raise
                     except (ValueError, OSError, zipfile.BadZipFile, EOFError) as e:
-                        raise TraceError(f"{path}: {what} member {info.filename!r} is not a valid array ({e})") from None
+                        raise TraceError(f"{where} is not a valid array ({e})") from None
                 return out
     finally:
         os.close(fd)
+
+
+def read_npy(f: BinaryIO, size: int, where: str) -> np.ndarray:
+    """The array of ``.npy`` stream ``f`` (``size`` bytes, header included; no pickles).
+
+    numpy allocates the shape a header claims before reading the data, so a header that
+    claims 10**12 elements in a small file ends in MemoryError: the claim is compared to the
+    bytes that follow the header first.  Other malformed headers raise ValueError."""
+    version = np.lib.format.read_magic(f)
+    read_header = {(1, 0): np.lib.format.read_array_header_1_0,
+                   (2, 0): np.lib.format.read_array_header_2_0}.get(version)
+    if read_header is None:  # 3.0 only differs for non-latin-1 field names, never token counts
+        raise ValueError(f"unsupported .npy format version {version[0]}.{version[1]}")
+    shape, _, dtype = read_header(f)
+    claimed, left = math.prod(shape) * dtype.itemsize, size - f.tell()
+    if not dtype.hasobject and claimed > left:  # object arrays: read_array refuses the pickle below
+        raise TraceError(f"{where} has a .npy header that claims shape {shape} {dtype} ({claimed} bytes) but only "
+                         f"{left} bytes follow it; the file is truncated or damaged: write it again (numpy.save)")
+    f.seek(0)
+    return np.lib.format.read_array(f, allow_pickle=False)
 
 
 def load_counts(path: Path) -> np.ndarray:
@@ -133,7 +161,9 @@ def load_counts(path: Path) -> np.ndarray:
     else:
         with regular_file(path, what, MAX_ARRAY_BYTES) as f:
             try:
-                a = np.lib.format.read_array(f, allow_pickle=False)
+                a = read_npy(f, os.fstat(f.fileno()).st_size, f"{path}: {what}")
+            except TraceError:
+                raise
             except (ValueError, OSError, EOFError) as e:
                 raise TraceError(f"{path}: {what} is not a valid .npy array ({e})") from None
     return check_counts(a, f"{path}: {what}")
@@ -202,6 +232,11 @@ def check_part(d: dict, world: int, E: int, S: int, where: str) -> None:
     per-record shapes of ``world`` ranks, ``E`` experts and ``S`` slots."""
     if "step" not in d:
         raise TraceError(f"{where} has no 'step' array: not an ultracomm trace file")
+    missing = [k for k in RECORD_ARRAYS if k not in d]
+    if missing:  # readers index every one of them; a KeyError later names no file
+        names = ", ".join(map(repr, missing[:3])) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise TraceError(f"{where} lacks the array(s) {names} that every ultracomm records file holds; the file is "
+                         "damaged or not from ultracomm.profile: record or import the trace again")
     n = d["step"].shape[0] if d["step"].ndim == 1 else -1
     want = {"expert_load": (n, E), "load": (n, world, E), "slot_src": (n, world, S), "home_of": (n, E),
             "rank_load_after": (n, world)}

@@ -106,7 +106,9 @@ class PortableSchedule:
         return o["parent_rank"], o["parent_slot"], o["depth"]
 
     def stats(self, op: Optional[OpLike] = None) -> dict:
-        """Per op: egress / ingress bytes per rank, their maxima, ``max_link_bytes``,
+        """Per op: egress / ingress bytes per rank, ``inter_egress`` / ``inter_ingress`` (their
+        cross-node part under ``node_of``, as :meth:`ultracomm.schedule.Schedule.stats`: the ``split``
+        transport's route reads them), their maxima, ``max_link_bytes``,
         ``lower_bound_bytes`` (the host builder's formula: max(most filled slots of a rank,
         most replicated experts homed on a rank, ceil(replicas / world)) x bytes), ``ratio``
         (max_link_bytes / lower_bound_bytes, 1.0 when nothing moves), depth, ``cap`` (the
@@ -131,12 +133,25 @@ class PortableSchedule:
         send = [int(x) * B for x in kids]
         fed = [int(x) * B for x in filled]
         egress, ingress = (send, fed) if o == 0 else (fed, send)
+        # the cross-node part of each side (the host builder's inter tier; zeros on one node): edges whose
+        # parent and child sit on different nodes of node_of
+        nodes = self._in["node_of"]
+        child = np.nonzero(pr >= 0)[0] // max(S, 1)
+        parent = pr[pr >= 0]
+        if nodes is None or not child.size:
+            send_x = fed_x = [0] * W
+        else:
+            cross = np.asarray(nodes)[parent] != np.asarray(nodes)[child]
+            send_x = [int(x) * B for x in np.bincount(parent[cross], minlength=W)[:W]]
+            fed_x = [int(x) * B for x in np.bincount(child[cross], minlength=W)[:W]]
+        inter_egress, inter_ingress = (send_x, fed_x) if o == 0 else (fed_x, send_x)
         mx = max(max(egress, default=0), max(ingress, default=0))
         # the cost model in seconds (one tier: intra_bw); tree_lower_bound_s is not computed (nan)
         bw = float(self._in["intra_bw"])
         fixed = int(filled.max()) if W else 0
         cost = max(int(raw["busiest"]), fixed) * B + int(raw["depth_max"]) * (min(self.chunk_bytes, B) + self._in["hop_bytes"])
-        return {"egress": egress, "ingress": ingress, "max_egress": max(egress, default=0),
+        return {"egress": egress, "ingress": ingress, "inter_egress": inter_egress, "inter_ingress": inter_ingress,
+                "max_egress": max(egress, default=0),
                 "lower_bound_s": lb / bw, "predicted_s": cost / bw if B else 0.0, "tree_lower_bound_s": float("nan"),
                 "max_ingress": max(ingress, default=0), "max_link_bytes": mx, "lower_bound_bytes": lb,
                 "ratio": mx / lb if lb else 1.0, "depth": int(raw["depth_max"]), "cap": int(raw["cap"]),

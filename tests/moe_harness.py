@@ -29,13 +29,15 @@ def master_weights(expert: int, dtype=torch.float32, bias: bool = False) -> list
 
 
 def batch(rank: int, layer: int, mb: int, num_experts: int, tokens: int = 24, top_k: int = 2,
-          hot: float = 3.0, dtype=torch.float32):
+          hot: float = 3.0, dtype=torch.float32, cold: tuple = ()):
     """``(x [T, H], routing_map [T, E] bool, probs [T, E], upstream grad [T, H])`` of one rank:
-    a router skewed towards experts 0 and 1 (their logits get ``hot`` added)."""
+    a router skewed towards experts 0 and 1 (their logits get ``hot`` added); experts in
+    ``cold`` get no token."""
     g = torch.Generator().manual_seed(10_000 * layer + 100 * mb + rank)
     x = torch.randn(tokens, H, generator=g).to(dtype)
     logits = torch.randn(tokens, num_experts, generator=g)
     logits[:, :2] += hot
+    logits[:, list(cold)] = float("-inf")
     top = logits.topk(top_k, dim=1).indices
     rmap = torch.zeros(tokens, num_experts, dtype=torch.bool).scatter_(1, top, True)
     probs = torch.softmax(logits, dim=1).masked_fill(~rmap, 0).to(dtype)
@@ -95,17 +97,21 @@ def check_rank_grads(grads, rank: int, ref, epr: int, layers: int, tol: float = 
 
 def rank_loss(step, rank: int, world: int, layer: int, mb: int, masters, replicas, linear,
               tokens: int | Callable[[int], int] = 24, hot: float = 3.0, skip_replicas: bool = False,
-              dtype=torch.float32) -> torch.Tensor:
+              dtype=torch.float32, cold: tuple = (), x_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The part of the loss computed on ``rank``: every source rank's tokens that the rerouted
     (echo layout) map sends to an instance hosted here, times a fixed upstream gradient.
     ``masters[m][j]``: member ``m`` of home expert ``j``; ``replicas[m][k]``: of slot ``k``;
-    ``tokens``: per rank, or a function of the rank."""
+    ``tokens``: per rank, or a function of the rank; ``cold``: experts the router never picks;
+    ``x_scale``: multiplies every token (a parameter that takes a gradient through the experts'
+    Dgrad)."""
     E = step.manager.num_experts
     epr, K = step.manager.experts_per_rank, step.manager.slots_per_rank
     ntok = tokens if callable(tokens) else (lambda s: tokens)
     loss = torch.zeros((), dtype=torch.float32)
     for s in range(world):
-        x, rmap, probs, up = batch(s, layer, mb, E, ntok(s), hot=hot, dtype=dtype)
+        x, rmap, probs, up = batch(s, layer, mb, E, ntok(s), hot=hot, dtype=dtype, cold=cold)
+        if x_scale is not None:
+            x = x * x_scale
         cmap, cprobs = step.rerouted("echo", rmap, probs, source=s)
         for j in range(epr):  # home experts
             e = rank * epr + j

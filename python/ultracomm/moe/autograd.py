@@ -34,10 +34,16 @@ __all__ = ["linear"]
 
 
 class _ReplicaWeights(torch.autograd.Function):
+    """Inputs: the step and every master of the layer that takes a gradient.  All of them,
+    whatever the plan: the reduce is collective, so the engine must run this node on every
+    rank whenever any master of the layer is asked for (``autograd.grad(loss, masters)`` runs
+    only nodes that lead to what it is asked for), also on a rank none of whose masters has a
+    replica.  A master without a replica gets None from here (its ``.grad`` stays None; a
+    post-accumulate hook is called with ``p.grad is None``, as for any None gradient)."""
+
     @staticmethod
     def forward(ctx: Any, step: "Step", *masters: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.step = step
-        ctx.num_masters = len(masters)
         views = step._forward_views()
         token = torch.zeros((), dtype=torch.float32, device=step.device)
         return (token, *views)

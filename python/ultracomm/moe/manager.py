@@ -132,6 +132,10 @@ class _Layer:
                 self.anchors.append(t)
                 self.rows.append((m, 0, t.shape[0]) if len(ts) == 1 and isinstance(p, torch.Tensor) else (m, j, 1))
 
+    def inputs(self) -> list[int]:
+        """The anchors that take a gradient (the replica node's inputs)."""
+        return [i for i, t in enumerate(self.anchors) if t.requires_grad]
+
     def frozen(self) -> bool:
         """No master takes a gradient (LoRA, router-only fine-tuning): multicast only."""
         return not any(t.requires_grad for t in self.anchors)
@@ -172,6 +176,7 @@ class Step:
         self._staging: int | None = None
         self._restored = False
         self._frozen = False  # every master frozen: no graph to them, nothing to reduce
+        self._inputs: list[int] = []  # the masters (anchor indices) that are the replica node's inputs
         self._released = False  # backward done, abandoned, or manager closed
         self._state = "forward" if grad else "done"
 
@@ -286,7 +291,8 @@ class Step:
             self._plain = self._forward_views()
             self._token = torch.zeros((), dtype=torch.float32, device=self.device)
             return self._plain
-        token, *views = _ReplicaWeights.apply(self, *layer.anchors)
+        self._inputs = layer.inputs()
+        token, *views = _ReplicaWeights.apply(self, *[layer.anchors[i] for i in self._inputs])
         self._token = token
         self._view_refs = [weakref.ref(v) for v in views]
         self._node_ref = weakref.ref(token.grad_fn)
@@ -390,7 +396,7 @@ class Step:
         # the host waits here; a stream-ordered reduce makes the current stream wait instead,
         # so what is returned below is computed after it (no host synchronisation)
         work.wait_stream()
-        return mgr._master_contributions(self.layer, rows, needs)
+        return mgr._master_contributions(self.layer, rows, self._inputs, needs)
 
     def _reduced_rows(self) -> list[int] | None:
         """This rank's expert rows (local index) that have a replica anywhere under this step's
@@ -742,7 +748,7 @@ class ReplicaManager:
                 for j in rows:
                     g[j].zero_()
 
-    def _master_contributions(self, layer: int, rows: list[int] | None,
+    def _master_contributions(self, layer: int, rows: list[int] | None, inputs: Sequence[int],
                               needs: Sequence[bool]) -> list[torch.Tensor | None]:
         """Per master anchor of ``layer``, from the staging a reduction just filled: its reduced
         replica contribution as an autograd gradient in the master's dtype (None where no expert
@@ -750,7 +756,8 @@ class ReplicaManager:
         now, the contribution added into it and what Megatron's fused path returns instead."""
         out: list[torch.Tensor | None] = []
         L = self._layers[layer]
-        for t, (m, j0, n), need in zip(L.anchors, L.rows, needs):
+        for i, need in zip(inputs, needs):
+            t, (m, j0, n) = L.anchors[i], L.rows[i]
             mine = list(range(n)) if rows is None else [j - j0 for j in rows if j0 <= j < j0 + n]
             if not need or not mine:
                 out.append(None)

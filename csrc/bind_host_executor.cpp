@@ -15,6 +15,10 @@ namespace py = pybind11;
 namespace ultracomm {
 namespace {
 
+// ultracomm.errors.PlanMismatchError (a reference held for the process's life: the translator
+// below is a plain function, so it reads the class from here)
+PyObject* plan_mismatch_type = nullptr;
+
 // A C-contiguous buffer of `sizeof(T)`-byte records (a structured numpy array such as
 // Schedule.tasks(), or raw bytes / uint8 of a multiple of sizeof(T)), read in place: `info`
 // holds the buffer (and a reference to its exporter) until the view is destroyed, after the
@@ -89,10 +93,17 @@ void bind_host_executor(py::module_& m) {
   // `except UltracommTimeout` catches executor and control-plane timeouts alike
   py::register_exception<TimeoutError>(m, "TimeoutError",
                                        py::module_::import("ultracomm.errors").attr("UltracommTimeout"));
-  // a peer runs another plan: an ultracomm.errors.PlanError (UltracommError and ValueError), as
-  // the plan-agreement errors raised in Python
-  py::register_exception<PlanMismatchError>(m, "PlanMismatchError",
-                                            py::module_::import("ultracomm.errors").attr("PlanError"));
+  // a peer runs another plan: ultracomm.errors.PlanMismatchError itself (a PlanError: UltracommError
+  // and ValueError), the class Python raises for ranks out of step, so one except catches both
+  plan_mismatch_type = py::object(py::module_::import("ultracomm.errors").attr("PlanMismatchError")).release().ptr();
+  m.attr("PlanMismatchError") = py::handle(plan_mismatch_type);
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const PlanMismatchError& e) {
+      PyErr_SetString(plan_mismatch_type, e.what());
+    }
+  });
   // the caller raised the abort word (run_host's abort_word): an ultracomm.errors.UltracommError
   py::register_exception<AbortedError>(m, "AbortedError", py::module_::import("ultracomm.errors").attr("UltracommError"));
   m.attr("MAX_MEMBERS") = kMaxMembers;

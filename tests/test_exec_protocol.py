@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ultracomm import _core
-from ultracomm.errors import LayoutError, PlanError
+from ultracomm.errors import LayoutError, PlanError, PlanMismatchError
 from ultracomm.layout import MAX_MEMBERS, ExpertLayout, Member
 from ultracomm.records import MASTER, Op, TaskKind
 from ultracomm.tools.reference import tasks_from_trees as build_tasks
@@ -47,6 +47,7 @@ def test_digest_mismatch_raises_on_both_ranks_before_data_moves(op, kw):
     for r, other in ((0, 1), (1, 0)):
         e = errs[r]
         assert isinstance(e, _core.PlanMismatchError) and isinstance(e, PlanError), errs
+        assert type(e) is PlanMismatchError is _core.PlanMismatchError  # one class: Python's own
         msg = str(e)
         assert msg.startswith(f"ultracomm: rank {r} {'weight_sync (multicast)' if op == Op.MULTICAST else 'grad_reduce (reduce)'} epoch 1: rank {other} runs a different plan"), msg
         assert f"schedule digest 0x{digest[other]:016x} in its window, 0x{digest[r]:016x} here" in msg, msg

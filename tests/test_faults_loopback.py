@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import ultracomm
-from ultracomm import Context, LoopbackDomain, PeerError, ReplicaPlan, UltracommError, UltracommTimeout
+from ultracomm import (Context, LoopbackDomain, PeerError, PlanMismatchError, ReplicaPlan, UltracommError,
+                       UltracommTimeout)
 from ultracomm.comm import as_comm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -64,8 +65,10 @@ def test_ranks_in_different_collectives_raise_at_once():
         comm = as_comm(group, 30.0)  # no rank should need to wait for it
         t0 = time.monotonic()
         op = ("weight_sync", "plan agreement") if group.rank else ("Context setup", "configuration")
-        with pytest.raises(UltracommError, match=r"ranks called different operations \(ranks \[0\]: Context setup "
-                                                 r"\(configuration\); ranks \[1, 2\]: weight_sync \(plan agreement\)\)"):
+        others = r"ranks \[1, 2\] posted weight_sync \(plan agreement\)" if group.rank == 0 else \
+            r"rank 0 posted Context setup \(configuration\)"
+        with pytest.raises(PlanMismatchError, match=rf"rank {group.rank} {op[0]} \({op[1]}\): ranks called different "
+                                                    rf"operations \({others}\); every rank must call the same"):
             comm.all_gather_object(None, op=op[0], what=op[1])
         return time.monotonic() - t0
 

@@ -19,8 +19,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "Config": "env", "ConfigError": "errors", "Context": "context", "ExpertLayout": "layout",
     "LayoutError": "errors", "LoopbackDomain": "comm", "LoopbackGroup": "comm", "Member": "layout",
-    "Op": "records", "PlanError": "errors", "RegistrationError": "errors", "RelayMode": "records",
-    "ReplicaPlan": "plan", "Schedule": "schedule", "UltracommError": "errors", "Work": "work",
+    "Op": "records", "PlanError": "errors", "PlanMismatchError": "errors", "RegistrationError": "errors",
+    "RelayMode": "records", "ReplicaPlan": "plan", "Schedule": "schedule", "UltracommError": "errors", "Work": "work",
     "build_schedule": "schedule", "run_loopback": "comm", "UltracommTimeout": "errors", "PeerError": "errors",
     "ClosedError": "errors", "ReplicaManager": "moe", "ResidentPlan": "resident_plan",
 }

@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence, TypeVar
 import torch.distributed as dist
 
 from . import wire
-from .errors import ClosedError, PeerError, UltracommError, UltracommTimeout
+from .errors import ClosedError, PeerError, PlanMismatchError, UltracommError, UltracommTimeout
 
 T = TypeVar("T")
 
@@ -91,8 +91,8 @@ class Comm(abc.ABC):
         Raises:
             UltracommTimeout: some rank did not arrive within ``timeout_s`` (named), or gave
                 up waiting for this one before it arrived.
-            UltracommError: the ranks are in different exchanges (they called different
-                operations).
+            PlanMismatchError: the ranks are in different exchanges (they called different
+                operations, e.g. ``step`` for different layers): ranks out of step.
         """
         board, seq = self._board(), self._next_sequence()
         keys = [f"ultracomm/{seq}/{r}" for r in range(self.world)]
@@ -123,9 +123,10 @@ class Comm(abc.ABC):
         tags: dict[tuple[str, str], list[int]] = {}
         for r, e in enumerate(entries):
             tags.setdefault((e[1], e[2]), []).append(r)
-        if len(tags) > 1:
-            detail = "; ".join(f"ranks {rs}: {o} ({w})" for (o, w), rs in tags.items())
-            raise UltracommError(
+        if len(tags) > 1:  # name what the others posted, as the load boards do (ultracomm.moe.loads)
+            detail = "; ".join(f"{f'rank {rs[0]}' if len(rs) == 1 else f'ranks {rs}'} posted {o} ({w})"
+                               for (o, w), rs in tags.items() if (o, w) != (op, what))
+            raise PlanMismatchError(
                 f"ultracomm: {where}: ranks called different operations ({detail}); every rank must call "
                 "the same collective operations in the same order")
         return [e[3] for e in entries]

@@ -13,6 +13,7 @@ from __future__ import annotations
 __all__ = [
     "UltracommError",
     "PlanError",
+    "PlanMismatchError",
     "LayoutError",
     "ConfigError",
     "RegistrationError",
@@ -29,6 +30,15 @@ class UltracommError(RuntimeError):
 class PlanError(UltracommError, ValueError):
     """A replica plan is invalid (bad shape, dtype, expert id, placement) or
     differs across ranks."""
+
+
+class PlanMismatchError(PlanError):
+    """Ranks are out of step: a peer runs another plan or operation than this rank at the same
+    point -- another schedule digest in its window, a rejection it published, or an exchange
+    that names another (layer, micro-batch slot, operation), e.g. a rank that runs its MoE
+    layers in another order.  Raised before any byte moves between them, naming both sides.
+    The C++ executors' digest check raises this class too (``ultracomm._core.PlanMismatchError``
+    is it), so one ``except PlanMismatchError`` catches every form."""
 
 
 class LayoutError(UltracommError, ValueError):

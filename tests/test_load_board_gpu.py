@@ -1,16 +1,17 @@
 """The load board in GPU memory (``gpu`` marker; skipped without a device): the
 k_load_exchange kernel with every rank of a loopback domain on one GPU, in one launch, against
 the layout of ultracomm.moe.board_layout (the host board's); the exchange number advancing on
-the device; a rank that never posts named by the kernel's bounded wait; and GpuLoadBoard over
-``cuda_local`` windows with one thread per rank, as ReplicaManager.step uses it."""
+the device; a rank that never posts named by the kernel's bounded wait; a rank whose tag names
+another exchange named by the kernel's tag check; and GpuLoadBoard over ``cuda_local`` windows with
+one thread per rank, as ReplicaManager.step uses it."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
-from ultracomm import LoopbackDomain, UltracommTimeout
-from ultracomm.moe.board_layout import BoardLayout
+from ultracomm import LoopbackDomain, PlanMismatchError, UltracommTimeout
+from ultracomm.moe.board_layout import BoardLayout, ExchangeTag
 
 pytestmark = pytest.mark.gpu
 
@@ -35,13 +36,14 @@ class Ranks:
         self.status = [torch.full((4,), -1, dtype=torch.int32, device=dev) for _ in range(world)]
         self.seq = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(world)]
 
-    def entries(self, ranks):
+    def entries(self, ranks, tags=None):
         return [dict(counts=self.counts[r].data_ptr(), out=self.out[r].data_ptr(), status=self.status[r].data_ptr(),
-                     bases=self.bases.data_ptr(), seq=self.seq[r].data_ptr(), rank=r) for r in ranks]
+                     bases=self.bases.data_ptr(), seq=self.seq[r].data_ptr(), rank=r,
+                     tag=0 if tags is None else tags[r]) for r in ranks]
 
-    def launch(self, cuda, ranks, timeout_s=10.0):
+    def launch(self, cuda, ranks, timeout_s=10.0, tags=None):
         L = self.L
-        cuda.load_exchange(self.entries(ranks), L.world, L.num_experts, L.entries, L.record_bytes, timeout_s,
+        cuda.load_exchange(self.entries(ranks, tags), L.world, L.num_experts, L.entries, L.record_bytes, timeout_s,
                            torch.cuda.current_stream().cuda_stream)
 
 
@@ -52,17 +54,19 @@ def test_one_launch_gathers_every_rank_in_the_board_layout():
         want = np.array([[1000 * n + 100 * r + e for e in range(37)] for r in range(4)], np.int32)
         for r in range(4):
             R.counts[r].copy_(torch.from_numpy(want[r]))
-        R.launch(cuda, range(4))
+        tag = ExchangeTag(n, slot=1).value  # every rank alike: in step
+        R.launch(cuda, range(4), tags=[tag] * 4)
         torch.cuda.synchronize()
         for r in range(4):
             assert R.status[r].tolist()[0] == 0
             assert np.array_equal(R.out[r].cpu().numpy(), want)
             assert R.seq[r].item() == n
             board = R.boards[r].cpu().numpy()
-            for q in range(4):  # the host board's layout: flag n, then q's counts
+            for q in range(4):  # the host board's layout: flag n, q's tag, then q's counts
                 off = R.L.record(n, q)
                 assert int(board[off:off + 8].view(np.uint64)[0]) == n
-                assert np.array_equal(board[off + 8:off + 8 + 4 * 37].view(np.int32), want[q])
+                assert int(board[off + 8:off + 16].view(np.uint64)[0]) == tag
+                assert np.array_equal(board[off + 16:off + 16 + 4 * 37].view(np.int32), want[q])
 
 
 def test_a_graph_replay_runs_a_fresh_exchange():
@@ -95,6 +99,20 @@ def test_the_kernel_names_the_rank_that_never_posts():
         assert R.status[r].tolist() == [cuda.LOAD_STATUS_TIMEOUT, 2, 0, 0]
 
 
+def test_the_kernel_names_a_rank_whose_tag_differs():
+    """Rank 1 posts layer 1 where ranks 0 and 2 post layer 0: every rank's status says
+    LOAD_STATUS_MISMATCH with a rank whose tag differs and that tag (a 64-bit value: words 2-3)."""
+    cuda = _cuda()
+    R = Ranks(world=3, E=4)
+    tags = [ExchangeTag(0).value, ExchangeTag(1, slot=3).value, ExchangeTag(0).value]
+    R.launch(cuda, range(3), tags=tags)
+    torch.cuda.synchronize()
+    for r in range(3):
+        code, q, lo, hi = R.status[r].tolist()
+        assert code == cuda.LOAD_STATUS_MISMATCH and q in ({0, 2} if r == 1 else {1}), (r, code, q)
+        assert (lo & 0xFFFFFFFF) | (hi & 0xFFFFFFFF) << 32 == tags[q]
+
+
 def test_gpu_load_board_over_cuda_local_windows():
     _cuda()
     from ultracomm.moe.loads_gpu import GpuLoadBoard
@@ -110,6 +128,14 @@ def test_gpu_load_board_over_cuda_local_windows():
         for n in range(3):
             counts = torch.arange(E, device="cuda:0", dtype=torch.int64) + 100 * group.rank + 10 * n
             got.append(board.gather(counts, op=f"step(layer {n})"))
+        mine = ExchangeTag(5 if group.rank == 1 else 4)  # rank 1 out of step
+        with pytest.raises(PlanMismatchError) as err:
+            board.gather(torch.zeros(E, device="cuda:0", dtype=torch.int64), op=str(mine), tag=mine.value)
+        others = [f"rank {q} posted step(layer 4)" for q in (0, 2)] if group.rank == 1 else \
+            ["rank 1 posted step(layer 5)"]  # the kernel names the first rank it found
+        assert any(str(err.value).startswith(f"ultracomm: rank {group.rank} {mine} (expert loads): ranks called "
+                                             f"different operations ({o} in load exchange 4)") for o in others), \
+            str(err.value)
         if group.rank == 2:  # the others' next exchange waits for rank 2: it never comes
             return got, None
         with pytest.raises(UltracommTimeout) as err:

@@ -1,9 +1,10 @@
 """GpuLoadBoard's Python side on a CPU machine (moe/loads_gpu.py), with ``_cuda.load_exchange``
 replaced by a fake that does what the kernel does (every rank entry's counts gathered into its
-``out``, or a timeout status naming a rank): the kernel's arguments (board layout, timeout, one
+``out``, or a status naming a rank): the kernel's arguments (board layout, timeout, tag, one
 launch for every loopback rank, in rank order, from the rank completing the set), the host
 result, and the errors -- a rank that never posts is named, by the kernel's status or, on a
-loopback domain, by the launch that never came.  The kernel itself: test_load_board_gpu.py."""
+loopback domain, by the launch that never came; a rank whose tag differs, by the kernel's status.
+The kernel itself: test_load_board_gpu.py."""
 from __future__ import annotations
 
 import threading
@@ -13,23 +14,25 @@ import numpy as np
 import pytest
 import torch
 
-from ultracomm import UltracommTimeout
+from ultracomm import PlanMismatchError, UltracommTimeout
 from ultracomm.moe import loads_gpu
-from ultracomm.moe.board_layout import BoardLayout
+from ultracomm.moe.board_layout import BoardLayout, ExchangeTag
 
 
 class FakeCuda:
     def __init__(self, boards, status=None):
-        self.boards, self.calls, self.status = boards, [], status
+        self.boards, self.calls, self.status, self.tags = boards, [], status, []
 
     def load_exchange(self, ranks, world, num_experts, entries, record_bytes, timeout_s, stream):
         self.calls.append(([e["rank"] for e in ranks], world, num_experts, entries, record_bytes, timeout_s, stream))
+        self.tags.append({e["rank"]: e["tag"] for e in ranks})
         counts = torch.stack([b._counts for b in self.boards])
         for e in ranks:
             b = self.boards[e["rank"]]
             assert (e["counts"], e["out"], e["status"]) == (b._counts.data_ptr(), b.out.data_ptr(), b._buf.data_ptr())
             b.out.copy_(counts)
             b._buf[:4] = torch.tensor(self.status or [0, 0, 0, 0], dtype=torch.int32)
+            b._seq += 1
 
 
 def boards(world, E, loopback, timeout_s=5.0, status=None, monkeypatch=None):
@@ -65,6 +68,21 @@ def test_a_timeout_status_names_the_rank_awaited(monkeypatch):
                               "not post their loads (timeout ULTRACOMM_TIMEOUT_S=0.5); they are likely stalled or "
                               "dead, or called a different operation: every rank must call step() for the same layers "
                               "in the same order")
+
+
+def test_a_mismatch_status_names_both_sides(monkeypatch):
+    """The kernel found rank 1's record naming another exchange (status 2, rank 1, its tag in
+    words 2-3): PlanMismatchError, as the host board raises it; the tag went to the kernel."""
+    theirs = ExchangeTag(1, slot=1).value
+    bs, fake = boards(2, 3, loopback=False, status=[2, 1, theirs & 0xFFFFFFFF, theirs >> 32],
+                      monkeypatch=monkeypatch)
+    mine = ExchangeTag(0)
+    with pytest.raises(PlanMismatchError) as err:
+        bs[0].gather(torch.zeros(3, dtype=torch.int64), op=str(mine), tag=mine.value)
+    assert fake.tags == [{0: mine.value}]
+    assert str(err.value) == ("ultracomm: rank 0 step(layer 0) (expert loads): ranks called different operations "
+                              "(rank 1 posted step(layer 1, micro-batch slot 1) in load exchange 1); every rank must "
+                              "call the same collective operations in the same order")
 
 
 def test_bad_counts_are_refused_before_anything_is_enqueued(monkeypatch):

@@ -36,9 +36,9 @@ LoadExchangeArgs make_args(const py::list& ranks, int32_t world, int32_t num_exp
   if (world < 1) bad("world must be >= 1");
   if (num_experts < 1) bad("num_experts must be >= 1");
   if (entries < 2) bad("entries must be >= 2 (a record is rewritten only after its reader posted the next)");
-  if (record_bytes % 8 || record_bytes < 8 + 4 * static_cast<uint64_t>(num_experts))
-    bad("record_bytes must be a multiple of 8 holding the flag and num_experts int32 counts (>= " +
-        std::to_string(8 + 4 * static_cast<uint64_t>(num_experts)) + ")");
+  if (record_bytes % 8 || record_bytes < kLoadHeaderBytes + 4 * static_cast<uint64_t>(num_experts))
+    bad("record_bytes must be a multiple of 8 holding the flag, the tag and num_experts int32 counts (>= " +
+        std::to_string(kLoadHeaderBytes + 4 * static_cast<uint64_t>(num_experts)) + ")");
   if (!(timeout_s > 0)) bad("timeout_s must be > 0");
   a.nranks = static_cast<int32_t>(ranks.size());
   a.world = world;
@@ -55,6 +55,7 @@ LoadExchangeArgs make_args(const py::list& ranks, int32_t world, int32_t num_exp
     r.status = reinterpret_cast<int32_t*>(ptr(d, "status", 4, i));
     r.bases = reinterpret_cast<const uintptr_t*>(ptr(d, "bases", 8, i));
     r.seq = reinterpret_cast<uint64_t*>(ptr(d, "seq", 8, i));
+    r.tag = d.contains("tag") ? d["tag"].cast<uint64_t>() : 0;
     if (!d.contains("rank")) bad("rank entry " + std::to_string(i) + " lacks 'rank'");
     r.rank = d["rank"].cast<int32_t>();
     if (r.rank < 0 || r.rank >= world)
@@ -72,6 +73,7 @@ LoadExchangeArgs make_args(const py::list& ranks, int32_t world, int32_t num_exp
 
 void bind_loads(py::module_& m) {
   m.attr("LOAD_STATUS_TIMEOUT") = kLoadStatusTimeout;
+  m.attr("LOAD_STATUS_MISMATCH") = kLoadStatusMismatch;
   m.def(
       "load_exchange",
       [](const py::list& ranks, int32_t world, int32_t num_experts, int32_t entries, uint64_t record_bytes,
@@ -85,8 +87,10 @@ void bind_loads(py::module_& m) {
 
 ranks: one dict per rank this launch runs (one, or every rank of a one-GPU loopback domain)
 with device addresses counts (int32 [E]), out (int32 [world, E]), status (int32 [4]: 0 ok or
-LOAD_STATUS_TIMEOUT, awaited rank, flag seen lo/hi), bases (uint64 [world]: board bases),
-seq (uint64, zero before the first exchange) and rank.  Validated before anything is
+LOAD_STATUS_TIMEOUT, awaited rank, flag seen lo/hi; or LOAD_STATUS_MISMATCH, the rank whose
+tag differs, its tag lo/hi), bases (uint64 [world]: board bases), seq (uint64, zero before
+the first exchange), rank and optionally tag (uint64, default 0: what the exchange is for,
+compared with every sender's).  Validated before anything is
 enqueued (ValueError); no allocation, no synchronisation (capturable).)doc");
 }
 

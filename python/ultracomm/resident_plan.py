@@ -40,7 +40,8 @@ BUILD_STATUS = {
     3: "the build options are invalid (chunk bytes, bytes per expert, depth limit or rank)",
     4: "node_of names a node outside [0, world)",
     5: "the lists exceed the plan arena's bounds",
-    6: "the expert loads' exchange timed out (a rank never posted its loads), so nothing was built from them",
+    6: "the expert loads' exchange timed out (a rank never posted its loads) or found ranks out of step (a rank "
+       "posted another layer or micro-batch: GpuLoadBoard.status word 0 is 2), so nothing was built from them",
     7: "the planner refused the loads, so nothing was built from its output",
 }
 

@@ -7,25 +7,83 @@ Every rank owns one board (a small symmetric window); a peer's address is its ba
 Per board, ``entries x world`` records of ``record_bytes`` (a multiple of 64)::
 
     record(n, q) = ((n % entries) * world + q) * record_bytes
-      +0  uint64 flag   the exchange number whose counts the record holds
-      +8  int32 [E]     sender q's expert token counts
+      +0   uint64 flag   the exchange number whose counts the record holds
+      +8   uint64 tag    what sender q's exchange n is for (:class:`ExchangeTag`: operation, layer,
+                         micro-batch slot), written with the counts
+      +16  int32 [E]     sender q's expert token counts
 
-Exchange ``n`` (1, 2, ... on every rank in the same order): sender ``q`` writes its counts into
-``record(n, q)`` of EVERY rank's board, then stores ``flag = n`` with release semantics there;
-each rank waits until its own ``record(n, q).flag >= n`` for every ``q`` (bounded by
-``ULTRACOMM_TIMEOUT_S``), then reads the counts.  Writers push, readers poll their own memory
-(on GPUs the polling stays local, the writes cross NVLink once).  With two entries a record is
-rewritten (exchange ``n + 2``) only after its reader posted ``n + 1``, i.e. finished reading
-``n``.  Flags only grow, never reset.
+Exchange ``n`` (1, 2, ... on every rank in the same order): sender ``q`` writes its tag and counts
+into ``record(n, q)`` of EVERY rank's board, then stores ``flag = n`` with release semantics
+there; each rank waits until its own ``record(n, q).flag >= n`` for every ``q`` (bounded by
+``ULTRACOMM_TIMEOUT_S``), then reads the tags and counts.  A sender whose tag differs from the
+reader's own is out of step (it runs another layer, micro-batch or operation at this exchange):
+the reader raises :class:`~ultracomm.errors.PlanMismatchError` naming both, before the plan is
+made from the loads -- every rank reads every rank's record, so every rank raises.  Writers push,
+readers poll their own memory (on GPUs the polling stays local, the writes cross NVLink once).
+With two entries a record is rewritten (exchange ``n + 2``) only after its reader posted
+``n + 1``, i.e. finished reading ``n``.  Flags only grow, never reset.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["BoardLayout", "ENTRIES", "MAX_COUNT"]
+__all__ = ["BoardLayout", "ExchangeTag", "ENTRIES", "MAX_COUNT", "HEADER_BYTES"]
 
 ENTRIES = 2
 MAX_COUNT = 2**31 - 1  # counts are int32: tokens one rank routes to one expert in one step
+HEADER_BYTES = 16  # flag and tag ahead of the counts
+_OPS = {"step": 1}  # operation codes of a tag (low byte)
+_NO_GRAD = 1 << 8
+_LAYER_SHIFT, _LAYER_BITS = 16, 24
+_SLOT_SHIFT, _SLOT_BITS = 40, 24
+
+
+@dataclass(frozen=True)
+class ExchangeTag:
+    """What one load exchange is for, as every rank must agree: the operation (``step``), the
+    layer, the micro-batch slot of the layer (``vid % max_microbatches``) and whether the step
+    takes a backward (``grad``).  ``value`` is the uint64 a record carries; :meth:`decode`
+    reads one back (None for 0: an exchange whose caller named nothing).  ``str()`` is how
+    errors name it, e.g. ``step(layer 0)``, ``step(layer 2, micro-batch slot 1, no grad)``."""
+
+    layer: int
+    slot: int = 0
+    grad: bool = True
+    op: str = "step"
+
+    def __post_init__(self) -> None:
+        if self.op not in _OPS:
+            raise ValueError(f"ultracomm: exchange tag operation must be one of {sorted(_OPS)}, got {self.op!r}")
+        for name, v, bits in (("layer", self.layer, _LAYER_BITS), ("slot", self.slot, _SLOT_BITS)):
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 1 << bits:
+                raise ValueError(f"ultracomm: exchange tag {name} must be an int in 0..{(1 << bits) - 1}, got {v!r}")
+
+    @property
+    def value(self) -> int:
+        return (_OPS[self.op] | (0 if self.grad else _NO_GRAD) | self.layer << _LAYER_SHIFT
+                | self.slot << _SLOT_SHIFT)
+
+    @classmethod
+    def decode(cls, value: int) -> "ExchangeTag | None":
+        value = int(value) & 0xFFFFFFFFFFFFFFFF
+        ops = {c: o for o, c in _OPS.items()}
+        code = value & 0xFF
+        if value == 0 or code not in ops or value & 0xFE00:
+            return None
+        return cls(value >> _LAYER_SHIFT & ((1 << _LAYER_BITS) - 1), value >> _SLOT_SHIFT, not value & _NO_GRAD,
+                   ops[code])
+
+    @staticmethod
+    def describe(value: int) -> str:
+        """How an error names a record's tag (one this version does not write: its hex)."""
+        tag = ExchangeTag.decode(value)
+        if tag is not None:
+            return str(tag)
+        return "an exchange that names nothing" if int(value) == 0 else f"an unknown exchange (tag {int(value):#x})"
+
+    def __str__(self) -> str:
+        more = ([f"micro-batch slot {self.slot}"] if self.slot else []) + ([] if self.grad else ["no grad"])
+        return f"{self.op}(layer {self.layer}{''.join(', ' + m for m in more)})"
 
 
 @dataclass(frozen=True)
@@ -41,7 +99,7 @@ class BoardLayout:
 
     @property
     def record_bytes(self) -> int:
-        return -(-(8 + 4 * self.num_experts) // 64) * 64
+        return -(-(HEADER_BYTES + 4 * self.num_experts) // 64) * 64
 
     @property
     def total_bytes(self) -> int:
@@ -52,6 +110,10 @@ class BoardLayout:
         """Offset of sender's record (its flag) for exchange ``n`` in any rank's board."""
         return ((n % self.entries) * self.world + sender) * self.record_bytes
 
+    def tag(self, n: int, sender: int) -> int:
+        """Offset of sender's uint64 :class:`ExchangeTag` value for exchange ``n``."""
+        return self.record(n, sender) + 8
+
     def counts(self, n: int, sender: int) -> int:
         """Offset of sender's int32 counts for exchange ``n``."""
-        return self.record(n, sender) + 8
+        return self.record(n, sender) + HEADER_BYTES

@@ -5,11 +5,14 @@ Two ways, the same result (int64 ``[world, E]``, rank order):
 * a load board (a Context whose window every rank maps): each rank writes its ``[E]`` counts
   into every rank's board with an epoch flag, then waits (bounded) for every rank's flag in its
   own board -- an all-gather over symmetric memory, no store and no ``torch.distributed`` call
-  per step.  :class:`LoadBoard` does it in host memory (the host executor over ``host_shm`` or
-  ``local``); :class:`~ultracomm.moe.loads_gpu.GpuLoadBoard` in GPU windows (``cuda_ipc``,
-  ``cuda_local``) with a kernel, no device-to-host copy before the exchange.  One layout and
-  protocol for both: :mod:`ultracomm.moe.board_layout`.
-* :func:`gather_loads` (any other Context): the group's bounded store exchange.
+  per step.  Each record names what its exchange is for
+  (:class:`~ultracomm.moe.board_layout.ExchangeTag`: layer, micro-batch slot, operation), so
+  ranks out of step raise ``PlanMismatchError``.  :class:`LoadBoard` does it in host memory (the
+  host executor over ``host_shm`` or ``local``); :class:`~ultracomm.moe.loads_gpu.GpuLoadBoard`
+  in GPU windows (``cuda_ipc``, ``cuda_local``) with a kernel, no device-to-host copy before the
+  exchange.  One layout and protocol for both: :mod:`ultracomm.moe.board_layout`.
+* :func:`gather_loads` (any other Context): the group's bounded store exchange; its ``op`` names
+  the same (``str(tag)``), and ranks in different exchanges raise ``PlanMismatchError`` there too.
 """
 from __future__ import annotations
 
@@ -21,10 +24,10 @@ import torch
 
 from .. import _core
 from ..comm import Comm
-from ..errors import UltracommTimeout
-from .board_layout import MAX_COUNT, BoardLayout
+from ..errors import PlanMismatchError, UltracommTimeout
+from .board_layout import MAX_COUNT, BoardLayout, ExchangeTag
 
-__all__ = ["gather_loads", "LoadBoard", "board_for_context", "timeout_text"]
+__all__ = ["gather_loads", "LoadBoard", "board_for_context", "timeout_text", "mismatch_text"]
 
 
 def gather_loads(comm: Comm, counts: torch.Tensor, op: str = "step") -> np.ndarray:
@@ -43,6 +46,15 @@ def timeout_text(rank: int, op: str, timeout_s: float, missing: list[int]) -> st
     return (f"ultracomm: rank {rank} {op} (expert loads) timed out after {timeout_s:g} s: ranks {missing} did not "
             f"post their loads (timeout ULTRACOMM_TIMEOUT_S={timeout_s:g}); they are likely stalled or dead, or called "
             "a different operation: every rank must call step() for the same layers in the same order")
+
+
+def mismatch_text(rank: int, op: str, n: int, posted: dict[int, list[int]]) -> str:
+    """The error of exchange ``n`` where ranks posted other tags (``posted``: tag value -> ranks):
+    both boards say this, in the words of the store exchange (``Comm.all_gather_object``)."""
+    parts = [f"{f'rank {rs[0]}' if len(rs) == 1 else f'ranks {rs}'} posted {ExchangeTag.describe(t)}"
+             for t, rs in posted.items()]
+    return (f"ultracomm: rank {rank} {op} (expert loads): ranks called different operations ({'; '.join(parts)} "
+            f"in load exchange {n}); every rank must call the same collective operations in the same order")
 
 
 def check_counts(counts: np.ndarray, num_experts: int) -> np.ndarray:
@@ -88,23 +100,33 @@ class LoadBoard:
         board = open_window(w.provider, ctx.comm, nbytes, op="ReplicaManager setup (load board)")
         return cls(board, ctx.num_experts, ctx.rank, ctx.world, ctx.config.timeout_s)
 
-    def gather(self, counts: torch.Tensor, op: str = "step") -> np.ndarray:
-        """int64 ``[world, E]``: every rank's ``counts``; bounded by the Context's timeout."""
+    def gather(self, counts: torch.Tensor, op: str = "step", tag: int = 0) -> np.ndarray:
+        """int64 ``[world, E]``: every rank's ``counts``; bounded by the Context's timeout.
+
+        ``tag``: what this exchange is for (:attr:`ExchangeTag.value`, ``op`` its words); a rank
+        that posted another raises ``PlanMismatchError`` here, on every rank."""
         mine = check_counts(counts.detach().to("cpu", torch.int64).numpy(), self.E)
+        tag = int(tag) & 0xFFFFFFFFFFFFFFFF
         self.seq += 1
         n, L, bases = self.seq, self.layout, self.window.peer_bases
-        for q in range(self.world):  # push into every board, then publish (release after the counts)
+        for q in range(self.world):  # push into every board, then publish (release after the tag and counts)
+            ctypes.c_uint64.from_address(bases[q] + L.tag(n, self.rank)).value = tag
             ctypes.memmove(bases[q] + L.counts(n, self.rank), mine.ctypes.data, 4 * self.E)
             _core.store_release(bases[q] + L.record(n, self.rank), n)
         own = bases[self.rank]
         out = np.empty((self.world, self.E), np.int64)
-        missing = []
+        missing, posted = [], {}
         for q in range(self.world):
             status, _ = _core.wait_flag(own + L.record(n, q), n, self.timeout_s if not missing else 1e-3)
             if status != 0:
                 missing.append(q)
                 continue
+            theirs = ctypes.c_uint64.from_address(own + L.tag(n, q)).value
+            if theirs != tag:
+                posted.setdefault(theirs, []).append(q)
             out[q] = np.ctypeslib.as_array((ctypes.c_int32 * self.E).from_address(own + L.counts(n, q)))
+        if posted:  # before the timeout: ranks out of step are the cause where both happen
+            raise PlanMismatchError(mismatch_text(self.rank, op, n, posted))
         if missing:
             raise UltracommTimeout(timeout_text(self.rank, op, self.timeout_s, missing))
         return out

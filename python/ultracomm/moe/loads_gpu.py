@@ -5,9 +5,12 @@ run by a kernel (``_cuda.load_exchange``, csrc/cuda/k_loads.cu) on the caller's 
 ``post(counts)`` enqueues the exchange and returns the device tensor ``[world, E]`` (int32)
 that holds every rank's counts once the stream reached it: no host synchronisation, no store
 or ``torch.distributed`` call, capturable (the exchange number is a device counter).
-``gather(counts, op)`` is what ``ReplicaManager.step`` calls while its planners run on the
+``gather(counts, op, tag)`` is what ``ReplicaManager.step`` calls while its planners run on the
 host: ``post``, then one copy of the result (and the kernel's status) to the host; a rank
-that never posted is named after ``ULTRACOMM_TIMEOUT_S`` (the kernel's bounded wait).
+that never posted is named after ``ULTRACOMM_TIMEOUT_S`` (the kernel's bounded wait), a rank
+whose record names another exchange (its :class:`~ultracomm.moe.board_layout.ExchangeTag`,
+checked by the kernel) raises ``PlanMismatchError``.  On the device control plane the build
+refuses loads whose status says either (nothing is built from them).
 
 Loopback (``cuda_local``): spinning kernels of several ranks must run in one launch (one
 rank's CTA would otherwise wait on a rank queued behind it), so each rank deposits its share
@@ -25,16 +28,17 @@ import numpy as np
 import torch
 
 from ..cuda.support import NotAvailableError, cuda_runtime
-from ..errors import UltracommError, UltracommTimeout
+from ..errors import PlanMismatchError, UltracommError, UltracommTimeout
 from ..cuda.loopback_launch import Deposit, launches_for
 from .board_layout import BoardLayout
-from .loads import timeout_text
+from .loads import mismatch_text, timeout_text
 
 __all__ = ["GpuLoadBoard"]
 
 log = logging.getLogger("ultracomm")
 
 _STATUS_WORDS = 8  # int32 status [4] padded to 32 bytes ahead of the gathered counts
+_STATUS_TIMEOUT, _STATUS_MISMATCH = 1, 2  # _cuda.LOAD_STATUS_TIMEOUT / LOAD_STATUS_MISMATCH
 
 
 class _Share:
@@ -65,7 +69,9 @@ class GpuLoadBoard:
         self._buf = torch.zeros(_STATUS_WORDS + world * self.E, dtype=torch.int32, device=dev)
         self._seq = torch.zeros(1, dtype=torch.int64, device=dev)
         self.out = self._buf[_STATUS_WORDS:].view(world, self.E)
-        #: int32 status words of the last exchange (word 0 nonzero: a rank never posted; word 1 names it)
+        #: int32 status words of the last exchange: word 0 nonzero when it failed (1: a rank never
+        #: posted, 2: a rank posted another tag), word 1 names that rank, words 2-3 what it posted
+        #: (the flag it was at, or its tag)
         self.status = self._buf[:_STATUS_WORDS]
         self._loopback = bool(getattr(window, "loopback", False))
         self._last: _Share | None = None
@@ -93,18 +99,21 @@ class GpuLoadBoard:
                             device=w.local.device)
         return cls(board, ctx.num_experts, ctx.rank, ctx.world, ctx.config.timeout_s)
 
-    def _entry(self) -> dict:
+    def _entry(self, tag: int) -> dict:
         return dict(counts=self._counts.data_ptr(), out=self.out.data_ptr(), status=self._buf.data_ptr(),
-                    bases=self._bases.data_ptr(), seq=self._seq.data_ptr(), rank=self.rank)
+                    bases=self._bases.data_ptr(), seq=self._seq.data_ptr(), rank=self.rank, tag=tag)
 
     def _launch(self, entries: Sequence[dict], stream: int) -> None:
         L = self.layout
         self._cuda.load_exchange(list(entries), L.world, L.num_experts, L.entries, L.record_bytes, self.timeout_s,
                                  stream)
 
-    def post(self, counts: torch.Tensor) -> torch.Tensor:
+    def post(self, counts: torch.Tensor, tag: int = 0) -> torch.Tensor:
         """Enqueue this rank's exchange of ``counts`` (``[E]``, any integer dtype, on this device)
-        on the current stream; returns ``[world, E]`` int32, valid once the stream reached it."""
+        on the current stream; returns ``[world, E]`` int32, valid once the stream reached it.
+        ``tag``: what the exchange is for (:attr:`ExchangeTag.value`; a kernel argument, so a
+        captured graph replays the tag of its capture); a peer that posted another sets
+        :attr:`status` word 0 to 2."""
         if tuple(counts.shape) != (self.E,):
             raise ValueError(f"ultracomm: expert counts must be [{self.E}], got {list(counts.shape)}")
         if counts.device != self.device:
@@ -112,10 +121,11 @@ class GpuLoadBoard:
                              f"{counts.device}")
         self._counts.copy_(counts.detach())  # on the stream, ahead of the exchange
         stream = self._stream()
+        tag = int(tag) & 0xFFFFFFFFFFFFFFFF
         if not self._loopback:
-            self._launch([self._entry()], stream)
+            self._launch([self._entry(tag)], stream)
             return self.out
-        share = self._last = _Share(self._entry())
+        share = self._last = _Share(self._entry(tag))
 
         def launch(deps: Sequence[Deposit]) -> None:
             shares = [d.item for d in deps]
@@ -147,20 +157,24 @@ class GpuLoadBoard:
         here = next((set(r) for r in pending.values() if self.rank in r), set())
         return [q for q in range(self.world) if q not in here]
 
-    def exchange(self, counts: torch.Tensor, op: str = "step") -> torch.Tensor:
+    def exchange(self, counts: torch.Tensor, op: str = "step", tag: int = 0) -> torch.Tensor:
         """:meth:`post`, and on a loopback domain wait (bounded, on the host: no device sync)
         until the shared launch is enqueued, so work this rank enqueues next reads the result.
         Returns ``[world, E]`` int32 on the device."""
-        out = self.post(counts)
+        out = self.post(counts, tag)
         self._wait_launched(op)
         return out
 
-    def gather(self, counts: torch.Tensor, op: str = "step") -> np.ndarray:
+    def gather(self, counts: torch.Tensor, op: str = "step", tag: int = 0) -> np.ndarray:
         """int64 ``[world, E]`` on the host: :meth:`post`, then one copy back (the host
-        planners need the loads); a rank that never posted raises ``UltracommTimeout`` naming it."""
-        self.exchange(counts, op)
+        planners need the loads); a rank that never posted raises ``UltracommTimeout`` naming it,
+        a rank that posted another ``tag`` ``PlanMismatchError``."""
+        self.exchange(counts, op, tag)
         host = self._buf.cpu()  # waits for the exchange on this stream
         status = host[:4].tolist()
+        if status[0] == _STATUS_MISMATCH:
+            theirs = (status[2] & 0xFFFFFFFF) | (status[3] & 0xFFFFFFFF) << 32
+            raise PlanMismatchError(mismatch_text(self.rank, op, int(self._seq.cpu().item()), {theirs: [status[1]]}))
         if status[0] != 0:
             raise UltracommTimeout(timeout_text(self.rank, op, self.timeout_s, [int(status[1])]))
         return host[_STATUS_WORDS:].numpy().reshape(self.world, self.E).astype(np.int64)

@@ -579,19 +579,24 @@ class ReplicaManager:
     def _step_on_host(self, layer: int, routing_map: torch.Tensor, probs: torch.Tensor | None,
                       grad: bool) -> tuple[int, Step]:
         """Loads to the host, a planner there, the plan handed over: a host planner, or the device
-        control plane's host build (then the schedule is the portable builder's, as on a GPU)."""
-        if self._board is not None:
-            load = self._board.gather(routing_map.sum(0), op=f"step(layer {layer})")
-        else:
-            load = gather_loads(self.ctx.comm, routing_map.sum(0), op=f"step(layer {layer})")
-        result = self.planner(load, self.domain, self.slots_per_rank, **self.planner_options)
-        if self.ctx._profiler is not None:  # the loads the balancer saw, beside the ops' plan/stats/times
-            self.ctx._profiler.record(layer, load=load, plan=result)
-        plan = result.plan
-        if self.control_plane == "host":
-            plan = ResidentPlan(torch.from_numpy(np.ascontiguousarray(result.plan.slot_src, dtype=np.int32)))
+        control plane's host build (then the schedule is the portable builder's, as on a GPU).
+        The loads' exchange names what it is for (layer, micro-batch slot, grad): ranks out of
+        step raise PlanMismatchError there, on every rank, before anything moves."""
+        from .board_layout import ExchangeTag
+
         vid = self._begin(layer)
         try:
+            tag = ExchangeTag(layer, vid % self.ctx.max_microbatches, grad)
+            if self._board is not None:
+                load = self._board.gather(routing_map.sum(0), op=str(tag), tag=tag.value)
+            else:  # the store exchange compares the ops' names
+                load = gather_loads(self.ctx.comm, routing_map.sum(0), op=str(tag))
+            result = self.planner(load, self.domain, self.slots_per_rank, **self.planner_options)
+            if self.ctx._profiler is not None:  # the loads the balancer saw, beside the ops' plan/stats/times
+                self.ctx._profiler.record(layer, load=load, plan=result)
+            plan = result.plan
+            if self.control_plane == "host":
+                plan = ResidentPlan(torch.from_numpy(np.ascontiguousarray(result.plan.slot_src, dtype=np.int32)))
             sync = self._enqueue(self.ctx.weight_sync, vid, plan)
             return vid, Step(self, layer, result, routing_map, probs, vid, sync, grad)
         except BaseException:
@@ -603,11 +608,15 @@ class ReplicaManager:
         """The device-resident step: the loads' all-gather through the GPU windows, the quota
         planner, the schedule build into the vid's plan slot and the multicast, all enqueued on
         the current stream -- no host synchronisation, no store or torch.distributed call,
-        capturable in a CUDA graph (buffers are allocated at a vid slot's first step)."""
-        op = f"step(layer {layer})"
-        loads = self._board.exchange(routing_map.sum(0), op=op)
+        capturable in a CUDA graph (buffers are allocated at a vid slot's first step).  The
+        exchange's tag (layer, micro-batch slot, grad) is checked by the kernel: ranks out of
+        step get a failed exchange status, which the build refuses."""
+        from .board_layout import ExchangeTag
+
         vid = self._begin(layer)
         try:
+            tag = ExchangeTag(layer, vid % self.ctx.max_microbatches, grad)
+            loads = self._board.exchange(routing_map.sum(0), op=str(tag), tag=tag.value)
             step_loads = loads.clone()  # this step's own copy: the board's buffer is the next exchange's
             out = self._plan_buffers(vid % (self.num_layers * self.ctx.max_microbatches), loads)
             device_planner.plan_on_gpu(step_loads, self.domain, self.slots_per_rank, out=out, **self.planner_options)

@@ -63,12 +63,20 @@ def megatron_ddp_hook(p: torch.Tensor) -> None:
 
 def train_rank(group: Any, world: int, epr: int, slots: int, layers: int, *, ultracomm: bool, stack: str = "backward",
                form: str = "stacked", steps: int = 3, optimizer: str = "adamw", cold: tuple = (),
-               frozen: bool = False, planner: Any = "quota", tokens: int = 24) -> dict:
+               frozen: bool = False, planner: Any = "quota", tokens: int = 24, twice: bool = False,
+               checkpoint: bool = False, evaluate: str | None = None) -> dict:
     """``steps`` optimizer steps of the loopback MoE on rank ``group.rank``.  Returns
     ``{"loss": [...], "grads": [per step, per tensor: grad or None], "params": [per tensor]}``;
     with ``frozen`` every expert is frozen and a per-layer input scale ``x_scale`` is what trains
     (its gradient comes through the experts' Dgrad, so through the replicas' restore; one value
-    on every rank, its gradient summed over the ranks)."""
+    on every rank, its gradient summed over the ranks).  ``twice``: each MoE layer applied twice
+    per block (other tokens each time); ``checkpoint``: each block under non-reentrant
+    activation checkpointing; ``evaluate``: between the forward and the backward, an evaluation
+    forward with grad enabled whose output is dropped -- ``"plain"`` (its steps drop themselves
+    when their graph dies) or ``"scope"`` (inside ``mgr.evaluating()``)."""
+    import contextlib
+
+    import torch.utils.checkpoint as cp
     from ultracomm.moe import ReplicaManager, linear
 
     r, E = group.rank, world * epr
@@ -80,7 +88,8 @@ def train_rank(group: Any, world: int, epr: int, slots: int, layers: int, *, ult
             t.requires_grad_(False)
     mgr = None
     if ultracomm:
-        mgr = ReplicaManager(group, mh.layout(), epr, slots, layers, planner=planner, timeout_s=20)
+        mgr = ReplicaManager(group, mh.layout(), epr, slots, layers, planner=planner, timeout_s=20,
+                             max_microbatches=2 if twice or evaluate == "plain" else 1)
         for layer in range(layers):
             mgr.register_layer(layer, params[layer])
     trained = scales if frozen else tensors
@@ -108,16 +117,32 @@ def train_rank(group: Any, world: int, epr: int, slots: int, layers: int, *, ult
             t.register_post_accumulate_grad_hook(step_in_backward)
     else:
         opt = make(trained)
-    out = {"loss": [], "grads": [], "params": None}
-    for it in range(steps):
-        loss = 0 * sum(scales)  # a graph also on a rank that computes no token
-        for layer in range(layers):
-            _, rmap, probs, _ = mh.batch(r, layer, it, E, tokens, cold=cold)
+    def block(layer: int, it: int, scale: torch.Tensor) -> torch.Tensor:
+        total = torch.zeros(())
+        for mb in ([it, 50 + it] if twice else [it]):
+            _, rmap, probs, _ = mh.batch(r, layer, mb, E, tokens, cold=cold)
             step = mgr.step(layer, rmap, probs) if mgr else NoReplica(world, epr, slots)
             reps = step.replica_weights() if mgr else None
-            part = mh.rank_loss(step, r, world, layer, it, params[layer], reps, linear, tokens=tokens,
-                                skip_replicas=mgr is None, cold=cold, x_scale=scales[layer])
-            loss = loss + (step.guard(part) if mgr else part)
+            part = mh.rank_loss(step, r, world, layer, mb, params[layer], reps, linear, tokens=tokens,
+                                skip_replicas=mgr is None, cold=cold, x_scale=scale)
+            total = total + (step.guard(part) if mgr else part)
+        return total
+
+    def forward(it: int) -> torch.Tensor:
+        loss = 0 * sum(scales)  # a graph also on a rank that computes no token
+        for layer in range(layers):
+            if checkpoint:
+                loss = loss + cp.checkpoint(block, layer, it, scales[layer], use_reentrant=False)
+            else:
+                loss = loss + block(layer, it, scales[layer])
+        return loss
+
+    out = {"loss": [], "grads": [], "params": None}
+    for it in range(steps):
+        loss = forward(it)
+        if evaluate:  # its output dropped at once; the training step in flight must not notice
+            with (mgr.evaluating() if mgr and evaluate == "scope" else contextlib.nullcontext()):
+                forward(100 + it)
         out["loss"].append(loss.item())
         if stack == "autograd_grad":
             got = torch.autograd.grad(loss, trained, allow_unused=True)

@@ -97,8 +97,8 @@ def test_abandon_drops_a_forward_without_backward():
             forward(mgr, params, group, mb=1)
         assert str(err.value) == (
             "ultracomm: layer 0 already has 1 steps whose backward has not run; run their backward, call "
-            "ReplicaManager.abandon() to drop them (an evaluation forward with grad enabled, a skipped step), or "
-            "create the manager with a larger max_microbatches")
+            "ReplicaManager.abandon() to drop them (a skipped step), take evaluation forwards inside `with "
+            "manager.evaluating():`, or create the manager with a larger max_microbatches")
         assert mgr.abandon() == [0]
         with pytest.raises(UltracommError, match=r"^ultracomm: layer 0 step \(vid 0\) was abandoned "):
             kept.backward()
@@ -106,6 +106,34 @@ def test_abandon_drops_a_forward_without_backward():
         mgr.close()
 
     LoopbackDomain(WORLD).run(body)
+
+
+def test_evaluating_leaves_the_step_in_flight_alone():
+    """abandon() would drop the training micro-batch too; inside evaluating() the evaluation
+    steps expect no backward, take the manager's spare slot and free it at once, and the
+    training step's backward restores its own replicas (the evaluation overwrote the slots)."""
+    def body(group):
+        mgr, params = manager(group)
+        loss = forward(mgr, params, group)
+        with mgr.evaluating():
+            for mb in (1, 2):  # twice: the spare slot is free again after each
+                out = forward(mgr, params, group, mb=mb)
+                assert out.grad_fn is not None  # grad enabled: only the masters' graph is cut
+        assert len(mgr._live) == 1  # only the training step is in flight
+        loss.backward()
+        mgr.close()
+        return [p.grad for p in params[0]]
+
+    got = LoopbackDomain(WORLD).run(body)
+
+    def plain(group):
+        mgr, params = manager(group)
+        forward(mgr, params, group).backward()
+        mgr.close()
+        return [p.grad for p in params[0]]
+
+    want = LoopbackDomain(WORLD).run(plain)
+    assert all((a is None and b is None) or torch.equal(a, b) for g, w in zip(got, want) for a, b in zip(g, w))
 
 
 def test_a_step_whose_graph_is_freed_is_dropped_by_itself():

@@ -57,3 +57,29 @@ def test_frozen_experts_get_replicas_and_no_reduction(world):
     kw = dict(frozen=True, optimizer="sgd")
     slots = 2 if world == 4 else 1
     sh.compare(sh.train(world, 2, slots, ultracomm=False, **kw), sh.train(world, 2, slots, ultracomm=True, **kw))
+
+
+@pytest.mark.parametrize("checkpoint", [False, True], ids=["plain", "non_reentrant"])
+def test_a_module_applied_twice_per_block(checkpoint):
+    """The same MoE layer twice in a block (two steps of one layer in flight), under
+    non-reentrant checkpointing: each recompute is matched to its own forward's step."""
+    kw = dict(form="list", twice=True, checkpoint=checkpoint)
+    sh.compare(sh.train(4, 2, 2, ultracomm=False, **kw), sh.train(4, 2, 2, ultracomm=True, **kw))
+
+
+@pytest.mark.parametrize("evaluate", ["plain", "scope"])
+def test_an_evaluation_forward_between_forward_and_backward(evaluate):
+    """An evaluation forward with grad enabled, its output dropped at once, between F0 and B0
+    (world 4, one micro-batch in flight): its steps leave the training step alone -- dropped by
+    themselves when their graph dies (no garbage collector needed: it is disabled here), or
+    taken inside ``mgr.evaluating()`` as steps that expect no backward."""
+    import gc
+
+    kw = dict(form="list", evaluate=evaluate)
+    base = sh.train(4, 2, 2, ultracomm=False, **kw)
+    gc.disable()
+    try:
+        got = sh.train(4, 2, 2, ultracomm=True, **kw)
+    finally:
+        gc.enable()
+    sh.compare(base, got)

@@ -20,9 +20,10 @@ token on its replicas.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -176,6 +177,7 @@ class Step:
         self._staging: int | None = None
         self._restored = False
         self._frozen = False  # every master frozen: no graph to them, nothing to reduce
+        self._recomputed = False  # matched to an activation recompute already
         self._inputs: list[int] = []  # the masters (anchor indices) that are the replica node's inputs
         self._released = False  # backward done, abandoned, or manager closed
         self._state = "forward" if grad else "done"
@@ -438,7 +440,9 @@ class ReplicaManager:
         if reroute_layout not in LAYOUTS:
             raise ValueError(f"ultracomm: reroute_layout must be one of {LAYOUTS}, got {reroute_layout!r}")
         self.ctx = context if context is not None else Context(
-            group, layout, experts_per_rank, slots_per_rank, num_layers, max_microbatches, node_of=node_of,
+            # one micro-batch slot per layer beyond the caller's: the steps that expect no backward
+            # (evaluation, no_grad) take it and free it at once, whatever is in flight
+            group, layout, experts_per_rank, slots_per_rank, num_layers, max_microbatches + 1, node_of=node_of,
             **context_options)
         c = self.ctx
         if c.stream_ordered and getattr(c.window, "loopback", False) and c.world > 1:
@@ -452,6 +456,10 @@ class ReplicaManager:
                 "(cuda_ipc or torch_symm windows), the host executor, or Context operations driven from one "
                 "thread (as tests/test_gpu_context.py does)")
         self.layout, self.rank, self.world = c.layout, c.rank, c.world
+        #: steps whose backward has not run, per layer, at most (the Context has one slot more
+        #: when the manager built it)
+        self.max_microbatches = max_microbatches if context is None else c.max_microbatches
+        self._evaluating = 0
         self.experts_per_rank, self.slots_per_rank, self.num_layers = c.experts_per_rank, c.slots_per_rank, c.num_layers
         self.num_experts = c.num_experts
         self.domain = Domain(self.world, np.asarray(c.node_of, np.int64), self.experts_per_rank)
@@ -547,11 +555,13 @@ class ReplicaManager:
             raise RegistrationError(f"ultracomm: layer {layer!r} is not registered; call register_layer first")
         self._check_routing(routing_map, probs)
         self._collect_orphans()
-        grad = torch.is_grad_enabled()
+        grad = torch.is_grad_enabled() and not self._evaluating
         if grad and torch._C._current_autograd_node() is not None:
             target = self._recompute_target(layer, routing_map)
             if target is not None:
                 return self._recompute(target, routing_map, probs)
+        if grad and sum(s.layer == layer for s in self._live_steps()) >= self.max_microbatches:
+            raise self._in_flight_error(layer)
         if self.control_plane == "device":
             vid, step = self._step_on_device(layer, routing_map, probs, grad)
         else:
@@ -571,10 +581,26 @@ class ReplicaManager:
         except UltracommError as e:
             if "in flight" not in str(e):
                 raise
-            raise UltracommError(
-                f"ultracomm: layer {layer} already has {self.ctx.max_microbatches} steps whose backward has not run; "
-                "run their backward, call ReplicaManager.abandon() to drop them (an evaluation forward with grad "
-                "enabled, a skipped step), or create the manager with a larger max_microbatches") from None
+            raise self._in_flight_error(layer) from None
+
+    def _in_flight_error(self, layer: int) -> UltracommError:
+        return UltracommError(
+            f"ultracomm: layer {layer} already has {self.max_microbatches} steps whose backward has not run; "
+            "run their backward, call ReplicaManager.abandon() to drop them (a skipped step), take evaluation "
+            "forwards inside `with manager.evaluating():`, or create the manager with a larger max_microbatches")
+
+    @contextlib.contextmanager
+    def evaluating(self) -> Iterator[None]:
+        """Forwards inside take steps that expect no backward (an evaluation pass with grad
+        enabled): they plan and multicast as any step, hand out replica weights without a graph
+        to the masters (``guard`` is the identity), and free their micro-batch slot at once;
+        every step in flight is left as it was (its backward restores its replicas).  Collective
+        like ``step``: every rank evaluates alike."""
+        self._evaluating += 1
+        try:
+            yield
+        finally:
+            self._evaluating -= 1
 
     def _step_on_host(self, layer: int, routing_map: torch.Tensor, probs: torch.Tensor | None,
                       grad: bool) -> tuple[int, Step]:
@@ -716,17 +742,23 @@ class ReplicaManager:
         if not live:
             return None
         hits = [s for s in live if _will_execute(s._node())]
-        if len(hits) > 1:  # one backward over several micro-batches: the nearest in the graph
-            hits = _nearest_in_graph(torch._C._current_autograd_node(), hits)
-        if not hits:  # a step without replica weights/guard (no node): match by routing
-            hits = [s for s in live if s._node() is None and torch.equal(s.routing_map, routing_map)]
-            if not hits:
-                return None
-        target = hits[0]
-        if not torch.equal(target.routing_map, routing_map):
-            raise UltracommError(
-                f"ultracomm: layer {layer}: the recomputed routing differs from the forward's; activation "
-                "recompute needs a deterministic router (same inputs, same routing)")
+        # the routing first: a layer applied twice in one checkpointed block has two steps the
+        # backward executes, and the recompute replays both calls in their order -- every rank
+        # picks the same one this way (a restore it triggers is collective)
+        same = [s for s in hits if torch.equal(s.routing_map, routing_map)]
+        if not same:  # a step without replica weights/guard (no node): match by routing
+            same = [s for s in live if s._node() is None and torch.equal(s.routing_map, routing_map)]
+        if not same:
+            if hits:
+                raise UltracommError(
+                    f"ultracomm: layer {layer}: the recomputed routing differs from the forward's; activation "
+                    "recompute needs a deterministic router (same inputs, same routing)")
+            return None
+        if len(same) > 1:  # the same routing twice: the first not yet recomputed, nearest in the graph
+            fresh = [s for s in same if not s._recomputed] or same
+            same = _nearest_in_graph(torch._C._current_autograd_node(), fresh) or fresh
+        target = same[0]
+        target._recomputed = True
         return target
 
     def _recompute(self, target: Step, routing_map: torch.Tensor, probs: torch.Tensor | None) -> Step:

@@ -187,8 +187,8 @@ def test_plan_mismatch_across_ranks_moves_nothing():
     plans = [ReplicaPlan.make(np.array([[1], [0], [-1]], np.int32), experts_per_rank=1),
              ReplicaPlan.make(np.array([[2], [0], [-1]], np.int32), experts_per_rank=1)]
 
-    def body(group):
-        with Context(group, layout, epr, slots, num_layers=1) as ctx:
+    def body(group):  # the plan agreement's check (the window's: test_window_plan_check.py)
+        with Context(group, layout, epr, slots, num_layers=1, plan_check="agree") as ctx:
             ctx.register_masters(0, *masters_for(layout, ctx.rank, epr))
             vid = ctx.begin(0)
             before = ctx.window.local.clone()
@@ -273,8 +273,8 @@ def test_one_rank_with_an_invalid_plan_fails_every_rank():
     good = ReplicaPlan.make(np.array([[1], [0]], np.int32), experts_per_rank=1)
     bad = ReplicaPlan.make(np.full((2, 2), -1, np.int32), experts_per_rank=1)  # wrong slots per rank
 
-    def body(group):
-        with Context(group, layout, 1, 1, num_layers=1) as ctx:
+    def body(group):  # the plan agreement's check (the window's: test_window_plan_check.py)
+        with Context(group, layout, 1, 1, num_layers=1, plan_check="agree") as ctx:
             ctx.register_masters(0, *masters_for(layout, ctx.rank, 1))
             vid = ctx.begin(0)
             before = ctx.window.local.clone()

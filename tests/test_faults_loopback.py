@@ -172,8 +172,8 @@ def test_mapping_failure_after_the_name_exchange_fails_every_rank(monkeypatch):
 def test_plan_agreement_with_a_rank_that_skips_weight_sync():
     plan = ReplicaPlan.make(np.array([[1], [0]], np.int32), experts_per_rank=1)
 
-    def body(group):
-        with Context(group, make_layout(4, 4), 1, 1, num_layers=1, timeout_s=TIMEOUT) as ctx:
+    def body(group):  # the agreement (the host transport's default is the window check)
+        with Context(group, make_layout(4, 4), 1, 1, num_layers=1, timeout_s=TIMEOUT, plan_check="agree") as ctx:
             ctx.register_masters(0, *masters_for(make_layout(4, 4), ctx.rank, 1))
             vid = ctx.begin(0)
             if group.rank == 1:

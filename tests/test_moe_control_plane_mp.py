@@ -1,9 +1,10 @@
 """Issue 19's CPU check of the whole control plane, as users run it: torchrun, gloo, world 4
 and 8, ReplicaManager with its defaults on the host executor (tests/mp_control_plane.py).  After
-setup a training step makes no torch.distributed call and no store call (each counted by
-wrapping the functions), with two micro-batches in flight (F0 F1 B1 B0) and with activation
-checkpointing; master grads match the float64 no-replication reference within 1e-5 and a rerun
-is bit-identical."""
+setup a training step makes no torch.distributed call and no store call from ultracomm's frames
+(each counted by wrapping the functions), with two micro-batches in flight (F0 F1 B1 B0) and with
+activation checkpointing; master grads match the float64 no-replication reference within 1e-5 and
+a rerun is bit-identical.  Issue 32 item 8: the same with no manager option at all, three layers
+(the default plan check is the window's on the host transport)."""
 from __future__ import annotations
 
 import os
@@ -36,6 +37,14 @@ def run(world: int, *args: str) -> list[str]:
 def test_default_control_plane_makes_no_collective_after_setup(world):
     for line in run(world):
         assert "calls after setup 0 []" in line, line
+
+
+@pytest.mark.slow
+def test_a_default_three_layer_training_step_makes_no_collective_after_setup():
+    """No option at all (transport, plan check, planner: the defaults): 0 store and 0
+    torch.distributed calls from ultracomm's frames per 3-layer training step after setup."""
+    for line in run(2, "default"):
+        assert "managers [('host', 'window', 'LoadBoard')]; layers 3; calls after setup 0 []" in line, line
 
 
 @pytest.mark.slow

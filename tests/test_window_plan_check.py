@@ -1,4 +1,5 @@
-"""``ULTRACOMM_PLAN_CHECK=window`` on the host transport: no plan agreement per ``weight_sync``.
+"""``ULTRACOMM_PLAN_CHECK=window`` on the host transport (its default, ``auto``, since issue 32): no
+plan agreement per ``weight_sync``.
 Each rank publishes its schedule digest beside its ready flag; the executor raises
 ``PlanMismatchError`` naming both digests when a peer runs another plan, and a rank whose plan
 is invalid publishes a rejection, so its peers fail at once instead of after the timeout."""
@@ -29,7 +30,7 @@ def run(plans, plan_check="window", **kw):
     def body(group):
         with Context(group, LAYOUT, 1, 1, num_layers=1, plan_check=plan_check, timeout_s=TIMEOUT_S, **kw) as ctx:
             ctx.register_masters(0, *masters_for(LAYOUT, ctx.rank, 1))
-            assert ctx.window_plan_check == (plan_check == "window")
+            assert ctx.window_plan_check == (plan_check in ("window", "auto"))  # auto: the host has window flags
             vid = ctx.begin(0)
             plan = plans[group.rank]
             try:
@@ -97,9 +98,18 @@ def test_same_plan_moves_the_replicas_without_a_collective():
             assert torch.equal(t[0], want[m][0])
 
 
-def test_agree_is_the_host_default_and_window_needs_window_flags():
-    res = run([SWAP, SWAP], plan_check="auto")
+def test_window_is_the_host_default_and_needs_window_flags():
+    res = run([SWAP, SWAP], plan_check="auto")  # issue 32: no store collective per weight_sync
+    assert all(r[0] is None and r[4] == [] for r in res)
+    res = run([SWAP, SWAP], plan_check="agree")
     assert all(r[0] is None and r[4] == ["plan agreement"] for r in res)
+    for transport, kw in (("p2p", {}), ("split", dict(window="local", domain="a,b"))):  # auto: agree, no flags
+
+        def check(group):
+            with Context(group, LAYOUT, 1, 1, num_layers=1, transport=transport, timeout_s=TIMEOUT_S, **kw) as ctx:
+                return ctx.window_plan_check
+
+        assert LoopbackDomain(2).run(check) == [False, False], transport
 
     def body(group):
         Context(group, LAYOUT, 1, 1, num_layers=1, transport="p2p", plan_check="window", timeout_s=TIMEOUT_S)

@@ -301,9 +301,11 @@ class Context:
                                                          on_error, self.rank)
         check = self.config.plan_check
         #: ranks check that they run the same plan through the digests in their windows, not a
-        #: collective per weight_sync (``ULTRACOMM_PLAN_CHECK``; see ultracomm.env "Plan checks")
-        self.window_plan_check = check == "window" or (check == "auto" and self._streams is not None)
-        if self.window_plan_check and getattr(self.transport, "reject", None) is None:
+        #: collective per weight_sync (``ULTRACOMM_PLAN_CHECK``; see ultracomm.env "Plan checks"):
+        #: ``auto`` wherever the transport has window flags (host, tma, copy_engine, split on CUDA)
+        has_flags = getattr(self.transport, "reject", None) is not None
+        self.window_plan_check = check == "window" or (check == "auto" and has_flags)
+        if self.window_plan_check and not has_flags:
             raise ConfigError(f"ultracomm: plan_check='window' (ULTRACOMM_PLAN_CHECK) needs a transport whose "
                               f"window holds ready flags and digests; transport {self.transport.name!r} has none: "
                               "use plan_check='agree' (or 'auto')")
@@ -491,12 +493,12 @@ class Context:
         Every rank raises when any rank's plan or masters are invalid or the plans or
         schedules differ, so no rank is left waiting in a later collective or flag.
 
-        With the window plan check (``ULTRACOMM_PLAN_CHECK=window``; the default of the
-        stream-ordered transports, where the collective would synchronise the host on every
-        operation) there is no collective: each rank publishes its schedule digest beside its
-        ready flag and the executor raises a digest mismatch on every rank that meets a different
-        one.  A rank whose own plan is invalid raises here and publishes a rejection in its
-        window (peers then fail with "rejected" instead of a timeout); its Context is broken.
+        With the window plan check (``ULTRACOMM_PLAN_CHECK=window``; the default of every
+        transport with window flags: host, tma, copy_engine, split on CUDA) there is no
+        collective: each rank publishes its schedule digest beside its ready flag and the executor
+        raises a digest mismatch on every rank that meets a different one.  A rank whose own plan
+        is invalid raises here and publishes a rejection in its window (peers then fail with
+        "rejected" instead of a timeout); its Context is broken.
         """
         local_error: BaseException | None = plan if isinstance(plan, BaseException) else None
         mine = None

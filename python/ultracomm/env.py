@@ -62,9 +62,13 @@ Plan checks (``plan_check``): every rank must pass the same valid plan to ``weig
   the difference.  Needs a transport with window flags: host, tma, copy_engine, split on CUDA
   (not p2p, not split on the CPU).  Under the CUDA split a rejection reaches the ranks of the
   rejecting rank's domain at once and the others at their timeout.
-* ``auto``: ``window`` for the stream-ordered transports (``tma``, ``copy_engine``, ``split``
-  on CUDA: a collective would synchronise the host with the device on every operation), else
-  ``agree``.
+* ``auto`` (the default): ``window`` wherever the transport has window flags (``host``, ``tma``,
+  ``copy_engine``, ``split`` on CUDA: no store or ``torch.distributed`` call per operation; on
+  a GPU a collective would also synchronise the host with the device), else ``agree`` (``p2p``,
+  ``split`` on the CPU).  A digest does not say which layer or micro-batch a plan is for;
+  ``ReplicaManager.step`` names them in its loads' exchange, which every rank joins (load board
+  or store), so ranks out of step -- a rank running its layers in another order -- raise
+  ``PlanMismatchError`` there, on every rank, before any byte moves, whichever check runs.
 
 SM defaults (``multicast_sms`` / ``reduce_sms`` = ``auto``, resolved by
 ``ultracomm.cuda.sm_budget.default_sms`` when a GPU transport is built; the chosen value and

@@ -66,8 +66,10 @@ def main(rank: int, world: int, port: int, scenario: str, out_dir: str, timeout_
 
             host_shm._map = map_then_fault
         under_test()
+        # the plan agreement (a store collective per weight_sync) is what the between/skip/store scenarios
+        # fault; the host transport's default is the window check since issue 32
         ctx = Context(None, layout, 1, 1, num_layers=1, max_microbatches=2, window="host_shm",
-                      timeout_s=timeout_s, relay_mode="off", num_workers=1)
+                      timeout_s=timeout_s, relay_mode="off", num_workers=1, plan_check="agree")
         ctx.register_masters(0, [torch.full((1, 64, 64), float(rank + 1), dtype=torch.bfloat16)],
                              [torch.zeros((1, 64, 64))])
         vid1 = ctx.begin(0)
@@ -92,7 +94,7 @@ def main(rank: int, world: int, port: int, scenario: str, out_dir: str, timeout_
         elif victim and scenario == "skip_op":
             ctx.grad_reduce(vid1)  # skipped the weight_sync the others are in
         elif victim and scenario == "different_collective":
-            Context(None, layout, 1, 1, num_layers=1, window="host_shm", timeout_s=timeout_s)
+            Context(None, layout, 1, 1, num_layers=1, window="host_shm", timeout_s=timeout_s, plan_check="agree")
         elif scenario == "different_ops":  # the others reduce while the victim restores
             if victim:
                 ctx.restore(vid1)

@@ -63,7 +63,7 @@ def megatron_ddp_hook(p: torch.Tensor) -> None:
 
 def train_rank(group: Any, world: int, epr: int, slots: int, layers: int, *, ultracomm: bool, stack: str = "backward",
                form: str = "stacked", steps: int = 3, optimizer: str = "adamw", cold: tuple = (),
-               frozen: bool = False, planner: Any = "quota", tokens: int = 24, twice: bool = False,
+               frozen: bool = False, planner: Any = "device", tokens: int = 24, twice: bool = False,
                checkpoint: bool = False, evaluate: str | None = None) -> dict:
     """``steps`` optimizer steps of the loopback MoE on rank ``group.rank``.  Returns
     ``{"loss": [...], "grads": [per step, per tensor: grad or None], "params": [per tensor]}``;
@@ -123,6 +123,8 @@ def train_rank(group: Any, world: int, epr: int, slots: int, layers: int, *, ult
             _, rmap, probs, _ = mh.batch(r, layer, mb, E, tokens, cold=cold)
             step = mgr.step(layer, rmap, probs) if mgr else NoReplica(world, epr, slots)
             reps = step.replica_weights() if mgr else None
+            if mgr and torch.is_grad_enabled() and not mgr._evaluating:
+                out["replicated"] += int((step.result.plan.slot_src >= 0).sum())
             part = mh.rank_loss(step, r, world, layer, mb, params[layer], reps, linear, tokens=tokens,
                                 skip_replicas=mgr is None, cold=cold, x_scale=scale)
             total = total + (step.guard(part) if mgr else part)
@@ -137,7 +139,7 @@ def train_rank(group: Any, world: int, epr: int, slots: int, layers: int, *, ult
                 loss = loss + block(layer, it, scales[layer])
         return loss
 
-    out = {"loss": [], "grads": [], "params": None}
+    out = {"loss": [], "grads": [], "params": None, "replicated": 0}
     for it in range(steps):
         loss = forward(it)
         if evaluate:  # its output dropped at once; the training step in flight must not notice
@@ -198,6 +200,7 @@ def compare(base: list[dict], got: list[dict], tol: float = 1e-5) -> None:
         err = (a.double() - b.double()).abs().max().item() / scale
         assert err <= tol, f"{what}: differs from the run without ultracomm by {err:.3g} of its largest value"
 
+    assert sum(g["replicated"] for g in got) > 0, "no training step placed a replica: the case tests nothing"
     steps = len(base[0]["loss"])
     for it in range(steps):
         close(torch.tensor(sum(b["loss"][it] for b in base)), torch.tensor(sum(g["loss"][it] for g in got)),

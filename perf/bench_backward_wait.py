@@ -100,8 +100,8 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     H, I, T, L, E, P = a.hidden, a.inner, a.tokens, a.layers, EPR * world, EPR + SLOTS
     wrap_wait()
-    mgr = ReplicaManager(None, ExpertLayout((Member("fc1", (I, H), torch.float32), Member("fc2", (H, I), torch.float32))),
-                         EPR, SLOTS, L)
+    layout = ExpertLayout((Member("fc1", (I, H), torch.float32), Member("fc2", (H, I), torch.float32)))
+    mgr = ReplicaManager(None, layout, EPR, SLOTS, L)  # the default settings
     g = torch.Generator().manual_seed(rank)
     dense = [torch.nn.Parameter(torch.randn(H, H, generator=g) / H ** 0.5) for _ in range(L)]
     experts = [[torch.nn.Parameter(torch.randn(EPR, I, H, generator=g) / H ** 0.5),

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from ultracomm import Context, LoopbackDomain, ReplicaPlan
+from ultracomm.errors import PlanError, PlanMismatchError, UltracommError, UltracommTimeout
 from ultracomm.resident_plan import ResidentPlan
 
 from conftest import random_slot_src
@@ -132,8 +133,8 @@ def test_a_rank_whose_inputs_failed_makes_every_rank_raise(plan_check):
             return None
 
     got = LoopbackDomain(2).run(body, timeout=120)
-    assert got[0][0] is UltracommError and "the expert loads' exchange timed out" in got[0][1]
+    assert got[0][0] is UltracommTimeout and "the expert loads' exchange timed out" in got[0][1]
     if plan_check == "agree":
-        assert got[1][0] is ValueError and "ranks [0] rejected their plan" in got[1][1]
+        assert got[1][0] is PlanMismatchError and "ranks [0] rejected their plan" in got[1][1]
     else:
         assert issubclass(got[1][0], PlanError) and "rank 0 rejected its plan" in got[1][1], got[1]

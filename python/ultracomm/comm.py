@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence, TypeVar
 import torch.distributed as dist
 
 from . import wire
-from .errors import ClosedError, PeerError, PlanMismatchError, UltracommError, UltracommTimeout
+from .errors import ClosedError, ConfigError, PeerError, PlanMismatchError, UltracommError, UltracommTimeout
 
 T = TypeVar("T")
 
@@ -505,16 +505,17 @@ def run_loopback(world: int, fn: Callable[[LoopbackGroup], T], timeout: float = 
 
 
 def require_same(values: Sequence[Any], what: str) -> None:
-    """Raise ``ValueError`` if ``values`` (one per rank) differ, naming the ranks."""
+    """Raise :class:`~ultracomm.errors.ConfigError` (a ``ValueError``) if ``values`` (one per
+    rank) differ, naming the ranks."""
     if all(v == values[0] for v in values):
         return
     groups: dict[str, list[int]] = {}
     for r, v in enumerate(values):
         groups.setdefault(repr(v), []).append(r)
     detail = "; ".join(f"ranks {rs}: {k}" for k, rs in groups.items())
-    raise ValueError(f"ultracomm: {what} differs across ranks ({detail}); every rank must pass the same {what}")
+    raise ConfigError(f"ultracomm: {what} differs across ranks ({detail}); every rank must pass the same {what}")
 
 
 def check_same(comm: Comm, what: str, value: Any, *, op: str = "check") -> None:
-    """Raise ``ValueError`` on every rank if ``value`` differs across ranks, naming the ranks."""
+    """Raise ``ConfigError`` on every rank if ``value`` differs across ranks, naming the ranks."""
     require_same(comm.all_gather_object(value, op=op, what=what), what)

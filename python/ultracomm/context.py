@@ -39,7 +39,8 @@ from .alpha_beta import COSTS, choose_schedule, split_chunk_bytes
 from .comm import as_comm, require_same
 from .dataplane import check_master_devices, device_type, is_stream_ordered, select, transport_kwargs
 from .env import Config, check_window_layout
-from .errors import ClosedError, ConfigError, RegistrationError, UltracommError, UltracommTimeout
+from .errors import (ClosedError, ConfigError, PlanError, PlanMismatchError, RegistrationError, UltracommError,
+                     UltracommTimeout, same_kind)
 from .layout import ExpertLayout
 from .plan import ReplicaPlan
 from .resident_plan import DeviceSchedule, ResidentPlan
@@ -199,7 +200,8 @@ class Context:
             self._device_inputs_for(self.window.local.device)
         self._epoch = 0
         self._lock = threading.Lock()
-        self._broken: str | None = None
+        self._broken: str | None = None  # the first failure's text ("Type: message")
+        self._broken_by: BaseException | None = None  # and the failure itself: later refusals raise its kind
         self._runner = OrderedRunner(f"ultracomm-rank{self.rank}")
         # a Context dropped without close() still stops its thread and unmaps its window; the
         # runner holds no reference to the Context while idle, so dropping it frees it
@@ -537,8 +539,8 @@ class Context:
             raise local_error
         failed = [r for r, (err, _) in enumerate(views) if err is not None]
         if failed:
-            raise ValueError(f"ultracomm: ranks {failed} rejected their plan ({views[failed[0]][0]}); every rank "
-                             "must pass the same valid plan")
+            raise PlanMismatchError(f"ultracomm: ranks {failed} rejected their plan ({views[failed[0]][0]}); every "
+                                    "rank must pass the same valid plan")
         for what, i in (("plan", 0), ("schedule", 1)):
             groups: dict = {}
             for r, (_, m) in enumerate(views):
@@ -547,7 +549,7 @@ class Context:
                 detail = "; ".join(f"ranks {rs}" for rs in groups.values())
                 hint = ("every rank must pass the same plan" if what == "plan" else
                         "ranks built different schedules from one plan: their configurations differ")
-                raise ValueError(f"ultracomm: {what} differs across ranks ({detail}); {hint}")
+                raise PlanMismatchError(f"ultracomm: {what} differs across ranks ({detail}); {hint}")
         return sched
 
     def _collective(self, obj: Any, *, op: str, what: str) -> list[Any]:
@@ -555,13 +557,20 @@ class Context:
         try:
             return self.comm.all_gather_object(obj, op=op, what=what)
         except UltracommTimeout as e:
-            self._broken = f"{type(e).__name__}: {e}"
+            self._fail(e)
             raise
 
     def _fail(self, error: BaseException) -> None:
         """Remember the first failure: later operations are refused (ranks' epochs no longer line up)."""
         if self._broken is None:
             self._broken = f"{type(error).__name__}: {error}"
+            self._broken_by = error
+
+    def _failed_earlier(self, text: str) -> UltracommError:
+        """An operation refused because an earlier one failed: the same kind of error as that
+        failure (a timeout stays an UltracommTimeout, a plan mismatch a PlanMismatchError, also
+        when it surfaces in the next operation), with its text."""
+        return same_kind(self._broken_by, f"{text} ({self._broken}); create a new Context")
 
     def _reject_plan(self, error: BaseException) -> None:
         """Window plan check: this rank's plan is invalid.  It takes the operation's epoch and
@@ -569,7 +578,7 @@ class Context:
         submitted before it, as the operation would have run -- so peers fail at once; then
         the Context is broken.  Raises ``error``."""
         if self._broken is None:
-            reason = UltracommError(f"ultracomm: this rank rejected its plan ({error})")
+            reason = PlanError(f"ultracomm: this rank rejected its plan ({error})")
             with self._lock:
                 self._epoch += 1
                 epoch = self._epoch
@@ -590,7 +599,7 @@ class Context:
     def _submit(self, name: str, op: Op, mb: _MicroBatch, masters: Masters, async_op: bool,
                 before: Callable[[], None] | None = None, after: Callable[[], None] | None = None) -> Work | None:
         if self._broken is not None:
-            raise UltracommError(f"ultracomm: this Context failed earlier ({self._broken}); create a new Context")
+            raise self._failed_earlier("ultracomm: this Context failed earlier")
         sched = mb.schedule
         my_slots, local_index_of = mb.my_slots, mb.local_index_of
         if self._streams is not None:
@@ -616,8 +625,8 @@ class Context:
 
         def body() -> None:
             if self._broken is not None:  # queued before an earlier operation failed: never start it
-                raise UltracommError(f"ultracomm: {name} (epoch {epoch}) not started: an earlier operation of "
-                                     f"this Context failed ({self._broken}); create a new Context")
+                raise self._failed_earlier(f"ultracomm: {name} (epoch {epoch}) not started: an earlier operation of "
+                                           "this Context failed")
             try:
                 if before is not None:
                     before()
@@ -626,7 +635,7 @@ class Context:
                 if after is not None:  # in the queue: before any later operation starts
                     after()
             except BaseException as e:
-                self._broken = f"{type(e).__name__}: {e}"
+                self._broken, self._broken_by = f"{type(e).__name__}: {e}", e
                 raise
 
         if self._profiler is not None:  # records the plan, its stats and this op's host time
@@ -666,7 +675,7 @@ class Context:
     def _check_usable(self) -> None:
         self._check_open()
         if self._broken is not None:
-            raise UltracommError(f"ultracomm: this Context failed earlier ({self._broken}); create a new Context")
+            raise self._failed_earlier("ultracomm: this Context failed earlier")
 
     def weight_sync(self, vid: int, plan: ReplicaPlan | ResidentPlan, async_op: bool = False) -> Work | None:
         """Multicast the home experts of ``vid``'s layer into the replica slots ``plan`` names.

@@ -72,3 +72,18 @@ class PeerError(UltracommError):
 
 class ClosedError(UltracommError):
     """The Context (or window) was closed; create a new one."""
+
+
+def same_kind(cause: BaseException | None, text: str) -> UltracommError:
+    """An error with ``text`` of the same ultracomm kind as ``cause``, for a failure that surfaces
+    later than it happened (the next operation of a broken Context, a wrapped worker error):
+    a timeout -- also a builtin ``TimeoutError`` -- stays an :class:`UltracommTimeout`, a plan
+    mismatch a :class:`PlanMismatchError`, and so on; anything else is an :class:`UltracommError`."""
+    kinds = (UltracommTimeout, PlanMismatchError, PlanError, PeerError, ClosedError, ConfigError, RegistrationError,
+             LayoutError)
+    for kind in kinds:
+        if isinstance(cause, kind):
+            return kind(text)
+    if isinstance(cause, TimeoutError):
+        return UltracommTimeout(text)
+    return UltracommError(text)

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .errors import UltracommError
+from .errors import PlanMismatchError, UltracommError, UltracommTimeout
 from .plan import ReplicaPlan, SlotShape
 
 __all__ = ["ResidentPlan", "DeviceSchedule", "BUILD_STATUS"]
@@ -79,10 +79,14 @@ class ResidentPlan(SlotShape):
 
     def host_plan(self, experts_per_rank: int) -> ReplicaPlan:
         """The plan on the host (a copy: on a GPU it waits for the stream that makes it); raises
-        ``UltracommError`` when ``exchange_status`` / ``planner_result`` say its inputs failed."""
+        ``UltracommTimeout`` / ``PlanMismatchError`` when ``exchange_status`` says the loads' exchange
+        timed out / found ranks out of step, ``UltracommError`` when ``planner_result`` says the
+        planner refused the loads."""
         for word, status in ((self.exchange_status, 6), (self.planner_result, 7)):
-            if word is not None and int(word.reshape(-1)[0].item()) & 0xFFFFFFFF:
-                raise UltracommError(f"ultracomm: {BUILD_STATUS[status]}")
+            value = 0 if word is None else int(word.reshape(-1)[0].item()) & 0xFFFFFFFF
+            if value:  # the exchange's cause keeps its kind: 1 timed out, 2 ranks out of step
+                kind = UltracommError if status != 6 else PlanMismatchError if value == 2 else UltracommTimeout
+                raise kind(f"ultracomm: {BUILD_STATUS[status]}")
         return ReplicaPlan.make(self.slot_src.cpu().numpy(), experts_per_rank=experts_per_rank)
 
 

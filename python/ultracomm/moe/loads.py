@@ -24,7 +24,7 @@ import torch
 
 from .. import _core
 from ..comm import Comm
-from ..errors import PlanMismatchError, UltracommTimeout
+from ..errors import PeerError, PlanMismatchError, UltracommTimeout
 from .board_layout import MAX_COUNT, BoardLayout, ExchangeTag
 
 __all__ = ["gather_loads", "LoadBoard", "board_for_context", "timeout_text", "mismatch_text"]
@@ -129,6 +129,11 @@ class LoadBoard:
             raise PlanMismatchError(mismatch_text(self.rank, op, n, posted))
         if missing:
             raise UltracommTimeout(timeout_text(self.rank, op, self.timeout_s, missing))
+        bad = [q for q in range(self.world) if out[q].size and (out[q].min() < 0 or out[q].max() > MAX_COUNT)]
+        if bad:  # every sender checked its own counts: what arrived is not what a rank posted
+            raise PeerError(f"ultracomm: rank {self.rank} {op} (expert loads): ranks {bad} posted counts outside "
+                            f"0..{MAX_COUNT} (rank {bad[0]}: {int(out[bad[0]].min())}..{int(out[bad[0]].max())}); "
+                            "their boards were overwritten, or they run another ultracomm: the group is unusable")
         return out
 
     def close(self) -> None:

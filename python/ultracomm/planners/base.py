@@ -215,27 +215,28 @@ def as_load(load: Any, domain: Domain) -> np.ndarray:
 
         if isinstance(load, torch.Tensor):
             if load.is_floating_point() or load.is_complex() or load.dtype == torch.bool:
-                raise PlanError(f"load must hold integer token counts, got dtype {load.dtype}")
+                raise PlanError(f"ultracomm: load must hold integer token counts, got dtype {load.dtype}")
             load = load.detach().cpu().numpy()
     except ImportError:  # pragma: no cover
         pass
     a = np.asarray(load)
     if a.dtype.kind not in "iu":
-        raise PlanError(f"load must hold integer token counts, got dtype {a.dtype}")
+        raise PlanError(f"ultracomm: load must hold integer token counts, got dtype {a.dtype}")
     if a.size and a.dtype.kind == "u" and int(a.max()) > MAX_LOAD_TOTAL:  # before int64 could wrap it
-        raise PlanError(f"load holds {int(a.max())} tokens for one expert; a plan holds at most "
+        raise PlanError(f"ultracomm: load holds {int(a.max())} tokens for one expert; a plan holds at most "
                         f"{MAX_LOAD_TOTAL} (2**48) tokens in all")
     a = np.ascontiguousarray(a, dtype=np.int64)
     if a.shape != (domain.world, domain.num_experts):
         raise PlanError(
-            f"load must have shape [world, E] = [{domain.world}, {domain.num_experts}], "
+            f"ultracomm: load must have shape [world, E] = [{domain.world}, {domain.num_experts}], "
             f"got {tuple(a.shape)}"
         )
     if a.size and a.min() < 0:
-        raise PlanError("load must be non-negative")
+        r, e = (int(i) for i in np.argwhere(a < 0)[0])
+        raise PlanError(f"ultracomm: load must be non-negative: rank {r} routes {int(a[r, e])} tokens to expert {e}")
     total = float(a.sum(dtype=np.float64))  # exact below 2**53; int64 could wrap
     if total > MAX_LOAD_TOTAL:
-        raise PlanError(f"load holds {int(a.astype(object).sum())} tokens in all; a plan holds at most "
+        raise PlanError(f"ultracomm: load holds {int(a.astype(object).sum())} tokens in all; a plan holds at most "
                         f"{MAX_LOAD_TOTAL} (2**48)")
     return a
 

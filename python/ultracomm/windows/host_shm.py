@@ -31,6 +31,7 @@ import uuid
 import torch
 
 from ..comm import Comm
+from ..errors import PeerError, UltracommError
 from .base import Window
 
 SHM_DIR = "/dev/shm"
@@ -196,7 +197,7 @@ class HostShmWindow(Window):
             created = [n for r, n in enumerate(names) if statuses[r] is None and _is_name_for(n, r)]
             taken = [r for r, st in enumerate(statuses) if st is not None]
             if taken:
-                raise RuntimeError(
+                raise UltracommError(
                     f"ultracomm: host_shm segment names of ranks {taken} already exist in {SHM_DIR} "
                     f"({', '.join(names[r] for r in taken)}): another process holds them; they were left alone. "
                     "Retry (names are random), and check what else writes to /dev/shm")
@@ -206,7 +207,14 @@ class HostShmWindow(Window):
                     if r == comm.rank:
                         maps.append(own)
                     elif reach is None or reach[r]:
-                        maps.append(_map(os.path.join(SHM_DIR, n), nbytes, create=False))
+                        try:
+                            maps.append(_map(os.path.join(SHM_DIR, n), nbytes, create=False))
+                        except FileNotFoundError:  # its owner removed it: it gave up this setup before us
+                            raise PeerError(
+                                f"ultracomm: {op}: rank {comm.rank} could not map rank {r}'s host_shm segment "
+                                f"{os.path.join(SHM_DIR, n)}: it no longer exists, so rank {r} gave up this setup "
+                                "(timed out or failed) and removed it; this rank was likely stopped meanwhile. "
+                                "Create the Context again on every rank") from None
                     else:
                         maps.append(None)
 

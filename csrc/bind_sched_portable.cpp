@@ -1,5 +1,9 @@
-// _core.build_schedule_portable: the host build of the device control plane's schedule builder
-// (include/ultracomm/sched_build.h), the same source k_build.cu runs on the GPU.
+// _core.build_schedule_portable / build_into_views: the host build of the device control plane's
+// schedule builder (include/ultracomm/sched_build.h, slot_build.h), the same source k_build.cu
+// runs on the GPU as one CTA.  One lane by default; `lanes` > 1 runs it on that many host threads
+// in warps of `warp_lanes` (tests: the bytes must not depend on it).  Also bound for tests: the
+// kernel's launch shape (schedule_build_launch) and the former one-thread builder
+// (build_schedule_portable_serial_ref, csrc/sched_build_serial_ref.h).
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -9,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "sched_build_serial_ref.h"
+#include "sched_lanes.h"
 #include "ultracomm/sched_build.h"
 #include "ultracomm/slot_build.h"
 
@@ -37,6 +43,47 @@ py::array records(const std::vector<uint8_t>& raw, int64_t n, size_t size, const
   py::array a(py::dtype::from_args(dt), std::vector<py::ssize_t>{py::ssize_t(n)});
   if (n) std::copy(raw.data(), raw.data() + n * size, static_cast<uint8_t*>(a.mutable_data()));
   return a;
+}
+
+// Host lanes of a build: `lanes` threads in warps of `warp_lanes` (0: lanes / 8, at least 1),
+// at most `warps` candidate warps (0: all, at most 8).
+struct Lanes {
+  int32_t lanes, warp_lanes, warps;
+};
+
+Lanes lanes_of(int64_t lanes, int64_t warp_lanes, int64_t warps) {
+  if (lanes < 1 || lanes > 256) throw std::invalid_argument("build_schedule_portable: lanes must be in [1, 256]");
+  const int64_t wl = warp_lanes > 0 ? warp_lanes : std::max<int64_t>(1, lanes / psched::kMaxWarps);
+  if (wl > lanes || lanes % wl != 0)
+    throw std::invalid_argument("build_schedule_portable: warp_lanes must divide lanes");
+  if (warps < 0 || warps > psched::kMaxWarps)
+    throw std::invalid_argument("build_schedule_portable: warps must be in [0, 8]");
+  return Lanes{int32_t(lanes), int32_t(wl), int32_t(warps)};
+}
+
+bool same(const psched::Result& a, const psched::Result& b) {
+  bool eq = a.status == b.status && a.candidates == b.candidates && a.lower_bound == b.lower_bound &&
+            a.digest == b.digest;
+  for (int op = 0; op < 2; ++op)
+    eq = eq && a.cap[op] == b.cap[op] && a.busiest[op] == b.busiest[op] && a.depth[op] == b.depth[op] &&
+         a.num_tasks[op] == b.num_tasks[op] && a.num_refs[op] == b.num_refs[op];
+  return eq;
+}
+
+// Runs f(group) on one lane or on host threads; every lane must return the same Result.
+template <class F>
+psched::Result run_build(const Lanes& l, F&& f) {
+  if (l.lanes == 1) return f(psched::SerialGroup{});
+  const std::vector<psched::Result> out = psched::run_lanes(l.lanes, l.warp_lanes, f);
+  for (const psched::Result& r : out)
+    if (!same(r, out[0])) throw std::logic_error("build_schedule_portable: lanes disagree");
+  return out[0];
+}
+
+// The candidate warps of such a build (where its chosen trees are in the scratch).
+int32_t warps_of(const Lanes& l) {
+  if (l.lanes == 1) return psched::candidate_warps(psched::SerialGroup{}, l.warps);
+  return psched::candidate_warps(psched::LaneBlock{nullptr, 0, l.lanes, l.warp_lanes}, l.warps);
 }
 
 // The problem of build / build_into_views (numpy inputs kept alive by the caller).
@@ -73,7 +120,9 @@ psched::Problem problem_of(const I32& slot_src, const I32& home_of, const py::ob
 }
 
 py::dict build(const I32& slot_src, const I32& home_of, py::object node_of, uint64_t weight_bytes, uint64_t grad_bytes,
-               uint64_t chunk_bytes, int64_t rank, int64_t max_depth, uint64_t hop_bytes) {
+               uint64_t chunk_bytes, int64_t rank, int64_t max_depth, uint64_t hop_bytes, int64_t lanes,
+               int64_t warp_lanes, int64_t warps) {
+  const Lanes ln = lanes_of(lanes, warp_lanes, warps);
   I32 node;
   const psched::Problem p =
       problem_of(slot_src, home_of, node_of, node, weight_bytes, grad_bytes, chunk_bytes, rank, max_depth, hop_bytes);
@@ -97,11 +146,11 @@ py::dict build(const I32& slot_src, const I32& home_of, py::object node_of, uint
   psched::Result res{};
   {
     py::gil_scoped_release rel;
-    res = psched::build(p, scratch.data(), out[0], out[1]);
+    res = run_build(ln, [&](const auto& g) { return psched::build(p, scratch.data(), out[0], out[1], g, ln.warps); });
   }
   if (res.status != psched::kOk)
     throw std::invalid_argument(std::string("build_schedule_portable: ") + status_text(res.status));
-  const psched::View v = psched::view(scratch.data(), p.world, p.slots, p.num_experts);
+  const psched::View v = psched::view(scratch.data(), p.world, p.slots, p.num_experts, warps_of(ln));
   py::dict d;
   const char* names[2] = {"multicast", "reduce"};
   for (int op = 0; op < 2; ++op) {
@@ -111,7 +160,7 @@ py::dict build(const I32& slot_src, const I32& home_of, py::object node_of, uint
     const char* fields[3] = {"parent_rank", "parent_slot", "depth"};
     for (int f = 0; f < 3; ++f) {
       py::array_t<int32_t> a({W, S});
-      const int32_t* tb = psched::tree_of(v.trees, W * S, 1 + op) + f * W * S;
+      const int32_t* tb = psched::chosen(v, op) + f * W * S;
       std::copy(tb, tb + W * S, a.mutable_data());
       o[fields[f]] = a;
     }
@@ -133,7 +182,8 @@ py::dict build(const I32& slot_src, const I32& home_of, py::object node_of, uint
 py::dict build_views(const I32& slot_src, const I32& home_of, py::object node_of, uint64_t weight_bytes,
                      uint64_t grad_bytes, uint64_t chunk_bytes, int64_t rank, int64_t max_depth, uint64_t hop_bytes,
                      std::vector<int64_t> task_cap, std::vector<int64_t> ref_cap, int64_t view_rank,
-                     int32_t upstream) {
+                     int32_t upstream, int64_t lanes, int64_t warp_lanes, int64_t warps) {
+  const Lanes ln = lanes_of(lanes, warp_lanes, warps);
   I32 node;
   const psched::Problem p =
       problem_of(slot_src, home_of, node_of, node, weight_bytes, grad_bytes, chunk_bytes, rank, max_depth, hop_bytes);
@@ -169,7 +219,9 @@ py::dict build_views(const I32& slot_src, const I32& home_of, py::object node_of
   psched::Result res{};
   {
     py::gil_scoped_release rel;
-    res = psched::build_into_views(p, scratch.data(), vp, caps, upstream);
+    res = run_build(ln, [&](const auto& g) {
+      return psched::build_into_views(p, scratch.data(), vp, caps, upstream, g, ln.warps);
+    });
   }
   py::dict d;
   const char* names[2] = {"multicast", "reduce"};
@@ -194,22 +246,96 @@ py::dict build_views(const I32& slot_src, const I32& home_of, py::object node_of
   return d;
 }
 
+// The former one-thread builder (test oracle): the same dict as build().
+py::dict build_serial_ref(const I32& slot_src, const I32& home_of, py::object node_of, uint64_t weight_bytes,
+                          uint64_t grad_bytes, uint64_t chunk_bytes, int64_t rank, int64_t max_depth,
+                          uint64_t hop_bytes) {
+  I32 node;
+  const psched::Problem q =
+      problem_of(slot_src, home_of, node_of, node, weight_bytes, grad_bytes, chunk_bytes, rank, max_depth, hop_bytes);
+  psched_ref::Problem p{q.world, q.slots, q.num_experts, q.max_depth, q.rank, 0, q.slot_src, q.home_of, q.node_of,
+                        q.weight_bytes, q.grad_bytes, q.chunk_bytes, q.hop_bytes};
+  const int64_t W = p.world, S = p.slots, E = p.num_experts;
+  if (psched_ref::check_problem(p) != psched::kOk) throw std::invalid_argument("build_schedule_portable_serial_ref");
+  std::vector<int64_t> scratch(psched_ref::scratch_words(p.world, p.slots, p.num_experts));
+  int64_t homed = 0;
+  for (int64_t e = 0; e < E; ++e) homed += p.home_of[e] == p.rank;
+  const uint64_t cb = std::max<uint64_t>(chunk_bytes, 1);
+  const int64_t tcap[2] = {(homed + S) * psched::chunks_of(weight_bytes, cb), (homed + S) * psched::chunks_of(grad_bytes, cb)};
+  std::vector<uint8_t> traw[2], rraw[2];
+  psched_ref::OpOut out[2];
+  for (int op = 0; op < 2; ++op) {
+    traw[op].resize(std::max<int64_t>(tcap[op], 1) * sizeof(Task));
+    rraw[op].resize(std::max<int64_t>(W * S, 1) * sizeof(Ref));
+    out[op] = psched_ref::OpOut{reinterpret_cast<Task*>(traw[op].data()), tcap[op],
+                                reinterpret_cast<Ref*>(rraw[op].data()), W * S};
+  }
+  const psched_ref::Result res = psched_ref::build(p, scratch.data(), out[0], out[1]);
+  if (res.status != psched::kOk) throw std::invalid_argument("build_schedule_portable_serial_ref: " + std::string(status_text(res.status)));
+  const psched_ref::View v = psched_ref::view(scratch.data(), p.world, p.slots, p.num_experts);
+  py::dict d;
+  const char* names[2] = {"multicast", "reduce"};
+  for (int op = 0; op < 2; ++op) {
+    py::dict o;
+    o["tasks"] = records(traw[op], res.num_tasks[op], sizeof(Task), "TASK_DTYPE");
+    o["refs"] = records(rraw[op], res.num_refs[op], sizeof(Ref), "REF_DTYPE");
+    const char* fields[3] = {"parent_rank", "parent_slot", "depth"};
+    for (int f = 0; f < 3; ++f) {
+      py::array_t<int32_t> a({W, S});
+      const int32_t* tb = psched_ref::tree_of(v.trees, W * S, 1 + op) + f * W * S;
+      std::copy(tb, tb + W * S, a.mutable_data());
+      o[fields[f]] = a;
+    }
+    o["cap"] = res.cap[op];
+    o["busiest"] = res.busiest[op];
+    o["depth_max"] = res.depth[op];
+    d[names[op]] = o;
+  }
+  d["digest"] = res.digest;
+  d["lower_bound"] = res.lower_bound;
+  d["candidates"] = res.candidates;
+  return d;
+}
+
 }  // namespace
 
 void bind_sched_portable(py::module_& m) {
   m.def("build_schedule_portable", &build, py::arg("slot_src"), py::arg("home_of"), py::arg("node_of"),
         py::arg("weight_bytes"), py::arg("grad_bytes"), py::arg("chunk_bytes"), py::arg("rank"),
-        py::arg("max_depth"), py::arg("hop_bytes"),
+        py::arg("max_depth"), py::arg("hop_bytes"), py::arg("lanes") = 1, py::arg("warp_lanes") = 0,
+        py::arg("warps") = 0,
         "Portable schedule builder, host build: {multicast: {tasks, refs, parent_rank, parent_slot, depth, ...}, "
-        "reduce: {...}, digest, lower_bound, candidates} for one rank.");
+        "reduce: {...}, digest, lower_bound, candidates} for one rank.  lanes: host threads standing in for the "
+        "CTA's lanes (1: one lane), in warps of warp_lanes (0: lanes / 8, at least 1), at most `warps` candidate "
+        "trees at once (0: one per warp, at most 8); the result does not depend on them (tests).");
+  m.def("build_schedule_portable_serial_ref", &build_serial_ref, py::arg("slot_src"), py::arg("home_of"),
+        py::arg("node_of"), py::arg("weight_bytes"), py::arg("grad_bytes"), py::arg("chunk_bytes"), py::arg("rank"),
+        py::arg("max_depth"), py::arg("hop_bytes"),
+        "Test oracle: the former one-thread builder (csrc/sched_build_serial_ref.h); the same dict as "
+        "build_schedule_portable.");
+  m.def("schedule_build_launch",
+        [](int32_t W, int32_t S, int32_t E) {
+          const psched::LaunchShape ls = psched::launch_shape(W, S, E);
+          py::dict d;
+          d["threads"] = ls.threads;
+          d["warps"] = ls.warps;
+          d["smem_bytes"] = ls.smem_bytes;
+          d["scratch_bytes"] = 8 * psched::scratch_words(W, S, E, ls.warps);
+          return d;
+        },
+        py::arg("world"), py::arg("slots"), py::arg("num_experts"),
+        "k_build_slot's launch (sched_build.h launch_shape): one CTA of `threads`, `warps` candidate trees at once, "
+        "`smem_bytes` of dynamic shared memory holding the scratch (0: the scratch stays in global memory).");
+  m.attr("SCHEDULE_BUILD_BLOCK_THREADS") = psched::kBlockThreads;
+  m.attr("SCHEDULE_BUILD_SMEM_BUDGET") = psched::kSmemBudget;
   m.def("build_into_views", &build_views, py::arg("slot_src"), py::arg("home_of"), py::arg("node_of"),
         py::arg("weight_bytes"), py::arg("grad_bytes"), py::arg("chunk_bytes"), py::arg("rank"), py::arg("max_depth"),
         py::arg("hop_bytes"), py::arg("task_cap"), py::arg("ref_cap"), py::arg("view_rank") = -1,
-        py::arg("upstream") = 0,
+        py::arg("upstream") = 0, py::arg("lanes") = 1, py::arg("warp_lanes") = 0, py::arg("warps") = 0,
         "Host build of slot_build.h (the device step's write into a plan-arena slot): {multicast: {tasks, refs, "
         "num_tasks, num_refs, my_slots, slot_parent, digest}, reduce: {...}, status, digest}.  view_rank: the "
         "views' rank if not `rank` (tests a template of another rank); upstream: 6 (the loads' exchange failed) or 7 "
-        "(the planner failed): nothing is built.");
+        "(the planner failed): nothing is built.  lanes / warp_lanes / warps as build_schedule_portable.");
   m.def("schedule_portable_scratch_bytes",
         [](int32_t W, int32_t S, int32_t E) { return 8 * psched::scratch_words(W, S, E); }, py::arg("world"),
         py::arg("slots"), py::arg("num_experts"));

@@ -1,4 +1,5 @@
-// Launch interface of k_build.cu (the portable schedule builder on the GPU).
+// Launch interface of k_build.cu (the portable schedule builder on the GPU: one CTA of
+// psched::kBlockThreads, its scratch in shared memory when psched::launch_shape says it fits).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -12,7 +13,7 @@ namespace ultracomm::gpu {
 // Every pointer is device memory; the problem's arrays too.
 struct BuildArgs {
   psched::Problem problem;
-  int64_t* scratch;        // build_scratch_bytes()
+  int64_t* scratch;        // build_scratch_bytes() (unused when the scratch fits shared memory)
   Task* tasks[2];          // per op (multicast, reduce): this rank's tasks
   int64_t task_cap[2];
   Ref* refs[2];
@@ -27,7 +28,7 @@ void launch_build_schedule(const BuildArgs& a, cudaStream_t stream);
 // arena slot (include/ultracomm/slot_build.h), whose templates the host wrote at setup.
 struct SlotBuildArgs {
   psched::Problem problem;          // arrays in device memory
-  int64_t* scratch;                 // build_scratch_bytes()
+  int64_t* scratch;                 // build_scratch_bytes() (unused when it fits shared memory)
   ExecView* views[2];               // device addresses: multicast, reduce
   psched::SlotCaps caps;
   psched::BuildReport* report;      // mapped host memory: the result, then generation + 1

@@ -1,7 +1,10 @@
-// The device control plane's schedule builder, written once: compiled by g++ for the host
-// (`_core.build_schedule_portable`) and by nvcc (csrc/cuda/k_build.cu).  Same rules as interp.h:
-// no allocation (one caller scratch buffer, scratch_words()), fixed capacities (check_problem),
-// no exceptions (a Status), integers only -- so every rank and both builds give the same bytes.
+// The device control plane's schedule builder, written once over a lane group (sched_group.h):
+// compiled by g++ for the host (`_core.build_schedule_portable`, one lane by default, host threads
+// as lanes in tests) and by nvcc for one CTA (csrc/cuda/k_build.cu: 256 threads, 8 warps).  Same
+// rules as interp.h: no allocation (one caller scratch buffer, scratch_words(); the kernel puts it
+// in shared memory when launch_shape() says it fits), fixed capacities (check_shape), no
+// exceptions (a Status), integers only -- so every rank, every lane count and both builds give
+// the same bytes.
 //
 // Output: this rank's multicast and reduce task lists (Task / Ref of task.h, the format
 // csrc/schedule_builder.cpp emits and interp.h runs: per rank sorted by (chunk, level, expert,
@@ -15,16 +18,35 @@
 // first, hang their replicas breadth first: targets by spare capacity (most first, then slot
 // id), each under the shallowest sender of the expert that still has capacity.  With node_of
 // (and D >= 2) the topology rule holds: per remote node one gateway (its replica with the
-// most spare capacity) hangs from the home's node (gateways first; if that fails, after the home
-// node's replicas), the node's other replicas from the gateway's subtree.  Candidates are L = L0, L0+1, L0+2, L0+4, ... (L0 = the bytes lower bound in
-// experts: max(most filled slots of a rank, most replicated experts homed on a rank,
-// ceil(replicas / world))) until one reaches the least possible depth; per op the candidate
-// with the least cost max(k, fixed) * B + depth * (min(chunk, B) + hop_bytes) wins (k: its
-// busiest rank's children, fixed: the most filled slots of a rank), ties to the smaller L.
+// most spare capacity, then lowest id) hangs from the home's node (gateways first; if that
+// fails, after the home node's replicas), the node's other replicas from the gateway's subtree.
+// Candidates are L = L0, L0+1, L0+2, L0+4, ... (L0 = the bytes lower bound in experts: max(most
+// filled slots of a rank, most replicated experts homed on a rank, ceil(replicas / world)))
+// until one reaches the least possible depth; per op the candidate with the least cost
+// max(k, fixed) * B + depth * (min(chunk, B) + hop_bytes) wins (k: its busiest rank's children,
+// fixed: the most filled slots of a rank), ties to the smaller L.
+//
+// Parallel form (the same result for any lanes; tests/test_sched_build_lanes.py checks 1, 2, 8
+// and 32 host lanes against the one-lane build and against the former one-thread builder):
+//  - inputs staged into the scratch, problem checks as block reductions;
+//  - replicas per expert by atomic counts + a block scan (CSR), filled in any order: nothing
+//    below reads a replica list in its stored order (targets are sorted by a total order, a
+//    gateway is the best of its node by (spare desc, id asc), refs are ranked by id);
+//  - experts by (replicas desc, id asc) ranked by counting (position = keys below it);
+//  - candidate trees concurrently, one per warp (sched_tree.h): a round of G warps builds
+//    candidates i .. i + G - 1 and every lane replays the one-thread order of decisions over
+//    them (cost, ties to the earlier, stop at the least depth), so the chosen trees and the
+//    `candidates` count are the one-thread builder's;
+//  - task lists (sched_write.h): child counts and reduce heights by atomics level by level,
+//    senders ranked by key, ref offsets by a block scan, each ref at its rank among its
+//    sender's children, tasks written one per lane (coalesced);
+//  - the digest: the former FNV-1a chain (kept bit for bit, so digests of the former builder
+//    and this one agree), one lane over the staged words; the one sequential pass left.
 #pragma once
 #include <cstdint>
 
 #include "ultracomm/hd.h"
+#include "ultracomm/sched_group.h"
 #include "ultracomm/task.h"
 
 namespace ultracomm::psched {
@@ -35,6 +57,9 @@ constexpr int32_t kMaxExperts = 1 << 16;
 constexpr int32_t kMaxDepth = 64;
 constexpr uint64_t kMaxBytes = uint64_t(1) << 40;  // per expert and op; chunk counts stay < 2^31
 constexpr uint32_t kDigestTag = 0x50b1d001u;        // first digest word: differs from the host builder's
+constexpr int32_t kMaxWarps = 8;                    // candidate trees built at once (warps of the CTA)
+constexpr int32_t kBlockThreads = 32 * kMaxWarps;   // the kernel's CTA
+constexpr int64_t kSmemBudget = 46 * 1024;          // dynamic shared memory the kernel may take (no opt-in)
 
 enum Status : int32_t {
   kOk = 0,
@@ -71,7 +96,7 @@ struct OpOut {
 
 struct Result {
   int32_t status;
-  int32_t candidates;        // trees built (successful or not)
+  int32_t candidates;        // trees the one-thread order builds (successful or not)
   int32_t lower_bound;       // L0, in experts
   int32_t cap[2];            // per op: the capacity L of the chosen tree
   int32_t busiest[2];        // per op: children of its busiest rank (k)
@@ -81,272 +106,283 @@ struct Result {
   uint64_t digest;
 };
 
-// ---------------------------------------------------------------- scratch layout (int64 words)
+// ---------------------------------------------------------------- scratch layout
+//
+// int64 words: kBlockWords block words, then int32 arrays (offsets below), then the uint64 keys.
+//   block  [8] int64: 0 digest;  misc [8] int32: 0 experts with replicas, 1 senders (counters)
+//   src [WS], home [E], node [W]   the problem's arrays, staged
+//   trees [2][3][WS]               chosen trees: [multicast, reduce][parent_rank, parent_slot, depth]
+//   rep_begin [E + 1], rep [WS]    replicas of e: rep[rep_begin[e] .. rep_begin[e + 1]), any order
+//   order [NX]                     experts with replicas by (replicas desc, id asc); NX = min(E, WS)
+//   duty [W]                       replicated experts homed on the rank
+//   height [WS + E]                reduce levels (slots, then masters); prepare's cursor and key list;
+//                                  write_op's sender index of each master (E) and own slot (S)
+//   kids [WS]                      children of each slot in the tree being written
+//   sref [NX + S + 1]              per sender of this rank: end of its refs
+//   per candidate warp (G of them): tree [3 WS], rem [W], gateway [W], targets [W], senders [W + 1],
+//                                  tmp [W] (sort output), words [8] (flags and counts of the warp)
+//   keys (uint64) [2 (NX + S)]     this rank's senders: sorted, then unsorted
+
+constexpr int64_t kBlockWords = 8;
+constexpr int64_t kWarpWords = 8;
 
 UC_INLINE int64_t words_i32(int64_t n) { return (n + 1) / 2; }
+UC_INLINE int64_t nx_of(int32_t W, int32_t S, int32_t E) {
+  const int64_t WS = int64_t(W) * S;
+  return E < WS ? E : WS;
+}
+UC_INLINE int64_t warp_i32(int32_t W, int32_t S) { return 3 * int64_t(W) * S + 5 * int64_t(W) + 1 + kWarpWords; }
+UC_INLINE int64_t block_i32(int32_t W, int32_t S, int32_t E) {
+  const int64_t WS = int64_t(W) * S, NX = nx_of(W, S, E);
+  return 8 + (WS + E + W) + 6 * WS + (E + 1) + WS + NX + W + (WS + E) + WS + (NX + S + 1);
+}
+UC_INLINE int64_t scratch_i32(int32_t W, int32_t S, int32_t E, int32_t warps) {
+  return block_i32(W, S, E) + int64_t(warps) * warp_i32(W, S);
+}
+// Scratch of a build with `warps` candidate warps (the default: the kernel's most).
+UC_INLINE int64_t scratch_words(int32_t W, int32_t S, int32_t E, int32_t warps = kMaxWarps) {
+  return kBlockWords + words_i32(scratch_i32(W, S, E, warps)) + 2 * (nx_of(W, S, E) + S);
+}
 
-// Int32 arrays in the scratch, in this order (offsets in int32 units from the start).
 struct View {
-  int32_t* trees;       // [3][3][WS]: [work, multicast, reduce][parent_rank, parent_slot, depth]
-  int32_t* rem;         // [W] spare capacity
-  int32_t* duty;        // [W] replicated experts homed on the rank not yet hung
-  int32_t* rep_begin;   // [E + 1] replicas of e: rep[rep_begin[e] .. rep_begin[e + 1]), slot id asc
-  int32_t* rep;         // [WS]
-  int32_t* order;       // [E] experts by (replicas desc, id asc)
-  int32_t* cnt;         // [W + 2] counting-sort buckets
-  int32_t* targets;     // [W] one expert's targets
-  int32_t* senders;     // [W + 1] one expert's senders (slot id, or -1 - home for the master)
-  int32_t* gateway;     // [W] per node: the current expert's gateway slot id (or -1)
-  int32_t* height;      // [WS + E] reduce levels (slots, then masters)
-  int32_t* kids;        // [WS] children of each slot in the tree being written
-  uint64_t* keys;       // [E + S] this rank's senders (8-byte aligned)
+  int64_t* block;
+  int32_t* misc;
+  int32_t* src;
+  int32_t* home;
+  int32_t* node;
+  int32_t* trees;
+  int32_t* rep_begin;
+  int32_t* rep;
+  int32_t* order;
+  int32_t* duty;
+  int32_t* height;
+  int32_t* kids;
+  int32_t* sref;
+  int32_t* warp0;       // first candidate warp's area (warp_i32 ints each)
+  uint64_t* keys;       // sorted [NX + S], then unsorted [NX + S]
+  int32_t W, S, E, warps;
 };
 
-// Tree t (0 work, 1 multicast, 2 reduce): parent_rank at [0, WS), parent_slot at [WS, 2 WS),
-// depth at [2 WS, 3 WS).  (Pointer arithmetic, not an array of pointers: no local memory.)
-UC_INLINE int32_t* tree_of(int32_t* trees, int64_t WS, int32_t t) { return trees + 3 * WS * t; }
+// One candidate warp's area.
+struct Work {
+  int32_t* tree;     // [3 WS] parent_rank, parent_slot, depth
+  int32_t* rem;      // [W] spare capacity
+  int32_t* gateway;  // [W] per node: the current expert's gateway slot id (or -1)
+  int32_t* targets;  // [W] one expert's targets
+  int32_t* senders;  // [W + 1] one expert's senders (slot id, or -1 - home for the master)
+  int32_t* tmp;      // [W] the sort's output
+  int32_t* words;    // [kWarpWords] 0 hang ok, 1 home-node targets, 2 gateways, 3 node targets,
+                     //               4 tree ok, 5 busiest, 6 depth
+};
 
-UC_INLINE int64_t scratch_i32(int32_t W, int32_t S, int32_t E) {
-  const int64_t WS = int64_t(W) * S;
-  return 9 * WS + 2 * int64_t(W) + (E + 1) + WS + E + (W + 2) + W + (W + 1) + W + (WS + E) + WS;
-}
-UC_INLINE int64_t scratch_words(int32_t W, int32_t S, int32_t E) {
-  return words_i32(scratch_i32(W, S, E)) + int64_t(E) + S;
-}
-
-UC_INLINE View view(int64_t* s, int32_t W, int32_t S, int32_t E) {
-  const int64_t WS = int64_t(W) * S;
-  int32_t* p = reinterpret_cast<int32_t*>(s);
+UC_INLINE View view(int64_t* s, int32_t W, int32_t S, int32_t E, int32_t warps = kMaxWarps) {
+  const int64_t WS = int64_t(W) * S, NX = nx_of(W, S, E);
   View v;
-  v.trees = p;
-  p += 9 * WS;
-  v.rem = p; p += W;
-  v.duty = p; p += W;
+  v.block = s;
+  int32_t* p = reinterpret_cast<int32_t*>(s + kBlockWords);
+  v.misc = p; p += 8;
+  v.src = p; p += WS;
+  v.home = p; p += E;
+  v.node = p; p += W;
+  v.trees = p; p += 6 * WS;
   v.rep_begin = p; p += E + 1;
   v.rep = p; p += WS;
-  v.order = p; p += E;
-  v.cnt = p; p += W + 2;
-  v.targets = p; p += W;
-  v.senders = p; p += W + 1;
-  v.gateway = p; p += W;
+  v.order = p; p += NX;
+  v.duty = p; p += W;
   v.height = p; p += WS + E;
-  v.kids = p;
-  v.keys = reinterpret_cast<uint64_t*>(s + words_i32(scratch_i32(W, S, E)));
+  v.kids = p; p += WS;
+  v.sref = p; p += NX + S + 1;
+  v.warp0 = p;
+  v.keys = reinterpret_cast<uint64_t*>(s + kBlockWords + words_i32(scratch_i32(W, S, E, warps)));
+  v.W = W;
+  v.S = S;
+  v.E = E;
+  v.warps = warps;
   return v;
 }
 
-// Upper bounds of one op's lists on `rank` (what an arena slot must hold): every sender node
-// of the rank (its homed experts and its slots) with every chunk; refs: every replica.
+UC_INLINE Work work(const View& v, int32_t w) {
+  const int64_t WS = int64_t(v.W) * v.S;
+  int32_t* p = v.warp0 + int64_t(w) * warp_i32(v.W, v.S);
+  Work k;
+  k.tree = p; p += 3 * WS;
+  k.rem = p; p += v.W;
+  k.gateway = p; p += v.W;
+  k.targets = p; p += v.W;
+  k.senders = p; p += v.W + 1;
+  k.tmp = p; p += v.W;
+  k.words = p;
+  return k;
+}
+
+// The chosen tree of op (0 multicast, 1 reduce): parent_rank at [0, WS), parent_slot at
+// [WS, 2 WS), depth at [2 WS, 3 WS).
+UC_INLINE int32_t* chosen(const View& v, int32_t op) { return v.trees + 3 * int64_t(v.W) * v.S * op; }
+
+// Candidate warps of a build on group g (`warps` > 0: at most that many).
+template <class G>
+UC_INLINE int32_t candidate_warps(const G& g, int32_t warps) {
+  int32_t n = g.warps() < kMaxWarps ? g.warps() : kMaxWarps;
+  if (warps > 0 && warps < n) n = warps;
+  return n;
+}
+
+// The kernel's launch: one CTA of kBlockThreads; the scratch in dynamic shared memory with as many
+// candidate warps (8, 4, 2, 1) as fit kSmemBudget, else in the caller's global scratch with 8.
+struct LaunchShape {
+  int32_t threads;
+  int32_t warps;       // candidate warps
+  int64_t smem_bytes;  // dynamic shared memory; 0: the scratch stays in global memory
+};
+UC_INLINE LaunchShape launch_shape(int32_t W, int32_t S, int32_t E) {
+  LaunchShape ls{kBlockThreads, kMaxWarps, 0};
+  if (W < 1 || W > kMaxWorld || S < 0 || S > kMaxSlots || E < 0 || E > kMaxExperts) return ls;
+  for (int32_t g = kMaxWarps; g >= 1; g /= 2) {
+    const int64_t b = 8 * scratch_words(W, S, E, g);
+    if (b <= kSmemBudget) return LaunchShape{kBlockThreads, g, b};
+  }
+  return ls;
+}
+
 UC_INLINE int64_t chunks_of(uint64_t bytes, uint64_t chunk) { return int64_t((bytes + chunk - 1) / chunk); }
+
+// ---------------------------------------------------------------- block helpers
+
+// In-place inclusive prefix sum of a[0, n) on the block: each lane a contiguous run, the runs'
+// offsets by a scan in lane order.  Ends with a barrier.
+template <class G>
+UC_INLINE void scan_inclusive(int32_t* a, int64_t n, const G& g) {
+  const int64_t per = (n + g.width() - 1) / g.width();
+  const int64_t lo = per * g.lane(), hi = lo + per < n ? lo + per : n;
+  int64_t s = 0;
+  for (int64_t i = lo; i < hi; ++i) s += a[i];
+  int64_t total = 0;
+  int64_t run = g.scan(s, total);
+  for (int64_t i = lo; i < hi; ++i) {
+    run += a[i];
+    a[i] = static_cast<int32_t>(run);
+  }
+  g.sync();
+}
 
 // ---------------------------------------------------------------- checks
 
-UC_INLINE int32_t check_problem(const Problem& p) {
+UC_INLINE int32_t check_shape(const Problem& p) {
   if (p.world < 1 || p.world > kMaxWorld || p.slots < 0 || p.slots > kMaxSlots || p.num_experts < 0 ||
       p.num_experts > kMaxExperts)
     return kBadShape;
   if (p.chunk_bytes == 0 || p.chunk_bytes % 16 != 0 || p.weight_bytes > kMaxBytes || p.grad_bytes > kMaxBytes ||
       p.hop_bytes > kMaxBytes || p.max_depth < 1 || p.max_depth > kMaxDepth || p.rank < 0 || p.rank >= p.world)
     return kBadOption;
-  for (int32_t r = 0; p.node_of && r < p.world; ++r)
-    if (p.node_of[r] < 0 || p.node_of[r] >= p.world) return kBadNode;
-  for (int32_t e = 0; e < p.num_experts; ++e)
-    if (p.home_of[e] < 0 || p.home_of[e] >= p.world) return kBadPlan;
-  const int32_t S = p.slots;
-  for (int32_t r = 0; r < p.world; ++r)
-    for (int32_t s = 0; s < S; ++s) {
-      const int32_t e = p.slot_src[int64_t(r) * S + s];
-      if (e == -1) continue;
-      if (e < -1 || e >= p.num_experts || p.home_of[e] == r) return kBadPlan;
-      for (int32_t s2 = 0; s2 < s; ++s2)
-        if (p.slot_src[int64_t(r) * S + s2] == e) return kBadPlan;
-    }
   return kOk;
+}
+
+// The problem with its arrays staged into the scratch (coalesced copies; read many times below).
+template <class G>
+UC_INLINE Problem stage(const Problem& p, const View& v, const G& g) {
+  const int64_t WS = int64_t(p.world) * p.slots;
+  for (int64_t i = g.lane(); i < WS; i += g.width()) v.src[i] = p.slot_src[i];
+  for (int32_t e = g.lane(); e < p.num_experts; e += g.width()) v.home[e] = p.home_of[e];
+  for (int32_t r = g.lane(); p.node_of && r < p.world; r += g.width()) v.node[r] = p.node_of[r];
+  g.sync();
+  Problem q = p;
+  q.slot_src = v.src;
+  q.home_of = v.home;
+  q.node_of = p.node_of ? v.node : nullptr;
+  return q;
+}
+
+// node_of, home_of and slot_src (the one-thread order of statuses: kBadNode before kBadPlan).
+template <class G>
+UC_INLINE int32_t check_plan(const Problem& p, const G& g) {
+  const int32_t W = p.world, S = p.slots, E = p.num_experts;
+  int64_t bad_node = 0, bad_plan = 0;
+  for (int32_t r = g.lane(); p.node_of && r < W; r += g.width())
+    bad_node |= (p.node_of[r] < 0 || p.node_of[r] >= W) ? 1 : 0;
+  for (int32_t e = g.lane(); e < E; e += g.width()) bad_plan |= (p.home_of[e] < 0 || p.home_of[e] >= W) ? 1 : 0;
+  for (int64_t id = g.lane(); id < int64_t(W) * S; id += g.width()) {
+    const int32_t e = p.slot_src[id], r = static_cast<int32_t>(id / S), s = static_cast<int32_t>(id % S);
+    if (e == -1) continue;
+    if (e < -1 || e >= E || p.home_of[e] == r) bad_plan = 1;
+    for (int32_t s2 = 0; s2 < s; ++s2) bad_plan |= p.slot_src[int64_t(r) * S + s2] == e ? 1 : 0;
+  }
+  bad_node = g.max(bad_node);
+  bad_plan = g.max(bad_plan);
+  return bad_node ? kBadNode : bad_plan ? kBadPlan : kOk;
+}
+
+// Every check on one lane, on the caller's arrays (the host's check before it builds).
+UC_INLINE int32_t check_problem(const Problem& p) {
+  const int32_t st = check_shape(p);
+  return st != kOk ? st : check_plan(p, SerialGroup{});
 }
 
 // ---------------------------------------------------------------- preparation
 
-// Replicas per expert (CSR), experts by replica count, homes' duties; returns L0 and sets
-// `fixed` (most filled slots of a rank) and `total`.
-UC_INLINE int32_t prepare(const Problem& p, const View& v, int32_t& fixed, int64_t& total) {
+struct Prepared {
+  int32_t l0;      // the lower bound L0
+  int32_t fixed;   // most filled slots of a rank
+  int64_t total;   // replicas
+  int32_t once;    // most replicated experts homed on a rank
+  int32_t nx;      // experts with replicas
+};
+
+// Replicas per expert (CSR), experts by replica count, homes' duties, L0.
+template <class G>
+UC_INLINE Prepared prepare(const Problem& p, const View& v, const G& g) {
   const int32_t W = p.world, S = p.slots, E = p.num_experts;
   const int64_t WS = int64_t(W) * S;
-  for (int32_t e = 0; e <= E; ++e) v.rep_begin[e] = 0;
-  fixed = 0;
-  total = 0;
-  for (int32_t r = 0; r < W; ++r) {
-    int32_t f = 0;
+  int32_t* cursor = v.height;     // [E]
+  int32_t* list = v.height + E;   // [NX] keys of the experts with replicas, any order
+  for (int32_t e = g.lane(); e <= E; e += g.width()) v.rep_begin[e] = 0;
+  for (int32_t r = g.lane(); r < W; r += g.width()) v.duty[r] = 0;
+  if (g.lane() == 0) v.misc[0] = 0;
+  g.sync();
+  int64_t fixed = 0, total = 0;
+  for (int32_t r = g.lane(); r < W; r += g.width()) {
+    int64_t f = 0;
     for (int32_t s = 0; s < S; ++s) {
       const int32_t e = p.slot_src[int64_t(r) * S + s];
       if (e >= 0) {
-        v.rep_begin[e + 1]++;
+        g.add(&v.rep_begin[e + 1], 1);
         ++f;
       }
     }
     fixed = f > fixed ? f : fixed;
     total += f;
   }
-  for (int32_t e = 0; e < E; ++e) v.rep_begin[e + 1] += v.rep_begin[e];
-  // fill rep (slot id ascending within an expert), using order[] as the cursor
-  for (int32_t e = 0; e < E; ++e) v.order[e] = v.rep_begin[e];
-  for (int64_t id = 0; id < WS; ++id) {
+  Prepared pr{};
+  pr.fixed = static_cast<int32_t>(g.max(fixed));  // the reductions' barriers order the counts before the scan
+  pr.total = g.sum(total);
+  scan_inclusive(v.rep_begin + 1, E, g);
+  for (int32_t e = g.lane(); e < E; e += g.width()) {
+    cursor[e] = v.rep_begin[e];
+    const int32_t n = v.rep_begin[e + 1] - v.rep_begin[e];
+    if (n > 0) {
+      g.add(&v.duty[p.home_of[e]], 1);
+      list[g.add(&v.misc[0], 1)] = ((W - n) << 16) | e;  // (replicas desc, id asc): W - n < 2^15, e < 2^16
+    }
+  }
+  g.sync();
+  for (int64_t id = g.lane(); id < WS; id += g.width()) {
     const int32_t e = p.slot_src[id];
-    if (e >= 0) v.rep[v.order[e]++] = static_cast<int32_t>(id);
+    if (e >= 0) v.rep[g.add(&cursor[e], 1)] = static_cast<int32_t>(id);
   }
-  // experts by (replicas desc, id asc): counting sort on W - replicas
-  for (int32_t i = 0; i < W + 2; ++i) v.cnt[i] = 0;
-  for (int32_t e = 0; e < E; ++e) v.cnt[W - (v.rep_begin[e + 1] - v.rep_begin[e]) + 1]++;
-  for (int32_t i = 0; i < W + 1; ++i) v.cnt[i + 1] += v.cnt[i];
-  for (int32_t e = 0; e < E; ++e) v.order[v.cnt[W - (v.rep_begin[e + 1] - v.rep_begin[e])]++] = e;
-  int32_t once = 0;
-  for (int32_t r = 0; r < W; ++r) v.duty[r] = 0;
-  for (int32_t e = 0; e < E; ++e)
-    if (v.rep_begin[e + 1] > v.rep_begin[e]) {
-      const int32_t d = ++v.duty[p.home_of[e]];
-      once = d > once ? d : once;
-    }
-  int64_t l0 = fixed > once ? fixed : once;
-  const int64_t avg = (total + W - 1) / W;
-  return static_cast<int32_t>(l0 > avg ? l0 : avg);
-}
-
-// ---------------------------------------------------------------- one candidate tree
-
-// Hangs targets[0, n) (sorted by the caller) under senders[0, ns) breadth first; a sender is a
-// slot id (or -1 - home for a master).  Targets become senders themselves, except those in
-// [gw_lo, gw_hi) (gateways: they must not feed their home's node).  Returns the new sender
-// count, or -1 if some target finds no sender with capacity within depth D.
-UC_INLINE int32_t hang(const Problem& p, const View& v, int32_t* t, int64_t WS, int32_t ns, int32_t n,
-                       int32_t gw_lo, int32_t gw_hi, int32_t D) {
-  const int32_t S = p.slots;
-  int32_t at = 0;  // the shallowest sender that may still have capacity (senders only fill up)
-  for (int32_t i = 0; i < n; ++i) {
-    const int32_t id = v.targets[i];
-    bool found = false;
-    int32_t snd = 0, srank = 0, sdepth = 0;
-    while (at < ns) {
-      snd = v.senders[at];
-      srank = snd < 0 ? -1 - snd : snd / S;
-      sdepth = snd < 0 ? 0 : t[2 * WS + snd];
-      if (v.rem[srank] > 0) {
-        found = true;
-        break;
-      }
-      ++at;
-    }
-    if (!found || sdepth + 1 > D) return -1;
-    v.rem[srank]--;
-    t[id] = srank;
-    t[WS + id] = snd < 0 ? kMaster : snd % S;
-    t[2 * WS + id] = sdepth + 1;
-    if (i < gw_lo || i >= gw_hi) v.senders[ns++] = id;
+  int64_t once = 0;
+  for (int32_t r = g.lane(); r < W; r += g.width()) once = v.duty[r] > once ? v.duty[r] : once;
+  pr.once = static_cast<int32_t>(g.max(once));
+  pr.nx = v.misc[0];
+  for (int32_t i = g.lane(); i < pr.nx; i += g.width()) {  // rank by counting: keys are distinct
+    const int32_t x = list[i];
+    int32_t pos = 0;
+    for (int32_t j = 0; j < pr.nx; ++j) pos += list[j] < x ? 1 : 0;
+    v.order[pos] = x & 0xffff;
   }
-  return ns;
-}
-
-// Sorts targets[0, n) by (spare capacity of the rank desc, slot id asc); insertion sort.
-UC_INLINE void sort_targets(const Problem& p, const View& v, int32_t n, int32_t first) {
-  const int32_t S = p.slots;
-  for (int32_t i = first + 1; i < n; ++i) {
-    const int32_t x = v.targets[i];
-    const int32_t rx = v.rem[x / S];
-    int32_t j = i - 1;
-    while (j >= first) {
-      const int32_t y = v.targets[j];
-      const int32_t ry = v.rem[y / S];
-      if (ry > rx || (ry == rx && y < x)) break;
-      v.targets[j + 1] = y;
-      --j;
-    }
-    v.targets[j + 1] = x;
-  }
-}
-
-// Builds the tree of capacity L, depth limit D into tree[0]; false if it does not exist this way.
-UC_INLINE bool build_tree(const Problem& p, const View& v, int32_t L, int32_t D, bool topo) {
-  const int32_t W = p.world, S = p.slots, E = p.num_experts;
-  const int64_t WS = int64_t(W) * S;
-  int32_t* t = tree_of(v.trees, WS, 0);
-  for (int64_t id = 0; id < WS; ++id) {
-    t[id] = -1;
-    t[WS + id] = -1;
-    t[2 * WS + id] = 0;
-  }
-  for (int32_t r = 0; r < W; ++r) {
-    v.rem[r] = L - v.duty[r];
-    if (v.rem[r] < 0) return false;
-  }
-  for (int32_t r = 0; r < W; ++r) v.gateway[r] = -1;
-  for (int32_t k = 0; k < E; ++k) {
-    const int32_t e = v.order[k];
-    const int32_t b = v.rep_begin[e], n = v.rep_begin[e + 1] - b;
-    if (n == 0) break;  // the rest have no replicas either
-    const int32_t h = p.home_of[e];
-    v.rem[h]++;  // the duty kept for this expert
-    v.senders[0] = -1 - h;
-    if (!topo) {
-      for (int32_t i = 0; i < n; ++i) v.targets[i] = v.rep[b + i];
-      sort_targets(p, v, n, 0);
-      if (hang(p, v, t, WS, 1, n, 0, 0, D) < 0) return false;
-      continue;
-    }
-    // gateways: per remote node its replica with the most spare capacity (then lowest id)
-    const int32_t hn = p.node_of[h];
-    int32_t m = 0;
-    for (int32_t i = 0; i < n; ++i) {
-      const int32_t id = v.rep[b + i], nd = p.node_of[id / S];
-      if (nd == hn) {
-        v.targets[m++] = id;
-        continue;
-      }
-      const int32_t g = v.gateway[nd];
-      if (g < 0 || v.rem[id / S] > v.rem[g / S]) v.gateway[nd] = id;
-    }
-    // gateways first (they lead deeper subtrees), each group sorted by spare capacity
-    int32_t ng = 0;
-    for (int32_t i = 0; i < n; ++i) {
-      const int32_t id = v.rep[b + i];
-      if (v.gateway[p.node_of[id / S]] == id) {
-        // shift the home-node targets right by one to keep gateways in front
-        for (int32_t j = m + ng; j > ng; --j) v.targets[j] = v.targets[j - 1];
-        v.targets[ng++] = id;
-      }
-    }
-    sort_targets(p, v, ng, 0);
-    sort_targets(p, v, m + ng, ng);
-    // gateways first; if that fails, the home node's replicas first (gateways may then hang
-    // below them)
-    bool ok = hang(p, v, t, WS, 1, m + ng, 0, ng, D) >= 0;
-    if (!ok && ng > 0 && m > 0) {
-      for (int32_t i = 0; i < m + ng; ++i) {  // undo: free the capacity the edges took
-        const int32_t id = v.targets[i];
-        if (t[id] >= 0) v.rem[t[id]]++;
-        t[id] = -1;
-        t[WS + id] = -1;
-        t[2 * WS + id] = 0;
-      }
-      for (int32_t i = 0; i < m + ng; ++i) v.senders[i] = v.targets[i];  // rotate gateways to the end
-      for (int32_t i = 0; i < m + ng; ++i) v.targets[i] = v.senders[i < m ? ng + i : i - m];
-      v.senders[0] = -1 - h;
-      ok = hang(p, v, t, WS, 1, m + ng, m, m + ng, D) >= 0;
-    }
-    if (!ok) return false;
-    // each remote node: the rest of its replicas under its gateway's subtree
-    for (int32_t i = 0; i < n; ++i) {
-      const int32_t gid = v.rep[b + i], nd = p.node_of[gid / S];
-      if (v.gateway[nd] != gid) continue;
-      int32_t c = 0;
-      for (int32_t j = 0; j < n; ++j) {
-        const int32_t id = v.rep[b + j];
-        if (id != gid && p.node_of[id / S] == nd) v.targets[c++] = id;
-      }
-      sort_targets(p, v, c, 0);
-      v.senders[0] = gid;
-      if (hang(p, v, t, WS, 1, c, 0, 0, D) < 0) return false;
-    }
-    for (int32_t i = 0; i < n; ++i) v.gateway[p.node_of[v.rep[b + i] / S]] = -1;
-  }
-  return true;
+  g.sync();
+  const int64_t l0 = pr.fixed > pr.once ? pr.fixed : pr.once;
+  const int64_t avg = (pr.total + W - 1) / W;
+  pr.l0 = static_cast<int32_t>(l0 > avg ? l0 : avg);
+  return pr;
 }
 
 UC_INLINE uint64_t op_cost(uint64_t bytes, uint64_t chunk, uint64_t hop, int32_t k, int32_t fixed, int32_t depth) {
@@ -354,169 +390,147 @@ UC_INLINE uint64_t op_cost(uint64_t bytes, uint64_t chunk, uint64_t hop, int32_t
   return uint64_t(k > fixed ? k : fixed) * bytes + uint64_t(depth) * (c + hop);
 }
 
-// ---------------------------------------------------------------- task lists
+}  // namespace ultracomm::psched
 
-UC_INLINE uint64_t fnv_word(uint64_t h, uint32_t w) { return (h ^ w) * 0x100000001b3ULL; }
-UC_INLINE uint64_t fnv_u64(uint64_t h, uint64_t x) { return fnv_word(fnv_word(h, uint32_t(x)), uint32_t(x >> 32)); }
+#include "ultracomm/sched_tree.h"
+#include "ultracomm/sched_write.h"
 
-// Writes rank p.rank's lists of one op from tree `tr` (parent_rank, parent_slot, depth).
-UC_INLINE int32_t write_op(const Problem& p, const View& v, const int32_t* tb, bool mc, int32_t maxd,
-                           const OpOut& out, int64_t& ntasks, int64_t& nrefs) {
-  const int32_t W = p.world, S = p.slots, E = p.num_experts, r = p.rank;
-  const int64_t WS = int64_t(W) * S;
-  const int32_t* pr = tb;
-  const int32_t* ps = tb + WS;
-  const int32_t* dp = tb + 2 * WS;
-  const uint64_t bytes = mc ? p.weight_bytes : p.grad_bytes;
-  const int64_t chunks = chunks_of(bytes, p.chunk_bytes);
-  for (int64_t id = 0; id < WS; ++id) v.kids[id] = 0;
-  for (int64_t id = 0; id < WS; ++id)
-    if (pr[id] >= 0 && ps[id] != kMaster) v.kids[int64_t(pr[id]) * S + ps[id]]++;
-  // reduce: heights, deepest slots first (slots then masters in height[])
-  if (!mc) {
-    for (int64_t i = 0; i < WS + E; ++i) v.height[i] = 0;
-    for (int32_t d = maxd; d >= 1; --d)
-      for (int64_t id = 0; id < WS; ++id) {
-        if (dp[id] != d) continue;
-        const int64_t pn = ps[id] == kMaster ? WS + p.slot_src[id] : int64_t(pr[id]) * S + ps[id];
-        const int32_t hh = v.height[id] + 1;
-        if (v.height[pn] < hh) v.height[pn] = hh;
+namespace ultracomm::psched {
+
+// ---------------------------------------------------------------- the candidate search
+
+// Capacity of candidate i: L0, L0 + 1, L0 + 2, L0 + 4, ..., at most lmax.
+UC_INLINE int64_t candidate_cap(int64_t l0, int64_t lmax, int64_t i) {
+  const int64_t L = i == 0 ? l0 : l0 + (int64_t(1) << (i - 1 < 62 ? i - 1 : 62));
+  return L > lmax ? lmax : L;
+}
+
+struct Search {
+  int32_t fixed, least, nx;
+  int64_t l0, lmax;
+  bool topo;
+};
+
+// Rounds of `warps` candidates, one per warp; after each round every lane replays the
+// one-thread order over its candidates (so `res` and the chosen trees are the one-thread
+// builder's) and the round's winners are copied to chosen(v, op).
+template <class G>
+UC_INLINE void search(const Problem& p, const View& v, const Search& sc, Result& res, const G& g) {
+  const int64_t WS = int64_t(p.world) * p.slots;
+  int64_t last = 0;  // the candidate at lmax ends the sequence
+  while (candidate_cap(sc.l0, sc.lmax, last) < sc.lmax) ++last;
+  uint64_t best[2] = {~uint64_t(0), ~uint64_t(0)};
+  const int32_t wid = g.warp_id();
+  for (int64_t base = 0;; base += v.warps) {
+    if (wid < v.warps) {
+      const auto s = g.sub();
+      const Work w = work(v, wid);
+      const int64_t i = base + wid;
+      int64_t ok = 0, k = 0, d = 0;
+      if (i <= last) {
+        const int32_t L = static_cast<int32_t>(candidate_cap(sc.l0, sc.lmax, i));
+        ok = build_tree(p, v, w, L, p.max_depth, sc.topo, sc.nx, s) ? 1 : 0;
+        if (ok) {
+          for (int32_t r = s.lane(); r < p.world; r += s.width()) k = L - w.rem[r] > k ? L - w.rem[r] : k;
+          for (int64_t id = s.lane(); id < WS; id += s.width()) d = w.tree[2 * WS + id] > d ? w.tree[2 * WS + id] : d;
+          k = s.max(k);
+          d = s.max(d);
+        }
       }
-  }
-  // this rank's senders: key = level (16) | expert (31) | slot + 1 (17), as the host builder
-  int32_t nk = 0;
-  for (int32_t e = 0; e < E; ++e)
-    if (p.home_of[e] == r && v.rep_begin[e + 1] > v.rep_begin[e])
-      v.keys[nk++] = (uint64_t(mc ? 0 : v.height[WS + e]) << 48) | (uint64_t(e) << 17);
-  for (int32_t s = 0; s < S; ++s) {
-    const int64_t id = int64_t(r) * S + s;
-    if (v.kids[id] > 0)
-      v.keys[nk++] = (uint64_t(mc ? dp[id] : v.height[id]) << 48) | (uint64_t(p.slot_src[id]) << 17) |
-                     uint64_t(s + 1);
-  }
-  for (int32_t i = 1; i < nk; ++i) {
-    const uint64_t x = v.keys[i];
-    int32_t j = i - 1;
-    while (j >= 0 && v.keys[j] > x) {
-      v.keys[j + 1] = v.keys[j];
-      --j;
+      if (s.lane() == 0) {
+        w.words[4] = static_cast<int32_t>(ok);
+        w.words[5] = static_cast<int32_t>(k);
+        w.words[6] = static_cast<int32_t>(d);
+      }
     }
-    v.keys[j + 1] = x;
-  }
-  ntasks = int64_t(nk) * chunks;
-  nrefs = 0;
-  if (chunks == 0) return kOk;  // nothing moves: no tasks and no refs (as the host builder)
-  if (ntasks > out.task_cap) return kOverflow;
-  for (int32_t k = 0; k < nk; ++k) {
-    const int32_t slot = int32_t(v.keys[k] & 0x1ffff) - 1;
-    const int32_t e = int32_t((v.keys[k] >> 17) & 0x7fffffff);
-    const int64_t rb = nrefs;
-    // refs: the sender's children by slot id = (rank, slot), once for all its chunks
-    for (int64_t id = 0; id < WS; ++id) {
-      if (p.slot_src[id] != e || pr[id] != r || ps[id] != slot) continue;
-      if (nrefs >= out.ref_cap) return kOverflow;
-      out.refs[nrefs++] = Ref{static_cast<int32_t>(id / S), static_cast<int32_t>(id % S)};
+    g.sync();
+    bool stop = false;
+    int32_t take[2] = {-1, -1};
+    for (int32_t j = 0; j < v.warps && !stop; ++j) {
+      const int64_t i = base + j;
+      if (i > last) break;
+      res.candidates = static_cast<int32_t>(i + 1);
+      const Work w = work(v, j);
+      if (w.words[4]) {
+        const int32_t k = w.words[5], d = w.words[6];
+        UC_UNROLL
+        for (int32_t op = 0; op < 2; ++op) {
+          const uint64_t c = op_cost(op == 0 ? p.weight_bytes : p.grad_bytes, p.chunk_bytes, p.hop_bytes, k, sc.fixed, d);
+          if (c < best[op]) {
+            best[op] = c;
+            res.cap[op] = static_cast<int32_t>(candidate_cap(sc.l0, sc.lmax, i));
+            res.busiest[op] = k;
+            res.depth[op] = d;
+            take[op] = j;
+          }
+        }
+        if (d <= sc.least) stop = true;  // a larger L cannot lower the depth, and only adds link time
+      }
+      if (i >= last) stop = true;
     }
-    for (int64_t c = 0; c < chunks; ++c) {
-      Task& tk = out.tasks[c * nk + k];
-      tk = Task{};
-      tk.kind = static_cast<uint8_t>(mc ? TaskKind::kCopy : TaskKind::kReduce);
-      tk.level = static_cast<uint16_t>(v.keys[k] >> 48);
-      tk.expert = e;
-      tk.chunk = static_cast<int32_t>(c);
-      tk.ref_begin = static_cast<int32_t>(rb);
-      tk.ref_count = static_cast<int32_t>(nrefs - rb);
-      tk.offset = uint64_t(c) * p.chunk_bytes;
-      const uint64_t rest = bytes - tk.offset;
-      tk.bytes = rest < p.chunk_bytes ? rest : p.chunk_bytes;
-      tk.self = Ref{r, slot};
+    stop = stop || base + v.warps > last;
+    UC_UNROLL
+    for (int32_t op = 0; op < 2; ++op) {
+      if (take[op] < 0) continue;
+      const int32_t* from = work(v, take[op]).tree;
+      int32_t* to = chosen(v, op);
+      for (int64_t x = g.lane(); x < 3 * WS; x += g.width()) to[x] = from[x];
     }
+    g.sync();  // the copies are done before the next round rebuilds the warps' trees
+    if (stop) break;
   }
-  return kOk;
 }
 
 // ---------------------------------------------------------------- the build
 
-UC_INLINE void copy_tree(const Problem& p, const View& v, int32_t to) {
-  const int64_t WS = int64_t(p.world) * p.slots;
-  const int32_t* from = tree_of(v.trees, WS, 0);
-  int32_t* dst = tree_of(v.trees, WS, to);
-  for (int64_t i = 0; i < 3 * WS; ++i) dst[i] = from[i];
-}
-
-// One thread builds everything (the device kernel runs it on one lane: the builder is a short
-// sequential pass over W * S slots per candidate).
-UC_INLINE Result build(const Problem& p, int64_t* scratch, const OpOut& mc_out, const OpOut& rd_out) {
+// The whole build on block g (every lane calls it and gets the same Result).  scratch:
+// scratch_words(W, S, E, warps) words; `warps` > 0 caps the candidate warps (the kernel's
+// launch_shape), 0 takes all of g's (at most kMaxWarps).  On kOk the chosen trees are
+// chosen(view(scratch, W, S, E, candidate_warps(g, warps)), op).
+template <class G>
+UC_INLINE Result build(const Problem& p0, int64_t* scratch, const OpOut& mc_out, const OpOut& rd_out, const G& g,
+                       int32_t warps = 0) {
   Result res{};
-  res.status = check_problem(p);
+  res.status = check_shape(p0);
   if (res.status != kOk) return res;
-  const int32_t W = p.world, S = p.slots, E = p.num_experts;
+  const int32_t W = p0.world, S = p0.slots, E = p0.num_experts;
   const int64_t WS = int64_t(W) * S;
-  const View v = view(scratch, W, S, E);
-  int32_t fixed = 0;
-  int64_t total = 0;
-  const int32_t l0 = prepare(p, v, fixed, total);
-  res.lower_bound = l0;
-  bool multi = false;
-  for (int32_t r = 1; p.node_of && r < W; ++r) multi = multi || p.node_of[r] != p.node_of[0];
-  const bool topo = multi && p.max_depth >= 2;
+  const View v = view(scratch, W, S, E, candidate_warps(g, warps));
+  const Problem p = stage(p0, v, g);
+  res.status = check_plan(p, g);
+  if (res.status != kOk) return res;
+  const Prepared pr = prepare(p, v, g);
+  res.lower_bound = pr.l0;
+  int64_t multi = 0;
+  for (int32_t r = g.lane(); p.node_of && r < W; r += g.width()) multi |= p.node_of[r] != p.node_of[0] ? 1 : 0;
+  const bool topo = g.max(multi) != 0 && p.max_depth >= 2;
   // least depth any tree can have: 1, or 2 when an expert has a replica off its home's node
-  int32_t least = total > 0 ? 1 : 0;
-  for (int64_t id = 0; topo && id < WS; ++id) {
+  int64_t least = pr.total > 0 ? 1 : 0;
+  for (int64_t id = g.lane(); topo && id < WS; id += g.width()) {
     const int32_t e = p.slot_src[id];
     if (e >= 0 && p.node_of[id / S] != p.node_of[p.home_of[e]]) least = 2;
   }
-  int32_t maxduty = 0;
-  for (int32_t r = 0; r < W; ++r) maxduty = v.duty[r] > maxduty ? v.duty[r] : maxduty;
-  const int64_t lmax = total + maxduty;  // always succeeds: every home can take all its replicas
-  uint64_t best[2] = {~uint64_t(0), ~uint64_t(0)};
-  int64_t step = 0;
-  for (int64_t L = l0;; L = l0 + step) {
-    if (L > lmax) L = lmax;
-    res.candidates++;
-    if (build_tree(p, v, static_cast<int32_t>(L), p.max_depth, topo)) {
-      int32_t k = 0, d = 0;
-      for (int32_t r = 0; r < W; ++r) k = int32_t(L) - v.rem[r] > k ? int32_t(L) - v.rem[r] : k;
-      for (int64_t id = 0; id < WS; ++id) d = v.trees[2 * WS + id] > d ? v.trees[2 * WS + id] : d;
-      UC_UNROLL
-      for (int32_t op = 0; op < 2; ++op) {
-        const uint64_t c = op_cost(op == 0 ? p.weight_bytes : p.grad_bytes, p.chunk_bytes, p.hop_bytes, k, fixed, d);
-        if (c < best[op]) {
-          best[op] = c;
-          res.cap[op] = static_cast<int32_t>(L);
-          res.busiest[op] = k;
-          res.depth[op] = d;
-          copy_tree(p, v, 1 + op);
-        }
-      }
-      if (d <= least) break;  // a larger L cannot lower the depth, and only adds link time
-    }
-    if (L >= lmax) break;
-    step = step == 0 ? 1 : 2 * step;
-  }
-  res.status = write_op(p, v, tree_of(v.trees, WS, 1), true, res.depth[0], mc_out, res.num_tasks[0], res.num_refs[0]);
+  Search sc{};
+  sc.fixed = pr.fixed;
+  sc.least = static_cast<int32_t>(g.max(least));
+  sc.nx = pr.nx;
+  sc.l0 = pr.l0;
+  sc.lmax = pr.total + pr.once;  // always succeeds: every home can take all its replicas
+  sc.topo = topo;
+  search(p, v, sc, res, g);
+  res.status = write_op(p, v, 0, res.depth[0], mc_out, res.num_tasks[0], res.num_refs[0], g);
   if (res.status != kOk) return res;
-  res.status = write_op(p, v, tree_of(v.trees, WS, 2), false, res.depth[1], rd_out, res.num_tasks[1], res.num_refs[1]);
+  res.status = write_op(p, v, 1, res.depth[1], rd_out, res.num_tasks[1], res.num_refs[1], g);
   if (res.status != kOk) return res;
-  uint64_t h = 0xcbf29ce484222325ULL;
-  h = fnv_word(h, kDigestTag);
-  h = fnv_u64(h, uint64_t(W));
-  h = fnv_u64(h, uint64_t(S));
-  h = fnv_u64(h, uint64_t(E));
-  h = fnv_u64(h, p.weight_bytes);
-  h = fnv_u64(h, p.grad_bytes);
-  h = fnv_u64(h, p.chunk_bytes);
-  h = fnv_u64(h, p.hop_bytes);
-  h = fnv_u64(h, uint64_t(p.max_depth));
-  for (int64_t id = 0; id < WS; ++id) h = fnv_word(h, uint32_t(p.slot_src[id]));
-  for (int32_t e = 0; e < E; ++e) h = fnv_word(h, uint32_t(p.home_of[e]));
-  for (int32_t r = 0; r < W; ++r) h = fnv_word(h, uint32_t(p.node_of ? p.node_of[r] : 0));
-  for (int32_t op = 1; op <= 2; ++op) {  // parent_rank and parent_slot of both chosen trees
-    const int32_t* tb = tree_of(v.trees, WS, op);
-    for (int64_t i = 0; i < 2 * WS; ++i) h = fnv_word(h, uint32_t(tb[i]));
-  }
-  res.digest = h;
+  if (g.lane() == 0) v.block[0] = static_cast<int64_t>(digest(p, v));
+  g.sync();
+  res.digest = static_cast<uint64_t>(v.block[0]);
   return res;
+}
+
+// The one-lane build (the host's default).
+UC_INLINE Result build(const Problem& p, int64_t* scratch, const OpOut& mc_out, const OpOut& rd_out) {
+  return build(p, scratch, mc_out, rd_out, SerialGroup{});
 }
 
 }  // namespace ultracomm::psched

@@ -8,7 +8,9 @@
 // (PlanArena::write_template).  Its arrays are at capacity: `tasks` holds task_cap Tasks,
 // `refs` ref_cap Refs, `my_slots` and `slot_parent` the layout's slots.  This file writes the
 // rest, per op: the task and ref lists, my_slots (the plan's row of this rank), slot_parent
-// (each own slot's parent rank in that op's tree), num_tasks, num_refs and the digest.
+// (each own slot's parent rank in that op's tree), num_tasks, num_refs and the digest.  Like the
+// builder it runs on a lane group (sched_group.h): the kernel's CTA, one host lane, or host
+// threads in tests; every lane calls it and gets the same Result.
 //
 // A build that fails (a plan the builder refuses, lists beyond the capacities) writes no task
 // and the rejected digest: the rank publishes a rejection at its join, so peers raise PlanError
@@ -53,11 +55,12 @@ struct BuildReport {
   uint64_t failed_seq;
 };
 
-// One thread.  views[0]: the multicast view, views[1]: the reduce view (this rank's entry of
-// each area).  Scratch: scratch_words(world, slots, experts) int64 words.
-// upstream: 0, or kExchangeFailed / kPlanFailed (then nothing is built).
+// On block g (every lane).  views[0]: the multicast view, views[1]: the reduce view (this rank's
+// entry of each area).  Scratch: scratch_words(world, slots, experts, warps) int64 words (warps as
+// build()).  upstream: 0, or kExchangeFailed / kPlanFailed (then nothing is built).
+template <class G>
 UC_INLINE Result build_into_views(const Problem& p, int64_t* scratch, ExecView* const views[2], const SlotCaps& caps,
-                                  int32_t upstream = 0) {
+                                  int32_t upstream, const G& g, int32_t warps = 0) {
   // the view's shape must be the problem's: a template of another Context never gets a list
   bool fits = true;
   UC_UNROLL
@@ -69,33 +72,41 @@ UC_INLINE Result build_into_views(const Problem& p, int64_t* scratch, ExecView* 
   } else if (!fits) {
     res.status = kBadShape;
   } else {
-    OpOut out[2];
-    UC_UNROLL
-    for (int op = 0; op < 2; ++op)
-      out[op] = OpOut{const_cast<Task*>(views[op]->tasks), caps.task_cap[op], const_cast<Ref*>(views[op]->refs),
-                      caps.ref_cap[op]};
-    res = build(p, scratch, out[0], out[1]);
+    const OpOut mc{const_cast<Task*>(views[0]->tasks), caps.task_cap[0], const_cast<Ref*>(views[0]->refs),
+                   caps.ref_cap[0]};
+    const OpOut rd{const_cast<Task*>(views[1]->tasks), caps.task_cap[1], const_cast<Ref*>(views[1]->refs),
+                   caps.ref_cap[1]};
+    res = build(p, scratch, mc, rd, g, warps);
   }
   const int64_t S = p.slots;
-  const int64_t WS = int64_t(p.world) * S;
   UC_UNROLL
   for (int op = 0; op < 2; ++op) {
     ExecView* v = views[op];
     int32_t* my = const_cast<int32_t*>(v->my_slots);
     int32_t* parent = const_cast<int32_t*>(v->slot_parent);
-    const int32_t* pr = res.status == kOk ? tree_of(view(scratch, p.world, p.slots, p.num_experts).trees, WS, 1 + op)
-                                          : nullptr;
+    const int32_t* pr =
+        res.status == kOk ? chosen(view(scratch, p.world, p.slots, p.num_experts, candidate_warps(g, warps)), op)
+                          : nullptr;
     // the view's own slots (a failed build clears them: the rank's drain then waits on nothing)
     const int64_t n = v->layout.slots < S ? v->layout.slots : S;
-    for (int64_t s = 0; s < n; ++s) {
+    for (int64_t s = g.lane(); s < n; s += g.width()) {
       my[s] = res.status == kOk ? p.slot_src[int64_t(p.rank) * S + s] : -1;
       if (parent != nullptr) parent[s] = pr != nullptr ? pr[int64_t(p.rank) * S + s] : -1;
     }
-    v->num_tasks = res.status == kOk ? res.num_tasks[op] : 0;
-    v->num_refs = res.status == kOk ? res.num_refs[op] : 0;
-    v->digest = res.status == kOk ? res.digest : kRejectedDigest;
+    if (g.lane() == 0) {
+      v->num_tasks = res.status == kOk ? res.num_tasks[op] : 0;
+      v->num_refs = res.status == kOk ? res.num_refs[op] : 0;
+      v->digest = res.status == kOk ? res.digest : kRejectedDigest;
+    }
   }
+  g.sync();  // every view write is done before the caller reports the build
   return res;
+}
+
+// The one-lane build (the host's default).
+UC_INLINE Result build_into_views(const Problem& p, int64_t* scratch, ExecView* const views[2], const SlotCaps& caps,
+                                  int32_t upstream = 0) {
+  return build_into_views(p, scratch, views, caps, upstream, SerialGroup{});
 }
 
 }  // namespace ultracomm::psched

@@ -191,15 +191,17 @@ def test_a_cross_domain_peer_that_never_runs_is_named():
     res = LoopbackDomain(world).run(body)
     assert res[1] == (None, 0.0) and res[2] == (None, 0.0)
     msg, elapsed = res[0]
-    assert msg is not None and 0.5 <= elapsed < 5, (msg, elapsed)
+    assert msg is not None and 0.5 <= elapsed < 6, (msg, elapsed)  # the timeout, then the grace (ultracomm.blame)
     bridge = ("ultracomm: rank 0 weight_sync (epoch 1, transport split, bridge) gave up after waiting up to 0.5 s to "
               "receive the header of rank 2 (its join: it never started this op) (timeout ULTRACOMM_TIMEOUT_S=0.5); "
-              "rank 2 is likely stalled or dead")
+              "the peer, rank 2, did not complete it")
     # or the interpreter's own wait on its shadow of rank 2's ready flag, whichever expires first
     interp = ("ultracomm: rank 0 weight_sync (multicast) epoch 1 timed out after 0.5 s waiting for rank 2 to join the "
               "operation (ready flag) before sending expert 0 chunk ")
     assert msg.startswith(bridge) or (msg.startswith(interp) and "rank 2 has not started this operation (its ready "
-                                      "flag is at epoch 0): it is likely the stalled or dead rank" in msg), msg
+                                      "flag is at epoch 0)" in msg), msg
+    # rank 2 is in another memory domain (no heartbeat to read) and publishes no failure: silent past the grace
+    assert "by evidence, stopped: ranks [2] (rank 2: awaited, silent for the timeout" in msg, msg
 
 
 @pytest.mark.parametrize("domain,error,match", [

@@ -103,11 +103,14 @@ class Comm(abc.ABC):
             missing = [] if arrived else [r for r, here in enumerate(board.present(keys)) if not here]
             if missing:
                 board.post(keys[self.rank], (_GAVE_UP, op, what, None))
+                witness = getattr(self, "witness", None)
+                # who stopped: by evidence where the Context has a witness (ultracomm.blame), else a guess
+                why = ("they are likely stalled or dead, or called a different operation" if witness is None else
+                       witness.explain(witness.epoch(), f"{op} ({what}) timed out", missing))
                 raise UltracommTimeout(
                     f"ultracomm: {where} timed out after {self.timeout_s:g} s: ranks {missing} did not arrive "
-                    f"(timeout ULTRACOMM_TIMEOUT_S={self.timeout_s:g}); they are likely stalled or dead, or "
-                    "called a different operation: every rank must call the same collective operations in "
-                    "the same order")
+                    f"(timeout ULTRACOMM_TIMEOUT_S={self.timeout_s:g}); {why}: every rank must call the same "
+                    "collective operations in the same order")
             entries = board.read(keys)
             if seq > 0:  # every rank has posted `seq`, so every rank has read `seq - 1`
                 board.remove(f"ultracomm/{seq - 1}/{self.rank}")

@@ -36,6 +36,7 @@ from . import _core
 from .cuda import stream_ordered
 from .dataplane import domains
 from .alpha_beta import COSTS, choose_schedule, split_chunk_bytes
+from .blame import Witness
 from .comm import as_comm, require_same
 from .dataplane import check_master_devices, device_type, is_stream_ordered, select, transport_kwargs
 from .env import Config, check_window_layout
@@ -65,10 +66,12 @@ MAX_MICROBATCHES = 1 << 16
 _KEPT_WINDOWS: list = []  # windows that stay mapped for the life of the process (see _release)
 
 
-def _release(runner: OrderedRunner, window: Any, streams: Any) -> None:
+def _release(runner: OrderedRunner, window: Any, streams: Any, witness: Any = None) -> None:
     """Stop ``runner`` (after its queue), let queued kernels finish (stream-ordered transports) and
     unmap ``window``: close(), or a dropped Context's finaliser."""
     runner.close()
+    if witness is not None:  # its heartbeat writes into the window: stopped before the window is unmapped
+        witness.detach()
     keep = False
     try:
         if streams is not None:
@@ -154,6 +157,8 @@ class Context:
         cfg = getattr(self, "config", None) or (config if isinstance(config, Config) else Config())
         timeout_s = cfg.timeout_s
         self.comm = comm.with_timeout(timeout_s)
+        # blame by evidence (ultracomm.blame): this Context's failures published, its peers' state read
+        self._witness = self.comm.witness = Witness(self.comm, self.rank, self.world, timeout_s)
 
         def local_check() -> tuple:
             if error is not None:
@@ -183,9 +188,11 @@ class Context:
                     check_window_layout(self.wlayout)
         self.window = open_window(self._provider, self.comm, self.wlayout["total_bytes"], op="Context setup",
                                   device=self._cuda_dev, reach=reach)
+        self._witness.attach_window(self.window, self.wlayout)
         try:
             self.comm.agree(self._attach, op="Context setup", what="transport and buffers")
         except BaseException:
+            self._witness.detach()
             self.window.close()
             raise
         self._masters: list[Masters | None] = [None] * num_layers
@@ -205,7 +212,9 @@ class Context:
         self._runner = OrderedRunner(f"ultracomm-rank{self.rank}")
         # a Context dropped without close() still stops its thread and unmaps its window; the
         # runner holds no reference to the Context while idle, so dropping it frees it
-        self._finalizer = weakref.finalize(self, _release, self._runner, self.window, self._streams)
+        me = weakref.ref(self)
+        self._witness.epoch_fn = lambda: getattr(me(), "_epoch", 0)
+        self._finalizer = weakref.finalize(self, _release, self._runner, self.window, self._streams, self._witness)
 
     def _configure(self, comm: Any, layout: ExpertLayout, experts_per_rank: int, slots_per_rank: int, num_layers: int,
                    max_microbatches: int, transport: str | None, window: str | None, device: Any,
@@ -288,6 +297,8 @@ class Context:
         #: CTAs per rank the GPU transport was given (``{}`` for the host transport)
         self.sm_counts = {k: kw[f"{k}_sms"] for k in ("multicast", "reduce") if f"{k}_sms" in kw}
         self.transport = self._transport_cls(**kw)
+        if hasattr(self.transport, "witness"):  # host, p2p, split: their timeouts name ranks by evidence
+            self.transport.witness = self._witness
         # transports with a plan arena take the vid's slot: restore / grad_reduce reuse its plan
         self._slot_kw = "slot" in inspect.signature(self.transport.run).parameters
         self._streams: stream_ordered.StreamOrdered | None = None
@@ -562,6 +573,7 @@ class Context:
 
     def _fail(self, error: BaseException) -> None:
         """Remember the first failure: later operations are refused (ranks' epochs no longer line up)."""
+        self._witness.publish_once(self._epoch, f"{type(error).__name__}")
         if self._broken is None:
             self._broken = f"{type(error).__name__}: {error}"
             self._broken_by = error
@@ -636,6 +648,7 @@ class Context:
                     after()
             except BaseException as e:
                 self._broken, self._broken_by = f"{type(e).__name__}: {e}", e
+                self._witness.publish_once(epoch, f"{name}: {type(e).__name__}")
                 raise
 
         if self._profiler is not None:  # records the plan, its stats and this op's host time

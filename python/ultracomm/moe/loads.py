@@ -41,11 +41,13 @@ def gather_loads(comm: Comm, counts: torch.Tensor, op: str = "step") -> np.ndarr
     return np.stack(comm.all_gather_object(mine, op=op, what="expert loads")).astype(np.int64)
 
 
-def timeout_text(rank: int, op: str, timeout_s: float, missing: list[int]) -> str:
-    """The error of an exchange whose ``missing`` ranks never posted (both boards say this)."""
+def timeout_text(rank: int, op: str, timeout_s: float, missing: list[int], why: str | None = None) -> str:
+    """The error of an exchange whose ``missing`` ranks never posted (both boards say this);
+    ``why``: the evidence of who stopped (:mod:`ultracomm.blame`), else a guess."""
+    why = why or "they are likely stalled or dead, or called a different operation"
     return (f"ultracomm: rank {rank} {op} (expert loads) timed out after {timeout_s:g} s: ranks {missing} did not "
-            f"post their loads (timeout ULTRACOMM_TIMEOUT_S={timeout_s:g}); they are likely stalled or dead, or called "
-            "a different operation: every rank must call step() for the same layers in the same order")
+            f"post their loads (timeout ULTRACOMM_TIMEOUT_S={timeout_s:g}); {why}: every rank must call step() for "
+            "the same layers in the same order")
 
 
 def mismatch_text(rank: int, op: str, n: int, posted: dict[int, list[int]]) -> str:
@@ -87,6 +89,8 @@ class LoadBoard:
         self.layout = BoardLayout(world, self.E)
         self.timeout_s = float(timeout_s)
         self.seq = 0
+        #: the Context's :class:`ultracomm.blame.Witness` (``for_context`` sets it), or None
+        self.witness = None
 
     @classmethod
     def for_context(cls, ctx: Any) -> "LoadBoard | None":
@@ -98,7 +102,9 @@ class LoadBoard:
 
         nbytes = BoardLayout(ctx.world, ctx.num_experts).total_bytes
         board = open_window(w.provider, ctx.comm, nbytes, op="ReplicaManager setup (load board)")
-        return cls(board, ctx.num_experts, ctx.rank, ctx.world, ctx.config.timeout_s)
+        out = cls(board, ctx.num_experts, ctx.rank, ctx.world, ctx.config.timeout_s)
+        out.witness = getattr(ctx.comm, "witness", None)
+        return out
 
     def gather(self, counts: torch.Tensor, op: str = "step", tag: int = 0) -> np.ndarray:
         """int64 ``[world, E]``: every rank's ``counts``; bounded by the Context's timeout.
@@ -128,7 +134,9 @@ class LoadBoard:
         if posted:  # before the timeout: ranks out of step are the cause where both happen
             raise PlanMismatchError(mismatch_text(self.rank, op, n, posted))
         if missing:
-            raise UltracommTimeout(timeout_text(self.rank, op, self.timeout_s, missing))
+            w = self.witness
+            why = None if w is None else w.explain(w.epoch(), f"{op} (expert loads) timed out", missing)
+            raise UltracommTimeout(timeout_text(self.rank, op, self.timeout_s, missing, why))
         bad = [q for q in range(self.world) if out[q].size and (out[q].min() < 0 or out[q].max() > MAX_COUNT)]
         if bad:  # every sender checked its own counts: what arrived is not what a rank posted
             raise PeerError(f"ultracomm: rank {self.rank} {op} (expert loads): ranks {bad} posted counts outside "

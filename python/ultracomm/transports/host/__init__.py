@@ -9,7 +9,8 @@ import torch
 
 from ... import _core
 from ...records import Op
-from .who_stopped import latest_epochs, stopped_note
+from ...blame import strip_blame
+from .who_stopped import _AWAITED, latest_epochs, stopped_note
 
 GRAD_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -115,6 +116,9 @@ class HostTransport:
         self._weight_members = (list(layout.weight_offsets), list(layout.weight_sizes))
         self._grad_members = (list(layout.grad_offsets), list(layout.grad_sizes))
         self._cache: dict = {}
+        #: the Context's :class:`ultracomm.blame.Witness` (set by the Context): a timeout names
+        #: ranks stopped by evidence; None: the ready flags' note (who_stopped) as before
+        self.witness = None
 
     def _args(self, op: Op, schedule) -> tuple:
         """Per (schedule, op) executor arguments, built once: the schedule cache keeps them warm."""
@@ -154,6 +158,12 @@ class HostTransport:
             self._run_host(op, epoch, tasks, refs, slot_parent, member_off, member_bytes, ptrs, my_slots,
                            local_index_of, op_name, op_digest(schedule.digest, op), abort_word)
         except _core.TimeoutError as e:
+            witness = getattr(self, "witness", None)
+            if witness is not None:  # blame by evidence (ultracomm.blame): heartbeats, failure words, records
+                text = strip_blame(str(e))
+                awaited = [int(r) for r in _AWAITED.findall(text)]
+                why = witness.explain(epoch, f"{op_name or op.name.lower()} timed out", awaited)
+                raise _core.TimeoutError(f"{text}; {why}") from None
             note = self._who_stopped(str(e), epoch)
             if note is None:
                 raise

@@ -28,6 +28,7 @@ operations on that group from another thread while an ultracomm operation is in 
 from __future__ import annotations
 
 import datetime
+import time
 from typing import Any, NoReturn, Sequence
 
 import torch
@@ -36,6 +37,7 @@ from ...alpha_beta import costs_for_backend
 from ...records import MASTER, Op
 from ..segments import ordered_sum
 from ..host import Masters
+from ...errors import UltracommTimeout
 from .messengers import PostError, messenger_for, peer_failure
 from .bound import Bound, BoundWave, bind
 from .waves import Message, Program, build_program, cached_program
@@ -76,6 +78,8 @@ class P2PTransport:
         self._programs: dict[tuple[int, int], Program] = {}
         #: per op, the last (schedule, masters, local index map) run and its binding, compared by identity
         self._last: dict[Op, tuple] = {}
+        #: the Context's :class:`ultracomm.blame.Witness` (set by the Context), or None
+        self.witness = None
 
     # ------------------------------------------------------------------ program and buffers
     def program(self, op: Op, schedule) -> Program:
@@ -137,11 +141,29 @@ class P2PTransport:
             b = self.bound(op, self.program(op, schedule), masters, local_index_of)
             self._last[op] = (schedule, masters, local_index_of, b)
         run = _Run(self, op, b, op_name or op.name.lower(), epoch)
-        if self.device.type == "cuda":
-            with torch.cuda.device(self.device):  # NCCL posts on the current device's streams
+        try:
+            if self.device.type == "cuda":
+                with torch.cuda.device(self.device):  # NCCL posts on the current device's streams
+                    run.execute()
+            else:
                 run.execute()
-        else:
-            run.execute()
+        except UltracommTimeout as e:
+            raise with_evidence(e, self.witness, epoch, run.op_name, run.started) from None
+
+
+def with_evidence(e: BaseException, witness, epoch: int, op_name: str, since: float | None = None) -> BaseException:
+    """``e`` (a message that did not complete: ``peer_failure``'s error, with ``peer`` and
+    ``closed``) with the evidence of who stopped (:mod:`ultracomm.blame`) added; ``e`` itself
+    where there is no witness or it has its evidence already."""
+    peer = getattr(e, "peer", None)
+    if witness is None or peer is None or "by evidence" in str(e):
+        return e
+    why = witness.explain(epoch, f"{op_name} message with rank {peer} failed",
+                          [peer, *getattr(e, "also_awaited", ())], [peer] if getattr(e, "closed", False) else [],
+                          since=since)
+    out = UltracommTimeout(f"{e}; {why}")
+    out.peer, out.closed = peer, getattr(e, "closed", False)
+    return out
 
 
 class _Run:
@@ -155,6 +177,7 @@ class _Run:
         self.done: set[int] = set()           # ids of Works that completed
         self.in_flight: list[list[int]] = []
         self.timeout = datetime.timedelta(seconds=t.timeout_s)
+        self.started = time.monotonic()
 
     @property
     def where(self) -> str:
@@ -172,8 +195,28 @@ class _Run:
         self.done.add(id(work))
 
     def fail(self, msg: Message, incoming: bool, cause: BaseException, posting: bool = False) -> NoReturn:
-        raise peer_failure(self.where, self.describe(msg, incoming), msg.src if incoming else msg.dst, self.t.timeout_s,
-                           cause, posting) from None
+        err = peer_failure(self.where, self.describe(msg, incoming), msg.src if incoming else msg.dst,
+                           self.t.timeout_s, cause, posting)
+        err.also_awaited = self.unfinished_peers()
+        raise err from None
+
+    def unfinished_peers(self) -> list[int]:
+        """The peers of this operation's posted messages that have not completed: what this rank
+        awaited besides the message that failed (for the evidence of who stopped)."""
+        me, out = self.t.rank, set()
+        for ids in self.in_flight:
+            for i in ids:
+                w = self.works[i]
+                if w is None or id(w) in self.done:
+                    continue
+                try:
+                    finished = bool(w.is_completed())
+                except Exception:  # noqa: BLE001 - a failed Work has not completed
+                    finished = False
+                if not finished:
+                    m = self.b.messages[i]
+                    out.add(m.src if m.dst == me else m.dst)
+        return sorted(out - {me})
 
     def describe(self, msg: Message, incoming: bool) -> str:
         """What a wait was for: the peer, the expert, the chunk and the bytes."""

@@ -93,8 +93,14 @@ def peer_failure(where: str, what: str, peer: int, timeout_s: float, cause: Base
     else:
         how = f"gave up after waiting up to {timeout_s:g} s to {what}"
     detail = f" ({type(cause).__name__}: {text})" if cause is not None else ""
-    return UltracommTimeout(f"ultracomm: {where} {how} (timeout ULTRACOMM_TIMEOUT_S={timeout_s:g}); rank {peer} is "
-                            f"likely stalled or dead, or called a different operation{detail}")
+    # who stopped is for the evidence to say (ultracomm.blame: P2PTransport.run adds it); the peer may be
+    # alive and waiting in turn, or have raised and left
+    err = UltracommTimeout(f"ultracomm: {where} {how} (timeout ULTRACOMM_TIMEOUT_S={timeout_s:g}); the peer, rank "
+                           f"{peer}, did not complete it: stalled, dead, failed earlier or in a different "
+                           f"operation{detail}")
+    err.peer = peer
+    err.closed = bool(posting or (cause is not None and "timed out" not in how and "gave up" not in how))
+    return err
 
 
 class PostError(Exception):

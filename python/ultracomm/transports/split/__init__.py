@@ -31,6 +31,7 @@ route is a function of the schedule.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, Sequence
 
 import numpy as np
@@ -44,7 +45,7 @@ from .bridge import BridgeLanes, BridgeRun
 from .bridge_direct import MAX_SEGMENTS, DirectBridge, DirectPlan, build_direct_plan
 from .bridge_program import BridgeProgram, build_bridge_program
 from ..host import HostTransport, Masters, op_digest
-from ..p2p import P2PTransport
+from ..p2p import P2PTransport, with_evidence
 from ..p2p.messengers import messenger_for
 from ..p2p.waves import cached_program
 from .shadow import Shadows
@@ -118,6 +119,17 @@ class SplitTransport:
             self.p2p.label = "split, messages route"
         self._routes: dict[tuple[int, int], Route] = {}
         self._direct_schedules: dict[int, object] = {}
+
+    @property
+    def witness(self):
+        """The Context's :class:`ultracomm.blame.Witness` (shared by the host side and the messages route)."""
+        return self.host.witness
+
+    @witness.setter
+    def witness(self, w) -> None:
+        self.host.witness = w
+        if self.p2p is not None:
+            self.p2p.witness = w
 
     # ------------------------------------------------------------------ route
     def route(self, op: Op, schedule) -> Route:
@@ -206,6 +218,7 @@ class SplitTransport:
             self.host.run(op, schedule, epoch, masters, my_slots, local_index_of, name)
             return
         abort = torch.zeros(1, dtype=torch.int64)
+        started = time.monotonic()
         args = (self.messenger, prog, epoch, op_digest(schedule.digest, op), self.window.local,
                 self.window.peer_bases[self.rank], self.shadows, self.wlayout, abort, self.timeout_s,
                 f"rank {self.rank} {name} (epoch {epoch}, transport split, bridge)")
@@ -230,6 +243,6 @@ class SplitTransport:
             bridge.fail(e)
         finished = bridge.join()
         if bridge.error is not None:
-            raise bridge.error
+            raise with_evidence(bridge.error, self.host.witness, epoch, name, started)
         if finished:  # the pages stay for the next op of this plan (shadow.py: Memory)
             self.shadows.settle(prog.peers, schedule.digest)

@@ -7,6 +7,7 @@
 * :mod:`ultracomm.integrations.vllm_eplb`: vLLM's EPLB communicator and its factory
   ``create_eplb_communicator`` (vLLM 0.21 - 0.34, each release's calls in
   :mod:`~ultracomm.integrations.vllm_protocol`), one multicast per moved expert.
+* :mod:`ultracomm.integrations.deepep_lb`: DeepEP's ``EPBuffer.lb_prefetch_weights`` / ``lb_reduce_grads``.
 
 Each module imports only torch and ultracomm; the frameworks themselves are not needed.
 """

@@ -30,10 +30,10 @@ from ultracomm.integrations.deepep_lb import BufferAllocator, LBBuffer, lb_prefe
 from ultracomm.layout import Member
 
 SENTINEL = 0xA5
-# (bytes per expert, destination dtype, source dtype) of each tensor an expert pushes: fp8 weights
-# (received into a uint8 pool: bytes, no conversion), a 32-bit scale table, a bf16 second scale
-PAYLOADS = [(1024, torch.uint8, torch.float8_e4m3fn), (96, torch.float32, torch.int32), (64, torch.bfloat16,
-                                                                                       torch.bfloat16)]
+# (bytes per expert, destination dtype, source dtype) of each tensor an expert pushes: fp8 weights, a
+# 32-bit scale table (int32 at home, received into a float32 pool: bytes, no conversion), bf16 scales
+PAYLOADS = [(1024, torch.float8_e4m3fn, torch.float8_e4m3fn), (96, torch.float32, torch.int32),
+            (64, torch.bfloat16, torch.bfloat16)]
 
 
 # ---------------------------------------------------------------- DeepEP's behaviour, restated

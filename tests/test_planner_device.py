@@ -1,8 +1,10 @@
 """The device control plane's quota planner (include/ultracomm/quota_plan.h), host build:
-validity over random loads, identical plans for any lane count (host threads standing in
-for a warp's lanes), balance and copies beside the host ``quota`` planner on the
-evaluation loads, capacities, and the CUDA build (compile-only here; ``gpu`` tests compare
-the GPU's plans with the host build's bit for bit)."""
+validity over random loads, identical plans for any lane and probe-group count (host threads
+standing in for the kernel's warps and their lanes; hypothesis over worlds 2-288, E <= 1024,
+slots 1-4, with and without nodes), balance and copies beside the host ``quota`` planner on
+the evaluation loads, capacities, and the CUDA build (compile-only here: both kernel variants
+without local memory, the shared-memory one's footprint within the device limits; ``gpu``
+tests compare the GPU's plans with the host build's bit for bit)."""
 from __future__ import annotations
 
 import numpy as np
@@ -67,6 +69,28 @@ def test_valid_plans_random(prob):
     assert (L[np.nonzero(filled)[0]] <= T).all()
 
 
+# (lanes, groups): 1, 2, 8 and 32 lanes of one probe group; 8 groups (the kernel's 8 warps,
+# one threshold each), of 1 and 2 lanes; 3 groups (a round's thresholds split unevenly)
+SHAPES = [(2, 1), (8, 1), (32, 1), (1, 8), (2, 8), (1, 3)]
+
+
+def _same_plan(a, b):
+    np.testing.assert_array_equal(a.slot_src, b.slot_src)
+    np.testing.assert_array_equal(a.slot_moves, b.slot_moves)
+    assert a.info == b.info
+    assert a.slot_src.tobytes() == b.slot_src.tobytes()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(big_problems())
+def test_lanes_and_groups_give_byte_identical_plans(prob):
+    domain, load, K, intra, min_tokens = prob
+    ref = plan(load, domain, K, intra_node_only=intra, min_tokens=min_tokens)
+    for lanes, groups in SHAPES:
+        _same_plan(ref, plan(load, domain, K, intra_node_only=intra, min_tokens=min_tokens, lanes=lanes,
+                             groups=groups))
+
+
 @pytest.mark.parametrize("lanes", [2, 3, 8, 32])
 def test_lanes_give_the_same_plan(lanes):
     rng = np.random.default_rng(lanes)
@@ -102,12 +126,13 @@ def test_hand_case():
     T = 33: spares 23, 3, 33 -- expert 1 (30) fits whole on rank 3; expert 0's 27 fits
     nowhere whole, so 23 go to the largest spare (rank 1) and the last 4 find no free slot.
     T = 34: spares 24, 4, 34 -- expert 1 -> rank 3, expert 0: 24 -> rank 1 (split), then
-    its last 2 fit whole on rank 2.  Round 0 probes 33, 34, 36, ...: the plan is T = 34's."""
+    its last 2 fit whole on rank 2.  Round 0 schedules 33, 34, 36, 40, 48, 64 (96 is above the
+    largest home load, 90): the plan is T = 34's, kept from its probe (no seventh, final probe)."""
     domain = Domain.flat(4, 2)
     load = np.zeros((4, 8), np.int64)
     load[0, [0, 1, 2, 4]] = [60, 30, 10, 30]
     res = plan(load, domain, 1, eps=0)
-    assert res.info["threshold"] == 34 and res.info["rounds"] == 1
+    assert res.info["threshold"] == 34 and res.info["rounds"] == 1 and res.info["probes"] == 6
     np.testing.assert_array_equal(res.slot_src[:, 0], [-1, 0, 0, 1])
     np.testing.assert_array_equal(res.slot_moves.sum(0)[:, 0], [0, 24, 2, 30])
     assert res.rank_load.tolist() == [34, 34, 32, 30]
@@ -133,8 +158,34 @@ def test_capacity_and_option_errors():
 
 def test_balanced_load_needs_no_replica():
     load = np.full((8, 16), 5, np.int64)
-    res = plan(load, Domain.flat(8, 2), 2)
-    assert res.info["replicas"] == 0 and res.info["threshold"] == 80  # 8 sources x 5 x 2 experts
+    for lanes, groups in [(1, 1), *SHAPES]:
+        res = plan(load, Domain.flat(8, 2), 2, lanes=lanes, groups=groups)
+        assert res.info["replicas"] == 0 and res.info["threshold"] == 80  # 8 sources x 5 x 2 experts
+        assert res.info["probes"] == 0 and (res.slot_src == -1).all()  # the empty plan, no probe
+
+
+def test_first_probe_at_the_lower_bound_times_one_plus_eps():
+    """Round 0's first threshold is ceil(mean) - 1 + tol, the lower bound x (1 + eps): on every
+    evaluation load the search ends in that one round, at that threshold -- or, with one slot
+    on the two tightest EP64 loads, at the second gallop step (+ tol)."""
+    second = {("EP64", "zipf 3.03", 1), ("EP64", "hot 30%", 1)}
+    for case, lname, dom, load in ev.evaluation_loads():
+        W, total = dom.world, int(load.sum())
+        first, tol = -(-total // W) - 1 + max(1, (total // W) * 100 // 10000), max(1, (total // W) * 100 // 10000)
+        for K in (1, 2):
+            res = plan(load, dom, K)
+            want = first + tol if (case, lname, K) in second else first
+            assert res.info["rounds"] == 1 and res.info["threshold"] == want, (case, lname, K, res.info, first)
+
+
+def test_shapes_and_options_errors():
+    from ultracomm import _core
+    el = np.ones(4, np.int64)
+    with pytest.raises(ValueError, match=r"groups must be in \[1, 8\]"):
+        _core.quota_device(el, None, 4, 1, 1, 1, 0, 100, 1, 9)
+    with pytest.raises(ValueError, match=r"lanes must be in \[1, 64\]"):
+        _core.quota_device(el, None, 4, 1, 1, 1, 0, 100, 0, 1)
+    assert _core.QUOTA_DEVICE_PROBES == 8
 
 
 # ----------------------------------------------------------------------------- CUDA build
@@ -142,10 +193,53 @@ def test_balanced_load_needs_no_replica():
 
 def test_cuda_build_has_the_planner_kernel_with_warp_reductions():
     cb = pytest.importorskip("cuda_build")
-    for text in cb.kernel_texts("k_quota", "k_quota_plan"):
-        assert "SHFL.BFLY" in text  # the receiver choice is a warp min-reduction
-        assert "BAR.SYNC" in text  # rounds: CTA barriers between probes
-        assert "LDL" not in text and "STL" not in text  # no local memory
+    for variant in ("k_quota_planILb1", "k_quota_planILb0"):  # state in shared memory / global scratch
+        for text in cb.kernel_texts("k_quota", variant):
+            assert "SHFL.BFLY" in text  # the receiver choice is a warp min-reduction
+            assert "BAR.SYNC" in text  # rounds: CTA barriers between probes
+            assert "LDL" not in text and "STL" not in text  # no local memory
+
+
+# 48 KB: a block's shared memory without opt-in; opt-in limits per block (CUDA C++ guide,
+# "Features and Technical Specifications"): A100 163 KB, H100/H200 and B200 227 KB
+DEFAULT_SMEM = 48 * 1024
+OPTIN_SMEM = {80: 163 * 1024, 90: 227 * 1024, 100: 227 * 1024}
+
+
+def test_sass_quota_state_in_shared_memory_within_the_limit():
+    """k_quota_plan<true> keeps its state in shared memory: SASS with LDS/STS and no local
+    memory (no LDL/STL, 0-byte stack); its footprint -- ptxas's static smem plus the dynamic
+    quota_device_smem_bytes -- fits the default 48 KB at EP8/EP64 (no opt-in needed) and the
+    opt-in limit at EP288 on sm_90/sm_100 (sm_80's 163 KB: global scratch).  Prints the sizes."""
+    import re
+
+    from ultracomm import _core
+
+    cb = pytest.importorskip("cuda_build")
+    if cb.find_nvcc() is None:
+        pytest.skip("nvcc not found")
+    texts = cb.kernel_texts("k_quota", "k_quota_planILb1")  # skips without cuobjdump
+    log = cb.compile_all()["k_quota"].log
+    static = {}
+    for (arch, fn), props in cb.ptxas_functions(log).items():
+        if "k_quota_planILb1" in fn:
+            assert "0 bytes stack frame" in props, (arch, props)
+            static[int(arch[3:])] = int(re.search(r"(\d+) bytes smem", props).group(1))
+    assert set(static) == set(cb.real_archs()), static
+    for text in texts:
+        ops = set(re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", text, re.M))
+        assert {o for o in ops if o.startswith("LDS")} and {o for o in ops if o.startswith("STS")}, ops
+        assert not {o for o in ops if o.startswith(("LDL", "STL"))}, ops
+        assert not {o for o in ops if re.fullmatch(r"LD(\.E)?(\.\w+)*", o)}, ops  # no generic loads of the state
+    shapes = {"EP8": (8, 32, 2), "EP64": (64, 256, 2), "EP64 K4": (64, 256, 4), "EP288": (288, 864, 4)}
+    dyn = {k: _core.quota_device_smem_bytes(*v) for k, v in shapes.items()}
+    assert dyn["EP64"] == 8 * (256 + 32 + (64 + 32 + 128) + 8 * 576)  # a probe's state: 576 words = 4.6 KB
+    for arch, st in sorted(static.items()):
+        print(f"k_quota sm_{arch}: static {st} B + dynamic " + ", ".join(f"{k} {v} B" for k, v in dyn.items()))
+        assert st <= 1024, st
+        assert st + dyn["EP8"] <= DEFAULT_SMEM and st + dyn["EP64"] <= DEFAULT_SMEM
+        assert st + dyn["EP64 K4"] <= OPTIN_SMEM[arch]
+        assert (st + dyn["EP288"] <= OPTIN_SMEM[arch]) == (arch >= 90)
 
 
 # ----------------------------------------------------------------------------- GPU

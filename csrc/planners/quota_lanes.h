@@ -1,20 +1,27 @@
-// A quota::Group of host threads: the CPU tests run the device planner's multi-lane logic
-// (strided loops, reductions, lane-0 writes between barriers) with real concurrency, and
-// compare it with the one-lane build.  Test support: the planner itself never starts threads.
+// Host threads standing in for the GPU's lanes and warps: the CPU tests run the device quota
+// planner's parallel form (include/ultracomm/quota_plan.h: strided loops, reductions, lane-0
+// writes between barriers, probe groups splitting a round) with real concurrency and compare
+// it with the one-thread build byte for byte.  Test support: the planner itself never starts
+// threads.
 #pragma once
 #include <barrier>
 #include <cstdint>
+#include <memory>
 #include <vector>
+
+#include "ultracomm/quota_plan.h"
 
 namespace ultracomm::quota {
 
+// What the lanes of one Group share: a barrier and one reduction word per lane.
 struct ThreadShared {
   explicit ThreadShared(int32_t n) : bar(n), vals(n), sums(n) {}
-  std::barrier<> bar;
+  std::barrier<> bar;  // arrive_and_wait orders memory among the lanes, like __syncwarp
   std::vector<uint64_t> vals;
   std::vector<int64_t> sums;
 };
 
+// quota::Group over n host threads (lane `id`).
 struct ThreadGroup {
   ThreadShared* sh;
   int32_t id;
@@ -38,6 +45,26 @@ struct ThreadGroup {
     sync();
     return s;
   }
+};
+
+// The shared part of a ThreadCta: `groups` groups of `lanes` threads, and all of them.
+struct ThreadCtaShared {
+  ThreadCtaShared(int32_t groups, int32_t lanes) : all(groups * lanes) {
+    for (int32_t i = 0; i < groups; ++i) group.push_back(std::make_unique<ThreadShared>(lanes));
+  }
+  ThreadShared all;
+  std::vector<std::unique_ptr<ThreadShared>> group;
+};
+
+// quota::Cta over host threads: thread `id` of groups x lanes is lane id % lanes of group
+// id / lanes (the GPU: warp threadIdx / 32, lane threadIdx % 32).
+struct ThreadCta {
+  ThreadCtaShared* sh;
+  int32_t id, groups_, lanes_;
+  int32_t group() const { return id / lanes_; }
+  int32_t groups() const { return groups_; }
+  ThreadGroup lanes() const { return {sh->group[group()].get(), id % lanes_, lanes_}; }
+  ThreadGroup all() const { return {&sh->all, id, groups_ * lanes_}; }
 };
 
 }  // namespace ultracomm::quota

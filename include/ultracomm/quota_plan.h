@@ -12,12 +12,18 @@
 // min_tokens (a rank may end up to min_tokens - 1 above T).  With node_of given, replicas stay
 // on the expert's home node.
 //
-// Parallel form: a probe (one threshold) runs on a Group of lanes; the receiver choice is a
-// min-reduction over ranks, so any lane count gives the same plan (the minimum of a total
-// order does not depend on the order it is taken in).  A search round probes kProbes
-// thresholds -- concurrently on the device (one warp each), one after the other on the host
-// -- and the rounds are a function of the results only, so every build and every rank, given
-// the same loads, computes the same plan with no broadcast.
+// Parallel form, one source for every build (plan() below, over a Cta policy):
+// * a probe (one threshold) runs on a Group of lanes; the receiver choice is a min-reduction
+//   over ranks, so any lane count gives the same plan (the minimum of a total order does not
+//   depend on the order it is taken in);
+// * a search round schedules kProbes thresholds, increasing; `groups` probe groups split them
+//   (the GPU: kProbes warps, one threshold each, at once; the host: one group, in turn).  Only
+//   the smallest feasible threshold of a round moves the bracket, so a group stops at its first
+//   feasible threshold and keeps that probe's state: the group that holds the new upper bound
+//   copies its plan out -- no final re-probe of the winner;
+// * the rounds are a function of the probes' answers only, so every build, lane count, group
+//   count and rank computes the same plan, threshold and Result from the same loads (no
+//   broadcast, no leader).
 #pragma once
 #include <cstdint>
 
@@ -67,9 +73,17 @@ struct ProbeState {
   int64_t* avail;     // [E] tokens of each expert not yet given to a replica
 };
 
+// The plan: slot s of rank r (index r * slots + s) holds a replica of expert src (-1: empty)
+// computing quota tokens; slots fill in the order placed.
+struct Plan {
+  int32_t* src;    // [world * slots]
+  int64_t* quota;  // [world * slots]
+};
+
 struct Result {
   int32_t status;
-  int32_t probes;     // feasibility probes run (the final one included)
+  int32_t probes;     // thresholds the search scheduled (a build may skip those above a
+                      // round's first feasible one: they cannot move the bracket)
   int32_t rounds;     // search rounds
   int32_t replicas;   // slots filled
   int64_t threshold;  // the T met
@@ -82,9 +96,15 @@ UC_INLINE int64_t shared_words(int32_t W, int32_t E) { return W + words_i32(W) +
 UC_INLINE int64_t probe_words(int32_t W, int32_t E, int32_t K) {
   return W + 2 * words_i32(W) + words_i32(int64_t(W) * K) + int64_t(W) * K + E;
 }
-// Scratch for `groups` concurrent probes (1 on the host).
+// Scratch for `groups` probe groups (each keeps its own state: kProbes on the GPU, 1 on the host).
 UC_INLINE int64_t scratch_words(int32_t W, int32_t E, int32_t K, int32_t groups) {
   return shared_words(W, E) + int64_t(groups) * probe_words(W, E, K);
+}
+// The GPU kernel's state when it all lives in shared memory: expert_load [E] and node_of [W]
+// staged, then scratch_words(W, E, K, kProbes).  EP64 (W 64, E 256, K 2): 256 + 32 + 224 +
+// 8 x 576 words = 5,120 words, 40 KB (a probe's state is 576 words = 4.6 KB).
+UC_INLINE int64_t smem_words(int32_t W, int32_t E, int32_t K) {
+  return E + words_i32(W) + scratch_words(W, E, K, kProbes);
 }
 
 UC_INLINE Shared shared_view(int64_t* s, int32_t W, int32_t E) {
@@ -119,9 +139,14 @@ UC_INLINE int32_t check_problem(const Problem& p) {
 
 // ---------------------------------------------------------------- groups of lanes
 //
-// A Group runs one probe: lane() in [0, width()), sync() a barrier of the group, and min()
-// returns the minimum of every lane's value to every lane.  Writes to shared state happen on
-// lane 0 between syncs.
+// A Group runs one probe: lane() in [0, width()), sync() a barrier of the group (and a memory
+// fence among its lanes), and min() / sum() return the minimum / sum of every lane's value to
+// every lane.  Writes to shared state happen on lane 0 between syncs.
+//
+// A Cta runs the whole search: groups() probe groups (group() is this thread's), each a Group
+// (lanes()), and all() -- every thread as one Group -- for the derived data, the plan's
+// clearing and the bracket's moves between rounds.  The GPU: kProbes warps of 32 lanes
+// (k_quota.cu); the host: SerialCta, or host threads (csrc/planners/quota_lanes.h, tests).
 
 struct SerialGroup {  // the host build: one lane
   UC_INLINE int32_t lane() const { return 0; }
@@ -131,12 +156,19 @@ struct SerialGroup {  // the host build: one lane
   UC_INLINE int64_t sum(int64_t v) const { return v; }
 };
 
+struct SerialCta {  // the host build: one group of one lane probes a round's thresholds in turn
+  UC_INLINE int32_t group() const { return 0; }
+  UC_INLINE int32_t groups() const { return 1; }
+  UC_INLINE SerialGroup lanes() const { return {}; }
+  UC_INLINE SerialGroup all() const { return {}; }
+};
+
 // ---------------------------------------------------------------- derived data (any lanes)
 
 // Rank order and per-rank expert order by counting (each position is computed independently, so
 // lanes split the work with no sort): position of x = how many items come before it.
 template <class G>
-UC_HD int32_t prepare(const Problem& p, Shared sh, const G& g) {
+UC_INLINE int32_t prepare(const Problem& p, Shared sh, const G& g) {
   const int32_t W = p.world, epr = p.experts_per_rank, E = p.experts();
   bool bad = false;
   for (int32_t r = g.lane(); r < W; r += g.width()) {
@@ -211,7 +243,7 @@ UC_INLINE bool can_receive(const Problem& p, ProbeState st, int32_t r, int32_t e
 // that fits it best; when no piece fits whole, the hottest expert's piece is split, its part
 // going to the largest spare.
 template <class G>
-UC_HD bool probe(const Problem& p, Shared sh, ProbeState st, int64_t T, const G& g) {
+UC_INLINE bool probe(const Problem& p, Shared sh, ProbeState st, int64_t T, const G& g) {
   const int32_t W = p.world, epr = p.experts_per_rank, K = p.slots;
   for (int32_t r = g.lane(); r < W; r += g.width()) {
     const int64_t L = sh.rank_load[r];
@@ -284,10 +316,15 @@ UC_HD bool probe(const Problem& p, Shared sh, ProbeState st, int64_t T, const G&
 // ---------------------------------------------------------------- the threshold search
 //
 // The bracket (lo, hi]: lo is known infeasible, hi feasible (T = the largest home load needs
-// no replica).  Round 0 gallops up from lb - 1 (lb = ceil(mean)): thresholds lb - 1 + tol * 2^i;
-// later rounds split (lo, hi) evenly into kProbes + 1 parts.  After each round hi = the
-// smallest feasible threshold probed, lo = the largest infeasible one below it.  The search
-// ends when hi - lo <= tol; the plan is hi's.
+// no replica: its plan is the empty one).  lb = ceil(mean) bounds every T from below; tol =
+// p.tol, or max(1, floor(mean) * eps_bp / 10000) -- integers only, so every build derives the
+// same tol -- is the width at which the search stops.  Round 0 gallops up from lb - 1:
+// thresholds lb - 1 + tol * 2^i, so its first probe is the lower bound x (1 + eps) (UltraEP's
+// "fast T oracle"): when that one is feasible the bracket is (lb - 1, lb - 1 + tol], done in
+// one round (the common case on the evaluation loads), and the host build has run one probe.
+// Later rounds split (lo, hi) evenly into kProbes + 1 parts.  After each round hi = the smallest
+// feasible threshold probed, lo = the largest infeasible one below it.  The search ends when
+// hi - lo <= tol; the plan is hi's, kept from the probe that found it.
 
 struct Bracket {
   int64_t lo, hi, tol;
@@ -317,7 +354,8 @@ UC_INLINE int64_t raw_threshold(const Bracket& b, int32_t i) {
 }
 
 // Threshold i of this round, or 0 where slot i probes nothing (outside (lo, hi), or the same
-// threshold as slot i - 1 when the bracket is narrower than kProbes + 1).
+// threshold as slot i - 1 when the bracket is narrower than kProbes + 1).  The non-zero
+// thresholds of a round increase with i.
 UC_INLINE int64_t round_threshold(const Bracket& b, int32_t i) {
   const int64_t t = raw_threshold(b, i);
   if (t <= b.lo || t >= b.hi) return 0;
@@ -325,7 +363,16 @@ UC_INLINE int64_t round_threshold(const Bracket& b, int32_t i) {
   return t;
 }
 
-// The next bracket from this round's thresholds t[i] (0 = not probed) and results ok[i].
+// Thresholds this round schedules (Result::probes counts these, whether a build ran them all).
+UC_INLINE int32_t scheduled(const Bracket& b) {
+  int32_t n = 0;
+  for (int32_t i = 0; i < kProbes; ++i) n += round_threshold(b, i) ? 1 : 0;
+  return n;
+}
+
+// The next bracket from this round's thresholds t[i] (0 = not probed) and results ok[i].  Only
+// the smallest feasible t and the infeasible ones below it matter: a build may leave every
+// slot above its first feasible one unprobed (t = 0) and get the same bracket.
 UC_INLINE void next_bracket(Bracket& b, const int64_t* t, const int32_t* ok) {
   int64_t hi = b.hi, lo = b.lo;
   for (int32_t i = 0; i < kProbes; ++i)
@@ -337,44 +384,86 @@ UC_INLINE void next_bracket(Bracket& b, const int64_t* t, const int32_t* ok) {
   b.round += 1;
 }
 
-UC_INLINE int32_t count_replicas(const Problem& p, ProbeState st) {
-  int32_t n = 0;
-  for (int64_t i = 0; i < int64_t(p.world) * p.slots; ++i) n += st.src[i] >= 0 ? 1 : 0;
-  return n;
+// What the probe groups share between rounds (the GPU: __shared__; the host: the caller's),
+// written by a group's lane 0 or all()'s lane 0 between barriers of all().
+struct Round {
+  Bracket b;
+  int64_t t[kProbes];   // this round's thresholds probed (0: not probed)
+  int32_t ok[kProbes];  // 1: t[i] was feasible
+  int32_t probes;       // Result::probes so far
+  int32_t replicas;     // replicas of the plan kept (hi's)
+};
+
+// Copy a group's probe state (the plan of the new hi) to `out`; returns its replicas to every lane.
+template <class G>
+UC_INLINE int32_t keep_plan(const Problem& p, ProbeState st, Plan out, const G& g) {
+  int64_t n = 0;
+  for (int64_t i = g.lane(); i < int64_t(p.world) * p.slots; i += g.width()) {
+    out.src[i] = st.src[i];
+    out.quota[i] = st.quota[i];
+    n += st.src[i] >= 0 ? 1 : 0;
+  }
+  n = g.sum(n);
+  g.sync();  // every lane has read st before the group's next probe resets it
+  return static_cast<int32_t>(n);
 }
 
-// The whole search on one group (the host build; a device CTA runs the rounds' probes on
-// kProbes warps instead, k_quota.cu).  scratch: scratch_words(W, E, K, 1) words.  On kOk the
-// plan is in probe_view(scratch, W, E, K, 0).
-template <class G>
-UC_HD Result plan(const Problem& p, int64_t* scratch, const G& g) {
-  Result res{check_problem(p), 0, 0, 0, 0};
-  if (res.status != kOk) return res;
+// The whole search, run by every thread of the Cta `c`.  scratch: scratch_words(W, E, K,
+// c.groups()) words (may be shared memory); `out` [W * K] gets the plan, `rd` is the groups'
+// shared round state.  Every thread returns the same Result; on kOk the plan is in `out` (on a
+// bad status `out` is untouched).
+//
+// Per round: group g probes the round's thresholds g, g + groups, ... in order and stops at
+// its first feasible one (the thresholds increase, so later ones cannot lower hi), keeping
+// that probe's state; after a barrier all()'s lane 0 moves the bracket, and after another the
+// group whose threshold became hi copies its state to `out` while the others start the next
+// round.  No threshold is probed twice and the plan needs no final probe.
+template <class C>
+UC_HD Result plan(const Problem& p, int64_t* scratch, Plan out, Round& rd, const C& c) {
+  const auto all = c.all();
+  const auto g = c.lanes();
+  int32_t status = check_problem(p);
+  if (status != kOk) return Result{status, 0, 0, 0, 0};  // same on every thread: no barrier needed
   const int32_t W = p.world, E = p.experts(), K = p.slots;
   const Shared sh = shared_view(scratch, W, E);
-  res.status = prepare(p, sh, g);
-  if (res.status != kOk) return res;
-  const ProbeState st = probe_view(scratch, W, E, K, 0);
-  Bracket b = start_bracket(p, sh);
-  int64_t t[kProbes];
-  int32_t ok[kProbes];
-  while (!search_done(b)) {
-    for (int32_t i = 0; i < kProbes; ++i) {
-      t[i] = round_threshold(b, i);
-      ok[i] = 0;
-      if (t[i]) {
-        ok[i] = probe(p, sh, st, t[i], g) ? 1 : 0;
-        res.probes += 1;
+  status = prepare(p, sh, all);  // ends with a barrier of all(); the same status on every thread
+  if (status != kOk) return Result{status, 0, 0, 0, 0};
+  for (int64_t i = all.lane(); i < int64_t(W) * K; i += all.width()) {  // hi = max home load: no replica
+    out.src[i] = -1;
+    out.quota[i] = 0;
+  }
+  if (all.lane() == 0) {
+    rd.b = start_bracket(p, sh);
+    rd.probes = 0;
+    rd.replicas = 0;
+  }
+  all.sync();
+  const ProbeState st = probe_view(scratch, W, E, K, c.group());
+  while (!search_done(rd.b)) {
+    const Bracket b = rd.b;  // rd.b changes only between the two barriers below
+    int64_t held = 0;        // the feasible threshold whose plan st holds (0: none)
+    for (int32_t w = c.group(); w < kProbes; w += c.groups()) {
+      const int64_t t = held ? 0 : round_threshold(b, w);
+      const bool ok = t != 0 && probe(p, sh, st, t, g);
+      held = ok ? t : held;
+      if (g.lane() == 0) {
+        rd.t[w] = t;
+        rd.ok[w] = ok ? 1 : 0;
       }
     }
-    next_bracket(b, t, ok);
+    all.sync();
+    if (all.lane() == 0) {
+      rd.probes += scheduled(b);
+      next_bracket(rd.b, rd.t, rd.ok);
+    }
+    all.sync();
+    if (held != 0 && held == rd.b.hi) {  // thresholds are distinct: one group at most
+      const int32_t n = keep_plan(p, st, out, g);
+      if (g.lane() == 0) rd.replicas = n;
+    }
   }
-  res.rounds = b.round;
-  res.threshold = b.hi;
-  probe(p, sh, st, b.hi, g);  // the plan of hi (feasible: probed, or no replica needed)
-  res.probes += 1;
-  res.replicas = count_replicas(p, st);
-  return res;
+  all.sync();  // the kept plan and rd.replicas are visible to every thread
+  return Result{kOk, rd.probes, rd.b.round, rd.replicas, rd.b.hi};
 }
 
 }  // namespace ultracomm::quota

@@ -7,11 +7,15 @@ arithmetic only, no allocation and fixed capacities:
 
 * Threshold search: the smallest global per-rank token threshold ``T`` it can meet, searched
   in rounds of 8 thresholds (concurrent on the GPU, one warp each; in turn on the host):
-  round 0 gallops up from ``ceil(mean) - 1`` in steps of ``tol * 2**i``, later rounds split
-  the bracket evenly; it stops when the bracket is within ``tol = max(1, floor(mean) *
-  eps_bp // 10000)`` tokens (``eps`` in steps of 0.0001, integers only so every build
-  derives the same ``tol``).  The rounds depend only on the probes' answers, so every build, lane
-  count and rank computes the same plan from the same loads (no broadcast, no leader).
+  round 0 gallops up from ``ceil(mean) - 1`` in steps of ``tol * 2**i`` -- its first probe is
+  the lower bound times ``1 + eps``, so when that is feasible the search is one round (and
+  one probe on the host, which stops a round at its first feasible threshold: the later ones
+  cannot lower the bound) --, later rounds split the bracket evenly; it stops when the
+  bracket is within ``tol = max(1, floor(mean) * eps_bp // 10000)`` tokens (``eps`` in steps
+  of 0.0001, integers only so every build derives the same ``tol``).  The plan is kept from
+  the probe that found the final threshold (no re-probe).  The rounds depend only on the
+  probes' answers, so every build, lane count, probe-group count and rank computes the same
+  plan from the same loads (no broadcast, no leader).
 * A probe at ``T``: hot ranks (home load above ``T``), largest first, shed their experts'
   tokens, hottest expert first, to replicas on cold ranks.  Each replica takes one piece, on
   the cold rank that fits it best: the smallest spare that takes the whole piece, else the
@@ -19,6 +23,9 @@ arithmetic only, no allocation and fixed capacities:
   no replica (UltraEP's fixed-home model); a piece is at least ``min_tokens``.
 * Capacities: world <= 1024, experts <= 65536, slots <= 8, total tokens <= 2**48; beyond
   them :func:`plan` raises ``ValueError`` (use a host planner: ``quota``, ``taot``).
+* On the GPU (:func:`plan_on_gpu`): one CTA of 8 warps with its whole state in shared
+  memory where it fits the device's per-block limit (``_core.quota_device_smem_bytes``: 40 KB
+  at EP64 with 2 slots), else the same code on global scratch.
 
 Compared with the host ``quota`` planner (max-flow repair, cover search, bounded
 backtracking): no search beyond the greedy, so on tight loads it may stop one ``tol`` step
@@ -56,6 +63,7 @@ def plan(
     min_tokens: int = 1,
     intra_node_only: bool = False,
     lanes: int = 1,
+    groups: int = 1,
 ) -> PlannerResult:
     """Plan with the device quota planner's host build.
 
@@ -68,10 +76,13 @@ def plan(
         intra_node_only: keep replicas on the expert's home node (``domain.node_of``).
         lanes: host threads standing in for a warp's lanes (tests; the plan is the same for
             every value).
+        groups: probe groups splitting each round's 8 thresholds, ``lanes`` threads each (8:
+            the GPU kernel's shape, one warp per threshold; tests -- the plan is the same).
 
     Returns:
-        :class:`PlannerResult`; ``info``: ``threshold``, ``probes``, ``rounds``,
-        ``replicas``.
+        :class:`PlannerResult`; ``info``: ``threshold``, ``probes`` (thresholds the search
+        scheduled -- what the GPU runs; the host may skip those above a round's first feasible
+        one), ``rounds``, ``replicas``.
 
     Raises:
         ValueError: shapes or sizes beyond the planner's capacities, bad options.
@@ -87,7 +98,7 @@ def plan(
     el = np.ascontiguousarray(load.sum(0), dtype=np.int64)
     node = np.ascontiguousarray(domain.node_of, dtype=np.int32) if intra_node_only else None
     slot_src, slot_quota, info = _core_mod.quota_device(el, node, W, epr, K, int(min_tokens), 0, eps_bp,
-                                                        int(lanes))
+                                                        int(lanes), int(groups))
     return build_result(load, domain, slot_src, slot_quota, dict(info))
 
 
@@ -121,6 +132,9 @@ def plan_on_gpu(loads: "torch.Tensor", domain: Domain, slots_per_rank: int, *, e
                 min_tokens: int = 1, intra_node_only: bool = False, stream: "torch.cuda.Stream | None" = None,
                 out: "dict | None" = None) -> "dict":
     """Run the same planner as :func:`plan` on the GPU, stream-ordered, with no host sync.
+
+    The first call on a device sets the kernel's shared-memory attribute (host calls, no stream
+    work): make it before capturing a CUDA graph.
 
     Args:
         loads: int32 ``[world, E]`` CUDA tensor, the gathered token counts.

@@ -4,6 +4,8 @@ the rerouted maps and probs are identical; the CUDA build compiles (the ``gpu`` 
 kernel against the host build)."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -89,3 +91,76 @@ def test_gpu_table_equals_host_build():
                 dev = RerouteTable.from_plan(*[a.cuda() for a in args], rank, epr, layout)
                 torch.cuda.synchronize()
                 assert torch.equal(dev.bounds.cpu(), host.bounds) and torch.equal(dev.columns.cpu(), host.columns)
+
+
+# ----------------------------------------------------------------------------- the kernel's lanes
+# k_reroute runs token_split.h's expert_table_lanes with a warp per expert; _core.reroute_table's
+# `lanes` runs the same source with one lane or with host threads standing in for the warp's
+# lanes.  Every lane count must give expert_table's rows (lanes=0), byte for byte.
+
+def _lane_tables(load, slot_src, slot_quota, epr, rank, layout, lanes_list=(1, 2, 8, 32)):
+    from ultracomm import _core
+
+    args = (np.ascontiguousarray(load, dtype=np.int32), np.ascontiguousarray(slot_src, dtype=np.int32),
+            np.ascontiguousarray(slot_quota, dtype=np.int64), epr, rank, layout)
+    want = _core.reroute_table(*args)
+    for lanes in lanes_list:
+        got = _core.reroute_table(*args, lanes=lanes)
+        assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), (lanes, rank, layout)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(2, 48), st.integers(1, 4), st.integers(1, 3), st.sampled_from(["quota", "device", "lpt"]),
+       st.integers(0, 1), st.integers(0, 2**31 - 1))
+def test_lane_tables_equal_the_loop(W, epr, K, planner, layout, seed):
+    rng = np.random.default_rng(seed)
+    E = W * epr
+    load = rng.integers(0, 6, size=(W, E))
+    load[:, rng.integers(E, size=2)] += rng.integers(0, 300, size=(W, 2))
+    res = get_planner(planner)(load, Domain.flat(W, epr), K)
+    for rank in sorted({0, W - 1, int(rng.integers(W))}):
+        _lane_tables(load, res.slot_src, _slot_quota(res), epr, rank, layout)
+
+
+def test_lane_tables_at_ep288():
+    rng = np.random.default_rng(7)
+    W, epr, K = 288, 2, 2
+    E = W * epr
+    load = rng.integers(0, 40, size=(W, E))
+    load[:, rng.integers(E, size=3)] += rng.integers(0, 2000, size=(W, 3))
+    res = get_planner("device")(load, Domain.flat(W, epr), K)
+    assert (res.slot_src >= 0).any()
+    for rank in (0, W - 1):
+        _lane_tables(load, res.slot_src, _slot_quota(res), epr, rank, 0, lanes_list=(1, 8))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(2, 12), st.integers(1, 3), st.integers(1, 3), st.integers(0, 2**31 - 1))
+def test_lane_tables_equal_the_loop_on_plans_no_planner_makes(W, epr, K, seed):
+    """Negative loads or quotas, quotas above the expert's tokens, a replica on its home rank,
+    two replicas of one expert on one rank: the lanes take the loop itself (same rows)."""
+    rng = np.random.default_rng(seed)
+    E = W * epr
+    load = rng.integers(-2, 9, size=(W, E))
+    slot_src = np.full((W, K), -1, np.int64)
+    for r in range(W):
+        for k in range(K):
+            if rng.random() < 0.6:
+                slot_src[r, k] = rng.integers(E)
+    for e in range(E):  # at most world - 1 instances of an expert (expert_table's rows hold world)
+        hits = np.argwhere(slot_src == e)
+        for r, k in hits[W - 2:]:
+            slot_src[r, k] = -1
+    quota = np.where(slot_src >= 0, rng.integers(-3, 40, size=(W, K)), 0)
+    for rank in range(W):
+        _lane_tables(load, slot_src, quota, epr, rank, int(rng.integers(2)), lanes_list=(1, 2, 8))
+
+
+def test_cuda_build_reroute_is_a_warp_per_expert():
+    """Warp shuffles (sums and scans over lanes) and shared memory for the instance list; rows
+    written as 64-bit stores (STG.E.64), no local memory (above)."""
+    cb = pytest.importorskip("cuda_build")
+    for text in cb.kernel_texts("k_reroute", "k_reroute_table"):
+        assert "SHFL.UP" in text and "SHFL.BFLY" in text, "warp scan / sum"
+        assert re.search(r"\bSTS\b", text) and re.search(r"\bLDS\b", text), "instances in shared memory"
+        assert re.search(r"\bSTG\.E\.64\b", text)

@@ -99,4 +99,147 @@ UC_HD inline void expert_table(const Plan& p, int32_t e, int32_t me, int32_t lay
     }
 }
 
+
+// ---------------------------------------------------------------- the same table, on lanes
+//
+// expert_table_lanes computes expert_table's row with a group of lanes (k_reroute.cu: a warp
+// per expert; host tests: 1 to 32 host threads).  A Group G gives lane(), width(), sync(),
+// sum(v) (every lane's v added, to every lane) and scan(v, &total) (the exclusive prefix of v
+// over lanes below this one; total = sum(v)); loops that call them run the same trip count on
+// every lane.  The north-west corner is computed in closed form: with every remainder >= 0 it
+// gives source `me`'s interval [A, A + L) of the remainders in source order exactly the parts
+// of the instances' intervals [B_i, B_i + Q_i) it overlaps -- the same numbers as the loop.
+// Plans outside that domain (a negative load or quota, quotas above the expert's tokens, two
+// instances on one rank) take expert_table itself on lane 0, so the row is expert_table's
+// for every input.  inst: the group's int32 [world] (the slot of each replica instance);
+// scratch: scratch_words(world) words for that fallback (may alias inst).
+
+struct SerialLanes {  // one lane: the host build of expert_table_lanes
+  UC_INLINE int32_t lane() const { return 0; }
+  UC_INLINE int32_t width() const { return 1; }
+  UC_INLINE void sync() const {}
+  UC_INLINE int64_t sum(int64_t v) const { return v; }
+  UC_INLINE int64_t scan(int64_t v, int64_t* total) const {
+    *total = v;
+    return 0;
+  }
+};
+
+struct LaneInstance {
+  int32_t rank;     // who holds it
+  int64_t quota;    // tokens it computes (instance 0: the expert's tokens less its replicas')
+  int64_t local;    // tokens its own rank sends it first: min(load of that rank, quota)
+};
+
+UC_HD inline LaneInstance lane_instance(const Plan& p, int32_t e, int32_t i, const int32_t* inst, int64_t home_quota) {
+  const int32_t K = p.slots, E = p.experts();
+  LaneInstance x;
+  x.rank = i == 0 ? e / p.experts_per_rank : inst[i] / K;
+  x.quota = i == 0 ? home_quota : p.slot_quota[inst[i]];
+  const int64_t ld = p.loads[int64_t(x.rank) * E + e];
+  x.local = ld < x.quota ? ld : x.quota;
+  return x;
+}
+
+// Pass 1: the loads column (total, tokens of sources before `me`, me's own) and the replicas
+// compacted into inst[1..n) in (rank, slot) order; returns n, or -1 when the plan is outside
+// the closed form's domain.  *multi: some replica has a positive quota.
+template <class G>
+UC_HD int32_t lane_instances(const Plan& p, int32_t e, int32_t me, int32_t* inst, int64_t* v, bool* multi,
+                             const G& g) {
+  const int32_t W = p.world, K = p.slots, E = p.experts(), home = e / p.experts_per_rank;
+  int64_t total = 0, before = 0, own = 0, rep_q = 0, bad = 0, pos = 0;
+  for (int32_t s = g.lane(); s < W; s += g.width()) {
+    const int64_t x = p.loads[int64_t(s) * E + e];
+    total += x;
+    before += s < me ? x : 0;
+    own += s == me ? x : 0;
+    bad += x < 0 ? 1 : 0;
+  }
+  int32_t n = 1;
+  int64_t any = 0;
+  for (int64_t b = 0; b < int64_t(W) * K; b += g.width()) {  // same trip count on every lane
+    const int64_t s = b + g.lane();
+    const bool hit = s < int64_t(W) * K && p.slot_src[s] == e;
+    int64_t cnt = 0;
+    pos = g.scan(hit ? 1 : 0, &cnt);
+    if (hit) {
+      const int64_t q = p.slot_quota[s];
+      rep_q += q;
+      any += q > 0 ? 1 : 0;
+      bad += (q < 0 || s / K == home || n + pos >= W) ? 1 : 0;
+      if (n + pos < W) inst[n + pos] = static_cast<int32_t>(s);
+    }
+    n += static_cast<int32_t>(cnt);
+  }
+  g.sync();  // inst written before any lane reads it
+  for (int32_t i = 2 + g.lane(); i < n && i < W; i += g.width())  // two replicas on one rank
+    bad += inst[i] / K == inst[i - 1] / K ? 1 : 0;
+  v[0] = g.sum(total);
+  v[1] = g.sum(before);
+  v[2] = g.sum(own);
+  v[3] = g.sum(rep_q);
+  *multi = g.sum(any) > 0;
+  bad = g.sum(bad);
+  return (bad > 0 || v[3] > v[0]) ? -1 : n;
+}
+
+template <class G>
+UC_HD void expert_table_lanes(const Plan& p, int32_t e, int32_t me, int32_t layout, int64_t* bounds,
+                              int64_t* columns, int32_t* inst, int64_t* scratch, const G& g) {
+  const int32_t W = p.world, K = p.slots, E = p.experts(), epr = p.experts_per_rank, home = e / epr;
+  int64_t v[4];  // total, before, own, replicas' quotas
+  bool multi = false;
+  const int32_t n = lane_instances(p, e, me, inst, v, &multi, g);
+  if (n < 0) {  // outside the closed form's domain: the loop itself
+    g.sync();   // every lane is done with inst (scratch may alias it)
+    if (g.lane() == 0) expert_table(p, e, me, layout, bounds, columns, scratch);
+    g.sync();
+    return;
+  }
+  const int64_t home_q = v[0] - v[3];
+  // me's interval of the remainders after the locality step: A = remainders of the sources
+  // before me, L = me's own
+  int64_t sub_before = 0, sub_own = 0;
+  for (int32_t i = g.lane(); multi && i < n; i += g.width()) {
+    const LaneInstance x = lane_instance(p, e, i, inst, home_q);
+    sub_before += x.rank < me ? x.local : 0;
+    sub_own += x.rank == me ? x.local : 0;
+  }
+  const int64_t A = v[1] - g.sum(sub_before), L = v[2] - g.sum(sub_own);
+  const int64_t home_col = layout == kEcho ? e : int64_t(home) * (epr + K) + e % epr;
+  int64_t carry_q = 0, carry_c = 0;  // remainders and counts of the instances before this chunk
+  for (int32_t b = 0; b < W; b += g.width()) {  // same trip count on every lane
+    const int32_t i = b + g.lane();
+    int64_t c = 0, rest = 0;
+    int64_t col = home_col;
+    if (i < n) {
+      const LaneInstance x = lane_instance(p, e, i, inst, home_q);
+      if (!multi) {
+        c = i == 0 ? v[2] : 0;  // every token goes home
+      } else {
+        rest = x.quota - x.local;
+        c = x.rank == me ? x.local : 0;
+      }
+      if (i > 0) {
+        const int64_t s = inst[i], r = s / K, k = s % K;
+        col = layout == kEcho ? E + r * K + k : r * (epr + K) + epr + k;
+      }
+    }
+    int64_t tq = 0, tc = 0;
+    const int64_t B = carry_q + g.scan(rest, &tq);
+    if (multi) {  // overlap of [A, A + L) and [B, B + rest)
+      const int64_t lo = A > B ? A : B, hi = (A + L) < (B + rest) ? (A + L) : (B + rest);
+      c += hi > lo ? hi - lo : 0;
+    }
+    const int64_t before_c = g.scan(c, &tc);
+    if (i < W) {
+      bounds[i] = carry_c + before_c + c;
+      columns[i] = col;
+    }
+    carry_q += tq;
+    carry_c += tc;
+  }
+}
+
 }  // namespace ultracomm::split

@@ -494,7 +494,8 @@ def main() -> int:
     parts.append(ep8_section(cases, sens, optimistic))
     parts.append(calibration_section(cal))
     parts.append(measured_section(bench, p.stdout, a.nproc, zipf))
-    for name in ("message_transports.md", "control_plane.md", "planner_device.md"):  # sections 6b-6d: measured by hand, kept verbatim
+    # sections 6b-6e: measured by hand, kept verbatim
+    for name in ("message_transports.md", "control_plane.md", "planner_device.md", "failure_semantics.md"):
         extra = os.path.join(HERE, name)
         if os.path.exists(extra):
             with open(extra) as f:

@@ -125,19 +125,51 @@ def test_sass_join_by_first_ticket(compiled, arch):
         assert (len(adds32), len(adds64)) == (3, 1), (fn, len(adds32), len(adds64))
 
 
+def _loops(sass_text: str) -> list[list[str]]:
+    """Innermost loops of a SASS listing: the instructions from a backward branch's target to the
+    branch, for branches whose range holds no other backward branch."""
+    lines = [(int(m.group(1), 16), m.group(2)) for m in
+             re.finditer(r"^\s+/\*([0-9a-f]+)\*/\s+(.*?);", sass_text, re.M)]
+    back = []
+    for addr, ins in lines:
+        m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)\s*$", ins)
+        if m and int(m.group(1), 16) <= addr:
+            back.append((int(m.group(1), 16), addr))
+    inner = [(lo, hi) for lo, hi in back if not any(lo <= l2 and h2 <= hi and (l2, h2) != (lo, hi) for l2, h2 in back)]
+    return [[ins for addr, ins in lines if lo <= addr <= hi] for lo, hi in inner]
+
+
 @needs_nvcc
 @pytest.mark.parametrize("arch", [80, 90, 100])
 def test_sass_load_exchange_flags(compiled, arch):
-    # k_load_exchange (moe/board_layout.py protocol): the flag after the pushed counts is a
-    # system-scope release (MEMBAR.ALL.SYS + ST...64.STRONG.SYS), the wait a system-scope acquire
-    # (LD...64.STRONG.SYS + CCTL.IVALL), and the timeout's status one CAS
+    # k_load_exchange (moe/board_layout.py protocol; one instantiation per rank capacity: 1, 64,
+    # 288): the flags after the pushed counts are ONE fence (MEMBAR.ALL.SYS) and relaxed
+    # system-scope stores (ST...64.STRONG.SYS); the wait polls relaxed (LD...64.STRONG.SYS with
+    # no CCTL.IVALL in the spin) then acquires once (CCTL.IVALL after the loop); the counts move
+    # as 16-byte vectors both ways, the read-back with several loads in flight before its
+    # stores; the failure status is one CAS
     kernels = cb.kernel_sass(_sass_or_skip(compiled, "k_loads", arch))
-    assert len(kernels) == 1
-    ops = _ops(next(iter(kernels.values())))
-    assert {o for o in ops if o.startswith("ST") and o.endswith(".64.STRONG.SYS")}, ops
-    assert {o for o in ops if o.startswith("LD") and o.endswith(".64.STRONG.SYS")}, ops
-    assert "MEMBAR.ALL.SYS" in ops and "CCTL.IVALL" in ops, ops
-    assert {o for o in ops if o.startswith("ATOMG") and ".CAS" in o}, ops
+    assert len(kernels) == 3 and all("k_load_exchange" in k for k in kernels), list(kernels)
+    for name, text in kernels.items():
+        ops = _ops(text)
+        assert {o for o in ops if o.startswith("ST") and o.endswith(".64.STRONG.SYS")}, (name, ops)
+        assert {o for o in ops if o.startswith("LD") and o.endswith(".64.STRONG.SYS")}, (name, ops)
+        assert len(re.findall(r"\bMEMBAR\.ALL\.SYS\b", text)) == 1, name  # one fence for every board's flag
+        assert {o for o in ops if o.startswith("ATOMG") and ".CAS" in o}, (name, ops)
+        spins = [body for body in _loops(text) if any(re.search(r"\bLDG?\.E\.64\.STRONG\.SYS\b", i) for i in body)]
+        assert spins, f"{name}: no polling loop found"
+        for body in spins:
+            assert not any("CCTL.IVALL" in i or "MEMBAR" in i for i in body), (name, body)  # relaxed polls
+        assert "CCTL.IVALL" in text, name  # the one acquire after the poll
+        stores = [o for o in ops if re.match(r"STG?\.E\.128", o)]
+        loads = re.findall(r"\bLDG?\.E\.128\b", text)
+        assert stores and len(loads) >= 8, (name, stores, len(loads))  # post + kCopyBatch read-back loads
+        seq = re.findall(r"\b(LDG?|STG?)\.E\.128\b", text)  # 128-bit accesses in program order
+        run = best = 0
+        for op in seq:
+            run = run + 1 if op.startswith("LD") else 0
+            best = max(best, run)
+        assert best >= 8, (name, seq)  # kCopyBatch loads in flight before the read-back's stores
 
 
 def test_inline_asm_only_in_ptx_extra():

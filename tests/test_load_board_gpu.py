@@ -69,6 +69,35 @@ def test_one_launch_gathers_every_rank_in_the_board_layout():
                 assert np.array_equal(board[off + 16:off + 16 + 4 * 37].view(np.int32), want[q])
 
 
+@pytest.mark.parametrize("world, E", [(64, 256), (288, 64), (5, 36)])
+def test_vector_posts_and_parallel_read_back_at_scale(world, E):
+    """16-byte posts and read-back (E % 4 == 0), 64 ranks in one launch and an EP288 loopback
+    world (every rank's CTA co-resident: cooperative, after the occupancy check; a GPU that
+    cannot hold them is refused with a message that says so); the records in the board layout."""
+    cuda = _cuda()
+    fit = cuda.load_exchange_max_coresident(world)
+    R = Ranks(world, E)
+    rng = np.random.default_rng(world)
+    want = rng.integers(0, 2**31 - 1, size=(world, E), dtype=np.int64).astype(np.int32)
+    for r in range(world):
+        R.counts[r].copy_(torch.from_numpy(want[r]))
+    if world > fit:
+        with pytest.raises(ValueError, match=f"a loopback exchange of {world} ranks needs every rank's CTA resident"):
+            R.launch(cuda, range(world))
+        return
+    for n in (1, 2, 3):  # both entries of the board, then the first again
+        R.launch(cuda, range(world), tags=[ExchangeTag(n).value] * world)
+        torch.cuda.synchronize()
+        for r in (0, world // 2, world - 1):
+            assert R.status[r].tolist()[0] == 0 and R.seq[r].item() == n
+            assert np.array_equal(R.out[r].cpu().numpy(), want)
+        board = R.boards[world - 1].cpu().numpy()
+        for q in (0, world - 1):
+            off = R.L.record(n, q)
+            assert int(board[off:off + 8].view(np.uint64)[0]) == n
+            assert np.array_equal(board[off + 16:off + 16 + 4 * E].view(np.int32), want[q])
+
+
 def test_a_graph_replay_runs_a_fresh_exchange():
     cuda = _cuda()
     R = Ranks(world=2, E=8)

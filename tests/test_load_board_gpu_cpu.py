@@ -146,3 +146,19 @@ def test_without_cuda_the_store_exchange_stays(monkeypatch):
     assert loads_gpu.GpuLoadBoard.for_context(types.SimpleNamespace(window=win)) is None
     win.provider = "torch_symm"  # not a board provider
     assert loads_gpu.GpuLoadBoard.for_context(types.SimpleNamespace(window=win)) is None
+
+
+def test_the_binding_refuses_bad_launches_before_touching_the_device():
+    """_cuda.load_exchange validates first (no driver needed): up to LOAD_EXCHANGE_MAX_RANKS (an
+    EP288 loopback world) entries per launch, each rank once -- also past rank 64."""
+    cuda = pytest.importorskip("ultracomm._cuda")
+    assert cuda.LOAD_EXCHANGE_MAX_RANKS == 288
+    e = dict(counts=16, out=16, status=16, bases=16, seq=16)
+    L = BoardLayout(300, 4)
+    with pytest.raises(ValueError, match="one launch runs 1 to 288 rank entries, got 289"):
+        cuda.load_exchange([dict(e, rank=r) for r in range(289)], 300, 4, L.entries, L.record_bytes, 1.0, 0)
+    with pytest.raises(ValueError, match="rank 100 appears twice in one launch"):
+        cuda.load_exchange([dict(e, rank=100), dict(e, rank=7), dict(e, rank=100)], 300, 4, L.entries,
+                           L.record_bytes, 1.0, 0)
+    with pytest.raises(ValueError, match="rank entry 0: 'counts' must be a 4-byte aligned device address"):
+        cuda.load_exchange([dict(e, counts=2, rank=0)], 300, 4, L.entries, L.record_bytes, 1.0, 0)

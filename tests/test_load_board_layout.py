@@ -153,7 +153,7 @@ def _rank(**kw):
                                        "int32 counts (>= 36)"),
     (dict(world=0), [_rank()], "world must be >= 1"),
     (dict(timeout_s=0.0), [_rank()], "timeout_s must be > 0"),
-    ({}, [], "one launch runs 1 to 64 rank entries, got 0"),
+    ({}, [], "one launch runs 1 to 288 rank entries, got 0"),
     ({}, [_rank(rank=2)], "rank entry 0: rank 2 is out of range 0..1"),
     ({}, [_rank(), _rank()], "rank 0 appears twice in one launch"),
     ({}, [_rank(seq=0x5004)], "rank entry 0: 'seq' must be a 8-byte aligned device address"),

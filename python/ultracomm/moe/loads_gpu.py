@@ -13,7 +13,10 @@ checked by the kernel) raises ``PlanMismatchError``.  On the device control plan
 refuses loads whose status says either (nothing is built from them).
 
 Loopback (``cuda_local``): spinning kernels of several ranks must run in one launch (one
-rank's CTA would otherwise wait on a rank queued behind it), so each rank deposits its share
+rank's CTA would otherwise wait on a rank queued behind it), launched cooperatively so that
+every rank's CTA is resident at once (up to ``_cuda.LOAD_EXCHANGE_MAX_RANKS`` = 288 ranks; a GPU
+that cannot hold them all refuses the launch with a ValueError that names the numbers,
+``_cuda.load_exchange_max_coresident``), so each rank deposits its share
 and the rank completing the set launches every rank (:mod:`ultracomm.cuda.loopback_launch`: same
 order of calls, one stream); ``gather`` then waits (bounded) until that launch is enqueued, so
 loopback ranks calling ``gather`` need a thread each.

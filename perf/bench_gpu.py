@@ -18,7 +18,12 @@ Sections (each prints a table like nccl-tests and goes into the JSON):
   relay     chains of D = 1..4 hops (world D+1, relay forced, verified to be a chain):
             fill: S = one chunk (32 KiB .. 4 MiB), per-hop cost = slope of time over D;
             stream: S = 64 MiB, chunked at 32 KiB .. 4 MiB: does per-chunk signalling cost rate
-  launch    empty kernel (``_cuda``) and a persistent launch with no tasks (world 1)
+  launch    empty kernel (``_cuda``) and a persistent launch with no tasks (world 1), each timed
+            eagerly (the Python enqueue rate) and as 100 launches in one replayed CUDA graph
+  control   the device control plane of one layer and micro-batch at EP8, EP16, EP64 and EP288
+            (loopback, zipf loads): k_load_exchange, k_quota, k_build_slot, k_reroute and the
+            whole step, eagerly and inside replayed CUDA graphs (note "graph replay"), beside the
+            host path; #wrong against the host builds
   copy_engine  the ``copy_engine`` transport (zero SMs: ``cuMemcpyAsync`` per destination stream,
             stream flag waits and writes) on the same loopback domains as the tile mover's copy
             (1 -> 1, copy sizes) and fan-out (1 -> N) rows: same schedule, bytes and dtype, same
@@ -34,7 +39,10 @@ Bytes counted (say exactly what a rate means):
             2NS; copy_engine 2NS (each destination's copy reads the source); reduce (k+2)S (k sources, read and write the output), torch.sum (k+2)S too
             (k+1 stacked rows, one output); relay 2DS
   time      GPU time per operation: CUDA events around ``reps`` back-to-back operations
-            (median of 3 trials); ``cpu-bound`` marks rows whose enqueueing took longer than the GPU
+            (median of 3 trials); ``cpu-bound`` marks rows whose enqueueing took longer than the GPU.
+            Rows whose note says "graph replay" (extra timing=graph): the operation captured N
+            times into one CUDA graph, events around R replays, time / (N x R) (``Timer.graph``,
+            the one graph timer of the bench): device time with graph-node gaps, no host
   #wrong    bytes (copies) or elements (reductions) that differ from the reference, checked on
             the first and on the last operation of a row: the source bytes for copies (the
             destinations are filled with 0xA5 first), the fp32 ordered sum rounded once to the
@@ -87,6 +95,15 @@ FANOUT_BYTES = 64 * MiB
 CE_RESERVE_S = 30.0  # of --budget-s, kept for the copy_engine section
 GOAL_COPY, GOAL_COPY_SMS, GOAL_REDUCE = 0.90, 16, 0.85
 SENTINEL = 0xA5
+# control plane shapes (label, world, experts per rank): EP8 .. EP288 loopback worlds on one GPU
+CONTROL_SHAPES = (("EP8", 8, 32), ("EP16", 16, 16), ("EP64", 64, 4), ("EP288", 288, 2))
+# graph-replayed timing: an operation captured PER_GRAPH times into one CUDA graph, REPLAYS replays
+CONTROL_PER_GRAPH, CONTROL_REPLAYS = 10, 20
+LAUNCH_PER_GRAPH, LAUNCH_REPLAYS = 100, 10
+# the control kernels of one layer and micro-batch: (row case suffix, impl), in stream order
+CONTROL_KERNELS = (("exchange", "k_load_exchange"), ("plan", "k_quota"), ("build", "k_build_slot"),
+                   ("reroute", "k_reroute"))
+CONTROL_STEP = ("exchange+plan+build+reroute", "device step")
 
 
 # ----------------------------------------------------------------------------- pure helpers (CPU-tested)
@@ -230,6 +247,30 @@ def goal_lines(rows: Sequence[Row]) -> list[str]:
     return out
 
 
+def graph_note(per_graph: int, replays: int, more: str = "") -> str:
+    """The note of a graph-replayed row (device time, not the host's enqueue rate)."""
+    return f"graph replay: {per_graph} per graph x {replays} replays, device time" + (f"; {more}" if more else "")
+
+
+def control_graph_rows(label: str, E: int, times: dict, wrong: dict, notes: Optional[dict] = None,
+                       per_graph: int = CONTROL_PER_GRAPH, replays: int = CONTROL_REPLAYS) -> list[Row]:
+    """Rows of one control-plane shape timed inside replayed CUDA graphs: one per kernel of
+    CONTROL_KERNELS (case ``<label> <kernel>``) and the whole step (``<label>
+    exchange+plan+build+reroute`` / ``device step``: the four kernels in one graph), named as the
+    eager rows are, told apart by the note ("graph replay") and ``extra["timing"] == "graph"``.
+    ``times`` / ``wrong`` / ``notes``: by key (the case suffix); a missing time is "not measured"
+    with ``notes[key]`` saying why."""
+    notes = notes or {}
+    rows = []
+    for key, impl in (*CONTROL_KERNELS, CONTROL_STEP):
+        t = times.get(key)
+        note = graph_note(per_graph, replays, notes.get(key, "")) if t is not None else \
+            f"not measured (graph replay): {notes.get(key) or 'no time'}"
+        rows.append(Row("control", f"{label} {key}", impl, E, t, 0, 0, wrong.get(key) if t is not None else None,
+                        note, dict(timing="graph", per_graph=per_graph, replays=replays)))
+    return rows
+
+
 def build_profile(rows: Sequence[Row], device: dict, stamp: str) -> dict:
     """The hardware profile dict (schema ultracomm.hwprofile/1) from the measured rows."""
     def pick(section, impl, pred=lambda r: True, key=lambda r: r.size):
@@ -308,6 +349,38 @@ class Timer:
             times.append(gpu / reps)
             cpu_bound |= host >= 0.9 * gpu
         return statistics.median(times), cpu_bound
+
+    def graph(self, fn: Callable[[], None], per_graph: int = CONTROL_PER_GRAPH,
+              replays: int = CONTROL_REPLAYS) -> float:
+        """Device time per call of ``fn`` inside a replayed CUDA graph (the one graph timer of the
+        bench: control kernels, the device step, the launch rows): ``fn`` runs once eagerly (its
+        one-time setup, and the check that it works), is captured ``per_graph`` times into one
+        graph on a side stream, the graph is replayed once to warm, then CUDA events around
+        ``replays`` back-to-back ``graph.replay()`` calls; median over trials of elapsed /
+        (replays x per_graph).  ``fn`` must enqueue on the current stream and never synchronise."""
+        torch = self.torch
+        fn()
+        torch.cuda.current_stream().synchronize()
+        g = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.graph(g, stream=side):
+            for _ in range(per_graph):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        g.replay()
+        torch.cuda.current_stream().synchronize()
+        times = []
+        for _ in range(self.trials):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(replays):
+                g.replay()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3 / (replays * per_graph))
+        del g
+        return statistics.median(times)
 
 
 # cudaMemcpyAsync(void *dst, const void *src, size_t count, enum cudaMemcpyKind kind, cudaStream_t stream)
@@ -442,14 +515,21 @@ class Gpu:
 
     # -- sections
     def run_launch(self) -> None:
+        """The launch floor two ways: Python calls timed by events (the host's enqueue rate, flagged
+        cpu-bound) and LAUNCH_PER_GRAPH launches captured in one CUDA graph, replayed (device time per
+        launch, graph-node gaps included): an empty kernel, and the persistent kernel with no tasks."""
         torch = self.torch
         launch_empty, why = self.binding("launch_empty")
+        gnote = graph_note(LAUNCH_PER_GRAPH, LAUNCH_REPLAYS)
+        gextra = dict(timing="graph", per_graph=LAUNCH_PER_GRAPH, replays=LAUNCH_REPLAYS)
         if launch_empty is None:
             self.rows.append(Row("launch", "floor", "empty kernel", 0, None, 0, 0, None, f"not measured: {why}"))
         else:
             t, cpu = self.timer(lambda: launch_empty(self.stream()), reps=200)
             self.rows.append(Row("launch", "floor", "empty kernel", 0, t, 0, 0, 0,
-                                 "cpu-bound (launch rate)" if cpu else ""))
+                                 "cpu-bound (launch rate)" if cpu else "", dict(timing="eager")))
+            t = self.timer.graph(lambda: launch_empty(self.stream()), LAUNCH_PER_GRAPH, LAUNCH_REPLAYS)
+            self.rows.append(Row("launch", "floor", "empty kernel", 0, t, 0, 0, 0, gnote, gextra))
         if self.tma_reason:
             self.mover_missing("launch", "no tasks", 0)
             return
@@ -458,94 +538,190 @@ class Gpu:
             t, cpu = self.timer(lambda: d.run("multicast"), reps=200)
             d.check()
             self.rows.append(Row("launch", "no tasks", "tile mover", 0, t, 0, 0, 0,
-                                 "persistent launch, world 1" + (", cpu-bound" if cpu else "")))
+                                 "persistent launch, world 1" + (", cpu-bound" if cpu else ""), dict(timing="eager")))
+            t = self.timer.graph(lambda: d.run("multicast"), LAUNCH_PER_GRAPH, LAUNCH_REPLAYS)
+            d.check()
+            self.rows.append(Row("launch", "no tasks", "tile mover", 0, t, 0, 0, 0,
+                                 graph_note(LAUNCH_PER_GRAPH, LAUNCH_REPLAYS, "persistent launch, world 1"), gextra))
         finally:
             d.close()
 
     def run_control(self) -> None:
-        """The device control plane per layer and micro-batch (issue 19): plan + reroute table as kernels
-        (``k_quota``, ``k_reroute``) on EP8- and EP64-shaped loads, beside the host path they replace (loads
-        copied to the host, the same planner's host build, the table built and uploaded).  #wrong: plan and
-        table entries that differ from the host build's (the kernels must match it bit for bit)."""
-        torch = self.torch
-        from ultracomm.tools import workloads
-        from ultracomm.moe.reroute import RerouteTable
-        from ultracomm.planners import Domain, get_planner
-        from ultracomm.planners import device as dp
-
+        """The device control plane per layer and micro-batch (issues 19 and 33) on the CONTROL_SHAPES
+        loads (EP8 .. EP288, zipf), every rank of a W-rank loopback world on this GPU: the loads'
+        all-gather (``k_load_exchange``, every rank in one launch), the plan (``k_quota``), rank 0's
+        schedule build into a plan-arena slot (``k_build_slot``) and its reroute table (``k_reroute``),
+        each alone and as the whole step, timed two ways: eagerly from Python (CUDA events around
+        back-to-back calls; small rows there are the host's enqueue rate, flagged cpu-bound) and
+        inside a replayed CUDA graph (``Timer.graph``: device time, note "graph replay", extra
+        timing=graph), beside the host path they replace (loads copied to the host, the same
+        planner's host build, the table built and uploaded).  #wrong: plan, build (status, task
+        counts, digest) and table entries that differ from the host build's, gathered counts that
+        differ from the posted ones, and nonzero exchange statuses."""
         if self.cuda_reason or not hasattr(self.cuda, "quota_plan"):
             self.rows.append(Row("control", "-", "-", 0, None, 0, 0, None,
                                  f"not measured: {self.cuda_reason or 'this _cuda build has no quota_plan'}"))
             return
-        host_plan = get_planner("device")
-        for label, W, epr in (("EP8", 8, 32), ("EP64", 64, 4)):
-            E = W * epr
-            dom = Domain.flat(W, epr)
-            load = workloads.zipf_load(W, E, 8192, 8, 2.0, seed=1)
-            loads = torch.as_tensor(load, dtype=torch.int32, device=self.dev)
-            out = dp.plan_on_gpu(loads, dom, 2)
-            t_plan, _ = self.timer(lambda: dp.plan_on_gpu(loads, dom, 2, out=out), reps=20)
-            first = RerouteTable.from_plan(loads, out["slot_src"], out["slot_quota"], 0, epr, "echo")
-            tab = dict(bounds=first.bounds, columns=first.columns,
-                       scratch=torch.empty(self.cuda.reroute_scratch_bytes(W, E) // 8, dtype=torch.int64,
-                                           device=self.dev))
+        for label, W, epr in CONTROL_SHAPES:
+            if self.late("control", label):
+                continue
+            try:
+                self.control_shape(label, W, epr)
+            except Exception as e:  # noqa: BLE001 - the next shape still runs
+                self.errors.append(f"control {label}: {type(e).__name__}: {e}")
+                self.rows.append(Row("control", label, "-", W * epr, None, 0, 0, None,
+                                     f"FAILED: {type(e).__name__}: {e}"))
+                traceback.print_exc()
+            finally:
+                self.torch.cuda.synchronize(self.dev)
+                self.torch.cuda.empty_cache()
 
-            def device_path():
-                dp.plan_on_gpu(loads, dom, 2, out=out)
-                RerouteTable.from_plan(loads, out["slot_src"], out["slot_quota"], 0, epr, "echo", out=tab)
-
-            t_all, _ = self.timer(device_path, reps=20)
-            torch.cuda.synchronize(self.dev)
-            ref = host_plan(load, dom, 2)
-            want_q = np.where(ref.slot_src >= 0, ref.slot_moves.sum(0), 0)
-            wrong = int((out["slot_src"].cpu().numpy() != ref.slot_src).sum()
-                        + (out["slot_quota"].cpu().numpy() != want_q).sum())
-            ht = RerouteTable.from_plan(*(x.cpu() for x in (loads, out["slot_src"], out["slot_quota"])), 0, epr, "echo")
-            wrong += int((first.bounds.cpu() != ht.bounds).sum() + (first.columns.cpu() != ht.columns).sum())
-            info = dp.decode_result(out["result"].cpu())
-            note = f"probes {info['probes']}, rounds {info['rounds']}, replicas {info['replicas']}"
-            self.rows.append(Row("control", f"{label} plan", "k_quota", E, t_plan, 0, 0, wrong, note))
-            self.rows.append(Row("control", f"{label} plan+reroute", "k_quota+k_reroute", E, t_all, 0, 0, wrong, note))
-
-            def host_path():
-                res = host_plan(loads.cpu().numpy().astype(np.int64), dom, 2)
-                RerouteTable.from_result(res, 0, "echo").to(self.dev)
-                torch.cuda.current_stream(self.dev).synchronize()
-
-            host_path()
-            ts = []
-            for _ in range(5 if self.quick else 20):
-                t0 = time.perf_counter()
-                host_path()
-                ts.append(time.perf_counter() - t0)
-            self.rows.append(Row("control", f"{label} plan+reroute", "host (D2H, plan, H2D)", E, statistics.median(ts),
-                                 0, 0, None, "wall time incl. the host sync"))
-            self.control_build(label, W, epr, loads, out, dom)
-
-    def control_build(self, label: str, W: int, epr: int, loads, out: dict, dom) -> None:
-        """The rest of the device step (issue 19): the loads' all-gather (k_load_exchange, every rank of a
-        W-rank loopback world in one launch) and the schedule build into a plan-arena slot (k_build_slot,
-        rank 0's lists of a DeepSeek-V3-sized expert: 3 x 7168 x 2048 bf16 weights, fp32 grads, 1 MiB
-        chunks), alone and as the whole control plane (exchange + plan + build + reroute).  #wrong: the
-        build's status, task counts and digest against its host build (_core.build_into_views)."""
+    def control_shape(self, label: str, W: int, epr: int) -> None:
         torch = self.torch
-        from ultracomm import _core
+        from ultracomm.tools import workloads
         from ultracomm.moe.board_layout import BoardLayout
         from ultracomm.moe.reroute import RerouteTable
+        from ultracomm.planners import Domain, get_planner
         from ultracomm.planners import device as dp
 
-        if not hasattr(self.cuda.Runner, "build_slot"):
-            self.rows.append(Row("control", f"{label} build", "-", 0, None, 0, 0, None,
-                                 "not measured: this _cuda build has no Runner.build_slot"))
-            return
         E, S = W * epr, 2
+        dom = Domain.flat(W, epr)
+        load = workloads.zipf_load(W, E, 8192, 8, 2.0, seed=1)
+        loads = torch.as_tensor(load, dtype=torch.int32, device=self.dev)
+        host_plan = get_planner("device")
+        out = dp.plan_on_gpu(loads, dom, S)
+        t_plan, cpu = self.timer(lambda: dp.plan_on_gpu(loads, dom, S, out=out), reps=20)
+        first = RerouteTable.from_plan(loads, out["slot_src"], out["slot_quota"], 0, epr, "echo")
+        tab = dict(bounds=first.bounds, columns=first.columns,
+                   scratch=torch.empty(self.cuda.reroute_scratch_bytes(W, E) // 8, dtype=torch.int64, device=self.dev))
+
+        def device_path():
+            dp.plan_on_gpu(loads, dom, S, out=out)
+            RerouteTable.from_plan(loads, out["slot_src"], out["slot_quota"], 0, epr, "echo", out=tab)
+
+        t_all, cpu_all = self.timer(device_path, reps=20)
+        torch.cuda.synchronize(self.dev)
+        ref = host_plan(load, dom, S)
+        want_q = np.where(ref.slot_src >= 0, ref.slot_moves.sum(0), 0)
+        ht = RerouteTable.from_plan(*(x.cpu() for x in (loads, torch.as_tensor(ref.slot_src, dtype=torch.int32),
+                                                         torch.as_tensor(want_q, dtype=torch.int64))), 0, epr, "echo")
+
+        def wrong_plan() -> int:
+            return int((out["slot_src"].cpu().numpy() != ref.slot_src).sum() + (out["slot_quota"].cpu().numpy() != want_q).sum())
+
+        def wrong_table(t) -> int:
+            return int((t["bounds"].cpu() != ht.bounds).sum() + (t["columns"].cpu() != ht.columns).sum())
+
+        wrong = wrong_plan() + wrong_table(dict(bounds=first.bounds, columns=first.columns))
+        info = dp.decode_result(out["result"].cpu())
+        note = f"probes {info['probes']}, rounds {info['rounds']}, replicas {info['replicas']}"
+        self.rows.append(Row("control", f"{label} plan", "k_quota", E, t_plan, 0, 0, wrong,
+                             note + (", cpu-bound" if cpu else ""), dict(timing="eager")))
+        self.rows.append(Row("control", f"{label} plan+reroute", "k_quota+k_reroute", E, t_all, 0, 0, wrong,
+                             note + (", cpu-bound" if cpu_all else ""), dict(timing="eager")))
+
+        def host_path():
+            res = host_plan(loads.cpu().numpy().astype(np.int64), dom, S)
+            RerouteTable.from_result(res, 0, "echo").to(self.dev)
+            torch.cuda.current_stream(self.dev).synchronize()
+
+        host_path()
+        ts = []
+        for _ in range(3 if self.quick or W > 64 else 20):
+            t0 = time.perf_counter()
+            host_path()
+            ts.append(time.perf_counter() - t0)
+        self.rows.append(Row("control", f"{label} plan+reroute", "host (D2H, plan, H2D)", E, statistics.median(ts),
+                             0, 0, None, "wall time incl. the host sync", dict(timing="wall")))
+
+        # the loads' all-gather: W loopback ranks' boards on this GPU, one (cooperative) launch
+        L = BoardLayout(W, E)
+        boards = torch.zeros((W, L.total_bytes), dtype=torch.uint8, device=self.dev)
+        bases = torch.tensor([boards[r].data_ptr() for r in range(W)], dtype=torch.int64, device=self.dev)
+        gathered = torch.zeros((W, W, E), dtype=torch.int32, device=self.dev)
+        status = torch.zeros((W, 8), dtype=torch.int32, device=self.dev)
+        seq = torch.zeros((W, 1), dtype=torch.int64, device=self.dev)
+        entries = [dict(counts=loads[r].data_ptr(), out=gathered[r].data_ptr(), status=status[r].data_ptr(),
+                        bases=bases.data_ptr(), seq=seq[r].data_ptr(), rank=r) for r in range(W)]
+
+        def exchange():
+            self.cuda.load_exchange(entries, L.world, L.num_experts, L.entries, L.record_bytes, 10.0, self.stream())
+
+        def wrong_exchange() -> int:
+            return int((gathered.cpu() != loads.cpu().unsqueeze(0)).sum()) + int(status[:, 0].cpu().ne(0).sum())
+
+        x_note = f"all {W} ranks in one launch (per rank: its own CTA)"
+        fit = self.cuda.load_exchange_max_coresident(W) if hasattr(self.cuda, "load_exchange_max_coresident") else None
+        if fit is not None:
+            x_note += f"; {fit} CTAs fit at once"
+        t_x, cpu_x = self.timer(exchange, reps=20)
+        torch.cuda.synchronize(self.dev)
+        wrong_x = wrong_exchange()
+        self.rows.append(Row("control", f"{label} exchange", "k_load_exchange", E, t_x, 0, 0, wrong_x,
+                             x_note + (", cpu-bound" if cpu_x else ""), dict(timing="eager")))
+
+        def plan():
+            dp.plan_on_gpu(gathered[0], dom, S, out=out)
+
+        def reroute():
+            RerouteTable.from_plan(gathered[0], out["slot_src"], out["slot_quota"], 0, epr, "echo", out=tab)
+
+        build, wrong_build, b_note = self.control_build(W, epr, S, out)
+        kernels = dict(exchange=exchange, plan=plan, build=build, reroute=reroute)
+
+        def whole():
+            for fn in kernels.values():
+                fn()
+
+        notes = {}
+        if build is None:
+            notes["build"] = notes[CONTROL_STEP[0]] = b_note
+        else:
+            t_all, cpu_all = self.timer(whole, reps=20)
+            torch.cuda.synchronize(self.dev)
+            self.rows.append(Row("control", f"{label} {CONTROL_STEP[0]}", CONTROL_STEP[1], E, t_all, 0, 0,
+                                 wrong_plan() + wrong_table(tab) + wrong_exchange() + wrong_build(),
+                                 "the whole control plane of one layer and micro-batch" + (", cpu-bound" if cpu_all else ""),
+                                 dict(timing="eager")))
+            notes["build"] = b_note
+        # the same kernels inside replayed CUDA graphs (one graph per row; the step: all four)
+        times = {}
+        if build is not None:
+            kernels[CONTROL_STEP[0]] = whole
+        for key, fn in kernels.items():
+            if fn is None:
+                continue
+            try:
+                times[key] = self.timer.graph(fn)
+            except Exception as e:  # noqa: BLE001 - the row says why
+                notes[key] = f"{type(e).__name__}: {e}"
+                torch.cuda.synchronize(self.dev)
+        torch.cuda.synchronize(self.dev)
+        wx, wp, wt = wrong_exchange(), wrong_plan(), wrong_table(tab)
+        wb = wrong_build() if build is not None else None
+        wrong_g = dict(exchange=wx, plan=wp, reroute=wt, build=wb)
+        wrong_g[CONTROL_STEP[0]] = wx + wp + wt + (wb or 0)
+        notes["exchange"] = x_note
+        notes["plan"] = note
+        self.rows.extend(control_graph_rows(label, E, times, wrong_g, notes))
+
+    def control_build(self, W: int, epr: int, S: int, out: dict):
+        """(build fn, its #wrong fn, note) for rank 0's schedule build into a plan-arena slot
+        (k_build_slot, a DeepSeek-V3-sized expert: 3 x 7168 x 2048 bf16 weights, fp32 grads, 1 MiB
+        chunks), after one eager row; (None, None, why) when this _cuda build or shape has none.
+        #wrong: the build's status, task counts and digest against its host build (_core.build_into_views)."""
+        torch = self.torch
+        from ultracomm import _core
+
+        if not hasattr(self.cuda.Runner, "build_slot"):
+            return None, None, "this _cuda build has no Runner.build_slot"
+        E = W * epr
         wb, gb, chunk = 3 * 7168 * 2048 * 2, 3 * 7168 * 2048 * 4, 1 << 20
         wl = _core.window_layout(S, wb, gb, chunk)
         runner = self.cuda.Runner(self.dev.index)
         tasks = ((epr + S) * wl["weight_chunks"], (epr + S) * wl["grad_chunks"])
         arena = self.cuda.PlanArena(self.dev.index, 1, nranks=1, world=W, num_experts=E, masters=epr, slots=S,
                                     tasks=tasks, refs=(W * S, W * S))
-        stream = self.stream()
         for op in (0, 1):  # rank 0's static part (addresses are never dereferenced: nothing is launched)
             entry = dict(op=op, rank=0, world=W, slots=S, weight_slot_bytes=wl["weight_slot_bytes"],
                          grad_slot_bytes=wl["grad_slot_bytes"], chunk_bytes=wl["chunk_bytes"],
@@ -554,55 +730,29 @@ class Gpu:
                          local_index_of=[e if e < epr else -1 for e in range(E)], grad_dtype=0, my_slots=[-1] * S,
                          tasks=np.zeros(0, _core_records("TASK_DTYPE")), refs=np.zeros(0, _core_records("REF_DTYPE")),
                          timeout_s=10.0, slot_parent=[-1] * S, digest=1)
-            runner.write_template(arena, 0, [entry], stream)
+            runner.write_template(arena, 0, [entry], self.stream())
         home = torch.arange(E, dtype=torch.int32, device=self.dev) // epr
         hop = 740
 
         def build():
             runner.build_slot(arena, 0, 0, slot_src=out["slot_src"].data_ptr(), home_of=home.data_ptr(), node_of=0,
                               world=W, slots=S, num_experts=E, rank=0, max_depth=8, weight_bytes=wb, grad_bytes=gb,
-                              chunk_bytes=chunk, hop_bytes=hop, stream=stream)
+                              chunk_bytes=chunk, hop_bytes=hop, stream=self.stream())
 
-        t_build, _ = self.timer(build, reps=20)
-        torch.cuda.synchronize(self.dev)
+        def wrong_build() -> int:
+            got = arena.build_result(0)
+            want = _core.build_into_views(out["slot_src"].cpu().numpy(), home.cpu().numpy(), None, wb, gb, chunk, 0, 8,
+                                          hop, list(tasks), [W * S, W * S])
+            return int(got["status"] != 0) + int(got["digest"] != want["digest"]) + sum(
+                int(got["num_tasks"][i] != want[n]["num_tasks"]) for i, n in enumerate(("multicast", "reduce")))
+
+        t_build, cpu = self.timer(build, reps=20)
+        self.torch.cuda.synchronize(self.dev)
         got = arena.build_result(0)
-        src = out["slot_src"].cpu().numpy()
-        want = _core.build_into_views(src, home.cpu().numpy(), None, wb, gb, chunk, 0, 8, hop, list(tasks),
-                                      [W * S, W * S])
-        wrong = int(got["status"] != 0) + int(got["digest"] != want["digest"]) + sum(
-            int(got["num_tasks"][i] != want[n]["num_tasks"]) for i, n in enumerate(("multicast", "reduce")))
         note = f"tasks {got['num_tasks'][0]}/{got['num_tasks'][1]}, depth {got['depth'][0]}/{got['depth'][1]}"
-        self.rows.append(Row("control", f"{label} build", "k_build_slot", E, t_build, 0, 0, wrong, note))
-        # the loads' all-gather: W loopback ranks' boards on this GPU, one launch
-        L = BoardLayout(W, E)
-        boards = torch.zeros((W, L.total_bytes), dtype=torch.uint8, device=self.dev)
-        bases = torch.tensor([boards[r].data_ptr() for r in range(W)], dtype=torch.int64, device=self.dev)
-        counts = loads.clone()
-        gathered = torch.zeros((W, W, E), dtype=torch.int32, device=self.dev)
-        status = torch.zeros((W, 8), dtype=torch.int32, device=self.dev)
-        seq = torch.zeros((W, 1), dtype=torch.int64, device=self.dev)
-        entries = [dict(counts=counts[r].data_ptr(), out=gathered[r].data_ptr(), status=status[r].data_ptr(),
-                        bases=bases.data_ptr(), seq=seq[r].data_ptr(), rank=r) for r in range(W)]
-
-        def exchange():
-            self.cuda.load_exchange(entries, L.world, L.num_experts, L.entries, L.record_bytes, 10.0, stream)
-
-        t_x, _ = self.timer(exchange, reps=20)
-        torch.cuda.synchronize(self.dev)
-        wrong_x = int((gathered.cpu() != loads.cpu().unsqueeze(0)).sum()) + int(status[:, 0].cpu().ne(0).sum())
-        self.rows.append(Row("control", f"{label} exchange", "k_load_exchange", E, t_x, 0, 0, wrong_x,
-                             f"all {W} ranks in one launch (per rank: its own CTA)"))
-        tab = {}
-
-        def whole():
-            exchange()
-            dp.plan_on_gpu(gathered[0], dom, S, out=out)
-            build()
-            RerouteTable.from_plan(gathered[0], out["slot_src"], out["slot_quota"], 0, epr, "echo", out=tab)
-
-        t_all, _ = self.timer(whole, reps=20)
-        self.rows.append(Row("control", f"{label} exchange+plan+build+reroute", "device step", E, t_all, 0, 0,
-                             wrong + wrong_x, "the whole control plane of one layer and micro-batch"))
+        self.rows.append(Row("control", f"{f'EP{W}'} build", "k_build_slot", E, t_build,
+                             0, 0, wrong_build(), note + (", cpu-bound" if cpu else ""), dict(timing="eager")))
+        return build, wrong_build, note
 
     def run_flag(self) -> None:
         torch = self.torch

@@ -367,3 +367,145 @@ def test_gpu_check_leaves_few_files_and_packs_every_log(tmp_path):
     with tarfile.open(out / "logs.tar.gz") as tar:
         assert sorted(tar.getnames()) == ["logs", *sorted(f"logs/step{i}.log" for i in range(12))]
         assert tar.extractfile("logs/step7.log").read() == b"log 7\n"
+
+
+# ----------------------------------------------------------------------------- graph-replayed rows (issue 33)
+
+class FakeTorch:
+    """torch.cuda's graph and event API on a fake clock: each replay of a graph advances the
+    device clock by its captured calls x `per_call_s`; eager calls advance it by `eager_s`."""
+
+    def __init__(self, per_call_s=2e-6, eager_s=10e-6):
+        import types
+        self.clock, self.capturing, self.replays, self.log = 0.0, None, 0, []
+        fake = self
+
+        class Graph:
+            def __init__(self):
+                self.calls = 0
+
+            def replay(self):
+                fake.replays += 1
+                fake.clock += self.calls * per_call_s
+
+        class Ctx:
+            def __init__(self, g, stream=None):
+                self.g = g
+
+            def __enter__(self):
+                fake.capturing = self.g
+
+            def __exit__(self, *a):
+                fake.capturing = None
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                self.t = None
+
+            def record(self):
+                self.t = fake.clock
+
+            def synchronize(self):
+                pass
+
+            def elapsed_time(self, other):
+                return (other.t - self.t) * 1e3
+
+        class Stream:
+            def wait_stream(self, other):
+                pass
+
+            def synchronize(self):
+                pass
+
+        self.cuda = types.SimpleNamespace(CUDAGraph=Graph, graph=Ctx, Event=Event, Stream=Stream,
+                                          current_stream=lambda *a: Stream())
+        self.eager_s = eager_s
+
+    def call(self):
+        if self.capturing is not None:
+            self.capturing.calls += 1
+            self.log.append("captured")
+        else:
+            self.clock += self.eager_s
+            self.log.append("eager")
+
+
+def test_graph_timer_captures_per_graph_calls_and_divides_by_replays():
+    ft = FakeTorch(per_call_s=2e-6)
+    timer = bg.Timer(ft, reps=5, trials=3)
+    t = timer.graph(ft.call, per_graph=7, replays=4)
+    assert t == pytest.approx(2e-6)  # device time per call, not per replay
+    assert ft.log == ["eager"] + ["captured"] * 7  # once eagerly (setup, check), then captured
+    assert ft.replays == 1 + 3 * 4  # one warm replay, then trials x replays
+
+
+def test_control_shapes_cover_ep8_to_ep288():
+    assert [(label, W) for label, W, _ in bg.CONTROL_SHAPES] == [("EP8", 8), ("EP16", 16), ("EP64", 64), ("EP288", 288)]
+    assert all(label == f"EP{W}" and W * epr <= 1024 for label, W, epr in bg.CONTROL_SHAPES)
+    assert [k for k, _ in bg.CONTROL_KERNELS] == ["exchange", "plan", "build", "reroute"]
+
+
+def test_control_graph_rows_keep_the_eager_names_and_say_graph():
+    times = dict(exchange=3e-6, plan=20e-6, build=10e-6, reroute=2e-6)
+    times["exchange+plan+build+reroute"] = 40e-6
+    wrong = dict(exchange=0, plan=0, build=1, reroute=0)
+    wrong["exchange+plan+build+reroute"] = 1
+    rows = bg.control_graph_rows("EP64", 256, times, wrong, dict(plan="probes 8"))
+    assert [(r.section, r.case, r.impl) for r in rows] == [
+        ("control", "EP64 exchange", "k_load_exchange"), ("control", "EP64 plan", "k_quota"),
+        ("control", "EP64 build", "k_build_slot"), ("control", "EP64 reroute", "k_reroute"),
+        ("control", "EP64 exchange+plan+build+reroute", "device step")]
+    assert all("graph replay" in r.note and r.extra["timing"] == "graph" for r in rows)
+    assert rows[1].note == "graph replay: 10 per graph x 20 replays, device time; probes 8"
+    assert [r.time_s for r in rows] == [3e-6, 20e-6, 10e-6, 2e-6, 40e-6] and rows[2].wrong == 1
+    d = rows[4].to_dict()
+    assert d["timing"] == "graph" and d["per_graph"] == bg.CONTROL_PER_GRAPH and d["replays"] == bg.CONTROL_REPLAYS
+    # a kernel that could not be captured: its row says why, with no time and no #wrong
+    rows = bg.control_graph_rows("EP8", 256, dict(plan=1e-6), {}, dict(build="this _cuda build has no Runner.build_slot"))
+    assert rows[2].time_s is None and rows[2].wrong is None
+    assert rows[2].note == "not measured (graph replay): this _cuda build has no Runner.build_slot"
+    assert "graph" in bg.format_table(rows)
+
+
+def test_launch_rows_eager_and_graph_replayed():
+    """run_launch on a stub: the empty kernel and the no-task persistent kernel each get an eager
+    row (the enqueue rate) and a graph-replayed row (LAUNCH_PER_GRAPH launches per graph), same
+    names; the profile's launch_s stays the first (eager) empty-kernel row."""
+    calls = []
+
+    class StubTimer:
+        def __call__(self, fn, reps=None):
+            fn()
+            return 11e-6, True
+
+        def graph(self, fn, per_graph=10, replays=20):
+            calls.append((per_graph, replays))
+            fn()
+            return 1.5e-6
+
+    class Domain:
+        def run(self, op):
+            calls.append(op)
+
+        def check(self):
+            pass
+
+        def close(self):
+            calls.append("closed")
+
+    import types
+
+    g = stub_gpu(timer=StubTimer(), tma_reason=None, torch=types.SimpleNamespace(float32='f32'))
+    g.binding = lambda name: ((lambda stream: calls.append("empty")), "")
+    g.stream = lambda: 0
+    g.domain = lambda *a, **k: Domain()
+    g.run_launch()
+    got = [(r.case, r.impl, r.time_s, r.extra.get("timing")) for r in g.rows]
+    assert got == [("floor", "empty kernel", 11e-6, "eager"), ("floor", "empty kernel", 1.5e-6, "graph"),
+                   ("no tasks", "tile mover", 11e-6, "eager"), ("no tasks", "tile mover", 1.5e-6, "graph")]
+    assert g.rows[1].note == "graph replay: 100 per graph x 10 replays, device time"
+    assert "persistent launch" in g.rows[3].note and "graph replay" in g.rows[3].note
+    assert calls.count((bg.LAUNCH_PER_GRAPH, bg.LAUNCH_REPLAYS)) == 2 and calls[-1] == "closed"
+    prof = bg.build_profile(g.rows, DEVICE, "d")
+    assert prof["launch_s"] == 11e-6

@@ -69,7 +69,7 @@ def test_one_launch_gathers_every_rank_in_the_board_layout():
                 assert np.array_equal(board[off + 16:off + 16 + 4 * 37].view(np.int32), want[q])
 
 
-@pytest.mark.parametrize("world, E", [(64, 256), (288, 64), (5, 36)])
+@pytest.mark.parametrize("world, E", [(64, 256), (288, 64), (5, 37)])
 def test_vector_posts_and_parallel_read_back_at_scale(world, E):
     """16-byte posts and read-back (E % 4 == 0), 64 ranks in one launch and an EP288 loopback
     world (every rank's CTA co-resident: cooperative, after the occupancy check; a GPU that

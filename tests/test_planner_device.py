@@ -81,7 +81,7 @@ def _same_plan(a, b):
     assert a.slot_src.tobytes() == b.slot_src.tobytes()
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(big_problems())
 def test_lanes_and_groups_give_byte_identical_plans(prob):
     domain, load, K, intra, min_tokens = prob

@@ -37,6 +37,15 @@ struct WarpGroup {
     }
     return v;
   }
+  // lexicographic minimum of the lanes' (a, b): the butterfly leaves it in every lane
+  __device__ __forceinline__ void min2(uint64_t& a, uint64_t& b) const {
+    for (int32_t d = 16; d > 0; d >>= 1) {
+      const uint64_t oa = __shfl_xor_sync(0xffffffffu, a, d), ob = __shfl_xor_sync(0xffffffffu, b, d);
+      const bool take = oa < a || (oa == a && ob < b);
+      a = take ? oa : a;
+      b = take ? ob : b;
+    }
+  }
   __device__ __forceinline__ int64_t sum(int64_t v) const {
     for (int32_t d = 16; d > 0; d >>= 1) v += __shfl_xor_sync(0xffffffffu, v, d);
     return v;

@@ -15,9 +15,9 @@ namespace ultracomm::quota {
 
 // What the lanes of one Group share: a barrier and one reduction word per lane.
 struct ThreadShared {
-  explicit ThreadShared(int32_t n) : bar(n), vals(n), sums(n) {}
+  explicit ThreadShared(int32_t n) : bar(n), vals(n), vals2(n), sums(n) {}
   std::barrier<> bar;  // arrive_and_wait orders memory among the lanes, like __syncwarp
-  std::vector<uint64_t> vals;
+  std::vector<uint64_t> vals, vals2;
   std::vector<int64_t> sums;
 };
 
@@ -36,6 +36,17 @@ struct ThreadGroup {
     for (int32_t i = 1; i < n; ++i) m = sh->vals[i] < m ? sh->vals[i] : m;
     sync();  // nobody overwrites vals before every lane has read them
     return m;
+  }
+  void min2(uint64_t& a, uint64_t& b) const {
+    sh->vals[id] = a;
+    sh->vals2[id] = b;
+    sync();
+    for (int32_t i = 0; i < n; ++i)
+      if (sh->vals[i] < a || (sh->vals[i] == a && sh->vals2[i] < b)) {
+        a = sh->vals[i];
+        b = sh->vals2[i];
+      }
+    sync();
   }
   int64_t sum(int64_t v) const {
     sh->sums[id] = v;

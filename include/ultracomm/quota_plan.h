@@ -141,7 +141,8 @@ UC_INLINE int32_t check_problem(const Problem& p) {
 //
 // A Group runs one probe: lane() in [0, width()), sync() a barrier of the group (and a memory
 // fence among its lanes), and min() / sum() return the minimum / sum of every lane's value to
-// every lane.  Writes to shared state happen on lane 0 between syncs.
+// every lane; min2(a, b) leaves in every lane's (a, b) the lexicographic minimum of all lanes'
+// pairs (probe groups only).  Writes to shared state happen on lane 0 between syncs.
 //
 // A Cta runs the whole search: groups() probe groups (group() is this thread's), each a Group
 // (lanes()), and all() -- every thread as one Group -- for the derived data, the plan's
@@ -153,6 +154,7 @@ struct SerialGroup {  // the host build: one lane
   UC_INLINE int32_t width() const { return 1; }
   UC_INLINE void sync() const {}
   UC_INLINE uint64_t min(uint64_t v) const { return v; }
+  UC_INLINE void min2(uint64_t&, uint64_t&) const {}
   UC_INLINE int64_t sum(int64_t v) const { return v; }
 };
 
@@ -245,6 +247,8 @@ UC_INLINE bool can_receive(const Problem& p, ProbeState st, int32_t r, int32_t e
 template <class G>
 UC_INLINE bool probe(const Problem& p, Shared sh, ProbeState st, int64_t T, const G& g) {
   const int32_t W = p.world, epr = p.experts_per_rank, K = p.slots;
+  // this lane's first (expert, receiver) pair and the stride, as (j, r) steps: lane = j0 * W + r0
+  const int32_t j0 = g.lane() / W, r0 = g.lane() % W, dj = g.width() / W, dr = g.width() % W;
   for (int32_t r = g.lane(); r < W; r += g.width()) {
     const int64_t L = sh.rank_load[r];
     st.spare[r] = L > T ? -1 : T - L;
@@ -265,34 +269,51 @@ UC_INLINE bool probe(const Problem& p, Shared sh, ProbeState st, int64_t T, cons
     const int32_t hnode = p.node_of ? p.node_of[h] : 0;
     const int32_t* mine = sh.expert_order + int64_t(h) * epr;  // hottest first
     while (excess >= p.min_tokens) {
-      // the largest piece that fits whole: key = (kMaxTokens - piece) << 16 | j  (j < 2^16)
-      uint64_t best = kNoReceiver;
-      for (int64_t i = g.lane(); i < int64_t(epr) * W; i += g.width()) {
-        const int32_t j = static_cast<int32_t>(i / W), r = static_cast<int32_t>(i % W), e = mine[j];
+      // One pass over the (expert j, receiver r) pairs: the largest piece min(avail, excess)
+      // that some receiver takes whole, ties the hotter expert, on the tightest such receiver,
+      // ties the lower rank -- the lexicographic minimum of (piece key, receiver key), piece
+      // key = (kMaxTokens - piece) << 16 | j (j < 2^16), receiver key = spare << 10 | r.
+      // Pair i = j * W + r of the flat range, lane-strided without a division per pair.
+      uint64_t best = kNoReceiver, best_r = kNoReceiver;
+      for (int32_t j = j0, r = r0; j < epr;) {
+        const int32_t e = mine[j];
         const int64_t a = st.avail[e];
         const int64_t need = a < excess ? a : excess;
-        if (need >= p.min_tokens && st.spare[r] >= need && can_receive(p, st, r, e, hnode)) {
+        const int64_t sp = st.spare[r];
+        if (need >= p.min_tokens && sp >= need && can_receive(p, st, r, e, hnode)) {
           const uint64_t k = (static_cast<uint64_t>(kMaxTokens - need) << 16) | static_cast<uint64_t>(j);
-          best = k < best ? k : best;
+          const uint64_t kr = (static_cast<uint64_t>(sp) << 10) | static_cast<uint64_t>(r);
+          if (k < best || (k == best && kr < best_r)) {
+            best = k;
+            best_r = kr;
+          }
+        }
+        r += dr;
+        j += dj;
+        if (r >= W) {
+          r -= W;
+          j += 1;
         }
       }
-      best = g.min(best);
+      g.min2(best, best_r);
       int32_t e = -1;
+      uint64_t rk = best_r;
       if (best != kNoReceiver) {
         e = mine[best & 0xffffu];
-      } else {  // nothing fits whole: split the hottest expert left
-        for (int32_t j = 0; j < epr && e < 0; ++j)
-          if (st.avail[mine[j]] >= p.min_tokens) e = mine[j];
+      } else {  // nothing fits whole: split the hottest expert left onto the largest spare
+        for (int32_t jj = 0; jj < epr && e < 0; ++jj)
+          if (st.avail[mine[jj]] >= p.min_tokens) e = mine[jj];
         if (e < 0) return false;
+        const int64_t need = st.avail[e] < excess ? st.avail[e] : excess;
+        rk = kNoReceiver;
+        for (int32_t r = g.lane(); r < W; r += g.width()) {
+          const uint64_t k = can_receive(p, st, r, e, hnode) ? receiver_key(st.spare[r], need, r) : kNoReceiver;
+          rk = k < rk ? k : rk;
+        }
+        rk = g.min(rk);
+        if (rk == kNoReceiver) return false;
       }
       const int64_t need = st.avail[e] < excess ? st.avail[e] : excess;
-      uint64_t rk = kNoReceiver;
-      for (int32_t r = g.lane(); r < W; r += g.width()) {
-        const uint64_t k = can_receive(p, st, r, e, hnode) ? receiver_key(st.spare[r], need, r) : kNoReceiver;
-        rk = k < rk ? k : rk;
-      }
-      rk = g.min(rk);
-      if (rk == kNoReceiver) return false;
       const int32_t r = static_cast<int32_t>(rk & 1023u);
       const int64_t s = st.spare[r];
       const int64_t amt = s < need ? s : need;

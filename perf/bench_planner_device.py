@@ -8,10 +8,15 @@ planners/eval.py): per call, the median microseconds of
 * ``quota``: ``planners.quota.plan`` (C++ search, numpy around it), and ``quota core``: its
   C++ call alone (``_core.quota_search``);
 * ``device``: ``planners.device.plan`` and ``device core``: ``_core.quota_device`` alone --
-  the code the GPU kernel compiles (include/ultracomm/quota_plan.h), run on one host thread;
+  quota::plan() of include/ultracomm/quota_plan.h, the code the GPU kernel compiles, run on one
+  host thread (one probe group: a round's thresholds in turn, stopping at the first feasible
+  one, whose plan is kept);
 
-with each plan's max:mean rank load and replica copies.  CPU figures from whatever machine runs
-it; the GPU kernel's time is perf/bench_gpu.py's (needs a device).
+with each plan's max:mean rank load and replica copies, the device planner's threshold search
+(``probes``: thresholds scheduled -- what the GPU's 8 warps run --, ``rounds``), and a closing
+check of issue 33's bar: max:mean <= 1.02 and copies at most 5% above ``quota``'s on every row.
+CPU figures from whatever machine runs it; the GPU kernel's time is perf/bench_gpu.py's (needs a
+device).
 """
 from __future__ import annotations
 
@@ -55,7 +60,7 @@ def main() -> None:
     quota, device = get_planner("quota"), get_planner("device")
     rows = []
     print(f"{'load':18s} {'K':>2s} {'quota us':>9s} {'core':>7s} {'device us':>10s} {'core':>7s} "
-          f"{'q max:mean':>10s} {'d max:mean':>10s} {'q copies':>8s} {'d copies':>8s}")
+          f"{'q max:mean':>10s} {'d max:mean':>10s} {'q copies':>8s} {'d copies':>8s} {'probes':>6s} {'rounds':>6s}")
     for name, dom, load in cases():
         for K in (1, 2):
             W, epr = dom.world, dom.experts_per_rank
@@ -77,10 +82,20 @@ def main() -> None:
             rows.append(row)
             print(f"{name:18s} {K:2d} {row['quota_us']:9.0f} {row['quota_core_us']:7.0f} {row['device_us']:10.0f} "
                   f"{row['device_core_us']:7.0f} {row['quota_max_mean']:10.4f} {row['device_max_mean']:10.4f} "
-                  f"{row['quota_copies']:8d} {row['device_copies']:8d}", flush=True)
+                  f"{row['quota_copies']:8d} {row['device_copies']:8d} {row['device_probes']:6d} "
+                  f"{row['device_rounds']:6d}", flush=True)
+    worst_balance = max(r["device_max_mean"] for r in rows)
+    worst_copies = max(r["device_copies"] / r["quota_copies"] - 1 for r in rows)
+    check = dict(max_mean_le_1_02=worst_balance <= 1.02, copies_le_5pct=worst_copies <= 0.05,
+                 worst_max_mean=worst_balance, worst_copies_over_quota=round(worst_copies, 4))
+    print(f"device max:mean <= 1.02 on {sum(r['device_max_mean'] <= 1.02 for r in rows)} of {len(rows)} rows "
+          f"(worst {worst_balance:.4f}); copies at most {100 * worst_copies:.1f}% above quota's "
+          f"(fewer on {sum(r['device_copies'] < r['quota_copies'] for r in rows)} rows): "
+          f"{'meets' if check['max_mean_le_1_02'] and check['copies_le_5pct'] else 'MISSES'} issue 33's bar")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(dict(machine=os.uname().nodename, cpus=os.cpu_count(), reps=a.reps, rows=rows), f, indent=1)
+            json.dump(dict(machine=os.uname().nodename, cpus=os.cpu_count(), reps=a.reps, rows=rows, check=check),
+                      f, indent=1)
 
 
 if __name__ == "__main__":

@@ -113,9 +113,10 @@ def _arena(probe, scenario):
 def test_plan_arena_is_allocated_once_and_written_with_async_copies(probe):
     # setup: the runner's state, then the arena: device memory and pinned staging, once
     setup, run = _arena(probe, "arena")
-    # 3 slots x (2 op areas of 768 bytes + 256 bytes of builder scratch); the pinned staging; the
-    # device builds' results in mapped host memory
-    assert setup[-4:] == ["cudaMalloc 5376", "cudaHostAlloc", "cudaHostAlloc mapped", "arena 5376 area 768"], setup
+    # 3 slots x (2 op areas of 768 bytes + 1280 bytes of builder scratch: psched::scratch_words with
+    # 8 candidate warps, the CTA build's global fallback); the pinned staging; the device builds'
+    # results in mapped host memory
+    assert setup[-4:] == ["cudaMalloc 8448", "cudaHostAlloc", "cudaHostAlloc mapped", "arena 8448 area 768"], setup
     # after setup: no cudaMalloc / cudaFree / pageable cudaMemcpy / host synchronisation; a new
     # plan is one async copy from the staging on the launch stream, behind the wait for the
     # previous launch of its kind, and the kernel reads it at the slot's fixed address (slot 1's

@@ -5,6 +5,9 @@ emits and every executor runs -- built by portable C++ that nvcc compiles unchan
 ``csrc/cuda/k_build.cu``: no allocation (caller scratch), fixed capacities (world <= 1024,
 slots <= 8, experts <= 65536, bytes per expert <= 2**40), integers only, so every rank and both
 builds compute the same lists and the same :attr:`PortableSchedule.digest` from the same plan.
+The source is written over a lane group: on the GPU it runs as one CTA (block scans, one
+candidate tree per warp, scratch in shared memory when it fits), here on one lane; the tests
+run it on host threads as lanes and hold every lane count to the same bytes.
 
 Trees (not the host builder's search, a simpler deterministic one; see the header): a per-rank
 capacity ``L`` (children over all experts) and the depth limit; experts, most replicas first,

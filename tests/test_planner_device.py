@@ -250,7 +250,9 @@ def test_gpu_plans_equal_host_build_and_replay_in_a_graph():
     import torch
 
     rng = np.random.default_rng(0)
-    cases = [(64, 4, 2, 1), (16, 8, 1, 2), (8, 2, 3, 1)]
+    # state in shared memory under 48 KB (EP8/16/64), above it with the opt-in attribute (EP288,
+    # 213 KB: sm_90/sm_100; global scratch on sm_80), and on global scratch (EP512, E 8192)
+    cases = [(64, 4, 2, 1), (16, 8, 1, 2), (8, 2, 3, 1), (288, 3, 4, 36), (512, 16, 2, 8)]
     for W, epr, K, nodes in cases:
         domain = Domain.nodes(nodes, W // nodes, epr)
         top_k = min(8, epr)  # a rank holds epr experts: more choices per token cap its share below 3x the mean

@@ -419,3 +419,34 @@ def test_set_relay_mode_rebuilds_schedules_and_checks_the_mode():
     for forced, direct in LoopbackDomain(4).run(body):
         assert forced != direct
         assert direct["multicast"]["depth"] == 1 and forced["multicast"]["depth"] >= 2
+
+
+def test_set_plan_gives_grad_reduce_a_plan_without_a_multicast():
+    """set_plan: the plan checked and agreed as weight_sync does, no byte moved (the replica
+    weights came another way); grad_reduce then adds the caller's replica grads into the masters
+    exactly as after a weight_sync."""
+    world, slots, epr = 3, 1, 1
+    layout = make_layout(4, 4)
+    plan = ReplicaPlan.make(np.array([[1], [0], [0]], np.int32), experts_per_rank=1)
+
+    def body(group):
+        with Context(group, layout, epr, slots, num_layers=1) as ctx:
+            weights, grads = masters_for(layout, ctx.rank, epr)
+            ctx.register_masters(0, weights, grads)
+            vid = ctx.begin(0)
+            before = [t.clone() for t in ctx.replica_weights]
+            ctx.set_plan(vid, plan)
+            assert all(torch.equal(a, b) for a, b in zip(before, ctx.replica_weights))  # nothing moved
+            for m, g in enumerate(ctx.replica_grads):
+                g.fill_(float(1 + ctx.rank + 10 * m))
+            ctx.grad_reduce(vid)
+            return [g.clone() for g in grads]
+
+    got = LoopbackDomain(world).run(body)
+    def filled(t, v):
+        return torch.equal(t, torch.full_like(t, v))
+
+    # rank 0's expert 0 is replicated on ranks 1 and 2: grads 2 + 3 (member 0), 12 + 13 (member 1)
+    assert filled(got[0][0], 5.0) and filled(got[0][1], 25.0)
+    assert filled(got[1][0], 1.0) and filled(got[1][1], 11.0)  # rank 1's expert 1 on rank 0: 1 and 11
+    assert not got[2][0].any() and not got[2][1].any()

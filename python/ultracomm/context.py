@@ -709,12 +709,26 @@ class Context:
         if isinstance(plan, ResidentPlan):  # None: set up to be built on the device
             plan, builder = self._resident(mb, plan), "portable"
         if plan is not None:
-            sched = self._prepare_plan(plan, mb.layer, builder)
-            mb.plan, mb.schedule = plan, sched
-            mb.my_slots, mb.local_index_of = plan.slot_src[self.rank].tolist(), plan.local_index_of.tolist()
+            self._keep_plan(mb, plan, self._prepare_plan(plan, mb.layer, builder))
         work = self._submit("weight_sync", Op.MULTICAST, mb, self._masters[mb.layer], async_op)
         self._wrote_slots(mb)
         return work
+
+    def set_plan(self, vid: int, plan: ReplicaPlan) -> None:
+        """Give ``vid`` its plan without a multicast, for a ``grad_reduce`` whose replica grads the
+        caller wrote into ``replica_grads`` itself (the replicas' weights came another way, e.g.
+        DeepEP's ``lb_reduce_grads``).  Checked, built and agreed across ranks as ``weight_sync``
+        does it, before anything moves; collective like it."""
+        self._check_usable()
+        mb = self._get(vid)
+        if not isinstance(plan, ReplicaPlan):
+            raise TypeError(f"ultracomm: set_plan takes a ReplicaPlan, got {type(plan).__name__}")
+        self._keep_plan(mb, plan, self._prepare_plan(plan, mb.layer))
+        mb.restored = True  # nothing in the slots to go stale: the grads are the caller's
+
+    def _keep_plan(self, mb: _MicroBatch, plan: ReplicaPlan, sched: Any) -> None:
+        mb.plan, mb.schedule = plan, sched
+        mb.my_slots, mb.local_index_of = plan.slot_src[self.rank].tolist(), plan.local_index_of.tolist()
 
     def _resident(self, mb: _MicroBatch, plan: ResidentPlan) -> ReplicaPlan | BaseException | None:
         """A resident plan's route: None when it is built on the device (``mb`` set up for it), else

@@ -321,7 +321,7 @@ class LBBuffer:
         ctx.register_masters(0, [rows], [rows])  # weights never move: no multicast runs
         vid = ctx.begin(0)
         try:
-            _install_plan(ctx, vid, plan)
+            ctx.set_plan(vid, plan)
         except BaseException:
             ctx.end(vid)
             raise
@@ -402,18 +402,6 @@ class LBBuffer:
             ev.record()
             return EventOverlap(ev)
         return EventOverlap(None)
-
-
-def _install_plan(ctx: Context, vid: int, plan: ReplicaPlan) -> None:
-    """What ``weight_sync`` does for ``vid`` before it moves anything: check and build ``plan``,
-    agreed across ranks as ``weight_sync`` agrees it, and keep it for ``grad_reduce`` -- the
-    reduction needs the plan, not the multicast, and the pool's weight slots hold the gradients
-    the caller wrote."""
-    mb = ctx._get(vid)
-    sched = ctx._prepare_plan(plan, mb.layer)
-    mb.plan, mb.schedule = plan, sched
-    mb.my_slots, mb.local_index_of = plan.slot_src[ctx.rank].tolist(), plan.local_index_of.tolist()
-    mb.restored = True
 
 
 def _tensors(x: Any, name: str) -> list[torch.Tensor]:

@@ -16,7 +16,7 @@ from ultracomm.dataplane import check_master_devices, device_type, select, trans
 from ultracomm.env import Config
 from ultracomm.errors import RegistrationError
 from ultracomm.cuda.hwprofile import validate
-from ultracomm.cuda.sm_budget import ANALYTIC_PER_SM_BW, choose_sms, default_sms
+from ultracomm.cuda.sm_budget import FALLBACK_PER_CTA_BW, choose_sms, default_sms
 from ultracomm.transports.host import HostTransport
 from ultracomm.windows import CudaIpcWindow, CudaLocalWindow, TorchSymmWindow
 
@@ -219,10 +219,11 @@ def test_transport_kwargs_pass_resolved_sms(caplog):
     cfg = Config(multicast_sms=0, reduce_sms=7, intra_bw=370e9, log_level="debug")
     with caplog.at_level(logging.DEBUG, logger="ultracomm"):
         kw = transport_kwargs(FakeTma, cfg, None, rank=2, world=4, window=None, wlayout={}, layout=None)
-    want_auto = default_sms(370e9, ANALYTIC_PER_SM_BW)
-    assert want_auto == 23  # ceil(370e9 / 16.29e9)
+    want_auto = default_sms(370e9, FALLBACK_PER_CTA_BW["multicast"])
+    assert want_auto == 11  # ceil(370e9 / 34.5e9): the tile mover's measured per-CTA rate
     assert (kw["multicast_sms"], kw["reduce_sms"]) == (want_auto, 7)
-    assert "rank 2: multicast_sms=23 (auto: ceil(intra_bw 3.7e+11 / analytic per-SM floor" in caplog.text
+    assert "rank 2: multicast_sms=11 (auto: ceil(nvlink bw 3.7e+11 / measured per-CTA fallback 3.45e+10" \
+        in caplog.text
     assert "rank 2: reduce_sms=7 (ULTRACOMM_REDUCE_SMS=7)" in caplog.text
     host_kw = transport_kwargs(HostTransport, cfg, None, rank=0, world=1, window=None, wlayout={}, layout=None)
     assert "multicast_sms" not in host_kw and host_kw["num_workers"] == cfg.num_workers
@@ -250,10 +251,13 @@ def _profile(**over):
 
 def test_choose_sms_uses_the_profile_for_its_kind():
     prof = validate(_profile(), "p.json")
-    mc = choose_sms("multicast", 0, 370e9, 132, prof)
+    # per_sm_copy_bw is a local (HBM) one-CTA figure: it budgets a loopback copy, not an NVLink one
+    mc = choose_sms("multicast", 0, 370e9, 132, prof, link="local")
     assert mc.sms == 4 and "per_sm_copy_bw=1e+11 B/s from p.json (NVIDIA H200" in mc.source
-    rd = choose_sms("reduce", 0, 370e9, 132, prof)  # the profile has no reduce figure: analytic floor
-    assert rd.sms == 23 and "no profile per_sm_reduce_bw" in rd.source
+    mc = choose_sms("multicast", 0, 370e9, 132, prof)
+    assert mc.sms == 11 and "no profile figure for multicast on nvlink" in mc.source
+    rd = choose_sms("reduce", 0, 370e9, 132, prof)  # the profile has no reduce figure: the fallback
+    assert rd.sms == 26 and "no profile figure for reduce on nvlink" in rd.source
     assert choose_sms("reduce", 5, 370e9, 132, prof).sms == 5
     with pytest.raises(ValueError, match="kind must be 'multicast' or 'reduce'"):
         choose_sms("gather", 0, 1.0)
@@ -300,13 +304,13 @@ def test_profile_lookup_needs_a_device_or_a_path(tmp_path, monkeypatch):
 
     (tmp_path / "h200_profile.json").write_text(__import__("json").dumps(_profile()))
     monkeypatch.setattr(hwprofile, "DEFAULT_DIR", str(tmp_path))
-    mc, _ = choices_for_device(0, 0, 370e9, None, None)  # no device (CPU): the analytic floor
-    assert mc.sms == 23 and "analytic" in mc.source
-    mc, _ = choices_for_device(0, 0, 370e9, 132, "NVIDIA H200")  # found by device name
+    mc, _ = choices_for_device(0, 0, 370e9, None, None, link="local")  # no device (CPU): the fallback
+    assert mc.sms == 11 and "fallback" in mc.source
+    mc, _ = choices_for_device(0, 0, 370e9, 132, "NVIDIA H200", link="local")  # found by device name
     assert mc.sms == 4 and "h200_profile.json" in mc.source
-    mc, _ = choices_for_device(0, 0, 370e9, 132, "NVIDIA A100")  # a profile of another GPU does not apply
-    assert mc.sms == 23
-    mc, _ = choices_for_device(0, 0, 370e9, None, None, str(tmp_path / "h200_profile.json"))  # explicit path
+    mc, _ = choices_for_device(0, 0, 370e9, 132, "NVIDIA A100", link="local")  # another GPU's does not apply
+    assert mc.sms == 11
+    mc, _ = choices_for_device(0, 0, 370e9, None, None, str(tmp_path / "h200_profile.json"), link="local")
     assert mc.sms == 4
     mc, rd = choices_for_device(9, 8, 370e9, 132, "NVIDIA H200")  # explicit values: no lookup at all
     assert (mc.sms, rd.sms) == (9, 8)

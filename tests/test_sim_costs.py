@@ -95,12 +95,13 @@ def test_host_costs_on_weight_sync_only():
 
 
 def test_presets_charge_ultracomm_defaults():
-    from ultracomm.cuda.sm_budget import ANALYTIC_PER_SM_BW, default_sms
+    from ultracomm.cuda.sm_budget import FALLBACK_PER_CTA_BW as R, default_sms
 
-    for name, sms in (("h100x8", 23), ("h200x8", 23), ("nvl72", 32), ("2x8-rdma", 23)):
+    for name, mc, rd in (("h100x8", 11, 26), ("h200x8", 11, 26), ("nvl72", 22, 32), ("2x8-rdma", 11, 26)):
         f = sim.get_fabric(name)
-        # the GPU executor's auto SM count for the preset's own link: ceil(bw / 16.3 GB/s), at most 32
-        assert f.multicast_sms == f.reduce_sms == default_sms(f.intra_bw, ANALYTIC_PER_SM_BW, f.sms) == sms
+        # the GPU executor's auto SM count for the preset's own link: ceil(bw / measured per-CTA rate), at most 32
+        assert f.multicast_sms == default_sms(f.intra_bw, R["multicast"], f.sms) == mc
+        assert f.reduce_sms == default_sms(f.intra_bw, R["reduce"], f.sms) == rd
         assert f.sms in (132, 148) and f.host_build_s > 0 and f.d2h_latency_s > 0 and f.profile == ""
     with pytest.raises(ValueError, match="multicast_sms"):
         fabric(4, multicast_sms=-1)
@@ -126,16 +127,20 @@ def test_hardware_profile(tmp_path):
     f = sim.apply_profile(base, str(p))
     assert (f.sm_copy_bw, f.sm_reduce_bw, f.hbm_bw, f.sms) == (90e9, 60e9, 4e12, 100)
     assert f.launch_s == 3e-6 and f.chunk_overhead_s == 2e-6
-    # the auto SM counts follow the measured per-SM rates: ceil(370 / 90), ceil(370 / 60)
-    assert (f.multicast_sms, f.reduce_sms) == (5, 7)
+    # the per-SM figures are one GPU's HBM: the NVLink budgets keep the measured per-CTA fallback
+    # (ceil(370 / 34.5), ceil(370 / 14.6)); a profile's per_cta_bw["nvlink"] sets them
+    assert (f.multicast_sms, f.reduce_sms) == (11, 26)
+    p.write_text(json.dumps(profile_dict(per_cta_bw={"nvlink": {"multicast": 90e9, "reduce": 60e9}})))
+    assert (sim.apply_profile(base, str(p)).multicast_sms, sim.apply_profile(base, str(p)).reduce_sms) == (5, 7)
+    p.write_text(json.dumps(profile_dict()))
     # one GPU measures no link: latencies and bandwidths stay
     assert (f.intra_latency_s, f.inter_latency_s, f.intra_bw) == (base.intra_latency_s, base.inter_latency_s,
                                                                   base.intra_bw)
     assert "made-up GPU" in f.describe() and "no hardware profile" in base.describe()
-    # unmeasured per-SM rates keep the assumed ones and ultracomm's analytic SM default
+    # unmeasured per-SM rates keep the assumed ones and ultracomm's fallback SM default
     p.write_text(json.dumps(profile_dict(per_sm_copy_bw=None, per_sm_reduce_bw=None, launch_s=None)))
     g = sim.apply_profile(base, str(p))
-    assert (g.sm_copy_bw, g.multicast_sms, g.launch_s) == (base.sm_copy_bw, 23, base.launch_s)
+    assert (g.sm_copy_bw, g.multicast_sms, g.launch_s) == (base.sm_copy_bw, 11, base.launch_s)
     p.write_text(json.dumps(profile_dict(d2d_copy_bw=-1)))
     with pytest.raises(ValueError, match="d2d_copy_bw"):
         sim.apply_profile(base, str(p))

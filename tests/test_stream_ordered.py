@@ -174,8 +174,8 @@ def test_end_to_end_without_collectives_per_op(fake, mode):
         r = group.rank
         count = CountingGroup(group)
         with make_ctx(group, slots, epr, relay_mode=mode) as ctx:
-            assert ctx.transport.sms == (23, 23)  # resolved (analytic default), never "auto"
-            assert ctx.sm_counts == {"multicast": 23, "reduce": 23}
+            assert ctx.transport.sms == (11, 26)  # resolved (measured per-CTA fallback), never "auto"
+            assert ctx.sm_counts == {"multicast": 11, "reduce": 26}
             weights, grads = masters(r, epr)
             ctx.register_masters(0, weights, grads)
             vid = ctx.begin(0)
@@ -333,8 +333,9 @@ def test_debug_log_names_the_sm_counts_and_their_source(fake, caplog):
 
     with caplog.at_level(logging.DEBUG, logger="ultracomm"):
         got = LoopbackDomain(1).run(body)
-    assert got == [{"multicast": 23, "reduce": 5}]
-    assert "rank 0: multicast_sms=23 (auto: ceil(intra_bw 3.7e+11 / analytic per-SM floor 1.629e+10 B/s" in caplog.text
+    assert got == [{"multicast": 11, "reduce": 5}]
+    assert "rank 0: multicast_sms=11 (auto: ceil(nvlink bw 3.7e+11 / measured per-CTA fallback 3.45e+10 B/s" \
+        in caplog.text
     assert "rank 0: reduce_sms=5 (ULTRACOMM_REDUCE_SMS=5)" in caplog.text
 
 

@@ -71,19 +71,20 @@ Plan checks (``plan_check``): every rank must pass the same valid plan to ``weig
   ``PlanMismatchError`` there, on every rank, before any byte moves, whichever check runs.
 
 SM defaults (``multicast_sms`` / ``reduce_sms`` = ``auto``, resolved by
-``ultracomm.cuda.sm_budget.default_sms`` when a GPU transport is built; the chosen value and
+``ultracomm.cuda.sm_budget.choose_sms`` when a GPU transport is built; the chosen value and
 its source are logged at ``ULTRACOMM_LOG_LEVEL=debug``)::
 
-    sms = clamp(ceil(intra_bw / per_sm_rate), 1, min(32, SMs of the device))
+    sms = clamp(ceil(intra_bw / per_cta_rate), 1, min(32, SMs of the device))
 
-``intra_bw`` is the link bandwidth a rank's operation can use (``ULTRACOMM_INTRA_BW``),
-``per_sm_rate`` the payload bytes/s one CTA moves: ``per_sm_copy_bw`` (multicast) or
-``per_sm_reduce_bw`` (reduce) of the hardware profile of this GPU when one exists
-(``perf/bench_gpu.py`` measures them), else the analytic floor 4.3e12 / 2 / 132 = 16.3e9
-B/s: the D2D copy rate measured on one H200 through PyTorch (4.3 TB/s, read + write
-counted; FACTS.md) halved to payload and spread over the H200's 132 SMs, i.e. what every
-SM sustains when all of them copy.  A single SM moves at least that, so the floor
-over-provisions rather than under-provisions (with the defaults: ceil(370 / 16.3) = 23).
+``intra_bw`` is the link bandwidth a rank's operation can use (``ULTRACOMM_INTRA_BW``, NVLink),
+``per_cta_rate`` the bytes/s ONE CTA of the operation moves on that link, measured: the hardware
+profile's ``per_cta_bw["nvlink"]["multicast" | "reduce"]`` when the profile of this GPU has it
+(``perf/bench_gpu.py``), else a fallback measured per CTA on one H200 (HBM -> HBM; no NVLink
+per-CTA rate is measured yet): multicast 34.5e9 B/s (the tile mover with 16 CTAs, 552 GB/s / 16,
+perf/gpu/2026-12-04_nvidia-h200_run2), reduce 14.6e9 B/s of traffic (k=2 fp32 64 MiB at 23 CTAs
+in 802 us, perf/gpu/2026-12-04_nvidia-h200_run1).  With the defaults: multicast ceil(370 / 34.5)
+= 11, reduce ceil(370 / 14.6) = 26.  Not an all-SM copy rate divided by the SM count: with every
+SM copying, HBM is the bottleneck and each SM's share (15.8 GB/s) says nothing about one CTA.
 An explicit positive value is used as given.
 
 Errors are :class:`ultracomm.errors.ConfigError` naming the variable, the bad value and

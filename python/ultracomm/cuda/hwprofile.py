@@ -30,7 +30,13 @@ launch_s               float | null              launch-to-completion floor of a
 relay_hop_s            [[int, float], ...]       (chunk bytes, per-hop cost of a relay chain), chunk ascending
 chunk_overhead_s       float | null              intercept of ``relay_hop_s`` against chunk bytes (flag + handling)
 hop_bw                 float | null              1 / slope of that fit: payload rate of one relay stage
+per_cta_bw (optional)  {link: {kind: float}}     bytes/s ONE CTA of ``kind`` (``multicast``: payload,
+                                                 ``reduce``: traffic) moves on ``link`` (``nvlink``: a
+                                                 peer GPU's memory; ``local``: this GPU's HBM); absent = {}
 =====================  ========================  ==============================================
+
+``per_cta_bw`` is what :mod:`ultracomm.cuda.sm_budget` budgets SMs from (the link the
+operation uses); it may be absent (older profiles).
 
 The simulator takes :meth:`HwProfile.fabric_overrides` (``hbm_bw`` counts read + write
 there, hence ``2 * d2d_copy_bw``).  Single-GPU figures say nothing about NVLink: a hop
@@ -99,12 +105,15 @@ class HwProfile:
     relay_hop_s: tuple[tuple[int, float], ...]
     chunk_overhead_s: Optional[float]
     hop_bw: Optional[float]
+    per_cta_bw: dict = dataclasses.field(default_factory=dict)  # {link: {kind: B/s}}
     path: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object (without ``path``)."""
         d = dataclasses.asdict(self)
         d.pop("path")
+        if not d["per_cta_bw"]:
+            d.pop("per_cta_bw")  # optional: older readers' schema
         d["sm_sweep"] = [list(p) for p in self.sm_sweep]
         d["relay_hop_s"] = [list(p) for p in self.relay_hop_s]
         return d
@@ -154,7 +163,7 @@ def validate(d: Any, where: str = "<dict>") -> HwProfile:
     if d.get("schema") != SCHEMA:
         raise _bad(where, "schema", f"must be {SCHEMA!r}, got {d.get('schema')!r}")
     known = {f.name for f in dataclasses.fields(HwProfile)} - {"path"}
-    missing = sorted(known - set(d))
+    missing = sorted(known - set(d) - {"per_cta_bw"})
     if missing:
         raise _bad(where, missing[0], "is missing" + (f" (also {missing[1:]})" if len(missing) > 1 else ""))
     extra = sorted(set(d) - known)
@@ -176,7 +185,26 @@ def validate(d: Any, where: str = "<dict>") -> HwProfile:
         kw[f] = _number(where, f, d[f], optional=True, allow_zero=True)
     for f in _PAIRS:
         kw[f] = _pairs(where, f, d[f])
+    kw["per_cta_bw"] = _per_cta(where, d.get("per_cta_bw", {}))
     return HwProfile(**kw, path=where if where != "<dict>" else "")
+
+
+#: ``per_cta_bw``'s keys (``ultracomm.cuda.sm_budget.LINKS`` / ``KINDS``)
+_LINKS = ("nvlink", "local")
+_KINDS = ("multicast", "reduce")
+
+
+def _per_cta(where: str, v: Any) -> dict:
+    if not isinstance(v, dict):
+        raise _bad(where, "per_cta_bw", f"must be an object {{link: {{kind: rate}}}}, got {type(v).__name__}")
+    out: dict = {}
+    for link, rates in v.items():
+        if link not in _LINKS:
+            raise _bad(where, "per_cta_bw", f"has link {link!r}; links are {list(_LINKS)}")
+        if not isinstance(rates, dict) or not set(rates) <= set(_KINDS):
+            raise _bad(where, "per_cta_bw", f"[{link!r}] must map kinds {list(_KINDS)} to rates, got {rates!r}")
+        out[link] = {k: _number(where, f"per_cta_bw[{link}][{k}]", r, optional=False) for k, r in rates.items()}
+    return out
 
 
 def load_profile(path: str) -> HwProfile:

@@ -31,9 +31,10 @@ h2d_bw              25 GB/s    host-to-device copy                         --
 SM budgets.  The presets charge what ultracomm's GPU executor runs with when
 ``ULTRACOMM_MULTICAST_SMS`` / ``ULTRACOMM_REDUCE_SMS`` are ``auto``:
 :func:`ultracomm.cuda.sm_budget.choose_sms` with the fabric's own link bandwidth (as a user sets
-``ULTRACOMM_INTRA_BW`` for the builder), i.e. ``clamp(ceil(intra_bw / per-SM rate), 1,
-min(32, SMs))`` with the profile's per-SM rates when one is applied, else ultracomm's analytic
-floor (16.3 GB/s): 23 SMs on NVLink4, 32 on NVLink5.  The simulated throughput of those SMs
+``ULTRACOMM_INTRA_BW`` for the builder), i.e. ``clamp(ceil(intra_bw / per-CTA rate), 1,
+min(32, SMs))`` with the profile's per-CTA rates on NVLink when one is applied, else ultracomm's
+measured per-CTA fallback (multicast 34.5 GB/s, reduce 14.6 GB/s): 11 / 26 SMs on NVLink4,
+22 / 32 on NVLink5.  The simulated throughput of those SMs
 uses ``sm_copy_bw`` / ``sm_reduce_bw`` (above), not the floor.
 """
 from __future__ import annotations

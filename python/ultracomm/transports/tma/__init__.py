@@ -11,7 +11,7 @@ multicast_sms=None, reduce_sms=None, experts_per_rank=None, plan_slots=0)``
     and whose ``local`` is a CUDA tensor (its device is the one the kernel runs on).
     ``multicast_sms`` / ``reduce_sms``: CTAs per launch (one per SM; ``ULTRACOMM_MULTICAST_SMS``
     / ``ULTRACOMM_REDUCE_SMS``, resolved by ``Context``); ``None`` takes
-    :func:`ultracomm.cuda.sm_budget.default_sms` of ``link_bytes_per_s`` (keyword, default 450e9).
+    :func:`ultracomm.cuda.sm_budget.choose_sms` of ``link_bytes_per_s`` (keyword, default 450e9).
     ``num_workers`` and ``jitter_us`` (host-executor knobs) are accepted and ignored.
     ``plan_slots``: vid slots of the plan arena (``Context``: num_layers x max_microbatches);
     with ``experts_per_rank`` the arena is allocated here (:attr:`plan_arena_bytes`), else at the
@@ -70,7 +70,7 @@ from ...cuda.support import cuda_runtime, raise_record, record_epoch
 from ...cuda.loopback_launch import Deposit, launches_for
 from ...records import REF_DTYPE, TASK_DTYPE, Op
 from ...resident_plan import DeviceSchedule
-from ...cuda.sm_budget import ANALYTIC_PER_SM_BW, default_sms
+from ...cuda.sm_budget import choose_sms
 from ..host import GRAD_DTYPE_CODE, Masters
 from .plan_slots import PlanSlots, arena_bounds, arena_bytes
 from .loopback import runner_for
@@ -123,9 +123,11 @@ class TmaTransport:
                           if getattr(window, "loopback", False) else None)
         self.runner = self._loopback.runner if self._loopback is not None else self._cuda.Runner(self.device)
         sms = self.runner.sm_count
-        auto = default_sms(link_bytes_per_s, ANALYTIC_PER_SM_BW, sms)  # Context passes both (env/profile)
-        self.multicast_sms = int(multicast_sms) if multicast_sms is not None else auto
-        self.reduce_sms = int(reduce_sms) if reduce_sms is not None else auto
+        # the Context passes both (env / profile); alone: the measured per-CTA fallback
+        self.multicast_sms = int(multicast_sms) if multicast_sms is not None else \
+            choose_sms("multicast", 0, link_bytes_per_s, sms).sms
+        self.reduce_sms = int(reduce_sms) if reduce_sms is not None else \
+            choose_sms("reduce", 0, link_bytes_per_s, sms).sms
         for what, v in (("multicast_sms", self.multicast_sms), ("reduce_sms", self.reduce_sms)):
             if v < 1:
                 raise ValueError(f"ultracomm: {what} must be >= 1, got {v}")

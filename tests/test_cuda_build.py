@@ -78,6 +78,34 @@ def test_sass_bulk_copies_and_system_flags(compiled, arch):
         assert "CCTL.IVALL" in ops and "MEMBAR.ALL.SYS" in ops, fn  # acquire / release halves
 
 
+def _limits() -> dict[str, int]:
+    """The integer constants of csrc/cuda/mover_limits.h (what the kernel and the launcher use)."""
+    text = open(os.path.join(ROOT, "csrc", "cuda", "mover_limits.h")).read()
+    return {k: int(v) for k, v in re.findall(r"constexpr (?:int|uint32_t) (k\w+) = (\d+);", text)}
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch", [90, 100])
+def test_tma_ring_depth_and_shared_memory(compiled, arch):
+    # issue 34: >= 128 KB of loads in flight per CTA, a stage refilled once the ONE store group
+    # that read it is done (cp.async.bulk.wait_group.read N for every N the ring can need:
+    # SASS DEPBAR.LE SB0, N for N = 0 .. stages - 1), not once the previous tile's stores are
+    # (only N = 0 and 1 before); the deep ring plus static smem fits a CTA, two shared rings an SM
+    if arch not in cb.real_archs():
+        pytest.skip(f"sm_{arch} not built")
+    lim = _limits()
+    tile, stages, shared, lag = lim["kTmaTileBytes"], lim["kTmaStages"], lim["kTmaStagesShared"], lim["kTmaStoreGroups"]
+    assert (stages - lag) * tile >= 128 * 1024, lim
+    static = {int(m) for m in re.findall(r"(\d+) bytes smem", compiled["k_persistent"].log)}
+    assert static and max(static) <= 4096, static
+    ring = lambda n: n * (tile + 8)  # noqa: E731  stages, then one mbarrier each
+    assert ring(stages) + max(static) <= lim["kSmemPerCtaMax"] == 232448
+    assert 2 * (ring(shared) + max(static) + 1024) <= 228 * 1024  # 1 KB reserved per CTA
+    for fn, text in cb.kernel_sass(_sass_or_skip(compiled, "k_persistent", arch)).items():
+        waits = {int(n, 16) for n in re.findall(r"\bDEPBAR\.LE SB0, (0x[0-9a-f]+)", text)}
+        assert waits == set(range(stages)), (fn, sorted(waits))
+
+
 @needs_nvcc
 def test_sass_sm80_vector_path(compiled):
     kernels = cb.kernel_sass(_sass_or_skip(compiled, "k_persistent", 80))

@@ -127,6 +127,9 @@ namespace gpu {
 
 uint32_t persistent_smem_bytes(int cc_major) { return cc_major >= 9 ? dev::TmaMover::kSmemBytes : 0; }
 
+// The shared ring (two CTAs per SM), for loopback grids larger than the SM count.
+uint32_t shared_smem_bytes(uint32_t smem) { return smem == 0 ? 0 : tma_smem_bytes(kTmaStagesShared); }
+
 void setup_persistent(int cc_major) {
   const int smem = static_cast<int>(persistent_smem_bytes(cc_major));
   for (int d = 0; d < 3; ++d)
@@ -136,15 +139,24 @@ void setup_persistent(int cc_major) {
 int persistent_max_coresident(int device, int cc_major, int grad_dtype) {
   int per_sm = 0, sms = 0;
   for_kernel(grad_dtype, [&](auto k) {
+    // a loopback grid may need the shared ring (launch_persistent picks it)
     UC_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k, dev::kThreads,
-                                                                 persistent_smem_bytes(cc_major)));
+                                                                 shared_smem_bytes(persistent_smem_bytes(cc_major))));
   });
   UC_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   return per_sm * sms;
 }
 
+// A loopback launch (nranks > 1: every CTA must be resident at once) larger than the SM count
+// runs the shared ring, so two CTAs fit an SM; anything else gets the deep one it was given.
 void launch_persistent(const PersistentArgs& a, int grad_dtype, uint32_t smem, bool cooperative,
                        cudaStream_t stream) {
+  if (a.nranks > 1 && smem > shared_smem_bytes(smem)) {
+    int device = 0, sms = 0;
+    UC_CUDA_CHECK(cudaGetDevice(&device));
+    UC_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    if (static_cast<int64_t>(a.nranks) * a.ctas_per_rank > sms) smem = shared_smem_bytes(smem);
+  }
   switch (grad_dtype) {
     case 1: launch_one<interp::GradBF16>(a, smem, cooperative, stream); break;
     case 2: launch_one<interp::GradF16>(a, smem, cooperative, stream); break;

@@ -40,6 +40,16 @@ __device__ __forceinline__ void bulk_wait_read() {
   NV_IF_TARGET(NV_PROVIDES_SM_90, (cuda::ptx::cp_async_bulk_wait_group_read(cuda::ptx::n32_t<N>{});))
 }
 
+// The same with N known at run time (0 <= n <= Max): one wait_group.read per case, N being an
+// immediate of the instruction.
+template <int Max>
+__device__ __forceinline__ void bulk_wait_read_newer(uint32_t n) {
+  if constexpr (Max > 0) {
+    if (n < static_cast<uint32_t>(Max)) return bulk_wait_read_newer<Max - 1>(n);
+  }
+  bulk_wait_read<Max>();
+}
+
 // cp.async.bulk.wait_group 0 (not .read): every committed store is complete, i.e. its writes
 // are performed; completion also orders them before this thread's later generic operations
 // (GPU_NOTES: publish = this, then st.release.sys of the flag).
@@ -74,6 +84,10 @@ __device__ __forceinline__ bool bar_try_wait(uint64_t* bar, uint32_t parity) {
 __device__ __forceinline__ void fence_async_global() {
   NV_IF_TARGET(NV_PROVIDES_SM_90, (cuda::ptx::fence_proxy_async(cuda::ptx::space_global);))
 }
+
+// mov.u32 %dynamic_smem_size: the dynamic shared memory this launch gave the CTA (the TMA
+// ring sizes itself from it).
+__device__ __forceinline__ uint32_t dynamic_smem_bytes() { return cuda::ptx::get_sreg_dynamic_smem_size(); }
 
 // mov.u64 %globaltimer: nanoseconds, the clock device waits time out against.
 __device__ __forceinline__ uint64_t globaltimer_ns() { return cuda::ptx::get_sreg_globaltimer(); }

@@ -138,6 +138,26 @@ def test_peer_on_another_plan_is_a_plan_error_and_receives_nothing():
     assert out["waited"] < 2.0  # found by the digest check, before the timeout
 
 
+@pytest.mark.parametrize("case", ["stall", "dead", "mismatch"])
+def test_failure_returns_a_named_error_near_its_deadline_then_the_device_synchronizes(case):
+    """Issue 35: the gates release every internal stream on the abort, so the operation's named
+    error comes within 10 ms of its deadline (start + timeout; a plan mismatch before it) and a
+    device-wide synchronize afterwards returns; nothing reached the rank that was not in the epoch."""
+    p = gpu_worker.run_worker("copy_engine_release_worker.py", case)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    print(json.dumps(out))  # the device run's record (-s / the log)
+    assert out["synced"] and out["sync_s"] < 1.0, out
+    if case == "mismatch":
+        assert all(e["plan_error"] and "PlanMismatchError" in e["error"].split(":")[0] for e in out["errors"]), out
+        assert out["late_s"] < 0.010 and out["untouched"] == [True, True], out
+    else:
+        assert out["timeout"] and out["error"].startswith("TimeoutError: ultracomm: rank 0 weight_sync"), out
+        assert "rank 1" in out["error"], out
+        assert -0.001 <= out["late_s"] <= 0.010, out
+        assert out["untouched"] and out["later_work"], out
+
+
 def assert_refuses_capture(ctxs, monkeypatch):
     """Two loopback Contexts: a weight_sync while a capture is in progress is refused, then closed."""
     plan = ReplicaPlan.make(np.array([[1], [0]], np.int32), experts_per_rank=1)

@@ -6,6 +6,8 @@ rejection publishes kRejectedDigest, the watchdog watches every operation, and a
 refuses further operations.  Nothing here runs on a device."""
 from __future__ import annotations
 
+import ctypes
+
 import contextlib
 import itertools
 import threading
@@ -52,6 +54,13 @@ class FakeDriver:
 
     def wait_value(self, stream, addr, value, equal=False):
         self.rec.calls.append(("wait_eq" if equal else "wait", stream, addr, value))
+
+    def function(self, ptx, name):
+        assert name == "uc_ce_gate" and ".entry uc_ce_gate" in ptx
+        return 0xF00
+
+    def launch(self, function, threads, stream, args):
+        self.rec.calls.append(("gate", stream, args[0].value, args[1].value, args[2].value))
 
     def stream_create(self, priority=0):
         h = next(self.rec.handles)
@@ -149,10 +158,12 @@ def run_all(ts, domain, plan, epoch, rec, rejecting=-1):
 def expected_calls(t, cmds, epoch, caller, fork_id):
     """What ``cmds`` must become: (kind, stream handle, ...) per command, internal handles by key."""
     out = []
-    for x in cmds:
+    for x in (cmds if any(c.kind == "gate" for c in cmds) else t.gated(cmds)):
         v = epoch if x.value == EPOCH else x.value
         h = caller if x.stream == MAIN else t._streams[x.stream].cuda_stream
-        if x.kind == "fork":
+        if x.kind == "gate":  # the gate kernel: its descriptor, the epoch, this rank's abort word
+            out.append(("gate", h, x.src, epoch, t._abort_word()))
+        elif x.kind == "fork":
             out.append(("record", caller, fork_id))
         elif x.kind == "forked":
             out.append(("wait_event", h, fork_id))
@@ -179,8 +190,19 @@ def test_one_rank_maps_commands_to_driver_calls(fake_cuda, domain, make_transpor
     internal = {x[1] for x in fake_cuda.calls} - {CALLER}
     for h in internal:  # every internal stream waits for the fork before anything else
         assert [x for x in fake_cuda.calls if x[1] == h][0] == ("wait_event", h, t._fork.id)
-    assert any(x[0] == "wait_eq" for x in fake_cuda.calls)
+    # no stream memory-op wait on an internal stream (only the caller's joins on host words): every
+    # wait on a peer's flag is a gate, whose descriptor holds the digest's equality wait
+    assert not any(x[0] in ("wait", "wait_eq") and x[1] != CALLER for x in fake_cuda.calls)
+    gates = [x for x in t.gated(cmds) if x.kind == "gate"]
+    assert gates and any(p.kind == "wait_eq" for g in gates for p in g.parts)
+    for g in gates:  # each descriptor, as the kernel reads it, is the gate's parts
+        n = 4 + 3 * sum(p.kind != "write" for p in g.parts) + 2 * sum(p.kind == "write" for p in g.parts)
+        d = np.ctypeslib.as_array((ctypes.c_uint64 * n).from_address(g.src))
+        assert list(d[:3]) == [sum(p.kind in ("wait", "wait_eq") for p in g.parts),
+                               sum(p.kind == "copy" for p in g.parts), sum(p.kind == "write" for p in g.parts)]
+        assert d[4] == g.parts[0].addr
     p = t._dog._pending[-1]
+    assert p.abort == t._abort_word()
     assert (p.epoch, p.op_name, p.joins) == (7, "weight_sync", [x[2] for x in main[4:]])
 
 
@@ -189,7 +211,7 @@ def test_loopback_set_is_enqueued_once_in_the_merged_order(fake_cuda, domain, ma
     ts = make_transports(loopback=True)
     got = run_all(ts, domain, plan, 9, fake_cuda)
     assert got == [False] * (WORLD - 1) + [True]
-    programs = [t.commands(*args(c, plan)) for t, c in zip(ts, domain)]
+    programs = [t.gated(t.commands(*args(c, plan))) for t, c in zip(ts, domain)]
     want = []
     for r, x in submission_order(programs):
         want += expected_calls(ts[r], [x], 9, CALLER, ts[r]._fork.id)

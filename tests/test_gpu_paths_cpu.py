@@ -36,6 +36,10 @@ C_TYPES = {
     "CUcontext *": ctypes.POINTER(ctypes.c_void_p), "CUdevice *": ctypes.POINTER(ctypes.c_int),
     "const char **": ctypes.POINTER(ctypes.c_char_p), "void *": ctypes.c_void_p, "const void *": ctypes.c_void_p,
     "enum cudaMemcpyKind": ctypes.c_int, "cudaStream_t": ctypes.c_void_p,
+    # the copy_engine gate kernel's module load and launch
+    "CUmodule *": ctypes.POINTER(ctypes.c_void_p), "CUfunction *": ctypes.POINTER(ctypes.c_void_p),
+    "CUmodule": ctypes.c_void_p, "CUfunction": ctypes.c_void_p, "const char *": ctypes.c_char_p,
+    "void **": ctypes.POINTER(ctypes.c_void_p),
 }
 
 

@@ -10,7 +10,10 @@ Calls (driver API, unified addressing: peer-mapped and IPC-mapped addresses are 
   write of a flag (default flags: the write is preceded by a memory fence);
 * ``cuStreamWaitValue64(stream, addr, value, CU_STREAM_WAIT_VALUE_GEQ)``: later work on the
   stream waits until the flag reaches ``value`` -- on the device, no host round trip;
-  ``CU_STREAM_WAIT_VALUE_EQ``: until it equals ``value`` (the plan-digest check).
+  ``CU_STREAM_WAIT_VALUE_EQ``: until it equals ``value``.  Used only on host words this process
+  can write (the caller's joins): a peer's flag is waited for by the gate kernel instead;
+* ``cuModuleLoadData`` / ``cuModuleGetFunction`` / ``cuLaunchKernel``: the gate kernel's PTX
+  (:mod:`ultracomm.transports.copy_engine.gate`), JIT-compiled once per context.
 
 Addresses may be device memory (windows, peers' windows) or pinned host memory (``cudaHostAlloc``:
 with unified addressing its host pointer is its device pointer): the watchdog's words.
@@ -53,6 +56,10 @@ SIGNATURES: dict[str, tuple[str, list]] = {
     "cuDevicePrimaryCtxRetain": ("cuDevicePrimaryCtxRetain", [ctypes.POINTER(_PTR), _INT]),
     "cuCtxGetCurrent": ("cuCtxGetCurrent", [ctypes.POINTER(_PTR)]),
     "cuCtxSetCurrent": ("cuCtxSetCurrent", [_PTR]),
+    "cuModuleLoadData": ("cuModuleLoadData", [ctypes.POINTER(_PTR), _PTR]),
+    "cuModuleGetFunction": ("cuModuleGetFunction", [ctypes.POINTER(_PTR), _PTR, ctypes.c_char_p]),
+    "cuLaunchKernel": ("cuLaunchKernel", [_PTR, _UINT, _UINT, _UINT, _UINT, _UINT, _UINT, _UINT, _PTR,
+                                          ctypes.POINTER(_PTR), ctypes.POINTER(_PTR)]),
 }
 
 
@@ -77,6 +84,10 @@ class Driver:
         self._retain = self._fn("cuDevicePrimaryCtxRetain")
         self._get_ctx = self._fn("cuCtxGetCurrent")
         self._set_ctx = self._fn("cuCtxSetCurrent")
+        self._load_data = self._fn("cuModuleLoadData")
+        self._get_function = self._fn("cuModuleGetFunction")
+        self._launch = self._fn("cuLaunchKernel")
+        self._functions: dict[tuple[int, str], int] = {}  # (context, kernel) -> CUfunction
         self._primary: dict[int, int] = {}  # device ordinal -> its primary context (retained once)
 
     def _fn(self, name: str):
@@ -129,6 +140,24 @@ class Driver:
 
     def write_value(self, stream: int, addr: int, value: int) -> None:
         self._check(self._write(stream, addr, value, 0), "cuStreamWriteValue64")
+
+    def function(self, ptx: str, name: str) -> int:
+        """Kernel ``name`` of ``ptx``, JIT-compiled once per current context (the gate kernel)."""
+        cur = ctypes.c_void_p()
+        self._check(self._get_ctx(ctypes.byref(cur)), "cuCtxGetCurrent")
+        key = (int(cur.value or 0), name)
+        f = self._functions.get(key)
+        if f is None:
+            mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
+            self._check(self._load_data(ctypes.byref(mod), ptx.encode() + b"\0"), "cuModuleLoadData")
+            self._check(self._get_function(ctypes.byref(fn), mod, name.encode()), f"cuModuleGetFunction({name})")
+            f = self._functions[key] = int(fn.value or 0)
+        return f
+
+    def launch(self, function: int, threads: int, stream: int, args: list) -> None:
+        """One CTA of ``threads`` threads of ``function`` on ``stream``; ``args``: ctypes values."""
+        params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args])
+        self._check(self._launch(function, 1, 1, 1, threads, 1, 1, 0, stream, params, None), "cuLaunchKernel")
 
     def wait_value(self, stream: int, addr: int, value: int, equal: bool = False) -> None:
         """Later work on ``stream`` waits until ``*addr >= value`` (``equal``: ``== value``)."""

@@ -4,11 +4,15 @@ Same contract as ``tma`` (:mod:`ultracomm.cuda.stream_ordered`): ``run(..., stre
 on the caller's stream and returns; the Work completes with that stream; failures are raised by
 ``check_error()`` at ``Work.wait()`` / ``Context.synchronize()``.
 
-Weights move with ``cuMemcpyAsync`` peer copies (copy engines, not SMs) on one internal stream
-per destination rank, forked from the caller's stream with an event and joined back to it by
-waits on host words.  A relay's forward waits on the device for its chunk's arrival flag with
-``cuStreamWaitValue64``; every copy is published with a fenced ``cuStreamWriteValue64`` on the
-destination's arrival flag; no host round trip per chunk.  Before anything moves this rank
+Weights move on one internal stream per destination rank (non-blocking streams of the driver),
+forked from the caller's stream with an event and joined back to it by waits on host words.
+Every wait on a flag a peer writes (a destination's ready flag and digest, a relay's arrival
+flag) is a *gate* (:func:`.plan.gate_commands`, :mod:`.gate`): one launch of a one-CTA kernel
+that spins on the flags or on this rank's abort word, then copies the chunk and writes the
+destination's arrival flag (release) -- or, once the watchdog set the abort word, does
+nothing, so no internal stream waits for good on a lost peer (issue 35).  The copies are
+therefore SM copies (one CTA per destination stream), not copy-engine ones: a copy engine's
+``cuMemcpyAsync`` cannot be skipped once enqueued behind a wait.  No host round trip per chunk.  Before anything moves this rank
 publishes its op digest beside ``ready[multicast]``, and a sender waits for each destination's
 digest to *equal* its own before copying into it (:mod:`.plan` builds the commands
 and says why the order is sound).  Stream waits cannot time out: a watchdog thread
@@ -28,11 +32,10 @@ a literal.  The watchdog thread polls host words every 2 ms while operations are
 it is off the critical path (the caller's stream passes its joins on the device by itself),
 so it only bounds how late a failure is seen.
 
-Status: command lists, fork/join and the watchdog are checked on the CPU (simulated streams,
-fakes).  On an H200 (perf/gpu/README.md) the driver path copies bit-exactly and refuses graph
-capture; its stalled-peer and plan-mismatch paths hung or half-reported there, and their fixes
-(the watchdog's stream made at setup, quiesce waiting for running operations) have not run on
-a device yet.
+Status: command lists, gates, fork/join and the watchdog are checked on the CPU (simulated
+streams, fakes; the gate kernel compiles).  On an H200 (perf/gpu/README.md) the driver path
+(then with copy-engine copies) copied bit-exactly and refused graph capture; its stalled-peer and
+plan-mismatch paths hung or half-reported there.  The gates have not run on a device yet.
 """
 from __future__ import annotations
 
@@ -40,6 +43,7 @@ import ctypes
 import time
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from ...cuda.driver import driver
@@ -47,8 +51,9 @@ from ...cuda.support import NotAvailableError, require
 from ...errors import UltracommError
 from ...cuda.loopback_launch import Deposit, launches_for
 from ...records import Op
-from .plan import (EPOCH, MAIN, Cmd, flag_addr, host_words, multicast_commands,
-                               submission_order, word_addr)
+from .gate import KERNEL, PTX, THREADS, pack
+from .plan import (EPOCH, MAIN, Cmd, abort_addr, flag_addr, gate_commands, host_words, multicast_commands,
+                   submission_order, word_addr)
 from .watchdog import (KEPT, Pending, Watchdog, abandoned, device_watchdogs, pending_for, pinned_words,
                                    quiesce)
 from ..host import Masters, op_digest
@@ -82,6 +87,9 @@ class CopyEngineTransport:
         self._tma = None
         self._streams: dict[int, torch.cuda.Stream] = {}
         self._cache: dict[int, list[Cmd]] = {}
+        # id(cmds) -> (cmds, gated commands, their descriptors: pinned host memory the gates read)
+        self._gated: dict[int, tuple] = {}
+        self._retired: list = []  # descriptors of evicted entries, kept until no operation is in flight
         # started, done[DRAIN], done[d]: pinned host memory, so the watchdog reads and writes
         # them without a CUDA call (and its abort never waits behind a blocked stream)
         self._words = pinned_words(host_words(world))
@@ -123,6 +131,8 @@ class CopyEngineTransport:
         if cmds is None:
             if len(self._cache) >= 64:
                 self._cache.clear()
+                self._retired += self._gated.values()  # a gate still queued may read them
+                self._gated.clear()
             cmds = multicast_commands(self.rank, self.wlayout, list(self.window.peer_bases),
                                       schedule.tasks(Op.MULTICAST, self.rank), schedule.refs(Op.MULTICAST, self.rank),
                                       list(self.layout.weight_offsets), list(self.layout.weight_sizes),
@@ -134,7 +144,30 @@ class CopyEngineTransport:
 
     def _pending(self, cmds: list[Cmd], epoch: int, digest: int, op_name: str | None) -> Pending:
         return pending_for(cmds, epoch, digest, op_name, self.wlayout, self.window.peer_bases,
-                           word_addr(self._words.data_ptr(), None))
+                           word_addr(self._words.data_ptr(), None), self._abort_word())
+
+    def _abort_word(self) -> int:
+        return abort_addr(self._words.data_ptr(), self.world)
+
+    def gated(self, cmds: list[Cmd]) -> list[Cmd]:
+        """``cmds`` as submitted: :func:`.plan.gate_commands`, each gate's ``src`` the address of its
+        descriptor (pinned host memory, cached with ``cmds``)."""
+        hit = self._gated.get(id(cmds))
+        if hit is not None and hit[0] is cmds:
+            return hit[1]
+        if not self._dog.pending():
+            self._retired.clear()  # every operation joined: no gate reads them any more
+        g = gate_commands(cmds, self._words.data_ptr(), self._words.numel())
+        words, at = pack(g)
+        desc = pinned_words(len(words)) if len(words) else None
+        if desc is not None:
+            desc.numpy()[:] = words.view(np.int64)
+        base = desc.data_ptr() if desc is not None else 0
+        import dataclasses
+
+        g = [dataclasses.replace(c, src=base + 8 * at[i]) if c.kind == "gate" else c for i, c in enumerate(g)]
+        self._gated[id(cmds)] = (cmds, g, desc)
+        return g
 
     # ------------------------------------------------------------------ multicast: streams
     def _stream(self, key: int) -> torch.cuda.ExternalStream:
@@ -157,7 +190,10 @@ class CopyEngineTransport:
             self._stream(cmd.stream).wait_event(self._fork)
             return
         handle = caller.cuda_stream if cmd.stream == MAIN else self._stream(cmd.stream).cuda_stream
-        if cmd.kind == "copy":
+        if cmd.kind == "gate":
+            self.driver.launch(self.driver.function(PTX, KERNEL), THREADS, handle,
+                               [ctypes.c_void_p(cmd.src), ctypes.c_uint64(epoch), ctypes.c_void_p(self._abort_word())])
+        elif cmd.kind == "copy":
             self.driver.memcpy(cmd.addr, cmd.src, cmd.nbytes, handle)
         elif cmd.kind == "write":
             self.driver.write_value(handle, cmd.addr, value)
@@ -175,7 +211,7 @@ class CopyEngineTransport:
         try:
             items[0][0].driver.bind(items[0][0]._ordinal)  # this thread may have no current context yet
             caller = torch.cuda.ExternalStream(stream, device=items[0][0].device)
-            for r, cmd in submission_order([c for _, c, _ in items]):
+            for r, cmd in submission_order([t.gated(c) for t, c, _ in items]):
                 items[r][0]._submit(cmd, epoch, caller)
         except Exception as e:
             # what was enqueued stays queued: the caller's stream may wait on joins no stream will

@@ -17,9 +17,17 @@ returns):
    are visible before the flag); last ``done[d] = epoch`` (a host word);
 3. DRAIN (forked too): wait for each own filled slot's ``arrival[s][c] >= epoch``, then
    ``done[DRAIN] = epoch``;
-4. MAIN joins: wait for every ``done[k] >= epoch``.  These host words are the only ones the
-   watchdog (:mod:`.watchdog`) may write to release a stuck operation: they guard
-   nothing but the caller's later work.
+4. MAIN joins: wait for every ``done[k] >= epoch``.  These host words, and the ``abort`` word,
+   are the ones the watchdog (:mod:`.watchdog`) writes to release a stuck operation.
+
+No wait whose only releaser is a peer (issue 35): on the device the internal streams do not run
+these waits as ``cuStreamWaitValue64`` (which only the peer's write could release).
+:func:`gate_commands` folds each internal stream's run of waits and the copies and flag writes
+they guard into one ``gate`` command, run as the gate kernel (``csrc/cuda/ce_gate.cuh``, one CTA):
+it spins on the waits or on this rank's ``abort`` word (a host word the watchdog sets on a
+failure), and does its copies and writes only when the waits passed and no abort was seen, so a
+released gate moves nothing into a peer and the stream drains at once.  Joins and ``done``
+writes stay stream memory operations on host words: the watchdog releases the joins itself.
 
 Why the equality wait is sound: a rank publishes its digest before its ready flag (fenced
 writes in one stream), and cannot leave an epoch before every sender's arrival write, which
@@ -49,8 +57,8 @@ import numpy as np
 from ...records import MASTER, Op
 from ..segments import member_segments
 
-__all__ = ["Cmd", "EPOCH", "MAIN", "DRAIN", "host_words", "word_addr", "multicast_commands",
-           "submission_order", "simulate", "geq"]
+__all__ = ["Cmd", "EPOCH", "MAIN", "DRAIN", "host_words", "word_addr", "abort_addr", "multicast_commands",
+           "gate_commands", "submission_order", "simulate", "geq"]
 
 EPOCH = -1   # value placeholder: the operation's epoch
 MAIN = -1    # stream key of the caller's stream (others: the destination rank, or DRAIN)
@@ -61,8 +69,13 @@ FLAG_NONE, FLAG_READY, FLAG_ARRIVAL = 0, 1, 2
 
 
 def host_words(world: int) -> int:
-    """uint64 host words per rank: ``started``, ``done[DRAIN]``, ``done[0..world-1]``."""
-    return 2 + world
+    """uint64 host words per rank: ``started``, ``done[DRAIN]``, ``done[0..world-1]``, ``abort``."""
+    return 3 + world
+
+
+def abort_addr(base: int, world: int) -> int:
+    """Address of the ``abort`` word (non-zero: every gate of this rank releases and skips)."""
+    return base + 8 * (2 + world)
 
 
 def word_addr(base: int, key: Optional[int]) -> int:
@@ -95,6 +108,7 @@ class Cmd:
     chunk: int = -1
     slot: int = -1
     peer: int = -1
+    parts: tuple = ()  # a ``gate``: its waits, then the copies and writes they guard
 
 
 def slot_addr(wl: dict, base: int, slot: int) -> int:
@@ -170,6 +184,50 @@ def multicast_commands(rank: int, wl: dict, bases: Sequence[int], tasks: np.ndar
     return cmds
 
 
+def gate_commands(cmds: Sequence[Cmd], words: int, nwords: int) -> list[Cmd]:
+    """``cmds`` with each internal stream's run of waits and the copies and writes after them
+    (up to its next wait) folded into one ``gate`` command (``parts``), placed where its first
+    part was.  MAIN, ``fork``/``forked`` and writes of the host words (``words``, ``nwords``
+    words: ``done``) stay as they are.  See the module docstring."""
+    out: list = []
+    open_at: dict[int, int] = {}  # stream -> index in out of its open gate
+    parts: dict[int, list] = {}
+
+    def flush(stream: int) -> None:
+        i = open_at.pop(stream, None)
+        if i is not None:
+            ps = parts.pop(stream)
+            out[i] = dataclasses.replace(ps[0], kind="gate", addr=0, value=EPOCH, src=0, nbytes=0,
+                                         what=f"gate: {ps[0].what or ps[0].kind}", parts=tuple(ps))
+
+    for c in cmds:
+        host = c.kind == "write" and words <= c.addr < words + 8 * nwords
+        if c.stream == MAIN or c.kind in ("fork", "forked", "gate") or host:
+            flush(c.stream)
+            out.append(c)
+            continue
+        if c.kind in ("wait", "wait_eq") and any(p.kind not in ("wait", "wait_eq") for p in parts.get(c.stream, ())):
+            flush(c.stream)
+        if c.stream not in open_at:
+            open_at[c.stream] = len(out)
+            parts[c.stream] = []
+            out.append(None)
+        parts[c.stream].append(c)
+    for stream in list(open_at):
+        flush(stream)
+    return out
+
+
+def gate_passes(cmd: Cmd, epoch: int) -> bool:
+    """Whether every wait of gate ``cmd`` holds (host memory)."""
+    for p in cmd.parts:
+        want = epoch if p.value == EPOCH else p.value
+        v = _u64(p.addr).value
+        if (p.kind == "wait" and not geq(v, want)) or (p.kind == "wait_eq" and v != want):
+            return False
+    return True
+
+
 def submission_order(programs: Sequence[Sequence[Cmd]]) -> list[tuple[int, Cmd]]:
     """Every rank's commands as ``(rank, cmd)`` in one submission order for a one-process
     loopback domain: all prefixes, then every rank's copy tasks merged by (chunk, level), then
@@ -194,13 +252,16 @@ def _u64(addr: int) -> ctypes.c_uint64:
 
 
 def simulate(programs: Sequence[Sequence[Cmd]], epoch: int, seed: int = 0,
-             on_stall: Optional[Callable[[list], bool]] = None, max_rounds: int = 10**6) -> list:
+             on_stall: Optional[Callable[[list], bool]] = None, max_rounds: int = 10**6,
+             aborts: Optional[Sequence[int]] = None, skipped: Optional[list] = None) -> list:
     """Run every rank's commands over host memory with per-stream FIFO order, picking a ready
     stream at random each step (``seed``).  When no stream can move: without ``on_stall``,
     ``RuntimeError`` naming the stuck waits (a deadlock in the command order); with it,
     ``on_stall([(rank, stream, cmd), ...])`` may change memory (a watchdog) and returns whether
     to look again (``False``: stop).  Returns the ``(rank, stream, cmd)`` left blocked (``[]``:
-    every stream finished)."""
+    every stream finished).  ``gate`` commands run as the gate kernel does: ready once their
+    waits hold or rank ``r``'s abort word (``aborts[r]``, an address) is non-zero; with the
+    abort word set they skip their copies and writes (appended to ``skipped`` as ``(rank, cmd)``)."""
     rng = random.Random(seed)
     queues: dict[tuple[int, int], list[Cmd]] = {}
     for r, cmds in enumerate(programs):
@@ -220,7 +281,12 @@ def simulate(programs: Sequence[Sequence[Cmd]], epoch: int, seed: int = 0,
             return _u64(cmd.addr).value == value(cmd)
         if cmd.kind == "forked":
             return key[0] in forked
+        if cmd.kind == "gate":
+            return aborted(key[0]) or gate_passes(cmd, epoch)
         return True
+
+    def aborted(rank: int) -> bool:
+        return bool(aborts is not None and aborts[rank] and _u64(aborts[rank]).value)
 
     for _ in range(max_rounds):
         live = [k for k in queues if pos[k] < len(queues[k])]
@@ -243,5 +309,15 @@ def simulate(programs: Sequence[Sequence[Cmd]], epoch: int, seed: int = 0,
             _u64(cmd.addr).value = value(cmd)
         elif cmd.kind == "fork":
             forked.add(key[0])
+        elif cmd.kind == "gate":
+            if aborted(key[0]):
+                if skipped is not None:
+                    skipped.append((key[0], cmd))
+            else:
+                for p in cmd.parts:
+                    if p.kind == "copy":
+                        ctypes.memmove(p.addr, p.src, p.nbytes)
+                    elif p.kind == "write":
+                        _u64(p.addr).value = value(p)
         pos[key] += 1
     raise RuntimeError("copy_engine simulation did not finish")

@@ -12,25 +12,20 @@ worded by the host executor's ``format_error`` (rank, operation, expert, chunk, 
 "likely the stalled or dead rank" when the awaited peer never started the operation).
 
 On a failure it *aborts*: writes :data:`ABORT` into every ``done`` word of this transport, so
-the caller's stream passes its joins and later work on it runs; the error is raised by
-``check_error()`` (at ``Work.wait()`` / ``Context.synchronize()``).  From then on it keeps them
-at ``ABORT`` (a late ``done`` write of an internal stream cannot lower them for long).
+the caller's stream passes its joins and later work on it runs, and sets this rank's ``abort``
+word (:func:`.plan.abort_addr`), which releases every gate of its internal streams (the gate
+kernel, :func:`.plan.gate_commands`): a gate released so skips its copies and flag writes, so
+nothing reaches a peer's window after the abort and the internal streams drain at once (no wait
+of theirs has a peer as its only releaser).  The error is raised by ``check_error()`` (at
+``Work.wait()`` / ``Context.synchronize()``).  From then on it keeps the joins at ``ABORT`` (a
+late ``done`` write of an internal stream cannot lower them for long).
 
-Limits (why it releases only the joins): every other wait guards a copy into a peer's window
-or a forward of this rank's slot.  Releasing one would copy into a rank that is not in this
-epoch with this plan (a stalled rank's slots may be in use) or forward bytes that never
-arrived.  So after a failure the internal streams stay blocked on waits only the lost peer can
-satisfy; if it does (a stalled rank that resumes), what they copy is what the plan puts there,
-and that rank cannot finish without this rank's later flags: it fails too.  Consequences:
-a device-wide ``torch.cuda.synchronize()`` in this process waits for those streams (the
-Context's own synchronize and close first let operations in flight end, done or failed, and
-skip it after a failure; a user's own device-wide synchronize right after an operation that
-later fails never returns: synchronise the stream or wait for the Work instead); the window stays mapped while
-they may still run; detection is as fast as the polling (``check_s``), not the device's.  The
-peers' words are read through the transport's own high-priority stream, bounded (1 s): where
-that stream shares a hardware queue with a blocked one (more streams than
-``CUDA_DEVICE_MAX_CONNECTIONS``) the read may not finish, and the operation then fails at the
-timeout with a message that names no flag.
+Limits: detection is as fast as the polling (``check_s``), not the device's; the window stays
+mapped after a failure (the Context keeps it, :func:`abandoned`), as a gate that passed its waits
+just before the abort may still be copying.  The peers' words are read through the transport's
+own high-priority stream, bounded (1 s): where that stream shares a hardware queue with a busy
+one the read may not finish, and the operation then fails at the timeout with a message that
+names no flag.
 """
 from __future__ import annotations
 
@@ -117,18 +112,19 @@ class Pending:
     peers: dict[int, tuple[int, int]]
     t0: Optional[float] = None
     checked: float = 0.0
+    abort: int = 0  # this rank's abort word (0: none), set on a failure
     extra: dict = field(default_factory=dict)
 
 
 def pending_for(cmds: Sequence[Cmd], epoch: int, digest: int, op_name: Optional[str], wl: dict,
-                bases: Sequence[int], started: int) -> Pending:
+                bases: Sequence[int], started: int, abort: int = 0) -> Pending:
     """What the watchdog watches of one rank's multicast commands (:func:`multicast_commands`):
     its internal streams' waits, the peers they name, the caller's joins."""
     waits = [c for c in cmds if c.kind in ("wait", "wait_eq") and c.stream != MAIN]
     peers = {c.peer: (flag_addr(wl, bases[c.peer], "ready"), flag_addr(wl, bases[c.peer], "digest"))
              for c in waits if c.peer >= 0}
     joins = [c.addr for c in cmds if c.kind == "wait" and c.stream == MAIN]
-    return Pending(epoch, int(Op.MULTICAST), op_name, digest, started, joins, waits, peers)
+    return Pending(epoch, int(Op.MULTICAST), op_name, digest, started, joins, waits, peers, abort=abort)
 
 
 class Watchdog:
@@ -150,6 +146,7 @@ class Watchdog:
         self._handed = False
         self._pending: list[Pending] = []
         self._all_joins: set[int] = set()
+        self._aborts: set[int] = set()  # abort words of every operation added
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._thread: Optional[threading.Thread] = None
@@ -160,6 +157,8 @@ class Watchdog:
         with self._lock:
             self._pending.append(p)
             self._all_joins.update(p.joins)
+            if p.abort:
+                self._aborts.add(p.abort)
             self._wake.notify()
 
     def pending(self) -> int:
@@ -220,7 +219,11 @@ class Watchdog:
     def _abort(self) -> None:
         with self._lock:
             joins = list(self._all_joins)
+            aborts = list(self._aborts)
             self._pending.clear()
+        for a in aborts:  # first: the gates skip before the joins let the caller go on
+            if read_host([a])[0] == 0:
+                write_host(a, 1)
         for a in joins:
             if read_host([a])[0] != ABORT:
                 write_host(a, ABORT)

@@ -185,6 +185,7 @@ def test_gate_kernel_ptx_is_current_and_compiles_without_spills(tmp_path):
     assert ".entry uc_ce_gate" in gate_mod.PTX
     assert "ld.global.nc" not in gate_mod.PTX  # peers' bytes: never the non-coherent path
     assert "ld.relaxed.sys" in gate_mod.PTX and "fence.acq_rel.sys" in gate_mod.PTX
-    info = subprocess.run(["ptxas", "-arch=sm_90", "-v", str(out), "-o", str(tmp_path / "gate.cubin")], check=True,
-                          capture_output=True, text=True).stderr
-    assert re.search(r"0 bytes spill stores, 0 bytes spill loads", info), info
+    for arch in ("sm_80", "sm_90", "sm_100"):  # what the driver JIT-compiles it for on those GPUs
+        info = subprocess.run(["ptxas", f"-arch={arch}", "-v", str(out), "-o", str(tmp_path / "gate.cubin")],
+                              check=True, capture_output=True, text=True).stderr
+        assert re.search(r"0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads", info), (arch, info)

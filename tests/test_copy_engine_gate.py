@@ -189,3 +189,46 @@ def test_gate_kernel_ptx_is_current_and_compiles_without_spills(tmp_path):
         info = subprocess.run(["ptxas", f"-arch={arch}", "-v", str(out), "-o", str(tmp_path / "gate.cubin")],
                               check=True, capture_output=True, text=True).stderr
         assert re.search(r"0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads", info), (arch, info)
+
+
+def test_driver_loads_the_gate_once_per_context_and_passes_its_arguments():
+    """Driver.function / Driver.launch marshal as cuModuleLoadData / cuLaunchKernel expect (a fake libcuda)."""
+    import ctypes
+
+    from ultracomm.cuda.driver import SIGNATURES, Driver
+
+    calls = []
+
+    class Fn:
+        def __init__(self, sym):
+            self.sym, self.argtypes, self.restype = sym, None, None
+
+        def __call__(self, *args):
+            calls.append((self.sym, args))
+            if self.sym == "cuCtxGetCurrent":
+                ctypes.cast(args[0], ctypes.POINTER(ctypes.c_void_p))[0] = 0xC0
+            elif self.sym in ("cuModuleLoadData", "cuModuleGetFunction"):
+                ctypes.cast(args[0], ctypes.POINTER(ctypes.c_void_p))[0] = 0xAB if "Load" in self.sym else 0xF0
+            elif self.sym == "cuLaunchKernel":
+                params = ctypes.cast(args[9], ctypes.POINTER(ctypes.c_void_p))
+                calls[-1] = (self.sym, args[:9] + ([ctypes.c_uint64.from_address(params[i]).value
+                                                    for i in range(3)],))
+            return 0
+
+    class Lib:
+        def __getattr__(self, sym):
+            if sym.startswith("_"):
+                raise AttributeError(sym)
+            f = Fn(sym)
+            setattr(self, sym, f)
+            return f
+
+    drv = Driver(Lib())
+    assert set(drv.symbols) == set(SIGNATURES)
+    f = drv.function(gate_mod.PTX, gate_mod.KERNEL)
+    assert f == 0xF0 and drv.function(gate_mod.PTX, gate_mod.KERNEL) == f  # loaded once per context
+    assert sum(s == "cuModuleLoadData" for s, _ in calls) == 1
+    drv.launch(f, gate_mod.THREADS, 0x5, [ctypes.c_void_p(0x1000), ctypes.c_uint64(7), ctypes.c_void_p(0x2000)])
+    sym, args = calls[-1]
+    assert sym == "cuLaunchKernel" and args[1:9] == (1, 1, 1, gate_mod.THREADS, 1, 1, 0, 0x5)
+    assert args[9] == [0x1000, 7, 0x2000]

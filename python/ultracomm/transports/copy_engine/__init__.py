@@ -1,4 +1,8 @@
-"""The ``copy_engine`` transport: multicast with zero SMs (the FEPLB idea), stream-ordered.
+"""The ``copy_engine`` transport: multicast from internal streams (the FEPLB idea), stream-ordered.
+
+Since issue 35 it is no longer zero-SM: its copies run in gate kernels (one CTA per destination
+stream) so that a lost peer releases them (see below); graph conditional nodes around copy-engine
+copies would give the zero-SM path back with the same guarantee (not built: no device to test).
 
 Same contract as ``tma`` (:mod:`ultracomm.cuda.stream_ordered`): ``run(..., stream=)`` only enqueues
 on the caller's stream and returns; the Work completes with that stream; failures are raised by
@@ -67,7 +71,8 @@ _KEPT = KEPT  # reduce kernels of transports whose streams were abandoned land h
 
 
 class CopyEngineTransport:
-    """Zero-SM multicast over GPU windows; reduction by the ``tma`` kernel (module docstring)."""
+    """Multicast over GPU windows from internal streams, through releasable gates (one CTA per
+    destination stream); reduction by the ``tma`` kernel (module docstring)."""
 
     name = "copy_engine"
     window_providers = ("cuda_local", "torch_symm", "cuda_ipc", "nvshmem")

@@ -89,7 +89,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-SECTIONS = ("launch", "flag", "control", "copy", "fanout", "sweep", "reduce", "relay", "copy_engine")
+SECTIONS = ("launch", "flag", "control", "copy", "fanout", "sweep", "reduce", "reduce_sweep", "relay", "copy_engine")
 MiB = 1 << 20
 FANOUT_BYTES = 64 * MiB
 CE_RESERVE_S = 30.0  # of --budget-s, kept for the copy_engine section
@@ -876,6 +876,29 @@ class Gpu:
                 self.mover_missing("reduce", case, nbytes)
                 continue
             self.rows.append(self.mover_reduce(case, k, dt, nbytes, name, 1 if name == "fp32-1cta" else 0))
+
+    def run_reduce_sweep(self) -> None:
+        """Reduce CTA sweep (issue 34): one rank's reduce at 1..32 CTAs, k=2 fp32 and k=8 fp16/bf16
+        (64 MiB of output; 16 MiB with --quick), each row with its traffic per CTA ((k + 2) x S / time /
+        CTAs: the per-SM rate the SM budget needs)."""
+        torch = self.torch
+        size = (16 * MiB) if self.quick else (64 * MiB)
+        dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+        for k, name in ((2, "fp32"), (8, "bf16"), (8, "fp16")):
+            for ctas in ((1, 2, 4, 8, 16, 32) if self.quick else (1, 2, 4, 8, 12, 16, 23, 32)):
+                case = f"k={k} {name} {ctas} CTAs"
+                if self.late("reduce_sweep", case):
+                    return
+                if self.tma_reason:
+                    self.mover_missing("reduce_sweep", case, size)
+                    continue
+                row = self.mover_reduce(case, k, dtypes[name], size, name, ctas)
+                row.section = "reduce_sweep"
+                used = row.extra.get("ctas") or ctas
+                if row.busbw:
+                    row.extra["per_cta_busbw"] = row.busbw / used
+                    row.note += f", {row.busbw / used / 1e9:.1f} GB/s per CTA"
+                self.rows.append(row)
 
     def mover_reduce(self, case: str, k: int, dt, nbytes: int, name: str, ctas: int) -> Row:
         cfg = dict(reduce_sms=ctas) if ctas else {}

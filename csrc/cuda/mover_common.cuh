@@ -8,6 +8,8 @@
 // into ld.global.nc, which may return stale data after the acquire.
 #pragma once
 #include <cuda/atomic>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include <cstdint>
 #include <cstring>
@@ -17,6 +19,7 @@
 #include "persistent_args.h"
 #include "ptx_extra.cuh"
 #include "ultracomm/interp.h"
+#include "ultracomm/reduce_hunk.h"
 
 namespace ultracomm::dev {
 
@@ -231,9 +234,10 @@ __device__ inline void vec_copy(const uintptr_t* dsts, int ndst, uintptr_t src, 
 // Ordered reduction: dst[i] = D(f32(dst[i]) + f32(src0[i]) + f32(src1[i]) + ...), left to right
 // in fp32 registers, the same operations in the same order as the host executor (D's
 // conversions and the add, sum_rn, are half.h's: bit-identical, NaNs too).  Element i belongs to one
-// thread; no atomics.  The 16-byte path adds plainly and applies the NaN rule only to elements
-// whose sum came out NaN (NaN absorbs: a sum with no NaN step is the plain one), re-reading their
-// inputs: the hot loop stays a load and an add per element and source.
+// thread; no atomics.  The 16-byte path is reduce_hunk.h's (warp hunks, a group of sources loaded
+// before the first add, hardware conversions): it adds plainly and redoes a hunk with the NaN rule
+// only when a sum came out NaN (NaN absorbs: a sum with no NaN step is the plain one), re-reading
+// its inputs; the single elements before and after use the rule at every step (reduce_elem).
 
 // The element at byte offset off, summed with the NaN rule at every step (dst not yet written).
 template <class D, class Srcs>
@@ -251,39 +255,89 @@ __device__ __forceinline__ void reduce_one(uintptr_t dst, const Srcs& srcs, int 
   store_g(dst + off, D::store(reduce_elem<D, Srcs>(dst, srcs, nsrc, off)));
 }
 
-// The 16 bytes at byte_off of dst and of every source.
-template <class D, class Srcs>
-__device__ __forceinline__ void reduce_pack(uintptr_t dst, const Srcs& srcs, int nsrc, uint64_t byte_off) {
-  using T = typename D::T;
-  constexpr int E = 16 / sizeof(T);
-  T e[E];
-  float acc[E];
-  uint4 v = load_g<uint4>(dst + byte_off);
-  memcpy(e, &v, 16);
+// The hot path's conversions (reduce_hunk.h Cvt): hardware, one instruction per pair of halves
+// (cvt.f32.f16 / cvt.rn.f16x2.f32 / cvt.rn.bf16x2.f32), the same bits as half.h's integer
+// routines for every input that is not a NaN -- exact widening (fp16 subnormals and infinities
+// included), round-to-nearest-even narrowing with overflow to inf and results in the subnormal
+// range rounded, not flushed (no -ftz).  Only NaNs differ (the hardware returns a canonical
+// NaN; half.h keeps payloads as x86 does), and a NaN lane sends its hunk to the slow path.
+template <class D>
+struct HwCvt : detail::SoftCvt<D> {};  // fp32: no conversion; the add is the same __fadd_rn
+
+template <>
+struct HwCvt<interp::GradF16> {
+  static constexpr int E = 8;
+  __device__ __forceinline__ static void unpack(const detail::Pack16& p, float (&f)[E]) {
 #pragma unroll
-  for (int k = 0; k < E; ++k) acc[k] = D::load(e[k]);
-  for (int s = 0; s < nsrc; ++s) {
-    v = load_g<uint4>(srcs[s] + byte_off);
-    memcpy(e, &v, 16);
-#pragma unroll
-    for (int k = 0; k < E; ++k) acc[k] = detail::add_rn(acc[k], D::load(e[k]));
+    for (int i = 0; i < 4; ++i) {
+      __half2 h;
+      memcpy(&h, &p.w[i], 4);
+      const float2 v = __half22float2(h);  // element 2i is the low half
+      f[2 * i] = v.x;
+      f[2 * i + 1] = v.y;
+    }
   }
+  __device__ __forceinline__ static detail::Pack16 pack(const float (&f)[E]) {
+    detail::Pack16 p;
 #pragma unroll
-  for (int k = 0; k < E; ++k) {
-    if (__builtin_expect(detail::f32_is_nan(detail::f32_bits(acc[k])), 0))
-      acc[k] = reduce_elem<D, Srcs>(dst, srcs, nsrc, byte_off + k * sizeof(T));
-    e[k] = D::store(acc[k]);
+    for (int i = 0; i < 4; ++i) {
+      const __half2 h = __float22half2_rn(make_float2(f[2 * i], f[2 * i + 1]));
+      memcpy(&p.w[i], &h, 4);
+    }
+    return p;
   }
-  memcpy(&v, e, 16);
-  store_g(dst + byte_off, v);
-}
+};
+
+template <>
+struct HwCvt<interp::GradBF16> {
+  static constexpr int E = 8;
+  // bf16 -> fp32 is a shift: half.h's (exact, NaNs included)
+  __device__ __forceinline__ static void unpack(const detail::Pack16& p, float (&f)[E]) {
+    detail::SoftCvt<interp::GradBF16>::unpack(p, f);
+  }
+  __device__ __forceinline__ static detail::Pack16 pack(const float (&f)[E]) {
+    detail::Pack16 p;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const __nv_bfloat162 h = __float22bfloat162_rn(make_float2(f[2 * i], f[2 * i + 1]));
+      memcpy(&p.w[i], &h, 4);
+    }
+    return p;
+  }
+};
+
+// reduce_hunk.h Io: 16-byte global .cg loads and stores (LDG.E.128 / STG.E.128).
+struct GlobalIo {
+  __device__ __forceinline__ static detail::Pack16 load(uintptr_t a) {
+    const uint4 v = load_g<uint4>(a);
+    detail::Pack16 p;
+    memcpy(&p, &v, 16);
+    return p;
+  }
+  __device__ __forceinline__ static void store(uintptr_t a, const detail::Pack16& p) {
+    uint4 v;
+    memcpy(&v, &p, 16);
+    store_g(a, v);
+  }
+};
+
+// Packs per lane of a warp's hunk, and sources loaded together (reduce_hunk.h): dst's and a
+// group's packs, (G + 1) x U x 16 B = 192 B per thread in flight (48 KB per CTA; the old loop had
+// one or two 16-B loads).  G = 4 took the kernels from ~110 to 140-156 registers (one CTA per SM
+// instead of two: loopback grids and co-resident compute lose half); G = 2 stays <= 128.
+constexpr int kReduceUnroll = 4;
+constexpr int kReduceGroup = 2;
+static_assert(kThreads % 32 == 0, "hunks are per warp");
 
 // Group-collective.  16-byte packs where dst and every source share their alignment mod 16,
-// single elements before and after (and everywhere otherwise).
+// single elements before and after (and everywhere otherwise).  A warp owns a hunk of
+// 32 x kReduceUnroll consecutive packs (lane l: packs l, l + 32, ...: each load instruction is
+// 512 coalesced bytes); the packs after the last whole hunk go one per thread.
 template <class D, class Srcs>
 __device__ inline void vec_reduce(uintptr_t dst, const Srcs& srcs, int nsrc, uint64_t nelem) {
   using T = typename D::T;
   constexpr uint64_t E = 16 / sizeof(T);
+  constexpr int U = kReduceUnroll;
   uintptr_t x = 0;
   for (int s = 0; s < nsrc; ++s) x |= srcs[s] ^ dst;
   uint64_t head = nelem, packs = 0;
@@ -292,8 +346,19 @@ __device__ inline void vec_reduce(uintptr_t dst, const Srcs& srcs, int nsrc, uin
     packs = (nelem - head) / E;
   }
   for (uint64_t i = threadIdx.x; i < head; i += blockDim.x) reduce_one<D, Srcs>(dst, srcs, nsrc, i);
-  for (uint64_t p = threadIdx.x; p < packs; p += blockDim.x)
-    reduce_pack<D, Srcs>(dst, srcs, nsrc, (head + p * E) * sizeof(T));
+  const uint64_t body = head * sizeof(T);  // byte offset of pack 0
+  const uint64_t hunks = packs / (32 * U);
+  const uint32_t lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  for (uint64_t h = warp; h < hunks; h += warps) {
+    uint64_t off[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) off[u] = body + ((h * U + u) * 32 + lane) * 16;
+    detail::reduce_hunk<D, HwCvt<D>, GlobalIo, U, kReduceGroup>(dst, srcs, nsrc, off);
+  }
+  for (uint64_t p = hunks * 32 * U + threadIdx.x; p < packs; p += blockDim.x) {
+    const uint64_t off[1] = {body + p * 16};
+    detail::reduce_hunk<D, HwCvt<D>, GlobalIo, 1, kReduceGroup>(dst, srcs, nsrc, off);
+  }
   for (uint64_t i = head + packs * E + threadIdx.x; i < nelem; i += blockDim.x) reduce_one<D, Srcs>(dst, srcs, nsrc, i);
 }
 

@@ -1,0 +1,113 @@
+"""The device reduce's hot path (include/ultracomm/reduce_hunk.h, driven by
+csrc/cuda/mover_common.cuh ``vec_reduce``): NCCL-style hunks -- U 16-byte packs per lane, dst and a
+group of G sources loaded before the first add, fp32 adds in the schedule's source order, hardware
+fp16/bf16 conversions with the NaN rule in a slow path.
+
+* CPU: tests/cpp/reduce_hunk_check.cpp (g++) runs the hunk code with the device's distribution of
+  packs against the host executor's reduce (csrc/movers/host_reduce.h, scalar and F16C) bit for
+  bit, on random fp32/bf16/fp16 inputs with NaNs, infinities, subnormals and overflowing sums, with
+  half.h's conversions and with GPU-like ones (canonical NaNs); a mutant whose conversion flushes
+  subnormals must fail.
+* SASS (nvcc, no GPU): every persistent kernel issues a run of >= U x G 16-byte loads before an
+  FADD (the group's loads in flight; the old loop had at most 5), no FFMA/HFMA (also
+  test_cuda_build.py), no local memory (test_cuda_build.py checks stack and spills of every
+  kernel), and <= 128 registers (two CTAs per SM).
+"""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import cuda_build as cb
+
+ROOT = Path(__file__).resolve().parents[1]
+CXX = shutil.which("g++")
+MOVER = ROOT / "csrc" / "cuda" / "mover_common.cuh"
+
+
+def _build(out: Path, defs: list[str]) -> Path:
+    exe = out / ("check" + "".join(d.replace("-D", "_") for d in defs))
+    cmd = [CXX, "-std=c++20", "-O2", "-Wall", "-Wextra", "-Werror", "-ffp-contract=off", *defs,
+           f"-I{ROOT / 'include'}", f"-I{ROOT / 'csrc'}", str(ROOT / "tests/cpp/reduce_hunk_check.cpp"), "-o", str(exe)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stderr[-4000:]}"
+    return exe
+
+
+@pytest.mark.skipif(CXX is None, reason="needs g++")
+def test_hunk_reduce_matches_host_reduce_bit_for_bit(tmp_path):
+    exe = _build(tmp_path, [])
+    for seed in (1, 2):
+        r = subprocess.run([str(exe), "--seed", str(seed), "--rounds", "2"], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+        assert " 0 mismatching" in r.stdout, r.stdout
+
+
+@pytest.mark.skipif(CXX is None, reason="needs g++")
+def test_hunk_check_catches_a_flushing_conversion(tmp_path):
+    exe = _build(tmp_path, ["-DUC_MUTATE_FTZ"])
+    r = subprocess.run([str(exe), "--rounds", "1"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "MISMATCH" in r.stdout, r.stdout[-2000:]
+
+
+def _constant(name: str) -> int:
+    m = re.search(rf"constexpr int {name} = (\d+);", MOVER.read_text())
+    assert m, name
+    return int(m.group(1))
+
+
+def _ops_in_order(text: str) -> list[str]:
+    return re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", text, re.M)
+
+
+def _load_runs(ops: list[str]) -> list[int]:
+    """Lengths of the runs of 16-byte global loads (LDG.E.128*) between FADDs, in address order."""
+    runs, n = [], 0
+    for o in ops:
+        if o.startswith("LDG.E.128"):
+            n += 1
+        elif o.startswith("FADD"):
+            if n:
+                runs.append(n)
+            n = 0
+    return runs
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    if cb.find_nvcc() is None:
+        pytest.skip("nvcc not found")
+    return cb.compile_all()
+
+
+@pytest.mark.parametrize("arch", [80, 90, 100])
+def test_sass_reduce_hunk_loads_its_group_before_the_first_add(compiled, arch):
+    if arch not in cb.real_archs():
+        pytest.skip(f"sm_{arch} not built")
+    if cb.find_tool("cuobjdump") is None:
+        pytest.skip("cuobjdump not found: pip install nvidia-cuda-cuobjdump")
+    unroll, group = _constant("kReduceUnroll"), _constant("kReduceGroup")
+    kernels = cb.kernel_sass(cb.sass(compiled["k_persistent"], arch))
+    assert len(kernels) == 3
+    for fn, text in kernels.items():
+        ops = _ops_in_order(text)
+        runs = _load_runs(ops)
+        # a full group: U packs of each of G sources (after the U packs of dst, already in flight;
+        # k = 2 is one group: dst and both sources in flight before the first add)
+        assert runs and max(runs) >= unroll * group, (fn, arch, sorted(runs)[-8:])
+        assert not [o for o in ops if o.startswith(("FFMA", "HFMA"))], (fn, arch)
+        assert not [o for o in ops if o.startswith(("LDL", "STL"))], (fn, arch)  # no local memory
+
+
+def test_persistent_kernels_keep_two_ctas_per_sm(compiled):
+    """<= 128 registers x 256 threads: two mover CTAs per SM, as before the hunks (109-124); a larger
+    source group (G = 4: 140-156) would halve loopback grids and what co-resident compute keeps."""
+    log = compiled["k_persistent"].log
+    found = re.findall(r"Compiling entry function '(\S*k_persistent\S*)' for '(sm_\d+)'.*?Used (\d+) registers", log, re.S)
+    assert len(found) == 3 * len(cb.real_archs()), found
+    for fn, arch, regs in found:
+        assert int(regs) <= 128, (fn, arch, regs)

@@ -8,8 +8,9 @@ fp16/bf16 conversions with the NaN rule in a slow path.
   bit, on random fp32/bf16/fp16 inputs with NaNs, infinities, subnormals and overflowing sums, with
   half.h's conversions and with GPU-like ones (canonical NaNs); a mutant whose conversion flushes
   subnormals must fail.
-* SASS (nvcc, no GPU): every persistent kernel issues a run of >= U x G 16-byte loads before an
-  FADD (the group's loads in flight; the old loop had at most 5), no FFMA/HFMA (also
+* SASS (nvcc, no GPU): every persistent kernel issues a run of >= (G + 1) x U 16-byte loads before
+  an FADD (dst's and the group's loads in flight; the old loop had at most 5), hardware fp16/bf16
+  conversions (HADD2.F32, F2FP...PACK_AB), no FFMA/HFMA (also
   test_cuda_build.py), no local memory (test_cuda_build.py checks stack and spills of every
   kernel), and <= 128 registers (two CTAs per SM).
 """
@@ -96,9 +97,15 @@ def test_sass_reduce_hunk_loads_its_group_before_the_first_add(compiled, arch):
     for fn, text in kernels.items():
         ops = _ops_in_order(text)
         runs = _load_runs(ops)
-        # a full group: U packs of each of G sources (after the U packs of dst, already in flight;
-        # k = 2 is one group: dst and both sources in flight before the first add)
-        assert runs and max(runs) >= unroll * group, (fn, arch, sorted(runs)[-8:])
+        # dst's U packs and a group's G x U, all before the first add (k = 2: one group; 12 loads,
+        # where the old loop had at most 5)
+        assert runs and max(runs) >= (group + 1) * unroll, (fn, arch, sorted(runs)[-8:])
+        # hardware conversions in the hot path: cvt.rn.{f16,bf16}x2.f32 (F2FP...PACK_AB) and,
+        # for fp16, cvt.f32.f16 (HADD2.F32 from sm_80 on), instead of half.h's integer routines
+        if "GradF16" in fn:
+            assert "HADD2.F32" in ops and [o for o in ops if o.startswith("F2FP") and "BF16" not in o], (fn, arch)
+        if "GradBF16" in fn:
+            assert [o for o in ops if o.startswith("F2FP.BF16")], (fn, arch)
         assert not [o for o in ops if o.startswith(("FFMA", "HFMA"))], (fn, arch)
         assert not [o for o in ops if o.startswith(("LDL", "STL"))], (fn, arch)  # no local memory
 

@@ -118,3 +118,30 @@ def test_persistent_kernels_keep_two_ctas_per_sm(compiled):
     assert len(found) == 3 * len(cb.real_archs()), found
     for fn, arch, regs in found:
         assert int(regs) <= 128, (fn, arch, regs)
+
+
+def test_bench_reduce_sweep_rows_name_ctas_and_rate_per_cta():
+    """perf/bench_gpu.py reduce_sweep (issue 34): k=2 fp32 and k=8 bf16/fp16 at 1..32 CTAs, each row
+    with its traffic per CTA; its own section, so the reduce goal and the profile's reduce fields keep
+    reading the `reduce` rows."""
+    import types
+
+    from test_bench_gpu import DEVICE, bg, stub_gpu
+
+    def mover_reduce(case, k, dt, nbytes, name, ctas):
+        used = min(ctas, 16)  # as if co-residency capped 23 and 32 at 16
+        return bg.Row("reduce", case, "tile mover", nbytes, 1e-3, nbytes, (k + 2) * nbytes, 0, f"{used} CTAs/rank",
+                      dict(k=k, dtype=name, ctas=used))
+
+    g = stub_gpu(tma_reason=None, quick=False,
+                 torch=types.SimpleNamespace(float32="f32", bfloat16="bf16", float16="f16"))
+    g.mover_reduce = mover_reduce
+    assert "reduce_sweep" in bg.SECTIONS and bg.SECTIONS.index("reduce_sweep") == bg.SECTIONS.index("reduce") + 1
+    g.run_reduce_sweep()
+    assert [r.case for r in g.rows[:8]] == [f"k=2 fp32 {c} CTAs" for c in (1, 2, 4, 8, 12, 16, 23, 32)]
+    assert [r.case for r in g.rows[8::8]] == ["k=8 bf16 1 CTAs", "k=8 fp16 1 CTAs"] and len(g.rows) == 24
+    assert all(r.section == "reduce_sweep" and r.size == 64 * bg.MiB for r in g.rows)
+    r = g.rows[7]  # 32 asked, 16 ran: the rate is per CTA that ran
+    assert r.extra["per_cta_busbw"] == r.busbw / 16 and r.note.endswith(f", {r.busbw / 16 / 1e9:.1f} GB/s per CTA")
+    assert bg.goal_lines(g.rows)[1] == "goal reduce: not measured (reduce rows missing)"
+    assert bg.build_profile(g.rows, DEVICE, "d")["per_sm_reduce_bw"] is None

@@ -73,9 +73,15 @@ def test_sass_bulk_copies_and_system_flags(compiled, arch):
         assert "UBLKCP.G.S" in ops, fn     # cp.async.bulk shared -> global (one per destination)
         assert "SYNCS.ARRIVE.TRANS64" in ops and "SYNCS.PHASECHK.TRANS64.TRYWAIT" in ops, fn  # mbarrier
         assert "FENCE.VIEW.ASYNC.G" in ops, fn  # fence.proxy.async.global after a relay's acquire
-        assert {o for o in ops if o.startswith("LD") and o.endswith(".64.STRONG.SYS")}, fn   # ld.acquire.sys
+        assert {o for o in ops if o.startswith("LD") and o.endswith(".64.STRONG.SYS")}, fn   # ld.{relaxed,acquire}.sys
         assert {o for o in ops if o.startswith("ST") and o.endswith(".64.STRONG.SYS")}, fn   # st.release.sys
         assert "CCTL.IVALL" in ops and "MEMBAR.ALL.SYS" in ops, fn  # acquire / release halves
+        # issue 34: flag waits poll relaxed (LD...64.STRONG.SYS, no CCTL.IVALL: an acquire in the
+        # spin invalidated the whole L1 on every poll) and acquire once after the epoch is seen
+        spins = [b for b in _loops(text) if any(re.search(r"\bLDG?\.E\.64\.STRONG\.SYS\b", i) for i in b)]
+        assert len(spins) >= 2, f"{fn}: no polling loop found"
+        for body in spins:
+            assert not any("CCTL.IVALL" in i for i in body), (fn, body)
 
 
 def _limits() -> dict[str, int]:

@@ -81,6 +81,12 @@ class MoverBase {
     return cuda::atomic_ref<uint64_t, cuda::thread_scope_system>(*reinterpret_cast<uint64_t*>(flag))
         .load(cuda::memory_order_acquire);
   }
+  // A poll in a wait loop: ld.relaxed.sys (LDG.E.64.STRONG.SYS, no CCTL.IVALL); the wait
+  // acquires once after it saw the epoch (interp.h leader_wait).
+  __device__ uint64_t load_relaxed(uintptr_t flag) {
+    return cuda::atomic_ref<uint64_t, cuda::thread_scope_system>(*reinterpret_cast<uint64_t*>(flag))
+        .load(cuda::memory_order_relaxed);
+  }
   __device__ void store_release(uintptr_t flag, uint64_t v) {
     cuda::atomic_ref<uint64_t, cuda::thread_scope_system>(*reinterpret_cast<uint64_t*>(flag))
         .store(v, cuda::memory_order_release);

@@ -22,6 +22,10 @@ inline uint64_t load_acquire(uintptr_t addr) {
   return __atomic_load_n(reinterpret_cast<const uint64_t*>(addr), __ATOMIC_ACQUIRE);
 #endif
 }
+// A poll (leader_wait's spin); the wait acquires once after it saw the epoch.
+inline uint64_t load_relaxed(uintptr_t addr) {
+  return __atomic_load_n(reinterpret_cast<const uint64_t*>(addr), __ATOMIC_RELAXED);
+}
 inline void store_release(uintptr_t addr, uint64_t v) {
   __atomic_store_n(reinterpret_cast<uint64_t*>(addr), v, __ATOMIC_RELEASE);
 }

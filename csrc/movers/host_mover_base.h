@@ -13,6 +13,7 @@ namespace ultracomm::host {
 class HostMoverBase {
  public:
   uint64_t load_acquire(uintptr_t flag) { return host::load_acquire(flag); }
+  uint64_t load_relaxed(uintptr_t flag) { return host::load_relaxed(flag); }
   void store_release(uintptr_t flag, uint64_t v) { host::store_release(flag, v); }
   uint64_t now_ns() { return host::now_ns(); }
   void relax(uint32_t spins) { host::relax(spins); }

@@ -69,6 +69,7 @@ concept Mover = requires(M m, const M cm, uintptr_t a, uint64_t u, uint32_t s, E
   { m.template broadcast<uint64_t>(u) } -> std::same_as<uint64_t>;  // leader's value to all
   { m.claim() } -> std::same_as<int64_t>;                 // next task index; -1 once aborted
   { m.load_acquire(a) } -> std::same_as<uint64_t>;        // leader only, system scope
+  { m.load_relaxed(a) } -> std::same_as<uint64_t>;        // leader only, system scope: a poll
   { m.store_release(a, u) };                              // leader only, system scope
   { m.now_ns() } -> std::same_as<uint64_t>;               // leader only
   { m.relax(s) };                                         // leader only: backoff in a spin
@@ -151,35 +152,60 @@ UC_HD uint32_t check_peer_plan(const ExecView& v, M& m, int32_t peer, uintptr_t 
   return rec.code;
 }
 
+// Leader, inside a spin: does the peer's plan look like ours?  Relaxed loads (no acquire in a
+// poll loop: on the GPU each one invalidates the whole L1), so a stale digest may look wrong;
+// false only sends the caller to check_peer_plan, whose acquires decide.
+template <class M>
+UC_HD bool peer_plan_looks_ok(const ExecView& v, M& m, int32_t peer) {
+  const uintptr_t base = v.window_bases[peer];
+  return m.load_relaxed(base + v.layout.ready_flag(v.op)) != v.epoch ||
+         m.load_relaxed(base + v.layout.digest_word(v.op)) == v.digest;
+}
+
 // Leader: spin until *flag >= epoch.  `watch` (>= 0) is the rank expected to raise the flag
 // (or the flag's owner): while waiting its plan digest is checked, after a success too if
 // check_after, and at a timeout its ready[op] is recorded (< epoch: it never started this op).
 // check_after is for flags the peer raises at its join (ready, grad_ready): it then waits on this
 // rank, so it cannot move on; without it the flag is one the peer raises for us (arrival,
 // consumed) and may leave the epoch after, which check_peer_plan's `settled` accounts for.
+// The first look is one acquire; the spin polls relaxed and, once the epoch is seen, acquires
+// the flag once (the value cannot go back: one writer per epoch, epochs only grow).  The inner
+// loop holds only relaxed loads; a suspect digest, an abort or the deadline leave it.
 template <class M, class What>
 UC_HD uint32_t leader_wait(const ExecView& v, M& m, uintptr_t flag, int32_t watch, bool check_after, What&& describe) {
   uint64_t seen = m.load_acquire(flag);
   if (seen < v.epoch) {
     const uint64_t t0 = m.now_ns();
     const uint64_t deadline = v.timeout_ns > ~uint64_t(0) - t0 ? ~uint64_t(0) : t0 + v.timeout_ns;
-    for (uint32_t spin = 0;; ++spin) {
-      m.relax(spin);
-      seen = m.load_acquire(flag);
-      if (seen >= v.epoch) break;
+    uint32_t spin = 0;
+    for (;;) {
+      bool suspect = false;
+      for (;; ++spin) {
+        m.relax(spin);
+        seen = m.load_relaxed(flag);
+        if (seen >= v.epoch || m.aborted() || m.now_ns() >= deadline) break;
+        if (watch >= 0 && !peer_plan_looks_ok(v, m, watch)) {
+          suspect = true;
+          break;
+        }
+      }
+      if (seen >= v.epoch) {
+        seen = m.load_acquire(flag);  // the one acquire: what the flag publishes is visible
+        break;
+      }
       if (m.aborted()) return kAborted;
-      if (watch >= 0) {
+      if (suspect) {
         const uint32_t st = check_peer_plan(v, m, watch, check_after ? 0 : flag, describe);
         if (st != kOk) return st;
+        ++spin;
+        continue;  // a stale digest, or a peer that settled this flag and moved on: keep polling
       }
-      if (m.now_ns() >= deadline) {
-        ErrorRecord rec = describe();
-        rec.code = kTimeout;
-        rec.observed = seen;
-        if (watch >= 0) rec.peer_ready = m.load_acquire(v.window_bases[watch] + v.layout.ready_flag(v.op));
-        m.fail(rec);
-        return kTimeout;
-      }
+      ErrorRecord rec = describe();
+      rec.code = kTimeout;
+      rec.observed = seen;
+      if (watch >= 0) rec.peer_ready = m.load_acquire(v.window_bases[watch] + v.layout.ready_flag(v.op));
+      m.fail(rec);
+      return kTimeout;
     }
   }
   return check_after && watch >= 0 ? check_peer_plan(v, m, watch, 0, describe) : uint32_t(kOk);

@@ -275,6 +275,26 @@ class RunningDriver:
         v = ctypes.c_uint64.from_address(addr).value
         assert v == value if equal else geq(v, value), "a stream wait enqueued before its flag was raised"
 
+    def function(self, ptx, name):
+        return 0xF00
+
+    def launch(self, function, threads, stream, args):
+        """A gate kernel (ultracomm.transports.copy_engine.gate.descriptor), on the host: its waits
+        must already hold, then its copies and flag writes run (the epoch word is args[1])."""
+        words = lambda at, n: list((ctypes.c_uint64 * n).from_address(at))  # noqa: E731
+        base, epoch = args[0].value, args[1].value
+        n_wait, n_copy, n_write, _ = words(base, 4)
+        at = base + 32
+        value = lambda v: epoch if v == (1 << 64) - 1 else v  # noqa: E731
+        for addr, v, eq in (words(at + 24 * i, 3) for i in range(n_wait)):
+            self.wait_value(stream, addr, value(v), equal=bool(eq))
+        at += 24 * n_wait
+        for dst, src, nbytes in (words(at + 24 * i, 3) for i in range(n_copy)):
+            self.memcpy(dst, src, nbytes, stream)
+        at += 24 * n_copy
+        for addr, v in (words(at + 16 * i, 2) for i in range(n_write)):
+            self.write_value(stream, addr, value(v))
+
 
 @pytest.fixture
 def host_copy_engine(monkeypatch):

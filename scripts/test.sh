@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Set up .venv, build, and run the whole test suite (CPU; `gpu`-marked tests skip without a device).
+# Set up .venv with the test-only tools too (scripts/setup.sh --test: pytest, hypothesis, nvshmem4py,
+# Playwright + Chromium, cuobjdump/nvdisasm), build _cuda for every CI architecture (sm_80/90/100)
+# where nvcc is found, and run the whole test suite (CPU; `gpu`-marked tests skip without a device).
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -k schedule`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh --test
 . .venv/bin/activate
 export ULTRACOMM_NUM_WORKERS="${ULTRACOMM_NUM_WORKERS:-2}"
 exec python -m pytest tests -q "$@"

@@ -42,6 +42,7 @@ __all__ = ["Witness", "Evidence", "status_offsets", "grace_s", "HEARTBEAT_S", "s
 
 HEARTBEAT_S = 0.1  # how often a process writes its heartbeat
 _FAILED_BIT = 1 << 63
+_CLOSED = (1 << 64) - 1  # heartbeat word of a rank that closed its Context: it left, it did not stop
 _KEY = "ultracomm/failed/{scope}/{rank}"
 
 
@@ -122,6 +123,7 @@ class Evidence:
     alive: list[int] = dataclasses.field(default_factory=list)
     behind: dict[int, int] = dataclasses.field(default_factory=dict)  # alive rank -> latest epoch it started
     unknown: list[int] = dataclasses.field(default_factory=list)
+    left: dict[int, int] = dataclasses.field(default_factory=dict)  # rank that closed its Context -> latest epoch
 
     def sentence(self) -> str:
         st = sorted(self.stopped)
@@ -135,6 +137,9 @@ class Evidence:
                              "elsewhere, or stopped calling" for r, e in sorted(self.behind.items()))
             note = f" ({behind[2:]})" if behind else ""
             parts.append(f"alive (heartbeat fresh): ranks {sorted(self.alive)}{note}")
+        if self.left:
+            parts.append("closed their Context: ranks " + str(sorted(self.left)) + " (" + "; ".join(
+                f"rank {r} after epoch {e}" for r, e in sorted(self.left.items())) + ")")
         if self.unknown:
             parts.append(f"state unknown: ranks {sorted(self.unknown)}")
         return "; ".join(parts)
@@ -198,6 +203,8 @@ class Witness:
         token, self._token = self._token, None
         if token is not None:
             _HEARTBEAT.unregister(token)
+            if self.bases and self.bases[self.rank]:  # a stale beat would read as a stop to peers still waiting
+                ctypes.c_uint64.from_address(self.bases[self.rank] + self.heartbeat_off).value = _CLOSED
         self.readable = [False] * self.world
 
     def _board(self) -> Any:
@@ -257,7 +264,7 @@ class Witness:
         failed = ctypes.c_uint64.from_address(base + self.failed_off).value
         beat = ctypes.c_uint64.from_address(base + self.heartbeat_off).value
         ready = max(ctypes.c_uint64.from_address(base + self.ready_off + 8 * i).value for i in range(2))
-        age = (time.monotonic_ns() - beat) / 1e9 if beat else float("inf")
+        age = -1.0 if beat == _CLOSED else (time.monotonic_ns() - beat) / 1e9 if beat else float("inf")
         return failed, age, ready
 
     def evidence(self, epoch: int, awaited: Sequence[int], dead: Sequence[int] = (), wait: bool = True,
@@ -305,6 +312,8 @@ class Witness:
                 ev.failed[q] = f"at epoch {records[q][0]} ({records[q][1]})"
             elif w is not None and w[0] & _FAILED_BIT:
                 ev.failed[q] = f"at epoch {w[0] & ~_FAILED_BIT} (its failure word)"
+            elif w is not None and w[1] < 0:
+                ev.left[q] = w[2]
             elif w is not None:
                 if w[1] > stale:
                     how = "killed or stopped" if w[1] != float("inf") else "never beat"

@@ -82,6 +82,12 @@ def test_sass_bulk_copies_and_system_flags(compiled, arch):
         assert len(spins) >= 2, f"{fn}: no polling loop found"
         for body in spins:
             assert not any("CCTL.IVALL" in i for i in body), (fn, body)
+        # ... and publish N flags with one fence before the loop of relaxed stores (was a
+        # MEMBAR.ALL.SYS per destination / per consumed flag / per leaf grad chunk)
+        releases = [b for b in _loops(text) if any(re.search(r"\bSTG?\.E\.64\.STRONG\.SYS\b", i) for i in b)]
+        assert len(releases) >= 2, f"{fn}: no flag release loop found"
+        for body in releases:
+            assert not any("MEMBAR" in i for i in body), (fn, body)
 
 
 def _limits() -> dict[str, int]:

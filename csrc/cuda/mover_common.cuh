@@ -33,6 +33,7 @@ struct GroupShared {
   alignas(16) unsigned char bcast[16];
   uintptr_t dsts[interp::kMaxCopyDsts];
   uintptr_t srcs[kSmemSrcs];
+  uint32_t known[interp::kPeerCacheRanks / 32];  // leader: peers whose plan it verified this launch
 };
 
 // What a launch gives each CTA's mover (device pointers).
@@ -45,7 +46,11 @@ struct MoverEnv {
 
 class MoverBase {
  public:
-  __device__ MoverBase(const MoverEnv& env, GroupShared* sh) : env_(env), sh_(sh) {}
+  // Only the leader touches the peer cache: it clears it here, no barrier needed.
+  __device__ MoverBase(const MoverEnv& env, GroupShared* sh) : env_(env), sh_(sh) {
+    if (leader())
+      for (int i = 0; i < interp::kPeerCacheRanks / 32; ++i) sh_->known[i] = 0;
+  }
 
   __device__ bool leader() const { return threadIdx.x == 0; }
   __device__ void sync() { __syncthreads(); }
@@ -90,6 +95,22 @@ class MoverBase {
   __device__ void store_release(uintptr_t flag, uint64_t v) {
     cuda::atomic_ref<uint64_t, cuda::thread_scope_system>(*reinterpret_cast<uint64_t*>(flag))
         .store(v, cuda::memory_order_release);
+  }
+
+  // Publishing N flags: one fence.acq_rel.sys (MEMBAR.ALL.SYS) orders everything before it
+  // (the copies, complete after before_release) ahead of the relaxed system-scope flag stores
+  // that follow (GPU_NOTES: one fence for N flags, not a release store each).
+  __device__ void fence_release() { cuda::atomic_thread_fence(cuda::memory_order_acq_rel, cuda::thread_scope_system); }
+  __device__ void store_after_fence(uintptr_t flag, uint64_t v) {
+    cuda::atomic_ref<uint64_t, cuda::thread_scope_system>(*reinterpret_cast<uint64_t*>(flag))
+        .store(v, cuda::memory_order_relaxed);
+  }
+
+  __device__ bool peer_known(int32_t r) const {
+    return r >= 0 && r < interp::kPeerCacheRanks && ((sh_->known[r >> 5] >> (r & 31)) & 1u);
+  }
+  __device__ void set_peer_known(int32_t r) {
+    if (r >= 0 && r < interp::kPeerCacheRanks) sh_->known[r >> 5] |= 1u << (r & 31);
   }
 
   __device__ uint64_t now_ns() { return globaltimer_ns(); }

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "host_flags.h"
+#include "ultracomm/interp.h"
 
 namespace ultracomm::host {
 
@@ -15,6 +16,15 @@ class HostMoverBase {
   uint64_t load_acquire(uintptr_t flag) { return host::load_acquire(flag); }
   uint64_t load_relaxed(uintptr_t flag) { return host::load_relaxed(flag); }
   void store_release(uintptr_t flag, uint64_t v) { host::store_release(flag, v); }
+  // One fence then plain flag stores on the device; here each store is a release store and the
+  // fence nothing (the same order, and ThreadSanitizer does not model standalone fences).
+  // Peers whose plan this mover verified in this run (one mover object per worker and run).
+  bool peer_known(int32_t r) const { return r >= 0 && r < kCache && (known_[r >> 6] >> (r & 63)) & 1; }
+  void set_peer_known(int32_t r) {
+    if (r >= 0 && r < kCache) known_[r >> 6] |= uint64_t(1) << (r & 63);
+  }
+  void fence_release() {}
+  void store_after_fence(uintptr_t flag, uint64_t v) { host::store_release(flag, v); }
   uint64_t now_ns() { return host::now_ns(); }
   void relax(uint32_t spins) { host::relax(spins); }
   bool aborted() { return run_.stopped(); }  // a failure, or the caller's abort word
@@ -31,7 +41,9 @@ class HostMoverBase {
     return i;
   }
 
+  static constexpr int32_t kCache = interp::kPeerCacheRanks;
   RunState& run_;
+  uint64_t known_[kCache / 64] = {};
   uint64_t rng_;
   uint32_t jitter_us_;
   bool portable_f16_;

@@ -57,6 +57,10 @@ struct RefAddrs {
   }
 };
 
+// Ranks whose "joined with our digest" a group remembers for the rest of a launch (a bit each;
+// higher ranks are checked every time).
+constexpr int32_t kPeerCacheRanks = 1024;
+
 // Destinations one copy call writes (the ready ones of a task, read once, written n times).
 constexpr int kMaxCopyDsts = 8;
 
@@ -71,6 +75,10 @@ concept Mover = requires(M m, const M cm, uintptr_t a, uint64_t u, uint32_t s, E
   { m.load_acquire(a) } -> std::same_as<uint64_t>;        // leader only, system scope
   { m.load_relaxed(a) } -> std::same_as<uint64_t>;        // leader only, system scope: a poll
   { m.store_release(a, u) };                              // leader only, system scope
+  { m.peer_known(1) } -> std::same_as<bool>;              // leader only: peer's plan verified this launch
+  { m.set_peer_known(1) };                                // leader only (ranks >= kPeerCacheRanks: no-op)
+  { m.fence_release() };                                  // leader only: orders what came before ...
+  { m.store_after_fence(a, u) };                          // ... these flag stores (one fence, N flags)
   { m.now_ns() } -> std::same_as<uint64_t>;               // leader only
   { m.relax(s) };                                         // leader only: backoff in a spin
   { m.aborted() } -> std::same_as<bool>;                  // leader only: another group failed
@@ -184,7 +192,7 @@ UC_HD uint32_t leader_wait(const ExecView& v, M& m, uintptr_t flag, int32_t watc
         m.relax(spin);
         seen = m.load_relaxed(flag);
         if (seen >= v.epoch || m.aborted() || m.now_ns() >= deadline) break;
-        if (watch >= 0 && !peer_plan_looks_ok(v, m, watch)) {
+        if (watch >= 0 && !m.peer_known(watch) && !peer_plan_looks_ok(v, m, watch)) {
           suspect = true;
           break;
         }
@@ -208,7 +216,13 @@ UC_HD uint32_t leader_wait(const ExecView& v, M& m, uintptr_t flag, int32_t watc
       return kTimeout;
     }
   }
-  return check_after && watch >= 0 ? check_peer_plan(v, m, watch, 0, describe) : uint32_t(kOk);
+  // Once per launch and peer: a flag raised at or after the peer's join (check_after) with the
+  // peer's ready == epoch and our digest means the peer stays in this op while this rank has
+  // work for it (it waits on this rank), so later waits of this group skip the check.
+  if (!check_after || watch < 0 || m.peer_known(watch)) return kOk;
+  const uint32_t st = check_peer_plan(v, m, watch, 0, describe);
+  if (st == kOk) m.set_peer_known(watch);
+  return st;
 }
 
 // Group-collective wait; true when the flag reached the epoch (and the group may read what it
@@ -251,14 +265,16 @@ UC_HD int32_t leader_gather_joined(const ExecView& v, M& m, const Task& t, int64
                                    int32_t left) {
   const auto joined = [&](int32_t j) {
     const Ref d = refs[j];
+    if (m.peer_known(d.rank)) return uint32_t(kOk);  // joined with our digest: checked once per launch
     return leader_wait(v, m, v.window_bases[d.rank] + v.layout.ready_flag(Op::kMulticast), d.rank, true,
                        [&] { return what(v, kFlagReady, ti, t.expert, t.chunk, d.slot, d.rank); });
   };
   if (joined(0) != kOk) return 0;
   int32_t n = 1;
   while (n < left && n < kMaxCopyDsts &&
-         m.load_acquire(v.window_bases[refs[n].rank] + v.layout.ready_flag(Op::kMulticast)) >= v.epoch) {
-    if (joined(n) != kOk) return 0;  // joined: only the digest check can fail here
+         (m.peer_known(refs[n].rank) ||
+          m.load_relaxed(v.window_bases[refs[n].rank] + v.layout.ready_flag(Op::kMulticast)) >= v.epoch)) {
+    if (joined(n) != kOk) return 0;  // joined: one acquire, and only the digest check can fail here
     ++n;
   }
   return n;
@@ -276,11 +292,13 @@ UC_HD void copy_to(const ExecView& v, M& m, const Task& t, const Ref* dsts, int3
   });
 }
 
+// One system fence, then the flag stores to every destination (not a release fence per flag).
 template <class M>
 UC_HD void release_arrivals(const ExecView& v, M& m, const Task& t, const Ref* dsts, int32_t n) {
   if (!m.leader()) return;
+  m.fence_release();
   for (int32_t j = 0; j < n; ++j)
-    m.store_release(v.window_bases[dsts[j].rank] + v.layout.arrival_flag(dsts[j].slot, t.chunk), v.epoch);
+    m.store_after_fence(v.window_bases[dsts[j].rank] + v.layout.arrival_flag(dsts[j].slot, t.chunk), v.epoch);
 }
 
 // Copy task: a relay first waits for its own chunk; then, per batch of joined destinations,
@@ -334,9 +352,10 @@ UC_HD bool run_reduce(const ExecView& v, M& m, const Task& t, int64_t ti) {
   });
   m.before_release();
   if (m.leader()) {
+    m.fence_release();
     for (int32_t k = 0; k < t.ref_count; ++k)
-      m.store_release(v.window_bases[refs[k].rank] + v.layout.consumed_flag(refs[k].slot, t.chunk), v.epoch);
-    if (t.self.slot >= 0) m.store_release(own_flag(v, v.layout.grad_ready_flag(t.self.slot, t.chunk)), v.epoch);
+      m.store_after_fence(v.window_bases[refs[k].rank] + v.layout.consumed_flag(refs[k].slot, t.chunk), v.epoch);
+    if (t.self.slot >= 0) m.store_after_fence(own_flag(v, v.layout.grad_ready_flag(t.self.slot, t.chunk)), v.epoch);
   }
   return true;
 }
@@ -374,6 +393,7 @@ UC_HD bool run_tasks(const ExecView& v, M& m) {
 template <class M>
 UC_HD void publish_leaf_grads(const ExecView& v, M& m) {
   const int32_t slots = v.layout.slots;
+  m.fence_release();  // once: the flags below publish nothing written after the join's stores
   for (int32_t s0 = 0; s0 < slots; s0 += 64) {
     uint64_t relay = 0;
     for (int64_t i = 0; i < v.num_tasks; ++i) {
@@ -383,7 +403,7 @@ UC_HD void publish_leaf_grads(const ExecView& v, M& m) {
     for (int32_t s = s0; s < slots && s < s0 + 64; ++s) {
       if (v.my_slots[s] < 0 || (relay >> (s - s0)) & 1) continue;
       for (uint64_t c = 0; c < v.layout.grad_chunks; ++c)
-        m.store_release(own_flag(v, v.layout.grad_ready_flag(s, static_cast<int64_t>(c))), v.epoch);
+        m.store_after_fence(own_flag(v, v.layout.grad_ready_flag(s, static_cast<int64_t>(c))), v.epoch);
     }
   }
 }

@@ -36,15 +36,22 @@ def test_rates_count_the_documented_bytes():
     assert Row("x", "-", "-", 0, None, 0, 0, None).algbw is None
     d = Row("sweep", "2 CTAs", "tile mover", 8, 2.0, 8, 16, 0, "n", dict(ctas=2)).to_dict()
     assert d["ctas"] == 2 and d["algbw"] == 4.0 and d["busbw"] == 8.0 and d["payload_bytes"] == 8
+    assert d["algbw_per_cta"] == 2.0
+    relay = Row("relay", "D=2 chunk=128K stream", "tile mover", 8, 2.0, 16, 32, 0, "", dict(ctas=2, senders=2))
+    assert relay.algbw_per_cta == 2.0 and Row("copy", "1->1", "cudaMemcpyAsync", 8, 2.0, 8, 16, 0).algbw_per_cta is None
 
 
 def test_table_columns():
     rows = [Row("copy", "1->1", "cudaMemcpyAsync", 256 * MiB, 250e-6, 256 * MiB, 512 * MiB, 0),
             Row("copy", "1->1", "tile mover", 1 << 30, None, 0, 0, None, "not measured: no _cuda")]
     lines = bg.format_table(rows).splitlines()
-    assert lines[0].split() == ["size", "case", "impl", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong", "note"]
-    assert lines[2].split() == ["256M", "1->1", "cudaMemcpyAsync", "250.00", "1073.7", "2147.5", "0"]
-    assert lines[3].split()[:7] == ["1G", "1->1", "tile", "mover", "-", "-", "-"]
+    assert lines[0].split() == ["size", "case", "impl", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "GB/s/CTA",
+                                "#wrong", "note"]
+    assert lines[2].split() == ["256M", "1->1", "cudaMemcpyAsync", "250.00", "1073.7", "2147.5", "-", "0"]
+    assert lines[3].split()[:8] == ["1G", "1->1", "tile", "mover", "-", "-", "-", "-"]
+    swept = Row("sweep", "16 CTAs", "tile mover", 256 * MiB, 250e-6, 256 * MiB, 512 * MiB, 0, "", dict(ctas=16))
+    assert bg.format_table([swept]).splitlines()[2].split() == ["256M", "16", "CTAs", "tile", "mover", "250.00",
+                                                                "1073.7", "2147.5", "67.1", "0"]
     assert lines[3].endswith("not measured: no _cuda")
 
 
@@ -207,7 +214,7 @@ def test_copy_engine_rows_in_the_table_and_the_json_record():
     rows = [Row("copy", "1->1", "tile mover", 256 * MiB, 200e-6, 256 * MiB, 512 * MiB, 0, "16 CTAs/rank")]
     rows.append(bg.copy_engine_row("1->1", 1, 256 * MiB, 400e-6, 3, "", bg.tile_row(rows, 1, 256 * MiB)))
     lines = bg.format_table([r for r in rows if r.section == "copy_engine"]).splitlines()
-    assert lines[2].split()[:8] == ["256M", "1->1", "copy", "engine", "400.00", "671.1", "1342.2", "3"]
+    assert lines[2].split()[:9] == ["256M", "1->1", "copy", "engine", "400.00", "671.1", "1342.2", "-", "3"]
     assert lines[2].endswith("0 SMs, 50.0% of tile mover")
     rec = bg.results_record(DEVICE, "2026-12-01T00:00:00Z", False, bg.SECTIONS, rows, [])
     assert json.loads(json.dumps(rec)) == rec  # plain JSON

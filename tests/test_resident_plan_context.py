@@ -99,10 +99,14 @@ def test_failed_inputs_are_refused_on_the_host_path_too():
     ok = ResidentPlan(src, exchange_status=torch.zeros(4, dtype=torch.int32),
                       planner_result=torch.zeros(3, dtype=torch.int64))
     assert ok.host_plan(1).slot_src.tolist() == [[-1], [-1]]
-    with pytest.raises(UltracommError, match="the expert loads' exchange timed out"):
+    # the exchange's status word keeps its cause's kind (issue 35): 1 a timeout, 2 ranks out of step
+    with pytest.raises(UltracommTimeout, match="the expert loads' exchange timed out"):
         ResidentPlan(src, exchange_status=torch.tensor([1, 3, 0, 0], dtype=torch.int32)).host_plan(1)
-    with pytest.raises(UltracommError, match="the planner refused the loads"):
+    with pytest.raises(PlanMismatchError, match="the expert loads' exchange found ranks out of step"):
+        ResidentPlan(src, exchange_status=torch.tensor([2, 1, 0, 0], dtype=torch.int32)).host_plan(1)
+    with pytest.raises(UltracommError, match="the planner refused the loads") as err:
         ResidentPlan(src, planner_result=torch.tensor([2 | (5 << 32), 0, 0], dtype=torch.int64)).host_plan(1)
+    assert type(err.value) is UltracommError
     with pytest.raises(ValueError, match=r"ResidentPlan.planner_result must be a torch.int64 tensor"):
         ResidentPlan(src, planner_result=torch.zeros(3, dtype=torch.int32))
 

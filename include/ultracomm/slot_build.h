@@ -29,11 +29,14 @@ namespace ultracomm::psched {
 // Statuses beyond sched_build.h's: the build's inputs failed before it ran.
 constexpr int32_t kExchangeFailed = 6;  // the loads' all-gather timed out (a rank never posted)
 constexpr int32_t kPlanFailed = 7;      // the planner refused the loads
+constexpr int32_t kRanksOutOfStep = 8;  // the loads' exchange found a rank on another layer or micro-batch
 
 // The build's `upstream` from its inputs' status words (either may be null): the loads' exchange
 // status (nonzero: it failed), the planner's result words (low 32 bits of [0]: its status).
 UC_INLINE int32_t upstream_status(const int32_t* exchange_status, const int64_t* plan_result) {
-  if (exchange_status != nullptr && *exchange_status != 0) return kExchangeFailed;
+  // the exchange's status word: 1 a rank never posted, 2 a rank posted another exchange's tag
+  if (exchange_status != nullptr && *exchange_status != 0) return *exchange_status == 2 ? kRanksOutOfStep
+                                                                                        : kExchangeFailed;
   if (plan_result != nullptr && (*plan_result & 0xffffffff) != 0) return kPlanFailed;
   return 0;
 }
@@ -57,7 +60,7 @@ struct BuildReport {
 
 // On block g (every lane).  views[0]: the multicast view, views[1]: the reduce view (this rank's
 // entry of each area).  Scratch: scratch_words(world, slots, experts, warps) int64 words (warps as
-// build()).  upstream: 0, or kExchangeFailed / kPlanFailed (then nothing is built).
+// build()).  upstream: 0, or kExchangeFailed / kPlanFailed / kRanksOutOfStep (then nothing is built).
 template <class G>
 UC_INLINE Result build_into_views(const Problem& p, int64_t* scratch, ExecView* const views[2], const SlotCaps& caps,
                                   int32_t upstream, const G& g, int32_t warps = 0) {

@@ -31,7 +31,7 @@ import torch
 from .errors import PlanMismatchError, UltracommError, UltracommTimeout
 from .plan import ReplicaPlan, SlotShape
 
-__all__ = ["ResidentPlan", "DeviceSchedule", "BUILD_STATUS"]
+__all__ = ["ResidentPlan", "DeviceSchedule", "BUILD_STATUS", "BUILD_ERROR"]
 
 #: psched::Status of a device build (include/ultracomm/sched_build.h), as the host raises it
 BUILD_STATUS = {
@@ -40,10 +40,14 @@ BUILD_STATUS = {
     3: "the build options are invalid (chunk bytes, bytes per expert, depth limit or rank)",
     4: "node_of names a node outside [0, world)",
     5: "the lists exceed the plan arena's bounds",
-    6: "the expert loads' exchange timed out (a rank never posted its loads) or found ranks out of step (a rank "
-       "posted another layer or micro-batch: GpuLoadBoard.status word 0 is 2), so nothing was built from them",
+    6: "the expert loads' exchange timed out (a rank never posted its loads), so nothing was built from them",
     7: "the planner refused the loads, so nothing was built from its output",
+    8: "the expert loads' exchange found ranks out of step (a rank posted another layer or micro-batch: "
+       "GpuLoadBoard.status word 0 is 2), so nothing was built from them",
 }
+
+#: the error class a failed device build raises, by its status: its cause keeps its kind (issue 35)
+BUILD_ERROR = {6: UltracommTimeout, 8: PlanMismatchError}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -84,9 +88,9 @@ class ResidentPlan(SlotShape):
         planner refused the loads."""
         for word, status in ((self.exchange_status, 6), (self.planner_result, 7)):
             value = 0 if word is None else int(word.reshape(-1)[0].item()) & 0xFFFFFFFF
-            if value:  # the exchange's cause keeps its kind: 1 timed out, 2 ranks out of step
-                kind = UltracommError if status != 6 else PlanMismatchError if value == 2 else UltracommTimeout
-                raise kind(f"ultracomm: {BUILD_STATUS[status]}")
+            if value:  # the exchange's status word: 1 timed out, 2 ranks out of step
+                status = 8 if status == 6 and value == 2 else status
+                raise BUILD_ERROR.get(status, UltracommError)(f"ultracomm: {BUILD_STATUS[status]}")
         return ReplicaPlan.make(self.slot_src.cpu().numpy(), experts_per_rank=experts_per_rank)
 
 

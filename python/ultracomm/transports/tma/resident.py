@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 
 from ...errors import UltracommError
 from ...records import Op
-from ...resident_plan import BUILD_STATUS
+from ...resident_plan import BUILD_ERROR, BUILD_STATUS
 from .plan_slots import PlanSlots
 
 __all__ = ["Share", "ResidentSlots"]
@@ -92,9 +92,10 @@ class ResidentSlots:
                 self._seen[(slot, entry)] = failed
                 if failure is None:
                     who = f"rank {rank}" if entries == 1 else f"rank entry {entry} (checked by rank {rank})"
-                    why = BUILD_STATUS.get(int(r["failed_status"]), f"status {r['failed_status']}")
+                    status = int(r["failed_status"])
+                    why = BUILD_STATUS.get(status, f"status {status}")
                     more = f" ({n} failed builds since the last check; the last one's reason)" if n > 1 else ""
-                    failure = UltracommError(
+                    failure = BUILD_ERROR.get(status, UltracommError)(
                         f"ultracomm: {who}: the device schedule build of plan slot {slot} failed: {why}{more}; the "
                         "rank published a rejection (peers raise PlanError) and ran no task of it")
         return failure

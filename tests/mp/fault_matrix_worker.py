@@ -18,24 +18,18 @@ Every rank writes ``rank<R>.json``: the error it raised (type, MRO, text), when 
 from __future__ import annotations
 
 import datetime
-import json
 import os
-import signal
 import sys
-import threading
 import time
-import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+from fault_worker import fault, record_error, report  # noqa: E402
 
 PHASES = ("setup", "load", "step", "weight_sync", "between", "grad_reduce")
 TRANSPORTS = ("host", "p2p", "split")
 ITERATIONS = 4  # a survivor that did not need the victims in one iteration meets them in the next
-
-
-def _fault(kind: str) -> None:
-    signal.pthread_kill(threading.get_ident(), signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
 
 
 def manager_options(transport: str, world: int) -> dict:
@@ -67,13 +61,13 @@ def main(rank: int, world: int, port: int, transport: str, phase: str, kind: str
     def fault_here() -> None:
         if victim and armed["on"]:
             armed["on"] = False
-            _fault(kind)
+            fault(kind)
 
     if victim and phase == "setup":
         real_attach = Context._attach
 
         def attach_then_fault(self):
-            _fault(kind)
+            fault(kind)
             return real_attach(self)
 
         Context._attach = attach_then_fault
@@ -147,10 +141,5 @@ def main(rank: int, world: int, port: int, transport: str, phase: str, kind: str
             total.backward()
             result["iterations"] = it + 1
     except Exception as e:  # noqa: BLE001 - the outcome under test
-        result.update(error=str(e), type=type(e).__name__, mro=[c.__name__ for c in type(e).__mro__],
-                      trace=traceback.format_exc()[-3000:])
-    result["elapsed"] = time.monotonic() - t0
-    result["raised_at"] = time.time()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
-    os._exit(0)  # no gloo teardown with a dead peer
+        record_error(result, e)
+    report(result, t0, out_dir, rank)

@@ -23,7 +23,7 @@ SCENARIOS = ("setup_kill", "setup_stop", "between_kill", "between_stop", "weight
 STORE_ON_VICTIM = ("store_host_kill", "store_host_stop")
 
 
-def _fault(kind: str) -> None:
+def fault(kind: str) -> None:
     # thread-directed: the calling thread stops (or dies) before it returns to Python; a
     # process-directed kill() lets it run on for a moment
     signal.pthread_kill(threading.get_ident(), signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
@@ -61,7 +61,7 @@ def main(rank: int, world: int, port: int, scenario: str, out_dir: str, timeout_
             def map_then_fault(path, nbytes, create):
                 m = real_map(path, nbytes, create)
                 if create:  # its segment exists, its name was exchanged: then it dies or stalls
-                    _fault(kind)
+                    fault(kind)
                 return m
 
             host_shm._map = map_then_fault
@@ -82,12 +82,12 @@ def main(rank: int, world: int, port: int, scenario: str, out_dir: str, timeout_
 
             def run_then_fault(op, *args, **kw):
                 if op == target:
-                    _fault(kind)
+                    fault(kind)
                 return real_run(op, *args, **kw)
 
             ctx.transport.run = run_then_fault
         if victim and phase in ("between", "store_host"):
-            _fault(kind)
+            fault(kind)
         under_test()
         if phase == "grad_reduce":
             ctx.grad_reduce(vid1)
@@ -105,8 +105,18 @@ def main(rank: int, world: int, port: int, scenario: str, out_dir: str, timeout_
         # a survivor whose own operation did not need the victim meets it in the next one
         ctx.weight_sync(ctx.begin(0), plan)
     except Exception as e:  # noqa: BLE001 - the outcome under test
-        result.update(error=str(e), type=type(e).__name__, mro=[c.__name__ for c in type(e).__mro__],
-                      trace=traceback.format_exc()[-3000:])
+        record_error(result, e)
+    report(result, t0, out_dir, rank)
+
+
+def record_error(result: dict, e: BaseException) -> None:
+    """What a survivor raised: text, type, its classes (UltracommTimeout? PlanError?) and where."""
+    result.update(error=str(e), type=type(e).__name__, mro=[c.__name__ for c in type(e).__mro__],
+                  trace=traceback.format_exc()[-3000:])
+
+
+def report(result: dict, t0: float, out_dir: str, rank: int) -> None:
+    """Write ``rank``'s outcome (with its time from ``t0`` and when it raised) and exit at once."""
     result["elapsed"] = time.monotonic() - t0
     result["raised_at"] = time.time()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:

@@ -71,14 +71,13 @@ def stalled() -> dict:
     return out
 
 
-def mismatch() -> dict:
-    """Rank 0 passes plan A, rank 1 plan B (a stream-ordered Context agrees nothing on the CPU):
-    the digest-equality waits keep every copy out, the watchdogs raise PlanError."""
-    ctxs = contexts()
+def mismatched_weight_sync(ctxs) -> tuple[list, float, list]:
+    """Rank 0 weight_syncs plan A, rank 1 plan B; each rank's error from synchronize() (or None),
+    the seconds that took, and each rank's slots before."""
     plans = [ReplicaPlan.make(np.array([[1], [0]], np.int32), experts_per_rank=1),
              ReplicaPlan.make(np.array([[1], [-1]], np.int32), experts_per_rank=1)]
     before = [slots_of(c) for c in ctxs]
-    t = time.monotonic()
+    start = time.monotonic()
     for c, p in zip(ctxs, plans):
         c.weight_sync(c.begin(0), p)
     errs = []
@@ -87,8 +86,17 @@ def mismatch() -> dict:
             c.synchronize()
             errs.append(None)
         except Exception as e:  # noqa: BLE001 - reported
-            errs.append(f"{type(e).__name__}: {e}")
-    out = dict(errors=errs, waited=time.monotonic() - t, untouched=[slots_of(c) == b for c, b in zip(ctxs, before)])
+            errs.append(e)
+    return errs, time.monotonic() - start, before
+
+
+def mismatch() -> dict:
+    """Rank 0 passes plan A, rank 1 plan B (a stream-ordered Context agrees nothing on the CPU):
+    the digest-equality waits keep every copy out, the watchdogs raise PlanError."""
+    ctxs = contexts()
+    errs, waited, before = mismatched_weight_sync(ctxs)
+    out = dict(errors=[None if e is None else f"{type(e).__name__}: {e}" for e in errs], waited=waited,
+               untouched=[slots_of(c) == b for c, b in zip(ctxs, before)])
     for c in ctxs:
         c.close()
     out["closed"] = True

@@ -21,29 +21,15 @@ import traceback
 import numpy as np
 import torch
 
-from ultracomm import Context, ExpertLayout, LoopbackDomain, Member, ReplicaPlan
+from ultracomm import ReplicaPlan
 from ultracomm.errors import PlanError, UltracommTimeout
 from ultracomm.records import Op
 from ultracomm.transports.host import op_digest
 
-LAYOUT = ExpertLayout((Member("fc1", (40, 24), torch.float32), Member("fc2", (56,), torch.float32)))
-TIMEOUT_S = 2.0
+# the failure worker's Contexts (two loopback ranks on cuda:0, copy_engine), slots and mismatch
+from copy_engine_failure_worker import TIMEOUT_S, contexts, mismatched_weight_sync, slots_of  # noqa: E402
+
 SYNC_BOUND_S = 5.0
-
-
-def contexts():
-    ctxs = LoopbackDomain(2).run(lambda g: Context(g, LAYOUT, 1, 1, num_layers=1, transport="copy_engine",
-                                                   window="cuda_local", device="cuda:0", chunk_bytes=1024,
-                                                   tile_bytes=256, timeout_s=TIMEOUT_S))
-    for c in ctxs:
-        w = [torch.full((1, *m.shape), float(c.rank + 1), device="cuda:0") for m in LAYOUT.members]
-        c.register_masters(0, w, [torch.zeros_like(t) for t in w])
-    return ctxs
-
-
-def slots_of(ctx) -> list:
-    end = ctx.wlayout["ready_off"]
-    return ctx.window.local[:end].cpu().tolist()  # a copy on the caller's stream: no device-wide sync
 
 
 def device_sync() -> tuple[bool, float]:
@@ -97,20 +83,7 @@ def lost_peer(dead: bool) -> dict:
 
 def mismatch() -> dict:
     ctxs = contexts()
-    plans = [ReplicaPlan.make(np.array([[1], [0]], np.int32), experts_per_rank=1),
-             ReplicaPlan.make(np.array([[1], [-1]], np.int32), experts_per_rank=1)]
-    before = [slots_of(c) for c in ctxs]
-    start = time.monotonic()
-    for c, p in zip(ctxs, plans):
-        c.weight_sync(c.begin(0), p)
-    errs = []
-    for c in ctxs:
-        try:
-            c.synchronize()
-            errs.append(None)
-        except Exception as e:  # noqa: BLE001 - reported
-            errs.append(e)
-    waited = time.monotonic() - start
+    errs, waited, before = mismatched_weight_sync(ctxs)
     synced, sync_s = device_sync()
     out = dict(errors=[describe(e) for e in errs], waited=waited, late_s=waited - TIMEOUT_S, synced=synced,
                sync_s=sync_s, untouched=[slots_of(c) == b for c, b in zip(ctxs, before)] if synced else None)

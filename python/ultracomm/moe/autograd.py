@@ -89,15 +89,16 @@ class _Linear(torch.autograd.Function):
         return dx, fused_wgrad_return(w)
 
 
-def fused_wgrad_return(w: torch.Tensor) -> torch.Tensor | None:
+def fused_wgrad_return(w: torch.Tensor, mark: bool = True) -> torch.Tensor | None:
     """What Megatron's fused wgrad path returns once it has added into ``w.main_grad``: under
-    Megatron's DDP (``w`` has ``grad_added_to_main_grad``) it sets the flag and returns a dummy
-    gradient, so that the grad-accumulator hook fires (it then skips ``.grad``); else None.
-    Megatron's dummy is ``torch.empty`` (``torch.zeros`` under ``zero_out_wgrad``); ours is
-    always zeros, so a hook that adds ``.grad`` anyway adds nothing."""
+    Megatron's DDP (``w`` has ``grad_added_to_main_grad``) a dummy gradient, so that the
+    grad-accumulator hook fires, with the flag set (``mark``: the hook then skips ``.grad``);
+    else None.  Megatron's dummy is ``torch.empty`` (``torch.zeros`` under ``zero_out_wgrad``);
+    ours is always zeros, so a hook that adds ``.grad`` anyway adds nothing."""
     if not hasattr(w, "grad_added_to_main_grad"):
         return None
-    w.grad_added_to_main_grad = True
+    if mark:
+        w.grad_added_to_main_grad = True
     return torch.zeros(w.shape, dtype=w.dtype, device=w.device)
 
 

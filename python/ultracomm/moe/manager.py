@@ -35,7 +35,8 @@ from ..planners import Domain, PlannerResult, get_planner, max_mean
 from ..planners import device as device_planner
 from ..planners.base import build_result
 from ..resident_plan import ResidentPlan
-from .autograd import _Guard, _ReplicaWeights
+from .autograd import _Guard, _ReplicaWeights, fused_wgrad_return
+from .board_layout import ExchangeTag
 from .loads import board_for_context, gather_loads
 from .reroute import LAYOUTS, RerouteTable, reroute
 
@@ -87,15 +88,6 @@ def _orphaned(manager_ref: weakref.ref, vid: int) -> None:
         manager._orphans.append(vid)
 
 
-def _fused_dummy(t: torch.Tensor) -> torch.Tensor | None:
-    """The autograd gradient of a master whose replica sum went into ``main_grad``: under
-    Megatron's DDP (``grad_added_to_main_grad`` exists) a zero dummy, so its grad-accumulator
-    hook fires and adds nothing whichever path the home wgrad took -- the flag is left alone
-    (DDP resets it once per iteration: setting it would drop an unfused home ``.grad`` of the
-    next micro-batch); else None."""
-    return torch.zeros(t.shape, dtype=t.dtype, device=t.device) if hasattr(t, "grad_added_to_main_grad") else None
-
-
 def _will_execute(node: Any) -> bool:
     """Whether the running backward pass will execute ``node``."""
     return node is not None and torch._C._will_engine_execute_node(node)
@@ -139,7 +131,7 @@ class _Layer:
 
     def frozen(self) -> bool:
         """No master takes a gradient (LoRA, router-only fine-tuning): multicast only."""
-        return not any(t.requires_grad for t in self.anchors)
+        return not self.inputs()
 
 
 class Step:
@@ -608,8 +600,6 @@ class ReplicaManager:
         control plane's host build (then the schedule is the portable builder's, as on a GPU).
         The loads' exchange names what it is for (layer, micro-batch slot, grad): ranks out of
         step raise PlanMismatchError there, on every rank, before anything moves."""
-        from .board_layout import ExchangeTag
-
         vid = self._begin(layer)
         try:
             tag = ExchangeTag(layer, vid % self.ctx.max_microbatches, grad)
@@ -637,8 +627,6 @@ class ReplicaManager:
         capturable in a CUDA graph (buffers are allocated at a vid slot's first step).  The
         exchange's tag (layer, micro-batch slot, grad) is checked by the kernel: ranks out of
         step get a failed exchange status, which the build refuses."""
-        from .board_layout import ExchangeTag
-
         vid = self._begin(layer)
         try:
             tag = ExchangeTag(layer, vid % self.ctx.max_microbatches, grad)
@@ -811,7 +799,9 @@ class ReplicaManager:
                 else:
                     for k in mine:
                         main_grad[k].add_(src[k])
-                out.append(_fused_dummy(t))
+                # the flag is left alone: DDP resets it once per iteration, so setting it here would
+                # drop an unfused home .grad of the next micro-batch
+                out.append(fused_wgrad_return(t, mark=False))
             elif len(mine) == n:
                 out.append(src.to(t.dtype, copy=True))
             else:  # rows without a replica: zeros (the staging there holds another layer's sums)

@@ -4,6 +4,7 @@ for the peers an op crosses to; the loopback domain's one merged sequence; bad i
 (The device runs are in test_split_cuda_gpu.py.)"""
 from __future__ import annotations
 
+import ctypes
 from types import SimpleNamespace
 
 import numpy as np
@@ -15,6 +16,7 @@ from ultracomm.records import Op
 from ultracomm.schedule import build_schedule
 from ultracomm.transports.host import Masters
 from ultracomm.transports.split.cuda import SplitCudaTransport
+from ultracomm.transports.split.cuda_gates import Gates, gate_args, gated
 from ultracomm.transports.split.cuda_shadow import NO_SHADOW, DeviceShadows
 from ultracomm.transports.split.cuda_watchdog import DONE, PROGRESS, STARTED, SideWatchdog, progress_value
 from ultracomm.transports.tma.loopback import LoopbackRunner
@@ -89,7 +91,26 @@ class FakeDriver:
     def memcpy(self, dst, src, nbytes, stream):
         self.log.append(("copy", stream, dst, src, nbytes))
 
+    def function(self, ptx, name):
+        assert name == "uc_ce_gate" and ".entry uc_ce_gate" in ptx
+        return 0xF00
+
+    def launch(self, function, threads, stream, args):
+        """A gate (cuda_gates): logged as ("gate", stream, its wait flags, its write flags, epoch)."""
+        desc, epoch, abort = gate_args(args)
+        assert function == 0xF00 and threads == 256
+        w = lambda at, n: list((ctypes.c_uint64 * n).from_address(at))  # noqa: E731
+        n_wait, n_copy, n_write, _ = w(desc, 4)
+        assert n_copy == 0 and desc % 16 == 0
+        waits = [w(desc + 32 + 24 * i, 3) for i in range(n_wait)]
+        writes = [w(desc + 32 + 24 * n_wait + 16 * i, 2) for i in range(n_write)]
+        assert all(v == (1 << 64) - 1 and eq == 0 for _, v, eq in waits) and all(v == (1 << 64) - 1 for _, v in writes)
+        # a gate waits or writes, not both; a wait gate's abort word is the watchdog's open, a write gate's its skip
+        assert bool(waits) != bool(writes) and abort == self.abort[0 if writes else 1]
+        self.log.append(("gate", stream, tuple(a for a, _, _ in waits), tuple(a for a, _ in writes), epoch))
+
     bound: tuple = ()
+    abort = None
 
     def bind(self, device):  # not in the log: it orders nothing on a stream
         self.bound += (device,)
@@ -117,12 +138,19 @@ class FakeSide:
         pass
 
 
+def host_words(n):
+    return torch.zeros(n, dtype=torch.int64)
+
+
 def transport(rank, log, window, **kw):
-    dog = SideWatchdog(rank, 5.0, lambda e: None, words=torch.zeros(3, dtype=torch.int64), autostart=False)
+    dog = SideWatchdog(rank, 5.0, lambda e: None, words=torch.zeros(5, dtype=torch.int64), autostart=False)
+    drv = FakeDriver(log)
+    drv.abort = dog.gate_addrs()
     return SplitCudaTransport(comm=None, rank=rank, world=4, window=window, wlayout=WL, layout=None, num_workers=1,
                               timeout_s=5.0, domain_of=kw.pop("domain_of", DOM),
                               tma=FakeTma(log, rank, getattr(window, "shared", None)),
-                              drv=FakeDriver(log), messenger=FakeMessenger(log), side=FakeSide(log), dog=dog, **kw)
+                              drv=drv, messenger=kw.pop("messenger", FakeMessenger(log)), side=FakeSide(log), dog=dog,
+                              gates=Gates(dog.gate_addrs(), alloc=host_words), **kw)
 
 
 def bracketed(t, caller, epoch, body):
@@ -150,10 +178,12 @@ def expected(ops, epoch, own, shadows):
     addr = {OWN: own}
     addr.update({q: t.data_ptr() for q, t in shadows.items()})
     out = []
-    for o in ops:
-        a = addr[o.ref.shadow] + o.ref.off
-        out.append(("wait", 77, a, epoch) if o.kind == WAIT_GE else ("write", 77, a, epoch) if o.kind == WRITE
-                   else (o.kind, "side77", a, o.nbytes, o.peer))
+    for s in gated(ops, lambda o: addr[o.ref.shadow] + o.ref.off):  # the grouping: test_gates_group_*
+        if s[0] == "gate":
+            out.append(("gate", 77, s[1], s[2], epoch))
+        else:
+            o = s[1]
+            out.append((o.kind, "side77", addr[o.ref.shadow] + o.ref.off, o.nbytes, o.peer))
     return out
 
 
@@ -202,11 +232,12 @@ def test_loopback_ranks_deposit_and_the_last_enqueues_one_merged_sequence():
         return (wins[rank].local.data_ptr() if ref.shadow == OWN else t.shadows.views[ref.shadow].data_ptr()) + ref.off
 
     want = []
-    for o in seq:
-        if o.kind == COPY:
-            want.append(("copy", 77, addr(o.rank, o.ref), addr(o.peer, o.src), o.nbytes))
+    for s in gated(seq, lambda o: addr(o.rank, o.ref)):
+        if s[0] == "gate":
+            want.append(("gate", 77, s[1], s[2], 6))
         else:
-            want.append(("wait" if o.kind == WAIT_GE else "write", 77, addr(o.rank, o.ref), 6))
+            o = s[1]
+            want.append(("copy", 77, addr(o.rank, o.ref), addr(o.peer, o.src), o.nbytes))
     plan = tuple(("args", r, 1) for r in range(4))
     assert log == [("fork", 11), ("launch_all", plan, 6, 4, 11)] + bracketed(ts[3], 11, 6, want)
     assert sorted(ts[0].shadows.views) == [2] and sorted(ts[2].shadows.views) == [0] and not ts[1].shadows.views
@@ -267,7 +298,7 @@ def test_the_pointer_tables_pass_the_real_bindings_plan_checks(real_cuda, monkey
         ts.append(SplitCudaTransport(comm=None, rank=r, world=4, window=win, wlayout=WL, layout=LAYOUT,
                                      num_workers=1, timeout_s=2.0, multicast_sms=2, reduce_sms=2, domain_of=DOM,
                                      drv=FakeDriver(log), messenger=FakeMessenger(log), side=FakeSide(log),
-                                     dog=SideWatchdog(r, 2.0, log.append, words=torch.zeros(3, dtype=torch.int64),
+                                     dog=SideWatchdog(r, 2.0, log.append, words=torch.zeros(5, dtype=torch.int64),
                                                       autostart=False)))
     assert [t.tma.multicast_sms for t in ts] == [2] * 4  # below the NCCL reserve's cap (132 - 16 SMs)
     w = (torch.zeros((1, 64), dtype=torch.float32), )

@@ -20,6 +20,7 @@ from ultracomm.records import Op
 from ultracomm.schedule import build_schedule
 from ultracomm.transports.host import HostTransport, Masters
 from ultracomm.transports.split.cuda import SplitCudaTransport
+from ultracomm.transports.split.cuda_gates import Gates, gate_args, run_gate_on_host
 from ultracomm.transports.split.cuda_watchdog import SideWatchdog
 
 from conftest import expert_weights, hot_slot_src, random_slot_src
@@ -49,6 +50,19 @@ class NowDriver:
 
     def memcpy(self, dst, src, nbytes, stream):
         ctypes.memmove(dst, src, nbytes)
+
+    def function(self, ptx, name):
+        return 0xF00
+
+    def launch(self, function, threads, stream, args):
+        """A gate (cuda_gates): its waits block as wait_value's, then its writes (release)."""
+        deadline = time.monotonic() + self.timeout_s
+
+        def waiting():
+            assert time.monotonic() < deadline, "side stream stuck in a gate"
+            time.sleep(0.0002)
+
+        run_gate_on_host(*gate_args(args), _core.load_acquire, _core.store_release, waiting)
 
 
 class Runs:
@@ -141,11 +155,12 @@ def run(world, plan, layout, epr, mode, node_of, dom, split: bool):
         win = SimpleNamespace(local=locs[r], peer_bases=list(bases), loopback=True, shared=shared, world=world,
                               provider="fake")
         if split:
+            dog = SideWatchdog(r, TIMEOUT_S, lambda e: None, words=torch.zeros(5, dtype=torch.int64), autostart=False)
             ts.append(SplitCudaTransport(
                 comm=None, rank=r, world=world, window=win, wlayout=wl, layout=layout, num_workers=1,
                 timeout_s=TIMEOUT_S, domain_of=dom, tma=HostKernel(r, win, wl, layout, runs), drv=NowDriver(),
                 side=SimpleNamespace(fork=lambda s: None, get=lambda: (0, None), close=lambda: None),
-                dog=SideWatchdog(r, TIMEOUT_S, lambda e: None, words=torch.zeros(3, dtype=torch.int64), autostart=False)))
+                dog=dog, gates=Gates(dog.gate_addrs(), alloc=lambda n: torch.zeros(n, dtype=torch.int64))))
         else:
             ts.append(HostTransport(rank=r, world=world, window=win, wlayout=wl, layout=layout, num_workers=2,
                                     timeout_s=TIMEOUT_S))

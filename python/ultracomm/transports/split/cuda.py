@@ -27,19 +27,26 @@ side stream's own NCCL group is made with at most that many CTAs and thread-bloc
 loopback mover copies with copy engines and needs none.  16 is a guess until a device run.  Not capturable in a CUDA graph: the
 side stream's flag operations carry the host's epoch as a literal (refused while capturing).
 
-Failures: the caller's stream joins the side stream through a pinned host word that a watchdog
-releases after twice the timeout (:mod:`.cuda_watchdog`; CUDA does not see the ordering that
-stream waits make, so with ``CUDA_DEVICE_MAX_CONNECTIONS=1`` -- one hardware queue for all
-streams -- the release may not reach work queued behind the blocked side stream: a warning says
-so), so a cross-domain peer that dies
-gives ``UltracommTimeout`` at ``Work.wait()`` (the kernel's, naming the peer it waited for, then
-the watchdog's, naming the stuck message), not a hung caller stream.  The side stream itself stays
-blocked (an NCCL receive or a stream wait cannot be cancelled) until NCCL's own timeout aborts
-its communicator (torch's process-group timeout; with its default async error handling that tears
-the process down -- the side stream's messages use the transport's own NCCL group, so the user's
-group is not the one aborted): until then the Context skips device-wide synchronisation and keeps
-the window, the kernel's plans and the shadows allocated (freeing is a device-wide wait).  Status: on an H200 (perf/gpu/README.md) a one-GPU loopback domain matches the host executor bit for bit and refuses ranks on different plans; a stalled cross-domain rank still hangs the caller's stream there (traced, not fixed).  Shadows are
-full-size allocations (:mod:`.cuda_shadow`).
+Failures (issue 35: no wait of the side stream whose only releaser is a peer): the caller's
+stream joins the side stream through a pinned host word that a watchdog releases after the
+timeout (:mod:`.cuda_watchdog`: the same bound as the kernel's own waits, so the named error
+comes within a few 2 ms polls of start + timeout).  The watchdog then aborts the side stream's
+own NCCL group (:meth:`.cuda_movers.NcclMessenger.abort`: a receive whose peer died returns) and
+opens the side stream's gates (:mod:`.cuda_gates`: its flag writes are skipped from before the
+abort, its flag waits leave after it), so the side stream drains and a later ``torch.cuda.synchronize()`` returns.  A cross-
+domain peer that dies gives ``UltracommTimeout`` at ``Work.wait()`` (the kernel's, naming the peer
+it waited for, or the watchdog's, naming the stuck message).  A failure the kernel reports (its
+error at ``check_error``) releases the side stream the same way.  The side stream is the
+transport's own non-blocking stream; nothing here synchronizes the device.  CUDA does not see
+the ordering that stream waits make, so with ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (one hardware
+queue for all streams) work queued behind a blocked gate may wait for its release: a warning says
+so.  After a failure the Context still skips device-wide synchronisation and keeps the window,
+the kernel's plans and the shadows allocated (a gate or an NCCL kernel that passed its wait
+just before the abort may still be writing).  Status: on an H200 (perf/gpu/README.md) a one-GPU
+loopback domain matches the host executor bit for bit and refuses ranks on different plans; a
+stalled cross-domain rank hung the caller's stream there before the gates and the group abort
+(run 3); those have not run on a device yet.  Shadows are full-size allocations
+(:mod:`.cuda_shadow`).
 """
 from __future__ import annotations
 
@@ -57,6 +64,7 @@ from ...records import Op
 from .bridge_program import build_bridge_program
 from ..host import Masters, op_digest
 from ..p2p.waves import cached_program
+from .cuda_gates import GATE_SM_RESERVE, Gates
 from .cuda_movers import Spaces, enqueue_loopback, enqueue_rank_stream, side_group
 from ..copy_engine.watchdog import KEPT, abandoned, device_watchdogs, quiesce
 from .cuda_shadow import DeviceShadows
@@ -110,7 +118,7 @@ class SplitCudaTransport:
     Args (given by the Context): ``comm``, ``rank``, ``world``, ``window`` (``cuda_ipc`` mapping
     this rank's domain, or ``cuda_local``), ``wlayout``, ``layout``, ``timeout_s``,
     ``multicast_sms``/``reduce_sms`` and ``domain_of`` (every rank's domain index).  ``tma``,
-    ``drv``, ``messenger``, ``side`` and ``dog`` replace the parts built here (tests)."""
+    ``drv``, ``messenger``, ``side``, ``dog`` and ``gates`` replace the parts built here (tests)."""
 
     name = "split"
     window_providers = ("cuda_ipc", "cuda_local")
@@ -119,7 +127,8 @@ class SplitCudaTransport:
     def __init__(self, *, comm: Any, rank: int, world: int, window, wlayout: dict, layout, num_workers: int,
                  timeout_s: float, jitter_us: int = 0, multicast_sms: int | None = None,
                  reduce_sms: int | None = None, domain_of: Sequence[int] | None = None,
-                 tma: Any = None, drv: Any = None, messenger: Any = None, side: Any = None, dog: Any = None):
+                 tma: Any = None, drv: Any = None, messenger: Any = None, side: Any = None, dog: Any = None,
+                 gates: Any = None):
         if domain_of is None or len(domain_of) != world:
             raise ValueError(f"ultracomm: transport 'split' needs domain_of, one memory domain per rank ({world}); "
                              f"got {domain_of!r}")
@@ -143,9 +152,10 @@ class SplitCudaTransport:
             tma = TmaTransport(rank=rank, world=world, window=window, wlayout=wlayout, layout=layout,
                                num_workers=num_workers, timeout_s=timeout_s, multicast_sms=multicast_sms,
                                reduce_sms=reduce_sms)
-            if not self.loopback:
-                cap = max(1, tma.runner.sm_count - NCCL_SM_RESERVE)
-                tma.multicast_sms, tma.reduce_sms = min(tma.multicast_sms, cap), min(tma.reduce_sms, cap)
+            # the side stream's gates (one CTA each) and NCCL's kernels run beside the persistent kernel
+            cap = max(1, tma.runner.sm_count - NCCL_SM_RESERVE) if not self.loopback else \
+                max(1, (tma.runner.sm_count - GATE_SM_RESERVE) // world)  # loopback: one launch of every rank
+            tma.multicast_sms, tma.reduce_sms = min(tma.multicast_sms, cap), min(tma.reduce_sms, cap)
         self.tma, self.drv = tma, drv
         self.shadows = DeviceShadows(rank, self.domain_of, wlayout["total_bytes"], window.local.device)
         self.spaces = Spaces(window.local, self.shadows)
@@ -166,6 +176,9 @@ class SplitCudaTransport:
                         "raising UltracommTimeout); leave the variable unset or > 1 with this transport")
         self.side = side if side is not None else SideStream(drv, window.local.device)
         self.dog = dog if dog is not None else SideWatchdog(rank, timeout_s, self._on_dog_failure)
+        if getattr(self.dog, "abort_group", None) is None and hasattr(self.messenger, "abort"):
+            self.dog.abort_group = self.messenger.abort  # a timeout aborts the side stream's NCCL group
+        self.gates = gates if gates is not None else Gates(self.dog.gate_addrs())
         self._errors: list[BaseException] = []
         self._programs: dict = {}
         self._seqs: dict = {}  # loopback: (op digest) -> the domain's merged side-stream sequence
@@ -206,6 +219,7 @@ class SplitCudaTransport:
             raise UltracommError("ultracomm: transport 'split' cannot be captured in a CUDA graph (its side stream's "
                                  "flag operations carry the epoch as a literal); run it outside the capture")
         self._bind()  # before the first driver call (shadows, the side stream) on this thread
+        self.gates.collect(idle=self.dog.pending() == 0 and not self.dog.failed())
         prog, ops = self.program(op, schedule)
         self._ensure_shadows(prog.peers)
         if self.loopback:
@@ -221,7 +235,7 @@ class SplitCudaTransport:
         self._bridged(stream, int(epoch), op_name or op.name.lower(), ops,
                       lambda: self.tma.run(op, schedule, epoch, masters, my_slots, local_index_of, op_name, stream),
                       lambda mark: enqueue_rank_stream(ops, int(epoch), self.spaces, side, self.drv, self.messenger,
-                                                       side_stream, mark))
+                                                       side_stream, mark, gates=self.gates))
         return True
 
     def _bridged(self, stream: int, epoch: int, name: str, ops: Sequence, launch: Callable[[], Any],
@@ -269,7 +283,8 @@ class SplitCudaTransport:
         spaces_of, side = self._spaces_of, self.side.get()[0]
         self._bridged(stream, int(epoch), deps[0].item[0][3] or Op(int(deps[0].op)).name.lower(), seq,
                       lambda: self.tma._loopback.launch(kernel, self.rank),
-                      lambda mark: enqueue_loopback(seq, int(epoch), spaces_of, side, self.drv, mark))
+                      lambda mark: enqueue_loopback(seq, int(epoch), spaces_of, side, self.drv, mark,
+                                                    gates=self.gates))
 
     def _check_plans(self, deps: Sequence[Deposit], epoch: int) -> None:
         """Loopback ranks on different plans would merge bridge programs that do not pair up: raise
@@ -302,14 +317,20 @@ class SplitCudaTransport:
 
     def check_error(self) -> None:
         """Raise the first failure recorded since the last call: the kernel's (as ``tma``: it names
-        the peer it waited for), then the watchdog's (a side-stream message that never completed)."""
-        self.tma.check_error()
+        the peer it waited for), then the watchdog's (a side-stream message that never completed).
+        A kernel's failure releases the side stream (:meth:`.cuda_watchdog.SideWatchdog.abandon`:
+        the group abort, the gates) before it is raised: its later waits may never be satisfied."""
+        try:
+            self.tma.check_error()
+        except BaseException as e:
+            self.dog.abandon(e)
+            raise
         if self._errors:
             raise self._errors.pop(0)
 
     def quiesce(self) -> None:
         """Wait until no op of this domain's side streams is in flight (each ends done or failed
-        within twice the timeout once its stream reached it), before a device-wide synchronize."""
+        within the timeout once its stream reached it), before a device-wide synchronize."""
         quiesce(self._dogs)
 
     def abandoned_streams(self) -> bool:

@@ -2,9 +2,10 @@
 (:mod:`.stream`): flags with the driver's stream memory operations, chunks with NCCL or,
 on a one-GPU loopback domain, with one ``cuMemcpyAsync`` per message.
 
-* WAIT_GE -> ``cuStreamWaitValue64(side, addr, epoch, GEQ)``; WRITE ->
-  ``cuStreamWriteValue64(side, addr, epoch)`` (default flags: a memory barrier precedes the
-  write, so a receiver's flag follows its bytes), as :mod:`..copy_engine` does.
+* WAIT_GE and WRITE -> gate kernels (:mod:`.cuda_gates`; a run of waits, or of writes, is one
+  launch): a wait gate spins until ``*addr >= epoch``, a write gate writes its flags = epoch
+  after a system-scope fence (so a receiver's flag follows its bytes) -- or, once the side
+  watchdog released the gates, the wait gate leaves and the write gate writes nothing.
 * SEND / RECV (:class:`NcclMessenger`): ``torch.distributed.batch_isend_irecv`` of one op with
   the side stream current.  ProcessGroupNCCL makes its NCCL stream wait for the current stream
   before the op, and ``Work.wait()`` makes the current stream wait for the op (stream-level, the
@@ -17,14 +18,16 @@ on a one-GPU loopback domain, with one ``cuMemcpyAsync`` per message.
 * COPY (loopback, :func:`enqueue_loopback`): NCCL refuses two ranks on one GPU, so a message is
   one device-to-device ``cuMemcpyAsync`` from the sender's Ref to the receiver's.
 
-What stays blocked on a failure: a WAIT_GE whose flag never comes, and an NCCL receive whose
-peer never sends, hold the side stream (and that NCCL communicator's stream) until the peer
-shows up or the process group's own timeout aborts the communicator; ultracomm cannot cancel
-either.  torch times an NCCL op from when it was queued, so an op stuck behind a blocked wait
-also reaches that timeout, and with torch's default async error handling the process is then
-torn down.  The messages use the transport's own NCCL group (:func:`side_group`), so the
-user's group and its collectives are not the ones aborted.  The caller's stream joins the side stream through a host word that a watchdog can
-release (:mod:`.cuda_watchdog`).
+What releases a failure (issue 35): a WAIT_GE or WRITE is not a stream memory operation but a
+gate kernel (:mod:`.cuda_gates`) that leaves its wait, and skips its writes, once the side
+watchdog opened the gates; an NCCL receive whose peer never sends, or a send whose peer never
+receives, is released by aborting the transport's own NCCL group (:meth:`NcclMessenger.abort`,
+which the watchdog calls on a timeout: NCCL's kernels poll the communicator's abort flag and then
+move nothing).  The messages use that group (:func:`side_group`), so the user's group and its
+collectives are not the ones aborted.  torch times an NCCL op from when it was queued; the side
+group's own torch timeout (the process-group default) is far longer than the Context's, so the
+watchdog's abort, not torch's, ends a stuck op.  The caller's stream joins the side stream
+through a host word that the watchdog releases first (:mod:`.cuda_watchdog`).
 """
 from __future__ import annotations
 
@@ -32,9 +35,10 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
-from .stream import COPY, OWN, RECV, SEND, WAIT_GE, WRITE, Ref, StreamOp
+from .stream import COPY, OWN, RECV, SEND, Ref, StreamOp
 
-__all__ = ["Spaces", "NcclMessenger", "side_group", "side_group_options", "enqueue_rank_stream", "enqueue_loopback"]
+__all__ = ["Spaces", "NcclMessenger", "abort_group", "side_group", "side_group_options", "enqueue_rank_stream",
+           "enqueue_loopback"]
 
 
 class Spaces:
@@ -58,6 +62,8 @@ class Driver(Protocol):  # ultracomm.cuda.driver.Driver's calls used here
     def wait_value(self, stream: int, addr: int, value: int, equal: bool = False) -> None: ...
     def write_value(self, stream: int, addr: int, value: int) -> None: ...
     def memcpy(self, dst: int, src: int, nbytes: int, stream: int) -> None: ...
+    def function(self, ptx: str, name: str) -> int: ...
+    def launch(self, function: int, threads: int, stream: int, args: list) -> None: ...
 
 
 class NcclMessenger:
@@ -67,9 +73,23 @@ class NcclMessenger:
 
     def __init__(self, group: Any, global_rank: Sequence[int], owned: bool = False):
         self.group, self.global_rank, self.owned = group, list(global_rank), owned
+        self.aborted = False
+
+    def abort(self) -> None:
+        """Abort the group's communicators (:func:`abort_group`; the side watchdog's thread, on a
+        failure): every send and receive queued in it returns, moving nothing more.  Only an owned
+        group (never the user's); once."""
+        if not self.owned or self.group is None or self.aborted:
+            return
+        self.aborted = True
+        abort_group(self.group)
 
     def close(self) -> None:
-        """Destroy an owned group (only when no side stream is blocked in it: the caller checks)."""
+        """Destroy an owned group (only when no side stream is blocked in it: the caller checks;
+        an aborted group is left as it is: its communicators are gone)."""
+        if self.aborted:
+            self.group = None
+            return
         if self.owned and self.group is not None:
             import torch.distributed as dist
 
@@ -83,6 +103,26 @@ class NcclMessenger:
         with torch.cuda.device(buf.device), torch.cuda.stream(side):  # NCCL wants the current device set
             for w in dist.batch_isend_irecv([dist.P2POp(fn, buf, self.global_rank[peer], self.group)]):
                 w.wait()  # NCCL: the current (side) stream waits for the op; the host does not
+
+
+def abort_group(group: Any) -> None:
+    """Abort a torch.distributed NCCL group's communicators (``ncclCommAbort``): ``ProcessGroup.abort()``
+    (torch >= 2.7, pytorch#148798), else its NCCL backend's ``abort()`` / ``_abort()`` (torch 2.1-2.6,
+    pytorch#96017).  Stock ProcessGroupNCCL returns from a user's abort without tearing the process
+    down (its async error handling acts on its own timeouts, not on this call).  Raises
+    ``UltracommError`` where this torch offers none of them."""
+    fn = getattr(group, "abort", None)
+    if fn is None:
+        get = getattr(group, "_get_backend", None)
+        backend = get(torch.device("cuda")) if get is not None else None
+        fn = getattr(backend, "abort", None) or getattr(backend, "_abort", None)
+    if fn is None:
+        from ...errors import UltracommError
+
+        raise UltracommError(f"ultracomm split: torch {torch.__version__} offers no abort of a process group "
+                             "(ProcessGroup.abort, ProcessGroupNCCL._abort): a side stream blocked in an NCCL "
+                             "receive stays blocked until torch's own timeout")
+    fn()
 
 
 def side_group_options(max_ctas: int) -> Any:
@@ -114,16 +154,19 @@ def side_group(comm_group: Any, world: int, device: torch.device, max_ctas: int)
 
 
 def enqueue_rank_stream(ops: Sequence[StreamOp], epoch: int, spaces: Spaces, side: int, drv: Driver,
-                        messenger: Any, side_stream: Any, mark: Optional[Callable[[int], None]] = None) -> None:
+                        messenger: Any, side_stream: Any, mark: Optional[Callable[[int], None]] = None, *,
+                        gates: Any) -> None:
     """Enqueue one rank's stream operations on stream ``side`` (its handle; ``side_stream``: the
-    same as a torch stream, for the messenger); ``mark(k)`` after the k-th message (1-based)."""
+    same as a torch stream, for the messenger): flag waits and writes as gates (``gates``: a
+    :class:`.cuda_gates.Gates`), messages through ``messenger``; ``mark(k)`` after the k-th message
+    (1-based)."""
     k = 0
-    for op in ops:
-        if op.kind == WAIT_GE:
-            drv.wait_value(side, spaces.addr(op.ref), epoch)
-        elif op.kind == WRITE:
-            drv.write_value(side, spaces.addr(op.ref), epoch)
-        elif op.kind in (SEND, RECV):
+    for step in gates.steps(ops, lambda o: spaces.addr(o.ref)):
+        if step[0] == "gate":
+            gates.launch(drv, side, step, epoch)
+            continue
+        op = step[1]
+        if op.kind in (SEND, RECV):
             messenger.post(op.kind, spaces.view(op.ref, op.nbytes), op.peer, side_stream)
             k += 1
             if mark is not None:
@@ -133,17 +176,18 @@ def enqueue_rank_stream(ops: Sequence[StreamOp], epoch: int, spaces: Spaces, sid
 
 
 def enqueue_loopback(seq: Sequence[StreamOp], epoch: int, spaces_of: dict[int, Spaces], side: int,
-                     drv: Driver, mark: Optional[Callable[[int], None]] = None) -> None:
+                     drv: Driver, mark: Optional[Callable[[int], None]] = None, *, gates: Any) -> None:
     """Enqueue a loopback domain's merged sequence (:func:`.stream.loopback_sequence`) on
-    ``side``; ``spaces_of[r]``: rank ``r``'s spaces; ``mark(k)`` after the k-th copy (1-based)."""
+    ``side``; ``spaces_of[r]``: rank ``r``'s spaces; flag waits and writes as gates; ``mark(k)``
+    after the k-th copy (1-based)."""
     k = 0
-    for op in seq:
-        sp = spaces_of[op.rank]
-        if op.kind == WAIT_GE:
-            drv.wait_value(side, sp.addr(op.ref), epoch)
-        elif op.kind == WRITE:
-            drv.write_value(side, sp.addr(op.ref), epoch)
-        elif op.kind == COPY:
+    for step in gates.steps(seq, lambda o: spaces_of[o.rank].addr(o.ref)):
+        if step[0] == "gate":
+            gates.launch(drv, side, step, epoch)
+            continue
+        op = step[1]
+        if op.kind == COPY:
+            sp = spaces_of[op.rank]
             drv.memcpy(sp.addr(op.ref), spaces_of[op.peer].addr(op.src), op.nbytes, side)
             k += 1
             if mark is not None:

@@ -4,10 +4,14 @@
 #   1. build: pip + scikit-build-core (no isolation, no index; for this GPU's architecture only) when
 #      scikit-build-core, pybind11 and cmake are present; if that is missing or fails, scripts/build_inplace.py (torch's
 #      cpp_extension: _core and _cuda) into build/inplace, put on PYTHONPATH
-#   2. the `gpu`-marked tests (pytest -m gpu: tma, copy_engine incl. its stalled-rank and
-#      digest-mismatch runs in subprocesses, profiler GPU op times), junit XML + log; one line per
+#   2. the `gpu`-marked tests (pytest -m gpu: tma, copy_engine and split incl. their stall, dead-peer
+#      and plan-mismatch runs in subprocesses, profiler GPU op times), junit XML + log; one line per
 #      test (a hang names its test), tracebacks of a test still running after 60 s, and with
 #      pytest-timeout installed a 120 s limit per test
+#   2b. the stall cases again with CUDA_DEVICE_MAX_CONNECTIONS=32 (issue 35: does a blocked
+#      internal stream still hold up later work when streams do not share hardware queues?)
+#      Every failure run's measurements (named error's delay past its deadline, the synchronize
+#      after it) are JSON lines in logs/failure_times.jsonl, also appended to env.txt
 #   3. perf/bench_gpu.py: tables, results JSON and the hardware profile JSON (rewritten after each
 #      section; --budget-s ends it before the step's timeout)
 #   4. if time is left: the CPU benches (host executor, schedule builder) for the record
@@ -18,7 +22,7 @@
 # (every step's own output: build logs, bench stderr, CPU benches; `tar xzf logs.tar.gz`).
 # Commit the profile and the tables of a real device under perf/gpu/ (date and device in the name):
 # `cp $OUT/*_profile.json perf/gpu/`.
-# Exit status: 0 when the build, the gpu tests and the bench (#wrong = 0) all passed.
+# Exit status: 0 when the build, the gpu tests (both steps) and the bench (#wrong = 0) all passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-perf/out/gpu}"
@@ -89,11 +93,21 @@ print('gpu_check: ultracomm from', ultracomm.__file__, '; _cuda:', r() or 'loads
 
 per_test=()
 "$PY" -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout=120)
-step gpu-tests 200 "$PY" -m pytest tests -v -m gpu --continue-on-collection-errors -p no:cacheprovider \
+export GPU_CHECK_RECORDS="$LOGS/failure_times.jsonl"  # tests/gpu_worker.py's record(): issue 35's delays
+step gpu-tests 240 "$PY" -m pytest tests -v -m gpu --continue-on-collection-errors -p no:cacheprovider \
   -o faulthandler_timeout=60 ${per_test[@]+"${per_test[@]}"} --junitxml="$OUT/gpu-tests.xml" > "$OUT/gpu-tests.log" 2>&1
 rc_test=$?
 [ "$rc_test" = 5 ] && rc_test=0  # no gpu-marked test collected
 tail -15 "$OUT/gpu-tests.log"
+
+# the stall cases (copy_engine: default stream and a fresh non-blocking one; split) with 32 hardware queues
+step stall-cdmc32 90 env CUDA_DEVICE_MAX_CONNECTIONS=32 "$PY" -m pytest tests/test_copy_engine_gpu.py \
+  tests/test_split_cuda_gpu.py -v -m gpu -k "near_its_deadline and stall" -p no:cacheprovider \
+  -o faulthandler_timeout=60 ${per_test[@]+"${per_test[@]}"} > "$LOGS/stall-cdmc32.log" 2>&1
+rc_stall=$?
+tail -5 "$LOGS/stall-cdmc32.log"
+{ echo "failure timings (issue 35; late_s: the named error past its deadline, sync_s: the synchronize after it):"
+  cat "$GPU_CHECK_RECORDS" 2>/dev/null || echo "(none recorded)"; } >> "$OUT/env.txt"
 
 left=$((DEADLINE - SECONDS))
 budget=$(( (left < 180 ? left : 180) - 25 ))  # the bench stops starting rows in time to print and write
@@ -107,5 +121,6 @@ step bench-host 40 "$PY" perf/bench_host.py --json "$LOGS/bench_host.json" > "$L
   || echo "gpu_check: bench_host did not finish"
 step bench-schedule 30 "$PY" perf/bench_schedule.py --json "$LOGS/bench_schedule.json" > "$LOGS/bench_schedule.log" 2>&1 \
   || echo "gpu_check: bench_schedule did not finish"
-echo "gpu_check: build=$rc_build tests=$rc_test bench=$rc_bench in ${SECONDS}s; results in $OUT" | tee -a "$OUT/env.txt"
-[ "$rc_build" = 0 ] && [ "$rc_test" = 0 ] && [ "$rc_bench" = 0 ]
+echo "gpu_check: build=$rc_build tests=$rc_test stall-cdmc32=$rc_stall bench=$rc_bench in ${SECONDS}s; results in $OUT" \
+  | tee -a "$OUT/env.txt"
+[ "$rc_build" = 0 ] && [ "$rc_test" = 0 ] && [ "$rc_stall" = 0 ] && [ "$rc_bench" = 0 ]

@@ -27,3 +27,17 @@ def run_worker(script: str, *args: str, timeout_s: float = 40.0) -> subprocess.C
         raise AssertionError(f"{script} {' '.join(args)} still ran after {timeout_s:g} s (hung); its threads:\n"
                              f"{err[-6000:]}\nstdout: {out[-1000:]}") from None
     return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+def record(test: str, out: dict) -> None:
+    """Append one failure run's measurements (``out``: its worker's JSON) as a JSON line to the file
+    ``GPU_CHECK_RECORDS`` names (scripts/gpu_check.sh sets it under its $OUT; unset: nothing),
+    with the CUDA_DEVICE_MAX_CONNECTIONS it ran under -- the issue-35 delays of a device run."""
+    import json
+
+    path = os.environ.get("GPU_CHECK_RECORDS")
+    if not path:
+        return
+    row = dict(test=test, cuda_device_max_connections=os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"), **out)
+    with open(path, "a") as f:
+        f.write(json.dumps(row, default=str) + "\n")

@@ -138,15 +138,19 @@ def test_peer_on_another_plan_is_a_plan_error_and_receives_nothing():
     assert out["waited"] < 2.0  # found by the digest check, before the timeout
 
 
-@pytest.mark.parametrize("case", ["stall", "dead", "mismatch"])
+@pytest.mark.parametrize("case", ["stall", "stall_stream", "dead", "mismatch"])
 def test_failure_returns_a_named_error_near_its_deadline_then_the_device_synchronizes(case):
     """Issue 35: the gates release every internal stream on the abort, so the operation's named
     error comes within 10 ms of its deadline (start + timeout; a plan mismatch before it) and a
-    device-wide synchronize afterwards returns; nothing reached the rank that was not in the epoch."""
+    device-wide synchronize afterwards returns; nothing reached the rank that was not in the epoch.
+    ``stall_stream``: the stall with the caller's work on a fresh non-blocking stream instead of the
+    default stream.  The measurements go to GPU_CHECK_RECORDS (scripts/gpu_check.sh, which also
+    runs the stall cases with CUDA_DEVICE_MAX_CONNECTIONS=32)."""
     p = gpu_worker.run_worker("copy_engine_release_worker.py", case)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
     print(json.dumps(out))  # the device run's record (-s / the log)
+    gpu_worker.record(f"copy_engine/{case}", out)
     assert out["synced"] and out["sync_s"] < 1.0, out
     if case == "mismatch":
         assert all(e["plan_error"] and "PlanMismatchError" in e["error"].split(":")[0] for e in out["errors"]), out

@@ -3,7 +3,7 @@ operation return a named error within 10 ms of its deadline (start + timeout), a
 ``torch.cuda.synchronize()`` after it return (the gates released, no internal stream left
 blocked)?  Prints one JSON line.
 
-    python copy_engine_release_worker.py stall|dead|mismatch
+    python copy_engine_release_worker.py stall|stall_stream|dead|mismatch
 
 stall: rank 1 never joins (its ready flag never rises); dead: rank 1 publishes its digest and
 ready flag, then does nothing more (died after joining: rank 0's copies into it run, its copy to
@@ -81,6 +81,13 @@ def lost_peer(dead: bool) -> dict:
     return out
 
 
+def fresh_stream_stall() -> dict:
+    """The stall, every call of it (the operation, the event, the later work) on a new
+    non-blocking stream made current (torch's streams are cudaStreamNonBlocking)."""
+    with torch.cuda.device(0), torch.cuda.stream(torch.cuda.Stream()):
+        return dict(lost_peer(False), stream="fresh non-blocking")
+
+
 def mismatch() -> dict:
     ctxs = contexts()
     errs, waited, before = mismatched_weight_sync(ctxs)
@@ -97,7 +104,8 @@ if __name__ == "__main__":
     rc = 0
     try:
         case = sys.argv[1]
-        fn = {"stall": lambda: lost_peer(False), "dead": lambda: lost_peer(True), "mismatch": mismatch}[case]
+        fn = {"stall": lambda: lost_peer(False), "dead": lambda: lost_peer(True), "mismatch": mismatch,
+              "stall_stream": fresh_stream_stall}[case]
         print(json.dumps(dict(case=case, **fn())), flush=True)
     except BaseException:  # noqa: BLE001 - reported, then the same exit as below
         traceback.print_exc()

@@ -463,3 +463,15 @@ def test_the_gates_group_waits_then_writes_and_never_move_a_wait_before_a_write(
     assert run_gate_on_host(gates[3][1], 9, 0x5000, mem.__getitem__, mem.__setitem__) and mem[1048] == mem[1056] == 9
     mem[0x6000] = 1  # the flag at 1040 never comes: the open word releases the wait
     assert run_gate_on_host(gates[2][1], 9, 0x6000, mem.__getitem__, mem.__setitem__) is False
+
+
+def test_a_kernel_failure_with_nothing_in_flight_leaves_the_side_stream_alone():
+    """Plans that differ are found before anything is enqueued: nothing to release, nothing aborted,
+    the streams are not abandoned (close frees the plans and shadows)."""
+    order: list = []
+    err = UltracommError("ultracomm: rank 0 weight_sync: rank 2 runs a different plan for this operation")
+    t, side, group = sim_transport(0, order, kernel_error=err)
+    with pytest.raises(UltracommError, match="runs a different plan"):
+        t.check_error()
+    assert not group.aborted.is_set() and not t.dog.released() and not t.abandoned_streams()
+    side.close()

@@ -1,12 +1,13 @@
 """A stalled cross-domain rank under the GPU split transport, on a one-GPU loopback domain of 4
-ranks (domains {0, 1} and {2, 3}), in its own process: the side stream stays blocked after the
-failure, which would hang any later device-wide synchronize of a test process.  Prints one JSON
-line with what tests/test_split_cuda_gpu.py checks.
+ranks (domains {0, 1} and {2, 3}), in its own process: before issue 35's gates the side stream
+stayed blocked after the failure, which would hang any later device-wide synchronize of a test
+process (split_cuda_release_worker.py checks that it no longer does).  Prints one JSON line with
+what tests/test_split_cuda_gpu.py checks.
 
 Rank 0 (home of expert 0) runs with its kernel's task list withheld: it joins (ready, digest)
 but never copies expert 0 into its shadows of ranks 2 and 3 (direct multicast), so the side
 stream's wait for that chunk never passes, the kernel of rank 2 or 3 times out waiting for rank
-0's chunk, and the watchdog releases the caller's stream after twice the timeout.
+0's chunk, and the watchdog releases the caller's stream after the timeout (issue 35: once, not twice).
 """
 from __future__ import annotations
 
@@ -70,6 +71,6 @@ def main() -> dict:
 
 if __name__ == "__main__":
     print(json.dumps(main()), flush=True)
-    # the side stream stays blocked for good: interpreter teardown (CUDA's or torch's frees) could wait
+    # a side stream that stayed blocked (before the gates; or if they fail on a device): interpreter teardown (CUDA's or torch's frees) could wait
     # on it until the test's subprocess timeout
     os._exit(0)

@@ -36,7 +36,7 @@ opens the side stream's gates (:mod:`.cuda_gates`: its flag writes are skipped f
 abort, its flag waits leave after it), so the side stream drains and a later ``torch.cuda.synchronize()`` returns.  A cross-
 domain peer that dies gives ``UltracommTimeout`` at ``Work.wait()`` (the kernel's, naming the peer
 it waited for, or the watchdog's, naming the stuck message).  A failure the kernel reports (its
-error at ``check_error``) releases the side stream the same way.  The side stream is the
+error at ``check_error``) releases a side stream with an op in flight the same way.  The side stream is the
 transport's own non-blocking stream; nothing here synchronizes the device.  CUDA does not see
 the ordering that stream waits make, so with ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (one hardware
 queue for all streams) work queued behind a blocked gate may wait for its release: a warning says
@@ -318,12 +318,16 @@ class SplitCudaTransport:
     def check_error(self) -> None:
         """Raise the first failure recorded since the last call: the kernel's (as ``tma``: it names
         the peer it waited for), then the watchdog's (a side-stream message that never completed).
-        A kernel's failure releases the side stream (:meth:`.cuda_watchdog.SideWatchdog.abandon`:
-        the group abort, the gates) before it is raised: its later waits may never be satisfied."""
+        A kernel's failure releases a side stream with an op still in flight
+        (:meth:`.cuda_watchdog.SideWatchdog.abandon`: the group abort, the gates) before it is
+        raised: its later waits may never be satisfied.  One with nothing in flight (e.g. plans
+        that differ, found before anything was enqueued) is left as it is."""
         try:
             self.tma.check_error()
         except BaseException as e:
-            self.dog.abandon(e)
+            for d in self._dogs:  # loopback: the domain's side streams (the launching rank's holds the op)
+                if d.pending():
+                    d.abandon(e)
             raise
         if self._errors:
             raise self._errors.pop(0)

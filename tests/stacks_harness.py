@@ -16,6 +16,12 @@ Stacks (``stack``):
 * ``rebound_main_grad``: as ``late_main_grad``, but ``main_grad`` is a new tensor each step;
 * ``megatron_ddp``: ``late_main_grad`` plus Megatron's DDP grad-accumulator hook (adds
   ``.grad`` into ``main_grad`` unless ``grad_added_to_main_grad``), the flag reset per step.
+
+``fp8`` (``"row"`` or ``"mxfp8"``): the masters are high-precision; each step quantizes them
+into FP8 runtime copies and scales (:mod:`ultracomm.fp8`), which the manager multicasts; home
+experts compute with ``quantized_weight`` (straight through to the master, its wgrad fused into
+the master's ``main_grad`` where it has one), replicas with ``moe.linear(x, q, weight_scale=s)``
+(fp32 wgrad into the staging).  The run without ultracomm computes every expert the home way.
 """
 from __future__ import annotations
 
@@ -64,7 +70,8 @@ def megatron_ddp_hook(p: torch.Tensor) -> None:
 def train_rank(group: Any, world: int, epr: int, slots: int, layers: int, *, ultracomm: bool, stack: str = "backward",
                form: str = "stacked", steps: int = 3, optimizer: str = "adamw", cold: tuple = (),
                frozen: bool = False, planner: Any = "device", tokens: int = 24, twice: bool = False,
-               checkpoint: bool = False, evaluate: str | None = None) -> dict:
+               checkpoint: bool = False, evaluate: str | None = None, fp8: str | None = None,
+               master_dtype: torch.dtype = torch.float32) -> dict:
     """``steps`` optimizer steps of the loopback MoE on rank ``group.rank``.  Returns
     ``{"loss": [...], "grads": [per step, per tensor: grad or None], "params": [per tensor]}``;
     with ``frozen`` every expert is frozen and a per-layer input scale ``x_scale`` is what trains
@@ -80,18 +87,22 @@ def train_rank(group: Any, world: int, epr: int, slots: int, layers: int, *, ult
     from ultracomm.moe import ReplicaManager, linear
 
     r, E = group.rank, world * epr
-    params = mh.make_params(r, epr, layers, torch.float32, form, False, False)
+    params = mh.make_params(r, epr, layers, master_dtype, form, False, False)
     tensors = flat(params)
+    copies = [fp8_copies(p, fp8) for p in params] if fp8 else None
     scales = [torch.nn.Parameter(torch.ones(())) for _ in range(layers)]
     if frozen:
         for t in tensors:
             t.requires_grad_(False)
     mgr = None
     if ultracomm:
-        mgr = ReplicaManager(group, mh.layout(), epr, slots, layers, planner=planner, timeout_s=20,
-                             max_microbatches=2 if twice or evaluate == "plain" else 1)
+        mgr = ReplicaManager(group, fp8_layout(fp8, master_dtype) if fp8 else mh.layout(), epr, slots, layers,
+                             planner=planner, timeout_s=20, max_microbatches=2 if twice or evaluate == "plain" else 1)
         for layer in range(layers):
-            mgr.register_layer(layer, params[layer])
+            if fp8:  # the runtime copies are multicast; the replicas' gradients reduce into the masters
+                mgr.register_layer(layer, copies[layer], masters=[params[layer][0], None, params[layer][1], None])
+            else:
+                mgr.register_layer(layer, params[layer])
     trained = scales if frozen else tensors
     main_grad = stack in MAIN_GRAD_STACKS
     if main_grad:  # after registration, as Megatron's DDP does
@@ -125,7 +136,13 @@ def train_rank(group: Any, world: int, epr: int, slots: int, layers: int, *, ult
             reps = step.replica_weights() if mgr else None
             if mgr and torch.is_grad_enabled() and not mgr._evaluating:
                 out["replicated"] += int((step.result.plan.slot_src >= 0).sum())
-            part = mh.rank_loss(step, r, world, layer, mb, params[layer], reps, linear, tokens=tokens,
+            home, lin = params[layer], linear
+            if fp8:
+                home = [[home_weight(params[layer][i], *copies[layer][2 * i:2 * i + 2], j) for j in range(epr)]
+                        for i in range(2)]
+                reps = reps and [list(zip(reps[0], reps[1])), list(zip(reps[2], reps[3]))]
+                lin = fp8_linear
+            part = mh.rank_loss(step, r, world, layer, mb, home, reps, lin, tokens=tokens,
                                 skip_replicas=mgr is None, cold=cold, x_scale=scale)
             total = total + (step.guard(part) if mgr else part)
         return total
@@ -141,6 +158,9 @@ def train_rank(group: Any, world: int, epr: int, slots: int, layers: int, *, ult
 
     out = {"loss": [], "grads": [], "params": None, "replicated": 0}
     for it in range(steps):
+        if fp8:  # the caller refreshes its runtime copies in place before the step multicasts them
+            for p, c in zip(params, copies):
+                fp8_copies(p, fp8, out=c)
         loss = forward(it)
         if evaluate:  # its output dropped at once; the training step in flight must not notice
             with (mgr.evaluating() if mgr and evaluate == "scope" else contextlib.nullcontext()):
@@ -184,6 +204,49 @@ def train_rank(group: Any, world: int, epr: int, slots: int, layers: int, *, ult
     if mgr:
         mgr.close()
     return out
+
+
+def fp8_layout(scaling: str, master_dtype: torch.dtype):
+    """``mh.layout()``'s experts as FP8 runtime copies with their scales."""
+    from ultracomm import ExpertLayout, Member
+    from ultracomm.fp8 import scale_shape
+
+    members = []
+    for name, shape in (("fc1", (mh.I, mh.H)), ("fc2", (mh.H, mh.I))):
+        sshape, sdtype = scale_shape(shape, scaling)
+        members += [Member(name, shape, torch.float8_e4m3fn, master_dtype=master_dtype),
+                    Member(f"{name}_scale", sshape, sdtype, grad=False)]
+    return ExpertLayout(tuple(members))
+
+
+def fp8_copies(masters: list[Any], scaling: str, out: list | None = None) -> list[torch.Tensor]:
+    """``[q1, s1, q2, s2]``: the FP8 runtime copies of one layer's stacked masters."""
+    from ultracomm.fp8 import quantize
+
+    res = []
+    for i, m in enumerate(masters):
+        if not isinstance(m, torch.Tensor):
+            raise ValueError("the FP8 harness takes stacked masters (form='stacked')")
+        res += quantize(m, torch.float8_e4m3fn, scaling, out=None if out is None else (out[2 * i], out[2 * i + 1]))
+    return res
+
+
+def home_weight(master: torch.Tensor, q: torch.Tensor, s: torch.Tensor, j: int) -> torch.Tensor:
+    """Home expert ``j``'s FP8 weight, straight through to the master; a master with a
+    ``main_grad`` gets the wgrad there (fused, as an FP8 GEMM with wgrad fusion does)."""
+    from ultracomm.fp8 import quantized_weight
+
+    w = quantized_weight(master, q, s)[j].float()  # the tokens are fp32: the GEMM is (as replicas' are)
+    if hasattr(master, "main_grad"):
+        w.main_grad = master.main_grad[j]
+    return w
+
+
+def fp8_linear(x: torch.Tensor, w: Any) -> torch.Tensor:
+    """``moe.linear`` on a home weight, or on a replica's ``(q, scale)``."""
+    from ultracomm.moe import linear
+
+    return linear(x, *w) if isinstance(w, tuple) else linear(x, w)
 
 
 def train(world: int, epr: int, slots: int, layers: int = 2, **kw) -> list[dict]:

@@ -324,15 +324,21 @@ class Context:
                               "use plan_check='agree' (or 'auto')")
         self.replica_weights = self._slot_views(self.wlayout["weights_off"], self.wlayout["weight_stride"],
                                                 self.layout.weight_offsets, [m.dtype for m in self.layout.members])
+        #: per member ``[slots_per_rank, *shape]`` grad views; None for a member without a gradient
         self.replica_grads = self._slot_views(self.wlayout["grads_off"], self.wlayout["grad_stride"],
-                                              self.layout.grad_offsets, [self.layout.grad_dtype] * len(self.layout.members))
+                                              self.layout.grad_offsets,
+                                              [self.layout.grad_dtype if m.grad else None for m in self.layout.members])
 
     # ------------------------------------------------------------------ buffers
     def _slot_views(self, region_off: int, stride: int, member_offs: Sequence[int],
-                    dtypes: Sequence[torch.dtype]) -> tuple[torch.Tensor, ...]:
-        """``[slots_per_rank, *member.shape]`` views of member ``m`` in every slot of a region."""
-        views = []
+                    dtypes: Sequence[torch.dtype | None]) -> tuple[torch.Tensor | None, ...]:
+        """``[slots_per_rank, *member.shape]`` views of member ``m`` in every slot of a region
+        (None where its dtype is None: a member without bytes there)."""
+        views: list[torch.Tensor | None] = []
         for member, off, dt in zip(self.layout.members, member_offs, dtypes):
+            if dt is None:
+                views.append(None)
+                continue
             esz = torch.empty((), dtype=dt).element_size()
             inner = [1] * len(member.shape)
             for i in range(len(member.shape) - 2, -1, -1):
@@ -359,7 +365,8 @@ class Context:
                 ``experts_per_rank`` per-expert ``[*member.shape]`` tensors (any addresses,
                 each contiguous; Megatron's one parameter per expert).
             grads: the same in ``layout.grad_dtype`` (e.g. Megatron's ``main_grad``, views
-                into its grad buckets); ``grad_reduce`` adds the replicas' gradients into
+                into its grad buckets), ``None`` in the place of each member without a gradient
+                (``Member.grad``: FP8 scales); ``grad_reduce`` adds the replicas' gradients into
                 them.  ``None``: weights only (inference); ``grad_reduce`` then raises.
         The tensors must stay alive, at the same address and size, while the Context uses
         them: every operation re-checks them and raises naming the layer and member if one
@@ -839,14 +846,17 @@ class Context:
         before: Callable[[], None] | None = None
         if grads is not None:
             if len(grads) != len(self.replica_grads) or any(
-                    tuple(g.shape) != tuple(r.shape) or g.dtype != r.dtype for g, r in zip(grads, self.replica_grads)):
+                    (g is None) != (r is None) or (r is not None and (tuple(g.shape) != tuple(r.shape)
+                                                                    or g.dtype != r.dtype))
+                    for g, r in zip(grads, self.replica_grads)):
                 raise ValueError(f"ultracomm: grads must be one [slots_per_rank, *member.shape] "
-                                 f"{self.layout.grad_dtype} tensor per member; got "
-                                 f"{[(tuple(g.shape), g.dtype) for g in grads]}")
+                                 f"{self.layout.grad_dtype} tensor per member (None for a member without a "
+                                 f"gradient); got {[None if g is None else (tuple(g.shape), g.dtype) for g in grads]}")
 
             def copy_grads() -> None:
                 for dst, src in zip(self.replica_grads, grads):
-                    dst.copy_(src)
+                    if dst is not None:
+                        dst.copy_(src)
             before = copy_grads
         after: Callable[[], None] | None = None
         if zero_replica_grads:
@@ -860,7 +870,7 @@ class Context:
 
             def zero_slots() -> None:
                 for g in self.replica_grads:
-                    for s in filled:
+                    for s in filled if g is not None else ():
                         g[s].zero_()
             after = zero_slots
         masters = self._check_masters(mb.layer)

@@ -11,8 +11,14 @@ rounded up to ``align`` bytes (16 B by default, what TMA bulk copies need)::
 padded at the end; a pool that packs slots back to back should step by
 ``weight_stride`` / ``grad_stride`` (the same sizes rounded up to ``align``).
 
-Gradients use ``grad_dtype`` (fp32 by default) for every member, whatever the weight
-dtype: replicas' gradients are accumulated in it.
+Gradients use ``grad_dtype`` (fp32 by default) for every member that carries one, whatever
+the weight dtype: replicas' gradients are accumulated in it.  A member with ``grad=False``
+(an FP8 weight's scales) has a zero-byte gradient range: it is multicast and never reduced.
+
+FP8 runtime copies: the caller quantizes its high-precision masters each step into FP8
+members (e4m3/e5m2, per-row or MXFP8 block scales) and scale members; ultracomm moves their
+bytes unconverted (half the bytes of bf16) and reduces each FP8 member's gradient, in
+``grad_dtype``, into the master of ``master_dtype`` it was quantized from.
 """
 from __future__ import annotations
 
@@ -24,8 +30,9 @@ from typing import Optional, Sequence
 import torch
 
 from .errors import LayoutError, RegistrationError
+from .fp8 import scale_shape
 
-__all__ = ["Member", "ExpertLayout", "GRAD_DTYPES", "MAX_EXPERT_BYTES", "MAX_MEMBERS"]
+__all__ = ["Member", "ExpertLayout", "GRAD_DTYPES", "FP8_DTYPES", "MASTER_DTYPES", "MAX_EXPERT_BYTES", "MAX_MEMBERS"]
 
 #: Largest expert (weights or grads, bytes): bounds every byte count and window offset
 #: derived from a layout far below where uint64 arithmetic could overflow.
@@ -37,6 +44,15 @@ MAX_MEMBERS = 8
 
 #: Gradient dtypes the reduction kernels support.
 GRAD_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
+
+#: 8-bit float weight dtypes: a member of one of them that carries a gradient names the
+#: dtype of the high-precision master it is quantized from (``master_dtype``).
+FP8_DTYPES: tuple[torch.dtype, ...] = tuple(
+    getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+    if hasattr(torch, n))
+
+#: dtypes of the high-precision masters an FP8 member's gradient reduces into.
+MASTER_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _align_up(n: int, a: int) -> int:
@@ -54,12 +70,20 @@ class Member:
     Attributes:
         name: unique name within the layout.
         shape: shape of ONE expert's tensor (without the leading experts dimension).
-        dtype: weight dtype.
+        dtype: weight dtype (any dtype: bytes are moved unconverted).
+        grad: whether the member carries a gradient (``False``: scales, other constants;
+            multicast only, no gradient range in a grad slot).
+        master_dtype: the dtype of the master the member's gradient reduces into.  Required
+            for an FP8 member with a gradient (``torch.bfloat16`` or ``torch.float32``: the
+            high-precision weights the caller quantizes from); otherwise ``dtype`` (the
+            default) -- the registered weights are the masters themselves.
     """
 
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
+    grad: bool = True
+    master_dtype: Optional[torch.dtype] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -81,6 +105,9 @@ class Member:
             raise LayoutError(
                 f"member {self.name!r}: dtype must be a torch.dtype, got {self.dtype!r}"
             )
+        if not isinstance(self.grad, bool):
+            raise LayoutError(f"member {self.name!r}: grad must be True or False, got {self.grad!r}")
+        self._check_master_dtype()
         nbytes = math.prod(shape) * max(_itemsize(self.dtype), _itemsize(torch.float32))
         if nbytes > MAX_EXPERT_BYTES:
             raise LayoutError(
@@ -89,10 +116,42 @@ class Member:
             )
         object.__setattr__(self, "shape", shape)
 
+    def _check_master_dtype(self) -> None:
+        md = self.master_dtype
+        if md is not None and not isinstance(md, torch.dtype):
+            raise LayoutError(f"member {self.name!r}: master_dtype must be a torch.dtype or None, got {md!r}")
+        if not self.grad:
+            if md is not None:
+                raise LayoutError(f"member {self.name!r}: master_dtype is for members that carry a gradient; a "
+                                  "member with grad=False (e.g. scales) has no master to reduce into")
+            return
+        if self.dtype in FP8_DTYPES:
+            if md not in MASTER_DTYPES:
+                raise LayoutError(
+                    f"member {self.name!r} is {self.dtype} and carries a gradient: say which high-precision master "
+                    f"it is quantized from and its gradient reduces into, master_dtype= one of "
+                    f"{[str(d) for d in MASTER_DTYPES]} (got {md}); or grad=False if it carries none")
+            return
+        if md is not None and md != self.dtype:
+            raise LayoutError(f"member {self.name!r}: master_dtype {md} differs from its dtype {self.dtype}; only an "
+                              "FP8 member's master has another dtype (the weights registered are the masters)")
+
     @property
     def numel(self) -> int:
         """Elements in one expert's tensor."""
         return math.prod(self.shape)
+
+    @property
+    def fp8(self) -> bool:
+        """An FP8 weight (e4m3/e5m2): a runtime copy of a master of ``master_dtype``."""
+        return self.dtype in FP8_DTYPES
+
+    @property
+    def grad_master_dtype(self) -> Optional[torch.dtype]:
+        """The dtype of the master this member's gradient reduces into (None: no gradient)."""
+        if not self.grad:
+            return None
+        return self.master_dtype or self.dtype
 
 
 @dataclass(frozen=True)
@@ -101,7 +160,8 @@ class ExpertLayout:
 
     Attributes:
         members: the expert's parameters, in slot order.
-        grad_dtype: dtype of every member's gradient (float32, bfloat16 or float16).
+        grad_dtype: dtype of every gradient (float32, bfloat16 or float16) of the members
+            that carry one (``Member.grad``).
         align: byte alignment of each member inside a slot; a power of two >= 16.
     """
 
@@ -124,6 +184,10 @@ class ExpertLayout:
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise LayoutError(f"duplicate member names {dup}; give each member a unique name")
+        fp8 = [m.name for m in members if m.fp8 and m.grad]
+        if fp8 and self.grad_dtype != torch.float32:
+            raise LayoutError(f"FP8 members {fp8} carry gradients: use grad_dtype=torch.float32 (an FP8 weight's "
+                              f"gradient is accumulated in fp32, as its GEMM's wgrad is), got {self.grad_dtype}")
         if self.grad_dtype not in GRAD_DTYPES:
             raise LayoutError(
                 f"grad_dtype {self.grad_dtype} is not supported; use one of "
@@ -159,6 +223,31 @@ class ExpertLayout:
             grad_dtype,
             align,
         )
+
+    @classmethod
+    def fp8_swiglu(
+        cls,
+        hidden: int,
+        moe_inter: int,
+        master_dtype: torch.dtype = torch.bfloat16,
+        fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+        scaling: str = "mxfp8",
+        align: int = 16,
+    ) -> "ExpertLayout":
+        """A SwiGLU expert as FP8 runtime copies: ``fc1 [2*moe_inter, hidden]`` and
+        ``fc2 [hidden, moe_inter]`` in ``fp8_dtype``, each followed by its scales
+        (``fc1_scale``, ``fc2_scale``; no gradient), gradients fp32 into masters of
+        ``master_dtype``.
+
+        ``scaling``: ``"mxfp8"`` -- one ``float8_e8m0fnu`` power-of-two scale per 32 elements
+        of a row (``[rows, cols / 32]``; ``cols`` a multiple of 32); ``"row"`` -- one fp32 scale
+        per row (``[rows, 1]``).  :mod:`ultracomm.moe.fp8` quantizes into these shapes."""
+        members = []
+        for name, shape in (("fc1", (2 * moe_inter, hidden)), ("fc2", (hidden, moe_inter))):
+            sshape, sdtype = scale_shape(shape, scaling)
+            members += [Member(name, shape, fp8_dtype, master_dtype=master_dtype),
+                        Member(f"{name}_scale", sshape, sdtype, grad=False)]
+        return cls(tuple(members), torch.float32, align)
 
     @classmethod
     def from_tensors(
@@ -197,6 +286,17 @@ class ExpertLayout:
         except ValueError:
             raise LayoutError(f"no member named {name!r}; members are {list(self.names)}") from None
 
+    @property
+    def grad_members(self) -> tuple[int, ...]:
+        """Indices of the members that carry a gradient."""
+        return tuple(i for i, m in enumerate(self.members) if m.grad)
+
+    @property
+    def fp8(self) -> bool:
+        """Some member is an FP8 runtime copy (its master is registered apart: see
+        ``ReplicaManager.register_layer(masters=...)``)."""
+        return any(m.fp8 and m.grad for m in self.members)
+
     def _member(self, m: int | str) -> Member:
         return self.members[self.index_of(m) if isinstance(m, str) else m]
 
@@ -210,7 +310,7 @@ class ExpertLayout:
     def _offsets(sizes: Sequence[int], align: int) -> tuple[int, ...]:
         out, end = [], 0
         for s in sizes:
-            off = _align_up(end, align)
+            off = _align_up(end, align) if s else end  # an empty range (no gradient) needs no alignment
             out.append(off)
             end = off + s
         return tuple(out)
@@ -229,7 +329,7 @@ class ExpertLayout:
     def weight_bytes(self) -> int:
         """Bytes from a weight slot's start to the end of its last member (no tail
         padding; see ``weight_stride``)."""
-        return self.weight_offsets[-1] + self.weight_sizes[-1]
+        return max(o + n for o, n in zip(self.weight_offsets, self.weight_sizes))
 
     @property
     def weight_stride(self) -> int:
@@ -239,9 +339,10 @@ class ExpertLayout:
 
     @property
     def grad_sizes(self) -> tuple[int, ...]:
-        """Bytes of each member's gradient for one expert (numel × grad dtype size)."""
+        """Bytes of each member's gradient for one expert (numel × grad dtype size; 0 for a
+        member with ``grad=False``)."""
         g = _itemsize(self.grad_dtype)
-        return tuple(m.numel * g for m in self.members)
+        return tuple(m.numel * g if m.grad else 0 for m in self.members)
 
     @property
     def grad_offsets(self) -> tuple[int, ...]:
@@ -252,7 +353,7 @@ class ExpertLayout:
     def grad_bytes(self) -> int:
         """Bytes from a grad slot's start to the end of its last member (no tail
         padding; see ``grad_stride``)."""
-        return self.grad_offsets[-1] + self.grad_sizes[-1]
+        return max((o + n for o, n in zip(self.grad_offsets, self.grad_sizes) if n), default=0)
 
     @property
     def grad_stride(self) -> int:
@@ -274,7 +375,8 @@ class ExpertLayout:
             weights: one entry per member, in member order: a stacked
                 ``[experts_per_rank, *member.shape]`` tensor of ``member.dtype``, or a list
                 of ``experts_per_rank`` per-expert ``[*member.shape]`` tensors.
-            grads: ``None`` (weights only, e.g. inference) or the same in ``grad_dtype``.
+            grads: ``None`` (weights only, e.g. inference) or the same in ``grad_dtype``,
+                with ``None`` for each member that carries no gradient (``grad=False``).
             experts_per_rank: experts hosted by this rank.
 
         All tensors must be contiguous and on one device.  A stacked tensor must start at an
@@ -304,6 +406,14 @@ class ExpertLayout:
                 )
             for m, entry in zip(self.members, entries):
                 where = f"{kind}[{m.name!r}]"
+                if kind == "grads" and not m.grad:
+                    if entry is not None:
+                        raise RegistrationError(f"{where}: member {m.name!r} carries no gradient (grad=False); pass "
+                                                "None in its place")
+                    continue
+                if kind == "grads" and entry is None:
+                    raise RegistrationError(f"{where}: member {m.name!r} carries a gradient; pass its "
+                                            f"{self.grad_dtype} grads (None only for members with grad=False)")
                 dtype = forced_dtype or m.dtype
                 if isinstance(entry, torch.Tensor):
                     self._check_one(where, entry, (experts_per_rank, *m.shape), dtype, forced_dtype, device,

@@ -134,6 +134,8 @@ def check_master_devices(window_device: torch.device, transport_name: str, names
     entries = []  # (label, tensor, bytes of one expert's row in it)
     for kind, members in (("weights", weights), ("grads", grads)):
         for n, m in zip(names, members):
+            if m is None:  # a member without a gradient
+                continue
             if isinstance(m, torch.Tensor):
                 entries.append((f"{kind}[{n!r}]", m, m.numel() // max(experts_per_rank, 1) * m.element_size()))
             else:

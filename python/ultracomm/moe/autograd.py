@@ -27,6 +27,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..errors import UltracommError
+from ..fp8 import dequantize
+from ..layout import FP8_DTYPES
+
 if TYPE_CHECKING:  # pragma: no cover
     from .manager import Step
 
@@ -44,8 +48,14 @@ class _ReplicaWeights(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, step: "Step", *masters: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.step = step
+        # a view nothing took a gradient of stays None (not zeros): a fused wgrad is in the staging
+        # already, and an FP8 view's None must not become an FP8 zero tensor
+        ctx.set_materialize_grads(False)
         views = step._forward_views()
         token = torch.zeros((), dtype=torch.float32, device=step.device)
+        S = step.manager.slots_per_rank
+        # members without a gradient (an FP8 weight's scales): no edge back to a master
+        ctx.mark_non_differentiable(*[v for i, v in enumerate(views) if not step.manager.layout.members[i // S].grad])
         return (token, *views)
 
     @staticmethod
@@ -65,28 +75,40 @@ class _Guard(torch.autograd.Function):
         return grad, None, None
 
 
+def _effective(weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The weight the GEMM uses: an FP8 weight dequantized with its scales, in ``dtype``."""
+    if scale is None:
+        return weight
+    return dequantize(weight, scale).to(dtype)
+
+
 class _Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(x)
         # the weight object itself (not a saved copy): under activation checkpointing its
         # main_grad attribute must be the one the guard set on the forward's tensor
-        ctx.weight = weight
-        return x @ weight.t()
+        ctx.weight, ctx.scale = weight, scale
+        return x @ _effective(weight, scale, x.dtype).t()
 
     @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
         (x,) = ctx.saved_tensors
         w = ctx.weight
-        dx = dy @ w if ctx.needs_input_grad[0] else None
+        dx = dy @ _effective(w, ctx.scale, dy.dtype) if ctx.needs_input_grad[0] else None
         if not ctx.needs_input_grad[1]:
-            return dx, None
+            return dx, None, None
         dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
         main_grad = getattr(w, "main_grad", None)
         if main_grad is None:
-            return dx, dy2.t() @ x2
+            if ctx.scale is not None:
+                raise UltracommError(
+                    f"ultracomm: linear(): the {w.dtype} weight has no main_grad; autograd would round its "
+                    "gradient to that dtype.  Replica weights of a ReplicaManager get one in the backward; "
+                    "for another FP8 weight set weight.main_grad (an fp32 tensor of its shape)")
+            return dx, dy2.t() @ x2, None
         main_grad.add_(dy2.t().float() @ x2.float())  # fp32 wgrad, accumulated in place
-        return dx, fused_wgrad_return(w)
+        return dx, fused_wgrad_return(w), None
 
 
 def fused_wgrad_return(w: torch.Tensor, mark: bool = True) -> torch.Tensor | None:
@@ -102,13 +124,17 @@ def fused_wgrad_return(w: torch.Tensor, mark: bool = True) -> torch.Tensor | Non
     return torch.zeros(w.shape, dtype=w.dtype, device=w.device)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T`` with the weight gradient accumulated in fp32 into ``weight.main_grad``.
 
     Args:
         x: ``[..., in]``.
         weight: ``[out, in]`` (a replica weight from ``Step.replica_weights()``, a Megatron
-            parameter with ``main_grad``, or any tensor).
+            parameter with ``main_grad``, or any tensor); an FP8 weight with ``weight_scale``.
+        weight_scale: an FP8 weight's scales (``[out, in / 32]`` MXFP8 e8m0, ``[out, 1]`` fp32
+            per row; :mod:`ultracomm.fp8`): the GEMM uses ``dequantize(weight, weight_scale)``
+            in ``x``'s dtype (a reference GEMM: a production stack calls its FP8 GEMM), and the
+            weight's gradient must go to ``main_grad`` (replica weights have one).
     Returns:
         ``[..., out]`` in ``x``'s dtype.
 
@@ -118,4 +144,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     ``grad_added_to_main_grad`` set and a zero dummy; else None); otherwise this is an
     ordinary linear.
     """
-    return _Linear.apply(x, weight)
+    if weight_scale is not None and weight.dtype not in FP8_DTYPES:
+        raise ValueError(f"ultracomm: linear(weight_scale=...) is for FP8 weights; the weight is {weight.dtype}")
+    return _Linear.apply(x, weight, weight_scale)

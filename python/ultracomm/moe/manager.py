@@ -113,13 +113,17 @@ def _nearest_in_graph(start: Any, steps: list["Step"]) -> list["Step"]:
 
 class _Layer:
     """A registered layer: its master parameters, flat (the ``_ReplicaWeights`` node's inputs),
-    with each one's member and first expert row."""
+    with each one's member and first expert row.  ``masters[m]``: what member ``m``'s gradient
+    reduces into (the registered weights themselves, an FP8 member's high-precision master,
+    None for a member without a gradient)."""
 
-    def __init__(self, params: list[Any]):
-        self.params = params
+    def __init__(self, masters: list[Any]):
+        self.params = masters
         self.anchors: list[torch.Tensor] = []
         self.rows: list[tuple[int, int, int]] = []  # (member, first expert, experts) per anchor
-        for m, p in enumerate(params):
+        for m, p in enumerate(masters):
+            if p is None:
+                continue
             ts = _tensors(p)
             for j, t in enumerate(ts):
                 self.anchors.append(t)
@@ -225,7 +229,10 @@ class Step:
         return reroute(rm, pr, table)
 
     def replica_weights(self) -> list[list[torch.Tensor]]:
-        """Per layout member, per replica slot of this rank, a ``[*member.shape]`` tensor.
+        """Per layout member, per replica slot of this rank, a ``[*member.shape]`` tensor of the
+        member's dtype (FP8 weights and their scales included; a member without a gradient --
+        the scales -- is not differentiable, an FP8 member gives its gradient through
+        ``main_grad``: see :func:`ultracomm.moe.linear`).
 
         The forward waits for this step's ``weight_sync``; the tensors alias the slots
         (no copy), so run the expert compute before another layer's ``step`` and wrap its
@@ -320,12 +327,13 @@ class Step:
         if self._staging is None and not self._frozen:
             self._staging = mgr._acquire_staging()
         S = mgr.slots_per_rank
+        staging = mgr._staging[self._staging] if self._staging is not None else None
         for i, t in enumerate(self._views()):  # the fused fp32 wgrad path writes straight into staging
-            if t is None:  # dropped by the caller: not in the graph, gets no gradient
+            if t is None or staging is None or staging[i // S] is None:  # dropped, frozen, or no gradient
                 continue
             # no grad_added_to_main_grad: a fused wgrad then returns None for the view, an unfused
             # one its gradient, and _backward_reduce adds whichever comes into the same staging
-            t.main_grad = mgr._staging[self._staging][i // S][i % S]
+            t.main_grad = staging[i // S][i % S]
         if mgr._slots_owner is not self:
             mgr.ctx.restore(self.vid)
             mgr._slots_owner = self
@@ -377,9 +385,16 @@ class Step:
             self._staging = mgr._acquire_staging()
         staging = mgr._staging[self._staging]
         S = mgr.slots_per_rank
+        members = mgr.layout.members
         for i, g in enumerate(grads):  # unfused wgrads; fused ones are in the staging already
-            if g is not None:
-                staging[i // S][i % S].add_(g)
+            if g is None:
+                continue
+            if members[i // S].fp8:
+                raise UltracommError(
+                    f"ultracomm: layer {self.layer}: the replica of FP8 member {members[i // S].name!r} got its gradient "
+                    f"through autograd, which rounds it to {g.dtype}; accumulate an FP8 weight's gradient in fp32 "
+                    "into weight.main_grad instead (ultracomm.moe.linear(x, weight, weight_scale) does)")
+            staging[i // S][i % S].add_(g)
         rows = self._reduced_rows()
         mgr._zero_master_staging(rows)
         work = mgr._enqueue(mgr.ctx.grad_reduce, self.vid, grads=staging)
@@ -498,14 +513,21 @@ class ReplicaManager:
         return not (self.ctx.stream_ordered and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
     # -------------------------------------------------------------- setup
-    def register_layer(self, layer: int, params: Sequence[Any]) -> None:
+    def register_layer(self, layer: int, params: Sequence[Any], masters: Sequence[Any] | None = None) -> None:
         """Register layer ``layer``'s master experts on this rank.
 
         Args:
             params: one entry per layout member: a stacked ``[experts_per_rank, *shape]``
                 tensor (e.g. an ``nn.Parameter``) or a list of ``experts_per_rank``
-                per-expert ``[*shape]`` tensors (Megatron's ``weight0..N``).
-        The replicas' reduced gradients reach these tensors through autograd, at backward
+                per-expert ``[*shape]`` tensors (Megatron's ``weight0..N``).  With FP8 members:
+                the FP8 runtime copies and their scales, which the caller refreshes in place
+                each step (``ultracomm.fp8.quantize(master, out=...)``) before ``step``.
+            masters: only for layouts with FP8 members (``Member.master_dtype``): per member,
+                the high-precision master (``master_dtype``, shaped like ``params[m]``) the FP8
+                member is quantized from and its replicas' gradients reduce into; None for the
+                other members (a member with a gradient then uses ``params[m]``, one without
+                -- the scales -- has none).
+        The replicas' reduced gradients reach the masters through autograd, at backward
         time: returned as their gradient, or added into the ``main_grad`` a tensor has at that
         moment (Megatron's ``DistributedDataParallel`` may allocate it after this call, and
         rebind it between steps).  Tensors with ``requires_grad=False`` get replicas and no
@@ -514,6 +536,7 @@ class ReplicaManager:
         if not isinstance(layer, int) or not 0 <= layer < self.num_layers:
             raise RegistrationError(f"ultracomm: layer {layer!r} is out of range 0..{self.num_layers - 1}")
         params = [p if isinstance(p, torch.Tensor) else list(p) for p in params]
+        anchors = self._masters_of(params, masters)
         flat = [t for p in params for t in _tensors(p)]
         dev = flat[0].device if flat else torch.device("cpu")
         gd, S = self.layout.grad_dtype, self.slots_per_rank
@@ -521,16 +544,53 @@ class ReplicaManager:
             # the reduction lands in the manager's fp32 staging, shared by every layer (one reduce
             # at a time returns from it), never in a user tensor: no user pointer is baked into a
             # schedule or a captured graph.  Replica grads: two sets, so a reduce in flight never
-            # blocks the next layer's wgrads.
+            # blocks the next layer's wgrads.  None for a member without a gradient.
             self._master_grads = [torch.zeros((self.experts_per_rank, *m.shape), dtype=gd, device=dev)
-                                  for m in self.layout.members]
-            self._staging = [[torch.zeros((S, *m.shape), dtype=gd, device=dev) for m in self.layout.members]
-                             for _ in range(2)]
+                                  if m.grad else None for m in self.layout.members]
+            self._staging = [[torch.zeros((S, *m.shape), dtype=gd, device=dev) if m.grad else None
+                              for m in self.layout.members] for _ in range(2)]
             self._staging_work = [None, None]
-        grads = [g if isinstance(p, torch.Tensor) else list(g.unbind(0)) for p, g in zip(params, self._master_grads)]
+        grads = [g if g is None or isinstance(p, torch.Tensor) else list(g.unbind(0))
+                 for p, g in zip(params, self._master_grads)]
         self.ctx.register_masters(layer, [p.detach() if isinstance(p, torch.Tensor) else [t.detach() for t in p]
                                           for p in params], grads)
-        self._layers[layer] = _Layer(params)
+        self._layers[layer] = _Layer(anchors)
+
+    def _masters_of(self, params: list[Any], masters: Sequence[Any] | None) -> list[Any]:
+        """Per member, what its gradient reduces into (see ``register_layer``), checked."""
+        members = self.layout.members
+        if masters is None:
+            fp8 = [m.name for m in members if m.fp8 and m.grad]
+            if fp8:
+                raise RegistrationError(
+                    f"ultracomm: members {fp8} are FP8 runtime copies: pass masters=[...] (per member the "
+                    "high-precision master its replicas' gradients reduce into, None for the others)")
+            return [p if m.grad else None for m, p in zip(members, params)]
+        if isinstance(masters, torch.Tensor) or len(masters) != len(members):
+            raise RegistrationError(f"ultracomm: masters must be a list with one entry per member "
+                                    f"{list(self.layout.names)} (None where the member needs none)")
+        out = []
+        for m, p, hp in zip(members, params, masters):
+            if hp is None:
+                if m.fp8 and m.grad:
+                    raise RegistrationError(f"ultracomm: masters[{m.name!r}] is None, but {m.name!r} is an FP8 runtime "
+                                            f"copy with a gradient: pass its {m.master_dtype} master")
+                out.append(p if m.grad else None)
+                continue
+            if not m.grad:
+                raise RegistrationError(f"ultracomm: masters[{m.name!r}]: member {m.name!r} carries no gradient "
+                                        "(grad=False); pass None in its place")
+            hp = hp if isinstance(hp, torch.Tensor) else list(hp)
+            for i, (t, w) in enumerate(zip(_tensors(hp), _tensors(p))):
+                if not isinstance(t, torch.Tensor) or t.shape != w.shape or t.dtype != m.grad_master_dtype \
+                        or t.device != w.device or isinstance(hp, torch.Tensor) != isinstance(p, torch.Tensor) \
+                        or len(_tensors(hp)) != len(_tensors(p)):
+                    raise RegistrationError(
+                        f"ultracomm: masters[{m.name!r}]: expected what params[{m.name!r}] is (a stacked tensor or a "
+                        f"list of per-expert tensors, shaped {list(w.shape)}, on {w.device}) in "
+                        f"{m.grad_master_dtype}; got {_describe(t)}")
+            out.append(hp)
+        return out
 
     # -------------------------------------------------------------- per layer and micro-batch
     def step(self, layer: int, routing_map: torch.Tensor, probs: torch.Tensor | None = None) -> Step:
@@ -765,12 +825,15 @@ class ReplicaManager:
             work.wait_stream()
             self._staging_work[i] = None
         for t in self._staging[i]:
-            t.zero_()
+            if t is not None:
+                t.zero_()
         return i
 
     def _zero_master_staging(self, rows: list[int] | None) -> None:
         """Zero the rows the next reduction adds into (every row where the plan is on the GPU)."""
         for g in self._master_grads:
+            if g is None:
+                continue
             if rows is None:
                 g.zero_()
             else:

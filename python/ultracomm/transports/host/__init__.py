@@ -21,7 +21,9 @@ def master_pointers(members: Sequence, experts_per_rank: int) -> tuple[int, ...]
     ptrs = []
     for i in range(experts_per_rank):
         for t in members:
-            if isinstance(t, torch.Tensor):
+            if t is None:  # a member without a gradient: no bytes, no address
+                ptrs.append(0)
+            elif isinstance(t, torch.Tensor):
                 ptrs.append(t.data_ptr() + i * (t.numel() // experts_per_rank * t.element_size()))
             else:
                 ptrs.append(t[i].data_ptr())
@@ -38,6 +40,8 @@ def _labelled(kind: str, members: Sequence, names: Sequence[str]) -> list[tuple[
     """``("weights['fc1']", t)`` for a stacked member, ``("weights['fc1'][i]", t)`` per expert of a list."""
     out = []
     for name, t in zip(names, members):
+        if t is None:  # a member without a gradient
+            continue
         if isinstance(t, torch.Tensor):
             out.append((f"{kind}[{name!r}]", t))
         else:
@@ -65,7 +69,8 @@ class Masters:
     @classmethod
     def of(cls, weights: tuple, grads: tuple | None, experts_per_rank: int, names: Sequence[str]) -> "Masters":
         weights = tuple(w if isinstance(w, torch.Tensor) else tuple(w) for w in weights)
-        grads = None if grads is None else tuple(g if isinstance(g, torch.Tensor) else tuple(g) for g in grads)
+        grads = None if grads is None else tuple(g if g is None or isinstance(g, torch.Tensor) else tuple(g)
+                                                 for g in grads)
         m = cls(weights, grads, master_pointers(weights, experts_per_rank), master_pointers(grads or (), experts_per_rank),
                 tuple(names))
         return dataclasses.replace(m, fingerprints=tuple(_fingerprint(t) for _, t in m._tensors()))

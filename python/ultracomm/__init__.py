@@ -14,6 +14,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from . import _moved
+
+_moved.install()  # the old import paths of modules that moved (one table: _moved.MOVED)
+
 __version__ = "0.1.0"
 
 _EXPORTS = {
@@ -25,7 +29,7 @@ _EXPORTS = {
     "ClosedError": "errors", "ReplicaManager": "moe", "ResidentPlan": "resident_plan",
 }
 _SUBMODULES = ("moe", "integrations", "planners", "tools", "env", "sim")
-_MOVED = ("workloads", "bench")  # still resolve (their old paths warn), not listed: ultracomm.tools.*
+_MOVED = ("workloads", "bench")  # attributes that still resolve (old paths: they warn), not listed
 
 __all__ = sorted(_EXPORTS)
 

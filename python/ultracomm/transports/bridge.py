@@ -1,4 +1,0 @@
-"""Deprecated path of :mod:`ultracomm.transports.split.bridge`."""
-from ultracomm._moved import alias
-
-alias(globals(), "ultracomm.transports.split.bridge")

@@ -1,4 +1,0 @@
-"""Deprecated path of :mod:`ultracomm.transports.p2p.waves`."""
-from ultracomm._moved import alias
-
-alias(globals(), "ultracomm.transports.p2p.waves")

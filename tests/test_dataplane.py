@@ -17,6 +17,7 @@ from ultracomm.env import Config
 from ultracomm.errors import RegistrationError
 from ultracomm.cuda.hwprofile import validate
 from ultracomm.cuda.sm_budget import FALLBACK_PER_CTA_BW, choose_sms, default_sms
+from ultracomm.transports.base import Transport
 from ultracomm.transports.host import HostTransport
 from ultracomm.windows import CudaIpcWindow, CudaLocalWindow, TorchSymmWindow
 
@@ -177,10 +178,11 @@ def test_auto_window_cpu_is_unchanged():
     assert windows.resolve_provider("auto", FakeTorchComm()) == "host_shm"
 
 
-class FakeTma:
+class FakeTma(Transport):
     name = "tma"
     window_providers = ("cuda_ipc", "torch_symm", "cuda_local")
     stream_ordered = True
+    options = frozenset({"num_workers", "jitter_us", "multicast_sms", "reduce_sms"})
 
     def __init__(self, *, rank, world, window, wlayout, layout, num_workers, timeout_s, jitter_us=0,
                  multicast_sms=None, reduce_sms=None):

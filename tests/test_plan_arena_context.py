@@ -16,6 +16,8 @@ from test_stream_ordered import FakeStreamTransport, fake, make_ctx, masters  # 
 
 class SlotTransport(FakeStreamTransport):
     plan_arena_bytes = 12345
+    options = FakeStreamTransport.options | {"experts_per_rank", "plan_slots"}
+    takes_slot = True
 
     def __init__(self, *, experts_per_rank, plan_slots, **kw):
         super().__init__(**kw)

@@ -77,6 +77,7 @@ class FakeStreamTransport(HostTransport):
     name = "tma"
     stream_ordered = True
     window_providers = ("local",)
+    options = HostTransport.options | {"multicast_sms", "reduce_sms"}
 
     def __init__(self, *, multicast_sms, reduce_sms, **kw):
         super().__init__(**kw)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import inspect
 import logging
 import threading
 import weakref
@@ -49,7 +48,7 @@ from .profile import profile_for_context
 from .records import Op
 from .schedule import Schedule, build_schedule
 from .schedule_portable import hop_bytes
-from .transports.host import Masters
+from .transports.base import Masters
 from .windows import open_window
 from .work import OrderedRunner, Work
 
@@ -203,7 +202,7 @@ class Context:
         self._device_inputs: dict = {}  # device -> (home_of, node_of) tensors of resident plans' builds
         epr = self.experts_per_rank  # local_index_of of the fixed-home model (resident plans)
         self._home_local_index = [e % epr if e // epr == self.rank else -1 for e in range(self.num_experts)]
-        if getattr(self.transport, "build_on_device", False):
+        if self.transport.build_on_device:
             self._device_inputs_for(self.window.local.device)
         self._epoch = 0
         self._lock = threading.Lock()
@@ -297,10 +296,10 @@ class Context:
         #: CTAs per rank the GPU transport was given (``{}`` for the host transport)
         self.sm_counts = {k: kw[f"{k}_sms"] for k in ("multicast", "reduce") if f"{k}_sms" in kw}
         self.transport = self._transport_cls(**kw)
-        if hasattr(self.transport, "witness"):  # host, p2p, split: their timeouts name ranks by evidence
+        if self.transport.names_by_evidence:  # host, p2p, split: their timeouts name ranks by evidence
             self.transport.witness = self._witness
         # transports with a plan arena take the vid's slot: restore / grad_reduce reuse its plan
-        self._slot_kw = "slot" in inspect.signature(self.transport.run).parameters
+        self._slot_kw = self.transport.takes_slot
         self._streams: stream_ordered.StreamOrdered | None = None
         if is_stream_ordered(self.transport):
             me = weakref.ref(self)  # the finaliser holds the streams: they must not keep the Context alive
@@ -316,7 +315,7 @@ class Context:
         #: ranks check that they run the same plan through the digests in their windows, not a
         #: collective per weight_sync (``ULTRACOMM_PLAN_CHECK``; see ultracomm.env "Plan checks"):
         #: ``auto`` wherever the transport has window flags (host, tma, copy_engine, split on CUDA)
-        has_flags = getattr(self.transport, "reject", None) is not None
+        has_flags = self.transport.window_flags
         self.window_plan_check = check == "window" or (check == "auto" and has_flags)
         if self.window_plan_check and not has_flags:
             raise ConfigError(f"ultracomm: plan_check='window' (ULTRACOMM_PLAN_CHECK) needs a transport whose "
@@ -463,7 +462,7 @@ class Context:
         sched = self._schedules.get(key)
         if sched is None:
             c = self.config
-            costs = getattr(self.transport, "message_costs", None)
+            costs = self.transport.message_costs
             split = self.transport.name == "split"
             if costs is not None and not split:  # a message transport: chunk and tree by its alpha-beta model
                 if len(set(self.domain_of)) == 1:  # one host: every rank's messages share its cores
@@ -690,7 +689,7 @@ class Context:
         (``cuda_local``) share one arena that holds every rank's plan, so each reports the whole.
         Like DeepEP's buffer-size hints, it tells what memory to leave for ultracomm; nothing is
         allocated for plans after setup."""
-        return int(getattr(self.transport, "plan_arena_bytes", 0))
+        return int(self.transport.plan_arena_bytes)
 
     def _check_usable(self) -> None:
         self._check_open()
@@ -744,7 +743,7 @@ class Context:
         if (plan.world, plan.slots_per_rank) != (self.world, self.slots_per_rank):
             raise ValueError(f"ultracomm: plan is for world {plan.world}, {plan.slots_per_rank} slots per rank; this "
                              f"Context has world {self.world}, {self.slots_per_rank} slots per rank")
-        if not (getattr(self.transport, "build_on_device", False) and plan.slot_src.is_cuda):
+        if not (self.transport.build_on_device and plan.slot_src.is_cuda):
             try:
                 return plan.host_plan(self.experts_per_rank)
             except (UltracommError, ValueError, TypeError) as e:

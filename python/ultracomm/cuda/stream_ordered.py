@@ -209,20 +209,16 @@ class StreamOrdered:
 
     def reject(self, op: Any, epoch: int) -> None:
         """Tell peers this rank rejected its plan at ``epoch`` (when the transport can publish it)."""
-        reject = getattr(self.transport, "reject", None)
-        if reject is not None:
-            reject(op, epoch, stream=self.streams.stream_handle())
+        if self.transport.window_flags:
+            self.transport.reject(op, epoch, stream=self.streams.stream_handle())
 
     def _abandoned(self) -> bool:
         """The transport left streams blocked for good after a failure (``copy_engine``: waits
         only a lost peer can satisfy): a device-wide synchronize would never return.  A
         transport with ``quiesce()`` is asked first to let its operations in flight end (done
         or failed), so that the answer holds for them too."""
-        quiesce = getattr(self.transport, "quiesce", None)
-        if quiesce is not None:
-            quiesce()
-        abandoned = getattr(self.transport, "abandoned_streams", None)
-        return bool(abandoned()) if abandoned is not None else False
+        self.transport.quiesce()
+        return bool(self.transport.abandoned_streams())
 
     def synchronize(self) -> None:
         """Wait for all work on the device, then raise the transport's error record if any."""
@@ -238,7 +234,5 @@ class StreamOrdered:
         abandoned = self._abandoned()
         if not abandoned:
             self.streams.synchronize()
-        close = getattr(self.transport, "close", None)
-        if close is not None:
-            close()
+        self.transport.close()
         return abandoned

@@ -20,7 +20,6 @@ Rules (``transport`` / ``window`` are the config values, ``device`` the Context 
 """
 from __future__ import annotations
 
-import inspect
 import logging
 from typing import Any, Sequence
 
@@ -97,21 +96,22 @@ def select(config: Config, comm: Comm, device: Any = None,
 
 
 def is_stream_ordered(transport: Any) -> bool:
-    """True for transports whose ``run`` only enqueues work on a CUDA stream."""
-    return bool(getattr(transport, "stream_ordered", False))
+    """True for transports whose ``run`` only enqueues work on a CUDA stream (declared:
+    :class:`~ultracomm.transports.base.Transport`)."""
+    return bool(transport.stream_ordered)
 
 
 def transport_kwargs(transport_cls: type, config: Config, cuda_dev: torch.device | None,
                      **base: Any) -> dict[str, Any]:
-    """The keyword arguments ``transport_cls`` accepts: ``base`` (``comm`` only when the transport names
-    it) plus the config's executor knobs and,
-    for transports that take them, ``multicast_sms`` / ``reduce_sms`` (resolved: env value or the
-    analytic default of :mod:`ultracomm.cuda.sm_budget`, logged at debug level)."""
-    params = inspect.signature(transport_cls).parameters
-    any_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    """The keyword arguments ``transport_cls`` takes: the common ones of ``base`` (rank, world,
+    window, wlayout, layout) and ``timeout_s``, plus what its declared ``options`` name (see
+    :mod:`ultracomm.transports.base`): ``base``'s others, the config's executor knobs and
+    ``multicast_sms`` / ``reduce_sms`` (resolved: env value or the analytic default of
+    :mod:`ultracomm.cuda.sm_budget`, logged at debug level)."""
+    options = transport_cls.options
     kw = dict(base, num_workers=config.num_workers, timeout_s=config.timeout_s, jitter_us=config.jitter_us,
               split_route=config.split_route)
-    if any_kw or "multicast_sms" in params or "reduce_sms" in params:
+    if "multicast_sms" in options or "reduce_sms" in options:
         dev_sms = name = None
         if cuda_dev is not None:
             props = torch.cuda.get_device_properties(cuda_dev)
@@ -121,10 +121,8 @@ def transport_kwargs(transport_cls: type, config: Config, cuda_dev: torch.device
         log.debug("ultracomm: rank %s: multicast_sms=%d (%s)", base.get("rank"), mc.sms, mc.source)
         log.debug("ultracomm: rank %s: reduce_sms=%d (%s)", base.get("rank"), rd.sms, rd.source)
         kw.update(multicast_sms=mc.sms, reduce_sms=rd.sms)
-    # the process group, the domains and the plan arena's shape go only to transports that ask for
-    # them by name (p2p, split; tma; the CPU split's route)
-    named_only = ("comm", "domain_of", "experts_per_rank", "plan_slots", "split_route")
-    return {k: v for k, v in kw.items() if k in params or (any_kw and k not in named_only)}
+    common = ("rank", "world", "window", "wlayout", "layout", "timeout_s")
+    return {k: v for k, v in kw.items() if k in common or k in options}
 
 
 def check_master_devices(window_device: torch.device, transport_name: str, names: Sequence[str],

@@ -501,7 +501,7 @@ class ReplicaManager:
             return None
         from .loads_gpu import GpuLoadBoard
 
-        if isinstance(self._board, GpuLoadBoard) and getattr(self.ctx.transport, "build_on_device", False):
+        if isinstance(self._board, GpuLoadBoard) and self.ctx.transport.build_on_device:
             if "lanes" in self.planner_options:
                 raise ValueError("ultracomm: planner_options lanes is the host build's; the GPU runs a warp per probe")
             return "device"

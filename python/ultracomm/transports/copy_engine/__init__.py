@@ -60,7 +60,7 @@ from .plan import (EPOCH, MAIN, Cmd, abort_addr, flag_addr, gate_commands, host_
                    submission_order, word_addr)
 from .watchdog import (KEPT, Pending, Watchdog, abandoned, device_watchdogs, pending_for, pinned_words,
                                    quiesce)
-from ..host import Masters, op_digest
+from ..base import Masters, Transport, op_digest
 
 __all__ = ["CopyEngineTransport"]
 
@@ -70,13 +70,16 @@ _KEPT = KEPT  # reduce kernels of transports whose streams were abandoned land h
 
 
 
-class CopyEngineTransport:
+class CopyEngineTransport(Transport):
     """Multicast over GPU windows from internal streams, through releasable gates (one CTA per
     destination stream); reduction by the ``tma`` kernel (module docstring)."""
 
     name = "copy_engine"
     window_providers = ("cuda_local", "torch_symm", "cuda_ipc", "nvshmem")
     stream_ordered = True
+    # its reduction is the tma transport's kernel: it takes that transport's executor options
+    options = frozenset({"num_workers", "jitter_us", "multicast_sms", "reduce_sms"})
+    window_flags = True
 
     def __init__(self, *, rank: int, world: int, window, wlayout: dict, layout, timeout_s: float, **tma_kw: Any):
         require("transport 'copy_engine'", need_module=False)
@@ -122,10 +125,8 @@ class CopyEngineTransport:
             except NotAvailableError as e:
                 raise NotAvailableError(f"ultracomm: transport 'copy_engine' cannot reduce: its reduction is the tma "
                                         f"transport's ordered reduction kernel, which is not available ({e})") from None
-            import inspect
-
-            params = inspect.signature(cls).parameters
-            self._tma = cls(**{k: v for k, v in self._tma_kw.items() if k in params})
+            common = {"rank", "world", "window", "wlayout", "layout", "timeout_s"}
+            self._tma = cls(**{k: v for k, v in self._tma_kw.items() if k in common or k in cls.options})
         return self._tma
 
     # ------------------------------------------------------------------ multicast: commands

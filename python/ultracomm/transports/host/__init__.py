@@ -1,109 +1,25 @@
 """The host transport: runs a rank's task list with the C++ host executor (``_core.run_host``)."""
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
 from typing import Sequence
-
-import torch
 
 from ... import _core
 from ...records import Op
 from ...blame import strip_blame
+from ..base import GRAD_DTYPE_CODE, Masters, Transport, master_pointers, op_digest
 from .who_stopped import _AWAITED, latest_epochs, stopped_note
 
-GRAD_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+__all__ = ["HostTransport", "Masters", "master_pointers", "op_digest", "GRAD_DTYPE_CODE"]
 
 
-def master_pointers(members: Sequence, experts_per_rank: int) -> tuple[int, ...]:
-    """Per (local expert, member) addresses; each member is a stacked
-    ``[experts_per_rank, *shape]`` tensor or a tuple of ``experts_per_rank`` per-expert tensors."""
-    ptrs = []
-    for i in range(experts_per_rank):
-        for t in members:
-            if t is None:  # a member without a gradient: no bytes, no address
-                ptrs.append(0)
-            elif isinstance(t, torch.Tensor):
-                ptrs.append(t.data_ptr() + i * (t.numel() // experts_per_rank * t.element_size()))
-            else:
-                ptrs.append(t[i].data_ptr())
-    return tuple(ptrs)
-
-
-def _fingerprint(t: torch.Tensor) -> tuple:
-    """What the executor relies on: address, shape, dtype, contiguity, and a storage that still holds it."""
-    return (t.data_ptr(), tuple(t.shape), t.dtype, t.is_contiguous(),
-            t.untyped_storage().nbytes() >= (t.storage_offset() + t.numel()) * t.element_size())
-
-
-def _labelled(kind: str, members: Sequence, names: Sequence[str]) -> list[tuple[str, torch.Tensor]]:
-    """``("weights['fc1']", t)`` for a stacked member, ``("weights['fc1'][i]", t)`` per expert of a list."""
-    out = []
-    for name, t in zip(names, members):
-        if t is None:  # a member without a gradient
-            continue
-        if isinstance(t, torch.Tensor):
-            out.append((f"{kind}[{name!r}]", t))
-        else:
-            out += [(f"{kind}[{name!r}][{i}]", x) for i, x in enumerate(t)]
-    return out
-
-
-@dataclass(frozen=True)
-class Masters:
-    """Addresses of this rank's master experts for one layer.
-
-    ``weight_ptrs[i * M + m]`` / ``grad_ptrs[i * M + m]``: member ``m`` of local expert ``i``;
-    a member is a stacked tensor or a tuple of per-expert tensors.  The tensors are kept so
-    the addresses stay valid; ``grads`` is ``None`` when only weights were registered.
-    ``changed()`` says whether a tensor was swapped since.
-    """
-
-    weights: tuple
-    grads: tuple | None
-    weight_ptrs: tuple[int, ...]
-    grad_ptrs: tuple[int, ...]
-    names: tuple[str, ...] = ()
-    fingerprints: tuple[tuple, ...] = ()
-
-    @classmethod
-    def of(cls, weights: tuple, grads: tuple | None, experts_per_rank: int, names: Sequence[str]) -> "Masters":
-        weights = tuple(w if isinstance(w, torch.Tensor) else tuple(w) for w in weights)
-        grads = None if grads is None else tuple(g if g is None or isinstance(g, torch.Tensor) else tuple(g)
-                                                 for g in grads)
-        m = cls(weights, grads, master_pointers(weights, experts_per_rank), master_pointers(grads or (), experts_per_rank),
-                tuple(names))
-        return dataclasses.replace(m, fingerprints=tuple(_fingerprint(t) for _, t in m._tensors()))
-
-    def _tensors(self) -> list[tuple[str, torch.Tensor]]:
-        return _labelled("weights", self.weights, self.names) + _labelled("grads", self.grads or (), self.names)
-
-    def changed(self, names: Sequence[str] | None = None) -> str | None:
-        """``"weights['fc1']"`` (``"grads['fc1'][3]"`` for a per-expert list) for the first
-        tensor whose address, shape or storage differs from registration; ``None`` if all
-        are as registered."""
-        flat = self.__dict__.get("_flat")
-        if flat is None:  # the tensors in _tensors() order, without their labels (made only for a report)
-            flat = tuple(t for _, t in self._tensors())
-            object.__setattr__(self, "_flat", flat)
-        for i, (t, fp) in enumerate(zip(flat, self.fingerprints)):
-            if _fingerprint(t) != fp:
-                return self._tensors()[i][0]
-        return None
-
-
-def op_digest(schedule_digest: int, op: Op) -> int:
-    """The digest a rank publishes beside ``ready[op]`` for ``op`` of a schedule: the schedule's
-    64-bit digest xor the op (never ``_core.REJECTED_DIGEST``, which marks a rejected plan)."""
-    d = (int(schedule_digest) ^ int(op)) & 0xFFFFFFFFFFFFFFFF
-    return d ^ 0x2 if d == _core.REJECTED_DIGEST else d
-
-
-class HostTransport:
+class HostTransport(Transport):
     """CPU executor over host windows (``host_shm`` or ``local``)."""
 
     name = "host"
     window_providers = ("host_shm", "local")
+    options = frozenset({"num_workers", "jitter_us"})
+    window_flags = True
+    names_by_evidence = True
 
     def __init__(self, *, rank: int, world: int, window, wlayout: dict, layout, num_workers: int,
                  timeout_s: float, jitter_us: int = 0, peer_bases: Sequence[int] | None = None):
@@ -163,7 +79,7 @@ class HostTransport:
             self._run_host(op, epoch, tasks, refs, slot_parent, member_off, member_bytes, ptrs, my_slots,
                            local_index_of, op_name, op_digest(schedule.digest, op), abort_word)
         except _core.TimeoutError as e:
-            witness = getattr(self, "witness", None)
+            witness = self.witness
             if witness is not None:  # blame by evidence (ultracomm.blame): heartbeats, failure words, records
                 text = strip_blame(str(e))
                 awaited = [int(r) for r in _AWAITED.findall(text)]

@@ -36,7 +36,7 @@ import torch
 from ...alpha_beta import costs_for_backend
 from ...records import MASTER, Op
 from ..segments import ordered_sum
-from ..host import Masters
+from ..base import Masters, Transport
 from ...errors import UltracommTimeout
 from .messengers import PostError, messenger_for, peer_failure
 from .bound import Bound, BoundWave, bind
@@ -53,7 +53,7 @@ def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-class P2PTransport:
+class P2PTransport(Transport):
     """Executor over ``torch.distributed`` point-to-point messages (gloo on the CPU, NCCL on GPUs).
 
     Args (given by the Context): ``comm`` (a ``TorchComm``: the process group), ``rank``,
@@ -62,6 +62,8 @@ class P2PTransport:
 
     name = "p2p"
     window_providers = ("private",)
+    options = frozenset({"comm"})
+    names_by_evidence = True
     #: how errors name the transport (the split transport's messages route says so)
     label = "p2p"
 

@@ -44,7 +44,8 @@ from ...records import Op
 from .bridge import BridgeLanes, BridgeRun
 from .bridge_direct import MAX_SEGMENTS, DirectBridge, DirectPlan, build_direct_plan
 from .bridge_program import BridgeProgram, build_bridge_program
-from ..host import HostTransport, Masters, op_digest
+from ..base import Masters, Transport, op_digest
+from ..host import HostTransport
 from ..p2p import P2PTransport, with_evidence
 from ..p2p.messengers import messenger_for
 from ..p2p.waves import cached_program
@@ -61,7 +62,7 @@ _CACHE = 128  # (schedule, op) bridge programs kept
 DIRECT_CROSSINGS = True
 
 
-class SplitTransport:
+class SplitTransport(Transport):
     """Host executor inside each memory domain, p2p messages across (see the module docstring).
 
     Args (given by the Context): ``comm``, ``rank``, ``world``, ``window`` (``host_shm`` or
@@ -71,6 +72,8 @@ class SplitTransport:
 
     name = "split"
     window_providers = ("host_shm", "local")
+    options = frozenset({"comm", "num_workers", "jitter_us", "domain_of", "split_route"})
+    names_by_evidence = True
 
     def __init__(self, *, comm: Any, rank: int, world: int, window, wlayout: dict, layout, num_workers: int,
                  timeout_s: float, jitter_us: int = 0, domain_of: Sequence[int] | None = None,

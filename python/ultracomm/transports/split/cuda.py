@@ -62,7 +62,7 @@ from ...errors import UltracommError
 from ...cuda.loopback_launch import Deposit, launches_for
 from ...records import Op
 from .bridge_program import build_bridge_program
-from ..host import Masters, op_digest
+from ..base import Masters, Transport, op_digest
 from ..p2p.waves import cached_program
 from .cuda_gates import GATE_SM_RESERVE, Gates
 from .cuda_movers import Spaces, enqueue_loopback, enqueue_rank_stream, side_group
@@ -112,7 +112,7 @@ class SideStream:
             self.handle, self.stream = None, None
 
 
-class SplitCudaTransport:
+class SplitCudaTransport(Transport):
     """``tma`` inside a domain, NCCL (loopback: copies) across; see the module docstring.
 
     Args (given by the Context): ``comm``, ``rank``, ``world``, ``window`` (``cuda_ipc`` mapping
@@ -123,6 +123,8 @@ class SplitCudaTransport:
     name = "split"
     window_providers = ("cuda_ipc", "cuda_local")
     stream_ordered = True
+    options = frozenset({"comm", "num_workers", "jitter_us", "multicast_sms", "reduce_sms", "domain_of"})
+    window_flags = True
 
     def __init__(self, *, comm: Any, rank: int, world: int, window, wlayout: dict, layout, num_workers: int,
                  timeout_s: float, jitter_us: int = 0, multicast_sms: int | None = None,

@@ -71,7 +71,7 @@ from ...cuda.loopback_launch import Deposit, launches_for
 from ...records import REF_DTYPE, TASK_DTYPE, Op
 from ...resident_plan import DeviceSchedule
 from ...cuda.sm_budget import choose_sms
-from ..host import GRAD_DTYPE_CODE, Masters
+from ..base import GRAD_DTYPE_CODE, Masters, Transport
 from .plan_slots import PlanSlots, arena_bounds, arena_bytes
 from .loopback import runner_for
 from .resident import ResidentSlots, Share
@@ -81,12 +81,15 @@ __all__ = ["TmaTransport"]
 log = logging.getLogger("ultracomm")
 
 
-class TmaTransport:
+class TmaTransport(Transport):
     """Persistent-kernel executor over GPU windows (see the module docstring)."""
 
     name = "tma"
     window_providers = ("cuda_ipc", "torch_symm", "cuda_local", "nvshmem")
     stream_ordered = True
+    options = frozenset({"num_workers", "jitter_us", "multicast_sms", "reduce_sms", "experts_per_rank", "plan_slots"})
+    takes_slot = True
+    window_flags = True
     #: takes resident plans (DeviceSchedule): builds their lists on the GPU
     build_on_device = True
 

@@ -4,7 +4,7 @@ The store is reachable by any local process that can connect to torchrun's port,
 comes back from it is parsed, never unpickled: a value is a small tree of ``None``, ``bool``,
 ``int`` (int64 or uint64 range), ``float``, ``str``, ``bytes``, ``list``, ``tuple``, ``dict``
 with ``str`` keys, numpy arrays of plain numeric dtypes, and the dataclasses registered in
-:data:`DATACLASSES` (by name, field by field).  Anything else cannot be encoded (a clear
+:data:`DATACLASSES` (by name, field by field; :func:`register`).  Anything else cannot be encoded (a clear
 ``TypeError`` on the sending rank); anything malformed, truncated, too deep or too large
 cannot be decoded (:class:`WireError` naming what is wrong).
 
@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["encode", "decode", "WireError", "DATACLASSES", "MAX_BYTES", "MAX_DEPTH"]
+__all__ = ["encode", "decode", "register", "WireError", "DATACLASSES", "MAX_BYTES", "MAX_DEPTH"]
 
 MAGIC = b"UCW1"
 MAX_BYTES = 1 << 30  #: largest message decoded (1 GiB)
@@ -46,20 +46,22 @@ class WireError(ValueError):
     """A store value that is not a well-formed ultracomm message."""
 
 
-def _dataclasses() -> dict[str, type]:
-    from .dataplane.domains import RankDomain
-
-    return {"RankDomain": RankDomain}
-
-
-#: classes that may travel (name -> class); filled on first use (import order)
+#: classes that may travel (name -> class); each module that defines one registers it at import
+#: (:func:`register`: ``ultracomm.dataplane.domains`` registers ``RankDomain``)
 DATACLASSES: dict[str, type] = {}
 
 
-def _registry() -> dict[str, type]:
-    if not DATACLASSES:
-        DATACLASSES.update(_dataclasses())
-    return DATACLASSES
+def register(cls: type) -> type:
+    """Let dataclass ``cls`` travel by its name (field by field); returns ``cls`` (a decorator too).
+    The module defining it calls this at import, so this low module names no class above it."""
+    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+        raise TypeError(f"ultracomm wire: only dataclasses can be registered, got {cls!r}")
+    prior = DATACLASSES.get(cls.__name__)
+    if prior is not None and (prior.__module__, prior.__qualname__) != (cls.__module__, cls.__qualname__):
+        raise ValueError(f"ultracomm wire: another class named {cls.__name__} is registered "
+                         f"({prior.__module__}.{prior.__qualname__})")
+    DATACLASSES[cls.__name__] = cls  # the same class again: its module was reloaded
+    return cls
 
 
 # ------------------------------------------------------------------ encode
@@ -116,7 +118,7 @@ def _enc(v: Any, out: list, depth: int) -> None:
                 raise TypeError(f"ultracomm wire: dict key {k!r} is not a str")
             _enc(k, out, depth + 1)
             _enc(x, out, depth + 1)
-    elif dataclasses.is_dataclass(v) and type(v).__name__ in _registry() and _registry()[type(v).__name__] is type(v):
+    elif dataclasses.is_dataclass(v) and DATACLASSES.get(type(v).__name__) is type(v):
         out.append(b"c")
         _enc(type(v).__name__, out, depth + 1)
         _enc({f.name: getattr(v, f.name) for f in dataclasses.fields(v)}, out, depth + 1)
@@ -211,9 +213,9 @@ def _dec(r: _Reader, depth: int) -> Any:
         return np.frombuffer(r.take(nbytes, "array data"), dtype=dtype).reshape(shape).astype(dtype.newbyteorder("="))
     if tag == b"c":
         name = _dec(r, depth + 1)
-        cls = _registry().get(name) if isinstance(name, str) else None
+        cls = DATACLASSES.get(name) if isinstance(name, str) else None
         if cls is None:
-            raise WireError(f"ultracomm wire: class {name!r} may not travel (registered: {sorted(_registry())})")
+            raise WireError(f"ultracomm wire: class {name!r} may not travel (registered: {sorted(DATACLASSES)})")
         fields = _dec(r, depth + 1)
         want = {f.name for f in dataclasses.fields(cls)}
         if not isinstance(fields, dict) or set(fields) != want:

@@ -44,6 +44,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from .. import wire
 from ..env import domain_keys
 from ..cuda.fabric import FabricQuery, fabric_key, gpu_fabric_info
 from ..records import Op
@@ -68,6 +69,7 @@ def domain_of(keys: Sequence[str]) -> tuple[int, ...]:
     return tuple(index.setdefault(k, len(index)) for k in keys)
 
 
+@wire.register  # travels between ranks through the store (wire keeps the registry, names no class)
 @dataclasses.dataclass(frozen=True)
 class RankDomain:
     """What one rank reports at setup: its ``ULTRACOMM_DOMAIN`` declaration (``""``: none), its

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["BoardLayout", "ExchangeTag", "ENTRIES", "MAX_COUNT", "HEADER_BYTES"]
+__all__ = ["BoardLayout", "ExchangeTag", "ENTRIES", "MAX_COUNT", "HEADER_BYTES", "timeout_text", "mismatch_text"]
 
 ENTRIES = 2
 MAX_COUNT = 2**31 - 1  # counts are int32: tokens one rank routes to one expert in one step
@@ -117,3 +117,22 @@ class BoardLayout:
     def counts(self, n: int, sender: int) -> int:
         """Offset of sender's int32 counts for exchange ``n``."""
         return self.record(n, sender) + HEADER_BYTES
+
+
+# the errors of an exchange, in the same words on both boards
+def timeout_text(rank: int, op: str, timeout_s: float, missing: list[int], why: str | None = None) -> str:
+    """The error of an exchange whose ``missing`` ranks never posted (both boards say this);
+    ``why``: the evidence of who stopped (:mod:`ultracomm.blame`), else a guess."""
+    why = why or "they are likely stalled or dead, or called a different operation"
+    return (f"ultracomm: rank {rank} {op} (expert loads) timed out after {timeout_s:g} s: ranks {missing} did not "
+            f"post their loads (timeout ULTRACOMM_TIMEOUT_S={timeout_s:g}); {why}: every rank must call step() for "
+            "the same layers in the same order")
+
+
+def mismatch_text(rank: int, op: str, n: int, posted: dict[int, list[int]]) -> str:
+    """The error of exchange ``n`` where ranks posted other tags (``posted``: tag value -> ranks):
+    both boards say this, in the words of the store exchange (``Comm.all_gather_object``)."""
+    parts = [f"{f'rank {rs[0]}' if len(rs) == 1 else f'ranks {rs}'} posted {ExchangeTag.describe(t)}"
+             for t, rs in posted.items()]
+    return (f"ultracomm: rank {rank} {op} (expert loads): ranks called different operations ({'; '.join(parts)} "
+            f"in load exchange {n}); every rank must call the same collective operations in the same order")

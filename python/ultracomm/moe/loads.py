@@ -25,7 +25,7 @@ import torch
 from .. import _core
 from ..comm import Comm
 from ..errors import PeerError, PlanMismatchError, UltracommTimeout
-from .board_layout import MAX_COUNT, BoardLayout, ExchangeTag
+from .board_layout import MAX_COUNT, BoardLayout, mismatch_text, timeout_text
 
 __all__ = ["gather_loads", "LoadBoard", "board_for_context", "timeout_text", "mismatch_text"]
 
@@ -39,24 +39,6 @@ def gather_loads(comm: Comm, counts: torch.Tensor, op: str = "step") -> np.ndarr
     """
     mine = counts.detach().to("cpu", torch.int64).numpy()
     return np.stack(comm.all_gather_object(mine, op=op, what="expert loads")).astype(np.int64)
-
-
-def timeout_text(rank: int, op: str, timeout_s: float, missing: list[int], why: str | None = None) -> str:
-    """The error of an exchange whose ``missing`` ranks never posted (both boards say this);
-    ``why``: the evidence of who stopped (:mod:`ultracomm.blame`), else a guess."""
-    why = why or "they are likely stalled or dead, or called a different operation"
-    return (f"ultracomm: rank {rank} {op} (expert loads) timed out after {timeout_s:g} s: ranks {missing} did not "
-            f"post their loads (timeout ULTRACOMM_TIMEOUT_S={timeout_s:g}); {why}: every rank must call step() for "
-            "the same layers in the same order")
-
-
-def mismatch_text(rank: int, op: str, n: int, posted: dict[int, list[int]]) -> str:
-    """The error of exchange ``n`` where ranks posted other tags (``posted``: tag value -> ranks):
-    both boards say this, in the words of the store exchange (``Comm.all_gather_object``)."""
-    parts = [f"{f'rank {rs[0]}' if len(rs) == 1 else f'ranks {rs}'} posted {ExchangeTag.describe(t)}"
-             for t, rs in posted.items()]
-    return (f"ultracomm: rank {rank} {op} (expert loads): ranks called different operations ({'; '.join(parts)} "
-            f"in load exchange {n}); every rank must call the same collective operations in the same order")
 
 
 def check_counts(counts: np.ndarray, num_experts: int) -> np.ndarray:

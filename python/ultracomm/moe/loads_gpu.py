@@ -33,8 +33,7 @@ import torch
 from ..cuda.support import NotAvailableError, cuda_runtime
 from ..errors import PlanMismatchError, UltracommError, UltracommTimeout
 from ..cuda.loopback_launch import Deposit, launches_for
-from .board_layout import BoardLayout
-from .loads import mismatch_text, timeout_text
+from .board_layout import BoardLayout, mismatch_text, timeout_text
 
 __all__ = ["GpuLoadBoard"]
 

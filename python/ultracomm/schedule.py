@@ -29,17 +29,16 @@ gradient chunk is, recursively, ``self + sum_{children c by (rank, slot)} partia
 """
 from __future__ import annotations
 
-import json
 from typing import Any, Optional, Union
 
 import numpy as np
 
 from . import _core
-from .records import TASK_DTYPE, Op, RelayMode
+from .records import Op, RelayMode
+from .schedule_base import OpLike, ScheduleBase
 
 __all__ = ["Schedule", "build_schedule", "OpLike"]
 
-OpLike = Union[Op, int, str]
 
 _MODES = {"auto": RelayMode.AUTO, "off": RelayMode.OFF, "force": RelayMode.FORCE}
 
@@ -80,7 +79,7 @@ def _i32(x: Any, name: str) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.int32)
 
 
-class Schedule:
+class Schedule(ScheduleBase):
     """Per-rank task lists of multicast and reduce, their trees and stats."""
 
     def __init__(self, core: "_core.Schedule"):
@@ -157,26 +156,6 @@ class Schedule:
 
     def inputs(self) -> dict:
         return dict(self._core.input())
-
-    def to_json(self, indent: Optional[int] = None) -> str:
-        """Inputs, trees, stats and task lists (all built ranks) as a JSON string."""
-        out: dict = {"digest": self.digest, "built_for": self.built_for, "inputs": self.inputs(), "ops": {}}
-        ranks = range(self.world) if self.built_for is None else [self.built_for]
-        for op in (Op.MULTICAST, Op.REDUCE):
-            pr, ps, d = self.tree(op)
-            tasks = {}
-            refs = {}
-            for r in ranks:
-                t = self.tasks(op, r)
-                tasks[str(r)] = [{k: int(row[k]) for k in TASK_DTYPE.names} for row in t]
-                refs[str(r)] = [[int(x["rank"]), int(x["slot"])] for x in self.refs(op, r)]
-            out["ops"][op.name.lower()] = {
-                "tree": {"parent_rank": pr.tolist(), "parent_slot": ps.tolist(), "depth": d.tolist()},
-                "stats": self.stats(op),
-                "tasks": tasks,
-                "refs": refs,
-            }
-        return json.dumps(out, indent=indent)
 
     def __repr__(self) -> str:
         m, r = self.stats(Op.MULTICAST), self.stats(Op.REDUCE)

@@ -30,7 +30,8 @@ import numpy as np
 
 from . import _core
 from .records import REF_DTYPE, TASK_DTYPE
-from .schedule import OpLike, _i32, _op
+from .schedule import _i32, _op
+from .schedule_base import OpLike, ScheduleBase
 
 __all__ = ["PortableSchedule", "build_schedule_portable", "hop_bytes", "MAX_WORLD", "MAX_SLOTS", "MAX_EXPERTS",
            "INTRA_LATENCY_S"]
@@ -50,7 +51,7 @@ MAX_EXPERTS = int(_core.SCHEDULE_PORTABLE_MAX_EXPERTS)
 _NAMES = ("multicast", "reduce")
 
 
-class PortableSchedule:
+class PortableSchedule(ScheduleBase):
     """One rank's lists of both ops, both trees (global), stats and the digest."""
 
     def __init__(self, raw: dict, inputs: dict):

@@ -2,8 +2,9 @@
 // schedule builder (include/ultracomm/sched_build.h, slot_build.h), the same source k_build.cu
 // runs on the GPU as one CTA.  One lane by default; `lanes` > 1 runs it on that many host threads
 // in warps of `warp_lanes` (tests: the bytes must not depend on it).  Also bound for tests: the
-// kernel's launch shape (schedule_build_launch) and the former one-thread builder
-// (build_schedule_portable_serial_ref, csrc/sched_build_serial_ref.h).
+// kernel's launch shape (schedule_build_launch), the digest of given trees
+// (schedule_digest_portable) and the former one-thread builder (build_schedule_portable_serial_ref,
+// csrc/sched_build_serial_ref.h).
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -11,6 +12,7 @@
 #include <algorithm>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "sched_build_serial_ref.h"
@@ -297,6 +299,36 @@ py::dict build_serial_ref(const I32& slot_src, const I32& home_of, py::object no
   return d;
 }
 
+// The digest of given inputs and trees (sched_write.h digest) on one lane or host lanes: what a
+// build publishes, for tests that change one field at a time.  trees: multicast and reduce
+// (parent_rank, parent_slot), int32 [world, slots] each.
+uint64_t digest_of(const I32& slot_src, const I32& home_of, py::object node_of, uint64_t weight_bytes,
+                   uint64_t grad_bytes, uint64_t chunk_bytes, int64_t max_depth, uint64_t hop_bytes,
+                   const std::vector<std::pair<I32, I32>>& trees, int64_t lanes, int64_t warp_lanes) {
+  const Lanes ln = lanes_of(lanes, warp_lanes, 0);
+  I32 node;
+  const psched::Problem p =
+      problem_of(slot_src, home_of, node_of, node, weight_bytes, grad_bytes, chunk_bytes, 0, max_depth, hop_bytes);
+  const int64_t WS = int64_t(p.world) * p.slots;
+  if (trees.size() != 2) throw std::invalid_argument("schedule_digest_portable: trees must be two (parent_rank, parent_slot) pairs");
+  std::vector<int32_t> tb[2];
+  for (int op = 0; op < 2; ++op) {
+    const I32* parts[2] = {&trees[op].first, &trees[op].second};
+    for (const I32* a : parts) {
+      if (a->size() != WS) throw std::invalid_argument("schedule_digest_portable: a tree array is not [world, slots]");
+      tb[op].insert(tb[op].end(), a->data(), a->data() + WS);
+    }
+  }
+  const int32_t* const tp[2] = {tb[0].data(), tb[1].data()};
+  py::gil_scoped_release rel;
+  if (ln.lanes == 1) return psched::digest(p, tp, psched::SerialGroup{});
+  const std::vector<uint64_t> out =
+      psched::run_lanes(ln.lanes, ln.warp_lanes, [&](const auto& g) { return psched::digest(p, tp, g); });
+  for (uint64_t d : out)
+    if (d != out[0]) throw std::logic_error("schedule_digest_portable: lanes disagree");
+  return out[0];
+}
+
 }  // namespace
 
 void bind_sched_portable(py::module_& m) {
@@ -313,6 +345,11 @@ void bind_sched_portable(py::module_& m) {
         py::arg("max_depth"), py::arg("hop_bytes"),
         "Test oracle: the former one-thread builder (csrc/sched_build_serial_ref.h); the same dict as "
         "build_schedule_portable.");
+  m.def("schedule_digest_portable", &digest_of, py::arg("slot_src"), py::arg("home_of"), py::arg("node_of"),
+        py::arg("weight_bytes"), py::arg("grad_bytes"), py::arg("chunk_bytes"), py::arg("max_depth"),
+        py::arg("hop_bytes"), py::arg("trees"), py::arg("lanes") = 1, py::arg("warp_lanes") = 0,
+        "The portable builder's digest (sched_write.h digest) of these inputs and trees -- [(parent_rank, "
+        "parent_slot) of multicast, of reduce], int32 [world, slots] each -- on `lanes` host lanes (tests).");
   m.def("schedule_build_launch",
         [](int32_t W, int32_t S, int32_t E) {
           const psched::LaunchShape ls = psched::launch_shape(W, S, E);

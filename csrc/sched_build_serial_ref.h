@@ -1,7 +1,8 @@
 // TEST ORACLE, not used by any build path: the one-thread schedule builder as committed before
 // the builder became a lane-group (CTA) build (git show 7afa026:include/ultracomm/sched_build.h),
 // frozen in its own namespace.  `_core.build_schedule_portable_serial_ref` runs it so the tests
-// can hold the parallel builder to the former one's bytes (tasks, refs, trees, digest).
+// can hold the parallel builder to the former one's bytes (tasks, refs, trees, digest).  Changed
+// since: the digest (issue 33: the combinable digest of sched_write.h, computed here serially).
 //
 // The device control plane's schedule builder, written once: compiled by g++ for the host
 // (`_core.build_schedule_portable`) and by nvcc (csrc/cuda/k_build.cu).  Same rules as interp.h:
@@ -28,6 +29,7 @@
 // busiest rank's children, fixed: the most filled slots of a rank), ties to the smaller L.
 #pragma once
 #include <cstdint>
+#include <initializer_list>
 
 #include "ultracomm/hd.h"
 #include "ultracomm/task.h"
@@ -361,9 +363,6 @@ UC_INLINE uint64_t op_cost(uint64_t bytes, uint64_t chunk, uint64_t hop, int32_t
 
 // ---------------------------------------------------------------- task lists
 
-UC_INLINE uint64_t fnv_word(uint64_t h, uint32_t w) { return (h ^ w) * 0x100000001b3ULL; }
-UC_INLINE uint64_t fnv_u64(uint64_t h, uint64_t x) { return fnv_word(fnv_word(h, uint32_t(x)), uint32_t(x >> 32)); }
-
 // Writes rank p.rank's lists of one op from tree `tr` (parent_rank, parent_slot, depth).
 UC_INLINE int32_t write_op(const Problem& p, const View& v, const int32_t* tb, bool mc, int32_t maxd,
                            const OpOut& out, int64_t& ntasks, int64_t& nrefs) {
@@ -503,23 +502,29 @@ UC_INLINE Result build(const Problem& p, int64_t* scratch, const OpOut& mc_out, 
   if (res.status != kOk) return res;
   res.status = write_op(p, v, tree_of(v.trees, WS, 2), false, res.depth[1], rd_out, res.num_tasks[1], res.num_refs[1]);
   if (res.status != kOk) return res;
-  uint64_t h = 0xcbf29ce484222325ULL;
-  h = fnv_word(h, kDigestTag);
-  h = fnv_u64(h, uint64_t(W));
-  h = fnv_u64(h, uint64_t(S));
-  h = fnv_u64(h, uint64_t(E));
-  h = fnv_u64(h, p.weight_bytes);
-  h = fnv_u64(h, p.grad_bytes);
-  h = fnv_u64(h, p.chunk_bytes);
-  h = fnv_u64(h, p.hop_bytes);
-  h = fnv_u64(h, uint64_t(p.max_depth));
-  for (int64_t id = 0; id < WS; ++id) h = fnv_word(h, uint32_t(p.slot_src[id]));
-  for (int32_t e = 0; e < E; ++e) h = fnv_word(h, uint32_t(p.home_of[e]));
-  for (int32_t r = 0; r < W; ++r) h = fnv_word(h, uint32_t(p.node_of ? p.node_of[r] : 0));
+  // the digest: since issue 33 the combinable one of sched_write.h, evaluated here the plain
+  // way (one uint64 sum in index order), not the former FNV-1a chain
+  const auto mix = [](uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+  };
+  const auto term = [&mix](uint64_t seg, int64_t i, int32_t w) {
+    return mix((seg << 56) | (uint64_t(i) << 32) | uint64_t(uint32_t(w)));
+  };
+  uint64_t sum = 0;
+  for (int64_t id = 0; id < WS; ++id) sum += term(1, id, p.slot_src[id]);
+  for (int32_t e = 0; e < E; ++e) sum += term(2, e, p.home_of[e]);
+  for (int32_t r = 0; r < W; ++r) sum += term(3, r, p.node_of ? p.node_of[r] : 0);
   for (int32_t op = 1; op <= 2; ++op) {  // parent_rank and parent_slot of both chosen trees
     const int32_t* tb = tree_of(v.trees, WS, op);
-    for (int64_t i = 0; i < 2 * WS; ++i) h = fnv_word(h, uint32_t(tb[i]));
+    for (int64_t i = 0; i < 2 * WS; ++i) sum += term(3 + uint64_t(op), i, tb[i]);
   }
+  uint64_t h = 0x9e3779b97f4a7c15ULL;
+  for (uint64_t x : {uint64_t(kDigestTag), uint64_t(W), uint64_t(S), uint64_t(E), p.weight_bytes, p.grad_bytes,
+                     p.chunk_bytes, p.hop_bytes, uint64_t(p.max_depth)})
+    h = mix(h ^ x);
+  h = mix(h ^ mix(sum));
   res.digest = h;
   return res;
 }

@@ -40,8 +40,10 @@
 //  - task lists (sched_write.h): child counts and reduce heights by atomics level by level,
 //    senders ranked by key, ref offsets by a block scan, each ref at its rank among its
 //    sender's children, tasks written one per lane (coalesced);
-//  - the digest: the former FNV-1a chain (kept bit for bit, so digests of the former builder
-//    and this one agree), one lane over the staged words; the one sequential pass left.
+//  - the digest (sched_write.h): a sum mod 2^64 of one mixed term per digested field (inputs and
+//    both chosen trees), each lane summing a strided share and a block sum combining them, so
+//    every lane count -- and the host's one lane -- gets the same value; any single-field change
+//    changes it.
 #pragma once
 #include <cstdint>
 
@@ -109,7 +111,7 @@ struct Result {
 // ---------------------------------------------------------------- scratch layout
 //
 // int64 words: kBlockWords block words, then int32 arrays (offsets below), then the uint64 keys.
-//   block  [8] int64: 0 digest;  misc [8] int32: 0 experts with replicas, 1 senders (counters)
+//   block  [8] int64: unused (was the digest);  misc [8] int32: 0 experts with replicas, 1 senders (counters)
 //   src [WS], home [E], node [W]   the problem's arrays, staged
 //   trees [2][3][WS]               chosen trees: [multicast, reduce][parent_rank, parent_slot, depth]
 //   rep_begin [E + 1], rep [WS]    replicas of e: rep[rep_begin[e] .. rep_begin[e + 1]), any order
@@ -522,9 +524,7 @@ UC_INLINE Result build(const Problem& p0, int64_t* scratch, const OpOut& mc_out,
   if (res.status != kOk) return res;
   res.status = write_op(p, v, 1, res.depth[1], rd_out, res.num_tasks[1], res.num_refs[1], g);
   if (res.status != kOk) return res;
-  if (g.lane() == 0) v.block[0] = static_cast<int64_t>(digest(p, v));
-  g.sync();
-  res.digest = static_cast<uint64_t>(v.block[0]);
+  res.digest = digest(p, v, g);  // every lane: a block sum of the lanes' terms (sched_write.h)
   return res;
 }
 

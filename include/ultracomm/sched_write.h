@@ -3,15 +3,13 @@
 // ref offsets by a block scan of the senders' child counts, a ref's place among its sender's
 // children by how many of them have a lower slot id, task i = (chunk i / senders, sender
 // i % senders).  So the lists are the one-thread builder's, byte for byte, for any lane count.
+// The digest is a sum of mixed terms, one per field (below): the same for any lane count.
 #pragma once
 #include <cstdint>
 
 #include "ultracomm/sched_build.h"
 
 namespace ultracomm::psched {
-
-UC_INLINE uint64_t fnv_word(uint64_t h, uint32_t w) { return (h ^ w) * 0x100000001b3ULL; }
-UC_INLINE uint64_t fnv_u64(uint64_t h, uint64_t x) { return fnv_word(fnv_word(h, uint32_t(x)), uint32_t(x >> 32)); }
 
 // Sender key, as the host builder: level (16) | expert (31) | slot + 1 (17; 0 = the master).
 UC_INLINE uint64_t sender_key(int32_t level, int32_t e, int32_t slot) {
@@ -142,29 +140,84 @@ UC_INLINE int32_t write_op(const Problem& p, const View& v, int32_t op, int32_t 
   return kOk;
 }
 
-// The digest of the inputs and both chosen trees: the FNV-1a chain of the one-thread builder,
-// word for word (one lane; the other lanes wait at the caller's barrier).
-UC_INLINE uint64_t digest(const Problem& p, const View& v) {
+// ---------------------------------------------------------------- the digest
+//
+// What ranks compare to check they run the same plan (each publishes it beside its ready flag):
+// a digest of the inputs and both chosen trees -- everything every rank's lists are derived
+// from, so it is the same on every rank (the lists themselves differ per rank).  A combinable
+// hash, so the block computes it in parallel and the value does not depend on the lane count or
+// order: each digested field is one term mix64(key) with key = (segment << 56) | (index << 32) |
+// the field's 32-bit word -- segment 1 slot_src[id], 2 home_of[e], 3 node_of[r] (0 without
+// node_of), 4 / 5 the multicast / reduce tree's parent_rank[id] at index id and parent_slot[id]
+// at WS + id (indices < 2^17 < 2^24: keys are distinct) -- and the terms are added mod 2^64
+// (associative and commutative: each lane sums a strided share, a block sum adds the shares).
+// The header words (tag, world, slots, experts, the byte sizes, chunk, hop, max_depth) go
+// through a chain of mix64, and digest = mix64(header ^ mix64(sum)).
+//
+// Sensitivity: mix64 is a bijection of uint64 (xor-shifts and odd multipliers), so changing one
+// field changes its key, its term and the sum (by mix64(k') - mix64(k) != 0), and each step after
+// it is a bijection of its input: ANY single-field change gives another digest, by construction.
+// Several changes collide with probability ~2^-64 (a structured, not a keyed, hash: it detects
+// mismatched plans, it does not authenticate them).  tests/test_sched_build_lanes.py checks it
+// against an independent Python evaluation, over lane counts 1..32 and the CTA's 256, and flips
+// every field.  (Before issue 33 this was an FNV-1a chain on one lane; digests of builds before
+// and after the change differ -- ranks must run one build of ultracomm, as for any plan format.)
+
+// splitmix64's finalizer: a bijection of uint64.
+UC_INLINE uint64_t mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+enum DigestSegment : uint32_t { kSegSlotSrc = 1, kSegHome = 2, kSegNode = 3, kSegTree = 4 /* + op */ };
+
+UC_INLINE uint64_t digest_term(uint32_t seg, int64_t index, int32_t word) {
+  return mix64((uint64_t(seg) << 56) | (uint64_t(index) << 32) | uint64_t(uint32_t(word)));
+}
+
+UC_INLINE void digest_add(int64_t half[2], uint64_t t) {
+  half[0] += int64_t(t & 0xffffffffu);
+  half[1] += int64_t(t >> 32);
+}
+
+// The header's chain (every lane computes it: a few words).
+UC_INLINE uint64_t digest_header(const Problem& p) {
+  const uint64_t words[9] = {uint64_t(kDigestTag), uint64_t(p.world), uint64_t(p.slots), uint64_t(p.num_experts),
+                             p.weight_bytes, p.grad_bytes, p.chunk_bytes, p.hop_bytes, uint64_t(p.max_depth)};
+  uint64_t h = 0x9e3779b97f4a7c15ULL;
+  UC_UNROLL
+  for (int i = 0; i < 9; ++i) h = mix64(h ^ words[i]);
+  return h;
+}
+
+// The digest on block g (every lane calls it and gets the value).  trees[op]: parent_rank [WS]
+// then parent_slot [WS] of op's tree (chosen(v, op) in a build).  The sum mod 2^64 is taken as
+// two exact int64 sums of the terms' 32-bit halves (< 2^17 terms each < 2^32: no overflow), so
+// the group's int64 reductions serve and no lane ever overflows a signed integer.
+template <class G>
+UC_INLINE uint64_t digest(const Problem& p, const int32_t* const trees[2], const G& g) {
   const int32_t W = p.world, S = p.slots, E = p.num_experts;
   const int64_t WS = int64_t(W) * S;
-  uint64_t h = 0xcbf29ce484222325ULL;
-  h = fnv_word(h, kDigestTag);
-  h = fnv_u64(h, uint64_t(W));
-  h = fnv_u64(h, uint64_t(S));
-  h = fnv_u64(h, uint64_t(E));
-  h = fnv_u64(h, p.weight_bytes);
-  h = fnv_u64(h, p.grad_bytes);
-  h = fnv_u64(h, p.chunk_bytes);
-  h = fnv_u64(h, p.hop_bytes);
-  h = fnv_u64(h, uint64_t(p.max_depth));
-  for (int64_t id = 0; id < WS; ++id) h = fnv_word(h, uint32_t(p.slot_src[id]));
-  for (int32_t e = 0; e < E; ++e) h = fnv_word(h, uint32_t(p.home_of[e]));
-  for (int32_t r = 0; r < W; ++r) h = fnv_word(h, uint32_t(p.node_of ? p.node_of[r] : 0));
-  for (int32_t op = 0; op < 2; ++op) {  // parent_rank and parent_slot of both chosen trees
-    const int32_t* tb = chosen(v, op);
-    for (int64_t i = 0; i < 2 * WS; ++i) h = fnv_word(h, uint32_t(tb[i]));
-  }
-  return h;
+  int64_t half[2] = {0, 0};  // low, high 32 bits
+  for (int64_t id = g.lane(); id < WS; id += g.width()) digest_add(half, digest_term(kSegSlotSrc, id, p.slot_src[id]));
+  for (int64_t e = g.lane(); e < E; e += g.width()) digest_add(half, digest_term(kSegHome, e, p.home_of[e]));
+  for (int64_t r = g.lane(); r < W; r += g.width())
+    digest_add(half, digest_term(kSegNode, r, p.node_of ? p.node_of[r] : 0));
+  UC_UNROLL
+  for (uint32_t op = 0; op < 2; ++op)
+    for (int64_t i = g.lane(); i < 2 * WS; i += g.width()) digest_add(half, digest_term(kSegTree + op, i, trees[op][i]));
+  const int64_t lo = g.sum(half[0]);
+  const int64_t hi = g.sum(half[1]);
+  const uint64_t sum = uint64_t(lo) + (uint64_t(hi) << 32);
+  return mix64(digest_header(p) ^ mix64(sum));
+}
+
+// The digest of a finished build's chosen trees.
+template <class G>
+UC_INLINE uint64_t digest(const Problem& p, const View& v, const G& g) {
+  const int32_t* const trees[2] = {chosen(v, 0), chosen(v, 1)};
+  return digest(p, trees, g);
 }
 
 }  // namespace ultracomm::psched

@@ -19,8 +19,11 @@ candidate with the least ``max(k, fixed) * bytes + depth * (chunk + hop)`` wins.
 Task lists, summation order and levels are those of :mod:`ultracomm.schedule` (see its
 docstring): a reduce sums a node's children in ``(rank, slot)`` order, recursively, so
 ``ultracomm.tools.reference.reference_reduce_tree`` reproduces the result bit for bit.  The digest
-differs from the host builder's for the same plan (its first word tags the builder), so ranks
-that mix the two builders are caught by the executors' digest check.
+(of the inputs and both trees: the same on every rank) is a sum of mixed per-field terms, so the
+GPU's CTA build and this host build compute the same value for any lane count
+(include/ultracomm/sched_write.h); it differs from the host builder's for the same plan (its
+header tags the builder), so ranks that mix the two builders are caught by the executors' digest
+check.
 """
 from __future__ import annotations
 

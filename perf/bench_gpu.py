@@ -104,6 +104,9 @@ LAUNCH_PER_GRAPH, LAUNCH_REPLAYS = 100, 10
 CONTROL_KERNELS = (("exchange", "k_load_exchange"), ("plan", "k_quota"), ("build", "k_build_slot"),
                    ("reroute", "k_reroute"))
 CONTROL_STEP = ("exchange+plan+build+reroute", "device step")
+# the same step's graph with programmatic dependent launch (csrc/cuda/pdl.h, sm_90+): same case,
+# its own impl; the other control rows run without it (key "pdl" in control_graph_rows' dicts)
+CONTROL_STEP_PDL = ("pdl", "device step, PDL")
 
 
 # ----------------------------------------------------------------------------- pure helpers (CPU-tested)
@@ -269,17 +272,26 @@ def control_graph_rows(label: str, E: int, times: dict, wrong: dict, notes: Opti
     """Rows of one control-plane shape timed inside replayed CUDA graphs: one per kernel of
     CONTROL_KERNELS (case ``<label> <kernel>``) and the whole step (``<label>
     exchange+plan+build+reroute`` / ``device step``: the four kernels in one graph), named as the
-    eager rows are, told apart by the note ("graph replay") and ``extra["timing"] == "graph"``.
+    eager rows are, told apart by the note ("graph replay") and ``extra["timing"] == "graph"``;
+    then the step's graph with programmatic dependent launch (key ``pdl``: the same case, impl
+    ``device step, PDL``, ``extra["pdl"]`` True; the plain step row has it False).
     ``times`` / ``wrong`` / ``notes``: by key (the case suffix); a missing time is "not measured"
     with ``notes[key]`` saying why."""
     notes = notes or {}
     rows = []
-    for key, impl in (*CONTROL_KERNELS, CONTROL_STEP):
+    for key, impl in (*CONTROL_KERNELS, CONTROL_STEP, CONTROL_STEP_PDL):
         t = times.get(key)
-        note = graph_note(per_graph, replays, notes.get(key, "")) if t is not None else \
+        more = notes.get(key, "")
+        pdl = key == CONTROL_STEP_PDL[0]
+        if pdl:  # the step again, in the same case as the plain one
+            more = "programmatic dependent launch" + (f"; {more}" if more else "")
+        note = graph_note(per_graph, replays, more) if t is not None else \
             f"not measured (graph replay): {notes.get(key) or 'no time'}"
-        rows.append(Row("control", f"{label} {key}", impl, E, t, 0, 0, wrong.get(key) if t is not None else None,
-                        note, dict(timing="graph", per_graph=per_graph, replays=replays)))
+        case = f"{label} {CONTROL_STEP[0] if pdl else key}"
+        extra = dict(timing="graph", per_graph=per_graph, replays=replays)
+        if key in (CONTROL_STEP[0], CONTROL_STEP_PDL[0]):
+            extra["pdl"] = pdl
+        rows.append(Row("control", case, impl, E, t, 0, 0, wrong.get(key) if t is not None else None, note, extra))
     return rows
 
 
@@ -566,8 +578,9 @@ class Gpu:
         each alone and as the whole step, timed two ways: eagerly from Python (CUDA events around
         back-to-back calls; small rows there are the host's enqueue rate, flagged cpu-bound) and
         inside a replayed CUDA graph (``Timer.graph``: device time, note "graph replay", extra
-        timing=graph), beside the host path they replace (loads copied to the host, the same
-        planner's host build, the table built and uploaded).  #wrong: plan, build (status, task
+        timing=graph; the whole step's graph also with programmatic dependent launch, impl
+        "device step, PDL", sm_90+; every other row without it), beside the host path they replace
+        (loads copied to the host, the same planner's host build, the table built and uploaded).  #wrong: plan, build (status, task
         counts, digest) and table entries that differ from the host build's, gathered counts that
         differ from the posted ones, and nonzero exchange statuses."""
         if self.cuda_reason or not hasattr(self.cuda, "quota_plan"):
@@ -589,6 +602,19 @@ class Gpu:
                 self.torch.cuda.empty_cache()
 
     def control_shape(self, label: str, W: int, epr: int) -> None:
+        """One shape's control rows.  Every row runs without programmatic dependent launch
+        (``_cuda.set_programmatic_launch(False)``; the rows before it had none) except the step's
+        graph row ``device step, PDL``, which turns it on (sm_90+; else the row says why)."""
+        pdl_prev = self.cuda.programmatic_launch() if hasattr(self.cuda, "programmatic_launch") else None
+        if pdl_prev is not None:
+            self.cuda.set_programmatic_launch(False)
+        try:
+            self._control_shape(label, W, epr)
+        finally:
+            if pdl_prev is not None:
+                self.cuda.set_programmatic_launch(pdl_prev)
+
+    def _control_shape(self, label: str, W: int, epr: int) -> None:
         torch = self.torch
         from ultracomm.tools import workloads
         from ultracomm.moe.board_layout import BoardLayout
@@ -680,9 +706,10 @@ class Gpu:
 
         build, wrong_build, b_note = self.control_build(W, epr, S, out)
         kernels = dict(exchange=exchange, plan=plan, build=build, reroute=reroute)
+        step = tuple(kernels.values())  # not kernels itself: the step's own entry is added below
 
         def whole():
-            for fn in kernels.values():
+            for fn in step:
                 fn()
 
         notes = {}
@@ -713,6 +740,29 @@ class Gpu:
         wb = wrong_build() if build is not None else None
         wrong_g = dict(exchange=wx, plan=wp, reroute=wt, build=wb)
         wrong_g[CONTROL_STEP[0]] = wx + wp + wt + (wb or 0)
+        # the step's graph again, captured with programmatic dependent launch; #wrong from its outputs
+        key = CONTROL_STEP_PDL[0]
+        if build is None:
+            notes[key] = b_note
+        elif not hasattr(self.cuda, "programmatic_launch"):
+            notes[key] = "this _cuda build has no programmatic launch switch"
+        else:
+            self.cuda.set_programmatic_launch(True)
+            try:
+                if not self.cuda.programmatic_launch(self.dev.index):
+                    cc = torch.cuda.get_device_capability(self.dev)
+                    notes[key] = f"sm_{cc[0]}{cc[1]} has no programmatic dependent launch (sm_90+)"
+                else:
+                    for t in (gathered, out["slot_src"], out["slot_quota"], tab["bounds"], tab["columns"]):
+                        t.fill_(-7)  # outputs the PDL graph must rewrite (a stale value shows as #wrong)
+                    times[key] = self.timer.graph(whole)
+                    torch.cuda.synchronize(self.dev)
+                    wrong_g[key] = wrong_exchange() + wrong_plan() + wrong_table(tab) + wrong_build()
+            except Exception as e:  # noqa: BLE001 - the row says why
+                notes[key] = f"{type(e).__name__}: {e}"
+                torch.cuda.synchronize(self.dev)
+            finally:
+                self.cuda.set_programmatic_launch(False)
         notes["exchange"] = x_note
         notes["plan"] = note
         self.rows.extend(control_graph_rows(label, E, times, wrong_g, notes))

@@ -482,17 +482,50 @@ def test_control_graph_rows_keep_the_eager_names_and_say_graph():
     assert [(r.section, r.case, r.impl) for r in rows] == [
         ("control", "EP64 exchange", "k_load_exchange"), ("control", "EP64 plan", "k_quota"),
         ("control", "EP64 build", "k_build_slot"), ("control", "EP64 reroute", "k_reroute"),
-        ("control", "EP64 exchange+plan+build+reroute", "device step")]
-    assert all("graph replay" in r.note and r.extra["timing"] == "graph" for r in rows)
+        ("control", "EP64 exchange+plan+build+reroute", "device step"),
+        ("control", "EP64 exchange+plan+build+reroute", "device step, PDL")]
+    assert all("graph replay" in r.note and r.extra["timing"] == "graph" for r in rows[:5])
     assert rows[1].note == "graph replay: 10 per graph x 20 replays, device time; probes 8"
-    assert [r.time_s for r in rows] == [3e-6, 20e-6, 10e-6, 2e-6, 40e-6] and rows[2].wrong == 1
+    assert [r.time_s for r in rows] == [3e-6, 20e-6, 10e-6, 2e-6, 40e-6, None] and rows[2].wrong == 1
     d = rows[4].to_dict()
     assert d["timing"] == "graph" and d["per_graph"] == bg.CONTROL_PER_GRAPH and d["replays"] == bg.CONTROL_REPLAYS
+    assert d["pdl"] is False and rows[5].extra["pdl"] is True
+    # without a PDL time the PDL row says why (here: no note given)
+    assert rows[5].note == "not measured (graph replay): no time" and rows[5].wrong is None
     # a kernel that could not be captured: its row says why, with no time and no #wrong
     rows = bg.control_graph_rows("EP8", 256, dict(plan=1e-6), {}, dict(build="this _cuda build has no Runner.build_slot"))
     assert rows[2].time_s is None and rows[2].wrong is None
     assert rows[2].note == "not measured (graph replay): this _cuda build has no Runner.build_slot"
     assert "graph" in bg.format_table(rows)
+
+
+def test_control_graph_row_with_pdl_beside_the_plain_step():
+    """The step's graph with programmatic dependent launch (sm_90+) is a row of its own beside the
+    plain step's: the same section and case, impl "device step, PDL", its note says graph replay
+    and programmatic dependent launch; a device without it gets the row with the reason."""
+    step = bg.CONTROL_STEP[0]
+    times = {step: 40e-6, "pdl": 31e-6}
+    rows = bg.control_graph_rows("EP8", 256, times, {step: 0, "pdl": 0})
+    plain, pdl = rows[4], rows[5]
+    assert (plain.section, plain.case, plain.impl) == ("control", f"EP8 {step}", "device step")
+    assert (pdl.section, pdl.case, pdl.impl) == ("control", f"EP8 {step}", "device step, PDL")
+    assert pdl.time_s == 31e-6 and pdl.wrong == 0
+    assert pdl.note == "graph replay: 10 per graph x 20 replays, device time; programmatic dependent launch"
+    assert "programmatic" not in plain.note
+    rows = bg.control_graph_rows("EP8", 256, {step: 40e-6}, {step: 0},
+                                 dict(pdl="sm_80 has no programmatic dependent launch (sm_90+)"))
+    assert rows[5].time_s is None and rows[5].note == (
+        "not measured (graph replay): sm_80 has no programmatic dependent launch (sm_90+)")
+
+
+def test_control_step_graph_runs_the_four_kernels_once():
+    """The whole step captured for the graph rows calls each of the four kernels once, not itself
+    (it was its own entry in the dict it iterated: the step's graph row could never be timed)."""
+    src = open(bg.__file__).read()
+    body = src[src.index("    def _control_shape("):src.index("    def control_build(")]
+    assert "step = tuple(kernels.values())" in body and "for fn in step:" in body
+    assert body.index("step = tuple(kernels.values())") < body.index("kernels[CONTROL_STEP[0]] = whole")
+    assert "set_programmatic_launch(True)" in body and "set_programmatic_launch(False)" in body
 
 
 def test_launch_rows_eager_and_graph_replayed():

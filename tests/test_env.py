@@ -60,6 +60,7 @@ GOOD = {
     "ULTRACOMM_HW_PROFILE": (f" {env_mod.__file__} ", env_mod.__file__),  # any existing file parses
     "ULTRACOMM_PROFILE": (" /tmp/uc-profile ", "/tmp/uc-profile"),
     "ULTRACOMM_DOMAIN": (" n0 , n0,n1:rack/2 ", "n0,n0,n1:rack/2"),
+    "ULTRACOMM_PDL": ("off", False),
 }
 
 
@@ -130,6 +131,7 @@ BAD = [
     ("ULTRACOMM_DOMAIN", "node 0", "key 'node 0' is not 1 to 128 characters from A-Z a-z 0-9 . _ : / @ + -"),
     ("ULTRACOMM_DOMAIN", "a,", "key '' is not 1 to 128 characters"),
     ("ULTRACOMM_DOMAIN", "x" * 129, "is not 1 to 128 characters"),
+    ("ULTRACOMM_PDL", "auto", "expected one of 1, 0, true, false, yes, no, on, off"),
 ]
 
 

@@ -167,8 +167,11 @@ def test_launch_shape_is_a_cta_with_shared_memory_scratch():
         else:
             assert ls["warps"] in (1, 2, 4, 8) and ls["smem_bytes"] == ls["scratch_bytes"]
     src = open(os.path.join(ROOT, "csrc", "cuda", "k_build.cu")).read()
-    launches = re.findall(r"<<<(.*?)>>>", src, re.S)
-    assert len(launches) == 2 and all(l.split(",")[1].strip() == "ls.threads" for l in launches), launches
+    launches = re.findall(r"<<<(.*?)>>>", src, re.S)  # k_build_schedule
+    assert len(launches) == 1 and launches[0].split(",")[1].strip() == "ls.threads", launches
+    # k_build_slot: the control plane's launch, with PDL where the device has it (pdl.h)
+    pdl = re.findall(r"launch_programmatic\((.*?)\);", src, re.S)
+    assert len(pdl) == 1 and "k_build_slot, dim3(1), dim3(static_cast<unsigned>(ls.threads))" in pdl[0], pdl
     assert "threadIdx.x != 0) return;\n  const psched::OpOut" not in src  # the former one-lane prologue
     assert src.count("__launch_bounds__(psched::kBlockThreads, 1)") == 2
 

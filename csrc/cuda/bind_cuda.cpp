@@ -17,6 +17,7 @@
 #include "mover_limits.h"
 #include "runner.h"
 #include "k_build.h"
+#include "pdl.h"
 
 namespace py = pybind11;
 
@@ -140,6 +141,19 @@ void bind(py::module_& m) {
       "available", [](int device) { return cuda_available(device); }, py::arg("device") = 0,
       "(True, '') if CUDA device `device` can run the tma transport (sm_80+), else (False, why).  "
       "Never raises for a missing driver or device.");
+
+  m.def(
+      "set_programmatic_launch", [](bool on) { set_programmatic_launch(on); }, py::arg("on"),
+      "Process-wide: launch the control-plane kernels (k_quota_plan, k_build_slot, k_reroute_table) with "
+      "programmatic dependent launch on sm_90+ devices (pdl.h).  ultracomm.cuda.support sets it from "
+      "ULTRACOMM_PDL when it loads this module; on by default.");
+  m.def(
+      "programmatic_launch", [](std::optional<int> device) {
+        return device ? programmatic_launch_on(*device) : programmatic_launch_enabled();
+      },
+      py::arg("device") = py::none(),
+      "Whether control-plane launches on CUDA device `device` use programmatic dependent launch now (the "
+      "switch on and compute capability >= 9.0); without a device: the switch alone (needs no driver).");
 
   py::class_<DevicePlan>(m, "DevicePlan", R"doc(One operation's task lists and views on a device.
 

@@ -9,6 +9,8 @@
 
 #include "cuda_check.h"
 #include "k_build.h"
+#include "pdl.h"
+#include "ptx_extra.cuh"
 #include "ultracomm/sched_build.h"
 
 namespace ultracomm {
@@ -99,6 +101,10 @@ __global__ void __launch_bounds__(psched::kBlockThreads, 1)
 __global__ void __launch_bounds__(psched::kBlockThreads, 1)
     k_build_slot(gpu::SlotBuildArgs a, int32_t warps, uint32_t smem_bytes) {
 #if defined(__CUDA_ARCH__)
+  // PDL (pdl.h): the plan (and the exchange's status word) are complete and visible after the
+  // wait, before the scratch or the views are touched; then the reroute may be scheduled
+  dev::grid_dependency_wait();
+  dev::launch_dependents();
   const int32_t upstream = psched::upstream_status(a.exchange_status, a.plan_result);
   const psched::Result res = psched::build_into_views(a.problem, scratch_of(a.scratch, smem_bytes), a.views, a.caps,
                                                       upstream, CtaGroup{}, warps);
@@ -141,9 +147,8 @@ void launch_build_schedule(const BuildArgs& a, cudaStream_t stream) {
 
 void launch_build_slot(const SlotBuildArgs& a, cudaStream_t stream) {
   const psched::LaunchShape ls = shape_of(a.problem);
-  k_build_slot<<<1, ls.threads, static_cast<size_t>(ls.smem_bytes), stream>>>(a, ls.warps,
-                                                                            static_cast<uint32_t>(ls.smem_bytes));
-  UC_CUDA_CHECK(cudaGetLastError());
+  launch_programmatic(programmatic_launch_here(), k_build_slot, dim3(1), dim3(static_cast<unsigned>(ls.threads)),
+                      static_cast<size_t>(ls.smem_bytes), stream, a, ls.warps, static_cast<uint32_t>(ls.smem_bytes));
 }
 
 }  // namespace gpu

@@ -138,6 +138,9 @@ template <int N>
 __global__ void __launch_bounds__(kLoadThreads, 1) k_load_exchange(const __grid_constant__ LoadExchangeParams<N> a) {
 #if defined(__CUDA_ARCH__)
   __shared__ uintptr_t staged[kMaxExchangeRanks];  // board bases (a larger world reads them from global)
+  // PDL (pdl.h): launched without the attribute, so the wait returns at once; it is here so the
+  // kernel stays correct if a launch ever carries it (the counts' producer done before any read)
+  dev::grid_dependency_wait();
   const LoadRankArgs& r = a.ranks[blockIdx.x];
   const LoadExchangeShape& s = a.s;
   const uint64_t n = *r.seq + 1;  // read by every thread before thread 0 advances it below
@@ -154,6 +157,10 @@ __global__ void __launch_bounds__(kLoadThreads, 1) k_load_exchange(const __grid_
   const Ctx c{s, r, fits ? staged : r.bases,
               n, (n % static_cast<uint64_t>(s.entries)) * static_cast<uint64_t>(s.world) * s.record_bytes, vec};
   post(c);
+  // the planner (k_quota_plan, launched with PDL) may now be scheduled: it waits in
+  // griddepcontrol.wait until this grid completed (every CTA is resident already: a CTA that
+  // issues this runs, so a loopback exchange's co-residency is not at stake)
+  dev::launch_dependents();
   await_all(c);
   if (vec)
     read_back<int4, 4>(c);

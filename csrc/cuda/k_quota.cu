@@ -18,6 +18,8 @@
 
 #include "cuda_check.h"
 #include "launch.h"
+#include "pdl.h"
+#include "ptx_extra.cuh"
 #include "ultracomm/quota_plan.h"
 
 namespace ultracomm {
@@ -96,6 +98,10 @@ __global__ void __launch_bounds__(kThreads, 1) k_quota_plan(gpu::QuotaArgs a) {
   extern __shared__ __align__(16) int64_t smem[];
   __shared__ quota::Round rd;
   __shared__ uint64_t red[quota::kProbes];
+  // PDL (pdl.h): the exchange's loads are complete and visible after the wait, before anything
+  // is read or written; then the build may be scheduled (its CTA waits for this grid to finish)
+  dev::grid_dependency_wait();
+  dev::launch_dependents();
   quota::Problem p{a.world, a.experts_per_rank, a.slots, a.min_tokens, a.tol, a.eps_bp, a.expert_load, a.node_of};
   const int32_t bad = quota::check_problem(p);  // before any loop over the shape
   if (bad != quota::kOk) {
@@ -164,11 +170,11 @@ void launch_quota_plan(const QuotaArgs& a, cudaStream_t stream) {
   const quota::Problem shape{a.world, a.experts_per_rank, a.slots, 1, 0, 0, nullptr, nullptr};
   const bool sized = quota::check_problem(shape) == quota::kOk;  // else the kernel reports kBadShape
   const int64_t bytes = sized ? 8 * quota::smem_words(a.world, shape.experts(), a.slots) : 0;
+  const bool pdl = programmatic_launch_here();  // sm_90+ and ULTRACOMM_PDL (pdl.h)
   if (sized && bytes <= smem_limit())
-    k_quota_plan<true><<<1, kThreads, static_cast<size_t>(bytes), stream>>>(a);
+    launch_programmatic(pdl, k_quota_plan<true>, dim3(1), dim3(kThreads), static_cast<size_t>(bytes), stream, a);
   else
-    k_quota_plan<false><<<1, kThreads, 0, stream>>>(a);
-  UC_CUDA_CHECK(cudaGetLastError());
+    launch_programmatic(pdl, k_quota_plan<false>, dim3(1), dim3(kThreads), 0, stream, a);
 }
 
 }  // namespace gpu

@@ -12,6 +12,8 @@
 
 #include "cuda_check.h"
 #include "launch.h"
+#include "pdl.h"
+#include "ptx_extra.cuh"
 #include "ultracomm/token_split.h"
 
 namespace ultracomm {
@@ -43,6 +45,10 @@ struct WarpLanes {  // token_split.h's lane group: one warp
 __global__ void __launch_bounds__(kRerouteWarps * 32) k_reroute_table(gpu::RerouteArgs a) {
 #if defined(__CUDA_ARCH__)
   extern __shared__ int32_t reroute_smem[];  // [warps][world]: each warp's instance slots
+  // PDL (pdl.h): the plan and the gathered loads are complete and visible after the wait (every
+  // thread, before the early exit below: this grid completes only after its predecessor did)
+  dev::grid_dependency_wait();
+  dev::launch_dependents();
   const split::Plan p{a.world, a.experts_per_rank, a.slots, a.loads, a.slot_src, a.slot_quota};
   const int32_t warp = static_cast<int32_t>(threadIdx.x >> 5);
   const int32_t e = static_cast<int32_t>(blockIdx.x) * static_cast<int32_t>(blockDim.x >> 5) + warp;
@@ -69,8 +75,8 @@ void launch_reroute_table(const RerouteArgs& a, cudaStream_t stream) {
   if (smem > kSmemBudget)
     throw std::invalid_argument("ultracomm._cuda.reroute_table: world " + std::to_string(a.world) +
                                 " needs more than 48 KB of shared memory per warp");
-  k_reroute_table<<<(E + warps - 1) / warps, warps * 32, static_cast<size_t>(smem), stream>>>(a);
-  UC_CUDA_CHECK(cudaGetLastError());
+  launch_programmatic(programmatic_launch_here(), k_reroute_table, dim3(static_cast<unsigned>((E + warps - 1) / warps)),
+                      dim3(static_cast<unsigned>(warps * 32)), static_cast<size_t>(smem), stream, a);
 }
 
 }  // namespace gpu

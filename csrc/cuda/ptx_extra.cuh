@@ -92,4 +92,22 @@ __device__ __forceinline__ uint32_t dynamic_smem_bytes() { return cuda::ptx::get
 // mov.u64 %globaltimer: nanoseconds, the clock device waits time out against.
 __device__ __forceinline__ uint64_t globaltimer_ns() { return cuda::ptx::get_sreg_globaltimer(); }
 
+// Programmatic dependent launch (csrc/cuda/pdl.h).  No cuda::ptx wrapper exists for these; the
+// CUDA runtime's device functions (cuda_device_runtime_api.h) are the wrappers.  sm_90+ only:
+// older targets compile to nothing (and their launches never carry the PDL attribute).
+//
+// griddepcontrol.wait: this thread waits until the grids this launch depends on programmatically
+// have completed and their memory operations are visible; returns at once when there are none
+// (a launch without the attribute, or a predecessor that already completed).
+__device__ __forceinline__ void grid_dependency_wait() {
+  NV_IF_TARGET(NV_PROVIDES_SM_90, (cudaGridDependencySynchronize();))
+}
+
+// griddepcontrol.launch_dependents: the stream's next kernel, if launched with the PDL attribute,
+// may be scheduled once every CTA of this grid issued it or exited (no memory visibility: the
+// dependent's grid_dependency_wait gives that).  Later calls by the CTA do nothing more.
+__device__ __forceinline__ void launch_dependents() {
+  NV_IF_TARGET(NV_PROVIDES_SM_90, (cudaTriggerProgrammaticLaunchCompletion();))
+}
+
 }  // namespace ultracomm::dev

@@ -29,6 +29,7 @@ ULTRACOMM_DEBUG_JITTER_US   jitter_us         int 0..1000000        0           
 ULTRACOMM_HW_PROFILE        hw_profile        path                  (search)            hardware profile JSON for the SM defaults (ultracomm/cuda/hwprofile.py); unset: newest perf/gpu/*profile*.json of this GPU
 ULTRACOMM_PROFILE           profile           path                  (empty: off)        directory a Context records its load profile into (``ultracomm.profile``; one ``rank<r>`` subdirectory per rank when world > 1; a rerun writes into a fresh ``run<n>`` subdirectory; must be this user's and not group- or world-writable)
 ULTRACOMM_DOMAIN            domain            domain                (empty: detect)     this rank's memory domain, overriding detection (``ultracomm.dataplane.domains``): one key, or one key per rank of the Context's group
+ULTRACOMM_PDL               pdl               bool                  true                programmatic dependent launch of the device control plane's kernels (k_quota, k_build_slot, k_reroute after k_load_exchange) on sm_90+; process-wide, see "Process-wide fields"
 ==========================  ================  ====================  ==================  =====================================================
 
 Syntax:
@@ -47,6 +48,16 @@ Syntax:
   the group size, checked when the Context is built).  Ranks with one key share memory: on the
   CPU they must run on one host (else the Context refuses the declaration).  For machines whose
   hosts cannot be told apart, and to run several "nodes" on one machine (tests).
+
+Process-wide fields: ``pdl`` is a property of the process's CUDA module, not of a Context:
+``ultracomm.cuda.support`` reads it (:func:`process_field`) when it first loads
+``ultracomm._cuda`` and sets ``_cuda.set_programmatic_launch``; a Config passed to a Context
+does not change it (``ultracomm._cuda.set_programmatic_launch`` does, at run time).  With it on,
+a device of compute capability 9.0 or newer launches ``k_quota``, ``k_build_slot`` and
+``k_reroute`` with programmatic stream serialization, each kernel waiting (``griddepcontrol.wait``)
+for its predecessor before it reads anything (csrc/cuda/pdl.h); older devices are unaffected.
+``0`` launches them as plain kernels (e.g. to compare, or where a driver refuses the attribute
+under graph capture).
 
 Plan checks (``plan_check``): every rank must pass the same valid plan to ``weight_sync``.
 
@@ -108,7 +119,7 @@ from typing import Any, Callable, Mapping, Optional
 from .errors import ConfigError
 
 __all__ = ["Config", "VARIABLES", "parse_size", "parse_bandwidth", "parse_bool", "parse_domain", "domain_keys",
-           "check_window_layout", "MAX_CHUNK_BYTES"]
+           "check_window_layout", "MAX_CHUNK_BYTES", "process_field"]
 
 TRANSPORTS = ("auto", "host", "tma", "copy_engine", "p2p", "split")
 WINDOWS = ("auto", "host_shm", "local", "cuda_ipc", "torch_symm", "nvshmem", "cuda_local", "private")
@@ -306,6 +317,8 @@ VARIABLES: tuple[_Var, ...] = (
          "directory for the load profile (empty: off)"),
     _Var("domain", "ULTRACOMM_DOMAIN", "str", lambda t: parse_domain(t) if t.strip() else "", lambda v: None,
          "this rank's memory domain key, or one key per rank (empty: detect)"),
+    _Var("pdl", "ULTRACOMM_PDL", "bool", parse_bool, lambda v: None,
+         "programmatic dependent launch of the control-plane kernels on sm_90+ (process-wide)"),
 )
 _BY_FIELD = {v.field: v for v in VARIABLES}
 _BY_ENV = {v.env: v for v in VARIABLES}
@@ -370,6 +383,7 @@ class Config:
     hw_profile: str = ""
     profile: str = ""
     domain: str = ""
+    pdl: bool = True  # process-wide: read when ultracomm._cuda loads (process_field)
 
     def __post_init__(self) -> None:
         for var in VARIABLES:
@@ -457,6 +471,28 @@ class Config:
             if i == 0:
                 lines.append("  ".join("-" * w for w in widths) + "  " + "-" * 7)
         return "\n".join(lines)
+
+
+def process_field(name: str, environ: Optional[Mapping[str, str]] = None) -> Any:
+    """One field from its variable alone (unset or empty: the default), validated as
+    :meth:`Config.from_env` validates it -- for process-wide settings read where no Config is at
+    hand (``pdl``: when ``ultracomm._cuda`` loads), so another variable's bad value does not
+    fail that load.  Raises :class:`ConfigError` for a bad value of this one."""
+    var = _BY_FIELD.get(name)
+    if var is None:
+        raise ConfigError(f"unknown config field {name!r}; known fields are {sorted(_BY_FIELD)}")
+    env = os.environ if environ is None else environ
+    raw = env.get(var.env)
+    if raw is None or raw.strip() == "":
+        return getattr(Config(), name)
+    try:
+        parsed = var.parse(raw)
+    except _Bad as e:
+        raise _error(var, raw, str(e), "env") from None
+    why = var.check(parsed)
+    if why:
+        raise _error(var, raw, why, "env")
+    return parsed
 
 
 def _fmt(v: Any) -> str:

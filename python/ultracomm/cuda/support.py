@@ -38,11 +38,16 @@ def torch_cuda_reason() -> Optional[str]:
 @functools.lru_cache(maxsize=1)
 def _import_cuda() -> tuple[Optional[ModuleType], Optional[str]]:
     try:
-        return importlib.import_module("ultracomm._cuda"), None
+        mod = importlib.import_module("ultracomm._cuda")
     except ImportError as e:
         return None, (f"ultracomm._cuda is not built or does not load ({e}); rebuild with nvcc on PATH "
                       "(ULTRACOMM_BUILD_CUDA=ON pip install --no-build-isolation -e . or "
                       "python scripts/build_inplace.py)")
+    if hasattr(mod, "set_programmatic_launch"):  # ULTRACOMM_PDL (env.py "Process-wide fields")
+        from ..env import process_field
+
+        mod.set_programmatic_launch(bool(process_field("pdl")))
+    return mod, None
 
 
 def cuda_module() -> Optional[ModuleType]:

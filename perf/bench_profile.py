@@ -23,7 +23,7 @@ import torch
 from ultracomm import Context, ExpertLayout, LoopbackDomain, Member, build_schedule
 from ultracomm.planners import Domain, get_planner
 from ultracomm.profile import Profiler
-from ultracomm.tools.workloads import zipf_load
+from ultracomm.scenarios import zipf_load
 
 LAYOUT = ExpertLayout((Member("fc1", (128, 64), torch.bfloat16), Member("fc2", (64, 64), torch.bfloat16)))
 

@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 
 from ultracomm import _core  # noqa: E402
 from ultracomm.schedule import build_schedule  # noqa: E402
-from ultracomm.tools.workloads import zipf_slot_src  # noqa: E402
+from ultracomm.scenarios import zipf_slot_src  # noqa: E402
 
 
 class Plan:
@@ -36,7 +36,7 @@ class Plan:
 
 
 def zipf_plan(seed: int, world: int, slots: int, experts: int, skew: float = 1.2, fill: float = 0.9) -> Plan:
-    """The skewed plans of this benchmark: :func:`ultracomm.tools.workloads.zipf_slot_src`."""
+    """The skewed plans of this benchmark: :func:`ultracomm.scenarios.zipf_slot_src`."""
     return Plan(*zipf_slot_src(seed, world, slots, experts, skew, fill))
 
 

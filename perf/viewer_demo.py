@@ -29,7 +29,7 @@ from ultracomm import Context, ExpertLayout, LoopbackDomain, Member
 from ultracomm.planners import Domain, get_planner
 from ultracomm.profile import Profiler, load_trace
 from ultracomm.viewer import write_html
-from ultracomm.tools.workloads import hot_rank_load, zipf_load
+from ultracomm.scenarios import hot_rank_load, zipf_load
 
 WORLD, EPR, SLOTS, LAYERS, STEPS = 16, 4, 2, 4, 24
 NODE_OF = [r // 8 for r in range(WORLD)]

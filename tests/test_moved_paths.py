@@ -30,6 +30,7 @@ MOVED = {
     "ultracomm.reference": "ultracomm.tools.reference",
     "ultracomm.whatif": "ultracomm.tools.whatif",
     "ultracomm.workloads": "ultracomm.tools.workloads",
+    "ultracomm.tools.workloads": "ultracomm.scenarios",
     "ultracomm.transports.copy_engine_plan": "ultracomm.transports.copy_engine.plan",
     "ultracomm.transports.copy_engine_watchdog": "ultracomm.transports.copy_engine.watchdog",
     "ultracomm.transports.who_stopped": "ultracomm.transports.host.who_stopped",

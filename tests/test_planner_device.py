@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ultracomm.tools import workloads
+from ultracomm import scenarios as workloads
 from ultracomm.planners import Domain, get_planner, max_mean
 from ultracomm.planners import device as dev_planner
 from ultracomm.tools import planner_eval as ev

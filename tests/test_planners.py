@@ -513,7 +513,7 @@ def test_eval_quick(tmp_path):
 
 # ----------------------------------------------------------------------------- quota search
 
-from ultracomm.tools import workloads  # noqa: E402
+from ultracomm import scenarios as workloads  # noqa: E402
 from ultracomm.planners import lpt as _lpt  # noqa: E402
 from ultracomm.tools import planted as _planted  # noqa: E402
 from ultracomm.planners import quota as _quota  # noqa: E402

@@ -16,7 +16,7 @@ from ultracomm import Context, ExpertLayout, LoopbackDomain, Member, build_sched
 from ultracomm.planners import Domain, get_planner
 from ultracomm.profile import (Profiler, from_routing_stats, import_routing_stats, load_trace,
                                spread_expert_load)
-from ultracomm.tools.workloads import zipf_load
+from ultracomm.scenarios import zipf_load
 
 W, EPR, S = 4, 3, 2
 E = W * EPR

@@ -455,7 +455,7 @@ def test_tree_lower_bound_chain():
 def test_repair_lowers_the_greedy_bottleneck():
     # Zipf plan of perf/bench_schedule.py (world 64, 3 slots): the greedy alone reaches a max
     # egress of 4 experts at depth <= 8; the repair pass on its best candidate reaches 3.
-    from ultracomm.tools.workloads import zipf_slot_src
+    from ultracomm.scenarios import zipf_slot_src
 
     slot_src, home_of = zipf_slot_src(64 * 1000 + 3, 64, 3, 256)
     plan = make_plan(slot_src, home_of)

@@ -213,7 +213,7 @@ def test_bad_plan():
 def _eval_cases():
     """The planners' evaluation plans (planners/eval.py: TAOT EP16/EP32 on 2/4 nodes, UltraEP EP64
     on one node), planned by the device planner."""
-    from ultracomm.tools import workloads
+    from ultracomm import scenarios as workloads
     from ultracomm.planners import Domain, get_planner
     from ultracomm.tools import planner_eval as ev
 

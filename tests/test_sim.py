@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ultracomm import sim
-from ultracomm.tools import workloads
+from ultracomm import scenarios as workloads
 from ultracomm.plan import ReplicaPlan
 from ultracomm.schedule import build_schedule
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from ultracomm import sim
-from ultracomm.tools import workloads
+from ultracomm import scenarios as workloads
 from ultracomm.layout import ExpertLayout
 from ultracomm.sim import calibration, sensitivity_grid as sens
 

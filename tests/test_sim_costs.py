@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ultracomm import sim
-from ultracomm.tools import workloads
+from ultracomm import scenarios as workloads
 
 BW = 1e9
 LAT = 1e-6

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ultracomm.tools import workloads
+from ultracomm import scenarios as workloads
 from ultracomm.planners import Domain, taot
 from ultracomm.planners.base import home_rank_load
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from ultracomm import build_schedule
-from ultracomm.tools import workloads
+from ultracomm import scenarios as workloads
 from ultracomm.planners import Domain, get_planner
 from ultracomm.profile import Profiler, from_routing_stats, load_trace
 from ultracomm.viewer import render_html, write_html

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ultracomm import sim
-from ultracomm.tools import workloads
+from ultracomm import scenarios as workloads
 from ultracomm.planners import Domain, get_planner
 from ultracomm.planners.base import copy_counts
 from ultracomm.profile import Profiler, from_routing_stats, load_trace, spread_expert_load

@@ -1,4 +1,4 @@
-"""Tests for ultracomm.tools.workloads: model presets, load generators, the greedy planner and
+"""Tests for ultracomm.scenarios: model presets, load generators, the greedy planner and
 workload specs."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ultracomm.plan import ReplicaPlan
-from ultracomm.tools.workloads import (
+from ultracomm.scenarios import (
     MODELS,
     WORKLOAD_FORMS,
     WORKLOADS,

@@ -57,6 +57,7 @@ MOVED: dict[str, str] = {
     "ultracomm.reference": "ultracomm.tools.reference",
     "ultracomm.whatif": "ultracomm.tools.whatif",
     "ultracomm.workloads": "ultracomm.tools.workloads",
+    "ultracomm.tools.workloads": "ultracomm.scenarios",
 }
 
 

@@ -21,7 +21,7 @@ A record holds, per (step, layer, micro-batch):
 * the plan (``slot_src [world, slots]``, ``home_of [E]``) and the tokens each rank computes
   after balancing (a :class:`~ultracomm.planners.PlannerResult` gives them exactly; for a bare
   :class:`~ultracomm.plan.ReplicaPlan` each expert's tokens are split evenly over its
-  instances, as :func:`ultracomm.tools.workloads.max_mean_after` does);
+  instances, as :func:`ultracomm.scenarios.max_mean_after` does);
 * the schedule's stats of both ops (per-rank egress/ingress, depth, lower bound, predicted
   time) and its trees (parent rank/slot and depth of every replica slot);
 * measured op times (seconds): for the host and p2p transports the wall time of the

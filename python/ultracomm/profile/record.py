@@ -57,7 +57,7 @@ def plan_arrays(plan: Any) -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray]
 
 def even_rank_load(expert_load: np.ndarray, slot_src: np.ndarray, home_of: np.ndarray, world: int) -> np.ndarray:
     """float64 ``[world]``: each expert's load split evenly over its home and replicas
-    (:func:`ultracomm.tools.workloads.max_mean_after`'s model, for plans without quotas)."""
+    (:func:`ultracomm.scenarios.max_mean_after`'s model, for plans without quotas)."""
     filled = slot_src >= 0
     reps = np.bincount(slot_src[filled], minlength=home_of.size)
     share = expert_load / (1.0 + reps)

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from ..tools.workloads import ModelSpec
+from ..scenarios import ModelSpec
 from .compare import ratio, run_case
 from .fabric import get_fabric
 

@@ -65,7 +65,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         prog="python -m ultracomm.sim",
         description="Simulated weight_sync / grad_reduce times: all-to-all (Megatron MoE ECHO), ultracomm "
                     "direct and relay, and the lower bound, on a modelled fabric. Nothing here is measured.")
-    ap.add_argument("--model", default="qwen3-235b-a22b", help="model preset (ultracomm.tools.workloads.MODELS)")
+    ap.add_argument("--model", default="qwen3-235b-a22b", help="model preset (ultracomm.scenarios.MODELS)")
     ap.add_argument("--domain", default="nvl72", help="fabric preset: h100x8, h200x8, nvl72, <n>x8-rdma")
     ap.add_argument("--ep", type=int, default=64, help="EP ranks (must fit the fabric and divide the experts)")
     ap.add_argument("--slots", type=int, default=2, help="replica slots per rank")

@@ -25,10 +25,10 @@ def grad_dtypes(spec: Union[str, Sequence[str]]) -> tuple[str, ...]:
 
 def make_plan(load, world: int, slots: int, experts_per_rank: int, planner: str = "greedy",
               node_of=None):
-    """A ReplicaPlan from a load: ``greedy`` = :func:`ultracomm.tools.workloads.greedy_replicas`;
+    """A ReplicaPlan from a load: ``greedy`` = :func:`ultracomm.scenarios.greedy_replicas`;
     ``quota`` (UltraEP), ``lpt``, ``taot`` and ``feplb`` (FEPLB's greedy) from
     :mod:`ultracomm.planners`."""
-    from ..tools import workloads
+    from .. import scenarios as workloads
 
     p = str(planner).lower()
     if p == "greedy":
@@ -131,9 +131,9 @@ def run_case(model, fabric: Fabric, ep: int, slots: int, imbalances: Sequence[fl
     """One row per (imbalance, gradient dtype): Zipf load (``tokens`` per rank, the model's
     top-k), plan, and :func:`compare` on the model's bf16 expert weights, with grads of
     ``grad_dtype`` (``"fp32"``, ``"bf16"`` or several, e.g. ``"bf16,fp32"``) charged to every
-    method.  ``model``: a preset name or a :class:`~ultracomm.tools.workloads.ModelSpec`;
+    method.  ``model``: a preset name or a :class:`~ultracomm.scenarios.ModelSpec`;
     ``num_experts`` overrides its expert count (e.g. padded to a multiple of ``ep``)."""
-    from ..tools import workloads
+    from .. import scenarios as workloads
 
     spec = workloads.get_model(model) if isinstance(model, str) else model
     dtypes = grad_dtypes(grad_dtype)

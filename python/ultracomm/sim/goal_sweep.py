@@ -39,7 +39,7 @@ def goals(imbalances=(1.5, 2.0, 3.0), slots_list=(1, 2, 4), planner: str = "gree
     (nvl72) where EP divides its experts (with ``pad``, models that do not divide are also
     run with their expert count rounded up to a multiple of EP, marked ``padded``); one case
     per gradient dtype; ``profile``: a hardware profile applied to every fabric."""
-    from ..tools import workloads
+    from .. import scenarios as workloads
 
     cases = []
     for ep, dom in configs:

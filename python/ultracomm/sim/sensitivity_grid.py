@@ -86,7 +86,7 @@ def sensitivity_case(model, fabric: Fabric, ep: int, slots: int, imbalance: floa
                      **kw) -> dict:
     """:func:`sensitivity` of one goal-sweep case (the same load and plan as
     :func:`~ultracomm.sim.compare.run_case` makes)."""
-    from ..tools import workloads
+    from .. import scenarios as workloads
 
     spec = workloads.get_model(model) if isinstance(model, str) else model
     fab = fabric.for_world(ep)

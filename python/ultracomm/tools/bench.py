@@ -63,7 +63,7 @@ Byte accounting (every column says what it counts):
 * ``#wrong``: elements that differ from the expected result, checked after every method.
 
 Workloads: ``hot-rank`` (rank 0's experts in every slot of every other rank: the home's
-link is the bottleneck of direct multicast), ``random``, or any ``ultracomm.tools.workloads``
+link is the bottleneck of direct multicast), ``random``, or any ``ultracomm.scenarios``
 spec (``zipf:<max:mean>``, ``hot:<fraction>``, ``rotating``, ``uniform``) turned into a plan
 by ``workloads.greedy_replicas``.  ``--model`` sets the expert size (times ``--scale``) and
 the top-k of the generated loads; the expert count is world x ``--experts-per-rank``.
@@ -121,7 +121,7 @@ def make_plan(workload: str, world: int, slots: int, epr: int, top_k: int = 8, s
             src[r, :] = rng.choice(cands, size=min(slots, len(cands)), replace=False).tolist() + \
                 [-1] * max(0, slots - len(cands))
         return ReplicaPlan.make(src, experts_per_rank=epr), None
-    from . import workloads as wl
+    from .. import scenarios as wl
 
     spec = dataclasses.replace(wl.get_model("qwen3-30b-a3b"), num_experts=world * epr, top_k=top_k)
     load = wl.make_workload(workload, world, spec, tokens_per_rank=8192, seed=seed)
@@ -473,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ultracomm.tools.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("op", choices=["weight_sync", "grad_reduce", "all"])
     p.add_argument("--transport", default=None, help="ultracomm transport (default: ULTRACOMM_TRANSPORT / auto)")
-    p.add_argument("--model", default=None, help="expert size from a preset (ultracomm.tools.workloads.MODELS)")
+    p.add_argument("--model", default=None, help="expert size from a preset (ultracomm.scenarios.MODELS)")
     p.add_argument("--scale", type=float, default=1.0, help="multiply the model's expert bytes (CPU runs)")
     p.add_argument("--workload", default="hot-rank", help="comma-separated workloads (see the module docstring)")
     p.add_argument("--min-bytes", default="1M")
@@ -501,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     ops = ["weight_sync", "grad_reduce"] if args.op == "all" else [args.op]
     if args.model:
-        from .workloads import get_model
+        from ..scenarios import get_model
 
         spec = get_model(args.model)
         args.top_k = spec.top_k

@@ -5,15 +5,15 @@
 Tables
 ------
 1. *TAOT-style* (EP16 = 2 nodes x 8, EP32 = 4 nodes x 8, K = 2 spare slots per rank):
-   synthetic two-level Zipf loads (:func:`ultracomm.tools.workloads.zipf_load`) with initial
+   synthetic two-level Zipf loads (:func:`ultracomm.scenarios.zipf_load`) with initial
    imbalance 10/20/30/50/70 % (``(max - mean) / mean`` of the per-home-rank load); per
    planner the final imbalance, the improvement in points, intra-/inter-node copies,
    the weighted copy cost (intra 1 : inter 3) and the planning time per call (fastest
    and median of the repetitions).
 2. *UltraEP-style* EP64, 256 experts, 2 slots per rank, one scale-up domain: Zipf loads
    with max:mean 1.51 / 2.01 / 3.03, rank-blocked loads
-   (:func:`ultracomm.tools.workloads.rank_blocked_load`, 1.5 / 2 / 3) and the "X % of tokens to
-   one rank" patterns (:func:`ultracomm.tools.workloads.hot_rank_load`, 30/50/70/90 %):
+   (:func:`ultracomm.scenarios.rank_blocked_load`, 1.5 / 2 / 3) and the "X % of tokens to
+   one rank" patterns (:func:`ultracomm.scenarios.hot_rank_load`, 30/50/70/90 %):
    max:mean before/after.
 3. The weight_sync cost of each plan: the plan goes through
    :func:`ultracomm.schedule.build_schedule` (relay auto, topology-aware on several
@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from . import workloads
+from .. import scenarios as workloads
 from ..planners import Domain, get_planner, max_mean
 from . import planner_refs as eval_refs, planted
 from ..planners.base import home_rank_load

@@ -1,8 +1,8 @@
 """The planners on the loads they were compared with external references on (DeepSeek
 EPLB's ``rebalance_experts``, Megatron ECHO's offloading planner): world 16 and 64 with 8
 ranks per node, 2 replica slots per rank, 8192 tokens per rank, top-8, Zipf
-(:func:`ultracomm.tools.workloads.zipf_load`) and rank-blocked
-(:func:`ultracomm.tools.workloads.rank_blocked_load`) loads at initial max:mean 1.5 / 2 / 3.
+(:func:`ultracomm.scenarios.zipf_load`) and rank-blocked
+(:func:`ultracomm.scenarios.rank_blocked_load`) loads at initial max:mean 1.5 / 2 / 3.
 
 Every planner runs with its defaults, plus taot's global matching (``intra_first=False``)
 and lpt's hierarchical policy (``hierarchical=True``) for comparison.  Also greedy's
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable
 
-from . import workloads
+from .. import scenarios as workloads
 from ..planners import Domain, get_planner, max_mean
 from ..planners.base import home_rank_load
 

@@ -64,7 +64,7 @@ class Setting:
         domain: fabric preset (:func:`ultracomm.sim.get_fabric`).
         ep: EP ranks.
         slots: replica slots per rank.
-        model: model preset (:mod:`ultracomm.tools.workloads`): expert bytes and FLOP per token.
+        model: model preset (:mod:`ultracomm.scenarios`): expert bytes and FLOP per token.
         weight_bytes, grad_bytes: bytes per expert (default: the model's bf16 weights and
             fp32 grads).
         chunk_bytes: the schedule's chunk size.
@@ -87,7 +87,7 @@ class Setting:
     def resolved(self) -> dict:
         """Fabric, model spec, bytes per expert and FLOP per token of this setting."""
         from .. import sim
-        from . import workloads
+        from .. import scenarios as workloads
 
         spec = workloads.get_model(self.model)
         if not (self.tflops > 0 and math.isfinite(self.tflops)):

@@ -82,7 +82,7 @@ def test_manager_default_runs_the_device_control_planes_host_build():
             with torch.no_grad():
                 _, rmap, probs, _ = mh.batch(group.rank, 0, 0, 8)
                 mgr.step(0, rmap, probs)
-            kinds[planner] = (mgr.control_plane, {type(s).__name__ for s in mgr.ctx._schedules.values()})
+            kinds[planner] = (mgr.control_plane, {type(s).__name__ for s in mgr.ctx._schedules.cached()})
             mgr.close()
         return kinds
 

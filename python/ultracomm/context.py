@@ -21,8 +21,6 @@ CUDA stream and return at once (see :mod:`ultracomm.cuda.stream_ordered`); devic
 """
 from __future__ import annotations
 
-import collections
-import dataclasses
 import functools
 import logging
 import threading
@@ -34,27 +32,28 @@ import torch
 from . import _core
 from .cuda import stream_ordered
 from .dataplane import domains
-from .alpha_beta import COSTS, choose_schedule, split_chunk_bytes
+from .alpha_beta import COSTS, split_chunk_bytes
 from .blame import Witness
 from .comm import as_comm, require_same
-from .dataplane import check_master_devices, device_type, is_stream_ordered, select, transport_kwargs
+from .control import plans
+from .control.microbatches import MicroBatch, MicroBatches
+from .control.schedules import Schedules
+from .dataplane import check_master_devices, device_type, is_stream_ordered, select, slot_views, transport_kwargs
 from .env import Config, check_window_layout
-from .errors import (ClosedError, ConfigError, PlanError, PlanMismatchError, RegistrationError, UltracommError,
-                     UltracommTimeout, same_kind)
+from .errors import (ClosedError, ConfigError, PlanError, RegistrationError, UltracommError, UltracommTimeout,
+                     same_kind)
 from .layout import ExpertLayout
 from .plan import ReplicaPlan
 from .resident_plan import DeviceSchedule, ResidentPlan
 from .profile import profile_for_context
 from .records import Op
-from .schedule import Schedule, build_schedule
-from .schedule_portable import hop_bytes
+from .schedule_base import ScheduleBase
 from .transports.base import Masters
 from .windows import open_window
 from .work import OrderedRunner, Work
 
 log = logging.getLogger("ultracomm")
 
-_SCHEDULE_CACHE = 64  # distinct plans whose schedules are kept
 # bounds of the Context's counts: what the int32 task records and schedule builder hold
 MAX_EXPERTS = 2**31 - 1
 MAX_SLOTS = 100_000
@@ -80,18 +79,6 @@ def _release(runner: OrderedRunner, window: Any, streams: Any, witness: Any = No
             _KEPT_WINDOWS.append(window)
         else:
             window.close()
-
-
-@dataclasses.dataclass
-class _MicroBatch:
-    layer: int
-    vid: int
-    plan: ReplicaPlan | ResidentPlan | None = None
-    schedule: Schedule | DeviceSchedule | None = None
-    my_slots: list[int] | None = None        # this rank's row of plan.slot_src
-    local_index_of: list[int] | None = None  # plan.local_index_of, as a list for the executor
-    restored: bool = False                   # restore() (or weights_copied) since weight_sync
-    overwritten_by: int | None = None        # layer whose multicast overwrote the slots before any restore
 
 
 class Context:
@@ -195,15 +182,14 @@ class Context:
             self.window.close()
             raise
         self._masters: list[Masters | None] = [None] * num_layers
-        # max_microbatches slots per layer: vid = begun * len(_vids) + layer * max_microbatches + k
-        self._vids: list[_MicroBatch | None] = [None] * (num_layers * max_microbatches)
-        self._begun = 0  # micro-batches begun: vids carry it so a released vid is never taken for a new one
-        self._schedules: collections.OrderedDict[bytes, Schedule] = collections.OrderedDict()
-        self._device_inputs: dict = {}  # device -> (home_of, node_of) tensors of resident plans' builds
+        self._vids = MicroBatches(num_layers, max_microbatches)
+        self._schedules = Schedules(rank=self.rank, num_experts=self.num_experts, experts_per_rank=experts_per_rank,
+                                    layout=layout, chunk_bytes=self.wlayout["chunk_bytes"], node_of=self.node_of,
+                                    domain_of=self.domain_of, transport=self.transport, config=self.config)
         epr = self.experts_per_rank  # local_index_of of the fixed-home model (resident plans)
         self._home_local_index = [e % epr if e // epr == self.rank else -1 for e in range(self.num_experts)]
         if self.transport.build_on_device:
-            self._device_inputs_for(self.window.local.device)
+            self._schedules.device_inputs(self.window.local.device)
         self._epoch = 0
         self._lock = threading.Lock()
         self._broken: str | None = None  # the first failure's text ("Type: message")
@@ -321,39 +307,13 @@ class Context:
             raise ConfigError(f"ultracomm: plan_check='window' (ULTRACOMM_PLAN_CHECK) needs a transport whose "
                               f"window holds ready flags and digests; transport {self.transport.name!r} has none: "
                               "use plan_check='agree' (or 'auto')")
-        self.replica_weights = self._slot_views(self.wlayout["weights_off"], self.wlayout["weight_stride"],
-                                                self.layout.weight_offsets, [m.dtype for m in self.layout.members])
+        self.replica_weights = slot_views(self.window, self.layout, self.slots_per_rank, self.wlayout["weights_off"],
+                                          self.wlayout["weight_stride"], self.layout.weight_offsets,
+                                          [m.dtype for m in self.layout.members])
         #: per member ``[slots_per_rank, *shape]`` grad views; None for a member without a gradient
-        self.replica_grads = self._slot_views(self.wlayout["grads_off"], self.wlayout["grad_stride"],
-                                              self.layout.grad_offsets,
-                                              [self.layout.grad_dtype if m.grad else None for m in self.layout.members])
-
-    # ------------------------------------------------------------------ buffers
-    def _slot_views(self, region_off: int, stride: int, member_offs: Sequence[int],
-                    dtypes: Sequence[torch.dtype | None]) -> tuple[torch.Tensor | None, ...]:
-        """``[slots_per_rank, *member.shape]`` views of member ``m`` in every slot of a region
-        (None where its dtype is None: a member without bytes there)."""
-        views: list[torch.Tensor | None] = []
-        for member, off, dt in zip(self.layout.members, member_offs, dtypes):
-            if dt is None:
-                views.append(None)
-                continue
-            esz = torch.empty((), dtype=dt).element_size()
-            inner = [1] * len(member.shape)
-            for i in range(len(member.shape) - 2, -1, -1):
-                inner[i] = inner[i + 1] * member.shape[i + 1]
-            # window sizes and offsets are 256/16-byte aligned; each view gets its own tensor over the window
-            # (own version counter): autograd may save a replica weight while grads are written next to it
-            # (the window may start inside its storage -- a page-aligned pool -- and as_strided's offset
-            # counts from the storage's start)
-            local = self.window.local
-            base = local.storage_offset()
-            assert base % esz == 0, f"window starts {base} B into its storage, not a multiple of {esz}"
-            flat = torch.empty(0, dtype=dt, device=local.device).set_(
-                local.untyped_storage(), base // esz, (local.numel() // esz,), (1,))
-            views.append(torch.as_strided(flat, (self.slots_per_rank, *member.shape), (stride // esz, *inner),
-                                          (base + region_off + off) // esz))
-        return tuple(views)
+        self.replica_grads = slot_views(self.window, self.layout, self.slots_per_rank, self.wlayout["grads_off"],
+                                        self.wlayout["grad_stride"], self.layout.grad_offsets,
+                                        [self.layout.grad_dtype if m.grad else None for m in self.layout.members])
 
     def register_masters(self, layer: int, weights: Sequence, grads: Sequence | None = None) -> None:
         """Register layer ``layer``'s master experts on this rank.
@@ -400,37 +360,18 @@ class Context:
             raise ValueError(f"ultracomm: layer {layer!r} is out of range 0..{self.num_layers - 1}")
         if self._masters[layer] is None:
             raise RegistrationError(f"ultracomm: layer {layer} has no masters; call register_masters({layer}, ...) first")
-        for slot in range(layer * self.max_microbatches, (layer + 1) * self.max_microbatches):
-            if self._vids[slot] is None:
-                vid = self._begun * len(self._vids) + slot
-                self._begun += 1
-                self._vids[slot] = _MicroBatch(layer, vid)
-                return vid
-        raise UltracommError(
-            f"ultracomm: layer {layer} already has {self.max_microbatches} micro-batches in flight; call "
-            "grad_reduce(vid) or end(vid) for finished ones, or create the Context with a larger max_microbatches "
-            "(micro-batches in flight per layer)")
+        return self._vids.begin(layer)
 
     def end(self, vid: int) -> None:
         """Release ``vid`` without reducing (inference, or a micro-batch that is dropped)."""
         self._check_open()
-        mb = self._get(vid)
-        self._vids[vid % len(self._vids)] = None
+        self._get(vid)
+        self._vids.release(vid)
         if self._profiler is not None:
             self._profiler.release(vid)
-        del mb
 
-    def _get(self, vid: int, need_plan: bool = False) -> _MicroBatch:
-        if isinstance(vid, bool) or not isinstance(vid, int) or vid < 0:
-            raise ValueError(f"ultracomm: vid {vid!r} is not in flight; get one from begin(layer)")
-        mb = self._vids[vid % len(self._vids)]
-        if mb is None or mb.vid != vid:
-            state = "was released (by grad_reduce or end)" if vid < self._begun * len(self._vids) else \
-                "was never returned by begin"
-            raise ValueError(f"ultracomm: vid {vid} is not in flight: it {state}; get one from begin(layer)")
-        if need_plan and mb.schedule is None:
-            raise UltracommError(f"ultracomm: vid {vid} has no plan yet; call weight_sync(vid, plan) first")
-        return mb
+    def _get(self, vid: int, need_plan: bool = False) -> MicroBatch:
+        return self._vids.get(vid, need_plan)
 
     def _check_open(self) -> None:
         if self._runner is None:
@@ -449,125 +390,27 @@ class Context:
         return masters
 
     # ------------------------------------------------------------------ operations
-    def schedule_for(self, plan: ReplicaPlan, key: bytes | None = None, builder: str | None = None) -> Schedule:
+    def schedule_for(self, plan: ReplicaPlan, key: bytes | None = None, builder: str | None = None) -> ScheduleBase:
         """The (cached) schedule of ``plan`` with this Context's configuration (this rank's lists).
         ``key``: ``plan.digest()`` if the caller has it already.  ``builder``: ``portable`` builds
         with the device control plane's builder whatever ``schedule_builder`` says (a resident
         plan on the host path); default the configuration's."""
         self._check_open()
-        key = plan.digest() if key is None else key
-        builder = builder or self.config.schedule_builder
-        if builder != self.config.schedule_builder:
-            key = key + builder.encode()
-        sched = self._schedules.get(key)
-        if sched is None:
-            c = self.config
-            costs = self.transport.message_costs
-            split = self.transport.name == "split"
-            if costs is not None and not split:  # a message transport: chunk and tree by its alpha-beta model
-                if len(set(self.domain_of)) == 1:  # one host: every rank's messages share its cores
-                    costs = dataclasses.replace(costs, shared=True)
-                sched = choose_schedule(plan, self.layout.weight_bytes, self.layout.grad_bytes, costs,
-                                        relay_mode=c.relay_mode, max_depth=c.max_depth, node_of=self.node_of,
-                                        rank=self.rank).schedule
-            else:
-                inter = {}
-                if split and costs is not None:  # shared memory inside a domain, messages between domains
-                    shm = COSTS["host_shm"]
-                    inter = dict(intra_bw=shm.beta_Bps, intra_latency_s=shm.alpha_s, inter_bw=costs.beta_Bps,
-                                 inter_latency_s=costs.alpha_s)
-                if builder == "portable":  # the device control plane's builder (sched_build.h)
-                    from .schedule_portable import build_schedule_portable
-
-                    # its own tree choice: relay "off" means direct (depth 1); "force" is not honoured
-                    sched = build_schedule_portable(
-                        plan, self.layout.weight_bytes, self.layout.grad_bytes, rank=self.rank, node_of=self.node_of,
-                        chunk_bytes=self.wlayout["chunk_bytes"], max_depth=1 if c.relay_mode == "off" else c.max_depth,
-                        intra_bw=inter.get("intra_bw", c.intra_bw),
-                        **({"intra_latency_s": inter["intra_latency_s"]} if inter else {}))
-                else:
-                    sched = build_schedule(plan, self.layout.weight_bytes, self.layout.grad_bytes,
-                                           node_of=self.node_of, chunk_bytes=self.wlayout["chunk_bytes"],
-                                           relay_mode=c.relay_mode, max_depth=c.max_depth, rank=self.rank,
-                                           **{"intra_bw": c.intra_bw, "inter_bw": c.inter_bw, **inter})
-            self._schedules[key] = sched
-            if log.isEnabledFor(logging.DEBUG):
-                st = sched.stats()
-                log.debug("rank %d: schedule %016x built: multicast depth %d max egress %d B (lower bound %d B); "
-                          "reduce depth %d max ingress %d B (lower bound %d B)", self.rank, sched.digest,
-                          st["multicast"]["depth"], st["multicast"]["max_egress"],
-                          st["multicast"]["lower_bound_bytes"], st["reduce"]["depth"], st["reduce"]["max_ingress"],
-                          st["reduce"]["lower_bound_bytes"])
-            if len(self._schedules) > _SCHEDULE_CACHE:
-                self._schedules.popitem(last=False)
-        else:
-            self._schedules.move_to_end(key)
-        return sched
+        return self._schedules.get(plan, key, builder)
 
     def _prepare_plan(self, plan: ReplicaPlan | BaseException, layer: int | None = None,
-                      builder: str | None = None) -> Schedule:
-        """Validate ``plan`` and ``layer``'s masters here, build the schedule, then agree with
-        every rank (collective, bounded).
+                      builder: str | None = None) -> ScheduleBase:
+        """Check ``plan`` (and ``layer``'s masters) here, build its schedule, agree with every rank
+        (:func:`ultracomm.control.plans.prepare`; the window check publishes a rejection instead)."""
+        def check(p: Any) -> ReplicaPlan:
+            p = plans.check_plan(p, self.world, self.slots_per_rank, self.num_experts, self.experts_per_rank)
+            if layer is not None:
+                self._check_masters(layer)
+            return p
 
-        Every rank raises when any rank's plan or masters are invalid or the plans or
-        schedules differ, so no rank is left waiting in a later collective or flag.
-
-        With the window plan check (``ULTRACOMM_PLAN_CHECK=window``; the default of every
-        transport with window flags: host, tma, copy_engine, split on CUDA) there is no
-        collective: each rank publishes its schedule digest beside its ready flag and the executor
-        raises a digest mismatch on every rank that meets a different one.  A rank whose own plan
-        is invalid raises here and publishes a rejection in its window (peers then fail with
-        "rejected" instead of a timeout); its Context is broken.
-        """
-        local_error: BaseException | None = plan if isinstance(plan, BaseException) else None
-        mine = None
-        if local_error is None:  # else a ResidentPlan that could not become a host plan: shared as invalid
-            try:
-                if not isinstance(plan, ReplicaPlan):
-                    raise TypeError(f"ultracomm: plan must be a ReplicaPlan, got {type(plan).__name__}; "
-                                    "build one with ReplicaPlan.make(...) or a converter")
-                if (plan.world, plan.slots_per_rank, plan.num_experts) != (self.world, self.slots_per_rank,
-                                                                           self.num_experts):
-                    raise ValueError(
-                        f"ultracomm: plan is for world {plan.world}, {plan.slots_per_rank} slots per rank, "
-                        f"{plan.num_experts} experts; this Context has world {self.world}, {self.slots_per_rank} "
-                        f"slots per rank, {self.num_experts} experts")
-                plan.validate(experts_per_rank=self.experts_per_rank)
-                if layer is not None:
-                    self._check_masters(layer)
-                key = plan.digest()
-                sched = self.schedule_for(plan, key, builder)
-                mine = (key.hex(), sched.digest)
-            except (TypeError, ValueError) as e:
-                local_error = e
-        if self.window_plan_check:
-            if local_error is not None:
-                self._reject_plan(local_error)
-            return sched
-        try:
-            views = self._collective(
-                (None if local_error is None else f"{type(local_error).__name__}: {local_error}", mine),
-                op="weight_sync", what="plan agreement")
-        except UltracommError:
-            if local_error is not None:
-                raise local_error from None
-            raise
-        if local_error is not None:
-            raise local_error
-        failed = [r for r, (err, _) in enumerate(views) if err is not None]
-        if failed:
-            raise PlanMismatchError(f"ultracomm: ranks {failed} rejected their plan ({views[failed[0]][0]}); every "
-                                    "rank must pass the same valid plan")
-        for what, i in (("plan", 0), ("schedule", 1)):
-            groups: dict = {}
-            for r, (_, m) in enumerate(views):
-                groups.setdefault(m[i], []).append(r)
-            if len(groups) > 1:
-                detail = "; ".join(f"ranks {rs}" for rs in groups.values())
-                hint = ("every rank must pass the same plan" if what == "plan" else
-                        "ranks built different schedules from one plan: their configurations differ")
-                raise PlanMismatchError(f"ultracomm: {what} differs across ranks ({detail}); {hint}")
-        return sched
+        return plans.prepare(plan, check=check, schedule=lambda p, key: self._schedules.get(p, key, builder),
+                             window_check=self.window_plan_check, reject=self._reject_plan,
+                             collective=lambda obj: self._collective(obj, op="weight_sync", what="plan agreement"))
 
     def _collective(self, obj: Any, *, op: str, what: str) -> list[Any]:
         """A bounded exchange with every rank; a timeout breaks the Context (ranks are out of step)."""
@@ -614,7 +457,7 @@ class Context:
                     self._runner.submit(f"plan rejection (rank {self.rank}, epoch {epoch})", publish)
         raise error
 
-    def _submit(self, name: str, op: Op, mb: _MicroBatch, masters: Masters, async_op: bool,
+    def _submit(self, name: str, op: Op, mb: MicroBatch, masters: Masters, async_op: bool,
                 before: Callable[[], None] | None = None, after: Callable[[], None] | None = None) -> Work | None:
         if self._broken is not None:
             raise self._failed_earlier("ultracomm: this Context failed earlier")
@@ -676,9 +519,9 @@ class Context:
         work.wait()
         return None
 
-    def _slot_of(self, mb: _MicroBatch) -> int | None:
+    def _slot_of(self, mb: MicroBatch) -> int | None:
         """The plan-arena slot of ``mb``'s vid, for transports that keep plans per vid."""
-        return mb.vid % len(self._vids) if self._slot_kw else None
+        return self._vids.slot(mb.vid) if self._slot_kw else None
 
     def plan_arena_bytes(self) -> int:
         """Device memory this rank's transport set aside at setup for its plans (the plan arena:
@@ -717,7 +560,7 @@ class Context:
         if plan is not None:
             self._keep_plan(mb, plan, self._prepare_plan(plan, mb.layer, builder))
         work = self._submit("weight_sync", Op.MULTICAST, mb, self._masters[mb.layer], async_op)
-        self._wrote_slots(mb)
+        self._vids.wrote_slots(mb)
         return work
 
     def set_plan(self, vid: int, plan: ReplicaPlan) -> None:
@@ -732,11 +575,11 @@ class Context:
         self._keep_plan(mb, plan, self._prepare_plan(plan, mb.layer))
         mb.restored = True  # nothing in the slots to go stale: the grads are the caller's
 
-    def _keep_plan(self, mb: _MicroBatch, plan: ReplicaPlan, sched: Any) -> None:
+    def _keep_plan(self, mb: MicroBatch, plan: ReplicaPlan, sched: Any) -> None:
         mb.plan, mb.schedule = plan, sched
         mb.my_slots, mb.local_index_of = plan.slot_src[self.rank].tolist(), plan.local_index_of.tolist()
 
-    def _resident(self, mb: _MicroBatch, plan: ResidentPlan) -> ReplicaPlan | BaseException | None:
+    def _resident(self, mb: MicroBatch, plan: ResidentPlan) -> ReplicaPlan | BaseException | None:
         """A resident plan's route: None when it is built on the device (``mb`` set up for it), else
         the host copy of the plan to build with the portable builder -- or why it has none (failed
         inputs, an invalid plan: ``_prepare_plan`` shares it as an invalid plan, so every rank learns)."""
@@ -756,28 +599,9 @@ class Context:
                               "collective; create the Context with plan_check='window' (ULTRACOMM_PLAN_CHECK) "
                               "or pass a ReplicaPlan")
         self._check_masters(mb.layer)
-        mb.plan, mb.schedule = plan, self._device_schedule(plan)
+        mb.plan, mb.schedule = plan, self._schedules.device(plan)
         mb.my_slots, mb.local_index_of = None, self._home_local_index
         return None
-
-    def _device_schedule(self, plan: ResidentPlan) -> DeviceSchedule:
-        """The device build's inputs for ``plan`` (fixed-home experts, this Context's chunking,
-        depth limit and cost model; the same numbers ``schedule_for`` gives the portable host build)."""
-        home, nodes = self._device_inputs_for(plan.slot_src.device)
-        c = self.config
-        return DeviceSchedule(plan, home, nodes, self.rank, self.num_experts,
-                              1 if c.relay_mode == "off" else c.max_depth, self.layout.weight_bytes,
-                              self.layout.grad_bytes, self.wlayout["chunk_bytes"], hop_bytes(c.intra_bw))
-
-    def _device_inputs_for(self, dev: torch.device) -> tuple:
-        """``(home_of, node_of)`` int32 tensors on ``dev`` for the device builds (made at setup for
-        the window's GPU: never first inside a CUDA graph capture, where they would not exist yet)."""
-        fixed = self._device_inputs.get(dev)
-        if fixed is None:
-            home = torch.arange(self.num_experts, dtype=torch.int32, device=dev) // self.experts_per_rank
-            nodes = None if len(set(self.node_of)) == 1 else torch.tensor(self.node_of, dtype=torch.int32, device=dev)
-            fixed = self._device_inputs[dev] = (home, nodes)
-        return fixed
 
     def restore(self, vid: int, async_op: bool = False) -> Work | None:
         """Re-multicast ``vid``'s plan (the slots were reused by other layers since its forward)."""
@@ -785,7 +609,7 @@ class Context:
         mb = self._get(vid, need_plan=True)
         work = self._submit("restore", Op.MULTICAST, mb, self._check_masters(mb.layer), async_op)
         mb.restored, mb.overwritten_by = True, None
-        self._wrote_slots(mb)
+        self._vids.wrote_slots(mb)
         return work
 
     def weights_copied(self, vid: int) -> None:
@@ -795,15 +619,6 @@ class Context:
         self._check_open()
         mb = self._get(vid, need_plan=True)
         mb.restored, mb.overwritten_by = True, None
-
-    def _wrote_slots(self, writer: _MicroBatch) -> None:
-        """``writer``'s plan now fills the replica slots (calls are queued in order, so this is
-        the order the slots are written in): every other micro-batch in flight that was never
-        restored has lost its replicas, and its backward must ``restore`` before the Dgrad."""
-        for mb in self._vids:
-            if mb is not None and mb is not writer and mb.plan is not None and not mb.restored \
-                    and mb.overwritten_by is None:
-                mb.overwritten_by = writer.layer
 
     def grad_reduce(self, vid: int, async_op: bool = False, grads: Sequence[torch.Tensor] | None = None, *,
                     release: bool = True, zero_replica_grads: bool = False) -> Work | None:
@@ -879,7 +694,7 @@ class Context:
                                     "the master grads too")
         work = self._submit("grad_reduce", Op.REDUCE, mb, masters, async_op, before, after)
         if release:
-            self._vids[vid % len(self._vids)] = None
+            self._vids.release(vid)
         else:  # the slots hold other layers' data as soon as one multicasts
             mb.restored = False
         return work
@@ -909,7 +724,7 @@ class Context:
         schedules built from now on; cached schedules of the old mode are dropped.  Every rank must
         call it between the same operations (ranks must build the same schedules)."""
         self._check_open()
-        self.config = self.config.replace(relay_mode=mode)
+        self.config = self._schedules.config = self.config.replace(relay_mode=mode)
         self._schedules.clear()
 
     @property

@@ -157,3 +157,30 @@ def check_master_devices(window_device: torch.device, transport_name: str, names
                 f"ultracomm: {label}: every expert's row must start 16-byte aligned for TMA bulk copies, "
                 f"got base 0x{t.data_ptr():x} and {per_expert} bytes per expert; register a fresh allocation "
                 "and pad the member so that its bytes per expert are a multiple of 16")
+
+
+def slot_views(window: Any, layout: Any, slots_per_rank: int, region_off: int, stride: int,
+               member_offs: Sequence[int], dtypes: Sequence[torch.dtype | None]) -> tuple[torch.Tensor | None, ...]:
+    """``[slots_per_rank, *member.shape]`` views of member ``m`` in every slot of a window region
+    (None where its dtype is None: a member without bytes there)."""
+    views: list[torch.Tensor | None] = []
+    for member, off, dt in zip(layout.members, member_offs, dtypes):
+        if dt is None:
+            views.append(None)
+            continue
+        esz = torch.empty((), dtype=dt).element_size()
+        inner = [1] * len(member.shape)
+        for i in range(len(member.shape) - 2, -1, -1):
+            inner[i] = inner[i + 1] * member.shape[i + 1]
+        # window sizes and offsets are 256/16-byte aligned; each view gets its own tensor over the window
+        # (own version counter): autograd may save a replica weight while grads are written next to it
+        # (the window may start inside its storage -- a page-aligned pool -- and as_strided's offset
+        # counts from the storage's start)
+        local = window.local
+        base = local.storage_offset()
+        assert base % esz == 0, f"window starts {base} B into its storage, not a multiple of {esz}"
+        flat = torch.empty(0, dtype=dt, device=local.device).set_(
+            local.untyped_storage(), base // esz, (local.numel() // esz,), (1,))
+        views.append(torch.as_strided(flat, (slots_per_rank, *member.shape), (stride // esz, *inner),
+                                      (base + region_off + off) // esz))
+    return tuple(views)

@@ -74,6 +74,6 @@ def test_operations_carry_their_vids_plan_slot(fake, monkeypatch):  # noqa: F811
 def test_a_transport_without_an_arena_reports_none(fake):  # noqa: F811
     def body(group):
         with make_ctx(group) as ctx:
-            return ctx.plan_arena_bytes(), ctx._slot_kw
+            return ctx.plan_arena_bytes(), ctx.transport.takes_slot
 
     assert LoopbackDomain(2).run(body, timeout=60) == [(0, False)] * 2

@@ -21,9 +21,7 @@ CUDA stream and return at once (see :mod:`ultracomm.cuda.stream_ordered`); devic
 """
 from __future__ import annotations
 
-import functools
 import logging
-import threading
 import weakref
 from typing import Any, Callable, Sequence
 
@@ -39,12 +37,12 @@ from .control import plans
 from .control.microbatches import MicroBatch, MicroBatches
 from .control.schedules import Schedules
 from .dataplane import check_master_devices, device_type, is_stream_ordered, select, slot_views, transport_kwargs
+from .dataplane.queue import OpQueue
 from .env import Config, check_window_layout
-from .errors import (ClosedError, ConfigError, PlanError, RegistrationError, UltracommError, UltracommTimeout,
-                     same_kind)
+from .errors import (ClosedError, ConfigError, RegistrationError, UltracommError, UltracommTimeout)
 from .layout import ExpertLayout
 from .plan import ReplicaPlan
-from .resident_plan import DeviceSchedule, ResidentPlan
+from .resident_plan import ResidentPlan
 from .profile import profile_for_context
 from .records import Op
 from .schedule_base import ScheduleBase
@@ -182,7 +180,6 @@ class Context:
             self.window.close()
             raise
         self._masters: list[Masters | None] = [None] * num_layers
-        self._vids = MicroBatches(num_layers, max_microbatches)
         self._schedules = Schedules(rank=self.rank, num_experts=self.num_experts, experts_per_rank=experts_per_rank,
                                     layout=layout, chunk_bytes=self.wlayout["chunk_bytes"], node_of=self.node_of,
                                     domain_of=self.domain_of, transport=self.transport, config=self.config)
@@ -190,15 +187,11 @@ class Context:
         self._home_local_index = [e % epr if e // epr == self.rank else -1 for e in range(self.num_experts)]
         if self.transport.build_on_device:
             self._schedules.device_inputs(self.window.local.device)
-        self._epoch = 0
-        self._lock = threading.Lock()
-        self._broken: str | None = None  # the first failure's text ("Type: message")
-        self._broken_by: BaseException | None = None  # and the failure itself: later refusals raise its kind
-        self._runner = OrderedRunner(f"ultracomm-rank{self.rank}")
-        # a Context dropped without close() still stops its thread and unmaps its window; the
-        # runner holds no reference to the Context while idle, so dropping it frees it
-        me = weakref.ref(self)
-        self._witness.epoch_fn = lambda: getattr(me(), "_epoch", 0)
+        self._queue.runner = self._runner = OrderedRunner(f"ultracomm-rank{self.rank}")
+        # a Context dropped without close() still stops its thread and unmaps its window; neither
+        # the runner (idle) nor the queue holds a reference to the Context, so dropping it frees it
+        queue = self._queue
+        self._witness.epoch_fn = lambda: queue.epoch
         self._finalizer = weakref.finalize(self, _release, self._runner, self.window, self._streams, self._witness)
 
     def _configure(self, comm: Any, layout: ExpertLayout, experts_per_rank: int, slots_per_rank: int, num_layers: int,
@@ -284,19 +277,14 @@ class Context:
         self.transport = self._transport_cls(**kw)
         if self.transport.names_by_evidence:  # host, p2p, split: their timeouts name ranks by evidence
             self.transport.witness = self._witness
+        self._vids = vids = MicroBatches(self.num_layers, self.max_microbatches)
         # transports with a plan arena take the vid's slot: restore / grad_reduce reuse its plan
-        self._slot_kw = self.transport.takes_slot
-        self._streams: stream_ordered.StreamOrdered | None = None
-        if is_stream_ordered(self.transport):
-            me = weakref.ref(self)  # the finaliser holds the streams: they must not keep the Context alive
-
-            def on_error(e: BaseException) -> None:
-                ctx = me()
-                if ctx is not None:
-                    ctx._fail(e)
-
-            self._streams = stream_ordered.StreamOrdered(self.transport, stream_ordered.streams_for(self._cuda_dev),
-                                                         on_error, self.rank)
+        slot_of = (lambda mb: vids.slot(mb.vid)) if self.transport.takes_slot else (lambda mb: None)
+        self._queue = OpQueue(self.transport, self.rank, None, self._witness, self._profiler, slot_of)
+        if is_stream_ordered(self.transport):  # the finaliser holds the streams: they must not hold the Context
+            self._queue.streams = stream_ordered.StreamOrdered(
+                self.transport, stream_ordered.streams_for(self._cuda_dev), self._queue.fail, self.rank)
+        self._streams: stream_ordered.StreamOrdered | None = self._queue.streams
         check = self.config.plan_check
         #: ranks check that they run the same plan through the digests in their windows, not a
         #: collective per weight_sync (``ULTRACOMM_PLAN_CHECK``; see ultracomm.env "Plan checks"):
@@ -421,107 +409,14 @@ class Context:
             raise
 
     def _fail(self, error: BaseException) -> None:
-        """Remember the first failure: later operations are refused (ranks' epochs no longer line up)."""
-        self._witness.publish_once(self._epoch, f"{type(error).__name__}")
-        if self._broken is None:
-            self._broken = f"{type(error).__name__}: {error}"
-            self._broken_by = error
-
-    def _failed_earlier(self, text: str) -> UltracommError:
-        """An operation refused because an earlier one failed: the same kind of error as that
-        failure (a timeout stays an UltracommTimeout, a plan mismatch a PlanMismatchError, also
-        when it surfaces in the next operation), with its text."""
-        return same_kind(self._broken_by, f"{text} ({self._broken}); create a new Context")
+        self._queue.fail(error)
 
     def _reject_plan(self, error: BaseException) -> None:
-        """Window plan check: this rank's plan is invalid.  It takes the operation's epoch and
-        publishes a rejection in its window instead of running it -- after the operations
-        submitted before it, as the operation would have run -- so peers fail at once; then
-        the Context is broken.  Raises ``error``."""
-        if self._broken is None:
-            reason = PlanError(f"ultracomm: this rank rejected its plan ({error})")
-            with self._lock:
-                self._epoch += 1
-                epoch = self._epoch
-                reject = self._streams.reject if self._streams is not None else self.transport.reject
-
-                def publish() -> None:
-                    try:
-                        reject(Op.MULTICAST, epoch)
-                    finally:
-                        self._fail(reason)
-
-                if self._streams is not None:  # stream-ordered: enqueued now, after the earlier operations
-                    publish()
-                else:
-                    self._runner.submit(f"plan rejection (rank {self.rank}, epoch {epoch})", publish)
-        raise error
+        self._queue.reject(error)
 
     def _submit(self, name: str, op: Op, mb: MicroBatch, masters: Masters, async_op: bool,
                 before: Callable[[], None] | None = None, after: Callable[[], None] | None = None) -> Work | None:
-        if self._broken is not None:
-            raise self._failed_earlier("ultracomm: this Context failed earlier")
-        sched = mb.schedule
-        my_slots, local_index_of = mb.my_slots, mb.local_index_of
-        if self._streams is not None:
-            on_time = None
-            if self._profiler is not None:  # device time from CUDA events around the enqueue, read lazily
-                resident = isinstance(sched, DeviceSchedule)  # its plan is on the device: times only
-                on_time = functools.partial(self._profiler.op_end,
-                                            self._profiler.op_begin(name, mb.vid, mb.layer,
-                                                                    None if resident else mb.plan,
-                                                                    None if resident else sched), name)
-            with self._lock:  # epochs are taken and enqueued in one order, whatever thread calls
-                try:
-                    self._streams.check_submit(name, async_op)
-                    if before is not None:  # enqueued on the caller's stream, ahead of the operation
-                        before()
-                except BaseException:
-                    if on_time is not None:
-                        on_time(None)
-                    raise
-                self._epoch += 1
-                return self._streams.submit(name, op, self._epoch, sched, masters, my_slots, local_index_of,
-                                            async_op, on_time=on_time, after=after, slot=self._slot_of(mb))
-
-        def body() -> None:
-            if self._broken is not None:  # queued before an earlier operation failed: never start it
-                raise self._failed_earlier(f"ultracomm: {name} (epoch {epoch}) not started: an earlier operation of "
-                                           "this Context failed")
-            try:
-                if before is not None:
-                    before()
-                self.transport.run(op, sched, epoch, masters, my_slots, local_index_of, name,
-                                   **({"slot": self._slot_of(mb)} if self._slot_kw else {}))
-                if after is not None:  # in the queue: before any later operation starts
-                    after()
-            except BaseException as e:
-                self._broken, self._broken_by = f"{type(e).__name__}: {e}", e
-                self._witness.publish_once(epoch, f"{name}: {type(e).__name__}")
-                raise
-
-        if self._profiler is not None:  # records the plan, its stats and this op's host time
-            body = self._profiler.wrap(body, name, mb.vid, mb.layer, mb.plan, sched)
-        with self._lock:  # epochs are taken and queued in one order, whatever thread calls
-            self._epoch += 1
-            epoch = self._epoch
-            # a synchronous call with nothing queued runs here, in the same order (no thread hand-off)
-            inline = None if async_op else self._runner.claim_inline()
-            if inline is None:
-                work = self._runner.submit(f"{name} (rank {self.rank}, epoch {epoch})", body)
-        if inline is not None:
-            log.debug("rank %d: %s vid-layer %d epoch %d runs on the calling thread", self.rank, name, mb.layer, epoch)
-            inline(body)
-            return None
-        log.debug("rank %d: %s vid-layer %d epoch %d submitted", self.rank, name, mb.layer, epoch)
-        if async_op:
-            return work
-        work.wait()
-        return None
-
-    def _slot_of(self, mb: MicroBatch) -> int | None:
-        """The plan-arena slot of ``mb``'s vid, for transports that keep plans per vid."""
-        return self._vids.slot(mb.vid) if self._slot_kw else None
+        return self._queue.submit(name, op, mb, masters, async_op, before, after)
 
     def plan_arena_bytes(self) -> int:
         """Device memory this rank's transport set aside at setup for its plans (the plan arena:
@@ -536,8 +431,7 @@ class Context:
 
     def _check_usable(self) -> None:
         self._check_open()
-        if self._broken is not None:
-            raise self._failed_earlier("ultracomm: this Context failed earlier")
+        self._queue.check()
 
     def weight_sync(self, vid: int, plan: ReplicaPlan | ResidentPlan, async_op: bool = False) -> Work | None:
         """Multicast the home experts of ``vid``'s layer into the replica slots ``plan`` names.
@@ -708,10 +602,7 @@ class Context:
         """Wait for every operation submitted so far on this rank (stream-ordered transports:
         for all work on the device), then raise the first failure, if any."""
         self._check_open()
-        if self._streams is not None:
-            self._streams.synchronize()
-            return
-        self._runner.submit(f"synchronize (rank {self.rank})", lambda: None).wait()
+        self._queue.synchronize()
 
     @property
     def stream_ordered(self) -> bool:

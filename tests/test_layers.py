@@ -9,8 +9,8 @@ layer and any below it):
 * tools: ``tools/``, ``viewer/``, over the simulator ``sim/``, over ``scenarios/`` (the workloads both
   use) -- all above the runtime;
 * API: the package itself, ``context``, ``moe/``, ``integrations/``;
-* control plane: ``plan``, ``layout``, ``fp8``, ``schedule``, ``schedule_portable``, ``resident_plan``,
-  ``alpha_beta``, ``planners/``, ``profile/``;
+* control plane: ``control/``, ``plan``, ``layout``, ``fp8``, ``schedule_base``, ``schedule``,
+  ``schedule_portable``, ``resident_plan``, ``alpha_beta``, ``planners/``, ``profile/``;
 * data plane: ``dataplane/``, ``transports/``, ``windows/``, ``blame`` (the evidence of who stopped);
 * platform: ``cuda/``, ``comm``, ``wire``, ``_core``/``_cuda`` (C++), ``host_memory``, ``private_dir``,
   and the vocabulary every layer names: ``errors``, ``env``, ``records``, ``work``; ``_moved``.

@@ -59,6 +59,8 @@ ALLOWED_UPWARD = {
     # the tma transport reads the resident plan's schedule type and build-status words
     ("ultracomm.transports.tma", "ultracomm.resident_plan"),
     ("ultracomm.transports.tma.resident", "ultracomm.resident_plan"),
+    # the operation queue (issue 36 step 2, commit 5859dce) names the device-built schedule's type
+    ("ultracomm.dataplane.queue", "ultracomm.resident_plan"),
 }
 ALLOWED_MODULE_CYCLES = [
     # issue 36: resolve_transport imports copy_engine lazily, copy_engine imports resolve_transport back

@@ -354,7 +354,7 @@ def test_context_profile_from_env_per_rank(tmp_path, monkeypatch):
 def test_context_profile_off_and_bad(tmp_path):
     def body(group):
         with Context(group, LAYOUT, 2, 1, num_layers=1, num_workers=1, profile=False) as ctx:
-            assert ctx._profiler is None
+            assert ctx.profiler is None
         with pytest.raises(TypeError, match="profile must be a directory, a Profiler"):
             Context(group, LAYOUT, 2, 1, num_layers=1, num_workers=1, profile=3)
         return True

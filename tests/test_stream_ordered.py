@@ -383,10 +383,10 @@ class AbandoningTransport(OnceStreamTransport):
 
 
 def test_abandoned_streams_skip_the_device_sync_and_keep_the_window(fake, monkeypatch):
-    import ultracomm.context as context
+    import ultracomm.dataplane.queue as queue
 
     monkeypatch.setitem(transports.TRANSPORTS, "tma", AbandoningTransport)
-    monkeypatch.setattr(context, "_KEPT_WINDOWS", [])
+    monkeypatch.setattr(queue, "_KEPT_WINDOWS", [])
 
     def body(group):
         ctx = make_ctx(group, slots=1, epr=1)
@@ -401,7 +401,7 @@ def test_abandoned_streams_skip_the_device_sync_and_keep_the_window(fake, monkey
         assert ei.value is boom and streams.syncs == 1  # failed, streams abandoned: no device sync
         window = ctx.window
         ctx.close()
-        assert streams.syncs == 1 and context._KEPT_WINDOWS == [window] and ctx.transport.closed
+        assert streams.syncs == 1 and queue._KEPT_WINDOWS == [window] and ctx.transport.closed
         return True
 
     assert LoopbackDomain(1).run(body) == [True]

@@ -21,25 +21,25 @@ CUDA stream and return at once (see :mod:`ultracomm.cuda.stream_ordered`); devic
 """
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
-from . import _core
 from .cuda import stream_ordered
 from .dataplane import domains
-from .alpha_beta import COSTS, split_chunk_bytes
 from .blame import Witness
 from .comm import as_comm, require_same
-from .control import plans
+from .control import plans, setup
 from .control.microbatches import MicroBatch, MicroBatches
 from .control.schedules import Schedules
-from .dataplane import check_master_devices, device_type, is_stream_ordered, select, slot_views, transport_kwargs
-from .dataplane.queue import OpQueue
-from .env import Config, check_window_layout
-from .errors import (ClosedError, ConfigError, RegistrationError, UltracommError, UltracommTimeout)
+from .dataplane import (check_like, check_master_devices, copy_into, device_type, is_stream_ordered, select,
+                        slot_views, transport_kwargs, zero_slots)
+from .dataplane.queue import OpQueue, release
+from .env import Config
+from .errors import ClosedError, RegistrationError, UltracommTimeout
 from .layout import ExpertLayout
 from .plan import ReplicaPlan
 from .resident_plan import ResidentPlan
@@ -52,31 +52,6 @@ from .work import OrderedRunner, Work
 
 log = logging.getLogger("ultracomm")
 
-# bounds of the Context's counts: what the int32 task records and schedule builder hold
-MAX_EXPERTS = 2**31 - 1
-MAX_SLOTS = 100_000
-MAX_LAYERS = 1 << 20
-MAX_MICROBATCHES = 1 << 16
-
-
-_KEPT_WINDOWS: list = []  # windows that stay mapped for the life of the process (see _release)
-
-
-def _release(runner: OrderedRunner, window: Any, streams: Any, witness: Any = None) -> None:
-    """Stop ``runner`` (after its queue), let queued kernels finish (stream-ordered transports) and
-    unmap ``window``: close(), or a dropped Context's finaliser."""
-    runner.close()
-    if witness is not None:  # its heartbeat writes into the window: stopped before the window is unmapped
-        witness.detach()
-    keep = False
-    try:
-        if streams is not None:
-            keep = streams.close()
-    finally:
-        if keep:  # a failed copy_engine operation's streams may still reference it
-            _KEPT_WINDOWS.append(window)
-        else:
-            window.close()
 
 
 class Context:
@@ -147,14 +122,11 @@ class Context:
         def local_check() -> tuple:
             if error is not None:
                 raise error
-            chosen = (self._transport_cls.name, self._provider) if self._transport_cls else (self.config.transport,
-                                                                                             self.config.window)
+            chosen = (self._transport_cls.name, self._provider) if self._transport_cls else None
             where = domains.rank_domain(self.config.domain, self.rank, self.world,
                                         device_type(self.config.transport, self.config.window, device), device)
-            return ((repr(layout), experts_per_rank, slots_per_rank, num_layers, max_microbatches, self.node_of,
-                     self.config.chunk_bytes, self.config.relay_mode, self.config.max_depth,
-                     self.config.schedule_builder, self.config.intra_bw,
-                     self.config.inter_bw, self.config.plan_check, *chosen), where)
+            return setup.agreed_key(self.config, layout, experts_per_rank, slots_per_rank, num_layers,
+                                    max_microbatches, self.node_of, chosen), where
 
         views = self.comm.agree(local_check, op="Context setup", what="configuration")
         require_same([v[0] for v in views], "Context configuration")
@@ -165,11 +137,7 @@ class Context:
         if self._transport_cls.name == "split":  # shared memory reaches this rank's domain only
             reach = [d == self.domain_of[self.rank] for d in self.domain_of]
             if self._cuda_dev is None:  # chunks that cross domains are gloo messages: large enough to pay
-                chunk = split_chunk_bytes(self.config.chunk_bytes, self.config.tile_bytes,
-                                          max(layout.weight_bytes, layout.grad_bytes), COSTS["gloo"])
-                if chunk != self.wlayout["chunk_bytes"]:
-                    self.wlayout = _core.window_layout(slots_per_rank, layout.weight_bytes, layout.grad_bytes, chunk)
-                    check_window_layout(self.wlayout)
+                self.wlayout = setup.split_window_layout(self.wlayout, self.config, layout, slots_per_rank)
         self.window = open_window(self._provider, self.comm, self.wlayout["total_bytes"], op="Context setup",
                                   device=self._cuda_dev, reach=reach)
         self._witness.attach_window(self.window, self.wlayout)
@@ -192,51 +160,18 @@ class Context:
         # the runner (idle) nor the queue holds a reference to the Context, so dropping it frees it
         queue = self._queue
         self._witness.epoch_fn = lambda: queue.epoch
-        self._finalizer = weakref.finalize(self, _release, self._runner, self.window, self._streams, self._witness)
+        self._finalizer = weakref.finalize(self, release, self._runner, self.window, self._streams, self._witness)
 
     def _configure(self, comm: Any, layout: ExpertLayout, experts_per_rank: int, slots_per_rank: int, num_layers: int,
                    max_microbatches: int, transport: str | None, window: str | None, device: Any,
                    node_of: Sequence[int] | None, config: Config | None, overrides: dict, profile: Any = None) -> None:
         """Check the arguments and derive configuration and window layout (local, nothing moves)."""
-        if not isinstance(layout, ExpertLayout):
-            raise TypeError(f"ultracomm: layout must be an ExpertLayout, got {type(layout).__name__}")
-        for name, v, lo, hi in (("experts_per_rank", experts_per_rank, 1, MAX_EXPERTS),
-                                ("slots_per_rank", slots_per_rank, 0, MAX_SLOTS),
-                                ("num_layers", num_layers, 1, MAX_LAYERS),
-                                ("max_microbatches", max_microbatches, 1, MAX_MICROBATCHES)):
-            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-                raise ValueError(f"ultracomm: {name} must be an int in [{lo}, {hi}], got {v!r}")
-        if experts_per_rank * self.world > MAX_EXPERTS:
-            raise ValueError(f"ultracomm: experts_per_rank {experts_per_rank} x world {self.world} experts exceeds "
-                             f"{MAX_EXPERTS} (expert ids are int32)")
-        cfg = config or Config.from_env()
-        if not isinstance(cfg, Config):
-            raise TypeError(f"ultracomm: config must be an ultracomm.env.Config, got {type(cfg).__name__}")
-        if transport is not None:
-            overrides["transport"] = transport
-        if window is not None:
-            overrides["window"] = window
-        self.config = cfg.replace(**overrides) if overrides else cfg
-        if not self.config.deterministic:
-            # every transport built so far reduces in the schedule's fixed order; there is no
-            # faster non-deterministic path to switch to, so say so instead of ignoring it
-            log.warning("ultracomm: ULTRACOMM_DETERMINISTIC=0 has no effect: reductions are always ordered")
-        log.setLevel(self.config.log_level.upper())
-        self.layout = layout
-        self.experts_per_rank = experts_per_rank
+        setup.check_counts(layout, experts_per_rank, slots_per_rank, num_layers, max_microbatches, self.world)
+        self.config = setup.resolve_config(config, transport, window, overrides)
+        self.layout, self.experts_per_rank, self.slots_per_rank = layout, experts_per_rank, slots_per_rank
         self.num_experts = experts_per_rank * self.world
-        self.slots_per_rank = slots_per_rank
-        self.num_layers = num_layers
-        self.max_microbatches = max_microbatches
-        if node_of is None:
-            self.node_of = [0] * self.world
-        else:
-            self.node_of = list(node_of)
-            if (len(self.node_of) != self.world or
-                    any(isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < self.world
-                        for n in self.node_of)):
-                raise ValueError(f"ultracomm: node_of must list, for each of the {self.world} ranks, an int node "
-                                 f"index in [0, {self.world}); got {node_of!r}")
+        self.num_layers, self.max_microbatches = num_layers, max_microbatches
+        self.node_of = setup.resolve_node_of(node_of, self.world)
         #: what ``transport="auto"`` chose and why (:class:`ultracomm.dataplane.domains.TransportChoice`); ``None``
         #: when the transport was named
         self.transport_choice: domains.TransportChoice | None = None
@@ -247,24 +182,17 @@ class Context:
             self._transport_cls, self._provider, self._cuda_dev = select(self.config, comm, device)
         else:  # chosen after the first agreement; contradictions in the arguments still fail here
             device_type(self.config.transport, self.config.window, device)
-        self.wlayout = _core.window_layout(slots_per_rank, layout.weight_bytes, layout.grad_bytes,
-                                           self.config.chunk_bytes)
-        check_window_layout(self.wlayout)
-        self._profiler = profile_for_context(profile, self)
+        self.wlayout = setup.window_layout(slots_per_rank, layout, self.config.chunk_bytes)
+        #: the recorder of plans, schedule stats and op times (:mod:`ultracomm.profile`), or None
+        self.profiler = profile_for_context(profile, self)
 
     def _choose(self, views: Sequence[domains.RankDomain], device: Any) -> None:
         """Check every rank's domain declaration, then for ``transport="auto"`` pick from every
         rank's domain key (the same views on every rank: deterministic)."""
-        dtype = device_type(self.config.transport, self.config.window, device)
-        domains.check_domains(views, dtype)
-        keys = [v.key for v in views]
-        self.domain_of = domains.domain_of(keys)
-        if self._transport_cls is not None:  # named
-            return
-        if self.config.transport == "auto":
-            self.transport_choice = domains.choose_transport(dtype, keys, [v.host for v in views])
-        self._transport_cls, self._provider, self._cuda_dev = select(self.config, self.comm, device,
-                                                                     self.transport_choice)
+        self.domain_of, choice, picked = setup.choose(self.config, self.comm, device, views, self._transport_cls)
+        if picked is not None:
+            self.transport_choice = choice
+            self._transport_cls, self._provider, self._cuda_dev = picked
 
     def _attach(self) -> None:
         """Build the transport and the replica views over the window (every rank agrees it worked)."""
@@ -280,21 +208,14 @@ class Context:
         self._vids = vids = MicroBatches(self.num_layers, self.max_microbatches)
         # transports with a plan arena take the vid's slot: restore / grad_reduce reuse its plan
         slot_of = (lambda mb: vids.slot(mb.vid)) if self.transport.takes_slot else (lambda mb: None)
-        self._queue = OpQueue(self.transport, self.rank, None, self._witness, self._profiler, slot_of)
+        self._queue = OpQueue(self.transport, self.rank, None, self._witness, self.profiler, slot_of)
         if is_stream_ordered(self.transport):  # the finaliser holds the streams: they must not hold the Context
             self._queue.streams = stream_ordered.StreamOrdered(
                 self.transport, stream_ordered.streams_for(self._cuda_dev), self._queue.fail, self.rank)
         self._streams: stream_ordered.StreamOrdered | None = self._queue.streams
-        check = self.config.plan_check
         #: ranks check that they run the same plan through the digests in their windows, not a
-        #: collective per weight_sync (``ULTRACOMM_PLAN_CHECK``; see ultracomm.env "Plan checks"):
-        #: ``auto`` wherever the transport has window flags (host, tma, copy_engine, split on CUDA)
-        has_flags = self.transport.window_flags
-        self.window_plan_check = check == "window" or (check == "auto" and has_flags)
-        if self.window_plan_check and not has_flags:
-            raise ConfigError(f"ultracomm: plan_check='window' (ULTRACOMM_PLAN_CHECK) needs a transport whose "
-                              f"window holds ready flags and digests; transport {self.transport.name!r} has none: "
-                              "use plan_check='agree' (or 'auto')")
+        #: collective per weight_sync (:func:`ultracomm.control.plans.window_check`)
+        self.window_plan_check = plans.window_check(self.config.plan_check, self.transport)
         self.replica_weights = slot_views(self.window, self.layout, self.slots_per_rank, self.wlayout["weights_off"],
                                           self.wlayout["weight_stride"], self.layout.weight_offsets,
                                           [m.dtype for m in self.layout.members])
@@ -324,12 +245,6 @@ class Context:
         self._check_open()
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
             raise RegistrationError(f"ultracomm: layer {layer!r} is out of range 0..{self.num_layers - 1}")
-        if isinstance(weights, torch.Tensor) or not isinstance(weights, Sequence):
-            raise RegistrationError(f"ultracomm: weights must be a list (one entry per member "
-                                    f"{list(self.layout.names)}), got {type(weights).__name__}")
-        if grads is not None and (isinstance(grads, torch.Tensor) or not isinstance(grads, Sequence)):
-            raise RegistrationError(f"ultracomm: grads must be None or a list (one entry per member "
-                                    f"{list(self.layout.names)}), got {type(grads).__name__}")
         self.layout.check_tensors(weights, grads, self.experts_per_rank)
         check_master_devices(self.window.device, self.transport.name, self.layout.names, weights, grads or (),
                              self.experts_per_rank)
@@ -355,8 +270,8 @@ class Context:
         self._check_open()
         self._get(vid)
         self._vids.release(vid)
-        if self._profiler is not None:
-            self._profiler.release(vid)
+        if self.profiler is not None:
+            self.profiler.release(vid)
 
     def _get(self, vid: int, need_plan: bool = False) -> MicroBatch:
         return self._vids.get(vid, need_plan)
@@ -368,14 +283,7 @@ class Context:
 
     def _check_masters(self, layer: int) -> Masters:
         """Layer ``layer``'s masters, unchanged since register_masters (else RegistrationError)."""
-        masters = self._masters[layer]
-        changed = masters.changed()
-        if changed:
-            raise RegistrationError(
-                f"ultracomm: layer {layer}: registered tensor {changed} no longer has the address or size it was "
-                "registered with (replaced by param.data = ..., set_(), or a resized storage); call "
-                f"register_masters({layer}, ...) again with the tensors to use")
-        return masters
+        return self._masters[layer].check(layer)
 
     # ------------------------------------------------------------------ operations
     def schedule_for(self, plan: ReplicaPlan, key: bytes | None = None, builder: str | None = None) -> ScheduleBase:
@@ -397,7 +305,7 @@ class Context:
             return p
 
         return plans.prepare(plan, check=check, schedule=lambda p, key: self._schedules.get(p, key, builder),
-                             window_check=self.window_plan_check, reject=self._reject_plan,
+                             window_check=self.window_plan_check, reject=self._queue.reject,
                              collective=lambda obj: self._collective(obj, op="weight_sync", what="plan agreement"))
 
     def _collective(self, obj: Any, *, op: str, what: str) -> list[Any]:
@@ -405,18 +313,8 @@ class Context:
         try:
             return self.comm.all_gather_object(obj, op=op, what=what)
         except UltracommTimeout as e:
-            self._fail(e)
+            self._queue.fail(e)
             raise
-
-    def _fail(self, error: BaseException) -> None:
-        self._queue.fail(error)
-
-    def _reject_plan(self, error: BaseException) -> None:
-        self._queue.reject(error)
-
-    def _submit(self, name: str, op: Op, mb: MicroBatch, masters: Masters, async_op: bool,
-                before: Callable[[], None] | None = None, after: Callable[[], None] | None = None) -> Work | None:
-        return self._queue.submit(name, op, mb, masters, async_op, before, after)
 
     def plan_arena_bytes(self) -> int:
         """Device memory this rank's transport set aside at setup for its plans (the plan arena:
@@ -452,8 +350,8 @@ class Context:
         if isinstance(plan, ResidentPlan):  # None: set up to be built on the device
             plan, builder = self._resident(mb, plan), "portable"
         if plan is not None:
-            self._keep_plan(mb, plan, self._prepare_plan(plan, mb.layer, builder))
-        work = self._submit("weight_sync", Op.MULTICAST, mb, self._masters[mb.layer], async_op)
+            mb.keep(self.rank, plan, self._prepare_plan(plan, mb.layer, builder))
+        work = self._queue.submit("weight_sync", Op.MULTICAST, mb, self._masters[mb.layer], async_op)
         self._vids.wrote_slots(mb)
         return work
 
@@ -466,42 +364,24 @@ class Context:
         mb = self._get(vid)
         if not isinstance(plan, ReplicaPlan):
             raise TypeError(f"ultracomm: set_plan takes a ReplicaPlan, got {type(plan).__name__}")
-        self._keep_plan(mb, plan, self._prepare_plan(plan, mb.layer))
+        mb.keep(self.rank, plan, self._prepare_plan(plan, mb.layer))
         mb.restored = True  # nothing in the slots to go stale: the grads are the caller's
 
-    def _keep_plan(self, mb: MicroBatch, plan: ReplicaPlan, sched: Any) -> None:
-        mb.plan, mb.schedule = plan, sched
-        mb.my_slots, mb.local_index_of = plan.slot_src[self.rank].tolist(), plan.local_index_of.tolist()
-
     def _resident(self, mb: MicroBatch, plan: ResidentPlan) -> ReplicaPlan | BaseException | None:
-        """A resident plan's route: None when it is built on the device (``mb`` set up for it), else
-        the host copy of the plan to build with the portable builder -- or why it has none (failed
-        inputs, an invalid plan: ``_prepare_plan`` shares it as an invalid plan, so every rank learns)."""
-        if (plan.world, plan.slots_per_rank) != (self.world, self.slots_per_rank):
-            raise ValueError(f"ultracomm: plan is for world {plan.world}, {plan.slots_per_rank} slots per rank; this "
-                             f"Context has world {self.world}, {self.slots_per_rank} slots per rank")
-        if not (self.transport.build_on_device and plan.slot_src.is_cuda):
-            try:
-                return plan.host_plan(self.experts_per_rank)
-            except (UltracommError, ValueError, TypeError) as e:
-                return e
-        if plan.slot_src.device != self.window.local.device:
-            raise ValueError(f"ultracomm: ResidentPlan.slot_src is on {plan.slot_src.device}, the Context's window "
-                             f"on {self.window.local.device}; make the plan on the window's device")
-        if not self.window_plan_check:
-            raise ConfigError("ultracomm: a resident plan is checked by digests in the window, not by a host "
-                              "collective; create the Context with plan_check='window' (ULTRACOMM_PLAN_CHECK) "
-                              "or pass a ReplicaPlan")
+        """:func:`ultracomm.control.plans.resident_route`; ``mb`` set up for the device build."""
+        route = plans.resident_route(plan, self.world, self.slots_per_rank, self.experts_per_rank,
+                                     self.transport.build_on_device, self.window.local.device, self.window_plan_check)
+        if route is not None:
+            return route
         self._check_masters(mb.layer)
-        mb.plan, mb.schedule = plan, self._schedules.device(plan)
-        mb.my_slots, mb.local_index_of = None, self._home_local_index
+        mb.keep(self.rank, plan, self._schedules.device(plan), self._home_local_index)
         return None
 
     def restore(self, vid: int, async_op: bool = False) -> Work | None:
         """Re-multicast ``vid``'s plan (the slots were reused by other layers since its forward)."""
         self._check_usable()
         mb = self._get(vid, need_plan=True)
-        work = self._submit("restore", Op.MULTICAST, mb, self._check_masters(mb.layer), async_op)
+        work = self._queue.submit("restore", Op.MULTICAST, mb, self._check_masters(mb.layer), async_op)
         mb.restored, mb.overwritten_by = True, None
         self._vids.wrote_slots(mb)
         return work
@@ -546,27 +426,11 @@ class Context:
         """
         self._check_usable()
         mb = self._get(vid, need_plan=True)
-        if mb.overwritten_by is not None:
-            raise UltracommError(
-                f"ultracomm: grad_reduce(vid {vid}, layer {mb.layer}): layer {mb.overwritten_by}'s multicast "
-                f"overwrote the replica slots after this micro-batch's weight_sync and restore(vid) was never called, "
-                f"so its backward ran on another layer's weights; call restore({vid}) before the expert Dgrad")
-        before: Callable[[], None] | None = None
+        mb.check_not_overwritten()
+        before = after = None
         if grads is not None:
-            if len(grads) != len(self.replica_grads) or any(
-                    (g is None) != (r is None) or (r is not None and (tuple(g.shape) != tuple(r.shape)
-                                                                    or g.dtype != r.dtype))
-                    for g, r in zip(grads, self.replica_grads)):
-                raise ValueError(f"ultracomm: grads must be one [slots_per_rank, *member.shape] "
-                                 f"{self.layout.grad_dtype} tensor per member (None for a member without a "
-                                 f"gradient); got {[None if g is None else (tuple(g.shape), g.dtype) for g in grads]}")
-
-            def copy_grads() -> None:
-                for dst, src in zip(self.replica_grads, grads):
-                    if dst is not None:
-                        dst.copy_(src)
-            before = copy_grads
-        after: Callable[[], None] | None = None
+            check_like(grads, self.replica_grads, f"[slots_per_rank, *member.shape] {self.layout.grad_dtype}")
+            before = functools.partial(copy_into, self.replica_grads, grads)
         if zero_replica_grads:
             if self._streams is not None and getattr(self.window, "loopback", False):
                 raise ValueError("ultracomm: grad_reduce(zero_replica_grads=True) is not supported on a one-GPU "
@@ -575,18 +439,13 @@ class Context:
             # a resident plan's row is on the device: every slot (an empty one's grads are unused)
             filled = list(range(self.slots_per_rank)) if mb.my_slots is None else \
                 [s for s, e in enumerate(mb.my_slots) if e >= 0]
-
-            def zero_slots() -> None:
-                for g in self.replica_grads:
-                    for s in filled if g is not None else ():
-                        g[s].zero_()
-            after = zero_slots
+            after = functools.partial(zero_slots, self.replica_grads, filled)
         masters = self._check_masters(mb.layer)
         if masters.grads is None:
             raise RegistrationError(f"ultracomm: layer {mb.layer} was registered without grads "
                                     f"(register_masters({mb.layer}, weights, None)); grad_reduce needs them: register "
                                     "the master grads too")
-        work = self._submit("grad_reduce", Op.REDUCE, mb, masters, async_op, before, after)
+        work = self._queue.submit("grad_reduce", Op.REDUCE, mb, masters, async_op, before, after)
         if release:
             self._vids.release(vid)
         else:  # the slots hold other layers' data as soon as one multicasts
@@ -630,8 +489,8 @@ class Context:
         runner, self._runner = self._runner, None
         if runner is not None:
             self._finalizer()
-            if self._profiler is not None:
-                self._profiler.context_closed()
+            if self.profiler is not None:
+                self.profiler.context_closed()
 
     def __enter__(self) -> "Context":
         return self

@@ -393,6 +393,10 @@ class ExpertLayout:
             raise RegistrationError(
                 f"experts_per_rank must be a non-negative int, got {experts_per_rank!r}"
             )
+        for kind, entries in (("weights", weights), ("grads", grads)):
+            if (entries is not None or kind == "weights") and not isinstance(entries, (torch.Tensor, Sequence)):
+                raise RegistrationError(f"ultracomm: {kind} must be {'None or ' if kind == 'grads' else ''}a list "
+                                        f"(one entry per member {list(self.names)}), got {type(entries).__name__}")
         groups = [("weights", weights, None)]
         if grads is not None:
             groups.append(("grads", grads, self.grad_dtype))

@@ -20,6 +20,24 @@ class MicroBatch:
     restored: bool = False                   # restore() (or weights_copied) since weight_sync
     overwritten_by: int | None = None        # layer whose multicast overwrote the slots before any restore
 
+    def keep(self, rank: int, plan: Any, schedule: Any, local_index_of: list[int] | None = None) -> None:
+        """Hold ``plan`` and its ``schedule``; a resident plan (on the device) has no host row, and
+        its experts' local indices are the fixed-home model's (``local_index_of``)."""
+        self.plan, self.schedule = plan, schedule
+        if local_index_of is not None:
+            self.my_slots, self.local_index_of = None, local_index_of
+        else:
+            self.my_slots, self.local_index_of = plan.slot_src[rank].tolist(), plan.local_index_of.tolist()
+
+    def check_not_overwritten(self) -> None:
+        """Its replicas are still in the slots (or were restored): a grad_reduce may read what its
+        backward wrote, computed on its own weights."""
+        if self.overwritten_by is not None:
+            raise UltracommError(
+                f"ultracomm: grad_reduce(vid {self.vid}, layer {self.layer}): layer {self.overwritten_by}'s multicast "
+                f"overwrote the replica slots after this micro-batch's weight_sync and restore(vid) was never called, "
+                f"so its backward ran on another layer's weights; call restore({self.vid}) before the expert Dgrad")
+
 
 class MicroBatches:
     """``vid = begun * len(table) + layer * max_microbatches + k``: a vid carries how many were

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from ..errors import PlanMismatchError, UltracommError
+from ..errors import ConfigError, PlanMismatchError, UltracommError
 from ..plan import ReplicaPlan
+from ..resident_plan import ResidentPlan
 from ..schedule_base import ScheduleBase
 
-__all__ = ["check_plan", "verdict", "prepare"]
+__all__ = ["check_plan", "verdict", "prepare", "window_check", "resident_route"]
 
 
 def check_plan(plan: Any, world: int, slots_per_rank: int, num_experts: int, experts_per_rank: int) -> ReplicaPlan:
@@ -82,3 +83,38 @@ def prepare(plan: ReplicaPlan | BaseException, *, check: Callable[[Any], Replica
         raise local_error
     verdict(views)
     return sched
+
+
+def window_check(plan_check: str, transport: Any) -> bool:
+    """Whether ranks check their plans through the digests in their windows (``ULTRACOMM_PLAN_CHECK``;
+    see ultracomm.env "Plan checks"): ``window``, or ``auto`` wherever the transport has window flags
+    (host, tma, copy_engine, split on CUDA); ``agree``: a collective per plan."""
+    on = plan_check == "window" or (plan_check == "auto" and transport.window_flags)
+    if on and not transport.window_flags:
+        raise ConfigError(f"ultracomm: plan_check='window' (ULTRACOMM_PLAN_CHECK) needs a transport whose "
+                          f"window holds ready flags and digests; transport {transport.name!r} has none: "
+                          "use plan_check='agree' (or 'auto')")
+    return on
+
+
+def resident_route(plan: ResidentPlan, world: int, slots_per_rank: int, experts_per_rank: int,
+                   build_on_device: bool, window_device: Any, window_checked: bool) -> ReplicaPlan | BaseException | None:
+    """Where a resident plan is built: None on the device (the transport builds on the device and the
+    plan is on the window's GPU), else the host copy of the plan for the portable builder -- or why it
+    has none (failed inputs, an invalid plan: ``prepare`` shares it as an invalid plan)."""
+    if (plan.world, plan.slots_per_rank) != (world, slots_per_rank):
+        raise ValueError(f"ultracomm: plan is for world {plan.world}, {plan.slots_per_rank} slots per rank; this "
+                         f"Context has world {world}, {slots_per_rank} slots per rank")
+    if not (build_on_device and plan.slot_src.is_cuda):
+        try:
+            return plan.host_plan(experts_per_rank)
+        except (UltracommError, ValueError, TypeError) as e:
+            return e
+    if plan.slot_src.device != window_device:
+        raise ValueError(f"ultracomm: ResidentPlan.slot_src is on {plan.slot_src.device}, the Context's window "
+                         f"on {window_device}; make the plan on the window's device")
+    if not window_checked:
+        raise ConfigError("ultracomm: a resident plan is checked by digests in the window, not by a host "
+                          "collective; create the Context with plan_check='window' (ULTRACOMM_PLAN_CHECK) "
+                          "or pass a ReplicaPlan")
+    return None

@@ -184,3 +184,30 @@ def slot_views(window: Any, layout: Any, slots_per_rank: int, region_off: int, s
         views.append(torch.as_strided(flat, (slots_per_rank, *member.shape), (stride // esz, *inner),
                                       (base + region_off + off) // esz))
     return tuple(views)
+
+
+def check_like(given: Any, views: Sequence[torch.Tensor | None], what: str) -> None:
+    """``given`` is one tensor per entry of ``views``, of its shape and dtype (None where the view
+    is None: a member without bytes there); else ValueError saying ``what`` each must be."""
+    if isinstance(given, torch.Tensor) or len(given) != len(views) or any(
+            (g is None) != (v is None) or (v is not None and (not isinstance(g, torch.Tensor) or
+                                                              tuple(g.shape) != tuple(v.shape) or g.dtype != v.dtype))
+            for g, v in zip(given, views)):
+        got = [None if g is None else (tuple(g.shape), g.dtype) if isinstance(g, torch.Tensor) else type(g).__name__
+               for g in (given if not isinstance(given, torch.Tensor) else [given])]
+        raise ValueError(f"ultracomm: grads must be one {what} tensor per member (None for a member without a "
+                         f"gradient); got {got}")
+
+
+def copy_into(views: Sequence[torch.Tensor | None], sources: Sequence[torch.Tensor | None]) -> None:
+    """``views[m].copy_(sources[m])`` for every member with bytes there (an operation's ``before``)."""
+    for dst, src in zip(views, sources):
+        if dst is not None:
+            dst.copy_(src)
+
+
+def zero_slots(views: Sequence[torch.Tensor | None], slots: Sequence[int]) -> None:
+    """Zero ``slots`` of every member's views (an operation's ``after``)."""
+    for v in views:
+        for s in slots if v is not None else ():
+            v[s].zero_()

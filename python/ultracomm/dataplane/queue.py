@@ -21,7 +21,7 @@ from ..records import Op
 from ..resident_plan import DeviceSchedule
 from ..work import OrderedRunner, Work
 
-__all__ = ["OpQueue"]
+__all__ = ["OpQueue", "release"]
 
 log = logging.getLogger("ultracomm")
 
@@ -158,3 +158,23 @@ class OpQueue:
             self.streams.synchronize()
             return
         self.runner.submit(f"synchronize (rank {self.rank})", lambda: None).wait()
+
+
+_KEPT_WINDOWS: list = []  # windows that stay mapped for the life of the process (see release)
+
+
+def release(runner: OrderedRunner, window: Any, streams: Any, witness: Any = None) -> None:
+    """Stop ``runner`` (after its queue), let queued kernels finish (stream-ordered transports) and
+    unmap ``window``: ``Context.close()``, or a dropped Context's finaliser."""
+    runner.close()
+    if witness is not None:  # its heartbeat writes into the window: stopped before the window is unmapped
+        witness.detach()
+    keep = False
+    try:
+        if streams is not None:
+            keep = streams.close()
+    finally:
+        if keep:  # a failed copy_engine operation's streams may still reference it
+            _KEPT_WINDOWS.append(window)
+        else:
+            window.close()

@@ -397,7 +397,7 @@ class Step:
             staging[i // S][i % S].add_(g)
         rows = self._reduced_rows()
         mgr._zero_master_staging(rows)
-        work = mgr._enqueue(mgr.ctx.grad_reduce, self.vid, grads=staging)
+        work = mgr.ctx.grad_reduce(self.vid, async_op=mgr._async_ok(), grads=staging) or _ON_STREAM
         mgr._staging_work[self._staging] = work
         self._release_graph()
         self._state = "reduced"
@@ -509,7 +509,8 @@ class ReplicaManager:
 
     def _async_ok(self) -> bool:
         """Whether operations may return a Work: not while the current stream captures a CUDA
-        graph (a captured operation has no completion; stream order is what holds it)."""
+        graph (a captured operation has no completion; stream order is what holds it, and
+        :data:`_ON_STREAM` stands in for its Work)."""
         return not (self.ctx.stream_ordered and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
     # -------------------------------------------------------------- setup
@@ -668,12 +669,12 @@ class ReplicaManager:
             else:  # the store exchange compares the ops' names
                 load = gather_loads(self.ctx.comm, routing_map.sum(0), op=str(tag))
             result = self.planner(load, self.domain, self.slots_per_rank, **self.planner_options)
-            if self.ctx._profiler is not None:  # the loads the balancer saw, beside the ops' plan/stats/times
-                self.ctx._profiler.record(layer, load=load, plan=result)
+            if self.ctx.profiler is not None:  # the loads the balancer saw, beside the ops' plan/stats/times
+                self.ctx.profiler.record(layer, load=load, plan=result)
             plan = result.plan
             if self.control_plane == "host":
                 plan = ResidentPlan(torch.from_numpy(np.ascontiguousarray(result.plan.slot_src, dtype=np.int32)))
-            sync = self._enqueue(self.ctx.weight_sync, vid, plan)
+            sync = self.ctx.weight_sync(vid, plan, async_op=self._async_ok()) or _ON_STREAM
             return vid, Step(self, layer, result, routing_map, probs, vid, sync, grad)
         except BaseException:
             self.ctx.end(vid)  # nothing of this step survives: its slot is free again
@@ -696,7 +697,7 @@ class ReplicaManager:
             device_planner.plan_on_gpu(step_loads, self.domain, self.slots_per_rank, out=out, **self.planner_options)
             # the build rejects (instead of using them) loads that never all arrived or a refused plan
             plan = ResidentPlan(out["slot_src"], exchange_status=self._board.status, planner_result=out["result"])
-            sync = self._enqueue(self.ctx.weight_sync, vid, plan)
+            sync = self.ctx.weight_sync(vid, plan, async_op=self._async_ok()) or _ON_STREAM
             # the step's own copies (stream-ordered, small): the vid slot's buffers serve its next step
             snap = dict(loads=step_loads, slot_src=out["slot_src"].clone(), slot_quota=out["slot_quota"].clone(),
                         result=out["result"].clone())
@@ -713,13 +714,6 @@ class ReplicaManager:
             out = self._plan_bufs[slot] = device_planner.plan_on_gpu(loads, self.domain, self.slots_per_rank,
                                                                          **self.planner_options)
         return out
-
-    def _enqueue(self, fn: Any, *args: Any, **kw: Any) -> Any:
-        """``fn(..., async_op=True)``'s Work; while the stream captures a CUDA graph ``fn(...)``
-        enqueued without one (stream order holds it) and :data:`_ON_STREAM` in its place."""
-        if self._async_ok():
-            return fn(*args, async_op=True, **kw)
-        return fn(*args, **kw) or _ON_STREAM
 
     def _check_routing(self, routing_map: Any, probs: Any) -> None:
         """Everything ``step`` needs of its inputs, checked before it takes a slot."""
@@ -811,7 +805,8 @@ class ReplicaManager:
 
     def _recompute(self, target: Step, routing_map: torch.Tensor, probs: torch.Tensor | None) -> Step:
         # the slots may still hold the target (every rank decides alike: same calls, same owner)
-        sync = target._sync if self._slots_owner is target else self._enqueue(self.ctx.restore, target.vid)
+        sync = target._sync if self._slots_owner is target else \
+            self.ctx.restore(target.vid, async_op=self._async_ok()) or _ON_STREAM
         self._slots_owner = target
         return Step(self, target.layer, target._result, routing_map, probs, target.vid, sync, True, target=target,
                     resident=target._resident)

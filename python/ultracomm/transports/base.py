@@ -33,6 +33,7 @@ from typing import Any, ClassVar, Sequence
 import torch
 
 from .. import _core
+from ..errors import RegistrationError
 from ..records import Op
 
 #: Constructor keywords a transport may declare in ``options``.
@@ -145,6 +146,16 @@ class Masters:
 
     def _tensors(self) -> list[tuple[str, torch.Tensor]]:
         return _labelled("weights", self.weights, self.names) + _labelled("grads", self.grads or (), self.names)
+
+    def check(self, layer: int) -> "Masters":
+        """Itself, if every tensor is as registered (else RegistrationError naming it)."""
+        changed = self.changed()
+        if changed:
+            raise RegistrationError(
+                f"ultracomm: layer {layer}: registered tensor {changed} no longer has the address or size it was "
+                "registered with (replaced by param.data = ..., set_(), or a resized storage); call "
+                f"register_masters({layer}, ...) again with the tensors to use")
+        return self
 
     def changed(self, names: Sequence[str] | None = None) -> str | None:
         """``"weights['fc1']"`` (``"grads['fc1'][3]"`` for a per-expert list) for the first

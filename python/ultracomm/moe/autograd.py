@@ -32,7 +32,7 @@ from ..fp8 import dequantize
 from ..layout import FP8_DTYPES
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .manager import Step
+    from .step import Step
 
 __all__ = ["linear"]
 

@@ -16,7 +16,8 @@ replica weights' node folds their gradients into fp32 staging, runs ``grad_reduc
 returns each master's reduced replica contribution *through autograd* (added into the
 ``main_grad`` the master has at that moment where it has one, as Megatron's fused path does).
 See :mod:`ultracomm.moe.autograd` for why every rank reaches every collective, also with no
-token on its replicas.
+token on its replicas; :mod:`ultracomm.moe.step` for a step, :mod:`ultracomm.moe.grad_staging`
+for where the gradients are staged.
 """
 from __future__ import annotations
 
@@ -31,47 +32,18 @@ import torch
 from ..context import Context
 from ..errors import ConfigError, RegistrationError, UltracommError
 from ..layout import ExpertLayout
-from ..planners import Domain, PlannerResult, get_planner, max_mean
+from ..planners import Domain, get_planner
 from ..planners import device as device_planner
-from ..planners.base import build_result
 from ..resident_plan import ResidentPlan
-from .autograd import _Guard, _ReplicaWeights, fused_wgrad_return
 from .board_layout import ExchangeTag
+from .grad_staging import GradStaging, RegisteredLayer, tensors_of
 from .loads import board_for_context, gather_loads
-from .reroute import LAYOUTS, RerouteTable, reroute
+from .reroute import LAYOUTS
+from .step import ON_STREAM, Step
 
 __all__ = ["ReplicaManager", "Step"]
 
 _log = logging.getLogger("ultracomm")
-
-
-class _OnStream:
-    """The Work of an operation enqueued on the caller's stream without one (during CUDA graph
-    capture): later work on that stream is ordered after it already."""
-
-    def wait_stream(self) -> None:
-        pass
-
-    def wait(self, timeout: float | None = None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-
-_ON_STREAM = _OnStream()
-
-
-def _alias(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s memory as a tensor with its own version counter: autograd saves replica weights
-    for the Dgrad, and writes into other views of the window (the grad slots) must not count
-    as modifying them."""
-    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), t.shape,
-                                                               t.stride())
-
-
-def _tensors(member: Any) -> list[torch.Tensor]:
-    return [member] if isinstance(member, torch.Tensor) else list(member)
 
 
 def _describe(x: Any) -> str:
@@ -109,313 +81,6 @@ def _nearest_in_graph(start: Any, steps: list["Step"]) -> list["Step"]:
             nxt.extend(fn for fn, _ in node.next_functions)
         frontier = nxt
     return []
-
-
-class _Layer:
-    """A registered layer: its master parameters, flat (the ``_ReplicaWeights`` node's inputs),
-    with each one's member and first expert row.  ``masters[m]``: what member ``m``'s gradient
-    reduces into (the registered weights themselves, an FP8 member's high-precision master,
-    None for a member without a gradient)."""
-
-    def __init__(self, masters: list[Any]):
-        self.params = masters
-        self.anchors: list[torch.Tensor] = []
-        self.rows: list[tuple[int, int, int]] = []  # (member, first expert, experts) per anchor
-        for m, p in enumerate(masters):
-            if p is None:
-                continue
-            ts = _tensors(p)
-            for j, t in enumerate(ts):
-                self.anchors.append(t)
-                self.rows.append((m, 0, t.shape[0]) if len(ts) == 1 and isinstance(p, torch.Tensor) else (m, j, 1))
-
-    def inputs(self) -> list[int]:
-        """The anchors that take a gradient (the replica node's inputs)."""
-        return [i for i, t in enumerate(self.anchors) if t.requires_grad]
-
-    def frozen(self) -> bool:
-        """No master takes a gradient (LoRA, router-only fine-tuning): multicast only."""
-        return not self.inputs()
-
-
-class Step:
-    """One (layer, micro-batch) of a :class:`ReplicaManager`; see the module docstring.
-
-    Attributes:
-        layer: the layer index.
-        vid: the Context's micro-batch slot id.
-        result: the planner's :class:`~ultracomm.planners.PlannerResult` (plan, quotas,
-            token moves).  On the device-resident path (GPU) the plan lives on the GPU and
-            ``result`` is made on first access from host copies: a host synchronisation.
-        imbalance: ``(before, after)`` max:mean of the per-rank token loads (from ``result``).
-    """
-
-    def __init__(self, manager: "ReplicaManager", layer: int, result: PlannerResult | None,
-                 routing_map: torch.Tensor, probs: torch.Tensor | None, vid: int | None, sync: Any, grad: bool,
-                 target: "Step | None" = None, resident: dict | None = None):
-        self.manager, self.layer, self._result = manager, layer, result
-        self.routing_map, self.probs = routing_map, probs
-        self.vid, self._sync, self.grad, self._target = vid, sync, grad, target
-        self.device = routing_map.device
-        # the device-resident path: this step's copies of its loads and plan (device tensors)
-        self._resident = resident
-        self._tables: dict[str, RerouteTable] = {}
-        # The forward's outputs are held weakly (the token strongly only until guard()): their
-        # autograd node holds this Step, so strong references back would make a cycle through
-        # C++ that Python's gc cannot collect -- a forward without a backward would keep the
-        # Step, its manager and Context alive.  Weak, the graph's death is observable.
-        self._built = False
-        self._plain: list[torch.Tensor] | None = None  # no-grad steps: views without a graph
-        self._token: torch.Tensor | None = None
-        self._view_refs: list[weakref.ref] = []
-        self._node_ref: weakref.ref | None = None
-        self._finalizer: weakref.finalize | None = None  # abandons the step if it dies unreduced
-        self._staging: int | None = None
-        self._restored = False
-        self._frozen = False  # every master frozen: no graph to them, nothing to reduce
-        self._recomputed = False  # matched to an activation recompute already
-        self._inputs: list[int] = []  # the masters (anchor indices) that are the replica node's inputs
-        self._released = False  # backward done, abandoned, or manager closed
-        self._state = "forward" if grad else "done"
-
-    @property
-    def result(self) -> PlannerResult:
-        if self._result is None:  # device-resident: host copies of the loads and the plan (a sync)
-            snap, mgr = self._resident, self.manager
-            info = device_planner.decode_result(snap["result"].cpu())
-            self._result = build_result(snap["loads"].cpu().numpy().astype(np.int64), mgr.domain,
-                                        snap["slot_src"].cpu().numpy(), snap["slot_quota"].cpu().numpy(), info)
-        return self._result
-
-    @property
-    def imbalance(self) -> tuple[float, float]:
-        res = self.result
-        load = np.asarray(res.load)
-        epr = res.domain.experts_per_rank
-        return max_mean(load.sum(0).reshape(-1, epr).sum(1)), max_mean(res.rank_load)
-
-    # -------------------------------------------------------------- forward
-    def rerouted(self, layout: str | None = None, routing_map: torch.Tensor | None = None,
-                 probs: torch.Tensor | None = None, source: int | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """This rank's routing with hot experts' tokens sent to their replicas.
-
-        Args:
-            layout: ``"echo"`` (``[T, E + world*K]``: home experts, then global spare
-                slots) or ``"physical"`` (``[T, world*(epr+K)]``: per rank its masters,
-                then its replica slots); default the manager's.
-            routing_map, probs: default the ones passed to ``step``; ``source``: the
-                rank whose quotas apply (default this rank).
-        Returns:
-            bool ``[T, P]`` map and ``[T, P]`` probs (differentiable; ``None`` without probs).
-        """
-        layout = layout or self.manager.reroute_layout
-        if layout not in LAYOUTS:
-            raise ValueError(f"ultracomm: layout must be one of {LAYOUTS}, got {layout!r}")
-        src = self.manager.rank if source is None else source
-        if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < self.manager.world:
-            raise ValueError(f"ultracomm: rerouted(source={source!r}): source must be a rank in "
-                             f"0..{self.manager.world - 1} (default: this rank)")
-        key = f"{layout}:{src}"
-        table = self._tables.get(key)
-        if table is None and self._resident is not None:  # on the GPU, from the plan there (no host sync)
-            snap = self._resident
-            table = self._tables[key] = RerouteTable.from_plan(
-                snap["loads"], snap["slot_src"], snap["slot_quota"], src, self.manager.experts_per_rank, layout)
-        elif table is None:
-            table = self._tables[key] = RerouteTable.from_result(self.result, src, layout).to(self.device)
-        rm = self.routing_map if routing_map is None else routing_map
-        pr = self.probs if routing_map is None and probs is None else probs
-        return reroute(rm, pr, table)
-
-    def replica_weights(self) -> list[list[torch.Tensor]]:
-        """Per layout member, per replica slot of this rank, a ``[*member.shape]`` tensor of the
-        member's dtype (FP8 weights and their scales included; a member without a gradient --
-        the scales -- is not differentiable, an FP8 member gives its gradient through
-        ``main_grad``: see :func:`ultracomm.moe.linear`).
-
-        The forward waits for this step's ``weight_sync``; the tensors alias the slots
-        (no copy), so run the expert compute before another layer's ``step`` and wrap its
-        output in :meth:`guard`.  Slot ``s`` holds expert ``self.replicas()[s]`` (-1: empty).
-        """
-        views = self._build()
-        if views is None:
-            views = self._plain if self._plain is not None else [r() for r in self._view_refs]
-            if any(v is None for v in views):
-                raise UltracommError(
-                    f"ultracomm: layer {self.layer} step (vid {self.vid}): the tensors an earlier replica_weights() "
-                    "returned were dropped; call replica_weights() once per step and keep its tensors until guard()")
-        M, S = len(self.manager.layout.members), self.manager.slots_per_rank
-        return [list(views[m * S:(m + 1) * S]) for m in range(M)]
-
-    def replicas(self) -> list[int]:
-        """Expert held by each of this rank's replica slots (-1 = empty); on the device-resident
-        path a host copy (a sync)."""
-        if self._resident is not None and self._result is None:
-            return self._resident["slot_src"][self.manager.rank].tolist()
-        return self.result.slot_src[self.manager.rank].tolist()
-
-    def guard(self, x: torch.Tensor) -> torch.Tensor:
-        """Identity on the expert output; its backward restores this step's replica
-        weights before the expert Dgrad and lets the gradient reduction fire."""
-        if not self.grad:
-            return x
-        self._build()
-        token, self._token = self._token, None
-        if token is None:
-            raise UltracommError(f"ultracomm: layer {self.layer} step (vid {self.vid}): guard() was already called; "
-                                 "call it once per step, on the expert output")
-        if self._frozen and not x.requires_grad:  # no backward will come through here: done now
-            self._finish()
-            return x
-        return _Guard.apply(x, token, self)
-
-    def wait_grads(self) -> None:
-        """Wait for every pending gradient reduction of the manager (see
-        :meth:`ReplicaManager.wait_grads`)."""
-        self.manager.wait_grads()
-
-    def _build(self) -> list[torch.Tensor] | None:
-        """Create the forward's outputs once; returns the views when it created them."""
-        if self._released:
-            raise UltracommError(f"ultracomm: layer {self.layer} step (vid {self.vid}): its backward is done, it was "
-                                 "abandoned, or its manager closed; replica_weights() and guard() belong to its forward")
-        if self._built:
-            return None
-        self._built = True
-        if not self.grad:
-            self._plain = self._forward_views()
-            return self._plain
-        layer = self.manager._layers[self.layer]
-        if layer.frozen():  # no master takes a gradient: the backward restores (Dgrad) and reduces nothing
-            self._frozen = True
-            self._plain = self._forward_views()
-            self._token = torch.zeros((), dtype=torch.float32, device=self.device)
-            return self._plain
-        self._inputs = layer.inputs()
-        token, *views = _ReplicaWeights.apply(self, *[layer.anchors[i] for i in self._inputs])
-        self._token = token
-        self._view_refs = [weakref.ref(v) for v in views]
-        self._node_ref = weakref.ref(token.grad_fn)
-        return views
-
-    def _views(self) -> list[torch.Tensor | None]:
-        return [r() for r in self._view_refs]
-
-    def _node(self) -> Any:
-        """This step's ``_ReplicaWeights`` autograd node (None before replica_weights/guard,
-        or once its graph is freed)."""
-        return None if self._node_ref is None else self._node_ref()
-
-    def _forward_views(self) -> list[torch.Tensor]:
-        mgr = self.manager
-        self._sync.wait_stream()  # stream-ordered: the caller's stream waits, not the host
-        owner = self._target or self
-        if mgr._slots_owner is not owner:
-            raise UltracommError(
-                f"ultracomm: layer {self.layer}: the replica slots were overwritten by layer "
-                f"{getattr(mgr._slots_owner, 'layer', '?')} after this step's weight_sync; run each layer's "
-                "expert compute (replica_weights()) before the next layer's step()")
-        return [_alias(t[s]) for t in mgr.ctx.replica_weights for s in range(mgr.slots_per_rank)]
-
-    # -------------------------------------------------------------- backward
-    def _backward_restore(self) -> None:
-        if self._target is not None:  # a recomputed forward's node: act for the original step
-            return self._target._backward_restore()
-        mgr = self.manager
-        self._check_backward()
-        if self._staging is None and not self._frozen:
-            self._staging = mgr._acquire_staging()
-        S = mgr.slots_per_rank
-        staging = mgr._staging[self._staging] if self._staging is not None else None
-        for i, t in enumerate(self._views()):  # the fused fp32 wgrad path writes straight into staging
-            if t is None or staging is None or staging[i // S] is None:  # dropped, frozen, or no gradient
-                continue
-            # no grad_added_to_main_grad: a fused wgrad then returns None for the view, an unfused
-            # one its gradient, and _backward_reduce adds whichever comes into the same staging
-            t.main_grad = staging[i // S][i % S]
-        if mgr._slots_owner is not self:
-            mgr.ctx.restore(self.vid)
-            mgr._slots_owner = self
-        self._restored = True
-        self._state = "restored"
-        if self._frozen:  # the Dgrad needed the weights back; there is nothing to reduce
-            self._finish()
-
-    def _finish(self) -> None:
-        """A step without a reduction (frozen masters) is over: its micro-batch slot is free."""
-        mgr = self.manager
-        self._release_graph()
-        self._state = "reduced"
-        if mgr._live.pop(self.vid, None) is not None and not mgr.ctx.closed:
-            mgr.ctx.end(self.vid)
-
-    def _check_backward(self) -> None:
-        if self._state == "reduced":
-            raise UltracommError(f"ultracomm: layer {self.layer} step (vid {self.vid}) was already reduced; "
-                                 "a step supports one backward pass (no retain_graph re-runs)")
-        if self._state == "abandoned":
-            raise UltracommError(f"ultracomm: layer {self.layer} step (vid {self.vid}) was abandoned "
-                                 "(ReplicaManager.abandon() or close()) before its backward; its replica gradients "
-                                 "cannot be reduced any more")
-
-    def _release_graph(self) -> None:
-        """The forward is over for good: replica_weights()/guard() raise from now on."""
-        self._token, self._view_refs, self._plain = None, [], None
-        self._released = True
-        if self._finalizer is not None:
-            self._finalizer.detach()
-
-    def _backward_reduce(self, grads: Sequence[torch.Tensor | None],
-                         needs: Sequence[bool]) -> list[torch.Tensor | None]:
-        """The replicas' gradients of this step -> ``grad_reduce`` -> per master anchor its
-        reduced replica contribution (what ``_ReplicaWeights.backward`` returns)."""
-        if self._target is not None:
-            self._release_graph()
-            return self._target._backward_reduce(grads, needs)
-        mgr = self.manager
-        self._check_backward()
-        if not self._restored and mgr._slots_owner is not self:
-            raise UltracommError(
-                f"ultracomm: layer {self.layer} (vid {self.vid}): the replica slots were overwritten by layer "
-                f"{getattr(mgr._slots_owner, 'layer', '?')} after this step's weight_sync and nothing restored them "
-                "before the expert backward, so its gradients used stale weights; wrap the expert output in "
-                "step.guard(...)")
-        if self._staging is None:
-            self._staging = mgr._acquire_staging()
-        staging = mgr._staging[self._staging]
-        S = mgr.slots_per_rank
-        members = mgr.layout.members
-        for i, g in enumerate(grads):  # unfused wgrads; fused ones are in the staging already
-            if g is None:
-                continue
-            if members[i // S].fp8:
-                raise UltracommError(
-                    f"ultracomm: layer {self.layer}: the replica of FP8 member {members[i // S].name!r} got its gradient "
-                    f"through autograd, which rounds it to {g.dtype}; accumulate an FP8 weight's gradient in fp32 "
-                    "into weight.main_grad instead (ultracomm.moe.linear(x, weight, weight_scale) does)")
-            staging[i // S][i % S].add_(g)
-        rows = self._reduced_rows()
-        mgr._zero_master_staging(rows)
-        work = mgr.ctx.grad_reduce(self.vid, async_op=mgr._async_ok(), grads=staging) or _ON_STREAM
-        mgr._staging_work[self._staging] = work
-        self._release_graph()
-        self._state = "reduced"
-        mgr._live.pop(self.vid, None)
-        # the host waits here; a stream-ordered reduce makes the current stream wait instead,
-        # so what is returned below is computed after it (no host synchronisation)
-        work.wait_stream()
-        return mgr._master_contributions(self.layer, rows, self._inputs, needs)
-
-    def _reduced_rows(self) -> list[int] | None:
-        """This rank's expert rows (local index) that have a replica anywhere under this step's
-        plan; None on the device-resident path (the plan is on the GPU: every row, no sync)."""
-        if self._result is None:
-            return None
-        mgr = self.manager
-        lo = mgr.rank * mgr.experts_per_rank
-        experts = {int(e) for e in np.asarray(self._result.plan.slot_src).ravel() if lo <= e < lo + mgr.experts_per_rank}
-        return sorted(e - lo for e in experts)
 
 
 class ReplicaManager:
@@ -477,11 +142,9 @@ class ReplicaManager:
         self.planner = get_planner(planner) if isinstance(planner, str) else planner
         self.planner_options = dict(planner_options or {})
         self.reroute_layout = reroute_layout
-        self._layers: list[_Layer | None] = [None] * self.num_layers
-        self._staging: list[list[torch.Tensor]] = []
-        self._master_grads: list[torch.Tensor] = []
-        self._staging_work: list[Any] = []
-        self._next_staging = 0
+        self.layers: list[RegisteredLayer | None] = [None] * self.num_layers
+        #: the replicas' gradient staging and the masters' reduced sums (made at the first register_layer)
+        self.grads: GradStaging | None = None
         self._owner_ref: weakref.ref | None = None
         # steps whose backward has not reduced yet, held weakly: a step lives as long as its
         # autograd graph (or the caller) holds it; one that dies unreduced is abandoned
@@ -507,10 +170,10 @@ class ReplicaManager:
             return "device"
         return "host"
 
-    def _async_ok(self) -> bool:
+    def async_ok(self) -> bool:
         """Whether operations may return a Work: not while the current stream captures a CUDA
         graph (a captured operation has no completion; stream order is what holds it, and
-        :data:`_ON_STREAM` stands in for its Work)."""
+        :data:`ON_STREAM` stands in for its Work)."""
         return not (self.ctx.stream_ordered and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
     # -------------------------------------------------------------- setup
@@ -538,24 +201,15 @@ class ReplicaManager:
             raise RegistrationError(f"ultracomm: layer {layer!r} is out of range 0..{self.num_layers - 1}")
         params = [p if isinstance(p, torch.Tensor) else list(p) for p in params]
         anchors = self._masters_of(params, masters)
-        flat = [t for p in params for t in _tensors(p)]
+        flat = [t for p in params for t in tensors_of(p)]
         dev = flat[0].device if flat else torch.device("cpu")
-        gd, S = self.layout.grad_dtype, self.slots_per_rank
-        if not self._staging:
-            # the reduction lands in the manager's fp32 staging, shared by every layer (one reduce
-            # at a time returns from it), never in a user tensor: no user pointer is baked into a
-            # schedule or a captured graph.  Replica grads: two sets, so a reduce in flight never
-            # blocks the next layer's wgrads.  None for a member without a gradient.
-            self._master_grads = [torch.zeros((self.experts_per_rank, *m.shape), dtype=gd, device=dev)
-                                  if m.grad else None for m in self.layout.members]
-            self._staging = [[torch.zeros((S, *m.shape), dtype=gd, device=dev) if m.grad else None
-                              for m in self.layout.members] for _ in range(2)]
-            self._staging_work = [None, None]
+        if self.grads is None:  # see moe.grad_staging: no user pointer in a schedule or captured graph
+            self.grads = GradStaging(self.layout, self.experts_per_rank, self.slots_per_rank, dev)
         grads = [g if g is None or isinstance(p, torch.Tensor) else list(g.unbind(0))
-                 for p, g in zip(params, self._master_grads)]
+                 for p, g in zip(params, self.grads.master)]
         self.ctx.register_masters(layer, [p.detach() if isinstance(p, torch.Tensor) else [t.detach() for t in p]
                                           for p in params], grads)
-        self._layers[layer] = _Layer(anchors)
+        self.layers[layer] = RegisteredLayer(anchors)
 
     def _masters_of(self, params: list[Any], masters: Sequence[Any] | None) -> list[Any]:
         """Per member, what its gradient reduces into (see ``register_layer``), checked."""
@@ -582,10 +236,10 @@ class ReplicaManager:
                 raise RegistrationError(f"ultracomm: masters[{m.name!r}]: member {m.name!r} carries no gradient "
                                         "(grad=False); pass None in its place")
             hp = hp if isinstance(hp, torch.Tensor) else list(hp)
-            for i, (t, w) in enumerate(zip(_tensors(hp), _tensors(p))):
+            for i, (t, w) in enumerate(zip(tensors_of(hp), tensors_of(p))):
                 if not isinstance(t, torch.Tensor) or t.shape != w.shape or t.dtype != m.grad_master_dtype \
                         or t.device != w.device or isinstance(hp, torch.Tensor) != isinstance(p, torch.Tensor) \
-                        or len(_tensors(hp)) != len(_tensors(p)):
+                        or len(tensors_of(hp)) != len(tensors_of(p)):
                     raise RegistrationError(
                         f"ultracomm: masters[{m.name!r}]: expected what params[{m.name!r}] is (a stacked tensor or a "
                         f"list of per-expert tensors, shaped {list(w.shape)}, on {w.device}) in "
@@ -604,7 +258,7 @@ class ReplicaManager:
         of reentrant checkpointing); called again inside a backward pass (activation
         recompute) it re-syncs the original step's replicas instead of planning anew.
         """
-        if not isinstance(layer, int) or not 0 <= layer < self.num_layers or self._layers[layer] is None:
+        if not isinstance(layer, int) or not 0 <= layer < self.num_layers or self.layers[layer] is None:
             raise RegistrationError(f"ultracomm: layer {layer!r} is not registered; call register_layer first")
         self._check_routing(routing_map, probs)
         self._collect_orphans()
@@ -619,7 +273,7 @@ class ReplicaManager:
             vid, step = self._step_on_device(layer, routing_map, probs, grad)
         else:
             vid, step = self._step_on_host(layer, routing_map, probs, grad)
-        self._slots_owner = step
+        self.slots_owner = step
         if grad:
             self._live[vid] = weakref.ref(step)
             step._finalizer = weakref.finalize(step, _orphaned, weakref.ref(self), vid)
@@ -674,7 +328,7 @@ class ReplicaManager:
             plan = result.plan
             if self.control_plane == "host":
                 plan = ResidentPlan(torch.from_numpy(np.ascontiguousarray(result.plan.slot_src, dtype=np.int32)))
-            sync = self.ctx.weight_sync(vid, plan, async_op=self._async_ok()) or _ON_STREAM
+            sync = self.ctx.weight_sync(vid, plan, async_op=self.async_ok()) or ON_STREAM
             return vid, Step(self, layer, result, routing_map, probs, vid, sync, grad)
         except BaseException:
             self.ctx.end(vid)  # nothing of this step survives: its slot is free again
@@ -697,7 +351,7 @@ class ReplicaManager:
             device_planner.plan_on_gpu(step_loads, self.domain, self.slots_per_rank, out=out, **self.planner_options)
             # the build rejects (instead of using them) loads that never all arrived or a refused plan
             plan = ResidentPlan(out["slot_src"], exchange_status=self._board.status, planner_result=out["result"])
-            sync = self.ctx.weight_sync(vid, plan, async_op=self._async_ok()) or _ON_STREAM
+            sync = self.ctx.weight_sync(vid, plan, async_op=self.async_ok()) or ON_STREAM
             # the step's own copies (stream-ordered, small): the vid slot's buffers serve its next step
             snap = dict(loads=step_loads, slot_src=out["slot_src"].clone(), slot_quota=out["slot_quota"].clone(),
                         result=out["result"].clone())
@@ -734,12 +388,12 @@ class ReplicaManager:
 
     # -------------------------------------------------------------- abandoned steps
     @property
-    def _slots_owner(self) -> "Step | None":
+    def slots_owner(self) -> "Step | None":
         """The step whose replicas the slots hold now (held weakly: see Step._build)."""
         return None if self._owner_ref is None else self._owner_ref()
 
-    @_slots_owner.setter
-    def _slots_owner(self, step: "Step | None") -> None:
+    @slots_owner.setter
+    def slots_owner(self, step: "Step | None") -> None:
         self._owner_ref = None if step is None else weakref.ref(step)
 
     def _live_steps(self) -> list[Step]:
@@ -805,69 +459,16 @@ class ReplicaManager:
 
     def _recompute(self, target: Step, routing_map: torch.Tensor, probs: torch.Tensor | None) -> Step:
         # the slots may still hold the target (every rank decides alike: same calls, same owner)
-        sync = target._sync if self._slots_owner is target else \
-            self.ctx.restore(target.vid, async_op=self._async_ok()) or _ON_STREAM
-        self._slots_owner = target
+        sync = target._sync if self.slots_owner is target else \
+            self.ctx.restore(target.vid, async_op=self.async_ok()) or ON_STREAM
+        self.slots_owner = target
         return Step(self, target.layer, target._result, routing_map, probs, target.vid, sync, True, target=target,
                     resident=target._resident)
 
-    # -------------------------------------------------------------- gradients
-    def _acquire_staging(self) -> int:
-        i = self._next_staging
-        self._next_staging ^= 1
-        work = self._staging_work[i]
-        if work is not None:  # its reduce copies out of it: the zero_() below must come after
-            work.wait_stream()
-            self._staging_work[i] = None
-        for t in self._staging[i]:
-            if t is not None:
-                t.zero_()
-        return i
-
-    def _zero_master_staging(self, rows: list[int] | None) -> None:
-        """Zero the rows the next reduction adds into (every row where the plan is on the GPU)."""
-        for g in self._master_grads:
-            if g is None:
-                continue
-            if rows is None:
-                g.zero_()
-            else:
-                for j in rows:
-                    g[j].zero_()
-
-    def _master_contributions(self, layer: int, rows: list[int] | None, inputs: Sequence[int],
-                              needs: Sequence[bool]) -> list[torch.Tensor | None]:
-        """Per master anchor of ``layer``, from the staging a reduction just filled: its reduced
-        replica contribution as an autograd gradient in the master's dtype (None where no expert
-        of it has a replica, or it takes no gradient); or, where the master has a ``main_grad``
-        now, the contribution added into it and what Megatron's fused path returns instead."""
-        out: list[torch.Tensor | None] = []
-        L = self._layers[layer]
-        for i, need in zip(inputs, needs):
-            t, (m, j0, n) = L.anchors[i], L.rows[i]
-            mine = list(range(n)) if rows is None else [j - j0 for j in rows if j0 <= j < j0 + n]
-            if not need or not mine:
-                out.append(None)
-                continue
-            src = self._master_grads[m][j0:j0 + n].view(t.shape)  # a per-expert anchor: n == 1
-            main_grad = getattr(t, "main_grad", None)
-            if main_grad is not None:
-                if len(mine) == n:
-                    main_grad.add_(src)
-                else:
-                    for k in mine:
-                        main_grad[k].add_(src[k])
-                # the flag is left alone: DDP resets it once per iteration, so setting it here would
-                # drop an unfused home .grad of the next micro-batch
-                out.append(fused_wgrad_return(t, mark=False))
-            elif len(mine) == n:
-                out.append(src.to(t.dtype, copy=True))
-            else:  # rows without a replica: zeros (the staging there holds another layer's sums)
-                g = torch.zeros(t.shape, dtype=t.dtype, device=t.device)
-                for k in mine:
-                    g[k].copy_(src[k])
-                out.append(g)
-        return out
+    def retire(self, vid: int) -> bool:
+        """A step's backward is done (or it was dropped): it no longer counts as in flight.
+        Returns whether it did."""
+        return self._live.pop(vid, None) is not None
 
     def wait_grads(self) -> None:
         """Kept for compatibility: nothing to wait for.  The replicas' gradients are returned

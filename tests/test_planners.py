@@ -166,6 +166,7 @@ def test_domain():
 # ----------------------------------------------------------------------------- TAOT phases
 
 from ultracomm.planners import taot  # noqa: E402
+from ultracomm.planners.taot import backend as taot_backend  # noqa: E402
 
 
 def test_sinkhorn_marginals_and_topology():
@@ -463,7 +464,7 @@ def test_backends_identical(world, epr, nodes, kind):
 
 def test_phase_hand_cases_numpy_reference(monkeypatch):
     # the hand-checked phase cases hold for the numpy reference too
-    monkeypatch.setattr(taot, "_HAVE_CPP", False)
+    monkeypatch.setattr(taot_backend, "_HAVE_CPP", False)  # the flag every phase reads
     test_matching_conflict_arbitration()
     test_matching_refinements_hand_cases()
     test_consolidate_hand_case()

@@ -73,10 +73,11 @@ class Member:
         dtype: weight dtype (any dtype: bytes are moved unconverted).
         grad: whether the member carries a gradient (``False``: scales, other constants;
             multicast only, no gradient range in a grad slot).
-        master_dtype: the dtype of the master the member's gradient reduces into.  Required
-            for an FP8 member with a gradient (``torch.bfloat16`` or ``torch.float32``: the
-            high-precision weights the caller quantizes from); otherwise ``dtype`` (the
-            default) -- the registered weights are the masters themselves.
+        master_dtype: the dtype of the master the member's gradient reduces into.  For an FP8
+            member, the high-precision weights the caller quantizes from (``torch.bfloat16`` or
+            ``torch.float32``; ``ReplicaManager`` checks its masters against it; None: any of
+            them, or grads registered directly with a Context, as UltraEP's adapter does);
+            otherwise ``dtype`` (the default): the registered weights are the masters.
     """
 
     name: str
@@ -126,11 +127,10 @@ class Member:
                                   "member with grad=False (e.g. scales) has no master to reduce into")
             return
         if self.dtype in FP8_DTYPES:
-            if md not in MASTER_DTYPES:
+            if md is not None and md not in MASTER_DTYPES:
                 raise LayoutError(
-                    f"member {self.name!r} is {self.dtype} and carries a gradient: say which high-precision master "
-                    f"it is quantized from and its gradient reduces into, master_dtype= one of "
-                    f"{[str(d) for d in MASTER_DTYPES]} (got {md}); or grad=False if it carries none")
+                    f"member {self.name!r} is {self.dtype}: its master_dtype (the high-precision master it is quantized "
+                    f"from and its gradient reduces into) must be one of {[str(d) for d in MASTER_DTYPES]}, got {md}")
             return
         if md is not None and md != self.dtype:
             raise LayoutError(f"member {self.name!r}: master_dtype {md} differs from its dtype {self.dtype}; only an "
@@ -148,8 +148,9 @@ class Member:
 
     @property
     def grad_master_dtype(self) -> Optional[torch.dtype]:
-        """The dtype of the master this member's gradient reduces into (None: no gradient)."""
-        if not self.grad:
+        """The dtype of the master this member's gradient reduces into (None: no gradient, or an
+        FP8 member that names none: any of ``MASTER_DTYPES``)."""
+        if not self.grad or (self.fp8 and self.master_dtype is None):
             return None
         return self.master_dtype or self.dtype
 
@@ -184,10 +185,6 @@ class ExpertLayout:
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise LayoutError(f"duplicate member names {dup}; give each member a unique name")
-        fp8 = [m.name for m in members if m.fp8 and m.grad]
-        if fp8 and self.grad_dtype != torch.float32:
-            raise LayoutError(f"FP8 members {fp8} carry gradients: use grad_dtype=torch.float32 (an FP8 weight's "
-                              f"gradient is accumulated in fp32, as its GEMM's wgrad is), got {self.grad_dtype}")
         if self.grad_dtype not in GRAD_DTYPES:
             raise LayoutError(
                 f"grad_dtype {self.grad_dtype} is not supported; use one of "

@@ -31,7 +31,7 @@ import torch
 
 from ..context import Context
 from ..errors import ConfigError, RegistrationError, UltracommError
-from ..layout import ExpertLayout
+from ..layout import MASTER_DTYPES, ExpertLayout
 from ..planners import Domain, get_planner
 from ..planners import device as device_planner
 from ..resident_plan import ResidentPlan
@@ -237,13 +237,15 @@ class ReplicaManager:
                                         "(grad=False); pass None in its place")
             hp = hp if isinstance(hp, torch.Tensor) else list(hp)
             for i, (t, w) in enumerate(zip(tensors_of(hp), tensors_of(p))):
-                if not isinstance(t, torch.Tensor) or t.shape != w.shape or t.dtype != m.grad_master_dtype \
+                want = m.grad_master_dtype
+                if not isinstance(t, torch.Tensor) or t.shape != w.shape or t.dtype not in (
+                        (want,) if want is not None else MASTER_DTYPES) \
                         or t.device != w.device or isinstance(hp, torch.Tensor) != isinstance(p, torch.Tensor) \
                         or len(tensors_of(hp)) != len(tensors_of(p)):
                     raise RegistrationError(
                         f"ultracomm: masters[{m.name!r}]: expected what params[{m.name!r}] is (a stacked tensor or a "
                         f"list of per-expert tensors, shaped {list(w.shape)}, on {w.device}) in "
-                        f"{m.grad_master_dtype}; got {_describe(t)}")
+                        f"{want or 'a float dtype'}; got {_describe(t)}")
             out.append(hp)
         return out
 

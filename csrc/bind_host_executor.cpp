@@ -145,7 +145,7 @@ void bind_host_executor(py::module_& m) {
          py::buffer refs, int32_t num_workers, double timeout_s, uint32_t jitter_us, uint64_t jitter_seed,
          std::optional<std::vector<int32_t>> slot_parent, bool portable_f16,
          std::optional<std::string> op_name, uint64_t digest, const std::string& mover,
-         int32_t threads_per_worker, uintptr_t abort_word) {
+         int32_t threads_per_worker, uintptr_t abort_word, uint64_t tile_bytes) {
         if (op != 0 && op != 1) throw std::invalid_argument("ultracomm.run_host: op must be 0 (multicast) or 1 (reduce)");
         if (grad_dtype < 0 || grad_dtype > 2)
           throw std::invalid_argument("ultracomm.run_host: grad_dtype must be 0 (fp32), 1 (bf16) or 2 (fp16)");
@@ -180,6 +180,7 @@ void bind_host_executor(py::module_& m) {
         a.mover = mover_kind(mover);
         a.threads_per_worker = threads_per_worker;
         a.abort_word = abort_word;
+        a.tile_bytes = tile_bytes;
         py::gil_scoped_release nogil;
         run_host(a);
       },
@@ -190,7 +191,7 @@ void bind_host_executor(py::module_& m) {
       py::arg("timeout_s"), py::arg("jitter_us") = 0, py::arg("jitter_seed") = 0,
       py::arg("slot_parent") = py::none(), py::arg("portable_f16") = false, py::arg("op_name") = py::none(),
       py::arg("digest") = 0, py::arg("mover") = "host", py::arg("threads_per_worker") = 4,
-      py::arg("abort_word") = 0,
+      py::arg("abort_word") = 0, py::arg("tile_bytes") = kDefaultTileBytes,
       R"doc(Run one rank's task list of one operation (op 0 multicast, 1 reduce) on the host.
 
 Windows are raw addresses (window_bases[world]); master_ptrs[local_index*M + m] are this
@@ -204,7 +205,9 @@ a peer this rank touches that published another one raises PlanMismatchError.  m
 "host" (one thread per worker, the reference) or "block" (threads_per_worker threads per
 worker imitating a CUDA block; same bytes).  abort_word (optional): address of a uint64
 the caller owns; once it is nonzero every worker stops and AbortedError is raised (the
-split transport's bridge stops the interpreter this way).  tasks and refs are read in place, not copied: they must not be modified until the call
+split transport's bridge stops the interpreter this way).  tile_bytes: the work unit a worker
+claims (a multiple of 16; 0 = whole chunks; default 64 KiB): a chunk's tiles go to any
+workers and the one retiring its last tile releases it (same bytes for every value).  tasks and refs are read in place, not copied: they must not be modified until the call
 returns.  Releases the GIL.
 Raises _core.TimeoutError (an ultracomm.UltracommTimeout, a TimeoutError) on a wait past timeout_s (naming the peer awaited
 and, if its ready flag shows it never started this op, that it is likely the stalled or dead

@@ -37,17 +37,21 @@ const char* op_name_of(const ExecArgs& a) { return a.op_name.c_str(); }
   throw_aborted(a);
 }
 
-// Workers that run tasks: no more than there are tasks.
-int num_groups(const ExecArgs& a) { return static_cast<int>(std::min<int64_t>(a.num_workers, a.num_tasks)); }
+// Workers that run tasks: no more than there are work units (tiles).
+int num_groups(const ExecArgs& a, const ExecView& v) {
+  return static_cast<int>(std::min<uint64_t>(static_cast<uint64_t>(a.num_workers), interp::num_units(v)));
+}
 
 // One thread per worker: the caller joins, runs worker 0 and drains; nw - 1 threads help.
 void run_host_movers(const ExecArgs& a, const ExecView& v) {
-  host::RunState run(a.num_tasks);
+  host::RunState run(static_cast<int64_t>(interp::num_units(v)));
   run.external = reinterpret_cast<const uint64_t*>(a.abort_word);
+  run.delay_unit = a.delay_unit;
+  run.delay_us = a.delay_us;
   const auto mover = [&](int w) { return host::HostMover(run, a.jitter_us, a.jitter_seed + w, a.portable_f16); };
   host::HostMover m0 = mover(0);
   interp::join(v, m0);
-  const int nw = num_groups(a);
+  const int nw = num_groups(a, v);
   if (nw > 0) {
     std::exception_ptr spawn_error;
     std::vector<std::thread> threads;
@@ -74,9 +78,11 @@ void run_host_movers(const ExecArgs& a, const ExecView& v) {
 // then group 0 drains unless a group failed.  Threads start only once all exist (a failed
 // spawn must not leave the others waiting at a barrier).  Barriers: group_barrier.h.
 void run_block_movers(const ExecArgs& a, const ExecView& v) {
-  host::RunState run(a.num_tasks);
+  host::RunState run(static_cast<int64_t>(interp::num_units(v)));
   run.external = reinterpret_cast<const uint64_t*>(a.abort_word);
-  const int G = std::max(1, num_groups(a));
+  run.delay_unit = a.delay_unit;
+  run.delay_us = a.delay_us;
+  const int G = std::max(1, num_groups(a, v));
   const int T = a.threads_per_worker;
   std::vector<std::unique_ptr<host::BlockGroup>> groups;
   for (int g = 0; g < G; ++g) groups.push_back(std::make_unique<host::BlockGroup>(T));
@@ -135,12 +141,19 @@ ExecView make_view(const ExecArgs& a) {
   v.num_refs = a.num_refs;
   v.timeout_ns = timeout_ns(a.timeout_s);
   v.digest = a.digest;
+  v.tile_bytes = a.tile_bytes;
+  v.tile_done = nullptr;  // the executor's: run_host's vector, a device plan's array
   return v;
 }
 
 void run_host(const ExecArgs& args) {
   validate(args);
-  const ExecView v = make_view(args);
+  ExecView v = make_view(args);
+  std::vector<uint32_t> tile_done;  // per task, zero: tiles retired (interp.h)
+  if (args.tile_bytes != 0 && args.tile_bytes < args.layout.chunk_bytes) {
+    tile_done.assign(static_cast<size_t>(args.num_tasks), 0);
+    v.tile_done = tile_done.data();
+  }
   if (args.mover == MoverKind::kBlock)
     run_block_movers(args, v);
   else

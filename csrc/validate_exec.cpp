@@ -44,6 +44,11 @@ void validate(const ExecArgs& a) {
   // offset or chunk count overflows 64 bits, and the chunk count must cover the slot.
   const WindowLayout& L = a.layout;
   if (const char* e = window_layout_error(L.slots, L.weight_slot_bytes, L.grad_slot_bytes, L.chunk_bytes)) bad(e);
+  if (a.tile_bytes % 16 != 0)
+    bad("tile_bytes must be a multiple of 16 (or 0: whole chunks), got " + std::to_string(a.tile_bytes));
+  if (a.tile_bytes != 0 && ceil_div(L.chunk_bytes, a.tile_bytes) > 0x7fffffffu)
+    bad("tile_bytes " + std::to_string(a.tile_bytes) + " splits a chunk of " + std::to_string(L.chunk_bytes) +
+        " bytes into more than 2^31 - 1 tiles");
   if (!L.chunks_cover(a.op))
     bad("the layout's " + std::to_string(L.chunks(a.op)) + " chunks of " + std::to_string(L.chunk_bytes) +
         " bytes do not cover the slot's " + std::to_string(L.slot_bytes(a.op)) + " bytes");

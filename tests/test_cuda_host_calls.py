@@ -50,8 +50,8 @@ def test_plan_upload_waits_for_the_copy_to_land(probe):
     # a pageable cudaMemcpy may return before its DMA landed; the DMA rides the legacy stream,
     # which does not order torch's non-blocking streams: the plan waits for that stream
     log = calls(probe, "plan_upload")
-    assert log[:3] == ["cudaMalloc 832", "cudaMemcpy 832 H2D", "cudaStreamSynchronize legacy"], log
-    assert log[3] == "plan ready 832" and log[4:] == ["cudaFree"], log
+    assert log[:3] == ["cudaMalloc 864", "cudaMemcpy 864 H2D", "cudaStreamSynchronize legacy"], log
+    assert log[3] == "plan ready 864" and log[4:] == ["cudaFree"], log
 
 
 def test_plan_upload_failure_frees_and_names_the_call(probe):
@@ -122,15 +122,15 @@ def test_plan_arena_is_allocated_once_and_written_with_async_copies(probe):
     # previous launch of its kind, and the kernel reads it at the slot's fixed address (slot 1's
     # multicast area: arena base 8448 + 2 x 768; its lists at the arena's bounds, so that a device
     # build may follow in the same slot); running what the slot holds copies nothing
-    view = "  views +9984 op 0 tasks 1 at +10448"
+    view = "  views +9984 op 0 tasks 1 at +10464"
     assert run == ["-- write slot 1",
-                   "cudaMemcpyAsync 576 H2D s1 +9984", "cudaEventRecord e5 s1",
+                   "cudaMemcpyAsync 600 H2D s1 +9984", "cudaEventRecord e5 s1",
                    "launch grid 1 smem 65568 plain s1", view, "cudaEventRecord e1 s1",
                    "-- rerun slot 1",
                    "cudaEventQuery e5",  # an eager launch retires the finished copies (a capture may then write)
                    "launch grid 1 smem 65568 plain s1", view, "cudaEventRecord e1 s1",
                    "-- rewrite slot 1",  # the previous copy out of this staging finished: no query, no wait
-                   "cudaMemcpyAsync 576 H2D s1 +9984", "cudaEventRecord e5 s1",
+                   "cudaMemcpyAsync 600 H2D s1 +9984", "cudaEventRecord e5 s1",
                    "launch grid 1 smem 65568 plain s1", view, "cudaEventRecord e1 s1",
                    "-- slot 2 empty", "cudaFree", "cudaFree",
                    "threw ultracomm._cuda.Runner.launch: plan arena slot 2 holds no plan for this op; pass the "
@@ -159,17 +159,17 @@ def test_device_step_builds_into_the_templates_and_runs_what_it_built(probe):
              for op, w in ((0, mc), (1, rd))]
     want_log = [
         "-- templates slot 1",
-        "cudaMemcpyAsync 896 H2D s1 +10752", "cudaEventRecord e5 s1", "cudaEventRecord e1 s1",
-        "cudaStreamWaitEvent s1 e2", "cudaMemcpyAsync 1184 H2D s1 +11776", "cudaEventRecord e6 s1",
+        "cudaMemcpyAsync 936 H2D s1 +10752", "cudaEventRecord e5 s1", "cudaEventRecord e1 s1",
+        "cudaStreamWaitEvent s1 e2", "cudaMemcpyAsync 1248 H2D s1 +11776", "cudaEventRecord e6 s1",
         "cudaEventRecord e2 s1",
         "-- build slot 1",  # behind both templates on its own stream: nothing to wait for
         "launch build_slot views +10752 +11776 caps 6/12 s1", "cudaEventRecord e1 s1", "cudaEventRecord e2 s1",
         *views, f"  result generation 1 status 0 digest {d} failures 0",
         "-- run slot 1",  # the first eager launch retires the finished copies (the earlier reduce's, the templates)
         "cudaEventQuery e4", "cudaEventQuery e5", "cudaEventQuery e6",
-        "launch grid 1 smem 65568 plain s1", f"  views +10752 op 0 tasks {len(mc['tasks'])} at +11296",
+        "launch grid 1 smem 65568 plain s1", f"  views +10752 op 0 tasks {len(mc['tasks'])} at +11312",
         "cudaEventRecord e1 s1",
-        "launch grid 1 smem 65568 plain s1", f"  views +11776 op 1 tasks {len(rd['tasks'])} at +12320",
+        "launch grid 1 smem 65568 plain s1", f"  views +11776 op 1 tasks {len(rd['tasks'])} at +12336",
         "cudaEventRecord e2 s1"]
     assert log[i:i + len(want_log) + 1] == [*want_log, "-- build as rank 2 into rank 1's template"], log[i:]
     assert (mc["parent_rank"][1].tolist(), rd["parent_rank"][1].tolist()) == ([0, 3], [0, 3])
@@ -197,7 +197,7 @@ def test_plan_arena_waits_only_when_the_device_is_a_whole_slot_cycle_behind(prob
     i = run.index("-- rewrite slot 1")
     # the launch's retire finds it in flight, then the write waits for it
     assert run[i + 1:i + 5] == ["cudaEventQuery e5", "cudaEventQuery e5", "cudaEventSynchronize e5",
-                                "cudaMemcpyAsync 576 H2D s1 +9984"]
+                                "cudaMemcpyAsync 600 H2D s1 +9984"]
     assert run.count("cudaEventSynchronize e5") == 1
 
 
@@ -205,7 +205,7 @@ def test_plan_arena_under_capture_copies_from_the_staging_at_replay(probe):
     # a captured copy is a graph node reading the staging when replayed: no event is recorded for
     # it (an event recorded in a capture cannot be queried outside it)
     _, run = _arena(probe, "arena_capture")
-    assert [c for c in run if c.startswith("cudaMemcpyAsync")] == ["cudaMemcpyAsync 576 H2D s100 +9984"] * 2
+    assert [c for c in run if c.startswith("cudaMemcpyAsync")] == ["cudaMemcpyAsync 600 H2D s100 +9984"] * 2
     assert not [c for c in run if c.startswith(("cudaEventQuery", "cudaEventSynchronize", "cudaEventRecord e5"))]
 
 

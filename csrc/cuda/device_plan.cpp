@@ -65,7 +65,7 @@ std::vector<unsigned char> plan_image(const std::vector<ExecArgs>& ranks, uintpt
   // views first (patched below), then each rank's arrays
   Image img;
   img.bytes.resize(sizeof(ExecView) * ranks.size());
-  struct Offsets { size_t bases, masters, lidx, slots, parent, tasks, refs; };
+  struct Offsets { size_t bases, masters, lidx, slots, parent, tasks, refs, done; };
   std::vector<Offsets> off(ranks.size());
   for (size_t i = 0; i < ranks.size(); ++i) {
     const ExecArgs& a = ranks[i];
@@ -79,6 +79,9 @@ std::vector<unsigned char> plan_image(const std::vector<ExecArgs>& ranks, uintpt
                            cap ? static_cast<size_t>(cap->tasks) * sizeof(Task) : 0);
     off[i].refs = img.add(a.refs, static_cast<size_t>(a.num_refs) * sizeof(Ref),
                           cap ? static_cast<size_t>(cap->refs) * sizeof(Ref) : 0);
+    // the tiles' retire counters (interp.h), one per task, zero
+    const int64_t ntasks = cap && cap->tasks > 0 ? cap->tasks : a.num_tasks;
+    off[i].done = img.add(nullptr, 0, static_cast<size_t>(ntasks) * sizeof(uint32_t));
   }
   // a template's arrays exist even when empty now: the device step writes into them
   const auto n_or_cap = [&](size_t n, int64_t c) { return cap && c > 0 ? static_cast<size_t>(c) : n; };
@@ -94,6 +97,8 @@ std::vector<unsigned char> plan_image(const std::vector<ExecArgs>& ranks, uintpt
                                           : at<int32_t>(base, off[i].parent, n_or_cap(a.slot_parent.size(), cap ? cap->slots : 0));
     v.tasks = at<Task>(base, off[i].tasks, n_or_cap(static_cast<size_t>(a.num_tasks), cap ? cap->tasks : 0));
     v.refs = at<Ref>(base, off[i].refs, n_or_cap(static_cast<size_t>(a.num_refs), cap ? cap->refs : 0));
+    v.tile_done = const_cast<uint32_t*>(
+        at<uint32_t>(base, off[i].done, n_or_cap(static_cast<size_t>(a.num_tasks), cap ? cap->tasks : 0)));
     std::memcpy(img.bytes.data() + i * sizeof(ExecView), &v, sizeof v);
   }
   return std::move(img.bytes);
@@ -103,7 +108,8 @@ size_t plan_image_bytes(int64_t nranks, int64_t world, int64_t num_experts, int6
                         int64_t tasks, int64_t refs) {
   const size_t per_rank = align16(world * sizeof(uintptr_t)) + align16(masters * sizeof(uintptr_t)) +
                           align16(num_experts * sizeof(int32_t)) + 2 * align16(slots * sizeof(int32_t)) +
-                          align16(tasks * sizeof(Task)) + align16(refs * sizeof(Ref));
+                          align16(tasks * sizeof(Task)) + align16(refs * sizeof(Ref)) +
+                          align16(tasks * sizeof(uint32_t));
   return align16(nranks * sizeof(ExecView)) + nranks * per_rank;
 }
 

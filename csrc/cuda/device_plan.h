@@ -27,7 +27,8 @@ struct ImageCapacity {
 };
 
 // Host image of one launch's views and arrays ([ExecView x nranks], then per rank: window
-// bases, masters, local_index_of, my_slots, slot_parent, tasks, refs, each 16-byte aligned),
+// bases, masters, local_index_of, my_slots, slot_parent, tasks, refs, the tasks' tile counters
+// (zero), each 16-byte aligned),
 // with every pointer rebased onto `base`, the device address the image will be copied to.
 // cap: the template layout above (nullptr: each array as long as the entry's).
 std::vector<unsigned char> plan_image(const std::vector<ExecArgs>& ranks, uintptr_t base,

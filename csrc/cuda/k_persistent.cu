@@ -57,8 +57,10 @@ __device__ bool first_ticket(uint32_t* counter, dev::MoverBase& m) {
   return m.broadcast(first) != 0;
 }
 
+// Two CTAs per SM (<= 128 registers): what loopback grids on the shared ring and co-resident
+// compute need (tests/test_reduce_hunk.py); the tile claims of issue 34 took sm_100 past 128.
 template <class D>
-__global__ void __launch_bounds__(dev::kThreads, 1) k_persistent(const PersistentArgs a) {
+__global__ void __launch_bounds__(dev::kThreads, 2) k_persistent(const PersistentArgs a) {
 #if defined(__CUDA_ARCH__)
   __shared__ dev::GroupShared sh;
   __shared__ ExecView view;
@@ -81,10 +83,14 @@ __global__ void __launch_bounds__(dev::kThreads, 1) k_persistent(const Persisten
     if (m.leader()) ok = !m.aborted();
     if (m.broadcast(ok)) interp::drain(view, m);
   }
-  // The launch's last CTA resets what the next launch must find zero and records each rank's
-  // epoch; the next launch on this stream starts after this kernel completed.
+  // The launch's last CTA resets what the next launch must find zero (also the tile counters a
+  // failed launch left; a completed one's are zero again) and records each rank's epoch; the
+  // next launch on this stream starts after this kernel completed.
   if (last_to_arrive(&a.state->done_ctas, gridDim.x, m) && m.leader()) {
+    const bool failed = m.aborted();  // tiles of a failed launch may have left counts behind
     for (int r = 0; r < a.nranks; ++r) {
+      if (failed && a.views[r].tile_done != nullptr)
+        for (int64_t i = 0; i < a.views[r].num_tasks; ++i) a.views[r].tile_done[i] = 0;
       RankState& s = a.state->ranks[r];
       s.last_epoch = epoch;
       s.next_task = 0;

@@ -113,6 +113,18 @@ class MoverBase {
     if (r >= 0 && r < interp::kPeerCacheRanks) sh_->known[r >> 5] |= 1u << (r & 31);
   }
 
+  // Leader: one tile of a split task done (interp.h).  acq_rel at device scope: the CTAs that
+  // retire a task's tiles are on this GPU; each one's copies were complete (before_release)
+  // before its add, and the last one's fence.acq_rel.sys before the flags is cumulative, so a
+  // peer that acquires a flag sees every tile.  The last one resets the counter for the next
+  // launch (a failed launch's counters are reset by its last CTA, k_persistent).
+  __device__ bool retire(uintptr_t counter, uint32_t tiles) {
+    cuda::atomic_ref<uint32_t, cuda::thread_scope_device> c(*reinterpret_cast<uint32_t*>(counter));
+    if (c.fetch_add(1u, cuda::memory_order_acq_rel) + 1u != tiles) return false;
+    c.store(0u, cuda::memory_order_relaxed);
+    return true;
+  }
+
   __device__ uint64_t now_ns() { return globaltimer_ns(); }
   __device__ uint64_t epoch() const { return env_.epoch; }
 

@@ -69,9 +69,11 @@ inline void jitter(uint64_t& rng, uint32_t jitter_us) {
 
 // Shared by every worker group of one rank's operation.
 struct RunState {
-  explicit RunState(int64_t tasks) : num_tasks(tasks) {}
-  const int64_t num_tasks;
-  std::atomic<int64_t> next{0};
+  explicit RunState(int64_t units) : num_units(units) {}
+  const int64_t num_units;        // work units (tiles of tasks, interp.h) the claims hand out
+  std::atomic<int64_t> next{0};  // the claim counter
+  int64_t delay_unit = -1;       // testing (ExecArgs::delay_unit / delay_us)
+  uint32_t delay_us = 0;
   std::atomic<bool> abort{false};
   // Optional word outside the run (ExecArgs::abort_word): nonzero stops every group as a
   // failure would, but records none (e.g. the split transport's bridge failed).

@@ -28,16 +28,25 @@ class HostMoverBase {
   uint64_t now_ns() { return host::now_ns(); }
   void relax(uint32_t spins) { host::relax(spins); }
   bool aborted() { return run_.stopped(); }  // a failure, or the caller's abort word
+  // One tile of a split task done (interp.h): acq_rel, so the last one's release carries every
+  // tile's copies; its worker resets the counter.
+  bool retire(uintptr_t counter, uint32_t tiles) {
+    auto* c = reinterpret_cast<uint32_t*>(counter);
+    if (__atomic_add_fetch(c, 1u, __ATOMIC_ACQ_REL) != tiles) return false;
+    __atomic_store_n(c, 0u, __ATOMIC_RELAXED);
+    return true;
+  }
   void fail(const ErrorRecord& r) { run_.fail(r); }
 
  protected:
   HostMoverBase(RunState& run, uint32_t jitter_us, uint64_t jitter_seed, bool portable_f16)
       : run_(run), rng_(jitter_seed), jitter_us_(jitter_us), portable_f16_(portable_f16) {}
 
-  // The next task index (-1 once aborted), after a random 0..jitter_us sleep before a real task.
+  // The next work unit (-1 once aborted), after a random 0..jitter_us sleep before a real one.
   int64_t claim_task() {
     const int64_t i = run_.claim();
-    if (i >= 0 && i < run_.num_tasks) jitter(rng_, jitter_us_);
+    if (i >= 0 && i < run_.num_units) jitter(rng_, jitter_us_);
+    if (i == run_.delay_unit && run_.delay_us) std::this_thread::sleep_for(std::chrono::microseconds(run_.delay_us));
     return i;
   }
 

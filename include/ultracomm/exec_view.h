@@ -13,6 +13,7 @@
 namespace ultracomm {
 
 constexpr int kMaxMembers = 8;  // members of one expert (fc1, fc2, biases, scales ...)
+constexpr uint64_t kDefaultTileBytes = 64 * 1024;  // ExecView::tile_bytes unless a caller sets another
 
 struct ExecView {
   Op op;
@@ -38,6 +39,13 @@ struct ExecView {
   int64_t num_refs;
   uint64_t timeout_ns;            // per wait; UINT64_MAX = never
   uint64_t digest;                // this op's schedule digest, published beside ready[op]
+  // Tiles (interp.h run_tasks): a task's chunk is moved as tiles of tile_bytes (a multiple of 16),
+  // claimed by any worker; the worker retiring a task's last tile on tile_done[task] releases the
+  // chunk.  tile_bytes 0 or >= layout.chunk_bytes, or tile_done null: one tile per task (a task
+  // whole, as one worker's).  tile_done: [num_tasks] uint32, zero before a run and after every
+  // run that completed (the last tile's worker resets its counter); writable by the executor.
+  uint64_t tile_bytes;
+  uint32_t* tile_done;
 };
 static_assert(std::is_trivially_copyable_v<ExecView>, "ExecView is passed to kernels by value");
 static_assert(sizeof(ExecView) <= 512, "ExecView must stay small (kernel parameter space)");

@@ -53,6 +53,8 @@ struct ExecArgs {
   double timeout_s = 100.0;  // > 0; >= 1e9 (or inf) never times out
   uint32_t jitter_us = 0;  // testing: random sleep up to this before each task
   uint64_t jitter_seed = 0;  // worker w draws from a PRNG seeded with jitter_seed + w
+  int64_t delay_unit = -1;   // testing: the worker that claims this work unit (tile) sleeps
+  uint32_t delay_us = 0;     //   delay_us before moving it (holds one tile of a chunk back)
   bool portable_f16 = false;  // testing: portable fp16 conversions instead of F16C (same bits)
   // This op's schedule digest, published beside ready[op]; a peer touching this rank with
   // another digest (or kRejectedDigest) raises PlanMismatchError.  Must not be kRejectedDigest.
@@ -63,6 +65,9 @@ struct ExecArgs {
   // e.g. the split transport's bridge failed).  0 = none.
   uintptr_t abort_word = 0;
   int32_t threads_per_worker = 4;  // kBlock only, 1..64
+  // Bytes of the work unit a worker claims (interp.h tiles): a multiple of 16, or 0 for whole
+  // chunks; a chunk no longer than it is one tile.  Results are the same bytes for every value.
+  uint64_t tile_bytes = kDefaultTileBytes;
 };
 
 // ExecArgs checked by validate() as the interpreter sees them (pointers into `a`).
@@ -71,7 +76,8 @@ ExecView make_view(const ExecArgs& a);
 // Runs the operation to completion on this rank:
 //  1. raise own ready[op] = epoch; for reduce, raise grad_ready of every own replica slot
 //     that is not a relay (not the `self` of any own reduce task), all chunks;
-//  2. workers claim tasks in list order and run them;
+//  2. workers claim tiles of tasks (tile_bytes each, a chunk's last one shorter) in list order
+//     and move them; the worker retiring a chunk's last tile releases the chunk's flags;
 //  3. wait until every own non-empty slot has all chunks arrived (multicast) or consumed
 //     by its parent (reduce).
 // Every wait gives up after timeout_s (TimeoutError naming rank, op_name, epoch, expert,

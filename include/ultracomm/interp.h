@@ -6,7 +6,7 @@
 //
 // A driver runs, for one rank and one operation:
 //   join(v, m)       one group, once, before or while the others claim tasks;
-//   run_tasks(v, m)  every group, concurrently;
+//   run_tasks(v, m)  every group, concurrently: claims tiles of tasks (list order) until none is left;
 //   drain(v, m)      one group, once, after every group's run_tasks returned and only if no
 //                    group failed (so a task's timeout is reported, not the drain's).
 #pragma once
@@ -71,7 +71,8 @@ concept Mover = requires(M m, const M cm, uintptr_t a, uint64_t u, uint32_t s, E
   { cm.leader() } -> std::same_as<bool>;                  // the thread that loads/stores flags
   { m.sync() };                                           // group barrier
   { m.template broadcast<uint64_t>(u) } -> std::same_as<uint64_t>;  // leader's value to all
-  { m.claim() } -> std::same_as<int64_t>;                 // next task index; -1 once aborted
+  { m.claim() } -> std::same_as<int64_t>;                 // next work unit (tile) index; -1 once aborted
+  { m.retire(a, s) } -> std::same_as<bool>;               // leader only: one tile of a task done (below)
   { m.load_acquire(a) } -> std::same_as<uint64_t>;        // leader only, system scope
   { m.load_relaxed(a) } -> std::same_as<uint64_t>;        // leader only, system scope: a poll
   { m.store_release(a, u) };                              // leader only, system scope
@@ -87,6 +88,43 @@ concept Mover = requires(M m, const M cm, uintptr_t a, uint64_t u, uint32_t s, E
   { m.copy(p, 1, a, u) };                                 // one segment to n destinations
   { m.before_release() };                                 // copies complete+visible before release
   { m.template reduce<GradF32>(a, srcs, 1, u) };          // dst = D(f32(dst) + srcs[0] + ...)
+};
+
+// Mover::retire(counter, tiles): adds one to the uint32 at `counter` (acq_rel: every earlier
+// tile's copies, complete at its before_release, happen before the last one's release); true in
+// the worker that retired the task's last tile, which also stores 0 back (nobody else touches
+// the counter again in this run, so the next run finds it zero).
+
+// ---------------------------------------------------------------------------------------
+// tiles: the unit a worker claims.  A task's chunk [offset, offset + bytes) is split into
+// tiles of v.tile_bytes (the last one shorter); the claim counter numbers the tiles of the
+// whole list in list order, tiles_per_chunk(v) units per task (unit u: tile u % T of task
+// u / T; a short chunk's missing tiles are claimed and skipped), so any worker may take any
+// tile and the chunk stays the unit a receiver waits for: the worker that retires a task's
+// last tile (per-task counter v.tile_done[task]) releases it, as the task's one worker did
+// when a task was one tile.  A reduce tile covers a byte range and adds every source for it,
+// in list order: each element is still summed in the schedule's order by one worker.
+
+// Every task is one tile: tiles off, or none shorter than a chunk (task bytes <= chunk_bytes).
+UC_INLINE bool whole_chunks(const ExecView& v) {
+  return v.tile_done == nullptr || v.tile_bytes == 0 || v.tile_bytes >= v.layout.chunk_bytes;
+}
+// Units per task (T): a whole chunk's tiles (task bytes <= chunk_bytes).
+UC_INLINE uint64_t tiles_per_chunk(const ExecView& v) {
+  return whole_chunks(v) ? 1 : ceil_div(v.layout.chunk_bytes, v.tile_bytes);
+}
+// Tiles that hold bytes of task t (<= T).
+UC_INLINE uint64_t tiles_of(const ExecView& v, const Task& t) {
+  return whole_chunks(v) || t.bytes <= v.tile_bytes ? 1 : ceil_div(t.bytes, v.tile_bytes);
+}
+// Work units of the list: what the claim counter hands out before it runs dry.
+UC_INLINE uint64_t num_units(const ExecView& v) { return static_cast<uint64_t>(v.num_tasks) * tiles_per_chunk(v); }
+
+// One claimed tile: bytes [offset, offset + bytes) of its task's chunk, one of `count`.
+struct Tile {
+  uint64_t offset;
+  uint64_t bytes;
+  uint64_t count;
 };
 
 // ---------------------------------------------------------------------------------------
@@ -246,7 +284,7 @@ template <class M>
 UC_HD bool task_in_bounds(const ExecView& v, M& m, const Task& t, int64_t ti) {
   const uint64_t sb = v.layout.slot_bytes(v.op);
   const bool ok = t.chunk >= 0 && static_cast<uint64_t>(t.chunk) < v.layout.chunks(v.op) && t.offset < sb &&
-                  t.bytes <= sb - t.offset && t.ref_begin >= 0 && t.ref_count >= 0 &&
+                  t.bytes <= sb - t.offset && t.bytes <= v.layout.chunk_bytes && t.ref_begin >= 0 && t.ref_count >= 0 &&
                   t.ref_begin <= v.num_refs - t.ref_count;
   if (!ok && m.leader()) {
     ErrorRecord rec = what(v, kFlagNone, ti, t.expert, t.chunk, t.self.slot, -1);
@@ -281,11 +319,11 @@ UC_HD int32_t leader_gather_joined(const ExecView& v, M& m, const Task& t, int64
 }
 
 template <class M>
-UC_HD void copy_to(const ExecView& v, M& m, const Task& t, const Ref* dsts, int32_t n) {
+UC_HD void copy_to(const ExecView& v, M& m, const Task& t, const Tile& tile, const Ref* dsts, int32_t n) {
   // constant-bound loops (UC_UNROLL): the arrays stay in registers on the device
   uintptr_t base[kMaxCopyDsts];
   UC_UNROLL for (int32_t j = 0; j < kMaxCopyDsts; ++j) base[j] = j < n ? slot_addr(v, dsts[j].rank, dsts[j].slot) : 0;
-  for_each_segment(v, t.offset, t.bytes, [&](int32_t mem, uint64_t lo, uint64_t hi) {
+  for_each_segment(v, tile.offset, tile.bytes, [&](int32_t mem, uint64_t lo, uint64_t hi) {
     uintptr_t d[kMaxCopyDsts];
     UC_UNROLL for (int32_t j = 0; j < kMaxCopyDsts; ++j) d[j] = base[j] + lo;
     m.copy(d, n, self_addr(v, t, mem, lo), hi - lo);
@@ -301,10 +339,32 @@ UC_HD void release_arrivals(const ExecView& v, M& m, const Task& t, const Ref* d
     m.store_after_fence(v.window_bases[dsts[j].rank] + v.layout.arrival_flag(dsts[j].slot, t.chunk), v.epoch);
 }
 
-// Copy task: a relay first waits for its own chunk; then, per batch of joined destinations,
-// copy every member segment, and only after the copies release each destination's arrival flag.
+#if defined(ULTRACOMM_MUTATE_RELEASE_BEFORE_COPY)  // mutation test: flag before the data
+constexpr bool kMutReleaseBeforeCopy = true;
+#else
+constexpr bool kMutReleaseBeforeCopy = false;
+#endif
+#if defined(ULTRACOMM_MUTATE_RELEASE_EACH_TILE)  // mutation test: every tile's worker releases the chunk
+constexpr bool kMutReleaseEachTile = true;
+#else
+constexpr bool kMutReleaseEachTile = false;
+#endif
+
+// Leader, after the group's before_release of a tile of a split task: true where this tile was
+// the task's last (this worker then releases the chunk).
 template <class M>
-UC_HD bool run_copy(const ExecView& v, M& m, const Task& t, int64_t ti) {
+UC_HD bool retire_tile(const ExecView& v, M& m, int64_t ti, const Tile& tile) {
+  const bool last = m.retire(reinterpret_cast<uintptr_t>(v.tile_done + ti), static_cast<uint32_t>(tile.count));
+  return last || kMutReleaseEachTile;
+}
+
+// Copy tile: a relay first waits for its own chunk; then, per batch of joined destinations,
+// copy every member segment of the tile.  A task of one tile releases each batch's arrival
+// flags after that batch's copies (the joined-only progress rule); a split task's tiles each
+// copy to every destination, and the worker retiring the last tile releases them all (one
+// fence, then the flags).
+template <class M>
+UC_HD bool run_copy(const ExecView& v, M& m, const Task& t, int64_t ti, const Tile& tile) {
 #if !defined(ULTRACOMM_MUTATE_RELAY_WAIT)  // mutation test: forward without waiting for the chunk
   if (t.self.slot >= 0) {
     const int32_t parent = parent_of(v, t.self.slot);
@@ -314,31 +374,35 @@ UC_HD bool run_copy(const ExecView& v, M& m, const Task& t, int64_t ti) {
   }
 #endif
   const Ref* refs = v.refs + t.ref_begin;
+  const bool split = tile.count > 1;
   for (int32_t k = 0; k < t.ref_count;) {
     int32_t n = 0;
     if (m.leader()) n = leader_gather_joined(v, m, t, ti, refs + k, t.ref_count - k);
     n = static_cast<int32_t>(m.broadcast(static_cast<uint64_t>(n)));
     if (n == 0) return false;
     m.after_acquire();
-#if defined(ULTRACOMM_MUTATE_RELEASE_BEFORE_COPY)  // mutation test: flag before the data
-    release_arrivals(v, m, t, refs + k, n);
-    copy_to(v, m, t, refs + k, n);
-    m.before_release();
-#else
-    copy_to(v, m, t, refs + k, n);
-    m.before_release();
-    release_arrivals(v, m, t, refs + k, n);
-#endif
+    if constexpr (kMutReleaseBeforeCopy) release_arrivals(v, m, t, refs + k, n);
+    copy_to(v, m, t, tile, refs + k, n);
+    if (!split) {
+      m.before_release();
+      if constexpr (!kMutReleaseBeforeCopy) release_arrivals(v, m, t, refs + k, n);
+    }
     k += n;
+  }
+  if (split) {
+    m.before_release();
+    if (m.leader() && retire_tile(v, m, ti, tile) && !kMutReleaseBeforeCopy)
+      release_arrivals(v, m, t, refs, t.ref_count);
   }
   return true;
 }
 
-// Reduce task: wait for every source's chunk (and check its plan), then self = D(f32(self) +
-// src_0 + src_1 ...) in list order, then release consumed at each source and, for a relay's
+// Reduce tile: wait for every source's chunk (and check its plan), then, over the tile's bytes,
+// self = D(f32(self) + src_0 + src_1 ...) in list order; then the worker of the task's last
+// tile (its only one if it has one) releases consumed at each source and, for a relay's
 // partial, grad_ready of its own slot.
 template <class M, class D>
-UC_HD bool run_reduce(const ExecView& v, M& m, const Task& t, int64_t ti) {
+UC_HD bool run_reduce(const ExecView& v, M& m, const Task& t, int64_t ti, const Tile& tile) {
   const Ref* refs = v.refs + t.ref_begin;
   for (int32_t k = 0; k < t.ref_count; ++k) {
     const Ref s = refs[k];
@@ -346,12 +410,12 @@ UC_HD bool run_reduce(const ExecView& v, M& m, const Task& t, int64_t ti) {
                    [&] { return what(v, kFlagGradReady, ti, t.expert, t.chunk, s.slot, s.rank); }))
       return false;
   }
-  for_each_segment(v, t.offset, t.bytes, [&](int32_t mem, uint64_t lo, uint64_t hi) {
+  for_each_segment(v, tile.offset, tile.bytes, [&](int32_t mem, uint64_t lo, uint64_t hi) {
     const RefAddrs srcs{refs, v.window_bases, v.layout.grads_off + lo, v.layout.grad_stride, t.ref_count};
     m.template reduce<D>(self_addr(v, t, mem, lo), srcs, t.ref_count, (hi - lo) / sizeof(typename D::T));
   });
   m.before_release();
-  if (m.leader()) {
+  if (m.leader() && (tile.count == 1 || retire_tile(v, m, ti, tile))) {
     m.fence_release();
     for (int32_t k = 0; k < t.ref_count; ++k)
       m.store_after_fence(v.window_bases[refs[k].rank] + v.layout.consumed_flag(refs[k].slot, t.chunk), v.epoch);
@@ -360,16 +424,26 @@ UC_HD bool run_reduce(const ExecView& v, M& m, const Task& t, int64_t ti) {
   return true;
 }
 
-// Claims tasks in list order until none is left.  False if this group stopped on a failure.
+// Claims tiles in list order until none is left.  False if this group stopped on a failure.
 template <class M, class D>
 UC_HD bool run_tasks(const ExecView& v, M& m) {
+  const uint64_t per = tiles_per_chunk(v);
   for (;;) {
-    const int64_t i = m.claim();
-    if (i < 0) return false;
-    if (i >= v.num_tasks) return true;
-    const Task& t = v.tasks[i];
-    if (!task_in_bounds(v, m, t, i)) return false;
-    const bool ok = v.op == Op::kMulticast ? run_copy(v, m, t, i) : run_reduce<M, D>(v, m, t, i);
+    const int64_t u = m.claim();
+    if (u < 0) return false;
+    const int64_t ti = per == 1 ? u : static_cast<int64_t>(static_cast<uint64_t>(u) / per);
+    if (ti >= v.num_tasks) return true;
+    const Task& t = v.tasks[ti];
+    if (!task_in_bounds(v, m, t, ti)) return false;
+    const uint64_t k = static_cast<uint64_t>(u) - static_cast<uint64_t>(ti) * per;  // tile k of the task
+    const uint64_t count = tiles_of(v, t);
+    if (k >= count) continue;  // a short chunk has fewer tiles
+    Tile tile{t.offset, t.bytes, count};
+    if (count > 1) {
+      tile.offset = t.offset + k * v.tile_bytes;
+      tile.bytes = k + 1 < count ? v.tile_bytes : t.bytes - k * v.tile_bytes;
+    }
+    const bool ok = v.op == Op::kMulticast ? run_copy(v, m, t, ti, tile) : run_reduce<M, D>(v, m, t, ti, tile);
     if (!ok) return false;
   }
 }

@@ -8,6 +8,9 @@ switch; the clean build must report no race and no wrong byte, and every mutant 
   release_before_copy  the arrival flag is released before the copy     -> race, torn chunk
   relaxed_acquire      flags are loaded relaxed (x86 hides it)          -> race
   reverse_order        reduce sources summed backwards (fp32 grads)     -> wrong bits
+  release_each_tile    every tile's worker releases its chunk, not only
+                       the one retiring the last tile (issue 34 tiles)   -> race, torn chunk
+Tiles (--tile BYTES, default 64 KiB): chunks split into tiles that any worker claims.
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ from ultracomm.schedule import build_schedule
 from test_host_executor import layout_members
 
 ROOT = Path(__file__).resolve().parents[1]
-MUTANTS = ("relay_wait", "release_before_copy", "relaxed_acquire", "reverse_order")
+MUTANTS = ("relay_wait", "release_before_copy", "relaxed_acquire", "reverse_order", "release_each_tile")
 ESIZE = {0: 4, 1: 2, 2: 2}
 TORCH_DT = {0: torch.float32, 1: torch.bfloat16, 2: torch.float16}
 CXX = shutil.which("g++")
@@ -174,6 +177,46 @@ def test_observer_sees_complete_chunk(harness, cases, mover):
                     "--epochs", "12", "--workers", "1", "--threads", "2")
     assert races(r) == 0 and "ThreadSanitizer" not in r.stderr, r.stderr[-3000:]
     assert r.returncode == 0 and "TORN" not in r.stdout and "OK: 12 epochs" in r.stdout, r.stdout[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case,tile", [("relay_fp32", 64), ("relay_bf16", 96), ("auto_fp16", 128)])
+@pytest.mark.parametrize("mover", ["host", "block"])
+def test_tsan_clean_tiles(harness, cases, case, tile, mover):
+    """Chunks split into tiles that 3 workers claim: every byte right, no race (the tile counters
+    order each tile's copies before the last one's release)."""
+    r = run_harness(harness["clean"], cases[case], "--mover", mover, "--epochs", "6", "--workers", "3",
+                    "--threads", "2", "--jitter", "30", "--tile", str(tile))
+    assert races(r) == 0 and "ThreadSanitizer" not in r.stderr, r.stderr[-3000:]
+    assert r.returncode == 0 and "OK: 6 epochs, 0 failures" in r.stdout, r.stdout[-2000:]
+
+
+@pytest.mark.parametrize("mover", ["host", "block"])
+def test_observer_sees_complete_chunk_split_in_tiles(harness, cases, mover):
+    """The 1 MiB chunk as 16 tiles of 64 KiB over 4 workers, its last tile held back 50 ms: the
+    observer that reads the chunk the instant its flag flips sees every tile (the worker retiring
+    the last tile released it), and TSan finds its reads ordered after every tile's copy."""
+    r = run_harness(harness["clean"], cases["big_chunk"], "--mover", mover, "--ops", "mc", "--observe",
+                    "--epochs", "8", "--workers", "4", "--threads", "2", "--tile", "65536",
+                    "--delay-unit", "15", "--delay-us", "50000")
+    assert races(r) == 0 and "ThreadSanitizer" not in r.stderr, r.stderr[-3000:]
+    assert r.returncode == 0 and "TORN" not in r.stdout and "OK: 8 epochs" in r.stdout, r.stdout[-2000:]
+
+
+@pytest.mark.parametrize("mover", ["host", "block"])
+def test_mutant_release_each_tile_races(harness, cases, mover):
+    """A chunk released by the first tile's worker: while its last tile is held back (50 ms: the
+    window, not a race dodged), the observer reads the chunk -- TSan reports its reads against
+    that tile's copy and the snapshot is torn; a reduce relay's partial is consumed before all
+    its tiles are summed."""
+    r = run_harness(harness["release_each_tile"], cases["big_chunk"], "--mover", mover, "--ops", "mc", "--observe",
+                    "--epochs", "3", "--workers", "4", "--threads", "2", "--tile", "65536",
+                    "--delay-unit", "15", "--delay-us", "50000")
+    assert races(r) >= 1 and r.returncode != 0 and "TORN" in r.stdout, (r.stdout[-1000:], r.stderr[-2000:])
+    r = run_harness(harness["release_each_tile"], cases["relay_fp32"], "--mover", mover, "--ops", "reduce",
+                    "--epochs", "3", "--workers", "3", "--threads", "2", "--tile", "64",
+                    "--delay-unit", "5", "--delay-us", "20000", halt=True)
+    assert races(r) >= 1 and r.returncode != 0, (r.stdout[-1000:], r.stderr[-2000:])
 
 
 def test_executor_asserts_chunks_cover_the_slot(harness, cases):

@@ -6,7 +6,8 @@
 // (each mutant must fail here: wrong bytes, a torn chunk, or a ThreadSanitizer race).
 //
 //   interp_harness FILE [--mover host|block] [--epochs N] [--workers W] [--threads T]
-//                       [--jitter US] [--observe] [--ops mc|reduce|both]
+//                       [--jitter US] [--observe] [--ops mc|reduce|both] [--tile BYTES]
+//                       [--delay-unit K --delay-us US]   (the worker claiming tile K waits US first)
 //   interp_harness FILE --selftest     (layout checks with forged layouts)
 // Exit 0 when every check passed; 1 with "MISMATCH ..." / "TORN ..." lines otherwise.
 #include <atomic>
@@ -108,6 +109,9 @@ struct Options {
   MoverKind mover = MoverKind::kHost;
   int epochs = 10, workers = 3, threads = 4;
   uint32_t jitter_us = 0;
+  uint64_t tile_bytes = kDefaultTileBytes;  // ExecArgs::tile_bytes (0: whole chunks)
+  int64_t delay_unit = -1;
+  uint32_t delay_us = 0;
   bool observe = false, mc = true, reduce = true;
 };
 
@@ -165,6 +169,9 @@ struct World {
     a.num_workers = o.workers;
     a.timeout_s = 60;
     a.jitter_us = o.jitter_us;
+    a.tile_bytes = o.tile_bytes;
+    a.delay_unit = o.delay_unit;
+    a.delay_us = o.delay_us;
     a.jitter_seed = epoch * 1000 + r * 10;
     a.digest = 0x5eed0000u + op;
     a.mover = o.mover;
@@ -357,6 +364,9 @@ int main(int argc, char** argv) {
     else if (a == "--threads") o.threads = std::stoi(next());
     else if (a == "--jitter") o.jitter_us = static_cast<uint32_t>(std::stoul(next()));
     else if (a == "--observe") o.observe = true;
+    else if (a == "--tile") o.tile_bytes = std::stoull(next());
+    else if (a == "--delay-unit") o.delay_unit = std::stoll(next());
+    else if (a == "--delay-us") o.delay_us = static_cast<uint32_t>(std::stoul(next()));
     else if (a == "--ops") {
       const std::string v = next();
       o.mc = v != "reduce";

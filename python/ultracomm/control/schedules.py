@@ -7,9 +7,11 @@ import dataclasses
 import logging
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from ..alpha_beta import COSTS, choose_schedule
+from ..transports.split import register_direct_builder
 from ..env import Config
 from ..layout import ExpertLayout
 from ..plan import ReplicaPlan
@@ -18,7 +20,7 @@ from ..schedule import build_schedule
 from ..schedule_base import ScheduleBase
 from ..schedule_portable import build_schedule_portable, hop_bytes
 
-__all__ = ["Schedules", "CACHED"]
+__all__ = ["Schedules", "CACHED", "direct_schedule"]
 
 log = logging.getLogger("ultracomm")
 
@@ -115,3 +117,17 @@ class Schedules:
             nodes = None if len(set(self.node_of)) == 1 else torch.tensor(self.node_of, dtype=torch.int32, device=dev)
             fixed = self._device_inputs[dev] = (home, nodes)
         return fixed
+
+
+def direct_schedule(schedule: ScheduleBase, costs: Any, rank: int) -> ScheduleBase:
+    """The direct schedule (one message per member and edge, relays off) of ``schedule``'s plan
+    under ``costs``, as the ``p2p`` transport chooses on one host: what the CPU ``split``
+    transport's messages route multicasts."""
+    inp = schedule.inputs()
+    plan = ReplicaPlan.make(np.asarray(inp["slot_src"], dtype=np.int32).reshape(int(inp["world"]), -1),
+                            home_of=np.asarray(inp["home_of"], dtype=np.int32))
+    return choose_schedule(plan, int(inp["weight_bytes"]), int(inp["grad_bytes"]), costs, relay_mode="off",
+                           rank=rank).schedule
+
+
+register_direct_builder(direct_schedule)

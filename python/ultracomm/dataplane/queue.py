@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from ..errors import PlanError, UltracommError, same_kind
 from ..records import Op
-from ..resident_plan import DeviceSchedule
+from ..transports.device_schedule import DeviceSchedule
 from ..work import OrderedRunner, Work
 
 __all__ = ["OpQueue", "release"]

@@ -33,7 +33,7 @@ from typing import Any, NoReturn, Sequence
 
 import torch
 
-from ...alpha_beta import costs_for_backend
+from ..costs import costs_for_backend
 from ...records import MASTER, Op
 from ..segments import ordered_sum
 from ..base import Masters, Transport

@@ -34,12 +34,11 @@ import dataclasses
 import time
 from typing import Any, Sequence
 
-import numpy as np
 import torch
 
 from ... import _core
-from ...alpha_beta import COSTS, Route, choose_schedule, split_route
-from ...plan import ReplicaPlan
+from ..costs import COSTS, Route, split_route
+from ...errors import UltracommError
 from ...records import Op
 from .bridge import BridgeLanes, BridgeRun
 from .bridge_direct import MAX_SEGMENTS, DirectBridge, DirectPlan, build_direct_plan
@@ -60,6 +59,18 @@ _CACHE = 128  # (schedule, op) bridge programs kept
 #: for every crossing -- the one the GPU split stream runs, simulated on the CPU by
 #: tests/split_stream_sim.py.
 DIRECT_CROSSINGS = True
+
+
+#: how the messages route gets the direct schedule of a schedule's plan: ``fn(schedule, costs, rank)``,
+#: registered by the control plane (:mod:`ultracomm.control.schedules`), which owns the builders --
+#: the data plane does not import it (issue 36's layers)
+_DIRECT_BUILDER = None
+
+
+def register_direct_builder(fn) -> None:
+    """Set the direct-schedule builder of the messages route (see ``_DIRECT_BUILDER``)."""
+    global _DIRECT_BUILDER
+    _DIRECT_BUILDER = fn
 
 
 class SplitTransport(Transport):
@@ -167,12 +178,10 @@ class SplitTransport(Transport):
         chooses on one host (cached per digest)."""
         d = self._direct_schedules.get(schedule.digest)
         if d is None:
-            inp = schedule.inputs()
-            plan = ReplicaPlan.make(np.asarray(inp["slot_src"], dtype=np.int32).reshape(int(inp["world"]), -1),
-                                    home_of=np.asarray(inp["home_of"], dtype=np.int32))
-            d = choose_schedule(plan, int(inp["weight_bytes"]), int(inp["grad_bytes"]),
-                                dataclasses.replace(self.route_costs, shared=True), relay_mode="off",
-                                rank=self.rank).schedule
+            if _DIRECT_BUILDER is None:
+                raise UltracommError("ultracomm: transport 'split': no direct-schedule builder registered (the control "
+                                     "plane registers one: import ultracomm.control.schedules, as Context does)")
+            d = _DIRECT_BUILDER(schedule, dataclasses.replace(self.route_costs, shared=True), self.rank)
             if len(self._direct_schedules) >= _CACHE:
                 self._direct_schedules.clear()
             self._direct_schedules[schedule.digest] = d

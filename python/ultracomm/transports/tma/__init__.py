@@ -69,7 +69,7 @@ import numpy as np
 from ...cuda.support import cuda_runtime, raise_record, record_epoch
 from ...cuda.loopback_launch import Deposit, launches_for
 from ...records import REF_DTYPE, TASK_DTYPE, Op
-from ...resident_plan import DeviceSchedule
+from ..device_schedule import DeviceSchedule
 from ...cuda.sm_budget import choose_sms
 from ..base import GRAD_DTYPE_CODE, Masters, Transport
 from .plan_slots import PlanSlots, arena_bounds, arena_bytes

@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 
 from ...errors import UltracommError
 from ...records import Op
-from ...resident_plan import BUILD_ERROR, BUILD_STATUS
+from ..device_schedule import BUILD_ERROR, BUILD_STATUS
 from .plan_slots import PlanSlots
 
 __all__ = ["Share", "ResidentSlots"]

@@ -65,10 +65,10 @@ def host_reference(ctxs, each, plan):
     want = pools(ctxs)
     each(lambda c: c.end(vids[c.rank]))
     zero_slots(ctxs)
-    return want, max(c._epoch for c in ctxs) + 1
+    return want, max(c._queue.epoch for c in ctxs) + 1
 
 
 def set_epoch(ctxs, epoch: int) -> None:
     """The host executor's next operation runs above a simulated epoch."""
     for c in ctxs:
-        c._epoch = epoch
+        c._queue.epoch = epoch

@@ -46,7 +46,7 @@ def stalled() -> dict:
     c0, t0 = ctxs[0], ctxs[0].transport
     before = slots_of(ctxs[1])
     sched = c0.schedule_for(plan)
-    epoch = c0._epoch + 1
+    epoch = c0._queue.epoch + 1
     cmds = t0.commands(sched, c0._masters[0], plan.slot_src[0].tolist(), plan.local_index_of.tolist())
     stream = torch.cuda.current_stream()
     t0_ = time.monotonic()

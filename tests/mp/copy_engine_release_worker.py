@@ -50,7 +50,7 @@ def lost_peer(dead: bool) -> dict:
     ctxs = contexts()
     plan = ReplicaPlan.make(np.array([[1], [0]], np.int32), experts_per_rank=1)
     c0, t0, c1, t1 = ctxs[0], ctxs[0].transport, ctxs[1], ctxs[1].transport
-    epoch = max(c._epoch for c in ctxs) + 1
+    epoch = max(c._queue.epoch for c in ctxs) + 1
     stream = torch.cuda.current_stream()
     cmds = [t.commands(c.schedule_for(plan), c._masters[0], plan.slot_src[c.rank].tolist(),
                        plan.local_index_of.tolist()) for c, t in zip(ctxs, (t0, t1))]

@@ -118,11 +118,10 @@ class CopyEngineTransport(Transport):
     # ------------------------------------------------------------------ reduce: the tma kernel
     def _reducer(self):
         if self._tma is None:
-            from .. import resolve_transport
-
-            try:
-                cls = resolve_transport("tma", "cuda")
-            except NotAvailableError as e:
+            try:  # the sibling transport itself (not through resolve_transport: no circle with the package)
+                require("transport 'tma'")
+                from ..tma import TmaTransport as cls
+            except (NotAvailableError, ImportError) as e:
                 raise NotAvailableError(f"ultracomm: transport 'copy_engine' cannot reduce: its reduction is the tma "
                                         f"transport's ordered reduction kernel, which is not available ({e})") from None
             common = {"rank", "world", "window", "wlayout", "layout", "timeout_s"}

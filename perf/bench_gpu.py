@@ -24,6 +24,15 @@ Sections (each prints a table like nccl-tests and goes into the JSON):
             (loopback, zipf loads): k_load_exchange, k_quota, k_build_slot, k_reroute and the
             whole step, eagerly and inside replayed CUDA graphs (note "graph replay"), beside the
             host path; #wrong against the host builds
+  lb_prefetch  DeepEP's ``lb_prefetch_weights`` at its published test shape (issue 37; LB_SHAPE,
+            LB_MEMBERS): 8 loopback ranks, 64 experts, 8 redundant slots per rank, 64 MiB fp8 weights
+            + 16 KiB + 4 KiB fp32 scales per expert, 25% empty slots, a seeded random mapping (no
+            expert twice on a rank, none on its home): DeepEP's way (one ``copy_`` per slot and
+            tensor, direct from the home) vs ultracomm's multicast of one 3-member layout (one
+            launch, relay off), both also graph-replayed, and the deepep_lb adapter's own
+            ``LBBuffer.lb_prefetch_weights`` driven for every rank from one thread; #wrong over all
+            three tensors of every slot (empty slots keep the sentinel); ~10 GiB of device memory
+            (skipped with a note when less is free)
   copy_engine  the ``copy_engine`` transport (zero SMs: ``cuMemcpyAsync`` per destination stream,
             stream flag waits and writes) on the same loopback domains as the tile mover's copy
             (1 -> 1, copy sizes) and fan-out (1 -> N) rows: same schedule, bytes and dtype, same
@@ -37,7 +46,10 @@ Bytes counted (say exactly what a rate means):
             output), relay stream D*S (every hop's replica), relay fill D*S)
   busbw     HBM traffic / time: copy 2S (read + write); fan-out, one multicast (1+N)S, N copies
             2NS; copy_engine 2NS (each destination's copy reads the source); reduce (k+2)S (k sources, read and write the output), torch.sum (k+2)S too
-            (k+1 stacked rows, one output); relay 2DS
+            (k+1 stacked rows, one output); relay 2DS; lb_prefetch (size B = one expert's three
+            tensors, F filled slots, D distinct experts mapped): payload F*B, copies 2FB, the tile
+            mover's and the adapter's multicasts (D+F)B (each mapped expert read once, every slot
+            written); extra: sent_per_rank and critical_bytes (the busiest home's bytes, DeepEP's figure)
   time      GPU time per operation: CUDA events around ``reps`` back-to-back operations
             (median of 3 trials); ``cpu-bound`` marks rows whose enqueueing took longer than the GPU.
             Rows whose note says "graph replay" (extra timing=graph): the operation captured N
@@ -69,7 +81,8 @@ compute capability, SM count, date, torch and CUDA versions.  Unmeasured fields 
 The results JSON (and the profile, once the copy section measured cudaMemcpyAsync) are rewritten
 after every section, so a run stopped from outside keeps what it measured.  ``--budget-s``: no
 section or row starts after that many seconds (rows not started say so); 30 s are kept for
-copy_engine.  Without a CUDA device it prints why and exits with status 2 (nothing measured).
+copy_engine, and 30 s for lb_prefetch by the sections before it.  Without a CUDA device it prints
+why and exits with status 2 (nothing measured).
 """
 from __future__ import annotations
 
@@ -89,10 +102,23 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-SECTIONS = ("launch", "flag", "control", "copy", "fanout", "sweep", "reduce", "reduce_sweep", "relay", "copy_engine")
+SECTIONS = ("launch", "flag", "control", "copy", "fanout", "sweep", "reduce", "reduce_sweep", "relay", "lb_prefetch",
+            "copy_engine")
 MiB = 1 << 20
 FANOUT_BYTES = 64 * MiB
 CE_RESERVE_S = 30.0  # of --budget-s, kept for the copy_engine section
+LB_RESERVE_S = 30.0  # of --budget-s, kept for the lb_prefetch section by the sections before it
+# DeepEP's lb_prefetch_weights test shape (tests/ep/test_prefetch_weights.py at deepseek-ai/DeepEP 1a1ffbac: 8
+# ranks, 64 experts, 8 redundant slots, 64 MiB weights + 16 KiB + 4 KiB scale factors per expert, 25% empty,
+# random mapping): (world, experts per rank, slots per rank), the members (name, bytes per expert, dtype name),
+# the empty share and the mapping's seed
+LB_SHAPE = (8, 8, 8)
+LB_MEMBERS = (("weights", 64 * MiB, "float8_e4m3fn"), ("sf0", 16 << 10, "float32"), ("sf1", 4 << 10, "float32"))
+LB_EMPTY, LB_SEED = 0.25, 0
+LB_PER_GRAPH, LB_REPLAYS = 2, 5  # graph-replayed lb_prefetch rows: a few large operations per graph
+# the lb_prefetch rows' impls: DeepEP's way (a direct push, one copy per slot and tensor), ultracomm's
+# multicast of one 3-member layout, and the deepep_lb adapter's own calls
+LB_COPIES, LB_MULTICAST, LB_ADAPTER = "copy_ per (slot, tensor)", "tile mover, 3-member layout", "deepep_lb.LBBuffer"
 GOAL_COPY, GOAL_COPY_SMS, GOAL_REDUCE = 0.90, 16, 0.85
 SENTINEL = 0xA5
 # control plane shapes (label, world, experts per rank): EP8 .. EP288 loopback worlds on one GPU
@@ -295,6 +321,84 @@ def control_graph_rows(label: str, E: int, times: dict, wrong: dict, notes: Opti
     return rows
 
 
+def lb_mapping(world: int, experts_per_rank: int, slots: int, empty: float = LB_EMPTY,
+               seed: int = LB_SEED) -> np.ndarray:
+    """A DeepEP-style ``redundancy_mapping`` (int32 ``[world, slots]``, expert ids local to the domain,
+    -1 empty), seeded: in every row exactly ``round(empty x slots)`` slots are empty (DeepEP's test
+    draws each slot empty with that probability) and the others hold distinct experts (DeepEP's test
+    draws with replacement) of other ranks (never the row's own: DeepEP forbids it), in random slots."""
+    E = world * experts_per_rank
+    n_empty = int(round(empty * slots))
+    filled = slots - n_empty
+    if not 0 <= n_empty <= slots or filled > E - experts_per_rank:
+        raise ValueError(f"{slots} slots with {n_empty} empty: {filled} distinct remote experts needed, "
+                         f"{E - experts_per_rank} exist")
+    rng = np.random.default_rng(seed)
+    out = np.full((world, slots), -1, np.int32)
+    for r in range(world):
+        remote = np.concatenate([np.arange(0, r * experts_per_rank), np.arange((r + 1) * experts_per_rank, E)])
+        out[r, rng.choice(slots, size=filled, replace=False)] = rng.choice(remote, size=filled, replace=False)
+    return out
+
+
+def lb_bytes(mapping: np.ndarray, experts_per_rank: int, member_bytes: Sequence[int]) -> dict:
+    """What an lb_prefetch of ``mapping`` moves: ``per_expert`` (the members' bytes, B), ``filled``
+    slots (F), ``distinct`` experts mapped (D), ``payload`` F x B (bytes written into slots),
+    ``copy_traffic`` 2 F B (one copy per slot and tensor: each reads its source and writes),
+    ``multicast_traffic`` (D + F) B (a direct multicast reads each mapped expert once and writes every
+    slot, as the fanout rows count it), ``sent_per_rank`` (slots each home fills) and ``critical_bytes``
+    (the busiest home's: DeepEP's test reports its rate)."""
+    m = np.asarray(mapping)
+    ids = m[m >= 0]
+    B = int(sum(member_bytes))
+    F, D = int(ids.size), int(np.unique(ids).size)
+    sent = np.bincount(ids // experts_per_rank, minlength=m.shape[0]).astype(int).tolist()
+    return dict(per_expert=B, filled=F, distinct=D, payload=F * B, copy_traffic=2 * F * B,
+                multicast_traffic=(D + F) * B, sent_per_rank=sent, critical_bytes=max(sent, default=0) * B)
+
+
+def lb_members_text(members: Sequence[tuple]) -> str:
+    """``64M float8_e4m3fn + 16K float32 + 4K float32``: the bytes of one expert, member by member."""
+    return " + ".join(f"{fmt_size(n)} {dt}" for _, n, dt in members)
+
+
+def lb_row(impl: str, mapping: np.ndarray, experts_per_rank: int, members: Sequence[tuple], time_s: Optional[float],
+           wrong: Optional[int], note: str = "", extra: Optional[dict] = None, graph: Optional[tuple] = None) -> Row:
+    """One lb_prefetch row: size B (one expert's members), payload F x B, traffic by the impl (copies
+    2 F B, a multicast (D + F) B; see lb_bytes), a note saying which bytes are counted (and "graph
+    replay" for ``graph=(per_graph, replays)`` rows), extra: the counts, timing, critical bytes."""
+    b = lb_bytes(mapping, experts_per_rank, [n for _, n, _ in members])
+    W, S = np.asarray(mapping).shape
+    copies = impl == LB_COPIES
+    counted = (f"payload {b['filled']} filled slots x {b['per_expert']} B ({lb_members_text(members)}); busbw counts "
+               + ("2 x payload (each copy reads its home's tensor and writes the slot)" if copies else
+                  f"({b['distinct']} experts + {b['filled']} slots) x {b['per_expert']} B (each mapped expert read "
+                  "once, each slot written)"))
+    body = ", ".join(x for x in (note, counted) if x)
+    if time_s is None and not note.startswith(("not measured", "FAILED")):
+        body = "not measured: " + body
+    x = dict(world=W, slots=S, experts=W * experts_per_rank, filled=b["filled"], distinct=b["distinct"],
+             sent_per_rank=b["sent_per_rank"], critical_bytes=b["critical_bytes"], timing="eager")
+    if graph is not None:
+        x.update(timing="graph", per_graph=graph[0], replays=graph[1])
+        body = graph_note(graph[0], graph[1], body)
+    x.update(extra or {})
+    return Row("lb_prefetch", lb_case(W, experts_per_rank, S), impl, b["per_expert"], time_s, b["payload"],
+               b["copy_traffic"] if copies else b["multicast_traffic"], wrong if time_s is not None else None, body, x)
+
+
+def lb_case(world: int, experts_per_rank: int, slots: int) -> str:
+    return f"EP{world} {world * experts_per_rank} experts x {slots} slots"
+
+
+def lb_memory_bytes(world: int, experts_per_rank: int, slots: int, per_expert: int) -> int:
+    """Device memory the lb_prefetch section needs at its peak: the masters (world x experts x B)
+    and the adapter's pools (world x slots x B x 1.25: deepep_lb's byte pools keep a quarter more
+    for the grad region), plus 1 GiB for plan arenas and the allocator's slack (the tile mover's
+    windows, world x slots x B, are freed before the adapter's pools are made)."""
+    return world * experts_per_rank * per_expert + world * slots * per_expert * 5 // 4 + (1 << 30)
+
+
 def build_profile(rows: Sequence[Row], device: dict, stamp: str) -> dict:
     """The hardware profile dict (schema ultracomm.hwprofile/1) from the measured rows."""
     def pick(section, impl, pred=lambda r: True, key=lambda r: r.size):
@@ -375,13 +479,15 @@ class Timer:
         return statistics.median(times), cpu_bound
 
     def graph(self, fn: Callable[[], None], per_graph: int = CONTROL_PER_GRAPH,
-              replays: int = CONTROL_REPLAYS) -> float:
+              replays: int = CONTROL_REPLAYS, prepare: Optional[Callable[[], None]] = None) -> float:
         """Device time per call of ``fn`` inside a replayed CUDA graph (the one graph timer of the
         bench: control kernels, the device step, the launch rows): ``fn`` runs once eagerly (its
         one-time setup, and the check that it works), is captured ``per_graph`` times into one
         graph on a side stream, the graph is replayed once to warm, then CUDA events around
         ``replays`` back-to-back ``graph.replay()`` calls; median over trials of elapsed /
-        (replays x per_graph).  ``fn`` must enqueue on the current stream and never synchronise."""
+        (replays x per_graph).  ``fn`` must enqueue on the current stream and never synchronise.
+        ``prepare``: called once after the capture, before the first replay (e.g. refill destinations,
+        so that what is checked afterwards was written by replays only)."""
         torch = self.torch
         fn()
         torch.cuda.current_stream().synchronize()
@@ -392,6 +498,8 @@ class Timer:
             for _ in range(per_graph):
                 fn()
         torch.cuda.current_stream().wait_stream(side)
+        if prepare is not None:
+            prepare()
         g.replay()
         torch.cuda.current_stream().synchronize()
         times = []
@@ -437,7 +545,8 @@ def _cudart():
 class Gpu:
     """Measurements; each section appends Rows and never raises (failures become notes)."""
 
-    def __init__(self, quick: bool, budget_s: Optional[float] = None, reserve_s: float = 0.0):
+    def __init__(self, quick: bool, budget_s: Optional[float] = None, reserve_s: float = 0.0,
+                 lb_reserve_s: float = 0.0):
         import torch
 
         import ultracomm
@@ -454,6 +563,7 @@ class Gpu:
         self.errors: list[str] = []
         self.deadline = None if budget_s is None else time.monotonic() + budget_s
         self.reserve_s = reserve_s  # kept for copy_engine by the sections before it
+        self.lb_reserve_s = lb_reserve_s  # kept for lb_prefetch by the sections before it
         self.poisoned: Optional[str] = None  # why no device-wide synchronize may run any more
         self.kept: list = []  # what blocked copy_engine streams may still write: never freed
         from ultracomm.cuda.driver import driver_reason
@@ -491,8 +601,13 @@ class Gpu:
 
     def late(self, section: str, case: str = "-", reserve: bool = True) -> bool:
         """True (and a row saying so) when the budget leaves no time for this row (``reserve``: keep
-        the copy_engine section's share)."""
-        if self.deadline is None or time.monotonic() + (self.reserve_s if reserve else 0.0) < self.deadline:
+        the copy_engine section's share, and the lb_prefetch section's in the sections before it)."""
+        keep = 0.0
+        if reserve:
+            keep = self.reserve_s
+            if section in SECTIONS and SECTIONS.index(section) < SECTIONS.index("lb_prefetch"):
+                keep += getattr(self, "lb_reserve_s", 0.0)
+        if self.deadline is None or time.monotonic() + keep < self.deadline:
             return False
         self.rows.append(Row(section, case, "-", 0, None, 0, 0, None, "not measured: out of time (--budget-s)"))
         return True
@@ -1007,6 +1122,181 @@ class Gpu:
                                          dict(mode=mode, depth=depth, chunk=chunk, chain=chain, ctas=ctas,
                                               senders=depth)))
 
+    # -- lb_prefetch (issue 37): DeepEP's lb_prefetch_weights test shape
+    def free_bytes(self) -> int:
+        return int(self.torch.cuda.mem_get_info(self.dev)[0])
+
+    def sync(self) -> None:
+        """Wait for this device's current stream (not the device: see Timer)."""
+        if self.dev.type == "cuda":
+            self.torch.cuda.current_stream(self.dev).synchronize()
+
+    def run_lb_prefetch(self, shape: tuple = LB_SHAPE, members: Sequence[tuple] = LB_MEMBERS, empty: float = LB_EMPTY,
+                        seed: int = LB_SEED) -> None:
+        """DeepEP's ``lb_prefetch_weights`` at its test's shape (LB_SHAPE, LB_MEMBERS: 8 ranks in
+        loopback, 64 experts, 8 redundant slots per rank, 64 MiB fp8 weights + 16 KiB + 4 KiB fp32
+        scales per expert, 25% empty slots, a seeded random mapping (lb_mapping): no expert twice on
+        a rank, none on its home), every rank's masters and slots on this GPU.  Rows, same bytes and
+        dtypes, timed the same way (CUDA events around back-to-back operations, median of trials):
+          - ``copy_ per (slot, tensor)``: DeepEP's way, a direct push from each home, one
+            ``Tensor.copy_`` (a cudaMemcpyAsync D2D) per filled slot and tensor;
+          - ``tile mover, 3-member layout``: ultracomm's multicast of one ExpertLayout of the three
+            members (grad=False) through build_schedule and CudaLoopback, every rank in one launch,
+            relay off (LBDomain: Loopback generalised to several experts per rank and members);
+          - both again inside a replayed CUDA graph (note "graph replay", timing=graph);
+          - ``deepep_lb.LBBuffer``: the adapter's own calls, ``lb_prefetch_weights`` of each rank
+            in turn from this thread (its pools: one Context each, tma over cuda_local windows, the
+            last rank's call launches a pool's domain), the mapping a CPU tensor; eager only.
+        #wrong: bytes of a filled slot (all three tensors) that differ from its expert's, and of an
+        empty slot that differ from the sentinel, after the first operation and after the timed
+        ones (destinations refilled with the sentinel before each).  Skipped, with a note, when the
+        device has less free memory than lb_memory_bytes."""
+        torch = self.torch
+        W, epr, S = shape
+        mapping = lb_mapping(W, epr, S, empty, seed)
+        per_expert = sum(n for _, n, _ in members)
+        need, free = lb_memory_bytes(W, epr, S, per_expert), self.free_bytes()
+        if free < need:
+            why = f"not measured: needs {need / 2 ** 30:.1f} GiB of device memory, {free / 2 ** 30:.1f} GiB free"
+            for impl in (LB_COPIES, LB_MULTICAST, LB_ADAPTER):
+                self.rows.append(lb_row(impl, mapping, epr, members, None, None, why))
+            return
+        dtypes = [getattr(torch, dt) for _, _, dt in members]
+        layout = self.uc.ExpertLayout(tuple(self.uc.Member(name, (n // dt.itemsize,), dt, grad=False)
+                                            for (name, n, _), dt in zip(members, dtypes)))
+        gen = torch.Generator(device=self.dev).manual_seed(seed)
+        masters = [[torch.randint(0, 256, (epr, n), dtype=torch.uint8, device=self.dev, generator=gen).view(dt)
+                    for (_, n, _), dt in zip(members, dtypes)] for _ in range(W)]
+        d = LBDomain(torch, self.dev, layout, masters, mapping, epr)
+        try:
+            pairs = d.copy_pairs()
+
+            def copies():
+                for dst, src in pairs:
+                    dst.copy_(src)
+
+            def copies_rows():
+                t, cpu, wrong = self.lb_timed(copies, d.slot, masters, mapping, epr)
+                self.rows.append(lb_row(LB_COPIES, mapping, epr, members, t, wrong,
+                                        f"{len(pairs)} copies" + (", cpu-bound" if cpu else "")))
+                t, wrong = self.lb_timed_graph(copies, d.slot, masters, mapping, epr)
+                self.rows.append(lb_row(LB_COPIES, mapping, epr, members, t, wrong, f"{len(pairs)} copies",
+                                        graph=(LB_PER_GRAPH, LB_REPLAYS)))
+
+            def multicast_rows():
+                if self.tma_reason:
+                    self.rows.append(lb_row(LB_MULTICAST, mapping, epr, members, None, None,
+                                            f"not measured: {self.tma_reason}"))
+                    return
+                d.setup_cuda(self)
+                what = (f"{d.ctas} CTAs/rank" + (" (co-residency cap)" if d.capped else "")
+                        + f", {W} ranks in one launch, relay off")
+                t, cpu, wrong = self.lb_timed(d.run, d.slot, masters, mapping, epr, d.check)
+                self.rows.append(lb_row(LB_MULTICAST, mapping, epr, members, t, wrong,
+                                        what + (", cpu-bound" if cpu else ""), dict(ctas=d.ctas, senders=W)))
+                t, wrong = self.lb_timed_graph(d.run, d.slot, masters, mapping, epr, d.check)
+                self.rows.append(lb_row(LB_MULTICAST, mapping, epr, members, t, wrong, what,
+                                        dict(ctas=d.ctas, senders=W), graph=(LB_PER_GRAPH, LB_REPLAYS)))
+
+            self.lb_try(LB_COPIES, mapping, epr, members, copies_rows)
+            self.lb_try(LB_MULTICAST, mapping, epr, members, multicast_rows)
+        finally:
+            d.close()
+            self.free_cache()
+        if self.tma_reason:
+            self.rows.append(lb_row(LB_ADAPTER, mapping, epr, members, None, None, f"not measured: {self.tma_reason}"))
+        else:
+            self.lb_try(LB_ADAPTER, mapping, epr, members, lambda: self.lb_adapter(masters, mapping, epr, members))
+        masters.clear()  # the last references to the masters' 4 GiB
+        self.free_cache()
+
+    def free_cache(self) -> None:
+        if self.dev.type == "cuda" and not self.poisoned:
+            self.sync()
+            self.torch.cuda.empty_cache()
+
+    def lb_try(self, impl: str, mapping: np.ndarray, epr: int, members: Sequence[tuple],
+               fn: Callable[[], None]) -> None:
+        """One lb_prefetch measurement; a failure becomes its row (FAILED: ...) and an error."""
+        if self.late("lb_prefetch", f"{lb_case(mapping.shape[0], epr, mapping.shape[1])} {impl}"):
+            return
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - the other rows still run; the error is reported
+            self.errors.append(f"lb_prefetch {impl}: {type(e).__name__}: {e}")
+            self.rows.append(lb_row(impl, mapping, epr, members, None, None, f"FAILED: {type(e).__name__}: {e}"))
+            traceback.print_exc()
+
+    def lb_wrong(self, slot: Callable, masters: list, mapping: np.ndarray, epr: int,
+                 check: Optional[Callable[[], None]] = None) -> int:
+        self.sync()
+        if check is not None:
+            check()
+        return lb_wrong(self.torch, slot, masters, mapping, epr)
+
+    def lb_timed(self, fn: Callable[[], None], slot: Callable, masters: list, mapping: np.ndarray, epr: int,
+                 check: Optional[Callable[[], None]] = None) -> tuple[float, bool, int]:
+        """(seconds per operation, cpu-bound, #wrong of the first and of the timed operations)."""
+        lb_fill(self.torch, slot, mapping, len(masters[0]), SENTINEL)
+        fn()
+        w0 = self.lb_wrong(slot, masters, mapping, epr, check)
+        lb_fill(self.torch, slot, mapping, len(masters[0]), SENTINEL)
+        t, cpu = self.timer(fn)
+        return t, cpu, w0 + self.lb_wrong(slot, masters, mapping, epr, check)
+
+    def lb_timed_graph(self, fn: Callable[[], None], slot: Callable, masters: list, mapping: np.ndarray, epr: int,
+                       check: Optional[Callable[[], None]] = None) -> tuple[float, int]:
+        """(device seconds per operation inside a replayed graph, #wrong after the replays: the
+        destinations are refilled with the sentinel between the capture and the first replay)."""
+        t = self.timer.graph(fn, LB_PER_GRAPH, LB_REPLAYS,
+                             prepare=lambda: lb_fill(self.torch, slot, mapping, len(masters[0]), SENTINEL))
+        return t, self.lb_wrong(slot, masters, mapping, epr, check)
+
+    def lb_adapter(self, masters: list, mapping: np.ndarray, epr: int, members: Sequence[tuple]) -> None:
+        """The deepep_lb adapter's row: an LBBuffer per rank (made in the ranks' threads: making one
+        is collective), its pools planned as DeepEP's test plans them (one per tensor), then every
+        rank's lb_prefetch_weights in turn from this thread."""
+        torch = self.torch
+        from ultracomm import LoopbackDomain
+        from ultracomm.integrations import deepep_lb
+
+        W, S = mapping.shape
+        opts = dict(device=str(self.dev), transport="tma", window="cuda_local", relay_mode="off", timeout_s=10.0)
+
+        def make(group):
+            plan = deepep_lb.BufferAllocator()
+            pools = [plan.allocate((S, *t.shape[1:]), t.dtype) for t in masters[group.rank]]
+            return deepep_lb.LBBuffer(group, plan, epr, **opts), pools
+
+        made = LoopbackDomain(W).run(make)
+        lbs, pools = [m[0] for m in made], [m[1] for m in made]
+        del made
+        try:
+            table = torch.as_tensor(mapping, dtype=torch.int32)  # on the host: no device-to-host copy per call
+
+            def prefetch():
+                for r in range(W):
+                    lbs[r].lb_prefetch_weights(pools[r], masters[r], table)
+
+            def slot(r, c, m):
+                return pools[r][m][c]
+
+            def check():  # a kernel's recorded failure (a timeout naming rank and expert) raises here
+                for lb in lbs:
+                    for p in lb.pools:
+                        p.ctx.synchronize()
+
+            t, cpu, wrong = self.lb_timed(prefetch, slot, masters, mapping, epr, check)
+            sms = lbs[0].lb_get_theoretical_num_sms()
+            self.rows.append(lb_row(LB_ADAPTER, mapping, epr, members, t, wrong,
+                                    f"the adapter's API: {W} ranks' lb_prefetch_weights from one thread, "
+                                    f"{len(members)} pools (a launch each), {sms} CTAs/rank, relay off"
+                                    + (", cpu-bound" if cpu else ""), dict(ctas=sms, senders=W)))
+        finally:
+            pools.clear()
+            for lb in lbs:
+                lb.destroy()
+
     def run_copy_engine(self) -> None:
         cases = [(1, size) for size in self.copy_sizes()] + [(n, FANOUT_BYTES) for n in (2, 4, 8)]
         for n, size in cases:
@@ -1204,6 +1494,118 @@ class Loopback:
         self.torch.cuda.empty_cache()
 
 
+def lb_fill(torch, slot: Callable, mapping: np.ndarray, members: int, value: int) -> None:
+    """Every slot ``slot(rank, column, member)`` of every rank (filled or empty), every member, to the
+    byte ``value``."""
+    W, S = mapping.shape
+    for r in range(W):
+        for c in range(S):
+            for m in range(members):
+                slot(r, c, m).view(torch.uint8).fill_(value)
+
+
+def lb_wrong(torch, slot: Callable, masters: list, mapping: np.ndarray, epr: int) -> int:
+    """Bytes of the slots ``slot(rank, column, member)`` that differ from the expert ``mapping`` names
+    there (``masters[home][member][local]``), or, for an empty slot (-1), from SENTINEL."""
+    wrong = 0
+    W, S = mapping.shape
+    for r in range(W):
+        for c in range(S):
+            e = int(mapping[r, c])
+            for m in range(len(masters[0])):
+                got = slot(r, c, m).view(torch.uint8)
+                if e < 0:
+                    wrong += int((got != SENTINEL).sum())
+                else:
+                    wrong += int((got != masters[e // epr][m][e % epr].view(torch.uint8)).sum())
+    return wrong
+
+
+class LBDomain:
+    """The lb_prefetch shape on a one-GPU loopback domain, as Loopback but with several experts per
+    rank and several members: ``masters[r][m]`` (``[experts_per_rank, n]`` of member m's dtype) are
+    rank r's home experts; ``windows[r]`` (``_core.window_layout`` of ``slots`` slots of the layout's
+    weight bytes) hold its replica slots; the multicast of ``mapping`` (``[world, slots]``) runs the
+    schedule ultracomm builds (``build_schedule``, relay off by default) on ``CudaLoopback`` (every
+    rank in one persistent launch; ``setup_cuda``) -- the data plane the deepep_lb adapter and a
+    Context use.  ``rank_args(r)`` are rank r's arguments of ``CudaLoopback.plan`` and, identically,
+    of the host executor's ``_core.run_host`` (how the CPU test checks them)."""
+
+    def __init__(self, torch, dev, layout, masters: list, mapping: np.ndarray, experts_per_rank: int, *,
+                 chunk_bytes: int = 1 << 20, relay_mode: str = "off"):
+        import ultracomm as uc
+        from ultracomm import _core
+        from ultracomm.records import Op
+        from ultracomm.schedule import build_schedule
+
+        self.torch, self.layout, self.masters, self.epr = torch, layout, masters, experts_per_rank
+        self.mapping = np.asarray(mapping, np.int32)
+        self.world, self.slots = self.mapping.shape
+        self.op = Op.MULTICAST
+        self.plan = uc.ReplicaPlan.make(self.mapping, experts_per_rank=experts_per_rank)
+        self.sched = build_schedule(self.plan, layout.weight_bytes, layout.grad_bytes, chunk_bytes=chunk_bytes,
+                                    relay_mode=relay_mode)
+        self.wl = _core.window_layout(self.slots, layout.weight_bytes, layout.grad_bytes, chunk_bytes)
+        self.windows = [torch.zeros(self.wl["total_bytes"], dtype=torch.uint8, device=dev) for _ in range(self.world)]
+        self.lb, self.dplan, self.ctas, self.capped, self.epoch = None, None, 0, False, 0
+
+    def rank_args(self, r: int) -> dict:
+        """Rank r's per-rank arguments: masters as ``[local expert * M + member]`` addresses."""
+        M = len(self.layout.members)
+        return dict(member_off=list(self.layout.weight_offsets), member_bytes=list(self.layout.weight_sizes),
+                    master_ptrs=[self.masters[r][m][i].data_ptr() for i in range(self.epr) for m in range(M)],
+                    local_index_of=[int(x) for x in self.plan.local_index_of.tolist()],
+                    my_slots=[int(x) for x in self.plan.slot_src[r].tolist()], tasks=self.sched.tasks(self.op, r),
+                    refs=self.sched.refs(self.op, r), slot_parent=[int(x) for x in self.sched.tree(self.op)[0][r]],
+                    digest=self.sched.digest)
+
+    def slot(self, r: int, s: int, m: int):
+        """Member m of rank r's slot s (a view of its window, in the member's dtype)."""
+        off = self.wl["weights_off"] + s * self.wl["weight_stride"] + self.layout.weight_offsets[m]
+        return self.windows[r][off:off + self.layout.weight_sizes[m]].view(self.layout.members[m].dtype)
+
+    def copy_pairs(self) -> list:
+        """(destination slot, source master row) of every filled slot and member: DeepEP's direct pushes."""
+        out = []
+        for r in range(self.world):
+            for c in range(self.slots):
+                e = int(self.mapping[r, c])
+                if e >= 0:
+                    out += [(self.slot(r, c, m), self.masters[e // self.epr][m][e % self.epr])
+                            for m in range(len(self.layout.members))]
+        return out
+
+    def setup_cuda(self, gpu: "Gpu", timeout_s: float = 10.0) -> None:
+        """CudaLoopback over the windows and the multicast's plan (validated and uploaded once);
+        CTAs per rank as Loopback (what a Context would use, capped so all ranks fit at once)."""
+        from ultracomm.cuda.loopback import CudaLoopback
+        from ultracomm.cuda.sm_budget import choices_for_device
+        from ultracomm.env import Config
+
+        mc, _ = choices_for_device(0, 0, Config().intra_bw, gpu.info["sms"], gpu.info["name"])
+        self.lb = CudaLoopback(self.world, self.wl, self.windows, timeout_s=timeout_s)
+        cap = max(1, self.lb.runner.max_coresident(0) // self.world)
+        self.ctas, self.capped = min(mc.sms, cap), mc.sms > cap
+        a = [self.rank_args(r) for r in range(self.world)]
+        self.dplan = self.lb.plan(self.op, tasks=[x["tasks"] for x in a], refs=[x["refs"] for x in a],
+                                  member_off=a[0]["member_off"], member_bytes=a[0]["member_bytes"],
+                                  master_ptrs=[x["master_ptrs"] for x in a],
+                                  local_index_of=[x["local_index_of"] for x in a], my_slots=[x["my_slots"] for x in a],
+                                  grad_dtype=self.layout.grad_dtype, slot_parent=[x["slot_parent"] for x in a],
+                                  digest=a[0]["digest"])
+
+    def run(self) -> None:
+        self.epoch += 1
+        self.lb.launch(self.dplan, self.epoch, ctas_per_rank=self.ctas, op_name="weight_sync")
+
+    def check(self) -> None:
+        if self.lb is not None:
+            self.lb.check_error()
+
+    def close(self) -> None:
+        self.dplan, self.lb, self.windows = None, None, []
+
+
 def results_record(device: dict, stamp: str, quick: bool, sections: Sequence[str], rows: Sequence[Row],
                    errors: Sequence[str]) -> dict:
     """The results JSON: device, date, sections asked for, goal lines, errors, every row."""
@@ -1253,7 +1655,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if why:
         print(f"bench_gpu: nothing measured: {why}", file=sys.stderr)
         return 2
-    gpu = Gpu(args.quick, args.budget_s, CE_RESERVE_S if "copy_engine" in only else 0.0)
+    gpu = Gpu(args.quick, args.budget_s, CE_RESERVE_S if "copy_engine" in only else 0.0,
+              LB_RESERVE_S if "lb_prefetch" in only else 0.0)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     print(f"bench_gpu: {gpu.info['name']} (cc {gpu.info['cc']}, {gpu.info['sms']} SMs), torch {gpu.info['torch']}, "
           f"CUDA {gpu.info['cuda']}; tile mover: {'available' if not gpu.tma_reason else gpu.tma_reason}; "

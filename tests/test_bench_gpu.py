@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from ultracomm.cuda.hwprofile import validate
@@ -157,6 +158,8 @@ def test_gpu_check_script_structure():
     assert text.index("pip uninstall -y ultracomm") < text.index("step build-inplace")
     assert re.search(r"step gpu-tests \d+ .*-m pytest tests .*-m gpu", text)
     assert re.search(r"step bench-gpu \d+ .*perf/bench_gpu\.py --out \"\$OUT\"", text)
+    bench = re.search(r"step bench-gpu .*", text).group(0)
+    assert "--only" not in bench and "lb_prefetch" in bg.SECTIONS  # every section runs, issue 37's lb_prefetch too
     outside = re.sub(r"step\(\) \{.*?\n\}", "", text, flags=re.S)
     assert not re.search(r"(^|[;&|(]\s*)timeout\s", outside, re.M), "every timed command goes through step (the deadline)"
 
@@ -230,6 +233,7 @@ def stub_gpu(**kw):
     """A Gpu without a device: its bookkeeping only."""
     g = object.__new__(bg.Gpu)
     g.rows, g.errors, g.poisoned, g.kept, g.deadline, g.reserve_s = [], [], None, [], None, 0.0
+    g.lb_reserve_s = 0.0
     g.__dict__.update(kw)
     return g
 
@@ -569,3 +573,218 @@ def test_launch_rows_eager_and_graph_replayed():
     assert calls.count((bg.LAUNCH_PER_GRAPH, bg.LAUNCH_REPLAYS)) == 2 and calls[-1] == "closed"
     prof = bg.build_profile(g.rows, DEVICE, "d")
     assert prof["launch_s"] == 11e-6
+
+
+# ----------------------------------------------------------------------------- lb_prefetch (issue 37)
+
+LB_W, LB_EPR, LB_S = bg.LB_SHAPE
+
+
+def test_lb_shape_is_deepeps_published_test_shape():
+    """DeepEP's tests/ep/test_prefetch_weights.py defaults: 8 processes, 64 experts, 8 redundant experts,
+    64M weights + 16K + 4K scale factors per expert, empty ratio 0.25, random pattern."""
+    assert (LB_W, LB_W * LB_EPR, LB_S) == (8, 64, 8)
+    assert [n for _, n, _ in bg.LB_MEMBERS] == [64 * MiB, 16 << 10, 4 << 10] and bg.LB_EMPTY == 0.25
+    assert bg.SECTIONS[-2:] == ("lb_prefetch", "copy_engine")  # copy_engine stays last
+
+
+@pytest.mark.parametrize("seed", [0, 1, 7])
+def test_lb_mapping_quarter_empty_no_home_no_duplicate_seeded(seed):
+    m = bg.lb_mapping(LB_W, LB_EPR, LB_S, 0.25, seed)
+    assert m.dtype == np.int32 and m.shape == (8, 8)
+    assert ((m == -1).sum(axis=1) == 2).all()  # exactly 25% of every rank's slots are empty
+    assert ((m >= -1) & (m < 64)).all()
+    for r in range(8):
+        ids = m[r][m[r] >= 0]
+        assert len(set(ids.tolist())) == len(ids) == 6  # no expert twice on a rank
+        assert not (ids // LB_EPR == r).any()  # never on its home rank
+    assert np.array_equal(m, bg.lb_mapping(LB_W, LB_EPR, LB_S, 0.25, seed))  # seeded
+    assert not np.array_equal(m, bg.lb_mapping(LB_W, LB_EPR, LB_S, 0.25, seed + 100))
+    # the empty slots are not always the same columns, nor the experts always the same
+    many = [bg.lb_mapping(LB_W, LB_EPR, LB_S, 0.25, s) for s in range(20)]
+    assert len({tuple(np.flatnonzero(x[0] < 0)) for x in many}) > 1
+
+
+def test_lb_mapping_refuses_a_shape_with_too_few_remote_experts():
+    with pytest.raises(ValueError, match="distinct remote experts"):
+        bg.lb_mapping(2, 2, 4, 0.0, 0)  # 4 filled slots, 2 remote experts
+    assert (bg.lb_mapping(2, 2, 4, 0.5, 0) >= 0).sum() == 4
+    assert (bg.lb_mapping(4, 2, 4, 1.0, 0) == -1).all()
+
+
+def test_lb_bytes_and_rows_count_exactly_the_documented_bytes():
+    m = np.array([[2, -1, 3], [0, 3, -1]], np.int32)  # 2 ranks x 2 experts, 4 filled slots, 3 distinct experts
+    members = (("weights", 1024, "float8_e4m3fn"), ("sf0", 64, "float32"), ("sf1", 32, "float32"))
+    b = bg.lb_bytes(m, 2, [1024, 64, 32])
+    assert b == dict(per_expert=1120, filled=4, distinct=3, payload=4 * 1120, copy_traffic=8 * 1120,
+                     multicast_traffic=7 * 1120, sent_per_rank=[1, 3], critical_bytes=3 * 1120)
+    r = bg.lb_row(bg.LB_COPIES, m, 2, members, 1e-3, 0, "12 copies")
+    assert (r.section, r.case, r.impl, r.size) == ("lb_prefetch", "EP2 4 experts x 3 slots", bg.LB_COPIES, 1120)
+    assert (r.payload, r.traffic, r.algbw) == (4480, 8960, 4480 / 1e-3)
+    assert r.note == ("12 copies, payload 4 filled slots x 1120 B (1K float8_e4m3fn + 64 float32 + 32 float32); "
+                      "busbw counts 2 x payload (each copy reads its home's tensor and writes the slot)")
+    x = r.to_dict()
+    assert (x["timing"], x["filled"], x["distinct"], x["critical_bytes"], x["sent_per_rank"]) == (
+        "eager", 4, 3, 3360, [1, 3])
+    mc = bg.lb_row(bg.LB_MULTICAST, m, 2, members, 2e-3, 5, "4 CTAs/rank", dict(ctas=4, senders=2),
+                   graph=(bg.LB_PER_GRAPH, bg.LB_REPLAYS))
+    assert (mc.payload, mc.traffic, mc.wrong, mc.algbw_per_cta) == (4480, 7840, 5, 4480 / 2e-3 / 8)
+    assert mc.note.startswith(f"graph replay: {bg.LB_PER_GRAPH} per graph x {bg.LB_REPLAYS} replays, device time; "
+                              "4 CTAs/rank, payload 4 filled slots x 1120 B")
+    assert mc.note.endswith("busbw counts (3 experts + 4 slots) x 1120 B (each mapped expert read once, each slot "
+                            "written)")
+    assert (mc.extra["timing"], mc.extra["per_graph"], mc.extra["ctas"]) == ("graph", bg.LB_PER_GRAPH, 4)
+    # at the published shape: 48 filled slots of 64 MiB + 20 KiB
+    full = bg.lb_row(bg.LB_COPIES, bg.lb_mapping(*bg.LB_SHAPE), LB_EPR, bg.LB_MEMBERS, 1.0, 0)
+    assert full.size == 64 * MiB + 20 * 1024 and full.payload == 48 * full.size
+    assert "64M float8_e4m3fn + 16K float32 + 4K float32" in full.note
+    missing = bg.lb_row(bg.LB_ADAPTER, m, 2, members, None, 3, "FAILED: boom")
+    assert missing.wrong is None and missing.algbw is None and missing.note.startswith("FAILED: boom, payload")
+    assert bg.lb_row(bg.LB_ADAPTER, m, 2, members, None, None).note.startswith("not measured: payload")
+    assert "graph replay" in bg.format_table([r, mc, missing]).splitlines()[3]
+
+
+def test_lb_memory_fits_an_h100_and_counts_masters_and_pools():
+    B = sum(n for _, n, _ in bg.LB_MEMBERS)
+    need = bg.lb_memory_bytes(*bg.LB_SHAPE, B)
+    assert need == 64 * B + 64 * B * 5 // 4 + (1 << 30)
+    assert 9 << 30 < need < 11 << 30 < 78 << 30
+
+
+def test_lb_budget_is_kept_by_the_sections_before_it():
+    import time
+
+    g = stub_gpu(deadline=time.monotonic() + 20.0, reserve_s=10.0, lb_reserve_s=15.0)
+    assert g.late("relay", "x")  # 10 + 15 > 20
+    assert not g.late("lb_prefetch", "y")  # its own share is not kept from itself; copy_engine's is
+    assert not g.late("copy_engine", "z", reserve=False)
+    assert [r.section for r in g.rows] == ["relay"]
+
+
+class CpuTimer:
+    """Timer stand-in on the CPU: runs the operation (eagerly; graph rows: prepare, then once more)."""
+
+    def __call__(self, fn, reps=None):
+        fn()
+        fn()
+        return 1e-3, False
+
+    def graph(self, fn, per_graph=10, replays=20, prepare=None):
+        fn()
+        if prepare is not None:
+            prepare()
+        fn()
+        return 5e-4
+
+
+def cpu_lb_gpu(free=1 << 40, broken=None):
+    import types
+
+    import torch
+
+    import ultracomm
+    g = stub_gpu(torch=torch, uc=ultracomm, dev=torch.device("cpu"), timer=CpuTimer(), tma_reason="no GPU here",
+                 info=dict(sms=4, name="cpu"))
+    g.free_bytes = lambda: free
+    if broken:
+        g.lb_timed = types.MethodType(lambda self, *a, **k: (_ for _ in ()).throw(RuntimeError(broken)), g)
+    return g
+
+
+SMALL = ((4, 2, 4), (("weights", 4096, "float8_e4m3fn"), ("sf0", 256, "float32"), ("sf1", 64, "float32")))
+
+
+def test_lb_section_on_the_cpu_copies_and_checks_every_byte():
+    """run_lb_prefetch on CPU tensors at a small shape: the copy rows (eager and graph) measure and verify
+    zero wrong bytes; the tile mover and adapter rows say why they were not measured."""
+    g = cpu_lb_gpu()
+    g.run_lb_prefetch(*SMALL)
+    got = [(r.impl, r.time_s, r.wrong, r.extra.get("timing")) for r in g.rows]
+    assert got == [(bg.LB_COPIES, 1e-3, 0, "eager"), (bg.LB_COPIES, 5e-4, 0, "graph"),
+                   (bg.LB_MULTICAST, None, None, "eager"), (bg.LB_ADAPTER, None, None, "eager")], g.rows
+    assert g.rows[0].note.startswith("36 copies, payload 12 filled slots x 4416 B")  # 12 slots x 3 tensors
+    assert g.rows[2].note.startswith("not measured: no GPU here") and not g.errors
+
+
+def test_lb_section_skips_with_a_note_when_memory_is_short():
+    g = cpu_lb_gpu(free=1 << 30)
+    g.run_lb_prefetch()
+    assert [r.impl for r in g.rows] == [bg.LB_COPIES, bg.LB_MULTICAST, bg.LB_ADAPTER]
+    assert all(r.time_s is None and "GiB of device memory, 1.0 GiB free" in r.note for r in g.rows)
+
+
+def test_lb_section_reports_a_failing_row_and_goes_on():
+    g = cpu_lb_gpu(broken="boom")
+    g.run_lb_prefetch(*SMALL)
+    assert g.rows[0].note.startswith("FAILED: RuntimeError: boom") and g.errors == [
+        f"lb_prefetch {bg.LB_COPIES}: RuntimeError: boom"]
+    assert [r.impl for r in g.rows] == [bg.LB_COPIES, bg.LB_MULTICAST, bg.LB_ADAPTER]
+
+
+def test_lb_wrong_counts_bytes_of_filled_and_empty_slots():
+    import torch
+
+    m = np.array([[1, -1], [0, -1]], np.int32)  # 2 ranks x 1 expert, 2 slots
+    masters = [[torch.arange(8, dtype=torch.uint8).view(1, 8) + 10 * r] for r in range(2)]
+    slots = [[torch.full((8,), bg.SENTINEL, dtype=torch.uint8) for _ in range(2)] for _ in range(2)]
+
+    def slot(r, c, k):
+        return slots[r][c]
+
+    assert bg.lb_wrong(torch, slot, masters, m, 1) == 16  # the two filled slots: every byte wrong
+    slots[0][0].copy_(masters[1][0][0])
+    slots[1][0].copy_(masters[0][0][0])
+    assert bg.lb_wrong(torch, slot, masters, m, 1) == 0
+    slots[0][1][3] = 0
+    slots[1][0][0] = 99
+    assert bg.lb_wrong(torch, slot, masters, m, 1) == 2
+    bg.lb_fill(torch, slot, m, 1, 7)
+    assert all(int((s != 7).sum()) == 0 for row in slots for s in row)
+
+
+def test_lb_domain_arguments_run_bit_exact_on_the_host_executor():
+    """LBDomain's per-rank arguments (the ones CudaLoopback.plan gets: masters [local expert x member],
+    member offsets, the schedule's tasks, refs and tree) through the host executor (_core.run_host, one
+    thread per rank): every filled slot holds its expert's three tensors, every empty slot the sentinel."""
+    import threading
+
+    import torch
+
+    import ultracomm as uc
+    from ultracomm import _core
+
+    (W, epr, S), members = (4, 2, 4), SMALL[1]
+    mapping = bg.lb_mapping(W, epr, S, 0.25, 3)
+    dts = [getattr(torch, dt) for _, _, dt in members]
+    layout = uc.ExpertLayout(tuple(uc.Member(n, (b // dt.itemsize,), dt, grad=False)
+                                   for (n, b, _), dt in zip(members, dts)))
+    gen = torch.Generator().manual_seed(5)
+    masters = [[torch.randint(0, 256, (epr, b), dtype=torch.uint8, generator=gen).view(dt)
+                for (_, b, _), dt in zip(members, dts)] for _ in range(W)]
+    d = bg.LBDomain(torch, torch.device("cpu"), layout, masters, mapping, epr, chunk_bytes=1024)
+    assert len(d.copy_pairs()) == 3 * int((mapping >= 0).sum())
+    bg.lb_fill(torch, d.slot, mapping, 3, bg.SENTINEL)
+    assert bg.lb_wrong(torch, d.slot, masters, mapping, epr) > 0
+    L, errs = d.wl, {}
+
+    def body(r):
+        a = d.rank_args(r)
+        try:
+            _core.run_host(op=int(d.op), rank=r, world=W, epoch=1, slots=S, weight_slot_bytes=L["weight_slot_bytes"],
+                           grad_slot_bytes=L["grad_slot_bytes"], chunk_bytes=L["chunk_bytes"],
+                           window_bases=[w.data_ptr() for w in d.windows], grad_dtype=0, num_workers=2, timeout_s=20.0,
+                           **a)
+        except Exception as e:  # noqa: BLE001
+            errs[r] = e
+
+    th = [threading.Thread(target=body, args=(r,)) for r in range(W)]
+    for t in th:
+        t.start()
+    for t in th:
+        t.join(60)
+    assert not errs, errs
+    assert bg.lb_wrong(torch, d.slot, masters, mapping, epr) == 0
+    # the slots hold the three tensors at the layout's offsets, in the members' dtypes
+    assert d.slot(0, 0, 0).dtype == dts[0] and d.slot(0, 0, 2).numel() == 16
+    d.close()
+    assert d.windows == []

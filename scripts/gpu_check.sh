@@ -12,8 +12,10 @@
 #      internal stream still hold up later work when streams do not share hardware queues?)
 #      Every failure run's measurements (named error's delay past its deadline, the synchronize
 #      after it) are JSON lines in logs/failure_times.jsonl, also appended to env.txt
-#   3. perf/bench_gpu.py: tables, results JSON and the hardware profile JSON (rewritten after each
-#      section; --budget-s ends it before the step's timeout)
+#   3. perf/bench_gpu.py, every section (issue 37's lb_prefetch included: DeepEP's lb_prefetch_weights test
+#      shape, ~10 GiB of device memory, some 10-20 s; the budget keeps 30 s for it and 30 s for copy_engine):
+#      tables, results JSON and the hardware profile JSON (rewritten after each section; --budget-s ends
+#      it before the step's timeout)
 #   4. if time is left: the CPU benches (host executor, schedule builder) for the record
 # A step that runs out of time gets SIGINT (pytest still writes its XML), SIGKILL 10 s later.
 # Results under $OUT (default perf/out/gpu), at most 7 files, so that a machine that returns few

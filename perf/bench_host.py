@@ -175,7 +175,7 @@ def main():
         for r in rows[-4:]:
             print(f"{r['case']:<11} {mib:>4} MiB {3 * mib:>4} MiB {r['time_s'] * 1e3:>9.2f} {r['algbw'] / 1e9:>10.2f} "
                   f"{r['base_time_s'] * 1e3:>9.2f} {r['base_algbw'] / 1e9:>9.2f} {r['ratio']:>6.2f} {r['wrong']:>7}")
-        del b
+        b = None  # its buffers go before the next size allocates
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(world=WORLD, workers=a.workers, chunk_bytes=chunk, dtype=a.dtype,

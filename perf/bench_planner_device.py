@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 import numpy as np

@@ -6,6 +6,7 @@
 #                                  matplotlib (bench --plot, report), the build tools; ultracomm._cuda
 #                                  for this machine's GPU(s) only, and none on a machine without a GPU
 #   bash scripts/setup.sh --test   also what only the tests need (scripts/test.sh): pytest, hypothesis,
+#                                  ruff, import-linter, clang-format,
 #                                  nvshmem4py, Playwright + Debian's Chromium (viewer tests; apt-get as
 #                                  root), cuobjdump/nvdisasm (SASS checks); _cuda for every architecture of
 #                                  csrc/CMakeLists.txt (sm_80/90/100 + PTX) when nvcc is found, GPU or not
@@ -35,6 +36,8 @@ quiet pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" ninja "cmake>=3.
 
 if [ "$MODE" = test ]; then
   quiet pip install -q "pytest>=8" "hypothesis>=6"
+  # the house's checks (scripts/test.sh): lint, the import layers (pyproject.toml), the C++ format
+  quiet pip install -q "ruff>=0.6" "import-linter>=2.1" "clang-format>=18"
   # optional extra ultracomm[nvshmem]: its import check runs where it installs (it imports without a GPU)
   python -c "import nvshmem.core" 2>/dev/null || quiet pip install -q "nvshmem4py-cu13" || \
     echo "setup: nvshmem4py-cu13 not installed (optional; the nvshmem import check skips)"

@@ -140,7 +140,7 @@ def test_swapped_registered_tensor_is_named_before_the_op(swap):
             with pytest.raises(RegistrationError, match=rf"layer 0: registered tensor {re.escape(member)} no longer has"):
                 ctx.grad_reduce(vid) if swap == "grad" else ctx.weight_sync(vid, SWAP_PLAN)
         elif swap != "grad":  # the plan agreement tells rank 0 at once
-            with pytest.raises(ValueError, match=rf"ranks \[1\] rejected their plan .*registered tensor"):
+            with pytest.raises(ValueError, match=r"ranks \[1\] rejected their plan .*registered tensor"):
                 ctx.weight_sync(vid, SWAP_PLAN)
         assert torch.equal(ctx.window.local, before)
         return True

@@ -23,7 +23,7 @@ from ultracomm.records import Op
 from ultracomm.transports.copy_engine import gate as gate_mod
 from ultracomm.transports.copy_engine.plan import (MAIN, abort_addr, gate_commands, host_words, simulate,
                                                    word_addr)
-from ultracomm.transports.copy_engine.watchdog import ABORT, Watchdog, pending_for, read_host
+from ultracomm.transports.copy_engine.watchdog import Watchdog, pending_for, read_host
 from ultracomm.transports.host import op_digest
 
 from conftest import hot_slot_src, random_slot_src

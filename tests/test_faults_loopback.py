@@ -13,7 +13,6 @@ import time
 
 import numpy as np
 import pytest
-import torch
 
 import ultracomm
 from ultracomm import (Context, LoopbackDomain, PeerError, PlanMismatchError, ReplicaPlan, UltracommError,

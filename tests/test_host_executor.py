@@ -15,7 +15,7 @@ import torch
 
 from ultracomm import _core
 from ultracomm.records import MASTER, Op, TaskKind
-from ultracomm.tools.reference import tasks_from_trees as build_tasks, member_mask, reference_multicast, reference_reduce, slot_image, split_image
+from ultracomm.tools.reference import tasks_from_trees as build_tasks, member_mask, reference_multicast, reference_reduce, slot_image
 
 FILL = 0xEE  # data regions start with this byte: padding must keep it
 DT_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}

@@ -14,7 +14,7 @@ import torch
 
 from ultracomm import _core
 from ultracomm.records import MASTER, Op, TaskKind
-from ultracomm.tools.reference import tasks_from_trees as build_tasks, member_mask, reference_reduce, slot_image
+from ultracomm.tools.reference import tasks_from_trees as build_tasks, member_mask, reference_reduce
 
 from test_host_executor import ESIZE, FILL, Cluster, bits_equal, check_multicast, ok, slots_of, _random_plan
 

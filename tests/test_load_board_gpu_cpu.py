@@ -93,7 +93,7 @@ def test_bad_counts_are_refused_before_anything_is_enqueued(monkeypatch):
 
 
 def _threads(bs, fn):
-    out, errs = [None] * len(bs), []
+    out = [None] * len(bs)
 
     def run(r):
         try:

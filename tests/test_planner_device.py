@@ -234,12 +234,12 @@ def test_sass_quota_state_in_shared_memory_within_the_limit():
     shapes = {"EP8": (8, 32, 2), "EP64": (64, 256, 2), "EP64 K4": (64, 256, 4), "EP288": (288, 864, 4)}
     dyn = {k: _core.quota_device_smem_bytes(*v) for k, v in shapes.items()}
     assert dyn["EP64"] == 8 * (256 + 32 + (64 + 32 + 128) + 8 * 576)  # a probe's state: 576 words = 4.6 KB
-    for arch, st in sorted(static.items()):
-        print(f"k_quota sm_{arch}: static {st} B + dynamic " + ", ".join(f"{k} {v} B" for k, v in dyn.items()))
-        assert st <= 1024, st
-        assert st + dyn["EP8"] <= DEFAULT_SMEM and st + dyn["EP64"] <= DEFAULT_SMEM
-        assert st + dyn["EP64 K4"] <= OPTIN_SMEM[arch]
-        assert (st + dyn["EP288"] <= OPTIN_SMEM[arch]) == (arch >= 90)
+    for arch, smem in sorted(static.items()):
+        print(f"k_quota sm_{arch}: static {smem} B + dynamic " + ", ".join(f"{k} {v} B" for k, v in dyn.items()))
+        assert smem <= 1024, smem
+        assert smem + dyn["EP8"] <= DEFAULT_SMEM and smem + dyn["EP64"] <= DEFAULT_SMEM
+        assert smem + dyn["EP64 K4"] <= OPTIN_SMEM[arch]
+        assert (smem + dyn["EP288"] <= OPTIN_SMEM[arch]) == (arch >= 90)
 
 
 # ----------------------------------------------------------------------------- GPU

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from ultracomm import Context, LoopbackDomain, ReplicaPlan
-from ultracomm.errors import PlanError, PlanMismatchError, UltracommError, UltracommTimeout
+from ultracomm.errors import PlanMismatchError, UltracommTimeout
 from ultracomm.resident_plan import ResidentPlan
 
 from conftest import random_slot_src
-from test_context import check_replicas, make_layout, masters_for
+from test_context import make_layout, masters_for
 from test_schedule_portable_context import run
 
 

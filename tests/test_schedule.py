@@ -176,7 +176,7 @@ def tier_time(st, side, intra_bw=370e9, inter_bw=50e9):
 
 def simulate(plan, sched, op):
     """Run all ranks' tasks in global (chunk, level) order; assert every input is ready."""
-    W, S = plan.world, plan.slots_per_rank
+    W = plan.world
     pr, ps, _ = sched.tree(op)
     allt = []
     for r in range(W):

@@ -20,7 +20,7 @@ from ultracomm.transports.split.cuda_gates import Gates, gate_args, gated
 from ultracomm.transports.split.cuda_shadow import NO_SHADOW, DeviceShadows
 from ultracomm.transports.split.cuda_watchdog import DONE, PROGRESS, STARTED, SideWatchdog, progress_value
 from ultracomm.transports.tma.loopback import LoopbackRunner
-from ultracomm.transports.split.stream import COPY, OWN, WAIT_GE, WRITE, loopback_sequence, stream_program
+from ultracomm.transports.split.stream import COPY, OWN, loopback_sequence, stream_program
 
 from test_gpu_paths_cpu import Bindings, assert_reached_cuda, real_cuda  # noqa: F401 - real_cuda is a fixture
 from test_split_stream import DOM, WL, programs_2x2

@@ -6,7 +6,6 @@ domain's ranks meet and launch ONCE after the last rank enqueued, and that a ker
 record comes back as the host executor's exception and text on every rank, once."""
 from __future__ import annotations
 
-import struct
 import threading
 
 import numpy as np

@@ -183,7 +183,7 @@ class Manager:
         self._mb_counters = [0] * self.real_num_alloc_layers
         self._slots: dict[int, _Slot] = {}
         self._scale_grads: dict[int, list[torch.Tensor]] = {}
-        L, E, P = self.num_alloc_layers, self.num_global_logical_experts, self.num_global_physical_experts
+        L, E = self.num_alloc_layers, self.num_global_logical_experts
         # UltraEP's initial placement: masters only (init_master_placement in csrc/kernels/placement.cu)
         p2l = np.full((W, M + R), -1, np.int32)
         p2l[:, :M] = np.arange(E).reshape(W, M)

@@ -33,9 +33,12 @@ higher or place more replicas; perf/planners.md measures both on the evaluation 
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:  # pragma: no cover - annotations only; the GPU path imports torch where it runs
+    import torch
 
 from .base import Domain, PlannerResult, as_load, build_result, check_slots
 

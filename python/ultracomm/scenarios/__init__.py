@@ -45,6 +45,8 @@ from .plans import greedy_replicas, hot_plan, max_mean_after, zipf_slot_src
 from .specs import WORKLOAD_FORMS, WORKLOADS, make_workload
 
 __all__ = [
+    "LoadLike",
+    "zipf_slot_src",
     "ModelSpec",
     "MODELS",
     "get_model",

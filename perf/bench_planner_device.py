@@ -8,7 +8,7 @@ planners/eval.py): per call, the median microseconds of
 * ``quota``: ``planners.quota.plan`` (C++ search, numpy around it), and ``quota core``: its
   C++ call alone (``_core.quota_search``);
 * ``device``: ``planners.device.plan`` and ``device core``: ``_core.quota_device`` alone --
-  quota::plan() of include/ultracomm/quota_plan.h, the code the GPU kernel compiles, run on one
+  quota::plan() of include/ultracomm/impl/quota_plan.h, the code the GPU kernel compiles, run on one
   host thread (one probe group: a round's thresholds in turn, stopping at the first feasible
   one, whose plan is kept);
 

@@ -71,7 +71,7 @@ def _digest(nvcc: str) -> str:
     h = hashlib.sha256()
     # what nvcc reads: kernels and headers (the host-only .cpp files do not invalidate the cache)
     files = sorted(f for f in glob.glob(os.path.join(ROOT, "csrc", "cuda", "*")) + glob.glob(
-        os.path.join(ROOT, "include", "ultracomm", "*")) if not f.endswith(".cpp"))
+        os.path.join(ROOT, "include", "ultracomm", "**", "*.h"), recursive=True) if not f.endswith(".cpp"))
     for f in files:
         h.update(f.encode())
         h.update(open(f, "rb").read())

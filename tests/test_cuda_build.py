@@ -214,7 +214,7 @@ def test_sass_load_exchange_flags(compiled, arch):
 
 
 def test_inline_asm_only_in_ptx_extra():
-    files = glob.glob(os.path.join(ROOT, "csrc", "cuda", "*")) + glob.glob(os.path.join(ROOT, "include", "ultracomm", "*"))
+    files = glob.glob(os.path.join(ROOT, "csrc", "cuda", "*")) + glob.glob(os.path.join(ROOT, "include", "ultracomm", "**", "*.h"), recursive=True)
     assert files
     offenders = []
     for f in files:

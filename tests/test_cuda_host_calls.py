@@ -33,7 +33,7 @@ def probe(tmp_path_factory) -> Path:
     exe = tmp_path_factory.mktemp("cudart_stub") / "probe"
     srcs = ["tests/cpp/cudart_stub_probe.cpp", "csrc/cuda/device_plan.cpp", "csrc/cuda/plan_arena.cpp",
             "csrc/cuda/runner.cpp",
-            "csrc/host_executor.cpp", "csrc/validate_exec.cpp", "csrc/error_text.cpp"]
+            "csrc/host/host_executor.cpp", "csrc/host/validate_exec.cpp", "csrc/host/error_text.cpp"]
     r = subprocess.run([CXX, "-std=c++20", "-O1", "-Wall", "-Wextra", "-Werror", "-pthread", f"-I{ROOT / 'include'}",
                         f"-I{ROOT / 'csrc'}", f"-I{ROOT / 'csrc' / 'cuda'}", f"-I{INC}", *(str(ROOT / s) for s in srcs),
                         "-o", str(exe)], capture_output=True, text=True)

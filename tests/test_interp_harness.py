@@ -1,4 +1,4 @@
-"""The interpreter (include/ultracomm/interp.h) under ThreadSanitizer, and its mutation checks.
+"""The interpreter (include/ultracomm/impl/interp.h) under ThreadSanitizer, and its mutation checks.
 
 tests/cpp/interp_harness.cpp runs real schedules (built here, dumped to a file) through
 run_host with the host and the block mover, all ranks as threads, for many epochs, checking
@@ -54,12 +54,12 @@ def harness(tmp_path_factory) -> dict[str, Path]:
     out = tmp_path_factory.mktemp("interp_harness")
     flags = ["-std=c++20", "-O1", "-g1", "-fsanitize=thread", "-pthread", "-Wall", "-Wextra", "-Werror",
              f"-I{ROOT / 'include'}", f"-I{ROOT / 'csrc'}"]
-    common = {"harness": ROOT / "tests/cpp/interp_harness.cpp", "validate": ROOT / "csrc/validate_exec.cpp",
-              "error_text": ROOT / "csrc/error_text.cpp"}
+    common = {"harness": ROOT / "tests/cpp/interp_harness.cpp", "validate": ROOT / "csrc/host/validate_exec.cpp",
+              "error_text": ROOT / "csrc/host/error_text.cpp"}
     jobs = [[CXX, *flags, "-c", str(src), "-o", str(out / f"{name}.o")] for name, src in common.items()]
     variants = {"clean": []} | {m: [f"-DULTRACOMM_MUTATE_{m.upper()}"] for m in MUTANTS}
     for name, defs in variants.items():
-        jobs.append([CXX, *flags, *defs, "-c", str(ROOT / "csrc/host_executor.cpp"), "-o", str(out / f"exec_{name}.o")])
+        jobs.append([CXX, *flags, *defs, "-c", str(ROOT / "csrc/host/host_executor.cpp"), "-o", str(out / f"exec_{name}.o")])
     with ThreadPoolExecutor(max_workers=2) as pool:
         list(pool.map(_compile, jobs))
     bins = {}

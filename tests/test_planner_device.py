@@ -1,4 +1,4 @@
-"""The device control plane's quota planner (include/ultracomm/quota_plan.h), host build:
+"""The device control plane's quota planner (include/ultracomm/impl/quota_plan.h), host build:
 validity over random loads, identical plans for any lane and probe-group count (host threads
 standing in for the kernel's warps and their lanes; hypothesis over worlds 2-288, E <= 1024,
 slots 1-4, with and without nodes), balance and copies beside the host ``quota`` planner on

@@ -1,4 +1,4 @@
-"""The device reduce's hot path (include/ultracomm/reduce_hunk.h, driven by
+"""The device reduce's hot path (include/ultracomm/impl/reduce_hunk.h, driven by
 csrc/cuda/mover_common.cuh ``vec_reduce``): NCCL-style hunks -- U 16-byte packs per lane, dst and a
 group of G sources loaded before the first add, fp32 adds in the schedule's source order, hardware
 fp16/bf16 conversions with the NaN rule in a slow path.

@@ -1,4 +1,4 @@
-"""Reroute on the device (include/ultracomm/token_split.h): the table computed from the plan
+"""Reroute on the device (include/ultracomm/impl/token_split.h): the table computed from the plan
 in device form (slot_src, slot_quota, int32 loads) equals the host planners' RerouteTable, and
 the rerouted maps and probs are identical; the CUDA build compiles (the ``gpu`` test runs the
 kernel against the host build)."""

@@ -1,4 +1,4 @@
-"""The schedule builder as one CTA (include/ultracomm/sched_build.h over a lane group; issue 33):
+"""The schedule builder as one CTA (include/ultracomm/impl/sched_build.h over a lane group; issue 33):
 the host build run on 1, 2, 8 and 32 host threads standing in for the CTA's lanes (in warps of 1
 to 32, one candidate tree per warp) writes the same bytes -- tasks, refs, trees, digest, and in a
 plan-arena slot my_slots and slot_parent -- as the one-lane build and as the former one-thread

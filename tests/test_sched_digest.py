@@ -1,4 +1,4 @@
-"""The portable builder's digest (include/ultracomm/sched_write.h ``digest``; issue 33): what ranks
+"""The portable builder's digest (include/ultracomm/impl/sched_write.h ``digest``; issue 33): what ranks
 publish beside their ready flags to check they run the same plan.  A combinable hash -- one
 mixed term per digested field (inputs and both chosen trees), summed mod 2^64, then mixed with
 the header -- so the CTA computes it in parallel and every lane count gets the same value:

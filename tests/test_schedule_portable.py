@@ -1,4 +1,4 @@
-"""The portable schedule builder (include/ultracomm/sched_build.h via _core.build_schedule_portable):
+"""The portable schedule builder (include/ultracomm/impl/sched_build.h via _core.build_schedule_portable):
 valid trees (topology rule included), task lists in the host builder's format (field-equal to
 lists derived from its own trees by reference.tasks_from_trees, refs shared across chunks), identical trees and digests on
 every rank, execution on the host executor (exact bytes for multicast, the documented fp32 order

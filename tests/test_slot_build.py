@@ -1,4 +1,4 @@
-"""The device step's build into a plan-arena slot (include/ultracomm/slot_build.h), host build
+"""The device step's build into a plan-arena slot (include/ultracomm/impl/slot_build.h), host build
 ``_core.build_into_views`` -- the code ``k_build_slot`` runs on the GPU: on every rank of random
 plans (with and without nodes, depth limits and chunk sizes) both views get exactly the portable
 builder's task and ref bytes, this rank's plan row as ``my_slots``, its slots' parents in that
@@ -15,7 +15,7 @@ from ultracomm import _core
 
 from test_schedule_portable import random_problem
 
-REJECTED = (1 << 64) - 1  # kRejectedDigest (include/ultracomm/error_record.h)
+REJECTED = (1 << 64) - 1  # kRejectedDigest (include/ultracomm/records/error_record.h)
 K_BAD_SHAPE, K_OVERFLOW = 1, 5  # psched::Status
 
 

@@ -279,7 +279,7 @@ def test_bad_inputs_are_refused_with_what_to_do():
 def test_the_pointer_tables_pass_the_real_bindings_plan_checks(real_cuda, monkeypatch, loopback):
     """With the real ``_cuda`` binding (no device: it fails at its first CUDA call, which comes
     before its plan validation), every rank's plan arguments convert; the pointer tables -- shadows
-    and NO_SHADOW for other domains -- hold no null or misaligned base, which csrc/validate_exec.cpp
+    and NO_SHADOW for other domains -- hold no null or misaligned base, which csrc/host/validate_exec.cpp
     would refuse on a device."""
     from ultracomm.transports.split import cuda as split_cuda_mod
     from ultracomm.transports import tma as tma_mod

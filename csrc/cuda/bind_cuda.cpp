@@ -295,7 +295,7 @@ into text/exception with _core.format_error / _core.raise_error_record.)doc")
           py::arg("node_of"), py::arg("world"), py::arg("slots"), py::arg("num_experts"), py::arg("rank"),
           py::arg("max_depth"), py::arg("weight_bytes"), py::arg("grad_bytes"), py::arg("chunk_bytes"),
           py::arg("hop_bytes"), py::arg("stream"), py::arg("exchange_status") = 0, py::arg("plan_result") = 0,
-          "Enqueue the device step's schedule build (include/ultracomm/slot_build.h) of rank entry `entry` into "
+          "Enqueue the device step's schedule build (include/ultracomm/impl/slot_build.h) of rank entry `entry` into "
           "both op areas of arena slot `slot` (its scratch and report are the arena's: PlanArena.build_result). "
           "exchange_status / plan_result: device addresses of the loads' exchange status word and the planner's "
           "result words, or 0; when either says it failed the build publishes a rejection instead.")

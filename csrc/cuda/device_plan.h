@@ -7,8 +7,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "ultracomm/exec_view.h"
-#include "ultracomm/host_executor.h"
+#include "ultracomm/records/exec_view.h"
+#include "ultracomm/impl/host_executor.h"
 
 namespace ultracomm::gpu {
 
@@ -19,7 +19,7 @@ void check_launch_ranks(const std::vector<ExecArgs>& ranks, const char* who);
 
 // Array sizes of a template image (PlanArena::write_template): my_slots and slot_parent hold
 // `slots`, tasks `tasks` and refs `refs` entries whatever the rank entries carry (zero-filled
-// beyond), so the device step can build into them (include/ultracomm/slot_build.h).
+// beyond), so the device step can build into them (include/ultracomm/impl/slot_build.h).
 struct ImageCapacity {
   int64_t slots;
   int64_t tasks;

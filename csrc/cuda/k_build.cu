@@ -1,4 +1,4 @@
-// The device control plane's schedule builder on the GPU: include/ultracomm/sched_build.h (and
+// The device control plane's schedule builder on the GPU: include/ultracomm/impl/sched_build.h (and
 // slot_build.h), the source the host build (`_core.build_schedule_portable`) runs, here on one CTA
 // of psched::kBlockThreads threads: block reductions and scans over the CTA, one candidate tree
 // per warp.  The scratch lives in dynamic shared memory when launch_shape() says it fits (EP64:
@@ -11,7 +11,7 @@
 #include "k_build.h"
 #include "pdl.h"
 #include "ptx_extra.cuh"
-#include "ultracomm/sched_build.h"
+#include "ultracomm/impl/sched_build.h"
 
 namespace ultracomm {
 namespace {

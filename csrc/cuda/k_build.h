@@ -5,8 +5,8 @@
 
 #include <cstdint>
 
-#include "ultracomm/sched_build.h"
-#include "ultracomm/slot_build.h"
+#include "ultracomm/impl/sched_build.h"
+#include "ultracomm/impl/slot_build.h"
 
 namespace ultracomm::gpu {
 
@@ -25,7 +25,7 @@ int64_t build_scratch_bytes(int32_t world, int32_t slots, int32_t experts);
 void launch_build_schedule(const BuildArgs& a, cudaStream_t stream);
 
 // The device step: this rank entry's lists of both ops built into its ExecViews of one plan
-// arena slot (include/ultracomm/slot_build.h), whose templates the host wrote at setup.
+// arena slot (include/ultracomm/impl/slot_build.h), whose templates the host wrote at setup.
 struct SlotBuildArgs {
   psched::Problem problem;          // arrays in device memory
   int64_t* scratch;                 // build_scratch_bytes() (unused when it fits shared memory)

@@ -1,5 +1,5 @@
 // The device control plane's quota planner on the GPU: quota::plan() of
-// include/ultracomm/quota_plan.h -- the source the host build runs -- on one CTA of kProbes
+// include/ultracomm/impl/quota_plan.h -- the source the host build runs -- on one CTA of kProbes
 // warps.  Each search round probes kProbes thresholds at once (warp w the round's threshold w,
 // its receiver choices warp min-reductions); the CTA's 256 threads derive the rank and expert
 // orders between barriers; the warp whose threshold becomes the new upper bound copies its
@@ -20,7 +20,7 @@
 #include "launch.h"
 #include "pdl.h"
 #include "ptx_extra.cuh"
-#include "ultracomm/quota_plan.h"
+#include "ultracomm/impl/quota_plan.h"
 
 namespace ultracomm {
 namespace {

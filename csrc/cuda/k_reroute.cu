@@ -1,5 +1,5 @@
 // Reroute on the device: one source rank's RerouteTable (moe/reroute.py) from the gathered
-// loads and the plan in device memory, with include/ultracomm/token_split.h's
+// loads and the plan in device memory, with include/ultracomm/impl/token_split.h's
 // expert_table_lanes -- the row the host build (_core.reroute_table) computes with
 // expert_table.  A warp per expert: lanes over the sources and the replica slots (ballots
 // compact the expert's instances into shared memory), warp scans for the north-west corner and
@@ -14,7 +14,7 @@
 #include "launch.h"
 #include "pdl.h"
 #include "ptx_extra.cuh"
-#include "ultracomm/token_split.h"
+#include "ultracomm/impl/token_split.h"
 
 namespace ultracomm {
 namespace {

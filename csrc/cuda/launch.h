@@ -9,8 +9,8 @@
 #include "load_exchange.h"
 #include "mover_limits.h"
 #include "persistent_args.h"
-#include "ultracomm/quota_plan.h"
-#include "ultracomm/window_layout.h"
+#include "ultracomm/impl/quota_plan.h"
+#include "ultracomm/records/window_layout.h"
 
 namespace ultracomm::gpu {
 
@@ -50,7 +50,7 @@ void launch_empty(cudaStream_t stream);  // launch floor: one CTA, one thread, n
 void launch_flag_pingpong(uint64_t* ping, uint64_t* pong, uint64_t base, int64_t iters, uint64_t timeout_ns,
                           uint64_t* out, cudaStream_t stream);
 
-// The device quota planner (k_quota.cu, include/ultracomm/quota_plan.h): every pointer is
+// The device quota planner (k_quota.cu, include/ultracomm/impl/quota_plan.h): every pointer is
 // device memory.  loads: int32 [world, E] gathered token counts; expert_load: int64 [E]
 // written (per-expert totals); node_of: int32 [world] or nullptr; scratch:
 // quota_scratch_bytes(); slot_src int32 / slot_quota int64 [world, slots] and result written.
@@ -68,7 +68,7 @@ struct QuotaArgs {
 };
 int64_t quota_scratch_bytes(int32_t world, int32_t experts, int32_t slots);
 
-// Device reroute (k_reroute.cu, include/ultracomm/token_split.h): source rank `rank`'s
+// Device reroute (k_reroute.cu, include/ultracomm/impl/token_split.h): source rank `rank`'s
 // RerouteTable, bounds / columns int64 [E, world], from loads int32 [world, E] and the plan
 // (slot_src int32, slot_quota int64 [world, slots]); scratch: reroute_scratch_bytes().
 struct RerouteArgs {

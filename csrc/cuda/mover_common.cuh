@@ -18,8 +18,8 @@
 #include "mover_limits.h"
 #include "persistent_args.h"
 #include "ptx_extra.cuh"
-#include "ultracomm/interp.h"
-#include "ultracomm/reduce_hunk.h"
+#include "ultracomm/impl/interp.h"
+#include "ultracomm/impl/reduce_hunk.h"
 
 namespace ultracomm::dev {
 

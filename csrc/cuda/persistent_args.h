@@ -10,9 +10,9 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "ultracomm/error_record.h"
-#include "ultracomm/exec_view.h"
-#include "ultracomm/hd.h"
+#include "ultracomm/records/error_record.h"
+#include "ultracomm/records/exec_view.h"
+#include "ultracomm/records/hd.h"
 
 namespace ultracomm {
 

@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "device_plan.h"
-#include "ultracomm/slot_build.h"
+#include "ultracomm/impl/slot_build.h"
 
 namespace ultracomm::gpu {
 
@@ -62,7 +62,7 @@ class PlanArena {
   // capture that would have to wait for an eager copy is refused: std::invalid_argument).
   void write(int slot, const std::vector<ExecArgs>& ranks, cudaStream_t stream, bool capturing);
 
-  // The same for a device-built plan's template (include/ultracomm/slot_build.h): the entries'
+  // The same for a device-built plan's template (include/ultracomm/impl/slot_build.h): the entries'
   // static part, with my_slots / slot_parent / tasks / refs at the arena's bounds (ImageCapacity),
   // for the device step to build into (Runner::build_slot).  The entries carry no task.
   void write_template(int slot, const std::vector<ExecArgs>& ranks, cudaStream_t stream, bool capturing);

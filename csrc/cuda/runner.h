@@ -13,7 +13,7 @@
 #include "device_plan.h"
 #include "plan_arena.h"
 #include "persistent_args.h"
-#include "ultracomm/sched_build.h"
+#include "ultracomm/impl/sched_build.h"
 
 namespace ultracomm::gpu {
 
@@ -54,7 +54,7 @@ class Runner {
   void launch(PlanArena& arena, int slot, Op op, const std::vector<ExecArgs>* upload, uint64_t epoch,
               int ctas_per_rank, cudaStream_t stream, uint32_t flags);
 
-  // A device-built plan (include/ultracomm/slot_build.h).  write_template: the rank entries'
+  // A device-built plan (include/ultracomm/impl/slot_build.h).  write_template: the rank entries'
   // static part into arena slot `slot` (PlanArena::write_template), after the previous launch
   // of the op kind (it may read the area).  build_slot: enqueues k_build_slot for rank entry
   // `entry` of both op areas of `slot` (both templates written: std::invalid_argument

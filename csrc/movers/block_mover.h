@@ -10,7 +10,7 @@
 #include "group_barrier.h"
 #include "host_mover_base.h"
 #include "host_reduce.h"
-#include "ultracomm/interp.h"
+#include "ultracomm/impl/interp.h"
 
 namespace ultracomm::host {
 

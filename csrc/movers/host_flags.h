@@ -11,7 +11,7 @@
 #include <immintrin.h>
 #endif
 
-#include "ultracomm/error_record.h"
+#include "ultracomm/records/error_record.h"
 
 namespace ultracomm::host {
 

@@ -6,7 +6,7 @@
 
 #include "host_mover_base.h"
 #include "host_reduce.h"
-#include "ultracomm/interp.h"
+#include "ultracomm/impl/interp.h"
 
 namespace ultracomm::host {
 

@@ -7,7 +7,7 @@
 #include <cstdint>
 
 #include "host_flags.h"
-#include "ultracomm/interp.h"
+#include "ultracomm/impl/interp.h"
 
 namespace ultracomm::host {
 

@@ -13,8 +13,8 @@
 #include <immintrin.h>
 #endif
 
-#include "ultracomm/half.h"
-#include "ultracomm/interp.h"
+#include "ultracomm/records/half.h"
+#include "ultracomm/impl/interp.h"
 
 namespace ultracomm::host {
 

@@ -1,5 +1,5 @@
 // Host threads standing in for the GPU's lanes and warps: the CPU tests run the device quota
-// planner's parallel form (include/ultracomm/quota_plan.h: strided loops, reductions, lane-0
+// planner's parallel form (include/ultracomm/impl/quota_plan.h: strided loops, reductions, lane-0
 // writes between barriers, probe groups splitting a round) with real concurrency and compare
 // it with the one-thread build byte for byte.  Test support: the planner itself never starts
 // threads.
@@ -9,7 +9,7 @@
 #include <memory>
 #include <vector>
 
-#include "ultracomm/quota_plan.h"
+#include "ultracomm/impl/quota_plan.h"
 
 namespace ultracomm::quota {
 

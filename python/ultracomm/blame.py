@@ -23,7 +23,7 @@ counts as evidence:
   ``p2p`` transport and other memory domains, where no window shows a heartbeat).
 
 The words live in the unused tail of the 64-byte line that holds ``ready[op]`` and
-``digest[op]`` (``include/ultracomm/window_layout.h``): ``failed`` at ``digest_off + 16``,
+``digest[op]`` (``include/ultracomm/records/window_layout.h``): ``failed`` at ``digest_off + 16``,
 ``heartbeat`` at ``digest_off + 24``; the line ends before ``arrival_off``.
 
 Messages end with ``by evidence, stopped: ranks [..] (why); already failed: ...; alive: ...;

@@ -39,7 +39,7 @@ __all__ = ["Member", "ExpertLayout", "GRAD_DTYPES", "FP8_DTYPES", "MASTER_DTYPES
 MAX_EXPERT_BYTES = 1 << 40
 
 #: Members one expert may have: the executors' bound (kMaxMembers in
-#: include/ultracomm/exec_view.h, _core.MAX_MEMBERS; test_exec_protocol checks they agree).
+#: include/ultracomm/records/exec_view.h, _core.MAX_MEMBERS; test_exec_protocol checks they agree).
 MAX_MEMBERS = 8
 
 #: Gradient dtypes the reduction kernels support.

@@ -1,4 +1,4 @@
-"""numpy views of the C++ task records in ``include/ultracomm/task.h``.
+"""numpy views of the C++ task records in ``include/ultracomm/records/task.h``.
 
 ``TASK_DTYPE`` matches ``ultracomm::Task`` byte for byte (48 bytes), ``REF_DTYPE`` matches
 ``ultracomm::Ref``.  Schedules hand their task lists out as arrays of these dtypes and the

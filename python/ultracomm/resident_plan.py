@@ -6,7 +6,7 @@ each replica slot holds (-1 empty), e.g. the device planner's output
 without a host copy.  What the Context does with it depends on where it runs:
 
 * the ``tma`` transport, ``slot_src`` on the window's GPU: nothing goes to the host.  The
-  schedule is built on the GPU (``include/ultracomm/slot_build.h``, kernel ``k_build_slot``)
+  schedule is built on the GPU (``include/ultracomm/impl/slot_build.h``, kernel ``k_build_slot``)
   straight into the vid's plan-arena slot, and the persistent kernel runs it; ``restore`` and
   ``grad_reduce`` of the vid run what the slot holds.  No host validation either: a plan the
   builder refuses (an expert on its own home, an expert twice on a rank, ids out of range)

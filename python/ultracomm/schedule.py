@@ -1,6 +1,6 @@
 """Schedule builder front end: ReplicaPlan -> per-rank task lists of both operations.
 
-The work is done in C++ (``ultracomm._core.build_schedule``, ``csrc/schedule_builder.cpp``);
+The work is done in C++ (``ultracomm._core.build_schedule``, ``csrc/schedule/schedule_builder.cpp``);
 this module converts the plan, names things and exports JSON.
 
 Trees.  Every replica slot of expert ``e`` has exactly one parent: the home's master copy

@@ -1,4 +1,4 @@
-"""The device control plane's schedule builder, host build (``include/ultracomm/sched_build.h``).
+"""The device control plane's schedule builder, host build (``include/ultracomm/impl/sched_build.h``).
 
 One rank's multicast and reduce task lists -- the records ``ultracomm.schedule.build_schedule``
 emits and every executor runs -- built by portable C++ that nvcc compiles unchanged into
@@ -21,7 +21,7 @@ docstring): a reduce sums a node's children in ``(rank, slot)`` order, recursive
 ``ultracomm.tools.reference.reference_reduce_tree`` reproduces the result bit for bit.  The digest
 (of the inputs and both trees: the same on every rank) is a sum of mixed per-field terms, so the
 GPU's CTA build and this host build compute the same value for any lane count
-(include/ultracomm/sched_write.h); it differs from the host builder's for the same plan (its
+(include/ultracomm/impl/sched_write.h); it differs from the host builder's for the same plan (its
 header tags the builder), so ranks that mix the two builders are caught by the executors' digest
 check.
 """

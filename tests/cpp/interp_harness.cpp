@@ -21,7 +21,7 @@
 #include <thread>
 #include <vector>
 
-#include "ultracomm/host_executor.h"
+#include "ultracomm/impl/host_executor.h"
 
 using namespace ultracomm;
 

@@ -1,4 +1,4 @@
-// The device reduce's hot path (include/ultracomm/reduce_hunk.h, as csrc/cuda/mover_common.cuh
+// The device reduce's hot path (include/ultracomm/impl/reduce_hunk.h, as csrc/cuda/mover_common.cuh
 // vec_reduce drives it: warp hunks of U packs per lane, sources in groups of G, then one pack per
 // thread) against the host executor's reduce (csrc/movers/host_reduce.h, scalar and F16C), bit
 // for bit, on random fp32 / bf16 / fp16 inputs with NaNs (random payloads and signs), infinities,
@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "movers/host_reduce.h"
-#include "ultracomm/reduce_hunk.h"
+#include "ultracomm/impl/reduce_hunk.h"
 
 using namespace ultracomm;
 using detail::Pack16;

@@ -93,7 +93,7 @@ def cuda_runtime(device: int, what: str = "the tma transport") -> ModuleType:
     return mod
 
 
-# ErrorRecord (include/ultracomm/error_record.h, 72 bytes, as _cuda's Runner.take_error returns
+# ErrorRecord (include/ultracomm/records/error_record.h, 72 bytes, as _cuda's Runner.take_error returns
 # it): code, rank, op, flag_kind, task, expert, chunk, slot, peer, epoch, observed, expected,
 # peer_ready.
 _RECORD = struct.Struct("<IiB3xIqiiiiQQQQ")

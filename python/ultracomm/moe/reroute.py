@@ -94,7 +94,7 @@ class RerouteTable:
                   experts_per_rank: int, layout: str = "echo",
                   out: "dict | None" = None) -> "RerouteTable":
         """The table for source rank ``rank`` computed where the plan is, by the device reroute
-        (``include/ultracomm/token_split.h``: the same split as the planners').
+        (``include/ultracomm/impl/token_split.h``: the same split as the planners').
 
         Args:
             loads: int32 ``[world, E]`` gathered token counts.

@@ -1,6 +1,6 @@
 """The device control plane's quota planner, host build (``get_planner("device")``).
 
-The same C++ source (``include/ultracomm/quota_plan.h``) is compiled by g++ into
+The same C++ source (``include/ultracomm/impl/quota_plan.h``) is compiled by g++ into
 ``_core.quota_device`` and by nvcc into the GPU kernel (``csrc/cuda/k_quota.cu``), so what
 the CPU tests check is the code a GPU runs.  UltraEP's quota formulation with integer
 arithmetic only, no allocation and fixed capacities:

@@ -1,6 +1,6 @@
 """Transports: how a schedule's tasks are executed on this rank.
 
-Every transport runs the same schedule with the same protocol (``include/ultracomm/task.h``);
+Every transport runs the same schedule with the same protocol (``include/ultracomm/records/task.h``);
 they differ only in how a chunk moves and how a flag is read and written.
 
 ===========  ========================================================  ==========================

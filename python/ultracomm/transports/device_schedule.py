@@ -14,7 +14,7 @@ from ..errors import PlanMismatchError, UltracommTimeout
 
 __all__ = ["DeviceSchedule", "BUILD_STATUS", "BUILD_ERROR"]
 
-#: psched::Status of a device build (include/ultracomm/sched_build.h), as the host raises it
+#: psched::Status of a device build (include/ultracomm/impl/sched_build.h), as the host raises it
 BUILD_STATUS = {
     1: "world, slots or experts beyond the device builder's capacities (world <= 1024, slots <= 8, experts <= 65536)",
     2: "the plan is invalid (an expert id out of range, a replica on its home rank, or an expert twice on a rank)",

@@ -1,7 +1,7 @@
 """Symmetric-memory windows: every rank's buffers addressable by its peers.
 
 A window is one byte range per rank, of the same size and layout on every rank
-(``WindowLayout`` in ``include/ultracomm/window_layout.h``).  Executors see only a pointer
+(``WindowLayout`` in ``include/ultracomm/records/window_layout.h``).  Executors see only a pointer
 table: ``peer_bases[r]`` is rank ``r``'s window as addressed from this process.
 
 Providers:

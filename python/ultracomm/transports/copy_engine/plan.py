@@ -64,7 +64,7 @@ EPOCH = -1   # value placeholder: the operation's epoch
 MAIN = -1    # stream key of the caller's stream (others: the destination rank, or DRAIN)
 DRAIN = -2   # stream key of the stream that waits for this rank's own arrivals
 
-# FlagKind (include/ultracomm/error_record.h) of a wait, for the watchdog's error records
+# FlagKind (include/ultracomm/records/error_record.h) of a wait, for the watchdog's error records
 FLAG_NONE, FLAG_READY, FLAG_ARRIVAL = 0, 1, 2
 
 

@@ -79,7 +79,7 @@ log = logging.getLogger("ultracomm")
 NCCL_SM_RESERVE = 16  # SMs the persistent kernel leaves free for NCCL's kernels (its p2p uses a few channels)
 _CACHE = 128
 _LOCK = threading.Lock()  # the loopback domain's shared dict
-_DIGEST_MISMATCH = 2  # ErrorCode kDigestMismatch (include/ultracomm/error_record.h)
+_DIGEST_MISMATCH = 2  # ErrorCode kDigestMismatch (include/ultracomm/records/error_record.h)
 _KEPT = KEPT  # (kernel, shadows, watchdog) of transports closed with a blocked side stream land here
 
 

@@ -22,7 +22,7 @@ from .plan_slots import PlanSlots, arena_bounds
 from .resident import ResidentSlots
 
 __all__ = ["LoopbackRunner", "runner_for"]
-_REJECTED = 3  # ErrorCode kRejected (include/ultracomm/error_record.h)
+_REJECTED = 3  # ErrorCode kRejected (include/ultracomm/records/error_record.h)
 
 
 class LoopbackRunner:

@@ -6,10 +6,10 @@
 #include <stdexcept>
 #include <string>
 #include <vector>
-#include "ultracomm/error_text.h"
-#include "ultracomm/exec_view.h"
-#include "ultracomm/task.h"
-#include "ultracomm/window_layout.h"
+#include "ultracomm/impl/error_text.h"
+#include "ultracomm/records/exec_view.h"
+#include "ultracomm/records/task.h"
+#include "ultracomm/records/window_layout.h"
 
 namespace ultracomm {
 

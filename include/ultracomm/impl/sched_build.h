@@ -7,7 +7,7 @@
 // the same bytes.
 //
 // Output: this rank's multicast and reduce task lists (Task / Ref of task.h, the format
-// csrc/schedule_builder.cpp emits and interp.h runs: per rank sorted by (chunk, level, expert,
+// csrc/schedule/schedule_builder.cpp emits and interp.h runs: per rank sorted by (chunk, level, expert,
 // slot); a sender's refs are its children by (rank, slot), stored once for all its chunks;
 // multicast level = the sender's depth, reduce level = its height) and a digest of the inputs
 // and both trees, equal on every rank for the same plan.
@@ -47,9 +47,9 @@
 #pragma once
 #include <cstdint>
 
-#include "ultracomm/hd.h"
-#include "ultracomm/sched_group.h"
-#include "ultracomm/task.h"
+#include "ultracomm/records/hd.h"
+#include "ultracomm/impl/sched_group.h"
+#include "ultracomm/records/task.h"
 
 namespace ultracomm::psched {
 
@@ -394,8 +394,8 @@ UC_INLINE uint64_t op_cost(uint64_t bytes, uint64_t chunk, uint64_t hop, int32_t
 
 }  // namespace ultracomm::psched
 
-#include "ultracomm/sched_tree.h"
-#include "ultracomm/sched_write.h"
+#include "ultracomm/impl/sched_tree.h"
+#include "ultracomm/impl/sched_write.h"
 
 namespace ultracomm::psched {
 

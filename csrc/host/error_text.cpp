@@ -1,10 +1,10 @@
 // format_error: ErrorRecord -> the text the host executor has always raised (tests pin it).
-#include "ultracomm/error_text.h"
+#include "ultracomm/impl/error_text.h"
 
 #include <cinttypes>
 #include <cstdio>
 
-#include "ultracomm/task.h"
+#include "ultracomm/records/task.h"
 
 namespace ultracomm {
 namespace {

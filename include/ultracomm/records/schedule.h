@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <string>
 #include <vector>
-#include "ultracomm/task.h"
+#include "ultracomm/records/task.h"
 
 namespace ultracomm {
 

@@ -1,10 +1,10 @@
 // _core.build_schedule_portable / build_into_views: the host build of the device control plane's
-// schedule builder (include/ultracomm/sched_build.h, slot_build.h), the same source k_build.cu
+// schedule builder (include/ultracomm/impl/sched_build.h, slot_build.h), the same source k_build.cu
 // runs on the GPU as one CTA.  One lane by default; `lanes` > 1 runs it on that many host threads
 // in warps of `warp_lanes` (tests: the bytes must not depend on it).  Also bound for tests: the
 // kernel's launch shape (schedule_build_launch), the digest of given trees
 // (schedule_digest_portable) and the former one-thread builder (build_schedule_portable_serial_ref,
-// csrc/sched_build_serial_ref.h).
+// csrc/schedule/sched_build_serial_ref.h).
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -15,10 +15,10 @@
 #include <utility>
 #include <vector>
 
-#include "sched_build_serial_ref.h"
-#include "sched_lanes.h"
-#include "ultracomm/sched_build.h"
-#include "ultracomm/slot_build.h"
+#include "schedule/sched_build_serial_ref.h"
+#include "schedule/sched_lanes.h"
+#include "ultracomm/impl/sched_build.h"
+#include "ultracomm/impl/slot_build.h"
 
 namespace py = pybind11;
 
@@ -343,7 +343,7 @@ void bind_sched_portable(py::module_& m) {
   m.def("build_schedule_portable_serial_ref", &build_serial_ref, py::arg("slot_src"), py::arg("home_of"),
         py::arg("node_of"), py::arg("weight_bytes"), py::arg("grad_bytes"), py::arg("chunk_bytes"), py::arg("rank"),
         py::arg("max_depth"), py::arg("hop_bytes"),
-        "Test oracle: the former one-thread builder (csrc/sched_build_serial_ref.h); the same dict as "
+        "Test oracle: the former one-thread builder (csrc/schedule/sched_build_serial_ref.h); the same dict as "
         "build_schedule_portable.");
   m.def("schedule_digest_portable", &digest_of, py::arg("slot_src"), py::arg("home_of"), py::arg("node_of"),
         py::arg("weight_bytes"), py::arg("grad_bytes"), py::arg("chunk_bytes"), py::arg("max_depth"),

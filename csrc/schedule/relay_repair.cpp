@@ -7,8 +7,8 @@
 #include <utility>
 #include <vector>
 
-#include "relay_tree.h"
-#include "ultracomm/task.h"
+#include "schedule/relay_tree.h"
+#include "ultracomm/records/task.h"
 
 namespace ultracomm::detail {
 namespace {

@@ -5,7 +5,7 @@
 #pragma once
 #include <cstdint>
 
-#include "ultracomm/sched_build.h"
+#include "ultracomm/impl/sched_build.h"
 
 namespace ultracomm::psched {
 

@@ -9,7 +9,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "ultracomm/schedule.h"
+#include "ultracomm/records/schedule.h"
 
 namespace py = pybind11;
 
@@ -117,7 +117,7 @@ py::dict op_stats(const OpSchedule& o) {
 }  // namespace
 
 void bind_schedule(py::module_& m) {
-  py::class_<PySchedule>(m, "Schedule", "Per-rank task lists of both operations (see include/ultracomm/schedule.h)")
+  py::class_<PySchedule>(m, "Schedule", "Per-rank task lists of both operations (see include/ultracomm/records/schedule.h)")
       .def_property_readonly("digest", [](const PySchedule& p) { return p.s->digest; })
       .def_property_readonly("built_for", [](const PySchedule& p) { return p.s->built_for; })
       .def_property_readonly("world", [](const PySchedule& p) { return p.s->input.world; })

@@ -6,9 +6,9 @@
 #pragma once
 #include <cstdint>
 #include <type_traits>
-#include "ultracomm/hd.h"
-#include "ultracomm/task.h"
-#include "ultracomm/window_layout.h"
+#include "ultracomm/records/hd.h"
+#include "ultracomm/records/task.h"
+#include "ultracomm/records/window_layout.h"
 
 namespace ultracomm {
 

@@ -4,7 +4,7 @@
 #pragma once
 #include <stdexcept>
 #include <string>
-#include "ultracomm/error_record.h"
+#include "ultracomm/records/error_record.h"
 
 namespace ultracomm {
 

@@ -20,8 +20,8 @@
 #include <cstdint>
 #include <cstring>
 
-#include "ultracomm/half.h"
-#include "ultracomm/hd.h"
+#include "ultracomm/records/half.h"
+#include "ultracomm/records/hd.h"
 
 namespace ultracomm::detail {
 

@@ -1,4 +1,4 @@
-// _core.reroute_table: the host build of the device reroute (include/ultracomm/token_split.h):
+// _core.reroute_table: the host build of the device reroute (include/ultracomm/impl/token_split.h):
 // expert_table per expert (lanes = 0, the reference), or the kernel's expert_table_lanes with
 // one lane or with `lanes` host threads standing in for a warp (tests compare them).
 #include <pybind11/numpy.h>
@@ -10,7 +10,7 @@
 #include <thread>
 #include <vector>
 
-#include "ultracomm/token_split.h"
+#include "ultracomm/impl/token_split.h"
 
 namespace py = pybind11;
 

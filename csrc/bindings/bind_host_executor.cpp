@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "ultracomm/host_executor.h"
+#include "ultracomm/impl/host_executor.h"
 
 namespace py = pybind11;
 

@@ -27,7 +27,7 @@
 #pragma once
 #include <cstdint>
 
-#include "ultracomm/hd.h"
+#include "ultracomm/records/hd.h"
 
 namespace ultracomm::quota {
 

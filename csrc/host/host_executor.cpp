@@ -1,7 +1,7 @@
 // Host executor: drives the interpreter (interp.h) for one rank's operation with host worker
 // groups: HostMover (one thread per worker; the reference) or BlockMover (T threads per
 // worker imitating a CUDA block).  Protocol logic lives in interp.h only.
-#include "ultracomm/host_executor.h"
+#include "ultracomm/impl/host_executor.h"
 
 #include <algorithm>
 #include <exception>
@@ -12,7 +12,7 @@
 
 #include "movers/block_mover.h"
 #include "movers/host_mover.h"
-#include "ultracomm/interp.h"
+#include "ultracomm/impl/interp.h"
 
 namespace ultracomm {
 namespace {

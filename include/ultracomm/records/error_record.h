@@ -3,7 +3,7 @@
 // function, format_error (error_text.h), so host and device raise the same messages.
 #pragma once
 #include <cstdint>
-#include "ultracomm/hd.h"
+#include "ultracomm/records/hd.h"
 
 namespace ultracomm {
 

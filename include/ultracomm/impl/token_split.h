@@ -8,7 +8,7 @@
 #pragma once
 #include <cstdint>
 
-#include "ultracomm/hd.h"
+#include "ultracomm/records/hd.h"
 
 namespace ultracomm::split {
 

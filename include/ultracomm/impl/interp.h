@@ -12,12 +12,12 @@
 #pragma once
 #include <concepts>
 #include <cstdint>
-#include "ultracomm/error_record.h"
-#include "ultracomm/exec_view.h"
-#include "ultracomm/half.h"
-#include "ultracomm/hd.h"
-#include "ultracomm/task.h"
-#include "ultracomm/window_layout.h"
+#include "ultracomm/records/error_record.h"
+#include "ultracomm/records/exec_view.h"
+#include "ultracomm/records/half.h"
+#include "ultracomm/records/hd.h"
+#include "ultracomm/records/task.h"
+#include "ultracomm/records/window_layout.h"
 
 namespace ultracomm::interp {
 

@@ -1,5 +1,5 @@
 // _core.quota_device: the host build of the device control plane's quota planner
-// (include/ultracomm/quota_plan.h), the same plan() the GPU kernel runs: by default one thread
+// (include/ultracomm/impl/quota_plan.h), the same plan() the GPU kernel runs: by default one thread
 // (SerialCta: one probe group of one lane, a round's thresholds in turn); with lanes > 1 or
 // groups > 1, groups x lanes host threads standing in for the kernel's warps and their lanes
 // (csrc/planners/quota_lanes.h; tests compare every shape byte for byte).
@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "planners/quota_lanes.h"
-#include "ultracomm/quota_plan.h"
+#include "ultracomm/impl/quota_plan.h"
 
 namespace py = pybind11;
 

@@ -4,7 +4,7 @@
 #include <string>
 #include <vector>
 
-#include "ultracomm/host_executor.h"
+#include "ultracomm/impl/host_executor.h"
 
 namespace ultracomm {
 namespace {

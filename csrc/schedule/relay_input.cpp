@@ -4,8 +4,8 @@
 #include <cstddef>
 #include <vector>
 
-#include "relay_tree.h"
-#include "ultracomm/task.h"
+#include "schedule/relay_tree.h"
+#include "ultracomm/records/task.h"
 
 namespace ultracomm::detail {
 

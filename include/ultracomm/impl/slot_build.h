@@ -20,9 +20,9 @@
 #pragma once
 #include <cstdint>
 
-#include "ultracomm/error_record.h"
-#include "ultracomm/exec_view.h"
-#include "ultracomm/sched_build.h"
+#include "ultracomm/records/error_record.h"
+#include "ultracomm/records/exec_view.h"
+#include "ultracomm/impl/sched_build.h"
 
 namespace ultracomm::psched {
 

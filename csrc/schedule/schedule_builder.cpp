@@ -6,9 +6,9 @@
 #include <stdexcept>
 #include <string>
 
-#include "relay_tree.h"
-#include "ultracomm/schedule.h"
-#include "ultracomm/window_layout.h"
+#include "schedule/relay_tree.h"
+#include "ultracomm/records/schedule.h"
+#include "ultracomm/records/window_layout.h"
 
 namespace ultracomm {
 

@@ -1,5 +1,5 @@
 // Relay / reduce trees: one implementation for both operations (see relay_tree.h).
-#include "relay_tree.h"
+#include "schedule/relay_tree.h"
 
 #include <algorithm>
 #include <climits>
@@ -8,7 +8,7 @@
 #include <iterator>
 #include <limits>
 
-#include "ultracomm/task.h"
+#include "ultracomm/records/task.h"
 
 namespace ultracomm::detail {
 

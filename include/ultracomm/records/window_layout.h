@@ -3,8 +3,8 @@
 // with acquire, never reset (every operation uses a larger epoch).
 #pragma once
 #include <cstdint>
-#include "ultracomm/hd.h"
-#include "ultracomm/task.h"
+#include "ultracomm/records/hd.h"
+#include "ultracomm/records/task.h"
 
 namespace ultracomm {
 

@@ -10,7 +10,7 @@
 #pragma once
 #include <cstdint>
 #include <cstring>
-#include "ultracomm/hd.h"
+#include "ultracomm/records/hd.h"
 
 namespace ultracomm::detail {
 

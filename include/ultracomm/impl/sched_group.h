@@ -2,7 +2,7 @@
 // *block* of lanes that holds *warps* of lanes, so the same code runs as one CUDA CTA
 // (csrc/cuda/k_build.cu: 256 threads, 8 warps of 32), as one host thread (SerialGroup below:
 // one lane, one warp of one lane -- the `_core` default) and as host threads standing in for
-// lanes (csrc/sched_lanes.h, tests: 2, 8, 32 lanes in warps of 1..32).
+// lanes (csrc/schedule/sched_lanes.h, tests: 2, 8, 32 lanes in warps of 1..32).
 //
 // Block group G (every lane of the block calls each member, in the same order):
 //   lane(), width()            this lane, lanes in the block
@@ -21,7 +21,7 @@
 #pragma once
 #include <cstdint>
 
-#include "ultracomm/hd.h"
+#include "ultracomm/records/hd.h"
 
 namespace ultracomm::psched {
 

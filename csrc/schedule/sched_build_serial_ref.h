@@ -1,5 +1,5 @@
 // TEST ORACLE, not used by any build path: the one-thread schedule builder as committed before
-// the builder became a lane-group (CTA) build (git show 7afa026:include/ultracomm/sched_build.h),
+// the builder became a lane-group (CTA) build (git show 7afa026:include/ultracomm/impl/sched_build.h),
 // frozen in its own namespace.  `_core.build_schedule_portable_serial_ref` runs it so the tests
 // can hold the parallel builder to the former one's bytes (tasks, refs, trees, digest).  Changed
 // since: the digest (issue 33: the combinable digest of sched_write.h, computed here serially).
@@ -10,7 +10,7 @@
 // no exceptions (a Status), integers only -- so every rank and both builds give the same bytes.
 //
 // Output: this rank's multicast and reduce task lists (Task / Ref of task.h, the format
-// csrc/schedule_builder.cpp emits and interp.h runs: per rank sorted by (chunk, level, expert,
+// csrc/schedule/schedule_builder.cpp emits and interp.h runs: per rank sorted by (chunk, level, expert,
 // slot); a sender's refs are its children by (rank, slot), stored once for all its chunks;
 // multicast level = the sender's depth, reduce level = its height) and a digest of the inputs
 // and both trees, equal on every rank for the same plan.
@@ -31,8 +31,8 @@
 #include <cstdint>
 #include <initializer_list>
 
-#include "ultracomm/hd.h"
-#include "ultracomm/task.h"
+#include "ultracomm/records/hd.h"
+#include "ultracomm/records/task.h"
 
 namespace ultracomm::psched_ref {
 

@@ -20,6 +20,7 @@ Rank 0 prints per step the loss and the token imbalance (max:mean over ranks) be
 balancing; ``--no-replication`` prints the same losses (tests/test_example_quickstart.py checks).
 CPU only, as written (gloo); on GPUs use NCCL and put the tensors on each rank's device.
 """
+
 import argparse
 
 import torch
@@ -62,22 +63,22 @@ def moe_layer(layer, h, router, fc1, fc2, mgr):
 
     slots, step = 0, None
     if mgr is not None:
-        step = mgr.step(layer, routing_map, probs)            # loads, plan, async weight multicast
-        routing_map, probs = step.rerouted("physical")        # [T, world*(EPR+SLOTS)]
-        fc1_rep, fc2_rep = step.replica_weights()             # per slot [2I, H] / [H, I]
+        step = mgr.step(layer, routing_map, probs)  # loads, plan, async weight multicast
+        routing_map, probs = step.rerouted("physical")  # [T, world*(EPR+SLOTS)]
+        fc1_rep, fc2_rep = step.replica_weights()  # per slot [2I, H] / [H, I]
         slots = SLOTS
 
     # dispatch: every (token, column) pair goes to the rank that holds the column
     world, per_rank = dist.get_world_size(), EPR + slots
     tok, col = routing_map.nonzero(as_tuple=True)
-    order = torch.argsort(col, stable=True)                   # grouped by destination rank
+    order = torch.argsort(col, stable=True)  # grouped by destination rank
     tok, col = tok[order], col[order]
     send = torch.bincount(col // per_rank, minlength=world)
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send)
     send, recv = send.tolist(), recv.tolist()
-    x = AllToAll.apply(h[tok], send, recv)                    # rows this rank computes
-    local = AllToAll.apply(col % per_rank, send, recv)        # their local column
+    x = AllToAll.apply(h[tok], send, recv)  # rows this rank computes
+    local = AllToAll.apply(col % per_rank, send, recv)  # their local column
 
     # experts: local column j < EPR is home expert j, else replica slot j - EPR.  y starts as
     # x * 0 (not zeros): it depends on x, so the backward all-to-all runs on every rank, also
@@ -90,7 +91,7 @@ def moe_layer(layer, h, router, fc1, fc2, mgr):
             y = y.index_copy(0, rows, expert(x[rows], w1, w2))
     if step is not None:
         y = step.guard(y)  # backward: restores the replicas, then reduces their grads home
-    y = AllToAll.apply(y, recv, send)                         # results back to the tokens' rank
+    y = AllToAll.apply(y, recv, send)  # results back to the tokens' rank
     return h + torch.zeros_like(h).index_add(0, tok, y * probs[tok, col].unsqueeze(1)), step
 
 
@@ -102,12 +103,12 @@ def main():
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(0)  # every rank draws the whole model, keeps its experts
-    router = [torch.randn(EPR * world, H, generator=g) / H ** 0.5 for _ in range(LAYERS)]
-    w1 = [torch.randn(EPR * world, 2 * I, H, generator=g) / H ** 0.5 for _ in range(LAYERS)]
-    w2 = [torch.randn(EPR * world, H, I, generator=g) / I ** 0.5 for _ in range(LAYERS)]
+    router = [torch.randn(EPR * world, H, generator=g) / H**0.5 for _ in range(LAYERS)]
+    w1 = [torch.randn(EPR * world, 2 * I, H, generator=g) / H**0.5 for _ in range(LAYERS)]
+    w2 = [torch.randn(EPR * world, H, I, generator=g) / I**0.5 for _ in range(LAYERS)]
     # this rank's masters: experts rank*EPR .. rank*EPR+EPR-1, stacked [EPR, *shape]
-    fc1 = [torch.nn.Parameter(w[rank * EPR:(rank + 1) * EPR].clone()) for w in w1]
-    fc2 = [torch.nn.Parameter(w[rank * EPR:(rank + 1) * EPR].clone()) for w in w2]
+    fc1 = [torch.nn.Parameter(w[rank * EPR : (rank + 1) * EPR].clone()) for w in w1]
+    fc2 = [torch.nn.Parameter(w[rank * EPR : (rank + 1) * EPR].clone()) for w in w2]
 
     mgr = None
     if not args.no_replication:

@@ -23,6 +23,7 @@ gradients of ``ultracomm`` and ``echo`` equal the ``none`` run's within float
 reassociation (``--tol``, relative to each tensor's largest gradient; see ``TOL_WHY``) and
 that two ``ultracomm`` runs are bit-identical at every step.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,10 +39,12 @@ import ultracomm
 from ultracomm.moe import ReplicaManager, RerouteTable, linear, reroute
 from ultracomm.planners import Domain, get_planner
 
-TOL_WHY = ("each master-gradient element is a sum over the tokens routed to its expert; replication "
-           "splits that sum into the home rank's part and the replicas' parts (reduced in fp32 in a "
-           "fixed order), so only the association of the fp32 additions changes: a few ulps of the "
-           "largest partial sum, far below 1e-5 of the tensor's largest gradient")
+TOL_WHY = (
+    "each master-gradient element is a sum over the tokens routed to its expert; replication "
+    "splits that sum into the home rank's part and the replicas' parts (reduced in fp32 in a "
+    "fixed order), so only the association of the fp32 additions changes: a few ulps of the "
+    "largest partial sum, far below 1e-5 of the tensor's largest gradient"
+)
 
 
 class AllToAll(torch.autograd.Function):
@@ -82,8 +85,9 @@ class Model:
         self.a, self.rank, self.world = a, rank, world
         self.epr = a.experts // world
         g = torch.Generator().manual_seed(a.seed)  # the same router everywhere
-        self.router = [torch.nn.Parameter(torch.randn(a.experts, a.hidden, generator=g) / a.hidden ** 0.5)
-                       for _ in range(a.layers)]
+        self.router = [
+            torch.nn.Parameter(torch.randn(a.experts, a.hidden, generator=g) / a.hidden**0.5) for _ in range(a.layers)
+        ]
         self.bias = torch.zeros(a.experts)
         self.bias[: a.hot] = a.skew  # the skew: a few hot experts
         self.fc1, self.fc2 = [], []
@@ -91,8 +95,8 @@ class Model:
             w1, w2 = [], []
             for e in range(rank * self.epr, (rank + 1) * self.epr):
                 ge = torch.Generator().manual_seed(a.seed + 1000 * (layer + 1) + e)
-                w1.append(torch.randn(2 * a.inner, a.hidden, generator=ge) / a.hidden ** 0.5)
-                w2.append(torch.randn(a.hidden, a.inner, generator=ge) / a.inner ** 0.5)
+                w1.append(torch.randn(2 * a.inner, a.hidden, generator=ge) / a.hidden**0.5)
+                w2.append(torch.randn(a.hidden, a.inner, generator=ge) / a.inner**0.5)
             self.fc1.append(torch.nn.Parameter(torch.stack(w1)))
             self.fc2.append(torch.nn.Parameter(torch.stack(w2)))
 
@@ -129,8 +133,7 @@ def moe_layer(model: Model, layer: int, h: torch.Tensor, mode: str, mgr, planner
         load = torch.stack(rows)
         result = planner(load.numpy(), Domain.flat(W, epr), K)
         before = load.sum(0).reshape(W, epr).sum(1).double()
-        stats.append(((before.max() / before.mean()).item(),
-                      float(result.rank_load.max() / result.rank_load.mean())))
+        stats.append(((before.max() / before.mean()).item(), float(result.rank_load.max() / result.rank_load.mean())))
         # the same token split as ultracomm: the planner's quotas
         cmap, cprobs = reroute(rmap, probs, RerouteTable.from_result(result, rank, "physical"))
         h, rep1, rep2 = echo_fetch(model, layer, h, result.slot_src, K)
@@ -205,8 +208,16 @@ def echo_fetch(model: Model, layer: int, h: torch.Tensor, slot_src, K: int):
         slots = [k for k in range(K) if slot_src[rank, k] >= 0 and int(slot_src[rank, k]) // epr == s]
         recv_slots += slots
         out_splits.append(len(slots))
-    h, *reps = EchoWeights.apply(h, model.fc1[layer], model.fc2[layer], torch.tensor(send_rows, dtype=torch.long),
-                                 recv_slots, in_splits, out_splits, K)
+    h, *reps = EchoWeights.apply(
+        h,
+        model.fc1[layer],
+        model.fc2[layer],
+        torch.tensor(send_rows, dtype=torch.long),
+        recv_slots,
+        in_splits,
+        out_splits,
+        K,
+    )
     return h, reps[:K], reps[K:]
 
 
@@ -229,10 +240,15 @@ def schedule_of(text: str, n: int) -> list[tuple[str, int]]:
     if text == "1f1b":
         return one_f_one_b(n)
     order = [(w[0], int(w[1:])) for w in text.split() if w[:1] in ("F", "B") and w[1:].isdigit()]
-    if len(order) != len(text.split()) or sorted(order) != sorted([("F", i) for i in range(n)] + [("B", i) for i in range(n)]) \
-            or any(order.index(("B", i)) < order.index(("F", i)) for i in range(n)):
-        raise SystemExit(f"--schedule {text!r}: give 1f1b or each of F0..F{n - 1} and B0..B{n - 1} once, every B after "
-                         "its F (--microbatches is the count)")
+    if (
+        len(order) != len(text.split())
+        or sorted(order) != sorted([("F", i) for i in range(n)] + [("B", i) for i in range(n)])
+        or any(order.index(("B", i)) < order.index(("F", i)) for i in range(n))
+    ):
+        raise SystemExit(
+            f"--schedule {text!r}: give 1f1b or each of F0..F{n - 1} and B0..B{n - 1} once, every B after "
+            "its F (--microbatches is the count)"
+        )
     return order
 
 
@@ -252,8 +268,9 @@ def train(a, mode: str, rank: int, world: int):
     if mode == "ultracomm":
         layout = ultracomm.ExpertLayout.swiglu(a.hidden, a.inner, dtype=torch.float32)
         order = schedule_of(a.schedule, a.microbatches)
-        mgr = ReplicaManager(None, layout, model.epr, a.slots, a.layers, max_microbatches=in_flight(order),
-                             planner=a.planner)
+        mgr = ReplicaManager(
+            None, layout, model.epr, a.slots, a.layers, max_microbatches=in_flight(order), planner=a.planner
+        )
         for layer in range(a.layers):
             mgr.register_layer(layer, [model.fc1[layer], model.fc2[layer]])
     history = []
@@ -286,8 +303,9 @@ def train(a, mode: str, rank: int, world: int):
         if rank == 0:
             imb = ""
             if stats:
-                imb = " imbalance {:.2f} -> {:.2f}".format(sum(s[0] for s in stats) / len(stats),
-                                                           sum(s[1] for s in stats) / len(stats))
+                imb = " imbalance {:.2f} -> {:.2f}".format(
+                    sum(s[0] for s in stats) / len(stats), sum(s[1] for s in stats) / len(stats)
+                )
             print(f"step {step} {mode:9s} loss {loss.item() / world:.6f}{imb} time {ms:.1f} ms", flush=True)
         history.append((loss, grads))
     if mgr is not None:
@@ -329,26 +347,34 @@ def main(argv=None) -> int:
     if a.check:
         if "ultracomm" in runs:
             again = train(a, "ultracomm", rank, world)
-            same = all(torch.equal(l1, l2) and all(torch.equal(x, y) for x, y in zip(g1, g2))
-                       for (l1, g1), (l2, g2) in zip(runs["ultracomm"], again))
+            same = all(
+                torch.equal(l1, l2) and all(torch.equal(x, y) for x, y in zip(g1, g2))
+                for (l1, g1), (l2, g2) in zip(runs["ultracomm"], again)
+            )
             if not same:
                 failures.append("two ultracomm runs differ")
         ref = runs["none"][0][1]
         for m in ("ultracomm", "echo"):
             if m not in runs:
                 continue
-            worst = max((g - r).abs().max().item() / max(r.abs().max().item(), 1e-30)
-                        for g, r in zip(runs[m][0][1], ref))
+            worst = max(
+                (g - r).abs().max().item() / max(r.abs().max().item(), 1e-30) for g, r in zip(runs[m][0][1], ref)
+            )
             ok = worst <= a.tol
             if rank == 0:
-                print(f"check {m}: master grads vs none at step 0: max relative difference {worst:.2e} "
-                      f"({'<=' if ok else '>'} {a.tol:g})", flush=True)
+                print(
+                    f"check {m}: master grads vs none at step 0: max relative difference {worst:.2e} "
+                    f"({'<=' if ok else '>'} {a.tol:g})",
+                    flush=True,
+                )
             if not ok:
                 failures.append(f"{m} master grads differ from none by {worst:.2e}")
         flags = torch.tensor([len(failures)])
         dist.all_reduce(flags)
         if rank == 0:
-            print(f"check: bit-identical ultracomm reruns: {'yes' if 'two ultracomm runs differ' not in failures else 'NO'}")
+            print(
+                f"check: bit-identical ultracomm reruns: {'yes' if 'two ultracomm runs differ' not in failures else 'NO'}"
+            )
             print(f"check: tolerance {a.tol:g} because {TOL_WHY}")
             print("check " + ("OK" if int(flags) == 0 else "FAILED"), flush=True)
         failures = failures or (["a peer rank failed a check"] if int(flags) else [])

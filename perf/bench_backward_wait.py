@@ -30,6 +30,7 @@ Each is the max over ranks of that step; the table shows the median over steps (
 steps).  ``expert bytes``: one expert's weights, fc1 + fc2 in fp32 = ``8 * H * I`` (the reduce
 carries the same bytes of fp32 gradient per replica).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,8 +47,15 @@ from ultracomm.moe import ReplicaManager, linear
 from ultracomm.work import Work
 
 EPR, SLOTS, TOP_K, WARMUP = 4, 2, 2, 3
-COLUMNS = ("world", "expert bytes", "step ms", "reduce wait in bwd ms", "wait/step %", "dense bwd ms",
-           "min(wait,dense)/step %")
+COLUMNS = (
+    "world",
+    "expert bytes",
+    "step ms",
+    "reduce wait in bwd ms",
+    "wait/step %",
+    "dense bwd ms",
+    "min(wait,dense)/step %",
+)
 TIMES = {"wait": 0.0, "dense": 0.0, "waits": 0}
 IN_BACKWARD = [False]
 
@@ -65,6 +73,7 @@ def wrap_wait() -> None:
         finally:
             TIMES["wait"] += time.perf_counter() - t0
             TIMES["waits"] += 1
+
     Work.wait_stream = timed
 
 
@@ -103,9 +112,14 @@ def main() -> None:
     layout = ExpertLayout((Member("fc1", (I, H), torch.float32), Member("fc2", (H, I), torch.float32)))
     mgr = ReplicaManager(None, layout, EPR, SLOTS, L)  # the default settings
     g = torch.Generator().manual_seed(rank)
-    dense = [torch.nn.Parameter(torch.randn(H, H, generator=g) / H ** 0.5) for _ in range(L)]
-    experts = [[torch.nn.Parameter(torch.randn(EPR, I, H, generator=g) / H ** 0.5),
-                torch.nn.Parameter(torch.randn(EPR, H, I, generator=g) / I ** 0.5)] for _ in range(L)]
+    dense = [torch.nn.Parameter(torch.randn(H, H, generator=g) / H**0.5) for _ in range(L)]
+    experts = [
+        [
+            torch.nn.Parameter(torch.randn(EPR, I, H, generator=g) / H**0.5),
+            torch.nn.Parameter(torch.randn(EPR, H, I, generator=g) / I**0.5),
+        ]
+        for _ in range(L)
+    ]
     for layer in range(L):
         mgr.register_layer(layer, experts[layer])
     params = dense + [p for ps in experts for p in ps]
@@ -155,21 +169,37 @@ def main() -> None:
             waits.add(TIMES["waits"])
     mgr.close()
     med = [statistics.median(r[k] for r in rows) * 1e3 for k in range(4)]
-    rec = {"world": world, "hidden": H, "inner": I, "tokens": T, "layers": L, "steps": a.steps,
-           "experts_per_rank": EPR, "slots_per_rank": SLOTS, "expert_bytes": 8 * H * I,
-           "step_ms": med[0], "wait_ms": med[1], "dense_bwd_ms": med[2], "bound_ms": med[3],
-           "wait_pct": 100 * med[1] / med[0], "bound_pct": 100 * med[3] / med[0],
-           "reduce_waits_per_step": sorted(waits), "replicas_placed": sorted(replicas),
-           "per_step_ms": [[v * 1e3 for v in r] for r in rows]}
+    rec = {
+        "world": world,
+        "hidden": H,
+        "inner": I,
+        "tokens": T,
+        "layers": L,
+        "steps": a.steps,
+        "experts_per_rank": EPR,
+        "slots_per_rank": SLOTS,
+        "expert_bytes": 8 * H * I,
+        "step_ms": med[0],
+        "wait_ms": med[1],
+        "dense_bwd_ms": med[2],
+        "bound_ms": med[3],
+        "wait_pct": 100 * med[1] / med[0],
+        "bound_pct": 100 * med[3] / med[0],
+        "reduce_waits_per_step": sorted(waits),
+        "replicas_placed": sorted(replicas),
+        "per_step_ms": [[v * 1e3 for v in r] for r in rows],
+    }
     if rank == 0:
-        print(f"# bench_backward_wait: host executor, gloo, {L} layers, H {H}, I {I}, {T} tokens/rank, "
-              f"{EPR} experts + {SLOTS} slots per rank; expert bytes = fc1 + fc2 fp32 = 8*H*I; "
-              f"median over {a.steps} steps of the slowest rank", flush=True)
+        print(
+            f"# bench_backward_wait: host executor, gloo, {L} layers, H {H}, I {I}, {T} tokens/rank, "
+            f"{EPR} experts + {SLOTS} slots per rank; expert bytes = fc1 + fc2 fp32 = 8*H*I; "
+            f"median over {a.steps} steps of the slowest rank",
+            flush=True,
+        )
         w = [len(c) + 2 for c in COLUMNS]
         print("#" + "".join(f"{c:>{n}}" for c, n in zip(COLUMNS, w)))
         vals = (world, rec["expert_bytes"], med[0], med[1], rec["wait_pct"], med[2], rec["bound_pct"])
-        print(" " + "".join(f"{v:>{n}}" if isinstance(v, int) else f"{v:>{n}.2f}" for v, n in zip(vals, w)),
-              flush=True)
+        print(" " + "".join(f"{v:>{n}}" if isinstance(v, int) else f"{v:>{n}.2f}" for v, n in zip(vals, w)), flush=True)
         if a.json:
             with open(a.json, "w") as f:
                 json.dump(rec, f, indent=1)

@@ -84,6 +84,7 @@ section or row starts after that many seconds (rows not started say so); 30 s ar
 copy_engine, and 30 s for lb_prefetch by the sections before it.  Without a CUDA device it prints
 why and exits with status 2 (nothing measured).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -102,8 +103,19 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-SECTIONS = ("launch", "flag", "control", "copy", "fanout", "sweep", "reduce", "reduce_sweep", "relay", "lb_prefetch",
-            "copy_engine")
+SECTIONS = (
+    "launch",
+    "flag",
+    "control",
+    "copy",
+    "fanout",
+    "sweep",
+    "reduce",
+    "reduce_sweep",
+    "relay",
+    "lb_prefetch",
+    "copy_engine",
+)
 MiB = 1 << 20
 FANOUT_BYTES = 64 * MiB
 CE_RESERVE_S = 30.0  # of --budget-s, kept for the copy_engine section
@@ -127,8 +139,12 @@ CONTROL_SHAPES = (("EP8", 8, 32), ("EP16", 16, 16), ("EP64", 64, 4), ("EP288", 2
 CONTROL_PER_GRAPH, CONTROL_REPLAYS = 10, 20
 LAUNCH_PER_GRAPH, LAUNCH_REPLAYS = 100, 10
 # the control kernels of one layer and micro-batch: (row case suffix, impl), in stream order
-CONTROL_KERNELS = (("exchange", "k_load_exchange"), ("plan", "k_quota"), ("build", "k_build_slot"),
-                   ("reroute", "k_reroute"))
+CONTROL_KERNELS = (
+    ("exchange", "k_load_exchange"),
+    ("plan", "k_quota"),
+    ("build", "k_build_slot"),
+    ("reroute", "k_reroute"),
+)
 CONTROL_STEP = ("exchange+plan+build+reroute", "device step")
 # the same step's graph with programmatic dependent launch (csrc/cuda/pdl.h, sm_90+): same case,
 # its own impl; the other control rows run without it (key "pdl" in control_graph_rows' dicts)
@@ -136,6 +152,7 @@ CONTROL_STEP_PDL = ("pdl", "device step, PDL")
 
 
 # ----------------------------------------------------------------------------- pure helpers (CPU-tested)
+
 
 @dataclass
 class Row:
@@ -170,18 +187,47 @@ class Row:
         return self.algbw / (ctas * self.extra.get("senders", 1))
 
     def to_dict(self) -> dict:
-        return dict(section=self.section, case=self.case, impl=self.impl, size=self.size, time_s=self.time_s,
-                    payload_bytes=self.payload, traffic_bytes=self.traffic, algbw=self.algbw, busbw=self.busbw,
-                    algbw_per_cta=self.algbw_per_cta, wrong=self.wrong, note=self.note, **self.extra)
+        return dict(
+            section=self.section,
+            case=self.case,
+            impl=self.impl,
+            size=self.size,
+            time_s=self.time_s,
+            payload_bytes=self.payload,
+            traffic_bytes=self.traffic,
+            algbw=self.algbw,
+            busbw=self.busbw,
+            algbw_per_cta=self.algbw_per_cta,
+            wrong=self.wrong,
+            note=self.note,
+            **self.extra,
+        )
 
 
-def copy_engine_row(case: str, n: int, size: int, time_s: Optional[float], wrong: Optional[int], note: str = "",
-                    tile: Optional[Row] = None) -> Row:
+def copy_engine_row(
+    case: str,
+    n: int,
+    size: int,
+    time_s: Optional[float],
+    wrong: Optional[int],
+    note: str = "",
+    tile: Optional[Row] = None,
+) -> Row:
     """The copy_engine row of a 1 -> n multicast of ``size`` bytes: payload nS, traffic 2nS (each
     destination's copy reads the source), no SM; ``tile``: the tile mover's row of the same case and
     size, whose rate it is compared to."""
-    row = Row("copy_engine", case, "copy engine", size, time_s, n * size, 2 * n * size, wrong,
-              ", ".join(x for x in ("0 SMs", note) if x), dict(sms=0, destinations=n))
+    row = Row(
+        "copy_engine",
+        case,
+        "copy engine",
+        size,
+        time_s,
+        n * size,
+        2 * n * size,
+        wrong,
+        ", ".join(x for x in ("0 SMs", note) if x),
+        dict(sms=0, destinations=n),
+    )
     if tile is not None and tile.algbw and row.algbw:
         row.note += f", {100 * row.algbw / tile.algbw:.1f}% of tile mover"
         row.extra["vs_tile_mover"] = row.algbw / tile.algbw
@@ -191,8 +237,11 @@ def copy_engine_row(case: str, n: int, size: int, time_s: Optional[float], wrong
 def tile_row(rows: Sequence[Row], n: int, size: int) -> Optional[Row]:
     """The tile mover's measured row of a 1 -> n multicast of ``size`` bytes (copy or fanout)."""
     section = "copy" if n == 1 else "fanout"
-    got = [r for r in rows if r.section == section and r.impl == "tile mover" and r.case == f"1->{n}"
-           and r.size == size and r.time_s]
+    got = [
+        r
+        for r in rows
+        if r.section == section and r.impl == "tile mover" and r.case == f"1->{n}" and r.size == size and r.time_s
+    ]
     return got[0] if got else None
 
 
@@ -210,17 +259,29 @@ def format_table(rows: Sequence[Row]) -> str:
     lines = [hdr]
     for r in rows:
         per_cta = r.algbw_per_cta
-        lines.append((fmt_size(r.size), r.case, r.impl,
-                      "-" if r.time_s is None else f"{r.time_s * 1e6:.2f}",
-                      "-" if r.algbw is None else f"{r.algbw / 1e9:.1f}",
-                      "-" if r.busbw is None else f"{r.busbw / 1e9:.1f}",
-                      "-" if per_cta is None else f"{per_cta / 1e9:.1f}",
-                      "-" if r.wrong is None else str(r.wrong), r.note))
+        lines.append(
+            (
+                fmt_size(r.size),
+                r.case,
+                r.impl,
+                "-" if r.time_s is None else f"{r.time_s * 1e6:.2f}",
+                "-" if r.algbw is None else f"{r.algbw / 1e9:.1f}",
+                "-" if r.busbw is None else f"{r.busbw / 1e9:.1f}",
+                "-" if per_cta is None else f"{per_cta / 1e9:.1f}",
+                "-" if r.wrong is None else str(r.wrong),
+                r.note,
+            )
+        )
     widths = [max(len(x[i]) for x in lines) for i in range(len(hdr) - 1)]
     out = []
     for i, x in enumerate(lines):
-        out.append("  ".join(c.rjust(w) if i and j in (0, 3, 4, 5, 6, 7) else c.ljust(w)
-                             for j, (c, w) in enumerate(zip(x[:-1], widths))) + ("  " + x[-1] if x[-1] else ""))
+        out.append(
+            "  ".join(
+                c.rjust(w) if i and j in (0, 3, 4, 5, 6, 7) else c.ljust(w)
+                for j, (c, w) in enumerate(zip(x[:-1], widths))
+            )
+            + ("  " + x[-1] if x[-1] else "")
+        )
         if i == 0:
             out.append("  ".join("-" * w for w in widths))
     return "\n".join(out)
@@ -260,10 +321,12 @@ def goal_lines(rows: Sequence[Row]) -> list[str]:
     if ref and mover:
         best = max(mover, key=lambda r: r.algbw)
         frac = best.algbw / ref[0].algbw
-        out.append(f"goal copy: tile mover {best.algbw / 1e9:.1f} GB/s with {best.extra['ctas']} CTAs = "
-                   f"{100 * frac:.1f}% of cudaMemcpyAsync D2D {ref[0].algbw / 1e9:.1f} GB/s at "
-                   f"{fmt_size(best.size)} (goal >= {100 * GOAL_COPY:.0f}% with <= {GOAL_COPY_SMS}): "
-                   f"{'PASS' if frac >= GOAL_COPY else 'MISS'}")
+        out.append(
+            f"goal copy: tile mover {best.algbw / 1e9:.1f} GB/s with {best.extra['ctas']} CTAs = "
+            f"{100 * frac:.1f}% of cudaMemcpyAsync D2D {ref[0].algbw / 1e9:.1f} GB/s at "
+            f"{fmt_size(best.size)} (goal >= {100 * GOAL_COPY:.0f}% with <= {GOAL_COPY_SMS}): "
+            f"{'PASS' if frac >= GOAL_COPY else 'MISS'}"
+        )
     else:
         out.append("goal copy: not measured (sweep rows missing)")
     red = [r for r in rows if r.section == "reduce" and r.algbw]
@@ -278,9 +341,11 @@ def goal_lines(rows: Sequence[Row]) -> list[str]:
         if pairs:
             worst = min(pairs, key=lambda p: p[1])
             ok = all(f >= GOAL_REDUCE for _, f in pairs)
-            out.append(f"goal reduce: worst {worst[0]} at {100 * worst[1]:.1f}% of torch.sum's bandwidth "
-                       f"(goal >= {100 * GOAL_REDUCE:.0f}% for every case at {fmt_size(top)}): "
-                       f"{'PASS' if ok else 'MISS'}")
+            out.append(
+                f"goal reduce: worst {worst[0]} at {100 * worst[1]:.1f}% of torch.sum's bandwidth "
+                f"(goal >= {100 * GOAL_REDUCE:.0f}% for every case at {fmt_size(top)}): "
+                f"{'PASS' if ok else 'MISS'}"
+            )
         else:
             out.append("goal reduce: not measured (no torch.sum baseline rows)")
     else:
@@ -293,8 +358,15 @@ def graph_note(per_graph: int, replays: int, more: str = "") -> str:
     return f"graph replay: {per_graph} per graph x {replays} replays, device time" + (f"; {more}" if more else "")
 
 
-def control_graph_rows(label: str, E: int, times: dict, wrong: dict, notes: Optional[dict] = None,
-                       per_graph: int = CONTROL_PER_GRAPH, replays: int = CONTROL_REPLAYS) -> list[Row]:
+def control_graph_rows(
+    label: str,
+    E: int,
+    times: dict,
+    wrong: dict,
+    notes: Optional[dict] = None,
+    per_graph: int = CONTROL_PER_GRAPH,
+    replays: int = CONTROL_REPLAYS,
+) -> list[Row]:
     """Rows of one control-plane shape timed inside replayed CUDA graphs: one per kernel of
     CONTROL_KERNELS (case ``<label> <kernel>``) and the whole step (``<label>
     exchange+plan+build+reroute`` / ``device step``: the four kernels in one graph), named as the
@@ -311,8 +383,11 @@ def control_graph_rows(label: str, E: int, times: dict, wrong: dict, notes: Opti
         pdl = key == CONTROL_STEP_PDL[0]
         if pdl:  # the step again, in the same case as the plain one
             more = "programmatic dependent launch" + (f"; {more}" if more else "")
-        note = graph_note(per_graph, replays, more) if t is not None else \
-            f"not measured (graph replay): {notes.get(key) or 'no time'}"
+        note = (
+            graph_note(per_graph, replays, more)
+            if t is not None
+            else f"not measured (graph replay): {notes.get(key) or 'no time'}"
+        )
         case = f"{label} {CONTROL_STEP[0] if pdl else key}"
         extra = dict(timing="graph", per_graph=per_graph, replays=replays)
         if key in (CONTROL_STEP[0], CONTROL_STEP_PDL[0]):
@@ -321,8 +396,9 @@ def control_graph_rows(label: str, E: int, times: dict, wrong: dict, notes: Opti
     return rows
 
 
-def lb_mapping(world: int, experts_per_rank: int, slots: int, empty: float = LB_EMPTY,
-               seed: int = LB_SEED) -> np.ndarray:
+def lb_mapping(
+    world: int, experts_per_rank: int, slots: int, empty: float = LB_EMPTY, seed: int = LB_SEED
+) -> np.ndarray:
     """A DeepEP-style ``redundancy_mapping`` (int32 ``[world, slots]``, expert ids local to the domain,
     -1 empty), seeded: in every row exactly ``round(empty x slots)`` slots are empty (DeepEP's test
     draws each slot empty with that probability) and the others hold distinct experts (DeepEP's test
@@ -331,8 +407,9 @@ def lb_mapping(world: int, experts_per_rank: int, slots: int, empty: float = LB_
     n_empty = int(round(empty * slots))
     filled = slots - n_empty
     if not 0 <= n_empty <= slots or filled > E - experts_per_rank:
-        raise ValueError(f"{slots} slots with {n_empty} empty: {filled} distinct remote experts needed, "
-                         f"{E - experts_per_rank} exist")
+        raise ValueError(
+            f"{slots} slots with {n_empty} empty: {filled} distinct remote experts needed, {E - experts_per_rank} exist"
+        )
     rng = np.random.default_rng(seed)
     out = np.full((world, slots), -1, np.int32)
     for r in range(world):
@@ -353,8 +430,16 @@ def lb_bytes(mapping: np.ndarray, experts_per_rank: int, member_bytes: Sequence[
     B = int(sum(member_bytes))
     F, D = int(ids.size), int(np.unique(ids).size)
     sent = np.bincount(ids // experts_per_rank, minlength=m.shape[0]).astype(int).tolist()
-    return dict(per_expert=B, filled=F, distinct=D, payload=F * B, copy_traffic=2 * F * B,
-                multicast_traffic=(D + F) * B, sent_per_rank=sent, critical_bytes=max(sent, default=0) * B)
+    return dict(
+        per_expert=B,
+        filled=F,
+        distinct=D,
+        payload=F * B,
+        copy_traffic=2 * F * B,
+        multicast_traffic=(D + F) * B,
+        sent_per_rank=sent,
+        critical_bytes=max(sent, default=0) * B,
+    )
 
 
 def lb_members_text(members: Sequence[tuple]) -> str:
@@ -362,29 +447,61 @@ def lb_members_text(members: Sequence[tuple]) -> str:
     return " + ".join(f"{fmt_size(n)} {dt}" for _, n, dt in members)
 
 
-def lb_row(impl: str, mapping: np.ndarray, experts_per_rank: int, members: Sequence[tuple], time_s: Optional[float],
-           wrong: Optional[int], note: str = "", extra: Optional[dict] = None, graph: Optional[tuple] = None) -> Row:
+def lb_row(
+    impl: str,
+    mapping: np.ndarray,
+    experts_per_rank: int,
+    members: Sequence[tuple],
+    time_s: Optional[float],
+    wrong: Optional[int],
+    note: str = "",
+    extra: Optional[dict] = None,
+    graph: Optional[tuple] = None,
+) -> Row:
     """One lb_prefetch row: size B (one expert's members), payload F x B, traffic by the impl (copies
     2 F B, a multicast (D + F) B; see lb_bytes), a note saying which bytes are counted (and "graph
     replay" for ``graph=(per_graph, replays)`` rows), extra: the counts, timing, critical bytes."""
     b = lb_bytes(mapping, experts_per_rank, [n for _, n, _ in members])
     W, S = np.asarray(mapping).shape
     copies = impl == LB_COPIES
-    counted = (f"payload {b['filled']} filled slots x {b['per_expert']} B ({lb_members_text(members)}); busbw counts "
-               + ("2 x payload (each copy reads its home's tensor and writes the slot)" if copies else
-                  f"({b['distinct']} experts + {b['filled']} slots) x {b['per_expert']} B (each mapped expert read "
-                  "once, each slot written)"))
+    counted = (
+        f"payload {b['filled']} filled slots x {b['per_expert']} B ({lb_members_text(members)}); busbw counts "
+        + (
+            "2 x payload (each copy reads its home's tensor and writes the slot)"
+            if copies
+            else f"({b['distinct']} experts + {b['filled']} slots) x {b['per_expert']} B (each mapped expert read "
+            "once, each slot written)"
+        )
+    )
     body = ", ".join(x for x in (note, counted) if x)
     if time_s is None and not note.startswith(("not measured", "FAILED")):
         body = "not measured: " + body
-    x = dict(world=W, slots=S, experts=W * experts_per_rank, filled=b["filled"], distinct=b["distinct"],
-             sent_per_rank=b["sent_per_rank"], critical_bytes=b["critical_bytes"], timing="eager")
+    x = dict(
+        world=W,
+        slots=S,
+        experts=W * experts_per_rank,
+        filled=b["filled"],
+        distinct=b["distinct"],
+        sent_per_rank=b["sent_per_rank"],
+        critical_bytes=b["critical_bytes"],
+        timing="eager",
+    )
     if graph is not None:
         x.update(timing="graph", per_graph=graph[0], replays=graph[1])
         body = graph_note(graph[0], graph[1], body)
     x.update(extra or {})
-    return Row("lb_prefetch", lb_case(W, experts_per_rank, S), impl, b["per_expert"], time_s, b["payload"],
-               b["copy_traffic"] if copies else b["multicast_traffic"], wrong if time_s is not None else None, body, x)
+    return Row(
+        "lb_prefetch",
+        lb_case(W, experts_per_rank, S),
+        impl,
+        b["per_expert"],
+        time_s,
+        b["payload"],
+        b["copy_traffic"] if copies else b["multicast_traffic"],
+        wrong if time_s is not None else None,
+        body,
+        x,
+    )
 
 
 def lb_case(world: int, experts_per_rank: int, slots: int) -> str:
@@ -401,16 +518,22 @@ def lb_memory_bytes(world: int, experts_per_rank: int, slots: int, per_expert: i
 
 def build_profile(rows: Sequence[Row], device: dict, stamp: str) -> dict:
     """The hardware profile dict (schema ultracomm.hwprofile/1) from the measured rows."""
+
     def pick(section, impl, pred=lambda r: True, key=lambda r: r.size):
         cand = [r for r in rows if r.section == section and r.impl == impl and r.algbw and pred(r)]
         return max(cand, key=key) if cand else None
 
     memcpy = pick("copy", "cudaMemcpyAsync") or pick("sweep", "cudaMemcpyAsync")
-    sweep = sorted({r.extra["ctas"]: r.algbw for r in rows
-                    if r.section == "sweep" and r.impl == "tile mover" and r.algbw}.items())
+    sweep = sorted(
+        {r.extra["ctas"]: r.algbw for r in rows if r.section == "sweep" and r.impl == "tile mover" and r.algbw}.items()
+    )
     one_reduce = pick("reduce", "tile mover", lambda r: r.extra.get("ctas") == 1)
-    red = pick("reduce", "tile mover", lambda r: r.extra.get("dtype") == "fp32" and r.extra.get("ctas") != 1,
-               key=lambda r: (r.size, r.extra.get("k", 0)))
+    red = pick(
+        "reduce",
+        "tile mover",
+        lambda r: r.extra.get("dtype") == "fp32" and r.extra.get("ctas") != 1,
+        key=lambda r: (r.size, r.extra.get("k", 0)),
+    )
     tred = None
     if red is not None:
         tred = pick("reduce", "torch.sum", lambda r: r.case == red.case and r.size == red.size)
@@ -422,16 +545,25 @@ def build_profile(rows: Sequence[Row], device: dict, stamp: str) -> dict:
             fill.setdefault(r.extra["chunk"], {})[r.extra["depth"]] = r.time_s
     per_hop, overhead, hop_bw = hop_costs(fill)
     return {
-        "schema": "ultracomm.hwprofile/1", "device": device["name"], "compute_capability": device["cc"],
-        "sm_count": device["sms"], "date": stamp, "torch": device["torch"], "cuda": device["cuda"],
+        "schema": "ultracomm.hwprofile/1",
+        "device": device["name"],
+        "compute_capability": device["cc"],
+        "sm_count": device["sms"],
+        "date": stamp,
+        "torch": device["torch"],
+        "cuda": device["cuda"],
         "source": "perf/bench_gpu.py",
         "d2d_copy_bw": memcpy.algbw if memcpy else None,
         "per_sm_copy_bw": dict(sweep).get(1),
         "per_sm_reduce_bw": one_reduce.algbw if one_reduce else None,
         "sm_sweep": [[int(c), bw] for c, bw in sweep],
-        "reduce_bw": red.algbw if red else None, "torch_reduce_bw": tred.algbw if tred else None,
-        "flag_rtt_s": flag[0].time_s if flag else None, "launch_s": launch[0].time_s if launch else None,
-        "relay_hop_s": per_hop, "chunk_overhead_s": overhead, "hop_bw": hop_bw,
+        "reduce_bw": red.algbw if red else None,
+        "torch_reduce_bw": tred.algbw if tred else None,
+        "flag_rtt_s": flag[0].time_s if flag else None,
+        "launch_s": launch[0].time_s if launch else None,
+        "relay_hop_s": per_hop,
+        "chunk_overhead_s": overhead,
+        "hop_bw": hop_bw,
     }
 
 
@@ -445,6 +577,7 @@ def unavailable_reason() -> Optional[str]:
 
 
 # ----------------------------------------------------------------------------- device side
+
 
 def _core_records(name: str):
     from ultracomm import records
@@ -478,8 +611,13 @@ class Timer:
             cpu_bound |= host >= 0.9 * gpu
         return statistics.median(times), cpu_bound
 
-    def graph(self, fn: Callable[[], None], per_graph: int = CONTROL_PER_GRAPH,
-              replays: int = CONTROL_REPLAYS, prepare: Optional[Callable[[], None]] = None) -> float:
+    def graph(
+        self,
+        fn: Callable[[], None],
+        per_graph: int = CONTROL_PER_GRAPH,
+        replays: int = CONTROL_REPLAYS,
+        prepare: Optional[Callable[[], None]] = None,
+    ) -> float:
         """Device time per call of ``fn`` inside a replayed CUDA graph (the one graph timer of the
         bench: control kernels, the device step, the launch rows): ``fn`` runs once eagerly (its
         one-time setup, and the check that it works), is captured ``per_graph`` times into one
@@ -545,8 +683,9 @@ def _cudart():
 class Gpu:
     """Measurements; each section appends Rows and never raises (failures become notes)."""
 
-    def __init__(self, quick: bool, budget_s: Optional[float] = None, reserve_s: float = 0.0,
-                 lb_reserve_s: float = 0.0):
+    def __init__(
+        self, quick: bool, budget_s: Optional[float] = None, reserve_s: float = 0.0, lb_reserve_s: float = 0.0
+    ):
         import torch
 
         import ultracomm
@@ -556,8 +695,13 @@ class Gpu:
         self.quick = quick
         self.dev = torch.device("cuda", torch.cuda.current_device())
         props = torch.cuda.get_device_properties(self.dev)
-        self.info = dict(name=props.name, cc=f"{props.major}.{props.minor}", sms=props.multi_processor_count,
-                         torch=torch.__version__, cuda=str(torch.version.cuda))
+        self.info = dict(
+            name=props.name,
+            cc=f"{props.major}.{props.minor}",
+            sms=props.multi_processor_count,
+            torch=torch.__version__,
+            cuda=str(torch.version.cuda),
+        )
         self.timer = Timer(torch, reps=5 if quick else 20)
         self.rows: list[Row] = []
         self.errors: list[str] = []
@@ -591,8 +735,13 @@ class Gpu:
         return self.torch.cuda.current_stream(self.dev).cuda_stream
 
     def memcpy(self, dst, src, nbytes: int) -> None:
-        rc = self.cudart.cudaMemcpyAsync(ctypes.c_void_p(dst.data_ptr()), ctypes.c_void_p(src.data_ptr()),
-                                         nbytes, CUDA_MEMCPY_DEVICE_TO_DEVICE, ctypes.c_void_p(self.stream()))
+        rc = self.cudart.cudaMemcpyAsync(
+            ctypes.c_void_p(dst.data_ptr()),
+            ctypes.c_void_p(src.data_ptr()),
+            nbytes,
+            CUDA_MEMCPY_DEVICE_TO_DEVICE,
+            ctypes.c_void_p(self.stream()),
+        )
         if rc != 0:
             raise RuntimeError(f"cudaMemcpyAsync returned {rc}")
 
@@ -632,8 +781,9 @@ class Gpu:
         fn = getattr(self.cuda, name, None) if self.cuda is not None and not self.cuda_reason else None
         return fn, "" if fn is not None else (self.cuda_reason or f"this _cuda build has no {name}")
 
-    def baseline_copies(self, section: str, case: str, impl: str, src, dsts: list, fn: Callable[[], None],
-                        note: str = "") -> Row:
+    def baseline_copies(
+        self, section: str, case: str, impl: str, src, dsts: list, fn: Callable[[], None], note: str = ""
+    ) -> Row:
         """Row of a copy baseline that writes ``src`` into every one of ``dsts`` (verified before and after)."""
         for d in dsts:
             d.fill_(SENTINEL)
@@ -641,12 +791,20 @@ class Gpu:
         w0 = sum(self.wrong_bytes(d, src) for d in dsts)
         t, cpu = self.timer(fn)
         size, n = src.numel(), len(dsts)
-        return Row(section, case, impl, size, t, n * size, 2 * n * size,
-                   w0 + sum(self.wrong_bytes(d, src) for d in dsts), ", ".join(x for x in (note, cpu * "cpu-bound") if x))
+        return Row(
+            section,
+            case,
+            impl,
+            size,
+            t,
+            n * size,
+            2 * n * size,
+            w0 + sum(self.wrong_bytes(d, src) for d in dsts),
+            ", ".join(x for x in (note, cpu * "cpu-bound") if x),
+        )
 
     def mover_missing(self, section: str, case: str, size: int) -> None:
-        self.rows.append(Row(section, case, "tile mover", size, None, 0, 0, None,
-                             f"not measured: {self.tma_reason}"))
+        self.rows.append(Row(section, case, "tile mover", size, None, 0, 0, None, f"not measured: {self.tma_reason}"))
 
     # -- loopback domains through the tma transport
     def domain(self, world: int, slot_src: np.ndarray, nbytes: int, grad_dtype, **cfg) -> "Loopback":
@@ -665,8 +823,20 @@ class Gpu:
             self.rows.append(Row("launch", "floor", "empty kernel", 0, None, 0, 0, None, f"not measured: {why}"))
         else:
             t, cpu = self.timer(lambda: launch_empty(self.stream()), reps=200)
-            self.rows.append(Row("launch", "floor", "empty kernel", 0, t, 0, 0, 0,
-                                 "cpu-bound (launch rate)" if cpu else "", dict(timing="eager")))
+            self.rows.append(
+                Row(
+                    "launch",
+                    "floor",
+                    "empty kernel",
+                    0,
+                    t,
+                    0,
+                    0,
+                    0,
+                    "cpu-bound (launch rate)" if cpu else "",
+                    dict(timing="eager"),
+                )
+            )
             t = self.timer.graph(lambda: launch_empty(self.stream()), LAUNCH_PER_GRAPH, LAUNCH_REPLAYS)
             self.rows.append(Row("launch", "floor", "empty kernel", 0, t, 0, 0, 0, gnote, gextra))
         if self.tma_reason:
@@ -676,12 +846,36 @@ class Gpu:
         try:
             t, cpu = self.timer(lambda: d.run("multicast"), reps=200)
             d.check()
-            self.rows.append(Row("launch", "no tasks", "tile mover", 0, t, 0, 0, 0,
-                                 "persistent launch, world 1" + (", cpu-bound" if cpu else ""), dict(timing="eager")))
+            self.rows.append(
+                Row(
+                    "launch",
+                    "no tasks",
+                    "tile mover",
+                    0,
+                    t,
+                    0,
+                    0,
+                    0,
+                    "persistent launch, world 1" + (", cpu-bound" if cpu else ""),
+                    dict(timing="eager"),
+                )
+            )
             t = self.timer.graph(lambda: d.run("multicast"), LAUNCH_PER_GRAPH, LAUNCH_REPLAYS)
             d.check()
-            self.rows.append(Row("launch", "no tasks", "tile mover", 0, t, 0, 0, 0,
-                                 graph_note(LAUNCH_PER_GRAPH, LAUNCH_REPLAYS, "persistent launch, world 1"), gextra))
+            self.rows.append(
+                Row(
+                    "launch",
+                    "no tasks",
+                    "tile mover",
+                    0,
+                    t,
+                    0,
+                    0,
+                    0,
+                    graph_note(LAUNCH_PER_GRAPH, LAUNCH_REPLAYS, "persistent launch, world 1"),
+                    gextra,
+                )
+            )
         finally:
             d.close()
 
@@ -699,8 +893,19 @@ class Gpu:
         counts, digest) and table entries that differ from the host build's, gathered counts that
         differ from the posted ones, and nonzero exchange statuses."""
         if self.cuda_reason or not hasattr(self.cuda, "quota_plan"):
-            self.rows.append(Row("control", "-", "-", 0, None, 0, 0, None,
-                                 f"not measured: {self.cuda_reason or 'this _cuda build has no quota_plan'}"))
+            self.rows.append(
+                Row(
+                    "control",
+                    "-",
+                    "-",
+                    0,
+                    None,
+                    0,
+                    0,
+                    None,
+                    f"not measured: {self.cuda_reason or 'this _cuda build has no quota_plan'}",
+                )
+            )
             return
         for label, W, epr in CONTROL_SHAPES:
             if self.late("control", label):
@@ -709,8 +914,9 @@ class Gpu:
                 self.control_shape(label, W, epr)
             except Exception as e:  # noqa: BLE001 - the next shape still runs
                 self.errors.append(f"control {label}: {type(e).__name__}: {e}")
-                self.rows.append(Row("control", label, "-", W * epr, None, 0, 0, None,
-                                     f"FAILED: {type(e).__name__}: {e}"))
+                self.rows.append(
+                    Row("control", label, "-", W * epr, None, 0, 0, None, f"FAILED: {type(e).__name__}: {e}")
+                )
                 traceback.print_exc()
             finally:
                 self.torch.cuda.synchronize(self.dev)
@@ -745,8 +951,11 @@ class Gpu:
         out = dp.plan_on_gpu(loads, dom, S)
         t_plan, cpu = self.timer(lambda: dp.plan_on_gpu(loads, dom, S, out=out), reps=20)
         first = RerouteTable.from_plan(loads, out["slot_src"], out["slot_quota"], 0, epr, "echo")
-        tab = dict(bounds=first.bounds, columns=first.columns,
-                   scratch=torch.empty(self.cuda.reroute_scratch_bytes(W, E) // 8, dtype=torch.int64, device=self.dev))
+        tab = dict(
+            bounds=first.bounds,
+            columns=first.columns,
+            scratch=torch.empty(self.cuda.reroute_scratch_bytes(W, E) // 8, dtype=torch.int64, device=self.dev),
+        )
 
         def device_path():
             dp.plan_on_gpu(loads, dom, S, out=out)
@@ -756,11 +965,25 @@ class Gpu:
         torch.cuda.synchronize(self.dev)
         ref = host_plan(load, dom, S)
         want_q = np.where(ref.slot_src >= 0, ref.slot_moves.sum(0), 0)
-        ht = RerouteTable.from_plan(*(x.cpu() for x in (loads, torch.as_tensor(ref.slot_src, dtype=torch.int32),
-                                                         torch.as_tensor(want_q, dtype=torch.int64))), 0, epr, "echo")
+        ht = RerouteTable.from_plan(
+            *(
+                x.cpu()
+                for x in (
+                    loads,
+                    torch.as_tensor(ref.slot_src, dtype=torch.int32),
+                    torch.as_tensor(want_q, dtype=torch.int64),
+                )
+            ),
+            0,
+            epr,
+            "echo",
+        )
 
         def wrong_plan() -> int:
-            return int((out["slot_src"].cpu().numpy() != ref.slot_src).sum() + (out["slot_quota"].cpu().numpy() != want_q).sum())
+            return int(
+                (out["slot_src"].cpu().numpy() != ref.slot_src).sum()
+                + (out["slot_quota"].cpu().numpy() != want_q).sum()
+            )
 
         def wrong_table(t) -> int:
             return int((t["bounds"].cpu() != ht.bounds).sum() + (t["columns"].cpu() != ht.columns).sum())
@@ -768,10 +991,34 @@ class Gpu:
         wrong = wrong_plan() + wrong_table(dict(bounds=first.bounds, columns=first.columns))
         info = dp.decode_result(out["result"].cpu())
         note = f"probes {info['probes']}, rounds {info['rounds']}, replicas {info['replicas']}"
-        self.rows.append(Row("control", f"{label} plan", "k_quota", E, t_plan, 0, 0, wrong,
-                             note + (", cpu-bound" if cpu else ""), dict(timing="eager")))
-        self.rows.append(Row("control", f"{label} plan+reroute", "k_quota+k_reroute", E, t_all, 0, 0, wrong,
-                             note + (", cpu-bound" if cpu_all else ""), dict(timing="eager")))
+        self.rows.append(
+            Row(
+                "control",
+                f"{label} plan",
+                "k_quota",
+                E,
+                t_plan,
+                0,
+                0,
+                wrong,
+                note + (", cpu-bound" if cpu else ""),
+                dict(timing="eager"),
+            )
+        )
+        self.rows.append(
+            Row(
+                "control",
+                f"{label} plan+reroute",
+                "k_quota+k_reroute",
+                E,
+                t_all,
+                0,
+                0,
+                wrong,
+                note + (", cpu-bound" if cpu_all else ""),
+                dict(timing="eager"),
+            )
+        )
 
         def host_path():
             res = host_plan(loads.cpu().numpy().astype(np.int64), dom, S)
@@ -784,8 +1031,20 @@ class Gpu:
             t0 = time.perf_counter()
             host_path()
             ts.append(time.perf_counter() - t0)
-        self.rows.append(Row("control", f"{label} plan+reroute", "host (D2H, plan, H2D)", E, statistics.median(ts),
-                             0, 0, None, "wall time incl. the host sync", dict(timing="wall")))
+        self.rows.append(
+            Row(
+                "control",
+                f"{label} plan+reroute",
+                "host (D2H, plan, H2D)",
+                E,
+                statistics.median(ts),
+                0,
+                0,
+                None,
+                "wall time incl. the host sync",
+                dict(timing="wall"),
+            )
+        )
 
         # the loads' all-gather: W loopback ranks' boards on this GPU, one (cooperative) launch
         L = BoardLayout(W, E)
@@ -794,8 +1053,17 @@ class Gpu:
         gathered = torch.zeros((W, W, E), dtype=torch.int32, device=self.dev)
         status = torch.zeros((W, 8), dtype=torch.int32, device=self.dev)
         seq = torch.zeros((W, 1), dtype=torch.int64, device=self.dev)
-        entries = [dict(counts=loads[r].data_ptr(), out=gathered[r].data_ptr(), status=status[r].data_ptr(),
-                        bases=bases.data_ptr(), seq=seq[r].data_ptr(), rank=r) for r in range(W)]
+        entries = [
+            dict(
+                counts=loads[r].data_ptr(),
+                out=gathered[r].data_ptr(),
+                status=status[r].data_ptr(),
+                bases=bases.data_ptr(),
+                seq=seq[r].data_ptr(),
+                rank=r,
+            )
+            for r in range(W)
+        ]
 
         def exchange():
             self.cuda.load_exchange(entries, L.world, L.num_experts, L.entries, L.record_bytes, 10.0, self.stream())
@@ -810,8 +1078,20 @@ class Gpu:
         t_x, cpu_x = self.timer(exchange, reps=20)
         torch.cuda.synchronize(self.dev)
         wrong_x = wrong_exchange()
-        self.rows.append(Row("control", f"{label} exchange", "k_load_exchange", E, t_x, 0, 0, wrong_x,
-                             x_note + (", cpu-bound" if cpu_x else ""), dict(timing="eager")))
+        self.rows.append(
+            Row(
+                "control",
+                f"{label} exchange",
+                "k_load_exchange",
+                E,
+                t_x,
+                0,
+                0,
+                wrong_x,
+                x_note + (", cpu-bound" if cpu_x else ""),
+                dict(timing="eager"),
+            )
+        )
 
         def plan():
             dp.plan_on_gpu(gathered[0], dom, S, out=out)
@@ -833,10 +1113,20 @@ class Gpu:
         else:
             t_all, cpu_all = self.timer(whole, reps=20)
             torch.cuda.synchronize(self.dev)
-            self.rows.append(Row("control", f"{label} {CONTROL_STEP[0]}", CONTROL_STEP[1], E, t_all, 0, 0,
-                                 wrong_plan() + wrong_table(tab) + wrong_exchange() + wrong_build(),
-                                 "the whole control plane of one layer and micro-batch" + (", cpu-bound" if cpu_all else ""),
-                                 dict(timing="eager")))
+            self.rows.append(
+                Row(
+                    "control",
+                    f"{label} {CONTROL_STEP[0]}",
+                    CONTROL_STEP[1],
+                    E,
+                    t_all,
+                    0,
+                    0,
+                    wrong_plan() + wrong_table(tab) + wrong_exchange() + wrong_build(),
+                    "the whole control plane of one layer and micro-batch" + (", cpu-bound" if cpu_all else ""),
+                    dict(timing="eager"),
+                )
+            )
             notes["build"] = b_note
         # the same kernels inside replayed CUDA graphs (one graph per row; the step: all four)
         times = {}
@@ -897,38 +1187,94 @@ class Gpu:
         wl = _core.window_layout(S, wb, gb, chunk)
         runner = self.cuda.Runner(self.dev.index)
         tasks = ((epr + S) * wl["weight_chunks"], (epr + S) * wl["grad_chunks"])
-        arena = self.cuda.PlanArena(self.dev.index, 1, nranks=1, world=W, num_experts=E, masters=epr, slots=S,
-                                    tasks=tasks, refs=(W * S, W * S))
+        arena = self.cuda.PlanArena(
+            self.dev.index, 1, nranks=1, world=W, num_experts=E, masters=epr, slots=S, tasks=tasks, refs=(W * S, W * S)
+        )
         for op in (0, 1):  # rank 0's static part (addresses are never dereferenced: nothing is launched)
-            entry = dict(op=op, rank=0, world=W, slots=S, weight_slot_bytes=wl["weight_slot_bytes"],
-                         grad_slot_bytes=wl["grad_slot_bytes"], chunk_bytes=wl["chunk_bytes"],
-                         window_bases=[(r + 1) << 32 for r in range(W)], member_off=[0],
-                         member_bytes=[wb if op == 0 else gb], master_ptrs=[(64 + i) << 24 for i in range(epr)],
-                         local_index_of=[e if e < epr else -1 for e in range(E)], grad_dtype=0, my_slots=[-1] * S,
-                         tasks=np.zeros(0, _core_records("TASK_DTYPE")), refs=np.zeros(0, _core_records("REF_DTYPE")),
-                         timeout_s=10.0, slot_parent=[-1] * S, digest=1)
+            entry = dict(
+                op=op,
+                rank=0,
+                world=W,
+                slots=S,
+                weight_slot_bytes=wl["weight_slot_bytes"],
+                grad_slot_bytes=wl["grad_slot_bytes"],
+                chunk_bytes=wl["chunk_bytes"],
+                window_bases=[(r + 1) << 32 for r in range(W)],
+                member_off=[0],
+                member_bytes=[wb if op == 0 else gb],
+                master_ptrs=[(64 + i) << 24 for i in range(epr)],
+                local_index_of=[e if e < epr else -1 for e in range(E)],
+                grad_dtype=0,
+                my_slots=[-1] * S,
+                tasks=np.zeros(0, _core_records("TASK_DTYPE")),
+                refs=np.zeros(0, _core_records("REF_DTYPE")),
+                timeout_s=10.0,
+                slot_parent=[-1] * S,
+                digest=1,
+            )
             runner.write_template(arena, 0, [entry], self.stream())
         home = torch.arange(E, dtype=torch.int32, device=self.dev) // epr
         hop = 740
 
         def build():
-            runner.build_slot(arena, 0, 0, slot_src=out["slot_src"].data_ptr(), home_of=home.data_ptr(), node_of=0,
-                              world=W, slots=S, num_experts=E, rank=0, max_depth=8, weight_bytes=wb, grad_bytes=gb,
-                              chunk_bytes=chunk, hop_bytes=hop, stream=self.stream())
+            runner.build_slot(
+                arena,
+                0,
+                0,
+                slot_src=out["slot_src"].data_ptr(),
+                home_of=home.data_ptr(),
+                node_of=0,
+                world=W,
+                slots=S,
+                num_experts=E,
+                rank=0,
+                max_depth=8,
+                weight_bytes=wb,
+                grad_bytes=gb,
+                chunk_bytes=chunk,
+                hop_bytes=hop,
+                stream=self.stream(),
+            )
 
         def wrong_build() -> int:
             got = arena.build_result(0)
-            want = _core.build_into_views(out["slot_src"].cpu().numpy(), home.cpu().numpy(), None, wb, gb, chunk, 0, 8,
-                                          hop, list(tasks), [W * S, W * S])
-            return int(got["status"] != 0) + int(got["digest"] != want["digest"]) + sum(
-                int(got["num_tasks"][i] != want[n]["num_tasks"]) for i, n in enumerate(("multicast", "reduce")))
+            want = _core.build_into_views(
+                out["slot_src"].cpu().numpy(),
+                home.cpu().numpy(),
+                None,
+                wb,
+                gb,
+                chunk,
+                0,
+                8,
+                hop,
+                list(tasks),
+                [W * S, W * S],
+            )
+            return (
+                int(got["status"] != 0)
+                + int(got["digest"] != want["digest"])
+                + sum(int(got["num_tasks"][i] != want[n]["num_tasks"]) for i, n in enumerate(("multicast", "reduce")))
+            )
 
         t_build, cpu = self.timer(build, reps=20)
         self.torch.cuda.synchronize(self.dev)
         got = arena.build_result(0)
         note = f"tasks {got['num_tasks'][0]}/{got['num_tasks'][1]}, depth {got['depth'][0]}/{got['depth'][1]}"
-        self.rows.append(Row("control", f"{f'EP{W}'} build", "k_build_slot", E, t_build,
-                             0, 0, wrong_build(), note + (", cpu-bound" if cpu else ""), dict(timing="eager")))
+        self.rows.append(
+            Row(
+                "control",
+                f"{f'EP{W}'} build",
+                "k_build_slot",
+                E,
+                t_build,
+                0,
+                0,
+                wrong_build(),
+                note + (", cpu-bound" if cpu else ""),
+                dict(timing="eager"),
+            )
+        )
         return build, wrong_build, note
 
     def run_flag(self) -> None:
@@ -945,8 +1291,19 @@ class Gpu:
         torch.cuda.synchronize()
         ns, failed = (int(x) for x in out.tolist())
         wrong = int(failed != 0) + int(int(flags[0]) != base + iters) + int(int(flags[32]) != base + iters)
-        self.rows.append(Row("flag", "rtt", "release/acquire", 8, ns / 1e9 / iters, 0, 0, wrong,
-                             f"{iters} round trips between 2 CTAs" + (f"; timed out at {failed}" if failed else "")))
+        self.rows.append(
+            Row(
+                "flag",
+                "rtt",
+                "release/acquire",
+                8,
+                ns / 1e9 / iters,
+                0,
+                0,
+                wrong,
+                f"{iters} round trips between 2 CTAs" + (f"; timed out at {failed}" if failed else ""),
+            )
+        )
 
     def run_copy(self) -> None:
         torch = self.torch
@@ -956,11 +1313,17 @@ class Gpu:
             src = torch.randint(0, 256, (size,), dtype=torch.uint8, device=self.dev)
             dst = torch.empty_like(src)
             if self.cudart is not None:
-                self.rows.append(self.baseline_copies("copy", "1->1", "cudaMemcpyAsync", src, [dst],
-                                                      lambda: self.memcpy(dst, src, size)))
+                self.rows.append(
+                    self.baseline_copies(
+                        "copy", "1->1", "cudaMemcpyAsync", src, [dst], lambda: self.memcpy(dst, src, size)
+                    )
+                )
             else:
-                self.rows.append(Row("copy", "1->1", "cudaMemcpyAsync", size, None, 0, 0, None,
-                                     f"not measured: {self.cudart_reason}"))
+                self.rows.append(
+                    Row(
+                        "copy", "1->1", "cudaMemcpyAsync", size, None, 0, 0, None, f"not measured: {self.cudart_reason}"
+                    )
+                )
             self.rows.append(self.baseline_copies("copy", "1->1", "torch copy_", src, [dst], lambda: dst.copy_(src)))
             if self.tma_reason:
                 self.mover_missing("copy", "1->1", size)
@@ -978,9 +1341,18 @@ class Gpu:
             ctas, capped = d.ctas, d.capped
         finally:
             d.close()
-        return Row(section, case, "tile mover", size, t, n * size, (1 + n) * size, wrong,
-                   f"{ctas} CTAs/rank" + (" (co-residency cap)" if capped else "") + (", cpu-bound" if cpu else ""),
-                   dict(ctas=ctas))
+        return Row(
+            section,
+            case,
+            "tile mover",
+            size,
+            t,
+            n * size,
+            (1 + n) * size,
+            wrong,
+            f"{ctas} CTAs/rank" + (" (co-residency cap)" if capped else "") + (", cpu-bound" if cpu else ""),
+            dict(ctas=ctas),
+        )
 
     def run_fanout(self) -> None:
         torch = self.torch
@@ -1009,11 +1381,20 @@ class Gpu:
         if self.cudart is not None:
             src = torch.randint(0, 256, (size,), dtype=torch.uint8, device=self.dev)
             dst = torch.empty_like(src)
-            self.rows.append(self.baseline_copies("sweep", "1->1", "cudaMemcpyAsync", src, [dst],
-                                                  lambda: self.memcpy(dst, src, size), "reference for the fractions"))
+            self.rows.append(
+                self.baseline_copies(
+                    "sweep",
+                    "1->1",
+                    "cudaMemcpyAsync",
+                    src,
+                    [dst],
+                    lambda: self.memcpy(dst, src, size),
+                    "reference for the fractions",
+                )
+            )
             del src, dst
         ref = self.rows[-1].algbw if self.cudart is not None else None
-        for ctas in ((1, 2, 4, 8, 16, 32) if self.quick else (1, 2, 4, 6, 8, 12, 16, 24, 32)):
+        for ctas in (1, 2, 4, 8, 16, 32) if self.quick else (1, 2, 4, 6, 8, 12, 16, 24, 32):
             if self.late("sweep", f"{ctas} CTAs"):
                 return
             if self.tma_reason:
@@ -1044,10 +1425,20 @@ class Gpu:
                 torch.sum(stacked, dim=0, out=out)
                 w0 = self.wrong_bytes(out, want) // dt.itemsize
                 t, cpu = self.timer(lambda: torch.sum(stacked, dim=0, out=out))
-                self.rows.append(Row("reduce", case, "torch.sum", nbytes, t, nbytes, (k + 2) * nbytes,
-                                     w0 + self.wrong_bytes(out, want) // dt.itemsize,
-                                     "informational #wrong: torch's order" + (", cpu-bound" if cpu else ""),
-                                     dict(k=k, dtype=name)))
+                self.rows.append(
+                    Row(
+                        "reduce",
+                        case,
+                        "torch.sum",
+                        nbytes,
+                        t,
+                        nbytes,
+                        (k + 2) * nbytes,
+                        w0 + self.wrong_bytes(out, want) // dt.itemsize,
+                        "informational #wrong: torch's order" + (", cpu-bound" if cpu else ""),
+                        dict(k=k, dtype=name),
+                    )
+                )
                 del stacked, out, want
             if self.tma_reason:
                 self.mover_missing("reduce", case, nbytes)
@@ -1062,7 +1453,7 @@ class Gpu:
         size = (16 * MiB) if self.quick else (64 * MiB)
         dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
         for k, name in ((2, "fp32"), (8, "bf16"), (8, "fp16")):
-            for ctas in ((1, 2, 4, 8, 16, 32) if self.quick else (1, 2, 4, 8, 12, 16, 23, 32)):
+            for ctas in (1, 2, 4, 8, 16, 32) if self.quick else (1, 2, 4, 8, 12, 16, 23, 32):
                 case = f"k={k} {name} {ctas} CTAs"
                 if self.late("reduce_sweep", case):
                     return
@@ -1093,9 +1484,18 @@ class Gpu:
             used, capped = d.reduce_ctas, d.capped
         finally:
             d.close()
-        return Row("reduce", case, "tile mover", nbytes, t, nbytes, (k + 2) * nbytes, wrong,
-                   f"{used} CTAs/rank" + (" (co-residency cap)" if capped else "") + (", cpu-bound" if cpu else ""),
-                   dict(k=k, dtype=name, ctas=used))
+        return Row(
+            "reduce",
+            case,
+            "tile mover",
+            nbytes,
+            t,
+            nbytes,
+            (k + 2) * nbytes,
+            wrong,
+            f"{used} CTAs/rank" + (" (co-residency cap)" if capped else "") + (", cpu-bound" if cpu else ""),
+            dict(k=k, dtype=name, ctas=used),
+        )
 
     def run_relay(self) -> None:
         chunks = [32 << 10, 1 << 20, 4 << 20] if self.quick else [32 << 10, 128 << 10, 512 << 10, 1 << 20, 4 << 20]
@@ -1107,20 +1507,35 @@ class Gpu:
                 for depth in (1, 2, 3, 4):
                     if self.late("relay", f"D={depth} chunk={fmt_size(chunk)} {mode}"):
                         return
-                    d = self.domain(depth + 1, one_expert(depth), size, self.torch.float32, chunk_bytes=chunk,
-                                    relay_mode="force" if depth > 1 else "off", max_depth=max(depth, 2))
+                    d = self.domain(
+                        depth + 1,
+                        one_expert(depth),
+                        size,
+                        self.torch.float32,
+                        chunk_bytes=chunk,
+                        relay_mode="force" if depth > 1 else "off",
+                        max_depth=max(depth, 2),
+                    )
                     try:
                         chain = d.is_chain(depth)
                         t, cpu, wrong = d.timed_multicast(self.timer)
                         ctas = d.ctas
                     finally:
                         d.close()
-                    self.rows.append(Row("relay", f"D={depth} chunk={fmt_size(chunk)} {mode}", "tile mover", size, t,
-                                         depth * size, 2 * depth * size, wrong,
-                                         ("" if chain else "NOT a chain: excluded from the fit")
-                                         + (" cpu-bound" if cpu else ""),
-                                         dict(mode=mode, depth=depth, chunk=chunk, chain=chain, ctas=ctas,
-                                              senders=depth)))
+                    self.rows.append(
+                        Row(
+                            "relay",
+                            f"D={depth} chunk={fmt_size(chunk)} {mode}",
+                            "tile mover",
+                            size,
+                            t,
+                            depth * size,
+                            2 * depth * size,
+                            wrong,
+                            ("" if chain else "NOT a chain: excluded from the fit") + (" cpu-bound" if cpu else ""),
+                            dict(mode=mode, depth=depth, chunk=chunk, chain=chain, ctas=ctas, senders=depth),
+                        )
+                    )
 
     # -- lb_prefetch (issue 37): DeepEP's lb_prefetch_weights test shape
     def free_bytes(self) -> int:
@@ -1131,8 +1546,13 @@ class Gpu:
         if self.dev.type == "cuda":
             self.torch.cuda.current_stream(self.dev).synchronize()
 
-    def run_lb_prefetch(self, shape: tuple = LB_SHAPE, members: Sequence[tuple] = LB_MEMBERS, empty: float = LB_EMPTY,
-                        seed: int = LB_SEED) -> None:
+    def run_lb_prefetch(
+        self,
+        shape: tuple = LB_SHAPE,
+        members: Sequence[tuple] = LB_MEMBERS,
+        empty: float = LB_EMPTY,
+        seed: int = LB_SEED,
+    ) -> None:
         """DeepEP's ``lb_prefetch_weights`` at its test's shape (LB_SHAPE, LB_MEMBERS: 8 ranks in
         loopback, 64 experts, 8 redundant slots per rank, 64 MiB fp8 weights + 16 KiB + 4 KiB fp32
         scales per expert, 25% empty slots, a seeded random mapping (lb_mapping): no expert twice on
@@ -1157,16 +1577,24 @@ class Gpu:
         per_expert = sum(n for _, n, _ in members)
         need, free = lb_memory_bytes(W, epr, S, per_expert), self.free_bytes()
         if free < need:
-            why = f"not measured: needs {need / 2 ** 30:.1f} GiB of device memory, {free / 2 ** 30:.1f} GiB free"
+            why = f"not measured: needs {need / 2**30:.1f} GiB of device memory, {free / 2**30:.1f} GiB free"
             for impl in (LB_COPIES, LB_MULTICAST, LB_ADAPTER):
                 self.rows.append(lb_row(impl, mapping, epr, members, None, None, why))
             return
         dtypes = [getattr(torch, dt) for _, _, dt in members]
-        layout = self.uc.ExpertLayout(tuple(self.uc.Member(name, (n // dt.itemsize,), dt, grad=False)
-                                            for (name, n, _), dt in zip(members, dtypes)))
+        layout = self.uc.ExpertLayout(
+            tuple(
+                self.uc.Member(name, (n // dt.itemsize,), dt, grad=False) for (name, n, _), dt in zip(members, dtypes)
+            )
+        )
         gen = torch.Generator(device=self.dev).manual_seed(seed)
-        masters = [[torch.randint(0, 256, (epr, n), dtype=torch.uint8, device=self.dev, generator=gen).view(dt)
-                    for (_, n, _), dt in zip(members, dtypes)] for _ in range(W)]
+        masters = [
+            [
+                torch.randint(0, 256, (epr, n), dtype=torch.uint8, device=self.dev, generator=gen).view(dt)
+                for (_, n, _), dt in zip(members, dtypes)
+            ]
+            for _ in range(W)
+        ]
         d = LBDomain(torch, self.dev, layout, masters, mapping, epr)
         try:
             pairs = d.copy_pairs()
@@ -1177,26 +1605,70 @@ class Gpu:
 
             def copies_rows():
                 t, cpu, wrong = self.lb_timed(copies, d.slot, masters, mapping, epr)
-                self.rows.append(lb_row(LB_COPIES, mapping, epr, members, t, wrong,
-                                        f"{len(pairs)} copies" + (", cpu-bound" if cpu else "")))
+                self.rows.append(
+                    lb_row(
+                        LB_COPIES,
+                        mapping,
+                        epr,
+                        members,
+                        t,
+                        wrong,
+                        f"{len(pairs)} copies" + (", cpu-bound" if cpu else ""),
+                    )
+                )
                 t, wrong = self.lb_timed_graph(copies, d.slot, masters, mapping, epr)
-                self.rows.append(lb_row(LB_COPIES, mapping, epr, members, t, wrong, f"{len(pairs)} copies",
-                                        graph=(LB_PER_GRAPH, LB_REPLAYS)))
+                self.rows.append(
+                    lb_row(
+                        LB_COPIES,
+                        mapping,
+                        epr,
+                        members,
+                        t,
+                        wrong,
+                        f"{len(pairs)} copies",
+                        graph=(LB_PER_GRAPH, LB_REPLAYS),
+                    )
+                )
 
             def multicast_rows():
                 if self.tma_reason:
-                    self.rows.append(lb_row(LB_MULTICAST, mapping, epr, members, None, None,
-                                            f"not measured: {self.tma_reason}"))
+                    self.rows.append(
+                        lb_row(LB_MULTICAST, mapping, epr, members, None, None, f"not measured: {self.tma_reason}")
+                    )
                     return
                 d.setup_cuda(self)
-                what = (f"{d.ctas} CTAs/rank" + (" (co-residency cap)" if d.capped else "")
-                        + f", {W} ranks in one launch, relay off")
+                what = (
+                    f"{d.ctas} CTAs/rank"
+                    + (" (co-residency cap)" if d.capped else "")
+                    + f", {W} ranks in one launch, relay off"
+                )
                 t, cpu, wrong = self.lb_timed(d.run, d.slot, masters, mapping, epr, d.check)
-                self.rows.append(lb_row(LB_MULTICAST, mapping, epr, members, t, wrong,
-                                        what + (", cpu-bound" if cpu else ""), dict(ctas=d.ctas, senders=W)))
+                self.rows.append(
+                    lb_row(
+                        LB_MULTICAST,
+                        mapping,
+                        epr,
+                        members,
+                        t,
+                        wrong,
+                        what + (", cpu-bound" if cpu else ""),
+                        dict(ctas=d.ctas, senders=W),
+                    )
+                )
                 t, wrong = self.lb_timed_graph(d.run, d.slot, masters, mapping, epr, d.check)
-                self.rows.append(lb_row(LB_MULTICAST, mapping, epr, members, t, wrong, what,
-                                        dict(ctas=d.ctas, senders=W), graph=(LB_PER_GRAPH, LB_REPLAYS)))
+                self.rows.append(
+                    lb_row(
+                        LB_MULTICAST,
+                        mapping,
+                        epr,
+                        members,
+                        t,
+                        wrong,
+                        what,
+                        dict(ctas=d.ctas, senders=W),
+                        graph=(LB_PER_GRAPH, LB_REPLAYS),
+                    )
+                )
 
             self.lb_try(LB_COPIES, mapping, epr, members, copies_rows)
             self.lb_try(LB_MULTICAST, mapping, epr, members, multicast_rows)
@@ -1215,8 +1687,9 @@ class Gpu:
             self.sync()
             self.torch.cuda.empty_cache()
 
-    def lb_try(self, impl: str, mapping: np.ndarray, epr: int, members: Sequence[tuple],
-               fn: Callable[[], None]) -> None:
+    def lb_try(
+        self, impl: str, mapping: np.ndarray, epr: int, members: Sequence[tuple], fn: Callable[[], None]
+    ) -> None:
         """One lb_prefetch measurement; a failure becomes its row (FAILED: ...) and an error."""
         if self.late("lb_prefetch", f"{lb_case(mapping.shape[0], epr, mapping.shape[1])} {impl}"):
             return
@@ -1227,15 +1700,23 @@ class Gpu:
             self.rows.append(lb_row(impl, mapping, epr, members, None, None, f"FAILED: {type(e).__name__}: {e}"))
             traceback.print_exc()
 
-    def lb_wrong(self, slot: Callable, masters: list, mapping: np.ndarray, epr: int,
-                 check: Optional[Callable[[], None]] = None) -> int:
+    def lb_wrong(
+        self, slot: Callable, masters: list, mapping: np.ndarray, epr: int, check: Optional[Callable[[], None]] = None
+    ) -> int:
         self.sync()
         if check is not None:
             check()
         return lb_wrong(self.torch, slot, masters, mapping, epr)
 
-    def lb_timed(self, fn: Callable[[], None], slot: Callable, masters: list, mapping: np.ndarray, epr: int,
-                 check: Optional[Callable[[], None]] = None) -> tuple[float, bool, int]:
+    def lb_timed(
+        self,
+        fn: Callable[[], None],
+        slot: Callable,
+        masters: list,
+        mapping: np.ndarray,
+        epr: int,
+        check: Optional[Callable[[], None]] = None,
+    ) -> tuple[float, bool, int]:
         """(seconds per operation, cpu-bound, #wrong of the first and of the timed operations)."""
         lb_fill(self.torch, slot, mapping, len(masters[0]), SENTINEL)
         fn()
@@ -1244,12 +1725,20 @@ class Gpu:
         t, cpu = self.timer(fn)
         return t, cpu, w0 + self.lb_wrong(slot, masters, mapping, epr, check)
 
-    def lb_timed_graph(self, fn: Callable[[], None], slot: Callable, masters: list, mapping: np.ndarray, epr: int,
-                       check: Optional[Callable[[], None]] = None) -> tuple[float, int]:
+    def lb_timed_graph(
+        self,
+        fn: Callable[[], None],
+        slot: Callable,
+        masters: list,
+        mapping: np.ndarray,
+        epr: int,
+        check: Optional[Callable[[], None]] = None,
+    ) -> tuple[float, int]:
         """(device seconds per operation inside a replayed graph, #wrong after the replays: the
         destinations are refilled with the sentinel between the capture and the first replay)."""
-        t = self.timer.graph(fn, LB_PER_GRAPH, LB_REPLAYS,
-                             prepare=lambda: lb_fill(self.torch, slot, mapping, len(masters[0]), SENTINEL))
+        t = self.timer.graph(
+            fn, LB_PER_GRAPH, LB_REPLAYS, prepare=lambda: lb_fill(self.torch, slot, mapping, len(masters[0]), SENTINEL)
+        )
         return t, self.lb_wrong(slot, masters, mapping, epr, check)
 
     def lb_adapter(self, masters: list, mapping: np.ndarray, epr: int, members: Sequence[tuple]) -> None:
@@ -1288,10 +1777,20 @@ class Gpu:
 
             t, cpu, wrong = self.lb_timed(prefetch, slot, masters, mapping, epr, check)
             sms = lbs[0].lb_get_theoretical_num_sms()
-            self.rows.append(lb_row(LB_ADAPTER, mapping, epr, members, t, wrong,
-                                    f"the adapter's API: {W} ranks' lb_prefetch_weights from one thread, "
-                                    f"{len(members)} pools (a launch each), {sms} CTAs/rank, relay off"
-                                    + (", cpu-bound" if cpu else ""), dict(ctas=sms, senders=W)))
+            self.rows.append(
+                lb_row(
+                    LB_ADAPTER,
+                    mapping,
+                    epr,
+                    members,
+                    t,
+                    wrong,
+                    f"the adapter's API: {W} ranks' lb_prefetch_weights from one thread, "
+                    f"{len(members)} pools (a launch each), {sms} CTAs/rank, relay off"
+                    + (", cpu-bound" if cpu else ""),
+                    dict(ctas=sms, senders=W),
+                )
+            )
         finally:
             pools.clear()
             for lb in lbs:
@@ -1310,8 +1809,9 @@ class Gpu:
                 t, cpu, wrong = d.timed_multicast(self.timer)
             finally:
                 d.close()
-            self.rows.append(copy_engine_row(f"1->{n}", n, size, t, wrong, "cpu-bound" if cpu else "",
-                                             tile_row(self.rows, n, size)))
+            self.rows.append(
+                copy_engine_row(f"1->{n}", n, size, t, wrong, "cpu-bound" if cpu else "", tile_row(self.rows, n, size))
+            )
 
 
 def one_expert(n: int) -> np.ndarray:
@@ -1337,9 +1837,22 @@ class Loopback:
     (``ultracomm.cuda.sm_budget``)) or by one ``copy_engine`` transport per rank (multicast only; the
     rank completing each set enqueues every rank's commands, as in a Context)."""
 
-    def __init__(self, gpu: Gpu, world: int, slot_src: np.ndarray, nbytes: int, grad_dtype, *,
-                 multicast_sms: int = 0, reduce_sms: int = 0, chunk_bytes: int = 1 << 20, relay_mode: str = "off",
-                 max_depth: int = 8, timeout_s: float = 10.0, transport: str = "tma"):
+    def __init__(
+        self,
+        gpu: Gpu,
+        world: int,
+        slot_src: np.ndarray,
+        nbytes: int,
+        grad_dtype,
+        *,
+        multicast_sms: int = 0,
+        reduce_sms: int = 0,
+        chunk_bytes: int = 1 << 20,
+        relay_mode: str = "off",
+        max_depth: int = 8,
+        timeout_s: float = 10.0,
+        transport: str = "tma",
+    ):
         torch, uc = gpu.torch, gpu.uc
         from ultracomm import _core
         from ultracomm.records import Op
@@ -1354,12 +1867,22 @@ class Loopback:
         # weights and grads are both nbytes: one member whose dtype is the grad dtype
         layout = uc.ExpertLayout((uc.Member("w", (n,), grad_dtype),), grad_dtype=grad_dtype)
         plan = uc.ReplicaPlan.make(slot_src, experts_per_rank=1)
-        self.sched = build_schedule(plan, layout.weight_bytes, layout.grad_bytes, chunk_bytes=chunk_bytes,
-                                    relay_mode=relay_mode, max_depth=max_depth)
+        self.sched = build_schedule(
+            plan,
+            layout.weight_bytes,
+            layout.grad_bytes,
+            chunk_bytes=chunk_bytes,
+            relay_mode=relay_mode,
+            max_depth=max_depth,
+        )
         self.wl = _core.window_layout(1, layout.weight_bytes, layout.grad_bytes, chunk_bytes)
         self.windows = [torch.zeros(self.wl["total_bytes"], dtype=torch.uint8, device=gpu.dev) for _ in range(world)]
-        self.weights = [torch.randint(-8, 8, (n,), device=gpu.dev).to(grad_dtype) if r == 0 else
-                        torch.zeros(n, dtype=grad_dtype, device=gpu.dev) for r in range(world)]
+        self.weights = [
+            torch.randint(-8, 8, (n,), device=gpu.dev).to(grad_dtype)
+            if r == 0
+            else torch.zeros(n, dtype=grad_dtype, device=gpu.dev)
+            for r in range(world)
+        ]
         self.grads = [torch.zeros(n, dtype=grad_dtype, device=gpu.dev) for _ in range(world)]
         self.ops = {"multicast": Op.MULTICAST, "reduce": Op.REDUCE}
         self.epoch = 0  # the kernel runs max(requested, last + 1); copy_engine runs it as given
@@ -1382,14 +1905,23 @@ class Loopback:
         slots = [plan.slot_src[r].tolist() for r in range(world)]
         lio = [plan.local_index_of.tolist()] * world
         self.plans = {}
-        for op, masters, offs, sizes in ((Op.MULTICAST, self.weights, layout.weight_offsets, layout.weight_sizes),
-                                         (Op.REDUCE, self.grads, layout.grad_offsets, layout.grad_sizes)):
+        for op, masters, offs, sizes in (
+            (Op.MULTICAST, self.weights, layout.weight_offsets, layout.weight_sizes),
+            (Op.REDUCE, self.grads, layout.grad_offsets, layout.grad_sizes),
+        ):
             self.plans[op] = self.lb.plan(
-                op, tasks=[self.sched.tasks(op, r) for r in range(world)],
-                refs=[self.sched.refs(op, r) for r in range(world)], member_off=list(offs), member_bytes=list(sizes),
-                master_ptrs=[[m.data_ptr()] for m in masters], local_index_of=lio, my_slots=slots,
-                grad_dtype=grad_dtype, slot_parent=[p.tolist() for p in self.sched.tree(op)[0]],
-                digest=self.sched.digest)
+                op,
+                tasks=[self.sched.tasks(op, r) for r in range(world)],
+                refs=[self.sched.refs(op, r) for r in range(world)],
+                member_off=list(offs),
+                member_bytes=list(sizes),
+                master_ptrs=[[m.data_ptr()] for m in masters],
+                local_index_of=lio,
+                my_slots=slots,
+                grad_dtype=grad_dtype,
+                slot_parent=[p.tolist() for p in self.sched.tree(op)[0]],
+                digest=self.sched.digest,
+            )
 
     def _copy_engine(self, plan, layout, timeout_s: float) -> None:
         """One CopyEngineTransport per rank over cuda_local-like windows (every rank's window on
@@ -1408,16 +1940,26 @@ class Loopback:
         self.lio = plan.local_index_of.tolist()
         self.masters = [Masters.of((self.weights[r].view(1, n),), None, 1, ["w"]) for r in range(self.world)]
         for r in range(self.world):
-            win = SimpleNamespace(provider="cuda_local", rank=r, world=self.world, local=self.windows[r],
-                                  peer_bases=bases, loopback=True, shared=shared)
-            self.ce.append(CopyEngineTransport(rank=r, world=self.world, window=win, wlayout=self.wl, layout=layout,
-                                               timeout_s=timeout_s))
+            win = SimpleNamespace(
+                provider="cuda_local",
+                rank=r,
+                world=self.world,
+                local=self.windows[r],
+                peer_bases=bases,
+                loopback=True,
+                shared=shared,
+            )
+            self.ce.append(
+                CopyEngineTransport(
+                    rank=r, world=self.world, window=win, wlayout=self.wl, layout=layout, timeout_s=timeout_s
+                )
+            )
 
     def slot(self, r: int, region: str):
         """Rank r's slot 0 in the weights or grads region of its window (a view)."""
         off = self.wl["weights_off"] if region == "weights" else self.wl["grads_off"]
         n, dt = self.glayout
-        return self.windows[r][off:off + n * dt.itemsize].view(dt)
+        return self.windows[r][off : off + n * dt.itemsize].view(dt)
 
     def run(self, op: str) -> None:
         self.epoch += 1
@@ -1429,8 +1971,12 @@ class Loopback:
             for r, t in enumerate(self.ce):  # the last rank's call enqueues the whole set
                 t.run(o, self.sched, self.epoch, self.masters[r], self.slots[r], self.lio, "weight_sync", stream=stream)
             return
-        self.lb.launch(self.plans[o], self.epoch, ctas_per_rank=self.ctas if op == "multicast" else self.reduce_ctas,
-                       op_name="weight_sync" if op == "multicast" else "grad_reduce")
+        self.lb.launch(
+            self.plans[o],
+            self.epoch,
+            ctas_per_rank=self.ctas if op == "multicast" else self.reduce_ctas,
+            op_name="weight_sync" if op == "multicast" else "grad_reduce",
+        )
 
     def check(self) -> None:
         self.torch.cuda.current_stream(self.gpu.dev).synchronize()
@@ -1531,8 +2077,18 @@ class LBDomain:
     Context use.  ``rank_args(r)`` are rank r's arguments of ``CudaLoopback.plan`` and, identically,
     of the host executor's ``_core.run_host`` (how the CPU test checks them)."""
 
-    def __init__(self, torch, dev, layout, masters: list, mapping: np.ndarray, experts_per_rank: int, *,
-                 chunk_bytes: int = 1 << 20, relay_mode: str = "off"):
+    def __init__(
+        self,
+        torch,
+        dev,
+        layout,
+        masters: list,
+        mapping: np.ndarray,
+        experts_per_rank: int,
+        *,
+        chunk_bytes: int = 1 << 20,
+        relay_mode: str = "off",
+    ):
         import ultracomm as uc
         from ultracomm import _core
         from ultracomm.records import Op
@@ -1543,8 +2099,9 @@ class LBDomain:
         self.world, self.slots = self.mapping.shape
         self.op = Op.MULTICAST
         self.plan = uc.ReplicaPlan.make(self.mapping, experts_per_rank=experts_per_rank)
-        self.sched = build_schedule(self.plan, layout.weight_bytes, layout.grad_bytes, chunk_bytes=chunk_bytes,
-                                    relay_mode=relay_mode)
+        self.sched = build_schedule(
+            self.plan, layout.weight_bytes, layout.grad_bytes, chunk_bytes=chunk_bytes, relay_mode=relay_mode
+        )
         self.wl = _core.window_layout(self.slots, layout.weight_bytes, layout.grad_bytes, chunk_bytes)
         self.windows = [torch.zeros(self.wl["total_bytes"], dtype=torch.uint8, device=dev) for _ in range(self.world)]
         self.lb, self.dplan, self.ctas, self.capped, self.epoch = None, None, 0, False, 0
@@ -1552,17 +2109,22 @@ class LBDomain:
     def rank_args(self, r: int) -> dict:
         """Rank r's per-rank arguments: masters as ``[local expert * M + member]`` addresses."""
         M = len(self.layout.members)
-        return dict(member_off=list(self.layout.weight_offsets), member_bytes=list(self.layout.weight_sizes),
-                    master_ptrs=[self.masters[r][m][i].data_ptr() for i in range(self.epr) for m in range(M)],
-                    local_index_of=[int(x) for x in self.plan.local_index_of.tolist()],
-                    my_slots=[int(x) for x in self.plan.slot_src[r].tolist()], tasks=self.sched.tasks(self.op, r),
-                    refs=self.sched.refs(self.op, r), slot_parent=[int(x) for x in self.sched.tree(self.op)[0][r]],
-                    digest=self.sched.digest)
+        return dict(
+            member_off=list(self.layout.weight_offsets),
+            member_bytes=list(self.layout.weight_sizes),
+            master_ptrs=[self.masters[r][m][i].data_ptr() for i in range(self.epr) for m in range(M)],
+            local_index_of=[int(x) for x in self.plan.local_index_of.tolist()],
+            my_slots=[int(x) for x in self.plan.slot_src[r].tolist()],
+            tasks=self.sched.tasks(self.op, r),
+            refs=self.sched.refs(self.op, r),
+            slot_parent=[int(x) for x in self.sched.tree(self.op)[0][r]],
+            digest=self.sched.digest,
+        )
 
     def slot(self, r: int, s: int, m: int):
         """Member m of rank r's slot s (a view of its window, in the member's dtype)."""
         off = self.wl["weights_off"] + s * self.wl["weight_stride"] + self.layout.weight_offsets[m]
-        return self.windows[r][off:off + self.layout.weight_sizes[m]].view(self.layout.members[m].dtype)
+        return self.windows[r][off : off + self.layout.weight_sizes[m]].view(self.layout.members[m].dtype)
 
     def copy_pairs(self) -> list:
         """(destination slot, source master row) of every filled slot and member: DeepEP's direct pushes."""
@@ -1571,8 +2133,10 @@ class LBDomain:
             for c in range(self.slots):
                 e = int(self.mapping[r, c])
                 if e >= 0:
-                    out += [(self.slot(r, c, m), self.masters[e // self.epr][m][e % self.epr])
-                            for m in range(len(self.layout.members))]
+                    out += [
+                        (self.slot(r, c, m), self.masters[e // self.epr][m][e % self.epr])
+                        for m in range(len(self.layout.members))
+                    ]
         return out
 
     def setup_cuda(self, gpu: "Gpu", timeout_s: float = 10.0) -> None:
@@ -1587,12 +2151,19 @@ class LBDomain:
         cap = max(1, self.lb.runner.max_coresident(0) // self.world)
         self.ctas, self.capped = min(mc.sms, cap), mc.sms > cap
         a = [self.rank_args(r) for r in range(self.world)]
-        self.dplan = self.lb.plan(self.op, tasks=[x["tasks"] for x in a], refs=[x["refs"] for x in a],
-                                  member_off=a[0]["member_off"], member_bytes=a[0]["member_bytes"],
-                                  master_ptrs=[x["master_ptrs"] for x in a],
-                                  local_index_of=[x["local_index_of"] for x in a], my_slots=[x["my_slots"] for x in a],
-                                  grad_dtype=self.layout.grad_dtype, slot_parent=[x["slot_parent"] for x in a],
-                                  digest=a[0]["digest"])
+        self.dplan = self.lb.plan(
+            self.op,
+            tasks=[x["tasks"] for x in a],
+            refs=[x["refs"] for x in a],
+            member_off=a[0]["member_off"],
+            member_bytes=a[0]["member_bytes"],
+            master_ptrs=[x["master_ptrs"] for x in a],
+            local_index_of=[x["local_index_of"] for x in a],
+            my_slots=[x["my_slots"] for x in a],
+            grad_dtype=self.layout.grad_dtype,
+            slot_parent=[x["slot_parent"] for x in a],
+            digest=a[0]["digest"],
+        )
 
     def run(self) -> None:
         self.epoch += 1
@@ -1606,11 +2177,19 @@ class LBDomain:
         self.dplan, self.lb, self.windows = None, None, []
 
 
-def results_record(device: dict, stamp: str, quick: bool, sections: Sequence[str], rows: Sequence[Row],
-                   errors: Sequence[str]) -> dict:
+def results_record(
+    device: dict, stamp: str, quick: bool, sections: Sequence[str], rows: Sequence[Row], errors: Sequence[str]
+) -> dict:
     """The results JSON: device, date, sections asked for, goal lines, errors, every row."""
-    return dict(device=device, date=stamp, quick=quick, sections=list(sections), goals=goal_lines(rows),
-                errors=list(errors), rows=[r.to_dict() for r in rows])
+    return dict(
+        device=device,
+        date=stamp,
+        quick=quick,
+        sections=list(sections),
+        goals=goal_lines(rows),
+        errors=list(errors),
+        rows=[r.to_dict() for r in rows],
+    )
 
 
 def wrong_total(rows: Sequence[Row]) -> int:
@@ -1655,12 +2234,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if why:
         print(f"bench_gpu: nothing measured: {why}", file=sys.stderr)
         return 2
-    gpu = Gpu(args.quick, args.budget_s, CE_RESERVE_S if "copy_engine" in only else 0.0,
-              LB_RESERVE_S if "lb_prefetch" in only else 0.0)
+    gpu = Gpu(
+        args.quick,
+        args.budget_s,
+        CE_RESERVE_S if "copy_engine" in only else 0.0,
+        LB_RESERVE_S if "lb_prefetch" in only else 0.0,
+    )
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    print(f"bench_gpu: {gpu.info['name']} (cc {gpu.info['cc']}, {gpu.info['sms']} SMs), torch {gpu.info['torch']}, "
-          f"CUDA {gpu.info['cuda']}; tile mover: {'available' if not gpu.tma_reason else gpu.tma_reason}; "
-          f"copy engine: {'available' if not gpu.ce_reason else gpu.ce_reason}")
+    print(
+        f"bench_gpu: {gpu.info['name']} (cc {gpu.info['cc']}, {gpu.info['sms']} SMs), torch {gpu.info['torch']}, "
+        f"CUDA {gpu.info['cuda']}; tile mover: {'available' if not gpu.tma_reason else gpu.tma_reason}; "
+        f"copy engine: {'available' if not gpu.ce_reason else gpu.ce_reason}"
+    )
     out_json, prof = None, None
     for name in only:
         gpu.section(name, getattr(gpu, f"run_{name}"))
@@ -1678,8 +2263,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     wrong = wrong_total(gpu.rows)
     print(f"bench_gpu: #wrong total (ultracomm and CUDA rows) = {wrong}")
     print(f"bench_gpu: results in {out_json}")
-    print(f"bench_gpu: hardware profile in {prof}" if prof else
-          "bench_gpu: no profile written (the copy section did not measure cudaMemcpyAsync)")
+    print(
+        f"bench_gpu: hardware profile in {prof}"
+        if prof
+        else "bench_gpu: no profile written (the copy section did not measure cudaMemcpyAsync)"
+    )
     rc = 1 if (gpu.errors or wrong) else 0
     if gpu.poisoned:  # tearing CUDA down (cudaFree, a device-wide synchronize) would wait forever
         print(f"bench_gpu: exiting without CUDA teardown: {gpu.poisoned}", file=sys.stderr)

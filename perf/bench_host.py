@@ -20,6 +20,7 @@ that differ from the reference (torch ordered sum / the master's bytes).
 
   python perf/bench_host.py [--sizes-mib 8 32 64] [--workers 2] [--dtype fp32] [--json FILE]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,10 +56,10 @@ class Bench:
         self.grad_init = [self.grad(r).clone() for r in range(WORLD)]
 
     def weight(self, r):
-        return self.win[r][self.L["weights_off"]:self.L["weights_off"] + self.size]
+        return self.win[r][self.L["weights_off"] : self.L["weights_off"] + self.size]
 
     def grad(self, r):
-        return self.win[r][self.L["grads_off"]:self.L["grads_off"] + self.size]
+        return self.win[r][self.L["grads_off"] : self.L["grads_off"] + self.size]
 
     def run(self, op, tasks, refs):
         self.epoch += 1
@@ -67,11 +68,27 @@ class Bench:
 
         def body(r):
             try:
-                _core.run_host(int(op), r, WORLD, self.epoch, 1, self.size, self.size, self.chunk,
-                               [w.data_ptr() for w in self.win], [0], [self.size],
-                               [(self.master_w if mc else self.master_g).data_ptr()] if r == 0 else [],
-                               [0 if r == 0 else -1], self.code, [-1] if r == 0 else [0],
-                               tasks[r], refs[r], self.workers, 60.0)
+                _core.run_host(
+                    int(op),
+                    r,
+                    WORLD,
+                    self.epoch,
+                    1,
+                    self.size,
+                    self.size,
+                    self.chunk,
+                    [w.data_ptr() for w in self.win],
+                    [0],
+                    [self.size],
+                    [(self.master_w if mc else self.master_g).data_ptr()] if r == 0 else [],
+                    [0 if r == 0 else -1],
+                    self.code,
+                    [-1] if r == 0 else [0],
+                    tasks[r],
+                    refs[r],
+                    self.workers,
+                    60.0,
+                )
             except Exception as e:  # noqa: BLE001
                 errs.append(e)
 
@@ -101,6 +118,7 @@ def timed(fn):
         t0 = time.perf_counter()
         fn()
         return time.perf_counter() - t0
+
     return f
 
 
@@ -116,11 +134,15 @@ def main():
     dtype, code = DTYPES[a.dtype]
     chunk = a.chunk_kib << 10
     rows = []
-    print(f"host executor, {WORLD} ranks as threads, {a.workers} workers/rank, chunk {a.chunk_kib} KiB, "
-          f"torch threads {torch.get_num_threads()}, grad dtype {a.dtype}")
+    print(
+        f"host executor, {WORLD} ranks as threads, {a.workers} workers/rank, chunk {a.chunk_kib} KiB, "
+        f"torch threads {torch.get_num_threads()}, grad dtype {a.dtype}"
+    )
     print("counted bytes = 3 x expert size (bytes delivered to / reduced from the 3 replicas)")
-    hdr = f"{'case':<11} {'size':>7} {'counted':>8} {'time ms':>9} {'algbw GB/s':>10} {'base ms':>9} " \
-          f"{'base GB/s':>9} {'ratio':>6} {'#wrong':>7}"
+    hdr = (
+        f"{'case':<11} {'size':>7} {'counted':>8} {'time ms':>9} {'algbw GB/s':>10} {'base ms':>9} "
+        f"{'base GB/s':>9} {'ratio':>6} {'#wrong':>7}"
+    )
     print(hdr)
     print("-" * len(hdr))
     for mib in a.sizes_mib:
@@ -130,15 +152,30 @@ def main():
         # ---- multicast
         dsts = [torch.empty(size, dtype=torch.uint8) for _ in range(3)]
         t_base_mc = best(timed(lambda: [d.copy_(b.master_w) for d in dsts]), a.iters)
-        for case, children in (("mc-direct", {(0, MASTER): [(1, 0), (2, 0), (3, 0)]}),
-                               ("mc-chain", {(0, MASTER): [(1, 0)], (1, 0): [(2, 0)], (2, 0): [(3, 0)]})):
+        for case, children in (
+            ("mc-direct", {(0, MASTER): [(1, 0), (2, 0), (3, 0)]}),
+            ("mc-chain", {(0, MASTER): [(1, 0)], (1, 0): [(2, 0)], (2, 0): [(3, 0)]}),
+        ):
             tasks, refs = tree_tasks(children, size, chunk, TaskKind.COPY)
-            t = best(lambda: b.run(Op.MULTICAST, tasks, refs), a.iters,
-                     setup=lambda: [b.weight(r).zero_() for r in range(1, WORLD)])
+            t = best(
+                lambda: b.run(Op.MULTICAST, tasks, refs),
+                a.iters,
+                setup=lambda: [b.weight(r).zero_() for r in range(1, WORLD)],
+            )
             wrong = sum(int((b.weight(r) != b.master_w).sum()) for r in range(1, WORLD))
-            rows.append(dict(case=case, size=size, counted_bytes=counted, time_s=t, algbw=counted / t,
-                             base_time_s=t_base_mc, base_algbw=counted / t_base_mc,
-                             ratio=t_base_mc / t, wrong=wrong))
+            rows.append(
+                dict(
+                    case=case,
+                    size=size,
+                    counted_bytes=counted,
+                    time_s=t,
+                    algbw=counted / t,
+                    base_time_s=t_base_mc,
+                    base_algbw=counted / t_base_mc,
+                    ratio=t_base_mc / t,
+                    wrong=wrong,
+                )
+            )
         # ---- reduce
         g0 = b.master_g.clone()
         srcs = [b.grad_init[r].view(dtype) for r in range(1, WORLD)]
@@ -163,23 +200,47 @@ def main():
             for r in range(1, WORLD):
                 b.grad(r).copy_(b.grad_init[r])
 
-        for case, children, exp in (("red-direct", {(0, MASTER): [(1, 0), (2, 0), (3, 0)]}, exp_direct),
-                                    ("red-relay", {(0, MASTER): [(1, 0)], (1, 0): [(2, 0), (3, 0)]}, exp_relay)):
+        for case, children, exp in (
+            ("red-direct", {(0, MASTER): [(1, 0), (2, 0), (3, 0)]}, exp_direct),
+            ("red-relay", {(0, MASTER): [(1, 0)], (1, 0): [(2, 0), (3, 0)]}, exp_relay),
+        ):
             tasks, refs = tree_tasks(children, size, chunk, TaskKind.REDUCE)
             t = best(lambda: b.run(Op.REDUCE, tasks, refs), a.iters, setup=reset)
             ib = torch.int32 if dtype == torch.float32 else torch.int16
             wrong = int((b.master_g.view(ib) != exp.view(ib)).sum())
-            rows.append(dict(case=case, size=size, counted_bytes=counted, time_s=t, algbw=counted / t,
-                             base_time_s=t_base_red, base_algbw=counted / t_base_red,
-                             ratio=t_base_red / t, wrong=wrong))
+            rows.append(
+                dict(
+                    case=case,
+                    size=size,
+                    counted_bytes=counted,
+                    time_s=t,
+                    algbw=counted / t,
+                    base_time_s=t_base_red,
+                    base_algbw=counted / t_base_red,
+                    ratio=t_base_red / t,
+                    wrong=wrong,
+                )
+            )
         for r in rows[-4:]:
-            print(f"{r['case']:<11} {mib:>4} MiB {3 * mib:>4} MiB {r['time_s'] * 1e3:>9.2f} {r['algbw'] / 1e9:>10.2f} "
-                  f"{r['base_time_s'] * 1e3:>9.2f} {r['base_algbw'] / 1e9:>9.2f} {r['ratio']:>6.2f} {r['wrong']:>7}")
+            print(
+                f"{r['case']:<11} {mib:>4} MiB {3 * mib:>4} MiB {r['time_s'] * 1e3:>9.2f} {r['algbw'] / 1e9:>10.2f} "
+                f"{r['base_time_s'] * 1e3:>9.2f} {r['base_algbw'] / 1e9:>9.2f} {r['ratio']:>6.2f} {r['wrong']:>7}"
+            )
         b = None  # its buffers go before the next size allocates
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(dict(world=WORLD, workers=a.workers, chunk_bytes=chunk, dtype=a.dtype,
-                           torch_threads=torch.get_num_threads(), rows=rows), f, indent=1)
+            json.dump(
+                dict(
+                    world=WORLD,
+                    workers=a.workers,
+                    chunk_bytes=chunk,
+                    dtype=a.dtype,
+                    torch_threads=torch.get_num_threads(),
+                    rows=rows,
+                ),
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ the profile writer) on this machine (CPU, host executor, loopback ranks as threa
 profile-off/on comparison is the median of interleaved repetitions, so machine noise hits
 both alike; on a shared, loaded machine the wall figures swing by 2-3x between repetitions.  This is a benchmark, not a test: it prints, it does not assert.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,8 +55,9 @@ def context_op_us(iters: int, reps: int, tmp: str) -> dict:
     out: dict = {"off": [], "on": [], "off_cpu": [], "on_cpu": []}
 
     def body(group, profile):
-        with Context(group, LAYOUT, epr, slots, num_layers=LAYERS, max_microbatches=LAYERS, num_workers=1,
-                     profile=profile) as ctx:
+        with Context(
+            group, LAYOUT, epr, slots, num_layers=LAYERS, max_microbatches=LAYERS, num_workers=1, profile=profile
+        ) as ctx:
             for layer in range(LAYERS):
                 w = [torch.zeros((epr, *m.shape), dtype=m.dtype) for m in LAYOUT.members]
                 g = [torch.zeros((epr, *m.shape)) for m in LAYOUT.members]
@@ -83,11 +85,14 @@ def context_op_us(iters: int, reps: int, tmp: str) -> dict:
         for mode in ("off", "on"):  # interleaved
             prof = False if mode == "off" else None
             if mode == "on":
+
                 def run(group, rep=rep):
                     return body(group, f"{tmp}/ctx{rep}")
             else:
+
                 def run(group):
                     return body(group, prof)
+
             wall, cpu = LoopbackDomain(world).run(run)[0]  # rank 0 (after a barrier: both ranks done)
             out[mode].append(wall)
             out[mode + "_cpu"].append(cpu)
@@ -123,11 +128,15 @@ def main(argv=None) -> int:
         rec = record_us(n, tmp)
     print("# ultracomm.profile cost (CPU, host executor; wall clock on this machine)")
     print(f"profile off: guard per op                          {g:8.1f} ns")
-    print(f"Context weight_sync+restore+grad_reduce, off       {ops['off']:8.1f} us wall, {ops['off_cpu']:8.1f} us "
-          f"process CPU per layer (medians of {reps})")
-    print(f"Context weight_sync+restore+grad_reduce, on        {ops['on']:8.1f} us wall, {ops['on_cpu']:8.1f} us "
-          f"process CPU per layer (wall {(ops['on'] / ops['off'] - 1) * 100:+.1f} %, CPU "
-          f"{(ops['on_cpu'] / ops['off_cpu'] - 1) * 100:+.1f} %)")
+    print(
+        f"Context weight_sync+restore+grad_reduce, off       {ops['off']:8.1f} us wall, {ops['off_cpu']:8.1f} us "
+        f"process CPU per layer (medians of {reps})"
+    )
+    print(
+        f"Context weight_sync+restore+grad_reduce, on        {ops['on']:8.1f} us wall, {ops['on_cpu']:8.1f} us "
+        f"process CPU per layer (wall {(ops['on'] / ops['off'] - 1) * 100:+.1f} %, CPU "
+        f"{(ops['on_cpu'] / ops['off_cpu'] - 1) * 100:+.1f} %)"
+    )
     print(f"Profiler.record, EP64 layer, detail=full           {rec['full']:8.1f} us per record")
     print(f"Profiler.record, EP64 layer, detail=experts        {rec['experts']:8.1f} us per record")
     return 0

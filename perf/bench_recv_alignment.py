@@ -13,6 +13,7 @@ turn); time = the slowest rank's, per round; each offset against the first one r
 the median of the per-round ratios and its 95% interval (:mod:`ultracomm.tools.paired`).  Bytes
 counted: every replica's weight bytes once (algbw).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,21 +68,44 @@ def main() -> int:
     dist.all_reduce(wrong_t)
     moved = int((plan.slot_src >= 0).sum()) * args.size
     if rank == 0:
-        print(f"# gloo receives into slot buffers at page offsets {offsets}: world {world}, {args.workload}, "
-              f"{args.size} B experts, {args.rounds} rounds; bytes counted: {moved} (every replica once)")
+        print(
+            f"# gloo receives into slot buffers at page offsets {offsets}: world {world}, {args.workload}, "
+            f"{args.size} B experts, {args.rounds} rounds; bytes counted: {moved} (every replica once)"
+        )
         print(f"# {'offset':>6} {'time(us)':>10} {'algbw':>7} {'vs offset ' + str(offsets[0]):>34} {'#wrong':>6}")
         rows = []
         for o in offsets:
             med = statistics.median(times[o])
             c = compare([(times[o], times[offsets[0]])])
-            print(f"  {o:>6} {med:>10.1f} {moved / med / 1e3:>7.2f} "
-                  f"{f'{c.median:.3f} [{c.lo:.3f}, {c.hi:.3f}] {c.verdict}':>34} {int(wrong_t):>6}")
-            rows.append(dict(offset=o, time_us=med, algbw_GBps=moved / med / 1e3, times_us=times[o],
-                             ratio=c.median, ci=[c.lo, c.hi], verdict=c.verdict))
+            print(
+                f"  {o:>6} {med:>10.1f} {moved / med / 1e3:>7.2f} "
+                f"{f'{c.median:.3f} [{c.lo:.3f}, {c.hi:.3f}] {c.verdict}':>34} {int(wrong_t):>6}"
+            )
+            rows.append(
+                dict(
+                    offset=o,
+                    time_us=med,
+                    algbw_GBps=moved / med / 1e3,
+                    times_us=times[o],
+                    ratio=c.median,
+                    ci=[c.lo, c.hi],
+                    verdict=c.verdict,
+                )
+            )
         if args.json:
             with open(args.json, "w") as f:
-                json.dump(dict(world=world, size=args.size, workload=args.workload, rounds=args.rounds,
-                               wrong=int(wrong_t), rows=rows), f, indent=1)
+                json.dump(
+                    dict(
+                        world=world,
+                        size=args.size,
+                        workload=args.workload,
+                        rounds=args.rounds,
+                        wrong=int(wrong_t),
+                        rows=rows,
+                    ),
+                    f,
+                    indent=1,
+                )
     dist.destroy_process_group()
     return 0 if int(wrong_t) == 0 else 1
 

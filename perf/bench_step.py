@@ -13,6 +13,7 @@ Side by side in one run, per step (forward only: loads -> plan -> weight_sync):
 Prints the median microseconds per step of the slowest rank and the ratio, plus each planner
 alone on the same loads.  Measured on whatever machine runs it (CPU).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,9 +46,17 @@ def main() -> None:
     rmap = torch.zeros(64, E, dtype=torch.bool).scatter_(1, logits.topk(2, dim=1).indices, True)
     out = {}
     for mode in ("store", "window"):
-        mgr = ReplicaManager(None, layout, epr, 2, 1, transport="host", window="host_shm",
-                             plan_check="agree" if mode == "store" else "window",
-                             planner="quota" if mode == "store" else "device")
+        mgr = ReplicaManager(
+            None,
+            layout,
+            epr,
+            2,
+            1,
+            transport="host",
+            window="host_shm",
+            plan_check="agree" if mode == "store" else "window",
+            planner="quota" if mode == "store" else "device",
+        )
         if mode == "store":
             mgr._board = None
         mgr.register_layer(0, [torch.zeros(epr, 16)])
@@ -74,9 +83,12 @@ def main() -> None:
             t.append(time.perf_counter() - t0)
         out[f"{name}_planner"] = statistics.median(t) * 1e6
     if rank == 0:
-        print(f"world {world}: step store {out['store']:.0f} us, window {out['window']:.0f} us, "
-              f"store/window {out['store'] / out['window']:.2f}x; planners alone: quota {out['quota_planner']:.0f} us, "
-              f"device {out['device_planner']:.0f} us", flush=True)
+        print(
+            f"world {world}: step store {out['store']:.0f} us, window {out['window']:.0f} us, "
+            f"store/window {out['store'] / out['window']:.2f}x; planners alone: quota {out['quota_planner']:.0f} us, "
+            f"device {out['device_planner']:.0f} us",
+            flush=True,
+        )
         if a.json:
             with open(a.json, "w") as f:
                 json.dump({"world": world, **out}, f)

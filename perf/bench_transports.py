@@ -22,6 +22,7 @@ machine) run as two interleaved pairs instead, ``p2p_gloo,relay_gloo`` then ``p2
 (``w{world}_s{size}_r{rep}_gloo.json`` / ``_split.json``); the table gives each ratio to the
 p2p_gloo of its own runs and shows both p2p_gloo times (``a / b``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,11 +55,33 @@ def run(args) -> int:
                     path = os.path.join(args.out, f"w{world}_s{size}_r{rep}{suffix}.json")
                     if os.path.exists(path):  # a resumed sweep keeps what it measured
                         continue
-                    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-                           "-m", "ultracomm.tools.bench", "all", "--workload", "zipf:1.5,2,3", "--methods", methods,
-                           "--top-k", "2", "--experts-per-rank", "8", "--iters", str(args.rounds.get(size, args.iters)),
-                           "--interleave",
-                           "--min-bytes", size, "--max-bytes", size, "--json", path]
+                    cmd = [
+                        sys.executable,
+                        "-m",
+                        "torch.distributed.run",
+                        "--standalone",
+                        f"--nproc-per-node={world}",
+                        "-m",
+                        "ultracomm.tools.bench",
+                        "all",
+                        "--workload",
+                        "zipf:1.5,2,3",
+                        "--methods",
+                        methods,
+                        "--top-k",
+                        "2",
+                        "--experts-per-rank",
+                        "8",
+                        "--iters",
+                        str(args.rounds.get(size, args.iters)),
+                        "--interleave",
+                        "--min-bytes",
+                        size,
+                        "--max-bytes",
+                        size,
+                        "--json",
+                        path,
+                    ]
                     print(f"# rep {rep} world {world} size {size} {methods}", flush=True)
                     p = subprocess.run(cmd, env=env, capture_output=True, text=True)
                     if p.returncode != 0:
@@ -92,9 +115,11 @@ def table(args) -> int:
         for key, by_method in per.items():
             runs.setdefault(key, []).append(by_method)
     methods = ("relay_gloo", "relay_split")
-    print("| op | world | size | workload | repl | runs x rounds | p2p_gloo ms | relay_gloo ms | relay_gloo / p2p_gloo "
-          "per round: median [95% CI] | verdict | relay_gloo choice | relay_split ms | relay_split / p2p_gloo per "
-          "round: median [95% CI] | verdict | relay_split route and choice | gloo bytes of relay_split |")
+    print(
+        "| op | world | size | workload | repl | runs x rounds | p2p_gloo ms | relay_gloo ms | relay_gloo / p2p_gloo "
+        "per round: median [95% CI] | verdict | relay_gloo choice | relay_split ms | relay_split / p2p_gloo per "
+        "round: median [95% CI] | verdict | relay_split route and choice | gloo bytes of relay_split |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     ratios: dict[str, list[float]] = {m: [] for m in methods}
     verdicts: dict[str, dict[str, int]] = {m: {} for m in methods}
@@ -129,29 +154,40 @@ def table(args) -> int:
             split = next(run["relay_split"] for run in row_runs if "relay_split" in run)
             rounds = len(gloo.get("times_us", ())) or "?"
             p2p = f"{base['relay_gloo']:.2f}" if not paired else f"{base['relay_gloo']:.2f} / {base['relay_split']:.2f}"
-            n = f"{count['relay_gloo']} x {rounds}" if not paired else \
-                f"{count['relay_gloo']}+{count['relay_split']} x {rounds} (pairs)"
-            print(f"| {op} | {key[1]} | {key[2]} | {key[3]} | {split['replicas']} | {n} | "
-                  f"{p2p} | {ms['relay_gloo']:.2f} | {cell['relay_gloo'][0]} | {cell['relay_gloo'][1]} | "
-                  f"{gloo['choice']} | {ms['relay_split']:.2f} | {cell['relay_split'][0]} | {cell['relay_split'][1]} | "
-                  f"{split['choice']} | {split['cross_bytes']} of {split['moved_bytes']} |")
+            n = (
+                f"{count['relay_gloo']} x {rounds}"
+                if not paired
+                else f"{count['relay_gloo']}+{count['relay_split']} x {rounds} (pairs)"
+            )
+            print(
+                f"| {op} | {key[1]} | {key[2]} | {key[3]} | {split['replicas']} | {n} | "
+                f"{p2p} | {ms['relay_gloo']:.2f} | {cell['relay_gloo'][0]} | {cell['relay_gloo'][1]} | "
+                f"{gloo['choice']} | {ms['relay_split']:.2f} | {cell['relay_split'][0]} | {cell['relay_split'][1]} | "
+                f"{split['choice']} | {split['cross_bytes']} of {split['moved_bytes']} |"
+            )
     print()
     for m, v in ratios.items():
         if not v:
             continue
         said = ", ".join(f"{k} {c}" for k, c in sorted(verdicts[m].items()))
-        print(f"- {m}/p2p_gloo per row (the median of its per-round ratios; the ratio of the medians where a run "
-              f"kept no per-round times): median {statistics.median(v):.2f}, "
-              f"min {min(v):.2f}, max {max(v):.2f}, rows > 1: {sum(x > 1 for x in v)}/{len(v)}"
-              + (f"; verdicts at 95%: {said}" if said else ""))
+        print(
+            f"- {m}/p2p_gloo per row (the median of its per-round ratios; the ratio of the medians where a run "
+            f"kept no per-round times): median {statistics.median(v):.2f}, "
+            f"min {min(v):.2f}, max {max(v):.2f}, rows > 1: {sum(x > 1 for x in v)}/{len(v)}"
+            + (f"; verdicts at 95%: {said}" if said else "")
+        )
     if spread:
-        print(f"- p2p_gloo against itself (its slowest / fastest run of a row, {len(spread)} rows with more than "
-              f"one run): median {statistics.median(spread):.2f}, max {max(spread):.2f}")
+        print(
+            f"- p2p_gloo against itself (its slowest / fastest run of a row, {len(spread)} rows with more than "
+            f"one run): median {statistics.median(spread):.2f}, max {max(spread):.2f}"
+        )
     print(f"- #wrong summed over all runs: {wrong}")
     if loads:
         every = [x for _, b, a in loads for x in (b, a)]
-        print(f"- load average (1 min) at the start and end of each run: {min(every):.1f}-{max(every):.1f} "
-              f"({', '.join(f'{n[:-5]} {b:.1f}/{a:.1f}' for n, b, a in loads)})")
+        print(
+            f"- load average (1 min) at the start and end of each run: {min(every):.1f}-{max(every):.1f} "
+            f"({', '.join(f'{n[:-5]} {b:.1f}/{a:.1f}' for n, b, a in loads)})"
+        )
     return 1 if wrong else 0
 
 
@@ -161,14 +197,22 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("run")
     r.add_argument("--reps", type=int, default=3)
     r.add_argument("--iters", type=int, default=7, help="rounds per run for sizes --rounds does not name")
-    r.add_argument("--rounds", type=lambda s: {k: int(v) for k, v in (x.split(":") for x in s.split(",") if x)},
-                   default=dict(ROUNDS), help="rounds per run by size, SIZE:N[,...] (default %(default)s): small "
-                   "sizes are cheap and noisy, so they get more rounds")
+    r.add_argument(
+        "--rounds",
+        type=lambda s: {k: int(v) for k, v in (x.split(":") for x in s.split(",") if x)},
+        default=dict(ROUNDS),
+        help="rounds per run by size, SIZE:N[,...] (default %(default)s): small "
+        "sizes are cheap and noisy, so they get more rounds",
+    )
     r.add_argument("--worlds", type=lambda s: [int(x) for x in s.split(",")], default=list(WORLDS))
     r.add_argument("--sizes", type=lambda s: s.split(","), default=list(SIZES))
     r.add_argument("--out", default="perf/out/transports")
-    r.add_argument("--pairs", type=lambda s: [x for x in s.split(",") if x], default=list(PAIRS),
-                   help="WORLD:SIZE cases run as two pairs of methods (memory); empty: none")
+    r.add_argument(
+        "--pairs",
+        type=lambda s: [x for x in s.split(",") if x],
+        default=list(PAIRS),
+        help="WORLD:SIZE cases run as two pairs of methods (memory); empty: none",
+    )
     t = sub.add_parser("table")
     t.add_argument("dir")
     args = p.parse_args(argv)

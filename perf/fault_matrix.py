@@ -15,6 +15,7 @@ fault kind (what tests/test_fault_matrix.py runs in CI).
 The launcher hosts the group's TCPStore (as torchrun's agent does), so killing any rank leaves
 it up; workers fork from a forkserver with torch and ultracomm imported.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,17 +46,20 @@ def _mp():
     global _CTX
     if _CTX is None:
         _CTX = multiprocessing.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "torch.distributed", "ultracomm.context", "ultracomm.moe",
-                                     "moe_harness", "fault_matrix_worker"])
+        _CTX.set_forkserver_preload(
+            ["torch", "torch.distributed", "ultracomm.context", "ultracomm.moe", "moe_harness", "fault_matrix_worker"]
+        )
     return _CTX
 
 
 # ------------------------------------------------------------------ which ranks a message calls stopped
 _EVIDENCE = re.compile(r"stopped(?: by evidence)?: ranks? \[([\d, ]*)\]")
 _UNKNOWN = re.compile(r"state unknown: ranks? \[([\d, ]*)\]")
-_LEGACY = (re.compile(r"rank (\d+) has not started this operation \(its ready flag is at epoch \d+\): it is likely"),
-           re.compile(r"rank (\d+) stopped first"),
-           re.compile(r"rank (\d+) is likely stalled or dead"))
+_LEGACY = (
+    re.compile(r"rank (\d+) has not started this operation \(its ready flag is at epoch \d+\): it is likely"),
+    re.compile(r"rank (\d+) stopped first"),
+    re.compile(r"rank (\d+) is likely stalled or dead"),
+)
 _LEGACY_LIST = re.compile(r"ranks \[([\d, ]*)\] (?:did not arrive|did not post their loads)")
 
 
@@ -94,8 +98,12 @@ def run_case(transport: str, phase: str, kind: str, victims: tuple, world: int, 
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
     ctx = _mp()
     with tempfile.TemporaryDirectory() as out_dir:
-        procs = [ctx.Process(target=fw.main, args=(r, world, store.port, transport, phase, kind, victims, out_dir,
-                                                    timeout_s)) for r in range(world)]
+        procs = [
+            ctx.Process(
+                target=fw.main, args=(r, world, store.port, transport, phase, kind, victims, out_dir, timeout_s)
+            )
+            for r in range(world)
+        ]
         t0 = time.monotonic()
         for p in procs:
             p.start()
@@ -127,9 +135,17 @@ def run_case(transport: str, phase: str, kind: str, victims: tuple, world: int, 
     for n in leaked:  # do not let one case's leak count again in the next
         with contextlib.suppress(OSError):
             os.unlink(os.path.join("/dev/shm", n))
-    return {"transport": transport, "phase": phase, "kind": kind, "victims": list(victims), "world": world,
-            "hung": hung, "leaked": leaked, "results": {str(r): v for r, v in results.items()},
-            "wall_s": time.monotonic() - t0}
+    return {
+        "transport": transport,
+        "phase": phase,
+        "kind": kind,
+        "victims": list(victims),
+        "world": world,
+        "hung": hung,
+        "leaked": leaked,
+        "results": {str(r): v for r, v in results.items()},
+        "wall_s": time.monotonic() - t0,
+    }
 
 
 def classify(case: dict) -> list[dict]:
@@ -144,9 +160,17 @@ def classify(case: dict) -> list[dict]:
         if res is not None and res.get("error"):
             text, mro = res["error"], res.get("mro", [])
             named = named_stopped(text)
-            row.update(raised=True, timeout="UltracommTimeout" in mro, mismatch="PlanMismatchError" in mro,
-                       type=res["type"], named=sorted(named), right=named == victims,
-                       wrong=bool(named - victims), unknown=sorted(unknown_listed(text)), text=text)
+            row.update(
+                raised=True,
+                timeout="UltracommTimeout" in mro,
+                mismatch="PlanMismatchError" in mro,
+                type=res["type"],
+                named=sorted(named),
+                right=named == victims,
+                wrong=bool(named - victims),
+                unknown=sorted(unknown_listed(text)),
+                text=text,
+            )
         else:
             row.update(raised=False, timeout=False, mismatch=False, named=[], right=False, wrong=False, unknown=[])
         rows.append(row)
@@ -171,8 +195,7 @@ def cases(worlds=(4, 8), transports=fw.TRANSPORTS, small: bool = False) -> list[
     return out
 
 
-COLUMNS = ("cases", "survivors", "UltracommTimeout", "PlanMismatch", "right", "wrong", "unknown only", "hung",
-           "leaked")
+COLUMNS = ("cases", "survivors", "UltracommTimeout", "PlanMismatch", "right", "wrong", "unknown only", "hung", "leaked")
 
 
 def tally(all_cases: list[dict]) -> dict:
@@ -211,8 +234,11 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="write every case and survivor row here")
     ap.add_argument("-v", "--verbose", action="store_true", help="print every survivor's message")
     a = ap.parse_args(argv)
-    todo = [c for c in cases(tuple(int(w) for w in a.world.split(",")), tuple(a.transports.split(",")), a.small)
-            if c[1] in a.phases.split(",")]
+    todo = [
+        c
+        for c in cases(tuple(int(w) for w in a.world.split(",")), tuple(a.transports.split(",")), a.small)
+        if c[1] in a.phases.split(",")
+    ]
     done = []
     t0 = time.monotonic()
     for i, (t, phase, kind, victims, world) in enumerate(todo):
@@ -221,10 +247,13 @@ def main(argv=None) -> int:
         case["rows"] = rows
         done.append(case)
         bad = [r for r in rows if not (r["right"] and (r["timeout"] or r["mismatch"]))]
-        print(f"[{i + 1}/{len(todo)}] {t} {phase} {kind} victims {list(victims)} world {world}: "
-              f"{len(rows) - len(bad)}/{len(rows)} ok, hung {case['hung']}, leaked {len(case['leaked'])} "
-              f"({case['wall_s']:.1f} s)", flush=True)
-        for r in (rows if a.verbose else bad):
+        print(
+            f"[{i + 1}/{len(todo)}] {t} {phase} {kind} victims {list(victims)} world {world}: "
+            f"{len(rows) - len(bad)}/{len(rows)} ok, hung {case['hung']}, leaked {len(case['leaked'])} "
+            f"({case['wall_s']:.1f} s)",
+            flush=True,
+        )
+        for r in rows if a.verbose else bad:
             print(f"    rank {r['rank']}: {r.get('type')} named {r['named']}: {r.get('text', '')[:600]}", flush=True)
     table = tally(done)
     print(f"\n{len(done)} cases in {time.monotonic() - t0:.0f} s, timeout {a.timeout:g} s\n")

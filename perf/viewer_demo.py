@@ -14,6 +14,7 @@ model is given 1/1536 of NVLink4's and RDMA's bandwidths (370 GB/s, 50 GB/s) and
 chunk: relay-or-direct decisions, depths and predicted times are those the builder makes for
 the real expert on H200 nodes with 400 Gb/s RDMA.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,8 +41,17 @@ SCALE = 9437184 // LAYOUT.weight_bytes  # 1536: the real expert over the demo's
 def load_for(step: int, layer: int) -> np.ndarray:
     if layer == 0:  # one very hot expert (LLEP-style), moving to another rank every 6 steps
         frac = 0.08 + 0.04 * np.sin(step / 3.0)
-        return hot_rank_load(WORLD, WORLD * EPR, 1024, 8, float(frac), step, hot_rank=(5 * (step // 6)) % WORLD,
-                             hot_experts=1, rest_over_all=True)
+        return hot_rank_load(
+            WORLD,
+            WORLD * EPR,
+            1024,
+            8,
+            float(frac),
+            step,
+            hot_rank=(5 * (step // 6)) % WORLD,
+            hot_experts=1,
+            rest_over_all=True,
+        )
     target = 1.6 + 0.5 * layer + 0.4 * np.sin(step / 4.0 + layer)
     return zipf_load(WORLD, WORLD * EPR, 1024, 8, float(target), 1000 * layer + step // 6, EPR)
 
@@ -52,9 +62,21 @@ def run(out: Path) -> float:
 
     def body(group):
         prof = Profiler(out / f"rank{group.rank}", meta={"model": "qwen3-30b-a3b", "demo": "perf/viewer_demo.py"})
-        with Context(group, LAYOUT, EPR, SLOTS, num_layers=LAYERS, max_microbatches=LAYERS, node_of=NODE_OF,
-                     num_workers=1, chunk_bytes=1024, tile_bytes=256, intra_bw=370e9 / SCALE,
-                     inter_bw=50e9 / SCALE, profile=prof) as ctx:
+        with Context(
+            group,
+            LAYOUT,
+            EPR,
+            SLOTS,
+            num_layers=LAYERS,
+            max_microbatches=LAYERS,
+            node_of=NODE_OF,
+            num_workers=1,
+            chunk_bytes=1024,
+            tile_bytes=256,
+            intra_bw=370e9 / SCALE,
+            inter_bw=50e9 / SCALE,
+            profile=prof,
+        ) as ctx:
             for layer in range(LAYERS):
                 w = [torch.randn((EPR, *m.shape)).to(m.dtype) for m in LAYOUT.members]
                 g = [torch.zeros((EPR, *m.shape)) for m in LAYOUT.members]

@@ -7,6 +7,7 @@ under ``build/inplace/`` and prints the folder to put on PYTHONPATH.  The source
 touched.  Sources, CUDA architectures and nvcc flags are read from csrc/CMakeLists.txt so the
 two builds cannot drift apart.  ``--dry-run`` prints the _cuda commands without running them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,15 +46,27 @@ def build_core(pkg: str, work: str) -> None:
     # load() imports the module it built, and _core's init imports ultracomm.errors and
     # ultracomm.records: from this copy (on a bare machine no other ultracomm is installed)
     sys.path.insert(0, os.path.dirname(pkg))
-    load(name="_core", sources=cmake_sources(), extra_include_paths=[os.path.join(ROOT, "include"), os.path.join(ROOT, "csrc")],
-         extra_cflags=["-O3", "-std=c++20", "-ffp-contract=off"], build_directory=work, verbose=False, is_python_module=True)
+    load(
+        name="_core",
+        sources=cmake_sources(),
+        extra_include_paths=[os.path.join(ROOT, "include"), os.path.join(ROOT, "csrc")],
+        extra_cflags=["-O3", "-std=c++20", "-ffp-contract=off"],
+        build_directory=work,
+        verbose=False,
+        is_python_module=True,
+    )
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
     shutil.copy(os.path.join(work, "_core.so"), os.path.join(pkg, "_core" + suffix))
     # cpp_extension links libc10/libtorch: load torch's libraries before _core in this copy
     init = os.path.join(pkg, "__init__.py")
     text = open(init).read()
-    open(init, "w").write(text.replace("from __future__ import annotations\n",
-                                       "from __future__ import annotations\n\nimport torch  # noqa: F401\n", 1))
+    open(init, "w").write(
+        text.replace(
+            "from __future__ import annotations\n",
+            "from __future__ import annotations\n\nimport torch  # noqa: F401\n",
+            1,
+        )
+    )
 
 
 def find_nvcc() -> str | None:
@@ -104,17 +117,54 @@ def cuda_commands(nvcc: str, work: str, out: str) -> tuple[list[list[str]], list
         obj = os.path.join(work, os.path.basename(src) + ".o")
         # --threads 0: the architectures of one file compile in parallel (k_persistent.cu's four
         # are the longest single step of the build)
-        compiles.append([nvcc, "-std=c++20", "-O3", *inc, *gencode, *nvcc_flags, "--threads", "0", "-Xcompiler=-fPIC",
-                         "-c", src, "-o", obj])
+        compiles.append(
+            [
+                nvcc,
+                "-std=c++20",
+                "-O3",
+                *inc,
+                *gencode,
+                *nvcc_flags,
+                "--threads",
+                "0",
+                "-Xcompiler=-fPIC",
+                "-c",
+                src,
+                "-o",
+                obj,
+            ]
+        )
         objs.append(obj)
     for s in host_srcs:
         src = os.path.join(ROOT, "csrc", s)
         obj = os.path.join(work, s.replace("/", "_") + ".o")
-        compiles.append([cxx, "-std=c++20", "-O3", "-ffp-contract=off", "-fPIC", "-fvisibility=hidden", "-Wall", "-Wextra",
-                         *inc, *py_inc, "-c", src, "-o", obj])
+        compiles.append(
+            [
+                cxx,
+                "-std=c++20",
+                "-O3",
+                "-ffp-contract=off",
+                "-fPIC",
+                "-fvisibility=hidden",
+                "-Wall",
+                "-Wextra",
+                *inc,
+                *py_inc,
+                "-c",
+                src,
+                "-o",
+                obj,
+            ]
+        )
         objs.append(obj)
-    libdir = next((d for d in (f"{cuda_home}/lib64", f"{cuda_home}/targets/x86_64-linux/lib", f"{cuda_home}/lib")
-                   if os.path.exists(os.path.join(d, "libcudart_static.a"))), f"{cuda_home}/lib64")
+    libdir = next(
+        (
+            d
+            for d in (f"{cuda_home}/lib64", f"{cuda_home}/targets/x86_64-linux/lib", f"{cuda_home}/lib")
+            if os.path.exists(os.path.join(d, "libcudart_static.a"))
+        ),
+        f"{cuda_home}/lib64",
+    )
     link = [cxx, "-shared", "-o", out, *objs, f"-L{libdir}", "-lcudart_static", "-ldl", "-lrt", "-lpthread"]
     return compiles, link
 

@@ -8,8 +8,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --test
 . .venv/bin/activate
-echo "== ruff check (pyflakes errors; pyproject.toml [tool.ruff])"
+echo "== ruff check (pyflakes errors) and ruff format --check (pyproject.toml [tool.ruff])"
 ruff check python tests perf examples scripts
+ruff format --check python tests perf examples scripts
+echo "== clang-format --dry-run --Werror (.clang-format) on csrc/, include/, tests/cpp/"
+git ls-files 'csrc/**.h' 'csrc/**.cpp' 'csrc/**.cu' 'csrc/**.cuh' 'include/**.h' 'tests/cpp/*.cpp' \
+  | xargs clang-format --dry-run --Werror
 echo "== lint-imports (the package's layers and no import cycles; pyproject.toml [tool.importlinter])"
 lint-imports --no-cache
 export ULTRACOMM_NUM_WORKERS="${ULTRACOMM_NUM_WORKERS:-2}"

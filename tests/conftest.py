@@ -1,4 +1,5 @@
 """Shared test helpers: random valid plans, expert contents that any rank can recompute."""
+
 from __future__ import annotations
 
 import socket
@@ -19,8 +20,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def random_slot_src(rng: np.random.Generator, world: int, slots: int, experts_per_rank: int,
-                    fill: float = 0.7) -> np.ndarray:
+def random_slot_src(
+    rng: np.random.Generator, world: int, slots: int, experts_per_rank: int, fill: float = 0.7
+) -> np.ndarray:
     """A valid ``slot_src [world, slots]``: no replica on its home rank, no expert twice on a rank."""
     num_experts = world * experts_per_rank
     out = np.full((world, slots), -1, dtype=np.int32)
@@ -70,16 +72,30 @@ def expected_master_grads(schedule, layout, plan, init_master, init_replica, wit
     home = plan.home_of.tolist()
     local = plan.local_index_of.tolist()
     grads_by_rank = [
-        torch.stack([slot_image([init_replica[r][m][s] for m in range(len(layout.members))],
-                                layout.grad_offsets, layout.grad_bytes) for s in range(slots)])
-        if slots else torch.zeros((0, layout.grad_bytes), dtype=torch.uint8)
+        torch.stack(
+            [
+                slot_image(
+                    [init_replica[r][m][s] for m in range(len(layout.members))], layout.grad_offsets, layout.grad_bytes
+                )
+                for s in range(slots)
+            ]
+        )
+        if slots
+        else torch.zeros((0, layout.grad_bytes), dtype=torch.uint8)
         for r in range(world)
     ]
-    masters = {e: [init_master[home[e]][m][local[e]] for m in range(len(layout.members))]
-               for e in range(plan.num_experts)}
-    slots_after, new = reference_reduce([schedule.tasks("reduce", r) for r in range(world)],
-                              [schedule.refs("reduce", r) for r in range(world)],
-                              grads_by_rank, masters, layout.grad_offsets, layout.grad_sizes, layout.grad_dtype)
+    masters = {
+        e: [init_master[home[e]][m][local[e]] for m in range(len(layout.members))] for e in range(plan.num_experts)
+    }
+    slots_after, new = reference_reduce(
+        [schedule.tasks("reduce", r) for r in range(world)],
+        [schedule.refs("reduce", r) for r in range(world)],
+        grads_by_rank,
+        masters,
+        layout.grad_offsets,
+        layout.grad_sizes,
+        layout.grad_dtype,
+    )
     out = []
     for r in range(world):
         mine = [e for e in range(plan.num_experts) if home[e] == r]
@@ -87,9 +103,22 @@ def expected_master_grads(schedule, layout, plan, init_master, init_replica, wit
         out.append([torch.stack([new[e][m] for e in mine]) for m in range(len(layout.members))])
     if not with_slots:
         return out
-    after = [[torch.stack([split_image(slots_after[r][s], [init_replica[r][m][s] for m in range(len(layout.members))],
-                                       layout.grad_offsets)[m] for s in range(slots)])
-              for m in range(len(layout.members))] for r in range(world)]
+    after = [
+        [
+            torch.stack(
+                [
+                    split_image(
+                        slots_after[r][s],
+                        [init_replica[r][m][s] for m in range(len(layout.members))],
+                        layout.grad_offsets,
+                    )[m]
+                    for s in range(slots)
+                ]
+            )
+            for m in range(len(layout.members))
+        ]
+        for r in range(world)
+    ]
     return out, after
 
 

@@ -1,6 +1,7 @@
 """Helpers of the copy_engine CPU tests: host-executor Contexts of a loopback domain (their
 windows are host memory, so the copy_engine commands run on them with ``simulate``), every
 rank's commands for a plan, host words per rank."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -19,9 +20,23 @@ LAYOUT = ExpertLayout((Member("fc1", (6, 17), torch.bfloat16), Member("fc2", (17
 def host_contexts(world, epr, slots, mode, node_of=None):
     """``(contexts, each)``: host-transport Contexts with registered masters; ``each(fn)`` runs
     ``fn(ctx)`` on every rank, each in its thread."""
+
     def body(group):
-        ctx = Context(group, LAYOUT, epr, slots, num_layers=1, transport="host", window="local", relay_mode=mode,
-                      node_of=node_of, chunk_bytes=128, tile_bytes=16, num_workers=2, timeout_s=30.0)
+        ctx = Context(
+            group,
+            LAYOUT,
+            epr,
+            slots,
+            num_layers=1,
+            transport="host",
+            window="local",
+            relay_mode=mode,
+            node_of=node_of,
+            chunk_bytes=128,
+            tile_bytes=16,
+            num_workers=2,
+            timeout_s=30.0,
+        )
         per = [expert_weights(LAYOUT, e) for e in range(ctx.rank * epr, (ctx.rank + 1) * epr)]
         ctx.register_masters(0, [torch.stack([p[m] for p in per]).contiguous() for m in range(2)], None)
         return ctx
@@ -39,10 +54,20 @@ def new_words(world: int) -> list[np.ndarray]:
 def rank_commands(ctx, plan, words: np.ndarray, digest: int | None = None):
     s = ctx.schedule_for(plan)
     return multicast_commands(
-        ctx.rank, ctx.wlayout, ctx.window.peer_bases, s.tasks(Op.MULTICAST, ctx.rank), s.refs(Op.MULTICAST, ctx.rank),
-        LAYOUT.weight_offsets, LAYOUT.weight_sizes, ctx._masters[0].weight_ptrs, plan.local_index_of.tolist(),
-        plan.slot_src[ctx.rank].tolist(), op_digest(s.digest, Op.MULTICAST) if digest is None else digest,
-        words.ctypes.data, s.tree(Op.MULTICAST)[0][ctx.rank].tolist())
+        ctx.rank,
+        ctx.wlayout,
+        ctx.window.peer_bases,
+        s.tasks(Op.MULTICAST, ctx.rank),
+        s.refs(Op.MULTICAST, ctx.rank),
+        LAYOUT.weight_offsets,
+        LAYOUT.weight_sizes,
+        ctx._masters[0].weight_ptrs,
+        plan.local_index_of.tolist(),
+        plan.slot_src[ctx.rank].tolist(),
+        op_digest(s.digest, Op.MULTICAST) if digest is None else digest,
+        words.ctypes.data,
+        s.tree(Op.MULTICAST)[0][ctx.rank].tolist(),
+    )
 
 
 def pools(ctxs) -> list[torch.Tensor]:

@@ -4,6 +4,7 @@ ptxas refusing spills and local memory) plus ``-Xptxas -v``, and disassembles th
 ``cuobjdump`` (PyPI ``nvidia-cuda-cuobjdump``).  Results are cached under
 ``build/cuda-check/<hash of sources, flags and nvcc>`` so a session compiles once.
 """
+
 from __future__ import annotations
 
 import glob
@@ -57,7 +58,8 @@ def find_tool(name: str) -> str | None:
     dirs = [*site.getsitepackages(), site.getusersitepackages(), *sys.path]
     for d in dirs:
         for p in glob.glob(os.path.join(d, "nvidia", "cu*", "bin", name)) + glob.glob(
-                os.path.join(d, "nvidia", "cuda_*", "bin", name)):
+            os.path.join(d, "nvidia", "cuda_*", "bin", name)
+        ):
             if os.access(p, os.X_OK):
                 return p
     return shutil.which(name)
@@ -70,8 +72,12 @@ def sources() -> list[str]:
 def _digest(nvcc: str) -> str:
     h = hashlib.sha256()
     # what nvcc reads: kernels and headers (the host-only .cpp files do not invalidate the cache)
-    files = sorted(f for f in glob.glob(os.path.join(ROOT, "csrc", "cuda", "*")) + glob.glob(
-        os.path.join(ROOT, "include", "ultracomm", "**", "*.h"), recursive=True) if not f.endswith(".cpp"))
+    files = sorted(
+        f
+        for f in glob.glob(os.path.join(ROOT, "csrc", "cuda", "*"))
+        + glob.glob(os.path.join(ROOT, "include", "ultracomm", "**", "*.h"), recursive=True)
+        if not f.endswith(".cpp")
+    )
     for f in files:
         h.update(f.encode())
         h.update(open(f, "rb").read())
@@ -102,8 +108,20 @@ def compile_all(jobs: int = 2) -> dict[str, Compiled]:
         name = os.path.splitext(os.path.basename(src))[0]
         obj, log = os.path.join(out, name + ".o"), os.path.join(out, name + ".log")
         if not (os.path.exists(obj) and os.path.exists(log)):
-            cmd = [nvcc, "-std=c++20", "-O3", f"-I{ROOT}/include", *gencode, *nvcc_flags(), "-Xptxas=-v",
-                   f"--threads={jobs}", "-c", src, "-o", obj + ".tmp"]
+            cmd = [
+                nvcc,
+                "-std=c++20",
+                "-O3",
+                f"-I{ROOT}/include",
+                *gencode,
+                *nvcc_flags(),
+                "-Xptxas=-v",
+                f"--threads={jobs}",
+                "-c",
+                src,
+                "-o",
+                obj + ".tmp",
+            ]
             p = subprocess.run(cmd, capture_output=True, text=True)
             if p.returncode != 0:
                 raise RuntimeError(f"nvcc failed on {name}.cu:\n{' '.join(cmd)}\n{p.stdout}{p.stderr}")
@@ -147,7 +165,7 @@ def ptxas_functions(log: str) -> dict[tuple[str, str], str]:
             arch = m.group(2)
         m = re.search(r"Function properties for (\S+)", line)
         if m and arch:
-            out[(arch, m.group(1))] = "\n".join(lines[i + 1:i + 3])
+            out[(arch, m.group(1))] = "\n".join(lines[i + 1 : i + 3])
     return out
 
 

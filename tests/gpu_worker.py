@@ -2,6 +2,7 @@
 running at the bound gets SIGABRT, which ``-X faulthandler`` turns into every thread's Python
 stack on its stderr, and the test fails with those stacks -- where a device run hung is then in
 the test's report (a plain timeout kill would leave nothing to read)."""
+
 from __future__ import annotations
 
 import os
@@ -24,8 +25,10 @@ def run_worker(script: str, *args: str, timeout_s: float = 40.0) -> subprocess.C
         except subprocess.TimeoutExpired:
             p.kill()
             out, err = p.communicate()
-        raise AssertionError(f"{script} {' '.join(args)} still ran after {timeout_s:g} s (hung); its threads:\n"
-                             f"{err[-6000:]}\nstdout: {out[-1000:]}") from None
+        raise AssertionError(
+            f"{script} {' '.join(args)} still ran after {timeout_s:g} s (hung); its threads:\n"
+            f"{err[-6000:]}\nstdout: {out[-1000:]}"
+        ) from None
     return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 

@@ -1,6 +1,7 @@
 """A small MoE on loopback ranks for the manager's tests: every rank can regenerate every
 rank's tokens, so a rank computes the tokens routed to the expert instances it hosts without
 a token all-to-all, and a float64 no-replication reference is one loop in one thread."""
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -28,8 +29,17 @@ def master_weights(expert: int, dtype=torch.float32, bias: bool = False) -> list
     return ws
 
 
-def batch(rank: int, layer: int, mb: int, num_experts: int, tokens: int = 24, top_k: int = 2,
-          hot: float = 3.0, dtype=torch.float32, cold: tuple = ()):
+def batch(
+    rank: int,
+    layer: int,
+    mb: int,
+    num_experts: int,
+    tokens: int = 24,
+    top_k: int = 2,
+    hot: float = 3.0,
+    dtype=torch.float32,
+    cold: tuple = (),
+):
     """``(x [T, H], routing_map [T, E] bool, probs [T, E], upstream grad [T, H])`` of one rank:
     a router skewed towards experts 0 and 1 (their logits get ``hot`` added); experts in
     ``cold`` get no token."""
@@ -44,8 +54,14 @@ def batch(rank: int, layer: int, mb: int, num_experts: int, tokens: int = 24, to
     return x, rmap, probs, torch.randn(tokens, H, generator=g).to(dtype)
 
 
-def expert_fn(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, linear, b1: torch.Tensor | None = None,
-              b2: torch.Tensor | None = None) -> torch.Tensor:
+def expert_fn(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    linear,
+    b1: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+) -> torch.Tensor:
     h = linear(x, w1)
     h = torch.nn.functional.silu(h if b1 is None else h + b1)
     y = linear(h, w2)
@@ -95,9 +111,22 @@ def check_rank_grads(grads, rank: int, ref, epr: int, layers: int, tol: float = 
             assert (got - want).abs().max() <= tol * want.abs().max(), f"rank {rank} layer {layer} member {m}"
 
 
-def rank_loss(step, rank: int, world: int, layer: int, mb: int, masters, replicas, linear,
-              tokens: int | Callable[[int], int] = 24, hot: float = 3.0, skip_replicas: bool = False,
-              dtype=torch.float32, cold: tuple = (), x_scale: torch.Tensor | None = None) -> torch.Tensor:
+def rank_loss(
+    step,
+    rank: int,
+    world: int,
+    layer: int,
+    mb: int,
+    masters,
+    replicas,
+    linear,
+    tokens: int | Callable[[int], int] = 24,
+    hot: float = 3.0,
+    skip_replicas: bool = False,
+    dtype=torch.float32,
+    cold: tuple = (),
+    x_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The part of the loss computed on ``rank``: every source rank's tokens that the rerouted
     (echo layout) map sends to an instance hosted here, times a fixed upstream gradient.
     ``masters[m][j]``: member ``m`` of home expert ``j``; ``replicas[m][k]``: of slot ``k``;
@@ -177,28 +206,59 @@ def master_grads(params: list[list[Any]], main_grad: bool) -> list[list[torch.Te
     """Per layer, per member ``[epr, ...]``: with ``main_grad``, ``main_grad + .grad`` (what
     Megatron's DDP hook adds up: fused wgrads land in main_grad, the rest in .grad), else
     ``.grad``; a tensor that got no gradient counts as zeros."""
+
     def g(t):
         grad = torch.zeros_like(t) if t.grad is None else t.grad
         return t.main_grad + grad.float() if main_grad else grad.clone()
-    return [[g(m) if isinstance(m, torch.Tensor) else torch.stack([g(t) for t in m]) for m in ps]
-            for ps in params]
+
+    return [[g(m) if isinstance(m, torch.Tensor) else torch.stack([g(t) for t in m]) for m in ps] for ps in params]
 
 
-def train(world: int, epr: int, slots: int, layers: int, schedule: str | list = "F0 B0", *, planner: Any = "quota",
-          timeout: float = 240, **kw):
+def train(
+    world: int,
+    epr: int,
+    slots: int,
+    layers: int,
+    schedule: str | list = "F0 B0",
+    *,
+    planner: Any = "quota",
+    timeout: float = 240,
+    **kw,
+):
     """Train ``layers`` MoE layers of the loopback model on ``world`` loopback ranks with a
     ``ReplicaManager`` (:func:`train_rank` on each).  Returns per rank
     ``(master_grads(...), [step.imbalance, ...])``."""
     return LoopbackDomain(world).run(
         lambda group: train_rank(group, group.rank, world, epr, slots, layers, schedule, planner=planner, **kw),
-        timeout=timeout)
+        timeout=timeout,
+    )
 
 
-def train_rank(group: Any, rank: int, world: int, epr: int, slots: int, layers: int, schedule: str | list = "F0 B0",
-               *, planner: Any = "quota", checkpoint: str | None = None, dtype=torch.float32, form: str = "stacked",
-               main_grad: bool = False, bias: bool = False, hot: float = 3.0, zero_rank: int | None = None,
-               tokens: int = 24, lin: Any = None, guard: bool = True, skip_replicas_on: tuple = (),
-               max_microbatches: int | None = None, counter: Any = None, manager_options: dict | None = None):
+def train_rank(
+    group: Any,
+    rank: int,
+    world: int,
+    epr: int,
+    slots: int,
+    layers: int,
+    schedule: str | list = "F0 B0",
+    *,
+    planner: Any = "quota",
+    checkpoint: str | None = None,
+    dtype=torch.float32,
+    form: str = "stacked",
+    main_grad: bool = False,
+    bias: bool = False,
+    hot: float = 3.0,
+    zero_rank: int | None = None,
+    tokens: int = 24,
+    lin: Any = None,
+    guard: bool = True,
+    skip_replicas_on: tuple = (),
+    max_microbatches: int | None = None,
+    counter: Any = None,
+    manager_options: dict | None = None,
+):
     """One rank of :func:`train`: micro-batches forwarded and backwarded in ``schedule`` order.
 
     ``checkpoint``: None, ``"reentrant"`` or ``"non_reentrant"`` (each layer checkpointed);
@@ -206,6 +266,7 @@ def train_rank(group: Any, rank: int, world: int, epr: int, slots: int, layers: 
     is called once setup is done (manager built, layers registered) and ``disarm()`` before the
     manager closes (tests counting the calls a training step makes)."""
     from ultracomm.moe import ReplicaManager, linear
+
     lin = lin or linear
     order = parse_schedule(schedule) if isinstance(schedule, str) else list(schedule)
     E = world * epr
@@ -214,9 +275,17 @@ def train_rank(group: Any, rank: int, world: int, epr: int, slots: int, layers: 
     def ntok(s: int) -> int:
         return 0 if s == zero_rank else tokens
 
-    mgr = ReplicaManager(group, layout(dtype, bias), epr, slots, layers,
-                         max_microbatches=max_microbatches or in_flight(order), planner=planner, timeout_s=20,
-                         **(manager_options or {}))
+    mgr = ReplicaManager(
+        group,
+        layout(dtype, bias),
+        epr,
+        slots,
+        layers,
+        max_microbatches=max_microbatches or in_flight(order),
+        planner=planner,
+        timeout_s=20,
+        **(manager_options or {}),
+    )
     params = make_params(r, epr, layers, dtype, form, main_grad, bias)
     for layer in range(layers):
         mgr.register_layer(layer, params[layer])
@@ -229,8 +298,20 @@ def train_rank(group: Any, rank: int, world: int, epr: int, slots: int, layers: 
         step = mgr.step(layer, rmap, probs)
         imbalance.append(step.imbalance)
         reps = None if r in skip_replicas_on else step.replica_weights()
-        loss = rank_loss(step, r, world, layer, mb, params[layer], reps, lin, tokens=ntok, hot=hot,
-                         skip_replicas=r in skip_replicas_on, dtype=dtype)
+        loss = rank_loss(
+            step,
+            r,
+            world,
+            layer,
+            mb,
+            params[layer],
+            reps,
+            lin,
+            tokens=ntok,
+            hot=hot,
+            skip_replicas=r in skip_replicas_on,
+            dtype=dtype,
+        )
         return (step.guard(loss) if guard else loss) * anchor
 
     def forward(mb):
@@ -240,8 +321,7 @@ def train_rank(group: Any, rank: int, world: int, epr: int, slots: int, layers: 
             if checkpoint is None:
                 total = total + layer_loss(layer, mb, anchor)
             else:
-                total = total + cp.checkpoint(layer_loss, layer, mb, anchor,
-                                              use_reentrant=checkpoint == "reentrant")
+                total = total + cp.checkpoint(layer_loss, layer, mb, anchor, use_reentrant=checkpoint == "reentrant")
         return total
 
     losses = {}

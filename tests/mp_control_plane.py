@@ -12,6 +12,7 @@ counter's control, which must see calls.  ``default``: three layers, the manager
 options at all (issue 32 item 8: the default plan check is the window's on the host transport).
 Only calls made from ultracomm's frames count (a caller in the package on the stack).
 """
+
 from __future__ import annotations
 
 import os
@@ -34,10 +35,30 @@ LAYERS = 3 if MODE == "default" else 2
 OPTIONS = {} if MODE == "default" else dict(plan_check=MODE, transport="host")
 UC_DIR = os.path.dirname(os.path.abspath(ultracomm.__file__)) + os.sep
 # every communicating function of torch.distributed a library could call
-DIST_FUNCS = ("all_gather_object", "all_gather", "all_reduce", "broadcast", "broadcast_object_list", "barrier",
-              "send", "recv", "isend", "irecv", "batch_isend_irecv", "gather", "gather_object", "scatter",
-              "scatter_object_list", "reduce", "reduce_scatter", "all_to_all", "all_to_all_single",
-              "monitored_barrier", "all_gather_into_tensor", "reduce_scatter_tensor")
+DIST_FUNCS = (
+    "all_gather_object",
+    "all_gather",
+    "all_reduce",
+    "broadcast",
+    "broadcast_object_list",
+    "barrier",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+    "gather",
+    "gather_object",
+    "scatter",
+    "scatter_object_list",
+    "reduce",
+    "reduce_scatter",
+    "all_to_all",
+    "all_to_all_single",
+    "monitored_barrier",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+)
 
 
 def from_ultracomm(frame) -> bool:
@@ -67,6 +88,7 @@ class Counter:
             if self.armed and from_ultracomm(sys._getframe(1)):
                 self.calls.append(name)
             return fn(*a, **kw)
+
         return counted
 
     def arm(self):
@@ -83,8 +105,13 @@ def record_managers(seen: list) -> None:
     class Recording(moe_pkg.ReplicaManager):
         def __init__(self, *a, **kw):
             super().__init__(*a, **kw)
-            seen.append((self.ctx.transport.name, "window" if self.ctx.window_plan_check else "agree",
-                         type(self._board).__name__))
+            seen.append(
+                (
+                    self.ctx.transport.name,
+                    "window" if self.ctx.window_plan_check else "agree",
+                    type(self._board).__name__,
+                )
+            )
 
     moe_pkg.ReplicaManager = Recording
 
@@ -100,9 +127,20 @@ def main() -> int:
     for checkpoint in (None, "non_reentrant"):
         runs = []
         for _ in range(2):
-            grads, imb = mh.train_rank(None, rank, world, EPR, K, LAYERS, "F0 F1 B1 B0", planner="device",
-                                       checkpoint=checkpoint, counter=counter, tokens=TOKENS,
-                                       manager_options=OPTIONS)
+            grads, imb = mh.train_rank(
+                None,
+                rank,
+                world,
+                EPR,
+                K,
+                LAYERS,
+                "F0 F1 B1 B0",
+                planner="device",
+                checkpoint=checkpoint,
+                counter=counter,
+                tokens=TOKENS,
+                manager_options=OPTIONS,
+            )
             runs.append(grads)
         calls, counter.calls = counter.calls, []
         try:
@@ -110,14 +148,18 @@ def main() -> int:
             close = "yes"
         except AssertionError as e:
             close, ok = f"no ({e})", False
-        same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-                   for la, lb in zip(*runs) for a, b in zip(la, lb))
+        same = all(
+            torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for la, lb in zip(*runs) for a, b in zip(la, lb)
+        )
         ok = ok and same and (not calls or MODE == "agree")
         setups, seen[:] = sorted(set(seen)), []
-        print(f"rank {rank} checkpoint={checkpoint}: managers {setups}; layers {LAYERS}; "
-              f"calls after setup {len(calls)} {sorted(set(calls))}; "
-              f"grads match no replication: {close}; rerun bit-identical: {'yes' if same else 'no'}; "
-              f"imbalance {imb[0][0]:.2f} -> {imb[0][1]:.2f}", flush=True)
+        print(
+            f"rank {rank} checkpoint={checkpoint}: managers {setups}; layers {LAYERS}; "
+            f"calls after setup {len(calls)} {sorted(set(calls))}; "
+            f"grads match no replication: {close}; rerun bit-identical: {'yes' if same else 'no'}; "
+            f"imbalance {imb[0][0]:.2f} -> {imb[0][1]:.2f}",
+            flush=True,
+        )
     dist.barrier()
     dist.destroy_process_group()
     return 0 if ok else 1

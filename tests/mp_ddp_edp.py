@@ -8,6 +8,7 @@ tensor's largest value.  Prints one line per rank and mode; exit 1 on a failed c
 
     torchrun --standalone --nproc-per-node 4 tests/mp_ddp_edp.py
 """
+
 from __future__ import annotations
 
 import os
@@ -52,8 +53,19 @@ class Experts(torch.nn.Module):
             reps = step.replica_weights() if self.mgr else None
             if self.mgr:
                 self.replicated += int((step.result.plan.slot_src >= 0).sum())
-            part = mh.rank_loss(step, self.ep_rank, EP, layer, mb, [m.fc1, m.fc2], reps, linear, tokens=TOKENS,
-                                hot=HOT, skip_replicas=self.mgr is None)
+            part = mh.rank_loss(
+                step,
+                self.ep_rank,
+                EP,
+                layer,
+                mb,
+                [m.fc1, m.fc2],
+                reps,
+                linear,
+                tokens=TOKENS,
+                hot=HOT,
+                skip_replicas=self.mgr is None,
+            )
             loss = loss + (step.guard(part) if self.mgr else part)
         return loss
 
@@ -102,8 +114,11 @@ def main() -> int:
             verdict = "yes"
         except AssertionError as e:
             verdict, ok = f"NO ({e})", False
-        print(f"rank {rank} find_unused_parameters={find_unused}: replicas {got['replicated']}, matches the run "
-              f"without ultracomm: {verdict}", flush=True)
+        print(
+            f"rank {rank} find_unused_parameters={find_unused}: replicas {got['replicated']}, matches the run "
+            f"without ultracomm: {verdict}",
+            flush=True,
+        )
     dist.barrier()
     dist.destroy_process_group()
     return 0 if ok else 1

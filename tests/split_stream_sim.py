@@ -13,6 +13,7 @@ Two drivers:
   queue can move and no head waits for a flag (all heads are unmatched SEND/RECV) is a
   deadlock, detected, not timed; a head waiting for a flag is the interpreter's to raise.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -22,8 +23,18 @@ from typing import Callable, Optional, Sequence
 
 from ultracomm import _core
 from ultracomm.errors import UltracommError
-from ultracomm.transports.split.stream import (COPY, OWN, RECV, SEND, WAIT_GE, WRITE, StreamOp, loopback_sequence,
-                                               messages, rank_stream)
+from ultracomm.transports.split.stream import (
+    COPY,
+    OWN,
+    RECV,
+    SEND,
+    WAIT_GE,
+    WRITE,
+    StreamOp,
+    loopback_sequence,
+    messages,
+    rank_stream,
+)
 
 
 class StreamDeadlock(UltracommError):
@@ -31,8 +42,9 @@ class StreamDeadlock(UltracommError):
 
 
 def _heads(streams: dict[int, Sequence[StreamOp]], pos: dict[int, int]) -> str:
-    return "; ".join(f"rank {r}: {s[pos[r]].kind} {s[pos[r]].what}" for r, s in sorted(streams.items())
-                     if pos[r] < len(s))
+    return "; ".join(
+        f"rank {r}: {s[pos[r]].kind} {s[pos[r]].what}" for r, s in sorted(streams.items()) if pos[r] < len(s)
+    )
 
 
 class _Queues:
@@ -49,8 +61,12 @@ class _Queues:
     def done(self) -> bool:
         return all(self.head(r) is None for r in self.streams)
 
-    def step(self, wait_ok: Callable[[int, StreamOp], bool], write: Callable[[int, StreamOp], None],
-             move: Callable[[int, StreamOp, int, StreamOp], None]) -> tuple[bool, bool]:
+    def step(
+        self,
+        wait_ok: Callable[[int, StreamOp], bool],
+        write: Callable[[int, StreamOp], None],
+        move: Callable[[int, StreamOp, int, StreamOp], None],
+    ) -> tuple[bool, bool]:
         """Advance every queue as far as it goes once; (progress, some head waits for a flag)."""
         progress = waiting = False
         for r in sorted(self.streams):
@@ -75,8 +91,9 @@ class _Queues:
                 peer = self.head(op.peer)
                 if peer is not None and peer.kind == RECV and peer.peer == r and peer.key == op.key:
                     if peer.nbytes != op.nbytes:
-                        raise StreamDeadlock(f"rank {r} sends {op.nbytes} bytes, rank {op.peer} receives "
-                                             f"{peer.nbytes}: {op.what}")
+                        raise StreamDeadlock(
+                            f"rank {r} sends {op.nbytes} bytes, rank {op.peer} receives {peer.nbytes}: {op.what}"
+                        )
                     move(r, op, op.peer, peer)
                     self.pos[r] += 1
                     self.pos[op.peer] += 1
@@ -148,8 +165,9 @@ class SimHub:
                     e.streams = {-1: loopback_sequence([e.progs[r] for r in sorted(e.progs)], b.wl)}
                 else:
                     e.streams = {r: rank_stream(messages(p, b.wl), r, self.order) for r, p in e.progs.items()}
-                e.thread = threading.Thread(target=self._run, args=(b.epoch, e), daemon=True,
-                                            name=f"split-sim-{b.epoch}")
+                e.thread = threading.Thread(
+                    target=self._run, args=(b.epoch, e), daemon=True, name=f"split-sim-{b.epoch}"
+                )
                 e.thread.start()
 
     def _run(self, epoch: int, e: _Epoch) -> None:
@@ -178,8 +196,10 @@ class SimHub:
                     self.deadlocks.append(msg)
                     raise StreamDeadlock(msg)
                 if time.monotonic() > deadline:
-                    raise UltracommError(f"ultracomm split sim: epoch {epoch}: heads still wait for flags after "
-                                         f"{self.timeout_s} s: {_heads(q.streams, q.pos)}")
+                    raise UltracommError(
+                        f"ultracomm split sim: epoch {epoch}: heads still wait for flags after "
+                        f"{self.timeout_s} s: {_heads(q.streams, q.pos)}"
+                    )
                 time.sleep(0.0002)  # a head waits for the interpreter: poll its flags again
         except BaseException as err:  # noqa: BLE001 - every rank of the epoch gets it
             for b in e.bridges.values():

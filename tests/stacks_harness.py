@@ -23,6 +23,7 @@ experts compute with ``quantized_weight`` (straight through to the master, its w
 the master's ``main_grad`` where it has one), replicas with ``moe.linear(x, q, weight_scale=s)``
 (fp32 wgrad into the staging).  The run without ultracomm computes every expert the home way.
 """
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -57,6 +58,7 @@ def megatron_ddp_hook(p: torch.Tensor) -> None:
     """megatron-core 0.16.1 ``DistributedDataParallel._make_backward_post_hook``, restated (as
     tests/test_integration_megatron_echo.py does): on the grad accumulator, add ``.grad`` into
     ``main_grad`` unless a fused wgrad set ``grad_added_to_main_grad``; then clear ``.grad``."""
+
     def hook(*unused):
         if p.grad is not None and not p.grad_added_to_main_grad:
             p.main_grad.add_(p.grad.data)
@@ -67,11 +69,28 @@ def megatron_ddp_hook(p: torch.Tensor) -> None:
     p._ddp_grad_acc = acc
 
 
-def train_rank(group: Any, world: int, epr: int, slots: int, layers: int, *, ultracomm: bool, stack: str = "backward",
-               form: str = "stacked", steps: int = 3, optimizer: str = "adamw", cold: tuple = (),
-               frozen: bool = False, planner: Any = "device", tokens: int = 24, twice: bool = False,
-               checkpoint: bool = False, evaluate: str | None = None, fp8: str | None = None,
-               master_dtype: torch.dtype = torch.float32) -> dict:
+def train_rank(
+    group: Any,
+    world: int,
+    epr: int,
+    slots: int,
+    layers: int,
+    *,
+    ultracomm: bool,
+    stack: str = "backward",
+    form: str = "stacked",
+    steps: int = 3,
+    optimizer: str = "adamw",
+    cold: tuple = (),
+    frozen: bool = False,
+    planner: Any = "device",
+    tokens: int = 24,
+    twice: bool = False,
+    checkpoint: bool = False,
+    evaluate: str | None = None,
+    fp8: str | None = None,
+    master_dtype: torch.dtype = torch.float32,
+) -> dict:
     """``steps`` optimizer steps of the loopback MoE on rank ``group.rank``.  Returns
     ``{"loss": [...], "grads": [per step, per tensor: grad or None], "params": [per tensor]}``;
     with ``frozen`` every expert is frozen and a per-layer input scale ``x_scale`` is what trains
@@ -96,8 +115,16 @@ def train_rank(group: Any, world: int, epr: int, slots: int, layers: int, *, ult
             t.requires_grad_(False)
     mgr = None
     if ultracomm:
-        mgr = ReplicaManager(group, fp8_layout(fp8, master_dtype) if fp8 else mh.layout(), epr, slots, layers,
-                             planner=planner, timeout_s=20, max_microbatches=2 if twice or evaluate == "plain" else 1)
+        mgr = ReplicaManager(
+            group,
+            fp8_layout(fp8, master_dtype) if fp8 else mh.layout(),
+            epr,
+            slots,
+            layers,
+            planner=planner,
+            timeout_s=20,
+            max_microbatches=2 if twice or evaluate == "plain" else 1,
+        )
         for layer in range(layers):
             if fp8:  # the runtime copies are multicast; the replicas' gradients reduce into the masters
                 mgr.register_layer(layer, copies[layer], masters=[params[layer][0], None, params[layer][1], None])
@@ -111,8 +138,10 @@ def train_rank(group: Any, world: int, epr: int, slots: int, layers: int, *, ult
             if stack == "megatron_ddp":
                 t.grad_added_to_main_grad = False
                 megatron_ddp_hook(t)
-    make = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
-            "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9)}[optimizer]
+    make = {
+        "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+        "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+    }[optimizer]
     seen: dict[int, torch.Tensor | None] = {}
     if stack == "hook_step":
         opts = {id(t): make([t]) for t in trained}
@@ -128,9 +157,10 @@ def train_rank(group: Any, world: int, epr: int, slots: int, layers: int, *, ult
             t.register_post_accumulate_grad_hook(step_in_backward)
     else:
         opt = make(trained)
+
     def block(layer: int, it: int, scale: torch.Tensor) -> torch.Tensor:
         total = torch.zeros(())
-        for mb in ([it, 50 + it] if twice else [it]):
+        for mb in [it, 50 + it] if twice else [it]:
             _, rmap, probs, _ = mh.batch(r, layer, mb, E, tokens, cold=cold)
             step = mgr.step(layer, rmap, probs) if mgr else NoReplica(world, epr, slots)
             reps = step.replica_weights() if mgr else None
@@ -138,12 +168,26 @@ def train_rank(group: Any, world: int, epr: int, slots: int, layers: int, *, ult
                 out["replicated"] += int((step.result.plan.slot_src >= 0).sum())
             home, lin = params[layer], linear
             if fp8:
-                home = [[home_weight(params[layer][i], *copies[layer][2 * i:2 * i + 2], j) for j in range(epr)]
-                        for i in range(2)]
+                home = [
+                    [home_weight(params[layer][i], *copies[layer][2 * i : 2 * i + 2], j) for j in range(epr)]
+                    for i in range(2)
+                ]
                 reps = reps and [list(zip(reps[0], reps[1])), list(zip(reps[2], reps[3]))]
                 lin = fp8_linear
-            part = mh.rank_loss(step, r, world, layer, mb, home, reps, lin, tokens=tokens,
-                                skip_replicas=mgr is None, cold=cold, x_scale=scale)
+            part = mh.rank_loss(
+                step,
+                r,
+                world,
+                layer,
+                mb,
+                home,
+                reps,
+                lin,
+                tokens=tokens,
+                skip_replicas=mgr is None,
+                cold=cold,
+                x_scale=scale,
+            )
             total = total + (step.guard(part) if mgr else part)
         return total
 
@@ -163,7 +207,7 @@ def train_rank(group: Any, world: int, epr: int, slots: int, layers: int, *, ult
                 fp8_copies(p, fp8, out=c)
         loss = forward(it)
         if evaluate:  # its output dropped at once; the training step in flight must not notice
-            with (mgr.evaluating() if mgr and evaluate == "scope" else contextlib.nullcontext()):
+            with mgr.evaluating() if mgr and evaluate == "scope" else contextlib.nullcontext():
                 forward(100 + it)
         out["loss"].append(loss.item())
         if stack == "autograd_grad":
@@ -214,8 +258,10 @@ def fp8_layout(scaling: str, master_dtype: torch.dtype):
     members = []
     for name, shape in (("fc1", (mh.I, mh.H)), ("fc2", (mh.H, mh.I))):
         sshape, sdtype = scale_shape(shape, scaling)
-        members += [Member(name, shape, torch.float8_e4m3fn, master_dtype=master_dtype),
-                    Member(f"{name}_scale", sshape, sdtype, grad=False)]
+        members += [
+            Member(name, shape, torch.float8_e4m3fn, master_dtype=master_dtype),
+            Member(f"{name}_scale", sshape, sdtype, grad=False),
+        ]
     return ExpertLayout(tuple(members))
 
 
@@ -258,6 +304,7 @@ def train(world: int, epr: int, slots: int, layers: int = 2, **kw) -> list[dict]
 def compare(base: list[dict], got: list[dict], tol: float = 1e-5) -> None:
     """Every step's loss and every gradient (None where the baseline has None), and the
     parameters after the last step, within ``tol`` of each tensor's largest value."""
+
     def close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
         scale = max(a.abs().max().item(), 1e-30)
         err = (a.double() - b.double()).abs().max().item() / scale
@@ -266,15 +313,19 @@ def compare(base: list[dict], got: list[dict], tol: float = 1e-5) -> None:
     assert sum(g["replicated"] for g in got) > 0, "no training step placed a replica: the case tests nothing"
     steps = len(base[0]["loss"])
     for it in range(steps):
-        close(torch.tensor(sum(b["loss"][it] for b in base)), torch.tensor(sum(g["loss"][it] for g in got)),
-              f"step {it} loss")
+        close(
+            torch.tensor(sum(b["loss"][it] for b in base)),
+            torch.tensor(sum(g["loss"][it] for g in got)),
+            f"step {it} loss",
+        )
     for r, (b, g) in enumerate(zip(base, got)):
         for it in range(steps):
             for i, (x, y) in enumerate(zip(b["grads"][it], g["grads"][it])):
                 where = f"rank {r} step {it} tensor {i}"
-                assert (x is None) == (y is None), \
-                    f"{where}: grad is {'None' if y is None else 'a tensor'} where the run without ultracomm has " \
+                assert (x is None) == (y is None), (
+                    f"{where}: grad is {'None' if y is None else 'a tensor'} where the run without ultracomm has "
                     f"{'None' if x is None else 'a tensor'}"
+                )
                 if x is not None:
                     close(x, y, f"{where} grad")
         for i, (x, y) in enumerate(zip(b["params"], g["params"])):

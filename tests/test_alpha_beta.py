@@ -2,6 +2,7 @@
 where a relay cannot pay for its hop and messages, relay trees with pipelined chunks where the
 hot rank's link is the bottleneck; the p2p Context runs the choice with the documented
 reduction order; the simulator uses the same function."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -68,8 +69,10 @@ def test_pipeline_and_split_chunks():
     assert -(-64 * MiB // split_chunk_bytes(MiB, 32768, 64 * MiB, g)) == 5
 
 
-@pytest.mark.parametrize("alpha,beta,levels,granule", [(1e-3, 1.6e9, 2, 16), (10e-6, 50e9, 1, 16), (20e-6, 6e9, 3, 4096),
-                                                        (5e-4, 1e9, 1, 32768)])
+@pytest.mark.parametrize(
+    "alpha,beta,levels,granule",
+    [(1e-3, 1.6e9, 2, 16), (10e-6, 50e9, 1, 16), (20e-6, 6e9, 3, 4096), (5e-4, 1e9, 1, 32768)],
+)
 def test_best_chunk_is_the_best_whole_number_of_chunks(alpha, beta, levels, granule):
     """best_chunk checks only a few chunk counts (the time is convex in them); every count agrees."""
     link, inside = AlphaBeta(alpha, beta), COSTS["host_shm"]
@@ -78,6 +81,7 @@ def test_best_chunk_is_the_best_whole_number_of_chunks(alpha, beta, levels, gran
 
         def t(c):
             return -(-n // c) * alpha + n / beta + levels * (c / inside.beta_Bps + inside.alpha_s)
+
         whole = -(-n // granule) * granule
         lo = min(whole, -(-65536 // granule) * granule)
         cands = sorted({min(whole, max(lo, -(-(-(-n // k)) // granule) * granule)) for k in range(1, n // lo + 2)})
@@ -141,8 +145,19 @@ def test_split_raises_its_crossing_chunk_and_still_streams_large_slots():
     w0 = torch.randn(n, generator=gen)
 
     def body(group):
-        with Context(group, layout, epr, slots, num_layers=1, transport="split", window="local", domain="a,a,b,b",
-                     chunk_bytes=1 << 16, tile_bytes=1 << 12, timeout_s=60.0) as ctx:
+        with Context(
+            group,
+            layout,
+            epr,
+            slots,
+            num_layers=1,
+            transport="split",
+            window="local",
+            domain="a,a,b,b",
+            chunk_bytes=1 << 16,
+            tile_bytes=1 << 12,
+            timeout_s=60.0,
+        ) as ctx:
             r = ctx.rank
             w = [(w0 if r == 0 else torch.zeros(n))[None].clone()]
             g = [(master0 if r == 0 else torch.zeros(n))[None].clone()]
@@ -172,8 +187,9 @@ def _fan_out_schedule(weight_bytes: int):
 
     src = np.array([[-1], [0], [0], [0]], np.int32)
     plan = ReplicaPlan.make(src, experts_per_rank=1)
-    return build_schedule(plan, weight_bytes, 2 * weight_bytes, node_of=[0, 0, 1, 1], chunk_bytes=1 << 20,
-                          relay_mode="off")
+    return build_schedule(
+        plan, weight_bytes, 2 * weight_bytes, node_of=[0, 0, 1, 1], chunk_bytes=1 << 20, relay_mode="off"
+    )
 
 
 def test_split_route_weighs_the_bytes_kept_off_messages_against_the_fixed_cost():
@@ -181,9 +197,15 @@ def test_split_route_weighs_the_bytes_kept_off_messages_against_the_fixed_cost()
 
     gloo, shm = COSTS["gloo"], COSTS["host_shm"]
     assert (shm.op_alpha_s, gloo.beta_Bps) == (1.25e-3, 1.6e9)
-    for mib, op, want in ((1, "multicast", "messages"), (1, "reduce", "messages"), (2, "multicast", "messages"),
-                          (2, "reduce", "messages"), (4, "multicast", "split"), (4, "reduce", "split"),
-                          (8, "multicast", "split")):
+    for mib, op, want in (
+        (1, "multicast", "messages"),
+        (1, "reduce", "messages"),
+        (2, "multicast", "messages"),
+        (2, "reduce", "messages"),
+        (4, "multicast", "split"),
+        (4, "reduce", "split"),
+        (8, "multicast", "split"),
+    ):
         sched = _fan_out_schedule(mib << 20)
         r = split_route(sched, op, [0, 0, 1, 1])
         kept = (mib << 20) * (1 if op == "multicast" else 2)  # the edge 0 <- / -> 1 inside domain 0

@@ -1,6 +1,7 @@
 """Bad input gets a clear error at the call that introduced it, before anything moves: sizes
 that would overflow, swapped registered tensors, stale vids, peer segment names that are not
 ours, hostile /dev/shm entries."""
+
 from __future__ import annotations
 
 import os
@@ -13,8 +14,19 @@ import numpy as np
 import pytest
 import torch
 
-from ultracomm import (ConfigError, Context, ExpertLayout, LayoutError, LoopbackDomain, Member, PeerError, PlanError,
-                       RegistrationError, ReplicaPlan, _core)
+from ultracomm import (
+    ConfigError,
+    Context,
+    ExpertLayout,
+    LayoutError,
+    LoopbackDomain,
+    Member,
+    PeerError,
+    PlanError,
+    RegistrationError,
+    ReplicaPlan,
+    _core,
+)
 from ultracomm.env import check_window_layout
 from ultracomm.windows import host_shm
 
@@ -37,10 +49,18 @@ def _two_ranks(fn, **kw):
 
 # ------------------------------------------------------------------ sizes
 
+
 def test_chunk_that_would_overflow_the_chunk_count_is_rejected_in_the_context_call():
     with pytest.raises(ConfigError, match=r"chunk_bytes=18446744073709518848 is invalid: .*at most 1099511627776"):
-        Context(LoopbackDomain(1).group(0), make_layout(4, 4), 1, 1, num_layers=1, chunk_bytes=2**64 - 32768,
-                tile_bytes=32768)
+        Context(
+            LoopbackDomain(1).group(0),
+            make_layout(4, 4),
+            1,
+            1,
+            num_layers=1,
+            chunk_bytes=2**64 - 32768,
+            tile_bytes=32768,
+        )
 
 
 def test_window_layout_check_catches_chunks_that_do_not_cover_the_slot():
@@ -53,12 +73,15 @@ def test_window_layout_check_catches_chunks_that_do_not_cover_the_slot():
         check_window_layout({**good, "grads_off": good["weights_off"]})
 
 
-@pytest.mark.parametrize("shape, why", [
-    ((3.7, 2), "shape must be a tuple of ints, got (3.7, 2)"),
-    ((True, 2), "shape must be a tuple of ints"),
-    ((1 << 39, 2), "at most 1099511627776 (1 TiB)"),
-    ((1 << 62, 1 << 62), "at most 1099511627776 (1 TiB)"),
-])
+@pytest.mark.parametrize(
+    "shape, why",
+    [
+        ((3.7, 2), "shape must be a tuple of ints, got (3.7, 2)"),
+        ((True, 2), "shape must be a tuple of ints"),
+        ((1 << 39, 2), "at most 1099511627776 (1 TiB)"),
+        ((1 << 62, 1 << 62), "at most 1099511627776 (1 TiB)"),
+    ],
+)
 def test_member_shapes_are_exact_ints_within_the_window_arithmetic(shape, why):
     with pytest.raises(LayoutError) as ei:
         Member("fc1", shape, torch.bfloat16)
@@ -72,13 +95,16 @@ def test_layout_too_large_in_total_is_rejected():
         ExpertLayout((big, Member("b", ((1 << 37) + 16,), torch.float32)))
 
 
-@pytest.mark.parametrize("kw, why", [
-    (dict(experts_per_rank=True), "experts_per_rank must be an int in [1, 2147483647], got True"),
-    (dict(slots_per_rank=10**6), "slots_per_rank must be an int in [0, 100000], got 1000000"),
-    (dict(num_layers=2.0), "num_layers must be an int in [1, 1048576], got 2.0"),
-    (dict(node_of=[0, 5]), "node_of must list, for each of the 2 ranks, an int node index in [0, 2)"),
-    (dict(node_of=[0, 0.5]), "node_of must list"),
-])
+@pytest.mark.parametrize(
+    "kw, why",
+    [
+        (dict(experts_per_rank=True), "experts_per_rank must be an int in [1, 2147483647], got True"),
+        (dict(slots_per_rank=10**6), "slots_per_rank must be an int in [0, 100000], got 1000000"),
+        (dict(num_layers=2.0), "num_layers must be an int in [1, 1048576], got 2.0"),
+        (dict(node_of=[0, 5]), "node_of must list, for each of the 2 ranks, an int node index in [0, 2)"),
+        (dict(node_of=[0, 0.5]), "node_of must list"),
+    ],
+)
 def test_context_arguments_out_of_range(kw, why):
     def body(group):  # only rank 0 passes the bad argument
         args = {**dict(experts_per_rank=1, slots_per_rank=1, num_layers=1), **({} if group.rank else kw)}
@@ -90,11 +116,17 @@ def test_context_arguments_out_of_range(kw, why):
     assert why in msgs[0] and why in msgs[1] and "ranks [0] failed" in msgs[1]  # rank 1 names rank 0's error
 
 
-@pytest.mark.parametrize("slot_src, why", [
-    (np.array([[2**64 - 1], [0]], np.uint64), "slot_src has values outside the int32 range (largest 18446744073709551615)"),
-    ([[2**64 - 1], [0]], "slot_src has values outside the int32 range"),
-    (torch.tensor([[2**40], [0]]), "slot_src has values outside the int32 range"),
-])
+@pytest.mark.parametrize(
+    "slot_src, why",
+    [
+        (
+            np.array([[2**64 - 1], [0]], np.uint64),
+            "slot_src has values outside the int32 range (largest 18446744073709551615)",
+        ),
+        ([[2**64 - 1], [0]], "slot_src has values outside the int32 range"),
+        (torch.tensor([[2**40], [0]]), "slot_src has values outside the int32 range"),
+    ],
+)
 def test_plan_values_that_would_wrap_are_rejected(slot_src, why):
     with pytest.raises(PlanError) as ei:
         ReplicaPlan.make(slot_src, experts_per_rank=1)
@@ -102,6 +134,7 @@ def test_plan_values_that_would_wrap_are_rejected(slot_src, why):
 
 
 # ------------------------------------------------------------------ registration and vids
+
 
 def test_weights_only_registration_syncs_and_refuses_grad_reduce():
     def fn(group, ctx, layout):
@@ -137,7 +170,9 @@ def test_swapped_registered_tensor_is_named_before_the_op(swap):
         before = ctx.window.local.clone()
         member = "grads['fc1']" if swap == "grad" else "weights['fc2']"
         if group.rank == 1:
-            with pytest.raises(RegistrationError, match=rf"layer 0: registered tensor {re.escape(member)} no longer has"):
+            with pytest.raises(
+                RegistrationError, match=rf"layer 0: registered tensor {re.escape(member)} no longer has"
+            ):
                 ctx.grad_reduce(vid) if swap == "grad" else ctx.weight_sync(vid, SWAP_PLAN)
         elif swap != "grad":  # the plan agreement tells rank 0 at once
             with pytest.raises(ValueError, match=r"ranks \[1\] rejected their plan .*registered tensor"):
@@ -181,6 +216,7 @@ def test_register_masters_rejects_non_sequences():
 
 # ------------------------------------------------------------------ host_shm names and /dev/shm
 
+
 @pytest.mark.skipif(not os.path.isdir(host_shm.SHM_DIR), reason="needs /dev/shm")
 @pytest.mark.parametrize("bad", ["../../tmp/ultracomm-escape", "ultracomm-1-0123456789ab-r0", "", None, 7])
 def test_peer_segment_names_that_ultracomm_did_not_generate_are_rejected(monkeypatch, tmp_path, bad):
@@ -210,8 +246,8 @@ def test_sweep_skips_what_it_does_not_own_or_cannot_parse(tmp_path):
     dead = 2**22 + 12345  # above Linux's pid_max: no such process
     old = time.time() - 3600
     entries = {
-        "stale": tmp_path / f"ultracomm-{dead}-0123456789ab-r0",            # removed
-        "huge_pid": tmp_path / "ultracomm-9999999999-0123456789ab-r0",      # > 2^31: skipped, no OverflowError
+        "stale": tmp_path / f"ultracomm-{dead}-0123456789ab-r0",  # removed
+        "huge_pid": tmp_path / "ultracomm-9999999999-0123456789ab-r0",  # > 2^31: skipped, no OverflowError
         "too_many_digits": tmp_path / f"ultracomm-{'9' * 30}-0123456789ab-r0",
         "directory": tmp_path / f"ultracomm-{dead}-0123456789ac-r0",
         "symlink": tmp_path / f"ultracomm-{dead}-0123456789ad-r0",
@@ -246,8 +282,10 @@ def test_sweep_skips_what_it_does_not_own_or_cannot_parse(tmp_path):
 def test_hostile_dev_shm_entries_do_not_stop_host_shm_contexts():
     old = time.time() - 3600
     tag = uuid.uuid4().hex[:12]
-    paths = [os.path.join(host_shm.SHM_DIR, f"ultracomm-9999999999-{tag}-r0"),
-             os.path.join(host_shm.SHM_DIR, f"ultracomm-{2**22 + 7}-{tag}-r1")]
+    paths = [
+        os.path.join(host_shm.SHM_DIR, f"ultracomm-9999999999-{tag}-r0"),
+        os.path.join(host_shm.SHM_DIR, f"ultracomm-{2**22 + 7}-{tag}-r1"),
+    ]
     os.mkdir(paths[1])  # a directory with a well-formed, stale name
     try:
         with open(paths[0], "wb") as f:

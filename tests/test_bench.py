@@ -1,4 +1,5 @@
 """The main job's bandwidth test runs end to end (small sizes) and verifies every byte."""
+
 from __future__ import annotations
 
 import json
@@ -12,11 +13,39 @@ import pytest
 @pytest.mark.slow
 def test_bench_small(tmp_path):
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-           "ultracomm.tools.bench", "all", "--min-bytes", "64K", "--max-bytes", "256K", "--factor", "4",
-           "--iters", "2", "--warmup", "1", "--chunk-bytes", "32K", "--grad-dtype", "bf16", "--json", str(out)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
-                       env={**os.environ, "OMP_NUM_THREADS": "1", "ULTRACOMM_NUM_WORKERS": "2"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "ultracomm.tools.bench",
+        "all",
+        "--min-bytes",
+        "64K",
+        "--max-bytes",
+        "256K",
+        "--factor",
+        "4",
+        "--iters",
+        "2",
+        "--warmup",
+        "1",
+        "--chunk-bytes",
+        "32K",
+        "--grad-dtype",
+        "bf16",
+        "--json",
+        str(out),
+    ]
+    p = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "ULTRACOMM_NUM_WORKERS": "2"},
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "#wrong" in p.stdout
     rec = json.loads(out.read_text())
@@ -24,19 +53,28 @@ def test_bench_small(tmp_path):
     rows = rec["rows"]
     # 2 ops x 2 sizes x (a2a_shm, a2a_gloo, p2p_gloo, direct, relay, relay_gloo, relay_split)
     assert len(rows) == 28
-    assert {r["method"] for r in rows} == {"a2a_shm", "a2a_gloo", "p2p_gloo", "direct", "relay", "relay_gloo",
-                                           "relay_split"}
+    assert {r["method"] for r in rows} == {
+        "a2a_shm",
+        "a2a_gloo",
+        "p2p_gloo",
+        "direct",
+        "relay",
+        "relay_gloo",
+        "relay_split",
+    }
     assert {r["transport"] for r in rows if r["method"].endswith("gloo")} == {"gloo (TCP loopback)"}
-    assert {r["transport"] for r in rows if r["method"] == "relay_split"} == \
-        {"shared memory within a domain + gloo across"}
+    assert {r["transport"] for r in rows if r["method"] == "relay_split"} == {
+        "shared memory within a domain + gloo across"
+    }
     assert {r["transport"] for r in rows if not r["method"].endswith(("gloo", "split"))} == {"shared memory"}
     # 2 ranks in two domains: every replica byte crosses over gloo
     assert all(r["cross_bytes"] == r["moved_bytes"] > 0 for r in rows if r["method"] == "relay_split")
     assert all(r["cross_bytes"] is None for r in rows if r["method"] != "relay_split")
     # every method moves bf16 weights and, here, bf16 grads: the same bytes per expert in both ops
     assert {r["grad_dtype"] for r in rows} == {"bf16"}
-    assert sorted(r["size"] for r in rows if r["op"] == "grad_reduce") == \
-        sorted(r["size"] for r in rows if r["op"] == "weight_sync")
+    assert sorted(r["size"] for r in rows if r["op"] == "grad_reduce") == sorted(
+        r["size"] for r in rows if r["op"] == "weight_sync"
+    )
     for row in rows:
         assert row["wrong"] == 0
         assert row["time_us"] > 0 and row["p90_us"] >= row["time_us"]
@@ -48,16 +86,51 @@ def test_bench_small(tmp_path):
 @pytest.mark.slow
 def test_bench_zipf_workloads_and_plot(tmp_path):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "-m",
-           "ultracomm.tools.bench", "weight_sync", "--workload", "zipf:1.5,2", "--experts-per-rank", "4", "--top-k", "2",
-           "--min-bytes", "64K", "--max-bytes", "64K", "--iters", "2", "--chunk-bytes", "16K",
-           "--methods", "a2a,relay", "--json", str(out), "--plot", str(png)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
-                       env={**os.environ, "OMP_NUM_THREADS": "1", "ULTRACOMM_NUM_WORKERS": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=4",
+        "-m",
+        "ultracomm.tools.bench",
+        "weight_sync",
+        "--workload",
+        "zipf:1.5,2",
+        "--experts-per-rank",
+        "4",
+        "--top-k",
+        "2",
+        "--min-bytes",
+        "64K",
+        "--max-bytes",
+        "64K",
+        "--iters",
+        "2",
+        "--chunk-bytes",
+        "16K",
+        "--methods",
+        "a2a,relay",
+        "--json",
+        str(out),
+        "--plot",
+        str(png),
+    ]
+    p = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "ULTRACOMM_NUM_WORKERS": "1"},
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert [(r["workload"], r["method"]) for r in rows] == [
-        ("zipf:1.5", "a2a_gloo"), ("zipf:1.5", "relay"), ("zipf:2", "a2a_gloo"), ("zipf:2", "relay")]
+        ("zipf:1.5", "a2a_gloo"),
+        ("zipf:1.5", "relay"),
+        ("zipf:2", "a2a_gloo"),
+        ("zipf:2", "relay"),
+    ]
     assert all(r["wrong"] == 0 for r in rows)
     assert abs(rows[0]["imbalance"] - 1.5) < 0.05 and abs(rows[2]["imbalance"] - 2.0) < 0.05
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -68,19 +141,48 @@ def test_bench_interleaved_methods_check_every_byte(tmp_path):
     """--interleave: every method set up at once and timed round-robin; each still verified (#wrong),
     each with its own iterations, grads and choice."""
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "-m",
-           "ultracomm.tools.bench", "all", "--workload", "zipf:3", "--experts-per-rank", "4", "--top-k", "2",
-           "--min-bytes", "64K", "--max-bytes", "64K", "--iters", "3", "--interleave",
-           "--methods", "p2p_gloo,relay_gloo,relay_split", "--json", str(out)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
-                       env={**os.environ, "OMP_NUM_THREADS": "1", "ULTRACOMM_NUM_WORKERS": "2"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=4",
+        "-m",
+        "ultracomm.tools.bench",
+        "all",
+        "--workload",
+        "zipf:3",
+        "--experts-per-rank",
+        "4",
+        "--top-k",
+        "2",
+        "--min-bytes",
+        "64K",
+        "--max-bytes",
+        "64K",
+        "--iters",
+        "3",
+        "--interleave",
+        "--methods",
+        "p2p_gloo,relay_gloo,relay_split",
+        "--json",
+        str(out),
+    ]
+    p = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "ULTRACOMM_NUM_WORKERS": "2"},
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "methods interleaved per iteration" in p.stdout and "# load average (1 min) " in p.stdout
     rec = json.loads(out.read_text())
     assert [len(rec["loadavg"][k]) for k in ("before", "after")] == [3, 3]
     rows = rec["rows"]
-    assert [(r["op"], r["method"]) for r in rows] == [(op, m) for op in ("weight_sync", "grad_reduce")
-                                                      for m in ("p2p_gloo", "relay_gloo", "relay_split")]
+    assert [(r["op"], r["method"]) for r in rows] == [
+        (op, m) for op in ("weight_sync", "grad_reduce") for m in ("p2p_gloo", "relay_gloo", "relay_split")
+    ]
     assert all(r["wrong"] == 0 and r["time_us"] > 0 for r in rows)
     assert all(r["choice"] for r in rows if r["method"] != "p2p_gloo")
     for r in rows:  # per iteration in round order, for paired ratios (ultracomm.tools.paired)

@@ -1,5 +1,6 @@
 """perf/bench_gpu.py without a GPU: its arithmetic, its profile (schema-valid), its CPU exit, and
 scripts/gpu_check.sh's structure.  The measurements themselves need a device (gpu_check.sh runs them)."""
+
 from __future__ import annotations
 
 import ctypes
@@ -43,16 +44,37 @@ def test_rates_count_the_documented_bytes():
 
 
 def test_table_columns():
-    rows = [Row("copy", "1->1", "cudaMemcpyAsync", 256 * MiB, 250e-6, 256 * MiB, 512 * MiB, 0),
-            Row("copy", "1->1", "tile mover", 1 << 30, None, 0, 0, None, "not measured: no _cuda")]
+    rows = [
+        Row("copy", "1->1", "cudaMemcpyAsync", 256 * MiB, 250e-6, 256 * MiB, 512 * MiB, 0),
+        Row("copy", "1->1", "tile mover", 1 << 30, None, 0, 0, None, "not measured: no _cuda"),
+    ]
     lines = bg.format_table(rows).splitlines()
-    assert lines[0].split() == ["size", "case", "impl", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "GB/s/CTA",
-                                "#wrong", "note"]
+    assert lines[0].split() == [
+        "size",
+        "case",
+        "impl",
+        "time(us)",
+        "algbw(GB/s)",
+        "busbw(GB/s)",
+        "GB/s/CTA",
+        "#wrong",
+        "note",
+    ]
     assert lines[2].split() == ["256M", "1->1", "cudaMemcpyAsync", "250.00", "1073.7", "2147.5", "-", "0"]
     assert lines[3].split()[:8] == ["1G", "1->1", "tile", "mover", "-", "-", "-", "-"]
     swept = Row("sweep", "16 CTAs", "tile mover", 256 * MiB, 250e-6, 256 * MiB, 512 * MiB, 0, "", dict(ctas=16))
-    assert bg.format_table([swept]).splitlines()[2].split() == ["256M", "16", "CTAs", "tile", "mover", "250.00",
-                                                                "1073.7", "2147.5", "67.1", "0"]
+    assert bg.format_table([swept]).splitlines()[2].split() == [
+        "256M",
+        "16",
+        "CTAs",
+        "tile",
+        "mover",
+        "250.00",
+        "1073.7",
+        "2147.5",
+        "67.1",
+        "0",
+    ]
     assert lines[3].endswith("not measured: no _cuda")
 
 
@@ -77,22 +99,79 @@ def rows_for_profile():
     r.append(Row("copy", "1->1", "cudaMemcpyAsync", MiB, MiB / 1e12, MiB, 2 * MiB, 0))
     r.append(Row("sweep", "1->1", "cudaMemcpyAsync", 256 * MiB, 256 * MiB / 2e12, 256 * MiB, 512 * MiB, 0))
     for ctas, bw in ((1, 90e9), (8, 700e9), (16, 1.85e12), (32, 1.95e12)):
-        r.append(Row("sweep", f"{ctas} CTAs", "tile mover", 256 * MiB, 256 * MiB / bw, 256 * MiB, 512 * MiB, 0,
-                     extra=dict(ctas=ctas)))
+        r.append(
+            Row(
+                "sweep",
+                f"{ctas} CTAs",
+                "tile mover",
+                256 * MiB,
+                256 * MiB / bw,
+                256 * MiB,
+                512 * MiB,
+                0,
+                extra=dict(ctas=ctas),
+            )
+        )
     for k in (2, 8):
         n = 64 * MiB
-        r.append(Row("reduce", f"k={k} fp32", "torch.sum", n, n / 1.0e12, n, (k + 2) * n, 0, extra=dict(k=k, dtype="fp32")))
-        r.append(Row("reduce", f"k={k} fp32", "tile mover", n, n / 0.9e12, n, (k + 2) * n, 0,
-                     extra=dict(k=k, dtype="fp32", ctas=23)))
-    r.append(Row("reduce", "k=2 fp32-1cta", "tile mover", 4 * MiB, 4 * MiB / 50e9, 4 * MiB, 16 * MiB, 0,
-                 extra=dict(k=2, dtype="fp32-1cta", ctas=1)))
+        r.append(
+            Row("reduce", f"k={k} fp32", "torch.sum", n, n / 1.0e12, n, (k + 2) * n, 0, extra=dict(k=k, dtype="fp32"))
+        )
+        r.append(
+            Row(
+                "reduce",
+                f"k={k} fp32",
+                "tile mover",
+                n,
+                n / 0.9e12,
+                n,
+                (k + 2) * n,
+                0,
+                extra=dict(k=k, dtype="fp32", ctas=23),
+            )
+        )
+    r.append(
+        Row(
+            "reduce",
+            "k=2 fp32-1cta",
+            "tile mover",
+            4 * MiB,
+            4 * MiB / 50e9,
+            4 * MiB,
+            16 * MiB,
+            0,
+            extra=dict(k=2, dtype="fp32-1cta", ctas=1),
+        )
+    )
     for c in (32768, 1 << 20):
         for d in (1, 2, 3):
-            r.append(Row("relay", f"D={d}", "tile mover", c, 4e-6 + d * (3e-6 + c / 200e9), d * c, 2 * d * c, 0,
-                         extra=dict(mode="fill", depth=d, chunk=c, chain=True)))
+            r.append(
+                Row(
+                    "relay",
+                    f"D={d}",
+                    "tile mover",
+                    c,
+                    4e-6 + d * (3e-6 + c / 200e9),
+                    d * c,
+                    2 * d * c,
+                    0,
+                    extra=dict(mode="fill", depth=d, chunk=c, chain=True),
+                )
+            )
         # a tree that is not a chain must not enter the fit
-        r.append(Row("relay", "D=4", "tile mover", c, 1.0, 4 * c, 8 * c, 0, extra=dict(mode="fill", depth=4, chunk=c,
-                                                                                     chain=False)))
+        r.append(
+            Row(
+                "relay",
+                "D=4",
+                "tile mover",
+                c,
+                1.0,
+                4 * c,
+                8 * c,
+                0,
+                extra=dict(mode="fill", depth=4, chunk=c, chain=False),
+            )
+        )
     return r
 
 
@@ -115,18 +194,25 @@ def test_profile_from_rows_is_schema_valid():
 
 def test_goal_lines():
     lines = bg.goal_lines(rows_for_profile())
-    assert lines[0] == ("goal copy: tile mover 1850.0 GB/s with 16 CTAs = 92.5% of cudaMemcpyAsync D2D 2000.0 GB/s "
-                        "at 256M (goal >= 90% with <= 16): PASS")
-    assert lines[1] == "goal reduce: worst k=2 fp32 at 90.0% of torch.sum's bandwidth (goal >= 85% for every case at 64M): PASS"
-    assert bg.goal_lines([]) == ["goal copy: not measured (sweep rows missing)",
-                                 "goal reduce: not measured (reduce rows missing)"]
+    assert lines[0] == (
+        "goal copy: tile mover 1850.0 GB/s with 16 CTAs = 92.5% of cudaMemcpyAsync D2D 2000.0 GB/s "
+        "at 256M (goal >= 90% with <= 16): PASS"
+    )
+    assert (
+        lines[1]
+        == "goal reduce: worst k=2 fp32 at 90.0% of torch.sum's bandwidth (goal >= 85% for every case at 64M): PASS"
+    )
+    assert bg.goal_lines([]) == [
+        "goal copy: not measured (sweep rows missing)",
+        "goal reduce: not measured (reduce rows missing)",
+    ]
 
 
 def test_ordered_sum_is_sequential_fp32():
     import torch
 
-    rows = torch.tensor([[1.0, 2.0 ** 24], [2.0 ** -30, 1.0], [-1.0, 1.0]], dtype=torch.float32)
-    want = torch.tensor([0.0, 2.0 ** 24], dtype=torch.float32)  # fp32, in order: 1 + 2^-30 = 1; 2^24 + 1 = 2^24
+    rows = torch.tensor([[1.0, 2.0**24], [2.0**-30, 1.0], [-1.0, 1.0]], dtype=torch.float32)
+    want = torch.tensor([0.0, 2.0**24], dtype=torch.float32)  # fp32, in order: 1 + 2^-30 = 1; 2^24 + 1 = 2^24
     assert torch.equal(bg.ordered_sum(torch, rows), want)
     half = rows.to(torch.float16)[:, :1]  # fp16 rows: accumulate in fp32, round once at the end
     assert torch.equal(bg.ordered_sum(torch, half), ((half[0].float() + half[1].float()) + half[2].float()).half())
@@ -134,8 +220,12 @@ def test_ordered_sum_is_sequential_fp32():
 
 @pytest.mark.skipif(bg.unavailable_reason() is None, reason="this machine has a GPU")
 def test_cpu_machine_exits_with_a_message():
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "perf", "bench_gpu.py"), "--quick"], capture_output=True,
-                       text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "perf", "bench_gpu.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 2
     assert p.stderr.startswith("bench_gpu: nothing measured: ") and "Traceback" not in p.stderr
     assert p.stdout == ""
@@ -161,7 +251,9 @@ def test_gpu_check_script_structure():
     bench = re.search(r"step bench-gpu .*", text).group(0)
     assert "--only" not in bench and "lb_prefetch" in bg.SECTIONS  # every section runs, issue 37's lb_prefetch too
     outside = re.sub(r"step\(\) \{.*?\n\}", "", text, flags=re.S)
-    assert not re.search(r"(^|[;&|(]\s*)timeout\s", outside, re.M), "every timed command goes through step (the deadline)"
+    assert not re.search(r"(^|[;&|(]\s*)timeout\s", outside, re.M), (
+        "every timed command goes through step (the deadline)"
+    )
 
 
 def _step_function() -> str:
@@ -169,11 +261,14 @@ def _step_function() -> str:
     return re.search(r"step\(\) \{.*?\n\}", text, re.S).group(0)
 
 
-@pytest.mark.parametrize("left, cap, cmd, want_rc, want", [
-    (100, 30, "true", 0, ["gpu_check: demo (timeout 30s)", "gpu_check: demo rc=0 in 0s"]),  # the step's own cap
-    (20, 30, "exit 3", 3, ["gpu_check: demo (timeout 20s)", "gpu_check: demo rc=3 in 0s"]),  # cut to the time left
-    (5, 30, "true", 124, ["gpu_check: demo skipped: out of time"]),
-])
+@pytest.mark.parametrize(
+    "left, cap, cmd, want_rc, want",
+    [
+        (100, 30, "true", 0, ["gpu_check: demo (timeout 30s)", "gpu_check: demo rc=0 in 0s"]),  # the step's own cap
+        (20, 30, "exit 3", 3, ["gpu_check: demo (timeout 20s)", "gpu_check: demo rc=3 in 0s"]),  # cut to the time left
+        (5, 30, "true", 124, ["gpu_check: demo skipped: out of time"]),
+    ],
+)
 def test_gpu_check_step_respects_the_deadline(left, cap, cmd, want_rc, want):
     script = f"exec 3>&1\nDEADLINE=$((SECONDS + {left}))\n{_step_function()}\nstep demo {cap} bash -c '{cmd}'"
     p = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30)
@@ -186,8 +281,10 @@ def test_gpu_check_step_respects_the_deadline(left, cap, cmd, want_rc, want):
 def test_gpu_check_step_interrupts_then_kills_at_its_timeout():
     """SIGINT first (pytest writes its XML, Python prints where it was), SIGKILL 10 s later.  (python3 -S: no site
     packages to import, so a loaded machine cannot stretch its start past the 1 s step.)"""
-    script = (f"exec 3>&1\nDEADLINE=$((SECONDS + 100))\n{_step_function()}\n"
-              "step demo 1 python3 -S -c 'import time\ntry:\n time.sleep(30)\nexcept KeyboardInterrupt:\n print(\"interrupted\")\n raise'")
+    script = (
+        f"exec 3>&1\nDEADLINE=$((SECONDS + 100))\n{_step_function()}\n"
+        "step demo 1 python3 -S -c 'import time\ntry:\n time.sleep(30)\nexcept KeyboardInterrupt:\n print(\"interrupted\")\n raise'"
+    )
     p = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
     lines = p.stdout.splitlines()
     assert lines[:2] == ["gpu_check: demo (timeout 1s)", "interrupted"] and p.returncode == 124, p.stdout + p.stderr
@@ -195,9 +292,11 @@ def test_gpu_check_step_interrupts_then_kills_at_its_timeout():
 
 # ----------------------------------------------------------------------------- the copy_engine row
 
+
 def test_copy_engine_row_counts_bytes_and_compares_with_the_tile_mover():
-    tile = Row("fanout", "1->4", "tile mover", 64 * MiB, 1e-3, 4 * 64 * MiB, 5 * 64 * MiB, 0, "20 CTAs/rank",
-               dict(ctas=20))
+    tile = Row(
+        "fanout", "1->4", "tile mover", 64 * MiB, 1e-3, 4 * 64 * MiB, 5 * 64 * MiB, 0, "20 CTAs/rank", dict(ctas=20)
+    )
     rows = [Row("fanout", "1->4", "4 x cudaMemcpyAsync", 64 * MiB, 1e-3, 4 * 64 * MiB, 8 * 64 * MiB, 0), tile]
     assert bg.tile_row(rows, 4, 64 * MiB) is tile
     assert bg.tile_row(rows, 4, MiB) is None and bg.tile_row(rows, 2, 64 * MiB) is None
@@ -244,7 +343,8 @@ def test_budget_keeps_time_for_copy_engine_and_a_poisoned_device_skips_sections(
     g = stub_gpu(deadline=time.monotonic() + 20.0, reserve_s=30.0)
     assert g.late("relay", "D=1") and not g.late("copy_engine", "1->1 1M", reserve=False)
     assert [(r.section, r.case, r.time_s, r.note) for r in g.rows] == [
-        ("relay", "D=1", None, "not measured: out of time (--budget-s)")]
+        ("relay", "D=1", None, "not measured: out of time (--budget-s)")
+    ]
     assert not stub_gpu().late("relay")  # no budget
     g = stub_gpu(poisoned="a copy_engine operation failed earlier and left its streams blocked")
     g.section("copy_engine", lambda: pytest.fail("a section ran on a poisoned device"))
@@ -324,8 +424,11 @@ def host_copy_engine(monkeypatch):
     monkeypatch.setattr(ce, "driver", lambda: drv)
     monkeypatch.setattr(ce, "pinned_words", lambda n: torch.zeros(n, dtype=torch.int64))
     monkeypatch.setattr(torch.cuda, "Event", event)
-    monkeypatch.setattr(torch.cuda, "ExternalStream", lambda h, device=None: types.SimpleNamespace(
-        cuda_stream=h, wait_event=lambda ev: None))
+    monkeypatch.setattr(
+        torch.cuda,
+        "ExternalStream",
+        lambda h, device=None: types.SimpleNamespace(cuda_stream=h, wait_event=lambda ev: None),
+    )
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
@@ -391,8 +494,12 @@ def test_gpu_check_leaves_few_files_and_packs_every_log(tmp_path):
     for i in range(12):
         (out / "logs" / f"step{i}.log").write_text(f"log {i}\n")
     (out / "env.txt").write_text("env\n")
-    p = subprocess.run(["bash", "-c", f'OUT="{out}"; LOGS="$OUT/logs"\n{pack}\ntrap pack EXIT\nexit 3'],
-                       capture_output=True, text=True, timeout=30)
+    p = subprocess.run(
+        ["bash", "-c", f'OUT="{out}"; LOGS="$OUT/logs"\n{pack}\ntrap pack EXIT\nexit 3'],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert p.returncode == 3, p.stderr  # the script's own status survives the trap
     assert sorted(os.listdir(out)) == ["env.txt", "logs.tar.gz"]
     with tarfile.open(out / "logs.tar.gz") as tar:
@@ -402,12 +509,14 @@ def test_gpu_check_leaves_few_files_and_packs_every_log(tmp_path):
 
 # ----------------------------------------------------------------------------- graph-replayed rows (issue 33)
 
+
 class FakeTorch:
     """torch.cuda's graph and event API on a fake clock: each replay of a graph advances the
     device clock by its captured calls x `per_call_s`; eager calls advance it by `eager_s`."""
 
     def __init__(self, per_call_s=2e-6, eager_s=10e-6):
         import types
+
         self.clock, self.capturing, self.replays, self.log = 0.0, None, 0, []
         fake = self
 
@@ -449,8 +558,9 @@ class FakeTorch:
             def synchronize(self):
                 pass
 
-        self.cuda = types.SimpleNamespace(CUDAGraph=Graph, graph=Ctx, Event=Event, Stream=Stream,
-                                          current_stream=lambda *a: Stream())
+        self.cuda = types.SimpleNamespace(
+            CUDAGraph=Graph, graph=Ctx, Event=Event, Stream=Stream, current_stream=lambda *a: Stream()
+        )
         self.eager_s = eager_s
 
     def call(self):
@@ -484,10 +594,13 @@ def test_control_graph_rows_keep_the_eager_names_and_say_graph():
     wrong["exchange+plan+build+reroute"] = 1
     rows = bg.control_graph_rows("EP64", 256, times, wrong, dict(plan="probes 8"))
     assert [(r.section, r.case, r.impl) for r in rows] == [
-        ("control", "EP64 exchange", "k_load_exchange"), ("control", "EP64 plan", "k_quota"),
-        ("control", "EP64 build", "k_build_slot"), ("control", "EP64 reroute", "k_reroute"),
+        ("control", "EP64 exchange", "k_load_exchange"),
+        ("control", "EP64 plan", "k_quota"),
+        ("control", "EP64 build", "k_build_slot"),
+        ("control", "EP64 reroute", "k_reroute"),
         ("control", "EP64 exchange+plan+build+reroute", "device step"),
-        ("control", "EP64 exchange+plan+build+reroute", "device step, PDL")]
+        ("control", "EP64 exchange+plan+build+reroute", "device step, PDL"),
+    ]
     assert all("graph replay" in r.note and r.extra["timing"] == "graph" for r in rows[:5])
     assert rows[1].note == "graph replay: 10 per graph x 20 replays, device time; probes 8"
     assert [r.time_s for r in rows] == [3e-6, 20e-6, 10e-6, 2e-6, 40e-6, None] and rows[2].wrong == 1
@@ -497,7 +610,9 @@ def test_control_graph_rows_keep_the_eager_names_and_say_graph():
     # without a PDL time the PDL row says why (here: no note given)
     assert rows[5].note == "not measured (graph replay): no time" and rows[5].wrong is None
     # a kernel that could not be captured: its row says why, with no time and no #wrong
-    rows = bg.control_graph_rows("EP8", 256, dict(plan=1e-6), {}, dict(build="this _cuda build has no Runner.build_slot"))
+    rows = bg.control_graph_rows(
+        "EP8", 256, dict(plan=1e-6), {}, dict(build="this _cuda build has no Runner.build_slot")
+    )
     assert rows[2].time_s is None and rows[2].wrong is None
     assert rows[2].note == "not measured (graph replay): this _cuda build has no Runner.build_slot"
     assert "graph" in bg.format_table(rows)
@@ -516,17 +631,19 @@ def test_control_graph_row_with_pdl_beside_the_plain_step():
     assert pdl.time_s == 31e-6 and pdl.wrong == 0
     assert pdl.note == "graph replay: 10 per graph x 20 replays, device time; programmatic dependent launch"
     assert "programmatic" not in plain.note
-    rows = bg.control_graph_rows("EP8", 256, {step: 40e-6}, {step: 0},
-                                 dict(pdl="sm_80 has no programmatic dependent launch (sm_90+)"))
+    rows = bg.control_graph_rows(
+        "EP8", 256, {step: 40e-6}, {step: 0}, dict(pdl="sm_80 has no programmatic dependent launch (sm_90+)")
+    )
     assert rows[5].time_s is None and rows[5].note == (
-        "not measured (graph replay): sm_80 has no programmatic dependent launch (sm_90+)")
+        "not measured (graph replay): sm_80 has no programmatic dependent launch (sm_90+)"
+    )
 
 
 def test_control_step_graph_runs_the_four_kernels_once():
     """The whole step captured for the graph rows calls each of the four kernels once, not itself
     (it was its own entry in the dict it iterated: the step's graph row could never be timed)."""
     src = open(bg.__file__).read()
-    body = src[src.index("    def _control_shape("):src.index("    def control_build(")]
+    body = src[src.index("    def _control_shape(") : src.index("    def control_build(")]
     assert "step = tuple(kernels.values())" in body and "for fn in step:" in body
     assert body.index("step = tuple(kernels.values())") < body.index("kernels[CONTROL_STEP[0]] = whole")
     assert "set_programmatic_launch(True)" in body and "set_programmatic_launch(False)" in body
@@ -560,14 +677,18 @@ def test_launch_rows_eager_and_graph_replayed():
 
     import types
 
-    g = stub_gpu(timer=StubTimer(), tma_reason=None, torch=types.SimpleNamespace(float32='f32'))
+    g = stub_gpu(timer=StubTimer(), tma_reason=None, torch=types.SimpleNamespace(float32="f32"))
     g.binding = lambda name: ((lambda stream: calls.append("empty")), "")
     g.stream = lambda: 0
     g.domain = lambda *a, **k: Domain()
     g.run_launch()
     got = [(r.case, r.impl, r.time_s, r.extra.get("timing")) for r in g.rows]
-    assert got == [("floor", "empty kernel", 11e-6, "eager"), ("floor", "empty kernel", 1.5e-6, "graph"),
-                   ("no tasks", "tile mover", 11e-6, "eager"), ("no tasks", "tile mover", 1.5e-6, "graph")]
+    assert got == [
+        ("floor", "empty kernel", 11e-6, "eager"),
+        ("floor", "empty kernel", 1.5e-6, "graph"),
+        ("no tasks", "tile mover", 11e-6, "eager"),
+        ("no tasks", "tile mover", 1.5e-6, "graph"),
+    ]
     assert g.rows[1].note == "graph replay: 100 per graph x 10 replays, device time"
     assert "persistent launch" in g.rows[3].note and "graph replay" in g.rows[3].note
     assert calls.count((bg.LAUNCH_PER_GRAPH, bg.LAUNCH_REPLAYS)) == 2 and calls[-1] == "closed"
@@ -616,23 +737,50 @@ def test_lb_bytes_and_rows_count_exactly_the_documented_bytes():
     m = np.array([[2, -1, 3], [0, 3, -1]], np.int32)  # 2 ranks x 2 experts, 4 filled slots, 3 distinct experts
     members = (("weights", 1024, "float8_e4m3fn"), ("sf0", 64, "float32"), ("sf1", 32, "float32"))
     b = bg.lb_bytes(m, 2, [1024, 64, 32])
-    assert b == dict(per_expert=1120, filled=4, distinct=3, payload=4 * 1120, copy_traffic=8 * 1120,
-                     multicast_traffic=7 * 1120, sent_per_rank=[1, 3], critical_bytes=3 * 1120)
+    assert b == dict(
+        per_expert=1120,
+        filled=4,
+        distinct=3,
+        payload=4 * 1120,
+        copy_traffic=8 * 1120,
+        multicast_traffic=7 * 1120,
+        sent_per_rank=[1, 3],
+        critical_bytes=3 * 1120,
+    )
     r = bg.lb_row(bg.LB_COPIES, m, 2, members, 1e-3, 0, "12 copies")
     assert (r.section, r.case, r.impl, r.size) == ("lb_prefetch", "EP2 4 experts x 3 slots", bg.LB_COPIES, 1120)
     assert (r.payload, r.traffic, r.algbw) == (4480, 8960, 4480 / 1e-3)
-    assert r.note == ("12 copies, payload 4 filled slots x 1120 B (1K float8_e4m3fn + 64 float32 + 32 float32); "
-                      "busbw counts 2 x payload (each copy reads its home's tensor and writes the slot)")
+    assert r.note == (
+        "12 copies, payload 4 filled slots x 1120 B (1K float8_e4m3fn + 64 float32 + 32 float32); "
+        "busbw counts 2 x payload (each copy reads its home's tensor and writes the slot)"
+    )
     x = r.to_dict()
     assert (x["timing"], x["filled"], x["distinct"], x["critical_bytes"], x["sent_per_rank"]) == (
-        "eager", 4, 3, 3360, [1, 3])
-    mc = bg.lb_row(bg.LB_MULTICAST, m, 2, members, 2e-3, 5, "4 CTAs/rank", dict(ctas=4, senders=2),
-                   graph=(bg.LB_PER_GRAPH, bg.LB_REPLAYS))
+        "eager",
+        4,
+        3,
+        3360,
+        [1, 3],
+    )
+    mc = bg.lb_row(
+        bg.LB_MULTICAST,
+        m,
+        2,
+        members,
+        2e-3,
+        5,
+        "4 CTAs/rank",
+        dict(ctas=4, senders=2),
+        graph=(bg.LB_PER_GRAPH, bg.LB_REPLAYS),
+    )
     assert (mc.payload, mc.traffic, mc.wrong, mc.algbw_per_cta) == (4480, 7840, 5, 4480 / 2e-3 / 8)
-    assert mc.note.startswith(f"graph replay: {bg.LB_PER_GRAPH} per graph x {bg.LB_REPLAYS} replays, device time; "
-                              "4 CTAs/rank, payload 4 filled slots x 1120 B")
-    assert mc.note.endswith("busbw counts (3 experts + 4 slots) x 1120 B (each mapped expert read once, each slot "
-                            "written)")
+    assert mc.note.startswith(
+        f"graph replay: {bg.LB_PER_GRAPH} per graph x {bg.LB_REPLAYS} replays, device time; "
+        "4 CTAs/rank, payload 4 filled slots x 1120 B"
+    )
+    assert mc.note.endswith(
+        "busbw counts (3 experts + 4 slots) x 1120 B (each mapped expert read once, each slot written)"
+    )
     assert (mc.extra["timing"], mc.extra["per_graph"], mc.extra["ctas"]) == ("graph", bg.LB_PER_GRAPH, 4)
     # at the published shape: 48 filled slots of 64 MiB + 20 KiB
     full = bg.lb_row(bg.LB_COPIES, bg.lb_mapping(*bg.LB_SHAPE), LB_EPR, bg.LB_MEMBERS, 1.0, 0)
@@ -683,8 +831,15 @@ def cpu_lb_gpu(free=1 << 40, broken=None):
     import torch
 
     import ultracomm
-    g = stub_gpu(torch=torch, uc=ultracomm, dev=torch.device("cpu"), timer=CpuTimer(), tma_reason="no GPU here",
-                 info=dict(sms=4, name="cpu"))
+
+    g = stub_gpu(
+        torch=torch,
+        uc=ultracomm,
+        dev=torch.device("cpu"),
+        timer=CpuTimer(),
+        tma_reason="no GPU here",
+        info=dict(sms=4, name="cpu"),
+    )
     g.free_bytes = lambda: free
     if broken:
         g.lb_timed = types.MethodType(lambda self, *a, **k: (_ for _ in ()).throw(RuntimeError(broken)), g)
@@ -700,8 +855,12 @@ def test_lb_section_on_the_cpu_copies_and_checks_every_byte():
     g = cpu_lb_gpu()
     g.run_lb_prefetch(*SMALL)
     got = [(r.impl, r.time_s, r.wrong, r.extra.get("timing")) for r in g.rows]
-    assert got == [(bg.LB_COPIES, 1e-3, 0, "eager"), (bg.LB_COPIES, 5e-4, 0, "graph"),
-                   (bg.LB_MULTICAST, None, None, "eager"), (bg.LB_ADAPTER, None, None, "eager")], g.rows
+    assert got == [
+        (bg.LB_COPIES, 1e-3, 0, "eager"),
+        (bg.LB_COPIES, 5e-4, 0, "graph"),
+        (bg.LB_MULTICAST, None, None, "eager"),
+        (bg.LB_ADAPTER, None, None, "eager"),
+    ], g.rows
     assert g.rows[0].note.startswith("36 copies, payload 12 filled slots x 4416 B")  # 12 slots x 3 tensors
     assert g.rows[2].note.startswith("not measured: no GPU here") and not g.errors
 
@@ -717,7 +876,8 @@ def test_lb_section_reports_a_failing_row_and_goes_on():
     g = cpu_lb_gpu(broken="boom")
     g.run_lb_prefetch(*SMALL)
     assert g.rows[0].note.startswith("FAILED: RuntimeError: boom") and g.errors == [
-        f"lb_prefetch {bg.LB_COPIES}: RuntimeError: boom"]
+        f"lb_prefetch {bg.LB_COPIES}: RuntimeError: boom"
+    ]
     assert [r.impl for r in g.rows] == [bg.LB_COPIES, bg.LB_MULTICAST, bg.LB_ADAPTER]
 
 
@@ -756,11 +916,17 @@ def test_lb_domain_arguments_run_bit_exact_on_the_host_executor():
     (W, epr, S), members = (4, 2, 4), SMALL[1]
     mapping = bg.lb_mapping(W, epr, S, 0.25, 3)
     dts = [getattr(torch, dt) for _, _, dt in members]
-    layout = uc.ExpertLayout(tuple(uc.Member(n, (b // dt.itemsize,), dt, grad=False)
-                                   for (n, b, _), dt in zip(members, dts)))
+    layout = uc.ExpertLayout(
+        tuple(uc.Member(n, (b // dt.itemsize,), dt, grad=False) for (n, b, _), dt in zip(members, dts))
+    )
     gen = torch.Generator().manual_seed(5)
-    masters = [[torch.randint(0, 256, (epr, b), dtype=torch.uint8, generator=gen).view(dt)
-                for (_, b, _), dt in zip(members, dts)] for _ in range(W)]
+    masters = [
+        [
+            torch.randint(0, 256, (epr, b), dtype=torch.uint8, generator=gen).view(dt)
+            for (_, b, _), dt in zip(members, dts)
+        ]
+        for _ in range(W)
+    ]
     d = bg.LBDomain(torch, torch.device("cpu"), layout, masters, mapping, epr, chunk_bytes=1024)
     assert len(d.copy_pairs()) == 3 * int((mapping >= 0).sum())
     bg.lb_fill(torch, d.slot, mapping, 3, bg.SENTINEL)
@@ -770,10 +936,21 @@ def test_lb_domain_arguments_run_bit_exact_on_the_host_executor():
     def body(r):
         a = d.rank_args(r)
         try:
-            _core.run_host(op=int(d.op), rank=r, world=W, epoch=1, slots=S, weight_slot_bytes=L["weight_slot_bytes"],
-                           grad_slot_bytes=L["grad_slot_bytes"], chunk_bytes=L["chunk_bytes"],
-                           window_bases=[w.data_ptr() for w in d.windows], grad_dtype=0, num_workers=2, timeout_s=20.0,
-                           **a)
+            _core.run_host(
+                op=int(d.op),
+                rank=r,
+                world=W,
+                epoch=1,
+                slots=S,
+                weight_slot_bytes=L["weight_slot_bytes"],
+                grad_slot_bytes=L["grad_slot_bytes"],
+                chunk_bytes=L["chunk_bytes"],
+                window_bases=[w.data_ptr() for w in d.windows],
+                grad_dtype=0,
+                num_workers=2,
+                timeout_s=20.0,
+                **a,
+            )
         except Exception as e:  # noqa: BLE001
             errs[r] = e
 

@@ -1,4 +1,5 @@
 """perf/bench_recv_alignment.py: buffers where it says, and a real run that checks every byte."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -32,8 +33,22 @@ def test_buffers_start_where_asked_and_are_zero(offset):
 @pytest.mark.slow
 def test_run_compares_every_offset_to_the_first_and_checks_the_bytes(tmp_path):
     out = tmp_path / "align.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", SCRIPT,
-           "--size", "64K", "--rounds", "3", "--offsets", "64,0,2048", "--json", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=4",
+        SCRIPT,
+        "--size",
+        "64K",
+        "--rounds",
+        "3",
+        "--offsets",
+        "64,0,2048",
+        "--json",
+        str(out),
+    ]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "vs offset 64" in p.stdout and "#wrong" in p.stdout

@@ -2,6 +2,7 @@
 as a CUDA block runs the interpreter.  Real schedules (ultracomm.schedule.build_schedule:
 direct, relay auto, relay force; fp32/bf16/fp16; with jitter; several worlds) must give the
 same bytes as the host mover, bit for bit, and both must match the references."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -27,22 +28,49 @@ def _run_both(cl: Cluster, op: Op, tasks, refs, my, parent, reset, **kw) -> dict
     out = {}
     for mover, extra in (("host", {}), ("block", {"threads_per_worker": 3}), ("block", {"threads_per_worker": 1})):
         reset()
-        ok(cl.run(op, tasks, refs, my, mover=mover, per_rank=lambda r: {"slot_parent": [int(p) for p in parent[r]]},
-                  **extra, **kw))
+        ok(
+            cl.run(
+                op,
+                tasks,
+                refs,
+                my,
+                mover=mover,
+                per_rank=lambda r: {"slot_parent": [int(p) for p in parent[r]]},
+                **extra,
+                **kw,
+            )
+        )
         out[f"{mover}{extra.get('threads_per_worker', '')}"] = _snapshot(cl, op)
     return out
 
 
-@pytest.mark.parametrize("seed,world,relay_mode,dtype", [
-    (0, 4, "force", torch.float32), (1, 5, "auto", torch.bfloat16), (2, 6, "force", torch.float16),
-    (3, 3, "off", torch.float32), (4, 7, "auto", torch.float16), (5, 8, "force", torch.bfloat16),
-], ids=lambda x: str(x).replace("torch.", ""))
+@pytest.mark.parametrize(
+    "seed,world,relay_mode,dtype",
+    [
+        (0, 4, "force", torch.float32),
+        (1, 5, "auto", torch.bfloat16),
+        (2, 6, "force", torch.float16),
+        (3, 3, "off", torch.float32),
+        (4, 7, "auto", torch.float16),
+        (5, 8, "force", torch.bfloat16),
+    ],
+    ids=lambda x: str(x).replace("torch.", ""),
+)
 def test_block_mover_equals_host_mover_bit_for_bit(seed, world, relay_mode, dtype):
     rng = np.random.default_rng(100 + seed)
     slots, experts = int(rng.integers(2, 4)), 2 * world
     plan = _random_plan(world, slots, experts, rng)
-    cl = Cluster(world, slots, [701, 90, 13], [k * ESIZE[dtype] for k in (175, 45, 6)], chunk=128,
-                 num_experts=experts, home_of=[int(h) for h in plan.home_of], grad_dtype=dtype, seed=seed)
+    cl = Cluster(
+        world,
+        slots,
+        [701, 90, 13],
+        [k * ESIZE[dtype] for k in (175, 45, 6)],
+        chunk=128,
+        num_experts=experts,
+        home_of=[int(h) for h in plan.home_of],
+        grad_dtype=dtype,
+        seed=seed,
+    )
     sch = build_schedule(plan, cl.wsb, cl.gsb, chunk_bytes=cl.chunk, relay_mode=relay_mode)
     my = plan.slot_src.tolist()
     jitter = dict(jitter_us=40, jitter_seed=seed, num_workers=2)
@@ -86,15 +114,20 @@ def test_block_mover_equals_host_mover_bit_for_bit(seed, world, relay_mode, dtyp
 def test_block_mover_timeout_and_validation_match_host():
     """The block mover raises the host mover's exact timeout text, and the same ValueErrors."""
     from test_host_executor import _timeout_message  # noqa: PLC0415
+
     for op in (Op.MULTICAST, Op.REDUCE):
         host = _timeout_message(op)
         block = _timeout_message(op, mover="block", threads_per_worker=4)
         assert host == block, (host, block)
     cl = Cluster(2, 1, [256], chunk=256)
     from ultracomm import _core  # noqa: PLC0415
-    base = cl.args(Op.MULTICAST, 0, [np.zeros(0, dtype=np.uint8)] * 2, [np.zeros(0, dtype=np.uint8)] * 2,
-                   [[-1], [-1]], 1)
-    for bad, match in (({"mover": "warp"}, "mover must be 'host' or 'block'"),
-                       ({"mover": "block", "threads_per_worker": 0}, "threads_per_worker must be in 1..64")):
+
+    base = cl.args(
+        Op.MULTICAST, 0, [np.zeros(0, dtype=np.uint8)] * 2, [np.zeros(0, dtype=np.uint8)] * 2, [[-1], [-1]], 1
+    )
+    for bad, match in (
+        ({"mover": "warp"}, "mover must be 'host' or 'block'"),
+        ({"mover": "block", "threads_per_worker": 0}, "threads_per_worker must be in 1..64"),
+    ):
         with pytest.raises(ValueError, match=match):
             _core.run_host(**{**base, **bad})

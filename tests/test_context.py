@@ -1,4 +1,5 @@
 """Context end to end on loopback domains (ranks as threads over `local` windows)."""
+
 from __future__ import annotations
 
 import threading
@@ -36,8 +37,9 @@ def check_replicas(ctx: Context, plan: ReplicaPlan) -> None:
         want = expert_weights(ctx.layout, e)
         for m, w in enumerate(want):
             got = ctx.replica_weights[m][s]
-            assert torch.equal(got.view(torch.uint8) if got.dtype == torch.bool else got, w), \
+            assert torch.equal(got.view(torch.uint8) if got.dtype == torch.bool else got, w), (
                 f"rank {ctx.rank} slot {s} expert {e} member {m} differs"
+            )
 
 
 def run_multicast(world, slots, epr, slot_src, layout, relay_mode, chunk_bytes, restore=True):
@@ -45,8 +47,19 @@ def run_multicast(world, slots, epr, slot_src, layout, relay_mode, chunk_bytes, 
     domain = LoopbackDomain(world)
 
     def body(group):
-        with Context(group, layout, epr, slots, num_layers=2, max_microbatches=2, relay_mode=relay_mode,
-                     chunk_bytes=chunk_bytes, tile_bytes=16, num_workers=2, timeout_s=30.0) as ctx:
+        with Context(
+            group,
+            layout,
+            epr,
+            slots,
+            num_layers=2,
+            max_microbatches=2,
+            relay_mode=relay_mode,
+            chunk_bytes=chunk_bytes,
+            tile_bytes=16,
+            num_workers=2,
+            timeout_s=30.0,
+        ) as ctx:
             for layer in range(2):
                 ctx.register_masters(layer, *masters_for(layout, ctx.rank, epr))
             vid = ctx.begin(0)
@@ -67,9 +80,17 @@ def run_multicast(world, slots, epr, slot_src, layout, relay_mode, chunk_bytes, 
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(world=st.integers(2, 8), slots=st.integers(1, 3), epr=st.integers(1, 3), seed=st.integers(0, 2**31),
-       mode=st.sampled_from(["off", "auto", "force"]), fill=st.sampled_from([0.0, 0.5, 1.0]),
-       n1=st.integers(1, 40), n2=st.integers(1, 33), chunk=st.sampled_from([16, 48, 256]))
+@given(
+    world=st.integers(2, 8),
+    slots=st.integers(1, 3),
+    epr=st.integers(1, 3),
+    seed=st.integers(0, 2**31),
+    mode=st.sampled_from(["off", "auto", "force"]),
+    fill=st.sampled_from([0.0, 0.5, 1.0]),
+    n1=st.integers(1, 40),
+    n2=st.integers(1, 33),
+    chunk=st.sampled_from([16, 48, 256]),
+)
 def test_multicast_random_plans(world, slots, epr, seed, mode, fill, n1, n2, chunk):
     rng = np.random.default_rng(seed)
     slot_src = random_slot_src(rng, world, slots, epr, fill)
@@ -118,23 +139,39 @@ def test_empty_plan_moves_nothing():
 
 # ---------------------------------------------------------------- reduction
 
+
 def _reduce_case(world, slots, epr, slot_src, grad_dtype, mode, chunk, runs=1, jitter_us=0, node_of=None):
     layout = make_layout(9, 21, grad_dtype=grad_dtype)
     plan = ReplicaPlan.make(slot_src, experts_per_rank=epr)
-    full = build_schedule(plan, layout.weight_bytes, layout.grad_bytes, chunk_bytes=chunk, relay_mode=mode,
-                          node_of=node_of)
+    full = build_schedule(
+        plan, layout.weight_bytes, layout.grad_bytes, chunk_bytes=chunk, relay_mode=mode, node_of=node_of
+    )
     gen = torch.Generator().manual_seed(7)
-    init_master = [[torch.randn((epr, *m.shape), generator=gen).to(grad_dtype) for m in layout.members]
-                   for _ in range(world)]
-    init_replica = [[torch.randn((slots, *m.shape), generator=gen).to(grad_dtype) for m in layout.members]
-                    for _ in range(world)]
+    init_master = [
+        [torch.randn((epr, *m.shape), generator=gen).to(grad_dtype) for m in layout.members] for _ in range(world)
+    ]
+    init_replica = [
+        [torch.randn((slots, *m.shape), generator=gen).to(grad_dtype) for m in layout.members] for _ in range(world)
+    ]
     want, want_slots = expected_master_grads(full, layout, plan, init_master, init_replica, with_slots=True)
     domain = LoopbackDomain(world)
 
     def body(group):
         r = group.rank
-        with Context(group, layout, epr, slots, num_layers=1, relay_mode=mode, chunk_bytes=chunk, tile_bytes=16,
-                     num_workers=2, jitter_us=jitter_us, timeout_s=30.0, node_of=node_of) as ctx:
+        with Context(
+            group,
+            layout,
+            epr,
+            slots,
+            num_layers=1,
+            relay_mode=mode,
+            chunk_bytes=chunk,
+            tile_bytes=16,
+            num_workers=2,
+            jitter_us=jitter_us,
+            timeout_s=30.0,
+            node_of=node_of,
+        ) as ctx:
             weights, grads = masters_for(layout, r, epr)
             ctx.register_masters(0, weights, grads)
             results = []
@@ -181,11 +218,14 @@ def test_grad_reduce_deterministic_under_jitter():
 
 # ---------------------------------------------------------------- bad input
 
+
 def test_plan_mismatch_across_ranks_moves_nothing():
     world, slots, epr = 3, 1, 1
     layout = make_layout(4, 4)
-    plans = [ReplicaPlan.make(np.array([[1], [0], [-1]], np.int32), experts_per_rank=1),
-             ReplicaPlan.make(np.array([[2], [0], [-1]], np.int32), experts_per_rank=1)]
+    plans = [
+        ReplicaPlan.make(np.array([[1], [0], [-1]], np.int32), experts_per_rank=1),
+        ReplicaPlan.make(np.array([[2], [0], [-1]], np.int32), experts_per_rank=1),
+    ]
 
     def body(group):  # the plan agreement's check (the window's: test_window_plan_check.py)
         with Context(group, layout, epr, slots, num_layers=1, plan_check="agree") as ctx:
@@ -302,17 +342,31 @@ def test_cost_model_must_agree_across_ranks():
 def test_async_ops_queue_in_order_and_synchronize():
     world, slots, epr = 3, 2, 2
     layout = make_layout(5, 3)
-    plans = [ReplicaPlan.make(random_slot_src(np.random.default_rng(s), world, slots, epr, 1.0), experts_per_rank=epr)
-             for s in range(2)]
+    plans = [
+        ReplicaPlan.make(random_slot_src(np.random.default_rng(s), world, slots, epr, 1.0), experts_per_rank=epr)
+        for s in range(2)
+    ]
 
     def body(group):
-        with Context(group, layout, epr, slots, num_layers=2, max_microbatches=2, chunk_bytes=32, tile_bytes=16,
-                     relay_mode="force") as ctx:
+        with Context(
+            group,
+            layout,
+            epr,
+            slots,
+            num_layers=2,
+            max_microbatches=2,
+            chunk_bytes=32,
+            tile_bytes=16,
+            relay_mode="force",
+        ) as ctx:
             for layer in range(2):
                 ctx.register_masters(layer, *masters_for(layout, ctx.rank, epr))
             v0, v1 = ctx.begin(0), ctx.begin(1)
-            works = [ctx.weight_sync(v0, plans[0], async_op=True), ctx.weight_sync(v1, plans[1], async_op=True),
-                     ctx.restore(v0, async_op=True)]
+            works = [
+                ctx.weight_sync(v0, plans[0], async_op=True),
+                ctx.weight_sync(v1, plans[1], async_op=True),
+                ctx.restore(v0, async_op=True),
+            ]
             ctx.synchronize()
             assert all(w.is_completed() and w.exception() is None for w in works)
             check_replicas(ctx, plans[0])  # the last one queued wins the shared slots
@@ -349,7 +403,7 @@ def test_failed_operation_stops_queued_ones():
             first.wait()
         with pytest.raises(UltracommError, match="not started: an earlier operation"):
             second.wait()
-        ready = ctx.window.local[ctx.wlayout["ready_off"]:ctx.wlayout["ready_off"] + 8].view(torch.int64)
+        ready = ctx.window.local[ctx.wlayout["ready_off"] : ctx.wlayout["ready_off"] + 8].view(torch.int64)
         assert int(ready) == 1  # epoch 2 never raised its ready flag
         with pytest.raises(UltracommError, match="failed earlier"):
             ctx.restore(vid)
@@ -376,7 +430,8 @@ def test_wait_with_a_timeout_raises_ultracomm_timeout_and_the_operation_goes_on(
                 "ultracomm: weight_sync (rank 0, epoch 1) did not finish within wait(timeout=0.05 s); awaited: its "
                 "turn on this rank's ordered worker thread, then its run there (peers' flags and data). The "
                 "operation goes on (bounded by ULTRACOMM_TIMEOUT_S) and the Context stays usable: call wait() again "
-                "to keep waiting")
+                "to keep waiting"
+            )
             assert not work.is_completed()
         assert work.wait() is True
         check_replicas(ctx, plan)
@@ -406,8 +461,9 @@ def test_set_relay_mode_rebuilds_schedules_and_checks_the_mode():
     def body(group):
         from ultracomm.errors import ConfigError
 
-        with Context(group, layout, 1, 2, num_layers=1, relay_mode="force", chunk_bytes=16, tile_bytes=16,
-                     timeout_s=30.0) as ctx:
+        with Context(
+            group, layout, 1, 2, num_layers=1, relay_mode="force", chunk_bytes=16, tile_bytes=16, timeout_s=30.0
+        ) as ctx:
             forced = ctx.schedule_for(plan).stats()
             ctx.set_relay_mode("off")
             direct = ctx.schedule_for(plan).stats()
@@ -443,6 +499,7 @@ def test_set_plan_gives_grad_reduce_a_plan_without_a_multicast():
             return [g.clone() for g in grads]
 
     got = LoopbackDomain(world).run(body)
+
     def filled(t, v):
         return torch.equal(t, torch.full_like(t, v))
 

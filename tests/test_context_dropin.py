@@ -1,6 +1,7 @@
 """Context behaviour the drop-in layer relies on: micro-batches in flight counted per layer,
 stale replica slots caught before grad_reduce, per-expert master lists, staged replica grads,
 and discoverable public names."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,16 +21,19 @@ PLAN = ReplicaPlan.make([[2], [0]], experts_per_rank=EPR)  # expert 2 -> rank 0,
 def masters(rank: int, per_expert: bool = False):
     per = [expert_weights(LAYOUT, e) for e in range(rank * EPR, (rank + 1) * EPR)]
     if per_expert:
-        return [[p[m].clone() for p in per] for m in range(2)], [[torch.zeros(m.shape) for _ in per]
-                                                                  for m in LAYOUT.members]
+        return [[p[m].clone() for p in per] for m in range(2)], [
+            [torch.zeros(m.shape) for _ in per] for m in LAYOUT.members
+        ]
     return [torch.stack([p[m] for p in per]) for m in range(2)], [torch.zeros(EPR, *m.shape) for m in LAYOUT.members]
 
 
 def on_ranks(fn, layers: int = 1, max_microbatches: int = 1):
     def body(group):
-        with Context(group, LAYOUT, EPR, SLOTS, num_layers=layers, max_microbatches=max_microbatches,
-                     timeout_s=20) as ctx:
+        with Context(
+            group, LAYOUT, EPR, SLOTS, num_layers=layers, max_microbatches=max_microbatches, timeout_s=20
+        ) as ctx:
             return fn(ctx)
+
     return LoopbackDomain(WORLD).run(body)
 
 
@@ -87,6 +91,7 @@ def test_per_expert_master_lists_reduce_like_stacked_tensors():
             staged = [torch.full((SLOTS, *m.shape), 0.25 + ctx.rank) for m in LAYOUT.members]
             ctx.grad_reduce(vid, grads=staged)  # copied into the replica grad slots in order
             return [torch.stack(x) if isinstance(x, list) else x for x in g]
+
         return on_ranks(body)
 
     stacked, lists = fn(False), fn(True)
@@ -112,8 +117,17 @@ def test_register_masters_rejects_bad_per_expert_lists():
 
 def test_public_names_are_discoverable():
     names = dir(ultracomm)
-    for name in ("Context", "ReplicaPlan", "ResidentPlan", "ExpertLayout", "ReplicaManager", "UltracommTimeout",
-                 "moe", "integrations", "planners"):
+    for name in (
+        "Context",
+        "ReplicaPlan",
+        "ResidentPlan",
+        "ExpertLayout",
+        "ReplicaManager",
+        "UltracommTimeout",
+        "moe",
+        "integrations",
+        "planners",
+    ):
         assert name in names, name
     assert ultracomm.ReplicaManager is ultracomm.moe.ReplicaManager
     assert ultracomm.ResidentPlan is ultracomm.resident_plan.ResidentPlan

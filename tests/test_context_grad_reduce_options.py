@@ -1,5 +1,6 @@
 """Context.grad_reduce's ``zero_replica_grads`` and ``release`` options (what the UltraEP adapter
 needs: UltraEP's reduce zeroes the placed replica grads, and a placement outlives its reduce)."""
+
 from __future__ import annotations
 
 import pytest
@@ -123,6 +124,7 @@ def test_stream_ordered_zeroing_is_enqueued_behind_the_reduce_and_before_its_eve
             def snapshot():  # what the slots hold when the Work's event is recorded
                 seen.append([float(g[s].abs().sum()) for g in ctx.replica_grads for s in range(SLOTS)])
                 return record()
+
             streams.record = snapshot
             work = ctx.grad_reduce(vid, async_op=True, zero_replica_grads=True)
             work.wait()

@@ -7,6 +7,7 @@ attribute on exactly the three dependents and only where programmatic_launch_her
 ULTRACOMM_PDL reaches _cuda's switch when ultracomm.cuda.support loads it.  Whether the chain
 overlaps (and the graph-replayed "device step, PDL" row of perf/bench_gpu.py --only control) needs
 a device: not checked here."""
+
 from __future__ import annotations
 
 import os
@@ -19,8 +20,12 @@ import pytest
 import cuda_build as cb
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CHAIN = {"k_loads": ["k_load_exchange"], "k_quota": ["k_quota_plan"], "k_build": ["k_build_slot"],
-         "k_reroute": ["k_reroute_table"]}
+CHAIN = {
+    "k_loads": ["k_load_exchange"],
+    "k_quota": ["k_quota_plan"],
+    "k_build": ["k_build_slot"],
+    "k_reroute": ["k_reroute_table"],
+}
 DEPENDENTS = ("k_quota_plan", "k_build_slot", "k_reroute_table")
 MEMORY = re.compile(r"\b(LDG|STG|LD|ST|LDS|STS|ATOM|ATOMS|ATOMG|RED|LDGSTS|UBLKCP)\b")
 
@@ -81,12 +86,19 @@ def test_dependents_launch_with_the_attribute_only_where_the_device_has_it():
     assert "launch_programmatic(programmatic_launch_here(), k_reroute_table," in reroute
     assert "k_reroute_table<<<" not in reroute
     assert "launch_programmatic" not in loads and "ProgrammaticStreamSerialization" not in loads
-    for text, kernel in ((quota, "k_quota_plan"), (build, "k_build_slot"), (reroute, "k_reroute_table"),
-                         (loads, "k_load_exchange")):
-        body = text[text.index(kernel + "(", text.index("__global__")):]
-        body = body[body.index("#if defined(__CUDA_ARCH__)"):]
-        first = [ln.strip() for ln in body.splitlines()[1:] if ln.strip() and not ln.strip().startswith(
-            ("extern __shared__", "__shared__"))][0]
+    for text, kernel in (
+        (quota, "k_quota_plan"),
+        (build, "k_build_slot"),
+        (reroute, "k_reroute_table"),
+        (loads, "k_load_exchange"),
+    ):
+        body = text[text.index(kernel + "(", text.index("__global__")) :]
+        body = body[body.index("#if defined(__CUDA_ARCH__)") :]
+        first = [
+            ln.strip()
+            for ln in body.splitlines()[1:]
+            if ln.strip() and not ln.strip().startswith(("extern __shared__", "__shared__"))
+        ][0]
         assert first == "dev::grid_dependency_wait();", (kernel, first)
     pdl = _code("pdl.h")
     assert "cudaLaunchAttributeProgrammaticStreamSerialization" in pdl
@@ -105,8 +117,10 @@ def test_ultracomm_pdl_reaches_the_cuda_switch():
     cuda = support.cuda_module()
     if cuda is None or not hasattr(cuda, "programmatic_launch"):
         pytest.skip(f"ultracomm._cuda is not built here: {support.cuda_module_reason()}")
-    code = ("from ultracomm.cuda import support; m = support.cuda_module(); print(m.programmatic_launch()); "
-            "m.set_programmatic_launch(True); print(m.programmatic_launch())")
+    code = (
+        "from ultracomm.cuda import support; m = support.cuda_module(); print(m.programmatic_launch()); "
+        "m.set_programmatic_launch(True); print(m.programmatic_launch())"
+    )
     for value, want in ((None, "True"), ("0", "False"), ("off", "False"), ("1", "True")):
         env = {k: v for k, v in os.environ.items() if k != "ULTRACOMM_PDL"}
         if value is not None:

@@ -4,6 +4,7 @@ exactly the host executor's bytes in any stream interleaving; their order is the
 into a rank, joins last); the loopback submission order never blocks even when every stream
 shares one hardware queue; and on a CPU machine the transport says why it is not available.
 The abort path is in test_copy_engine_watchdog.py, the GPU runs in test_copy_engine_gpu.py."""
+
 from __future__ import annotations
 
 import ctypes
@@ -14,8 +15,16 @@ import torch
 
 from ultracomm import ReplicaPlan
 from ultracomm.cuda.support import NotAvailableError
-from ultracomm.transports.copy_engine.plan import (DRAIN, EPOCH, MAIN, flag_addr, geq, simulate, submission_order,
-                                                   word_addr)
+from ultracomm.transports.copy_engine.plan import (
+    DRAIN,
+    EPOCH,
+    MAIN,
+    flag_addr,
+    geq,
+    simulate,
+    submission_order,
+    word_addr,
+)
 
 from conftest import hot_slot_src, random_slot_src
 from copy_engine_sim import host_contexts, host_reference, new_words, pools, rank_commands, set_epoch
@@ -25,7 +34,9 @@ CASES = [(2, "off", None), (5, "force", None), (8, "auto", None), (4, "force", [
 
 def plans_for(world, epr, slots):
     rng = np.random.default_rng(world)
-    srcs = [hot_slot_src(world, slots, epr, expert=1)] + [random_slot_src(rng, world, slots, epr, 0.9) for _ in range(3)]
+    srcs = [hot_slot_src(world, slots, epr, expert=1)] + [
+        random_slot_src(rng, world, slots, epr, 0.9) for _ in range(3)
+    ]
     return [ReplicaPlan.make(s, experts_per_rank=epr) for s in srcs]
 
 
@@ -51,7 +62,7 @@ def test_commands_on_simulated_streams_match_the_host_executor(domain):
         for r, (c, got) in enumerate(zip(ctxs, pools(ctxs))):
             assert torch.equal(got, want[r]), f"plan {i} rank {r}: pools differ"
             wl = c.wlayout
-            assert int(c.window.local[wl["ready_off"]:wl["ready_off"] + 8].view(torch.int64)) == epoch
+            assert int(c.window.local[wl["ready_off"] : wl["ready_off"] + 8].view(torch.int64)) == epoch
             streams = {x.stream for x in programs[r] if x.stream != MAIN}
             assert words[r][0] == epoch  # started
             for k in streams:  # every internal stream wrote its done word, which the caller's stream joined
@@ -73,14 +84,17 @@ def test_command_order(domain):
             me, wl = c.window.peer_bases[c.rank], c.wlayout
             main = [x for x in cmds if x.stream == MAIN]
             assert [(x.kind, x.addr, x.value) for x in main[:4]] == [
-                ("write", flag_addr(wl, me, "digest"), 0xABC), ("write", flag_addr(wl, me, "ready"), EPOCH),
-                ("write", word_addr(words[c.rank].ctypes.data, None), EPOCH), ("fork", 0, EPOCH)]
+                ("write", flag_addr(wl, me, "digest"), 0xABC),
+                ("write", flag_addr(wl, me, "ready"), EPOCH),
+                ("write", word_addr(words[c.rank].ctypes.data, None), EPOCH),
+                ("fork", 0, EPOCH),
+            ]
             assert cmds[:4] == main[:4]  # submitted before anything else
             internal = [x.stream for x in cmds if x.kind == "forked"]
             joins = main[4:]
             w0 = words[c.rank].ctypes.data
             assert [(x.kind, x.addr) for x in joins] == [("wait", word_addr(w0, k)) for k in internal]
-            assert not joins or cmds[-len(joins):] == joins
+            assert not joins or cmds[-len(joins) :] == joins
             for k in internal:
                 mine = [x for x in cmds if x.stream == k]
                 assert mine[0].kind == "forked" and [x.kind for x in mine].count("forked") == 1
@@ -91,8 +105,10 @@ def test_command_order(domain):
                     assert all(x.kind == "wait" and x.peer >= 0 for x in mine[1:-1])
                     continue
                 base = c.window.peer_bases[k]
-                assert [(x.kind, x.addr) for x in mine[1:3]] == [("wait", flag_addr(wl, base, "ready")),
-                                                                 ("wait_eq", flag_addr(wl, base, "digest"))]
+                assert [(x.kind, x.addr) for x in mine[1:3]] == [
+                    ("wait", flag_addr(wl, base, "ready")),
+                    ("wait_eq", flag_addr(wl, base, "digest")),
+                ]
                 assert mine[2].value == 0xABC and all(x.peer == k for x in mine[1:3])
                 arrived: set = set()  # (own slot, chunk) this stream waited for
                 copied: set = set()
@@ -156,7 +172,7 @@ def test_submission_order_refuses_an_unsorted_program(domain):
     r = max(range(len(ctxs)), key=lambda i: len({x.order for x in programs[i] if x.phase == 1}))
     body = [i for i, x in enumerate(programs[r]) if x.phase == 1]
     assert len({programs[r][i].order for i in body}) >= 2
-    programs[r] = programs[r][:body[0]] + programs[r][body[0]:body[-1] + 1][::-1] + programs[r][body[-1] + 1:]
+    programs[r] = programs[r][: body[0]] + programs[r][body[0] : body[-1] + 1][::-1] + programs[r][body[-1] + 1 :]
     with pytest.raises(RuntimeError, match=rf"rank {r}'s copy_engine commands are not in \(chunk, level\) order"):
         submission_order(programs)
 
@@ -171,8 +187,10 @@ def test_relay_without_its_arrival_wait_is_caught():
         for seed in range(20):
             want, epoch = host_reference(ctxs, each, plan)
             words = new_words(world)
-            programs = [[x for x in rank_commands(c, plan, words[c.rank]) if not (x.kind == "wait" and "relay slot" in x.what)]
-                        for c in ctxs]
+            programs = [
+                [x for x in rank_commands(c, plan, words[c.rank]) if not (x.kind == "wait" and "relay slot" in x.what)]
+                for c in ctxs
+            ]
             simulate(programs, epoch, seed=seed)
             set_epoch(ctxs, epoch)
             differs += any(not torch.equal(a, b) for a, b in zip(pools(ctxs), want))

@@ -6,6 +6,7 @@ rank (never starts) and a peer on another plan each end with every stream of eve
 drained (nothing left blocked, so a device-wide synchronize would return), a named error, and
 nothing written into the rank that is not in the epoch with this plan.  Also: the gate kernel's
 PTX is the current build of ``csrc/cuda/ce_gate.cuh`` and compiles without spills."""
+
 from __future__ import annotations
 
 import os
@@ -21,8 +22,7 @@ from ultracomm import ReplicaPlan
 from ultracomm.errors import PlanError, UltracommTimeout
 from ultracomm.records import Op
 from ultracomm.transports.copy_engine import gate as gate_mod
-from ultracomm.transports.copy_engine.plan import (MAIN, abort_addr, gate_commands, host_words, simulate,
-                                                   word_addr)
+from ultracomm.transports.copy_engine.plan import MAIN, abort_addr, gate_commands, host_words, simulate, word_addr
 from ultracomm.transports.copy_engine.watchdog import Watchdog, pending_for, read_host
 from ultracomm.transports.host import op_digest
 
@@ -63,8 +63,13 @@ def aborts(words):
 
 def test_gated_programs_have_no_bare_wait_and_move_the_host_bytes(domain):
     ctxs, each = domain
-    for seed, plan in enumerate([hot_plan()] + [ReplicaPlan.make(random_slot_src(np.random.default_rng(s), WORLD, SLOTS, EPR), experts_per_rank=EPR)
-                                                for s in range(3)]):
+    for seed, plan in enumerate(
+        [hot_plan()]
+        + [
+            ReplicaPlan.make(random_slot_src(np.random.default_rng(s), WORLD, SLOTS, EPR), experts_per_rank=EPR)
+            for s in range(3)
+        ]
+    ):
         want, epoch = host_reference(ctxs, each, plan)
         words = new_words(WORLD)
         programs = [gated(c, plan, words[c.rank]) for c in ctxs]
@@ -75,8 +80,9 @@ def test_gated_programs_have_no_bare_wait_and_move_the_host_bytes(domain):
             for g in (x for x in prog if x.kind == "gate"):  # waits first, then what they guard
                 kinds = [p.kind for p in g.parts]
                 n = sum(k in ("wait", "wait_eq") for k in kinds)
-                assert all(k in ("wait", "wait_eq") for k in kinds[:n]) and all(k in ("copy", "write")
-                                                                                 for k in kinds[n:])
+                assert all(k in ("wait", "wait_eq") for k in kinds[:n]) and all(
+                    k in ("copy", "write") for k in kinds[n:]
+                )
         skipped: list = []
         assert simulate(programs, epoch, seed=seed, aborts=aborts(words), skipped=skipped) == []
         assert not skipped
@@ -89,9 +95,16 @@ def test_gated_programs_have_no_bare_wait_and_move_the_host_bytes(domain):
 def test_gate_descriptor_layout():
     from ultracomm.transports.copy_engine.plan import EPOCH, Cmd
 
-    g = Cmd("gate", 0, parts=(Cmd("wait", 0, 0x100), Cmd("wait_eq", 0, 0x108, 77), Cmd("copy", 0, 0x200, src=0x300,
-                                                                                          nbytes=48),
-                              Cmd("write", 0, 0x400)))
+    g = Cmd(
+        "gate",
+        0,
+        parts=(
+            Cmd("wait", 0, 0x100),
+            Cmd("wait_eq", 0, 0x108, 77),
+            Cmd("copy", 0, 0x200, src=0x300, nbytes=48),
+            Cmd("write", 0, 0x400),
+        ),
+    )
     d = gate_mod.descriptor(g)
     assert d.tolist() == [2, 1, 1, 0, 0x100, 2**64 - 1, 0, 0x108, 77, 1, 0x200, 0x300, 48, 0x400, 2**64 - 1]
     words, at = gate_mod.pack([Cmd("forked", 0), g, g])
@@ -111,8 +124,9 @@ def run_failure(domain, lost, digests=None, started=True):
     before = pools(ctxs)
     words = new_words(WORLD)
     digests = digests or {}
-    programs = [[] if (r == lost and not digests) else gated(c, plan, words[r], digests.get(r))
-                for r, c in enumerate(ctxs)]
+    programs = [
+        [] if (r == lost and not digests) else gated(c, plan, words[r], digests.get(r)) for r, c in enumerate(ctxs)
+    ]
     clock = Clock()
     dogs = {}
     for c in ctxs:
@@ -121,8 +135,18 @@ def run_failure(domain, lost, digests=None, started=True):
         d = Watchdog(c.rank, TIMEOUT, read_host, clock=clock, check_s=1.0)
         dg = digests.get(c.rank, op_digest(c.schedule_for(plan).digest, Op.MULTICAST))
         ungated = rank_commands(c, plan, words[c.rank], digests.get(c.rank))
-        d.add(pending_for(ungated, epoch, dg, "weight_sync", c.wlayout, c.window.peer_bases,
-                          word_addr(words[c.rank].ctypes.data, None), abort_addr(words[c.rank].ctypes.data, WORLD)))
+        d.add(
+            pending_for(
+                ungated,
+                epoch,
+                dg,
+                "weight_sync",
+                c.wlayout,
+                c.window.peer_bases,
+                word_addr(words[c.rank].ctypes.data, None),
+                abort_addr(words[c.rank].ctypes.data, WORLD),
+            )
+        )
         dogs[c.rank] = d
     end = clock.t + 3 * TIMEOUT
     t0 = clock.t
@@ -162,7 +186,8 @@ def test_stalled_or_dead_rank_every_survivor_stream_drains(domain, lost):
 def test_peer_on_another_plan_every_stream_drains_and_nothing_reaches_it(domain):
     other = 2
     ctxs, before, after, errors, skipped, blocked, epoch, words, took = run_failure(
-        domain, other, digests={other: 0x5EED})
+        domain, other, digests={other: 0x5EED}
+    )
     assert blocked == []
     failed = {r: e for r, e in errors.items() if e is not None}
     assert any(isinstance(e, PlanError) for e in failed.values())
@@ -179,15 +204,24 @@ def test_gate_kernel_ptx_is_current_and_compiles_without_spills(tmp_path):
     src = os.path.join(ROOT, "csrc", "cuda", "ce_gate.cuh")
     out = tmp_path / "gate.ptx"
     subprocess.run(gate_mod.NVCC + [src, "-o", str(out)], check=True, capture_output=True)
-    strip = lambda t: "\n".join(l for l in t.splitlines() if not l.startswith("// Compiler Build ID")
-                                and not l.startswith("// Cuda compilation tools") and not l.startswith("// Based on"))
+    strip = lambda t: "\n".join(
+        l
+        for l in t.splitlines()
+        if not l.startswith("// Compiler Build ID")
+        and not l.startswith("// Cuda compilation tools")
+        and not l.startswith("// Based on")
+    )
     assert strip(out.read_text()) == strip(gate_mod.PTX), "regenerate gate.PTX from csrc/cuda/ce_gate.cuh (gate.NVCC)"
     assert ".entry uc_ce_gate" in gate_mod.PTX
     assert "ld.global.nc" not in gate_mod.PTX  # peers' bytes: never the non-coherent path
     assert "ld.relaxed.sys" in gate_mod.PTX and "fence.acq_rel.sys" in gate_mod.PTX
     for arch in ("sm_80", "sm_90", "sm_100"):  # what the driver JIT-compiles it for on those GPUs
-        info = subprocess.run(["ptxas", f"-arch={arch}", "-v", str(out), "-o", str(tmp_path / "gate.cubin")],
-                              check=True, capture_output=True, text=True).stderr
+        info = subprocess.run(
+            ["ptxas", f"-arch={arch}", "-v", str(out), "-o", str(tmp_path / "gate.cubin")],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stderr
         assert re.search(r"0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads", info), (arch, info)
 
 
@@ -211,8 +245,7 @@ def test_driver_loads_the_gate_once_per_context_and_passes_its_arguments():
                 ctypes.cast(args[0], ctypes.POINTER(ctypes.c_void_p))[0] = 0xAB if "Load" in self.sym else 0xF0
             elif self.sym == "cuLaunchKernel":
                 params = ctypes.cast(args[9], ctypes.POINTER(ctypes.c_void_p))
-                calls[-1] = (self.sym, args[:9] + ([ctypes.c_uint64.from_address(params[i]).value
-                                                    for i in range(3)],))
+                calls[-1] = (self.sym, args[:9] + ([ctypes.c_uint64.from_address(params[i]).value for i in range(3)],))
             return 0
 
     class Lib:

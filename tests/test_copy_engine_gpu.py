@@ -6,6 +6,7 @@ PlanError, each in its own process (the failed operation's internal streams stay
 Device-only (``gpu`` marker; scripts/gpu_check.sh runs them).  As with tma, operations take no
 collective: one thread drives every loopback rank on one stream.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,9 @@ from conftest import expert_weights, hot_slot_src, random_slot_src
 
 pytestmark = pytest.mark.gpu
 
-LAYOUT = ExpertLayout((Member("fc1", (40, 24), torch.bfloat16), Member("fc2", (56,), torch.bfloat16)),
-                      grad_dtype=torch.float32)
+LAYOUT = ExpertLayout(
+    (Member("fc1", (40, 24), torch.bfloat16), Member("fc2", (56,), torch.bfloat16)), grad_dtype=torch.float32
+)
 
 
 def make(world, epr, slots, transport, mode):
@@ -75,8 +77,11 @@ def host_reference(hosts, hgrads, plan):
 @pytest.mark.parametrize("which", ["random", "hot"])
 def test_copy_engine_matches_host_bit_for_bit(mode, which):
     world, epr, slots = 4, 2, 2
-    src = (random_slot_src(np.random.default_rng(3), world, slots, epr, fill=1.0) if which == "random"
-           else hot_slot_src(world, slots, epr, expert=1))
+    src = (
+        random_slot_src(np.random.default_rng(3), world, slots, epr, fill=1.0)
+        if which == "random"
+        else hot_slot_src(world, slots, epr, expert=1)
+    )
     plan = ReplicaPlan.make(src, experts_per_rank=epr)
 
     hosts, hgrads = make(world, epr, slots, "host", mode)

@@ -4,6 +4,7 @@ on the caller's stream that every internal stream waits for first; joins last on
 stream), a loopback set is enqueued once by the rank completing it in the merged order, a
 rejection publishes kRejectedDigest, the watchdog watches every operation, and a failed transport
 refuses further operations.  Nothing here runs on a device."""
+
 from __future__ import annotations
 
 import ctypes
@@ -118,7 +119,7 @@ def make_transports(fake_cuda, domain):
 
     def make(loopback):
         made.extend(transports_for(domain, loopback))
-        return made[-len(domain):]
+        return made[-len(domain) :]
 
     yield make
     for t in made:
@@ -129,10 +130,19 @@ def transports_for(ctxs, loopback):
     shared: dict = {}
     out = []
     for c in ctxs:
-        win = types.SimpleNamespace(local=types.SimpleNamespace(device="cuda:0"), peer_bases=list(c.window.peer_bases),
-                                    loopback=loopback, shared=shared, world=len(ctxs), provider="cuda_local")
-        out.append(ce.CopyEngineTransport(rank=c.rank, world=len(ctxs), window=win, wlayout=c.wlayout, layout=c.layout,
-                                          timeout_s=30.0))
+        win = types.SimpleNamespace(
+            local=types.SimpleNamespace(device="cuda:0"),
+            peer_bases=list(c.window.peer_bases),
+            loopback=loopback,
+            shared=shared,
+            world=len(ctxs),
+            provider="cuda_local",
+        )
+        out.append(
+            ce.CopyEngineTransport(
+                rank=c.rank, world=len(ctxs), window=win, wlayout=c.wlayout, layout=c.layout, timeout_s=30.0
+            )
+        )
     return out
 
 
@@ -158,7 +168,7 @@ def run_all(ts, domain, plan, epoch, rec, rejecting=-1):
 def expected_calls(t, cmds, epoch, caller, fork_id):
     """What ``cmds`` must become: (kind, stream handle, ...) per command, internal handles by key."""
     out = []
-    for x in (cmds if any(c.kind == "gate" for c in cmds) else t.gated(cmds)):
+    for x in cmds if any(c.kind == "gate" for c in cmds) else t.gated(cmds):
         v = epoch if x.value == EPOCH else x.value
         h = caller if x.stream == MAIN else t._streams[x.stream].cuda_stream
         if x.kind == "gate":  # the gate kernel: its descriptor, the epoch, this rank's abort word
@@ -184,9 +194,8 @@ def test_one_rank_maps_commands_to_driver_calls(fake_cuda, domain, make_transpor
     assert fake_cuda.calls == expected_calls(t, cmds, 7, CALLER, t._fork.id)
     main = [x for x in fake_cuda.calls if x[1] == CALLER]
     assert [x[0] for x in main[:4]] == ["write", "write", "write", "record"]
-    assert main[0][2:] == (flag_addr(c.wlayout, c.window.peer_bases[0], "digest"),
-                           cmds[0].value) and main[1][3] == 7
-    assert all(x[0] == "wait" for x in main[4:]) and fake_cuda.calls[-len(main[4:]):] == main[4:]
+    assert main[0][2:] == (flag_addr(c.wlayout, c.window.peer_bases[0], "digest"), cmds[0].value) and main[1][3] == 7
+    assert all(x[0] == "wait" for x in main[4:]) and fake_cuda.calls[-len(main[4:]) :] == main[4:]
     internal = {x[1] for x in fake_cuda.calls} - {CALLER}
     for h in internal:  # every internal stream waits for the fork before anything else
         assert [x for x in fake_cuda.calls if x[1] == h][0] == ("wait_event", h, t._fork.id)
@@ -198,8 +207,11 @@ def test_one_rank_maps_commands_to_driver_calls(fake_cuda, domain, make_transpor
     for g in gates:  # each descriptor, as the kernel reads it, is the gate's parts
         n = 4 + 3 * sum(p.kind != "write" for p in g.parts) + 2 * sum(p.kind == "write" for p in g.parts)
         d = np.ctypeslib.as_array((ctypes.c_uint64 * n).from_address(g.src))
-        assert list(d[:3]) == [sum(p.kind in ("wait", "wait_eq") for p in g.parts),
-                               sum(p.kind == "copy" for p in g.parts), sum(p.kind == "write" for p in g.parts)]
+        assert list(d[:3]) == [
+            sum(p.kind in ("wait", "wait_eq") for p in g.parts),
+            sum(p.kind == "copy" for p in g.parts),
+            sum(p.kind == "write" for p in g.parts),
+        ]
         assert d[4] == g.parts[0].addr
     p = t._dog._pending[-1]
     assert p.abort == t._abort_word()
@@ -224,10 +236,15 @@ def test_loopback_rejection_is_a_share_of_the_set(fake_cuda, domain, make_transp
     ts = make_transports(loopback=True)
     run_all(ts, domain, plan, 4, fake_cuda, rejecting=2)
     base, wl = domain[2].window.peer_bases[2], domain[2].wlayout
-    mine = [x for x in fake_cuda.calls if x[2] in (flag_addr(wl, base, "digest"), flag_addr(wl, base, "ready"))
-            and x[0] == "write"]
-    assert mine == [("write", CALLER, flag_addr(wl, base, "digest"), int(_core.REJECTED_DIGEST)),
-                    ("write", CALLER, flag_addr(wl, base, "ready"), 4)]
+    mine = [
+        x
+        for x in fake_cuda.calls
+        if x[2] in (flag_addr(wl, base, "digest"), flag_addr(wl, base, "ready")) and x[0] == "write"
+    ]
+    assert mine == [
+        ("write", CALLER, flag_addr(wl, base, "digest"), int(_core.REJECTED_DIGEST)),
+        ("write", CALLER, flag_addr(wl, base, "ready"), 4),
+    ]
     assert ts[2]._dog.pending() == 0 and ts[0]._dog.pending() == 1
 
 
@@ -243,8 +260,11 @@ def test_a_failed_transport_refuses_and_hands_its_error_out_once(fake_cuda, doma
     assert ei.value is boom
     t.check_error()  # handed out once; the Context keeps it
     sched, masters, my_slots, lio = args(domain[1], plan)
-    with pytest.raises(UltracommError, match=r"rank 1 restore: an earlier copy_engine operation failed \(.*timed "
-                                             r"out\); create a new Context"):
+    with pytest.raises(
+        UltracommError,
+        match=r"rank 1 restore: an earlier copy_engine operation failed \(.*timed "
+        r"out\); create a new Context",
+    ):
         t.run(Op.MULTICAST, sched, 4, masters, my_slots, lio, "restore", stream=CALLER)
     assert fake_cuda.calls == []
 
@@ -354,7 +374,7 @@ def test_each_thread_binds_the_device_context_before_its_driver_calls(fake_cuda,
     reader = threading.Thread(target=t._read_device, args=([t._words.data_ptr()],), name="reader")
     reader.start()
     reader.join(10)
-    assert fake_cuda.bound[n0 + 1:] == [("reader", 0, before)] and fake_cuda.calls[before][0] == "copy"
+    assert fake_cuda.bound[n0 + 1 :] == [("reader", 0, before)] and fake_cuda.calls[before][0] == "copy"
 
 
 def test_a_failed_enqueue_releases_the_joins_and_abandons_the_streams(fake_cuda, domain, make_transports):

@@ -3,6 +3,7 @@ stalled rank gives UltracommTimeout naming it and what was awaited, a peer on an
 one that rejected its plan gives PlanError before the timeout; in every case nothing is copied
 into the rank that is not in the epoch with this plan, the caller's stream (MAIN) is released,
 and only internal streams stay blocked."""
+
 from __future__ import annotations
 
 import time
@@ -51,8 +52,17 @@ def watch(ctxs, plan, programs, words, epoch, clock, skip=(), digests=None):
             continue
         d = Watchdog(c.rank, TIMEOUT, read_host, clock=clock, check_s=1.0)
         digest = (digests or {}).get(c.rank, op_digest(c.schedule_for(plan).digest, Op.MULTICAST))
-        d.add(pending_for(programs[c.rank], epoch, digest, "weight_sync",
-                          c.wlayout, c.window.peer_bases, word_addr(words[c.rank].ctypes.data, None)))
+        d.add(
+            pending_for(
+                programs[c.rank],
+                epoch,
+                digest,
+                "weight_sync",
+                c.wlayout,
+                c.window.peer_bases,
+                word_addr(words[c.rank].ctypes.data, None),
+            )
+        )
         dogs[c.rank] = d
     return dogs
 
@@ -105,10 +115,14 @@ def test_stalled_rank_times_out_and_only_the_callers_stream_is_released(domain):
     assert clock.t - t_start >= TIMEOUT
     # its parent waited for it to join; every failed rank names it as the likely stalled rank
     p = int(ctxs[0].schedule_for(plan).tree(Op.MULTICAST)[0][stalled][0])
-    assert str(failed[p]).startswith(f"ultracomm: rank {p} weight_sync (multicast) epoch {epoch} timed out after 30 s "
-                                     f"waiting for rank {stalled} to join the operation (ready flag)")
+    assert str(failed[p]).startswith(
+        f"ultracomm: rank {p} weight_sync (multicast) epoch {epoch} timed out after 30 s "
+        f"waiting for rank {stalled} to join the operation (ready flag)"
+    )
     for e in failed.values():
-        assert f"rank {stalled} has not started this operation" in str(e) and "likely the stalled or dead rank" in str(e)
+        assert f"rank {stalled} has not started this operation" in str(e) and "likely the stalled or dead rank" in str(
+            e
+        )
     for r, d in dogs.items():  # every join word released to ABORT; ranks that got everything finished cleanly
         joins = [x.addr for x in programs[r] if x.stream == MAIN and x.kind == "wait"]
         assert all(v in (epoch, ABORT) for v in read_host(joins))
@@ -165,11 +179,14 @@ def test_peer_on_another_plan_fails_fast_and_receives_nothing(domain, how):
         programs[odd] = rank_commands(ctxs[odd], plan, words[odd], digest=0x1234)
     else:  # what reject() enqueues
         base, wl = ctxs[odd].window.peer_bases[odd], ctxs[odd].wlayout
-        programs[odd] = [Cmd("write", MAIN, flag_addr(wl, base, "digest"), int(_core.REJECTED_DIGEST), phase=0),
-                         Cmd("write", MAIN, flag_addr(wl, base, "ready"), phase=0)]
+        programs[odd] = [
+            Cmd("write", MAIN, flag_addr(wl, base, "digest"), int(_core.REJECTED_DIGEST), phase=0),
+            Cmd("write", MAIN, flag_addr(wl, base, "ready"), phase=0),
+        ]
     clock = Clock()
-    dogs = watch(ctxs, plan, programs, words, epoch, clock, skip=() if how == "other plan" else (odd,),
-                 digests={odd: 0x1234})
+    dogs = watch(
+        ctxs, plan, programs, words, epoch, clock, skip=() if how == "other plan" else (odd,), digests={odd: 0x1234}
+    )
     stuck = simulate(programs, epoch, seed=4, on_stall=polling(dogs, clock, 1.0))
     set_epoch(ctxs, epoch)
     assert clock.t - 100.0 < TIMEOUT  # found by the digest check, not the timeout
@@ -179,8 +196,10 @@ def test_peer_on_another_plan_fails_fast_and_receives_nothing(domain, how):
     e0 = dogs[p].take_error()
     assert isinstance(e0, PlanError)
     if how == "other plan":
-        assert str(e0).startswith(f"ultracomm: rank {p} weight_sync (multicast) epoch {epoch}: rank {odd} runs a "
-                                  "different plan for this operation (schedule digest 0x0000000000001234 in its window")
+        assert str(e0).startswith(
+            f"ultracomm: rank {p} weight_sync (multicast) epoch {epoch}: rank {odd} runs a "
+            "different plan for this operation (schedule digest 0x0000000000001234 in its window"
+        )
     else:
         assert f"rank {odd} rejected its plan for this operation" in str(e0)
     assert "before sending expert 1 chunk 0 to its slot 0" in str(e0)
@@ -191,10 +210,14 @@ def test_watchdog_thread_bounds_a_wait_in_real_time(domain):
     ctxs, plan, epoch, words = fresh(domain)
     cmds = rank_commands(ctxs[0], plan, words[0])
     d = Watchdog(0, 0.2, read_host, check_s=0.05)
-    d.add(pending_for(cmds, epoch, 1, None, ctxs[0].wlayout, ctxs[0].window.peer_bases,
-                      word_addr(words[0].ctypes.data, None)))
+    d.add(
+        pending_for(
+            cmds, epoch, 1, None, ctxs[0].wlayout, ctxs[0].window.peer_bases, word_addr(words[0].ctypes.data, None)
+        )
+    )
     d.start()
     try:
+
         def on_stall(stuck) -> bool:  # until the thread failed the operation (bounded)
             deadline = time.monotonic() + 20
             while d.failure is None and time.monotonic() < deadline:

@@ -3,6 +3,7 @@ architecture the build lists, with warnings as errors and no spills or local mem
 holds the instructions the movers claim (bulk copies and system-scope flags on sm_90/sm_100,
 128-bit vector accesses on sm_80, no non-coherent .nc loads); inline asm stays in one file;
 ``ultracomm._cuda`` imports and explains itself on a machine without a GPU."""
+
 from __future__ import annotations
 
 import glob
@@ -69,12 +70,12 @@ def test_sass_bulk_copies_and_system_flags(compiled, arch):
     assert len(kernels) == 3
     for fn, text in kernels.items():
         ops = _ops(text)
-        assert "UBLKCP.S.G" in ops, fn     # cp.async.bulk global -> shared (read once)
-        assert "UBLKCP.G.S" in ops, fn     # cp.async.bulk shared -> global (one per destination)
+        assert "UBLKCP.S.G" in ops, fn  # cp.async.bulk global -> shared (read once)
+        assert "UBLKCP.G.S" in ops, fn  # cp.async.bulk shared -> global (one per destination)
         assert "SYNCS.ARRIVE.TRANS64" in ops and "SYNCS.PHASECHK.TRANS64.TRYWAIT" in ops, fn  # mbarrier
         assert "FENCE.VIEW.ASYNC.G" in ops, fn  # fence.proxy.async.global after a relay's acquire
-        assert {o for o in ops if o.startswith("LD") and o.endswith(".64.STRONG.SYS")}, fn   # ld.{relaxed,acquire}.sys
-        assert {o for o in ops if o.startswith("ST") and o.endswith(".64.STRONG.SYS")}, fn   # st.release.sys
+        assert {o for o in ops if o.startswith("LD") and o.endswith(".64.STRONG.SYS")}, fn  # ld.{relaxed,acquire}.sys
+        assert {o for o in ops if o.startswith("ST") and o.endswith(".64.STRONG.SYS")}, fn  # st.release.sys
         assert "CCTL.IVALL" in ops and "MEMBAR.ALL.SYS" in ops, fn  # acquire / release halves
         # issue 34: flag waits poll relaxed (LD...64.STRONG.SYS, no CCTL.IVALL: an acquire in the
         # spin invalidated the whole L1 on every poll) and acquire once after the epoch is seen
@@ -124,8 +125,8 @@ def test_sass_sm80_vector_path(compiled):
     for fn, text in kernels.items():
         ops = _ops(text)
         assert not {o for o in ops if o.startswith("UBLKCP")}, fn  # no bulk copies before sm_90
-        assert {o for o in ops if o.startswith("LDG.E.128")}, fn     # 16-byte vector loads
-        assert {o for o in ops if o.startswith("STG.E.128")}, fn     # and stores
+        assert {o for o in ops if o.startswith("LDG.E.128")}, fn  # 16-byte vector loads
+        assert {o for o in ops if o.startswith("STG.E.128")}, fn  # and stores
         assert {o for o in ops if o.endswith(".64.STRONG.SYS")}, fn
 
 
@@ -169,8 +170,7 @@ def test_sass_join_by_first_ticket(compiled, arch):
 def _loops(sass_text: str) -> list[list[str]]:
     """Innermost loops of a SASS listing: the instructions from a backward branch's target to the
     branch, for branches whose range holds no other backward branch."""
-    lines = [(int(m.group(1), 16), m.group(2)) for m in
-             re.finditer(r"^\s+/\*([0-9a-f]+)\*/\s+(.*?);", sass_text, re.M)]
+    lines = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"^\s+/\*([0-9a-f]+)\*/\s+(.*?);", sass_text, re.M)]
     back = []
     for addr, ins in lines:
         m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)\s*$", ins)
@@ -214,7 +214,9 @@ def test_sass_load_exchange_flags(compiled, arch):
 
 
 def test_inline_asm_only_in_ptx_extra():
-    files = glob.glob(os.path.join(ROOT, "csrc", "cuda", "*")) + glob.glob(os.path.join(ROOT, "include", "ultracomm", "**", "*.h"), recursive=True)
+    files = glob.glob(os.path.join(ROOT, "csrc", "cuda", "*")) + glob.glob(
+        os.path.join(ROOT, "include", "ultracomm", "**", "*.h"), recursive=True
+    )
     assert files
     offenders = []
     for f in files:
@@ -264,7 +266,9 @@ def test_tma_without_gpu_raises_clear_error():
     from ultracomm.cuda.support import NotAvailableError, cuda_runtime
     from ultracomm.errors import UltracommError
 
-    with pytest.raises(NotAvailableError, match="the tma transport is not available: .*(CPU build|no CUDA device|driver)"):
+    with pytest.raises(
+        NotAvailableError, match="the tma transport is not available: .*(CPU build|no CUDA device|driver)"
+    ):
         cuda_runtime(0)
     assert issubclass(NotAvailableError, UltracommError)
 

@@ -5,6 +5,7 @@ padding, flags, digests) and every master.  Direct, relay and deep trees, world 
 fp32/bf16/fp16, odd member sizes (unaligned segments and tails), 1 and several CTAs per rank,
 TMA and forced-vector paths; a withheld rank times out with the host executor's words; a
 CUDA graph replays with fresh epochs."""
+
 from __future__ import annotations
 
 import threading
@@ -41,7 +42,7 @@ def _placed(t, misalign, device="cpu"):
     at odd addresses drive the copy and reduction down their narrow-unit paths)."""
     nbytes = t.numel() * t.element_size()
     buf = torch.zeros(nbytes + 64, dtype=torch.uint8, device=device)
-    out = buf[misalign:misalign + nbytes].view(t.dtype)
+    out = buf[misalign : misalign + nbytes].view(t.dtype)
     out.copy_(t.to(device))
     return out
 
@@ -50,8 +51,9 @@ class Domain:
     """Initial state of a loopback domain (CPU), run once through the host executor and once
     through the CUDA executor from identical copies."""
 
-    def __init__(self, world, slots, w_nbytes, g_elems, chunk, grad_dtype, num_experts, home_of, my_slots, seed=0,
-                 misalign=0):
+    def __init__(
+        self, world, slots, w_nbytes, g_elems, chunk, grad_dtype, num_experts, home_of, my_slots, seed=0, misalign=0
+    ):
         self.world, self.slots, self.chunk, self.dtype = world, slots, chunk, grad_dtype
         # masters' byte offset from an aligned address: weights any, grads whole elements
         self.mis_w, self.mis_g = misalign, misalign and ESIZE[grad_dtype]
@@ -68,16 +70,18 @@ class Domain:
                 if self.my_slots[r][s] >= 0:
                     members = [self._grad(n, g) for n in g_elems]
                     o = self.L["grads_off"] + s * self.L["grad_stride"]
-                    w[o:o + self.gsb] = slot_image(members, self.g_off, self.gsb, fill=FILL)
+                    w[o : o + self.gsb] = slot_image(members, self.g_off, self.gsb, fill=FILL)
             self.win.append(w)
-        self.masters = {e: [_placed(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g), self.mis_w)
-                            for n in w_nbytes] for e in range(num_experts)}
+        self.masters = {
+            e: [_placed(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g), self.mis_w) for n in w_nbytes]
+            for e in range(num_experts)
+        }
         self.master_grads = {e: [_placed(self._grad(n, g), self.mis_g) for n in g_elems] for e in range(num_experts)}
 
     def _grad(self, n, g):
         x = (torch.randn(n, generator=g) * 3).to(self.dtype)
         ib = torch.int32 if self.dtype == torch.float32 else torch.int16
-        lo, hi = (-(2 ** 31), 2 ** 31) if ib == torch.int32 else (-32768, 32768)
+        lo, hi = (-(2**31), 2**31) if ib == torch.int32 else (-32768, 32768)
         bits = torch.randint(lo, hi, (n,), dtype=ib, generator=g).view(self.dtype)
         return torch.where(torch.randint(0, 8, (n,), generator=g) == 0, bits, x)  # NaN/inf/subnormals too
 
@@ -100,14 +104,29 @@ class Domain:
         def body(r):
             ptrs, lidx = self.local(r, op, self.masters, self.master_grads)
             try:
-                _core.run_host(op=int(op), rank=r, world=self.world, epoch=epoch, slots=self.slots,
-                               weight_slot_bytes=self.wsb, grad_slot_bytes=self.gsb, chunk_bytes=self.chunk,
-                               window_bases=[w.data_ptr() for w in self.win], member_off=off, member_bytes=nb,
-                               master_ptrs=ptrs, local_index_of=lidx, grad_dtype={torch.float32: 0, torch.bfloat16: 1,
-                                                                                  torch.float16: 2}[self.dtype],
-                               my_slots=self.my_slots[r], tasks=tasks[r][:0] if r in withhold else tasks[r],
-                               refs=refs[r], num_workers=2, timeout_s=timeout_s, slot_parent=slot_parent[r],
-                               digest=DIGEST)
+                _core.run_host(
+                    op=int(op),
+                    rank=r,
+                    world=self.world,
+                    epoch=epoch,
+                    slots=self.slots,
+                    weight_slot_bytes=self.wsb,
+                    grad_slot_bytes=self.gsb,
+                    chunk_bytes=self.chunk,
+                    window_bases=[w.data_ptr() for w in self.win],
+                    member_off=off,
+                    member_bytes=nb,
+                    master_ptrs=ptrs,
+                    local_index_of=lidx,
+                    grad_dtype={torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}[self.dtype],
+                    my_slots=self.my_slots[r],
+                    tasks=tasks[r][:0] if r in withhold else tasks[r],
+                    refs=refs[r],
+                    num_workers=2,
+                    timeout_s=timeout_s,
+                    slot_parent=slot_parent[r],
+                    digest=DIGEST,
+                )
                 errs[r] = None
             except Exception as e:  # noqa: BLE001
                 errs[r] = e
@@ -135,10 +154,20 @@ class GpuCopy:
     def plan(self, op, tasks, refs, slot_parent, withhold=()):
         off, nb = self.d.members(op)
         loc = [self.d.local(r, op, self.masters, self.master_grads) for r in range(self.d.world)]
-        return self.lb.plan(op, tasks=tasks, refs=refs, member_off=off, member_bytes=nb,
-                            master_ptrs=[p for p, _ in loc], local_index_of=[li for _, li in loc],
-                            my_slots=self.d.my_slots, grad_dtype=self.d.dtype, slot_parent=slot_parent,
-                            digest=DIGEST, withhold=withhold)
+        return self.lb.plan(
+            op,
+            tasks=tasks,
+            refs=refs,
+            member_off=off,
+            member_bytes=nb,
+            master_ptrs=[p for p, _ in loc],
+            local_index_of=[li for _, li in loc],
+            my_slots=self.d.my_slots,
+            grad_dtype=self.d.dtype,
+            slot_parent=slot_parent,
+            digest=DIGEST,
+            withhold=withhold,
+        )
 
     def wait(self, limit_s=60.0):
         """Wait for the stream without hanging the test run if a kernel never finishes."""
@@ -177,7 +206,7 @@ def _parents(world, slots, trees):
     p = [[-1] * slots for _ in range(world)]
     for _e, _home, kids in trees:
         for node, cs in kids.items():
-            for (r, s) in cs:
+            for r, s in cs:
                 p[r][s] = node[0]
     return p
 
@@ -186,7 +215,7 @@ def _slots_of(world, slots, trees):
     my = [[-1] * slots for _ in range(world)]
     for e, _home, kids in trees:
         for cs in kids.values():
-            for (r, s) in cs:
+            for r, s in cs:
                 my[r][s] = e
     return my
 
@@ -196,10 +225,29 @@ def _slots_of(world, slots, trees):
 
 TREES = {
     "direct": (4, 2, [(0, 0, {(0, MASTER): [(1, 0), (2, 1), (3, 0)]}), (3, 3, {(3, MASTER): [(0, 1), (1, 1)]})]),
-    "relay": (4, 2, [(0, 0, {(0, MASTER): [(1, 0)], (1, 0): [(2, 1), (3, 0)]}),
-                     (2, 2, {(2, MASTER): [(0, 1)], (0, 1): [(1, 1)]})]),
-    "deep": (8, 1, [(0, 0, {(0, MASTER): [(1, 0)], (1, 0): [(2, 0)], (2, 0): [(3, 0)], (3, 0): [(4, 0)],
-                            (4, 0): [(5, 0), (6, 0)], (6, 0): [(7, 0)]})]),
+    "relay": (
+        4,
+        2,
+        [(0, 0, {(0, MASTER): [(1, 0)], (1, 0): [(2, 1), (3, 0)]}), (2, 2, {(2, MASTER): [(0, 1)], (0, 1): [(1, 1)]})],
+    ),
+    "deep": (
+        8,
+        1,
+        [
+            (
+                0,
+                0,
+                {
+                    (0, MASTER): [(1, 0)],
+                    (1, 0): [(2, 0)],
+                    (2, 0): [(3, 0)],
+                    (3, 0): [(4, 0)],
+                    (4, 0): [(5, 0), (6, 0)],
+                    (6, 0): [(7, 0)],
+                },
+            )
+        ],
+    ),
     "two": (2, 1, [(0, 0, {(0, MASTER): [(1, 0)]})]),
 }
 
@@ -213,9 +261,19 @@ def test_trees_bit_exact_with_host_executor(shape, dtype, ctas, force_vector, mi
     E = world
     # odd members: bulk bodies with byte tails (1000, 333), vector-only (7), several chunks (40000);
     # misaligned masters: no bulk copy, 1-byte units / scalar reduction
-    d = Domain(world, slots, [1000, 333, 7, 64, 40000], [250, 83, 3, 9000], chunk=4096, grad_dtype=dtype,
-               num_experts=E, home_of=list(range(E)), my_slots=_slots_of(world, slots, trees),
-               seed=sorted(TREES).index(shape), misalign=misalign)
+    d = Domain(
+        world,
+        slots,
+        [1000, 333, 7, 64, 40000],
+        [250, 83, 3, 9000],
+        chunk=4096,
+        grad_dtype=dtype,
+        num_experts=E,
+        home_of=list(range(E)),
+        my_slots=_slots_of(world, slots, trees),
+        seed=sorted(TREES).index(shape),
+        misalign=misalign,
+    )
     parent = _parents(world, slots, trees)
     for op, kind in ((Op.MULTICAST, TaskKind.COPY), (Op.REDUCE, TaskKind.REDUCE)):
         slot_bytes = d.wsb if op == Op.MULTICAST else d.gsb
@@ -239,13 +297,26 @@ def _random_plan(world, slots, experts, rng):
             cands += [e for e in range(experts) if home_of[e] != r and e not in slot_src[r] and rng.random() < 0.3]
             if cands and rng.random() < 0.9:
                 slot_src[r, s] = rng.choice(cands)
-    return SimpleNamespace(world=world, slots_per_rank=slots, num_experts=experts, slot_src=slot_src,
-                           home_of=np.array(home_of, dtype=np.int32))
+    return SimpleNamespace(
+        world=world,
+        slots_per_rank=slots,
+        num_experts=experts,
+        slot_src=slot_src,
+        home_of=np.array(home_of, dtype=np.int32),
+    )
 
 
-@pytest.mark.parametrize("world,relay_mode,dtype", [(2, "off", torch.float32), (3, "auto", torch.bfloat16),
-                                                    (5, "force", torch.float16), (8, "force", torch.bfloat16),
-                                                    (8, "off", torch.float32), (6, "auto", torch.float32)])
+@pytest.mark.parametrize(
+    "world,relay_mode,dtype",
+    [
+        (2, "off", torch.float32),
+        (3, "auto", torch.bfloat16),
+        (5, "force", torch.float16),
+        (8, "force", torch.bfloat16),
+        (8, "off", torch.float32),
+        (6, "auto", torch.float32),
+    ],
+)
 def test_builder_schedules_bit_exact(world, relay_mode, dtype):
     _require_cuda()
     from ultracomm.schedule import build_schedule
@@ -253,8 +324,18 @@ def test_builder_schedules_bit_exact(world, relay_mode, dtype):
     rng = np.random.default_rng(world * 7 + len(relay_mode))
     slots, experts = 3, 2 * world
     plan = _random_plan(world, slots, experts, rng)
-    d = Domain(world, slots, [70001, 913, 13], [17501, 45, 6], chunk=8192, grad_dtype=dtype, num_experts=experts,
-               home_of=[int(h) for h in plan.home_of], my_slots=plan.slot_src.tolist(), seed=world)
+    d = Domain(
+        world,
+        slots,
+        [70001, 913, 13],
+        [17501, 45, 6],
+        chunk=8192,
+        grad_dtype=dtype,
+        num_experts=experts,
+        home_of=[int(h) for h in plan.home_of],
+        my_slots=plan.slot_src.tolist(),
+        seed=world,
+    )
     sch = build_schedule(plan, d.wsb, d.gsb, chunk_bytes=d.chunk, relay_mode=relay_mode)
     for op in (Op.MULTICAST, Op.REDUCE):
         tasks = [sch.tasks(op, r) for r in range(world)]
@@ -270,8 +351,17 @@ def test_builder_schedules_bit_exact(world, relay_mode, dtype):
 def test_withheld_rank_times_out_then_next_epoch_runs():
     _require_cuda()
     world, slots, trees = TREES["relay"]
-    d = Domain(world, slots, [5000], [1000], chunk=1024, grad_dtype=torch.float32, num_experts=world,
-               home_of=list(range(world)), my_slots=_slots_of(world, slots, trees))
+    d = Domain(
+        world,
+        slots,
+        [5000],
+        [1000],
+        chunk=1024,
+        grad_dtype=torch.float32,
+        num_experts=world,
+        home_of=list(range(world)),
+        my_slots=_slots_of(world, slots, trees),
+    )
     parent = _parents(world, slots, trees)
     tasks, refs = tasks_from_trees(world, trees, d.wsb, d.chunk, TaskKind.COPY)
     gpu = GpuCopy(d, timeout_s=0.5)
@@ -304,14 +394,23 @@ def test_withheld_rank_times_out_then_next_epoch_runs():
             e = d.my_slots[r][s]
             if e >= 0:
                 o = d.L["weights_off"] + s * d.L["weight_stride"]
-                assert torch.equal(gpu.win[r][o:o + 5000].cpu(), d.masters[e][0]), (r, s)
+                assert torch.equal(gpu.win[r][o : o + 5000].cpu(), d.masters[e][0]), (r, s)
 
 
 def test_cuda_graph_capture_and_replay_runs_fresh_epochs():
     _require_cuda()
     world, slots, trees = TREES["relay"]
-    d = Domain(world, slots, [3000, 77], [500], chunk=1024, grad_dtype=torch.float32, num_experts=world,
-               home_of=list(range(world)), my_slots=_slots_of(world, slots, trees))
+    d = Domain(
+        world,
+        slots,
+        [3000, 77],
+        [500],
+        chunk=1024,
+        grad_dtype=torch.float32,
+        num_experts=world,
+        home_of=list(range(world)),
+        my_slots=_slots_of(world, slots, trees),
+    )
     parent = _parents(world, slots, trees)
     tasks, refs = tasks_from_trees(world, trees, d.wsb, d.chunk, TaskKind.COPY)
     gpu = GpuCopy(d)
@@ -332,20 +431,29 @@ def test_cuda_graph_capture_and_replay_runs_fresh_epochs():
         torch.cuda.synchronize()
         gpu.lb.check_error()
         for r in range(world):  # the replay ran epoch it on every rank
-            assert int(gpu.win[r][ready:ready + 8].cpu().view(torch.int64)) == it
+            assert int(gpu.win[r][ready : ready + 8].cpu().view(torch.int64)) == it
             for s in range(slots):
                 e = d.my_slots[r][s]
                 if e >= 0:
                     for m, (off, nb) in enumerate(zip(d.w_off, d.w_bytes)):
                         o = d.L["weights_off"] + s * d.L["weight_stride"] + off
-                        assert torch.equal(gpu.win[r][o:o + nb], gpu.masters[e][m]), (it, r, s, m)
+                        assert torch.equal(gpu.win[r][o : o + nb], gpu.masters[e][m]), (it, r, s, m)
 
 
 def _two_ranks(nbytes, chunk):
     """A two-rank domain (expert 0 copied to rank 1), its multicast tasks and parents."""
     world, slots, trees = TREES["two"]
-    d = Domain(world, slots, [nbytes], [nbytes // 4], chunk=chunk, grad_dtype=torch.float32, num_experts=world,
-               home_of=list(range(world)), my_slots=_slots_of(world, slots, trees))
+    d = Domain(
+        world,
+        slots,
+        [nbytes],
+        [nbytes // 4],
+        chunk=chunk,
+        grad_dtype=torch.float32,
+        num_experts=world,
+        home_of=list(range(world)),
+        my_slots=_slots_of(world, slots, trees),
+    )
     tasks, refs = tasks_from_trees(world, trees, d.wsb, d.chunk, TaskKind.COPY)
     return d, tasks, refs, _parents(world, slots, trees)
 

@@ -1,4 +1,5 @@
 """Choosing device, transport and window (ultracomm.dataplane), GPU availability errors, SM defaults."""
+
 from __future__ import annotations
 
 import logging
@@ -41,34 +42,40 @@ def layout() -> ExpertLayout:
     return ExpertLayout((Member("fc1", (4, 8), torch.bfloat16), Member("fc2", (8,), torch.bfloat16)))
 
 
-@pytest.mark.parametrize("transport, window, device, want", [
-    ("auto", "auto", None, "cpu"),
-    ("host", "auto", None, "cpu"),
-    ("auto", "local", None, "cpu"),
-    ("auto", "host_shm", None, "cpu"),
-    ("tma", "auto", None, "cuda"),
-    ("auto", "cuda_local", None, "cuda"),
-    ("auto", "torch_symm", None, "cuda"),
-    ("auto", "cuda_ipc", None, "cuda"),
-    ("auto", "auto", "cuda", "cuda"),
-    ("auto", "auto", "cuda:1", "cuda"),
-    ("auto", "auto", 0, "cuda"),
-    ("auto", "auto", "cpu", "cpu"),
-    ("auto", "cuda_ipc", "cuda:0", "cuda"),
-    ("tma", "local", None, "cpu"),  # an explicit window says where memory lives
-])
+@pytest.mark.parametrize(
+    "transport, window, device, want",
+    [
+        ("auto", "auto", None, "cpu"),
+        ("host", "auto", None, "cpu"),
+        ("auto", "local", None, "cpu"),
+        ("auto", "host_shm", None, "cpu"),
+        ("tma", "auto", None, "cuda"),
+        ("auto", "cuda_local", None, "cuda"),
+        ("auto", "torch_symm", None, "cuda"),
+        ("auto", "cuda_ipc", None, "cuda"),
+        ("auto", "auto", "cuda", "cuda"),
+        ("auto", "auto", "cuda:1", "cuda"),
+        ("auto", "auto", 0, "cuda"),
+        ("auto", "auto", "cpu", "cpu"),
+        ("auto", "cuda_ipc", "cuda:0", "cuda"),
+        ("tma", "local", None, "cpu"),  # an explicit window says where memory lives
+    ],
+)
 def test_device_type_rules(transport, window, device, want):
     assert device_type(transport, window, device) == want
 
 
-@pytest.mark.parametrize("transport, window, device, match", [
-    ("auto", "local", "cuda", r"window 'local' lives on the CPU but device='cuda'"),
-    ("auto", "cuda_ipc", "cpu", r"window 'cuda_ipc' lives on the CUDA but device='cpu'"),
-    ("tma", "auto", "cpu", r"transport 'tma' runs on a GPU but device='cpu'"),
-    ("host", "auto", "cuda:0", r"transport 'host' runs on the CPU but device='cuda:0'; use transport='tma'"),
-    ("auto", "auto", "meta", r"device must be a CPU or CUDA device, got 'meta'"),
-    ("auto", "bogus", None, r"window provider 'bogus' is not available in this build"),
-])
+@pytest.mark.parametrize(
+    "transport, window, device, match",
+    [
+        ("auto", "local", "cuda", r"window 'local' lives on the CPU but device='cuda'"),
+        ("auto", "cuda_ipc", "cpu", r"window 'cuda_ipc' lives on the CUDA but device='cpu'"),
+        ("tma", "auto", "cpu", r"transport 'tma' runs on a GPU but device='cpu'"),
+        ("host", "auto", "cuda:0", r"transport 'host' runs on the CPU but device='cuda:0'; use transport='tma'"),
+        ("auto", "auto", "meta", r"device must be a CPU or CUDA device, got 'meta'"),
+        ("auto", "bogus", None, r"window provider 'bogus' is not available in this build"),
+    ],
+)
 def test_device_type_contradictions(transport, window, device, match):
     with pytest.raises(ValueError, match=match):
         device_type(transport, window, device)
@@ -83,8 +90,11 @@ def test_auto_transport_follows_the_device(monkeypatch):
     monkeypatch.setitem(transports.TRANSPORTS, "tma", FakeTma)
     assert transports.resolve_transport("auto", "cuda") is FakeTma
     assert transports.resolve_transport("tma", "cpu") is FakeTma  # an explicit name is taken as given
-    with pytest.raises(ValueError, match=r"transport 'nccl' is not available in this build; transports: "
-                                         r"\['copy_engine', 'host', 'p2p', 'split', 'tma'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"transport 'nccl' is not available in this build; transports: "
+        r"\['copy_engine', 'host', 'p2p', 'split', 'tma'\]",
+    ):
         transports.resolve_transport("nccl")
 
 
@@ -150,15 +160,20 @@ def test_gpu_window_on_a_cpu_machine_is_refused():
 def _patch_available(monkeypatch, available: dict[str, bool]):
     for name, ok in available.items():
         cls = windows.PROVIDERS[name]
-        monkeypatch.setattr(cls, "unavailable_reason", staticmethod(lambda comm, ok=ok, n=name: None if ok else f"{n} off"))
+        monkeypatch.setattr(
+            cls, "unavailable_reason", staticmethod(lambda comm, ok=ok, n=name: None if ok else f"{n} off")
+        )
 
 
-@pytest.mark.parametrize("kind, available, allowed, want", [
-    ("loopback", dict(cuda_local=True, torch_symm=True, cuda_ipc=True), None, "cuda_local"),
-    ("torch", dict(cuda_local=False, torch_symm=True, cuda_ipc=True), None, "torch_symm"),
-    ("torch", dict(cuda_local=False, torch_symm=False, cuda_ipc=True), None, "cuda_ipc"),
-    ("torch", dict(cuda_local=False, torch_symm=True, cuda_ipc=True), ("cuda_ipc",), "cuda_ipc"),
-])
+@pytest.mark.parametrize(
+    "kind, available, allowed, want",
+    [
+        ("loopback", dict(cuda_local=True, torch_symm=True, cuda_ipc=True), None, "cuda_local"),
+        ("torch", dict(cuda_local=False, torch_symm=True, cuda_ipc=True), None, "torch_symm"),
+        ("torch", dict(cuda_local=False, torch_symm=False, cuda_ipc=True), None, "cuda_ipc"),
+        ("torch", dict(cuda_local=False, torch_symm=True, cuda_ipc=True), ("cuda_ipc",), "cuda_ipc"),
+    ],
+)
 def test_auto_window_prefers_in_order(monkeypatch, kind, available, allowed, want):
     _patch_available(monkeypatch, available)
     comm = LoopbackDomain(1).group(0) if kind == "loopback" else FakeTorchComm()
@@ -169,8 +184,10 @@ def test_auto_window_none_available_lists_why(monkeypatch):
     _patch_available(monkeypatch, dict(cuda_local=False, torch_symm=False, cuda_ipc=False))
     with pytest.raises(cs.NotAvailableError) as ei:
         windows.resolve_provider("auto", FakeTorchComm(), "cuda", ("torch_symm", "cuda_ipc"))
-    assert str(ei.value) == ("ultracomm: no GPU window is available here: cuda_local: not accepted by the transport; "
-                             "torch_symm: torch_symm off; cuda_ipc: cuda_ipc off; nvshmem: not accepted by the transport")
+    assert str(ei.value) == (
+        "ultracomm: no GPU window is available here: cuda_local: not accepted by the transport; "
+        "torch_symm: torch_symm off; cuda_ipc: cuda_ipc off; nvshmem: not accepted by the transport"
+    )
 
 
 def test_auto_window_cpu_is_unchanged():
@@ -184,8 +201,20 @@ class FakeTma(Transport):
     stream_ordered = True
     options = frozenset({"num_workers", "jitter_us", "multicast_sms", "reduce_sms"})
 
-    def __init__(self, *, rank, world, window, wlayout, layout, num_workers, timeout_s, jitter_us=0,
-                 multicast_sms=None, reduce_sms=None):
+    def __init__(
+        self,
+        *,
+        rank,
+        world,
+        window,
+        wlayout,
+        layout,
+        num_workers,
+        timeout_s,
+        jitter_us=0,
+        multicast_sms=None,
+        reduce_sms=None,
+    ):
         pass
 
 
@@ -201,8 +230,11 @@ def test_select_logs_the_choice(monkeypatch, caplog):
 
 
 def test_select_refuses_a_window_the_transport_cannot_use():
-    with pytest.raises(ValueError, match=r"transport 'host' cannot use window 'cuda_local'; use one of "
-                                         r"\('host_shm', 'local'\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"transport 'host' cannot use window 'cuda_local'; use one of "
+        r"\('host_shm', 'local'\)",
+    ):
         select(Config(transport="host", window="cuda_local"), LoopbackDomain(1).group(0))
 
 
@@ -224,17 +256,16 @@ def test_transport_kwargs_pass_resolved_sms(caplog):
     want_auto = default_sms(370e9, FALLBACK_PER_CTA_BW["multicast"])
     assert want_auto == 11  # ceil(370e9 / 34.5e9): the tile mover's measured per-CTA rate
     assert (kw["multicast_sms"], kw["reduce_sms"]) == (want_auto, 7)
-    assert "rank 2: multicast_sms=11 (auto: ceil(nvlink bw 3.7e+11 / measured per-CTA fallback 3.45e+10" \
-        in caplog.text
+    assert "rank 2: multicast_sms=11 (auto: ceil(nvlink bw 3.7e+11 / measured per-CTA fallback 3.45e+10" in caplog.text
     assert "rank 2: reduce_sms=7 (ULTRACOMM_REDUCE_SMS=7)" in caplog.text
     host_kw = transport_kwargs(HostTransport, cfg, None, rank=0, world=1, window=None, wlayout={}, layout=None)
     assert "multicast_sms" not in host_kw and host_kw["num_workers"] == cfg.num_workers
 
 
 def test_default_sms_formula():
-    assert default_sms(370e9, 16e9) == 24            # ceil(23.1)
-    assert default_sms(370e9, 185e9) == 2            # exact multiple: no extra SM
-    assert default_sms(370e9, 1e9) == 32             # capped
+    assert default_sms(370e9, 16e9) == 24  # ceil(23.1)
+    assert default_sms(370e9, 185e9) == 2  # exact multiple: no extra SM
+    assert default_sms(370e9, 1e9) == 32  # capped
     assert default_sms(370e9, 1e9, device_sms=20) == 20
     assert default_sms(1e9, 1e12) == 1
     with pytest.raises(ValueError, match="must be > 0"):
@@ -242,11 +273,27 @@ def test_default_sms_formula():
 
 
 def _profile(**over):
-    d = dict(schema="ultracomm.hwprofile/1", device="NVIDIA H200", compute_capability="9.0", sm_count=132,
-             date="2025-12-01T00:00:00Z", torch="2.11.0+cu130", cuda="13.0", source="perf/bench_gpu.py",
-             d2d_copy_bw=2.0e12, per_sm_copy_bw=100e9, per_sm_reduce_bw=None, sm_sweep=[[1, 100e9], [2, 190e9]],
-             reduce_bw=None, torch_reduce_bw=None, flag_rtt_s=None, launch_s=3e-6, relay_hop_s=[],
-             chunk_overhead_s=None, hop_bw=None)
+    d = dict(
+        schema="ultracomm.hwprofile/1",
+        device="NVIDIA H200",
+        compute_capability="9.0",
+        sm_count=132,
+        date="2025-12-01T00:00:00Z",
+        torch="2.11.0+cu130",
+        cuda="13.0",
+        source="perf/bench_gpu.py",
+        d2d_copy_bw=2.0e12,
+        per_sm_copy_bw=100e9,
+        per_sm_reduce_bw=None,
+        sm_sweep=[[1, 100e9], [2, 190e9]],
+        reduce_bw=None,
+        torch_reduce_bw=None,
+        flag_rtt_s=None,
+        launch_s=3e-6,
+        relay_hop_s=[],
+        chunk_overhead_s=None,
+        hop_bw=None,
+    )
     d.update(over)
     return d
 
@@ -271,20 +318,31 @@ def test_masters_must_live_where_the_window_does():
     cpu_g = [torch.zeros(2, 4, 8), torch.zeros(2, 8)]
     check_master_devices(torch.device("cpu"), "host", names, cpu_w, cpu_g, 2)
     meta_g = [t.to("meta") for t in cpu_g]
-    with pytest.raises(RegistrationError, match=r"grads\['fc1'\] is on meta, but this Context's window is on the "
-                                                r"CPU \(transport 'host'\); move the tensors with .cpu\(\), or create "
-                                                r"the Context with device='cuda'"):
+    with pytest.raises(
+        RegistrationError,
+        match=r"grads\['fc1'\] is on meta, but this Context's window is on the "
+        r"CPU \(transport 'host'\); move the tensors with .cpu\(\), or create "
+        r"the Context with device='cuda'",
+    ):
         check_master_devices(torch.device("cpu"), "host", names, cpu_w, meta_g, 2)
     # a device window: same device, and every expert's row 16-byte aligned
-    with pytest.raises(RegistrationError, match=r"weights\['fc1'\] is on cpu, but this Context's window is on meta; "
-                                                r"the tma transport reads and writes masters on the window's GPU"):
+    with pytest.raises(
+        RegistrationError,
+        match=r"weights\['fc1'\] is on cpu, but this Context's window is on meta; "
+        r"the tma transport reads and writes masters on the window's GPU",
+    ):
         check_master_devices(torch.device("meta"), "tma", names, cpu_w, meta_g, 2)
     meta_w = [t.to("meta") for t in cpu_w]
     check_master_devices(torch.device("meta"), "tma", names, meta_w, meta_g, 2)  # 64 and 16 bytes per expert
-    odd = [torch.zeros(2, 4, 8, dtype=torch.bfloat16, device="meta"), torch.zeros(2, 7, dtype=torch.bfloat16,
-                                                                                  device="meta")]
-    with pytest.raises(RegistrationError, match=r"weights\['fc2'\]: every expert's row must start 16-byte aligned "
-                                                r"for TMA bulk copies, got base 0x0 and 14 bytes per expert"):
+    odd = [
+        torch.zeros(2, 4, 8, dtype=torch.bfloat16, device="meta"),
+        torch.zeros(2, 7, dtype=torch.bfloat16, device="meta"),
+    ]
+    with pytest.raises(
+        RegistrationError,
+        match=r"weights\['fc2'\]: every expert's row must start 16-byte aligned "
+        r"for TMA bulk copies, got base 0x0 and 14 bytes per expert",
+    ):
         check_master_devices(torch.device("meta"), "tma", names, odd, meta_g, 2)
 
 

@@ -17,6 +17,7 @@ launch).
   world of one exercises its device path end to end (replication itself is the first test's).
 * The whole manager training step captured once and replayed with three routings, equal to eager
   execution bit for bit (world 1, as above)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -89,9 +90,18 @@ def test_captured_control_plane_replays_three_routings():
         res = device_planner.plan(host_loads.astype(np.int64), domain, slots)  # the planner's host build
         plan = ReplicaPlan.make(np.asarray(res.slot_src, np.int32), experts_per_rank=epr)
         plans.append(plan.slot_src.tolist())
-        scheds = [build_schedule_portable(plan, layout.weight_bytes, layout.grad_bytes, rank=r,
-                                          chunk_bytes=ctxs[0].wlayout["chunk_bytes"], max_depth=cfg.max_depth,
-                                          intra_bw=cfg.intra_bw) for r in range(world)]
+        scheds = [
+            build_schedule_portable(
+                plan,
+                layout.weight_bytes,
+                layout.grad_bytes,
+                rank=r,
+                chunk_bytes=ctxs[0].wlayout["chunk_bytes"],
+                max_depth=cfg.max_depth,
+                intra_bw=cfg.intra_bw,
+            )
+            for r in range(world)
+        ]
         want = expected_master_grads(AllRanks(scheds), layout, plan, master, replica)
         graph.replay()
         for c in ctxs:
@@ -134,11 +144,14 @@ def gpu_manager(group, epr, K, layers, main_grad=False):
     from ultracomm.moe import ReplicaManager
 
     dev = torch.device("cuda", 0)
-    mgr = ReplicaManager(group, mh.layout(), epr, K, layers, transport="tma", window="cuda_local", device="cuda:0",
-                         timeout_s=20)
+    mgr = ReplicaManager(
+        group, mh.layout(), epr, K, layers, transport="tma", window="cuda_local", device="cuda:0", timeout_s=20
+    )
     assert mgr.control_plane == "device"
-    params = [[torch.nn.Parameter(p.detach().to(dev)) for p in layer]
-              for layer in mh.make_params(group.rank, epr, layers, torch.float32, "stacked", False, False)]
+    params = [
+        [torch.nn.Parameter(p.detach().to(dev)) for p in layer]
+        for layer in mh.make_params(group.rank, epr, layers, torch.float32, "stacked", False, False)
+    ]
     for p in (p for layer_params in params for p in layer_params):
         if main_grad:
             p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=dev)
@@ -164,8 +177,9 @@ def test_manager_training_step_makes_no_host_sync(monkeypatch):
 
     def setup(group):
         mgr, params = gpu_manager(group, epr, K, layers)
-        batches = [[tuple(t.to(dev) for t in mh.batch(s, layer, 0, E, T)) for s in range(world)]
-                   for layer in range(layers)]
+        batches = [
+            [tuple(t.to(dev) for t in mh.batch(s, layer, 0, E, T)) for s in range(world)] for layer in range(layers)
+        ]
         return mgr, params, batches
 
     state = LoopbackDomain(world).run(setup)
@@ -179,8 +193,9 @@ def test_manager_training_step_makes_no_host_sync(monkeypatch):
         for layer in range(layers):
             _, rmap, probs, _ = batches[layer][group.rank]
             step = mgr.step(layer, rmap, probs)
-            loss = dense_rank_loss(step, group.rank, world, epr, K, batches[layer], params[layer],
-                                   step.replica_weights())
+            loss = dense_rank_loss(
+                step, group.rank, world, epr, K, batches[layer], params[layer], step.replica_weights()
+            )
             total = total + step.guard(loss)
         total.backward()
         return None
@@ -235,8 +250,9 @@ def test_manager_training_step_captured_once_replays_three_routings(monkeypatch)
         for layer in range(layers):
             x, rmap, probs, up = static[layer]
             step = mgr.step(layer, rmap, probs)
-            loss = dense_rank_loss(step, 0, world, epr, K, [(x, rmap, probs, up)], params[layer],
-                                   step.replica_weights())
+            loss = dense_rank_loss(
+                step, 0, world, epr, K, [(x, rmap, probs, up)], params[layer], step.replica_weights()
+            )
             total = total + step.guard(loss)
         total.backward()
         # as Megatron's DDP hook: a parameter's autograd .grad (the experts here run on views of the
@@ -257,8 +273,9 @@ def test_manager_training_step_captured_once_replays_three_routings(monkeypatch)
         train_step()
         torch.cuda.synchronize()
         want.append(grads())
-    assert any(not torch.equal(a, b) for a, b in zip(want[0][0], want[1][0])), \
-        f"the routings give equal grads: {[float(a.abs().sum()) for a in want[0][0]]}"  # the routings differ
+    assert any(not torch.equal(a, b) for a, b in zip(want[0][0], want[1][0])), (
+        f"the routings give equal grads: {[float(a.abs().sum()) for a in want[0][0]]}"
+    )  # the routings differ
     route(seeds[0])
     zero()
     graph = torch.cuda.CUDAGraph()

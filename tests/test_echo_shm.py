@@ -1,5 +1,6 @@
 """ECHO's staged all-to-all over shared memory (the CPU bench's like-for-like baseline): exact
 replica rows, gradients summed in the documented order, and a bounded wait for a missing peer."""
+
 from __future__ import annotations
 
 import numpy as np

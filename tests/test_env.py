@@ -1,5 +1,6 @@
 """Tests for ultracomm.env: parsing, validation, overrides, and that no other file reads
 ULTRACOMM_* environment variables."""
+
 from __future__ import annotations
 
 import os
@@ -127,7 +128,11 @@ BAD = [
     ("ULTRACOMM_DEBUG_JITTER_US", "-5", "must be in [0, 1000000]"),
     ("ULTRACOMM_DEBUG_JITTER_US", str(2**32), "must be in [0, 1000000]"),
     ("ULTRACOMM_HW_PROFILE", "/nonexistent/gpu_profile.json", "no such file"),
-    ("ULTRACOMM_PROFILE", str(REPO / "pyproject.toml"), "it is not a directory; give a directory (created when missing)"),
+    (
+        "ULTRACOMM_PROFILE",
+        str(REPO / "pyproject.toml"),
+        "it is not a directory; give a directory (created when missing)",
+    ),
     ("ULTRACOMM_DOMAIN", "node 0", "key 'node 0' is not 1 to 128 characters from A-Z a-z 0-9 . _ : / @ + -"),
     ("ULTRACOMM_DOMAIN", "a,", "key '' is not 1 to 128 characters"),
     ("ULTRACOMM_DOMAIN", "x" * 129, "is not 1 to 128 characters"),
@@ -150,7 +155,9 @@ def test_bad_values(name, text, why):
 
 
 def test_chunk_must_be_multiple_of_tile():
-    with pytest.raises(ConfigError, match=r"chunk_bytes=49152 \(ULTRACOMM_CHUNK_BYTES\) is not a multiple of tile_bytes=32768"):
+    with pytest.raises(
+        ConfigError, match=r"chunk_bytes=49152 \(ULTRACOMM_CHUNK_BYTES\) is not a multiple of tile_bytes=32768"
+    ):
         Config.from_env({"ULTRACOMM_CHUNK_BYTES": "48K"})
     c = Config.from_env({"ULTRACOMM_CHUNK_BYTES": "48K", "ULTRACOMM_TILE_BYTES": "16K"})
     assert c.chunk_bytes == 3 * c.tile_bytes
@@ -168,7 +175,11 @@ def test_replace():
     c = Config.from_env({})
     d = c.replace(tile_bytes="64K", chunk_bytes=1 << 21, transport="TMA", deterministic=False, timeout_s=5)
     assert (d.tile_bytes, d.chunk_bytes, d.transport, d.deterministic, d.timeout_s) == (
-        65536, 1 << 21, "tma", False, 5.0,
+        65536,
+        1 << 21,
+        "tma",
+        False,
+        5.0,
     )
     assert isinstance(d.timeout_s, float)
     assert c.tile_bytes == 32768  # original untouched
@@ -179,7 +190,10 @@ def test_replace():
 @pytest.mark.parametrize(
     "overrides, msg",
     [
-        (dict(tile_bytes=100), "tile_bytes=100 is invalid: must be a positive multiple of 16 bytes, at most 1099511627776 (1024G) (environment variable ULTRACOMM_TILE_BYTES)"),
+        (
+            dict(tile_bytes=100),
+            "tile_bytes=100 is invalid: must be a positive multiple of 16 bytes, at most 1099511627776 (1024G) (environment variable ULTRACOMM_TILE_BYTES)",
+        ),
         (dict(tile_bytes=True), "tile_bytes=True is invalid: expected an int"),
         (dict(num_workers=2.0), "num_workers=2.0 is invalid: expected an int"),
         (dict(deterministic=1), "deterministic=1 is invalid: expected a bool"),

@@ -3,6 +3,7 @@
 mismatch is a ``PlanMismatchError`` whichever check finds it; a configuration that differs
 across ranks is a ``ConfigError``; garbage on the load board names the rank that posted it; and
 no builtin exception escapes for a cause ultracomm detected."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -10,8 +11,18 @@ import pytest
 import torch
 
 from ultracomm import Context, LoopbackDomain, ReplicaPlan
-from ultracomm.errors import (ClosedError, ConfigError, LayoutError, PeerError, PlanError, PlanMismatchError,
-                              RegistrationError, UltracommError, UltracommTimeout, same_kind)
+from ultracomm.errors import (
+    ClosedError,
+    ConfigError,
+    LayoutError,
+    PeerError,
+    PlanError,
+    PlanMismatchError,
+    RegistrationError,
+    UltracommError,
+    UltracommTimeout,
+    same_kind,
+)
 
 from test_context import make_layout, masters_for
 
@@ -19,11 +30,22 @@ LAYOUT = make_layout(4, 4)
 PLAN = ReplicaPlan.make(np.array([[1], [0]], np.int32), experts_per_rank=1)
 
 
-@pytest.mark.parametrize("cause, kind", [
-    (UltracommTimeout("t"), UltracommTimeout), (TimeoutError("t"), UltracommTimeout),
-    (PlanMismatchError("m"), PlanMismatchError), (PlanError("p"), PlanError), (PeerError("x"), PeerError),
-    (ClosedError("c"), ClosedError), (ConfigError("c"), ConfigError), (RegistrationError("r"), RegistrationError),
-    (LayoutError("l"), LayoutError), (RuntimeError("r"), UltracommError), (None, UltracommError)])
+@pytest.mark.parametrize(
+    "cause, kind",
+    [
+        (UltracommTimeout("t"), UltracommTimeout),
+        (TimeoutError("t"), UltracommTimeout),
+        (PlanMismatchError("m"), PlanMismatchError),
+        (PlanError("p"), PlanError),
+        (PeerError("x"), PeerError),
+        (ClosedError("c"), ClosedError),
+        (ConfigError("c"), ConfigError),
+        (RegistrationError("r"), RegistrationError),
+        (LayoutError("l"), LayoutError),
+        (RuntimeError("r"), UltracommError),
+        (None, UltracommError),
+    ],
+)
 def test_a_later_error_keeps_its_cause_kind(cause, kind):
     err = same_kind(cause, "ultracomm: later")
     assert type(err) is kind and str(err) == "ultracomm: later"
@@ -33,6 +55,7 @@ def test_a_timeout_raised_by_the_next_operation_is_still_a_timeout():
     """Rank 1 never joins a grad_reduce: rank 0's asynchronous one times out; its next operation
     raises an UltracommTimeout (what `except UltracommTimeout` promises to catch) carrying the
     original text -- it was a plain UltracommError."""
+
     def body(group):
         with Context(group, LAYOUT, 1, 1, num_layers=1, max_microbatches=2, timeout_s=1.0) as ctx:
             ctx.register_masters(0, *masters_for(LAYOUT, ctx.rank, 1))
@@ -64,8 +87,9 @@ def test_plans_that_differ_raise_plan_mismatch_under_agree():
             return str(err.value)
 
     for text in LoopbackDomain(2).run(body):
-        assert text == ("ultracomm: plan differs across ranks (ranks [0]; ranks [1]); every rank must pass the same "
-                        "plan")
+        assert text == (
+            "ultracomm: plan differs across ranks (ranks [0]; ranks [1]); every rank must pass the same plan"
+        )
 
 
 def test_a_configuration_that_differs_raises_config_error():
@@ -75,8 +99,9 @@ def test_a_configuration_that_differs_raises_config_error():
         return str(err.value)
 
     for text in LoopbackDomain(2).run(body):
-        assert text.startswith("ultracomm: Context configuration differs across ranks (ranks [0]: ") and \
-            text.endswith("every rank must pass the same Context configuration"), text
+        assert text.startswith("ultracomm: Context configuration differs across ranks (ranks [0]: ") and text.endswith(
+            "every rank must pass the same Context configuration"
+        ), text
 
 
 def test_garbage_on_the_load_board_names_the_rank_that_posted_it():
@@ -106,5 +131,7 @@ def test_garbage_on_the_load_board_names_the_rank_that_posted_it():
                 board.close()
 
     text = LoopbackDomain(2).run(body)[0]
-    assert text.startswith("ultracomm: rank 0 step(layer 0) (expert loads): ranks [1] posted counts outside 0..") \
-        and "(rank 1: -7.." in text, text
+    assert (
+        text.startswith("ultracomm: rank 0 step(layer 0) (expert loads): ranks [1] posted counts outside 0..")
+        and "(rank 1: -7.." in text
+    ), text

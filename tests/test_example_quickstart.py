@@ -1,4 +1,5 @@
 """examples/quickstart.py (the README's "Using it" example) as a user runs it: torchrun on CPU."""
+
 from __future__ import annotations
 
 import os
@@ -14,8 +15,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run(world: int, *args: str) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           os.path.join(ROOT, "examples", "quickstart.py"), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={world}",
+        os.path.join(ROOT, "examples", "quickstart.py"),
+        *args,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ULTRACOMM_NUM_WORKERS": "2"}
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]

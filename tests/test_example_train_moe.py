@@ -1,4 +1,5 @@
 """examples/train_moe.py at CI size: torchrun, 4 ranks over gloo, three training modes."""
+
 from __future__ import annotations
 
 import os
@@ -16,8 +17,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.slow
 def test_train_moe_example_checks_pass():
     before = shm_segments()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-           os.path.join(ROOT, "examples", "train_moe.py"), "--check"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=4",
+        os.path.join(ROOT, "examples", "train_moe.py"),
+        "--check",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ULTRACOMM_NUM_WORKERS": "2"}
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     out = p.stdout
@@ -44,9 +52,23 @@ def test_train_moe_example_in_reverse_pipeline_order():
     gloo, 4 ranks; master grads match no replication, reruns bit-identical.  (This stacked-
     parameter model passed before the fix too; the cases that failed are regression-tested in
     test_moe_differential.py.)"""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-           os.path.join(ROOT, "examples", "train_moe.py"), "--check", "--modes", "none,ultracomm",
-           "--microbatches", "2", "--schedule", "F0 F1 B1 B0", "--steps", "2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=4",
+        os.path.join(ROOT, "examples", "train_moe.py"),
+        "--check",
+        "--modes",
+        "none,ultracomm",
+        "--microbatches",
+        "2",
+        "--schedule",
+        "F0 F1 B1 B0",
+        "--steps",
+        "2",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ULTRACOMM_NUM_WORKERS": "2"}
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]

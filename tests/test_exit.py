@@ -7,6 +7,7 @@ cycle) still had worker threads that re-took the GIL during finalization, and a 
 whose c10d call returned during finalization did the same (CPython ends such a thread by
 unwinding it through C++ frames: std::terminate).
 """
+
 from __future__ import annotations
 
 import os
@@ -25,13 +26,15 @@ def run_script(body: str, tmp_path) -> subprocess.CompletedProcess:
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(body))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": HERE + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, env=env,
-                          cwd=tmp_path)
+    return subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path
+    )
 
 
 @pytest.mark.slow
 def test_contexts_and_managers_do_not_keep_a_destroyed_group_alive(tmp_path):
-    p = run_script("""
+    p = run_script(
+        """
         import gc, weakref
         import numpy as np, torch, torch.distributed as dist
         from torch.distributed import distributed_c10d as c10d
@@ -69,7 +72,9 @@ def test_contexts_and_managers_do_not_keep_a_destroyed_group_alive(tmp_path):
         gc.collect()
         print("group alive:", group() is not None)
         print("step, manager, context alive:", [r() is not None for r in dropped])
-    """, tmp_path)
+    """,
+        tmp_path,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "group alive: False" in p.stdout, p.stdout
     assert "step, manager, context alive: [False, False, False]" in p.stdout, p.stdout
@@ -82,7 +87,8 @@ def test_a_store_call_running_at_exit_ends_before_python_finalizes(tmp_path):
     # during finalization keeps the interpreter there until the store thread is gone (at once
     # when ultracomm joined it at exit): a store thread still inside the c10d call would re-take
     # the GIL when the wait ends and abort the process.
-    p = run_script("""
+    p = run_script(
+        """
         import linecache, os, sys, threading, time
         import torch.distributed as dist
         from ultracomm import UltracommTimeout
@@ -120,7 +126,10 @@ def test_a_store_call_running_at_exit_ends_before_python_finalizes(tmp_path):
         import builtins
         builtins._ = HoldsFinalization()  # builtins._ is the first thing finalization frees
         print("main returns", flush=True)
-    """ % free_port(), tmp_path)
+    """
+        % free_port(),
+        tmp_path,
+    )
     assert "terminate called" not in p.stderr, p.stderr[-3000:]
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
     assert p.stdout == "main returns\nfinalization held until the store thread was gone\n", p.stdout

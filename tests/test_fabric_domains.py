@@ -1,5 +1,6 @@
 """Multi-node NVLink (NVL72-class) detection: a CUDA rank whose GPU completed its fabric registration is in
 domain nvlink:<cluster uuid>/<clique id>; fabric records are injected (nothing here ran on such a system)."""
+
 from __future__ import annotations
 
 import ctypes
@@ -13,15 +14,18 @@ from ultracomm.cuda.fabric import FabricInfo, fabric_key
 UUID = "00112233445566778899aabbccddeeff"
 
 
-@pytest.mark.parametrize("info,key", [
-    (FabricInfo(UUID, 7, 3), f"nvlink:{UUID}/7"),
-    (FabricInfo(UUID, 7, 2), None),  # registration in progress
-    (FabricInfo(UUID, 7, 1), None),  # not started
-    (FabricInfo(UUID, 7, 0), None),  # not supported (e.g. an H100 HGX board)
-    (FabricInfo(UUID, 7, 3, status=3), None),  # completed with an error
-    (FabricInfo("0" * 32, 0, 3), None),  # no cluster
-    (None, None),
-])
+@pytest.mark.parametrize(
+    "info,key",
+    [
+        (FabricInfo(UUID, 7, 3), f"nvlink:{UUID}/7"),
+        (FabricInfo(UUID, 7, 2), None),  # registration in progress
+        (FabricInfo(UUID, 7, 1), None),  # not started
+        (FabricInfo(UUID, 7, 0), None),  # not supported (e.g. an H100 HGX board)
+        (FabricInfo(UUID, 7, 3, status=3), None),  # completed with an error
+        (FabricInfo("0" * 32, 0, 3), None),  # no cluster
+        (None, None),
+    ],
+)
 def test_fabric_key(info, key):
     assert fabric_key(info) == key
 

@@ -4,6 +4,7 @@ SIGKILLed as its weight_sync starts, a rank SIGSTOPped between forward and backw
 UltracommTimeout naming exactly the faulted rank as stopped (blame by evidence:
 ultracomm.blame), none hangs, no /dev/shm segment is left.  ``python perf/fault_matrix.py`` runs
 the whole matrix (perf/README.md, "Failure semantics (CPU fault matrix)")."""
+
 from __future__ import annotations
 
 import os
@@ -16,8 +17,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "perf"))
 
 import fault_matrix  # noqa: E402
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs POSIX shared memory (/dev/shm)")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs POSIX shared memory (/dev/shm)"),
+]
 
 
 @pytest.mark.parametrize("transport,phase,kind,victims,world", fault_matrix.cases(small=True))
@@ -35,8 +38,9 @@ def test_every_survivor_names_the_faulted_rank(transport, phase, kind, victims, 
 
 
 def test_named_stopped_reads_the_evidence_sentence_and_older_wordings():
-    assert fault_matrix.named_stopped("x; by evidence, stopped: ranks [1, 3] (rank 1: ...); state unknown: "
-                                      "ranks [2]") == {1, 3}
+    assert fault_matrix.named_stopped(
+        "x; by evidence, stopped: ranks [1, 3] (rank 1: ...); state unknown: ranks [2]"
+    ) == {1, 3}
     assert fault_matrix.named_stopped("x; by evidence, stopped: ranks []; alive (heartbeat fresh): ranks [0]") == set()
     assert fault_matrix.unknown_listed("by evidence, stopped: ranks []; state unknown: ranks [2, 5]") == {2, 5}
     assert fault_matrix.named_stopped("ranks [0, 3] did not arrive (timeout ...); they are likely stalled") == {0, 3}

@@ -4,6 +4,7 @@ A rank that stalls, skips a collective, calls a different one or fails a setup s
 every other rank raise within the timeout, naming it.  The multi-process versions (SIGKILL,
 SIGSTOP) are in test_faults_mp.py.
 """
+
 from __future__ import annotations
 
 import os
@@ -15,8 +16,15 @@ import numpy as np
 import pytest
 
 import ultracomm
-from ultracomm import (Context, LoopbackDomain, PeerError, PlanMismatchError, ReplicaPlan, UltracommError,
-                       UltracommTimeout)
+from ultracomm import (
+    Context,
+    LoopbackDomain,
+    PeerError,
+    PlanMismatchError,
+    ReplicaPlan,
+    UltracommError,
+    UltracommTimeout,
+)
 from ultracomm.comm import as_comm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -41,13 +49,19 @@ def test_survivors_raise_within_timeout_and_late_rank_raises_too():
         comm = as_comm(group, TIMEOUT)
         if group.rank == 2:  # stalled: arrives only after both others have given up
             both_gave_up.wait(30)
-            with pytest.raises(UltracommTimeout, match=r"rank 2 Context setup \(configuration\): ranks \[0, 1\] had "
-                                                       r"already timed out waiting for this rank"):
+            with pytest.raises(
+                UltracommTimeout,
+                match=r"rank 2 Context setup \(configuration\): ranks \[0, 1\] had "
+                r"already timed out waiting for this rank",
+            ):
                 comm.all_gather_object(2, op="Context setup", what="configuration")
             return True
         t0 = time.monotonic()
-        with pytest.raises(UltracommTimeout, match=rf"rank {group.rank} Context setup \(configuration\) timed out "
-                                                   r"after 0.5 s: ranks \[2\] did not arrive"):
+        with pytest.raises(
+            UltracommTimeout,
+            match=rf"rank {group.rank} Context setup \(configuration\) timed out "
+            r"after 0.5 s: ranks \[2\] did not arrive",
+        ):
             comm.all_gather_object(group.rank, op="Context setup", what="configuration")
         elapsed[group.rank] = time.monotonic() - t0
         if gave_up.wait() == 0:
@@ -64,10 +78,16 @@ def test_ranks_in_different_collectives_raise_at_once():
         comm = as_comm(group, 30.0)  # no rank should need to wait for it
         t0 = time.monotonic()
         op = ("weight_sync", "plan agreement") if group.rank else ("Context setup", "configuration")
-        others = r"ranks \[1, 2\] posted weight_sync \(plan agreement\)" if group.rank == 0 else \
-            r"rank 0 posted Context setup \(configuration\)"
-        with pytest.raises(PlanMismatchError, match=rf"rank {group.rank} {op[0]} \({op[1]}\): ranks called different "
-                                                    rf"operations \({others}\); every rank must call the same"):
+        others = (
+            r"ranks \[1, 2\] posted weight_sync \(plan agreement\)"
+            if group.rank == 0
+            else r"rank 0 posted Context setup \(configuration\)"
+        )
+        with pytest.raises(
+            PlanMismatchError,
+            match=rf"rank {group.rank} {op[0]} \({op[1]}\): ranks called different "
+            rf"operations \({others}\); every rank must call the same",
+        ):
             comm.all_gather_object(None, op=op[0], what=op[1])
         return time.monotonic() - t0
 
@@ -100,8 +120,11 @@ def test_agree_fails_every_rank_naming_the_failed_one():
             with pytest.raises(OSError, match="File name too long"):
                 comm.agree(step, op="Context setup", what="host_shm mapping")
         else:
-            with pytest.raises(PeerError, match=r"rank \d Context setup \(host_shm mapping\): ranks \[1\] failed: "
-                                                r"rank 1: OSError: \[Errno 36\] File name too long"):
+            with pytest.raises(
+                PeerError,
+                match=r"rank \d Context setup \(host_shm mapping\): ranks \[1\] failed: "
+                r"rank 1: OSError: \[Errno 36\] File name too long",
+            ):
                 comm.agree(step, op="Context setup", what="host_shm mapping")
         return comm.agree(lambda: group.rank * 10, op="t", what="after")  # the group is still usable
 
@@ -116,8 +139,11 @@ def test_context_setup_with_a_missing_rank_times_out(window):
         if group.rank == 1:
             return None  # never creates its Context
         t0 = time.monotonic()
-        with pytest.raises(UltracommTimeout, match=r"rank 0 Context setup \(configuration\) timed out after 0.5 s: "
-                                                   r"ranks \[1\] did not arrive"):
+        with pytest.raises(
+            UltracommTimeout,
+            match=r"rank 0 Context setup \(configuration\) timed out after 0.5 s: "
+            r"ranks \[1\] did not arrive",
+        ):
             Context(group, make_layout(4, 4), 1, 1, num_layers=1, window=window, timeout_s=TIMEOUT)
         return time.monotonic() - t0
 
@@ -135,8 +161,11 @@ def test_one_rank_failing_setup_fails_every_rank():
             with pytest.raises(ultracomm.ConfigError, match="chunk_bytes=8 is invalid"):
                 Context(group, make_layout(4, 4), 1, 1, num_layers=1, window="host_shm", timeout_s=30, **kw)
         else:
-            with pytest.raises(PeerError, match=r"Context setup \(configuration\): ranks \[2\] failed: rank 2: "
-                                                r"ConfigError: chunk_bytes=8 is invalid"):
+            with pytest.raises(
+                PeerError,
+                match=r"Context setup \(configuration\): ranks \[2\] failed: rank 2: "
+                r"ConfigError: chunk_bytes=8 is invalid",
+            ):
                 Context(group, make_layout(4, 4), 1, 1, num_layers=1, window="host_shm", timeout_s=30, **kw)
         return True
 
@@ -178,8 +207,11 @@ def test_plan_agreement_with_a_rank_that_skips_weight_sync():
             if group.rank == 1:
                 return True  # skips weight_sync
             t0 = time.monotonic()
-            with pytest.raises(UltracommTimeout, match=r"rank 0 weight_sync \(plan agreement\) timed out after 0.5 s: "
-                                                       r"ranks \[1\] did not arrive"):
+            with pytest.raises(
+                UltracommTimeout,
+                match=r"rank 0 weight_sync \(plan agreement\) timed out after 0.5 s: "
+                r"ranks \[1\] did not arrive",
+            ):
                 ctx.weight_sync(vid, plan)
             assert time.monotonic() - t0 <= TIMEOUT + MARGIN
             with pytest.raises(UltracommError, match="failed earlier"):  # out of step: the Context is done

@@ -8,6 +8,7 @@ The launcher (this process) hosts the group's TCPStore, as torchrun's agent does
 killed or stopped rank never takes the store with it.  Workers are forked from a forkserver
 that has torch and ultracomm imported already, which keeps a scenario to a few seconds.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,8 +29,10 @@ from conftest import leftover_segments, shm_segments  # noqa: E402
 
 import fault_worker  # noqa: E402
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs POSIX shared memory (/dev/shm)")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs POSIX shared memory (/dev/shm)"),
+]
 
 WORLD = 3
 TIMEOUT_S = 2.0
@@ -61,8 +64,9 @@ def _launch(scenario: str, out_dir: str) -> tuple[list[dict], dict, float | None
         port = store.port
     ctx = _mp()
     env_before = os.environ.get("OMP_NUM_THREADS")
-    procs = [ctx.Process(target=fault_worker.main, args=(r, WORLD, port, scenario, out_dir, TIMEOUT_S))
-             for r in range(WORLD)]
+    procs = [
+        ctx.Process(target=fault_worker.main, args=(r, WORLD, port, scenario, out_dir, TIMEOUT_S)) for r in range(WORLD)
+    ]
     for p in procs:
         p.start()
     victim = procs[-1]
@@ -97,33 +101,56 @@ def _launch(scenario: str, out_dir: str) -> tuple[list[dict], dict, float | None
 _EXECUTOR = r"rank {{r}} {op} epoch 2 timed out after 2 s waiting for rank 2.*rank 2 has not started this operation"
 # scenario -> (what each survivor's error must say, what the victim's must say or "killed")
 EXPECT = {
-    "setup_kill": (r"rank {r} Context setup \(host_shm segment creation\) timed out after 2 s: ranks \[2\] did not "
-                   r"arrive", "killed"),
-    "setup_stop": (r"rank {r} Context setup \(host_shm segment creation\) timed out after 2 s: ranks \[2\] did not "
-                   r"arrive", r"rank 2 Context setup \(host_shm segment creation\): ranks \[0, 1\] had already timed "
-                              r"out waiting for this rank"),
-    "between_kill": (r"rank {r} weight_sync \(plan agreement\) timed out after 2 s: ranks \[2\] did not arrive",
-                     "killed"),
-    "between_stop": (r"rank {r} weight_sync \(plan agreement\) timed out after 2 s: ranks \[2\] did not arrive",
-                     r"rank 2 weight_sync \(plan agreement\): ranks \[0, 1\] had already timed out"),
+    "setup_kill": (
+        r"rank {r} Context setup \(host_shm segment creation\) timed out after 2 s: ranks \[2\] did not "
+        r"arrive",
+        "killed",
+    ),
+    "setup_stop": (
+        r"rank {r} Context setup \(host_shm segment creation\) timed out after 2 s: ranks \[2\] did not "
+        r"arrive",
+        r"rank 2 Context setup \(host_shm segment creation\): ranks \[0, 1\] had already timed "
+        r"out waiting for this rank",
+    ),
+    "between_kill": (
+        r"rank {r} weight_sync \(plan agreement\) timed out after 2 s: ranks \[2\] did not arrive",
+        "killed",
+    ),
+    "between_stop": (
+        r"rank {r} weight_sync \(plan agreement\) timed out after 2 s: ranks \[2\] did not arrive",
+        r"rank 2 weight_sync \(plan agreement\): ranks \[0, 1\] had already timed out",
+    ),
     "weight_sync_kill": (_EXECUTOR.format(op=r"weight_sync \(multicast\)"), "killed"),
-    "weight_sync_stop": (_EXECUTOR.format(op=r"weight_sync \(multicast\)"),
-                         r"rank 2 weight_sync \(multicast\) epoch 2 timed out after 2 s"),
+    "weight_sync_stop": (
+        _EXECUTOR.format(op=r"weight_sync \(multicast\)"),
+        r"rank 2 weight_sync \(multicast\) epoch 2 timed out after 2 s",
+    ),
     "grad_reduce_kill": (_EXECUTOR.format(op=r"grad_reduce \(reduce\)"), "killed"),
-    "grad_reduce_stop": (_EXECUTOR.format(op=r"grad_reduce \(reduce\)"),
-                         r"rank 2 grad_reduce \(reduce\) epoch 2 timed out after 2 s"),
-    "skip_op": (r"rank {r} weight_sync \(plan agreement\) timed out after 2 s: ranks \[2\] did not arrive",
-                r"rank 2 grad_reduce \(reduce\) epoch 2 timed out after 2 s"),
-    "different_collective": (r"rank {r} weight_sync \(plan agreement\): ranks called different operations \(rank 2 "
-                             r"posted Context setup \(configuration\)\)",
-                             r"rank 2 Context setup \(configuration\): ranks called different operations \(ranks "
-                             r"\[0, 1\] posted weight_sync \(plan agreement\)\)"),
-    "different_ops": (_EXECUTOR.format(op=r"grad_reduce \(reduce\)"),
-                      r"rank 2 restore \(multicast\) epoch 2 timed out after 2 s"),
+    "grad_reduce_stop": (
+        _EXECUTOR.format(op=r"grad_reduce \(reduce\)"),
+        r"rank 2 grad_reduce \(reduce\) epoch 2 timed out after 2 s",
+    ),
+    "skip_op": (
+        r"rank {r} weight_sync \(plan agreement\) timed out after 2 s: ranks \[2\] did not arrive",
+        r"rank 2 grad_reduce \(reduce\) epoch 2 timed out after 2 s",
+    ),
+    "different_collective": (
+        r"rank {r} weight_sync \(plan agreement\): ranks called different operations \(rank 2 "
+        r"posted Context setup \(configuration\)\)",
+        r"rank 2 Context setup \(configuration\): ranks called different operations \(ranks "
+        r"\[0, 1\] posted weight_sync \(plan agreement\)\)",
+    ),
+    "different_ops": (
+        _EXECUTOR.format(op=r"grad_reduce \(reduce\)"),
+        r"rank 2 restore \(multicast\) epoch 2 timed out after 2 s",
+    ),
     # the store went with its host: unreachable at once (killed) or silent (stopped)
     "store_host_kill": (r"rank {r} weight_sync \(plan agreement\): the process group's store is unreachable", "killed"),
-    "store_host_stop": (r"rank {r} weight_sync \(plan agreement\)(: the process group's store is unreachable| timed "
-                        r"out after 2 s: ranks \[2\] did not arrive)", r"rank 2 weight_sync"),
+    "store_host_stop": (
+        r"rank {r} weight_sync \(plan agreement\)(: the process group's store is unreachable| timed "
+        r"out after 2 s: ranks \[2\] did not arrive)",
+        r"rank 2 weight_sync",
+    ),
 }
 
 

@@ -1,5 +1,6 @@
 """FP8 runtime copies (issue 37): the layout's FP8 and scale members, their bytes multicast
 unconverted, gradients reduced only for the members that carry one; the quantizer."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -33,12 +34,15 @@ def test_fp8_swiglu_layout_halves_the_bytes_of_bf16():
         assert lay.grad_members == (0, 2) and lay.fp8
 
 
-@pytest.mark.parametrize("member, match", [
-    (lambda: Member("w", (4, 32), E4M3, master_dtype=torch.float64), "master_dtype .* must be one of"),
-    (lambda: Member("s", (4, 1), torch.float32, grad=False, master_dtype=torch.float32), "has no master"),
-    (lambda: Member("w", (4, 32), torch.bfloat16, master_dtype=torch.float32), "differs from its dtype"),
-    (lambda: Member("w", (4, 32), torch.bfloat16, grad=1), "grad must be True or False"),
-])
+@pytest.mark.parametrize(
+    "member, match",
+    [
+        (lambda: Member("w", (4, 32), E4M3, master_dtype=torch.float64), "master_dtype .* must be one of"),
+        (lambda: Member("s", (4, 1), torch.float32, grad=False, master_dtype=torch.float32), "has no master"),
+        (lambda: Member("w", (4, 32), torch.bfloat16, master_dtype=torch.float32), "differs from its dtype"),
+        (lambda: Member("w", (4, 32), torch.bfloat16, grad=1), "grad must be True or False"),
+    ],
+)
 def test_member_errors(member, match):
     with pytest.raises(LayoutError, match=match):
         member()
@@ -97,7 +101,9 @@ def test_quantize_into_registered_tensors():
     q, s = quantize(w, out=out)
     assert q is out[0] and s is out[1]
     q2, s2 = quantize(w)
-    assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s.view(torch.uint8), s2.view(torch.uint8))
+    assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(
+        s.view(torch.uint8), s2.view(torch.uint8)
+    )
 
 
 # ------------------------------------------------------------------ Context: multicast and reduce
@@ -112,8 +118,10 @@ def _bytes(shape, dtype, seed):
 
 
 def _fp8_masters(layout, rank, seed=0):
-    weights = [torch.stack([_bytes(m.shape, m.dtype, 7919 * (rank * EPR + j) + 31 * i + seed)
-                            for j in range(EPR)]) for i, m in enumerate(layout.members)]
+    weights = [
+        torch.stack([_bytes(m.shape, m.dtype, 7919 * (rank * EPR + j) + 31 * i + seed) for j in range(EPR)])
+        for i, m in enumerate(layout.members)
+    ]
     grads = [torch.zeros((EPR, *m.shape)) if m.grad else None for m in layout.members]
     return weights, grads
 
@@ -139,8 +147,19 @@ def test_fp8_members_multicast_bit_exactly_and_reduce_like_plain_members(scaling
     def body(group):
         out = {}
         for name, lay in (("fp8", fp8), ("plain", plain)):
-            with Context(group, lay, EPR, SLOTS, num_layers=1, max_microbatches=1, relay_mode="force",
-                         chunk_bytes=4096, tile_bytes=1024, num_workers=2, timeout_s=60.0) as ctx:
+            with Context(
+                group,
+                lay,
+                EPR,
+                SLOTS,
+                num_layers=1,
+                max_microbatches=1,
+                relay_mode="force",
+                chunk_bytes=4096,
+                tile_bytes=1024,
+                num_workers=2,
+                timeout_s=60.0,
+            ) as ctx:
                 weights, grads = _fp8_masters(lay, ctx.rank)
                 ctx.register_masters(0, weights, grads)
                 vid = ctx.begin(0)
@@ -161,8 +180,9 @@ def test_fp8_members_multicast_bit_exactly_and_reduce_like_plain_members(scaling
             want, _ = _fp8_masters(fp8, e // EPR)
             for m, mem in enumerate(fp8.members):
                 assert got[s][m].dtype == mem.dtype
-                assert torch.equal(got[s][m].view(torch.uint8), want[m][e % EPR].view(torch.uint8)), \
+                assert torch.equal(got[s][m].view(torch.uint8), want[m][e % EPR].view(torch.uint8)), (
                     f"rank {r} slot {s} expert {e} member {mem.name}"
+                )
         fp8_grads, plain_grads = res["fp8"][1], res["plain"][1]
         for a, b in zip(fp8_grads, plain_grads):
             assert torch.equal(a.view(torch.int32), b.view(torch.int32))
@@ -185,8 +205,11 @@ def test_fp8_registration_errors():
     def body(group):
         with Context(group, lay, EPR, SLOTS, num_layers=1, max_microbatches=1, timeout_s=30.0) as ctx:
             weights, grads = _fp8_masters(lay, ctx.rank)
-            with pytest.raises(RegistrationError, match=r"grads\['fc1_scale'\]: member 'fc1_scale' carries no "
-                                                        r"gradient \(grad=False\); pass None"):
+            with pytest.raises(
+                RegistrationError,
+                match=r"grads\['fc1_scale'\]: member 'fc1_scale' carries no "
+                r"gradient \(grad=False\); pass None",
+            ):
                 ctx.register_masters(0, weights, [grads[0], torch.zeros(EPR, 2 * I, 2), grads[2], None])
             with pytest.raises(RegistrationError, match=r"grads\['fc2'\]: member 'fc2' carries a gradient"):
                 ctx.register_masters(0, weights, [grads[0], None, None, None])

@@ -10,6 +10,7 @@ numbers either way, and the gradients only re-associate fp32 sums.  bf16 masters
 2^-7: the home wgrad and the replicas' fp32 sum are each rounded to bf16 before autograd adds
 them, where the run without ultracomm rounds one sum.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -46,7 +47,7 @@ def test_mxfp8_block_scaled(mx_dims, stack):
 
 @pytest.mark.parametrize("stack", ["backward", "megatron_ddp"])
 def test_fp8_bf16_masters_one_step(stack):
-    sh.compare(*_both(4, 2, 2, stack=stack, fp8="row", master_dtype=torch.bfloat16, steps=1), tol=2.0 ** -7)
+    sh.compare(*_both(4, 2, 2, stack=stack, fp8="row", master_dtype=torch.bfloat16, steps=1), tol=2.0**-7)
 
 
 def test_fp8_twice_under_checkpointing_world_two():
@@ -76,8 +77,11 @@ def test_fp8_registration_errors():
             mgr.register_layer(0, copies, masters=[params[0], None, None, None])
         with pytest.raises(RegistrationError, match=r"masters\['fc1_scale'\]: member 'fc1_scale' carries no gradient"):
             mgr.register_layer(0, copies, masters=[params[0], params[0], params[1], None])
-        with pytest.raises(RegistrationError, match=r"masters\['fc1'\]: expected .* in torch.float32; got "
-                                                    r"torch.bfloat16"):
+        with pytest.raises(
+            RegistrationError,
+            match=r"masters\['fc1'\]: expected .* in torch.float32; got "
+            r"torch.bfloat16",
+        ):
             mgr.register_layer(0, copies, masters=[params[0].bfloat16(), None, params[1], None])
         with pytest.raises(RegistrationError, match="one entry per member"):
             mgr.register_layer(0, copies, masters=[params[0], params[1]])
@@ -101,8 +105,11 @@ def test_an_fp8_gradient_through_autograd_raises():
         # raises before the collective reduce, so no rank waits for another
         x = torch.randn(3, mh.H, requires_grad=True)
         loss = step.guard((x @ dequantize(q1[0], s1[0]).t()).sum())
-        with pytest.raises(UltracommError, match=r"FP8 member 'fc1' got its gradient through autograd, which rounds "
-                                                 r"it to torch.float8_e4m3fn; accumulate .* into weight.main_grad"):
+        with pytest.raises(
+            UltracommError,
+            match=r"FP8 member 'fc1' got its gradient through autograd, which rounds "
+            r"it to torch.float8_e4m3fn; accumulate .* into weight.main_grad",
+        ):
             loss.backward()
 
     LoopbackDomain(2).run(lambda g: _manager_rank(g, check))

@@ -4,6 +4,7 @@ the correct result -- never a hang, a crash, an unclear error or a silently wron
 Bounded to a few hundred examples (about 10 s together on a loaded 2-core machine); every
 Context runs with a short timeout so that a hang would surface as a failure, not a stall.
 """
+
 from __future__ import annotations
 
 import os
@@ -15,8 +16,19 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from ultracomm import (Config, ConfigError, Context, ExpertLayout, LayoutError, LoopbackDomain, Member, PlanError,
-                       ReplicaPlan, UltracommError, UltracommTimeout)
+from ultracomm import (
+    Config,
+    ConfigError,
+    Context,
+    ExpertLayout,
+    LayoutError,
+    LoopbackDomain,
+    Member,
+    PlanError,
+    ReplicaPlan,
+    UltracommError,
+    UltracommTimeout,
+)
 from ultracomm.env import MAX_CHUNK_BYTES, VARIABLES
 from ultracomm.schedule import build_schedule
 
@@ -24,14 +36,46 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from conftest import expected_master_grads, random_slot_src  # noqa: E402
 from test_context import check_replicas, masters_for  # noqa: E402
 
+
 def fuzz(n: int) -> settings:
     return settings(max_examples=n, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 
+
 _NUMBERS = st.one_of(
     st.integers(-5, 70000).map(str),
-    st.sampled_from([str(2**31), str(2**32), str(2**63), str(2**64 - 32768), str(2**64), "99999999999", "1e300",
-                     "inf", "nan", "-0", "0x10", "1.5", " 8 ", "", "16K", "1M", "1025G", "4G", "32KiB", "1e9",
-                     "370G", "true", "off", "force", "host", "local", "auto", "garbage"]))
+    st.sampled_from(
+        [
+            str(2**31),
+            str(2**32),
+            str(2**63),
+            str(2**64 - 32768),
+            str(2**64),
+            "99999999999",
+            "1e300",
+            "inf",
+            "nan",
+            "-0",
+            "0x10",
+            "1.5",
+            " 8 ",
+            "",
+            "16K",
+            "1M",
+            "1025G",
+            "4G",
+            "32KiB",
+            "1e9",
+            "370G",
+            "true",
+            "off",
+            "force",
+            "host",
+            "local",
+            "auto",
+            "garbage",
+        ]
+    ),
+)
 
 
 def assert_clear(e: BaseException) -> None:
@@ -70,8 +114,9 @@ def cases(draw):
     relay = draw(st.sampled_from(["off", "auto", "force"]))
     if draw(st.integers(0, 3)) != 2:  # mostly a valid plan, possibly for another world or slot count
         pw, ps = world + draw(st.sampled_from([0, 0, 0, 1])), slots + draw(st.sampled_from([0, 0, 0, 1]))
-        slot_src = random_slot_src(np.random.default_rng(draw(st.integers(0, 2**16))), pw, ps, epr,
-                                   draw(st.sampled_from([0.5, 1.0])))
+        slot_src = random_slot_src(
+            np.random.default_rng(draw(st.integers(0, 2**16))), pw, ps, epr, draw(st.sampled_from([0.5, 1.0]))
+        )
     else:  # anything: out of range, own home, duplicates, huge, unsigned
         values = st.one_of(st.integers(-3, world * epr + 2), st.sampled_from([2**31, 2**64 - 1, -(2**40)]))
         rows = draw(st.lists(st.lists(values, min_size=slots, max_size=slots), min_size=world, max_size=world))
@@ -105,8 +150,18 @@ def test_context_inputs_give_a_clear_error_or_exact_bytes(case):
     def body(group):
         r = group.rank
         try:
-            ctx = Context(group, layout, epr, slots, num_layers=1, chunk_bytes=chunk, tile_bytes=tile,
-                          relay_mode=relay, timeout_s=20.0, num_workers=2)
+            ctx = Context(
+                group,
+                layout,
+                epr,
+                slots,
+                num_layers=1,
+                chunk_bytes=chunk,
+                tile_bytes=tile,
+                relay_mode=relay,
+                timeout_s=20.0,
+                num_workers=2,
+            )
         except Exception as e:  # noqa: BLE001 - checked below
             return "setup", e
         with ctx:

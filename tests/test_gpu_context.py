@@ -6,6 +6,7 @@ every loopback rank on one stream (``for ctx in ctxs: ctx.weight_sync(...)``); t
 launches all loopback ranks together once the last rank has enqueued.  The host reference
 runs the same plan on ``local`` windows with ranks as threads.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -60,10 +61,14 @@ def make(world, layout, epr, slots, transport, **kw):
 
 def seeded_grads(layout, world, epr, slots, seed):
     gen = torch.Generator().manual_seed(seed)
-    master = [[torch.randn((epr, *m.shape), generator=gen).to(layout.grad_dtype) for m in layout.members]
-              for _ in range(world)]
-    replica = [[torch.randn((slots, *m.shape), generator=gen).to(layout.grad_dtype) for m in layout.members]
-               for _ in range(world)]
+    master = [
+        [torch.randn((epr, *m.shape), generator=gen).to(layout.grad_dtype) for m in layout.members]
+        for _ in range(world)
+    ]
+    replica = [
+        [torch.randn((slots, *m.shape), generator=gen).to(layout.grad_dtype) for m in layout.members]
+        for _ in range(world)
+    ]
     return master, replica
 
 
@@ -97,8 +102,9 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 def test_tma_matches_host_bit_for_bit(dtype, mode):
     world, epr, slots = 4, 2, 2
     layout = layout_of(DTYPES[dtype])
-    plan = ReplicaPlan.make(random_slot_src(np.random.default_rng(5), world, slots, epr, fill=1.0),
-                            experts_per_rank=epr)
+    plan = ReplicaPlan.make(
+        random_slot_src(np.random.default_rng(5), world, slots, epr, fill=1.0), experts_per_rank=epr
+    )
     master, replica = seeded_grads(layout, world, epr, slots, seed=9)
 
     hosts, hregs = make(world, layout, epr, slots, "host", relay_mode=mode)

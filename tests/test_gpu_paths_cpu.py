@@ -3,6 +3,7 @@ not fail on it: the ctypes signatures of the driver and runtime calls against th
 the primary-context binding of threads that make driver calls, the arguments the Python side
 hands ``ultracomm._cuda`` (converted by the real binding up to its first CUDA call), the CPU half
 of the CUDA loopback tests' harness, and that every ``gpu``-marked test collects and skips here."""
+
 from __future__ import annotations
 
 import ctypes
@@ -23,22 +24,42 @@ from ultracomm.records import Op
 from ultracomm.schedule import build_schedule
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CUDA_INCLUDE = next((d for d in (os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "include"),
-                                 "/usr/local/cuda/include") if os.path.exists(os.path.join(d, "cuda.h"))), None)
+CUDA_INCLUDE = next(
+    (
+        d
+        for d in (os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "include"), "/usr/local/cuda/include")
+        if os.path.exists(os.path.join(d, "cuda.h"))
+    ),
+    None,
+)
 CC = shutil.which("cc") or shutil.which("gcc")
 needs_headers = pytest.mark.skipif(CUDA_INCLUDE is None or CC is None, reason="no CUDA headers or C compiler here")
 
 # C parameter types of the prototypes -> the ctypes type of that width and kind
 C_TYPES = {
-    "CUdeviceptr": ctypes.c_uint64, "cuuint64_t": ctypes.c_uint64, "size_t": ctypes.c_size_t,
-    "CUstream": ctypes.c_void_p, "CUcontext": ctypes.c_void_p, "CUdevice": ctypes.c_int, "CUresult": ctypes.c_int,
-    "unsigned int": ctypes.c_uint, "int": ctypes.c_int, "CUstream *": ctypes.POINTER(ctypes.c_void_p),
-    "CUcontext *": ctypes.POINTER(ctypes.c_void_p), "CUdevice *": ctypes.POINTER(ctypes.c_int),
-    "const char **": ctypes.POINTER(ctypes.c_char_p), "void *": ctypes.c_void_p, "const void *": ctypes.c_void_p,
-    "enum cudaMemcpyKind": ctypes.c_int, "cudaStream_t": ctypes.c_void_p,
+    "CUdeviceptr": ctypes.c_uint64,
+    "cuuint64_t": ctypes.c_uint64,
+    "size_t": ctypes.c_size_t,
+    "CUstream": ctypes.c_void_p,
+    "CUcontext": ctypes.c_void_p,
+    "CUdevice": ctypes.c_int,
+    "CUresult": ctypes.c_int,
+    "unsigned int": ctypes.c_uint,
+    "int": ctypes.c_int,
+    "CUstream *": ctypes.POINTER(ctypes.c_void_p),
+    "CUcontext *": ctypes.POINTER(ctypes.c_void_p),
+    "CUdevice *": ctypes.POINTER(ctypes.c_int),
+    "const char **": ctypes.POINTER(ctypes.c_char_p),
+    "void *": ctypes.c_void_p,
+    "const void *": ctypes.c_void_p,
+    "enum cudaMemcpyKind": ctypes.c_int,
+    "cudaStream_t": ctypes.c_void_p,
     # the copy_engine gate kernel's module load and launch
-    "CUmodule *": ctypes.POINTER(ctypes.c_void_p), "CUfunction *": ctypes.POINTER(ctypes.c_void_p),
-    "CUmodule": ctypes.c_void_p, "CUfunction": ctypes.c_void_p, "const char *": ctypes.c_char_p,
+    "CUmodule *": ctypes.POINTER(ctypes.c_void_p),
+    "CUfunction *": ctypes.POINTER(ctypes.c_void_p),
+    "CUmodule": ctypes.c_void_p,
+    "CUfunction": ctypes.c_void_p,
+    "const char *": ctypes.c_char_p,
     "void **": ctypes.POINTER(ctypes.c_void_p),
 }
 
@@ -47,8 +68,9 @@ def preprocess(header: str, names) -> tuple[dict[str, str], str]:
     """({API name: the symbol the header binds it to}, preprocessed text) as a C file including
     ``header`` without per-thread default streams sees them."""
     src = f"#include <{header}>\n" + "".join(f"UC_SYMBOL_{n} = {n};\n" for n in names)
-    out = subprocess.run([CC, "-E", "-P", f"-I{CUDA_INCLUDE}", "-x", "c", "-"], input=src, capture_output=True,
-                         text=True, check=True).stdout
+    out = subprocess.run(
+        [CC, "-E", "-P", f"-I{CUDA_INCLUDE}", "-x", "c", "-"], input=src, capture_output=True, text=True, check=True
+    ).stdout
     return dict(re.findall(r"UC_SYMBOL_(\w+) = (\w+);", out)), out
 
 
@@ -72,8 +94,12 @@ def test_driver_binds_the_header_symbols_with_their_argument_types():
     for name, (symbol, argtypes) in SIGNATURES.items():
         assert symbols[name] == symbol, f"cuda.h binds {name} to {symbols[name]}, the driver wrapper to {symbol}"
         assert argtypes == prototype(text, symbol), name
-    for const, value in (("CU_STREAM_WAIT_VALUE_GEQ", 0), ("CU_STREAM_WAIT_VALUE_EQ", 1),
-                         ("CU_STREAM_NON_BLOCKING", 1), ("CU_STREAM_WRITE_VALUE_DEFAULT", 0)):
+    for const, value in (
+        ("CU_STREAM_WAIT_VALUE_GEQ", 0),
+        ("CU_STREAM_WAIT_VALUE_EQ", 1),
+        ("CU_STREAM_NON_BLOCKING", 1),
+        ("CU_STREAM_WRITE_VALUE_DEFAULT", 0),
+    ):
         assert re.search(rf"\b{const}\s*=\s*0x0*{value}\b", text), const
 
 
@@ -135,8 +161,9 @@ def test_driver_binds_the_primary_context_once_per_thread():
     lib = FakeLib(both)
     drv = Driver(lib)
     assert drv.symbols == {name: s for name, (s, _) in SIGNATURES.items()}  # the header's, not the plain v1
-    assert all(getattr(lib, s).argtypes == a and getattr(lib, s).restype is ctypes.c_int
-               for s, a in SIGNATURES.values())
+    assert all(
+        getattr(lib, s).argtypes == a and getattr(lib, s).restype is ctypes.c_int for s, a in SIGNATURES.values()
+    )
     drv.bind(0)
     drv.bind(0)  # already current: no second set
     sets = lambda: [a for s, a in lib.calls if s == "cuCtxSetCurrent"]  # noqa: E731
@@ -182,13 +209,19 @@ class Bindings:
                 pytest.fail("launched without a plan")
             self._cuda.DevicePlan(ranks, device)  # converts and validates every entry, then needs the device
 
-        return types.SimpleNamespace(sm_count=132, mover="tma", max_coresident=lambda dtype=0: 1024,
-                                     launch=lambda *a: pytest.fail("launched without a plan"), launch_slot=launch_slot)
+        return types.SimpleNamespace(
+            sm_count=132,
+            mover="tma",
+            max_coresident=lambda dtype=0: 1024,
+            launch=lambda *a: pytest.fail("launched without a plan"),
+            launch_slot=launch_slot,
+        )
 
 
 def small_case():
-    layout = ExpertLayout((Member("fc1", (8, 6), torch.bfloat16), Member("fc2", (10,), torch.bfloat16)),
-                          grad_dtype=torch.float32)
+    layout = ExpertLayout(
+        (Member("fc1", (8, 6), torch.bfloat16), Member("fc2", (10,), torch.bfloat16)), grad_dtype=torch.float32
+    )
     plan = ReplicaPlan.make(np.array([[-1], [0], [0]], np.int32), experts_per_rank=1)
     wl = _core.window_layout(1, layout.weight_bytes, layout.grad_bytes, 64)
     sched = build_schedule(plan, wl["weight_slot_bytes"], wl["grad_slot_bytes"], chunk_bytes=64)
@@ -211,11 +244,27 @@ def test_tma_transport_arguments_convert_in_the_real_binding(real_cuda, monkeypa
     shared: dict = {}
     ts = []
     for r in range(3):
-        win = types.SimpleNamespace(provider="cuda_local" if loopback else "cuda_ipc", world=3, loopback=loopback,
-                                    shared=shared, local=types.SimpleNamespace(device=torch.device("cuda", 0)),
-                                    peer_bases=[0x7000_0000_0000 + (i << 32) for i in range(3)])
-        ts.append(tma_mod.TmaTransport(rank=r, world=3, window=win, wlayout=wl, layout=layout, num_workers=1,
-                                       timeout_s=2.0, multicast_sms=2, reduce_sms=2))
+        win = types.SimpleNamespace(
+            provider="cuda_local" if loopback else "cuda_ipc",
+            world=3,
+            loopback=loopback,
+            shared=shared,
+            local=types.SimpleNamespace(device=torch.device("cuda", 0)),
+            peer_bases=[0x7000_0000_0000 + (i << 32) for i in range(3)],
+        )
+        ts.append(
+            tma_mod.TmaTransport(
+                rank=r,
+                world=3,
+                window=win,
+                wlayout=wl,
+                layout=layout,
+                num_workers=1,
+                timeout_s=2.0,
+                multicast_sms=2,
+                reduce_sms=2,
+            )
+        )
     w = tuple(torch.zeros((1, *m.shape), dtype=m.dtype) for m in layout.members)
     g = tuple(torch.zeros((1, *m.shape), dtype=layout.grad_dtype) for m in layout.members)
     masters = Masters.of(w, g, 1, [m.name for m in layout.members])
@@ -237,8 +286,9 @@ def test_cuda_loopback_and_bench_arguments_convert_in_the_real_binding(real_cuda
     bg = bench()
     # CudaLoopback only checks that its windows are CUDA tensors: these stand in for them
     monkeypatch.setattr(cl, "CudaLoopback", type("CpuLoopback", (cl.CudaLoopback,), {"__init__": _cpu_loopback_init}))
-    g = types.SimpleNamespace(torch=torch, uc=ultracomm, dev=torch.device("cpu"),
-                              info=dict(sms=132, name="NVIDIA H200"))
+    g = types.SimpleNamespace(
+        torch=torch, uc=ultracomm, dev=torch.device("cpu"), info=dict(sms=132, name="NVIDIA H200")
+    )
     for dt in (torch.float32, torch.bfloat16):
         with pytest.raises(RuntimeError) as ei:  # the multicast plan, built in the constructor
             bg.Loopback(g, 3, bg.one_expert(2), 3 * 4096, dt, chunk_bytes=4096, relay_mode="off")
@@ -254,7 +304,13 @@ def test_cuda_loopback_and_bench_arguments_convert_in_the_real_binding(real_cuda
 def _cpu_loopback_init(self, world, wlayout, windows, *, timeout_s=10.0):
     from ultracomm.cuda.loopback import cuda_runtime
 
-    self.world, self.wlayout, self.windows, self.device, self.timeout_s = world, dict(wlayout), list(windows), 0, timeout_s
+    self.world, self.wlayout, self.windows, self.device, self.timeout_s = (
+        world,
+        dict(wlayout),
+        list(windows),
+        0,
+        timeout_s,
+    )
     self._cuda = cuda_runtime(0)
     self.runner = self._cuda.Runner(0)
     self._names = {}
@@ -271,9 +327,18 @@ def test_cuda_loopback_harness_runs_its_host_half():
     from ultracomm.tools.reference import tasks_from_trees
 
     for shape, (world, slots, trees) in sorted(tcl.TREES.items()):
-        d = tcl.Domain(world, slots, [1000, 333, 7], [250, 3], chunk=4096, grad_dtype=torch.bfloat16,
-                       num_experts=world, home_of=list(range(world)), my_slots=tcl._slots_of(world, slots, trees),
-                       misalign=3)
+        d = tcl.Domain(
+            world,
+            slots,
+            [1000, 333, 7],
+            [250, 3],
+            chunk=4096,
+            grad_dtype=torch.bfloat16,
+            num_experts=world,
+            home_of=list(range(world)),
+            my_slots=tcl._slots_of(world, slots, trees),
+            misalign=3,
+        )
         parent = tcl._parents(world, slots, trees)
         for op, kind in ((Op.MULTICAST, TaskKind.COPY), (Op.REDUCE, TaskKind.REDUCE)):
             tasks, refs = tasks_from_trees(world, trees, d.wsb if op == Op.MULTICAST else d.gsb, d.chunk, kind)
@@ -289,11 +354,30 @@ def test_every_gpu_test_collects_and_skips_here():
     """What scripts/gpu_check.sh runs (``pytest -m gpu``), here over the files that mark tests gpu
     (the whole suite's collection costs a minute; a collection error elsewhere fails CI anyway)."""
     marker = "pytest.mark." + "gpu"  # spelled apart: this file marks nothing
-    files = sorted(f for f in os.listdir(os.path.join(ROOT, "tests"))
-                   if f.startswith("test_") and f.endswith(".py") and marker in open(os.path.join(ROOT, "tests", f)).read())
+    files = sorted(
+        f
+        for f in os.listdir(os.path.join(ROOT, "tests"))
+        if f.startswith("test_") and f.endswith(".py") and marker in open(os.path.join(ROOT, "tests", f)).read()
+    )
     assert {"test_cuda_loopback.py", "test_copy_engine_gpu.py", "test_gpu_context.py"} <= set(files)
-    p = subprocess.run([sys.executable, "-m", "pytest", *(os.path.join("tests", f) for f in files), "-m", "gpu", "-q",
-                        "-rs", "-p", "no:cacheprovider"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            *(os.path.join("tests", f) for f in files),
+            "-m",
+            "gpu",
+            "-q",
+            "-rs",
+            "-p",
+            "no:cacheprovider",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     tail = p.stdout[-3000:] + p.stderr[-3000:]
     assert p.returncode == 0, tail
     m = re.search(r"(\d+) skipped, (\d+) deselected", p.stdout)

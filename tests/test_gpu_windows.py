@@ -1,5 +1,6 @@
 """GPU window providers on a device: cuda_local in one process, cuda_ipc and torch_symm between two
 processes (torchrun, gloo; both may share one GPU: only copies, no spinning kernel)."""
+
 from __future__ import annotations
 
 import os
@@ -36,14 +37,22 @@ def test_cuda_local_window():
 @pytest.mark.slow
 @pytest.mark.parametrize("provider", ["cuda_ipc", "torch_symm"])
 def test_window_between_two_processes(provider):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           os.path.join(ROOT, "tests", "mp", "gpu_window_worker.py"), provider]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        os.path.join(ROOT, "tests", "mp", "gpu_window_worker.py"),
+        provider,
+    ]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if provider == "torch_symm" and torch.cuda.device_count() < 2:
         # torch's symmetric memory maps one device per rank: two ranks on one GPU get our error first
         assert p.returncode != 0
-        assert "window 'torch_symm' needs one GPU per rank, but ranks 0 and 1 use the same GPU" in p.stderr, \
-            p.stderr[-3000:]
+        assert "window 'torch_symm' needs one GPU per rank, but ranks 0 and 1 use the same GPU" in p.stderr, p.stderr[
+            -3000:
+        ]
         return
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "rank 0 OK" in p.stdout and "rank 1 OK" in p.stdout

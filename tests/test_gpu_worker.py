@@ -1,5 +1,6 @@
 """tests/gpu_worker.py: a GPU failure worker that hangs fails its test with every thread's stack
 (the device runs of 2026-12-04 lost two hung workers' whereabouts to a plain timeout kill)."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,11 +10,13 @@ import gpu_worker
 
 def test_a_hung_worker_reports_every_threads_stack(tmp_path):
     script = tmp_path / "hangs.py"
-    script.write_text("import threading, time\n"
-                      "def blocked_in_a_side_thread():\n    time.sleep(60)\n"
-                      "threading.Thread(target=blocked_in_a_side_thread, daemon=True).start()\n"
-                      "print('started', flush=True)\n"
-                      "time.sleep(60)\n")
+    script.write_text(
+        "import threading, time\n"
+        "def blocked_in_a_side_thread():\n    time.sleep(60)\n"
+        "threading.Thread(target=blocked_in_a_side_thread, daemon=True).start()\n"
+        "print('started', flush=True)\n"
+        "time.sleep(60)\n"
+    )
     with pytest.raises(AssertionError) as e:
         gpu_worker.run_worker(str(script), timeout_s=2.0)
     msg = str(e.value)

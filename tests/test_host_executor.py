@@ -3,6 +3,7 @@
 Schedules here are hand-built (trees -> task lists) so the executor is tested on its own;
 tests at the end use ultracomm.schedule.build_schedule when it is available.
 """
+
 from __future__ import annotations
 
 import re
@@ -15,7 +16,13 @@ import torch
 
 from ultracomm import _core
 from ultracomm.records import MASTER, Op, TaskKind
-from ultracomm.tools.reference import tasks_from_trees as build_tasks, member_mask, reference_multicast, reference_reduce, slot_image
+from ultracomm.tools.reference import (
+    tasks_from_trees as build_tasks,
+    member_mask,
+    reference_multicast,
+    reference_reduce,
+    slot_image,
+)
 
 FILL = 0xEE  # data regions start with this byte: padding must keep it
 DT_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -47,8 +54,18 @@ def slots_of(world, slots, trees):
 class Cluster:
     """`world` windows (torch uint8), per-rank masters, and a threaded runner."""
 
-    def __init__(self, world, slots, member_nbytes, grad_member_nbytes=None, chunk=256, num_experts=None,
-                 home_of=None, grad_dtype=torch.float32, seed=0):
+    def __init__(
+        self,
+        world,
+        slots,
+        member_nbytes,
+        grad_member_nbytes=None,
+        chunk=256,
+        num_experts=None,
+        home_of=None,
+        grad_dtype=torch.float32,
+        seed=0,
+    ):
         self.world, self.slots, self.chunk = world, slots, chunk
         self.w_off, self.w_bytes, self.wsb = layout_members(member_nbytes)
         gm = grad_member_nbytes if grad_member_nbytes is not None else member_nbytes
@@ -61,8 +78,10 @@ class Cluster:
         self.home_of = home_of if home_of is not None else [e % world for e in range(self.E)]
         self.grad_dtype = grad_dtype
         g = torch.Generator().manual_seed(seed)
-        self.masters = {e: [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in member_nbytes]
-                        for e in range(self.E)}
+        self.masters = {
+            e: [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in member_nbytes]
+            for e in range(self.E)
+        }
         self.master_grads = {e: [self._rand_grad(n // ESIZE[grad_dtype], g) for n in gm] for e in range(self.E)}
         self.epoch = 0
 
@@ -85,16 +104,18 @@ class Cluster:
                 if my_slots[r][s] >= 0:
                     members = [self._rand_grad(n // ESIZE[self.grad_dtype], g) for n in self.g_bytes]
                     self.grad_slot(r, s).copy_(slot_image(members, self.g_off, self.gsb, fill=FILL))
-        return ([self.grad_slots(r).clone() for r in range(self.world)],
-                {e: [t.clone() for t in ms] for e, ms in self.master_grads.items()})
+        return (
+            [self.grad_slots(r).clone() for r in range(self.world)],
+            {e: [t.clone() for t in ms] for e, ms in self.master_grads.items()},
+        )
 
     def weight_slot(self, r, s):
         o = self.L["weights_off"] + s * self.L["weight_stride"]
-        return self.win[r][o:o + self.wsb]
+        return self.win[r][o : o + self.wsb]
 
     def grad_slot(self, r, s):
         o = self.L["grads_off"] + s * self.L["grad_stride"]
-        return self.win[r][o:o + self.gsb]
+        return self.win[r][o : o + self.gsb]
 
     def grad_slots(self, r):
         return torch.stack([self.grad_slot(r, s) for s in range(self.slots)])
@@ -112,11 +133,27 @@ class Cluster:
     def args(self, op, r, tasks, refs, my_slots, epoch, **kw):
         ptrs, lidx = self.local(r, op)
         mc = op == Op.MULTICAST
-        a = dict(op=int(op), rank=r, world=self.world, epoch=epoch, slots=self.slots, weight_slot_bytes=self.wsb,
-                 grad_slot_bytes=self.gsb, chunk_bytes=self.chunk, window_bases=[w.data_ptr() for w in self.win],
-                 member_off=self.w_off if mc else self.g_off, member_bytes=self.w_bytes if mc else self.g_bytes,
-                 master_ptrs=ptrs, local_index_of=lidx, grad_dtype=DT_CODE[self.grad_dtype],
-                 my_slots=my_slots[r], tasks=tasks[r], refs=refs[r], num_workers=3, timeout_s=10.0)
+        a = dict(
+            op=int(op),
+            rank=r,
+            world=self.world,
+            epoch=epoch,
+            slots=self.slots,
+            weight_slot_bytes=self.wsb,
+            grad_slot_bytes=self.gsb,
+            chunk_bytes=self.chunk,
+            window_bases=[w.data_ptr() for w in self.win],
+            member_off=self.w_off if mc else self.g_off,
+            member_bytes=self.w_bytes if mc else self.g_bytes,
+            master_ptrs=ptrs,
+            local_index_of=lidx,
+            grad_dtype=DT_CODE[self.grad_dtype],
+            my_slots=my_slots[r],
+            tasks=tasks[r],
+            refs=refs[r],
+            num_workers=3,
+            timeout_s=10.0,
+        )
         a.update(kw)
         return a
 
@@ -171,9 +208,23 @@ def check_multicast(cl, my_slots):
 
 def test_window_layout_fields():
     L = _core.window_layout(3, 1000, 500, 256)
-    for k in ("slots", "weight_slot_bytes", "grad_slot_bytes", "chunk_bytes", "weight_stride", "grad_stride",
-              "weight_chunks", "grad_chunks", "weights_off", "grads_off", "ready_off", "arrival_off",
-              "grad_ready_off", "consumed_off", "total_bytes"):
+    for k in (
+        "slots",
+        "weight_slot_bytes",
+        "grad_slot_bytes",
+        "chunk_bytes",
+        "weight_stride",
+        "grad_stride",
+        "weight_chunks",
+        "grad_chunks",
+        "weights_off",
+        "grads_off",
+        "ready_off",
+        "arrival_off",
+        "grad_ready_off",
+        "consumed_off",
+        "total_bytes",
+    ):
         assert k in L
     assert L["weight_chunks"] == 4 and L["grad_chunks"] == 2 and L["weight_stride"] == 1024
     assert L["total_bytes"] >= L["consumed_off"] + 8 * 2 * 3
@@ -192,8 +243,10 @@ def test_direct_copy_to_three_ranks():
 def test_relay_chain_several_chunks(workers):
     # home 0 -> (1,0) -> (2,1) -> (3,0), and expert 2 (home 2) -> (0,1) -> (1,1)
     cl = Cluster(4, 2, [4000], chunk=512)
-    trees = [(0, 0, {(0, MASTER): [(1, 0)], (1, 0): [(2, 1)], (2, 1): [(3, 0)]}),
-             (2, 2, {(2, MASTER): [(0, 1)], (0, 1): [(1, 1)]})]
+    trees = [
+        (0, 0, {(0, MASTER): [(1, 0)], (1, 0): [(2, 1)], (2, 1): [(3, 0)]}),
+        (2, 2, {(2, MASTER): [(0, 1)], (0, 1): [(1, 1)]}),
+    ]
     my = slots_of(4, 2, trees)
     tasks, refs = build_tasks(4, trees, cl.wsb, cl.chunk, TaskKind.COPY)
     assert cl.L["weight_chunks"] == 8
@@ -205,9 +258,11 @@ def test_odd_sizes_multi_member_padding():
     # members of odd sizes with 16 B alignment padding, short last chunk, separate master pointers
     cl = Cluster(3, 3, [1000, 333, 7, 64], chunk=160, num_experts=3)
     assert cl.wsb % cl.chunk != 0 and len(set(cl.w_off)) == 4
-    trees = [(0, 0, {(0, MASTER): [(1, 2), (2, 0)]}),
-             (1, 1, {(1, MASTER): [(2, 2)], (2, 2): [(0, 1)]}),
-             (2, 2, {(2, MASTER): [(0, 0), (1, 0)]})]
+    trees = [
+        (0, 0, {(0, MASTER): [(1, 2), (2, 0)]}),
+        (1, 1, {(1, MASTER): [(2, 2)], (2, 2): [(0, 1)]}),
+        (2, 2, {(2, MASTER): [(0, 0), (1, 0)]}),
+    ]
     my = slots_of(3, 3, trees)
     tasks, refs = build_tasks(3, trees, cl.wsb, cl.chunk, TaskKind.COPY)
     ok(cl.run(Op.MULTICAST, tasks, refs, my, jitter_us=100))
@@ -246,8 +301,10 @@ def reduce_setup(dtype, seed=0):
     # expert 0 (home 0): (1,0) is a relay pre-reducing (2,0) and (3,0); home sums (1,0), (2,1)
     # expert 1 (home 1): direct, sources (3,1), (0,0), (2,2)
     cl = Cluster(4, 3, [1000, 360, 64], chunk=128, num_experts=4, grad_dtype=dtype, seed=seed)
-    trees = [(0, 0, {(0, MASTER): [(1, 0), (2, 1)], (1, 0): [(2, 0), (3, 0)]}),
-             (1, 1, {(1, MASTER): [(3, 1), (0, 0), (2, 2)]})]
+    trees = [
+        (0, 0, {(0, MASTER): [(1, 0), (2, 1)], (1, 0): [(2, 0), (3, 0)]}),
+        (1, 1, {(1, MASTER): [(3, 1), (0, 0), (2, 2)]}),
+    ]
     my = slots_of(4, 3, trees)
     tasks, refs = build_tasks(4, trees, cl.gsb, cl.chunk, TaskKind.REDUCE)
     g = torch.Generator().manual_seed(seed + 1)
@@ -338,8 +395,9 @@ def test_timeout_missing_sender_and_grad():
     my = slots_of(3, 1, trees)
     tasks, refs = build_tasks(3, trees, cl.wsb, cl.chunk, TaskKind.COPY)
     parent = {1: [0], 2: [1]}
-    errs = cl.run(Op.MULTICAST, tasks, refs, my, ranks=[2], timeout_s=0.3,
-                  per_rank=lambda r: {"slot_parent": parent[r]})
+    errs = cl.run(
+        Op.MULTICAST, tasks, refs, my, ranks=[2], timeout_s=0.3, per_rank=lambda r: {"slot_parent": parent[r]}
+    )
     msg = str(errs[2])
     assert isinstance(errs[2], TimeoutError) and "rank 1 to deliver expert 0 chunk 0 into slot 0" in msg, msg
     # reduce: the home waits for a grad that never comes
@@ -390,9 +448,11 @@ def test_invalid_arguments_write_nothing():
         "epoch": base(0, epoch=0),
         "grad dtype": dict(base(0, op=int(Op.REDUCE)), grad_dtype=7),
         "task buffer": base(0, tasks=np.zeros(5, dtype=np.int32)),
-        "reduce alignment": dict(base(0, op=int(Op.REDUCE), tasks=build_tasks(3, trees, cl.gsb, 256,
-                                                                              TaskKind.REDUCE)[0][0]),
-                                 member_off=[0, 1002], member_bytes=[1000, 6]),
+        "reduce alignment": dict(
+            base(0, op=int(Op.REDUCE), tasks=build_tasks(3, trees, cl.gsb, 256, TaskKind.REDUCE)[0][0]),
+            member_off=[0, 1002],
+            member_bytes=[1000, 6],
+        ),
     }
     for name, a in cases.items():
         with pytest.raises(ValueError):
@@ -429,7 +489,7 @@ def test_task_byte_range_must_be_its_chunks():
             return cl.args(op, 0, [t, *tasks[1:]], refs, my, 1)
 
         cases += [
-            (op, "chunk of another range", bad(first, chunk=1)),          # offset 0 is chunk 0's
+            (op, "chunk of another range", bad(first, chunk=1)),  # offset 0 is chunk 0's
             (op, "offset of another chunk", bad(first, offset=cl.chunk)),  # in range, wrong flag
             (op, "short bytes", bad(first, bytes=128)),
             (op, "full chunk at the end", bad(last, bytes=cl.chunk, offset=sb - cl.chunk)),
@@ -438,8 +498,13 @@ def test_task_byte_range_must_be_its_chunks():
     # a reduce task sized by the weight slot (1072 B, 5 chunks) instead of the grad slot (544 B)
     wtasks, wrefs = build_tasks(3, trees, cl.wsb, cl.chunk, TaskKind.REDUCE)
     keep = wtasks[0]["chunk"] < 3  # grad chunk indices, weight-slot byte ranges: chunk 2 is 256 B, not 32
-    cases.append((Op.REDUCE, "weight slot bytes for a reduce",
-                  cl.args(Op.REDUCE, 0, [wtasks[0][keep], *wtasks[1:]], wrefs, my, 1)))
+    cases.append(
+        (
+            Op.REDUCE,
+            "weight slot bytes for a reduce",
+            cl.args(Op.REDUCE, 0, [wtasks[0][keep], *wtasks[1:]], wrefs, my, 1),
+        )
+    )
     for op, name, a in cases:
         with pytest.raises(ValueError, match=r"task \d+: byte range \[\d+, \+\d+\) is not chunk \d+'s") as ei:
             _core.run_host(**a)
@@ -498,10 +563,30 @@ def test_positional_arguments_and_record_buffers():
 
         def body(r, ts=ts, rs=rs, epoch=cl.epoch):
             a = cl.args(Op.MULTICAST, r, ts, rs, my, epoch)
-            pos = [a[k] for k in ("op", "rank", "world", "epoch", "slots", "weight_slot_bytes", "grad_slot_bytes",
-                                  "chunk_bytes", "window_bases", "member_off", "member_bytes", "master_ptrs",
-                                  "local_index_of", "grad_dtype", "my_slots", "tasks", "refs", "num_workers",
-                                  "timeout_s")]
+            pos = [
+                a[k]
+                for k in (
+                    "op",
+                    "rank",
+                    "world",
+                    "epoch",
+                    "slots",
+                    "weight_slot_bytes",
+                    "grad_slot_bytes",
+                    "chunk_bytes",
+                    "window_bases",
+                    "member_off",
+                    "member_bytes",
+                    "master_ptrs",
+                    "local_index_of",
+                    "grad_dtype",
+                    "my_slots",
+                    "tasks",
+                    "refs",
+                    "num_workers",
+                    "timeout_s",
+                )
+            ]
             pos += [0, 0, [-1] if r == 0 else [0 if r == 1 else 1], False, "restore"]
             _core.run_host(*pos)
 
@@ -549,18 +634,39 @@ def _build_schedule():
 def _special_values(dtype):
     ib = torch.int32 if dtype == torch.float32 else torch.int16
     if dtype == torch.float32:
-        raw = [0x7FC00000, 0x7FC12345, 0x7F800001, 0xFFC00001, 0x7F800000, 0xFF800000, 0x7F7FFFFF, 0x00000001,
-               0x80000001, 0x00800000, 0x3F800000, 0x33800000, 0x80000000]
+        raw = [
+            0x7FC00000,
+            0x7FC12345,
+            0x7F800001,
+            0xFFC00001,
+            0x7F800000,
+            0xFF800000,
+            0x7F7FFFFF,
+            0x00000001,
+            0x80000001,
+            0x00800000,
+            0x3F800000,
+            0x33800000,
+            0x80000000,
+        ]
     elif dtype == torch.bfloat16:
         raw = [0x7FC0, 0x7FC1, 0x7F81, 0xFFC1, 0x7F80, 0xFF80, 0x7F7F, 0x0001, 0x8001, 0x0080, 0x3F80, 0x3B80, 0x8000]
     else:
         raw = [0x7E00, 0x7E15, 0x7C01, 0xFE01, 0x7C00, 0xFC00, 0x7BFF, 0x0001, 0x8001, 0x0400, 0x3C00, 0x1400, 0x8000]
-    return torch.tensor([v - (1 << (32 if ib == torch.int32 else 16)) if v >= (1 << (31 if ib == torch.int32 else 15))
-                         else v for v in raw], dtype=ib).view(dtype)
+    return torch.tensor(
+        [
+            v - (1 << (32 if ib == torch.int32 else 16)) if v >= (1 << (31 if ib == torch.int32 else 15)) else v
+            for v in raw
+        ],
+        dtype=ib,
+    ).view(dtype)
 
 
-@pytest.mark.parametrize("dtype,portable", [(torch.float32, False), (torch.bfloat16, False), (torch.float16, False),
-                                            (torch.float16, True)], ids=["fp32", "bf16", "fp16", "fp16-portable"])
+@pytest.mark.parametrize(
+    "dtype,portable",
+    [(torch.float32, False), (torch.bfloat16, False), (torch.float16, False), (torch.float16, True)],
+    ids=["fp32", "bf16", "fp16", "fp16-portable"],
+)
 def test_reduce_special_values_bit_exact_nan_included(dtype, portable):
     """NaN payloads, infinities, overflow, subnormals and rounding ties: the executor writes
     exactly torch's bits (compared as integers, NaNs included).  One NaN per element at most
@@ -607,11 +713,13 @@ def _nan_rule_cases(dtype):
     if dtype == torch.float32:
         A, B, C, one, inf, ninf = 0x7F812345, 0xFFC0BEEF, 0x7FC00077, 0x3F800000, 0x7F800000, 0xFF800000
         q = 0x00400000
-        return [(A, B, one, A | q),            # both NaN: the accumulator's, quieted
-                (one, B, C, B | q),            # the first NaN in summation order
-                (one, one, C, C | q),
-                (inf, ninf, one, 0xFFC00000),  # inf + -inf: the default NaN
-                (0x7F800001, one, one, 0x7FC00001)]
+        return [
+            (A, B, one, A | q),  # both NaN: the accumulator's, quieted
+            (one, B, C, B | q),  # the first NaN in summation order
+            (one, one, C, C | q),
+            (inf, ninf, one, 0xFFC00000),  # inf + -inf: the default NaN
+            (0x7F800001, one, one, 0x7FC00001),
+        ]
     if dtype == torch.bfloat16:  # bf16 stores every NaN as 0xFFFF (ATen's vector cast)
         A, B, C, one, inf, ninf = 0x7F81, 0xFFC1, 0x7FC7, 0x3F80, 0x7F80, 0xFF80
         return [(A, B, one, 0xFFFF), (one, B, C, 0xFFFF), (one, one, C, 0xFFFF), (inf, ninf, one, 0xFFFF)]
@@ -619,8 +727,11 @@ def _nan_rule_cases(dtype):
     return [(A, B, one, A | 0x0200), (one, B, C, B | 0x0200), (one, one, C, C | 0x0200), (inf, ninf, one, 0xFE00)]
 
 
-@pytest.mark.parametrize("dtype,portable", [(torch.float32, False), (torch.bfloat16, False), (torch.float16, False),
-                                            (torch.float16, True)], ids=["fp32", "bf16", "fp16", "fp16-portable"])
+@pytest.mark.parametrize(
+    "dtype,portable",
+    [(torch.float32, False), (torch.bfloat16, False), (torch.float16, False), (torch.float16, True)],
+    ids=["fp32", "bf16", "fp16", "fp16-portable"],
+)
 def test_reduce_nan_rule_is_the_documented_one(dtype, portable):
     """Several NaNs in one element's sum: the first in summation order (master, then the
     sources in list order) comes back quieted, inf + -inf is 0xFFC00000 -- exact bits on the
@@ -632,8 +743,10 @@ def test_reduce_nan_rule_is_the_documented_one(dtype, portable):
     bits = 32 if dtype == torch.float32 else 16
 
     def col(k):
-        return torch.tensor([(v - (1 << bits) if v >= 1 << (bits - 1) else v)
-                             for v in (cases[i % len(cases)][k] for i in range(n))], dtype=ib)
+        return torch.tensor(
+            [(v - (1 << bits) if v >= 1 << (bits - 1) else v) for v in (cases[i % len(cases)][k] for i in range(n))],
+            dtype=ib,
+        )
 
     cl = Cluster(3, 1, [n * ESIZE[dtype]], chunk=4096, num_experts=1, home_of=[0], grad_dtype=dtype)
     trees = [(0, 0, {(0, MASTER): [(1, 0), (2, 0)]})]
@@ -646,8 +759,7 @@ def test_reduce_nan_rule_is_the_documented_one(dtype, portable):
     ok(cl.run(Op.REDUCE, tasks, refs, slots_of(3, 1, trees), portable_f16=portable))
     got, want = cl.master_grads[0][0].view(ib), col(3)
     bad = (got != want).nonzero().flatten()[:5].tolist()
-    assert not bad, [(i, hex(got[i].item() & ((1 << bits) - 1)), hex(want[i].item() & ((1 << bits) - 1)))
-                     for i in bad]
+    assert not bad, [(i, hex(got[i].item() & ((1 << bits) - 1)), hex(want[i].item() & ((1 << bits) - 1))) for i in bad]
 
 
 # ------------------------------------------------------------------------------------------
@@ -666,20 +778,38 @@ def _random_plan(world, slots, experts, rng):
                 if cands:
                     slot_src[r, s] = rng.choice(cands)
     from types import SimpleNamespace
-    return SimpleNamespace(world=world, slots_per_rank=slots, num_experts=experts, slot_src=slot_src,
-                           home_of=np.array(home_of, dtype=np.int32))
+
+    return SimpleNamespace(
+        world=world,
+        slots_per_rank=slots,
+        num_experts=experts,
+        slot_src=slot_src,
+        home_of=np.array(home_of, dtype=np.int32),
+    )
 
 
-@pytest.mark.parametrize("seed,relay_mode,dtype", [(0, "force", torch.bfloat16), (1, "auto", torch.float32),
-                                                   (2, "force", torch.float16), (3, "off", torch.bfloat16)])
+@pytest.mark.parametrize(
+    "seed,relay_mode,dtype",
+    [(0, "force", torch.bfloat16), (1, "auto", torch.float32), (2, "force", torch.float16), (3, "off", torch.bfloat16)],
+)
 def test_random_plans_with_schedule_builder(seed, relay_mode, dtype):
     from ultracomm import schedule as sched_mod
+
     rng = np.random.default_rng(seed)
     world, slots = int(rng.integers(4, 7)), int(rng.integers(2, 4))
     experts = 2 * world
     plan = _random_plan(world, slots, experts, rng)
-    cl = Cluster(world, slots, [701, 90, 13], [k * ESIZE[dtype] for k in (175, 45, 6)], chunk=128, num_experts=experts,
-                 home_of=[int(h) for h in plan.home_of], grad_dtype=dtype, seed=seed)
+    cl = Cluster(
+        world,
+        slots,
+        [701, 90, 13],
+        [k * ESIZE[dtype] for k in (175, 45, 6)],
+        chunk=128,
+        num_experts=experts,
+        home_of=[int(h) for h in plan.home_of],
+        grad_dtype=dtype,
+        seed=seed,
+    )
     sch = sched_mod.build_schedule(plan, cl.wsb, cl.gsb, chunk_bytes=cl.chunk, relay_mode=relay_mode)
     my = plan.slot_src.tolist()
     for op in (Op.MULTICAST, Op.REDUCE):
@@ -690,8 +820,17 @@ def test_random_plans_with_schedule_builder(seed, relay_mode, dtype):
         parent = sch.tree(op)[0]
         if op == Op.REDUCE:
             _, exp = reference_reduce(tasks, refs, init, master_init, cl.g_off, cl.g_bytes, dtype)
-        ok(cl.run(op, tasks, refs, my, jitter_us=50, jitter_seed=seed,
-                  per_rank=lambda r: {"slot_parent": [int(p) for p in parent[r]]}))
+        ok(
+            cl.run(
+                op,
+                tasks,
+                refs,
+                my,
+                jitter_us=50,
+                jitter_seed=seed,
+                per_rank=lambda r: {"slot_parent": [int(p) for p in parent[r]]},
+            )
+        )
         if op == Op.MULTICAST:
             check_multicast(cl, my)
         else:

@@ -6,6 +6,7 @@ The receiver's side -- nobody sees a chunk's flag before all its tiles are writt
 tests/test_interp_harness.py's observer under ThreadSanitizer, with a mutant that releases on
 every tile.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -44,8 +45,10 @@ def test_multicast_tiles_relay_and_fanout_exact_bytes(mover, tile):
     # of its parent's task released) and a 3-way fan-out; members of odd sizes, so tiles cross
     # member boundaries and padding must keep FILL
     cl = Cluster(4, 2, [2500, 333, 7, 600], chunk=1024, num_experts=4)
-    trees = [(0, 0, {(0, MASTER): [(1, 0)], (1, 0): [(2, 1)], (2, 1): [(3, 0)]}),
-             (2, 2, {(2, MASTER): [(0, 1), (1, 1), (3, 1)]})]
+    trees = [
+        (0, 0, {(0, MASTER): [(1, 0)], (1, 0): [(2, 1)], (2, 1): [(3, 0)]}),
+        (2, 2, {(2, MASTER): [(0, 1), (1, 1), (3, 1)]}),
+    ]
     my = slots_of(4, 2, trees)
     tasks, refs = build_tasks(4, trees, cl.wsb, cl.chunk, TaskKind.COPY)
     assert cl.L["weight_chunks"] == 4
@@ -53,8 +56,7 @@ def test_multicast_tiles_relay_and_fanout_exact_bytes(mover, tile):
         for e in (0, 2):
             for t in cl.masters[e]:
                 t.random_(0, 256)
-        ok(cl.run(Op.MULTICAST, tasks, refs, my, num_workers=8, tile_bytes=tile, jitter_us=40, jitter_seed=it,
-                  **mover))
+        ok(cl.run(Op.MULTICAST, tasks, refs, my, num_workers=8, tile_bytes=tile, jitter_us=40, jitter_seed=it, **mover))
         check_multicast(cl, my)
 
 
@@ -62,8 +64,10 @@ def _reduce_case(dtype, seed):
     # expert 0 (home 0): (1,0) pre-reduces (2,0) and (3,0); the home sums (1,0) and (2,1);
     # expert 1 (home 1): direct, sources (3,1), (0,0), (2,2).  1 KiB chunks.
     cl = Cluster(4, 3, [4000, 1440, 256], chunk=1024, num_experts=4, grad_dtype=dtype, seed=seed)
-    trees = [(0, 0, {(0, MASTER): [(1, 0), (2, 1)], (1, 0): [(2, 0), (3, 0)]}),
-             (1, 1, {(1, MASTER): [(3, 1), (0, 0), (2, 2)]})]
+    trees = [
+        (0, 0, {(0, MASTER): [(1, 0), (2, 1)], (1, 0): [(2, 0), (3, 0)]}),
+        (1, 1, {(1, MASTER): [(3, 1), (0, 0), (2, 2)]}),
+    ]
     my = slots_of(4, 3, trees)
     tasks, refs = build_tasks(4, trees, cl.gsb, cl.chunk, TaskKind.REDUCE)
     init, master_init = cl.random_replica_grads(my, seed + 1)
@@ -104,12 +108,22 @@ def test_reduce_tiles_exact_ordered_sums(mover, dtype):
 @pytest.mark.parametrize("seed,relay_mode,dtype", [(10, "force", torch.float32), (11, "auto", torch.bfloat16)])
 def test_random_plans_tiles_match_whole_chunks(seed, relay_mode, dtype):
     from ultracomm import schedule as sched_mod
+
     rng = np.random.default_rng(seed)
     world, slots = 5, 3
     experts = 2 * world
     plan = _random_plan(world, slots, experts, rng)
-    cl = Cluster(world, slots, [3001, 90, 13], [k * ESIZE[dtype] for k in (700, 45, 6)], chunk=512, num_experts=experts,
-                 home_of=[int(h) for h in plan.home_of], grad_dtype=dtype, seed=seed)
+    cl = Cluster(
+        world,
+        slots,
+        [3001, 90, 13],
+        [k * ESIZE[dtype] for k in (700, 45, 6)],
+        chunk=512,
+        num_experts=experts,
+        home_of=[int(h) for h in plan.home_of],
+        grad_dtype=dtype,
+        seed=seed,
+    )
     sch = sched_mod.build_schedule(plan, cl.wsb, cl.gsb, chunk_bytes=cl.chunk, relay_mode=relay_mode)
     my = plan.slot_src.tolist()
     init, master_init = cl.random_replica_grads(my, seed)
@@ -120,8 +134,19 @@ def test_random_plans_tiles_match_whole_chunks(seed, relay_mode, dtype):
             tasks = [sch.tasks(op, r) for r in range(world)]
             refs = [sch.refs(op, r) for r in range(world)]
             parent = sch.tree(op)[0]
-            ok(cl.run(op, tasks, refs, my, num_workers=6, tile_bytes=tile, jitter_us=30, jitter_seed=seed,
-                      per_rank=lambda r: {"slot_parent": [int(p) for p in parent[r]]}))
+            ok(
+                cl.run(
+                    op,
+                    tasks,
+                    refs,
+                    my,
+                    num_workers=6,
+                    tile_bytes=tile,
+                    jitter_us=30,
+                    jitter_seed=seed,
+                    per_rank=lambda r: {"slot_parent": [int(p) for p in parent[r]]},
+                )
+            )
             if op == Op.MULTICAST:
                 check_multicast(cl, my)
         out[tile] = [t.clone() for e in range(experts) for t in cl.master_grads[e]]

@@ -1,5 +1,6 @@
 """Page-aligned host buffers (ultracomm.host_memory) and the buffers that use them: the
 ``private`` replica pool and the ``p2p`` transport's receive buffers."""
+
 from __future__ import annotations
 
 import gc
@@ -42,8 +43,18 @@ def test_the_private_pool_and_p2p_receive_buffers_start_on_a_page():
     plan = ReplicaPlan.make(hot_slot_src(world, slots, epr, expert=1), experts_per_rank=epr)
 
     def body(group):
-        with Context(group, layout, epr, slots, num_layers=1, transport="p2p", window="private", chunk_bytes=256,
-                     tile_bytes=16, timeout_s=30.0) as ctx:
+        with Context(
+            group,
+            layout,
+            epr,
+            slots,
+            num_layers=1,
+            transport="p2p",
+            window="private",
+            chunk_bytes=256,
+            tile_bytes=16,
+            timeout_s=30.0,
+        ) as ctx:
             master = torch.zeros((epr, 300), dtype=torch.bfloat16)
             grad = torch.zeros((epr, 300), dtype=torch.float32)
             ctx.register_masters(0, [master], [grad])

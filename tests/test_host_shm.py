@@ -1,4 +1,5 @@
 """host_shm windows across real processes (torch.multiprocessing + gloo), and cleanup of /dev/shm."""
+
 from __future__ import annotations
 
 import os
@@ -29,17 +30,28 @@ def _spawned_context(rank: int, world: int, port: int, results) -> None:
 
     _init(rank, world, port)
     layout = ExpertLayout((Member("w", (33, 5), torch.float16),))
-    ctx = Context(None, layout, 1, 2, num_layers=1, window="host_shm", chunk_bytes=64, tile_bytes=64,
-                  relay_mode="force", timeout_s=60)
-    ctx.register_masters(0, [expert_weights(layout, rank)[0].unsqueeze(0).contiguous()],
-                         [torch.zeros((1, 33, 5))])
+    ctx = Context(
+        None,
+        layout,
+        1,
+        2,
+        num_layers=1,
+        window="host_shm",
+        chunk_bytes=64,
+        tile_bytes=64,
+        relay_mode="force",
+        timeout_s=60,
+    )
+    ctx.register_masters(0, [expert_weights(layout, rank)[0].unsqueeze(0).contiguous()], [torch.zeros((1, 33, 5))])
     # every rank holds the two experts after it: chains through relays
-    plan = ReplicaPlan.make(np.array([[(r + 1) % world, (r + 2) % world] for r in range(world)], np.int32),
-                            experts_per_rank=1)
+    plan = ReplicaPlan.make(
+        np.array([[(r + 1) % world, (r + 2) % world] for r in range(world)], np.int32), experts_per_rank=1
+    )
     vid = ctx.begin(0)
     ctx.weight_sync(vid, plan)
-    ok = all(torch.equal(ctx.replica_weights[0][s], expert_weights(layout, (rank + 1 + s) % world)[0])
-             for s in range(2))
+    ok = all(
+        torch.equal(ctx.replica_weights[0][s], expert_weights(layout, (rank + 1 + s) % world)[0]) for s in range(2)
+    )
     ctx.end(vid)
     ctx.close()
     results[rank] = (ok, os.getpid())
@@ -121,8 +133,11 @@ def test_one_rank_failing_to_create_fails_every_rank(monkeypatch):
             with pytest.raises(RuntimeError, match="simulated full"):
                 host_shm.HostShmWindow.create(group, 4096)
         else:
-            with pytest.raises(PeerError, match=r"host_shm segment creation\): ranks \[1\] failed: rank 1: "
-                                                r"RuntimeError: .*simulated full"):
+            with pytest.raises(
+                PeerError,
+                match=r"host_shm segment creation\): ranks \[1\] failed: rank 1: "
+                r"RuntimeError: .*simulated full",
+            ):
                 host_shm.HostShmWindow.create(group, 4096)
         return True
 
@@ -141,8 +156,9 @@ def test_a_name_collision_leaves_the_other_file_alone(monkeypatch):
     with open(planted, "wb") as f:
         f.write(b"someone's data")
     real_name = host_shm.segment_name
-    monkeypatch.setattr(host_shm, "segment_name",
-                        lambda rank: os.path.basename(planted) if rank == 1 else real_name(rank))
+    monkeypatch.setattr(
+        host_shm, "segment_name", lambda rank: os.path.basename(planted) if rank == 1 else real_name(rank)
+    )
     before = shm_segments() - {os.path.basename(planted)}
 
     def body(group):
@@ -151,7 +167,8 @@ def test_a_name_collision_leaves_the_other_file_alone(monkeypatch):
         assert str(err.value) == (
             f"ultracomm: host_shm segment names of ranks [1] already exist in {SHM_DIR} ({os.path.basename(planted)}): "
             "another process holds them; they were left alone. Retry (names are random), and check what else "
-            "writes to /dev/shm")
+            "writes to /dev/shm"
+        )
         return True
 
     try:

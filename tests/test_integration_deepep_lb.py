@@ -17,6 +17,7 @@ What those files fix, restated here as the oracle (:func:`expected_slots`, :func
   DeepEP's test uses small integers so that its atomic adds' order cannot show; here the order is
   fixed, so random fp32 values are also checked bit for bit against a direct Context run.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -32,8 +33,11 @@ from ultracomm.layout import Member
 SENTINEL = 0xA5
 # (bytes per expert, destination dtype, source dtype) of each tensor an expert pushes: fp8 weights, a
 # 32-bit scale table (int32 at home, received into a float32 pool: bytes, no conversion), bf16 scales
-PAYLOADS = [(1024, torch.float8_e4m3fn, torch.float8_e4m3fn), (96, torch.float32, torch.int32),
-            (64, torch.bfloat16, torch.bfloat16)]
+PAYLOADS = [
+    (1024, torch.float8_e4m3fn, torch.float8_e4m3fn),
+    (96, torch.float32, torch.int32),
+    (64, torch.bfloat16, torch.bfloat16),
+]
 
 
 # ---------------------------------------------------------------- DeepEP's behaviour, restated
@@ -52,8 +56,9 @@ def home_tensors(rank: int, num_local: int, payloads=PAYLOADS) -> list[torch.Ten
     return out
 
 
-def random_mapping(rng: np.random.Generator, world: int, slots: int, num_local: int, empty_ratio: float = 0.25,
-                   dups: bool = True) -> torch.Tensor:
+def random_mapping(
+    rng: np.random.Generator, world: int, slots: int, num_local: int, empty_ratio: float = 0.25, dups: bool = True
+) -> torch.Tensor:
     """DeepEP's ``make_redundancy_mapping('random')``: each entry a remote expert, drawn with
     replacement from the others' experts (shifted past the row's own block), ``-1`` with
     probability ``empty_ratio``.  ``dups=False`` redraws rows until no expert repeats in a row."""
@@ -80,8 +85,9 @@ def expected_slots(mapping: torch.Tensor, rank: int, num_local: int, payload: in
     return out
 
 
-def expected_grads(mapping: torch.Tensor, rank: int, num_local: int, seed: torch.Tensor,
-                   redundant: list[torch.Tensor]) -> torch.Tensor:
+def expected_grads(
+    mapping: torch.Tensor, rank: int, num_local: int, seed: torch.Tensor, redundant: list[torch.Tensor]
+) -> torch.Tensor:
     """``expert_grads`` after one reduce: its seed plus every matching slot of every rank."""
     out = seed.clone().double()
     for r, row in enumerate(mapping.tolist()):
@@ -98,8 +104,9 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------- harness
 def make_buffer(group, slots: int, num_local: int, payloads=PAYLOADS, hidden: int | None = None, **options):
     plan = BufferAllocator()
-    pools = [plan.allocate((slots, nbytes // torch.empty((), dtype=dt).element_size()), dt)
-             for nbytes, dt, _ in payloads]
+    pools = [
+        plan.allocate((slots, nbytes // torch.empty((), dtype=dt).element_size()), dt) for nbytes, dt, _ in payloads
+    ]
     grads = plan.allocate((slots, hidden), torch.float32) if hidden else None
     options.setdefault("timeout_s", 20)
     return LBBuffer(group, plan, num_local, **options), pools, grads
@@ -132,8 +139,9 @@ def test_prefetch_random_mappings(seed):
                 before = [as_bytes(p).clone() for p in pools]
                 dst = [p.unflatten(1, (2, -1)) for p in pools] if k % 2 else pools
                 sources = [s.unflatten(1, (-1, 2)) for s in src] if k % 2 else src
-                ev = buf.lb_prefetch_weights(dst, sources, m, num_sms=0,
-                                             previous_event=buf.capture() if k % 2 else None)
+                ev = buf.lb_prefetch_weights(
+                    dst, sources, m, num_sms=0, previous_event=buf.capture() if k % 2 else None
+                )
                 ev.wait()
                 for p, (pool, b) in enumerate(zip(pools, before)):
                     assert torch.equal(as_bytes(pool), expected_slots(m, r, num_local, p, b)), (k, p)
@@ -207,8 +215,15 @@ def test_prefetch_bit_equal_to_a_direct_context_run():
             buf.destroy()
         want = []
         for (nbytes, dt, _), s in zip(PAYLOADS, src):
-            ctx = Context(group, ExpertLayout((Member("w", (nbytes,), torch.uint8),)), num_local, slots, 1,
-                          timeout_s=20, relay_mode="force")
+            ctx = Context(
+                group,
+                ExpertLayout((Member("w", (nbytes,), torch.uint8),)),
+                num_local,
+                slots,
+                1,
+                timeout_s=20,
+                relay_mode="force",
+            )
             try:
                 ctx.register_masters(0, [s.reshape(num_local, -1).view(torch.uint8).contiguous()], None)
                 vid = ctx.begin(0)
@@ -236,11 +251,12 @@ def test_reduce_random_mappings(seed):
 
     def body(group):
         r = group.rank
-        buf, _, grads = make_buffer(group, slots, num_local, hidden=hidden,
-                                    relay_mode="force" if seed != 1 else "off")
+        buf, _, grads = make_buffer(group, slots, num_local, hidden=hidden, relay_mode="force" if seed != 1 else "off")
         try:
-            red = [torch.arange(slots * hidden, dtype=torch.float32).view(slots, hidden) % 97 - 40 + 100 * q
-                   for q in range(world)]
+            red = [
+                torch.arange(slots * hidden, dtype=torch.float32).view(slots, hidden) % 97 - 40 + 100 * q
+                for q in range(world)
+            ]
             grads.copy_(red[r])
             seed_g = torch.arange(num_local * hidden, dtype=torch.float32).view(num_local, hidden) % 13 - 6
             expert_grads = seed_g.clone()
@@ -277,8 +293,15 @@ def test_reduce_deterministic_and_equal_to_a_direct_context_run():
                 runs.append(eg)
         finally:
             buf.destroy()
-        ctx = Context(group, ExpertLayout((Member("g", (hidden,), torch.float32),)), num_local, slots, 1,
-                      timeout_s=20, relay_mode="force")
+        ctx = Context(
+            group,
+            ExpertLayout((Member("g", (hidden,), torch.float32),)),
+            num_local,
+            slots,
+            1,
+            timeout_s=20,
+            relay_mode="force",
+        )
         try:
             direct = seed_g.clone()
             ctx.register_masters(0, [torch.zeros(num_local, hidden)], [direct])
@@ -322,9 +345,11 @@ def test_undefined_mappings_and_bad_arguments_raise():
         buf, pools, grads = make_buffer(group, 2, 2, hidden=8)
         src = home_tensors(r, 2)
         try:
-            for bad, msg in (([[2, -2], [0, 1]], r"redundancy_mapping\[0, 1\] = -2: expert ids are local"),
-                             ([[2, 4], [0, 1]], r"redundancy_mapping\[0, 1\] = 4: .*in \[0, 4\)"),
-                             ([[1, 2], [0, 1]], r"redundancy_mapping\[0, 0\] = 1 is rank 0's own expert")):
+            for bad, msg in (
+                ([[2, -2], [0, 1]], r"redundancy_mapping\[0, 1\] = -2: expert ids are local"),
+                ([[2, 4], [0, 1]], r"redundancy_mapping\[0, 1\] = 4: .*in \[0, 4\)"),
+                ([[1, 2], [0, 1]], r"redundancy_mapping\[0, 0\] = 1 is rank 0's own expert"),
+            ):
                 with pytest.raises(PlanError, match=msg):
                     buf.lb_prefetch_weights(pools, src, torch.tensor(bad, dtype=torch.int32))
                 with pytest.raises(PlanError, match=msg):
@@ -405,11 +430,21 @@ def test_buffer_construction():
         try:
             with pytest.raises(ValueError, match="cannot change"):
                 plan.allocate((1, 1), torch.uint8)
-            return (a.device.type, tuple(a.shape), a.dtype, a.is_contiguous(), tuple(b.shape), b.dtype,
-                    buf.num_nvlink_ranks, buf.lb_get_theoretical_num_sms(), isinstance(buf.capture(),
-                                                                                  deepep_lb.EventOverlap))
+            return (
+                a.device.type,
+                tuple(a.shape),
+                a.dtype,
+                a.is_contiguous(),
+                tuple(b.shape),
+                b.dtype,
+                buf.num_nvlink_ranks,
+                buf.lb_get_theoretical_num_sms(),
+                isinstance(buf.capture(), deepep_lb.EventOverlap),
+            )
         finally:
             buf.destroy()
 
-    assert LoopbackDomain(2).run(body) == [("cpu", (3, 64), torch.float32, True, (3, 2, 8), torch.bfloat16, 2, 0,
-                                            True)] * 2
+    assert (
+        LoopbackDomain(2).run(body)
+        == [("cpu", (3, 64), torch.float32, True, (3, 2, 8), torch.bfloat16, 2, 0, True)] * 2
+    )

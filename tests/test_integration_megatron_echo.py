@@ -15,6 +15,7 @@ for an empty spare, the home weight for a filled one, the same rank included; ba
 each home weight the sum of its spares' gradients).  Megatron's DDP hook: megatron-core
 0.16.1 wheel, ``megatron/core/distributed/distributed_data_parallel.py``
 ``_make_backward_post_hook`` and ``zero_grad_buffer``."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -67,8 +68,10 @@ def run(mode: str = "fused", layers: int = LAYERS, schedule: str = "F0 B0", algo
     ddp, fused = mode != "grad", mode == "fused"
     domain = LoopbackDomain(WORLD)
     steps = schedule.split()
-    in_flight = max(sum(1 for s in steps[:i + 1] if s[0] == "F") - sum(1 for s in steps[:i + 1] if s[0] == "B")
-                    for i in range(len(steps)))
+    in_flight = max(
+        sum(1 for s in steps[: i + 1] if s[0] == "F") - sum(1 for s in steps[: i + 1] if s[0] == "B")
+        for i in range(len(steps))
+    )
 
     def body(group):
         r = group.rank
@@ -92,11 +95,18 @@ def run(mode: str = "fused", layers: int = LAYERS, schedule: str = "F0 B0", algo
             total = torch.zeros(())
             for layer in range(layers):
                 x, rmap, probs, up = mh.batch(r, layer, mb, E)
-                counts = torch.stack([torch.as_tensor(c) for c in group.all_gather_object(
-                    rmap.sum(0), op="test", what="token counts")]).to(torch.int32)
+                counts = torch.stack(
+                    [torch.as_tensor(c) for c in group.all_gather_object(rmap.sum(0), op="test", what="token counts")]
+                ).to(torch.int32)
                 rerouting_map, rerouted_probs, offloading_map = gen_offloading_plan(
-                    rmap, probs, counts, ep_rank=r, num_ep_ranks=WORLD, num_spare_experts_per_ep_rank=S,
-                    assignment_algorithm=algorithm)
+                    rmap,
+                    probs,
+                    counts,
+                    ep_rank=r,
+                    num_ep_ranks=WORLD,
+                    num_spare_experts_per_ep_rank=S,
+                    assignment_algorithm=algorithm,
+                )
                 meta = dispatchers[layer].preprocess(offloading_map)
                 spare_fc1 = dispatchers[layer].dispatch(meta, *params[layer][0])
                 spare_fc2 = dispatchers[layer].dispatch(meta, *params[layer][1])
@@ -116,8 +126,10 @@ def run(mode: str = "fused", layers: int = LAYERS, schedule: str = "F0 B0", algo
                         total = total + (y * us[t]).sum()
                 group.barrier()
             losses[mb] = total
-        grads = [[torch.stack([p.main_grad if ddp else p.grad for p in params[layer][m]]) for m in range(2)]
-                 for layer in range(layers)]
+        grads = [
+            [torch.stack([p.main_grad if ddp else p.grad for p in params[layer][m]]) for m in range(2)]
+            for layer in range(layers)
+        ]
         flags = [p.grad_added_to_main_grad for fc in params for ps in fc for p in ps] if ddp else []
         close_dispatchers(group)
         return grads, flags
@@ -163,12 +175,14 @@ def test_dispatch_outputs_and_gradients_follow_upstream(dtype):
     """dispatch: local spare k gets the weight of the expert its column names (same rank
     included), zeros when empty, in runtime_weight_dtype; backward: each home weight gets the
     sum of its spares' gradients (summed in fp32 for bf16 weights, returned in their dtype)."""
+
     def body(group):
         r = group.rank
         d = EchoExpertDispatcher(SimpleNamespace(), group, 4, 4, timeout_s=20)
         try:
-            weights = [torch.nn.Parameter(torch.full((3, 2), float(10 * (2 * r + j) + 1), dtype=dtype))
-                       for j in range(2)]
+            weights = [
+                torch.nn.Parameter(torch.full((3, 2), float(10 * (2 * r + j) + 1), dtype=dtype)) for j in range(2)
+            ]
             meta = d.preprocess(offloading_map())
             assert meta.local_spare_home_indices.tolist() == ([0, 3] if r == 0 else [0, -1])
             out = d.dispatch(meta, *weights, runtime_weight_dtype=torch.float64)
@@ -194,7 +208,9 @@ def test_fold_spare_gradients(policy, combine):
     """Upstream's fold_spare_gradients: the local home experts' sums of the spare gradients,
     in the grad-combine dtype (``moe_balance_expert_weight_grad_combine_dtype``: fp32 for bf16
     weights by default, the weights' dtype with ``param_dtype``)."""
-    config = SimpleNamespace() if policy is None else SimpleNamespace(moe_balance_expert_weight_grad_combine_dtype=policy)
+    config = (
+        SimpleNamespace() if policy is None else SimpleNamespace(moe_balance_expert_weight_grad_combine_dtype=policy)
+    )
 
     def body(group):
         r = group.rank
@@ -229,17 +245,21 @@ def test_dispatcher_rejects_bad_input():
             two[0, 1] = two[1, 1] = True
             with pytest.raises(ValueError) as e:
                 d.preprocess(two)
-            assert str(e.value) == pre + ("spare slot 1 of expert_offloading_map holds experts [0, 1]; each spare "
-                                          "slot holds at most one home expert")
+            assert str(e.value) == pre + (
+                "spare slot 1 of expert_offloading_map holds experts [0, 1]; each spare "
+                "slot holds at most one home expert"
+            )
             meta = d.preprocess(torch.zeros(4, 2, dtype=torch.bool))
             with pytest.raises(ValueError) as e:
                 d.dispatch(meta, torch.zeros(2))
             assert str(e.value) == pre + "expected 2 local home weights, got 1"
             with pytest.raises(ValueError) as e:
                 d.fold_spare_gradients(meta, torch.zeros(2))
-            assert str(e.value) == pre + ("fold_spare_gradients: no dispatch of [2] torch.float32 weights by this "
-                                          "layer yet; call dispatch(metadata, *home_weights) first (or pass "
-                                          "reference_weight_dtype)")
+            assert str(e.value) == pre + (
+                "fold_spare_gradients: no dispatch of [2] torch.float32 weights by this "
+                "layer yet; call dispatch(metadata, *home_weights) first (or pass "
+                "reference_weight_dtype)"
+            )
             with pytest.raises(ValueError) as e:
                 EchoExpertDispatcher(SimpleNamespace(), group, 3, 2)
             assert str(e.value) == pre + "num_home_experts must be a positive multiple of the EP size 2, got 3"

@@ -12,6 +12,7 @@ Upstream:
 Every expected plan below was worked out by hand from those sources (the steps are in the
 comments), not produced by running this code.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -53,8 +54,7 @@ def test_worked_example_column_order_and_proportional_split(upstream, algorithm)
     homes then spares (M=2, K=1): expert e -> (e // 2) * 3 + e % 2, spare 1 -> 1*3 + 2 = 5."""
     m = rank0_map()
     probs = torch.rand(14, 4, dtype=torch.float64) * m
-    rmap, rprobs, omap = gen_offloading_plan(m, probs, COUNTS, 0, 2, assignment_algorithm=algorithm,
-                                             upstream=upstream)
+    rmap, rprobs, omap = gen_offloading_plan(m, probs, COUNTS, 0, 2, assignment_algorithm=algorithm, upstream=upstream)
     assert omap.tolist() == [[False, True], [False, False], [False, False], [False, False]]
     assert rmap.shape == (14, 6) and rprobs.dtype == torch.float64
     want = torch.zeros(14, 6, dtype=torch.bool)
@@ -73,8 +73,7 @@ def test_worked_example_column_order_and_proportional_split(upstream, algorithm)
     m1[20:22, 1] = True
     m1[22:25, 2] = True
     m1[25, 3] = True
-    r1, _, omap1 = gen_offloading_plan(m1, m1.float(), COUNTS, 1, 2, assignment_algorithm=algorithm,
-                                       upstream=upstream)
+    r1, _, omap1 = gen_offloading_plan(m1, m1.float(), COUNTS, 1, 2, assignment_algorithm=algorithm, upstream=upstream)
     assert torch.equal(omap1, omap)
     assert r1[:, 5].nonzero().squeeze(1).tolist() == list(range(9))
     assert r1[:, 0].nonzero().squeeze(1).tolist() == list(range(9, 20))
@@ -100,16 +99,19 @@ def map_for(counts_row: torch.Tensor) -> torch.Tensor:
     return torch.repeat_interleave(torch.eye(E, dtype=torch.bool), counts_row.long(), dim=0)
 
 
-@pytest.mark.parametrize("upstream, spares", [
-    # balanced_moe (eager): expert 0 (spill 10) fills rank 2 (6) and rank 3 (4); expert 1
-    # (spill 8) gets rank 3's last 2 and rank 4's 6; each spare then keeps its largest home:
-    # rank 3 keeps expert 0 (4 > 2)
-    ("balanced_moe", {0: [2, 3], 1: [4]}),
-    # pr2368 (buckets of width 30 // 7 = 4): both spills land in bucket (30-10)//4+1 = 6 and
-    # (30-8)//4+1 = 6, expert 0 first.  Rank 2 takes expert 0 (6, 4 left -> bucket 7),
-    # rank 3 the next head, expert 1 (6, 2 left -> bucket 7), rank 4 bucket 7's head: expert 0
-    ("pr2368", {0: [2, 4], 1: [3]}),
-])
+@pytest.mark.parametrize(
+    "upstream, spares",
+    [
+        # balanced_moe (eager): expert 0 (spill 10) fills rank 2 (6) and rank 3 (4); expert 1
+        # (spill 8) gets rank 3's last 2 and rank 4's 6; each spare then keeps its largest home:
+        # rank 3 keeps expert 0 (4 > 2)
+        ("balanced_moe", {0: [2, 3], 1: [4]}),
+        # pr2368 (buckets of width 30 // 7 = 4): both spills land in bucket (30-10)//4+1 = 6 and
+        # (30-8)//4+1 = 6, expert 0 first.  Rank 2 takes expert 0 (6, 4 left -> bucket 7),
+        # rank 3 the next head, expert 1 (6, 2 left -> bucket 7), rank 4 bucket 7's head: expert 0
+        ("pr2368", {0: [2, 4], 1: [3]}),
+    ],
+)
 def test_approx_bin_packing_versions_differ_as_their_sources_do(upstream, spares):
     """Expert totals [40, 38, 24, 24, 24] over 5 ranks (M = 1): avg 30; spills 10 and 8;
     ranks 2-4 have 6 spare each."""
@@ -127,9 +129,14 @@ def test_one_shot_greedy_threshold_multiplier():
     spare stays; 0.5: room 10 -> both undone, no rank keeps it: no spare."""
     c = counts_for([30, 10], 2)
     m = map_for(c[0])
-    kept = [bool(gen_offloading_plan(m, m.float(), c, 0, 2, threshold_multiplier=t,
-                                     assignment_algorithm="one_shot_greedy")[2].any())
-            for t in (0.0, 0.4, 0.5)]
+    kept = [
+        bool(
+            gen_offloading_plan(m, m.float(), c, 0, 2, threshold_multiplier=t, assignment_algorithm="one_shot_greedy")[
+                2
+            ].any()
+        )
+        for t in (0.0, 0.4, 0.5)
+    ]
     assert kept == [True, True, False]
     # upstream applies the threshold only to one_shot_greedy
     assert gen_offloading_plan(m, m.float(), c, 0, 2, threshold_multiplier=0.5)[2].any()
@@ -143,8 +150,9 @@ def test_one_shot_greedy_two_spares_per_rank_capacity_rules():
     c = counts_for([40, 36, 2, 2], 2)
     m = map_for(c[0])
     for upstream in ("balanced_moe", "pr2368"):
-        _, _, omap = gen_offloading_plan(m, m.float(), c, 0, 2, 2, assignment_algorithm="one_shot_greedy",
-                                         upstream=upstream)
+        _, _, omap = gen_offloading_plan(
+            m, m.float(), c, 0, 2, 2, assignment_algorithm="one_shot_greedy", upstream=upstream
+        )
         assert omap.nonzero().tolist() == [[0, 2]]
 
 
@@ -165,10 +173,17 @@ def test_upstream_argument_names_and_defaults():
     num_spare_experts_per_ep_rank=1, threshold_multiplier=0.0, dtype_index=torch.int32,
     assignment_algorithm="approx_bin_packing")."""
     m = rank0_map()
-    a = gen_offloading_plan(map_token_to_expert=m, probs_routing=m.float(), count_tokens_per_expert_from_ep_rank=COUNTS,
-                            ep_rank=torch.tensor(0), num_ep_ranks=2, num_spare_experts_per_ep_rank=1,
-                            threshold_multiplier=0.0, dtype_index=torch.int64,
-                            assignment_algorithm="approx_bin_packing")
+    a = gen_offloading_plan(
+        map_token_to_expert=m,
+        probs_routing=m.float(),
+        count_tokens_per_expert_from_ep_rank=COUNTS,
+        ep_rank=torch.tensor(0),
+        num_ep_ranks=2,
+        num_spare_experts_per_ep_rank=1,
+        threshold_multiplier=0.0,
+        dtype_index=torch.int64,
+        assignment_algorithm="approx_bin_packing",
+    )
     b = gen_offloading_plan(m, m.float(), COUNTS, 0, 2)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
 
@@ -184,12 +199,21 @@ def test_ultracomm_planner_uses_the_same_column_order():
 
 
 @settings(max_examples=40, deadline=None)
-@given(R=st.integers(1, 4), M=st.integers(1, 3), K=st.integers(1, 2), T=st.integers(0, 30),
-       top_k=st.integers(1, 3), hot=st.sampled_from([0.0, 3.0]), seed=st.integers(0, 2**31),
-       algorithm=st.sampled_from(["approx_bin_packing", "one_shot_greedy", "quota"]),
-       upstream=st.sampled_from(["balanced_moe", "pr2368"]), threshold=st.sampled_from([0.0, 0.1]))
-def test_every_routed_token_lands_on_an_instance_of_its_expert(R, M, K, T, top_k, hot, seed, algorithm, upstream,
-                                                               threshold):
+@given(
+    R=st.integers(1, 4),
+    M=st.integers(1, 3),
+    K=st.integers(1, 2),
+    T=st.integers(0, 30),
+    top_k=st.integers(1, 3),
+    hot=st.sampled_from([0.0, 3.0]),
+    seed=st.integers(0, 2**31),
+    algorithm=st.sampled_from(["approx_bin_packing", "one_shot_greedy", "quota"]),
+    upstream=st.sampled_from(["balanced_moe", "pr2368"]),
+    threshold=st.sampled_from([0.0, 0.1]),
+)
+def test_every_routed_token_lands_on_an_instance_of_its_expert(
+    R, M, K, T, top_k, hot, seed, algorithm, upstream, threshold
+):
     """Read the way Megatron reads it (column c is rank c // (M+K), local slot c % (M+K)),
     every routed (token, expert) lands in exactly one column holding that expert, with its
     prob; the spares' token totals over all ranks are the plan's."""
@@ -208,8 +232,17 @@ def test_every_routed_token_lands_on_an_instance_of_its_expert(R, M, K, T, top_k
     counts = torch.stack([m.sum(0) for m in maps]).to(torch.int32)
     omaps, spare_tokens = [], np.zeros(R * K, np.int64)
     for r in range(R):
-        rmap, rprobs, omap = gen_offloading_plan(maps[r], probs[r], counts, r, R, K, threshold_multiplier=threshold,
-                                                 assignment_algorithm=algorithm, upstream=upstream)
+        rmap, rprobs, omap = gen_offloading_plan(
+            maps[r],
+            probs[r],
+            counts,
+            r,
+            R,
+            K,
+            threshold_multiplier=threshold,
+            assignment_algorithm=algorithm,
+            upstream=upstream,
+        )
         omaps.append(omap)
         assert rmap.shape == (T, R * (M + K))
         assert torch.equal(rmap.sum(1), maps[r].sum(1))
@@ -235,10 +268,16 @@ def test_every_routed_token_lands_on_an_instance_of_its_expert(R, M, K, T, top_k
 
 # ----------------------------------------------------------------------------- bad input (issue 23 item 4)
 
+
 def bad(match: str, **kw):
     m = rank0_map()
-    args = dict(map_token_to_expert=m, probs_routing=m.float(), count_tokens_per_expert_from_ep_rank=COUNTS,
-                ep_rank=0, num_ep_ranks=2)
+    args = dict(
+        map_token_to_expert=m,
+        probs_routing=m.float(),
+        count_tokens_per_expert_from_ep_rank=COUNTS,
+        ep_rank=0,
+        num_ep_ranks=2,
+    )
     args.update(kw)
     with pytest.raises(ValueError) as info:
         gen_offloading_plan(**args)
@@ -249,46 +288,74 @@ def test_out_of_range_ranks_and_sizes_are_named():
     bad("ep_rank must be an int in 0..1 (this rank's index in the EP group), got -1", ep_rank=-1)
     bad("ep_rank must be an int in 0..1 (this rank's index in the EP group), got 99", ep_rank=99)
     bad("ep_rank must be an int in 0..1 (this rank's index in the EP group), got True", ep_rank=True)
-    bad("ep_rank must be an int in 0..1 (this rank's index in the EP group), got a torch.float32 tensor of "
-        "shape []", ep_rank=torch.tensor(0.0))
+    bad(
+        "ep_rank must be an int in 0..1 (this rank's index in the EP group), got a torch.float32 tensor of shape []",
+        ep_rank=torch.tensor(0.0),
+    )
     bad("num_ep_ranks must be a positive int (the EP group's size), got 0", num_ep_ranks=0)
-    bad("num_ep_ranks=3 does not divide the 4 experts of map_token_to_expert; every EP rank homes the same "
-        "number of experts", num_ep_ranks=3)
+    bad(
+        "num_ep_ranks=3 does not divide the 4 experts of map_token_to_expert; every EP rank homes the same "
+        "number of experts",
+        num_ep_ranks=3,
+    )
     bad("num_spare_experts_per_ep_rank must be a positive int, got 0", num_spare_experts_per_ep_rank=0)
-    bad("assignment_algorithm='approx_bin_packing' supports num_spare_experts_per_ep_rank=1 only (as upstream), "
-        "got 2; use 'one_shot_greedy' or an ultracomm planner", num_spare_experts_per_ep_rank=2)
+    bad(
+        "assignment_algorithm='approx_bin_packing' supports num_spare_experts_per_ep_rank=1 only (as upstream), "
+        "got 2; use 'one_shot_greedy' or an ultracomm planner",
+        num_spare_experts_per_ep_rank=2,
+    )
 
 
 def test_token_counts_that_disagree_or_are_fractional_are_named():
     c = COUNTS.clone()
     c[0, 1] = 3
-    bad("row ep_rank=0 of count_tokens_per_expert_from_ep_rank says 3 tokens for expert 1, but "
+    bad(
+        "row ep_rank=0 of count_tokens_per_expert_from_ep_rank says 3 tokens for expert 1, but "
         "map_token_to_expert routes 2 of this rank's tokens to it; pass every rank's map_token_to_expert.sum(0), "
-        "gathered over the EP group in rank order", count_tokens_per_expert_from_ep_rank=c)
+        "gathered over the EP group in rank order",
+        count_tokens_per_expert_from_ep_rank=c,
+    )
     f = COUNTS.double()
     f[1, 2] = 2.5
-    bad("count_tokens_per_expert_from_ep_rank must hold whole token counts; entry [1, 2] is 2.5",
-        count_tokens_per_expert_from_ep_rank=f)
+    bad(
+        "count_tokens_per_expert_from_ep_rank must hold whole token counts; entry [1, 2] is 2.5",
+        count_tokens_per_expert_from_ep_rank=f,
+    )
     n = COUNTS.clone()
     n[1, 3] = -1
     bad("count_tokens_per_expert_from_ep_rank must be >= 0; entry [1, 3] is -1", count_tokens_per_expert_from_ep_rank=n)
-    bad("count_tokens_per_expert_from_ep_rank must be a [num_ep_ranks, experts] = [2, 4] tensor, got [4]",
-        count_tokens_per_expert_from_ep_rank=COUNTS[0])
+    bad(
+        "count_tokens_per_expert_from_ep_rank must be a [num_ep_ranks, experts] = [2, 4] tensor, got [4]",
+        count_tokens_per_expert_from_ep_rank=COUNTS[0],
+    )
     big = COUNTS.long()
     big[1, 0] = 2**31
-    bad("count_tokens_per_expert_from_ep_rank totals 2147483668 tokens, more than dtype_index=torch.int32 holds "
-        "(2147483647); pass dtype_index=torch.int64", count_tokens_per_expert_from_ep_rank=big)
+    bad(
+        "count_tokens_per_expert_from_ep_rank totals 2147483668 tokens, more than dtype_index=torch.int32 holds "
+        "(2147483647); pass dtype_index=torch.int64",
+        count_tokens_per_expert_from_ep_rank=big,
+    )
 
 
 def test_other_arguments_are_named():
     m = rank0_map()
-    bad("map_token_to_expert must be a bool [tokens, experts] tensor, got torch.float32 [14, 4]",
-        map_token_to_expert=m.float())
-    bad("probs_routing must be a floating-point tensor shaped like map_token_to_expert [14, 4], got torch.float32 "
-        "[14, 3]", probs_routing=torch.zeros(14, 3))
+    bad(
+        "map_token_to_expert must be a bool [tokens, experts] tensor, got torch.float32 [14, 4]",
+        map_token_to_expert=m.float(),
+    )
+    bad(
+        "probs_routing must be a floating-point tensor shaped like map_token_to_expert [14, 4], got torch.float32 "
+        "[14, 3]",
+        probs_routing=torch.zeros(14, 3),
+    )
     bad("threshold_multiplier must be a finite number (<= 0: off), got nan", threshold_multiplier=float("nan"))
-    bad("dtype_index must be an integer torch dtype (torch.int32 or torch.int64), got torch.float32",
-        dtype_index=torch.float32)
-    bad("assignment_algorithm must be 'approx_bin_packing' or 'one_shot_greedy' (Megatron's) or an ultracomm "
-        "planner (device, greedy, lpt, quota, taot), got 'max_flow'", assignment_algorithm="max_flow")
+    bad(
+        "dtype_index must be an integer torch dtype (torch.int32 or torch.int64), got torch.float32",
+        dtype_index=torch.float32,
+    )
+    bad(
+        "assignment_algorithm must be 'approx_bin_packing' or 'one_shot_greedy' (Megatron's) or an ultracomm "
+        "planner (device, greedy, lpt, quota, taot), got 'max_flow'",
+        assignment_algorithm="max_flow",
+    )
     bad("upstream must be one of ['balanced_moe', 'pr2368'], got 'main'", upstream="main")

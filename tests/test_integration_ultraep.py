@@ -7,6 +7,7 @@ zeroed by the host (UltraEP's reduce does that), two training iterations.
 Ranks are threads; tokens reach the rank hosting their physical expert through a shared
 dict (standing in for the token dispatcher, which UltraEP leaves to the framework).
 Contract tests of UltraEP's own behaviour are in test_integration_ultraep_contract.py."""
+
 from __future__ import annotations
 
 import pytest
@@ -61,10 +62,20 @@ def run(restore_hook: bool = True, planner: str = "quota", iterations: int = 2):
 
     def body(group):
         r = group.rank
-        manager = ultra_ep.Manager(group, num_layers=LAYERS, num_local_master_experts=M,
-                                   num_local_redundant_experts=R, expert_fc1_numel=I * H, expert_fc2_numel=H * I,
-                                   is_train=True, max_microbatches=1, weight_data_dtype=torch.float32,
-                                   grad_dtype=torch.float32, planner=planner, timeout_s=20)
+        manager = ultra_ep.Manager(
+            group,
+            num_layers=LAYERS,
+            num_local_master_experts=M,
+            num_local_redundant_experts=R,
+            expert_fc1_numel=I * H,
+            expert_fc2_numel=H * I,
+            is_train=True,
+            max_microbatches=1,
+            weight_data_dtype=torch.float32,
+            grad_dtype=torch.float32,
+            planner=planner,
+            timeout_s=20,
+        )
         assert manager.local_replica_fc1_weight_buffer.shape == (R, I * H)
         assert manager.local_replica_fc2_grad_buffer.shape == (R, H * I)
         # fc1 is 120 bytes: fc2 starts at the next 16-byte boundary, so no joined [R, fc1 + fc2] view
@@ -77,8 +88,9 @@ def run(restore_hook: bool = True, planner: str = "quota", iterations: int = 2):
             fc2 = [torch.nn.Parameter(w[1].clone()) for w in ws]
             for p in fc1 + fc2:
                 p.main_grad = torch.zeros(p.shape)
-            manager.construct_local_master_ptr_pool(layer, fc1, fc2, [p.main_grad for p in fc1],
-                                                    [p.main_grad for p in fc2])
+            manager.construct_local_master_ptr_pool(
+                layer, fc1, fc2, [p.main_grad for p in fc1], [p.main_grad for p in fc2]
+            )
             params[layer] = (fc1, fc2)
 
         def transformer_layer(hidden, layer, it):
@@ -124,10 +136,15 @@ def run(restore_hook: bool = True, planner: str = "quota", iterations: int = 2):
             h.backward()
             for t in (manager.local_replica_fc1_grad_buffer, manager.local_replica_fc2_grad_buffer):
                 assert not t.any()  # the last grad_reduce cleared what the backward added
-        grads = [[torch.stack([p.main_grad for p in params[layer][m]]) for m in range(2)]
-                 for layer in range(1, LAYERS + 1)]
-        placement = (manager.physical_to_logical_map.clone(), manager.logical_to_physical_map.clone(),
-                     manager.logical_replica_counts.clone(), manager.logical_instance_quota.clone())
+        grads = [
+            [torch.stack([p.main_grad for p in params[layer][m]]) for m in range(2)] for layer in range(1, LAYERS + 1)
+        ]
+        placement = (
+            manager.physical_to_logical_map.clone(),
+            manager.logical_to_physical_map.clone(),
+            manager.logical_replica_counts.clone(),
+            manager.logical_instance_quota.clone(),
+        )
         manager.explicitly_destroy = True
         manager.destroy()
         return grads, placement
@@ -160,8 +177,9 @@ def test_forgotten_restore_hook_raises_in_grad_reduce():
 
 def test_joined_replica_buffers_alias_the_member_buffers():
     def body(group):
-        m = ultra_ep.Manager(group, 2, 2, 3, expert_fc1_numel=64, expert_fc2_numel=40,
-                             weight_data_dtype=torch.bfloat16, timeout_s=20)
+        m = ultra_ep.Manager(
+            group, 2, 2, 3, expert_fc1_numel=64, expert_fc2_numel=40, weight_data_dtype=torch.bfloat16, timeout_s=20
+        )
         try:
             full, grads = m.local_replica_weight_buffer, m.local_replica_grad_buffer
             assert full.shape == (3, 104) and full.dtype == torch.bfloat16 and grads.dtype == torch.float32

@@ -3,6 +3,7 @@
 Upstream: github.com/Dots-Infra/UltraEP, v1.0.0 = commit 94cab099b44fffa99a82fea99e7c12d89cf65e4f.
 Each test names the file it encodes.  Ranks are threads of a loopback domain.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -23,8 +24,12 @@ def _register(m, layer=1):
     """Rank r's masters: expert weights r+1 (fc1) and -(r+1) (fc2), fp32 zero grads."""
     M, r = m.num_local_master_experts, m.rank
     grads = [[torch.zeros(FC1) for _ in range(M)], [torch.zeros(FC2) for _ in range(M)]]
-    m.construct_local_master_ptr_pool(layer, [torch.full((FC1,), r + 1.0) for _ in range(M)],
-                                      [torch.full((FC2,), -(r + 1.0)) for _ in range(M)], *grads)
+    m.construct_local_master_ptr_pool(
+        layer,
+        [torch.full((FC1,), r + 1.0) for _ in range(M)],
+        [torch.full((FC2,), -(r + 1.0)) for _ in range(M)],
+        *grads,
+    )
     return grads
 
 
@@ -43,6 +48,7 @@ def test_version_and_init_runtime():
 def test_grad_dtype_must_be_fp32():
     """``ultra_ep/manager.py`` ``Manager.__init__``: ``check_dtype`` raises TypeError for a
     non-dtype, then ``ValueError("UltraEP currently supports only fp32 gradients")``."""
+
     def body(group):
         with pytest.raises(ValueError, match=r"^UltraEP currently supports only fp32 gradients$"):
             _manager(group, grad_dtype=torch.bfloat16)
@@ -59,6 +65,7 @@ def test_grad_reduce_zeroes_the_placed_replica_grads():
     with ``+=`` (UltraEP README's hooks never zero) gets 1.0 per iteration, 2.0 after two --
     not 3.0 -- and a placement outlives ``grad_reduce``: a second reduce of the same layer id
     adds only what was written since (``ultra_ep/manager.py`` ``grad_reduce`` keeps no state)."""
+
     def body(group):
         m = _manager(group, explicitly_destroy=True)
         grads = _register(m)
@@ -103,15 +110,21 @@ def test_quota_prefixes_and_reroute_sparse():
     Worked by hand: expert 0 has 8 tokens (6 on rank 0, 2 on rank 1), two instances (master on
     rank 0, physical 0; replica on rank 1, physical 3), quota [4, 4]: rank 0 fills its master
     with 4 and sends 2 to the replica, rank 1 keeps its 2 local."""
+
     def body(group):
         m = _manager(group)
         _register(m)
         vid = m.allocate_microbatch_slot(1)
         topk = torch.tensor(HOT[m.rank])
         m.update_placement_sparse(vid, topk)
-        out = [m.physical_to_logical_map[vid].tolist(), m.logical_to_physical_map[vid].tolist(),
-               m.logical_replica_counts[vid].tolist(), m.get_quota_tensor(vid).tolist(),
-               m.get_quota_prefix_tensor(vid).tolist(), m.get_rank_quota_prefix_tensor(vid).tolist()]
+        out = [
+            m.physical_to_logical_map[vid].tolist(),
+            m.logical_to_physical_map[vid].tolist(),
+            m.logical_replica_counts[vid].tolist(),
+            m.get_quota_tensor(vid).tolist(),
+            m.get_quota_prefix_tensor(vid).tolist(),
+            m.get_rank_quota_prefix_tensor(vid).tolist(),
+        ]
         dense_rmap = torch.zeros(topk.shape[0], 2, dtype=torch.bool)
         for t, row in enumerate(topk.tolist()):
             for e in row:
@@ -135,6 +148,7 @@ def test_reroute_backend_and_topk_checks():
     """``ultra_ep/manager.py`` ``reroute``: ``backend != "cuda"`` raises
     ``ValueError("Only backend='cuda' is supported; CPU reroute has been removed")``;
     ``csrc/ultra_ep.cpp``: sparse calls take int64 ``[T, K]`` ids."""
+
     def body(group):
         m = _manager(group)
         _register(m)
@@ -143,8 +157,11 @@ def test_reroute_backend_and_topk_checks():
         rmap = torch.ones(2, 2, dtype=torch.bool)
         with pytest.raises(ValueError, match=r"^Only backend='cuda' is supported; CPU reroute has been removed$"):
             m.reroute(vid, rmap.float(), rmap, backend="cpu")
-        with pytest.raises(ValueError, match=r"reroute_sparse: topk_ids must be an int64 \[tokens, top_k\] tensor, "
-                                             r"got torch.int32 \[2, 1\]"):
+        with pytest.raises(
+            ValueError,
+            match=r"reroute_sparse: topk_ids must be an int64 \[tokens, top_k\] tensor, "
+            r"got torch.int32 \[2, 1\]",
+        ):
             m.reroute_sparse(vid, torch.zeros(2, 1, dtype=torch.int32))
         m.ctx.close()
         return True
@@ -157,6 +174,7 @@ def test_settings_and_event_handle():
     adaptive_relay / force_relay (case and ``_`` ignored) and raises ``ValueError("plan_mode must
     be one of: direct, adaptive_relay, force_relay")``; ``set_grad_reduce_deterministic``;
     ``ultra_ep/event.py``: ``EventHandle(event, extra_tensors)``."""
+
     def body(group):
         m = _manager(group)
         modes = []
@@ -167,8 +185,11 @@ def test_settings_and_event_handle():
             m.set_weight_sync_plan_mode("tree")
         m.set_grad_reduce_deterministic(False)
         assert m.grad_reduce_deterministic is False
-        with pytest.raises(RuntimeError, match=r"get_comm_stream\(\) has no CUDA stream to return: .* 'host' is not "
-                                               r"stream-ordered"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"get_comm_stream\(\) has no CUDA stream to return: .* 'host' is not "
+            r"stream-ordered",
+        ):
             m.get_comm_stream()
         m.ctx.close()
         return modes
@@ -184,16 +205,21 @@ def test_joined_buffers_raise_when_fc1_leaves_a_gap():
     """``ultra_ep/manager.py``: ``local_replica_{weight,grad}_buffer`` are ``[R, fc1 + fc2]``; ultracomm
     starts fc2 at the next 16-byte boundary, so with an unaligned fc1 there is no such view:
     a clear error instead of ``None``."""
+
     def body(group):
         m = ultra_ep.Manager(group, 1, 1, 2, expert_fc1_numel=6, expert_fc2_numel=4, timeout_s=20)
-        with pytest.raises(ValueError, match=r"local_replica_weight_buffer .* expert_fc1_numel \* 2 bytes .* use "
-                                             r"local_replica_fc1_weight_buffer and local_replica_fc2_weight_buffer"):
+        with pytest.raises(
+            ValueError,
+            match=r"local_replica_weight_buffer .* expert_fc1_numel \* 2 bytes .* use "
+            r"local_replica_fc1_weight_buffer and local_replica_fc2_weight_buffer",
+        ):
             m.local_replica_weight_buffer
         with pytest.raises(ValueError, match=r"local_replica_grad_buffer .* expert_fc1_numel \* 4 bytes"):
             m.local_replica_grad_buffer
         m.ctx.close()
-        inference = ultra_ep.Manager(group, 1, 1, 2, expert_fc1_numel=8, expert_fc2_numel=4, is_train=False,
-                                     timeout_s=20)
+        inference = ultra_ep.Manager(
+            group, 1, 1, 2, expert_fc1_numel=8, expert_fc2_numel=4, is_train=False, timeout_s=20
+        )
         assert inference.local_replica_grad_buffer is None and inference.local_replica_fc1_grad_buffer is None
         assert inference.local_replica_weight_buffer.shape == (2, 12)
         inference.ctx.close()
@@ -212,8 +238,18 @@ def test_fp8_weights_and_scales_are_multicast():
 
     def body(group):
         r = group.rank
-        m = ultra_ep.Manager(group, 1, 1, 1, expert_fc1_numel=32, expert_fc2_numel=16, weight_data_dtype=fp8,
-                             expert_fc1_weight_scale_numel=3, expert_fc2_weight_scale_numel=2, timeout_s=20)
+        m = ultra_ep.Manager(
+            group,
+            1,
+            1,
+            1,
+            expert_fc1_numel=32,
+            expert_fc2_numel=16,
+            weight_data_dtype=fp8,
+            expert_fc1_weight_scale_numel=3,
+            expert_fc2_weight_scale_numel=2,
+            timeout_s=20,
+        )
         assert m.local_replica_fc1_weight_scale_buffer.shape == (1, 3)
         assert m.local_replica_fc2_weight_scale_buffer.dtype == torch.float32
         assert m.local_replica_weight_scale_buffer_raw.shape == (1, 32)
@@ -229,10 +265,14 @@ def test_fp8_weights_and_scales_are_multicast():
         out = None
         if r == 1:  # holds expert 0's replica (rank 0's masters)
             raw = m.local_replica_weight_scale_buffer_raw[0]
-            out = (m.local_replica_fc1_weight_buffer[0].float().tolist(), m.local_replica_fc2_weight_buffer[0].float()
-                   .tolist(), m.local_replica_fc1_weight_scale_buffer[0].tolist(),
-                   m.local_replica_fc2_weight_scale_buffer[0].tolist(),
-                   raw[:12].view(torch.float32).tolist(), raw[16:24].view(torch.float32).tolist())
+            out = (
+                m.local_replica_fc1_weight_buffer[0].float().tolist(),
+                m.local_replica_fc2_weight_buffer[0].float().tolist(),
+                m.local_replica_fc1_weight_scale_buffer[0].tolist(),
+                m.local_replica_fc2_weight_scale_buffer[0].tolist(),
+                raw[:12].view(torch.float32).tolist(),
+                raw[16:24].view(torch.float32).tolist(),
+            )
         m.ctx.close()
         plain = ultra_ep.Manager(group, 1, 1, 1, expert_fc1_numel=32, expert_fc2_numel=16, timeout_s=20)
         assert plain.local_replica_fc1_weight_scale_buffer.shape == (1, 0)

@@ -14,6 +14,7 @@ from that reading.  Each contract test runs it twice, once over :class:`P2P` (vL
 ``torch_nccl`` communicator: per rank pair, sends and receives matched in the order posted)
 and once over ultracomm's communicator, and requires bit-identical weights on every rank.
 """
+
 from __future__ import annotations
 
 import threading
@@ -77,7 +78,7 @@ def migration_batches(old: list[int], new: list[int], n: int) -> list[list[tuple
             continue
         per, extra = divmod(len(receivers), len(senders))
         for i, s in enumerate(senders):
-            for d in receivers[i * per:(i + 1) * per]:
+            for d in receivers[i * per : (i + 1) * per]:
                 pairs.setdefault((s, d), []).append(e)
             if i < extra:
                 pairs.setdefault((s, receivers[len(senders) * per + i]), []).append(e)
@@ -96,8 +97,7 @@ def migration_batches(old: list[int], new: list[int], n: int) -> list[list[tuple
     return batches
 
 
-def transfer_context(version: str, comm, old_np: np.ndarray, new: list[int], layer: int, n: int,
-                     rows_of) -> None:
+def transfer_context(version: str, comm, old_np: np.ndarray, new: list[int], layer: int, n: int, rows_of) -> None:
     """The ``set_transfer_context`` call of ``version`` (none before 0.23; 0.34 reads
     ``needs_recv_rows`` and passes ``recv_rows``, ``None`` unless asked for)."""
     p = protocol_for(version)
@@ -110,14 +110,15 @@ def transfer_context(version: str, comm, old_np: np.ndarray, new: list[int], lay
         comm.set_transfer_context(old_np, layer)
 
 
-def move_to_buffer(version: str, comm, old: list[int], new: list[int], weights, buffer, rank: int,
-                   layer: int, batched: bool = False):
+def move_to_buffer(
+    version: str, comm, old: list[int], new: list[int], weights, buffer, rank: int, layer: int, batched: bool = False
+):
     """One layer of ``move_to_buffer``: local copies into the buffer, the communicator calls,
     and the metadata ``move_from_buffer`` needs (unchanged rows, rows filled locally, primary
     receive rows)."""
     n = PPR
     old_np = np.asarray(old, dtype=np.int64)
-    old_loc, new_loc = old[rank * n:(rank + 1) * n], new[rank * n:(rank + 1) * n]
+    old_loc, new_loc = old[rank * n : (rank + 1) * n], new[rank * n : (rank + 1) * n]
     unchanged = [o == x for o, x in zip(old_loc, new_loc)]
     local = [unchanged[i] or (new_loc[i] != -1 and new_loc[i] in old_loc) for i in range(n)]
     src_row = first_rows(old_loc)
@@ -130,8 +131,7 @@ def move_to_buffer(version: str, comm, old: list[int], new: list[int], weights, 
         assert protocol_for(version).migration_batches
         new_row = first_rows(new_loc)
         for batch in migration_batches(old, new, n):
-            transfer_context(version, comm, old_np, new, layer, n,
-                             lambda r: first_rows(new[r * n:(r + 1) * n]))
+            transfer_context(version, comm, old_np, new, layer, n, lambda r: first_rows(new[r * n : (r + 1) * n]))
             for s, d, experts in batch:
                 for e in experts:
                     if s == rank:
@@ -140,15 +140,16 @@ def move_to_buffer(version: str, comm, old: list[int], new: list[int], weights, 
                         comm.add_recv([b[new_row[e]] for b in buffer], s, expert_id=e)
             comm.execute()
         return unchanged, local, primary
-    transfer_context(version, comm, old_np, new, layer, n,
-                     lambda r: remote_rows(old[r * n:(r + 1) * n], new[r * n:(r + 1) * n]))
+    transfer_context(
+        version, comm, old_np, new, layer, n, lambda r: remote_rows(old[r * n : (r + 1) * n], new[r * n : (r + 1) * n])
+    )
     for e in sorted(src_row):  # 2. sends: this holder's share of the receivers, by expert
         senders, receivers = holders_and_needers(old, new, e, n)
         if not receivers:
             continue
         per = len(receivers) // len(senders)
         i = senders.index(rank)
-        mine = receivers[i * per:(i + 1) * per]
+        mine = receivers[i * per : (i + 1) * per]
         if len(senders) * per + i < len(receivers):
             mine.append(receivers[len(senders) * per + i])
         for d in mine:
@@ -189,7 +190,7 @@ def rearrange(version: str, comm, olds, news, layers, buffer, rank: int, batched
     ``transfer_layer`` with migration batching then ``move_from_buffer``), layer by layer."""
     for layer, (old, new) in enumerate(zip(olds, news)):
         meta = move_to_buffer(version, comm, old, new, layers[layer], buffer, rank, layer, batched)
-        move_from_buffer(new[rank * PPR:(rank + 1) * PPR], layers[layer], buffer, meta)
+        move_from_buffer(new[rank * PPR : (rank + 1) * PPR], layers[layer], buffer, meta)
 
 
 class P2P:
@@ -245,8 +246,10 @@ def empty_rows(layer: int, rank: int, row: int) -> list[torch.Tensor]:
 
 
 def layer_weights(layer: int, old: list[int], rank: int) -> list[torch.Tensor]:
-    rows = [expert_rows(layer, e) if e >= 0 else empty_rows(layer, rank, i)
-            for i, e in enumerate(old[rank * PPR:(rank + 1) * PPR])]
+    rows = [
+        expert_rows(layer, e) if e >= 0 else empty_rows(layer, rank, i)
+        for i, e in enumerate(old[rank * PPR : (rank + 1) * PPR])
+    ]
     return [torch.stack([r[m] for r in rows]) for m in range(len(SHAPES))]
 
 
@@ -255,8 +258,9 @@ def expected(layer: int, old: list[int], new: list[int], rank: int) -> list[torc
     rows = []
     for i in range(PPR):
         o, x = old[rank * PPR + i], new[rank * PPR + i]
-        rows.append(expert_rows(layer, x) if x != -1 else
-                    (expert_rows(layer, o) if o != -1 else empty_rows(layer, rank, i)))
+        rows.append(
+            expert_rows(layer, x) if x != -1 else (expert_rows(layer, o) if o != -1 else empty_rows(layer, rank, i))
+        )
     return [torch.stack([r[m] for r in rows]) for m in range(len(SHAPES))]
 
 
@@ -272,11 +276,13 @@ def make(version: str, group, layers, buffer, backend: str = "torch_nccl", **opt
     if p.factory_all_layers:
         if p.recv_rows and backend == "symm_mem":
             buffer = None
-        comm = create_eplb_communicator(coordinator(group), backend, layers, buffer, vllm_version=version,
-                                        timeout_s=20, **options)
+        comm = create_eplb_communicator(
+            coordinator(group), backend, layers, buffer, vllm_version=version, timeout_s=20, **options
+        )
     else:
-        comm = create_eplb_communicator(coordinator(group), "torch_nccl", layers[0], vllm_version=version,
-                                        timeout_s=20, **options)
+        comm = create_eplb_communicator(
+            coordinator(group), "torch_nccl", layers[0], vllm_version=version, timeout_s=20, **options
+        )
     if p.recv_rows:
         buffer = comm.owned_expert_buffer or buffer
         assert buffer is not None  # as eplb_state asserts
@@ -311,6 +317,7 @@ def run_both(version: str, olds, news, batched: bool = False, **options):
 def random_maps(rng: np.random.Generator, world: int, experts: int, empties: int) -> tuple[list[int], list[int]]:
     """An (old, new) ``phy2log`` pair: every logical expert somewhere in each, replicas and
     same-rank duplicates allowed, ``empties`` rows -1 in old or new (each new expert still held)."""
+
     def placement() -> list[int]:
         slots = list(range(experts)) + list(rng.integers(0, experts, world * PPR - experts))
         rng.shuffle(slots)
@@ -373,20 +380,24 @@ def test_random_placements_match_vllm(seed):
     experts = int(rng.integers(world, world * PPR + 1))
     maps = [random_maps(rng, world, experts, empties=int(rng.integers(0, 3))) for _ in range(2)]
     version = VERSIONS[seed * 5 % len(VERSIONS)]
-    check(version, [m[0] for m in maps], [m[1] for m in maps],
-          batched=protocol_for(version).migration_batches and seed % 4 != 1,
-          relay_mode="force" if seed % 3 == 0 else "off")
+    check(
+        version,
+        [m[0] for m in maps],
+        [m[1] for m in maps],
+        batched=protocol_for(version).migration_batches and seed % 4 != 1,
+        relay_mode="force" if seed % 3 == 0 else "off",
+    )
 
 
 @pytest.mark.parametrize("relay", ["off", "force"])
 def test_each_expert_is_one_multicast(relay):
     """vLLM 0.34 splits expert 0's receivers (ranks 1, 3) over its holders (ranks 0, 2): rank 0
     sends to 1, rank 2 to 3.  Here one source (rank 0) multicasts to both; rank 2 sends nothing."""
+
     def body(group):
         r = group.rank
         layers = [layer_weights(0, OLD, r)]
-        comm, buffer = make("0.34.0", group, layers, [torch.full_like(w, -7) for w in layers[0]],
-                            relay_mode=relay)
+        comm, buffer = make("0.34.0", group, layers, [torch.full_like(w, -7) for w in layers[0]], relay_mode=relay)
         try:
             rearrange("0.34.0", comm, [OLD], [NEW], layers, buffer, r)
             return comm.last_plan, comm.last_stats
@@ -423,12 +434,18 @@ def one_layer() -> list[torch.Tensor]:
 
 def test_unsupported_versions_raise_before_anything_is_built():
     group = object()  # never reached: the version is checked first
-    with pytest.raises(ConfigError, match=r"vLLM 0\.20\.2 is not supported \(vLLM 0\.20 calls add_send\(tensor, "
-                                          r"dst_rank\) once per weight tensor without expert_id.*matches vLLM 0\.21 "
-                                          r"to 0\.34: upgrade vLLM"):
+    with pytest.raises(
+        ConfigError,
+        match=r"vLLM 0\.20\.2 is not supported \(vLLM 0\.20 calls add_send\(tensor, "
+        r"dst_rank\) once per weight tensor without expert_id.*matches vLLM 0\.21 "
+        r"to 0\.34: upgrade vLLM",
+    ):
         UltracommEplbCommunicator(group, one_layer(), vllm_version="0.20.2")
-    with pytest.raises(ConfigError, match=r"vLLM 0\.35\.0rc1 is newer than the releases the vLLM EPLB communicator "
-                                          r"was checked against \(0\.21 to 0\.34\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"vLLM 0\.35\.0rc1 is newer than the releases the vLLM EPLB communicator "
+        r"was checked against \(0\.21 to 0\.34\)",
+    ):
         create_eplb_communicator(coordinator(group), "torch_nccl", [one_layer()], None, vllm_version="0.35.0rc1")
     with pytest.raises(ConfigError, match=r"vllm_version must be a version string such as '0\.34\.0', got 34"):
         UltracommEplbCommunicator(group, one_layer(), vllm_version=34)
@@ -440,8 +457,12 @@ def test_version_defaults_to_the_installed_vllm(no_installed_vllm, monkeypatch):
     assert protocol_for().version == "0.34.0"
     monkeypatch.setattr(vllm_protocol, "installed_vllm_version", lambda: "0.22.1")
     p = protocol_for()
-    assert (p.version, p.execute_old_indices, p.transfer_context, p.factory_all_layers) == ("0.22.1", True, False,
-                                                                                            False)
+    assert (p.version, p.execute_old_indices, p.transfer_context, p.factory_all_layers) == (
+        "0.22.1",
+        True,
+        False,
+        False,
+    )
     monkeypatch.setattr(vllm_protocol, "installed_vllm_version", lambda: "0.19.1")
     with pytest.raises(ConfigError, match=r"vLLM 0\.19\.1 is not supported; the vLLM EPLB communicator matches"):
         protocol_for()
@@ -450,12 +471,18 @@ def test_version_defaults_to_the_installed_vllm(no_installed_vllm, monkeypatch):
 def test_protocol_table():
     """The releases where the calls changed (see vllm_protocol's docstring for the files read)."""
     rows = {v: protocol_for(v) for v in ["0.21.0", "0.22.1", "0.23.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0"]}
-    assert [(p.execute_old_indices, p.transfer_context, p.recv_rows, p.factory_all_layers, p.migration_batches)
-            for p in rows.values()] == [
-        (True, False, False, False, False), (True, False, False, False, False),
-        (False, True, False, True, False), (False, True, False, True, False),
-        (False, True, False, True, True), (False, True, False, True, True),
-        (False, True, True, True, True)]
+    assert [
+        (p.execute_old_indices, p.transfer_context, p.recv_rows, p.factory_all_layers, p.migration_batches)
+        for p in rows.values()
+    ] == [
+        (True, False, False, False, False),
+        (True, False, False, False, False),
+        (False, True, False, True, False),
+        (False, True, False, True, False),
+        (False, True, False, True, True),
+        (False, True, False, True, True),
+        (False, True, True, True, True),
+    ]
 
 
 def test_calls_of_another_release_are_refused(no_installed_vllm):
@@ -465,14 +492,23 @@ def test_calls_of_another_release_are_refused(no_installed_vllm):
         default = UltracommEplbCommunicator(group, w, timeout_s=20)
         try:
             assert default.protocol.version == "0.34.0"
-            with pytest.raises(TypeError, match=r"set_transfer_context\(\) is a call of vLLM 0\.23\+, but this "
-                                                r"communicator was made for vLLM 0\.22\.0 \(vllm_version=\)"):
+            with pytest.raises(
+                TypeError,
+                match=r"set_transfer_context\(\) is a call of vLLM 0\.23\+, but this "
+                r"communicator was made for vLLM 0\.22\.0 \(vllm_version=\)",
+            ):
                 made["0.22.0"].set_transfer_context(np.asarray(OLD), 0)
-            with pytest.raises(TypeError, match=r"set_transfer_context\(\.\.\., recv_rows\) is a call of vLLM "
-                                                r"0\.34\+, but this communicator was made for vLLM 0\.33\.0"):
+            with pytest.raises(
+                TypeError,
+                match=r"set_transfer_context\(\.\.\., recv_rows\) is a call of vLLM "
+                r"0\.34\+, but this communicator was made for vLLM 0\.33\.0",
+            ):
                 made["0.33.0"].set_transfer_context(np.asarray(OLD), 0, [{}] * 4)
-            with pytest.raises(TypeError, match=r"execute\(old_indices=\) is a call of vLLM 0\.21 and 0\.22, but "
-                                                r"this communicator was made for vLLM 0\.34\.0"):
+            with pytest.raises(
+                TypeError,
+                match=r"execute\(old_indices=\) is a call of vLLM 0\.21 and 0\.22, but "
+                r"this communicator was made for vLLM 0\.34\.0",
+            ):
                 default.execute(old_indices=np.asarray(OLD))
             # what 0.34 reads and 0.34's set_transfer_context, answered
             assert (default.needs_recv_rows, default.owned_expert_buffer) == (False, None)
@@ -489,18 +525,23 @@ def test_factory_arguments_checked_per_release():
     group = types.SimpleNamespace(rank=0)
     w = one_layer()
     buf = [torch.empty_like(t) for t in w]
-    with pytest.raises(ValueError, match=r"vLLM 0\.34\.0 passes expert_weights as every MoE layer's list of "
-                                         r"tensors \(model\.expert_weights\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"vLLM 0\.34\.0 passes expert_weights as every MoE layer's list of "
+        r"tensors \(model\.expert_weights\)",
+    ):
         create_eplb_communicator(coordinator(group), "torch_nccl", w, buf, vllm_version="0.34.0")
     with pytest.raises(ValueError, match=r"expert_weights\[1\] differs from expert_weights\[0\]"):
-        create_eplb_communicator(coordinator(group), "torch_nccl", [w, [w[0], w[1][:, :3]]], buf,
-                                 vllm_version="0.24.0")
+        create_eplb_communicator(coordinator(group), "torch_nccl", [w, [w[0], w[1][:, :3]]], buf, vllm_version="0.24.0")
     with pytest.raises(ValueError, match=r"expert_buffer must be one tensor per expert weight tensor"):
         create_eplb_communicator(coordinator(group), "torch_nccl", [w], buf[:1], vllm_version="0.24.0")
     with pytest.raises(ValueError, match=r"vLLM 0\.22\.0's create_eplb_communicator takes no expert_buffer"):
         create_eplb_communicator(coordinator(group), "torch_nccl", w, buf, vllm_version="0.22.0")
-    with pytest.raises(ValueError, match=r"expert_weights \(vLLM 0\.21\.0: one layer's tensors\) must list one "
-                                         r"layer's expert weight tensors"):
+    with pytest.raises(
+        ValueError,
+        match=r"expert_weights \(vLLM 0\.21\.0: one layer's tensors\) must list one "
+        r"layer's expert weight tensors",
+    ):
         create_eplb_communicator(coordinator(group), "torch_nccl", [w], vllm_version="0.21.0")
     with pytest.raises(ValueError, match=r"group_coordinator must be vLLM's GroupCoordinator"):
         create_eplb_communicator(group, "torch_nccl", [w], buf, vllm_version="0.34.0")
@@ -509,22 +550,42 @@ def test_factory_arguments_checked_per_release():
 
     def body(g):  # vLLM's backend name kept, the first layer's shapes; a buffer of its own only when
         # 0.34 passes none
-        made = [create_eplb_communicator(coordinator(g), backend, [w, [t.clone() for t in w]], buffer,
-                                         vllm_version=version, timeout_s=20)
-                for backend, buffer, version in [("symm_mem", None, "0.34.0"), ("torch_nccl", buf, "0.34.0"),
-                                                 ("nixl", None, "0.33.0")]]
+        made = [
+            create_eplb_communicator(
+                coordinator(g), backend, [w, [t.clone() for t in w]], buffer, vllm_version=version, timeout_s=20
+            )
+            for backend, buffer, version in [
+                ("symm_mem", None, "0.34.0"),
+                ("torch_nccl", buf, "0.34.0"),
+                ("nixl", None, "0.33.0"),
+            ]
+        ]
         try:
-            return [(c.backend, c.ppr, [m.shape for m in c.members],
-                     c.owned_expert_buffer and [(tuple(t.shape), t.dtype) for t in c.owned_expert_buffer])
-                    for c in made]
+            return [
+                (
+                    c.backend,
+                    c.ppr,
+                    [m.shape for m in c.members],
+                    c.owned_expert_buffer and [(tuple(t.shape), t.dtype) for t in c.owned_expert_buffer],
+                )
+                for c in made
+            ]
         finally:
             for c in made:
                 c.ctx.close()
 
     owned = [((3, 10, 6), torch.bfloat16), ((3, 7), torch.float32)]
-    assert LoopbackDomain(2).run(body) == [[("symm_mem", PPR, [(10, 6), (7,)], owned),
-                                            ("torch_nccl", PPR, [(10, 6), (7,)], None),
-                                            ("nixl", PPR, [(10, 6), (7,)], None)]] * 2
+    assert (
+        LoopbackDomain(2).run(body)
+        == [
+            [
+                ("symm_mem", PPR, [(10, 6), (7,)], owned),
+                ("torch_nccl", PPR, [(10, 6), (7,)], None),
+                ("nixl", PPR, [(10, 6), (7,)], None),
+            ]
+        ]
+        * 2
+    )
 
 
 def test_mismatched_moves_and_bad_peers():
@@ -536,8 +597,11 @@ def test_mismatched_moves_and_bad_peers():
                 comm.add_recv([t[0] for t in w], 0, expert_id=0)
             with pytest.raises(PlanError, match="rank 1 expects expert 0 from rank 0, which queued no add_send"):
                 comm.execute()
-            with pytest.raises(ValueError, match=rf"add_send: dst_rank={group.rank} must be another rank of the EP "
-                                                 rf"group \(0\.\.3, not this rank {group.rank}\)"):
+            with pytest.raises(
+                ValueError,
+                match=rf"add_send: dst_rank={group.rank} must be another rank of the EP "
+                rf"group \(0\.\.3, not this rank {group.rank}\)",
+            ):
                 comm.add_send([t[0] for t in w], group.rank, expert_id=0)
             with pytest.raises(ValueError, match=r"add_recv: src_rank=4 must be another rank"):
                 comm.add_recv([t[0] for t in w], 4, expert_id=0)
@@ -571,10 +635,12 @@ def test_set_stream_carries_the_transfer(monkeypatch):
             comm.set_stream(f"eplb-stream-{r}")
             layers = [layer_weights(0, OLD, r)]
             rearrange("0.34.0", comm, [OLD], [NEW], layers, buffer, r)
-            return seen, vllm_eplb._current_stream(), [torch.equal(a, b) for a, b in
-                                                        zip(layers[0], expected(0, OLD, NEW, r))]
+            return (
+                seen,
+                vllm_eplb._current_stream(),
+                [torch.equal(a, b) for a, b in zip(layers[0], expected(0, OLD, NEW, r))],
+            )
         finally:
             comm.ctx.close()
 
-    assert LoopbackDomain(4).run(body) == [(["caller", f"eplb-stream-{r}"], "caller", [True, True])
-                                           for r in range(4)]
+    assert LoopbackDomain(4).run(body) == [(["caller", f"eplb-stream-{r}"], "caller", [True, True]) for r in range(4)]

@@ -12,6 +12,7 @@ switch; the clean build must report no race and no wrong byte, and every mutant 
                        the one retiring the last tile (issue 34 tiles)   -> race, torn chunk
 Tiles (--tile BYTES, default 64 KiB): chunks split into tiles that any worker claims.
 """
+
 from __future__ import annotations
 
 import os
@@ -52,21 +53,45 @@ def _compile(args: list[str]) -> None:
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory) -> dict[str, Path]:
     out = tmp_path_factory.mktemp("interp_harness")
-    flags = ["-std=c++20", "-O1", "-g1", "-fsanitize=thread", "-pthread", "-Wall", "-Wextra", "-Werror",
-             f"-I{ROOT / 'include'}", f"-I{ROOT / 'csrc'}"]
-    common = {"harness": ROOT / "tests/cpp/interp_harness.cpp", "validate": ROOT / "csrc/host/validate_exec.cpp",
-              "error_text": ROOT / "csrc/host/error_text.cpp"}
+    flags = [
+        "-std=c++20",
+        "-O1",
+        "-g1",
+        "-fsanitize=thread",
+        "-pthread",
+        "-Wall",
+        "-Wextra",
+        "-Werror",
+        f"-I{ROOT / 'include'}",
+        f"-I{ROOT / 'csrc'}",
+    ]
+    common = {
+        "harness": ROOT / "tests/cpp/interp_harness.cpp",
+        "validate": ROOT / "csrc/host/validate_exec.cpp",
+        "error_text": ROOT / "csrc/host/error_text.cpp",
+    }
     jobs = [[CXX, *flags, "-c", str(src), "-o", str(out / f"{name}.o")] for name, src in common.items()]
     variants = {"clean": []} | {m: [f"-DULTRACOMM_MUTATE_{m.upper()}"] for m in MUTANTS}
     for name, defs in variants.items():
-        jobs.append([CXX, *flags, *defs, "-c", str(ROOT / "csrc/host/host_executor.cpp"), "-o", str(out / f"exec_{name}.o")])
+        jobs.append(
+            [CXX, *flags, *defs, "-c", str(ROOT / "csrc/host/host_executor.cpp"), "-o", str(out / f"exec_{name}.o")]
+        )
     with ThreadPoolExecutor(max_workers=2) as pool:
         list(pool.map(_compile, jobs))
     bins = {}
     for name in variants:
         exe = out / f"harness_{name}"
-        _compile([CXX, "-fsanitize=thread", "-pthread", *(str(out / f"{n}.o") for n in common),
-                  str(out / f"exec_{name}.o"), "-o", str(exe)])
+        _compile(
+            [
+                CXX,
+                "-fsanitize=thread",
+                "-pthread",
+                *(str(out / f"{n}.o") for n in common),
+                str(out / f"exec_{name}.o"),
+                "-o",
+                str(exe),
+            ]
+        )
         bins[name] = exe
     return bins
 
@@ -86,12 +111,25 @@ def races(r: subprocess.CompletedProcess) -> int:
 
 def _plan(world: int, slots: int, slot_src: list[list[int]], experts: int) -> SimpleNamespace:
     home_of = np.array([e * world // experts for e in range(experts)], dtype=np.int32)
-    return SimpleNamespace(world=world, slots_per_rank=slots, num_experts=experts,
-                           slot_src=np.array(slot_src, dtype=np.int32), home_of=home_of)
+    return SimpleNamespace(
+        world=world,
+        slots_per_rank=slots,
+        num_experts=experts,
+        slot_src=np.array(slot_src, dtype=np.int32),
+        home_of=home_of,
+    )
 
 
-def write_case(path: Path, plan, w_members: list[int], g_elems: list[int], chunk: int, relay_mode: str,
-               dtype_code: int, seed: int = 0) -> Path:
+def write_case(
+    path: Path,
+    plan,
+    w_members: list[int],
+    g_elems: list[int],
+    chunk: int,
+    relay_mode: str,
+    dtype_code: int,
+    seed: int = 0,
+) -> Path:
     dt = TORCH_DT[dtype_code]
     w_off, w_bytes, wsb = layout_members(w_members)
     g_off, g_bytes, gsb = layout_members([n * ESIZE[dtype_code] for n in g_elems])
@@ -109,8 +147,9 @@ def write_case(path: Path, plan, w_members: list[int], g_elems: list[int], chunk
     master0 = {e: [torch.randn(n, generator=g).to(dt) for n in g_elems] for e in range(E)}
     rtasks = [sch.tasks(Op.REDUCE, r) for r in range(world)]
     rrefs = [sch.refs(Op.REDUCE, r) for r in range(world)]
-    _, want = reference_reduce(rtasks, rrefs, init, {e: [t.clone() for t in ms] for e, ms in master0.items()},
-                               g_off, g_bytes, dt)
+    _, want = reference_reduce(
+        rtasks, rrefs, init, {e: [t.clone() for t in ms] for e, ms in master0.items()}, g_off, g_bytes, dt
+    )
     b = bytearray(b"UCHARN01")
     b += struct.pack("<4i3Q", world, slots, E, dtype_code, wsb, gsb, chunk)
     b += struct.pack(f"<i{len(w_off)}Q{len(w_off)}Q", len(w_off), *w_off, *w_bytes)
@@ -163,8 +202,20 @@ def cases(tmp_path_factory) -> dict[str, Path]:
 @pytest.mark.parametrize("case", ["relay_fp32", "relay_bf16", "direct_bf16", "auto_fp16"])
 @pytest.mark.parametrize("mover", ["host", "block"])
 def test_tsan_clean_many_epochs(harness, cases, case, mover):
-    r = run_harness(harness["clean"], cases[case], "--mover", mover, "--epochs", "8", "--workers", "2",
-                    "--threads", "3", "--jitter", "30")
+    r = run_harness(
+        harness["clean"],
+        cases[case],
+        "--mover",
+        mover,
+        "--epochs",
+        "8",
+        "--workers",
+        "2",
+        "--threads",
+        "3",
+        "--jitter",
+        "30",
+    )
     assert races(r) == 0 and "ThreadSanitizer" not in r.stderr, r.stderr[-3000:]
     assert r.returncode == 0 and "OK: 8 epochs, 0 failures" in r.stdout, r.stdout[-2000:]
 
@@ -173,8 +224,21 @@ def test_tsan_clean_many_epochs(harness, cases, case, mover):
 def test_observer_sees_complete_chunk(harness, cases, mover):
     """An observer that reads a slot the instant its arrival flag flips sees the whole chunk
     (1 MiB, snapshotted last bytes first), and TSan finds its reads ordered after the copy."""
-    r = run_harness(harness["clean"], cases["big_chunk"], "--mover", mover, "--ops", "mc", "--observe",
-                    "--epochs", "12", "--workers", "1", "--threads", "2")
+    r = run_harness(
+        harness["clean"],
+        cases["big_chunk"],
+        "--mover",
+        mover,
+        "--ops",
+        "mc",
+        "--observe",
+        "--epochs",
+        "12",
+        "--workers",
+        "1",
+        "--threads",
+        "2",
+    )
     assert races(r) == 0 and "ThreadSanitizer" not in r.stderr, r.stderr[-3000:]
     assert r.returncode == 0 and "TORN" not in r.stdout and "OK: 12 epochs" in r.stdout, r.stdout[-2000:]
 
@@ -185,8 +249,22 @@ def test_observer_sees_complete_chunk(harness, cases, mover):
 def test_tsan_clean_tiles(harness, cases, case, tile, mover):
     """Chunks split into tiles that 3 workers claim: every byte right, no race (the tile counters
     order each tile's copies before the last one's release)."""
-    r = run_harness(harness["clean"], cases[case], "--mover", mover, "--epochs", "6", "--workers", "3",
-                    "--threads", "2", "--jitter", "30", "--tile", str(tile))
+    r = run_harness(
+        harness["clean"],
+        cases[case],
+        "--mover",
+        mover,
+        "--epochs",
+        "6",
+        "--workers",
+        "3",
+        "--threads",
+        "2",
+        "--jitter",
+        "30",
+        "--tile",
+        str(tile),
+    )
     assert races(r) == 0 and "ThreadSanitizer" not in r.stderr, r.stderr[-3000:]
     assert r.returncode == 0 and "OK: 6 epochs, 0 failures" in r.stdout, r.stdout[-2000:]
 
@@ -196,9 +274,27 @@ def test_observer_sees_complete_chunk_split_in_tiles(harness, cases, mover):
     """The 1 MiB chunk as 16 tiles of 64 KiB over 4 workers, its last tile held back 50 ms: the
     observer that reads the chunk the instant its flag flips sees every tile (the worker retiring
     the last tile released it), and TSan finds its reads ordered after every tile's copy."""
-    r = run_harness(harness["clean"], cases["big_chunk"], "--mover", mover, "--ops", "mc", "--observe",
-                    "--epochs", "8", "--workers", "4", "--threads", "2", "--tile", "65536",
-                    "--delay-unit", "15", "--delay-us", "50000")
+    r = run_harness(
+        harness["clean"],
+        cases["big_chunk"],
+        "--mover",
+        mover,
+        "--ops",
+        "mc",
+        "--observe",
+        "--epochs",
+        "8",
+        "--workers",
+        "4",
+        "--threads",
+        "2",
+        "--tile",
+        "65536",
+        "--delay-unit",
+        "15",
+        "--delay-us",
+        "50000",
+    )
     assert races(r) == 0 and "ThreadSanitizer" not in r.stderr, r.stderr[-3000:]
     assert r.returncode == 0 and "TORN" not in r.stdout and "OK: 8 epochs" in r.stdout, r.stdout[-2000:]
 
@@ -209,13 +305,49 @@ def test_mutant_release_each_tile_races(harness, cases, mover):
     window, not a race dodged), the observer reads the chunk -- TSan reports its reads against
     that tile's copy and the snapshot is torn; a reduce relay's partial is consumed before all
     its tiles are summed."""
-    r = run_harness(harness["release_each_tile"], cases["big_chunk"], "--mover", mover, "--ops", "mc", "--observe",
-                    "--epochs", "3", "--workers", "4", "--threads", "2", "--tile", "65536",
-                    "--delay-unit", "15", "--delay-us", "50000")
+    r = run_harness(
+        harness["release_each_tile"],
+        cases["big_chunk"],
+        "--mover",
+        mover,
+        "--ops",
+        "mc",
+        "--observe",
+        "--epochs",
+        "3",
+        "--workers",
+        "4",
+        "--threads",
+        "2",
+        "--tile",
+        "65536",
+        "--delay-unit",
+        "15",
+        "--delay-us",
+        "50000",
+    )
     assert races(r) >= 1 and r.returncode != 0 and "TORN" in r.stdout, (r.stdout[-1000:], r.stderr[-2000:])
-    r = run_harness(harness["release_each_tile"], cases["relay_fp32"], "--mover", mover, "--ops", "reduce",
-                    "--epochs", "3", "--workers", "3", "--threads", "2", "--tile", "64",
-                    "--delay-unit", "5", "--delay-us", "20000", halt=True)
+    r = run_harness(
+        harness["release_each_tile"],
+        cases["relay_fp32"],
+        "--mover",
+        mover,
+        "--ops",
+        "reduce",
+        "--epochs",
+        "3",
+        "--workers",
+        "3",
+        "--threads",
+        "2",
+        "--tile",
+        "64",
+        "--delay-unit",
+        "5",
+        "--delay-us",
+        "20000",
+        halt=True,
+    )
     assert races(r) >= 1 and r.returncode != 0, (r.stdout[-1000:], r.stderr[-2000:])
 
 
@@ -233,8 +365,23 @@ def test_executor_asserts_chunks_cover_the_slot(harness, cases):
 @pytest.mark.slow
 @pytest.mark.parametrize("mover", ["host", "block"])
 def test_mutant_relay_wait_races_and_fails(harness, cases, mover):
-    r = run_harness(harness["relay_wait"], cases["relay_fp32"], "--mover", mover, "--ops", "mc", "--epochs", "4",
-                    "--workers", "2", "--threads", "2", "--jitter", "200", halt=True)
+    r = run_harness(
+        harness["relay_wait"],
+        cases["relay_fp32"],
+        "--mover",
+        mover,
+        "--ops",
+        "mc",
+        "--epochs",
+        "4",
+        "--workers",
+        "2",
+        "--threads",
+        "2",
+        "--jitter",
+        "200",
+        halt=True,
+    )
     assert races(r) >= 1 and r.returncode != 0, (r.returncode, r.stdout[-1000:], r.stderr[-1000:])
 
 
@@ -244,19 +391,57 @@ def test_mutant_release_before_copy_races(harness, cases, mover):
     """A relay forwarding the chunk, and the observer reading it, both race with the copy that
     follows the flag.  (Whether the observer also sees stale bytes depends on timing: TSan's
     verdict does not.)"""
-    r = run_harness(harness["release_before_copy"], cases["relay_fp32"], "--mover", mover, "--ops", "mc",
-                    "--epochs", "3", "--workers", "2", "--threads", "2", halt=True)
+    r = run_harness(
+        harness["release_before_copy"],
+        cases["relay_fp32"],
+        "--mover",
+        mover,
+        "--ops",
+        "mc",
+        "--epochs",
+        "3",
+        "--workers",
+        "2",
+        "--threads",
+        "2",
+        halt=True,
+    )
     assert races(r) >= 1 and r.returncode != 0, (r.returncode, r.stdout[-1000:], r.stderr[-1000:])
-    r = run_harness(harness["release_before_copy"], cases["big_chunk"], "--mover", mover, "--ops", "mc",
-                    "--observe", "--epochs", "3", "--workers", "1", "--threads", "2", halt=True)
+    r = run_harness(
+        harness["release_before_copy"],
+        cases["big_chunk"],
+        "--mover",
+        mover,
+        "--ops",
+        "mc",
+        "--observe",
+        "--epochs",
+        "3",
+        "--workers",
+        "1",
+        "--threads",
+        "2",
+        halt=True,
+    )
     assert races(r) >= 1 and r.returncode != 0 and "observe" in r.stderr, r.stderr[-2000:]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mover", ["host", "block"])
 def test_mutant_relaxed_acquire_races(harness, cases, mover):
-    r = run_harness(harness["relaxed_acquire"], cases["relay_fp32"], "--mover", mover, "--epochs", "2",
-                    "--workers", "2", "--threads", "2", halt=True)
+    r = run_harness(
+        harness["relaxed_acquire"],
+        cases["relay_fp32"],
+        "--mover",
+        mover,
+        "--epochs",
+        "2",
+        "--workers",
+        "2",
+        "--threads",
+        "2",
+        halt=True,
+    )
     assert races(r) >= 1 and r.returncode != 0, (r.returncode, r.stdout[-1000:], r.stderr[-1000:])
 
 

@@ -2,6 +2,7 @@
 with g++ -Werror: one value per launch, max(requested, every rank's last epoch + 1).  Loopback
 ranks wait on each other's flags for >= their own epoch, so two ranks of one launch on
 different epochs would wait forever; the abort word too only stops groups it reached."""
+
 from __future__ import annotations
 
 import shutil
@@ -18,9 +19,22 @@ pytestmark = pytest.mark.skipif(CXX is None, reason="needs g++")
 @pytest.fixture(scope="module")
 def probe(tmp_path_factory) -> Path:
     exe = tmp_path_factory.mktemp("launch_epoch") / "probe"
-    r = subprocess.run([CXX, "-std=c++20", "-Wall", "-Wextra", "-Werror", f"-I{ROOT / 'include'}",
-                        f"-I{ROOT / 'csrc' / 'cuda'}", str(ROOT / "tests/cpp/launch_epoch_probe.cpp"), "-o", str(exe)],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            CXX,
+            "-std=c++20",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            f"-I{ROOT / 'include'}",
+            f"-I{ROOT / 'csrc' / 'cuda'}",
+            str(ROOT / "tests/cpp/launch_epoch_probe.cpp"),
+            "-o",
+            str(exe),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
     return exe
 

@@ -1,4 +1,5 @@
 """Tests for ultracomm.layout: ExpertLayout byte layout, validation and registration checks."""
+
 from __future__ import annotations
 
 import pytest
@@ -192,10 +193,11 @@ def test_check_tensors_per_expert_lists():
     # Megatron keeps one parameter per expert; main_grad views into a bucket may sit anywhere
     bucket = torch.zeros(1 + 3 * 8 * 8)
     per_w = [w[0][i].clone() for i in range(3)]
-    per_g = [bucket[1 + 64 * i: 1 + 64 * (i + 1)].view(8, 8) for i in range(3)]
+    per_g = [bucket[1 + 64 * i : 1 + 64 * (i + 1)].view(8, 8) for i in range(3)]
     LAY.check_tensors([per_w, w[1]], [per_g, g[1]], 3)
     assert "weights['fc1']: a per-expert list needs experts_per_rank = 3 tensors, got 2" in _err([per_w[:2], w[1]], g)
     assert "grads['fc1'][1]: expected shape [8, 8], got [8, 4]" in _err(
-        w, [[per_g[0], torch.zeros(8, 4), per_g[2]], g[1]])
+        w, [[per_g[0], torch.zeros(8, 4), per_g[2]], g[1]]
+    )
     assert "weights['fc1'][2]: expected dtype torch.bfloat16" in _err([per_w[:2] + [per_w[2].float()], w[1]], g)
     assert "grads['fc1'][0]: tensor is not contiguous" in _err(w, [[torch.zeros(8, 8).t()] + per_g[1:], g[1]])

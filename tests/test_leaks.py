@@ -1,5 +1,6 @@
 """1000 Contexts created, used and then closed -- or dropped without close() -- leave nothing:
 file descriptors, threads and /dev/shm mappings return to where they were, RSS stays flat."""
+
 from __future__ import annotations
 
 import os
@@ -65,8 +66,14 @@ def test_use_after_close_is_a_clear_error():
     ctx.close()  # idempotent
     assert ctx.closed
     plan = ReplicaPlan.make(np.full((1, 1), -1, np.int32), experts_per_rank=1)
-    for call in (lambda: ctx.begin(0), lambda: ctx.weight_sync(vid, plan), lambda: ctx.restore(vid),
-                 lambda: ctx.grad_reduce(vid), lambda: ctx.end(vid), ctx.synchronize,
-                 lambda: ctx.register_masters(0, [torch.zeros(1, 8, 8)], None)):
+    for call in (
+        lambda: ctx.begin(0),
+        lambda: ctx.weight_sync(vid, plan),
+        lambda: ctx.restore(vid),
+        lambda: ctx.grad_reduce(vid),
+        lambda: ctx.end(vid),
+        ctx.synchronize,
+        lambda: ctx.register_masters(0, [torch.zeros(1, 8, 8)], None),
+    ):
         with pytest.raises(ClosedError, match="this Context is closed"):
             call()

@@ -4,6 +4,7 @@ the layout of ultracomm.moe.board_layout (the host board's); the exchange number
 the device; a rank that never posts named by the kernel's bounded wait; a rank whose tag names
 another exchange named by the kernel's tag check; and GpuLoadBoard over ``cuda_local`` windows with
 one thread per rank, as ReplicaManager.step uses it."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -37,14 +38,30 @@ class Ranks:
         self.seq = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(world)]
 
     def entries(self, ranks, tags=None):
-        return [dict(counts=self.counts[r].data_ptr(), out=self.out[r].data_ptr(), status=self.status[r].data_ptr(),
-                     bases=self.bases.data_ptr(), seq=self.seq[r].data_ptr(), rank=r,
-                     tag=0 if tags is None else tags[r]) for r in ranks]
+        return [
+            dict(
+                counts=self.counts[r].data_ptr(),
+                out=self.out[r].data_ptr(),
+                status=self.status[r].data_ptr(),
+                bases=self.bases.data_ptr(),
+                seq=self.seq[r].data_ptr(),
+                rank=r,
+                tag=0 if tags is None else tags[r],
+            )
+            for r in ranks
+        ]
 
     def launch(self, cuda, ranks, timeout_s=10.0, tags=None):
         L = self.L
-        cuda.load_exchange(self.entries(ranks, tags), L.world, L.num_experts, L.entries, L.record_bytes, timeout_s,
-                           torch.cuda.current_stream().cuda_stream)
+        cuda.load_exchange(
+            self.entries(ranks, tags),
+            L.world,
+            L.num_experts,
+            L.entries,
+            L.record_bytes,
+            timeout_s,
+            torch.cuda.current_stream().cuda_stream,
+        )
 
 
 def test_one_launch_gathers_every_rank_in_the_board_layout():
@@ -64,9 +81,9 @@ def test_one_launch_gathers_every_rank_in_the_board_layout():
             board = R.boards[r].cpu().numpy()
             for q in range(4):  # the host board's layout: flag n, q's tag, then q's counts
                 off = R.L.record(n, q)
-                assert int(board[off:off + 8].view(np.uint64)[0]) == n
-                assert int(board[off + 8:off + 16].view(np.uint64)[0]) == tag
-                assert np.array_equal(board[off + 16:off + 16 + 4 * 37].view(np.int32), want[q])
+                assert int(board[off : off + 8].view(np.uint64)[0]) == n
+                assert int(board[off + 8 : off + 16].view(np.uint64)[0]) == tag
+                assert np.array_equal(board[off + 16 : off + 16 + 4 * 37].view(np.int32), want[q])
 
 
 @pytest.mark.parametrize("world, E", [(64, 256), (288, 64), (5, 37)])
@@ -94,8 +111,8 @@ def test_vector_posts_and_parallel_read_back_at_scale(world, E):
         board = R.boards[world - 1].cpu().numpy()
         for q in (0, world - 1):
             off = R.L.record(n, q)
-            assert int(board[off:off + 8].view(np.uint64)[0]) == n
-            assert np.array_equal(board[off + 16:off + 16 + 4 * E].view(np.int32), want[q])
+            assert int(board[off : off + 8].view(np.uint64)[0]) == n
+            assert np.array_equal(board[off + 16 : off + 16 + 4 * E].view(np.int32), want[q])
 
 
 def test_a_graph_replay_runs_a_fresh_exchange():
@@ -160,11 +177,16 @@ def test_gpu_load_board_over_cuda_local_windows():
         mine = ExchangeTag(5 if group.rank == 1 else 4)  # rank 1 out of step
         with pytest.raises(PlanMismatchError) as err:
             board.gather(torch.zeros(E, device="cuda:0", dtype=torch.int64), op=str(mine), tag=mine.value)
-        others = [f"rank {q} posted step(layer 4)" for q in (0, 2)] if group.rank == 1 else \
-            ["rank 1 posted step(layer 5)"]  # the kernel names the first rank it found
-        assert any(str(err.value).startswith(f"ultracomm: rank {group.rank} {mine} (expert loads): ranks called "
-                                             f"different operations ({o} in load exchange 4)") for o in others), \
-            str(err.value)
+        others = (
+            [f"rank {q} posted step(layer 4)" for q in (0, 2)] if group.rank == 1 else ["rank 1 posted step(layer 5)"]
+        )  # the kernel names the first rank it found
+        assert any(
+            str(err.value).startswith(
+                f"ultracomm: rank {group.rank} {mine} (expert loads): ranks called "
+                f"different operations ({o} in load exchange 4)"
+            )
+            for o in others
+        ), str(err.value)
         if group.rank == 2:  # the others' next exchange waits for rank 2: it never comes
             return got, None
         with pytest.raises(UltracommTimeout) as err:
@@ -177,5 +199,7 @@ def test_gpu_load_board_over_cuda_local_windows():
             want = np.arange(E)[None, :] + 100 * np.arange(world)[:, None] + 10 * n
             assert got[n].dtype == np.int64 and np.array_equal(got[n], want)
         if r != 2:
-            assert msg.startswith(f"ultracomm: rank {r} step(layer 9) (expert loads) timed out after 10 s: "
-                                  "ranks [2] did not post their loads")
+            assert msg.startswith(
+                f"ultracomm: rank {r} step(layer 9) (expert loads) timed out after 10 s: "
+                "ranks [2] did not post their loads"
+            )

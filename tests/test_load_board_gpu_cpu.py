@@ -5,6 +5,7 @@ launch for every loopback rank, in rank order, from the rank completing the set)
 result, and the errors -- a rank that never posts is named, by the kernel's status or, on a
 loopback domain, by the launch that never came; a rank whose tag differs, by the kernel's status.
 The kernel itself: test_load_board_gpu.py."""
+
 from __future__ import annotations
 
 import threading
@@ -41,9 +42,15 @@ def boards(world, E, loopback, timeout_s=5.0, status=None, monkeypatch=None):
     monkeypatch.setattr(loads_gpu, "cuda_runtime", lambda device, what="": fake)
     shared: dict = {}
     for r in range(world):
-        win = types.SimpleNamespace(provider="cuda_local" if loopback else "cuda_ipc", world=world,
-                                    loopback=loopback, shared=shared, local=torch.zeros(1),
-                                    peer_bases=[0x7000_0000 + (q << 20) for q in range(world)], close=lambda: None)
+        win = types.SimpleNamespace(
+            provider="cuda_local" if loopback else "cuda_ipc",
+            world=world,
+            loopback=loopback,
+            shared=shared,
+            local=torch.zeros(1),
+            peer_bases=[0x7000_0000 + (q << 20) for q in range(world)],
+            close=lambda: None,
+        )
         b = loads_gpu.GpuLoadBoard(win, E, r, world, timeout_s)
         b._stream = lambda: 42
         made.append(b)
@@ -64,25 +71,28 @@ def test_a_timeout_status_names_the_rank_awaited(monkeypatch):
     bs, _ = boards(2, 3, loopback=False, timeout_s=0.5, status=[1, 1, 0, 0], monkeypatch=monkeypatch)
     with pytest.raises(UltracommTimeout) as err:
         bs[0].gather(torch.zeros(3, dtype=torch.int64), op="step(layer 4)")
-    assert str(err.value) == ("ultracomm: rank 0 step(layer 4) (expert loads) timed out after 0.5 s: ranks [1] did "
-                              "not post their loads (timeout ULTRACOMM_TIMEOUT_S=0.5); they are likely stalled or "
-                              "dead, or called a different operation: every rank must call step() for the same layers "
-                              "in the same order")
+    assert str(err.value) == (
+        "ultracomm: rank 0 step(layer 4) (expert loads) timed out after 0.5 s: ranks [1] did "
+        "not post their loads (timeout ULTRACOMM_TIMEOUT_S=0.5); they are likely stalled or "
+        "dead, or called a different operation: every rank must call step() for the same layers "
+        "in the same order"
+    )
 
 
 def test_a_mismatch_status_names_both_sides(monkeypatch):
     """The kernel found rank 1's record naming another exchange (status 2, rank 1, its tag in
     words 2-3): PlanMismatchError, as the host board raises it; the tag went to the kernel."""
     theirs = ExchangeTag(1, slot=1).value
-    bs, fake = boards(2, 3, loopback=False, status=[2, 1, theirs & 0xFFFFFFFF, theirs >> 32],
-                      monkeypatch=monkeypatch)
+    bs, fake = boards(2, 3, loopback=False, status=[2, 1, theirs & 0xFFFFFFFF, theirs >> 32], monkeypatch=monkeypatch)
     mine = ExchangeTag(0)
     with pytest.raises(PlanMismatchError) as err:
         bs[0].gather(torch.zeros(3, dtype=torch.int64), op=str(mine), tag=mine.value)
     assert fake.tags == [{0: mine.value}]
-    assert str(err.value) == ("ultracomm: rank 0 step(layer 0) (expert loads): ranks called different operations "
-                              "(rank 1 posted step(layer 1, micro-batch slot 1) in load exchange 1); every rank must "
-                              "call the same collective operations in the same order")
+    assert str(err.value) == (
+        "ultracomm: rank 0 step(layer 0) (expert loads): ranks called different operations "
+        "(rank 1 posted step(layer 1, micro-batch slot 1) in load exchange 1); every rank must "
+        "call the same collective operations in the same order"
+    )
 
 
 def test_bad_counts_are_refused_before_anything_is_enqueued(monkeypatch):
@@ -130,8 +140,10 @@ def test_a_loopback_rank_that_never_posts_is_named(monkeypatch):
     assert not fake.calls
     for r in (0, 1):
         assert isinstance(res[r], UltracommTimeout)
-        assert str(res[r]).startswith(f"ultracomm: rank {r} step(layer 0) (expert loads) timed out after 0.3 s: "
-                                      "ranks [2] did not post their loads")
+        assert str(res[r]).startswith(
+            f"ultracomm: rank {r} step(layer 0) (expert loads) timed out after 0.3 s: "
+            "ranks [2] did not post their loads"
+        )
 
 
 def test_without_cuda_the_store_exchange_stays(monkeypatch):
@@ -141,8 +153,9 @@ def test_without_cuda_the_store_exchange_stays(monkeypatch):
         raise NotAvailableError("ultracomm: the GPU load board is not available: no CUDA device")
 
     monkeypatch.setattr(loads_gpu, "cuda_runtime", unavailable)
-    win = types.SimpleNamespace(provider="cuda_ipc", local=types.SimpleNamespace(device=torch.device("cuda", 0)),
-                                peer_bases=[1, 2])
+    win = types.SimpleNamespace(
+        provider="cuda_ipc", local=types.SimpleNamespace(device=torch.device("cuda", 0)), peer_bases=[1, 2]
+    )
     assert loads_gpu.GpuLoadBoard.for_context(types.SimpleNamespace(window=win)) is None
     win.provider = "torch_symm"  # not a board provider
     assert loads_gpu.GpuLoadBoard.for_context(types.SimpleNamespace(window=win)) is None
@@ -158,7 +171,8 @@ def test_the_binding_refuses_bad_launches_before_touching_the_device():
     with pytest.raises(ValueError, match="one launch runs 1 to 288 rank entries, got 289"):
         cuda.load_exchange([dict(e, rank=r) for r in range(289)], 300, 4, L.entries, L.record_bytes, 1.0, 0)
     with pytest.raises(ValueError, match="rank 100 appears twice in one launch"):
-        cuda.load_exchange([dict(e, rank=100), dict(e, rank=7), dict(e, rank=100)], 300, 4, L.entries,
-                           L.record_bytes, 1.0, 0)
+        cuda.load_exchange(
+            [dict(e, rank=100), dict(e, rank=7), dict(e, rank=100)], 300, 4, L.entries, L.record_bytes, 1.0, 0
+        )
     with pytest.raises(ValueError, match="rank entry 0: 'counts' must be a 4-byte aligned device address"):
         cuda.load_exchange([dict(e, counts=2, rank=0)], 300, 4, L.entries, L.record_bytes, 1.0, 0)

@@ -1,5 +1,6 @@
 """One launch for all loopback ranks (ultracomm.cuda.loopback_launch): pairing by call order, any
 arrival order, one thread or many, and the errors the completing rank raises."""
+
 from __future__ import annotations
 
 import threading
@@ -67,8 +68,11 @@ def test_different_operations_are_named():
     lb = LoopbackLaunches(2)
     _, launch = recorder()
     lb.deposit(Deposit(0, "weight_sync", 1, 7), launch)
-    with pytest.raises(UltracommError, match=r"loopback launch 0: ranks called different operations \(rank 0: "
-                                             r"'weight_sync'; rank 1: 'grad_reduce'\)"):
+    with pytest.raises(
+        UltracommError,
+        match=r"loopback launch 0: ranks called different operations \(rank 0: "
+        r"'weight_sync'; rank 1: 'grad_reduce'\)",
+    ):
         lb.deposit(Deposit(1, "grad_reduce", 1, 7), launch)
 
 
@@ -90,8 +94,10 @@ def test_rank_out_of_range():
 
 def test_one_set_per_window_set():
     shared: dict = {}
-    w = [SimpleNamespace(provider="cuda_local", loopback=True, shared=shared, world=2, peer_bases=[16, 32])
-         for _ in range(2)]
+    w = [
+        SimpleNamespace(provider="cuda_local", loopback=True, shared=shared, world=2, peer_bases=[16, 32])
+        for _ in range(2)
+    ]
     other = SimpleNamespace(provider="cuda_local", loopback=True, shared=shared, world=2, peer_bases=[48, 64])
     assert launches_for(w[0]) is launches_for(w[1])
     assert launches_for(other) is not launches_for(w[0])

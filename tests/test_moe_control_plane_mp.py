@@ -5,6 +5,7 @@ setup a training step makes no torch.distributed call and no store call from ult
 activation checkpointing; master grads match the float64 no-replication reference within 1e-5 and
 a rerun is bit-identical.  Issue 32 item 8: the same with no manager option at all, three layers
 (the default plan check is the window's on the host transport)."""
+
 from __future__ import annotations
 
 import os
@@ -18,14 +19,23 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def run(world: int, *args: str) -> list[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           os.path.join(HERE, "mp_control_plane.py"), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={world}",
+        os.path.join(HERE, "mp_control_plane.py"),
+        *args,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ULTRACOMM_NUM_WORKERS": "1"}
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     # each rank prints its line in one write, but the launcher may put it inside another rank's line
-    found = {(int(r), ck): text for r, ck, text in
-             re.findall(r"rank (\d+) checkpoint=(\w+): (.*?imbalance [0-9.]+ -> [0-9.]+)", p.stdout)}
+    found = {
+        (int(r), ck): text
+        for r, ck, text in re.findall(r"rank (\d+) checkpoint=(\w+): (.*?imbalance [0-9.]+ -> [0-9.]+)", p.stdout)
+    }
     assert set(found) == {(r, ck) for r in range(world) for ck in ("None", "non_reentrant")}, p.stdout
     for line in found.values():
         assert "grads match no replication: yes" in line and "rerun bit-identical: yes" in line, line

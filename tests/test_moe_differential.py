@@ -16,6 +16,7 @@ Found by this test's cases before the fix (relative error 1.0, i.e. all-zero gra
 parameters without ``main_grad`` (reduced grads aliased a buffer that is zeroed) and the
 pipeline order F0 F1 B1 B0.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -38,7 +39,7 @@ def no_replication(load, domain, slots_per_rank):
 
 
 def tolerance(dtype, main_grad: bool) -> float:
-    return 1e-5 if dtype == torch.float32 or main_grad else 4 * 2.0 ** -8
+    return 1e-5 if dtype == torch.float32 or main_grad else 4 * 2.0**-8
 
 
 def worst(a, b) -> tuple[float, str]:
@@ -67,8 +68,9 @@ def check(world: int, epr: int, slots: int, schedule: str, repeat: bool = True, 
     hot = [g.abs().max().item() > 0 for gr, _ in base[:1] for layer in gr for g in layer]
     assert all(hot), "rank 0's hot experts got no gradient in the baseline: the case tests nothing there"
     err, where = worst(base, got)
-    assert err <= tolerance(kw.get("dtype", torch.float32), kw.get("main_grad", False)), \
+    assert err <= tolerance(kw.get("dtype", torch.float32), kw.get("main_grad", False)), (
         f"{schedule}: {where} differs from no replication by {err:.3g} of its largest gradient"
+    )
     if repeat:
         assert bit_identical(got, mh.train(world, epr, slots, LAYERS, schedule, **kw)), "reruns differ"
 

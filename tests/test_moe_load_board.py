@@ -1,6 +1,7 @@
 """ReplicaManager's load exchange through a host-memory window (issue 19 item 1, host
 executor): no store or torch.distributed call per step after setup, the same plans and grads
 as the store exchange, and a rank that never posts is named within the timeout."""
+
 from __future__ import annotations
 
 import time
@@ -21,8 +22,7 @@ E = WORLD * EPR
 def train(board: bool, counted: list | None = None):
     def body(group):
         r = group.rank
-        mgr = ReplicaManager(group, mh.layout(), EPR, K, LAYERS, max_microbatches=2, timeout_s=20,
-                             plan_check="window")
+        mgr = ReplicaManager(group, mh.layout(), EPR, K, LAYERS, max_microbatches=2, timeout_s=20, plan_check="window")
         if not board:
             mgr._board = None  # the store exchange, for comparison
         calls = [0]
@@ -92,9 +92,11 @@ def test_a_rank_that_never_posts_its_loads_is_named():
         msg, elapsed = res[r]
         # rank 3 skipped its step and closed its Context: its heartbeat word says it left (ultracomm.blame),
         # so it is named as the rank that did not post, and not called stopped
-        assert msg.startswith(f"ultracomm: rank {r} step(layer 0, no grad) (expert loads) timed out after 1 s: ranks "
-                              "[3] did not post their loads (timeout ULTRACOMM_TIMEOUT_S=1); by evidence, stopped: "
-                              "ranks []"), msg
+        assert msg.startswith(
+            f"ultracomm: rank {r} step(layer 0, no grad) (expert loads) timed out after 1 s: ranks "
+            "[3] did not post their loads (timeout ULTRACOMM_TIMEOUT_S=1); by evidence, stopped: "
+            "ranks []"
+        ), msg
         assert "closed their Context: ranks [3] (rank 3 after epoch 0)" in msg, msg
         assert msg.endswith("every rank must call step() for the same layers in the same order"), msg
         assert 1.0 <= elapsed < 10

@@ -1,6 +1,7 @@
 """ReplicaManager end to end on loopback ranks: planner -> weight_sync -> rerouted tokens ->
 replica weights as autograd tensors -> guard/restore -> reduce, against a float64
 no-replication reference (tests/moe_harness.py)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -32,6 +33,7 @@ def fixed_planner(slot_src: np.ndarray):
             for r, k in where:
                 quota[r, k] = share
         return build_result(load, domain, slot_src, quota)
+
     return plan
 
 
@@ -39,18 +41,43 @@ def params_for(rank: int, layers: int, dtype=torch.float32, main_grad: bool = Fa
     return mh.make_params(rank, EPR, layers, dtype, "list" if per_expert else "stacked", main_grad, False)
 
 
-def run(order: str = "plain", mbs: int = 1, checkpoint: str | None = None, planner="quota",
-        skip_replicas_on: tuple = (), guard: bool = True, dtype=torch.float32, main_grad: bool = False,
-        per_expert: bool = False, max_microbatches: int | None = None, hot: float = 3.0, lin=linear):
+def run(
+    order: str = "plain",
+    mbs: int = 1,
+    checkpoint: str | None = None,
+    planner="quota",
+    skip_replicas_on: tuple = (),
+    guard: bool = True,
+    dtype=torch.float32,
+    main_grad: bool = False,
+    per_expert: bool = False,
+    max_microbatches: int | None = None,
+    hot: float = 3.0,
+    lin=linear,
+):
     """Per rank ``(grads[layer][member] [EPR, ...], imbalances)``; ``order``: ``plain``
     (F0 B0 F1 B1 ...) or ``interleaved`` (every forward, then the backwards in forward order)."""
     if order == "plain":
         schedule = " ".join(f"F{m} B{m}" for m in range(mbs))
     else:
         schedule = " ".join([f"F{m}" for m in range(mbs)] + [f"B{m}" for m in range(mbs)])
-    return mh.train(WORLD, EPR, K, LAYERS, schedule, planner=planner, checkpoint=checkpoint, dtype=dtype,
-                    form="list" if per_expert else "stacked", main_grad=main_grad, hot=hot, lin=lin, guard=guard,
-                    skip_replicas_on=skip_replicas_on, max_microbatches=max_microbatches or mbs)
+    return mh.train(
+        WORLD,
+        EPR,
+        K,
+        LAYERS,
+        schedule,
+        planner=planner,
+        checkpoint=checkpoint,
+        dtype=dtype,
+        form="list" if per_expert else "stacked",
+        main_grad=main_grad,
+        hot=hot,
+        lin=lin,
+        guard=guard,
+        skip_replicas_on=skip_replicas_on,
+        max_microbatches=max_microbatches or mbs,
+    )
 
 
 def check_against_reference(results, mbs=1):
@@ -118,8 +145,12 @@ def plain_for_replicas(x, w):
 
 
 def worst_relative(a, b) -> float:
-    return max(((x - y).abs().max() / x.abs().max()).item()
-               for (ra, _), (rb, _) in zip(a, b) for la, lb in zip(ra, rb) for x, y in zip(la, lb))
+    return max(
+        ((x - y).abs().max() / x.abs().max()).item()
+        for (ra, _), (rb, _) in zip(a, b)
+        for la, lb in zip(ra, rb)
+        for x, y in zip(la, lb)
+    )
 
 
 def test_replica_weights_work_in_ordinary_autograd_ops():
@@ -138,8 +169,10 @@ def test_bf16_weights_get_fp32_wgrads_in_main_grad():
     fused = run(dtype=torch.bfloat16, main_grad=True, per_expert=True)
     assert all(g.dtype == torch.float32 for r, _ in fused for layer in r for g in layer)
     assert worst_relative(base, fused) <= TOL
-    assert worst_relative(base, run(dtype=torch.bfloat16, main_grad=True, per_expert=True,
-                                    lin=plain_for_replicas)) > 100 * TOL
+    assert (
+        worst_relative(base, run(dtype=torch.bfloat16, main_grad=True, per_expert=True, lin=plain_for_replicas))
+        > 100 * TOL
+    )
 
 
 def test_profiled_manager_records_the_loads_the_planner_saw(tmp_path):
@@ -188,6 +221,7 @@ def test_default_planner_is_the_device_planner_with_a_logged_fallback(caplog):
 
     assert get_planner("device") is mgr_mod.device_planner.plan
     import inspect
+
     assert inspect.signature(mgr_mod.ReplicaManager.__init__).parameters["planner"].default == "device"
     assert mgr_mod.device_planner.fits(1024, 65536, 8) and not mgr_mod.device_planner.fits(1025, 1025, 1)
     assert not mgr_mod.device_planner.fits(8, 64, 9) and not mgr_mod.device_planner.fits(8, 65537, 1)
@@ -213,8 +247,14 @@ def test_beyond_the_device_planners_capacity_the_manager_logs_and_plans_with_quo
         chosen = LoopbackDomain(2).run(body, timeout=120)
     assert all(c is get_planner("quota") for c in chosen)
     lines = [r.getMessage() for r in caplog.records if "device planner" in r.getMessage()]
-    assert lines == ["ultracomm: world 2, 4 experts, 2 slots exceed the device planner's capacities; "
-                     "planning with the host planner 'quota'"] * 2
+    assert (
+        lines
+        == [
+            "ultracomm: world 2, 4 experts, 2 slots exceed the device planner's capacities; "
+            "planning with the host planner 'quota'"
+        ]
+        * 2
+    )
 
 
 def test_device_planner_grads_match_no_replication_and_repeat_bit_identically():
@@ -235,6 +275,9 @@ def test_manager_refuses_a_one_gpu_loopback_domain_of_several_ranks():
     from ultracomm.moe import ReplicaManager
 
     ctx = SimpleNamespace(stream_ordered=True, window=SimpleNamespace(loopback=True), world=2)
-    with pytest.raises(ConfigError, match="ReplicaManager cannot run on a one-GPU loopback domain .cuda_local "
-                                          "windows. of more than one rank.*Use one process per GPU"):
+    with pytest.raises(
+        ConfigError,
+        match="ReplicaManager cannot run on a one-GPU loopback domain .cuda_local "
+        "windows. of more than one rank.*Use one process per GPU",
+    ):
         ReplicaManager(None, None, 1, 1, 1, context=ctx)

@@ -2,6 +2,7 @@
 a forward without a backward can be dropped (by hand or by freeing its graph), a manager
 dropped without close() leaves no thread, fd or mapping behind, and out-of-range ranks are
 errors rather than another rank's routing."""
+
 from __future__ import annotations
 
 import gc
@@ -36,14 +37,25 @@ def forward(mgr, params, group, mb: int = 0):
     return step.guard(loss)
 
 
-@pytest.mark.parametrize("probs, message", [
-    (lambda p: p[:, :3], "probs must be a floating-point [tokens, 4] tensor shaped like routing_map [24, 4] (or None), "
-                         "got torch.float32 [24, 3] on cpu"),
-    (lambda p: (p > 0).int(), "probs must be a floating-point [tokens, 4] tensor shaped like routing_map [24, 4] (or "
-                              "None), got torch.int32 [24, 4] on cpu"),
-    (lambda p: p.tolist(), "probs must be a floating-point [tokens, 4] tensor shaped like routing_map [24, 4] (or "
-                           "None), got list"),
-])
+@pytest.mark.parametrize(
+    "probs, message",
+    [
+        (
+            lambda p: p[:, :3],
+            "probs must be a floating-point [tokens, 4] tensor shaped like routing_map [24, 4] (or None), "
+            "got torch.float32 [24, 3] on cpu",
+        ),
+        (
+            lambda p: (p > 0).int(),
+            "probs must be a floating-point [tokens, 4] tensor shaped like routing_map [24, 4] (or "
+            "None), got torch.int32 [24, 4] on cpu",
+        ),
+        (
+            lambda p: p.tolist(),
+            "probs must be a floating-point [tokens, 4] tensor shaped like routing_map [24, 4] (or None), got list",
+        ),
+    ],
+)
 def test_bad_probs_are_refused_before_the_layer_slot_is_taken(probs, message):
     def body(group):
         mgr, params = manager(group)
@@ -60,8 +72,11 @@ def test_bad_probs_are_refused_before_the_layer_slot_is_taken(probs, message):
 def test_bad_routing_map_is_refused():
     def body(group):
         mgr, _ = manager(group)
-        with pytest.raises(ValueError, match=r"^ultracomm: routing_map must be a bool \[tokens, 4\] tensor, got "
-                                             r"torch.int64 \[3, 4\] on cpu$"):
+        with pytest.raises(
+            ValueError,
+            match=r"^ultracomm: routing_map must be a bool \[tokens, 4\] tensor, got "
+            r"torch.int64 \[3, 4\] on cpu$",
+        ):
             mgr.step(0, torch.zeros(3, 4, dtype=torch.long))
         mgr.close()
 
@@ -98,7 +113,8 @@ def test_abandon_drops_a_forward_without_backward():
         assert str(err.value) == (
             "ultracomm: layer 0 already has 1 steps whose backward has not run; run their backward, call "
             "ReplicaManager.abandon() to drop them (a skipped step), take evaluation forwards inside `with "
-            "manager.evaluating():`, or create the manager with a larger max_microbatches")
+            "manager.evaluating():`, or create the manager with a larger max_microbatches"
+        )
         assert mgr.abandon() == [0]
         with pytest.raises(UltracommError, match=r"^ultracomm: layer 0 step \(vid 0\) was abandoned "):
             kept.backward()
@@ -112,6 +128,7 @@ def test_evaluating_leaves_the_step_in_flight_alone():
     """abandon() would drop the training micro-batch too; inside evaluating() the evaluation
     steps expect no backward, take the manager's spare slot and free it at once, and the
     training step's backward restores its own replicas (the evaluation overwrote the slots)."""
+
     def body(group):
         mgr, params = manager(group)
         loss = forward(mgr, params, group)
@@ -163,6 +180,7 @@ def test_managers_dropped_without_close_after_a_forward_leave_nothing_behind():
                 mgr, params = manager(group)
                 forward(mgr, params, group)  # forward only; neither backward nor close()
                 del mgr, params
+
         domain.run(body)
         gc.collect()
 
@@ -184,8 +202,9 @@ def test_rerouted_refuses_ranks_out_of_range(source):
             step = mgr.step(0, rmap, probs)
         with pytest.raises(ValueError) as err:
             step.rerouted(source=source)
-        assert str(err.value) == (f"ultracomm: rerouted(source={source!r}): source must be a rank in 0..1 "
-                                  "(default: this rank)")
+        assert str(err.value) == (
+            f"ultracomm: rerouted(source={source!r}): source must be a rank in 0..1 (default: this rank)"
+        )
         mgr.close()
 
     LoopbackDomain(WORLD).run(body)

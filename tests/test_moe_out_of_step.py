@@ -4,6 +4,7 @@ peers (rank 1: layer 1 then layer 0; the others 0 then 1) makes every rank raise
 moves -- on the host transport (load board; either plan check), on p2p (the store exchange) and on
 the CPU split (a load board over loopback windows, the store exchange as between hosts).  Loopback
 ranks, ReplicaManager with its defaults otherwise."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,5 @@
 """Token rerouting by the planners' integer quotas (ultracomm.moe.reroute)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -38,9 +39,17 @@ def column_owner(layout: str, world: int, epr: int, K: int, slot_src: np.ndarray
 
 
 @settings(max_examples=30, deadline=None)
-@given(world=st.integers(2, 6), epr=st.integers(1, 4), K=st.integers(0, 3), tokens=st.integers(0, 40),
-       top_k=st.integers(1, 3), hot=st.sampled_from([0.0, 2.0, 6.0]), seed=st.integers(0, 2**31),
-       layout=st.sampled_from(["echo", "physical"]), planner=st.sampled_from(["quota", "greedy", "lpt", "taot"]))
+@given(
+    world=st.integers(2, 6),
+    epr=st.integers(1, 4),
+    K=st.integers(0, 3),
+    tokens=st.integers(0, 40),
+    top_k=st.integers(1, 3),
+    hot=st.sampled_from([0.0, 2.0, 6.0]),
+    seed=st.integers(0, 2**31),
+    layout=st.sampled_from(["echo", "physical"]),
+    planner=st.sampled_from(["quota", "greedy", "lpt", "taot"]),
+)
 def test_reroute_follows_the_planners_token_moves(world, epr, K, tokens, top_k, hot, seed, layout, planner):
     E = world * epr
     top_k = min(top_k, E)

@@ -1,5 +1,6 @@
 """The old import paths of modules that moved (README, Layout): each gives the moved module itself
 and a DeprecationWarning naming the new path; ``python -m`` on an old tool path runs the tool."""
+
 from __future__ import annotations
 
 import importlib
@@ -84,8 +85,12 @@ def test_every_old_path_is_in_the_one_table():
     for old in MOVED:
         path = os.path.join(os.path.dirname(PKG), *old.split("."))
         assert not os.path.exists(path + ".py") and not os.path.isdir(path), f"{old}: a file at an old path"
-    assert not [f for root, _, files in os.walk(PKG) for f in files if f.endswith(".py")
-                and re.search(r"^alias\(globals\(\)", open(os.path.join(root, f)).read(), re.M)]
+    assert not [
+        f
+        for root, _, files in os.walk(PKG)
+        for f in files
+        if f.endswith(".py") and re.search(r"^alias\(globals\(\)", open(os.path.join(root, f)).read(), re.M)
+    ]
 
 
 def test_lazy_attributes_of_moved_tools_still_resolve():
@@ -96,15 +101,19 @@ def test_lazy_attributes_of_moved_tools_still_resolve():
     for name in ("bench", "workloads"):
         vars(ultracomm).pop(name, None)
         _forget(f"ultracomm.{name}")
-        with pytest.warns(DeprecationWarning, match=rf"ultracomm\.{name} is deprecated: import ultracomm\.tools\.{name} "):
+        with pytest.warns(
+            DeprecationWarning, match=rf"ultracomm\.{name} is deprecated: import ultracomm\.tools\.{name} "
+        ):
             assert getattr(ultracomm, name) is sys.modules[f"ultracomm.tools.{name}"]
 
 
 def test_python_m_on_an_old_tool_path_runs_the_tool():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(PKG), os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, "-m", "ultracomm.whatif", "--help"], capture_output=True, text=True,
-                         env=env, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "ultracomm.whatif", "--help"], capture_output=True, text=True, env=env, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("usage: python -m ultracomm.tools.whatif ")
-    assert ("DeprecationWarning: ultracomm.whatif is deprecated: import ultracomm.tools.whatif "
-            "(the module moved there)") in out.stderr
+    assert (
+        "DeprecationWarning: ultracomm.whatif is deprecated: import ultracomm.tools.whatif (the module moved there)"
+    ) in out.stderr

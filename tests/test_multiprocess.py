@@ -1,4 +1,5 @@
 """Real multi-process runs: torchrun + gloo + host_shm windows."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def torchrun(script: str, nproc: int, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           os.path.join(HERE, "mp", script)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        os.path.join(HERE, "mp", script),
+    ]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "ULTRACOMM_NUM_WORKERS": "2", **(env or {})}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
 

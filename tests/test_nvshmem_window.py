@@ -1,5 +1,6 @@
 """The nvshmem window provider: imports everywhere, says "not available: ..." where it cannot work,
 carries NVSHMEM's unique id byte for byte, and (gpu marker) allocates, maps and finalises."""
+
 from __future__ import annotations
 
 import os
@@ -30,12 +31,22 @@ def test_loopback_group_is_refused_with_the_provider_to_use():
     def body(group):
         assert nvw.NvshmemWindow.unavailable_reason(group).startswith("nvshmem needs a torch.distributed process group")
         # the transport is checked first: on a machine without tma, that is what is missing
-        want = (r"^ultracomm: window 'nvshmem' is not available: nvshmem needs a torch.distributed process group .*"
-                r"use cuda_local" if torch_cuda_reason() is None and cuda_module_reason() is None else
-                r"^ultracomm: transport 'tma' is not available: ")
+        want = (
+            r"^ultracomm: window 'nvshmem' is not available: nvshmem needs a torch.distributed process group .*"
+            r"use cuda_local"
+            if torch_cuda_reason() is None and cuda_module_reason() is None
+            else r"^ultracomm: transport 'tma' is not available: "
+        )
         with pytest.raises(NotAvailableError, match=want):
-            Context(group, ExpertLayout((Member("w", (4, 4), torch.float32),)), 1, 1, num_layers=1, window="nvshmem",
-                    timeout_s=30.0)
+            Context(
+                group,
+                ExpertLayout((Member("w", (4, 4), torch.float32),)),
+                1,
+                1,
+                num_layers=1,
+                window="nvshmem",
+                timeout_s=30.0,
+            )
         return True
 
     assert LoopbackDomain(2).run(body) == [True, True]
@@ -73,6 +84,11 @@ def test_one_rank_window_on_the_symmetric_heap(tmp_path):
         nvw.finalize()
         print("nvshmem window OK")
     """)
-    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    p = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert p.returncode == 0 and "nvshmem window OK" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]

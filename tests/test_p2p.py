@@ -1,5 +1,6 @@
 """The p2p transport in one process: its message programs pair up on every rank, and a Context on
 a loopback domain (mailboxes instead of gloo) leaves the same bytes as the host executor."""
+
 from __future__ import annotations
 
 import collections
@@ -20,25 +21,39 @@ from conftest import expert_weights, hot_slot_src, random_slot_src
 
 def layout_of(grad_dtype=torch.float32) -> ExpertLayout:
     # odd member sizes: padding between members, chunks that straddle them
-    return ExpertLayout((Member("fc1", (6, 17), torch.bfloat16), Member("fc2", (17, 3), torch.bfloat16)),
-                        grad_dtype=grad_dtype)
+    return ExpertLayout(
+        (Member("fc1", (6, 17), torch.bfloat16), Member("fc2", (17, 3), torch.bfloat16)), grad_dtype=grad_dtype
+    )
 
 
 def programs(plan, layout, chunk, mode, node_of=None):
-    sched = build_schedule(plan, layout.weight_bytes, layout.grad_bytes, chunk_bytes=chunk, relay_mode=mode,
-                           node_of=node_of)
+    sched = build_schedule(
+        plan, layout.weight_bytes, layout.grad_bytes, chunk_bytes=chunk, relay_mode=mode, node_of=node_of
+    )
     slot_src = plan.slot_src.numpy().astype(np.int64)
     home_of = plan.home_of.numpy().astype(np.int64)
     out = {}
-    for op, nbytes, mo, mb in ((Op.MULTICAST, layout.weight_bytes, layout.weight_offsets, layout.weight_sizes),
-                               (Op.REDUCE, layout.grad_bytes, layout.grad_offsets, layout.grad_sizes)):
-        out[op] = [build_program(op, sched, r, sched.tasks(op, r), sched.refs(op, r), slot_src, home_of, chunk,
-                                 nbytes, mo, mb) for r in range(plan.world)]
+    for op, nbytes, mo, mb in (
+        (Op.MULTICAST, layout.weight_bytes, layout.weight_offsets, layout.weight_sizes),
+        (Op.REDUCE, layout.grad_bytes, layout.grad_offsets, layout.grad_sizes),
+    ):
+        out[op] = [
+            build_program(op, sched, r, sched.tasks(op, r), sched.refs(op, r), slot_src, home_of, chunk, nbytes, mo, mb)
+            for r in range(plan.world)
+        ]
     return sched, out
 
 
-@pytest.mark.parametrize("world,mode,node_of", [(2, "off", None), (5, "force", None), (8, "auto", None),
-                                                (8, "force", [0, 0, 0, 0, 1, 1, 1, 1]), (4, "auto", [0, 0, 1, 1])])
+@pytest.mark.parametrize(
+    "world,mode,node_of",
+    [
+        (2, "off", None),
+        (5, "force", None),
+        (8, "auto", None),
+        (8, "force", [0, 0, 0, 0, 1, 1, 1, 1]),
+        (4, "auto", [0, 0, 1, 1]),
+    ],
+)
 def test_every_send_meets_one_receive_in_the_same_wave(world, mode, node_of):
     layout = layout_of()
     rng = np.random.default_rng(world)
@@ -88,13 +103,38 @@ def test_tasks_that_disagree_with_the_tree_are_refused():
     refs[0]["slot"] = 0
     refs[0]["rank"] = 0  # a copy to its own rank
     with pytest.raises(ValueError, match="tasks and trees disagree: rank 0 copies expert 0 to its own slot 0"):
-        build_program(Op.MULTICAST, sched, 0, tasks, refs, plan.slot_src.numpy(), plan.home_of.numpy(), 128,
-                      layout.weight_bytes, layout.weight_offsets, layout.weight_sizes)
+        build_program(
+            Op.MULTICAST,
+            sched,
+            0,
+            tasks,
+            refs,
+            plan.slot_src.numpy(),
+            plan.home_of.numpy(),
+            128,
+            layout.weight_bytes,
+            layout.weight_offsets,
+            layout.weight_sizes,
+        )
 
 
 # ---------------------------------------------------------------------------------------------- Context
-def run_ops(transport, world, plans, layout, epr, slots, mode, node_of=None, chunk=128, async_restore=True,
-            window=None, expect=None, alpha_beta=True, **kw):
+def run_ops(
+    transport,
+    world,
+    plans,
+    layout,
+    epr,
+    slots,
+    mode,
+    node_of=None,
+    chunk=128,
+    async_restore=True,
+    window=None,
+    expect=None,
+    alpha_beta=True,
+    **kw,
+):
     """weight_sync + restore + grad_reduce of every plan; per rank, the pool's weight and grad bytes after
     each multicast and each reduce, and the master grads.  ``expect``: the transport ``transport`` must
     become (auto); ``alpha_beta=False``: a p2p Context builds its schedules as the host executor's
@@ -103,9 +143,22 @@ def run_ops(transport, world, plans, layout, epr, slots, mode, node_of=None, chu
 
     def body(group):
         out = []
-        with Context(group, layout, epr, slots, num_layers=1, transport=transport, window=window,
-                     relay_mode=mode, node_of=node_of, chunk_bytes=chunk, tile_bytes=16, num_workers=2,
-                     timeout_s=30.0, **kw) as ctx:
+        with Context(
+            group,
+            layout,
+            epr,
+            slots,
+            num_layers=1,
+            transport=transport,
+            window=window,
+            relay_mode=mode,
+            node_of=node_of,
+            chunk_bytes=chunk,
+            tile_bytes=16,
+            num_workers=2,
+            timeout_s=30.0,
+            **kw,
+        ) as ctx:
             assert ctx.window.provider == window and ctx.transport.name == (expect or transport)
             if not alpha_beta:
                 ctx.transport.message_costs = None
@@ -150,8 +203,9 @@ CASES = [  # world, node_of, relay mode, grad dtype
 def test_p2p_context_is_bit_identical_to_the_host_executor(world, node_of, mode, grad_dtype):
     layout, epr, slots = layout_of(grad_dtype), 2, 3
     rng = np.random.default_rng(world * 7 + len(mode))
-    plans = [ReplicaPlan.make(hot_slot_src(world, slots, epr, expert=1), experts_per_rank=epr)] + \
-            [ReplicaPlan.make(random_slot_src(rng, world, slots, epr, 0.9), experts_per_rank=epr) for _ in range(2)]
+    plans = [ReplicaPlan.make(hot_slot_src(world, slots, epr, expert=1), experts_per_rank=epr)] + [
+        ReplicaPlan.make(random_slot_src(rng, world, slots, epr, 0.9), experts_per_rank=epr) for _ in range(2)
+    ]
     host = run_ops("host", world, plans, layout, epr, slots, mode, node_of)
     p2p = run_ops("p2p", world, plans, layout, epr, slots, mode, node_of, alpha_beta=False)
     for r in range(world):
@@ -166,7 +220,7 @@ def test_p2p_context_is_bit_identical_to_the_host_executor(world, node_of, mode,
                 continue
             for m, want in enumerate(expert_weights(layout, e)):
                 off = stride * s + layout.weight_offsets[m]
-                assert torch.equal(p2p[r][0][off:off + layout.weight_sizes[m]], want.reshape(-1).view(torch.uint8))
+                assert torch.equal(p2p[r][0][off : off + layout.weight_sizes[m]], want.reshape(-1).view(torch.uint8))
 
 
 def test_p2p_timeout_names_rank_expert_and_chunk():
@@ -178,10 +232,14 @@ def test_p2p_timeout_names_rank_expert_and_chunk():
     started = threading.Event()
 
     def body(group):
-        with Context(group, layout, epr, slots, num_layers=1, transport="p2p", chunk_bytes=128, tile_bytes=16,
-                     timeout_s=0.5) as ctx:
-            ctx.register_masters(0, [torch.ones((1, *m.shape), dtype=m.dtype) for m in layout.members],
-                                 [torch.zeros((1, *m.shape)) for m in layout.members])
+        with Context(
+            group, layout, epr, slots, num_layers=1, transport="p2p", chunk_bytes=128, tile_bytes=16, timeout_s=0.5
+        ) as ctx:
+            ctx.register_masters(
+                0,
+                [torch.ones((1, *m.shape), dtype=m.dtype) for m in layout.members],
+                [torch.zeros((1, *m.shape)) for m in layout.members],
+            )
             vid = ctx.begin(0)
             if ctx.rank == 0:
                 # rank 0 (the home) skips its sends: its transport never runs this op
@@ -198,12 +256,16 @@ def test_p2p_timeout_names_rank_expert_and_chunk():
     res = domain.run(body)
     msg, elapsed = res[1]
     assert msg is not None and res[0][0] is None
-    assert msg.startswith("ultracomm: rank 1 weight_sync (epoch 1, transport p2p) gave up after waiting up to 0.5 s "
-                          "to receive expert 0 chunk 0 (bytes [0, 204) of its slot 0) from rank 0"), msg  # direct: one
+    assert msg.startswith(
+        "ultracomm: rank 1 weight_sync (epoch 1, transport p2p) gave up after waiting up to 0.5 s "
+        "to receive expert 0 chunk 0 (bytes [0, 204) of its slot 0) from rank 0"
+    ), msg  # direct: one
     # message per member (the alpha-beta choice: no chunking without a relay to pipeline)
     # rank 0's thread never sends and publishes no failure: named stopped by that silence (ultracomm.blame)
-    assert "the peer, rank 0, did not complete it" in msg and "by evidence, stopped: ranks [0] (rank 0: awaited, " \
-        "silent for the timeout" in msg, msg
+    assert (
+        "the peer, rank 0, did not complete it" in msg
+        and "by evidence, stopped: ranks [0] (rank 0: awaited, silent for the timeout" in msg
+    ), msg
     assert 0.5 <= elapsed < 6
 
 
@@ -217,8 +279,18 @@ def test_p2p_bound_buffers_follow_new_masters_and_repeat_exactly():
 
     def body(group):
         out = []
-        with Context(group, layout, epr, slots, num_layers=1, transport="p2p", window="private", chunk_bytes=128,
-                     tile_bytes=16, timeout_s=30.0) as ctx:
+        with Context(
+            group,
+            layout,
+            epr,
+            slots,
+            num_layers=1,
+            transport="p2p",
+            window="private",
+            chunk_bytes=128,
+            tile_bytes=16,
+            timeout_s=30.0,
+        ) as ctx:
             r = ctx.rank
             per = [expert_weights(layout, e) for e in range(r * epr, (r + 1) * epr)]
             w = [torch.stack([p[m] for p in per]).contiguous() for m in range(2)]

@@ -3,6 +3,7 @@ alpha-beta choice on one host is direct with one chunk per slot, every rank's p2
 exactly the messages of ``ultracomm.tools.bench.TorchBaselines`` (p2p_weights / p2p_grads), in
 the same order -- sends by destination rank, then receives by source rank, each in slot order --
 so the two methods differ in the Python around the messages, not in what gloo is asked to do."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,8 +25,9 @@ def _baseline(plan, rank, epr):
     src, home = plan.slot_src.tolist(), plan.home_of.tolist()
     sends = [("send", d, e) for d in range(plan.world) if d != rank for e in src[d] if e >= 0 and home[e] == rank]
     recvs = [("recv", h, src[rank][s]) for h, ss in enumerate(base.recv_slots) for s in ss]
-    assert [len(r) for r in base.send_rows] == [sum(1 for e in src[d] if e >= 0 and home[e] == rank)
-                                               for d in range(plan.world)]
+    assert [len(r) for r in base.send_rows] == [
+        sum(1 for e in src[d] if e >= 0 and home[e] == rank) for d in range(plan.world)
+    ]
     return sends, recvs
 
 
@@ -45,15 +47,34 @@ def test_direct_one_chunk_programs_post_the_baselines_messages_in_its_order(worl
     home_of = plan.home_of.numpy().astype(np.int64)
     for rank in range(world):
         sends, recvs = _baseline(plan, rank, epr)
-        for op, nbytes, mo, mb in ((Op.MULTICAST, layout.weight_bytes, layout.weight_offsets, layout.weight_sizes),
-                                   (Op.REDUCE, layout.grad_bytes, layout.grad_offsets, layout.grad_sizes)):
-            prog = build_program(op, sched, rank, sched.tasks(op, rank), sched.refs(op, rank), slot_src, home_of,
-                                 choice.chunk_bytes, nbytes, mo, mb)
+        for op, nbytes, mo, mb in (
+            (Op.MULTICAST, layout.weight_bytes, layout.weight_offsets, layout.weight_sizes),
+            (Op.REDUCE, layout.grad_bytes, layout.grad_offsets, layout.grad_sizes),
+        ):
+            prog = build_program(
+                op,
+                sched,
+                rank,
+                sched.tasks(op, rank),
+                sched.refs(op, rank),
+                slot_src,
+                home_of,
+                choice.chunk_bytes,
+                nbytes,
+                mo,
+                mb,
+            )
             # every message in the first wave (a reduce's sums run in a later wave of no messages)
             assert all(not w.sends and not w.recvs for w in prog.waves[1:])
             wave = prog.waves[0] if prog.waves else None
-            got = ([("send", x.msg.dst, x.msg.expert) for x in wave.sends] +
-                   [("recv", m.src, m.expert) for m in wave.recvs]) if wave else []
+            got = (
+                (
+                    [("send", x.msg.dst, x.msg.expert) for x in wave.sends]
+                    + [("recv", m.src, m.expert) for m in wave.recvs]
+                )
+                if wave
+                else []
+            )
             if op == Op.MULTICAST:
                 want = sends + recvs
             else:  # p2p_grads: each replica's grad back to its home, then the homes' receives, same orders

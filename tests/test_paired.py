@@ -1,4 +1,5 @@
 """ultracomm.tools.paired: the per-round ratios and the sign-test interval of their median."""
+
 from __future__ import annotations
 
 import math
@@ -13,7 +14,7 @@ def _j_by_definition(n: int, conf: float = 0.95) -> int:
     """The largest j with P(B < j) <= (1 - conf) / 2, B ~ binomial(n, 1/2), by brute force."""
     best = 1
     for j in range(1, (n + 1) // 2 + 1):
-        if sum(math.comb(n, i) for i in range(j)) / 2 ** n <= (1 - conf) / 2:
+        if sum(math.comb(n, i) for i in range(j)) / 2**n <= (1 - conf) / 2:
             best = j
     return best
 

@@ -1,4 +1,5 @@
 """Tests for ultracomm.plan: ReplicaPlan validation, identity and converters."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -83,9 +84,7 @@ def test_direct_constructor_validates():
     with pytest.raises(PlanError, match="must be a torch.Tensor"):
         ReplicaPlan([[1]], torch.zeros(2, dtype=torch.int32))  # type: ignore[arg-type]
     with pytest.raises(PlanError, match="contiguous"):
-        ReplicaPlan(
-            torch.full((2, 4), -1, dtype=torch.int32)[:, ::2], torch.zeros(2, dtype=torch.int32)
-        )
+        ReplicaPlan(torch.full((2, 4), -1, dtype=torch.int32)[:, ::2], torch.zeros(2, dtype=torch.int32))
 
 
 # ----------------------------------------------------------------------------- errors
@@ -98,23 +97,13 @@ def test_direct_constructor_validates():
             dict(slot_src=[[-1, -1]] * 3 + [[-1, 300]], num_experts=256),
             "slot_src[3, 1] = 300 is out of range: experts are 0..255 (-1 marks an empty slot)",
         ),
-        (
-            dict(slot_src=[[-2]] * 2, num_experts=4),
-            "slot_src[0, 0] = -2 is out of range",
-        ),
+        (dict(slot_src=[[-2]] * 2, num_experts=4), "slot_src[0, 0] = -2 is out of range"),
         (
             dict(slot_src=[[-1], [-1], [17], [-1]], num_experts=32),
-            "expert 17 is replicated onto its own home rank 2 (slot_src[2, 0]); "
-            "replicas must live on other ranks",
+            "expert 17 is replicated onto its own home rank 2 (slot_src[2, 0]); replicas must live on other ranks",
         ),
-        (
-            dict(slot_src=[[-1, -1]] * 4 + [[5, 5]], num_experts=10),
-            "expert 5 appears twice on rank 4 (slots 0 and 1)",
-        ),
-        (
-            dict(slot_src=[[2.0, -1.0], [0.0, -1.0]], num_experts=4),
-            "slot_src must hold integers, got dtype float64",
-        ),
+        (dict(slot_src=[[-1, -1]] * 4 + [[5, 5]], num_experts=10), "expert 5 appears twice on rank 4 (slots 0 and 1)"),
+        (dict(slot_src=[[2.0, -1.0], [0.0, -1.0]], num_experts=4), "slot_src must hold integers, got dtype float64"),
         (
             dict(slot_src=torch.tensor([[2.0, -1.0]]), num_experts=4),
             "slot_src must hold integers, got dtype torch.float32",
@@ -127,19 +116,13 @@ def test_direct_constructor_validates():
         (dict(slot_src=np.zeros((0, 2), np.int32), num_experts=4), "needs world >= 1"),
         (dict(slot_src=[[-1], [-1]], home_of=[0, 2]), "home_of[1] = 2 is out of range: ranks are 0..1"),
         (dict(slot_src=[[-1], [-1]], home_of=[0, -1]), "home_of[1] = -1 is out of range"),
-        (
-            dict(slot_src=[[-1], [-1]], num_experts=3, home_of=[0, 1]),
-            "home_of has 2 entries but num_experts = 3",
-        ),
+        (dict(slot_src=[[-1], [-1]], num_experts=3, home_of=[0, 1]), "home_of has 2 entries but num_experts = 3"),
         (dict(slot_src=[[-1], [-1]], home_of=[[0, 1]]), "home_of must be 1-D [E]"),
         (
             dict(slot_src=[[-1], [-1]], home_of=[0, 0, 0, 1], experts_per_rank=2),
             "rank 0 is home to 3 experts, but experts_per_rank = 2",
         ),
-        (
-            dict(slot_src=[[-1], [-1]], num_experts=5),
-            "num_experts = 5 does not divide evenly over world = 2 ranks",
-        ),
+        (dict(slot_src=[[-1], [-1]], num_experts=5), "num_experts = 5 does not divide evenly over world = 2 ranks"),
         (
             dict(slot_src=[[-1], [-1]], num_experts=6, experts_per_rank=2),
             "each rank must host exactly experts_per_rank experts",
@@ -238,7 +221,9 @@ def test_echo_map_hand_example():
 def test_echo_map_errors():
     m = torch.zeros(4, 4, dtype=torch.bool)
     m[2, 1] = m[3, 1] = True
-    with pytest.raises(PlanError, match=r"column 1 .*\(rank 0, slot 1\) is True for experts \[2, 3\]; a replica slot holds one expert"):
+    with pytest.raises(
+        PlanError, match=r"column 1 .*\(rank 0, slot 1\) is True for experts \[2, 3\]; a replica slot holds one expert"
+    ):
         ReplicaPlan.from_echo_map(m, world=2)
     with pytest.raises(PlanError, match="S_global = 3 columns, which does not divide by world = 2"):
         ReplicaPlan.from_echo_map(torch.zeros(4, 3, dtype=torch.bool), world=2)
@@ -301,9 +286,7 @@ def test_moves_hand_examples():
     ]
     old = [7, 0, 1, 7, 2, 3, 4, 5]
     new = [7, 0, 1, 7, 2, 3, 7, 5]
-    assert moves_from_phy2log(old, new, world=4) == [
-        Move(expert=7, src_rank=0, src_phys=0, dst_rank=3, dst_phys=6),
-    ]
+    assert moves_from_phy2log(old, new, world=4) == [Move(expert=7, src_rank=0, src_phys=0, dst_rank=3, dst_phys=6)]
     # slot becoming unused needs no move
     assert moves_from_phy2log([0, 1], [0, -1], world=1) == []
     # identical maps
@@ -350,9 +333,7 @@ def test_moves_apply_to_new_map(data):
     P = world * ppr
     old = np.array(data.draw(st.lists(st.integers(-1, E - 1), min_size=P, max_size=P)))
     present = sorted({int(e) for e in old if e >= 0})
-    new = np.array(
-        data.draw(st.lists(st.sampled_from(present + [-1]), min_size=P, max_size=P))
-    )
+    new = np.array(data.draw(st.lists(st.sampled_from(present + [-1]), min_size=P, max_size=P)))
     moves = moves_from_phy2log(old, new, world)
     applied = apply_moves(old, moves)
     keep = new >= 0

@@ -4,6 +4,7 @@ Context's shape at setup (num_layers x max_microbatches vid slots), each operati
 vid's slot (weight_sync, restore and grad_reduce of one vid the same slot; the next vid of that
 layer's micro-batch slot the same again), and ``Context.plan_arena_bytes()`` reports the
 transport's arena; a transport without an arena reports 0 and gets no slot."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -67,8 +68,18 @@ def test_operations_carry_their_vids_plan_slot(fake, monkeypatch):  # noqa: F811
 
     for got, runs in LoopbackDomain(world).run(body, timeout=120):
         assert got == [(2, 3), (2, 3)]
-        assert runs == [("weight_sync", 2), ("weight_sync", 3), ("restore", 3), ("grad_reduce", 3),
-                        ("restore", 2), ("grad_reduce", 2)] * 2
+        assert (
+            runs
+            == [
+                ("weight_sync", 2),
+                ("weight_sync", 3),
+                ("restore", 3),
+                ("grad_reduce", 3),
+                ("restore", 2),
+                ("grad_reduce", 2),
+            ]
+            * 2
+        )
 
 
 def test_a_transport_without_an_arena_reports_none(fake):  # noqa: F811

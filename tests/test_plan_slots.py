@@ -4,6 +4,7 @@ later vid in the slot rewrites it), scratch slots for calls without a vid, and t
 keeps a plan a captured CUDA graph reads from ever being reused (a captured graph keeps the
 slot's address; before the arena, the cache freed such a plan after 64 newer ones and a replay
 ran freed memory)."""
+
 from __future__ import annotations
 
 import pytest
@@ -21,12 +22,12 @@ def run(slots, op, key, vid=None):
 def test_a_vid_slot_is_written_once_per_plan_and_op():
     s = PlanSlots(4, capturing=lambda: False)
     assert s.num_slots == 4 + SCRATCH
-    assert run(s, 0, "a", 2) == (2, True)   # weight_sync
+    assert run(s, 0, "a", 2) == (2, True)  # weight_sync
     assert run(s, 0, "a", 2) == (2, False)  # restore: same plan, nothing to write
-    assert run(s, 1, "a", 2) == (2, True)   # grad_reduce: the slot's reduce area
+    assert run(s, 1, "a", 2) == (2, True)  # grad_reduce: the slot's reduce area
     assert run(s, 1, "a", 2) == (2, False)
-    assert run(s, 0, "b", 2) == (2, True)   # the next vid in the slot
-    assert run(s, 0, "a", 3) == (3, True)   # another slot holds its own
+    assert run(s, 0, "b", 2) == (2, True)  # the next vid in the slot
+    assert run(s, 0, "a", 3) == (3, True)  # another slot holds its own
     with pytest.raises(ValueError, match=r"^ultracomm: plan slot 4 is out of range 0\.\.3 "):
         s.place(0, "a", 4)
 
@@ -37,7 +38,7 @@ def test_scratch_slots_rotate_least_recently_used_first():
     assert [run(s, 0, k)[0] for k in keys] == list(range(2, 2 + SCRATCH))
     assert run(s, 0, "k0") == (2, False)  # a hit; k1 is now the least recently used
     assert run(s, 0, "new") == (3, True)  # takes k1's slot
-    assert run(s, 0, "k1") == (4, True)   # k1 comes back into k2's slot
+    assert run(s, 0, "k1") == (4, True)  # k1 comes back into k2's slot
 
 
 def test_a_scratch_slot_a_graph_captured_is_never_reused():
@@ -61,7 +62,8 @@ def test_a_scratch_slot_a_graph_captured_is_never_reused():
 def test_arena_bounds_follow_the_schedule_builders_limits():
     wl = dict(slots=3, weight_chunks=5, grad_chunks=7)
     assert arena_bounds(nranks=1, world=8, experts_per_rank=2, members=4, wlayout=wl) == dict(
-        nranks=1, world=8, num_experts=16, masters=8, slots=3, tasks=(25, 35), refs=(24, 24))
+        nranks=1, world=8, num_experts=16, masters=8, slots=3, tasks=(25, 35), refs=(24, 24)
+    )
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -80,13 +82,14 @@ def test_every_schedule_fits_the_arena_bounds(seed):
     for r in range(world):  # distinct experts homed elsewhere, some slots empty
         others = [e for e in range(E) if e // epr != r]
         picks = rng.choice(others, size=min(S, len(others)), replace=False)
-        src[r, :len(picks)] = np.where(rng.random(len(picks)) < 0.8, picks, -1)
+        src[r, : len(picks)] = np.where(rng.random(len(picks)) < 0.8, picks, -1)
     plan = ReplicaPlan.make(src, experts_per_rank=epr)
     wl = _core.window_layout(S, int(rng.integers(100, 5000)), int(rng.integers(100, 5000)), 256)
     node_of = [r // 2 for r in range(world)] if seed % 2 else None
     mode = ("auto", "off", "force")[seed % 3]
-    sched = build_schedule(plan, wl["weight_slot_bytes"], wl["grad_slot_bytes"], chunk_bytes=256, relay_mode=mode,
-                           node_of=node_of)
+    sched = build_schedule(
+        plan, wl["weight_slot_bytes"], wl["grad_slot_bytes"], chunk_bytes=256, relay_mode=mode, node_of=node_of
+    )
     b = arena_bounds(nranks=1, world=world, experts_per_rank=epr, members=2, wlayout=wl)
     for op in (Op.MULTICAST, Op.REDUCE):
         for r in range(world):

@@ -5,6 +5,7 @@ slots 1-4, with and without nodes), balance and copies beside the host ``quota``
 the evaluation loads, capacities, and the CUDA build (compile-only here: both kernel variants
 without local memory, the shared-memory one's footprint within the device limits; ``gpu``
 tests compare the GPU's plans with the host build's bit for bit)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -44,8 +45,13 @@ def big_problems(draw):
         load = rng.integers(0, 9, size=(W, E)) * (rng.random((W, E)) < 0.1)
     else:
         load = rng.integers(0, 40, size=(W, E))
-    return Domain.nodes(W // gpn, gpn, epr), np.asarray(load, np.int64), K, draw(st.booleans()), \
-        draw(st.sampled_from([1, 1, 2, 5]))
+    return (
+        Domain.nodes(W // gpn, gpn, epr),
+        np.asarray(load, np.int64),
+        K,
+        draw(st.booleans()),
+        draw(st.sampled_from([1, 1, 2, 5])),
+    )
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -87,8 +93,7 @@ def test_lanes_and_groups_give_byte_identical_plans(prob):
     domain, load, K, intra, min_tokens = prob
     ref = plan(load, domain, K, intra_node_only=intra, min_tokens=min_tokens)
     for lanes, groups in SHAPES:
-        _same_plan(ref, plan(load, domain, K, intra_node_only=intra, min_tokens=min_tokens, lanes=lanes,
-                             groups=groups))
+        _same_plan(ref, plan(load, domain, K, intra_node_only=intra, min_tokens=min_tokens, lanes=lanes, groups=groups))
 
 
 @pytest.mark.parametrize("lanes", [2, 3, 8, 32])
@@ -148,6 +153,7 @@ def test_capacity_and_option_errors():
     with pytest.raises(ValueError, match=r"eps must be a float in \[0, 1\], got 2"):
         plan(np.zeros((4, 4), np.int64), Domain.flat(4, 1), 1, eps=2)
     from ultracomm import _core
+
     with pytest.raises(ValueError, match="an expert load is negative, or the total is above 2\\*\\*48"):
         _core.quota_device(np.array([-1, 0], np.int64), None, 2, 1, 1, 1, 0, 100)
     with pytest.raises(ValueError, match="node_of has a negative node"):
@@ -180,6 +186,7 @@ def test_first_probe_at_the_lower_bound_times_one_plus_eps():
 
 def test_shapes_and_options_errors():
     from ultracomm import _core
+
     el = np.ones(4, np.int64)
     with pytest.raises(ValueError, match=r"groups must be in \[1, 8\]"):
         _core.quota_device(el, None, 4, 1, 1, 1, 0, 100, 1, 9)
@@ -193,6 +200,7 @@ def test_shapes_and_options_errors():
 
 def test_cuda_build_has_the_planner_kernel_with_warp_reductions():
     import cuda_build as cb
+
     for variant in ("k_quota_planILb1", "k_quota_planILb0"):  # state in shared memory / global scratch
         for text in cb.kernel_texts("k_quota", variant):
             assert "SHFL.BFLY" in text  # the receiver choice is a warp min-reduction
@@ -216,6 +224,7 @@ def test_sass_quota_state_in_shared_memory_within_the_limit():
     from ultracomm import _core
 
     import cuda_build as cb
+
     if cb.find_nvcc() is None:
         pytest.skip("nvcc not found")
     texts = cb.kernel_texts("k_quota", "k_quota_planILb1")  # skips without cuobjdump
@@ -256,8 +265,7 @@ def test_gpu_plans_equal_host_build_and_replay_in_a_graph():
     for W, epr, K, nodes in cases:
         domain = Domain.nodes(nodes, W // nodes, epr)
         top_k = min(8, epr)  # a rank holds epr experts: more choices per token cap its share below 3x the mean
-        loads = [workloads.zipf_load(W, W * epr, 4096, top_k, t, seed=int(rng.integers(1000)))
-                 for t in (1.5, 2.0, 3.0)]
+        loads = [workloads.zipf_load(W, W * epr, 4096, top_k, t, seed=int(rng.integers(1000))) for t in (1.5, 2.0, 3.0)]
         static = torch.zeros((W, W * epr), dtype=torch.int32, device="cuda")
         out = dev_planner.plan_on_gpu(static, domain, K)  # warm-up: buffers allocated here
         torch.cuda.synchronize()
@@ -270,7 +278,8 @@ def test_gpu_plans_equal_host_build_and_replay_in_a_graph():
             torch.cuda.synchronize()
             host = plan(load, domain, K)
             np.testing.assert_array_equal(out["slot_src"].cpu().numpy(), host.slot_src)
-            np.testing.assert_array_equal(out["slot_quota"].cpu().numpy(),
-                                          np.where(host.slot_src >= 0, host.slot_moves.sum(0), 0))
+            np.testing.assert_array_equal(
+                out["slot_quota"].cpu().numpy(), np.where(host.slot_src >= 0, host.slot_moves.sum(0), 0)
+            )
             info = dev_planner.decode_result(out["result"].cpu())
             assert info == {k: host.info[k] for k in ("threshold", "probes", "rounds", "replicas")}

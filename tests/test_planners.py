@@ -1,5 +1,6 @@
 """Balancing planners: conservation, slot limits, plan validity, determinism, balance
 gains, and hand-checked TAOT phases."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -220,8 +221,7 @@ def test_matching_conflict_arbitration():
     assert g2[1, 1] == 4
     # a rank never takes its own expert, and takes at most K experts
     g3, _ = taot.column_first_matching(
-        np.array([5, 5, 5]), np.array([0, 100]), np.ones((3, 2)), np.zeros((3, 2)),
-        np.array([0, 0, 0]), K=2, alpha=1.0,
+        np.array([5, 5, 5]), np.array([0, 100]), np.ones((3, 2)), np.zeros((3, 2)), np.array([0, 0, 0]), K=2, alpha=1.0
     )
     assert (g3[:, 0] == 0).all() and (g3[:, 1] > 0).sum() == 2
 
@@ -241,12 +241,14 @@ def test_matching_refinements_hand_cases():
     np.testing.assert_array_equal(g, [[0, 8, 2], [0, 0, 0]])
     # dynamic: spill_e = min(load_e, home excess): after rank 1 takes 8 of expert 0, the
     # remaining excess 4 is shed by expert 1 (gain 4 > expert 0's 2): all 12 move.
-    g, _ = taot.column_first_matching(np.array([10, 6]), spare, B, hint, home, K=1, alpha=1.0,
-                                      home_excess=np.array([12, 0, 0]))
+    g, _ = taot.column_first_matching(
+        np.array([10, 6]), spare, B, hint, home, K=1, alpha=1.0, home_excess=np.array([12, 0, 0])
+    )
     np.testing.assert_array_equal(g, [[0, 8, 0], [0, 0, 4]])
     # min_gain: a match must move at least 5 tokens -> rank 2 (spare 4) takes nothing
-    g, _ = taot.column_first_matching(np.array([10, 6]), spare, B, hint, home, K=1, alpha=1.0,
-                                      home_excess=np.array([12, 0, 0]), min_gain=5)
+    g, _ = taot.column_first_matching(
+        np.array([10, 6]), spare, B, hint, home, K=1, alpha=1.0, home_excess=np.array([12, 0, 0]), min_gain=5
+    )
     np.testing.assert_array_equal(g, [[0, 8, 0], [0, 0, 0]])
 
     # mutual acceptance: experts 0 (spill 10, home 0) and 1 (spill 8, home 0); cold
@@ -271,12 +273,18 @@ def test_matching_refinements_hand_cases():
     # paper's matching copies across nodes; intra-first fills rank 1 first, then rank 2.
     B = np.array([[0, 1.0, 0.5]])
     hint = np.zeros((1, 3))
-    g, _ = taot.column_first_matching(np.array([6]), np.array([0, 3, 6]), B, hint,
-                                      np.array([0]), K=1, alpha=4.0)
+    g, _ = taot.column_first_matching(np.array([6]), np.array([0, 3, 6]), B, hint, np.array([0]), K=1, alpha=4.0)
     np.testing.assert_array_equal(g, [[0, 0, 6]])
-    g, rnd = taot.column_first_matching(np.array([6]), np.array([0, 3, 6]), B, hint,
-                                        np.array([0]), K=1, alpha=4.0,
-                                        first_pass=np.array([[True, True, False]]))
+    g, rnd = taot.column_first_matching(
+        np.array([6]),
+        np.array([0, 3, 6]),
+        B,
+        hint,
+        np.array([0]),
+        K=1,
+        alpha=4.0,
+        first_pass=np.array([[True, True, False]]),
+    )
     np.testing.assert_array_equal(g, [[0, 3, 3]])
     np.testing.assert_array_equal(rnd, [[-1, 0, 1]])  # second pass: rounds K..2K-1
 
@@ -289,8 +297,13 @@ def test_consolidate_hand_case():
     # has no room left, rank 0 (home) has 1 -> dropped (stays home).  Then rank 1's: the
     # others are gone and home room is 0 -> kept.
     keep, amt = taot.consolidate_replicas(
-        home=[0, 0, 0], rank=[1, 2, 3], expert=[0, 1, 0], inter=[False, True, False],
-        amt=[5, 2, 1], left=[4, 0], room=[1, 2, 0, 9],
+        home=[0, 0, 0],
+        rank=[1, 2, 3],
+        expert=[0, 1, 0],
+        inter=[False, True, False],
+        amt=[5, 2, 1],
+        left=[4, 0],
+        room=[1, 2, 0, 9],
     )
     np.testing.assert_array_equal(keep, [True, False, False])
     np.testing.assert_array_equal(amt, [7, 0, 0])
@@ -325,8 +338,9 @@ def _auction_inputs(rng, R: int, E: int, S: int, max_tokens: int, sparse: bool =
 
 
 @settings(max_examples=50, deadline=None)
-@given(st.integers(0, 2**31 - 1), st.integers(1, 6), st.integers(1, 4), st.integers(1, 8),
-       st.sampled_from([None, 1, 2]))
+@given(
+    st.integers(0, 2**31 - 1), st.integers(1, 6), st.integers(1, 4), st.integers(1, 8), st.sampled_from([None, 1, 2])
+)
 def test_auction_conserves_tokens(seed, R, E, S, cap):
     rng = np.random.default_rng(seed)
     n, se, demand, bonus = _auction_inputs(rng, R, E, S, 20)
@@ -381,8 +395,17 @@ def test_auction_cpp_matches_numpy(seed, R, E, S):
 
 @needs_cpp
 @settings(max_examples=80, deadline=None)
-@given(st.integers(0, 2**31 - 1), st.integers(1, 24), st.integers(1, 4), st.integers(1, 3),
-       st.booleans(), st.booleans(), st.booleans(), st.integers(1, 6), st.booleans())
+@given(
+    st.integers(0, 2**31 - 1),
+    st.integers(1, 24),
+    st.integers(1, 4),
+    st.integers(1, 3),
+    st.booleans(),
+    st.booleans(),
+    st.booleans(),
+    st.integers(1, 6),
+    st.booleans(),
+)
 def test_matching_cpp_matches_numpy(seed, R, epr, K, dyn, mutual, two_pass, mg, tied):
     """The C++ matching (which keeps a rank's proposal while its expert's row is unchanged)
     gives the numpy reference's matches and rounds: many ranks, shared home caps, homes in
@@ -417,10 +440,15 @@ def test_matching_cpp_matches_numpy(seed, R, epr, K, dyn, mutual, two_pass, mg, 
 def test_consolidate_cpp_matches_numpy(seed, n, W):
     rng = np.random.default_rng(seed)
     U = max(1, n // 2)
-    args = dict(home=rng.integers(0, W, n), rank=rng.integers(0, W, n),
-                expert=rng.integers(0, U, n), inter=rng.random(n) < 0.4,
-                amt=rng.integers(1, 20, n), left=rng.integers(0, 20, U),
-                room=rng.integers(0, 15, W))
+    args = dict(
+        home=rng.integers(0, W, n),
+        rank=rng.integers(0, W, n),
+        expert=rng.integers(0, U, n),
+        inter=rng.random(n) < 0.4,
+        amt=rng.integers(1, 20, n),
+        left=rng.integers(0, 20, U),
+        room=rng.integers(0, 15, W),
+    )
     ka, aa = taot.consolidate_replicas(**args, backend="numpy")
     kb, ab = taot.consolidate_replicas(**args, backend="cpp")
     np.testing.assert_array_equal(ka, kb)
@@ -433,8 +461,9 @@ def test_consolidate_cpp_matches_numpy(seed, n, W):
 
 
 @needs_cpp
-@pytest.mark.parametrize("world,epr,nodes,kind", [(16, 8, 2, "zipf"), (32, 8, 4, "zipf"),
-                                                  (64, 4, 1, "zipf"), (64, 4, 8, "hot")])
+@pytest.mark.parametrize(
+    "world,epr,nodes,kind", [(16, 8, 2, "zipf"), (32, 8, 4, "zipf"), (64, 4, 1, "zipf"), (64, 4, 8, "hot")]
+)
 def test_backends_identical(world, epr, nodes, kind):
     rng = np.random.default_rng(world + nodes)
     d = Domain.nodes(nodes, world // nodes, epr)
@@ -455,9 +484,7 @@ def test_backends_identical(world, epr, nodes, kind):
     for name in ("quota", "greedy", "lpt"):  # split: C++ per-slot form == numpy reference
         r = get_planner(name)(load, d, 2)
         inst_rank, slot_inst = _base.instance_index(r.slot_src, d)
-        np.testing.assert_array_equal(
-            r.token_moves, split_tokens(load, inst_rank, r.quota), err_msg=name
-        )
+        np.testing.assert_array_equal(r.token_moves, split_tokens(load, inst_rank, r.quota), err_msg=name)
         ref = _base.split_slots(load, r.slot_src, inst_rank, slot_inst, r.quota, backend="numpy")
         np.testing.assert_array_equal(r.slot_moves, ref, err_msg=name)
 
@@ -484,12 +511,18 @@ def test_eval_quick(tmp_path):
         for imb in quick:
             for name in pe.NAMES:
                 assert f"| {label} | " in text
-                rows = [l for l in text.splitlines()
-                        if l.startswith(f"| {label} | ") and f"| {name} |" in l
-                        and l.split("|")[2].strip().endswith("%")]
+                rows = [
+                    l
+                    for l in text.splitlines()
+                    if l.startswith(f"| {label} | ") and f"| {name} |" in l and l.split("|")[2].strip().endswith("%")
+                ]
                 assert len(rows) == len(quick), (label, name)
-    ep_loads = [f"zipf {pe.ZIPF_TARGETS[0]}", f"zipf {pe.ZIPF_TARGETS[-1]}",
-                f"hot {pe.HOT_FRACTIONS[0] * 100:.0f}%", f"hot {pe.HOT_FRACTIONS[-1] * 100:.0f}%"]
+    ep_loads = [
+        f"zipf {pe.ZIPF_TARGETS[0]}",
+        f"zipf {pe.ZIPF_TARGETS[-1]}",
+        f"hot {pe.HOT_FRACTIONS[0] * 100:.0f}%",
+        f"hot {pe.HOT_FRACTIONS[-1] * 100:.0f}%",
+    ]
     ep_loads.append(f"blocked {pe.BLOCKED_TARGETS[-1]}")
     for ld in ep_loads:
         for name in pe.NAMES:
@@ -500,13 +533,20 @@ def test_eval_quick(tmp_path):
             for t in (pe.eval_refs.TARGETS[0], pe.eval_refs.TARGETS[-1]):
                 for variant, *_ in pe.eval_refs.VARIANTS:
                     assert f"| {case} | {gen} {t} | {variant} |" in text, (case, gen, t, variant)
-    for goal in ("quota <= 1.01 max:mean on rank-blocked loads", "taot's default never more",
-                 "lpt balances like EPLB", "< 1 ms per call at EP64 (8 nodes x 8)",
-                 "lpt <= 1.01 max:mean on rank-blocked loads"):
+    for goal in (
+        "quota <= 1.01 max:mean on rank-blocked loads",
+        "taot's default never more",
+        "lpt balances like EPLB",
+        "< 1 ms per call at EP64 (8 nodes x 8)",
+        "lpt <= 1.01 max:mean on rank-blocked loads",
+    ):
         assert goal in text
     # quota on planted loads: one row per (slots per rank, world), 50 loads per slots value
-    rows = [l.split("|") for l in text.splitlines() if l.startswith("| ") and "/" in l
-            and l.count("|") == 8 and l.split("|")[1].strip() in ("1", "2", "3")]
+    rows = [
+        l.split("|")
+        for l in text.splitlines()
+        if l.startswith("| ") and "/" in l and l.count("|") == 8 and l.split("|")[1].strip() in ("1", "2", "3")
+    ]
     assert len(rows) == 12
     for K in ("1", "2", "3"):
         assert sum(int(r[3].split("/")[1]) for r in rows if r[1].strip() == K) == 50
@@ -520,17 +560,20 @@ from ultracomm.tools import planted as _planted  # noqa: E402
 from ultracomm.planners import quota as _quota  # noqa: E402
 
 
-@pytest.mark.parametrize("experts,K,threshold,loads", [
-    # world 2, one hot expert of 10 tokens, one slot: half of it moves
-    ([[10], [0]], 1, 5, [5, 5]),
-    # an odd total: ceil(mean) = ceil(5.5) = 6
-    ([[11], [0]], 1, 6, [6, 5]),
-    # experts 3, 3, 3 on rank 0, one slot on rank 1: ceil(mean) = 5 needs 4 tokens off rank
-    # 0, more than one expert holds -> 6 (3 move)
-    ([[3, 3, 3], [0, 0, 0]], 1, 6, [6, 3]),
-    # ... with two slots, two replicas move 3 + 1
-    ([[3, 3, 3], [0, 0, 0]], 2, 5, [5, 4]),
-])
+@pytest.mark.parametrize(
+    "experts,K,threshold,loads",
+    [
+        # world 2, one hot expert of 10 tokens, one slot: half of it moves
+        ([[10], [0]], 1, 5, [5, 5]),
+        # an odd total: ceil(mean) = ceil(5.5) = 6
+        ([[11], [0]], 1, 6, [6, 5]),
+        # experts 3, 3, 3 on rank 0, one slot on rank 1: ceil(mean) = 5 needs 4 tokens off rank
+        # 0, more than one expert holds -> 6 (3 move)
+        ([[3, 3, 3], [0, 0, 0]], 1, 6, [6, 3]),
+        # ... with two slots, two replicas move 3 + 1
+        ([[3, 3, 3], [0, 0, 0]], 2, 5, [5, 4]),
+    ],
+)
 def test_quota_exact_thresholds(experts, K, threshold, loads):
     el = np.asarray(experts, np.int64)
     W, epr = el.shape
@@ -566,8 +609,7 @@ def _planted_cases(n):
     for seed in range(n):
         rng = np.random.default_rng(10_000 + seed)
         W = int(rng.choice([8, 16, 32]))
-        out.append((seed, W, int(rng.choice([2, 4, 8])), int(rng.choice([2, 3])),
-                    int(rng.integers(1, W // 2 + 1))))
+        out.append((seed, W, int(rng.choice([2, 4, 8])), int(rng.choice([2, 3])), int(rng.integers(1, W // 2 + 1))))
     return out
 
 
@@ -677,6 +719,7 @@ def _one_slot_feasible_brute(el, epr, T):
     above T, or none; rank h sheds min(L_h - T, sum over its experts e of min(el_e, spare of
     e's holders)) (quota_cover.cpp).  True iff some placement brings every rank to <= T."""
     import itertools
+
     W = el.size // epr
     L = el.reshape(W, epr).sum(1)
     hot = [h for h in range(W) if L[h] > T]
@@ -687,8 +730,7 @@ def _one_slot_feasible_brute(el, epr, T):
         for j, e in zip(recv, choice):
             if e >= 0:
                 got[e] = got.get(e, 0) + T - L[j]
-        if all(sum(min(el[e], got.get(e, 0)) for e in range(h * epr, (h + 1) * epr))
-               >= L[h] - T for h in hot):
+        if all(sum(min(el[e], got.get(e, 0)) for e in range(h * epr, (h + 1) * epr)) >= L[h] - T for h in hot):
             return True
     return False
 
@@ -945,11 +987,23 @@ def test_taot_finish_rejects_bad_shapes():
     W, E, K = 4, 8, 2
     load = np.ones((W, E), np.int64)
     home = np.repeat(np.arange(W), E // W)
-    args = dict(g=np.zeros((2, 2), np.int64), rnd=np.full((2, 2), -1, np.int64),
-                ei=np.array([0, 1]), ri=np.array([2, 3]), home=home, el=load.sum(0),
-                L=np.full(W, 16), same=np.ones((W, W), np.uint8), load=load,
-                bid=np.ones((W, W)), target=16, K=K, consolidate=True, price_step=0.05,
-                auction_cap=None)
+    args = dict(
+        g=np.zeros((2, 2), np.int64),
+        rnd=np.full((2, 2), -1, np.int64),
+        ei=np.array([0, 1]),
+        ri=np.array([2, 3]),
+        home=home,
+        el=load.sum(0),
+        L=np.full(W, 16),
+        same=np.ones((W, W), np.uint8),
+        load=load,
+        bid=np.ones((W, W)),
+        target=16,
+        K=K,
+        consolidate=True,
+        price_step=0.05,
+        auction_cap=None,
+    )
     assert _core.taot_finish(**args)[0] == 0  # no matches: nothing placed
     with pytest.raises(ValueError, match="ei in"):
         _core.taot_finish(**{**args, "ei": np.array([0, E])})
@@ -976,15 +1030,24 @@ def test_planners_at_the_token_maximum_conserve_every_token(name):
     assert max(r.rank_load) > 0
 
 
-@pytest.mark.parametrize("load, message", [
-    (lambda L: L + np.eye(*L.shape, dtype=np.int64),
-     "load holds 281474976710660 tokens in all; a plan holds at most 281474976710656 (2**48)"),
-    (lambda L: np.full(L.shape, 1 << 62, np.int64),
-     "load holds 147573952589676412928 tokens in all; a plan holds at most 281474976710656 (2**48)"),
-    (lambda L: np.full(L.shape, (1 << 64) - 1, np.uint64),
-     "load holds 18446744073709551615 tokens for one expert; a plan holds at most 281474976710656 (2**48) tokens "
-     "in all"),
-])
+@pytest.mark.parametrize(
+    "load, message",
+    [
+        (
+            lambda L: L + np.eye(*L.shape, dtype=np.int64),
+            "load holds 281474976710660 tokens in all; a plan holds at most 281474976710656 (2**48)",
+        ),
+        (
+            lambda L: np.full(L.shape, 1 << 62, np.int64),
+            "load holds 147573952589676412928 tokens in all; a plan holds at most 281474976710656 (2**48)",
+        ),
+        (
+            lambda L: np.full(L.shape, (1 << 64) - 1, np.uint64),
+            "load holds 18446744073709551615 tokens for one expert; a plan holds at most 281474976710656 (2**48) tokens "
+            "in all",
+        ),
+    ],
+)
 def test_loads_above_the_maximum_are_refused_before_planning(load, message):
     from ultracomm.errors import PlanError
     from ultracomm.planners.base import MAX_LOAD_TOTAL

@@ -1,5 +1,6 @@
 """ultracomm.profile: record -> load round trips, step and micro-batch assignment, bounded
 buffers, the Context hook (loopback ranks), imports of plain routing statistics."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,7 @@ import torch
 
 from ultracomm import Context, ExpertLayout, LoopbackDomain, Member, build_schedule
 from ultracomm.planners import Domain, get_planner
-from ultracomm.profile import (Profiler, from_routing_stats, import_routing_stats, load_trace,
-                               spread_expert_load)
+from ultracomm.profile import Profiler, from_routing_stats, import_routing_stats, load_trace, spread_expert_load
 from ultracomm.scenarios import zipf_load
 
 W, EPR, S = 4, 3, 2
@@ -81,9 +81,9 @@ def test_round_trip_full_records(tmp_path):
 def test_partial_records_and_detail_experts(tmp_path):
     load, res, sched = planned(1)
     with Profiler(tmp_path / "t", detail="experts", steps="manual") as prof:
-        prof.record(0, load=load)                            # load only
-        prof.record(1, plan=res.plan)                        # a bare ReplicaPlan: even split after
-        prof.record(2, load=load.sum(0), plan=res.plan)      # per-expert totals + plan
+        prof.record(0, load=load)  # load only
+        prof.record(1, plan=res.plan)  # a bare ReplicaPlan: even split after
+        prof.record(2, load=load.sum(0), plan=res.plan)  # per-expert totals + plan
     tr = load_trace(tmp_path / "t")
     assert "load" not in tr.arrays and not tr["has_full_load"].any()
     assert tr["has_load"].tolist() == [True, False, True]
@@ -106,12 +106,12 @@ def test_partial_records_and_detail_experts(tmp_path):
 
 def test_large_counts_stay_int64(tmp_path):
     load = np.zeros((W, E), np.int64)
-    load[1, 5] = 2 ** 40 + 3
+    load[1, 5] = 2**40 + 3
     with Profiler(tmp_path / "t") as prof:
         prof.record(0, load=load)
         prof.record(0, load=np.ones((W, E), np.int32))
     tr = load_trace(tmp_path / "t")
-    assert tr["load"][0, 1, 5] == 2 ** 40 + 3 and np.array_equal(tr["load"][1], np.ones((W, E)))
+    assert tr["load"][0, 1, 5] == 2**40 + 3 and np.array_equal(tr["load"][1], np.ones((W, E)))
 
 
 def test_steps_and_microbatches(tmp_path):
@@ -207,9 +207,11 @@ def test_op_hook_events_and_waiting_for_running_ops(tmp_path):
     prof.record(0, load=load, plan=res)
     rec = prof.op_begin("weight_sync", "vid-a", 0, res.plan, sched)  # merges into the record above
     go = threading.Event()
-    done = threading.Thread(target=lambda: (go.wait(), prof.op_end(rec, "weight_sync", (FakeEvent(1.0), FakeEvent(3.5)))))
+    done = threading.Thread(
+        target=lambda: (go.wait(), prof.op_end(rec, "weight_sync", (FakeEvent(1.0), FakeEvent(3.5))))
+    )
     done.start()
-    prof.step()          # returns at once; the writer waits for the running op
+    prof.step()  # returns at once; the writer waits for the running op
     go.set()
     done.join()
     rec2 = prof.op_begin("weight_sync", "vid-b", 0, None, None)
@@ -258,8 +260,12 @@ def test_cli_import_and_show(tmp_path):
     counts = np.arange(2 * 2 * E).reshape(2, 2, E)
     np.save(tmp_path / "c.npy", counts)
     run = [sys.executable, "-m", "ultracomm.profile"]
-    out = subprocess.run(run + ["import", str(tmp_path / "c.npy"), "-o", str(tmp_path / "t"), "--world", str(W)],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        run + ["import", str(tmp_path / "c.npy"), "-o", str(tmp_path / "t"), "--world", str(W)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert "4 records, 2 steps, 2 layers" in out
     out = subprocess.run(run + ["show", str(tmp_path / "t")], capture_output=True, text=True, check=True).stdout
     assert f"world {W}, {E} experts ({EPR}/rank)" in out and "with load 4, plan 0, stats 0" in out
@@ -285,8 +291,18 @@ def test_context_records_plans_stats_and_op_times(tmp_path):
 
     def body(group):
         prof = Profiler(tmp_path / f"user{group.rank}")
-        with Context(group, LAYOUT, epr, slots, num_layers=2, max_microbatches=4, num_workers=1,
-                     chunk_bytes=64, tile_bytes=16, profile=prof) as ctx:
+        with Context(
+            group,
+            LAYOUT,
+            epr,
+            slots,
+            num_layers=2,
+            max_microbatches=4,
+            num_workers=1,
+            chunk_bytes=64,
+            tile_bytes=16,
+            profile=prof,
+        ) as ctx:
             for layer in range(2):
                 ctx.register_masters(layer, *_masters(ctx.rank, epr))
             for step in range(2):
@@ -302,7 +318,7 @@ def test_context_records_plans_stats_and_op_times(tmp_path):
                 for vid in vids:
                     ctx.restore(vid)
                     work = ctx.grad_reduce(vid, async_op=True)
-                prof.step()      # before the last grad_reduce finished: the writer waits for it
+                prof.step()  # before the last grad_reduce finished: the writer waits for it
                 work.wait()
             sched = ctx.schedule_for(res.plan)
         prof.close()
@@ -313,7 +329,7 @@ def test_context_records_plans_stats_and_op_times(tmp_path):
         tr = load_trace(tmp_path / f"user{r}")
         assert tr["step"].tolist() == [0, 0, 0, 1, 1, 1]
         assert tr["layer"].tolist() == [0, 0, 1] * 2 and tr["microbatch"].tolist() == [0, 1, 0] * 2
-        assert tr["has_load"].tolist() == [True, True, False] * 2   # record() and the ops met in one record
+        assert tr["has_load"].tolist() == [True, True, False] * 2  # record() and the ops met in one record
         assert tr["has_stats"].all() and tr["has_plan"].all()
         assert all(np.array_equal(s, res.slot_src) for s in tr["slot_src"])
         assert tr["multicast_egress"][0].tolist() == list(stats[r]["multicast"]["egress"])
@@ -338,7 +354,7 @@ def test_context_profile_from_env_per_rank(tmp_path, monkeypatch):
             for _ in range(3):
                 vid = ctx.begin(0)
                 ctx.weight_sync(vid, ReplicaPlan.make(plan_src, experts_per_rank=2))
-                ctx.end(vid)   # inference: each forward comes back to layer 0 -> a new step
+                ctx.end(vid)  # inference: each forward comes back to layer 0 -> a new step
         return True
 
     LoopbackDomain(2).run(body)

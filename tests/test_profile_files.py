@@ -1,6 +1,7 @@
 """The profiler's writer under local attack (issue 23 items 6 and 9): no write through planted
 links, private files and directories, directories others can write refused (also when
 ``ULTRACOMM_PROFILE`` is parsed), and a rerun into a used directory gets a fresh ``run<n>``."""
+
 from __future__ import annotations
 
 import os
@@ -41,10 +42,15 @@ def test_planted_links_at_the_old_temporary_names_are_not_followed(tmp_path):
     assert tr["step"].tolist() == [0, 1] and tr["load"][1].tolist() == [[2] * 4] * 2
     written = sorted(p.name for p in d.iterdir() if not p.is_symlink())
     # the steps' files (one or two: the writer may batch them) and the index; no temporary left
-    assert written[-1] == "index.json" and written[:-1] in (["000000_step0-1.npz"],
-                                                            ["000000_step0.npz", "000001_step1.npz"]), written
-    assert sorted(p.name for p in d.iterdir() if p.is_symlink()) == ["000000_step0.tmp", "000001_step1.tmp",
-                                                                      "index.json.tmp"]
+    assert written[-1] == "index.json" and written[:-1] in (
+        ["000000_step0-1.npz"],
+        ["000000_step0.npz", "000001_step1.npz"],
+    ), written
+    assert sorted(p.name for p in d.iterdir() if p.is_symlink()) == [
+        "000000_step0.tmp",
+        "000001_step1.tmp",
+        "index.json.tmp",
+    ]
     for name in written:
         assert stat.S_IMODE(os.lstat(d / name).st_mode) == 0o600, name
 
@@ -61,8 +67,9 @@ def test_a_link_at_the_index_name_is_a_trace_already(tmp_path):
     os.symlink(tmp_path / "nowhere", d / "index.json")  # dangling: exists() says no, O_EXCL says yes
     with pytest.raises(ValueError) as ei:
         Profiler(d)
-    assert str(ei.value) == (f"ultracomm.profile: {d} already holds a trace; pick another directory, remove it, "
-                             "or pass overwrite=True")
+    assert str(ei.value) == (
+        f"ultracomm.profile: {d} already holds a trace; pick another directory, remove it, or pass overwrite=True"
+    )
     assert not (tmp_path / "nowhere").exists()
 
 
@@ -73,14 +80,18 @@ def test_group_or_world_writable_directory_refused(tmp_path, mode):
     os.chmod(d, mode)
     with pytest.raises(PrivateDirError) as ei:
         Profiler(d)
-    assert str(ei.value) == (f"ultracomm.profile: {d} is writable by its group or by everyone (mode {mode:04o}); "
-                             "give a directory only you can write (chmod go-w)")
+    assert str(ei.value) == (
+        f"ultracomm.profile: {d} is writable by its group or by everyone (mode {mode:04o}); "
+        "give a directory only you can write (chmod go-w)"
+    )
     assert list(d.iterdir()) == []  # refused before anything was written
     with pytest.raises(ConfigError) as ei:
         Config.from_env({"ULTRACOMM_PROFILE": str(d)})
-    assert str(ei.value) == (f"ULTRACOMM_PROFILE={str(d)!r} is invalid: it is writable by its group or by everyone "
-                             f"(mode {mode:04o}); give a directory only you can write (chmod go-w) "
-                             "(config field profile)")
+    assert str(ei.value) == (
+        f"ULTRACOMM_PROFILE={str(d)!r} is invalid: it is writable by its group or by everyone "
+        f"(mode {mode:04o}); give a directory only you can write (chmod go-w) "
+        "(config field profile)"
+    )
 
 
 @pytest.mark.skipif(not ROOT, reason="needs root to hand a directory to another user")
@@ -90,12 +101,15 @@ def test_directory_or_link_of_another_user_refused(tmp_path):
     os.chown(d, NOBODY, NOBODY)
     with pytest.raises(PrivateDirError) as ei:
         Profiler(d)
-    assert str(ei.value) == (f"ultracomm.profile: {d} is owned by uid {NOBODY}, not by this user (uid 0); give a "
-                             "directory you own")
+    assert str(ei.value) == (
+        f"ultracomm.profile: {d} is owned by uid {NOBODY}, not by this user (uid 0); give a directory you own"
+    )
     with pytest.raises(ConfigError) as ei:
         Config.from_env({"ULTRACOMM_PROFILE": str(d)})
-    assert str(ei.value) == (f"ULTRACOMM_PROFILE={str(d)!r} is invalid: it is owned by uid {NOBODY}, not by this "
-                             "user (uid 0); give a directory you own (config field profile)")
+    assert str(ei.value) == (
+        f"ULTRACOMM_PROFILE={str(d)!r} is invalid: it is owned by uid {NOBODY}, not by this "
+        "user (uid 0); give a directory you own (config field profile)"
+    )
     mine = tmp_path / "mine"
     mine.mkdir(mode=0o700)
     link = tmp_path / "link"
@@ -103,8 +117,10 @@ def test_directory_or_link_of_another_user_refused(tmp_path):
     os.lchown(link, NOBODY, NOBODY)
     with pytest.raises(PrivateDirError) as ei:
         Profiler(link)
-    assert str(ei.value) == (f"ultracomm.profile: {link} is a symbolic link owned by uid {NOBODY}, not by this user "
-                             "(uid 0); give a directory you own")
+    assert str(ei.value) == (
+        f"ultracomm.profile: {link} is a symbolic link owned by uid {NOBODY}, not by this user "
+        "(uid 0); give a directory you own"
+    )
     assert list(mine.iterdir()) == []
     os.lchown(link, 0, 0)  # a link of one's own to one's own directory is fine
     _record_two_steps(link)
@@ -118,14 +134,19 @@ def test_directory_of_another_user_refused_any_uid(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "geteuid", lambda: me + 1)
     with pytest.raises(ConfigError) as ei:
         Config.from_env({"ULTRACOMM_PROFILE": str(d)})
-    assert str(ei.value) == (f"ULTRACOMM_PROFILE={str(d)!r} is invalid: it is owned by uid {me}, not by this user "
-                             f"(uid {me + 1}); give a directory you own (config field profile)")
+    assert str(ei.value) == (
+        f"ULTRACOMM_PROFILE={str(d)!r} is invalid: it is owned by uid {me}, not by this user "
+        f"(uid {me + 1}); give a directory you own (config field profile)"
+    )
 
 
-@pytest.mark.parametrize("value, why", [
-    ("/dev/null", "it is not a directory; give a directory (created when missing)"),
-    ("/dev/null/trace", "it cannot be created: /dev/null is not a directory"),
-])
+@pytest.mark.parametrize(
+    "value, why",
+    [
+        ("/dev/null", "it is not a directory; give a directory (created when missing)"),
+        ("/dev/null/trace", "it cannot be created: /dev/null is not a directory"),
+    ],
+)
 def test_profile_variable_names_a_non_directory_at_parse(value, why):
     with pytest.raises(ConfigError) as ei:
         Config.from_env({"ULTRACOMM_PROFILE": value})
@@ -173,4 +194,5 @@ def test_context_profile_argument_refused_without_naming_the_variable(tmp_path):
 
     assert LoopbackDomain(1).run(body) == [
         f"ultracomm.profile: {d} is writable by its group or by everyone (mode 0777); give a directory only you "
-        "can write (chmod go-w)"]
+        "can write (chmod go-w)"
+    ]

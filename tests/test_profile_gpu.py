@@ -2,6 +2,7 @@
 completes each set (the last, with one thread driving every rank) records a positive, finite
 device time per operation from its CUDA events; the other ranks' calls only deposit their share
 and have none.  Device-only (``gpu`` marker; scripts/gpu_check.sh runs it)."""
+
 from __future__ import annotations
 
 import math
@@ -23,12 +24,26 @@ LAYOUT = ExpertLayout((Member("fc1", (40, 24), torch.float32), Member("fc2", (56
 @pytest.mark.parametrize("transport", ["tma", "copy_engine"])
 def test_gpu_op_times_from_events(tmp_path, transport):
     world, epr, slots = 3, 1, 2
-    plan = ReplicaPlan.make(random_slot_src(np.random.default_rng(2), world, slots, epr, fill=1.0),
-                            experts_per_rank=epr)
+    plan = ReplicaPlan.make(
+        random_slot_src(np.random.default_rng(2), world, slots, epr, fill=1.0), experts_per_rank=epr
+    )
     profs = [Profiler(tmp_path / f"r{r}") for r in range(world)]
-    ctxs = LoopbackDomain(world).run(lambda g: Context(
-        g, LAYOUT, epr, slots, num_layers=1, transport=transport, window="cuda_local", device="cuda:0",
-        chunk_bytes=1024, tile_bytes=256, timeout_s=20.0, profile=profs[g.rank]))
+    ctxs = LoopbackDomain(world).run(
+        lambda g: Context(
+            g,
+            LAYOUT,
+            epr,
+            slots,
+            num_layers=1,
+            transport=transport,
+            window="cuda_local",
+            device="cuda:0",
+            chunk_bytes=1024,
+            tile_bytes=256,
+            timeout_s=20.0,
+            profile=profs[g.rank],
+        )
+    )
     for c in ctxs:
         per = [expert_weights(LAYOUT, e) for e in range(c.rank * epr, (c.rank + 1) * epr)]
         w = [torch.stack([p[m] for p in per]).contiguous().cuda() for m in range(2)]

@@ -2,6 +2,7 @@
 Context records a (start, end) pair of timing events on the caller's stream around each
 operation, never synchronises them, and the writer turns them into seconds once the end event
 completed; a loopback rank's share (nothing enqueued) and a failed submit have no time."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -74,6 +75,7 @@ PLAN = ReplicaPlan.make(np.array([[2, -1], [0, -1]], np.int32), experts_per_rank
 
 def run_ops(tmp_path, timed):
     """weight_sync, restore (async), grad_reduce on 2 ranks; returns every rank's trace."""
+
     def body(group):
         prof = Profiler(tmp_path / f"r{group.rank}")
         with make_ctx(group, profile=prof) as ctx:
@@ -142,6 +144,7 @@ def test_an_end_event_that_never_completes_gives_nan_not_a_hang(tmp_path, timed)
 
 def test_captured_operations_are_not_timed(tmp_path, timed):
     """Under CUDA graph capture the operation runs at replay: no events are recorded for it."""
+
     def body(group):
         prof = Profiler(tmp_path / f"r{group.rank}")
         with make_ctx(group, profile=prof) as ctx:

@@ -14,6 +14,7 @@ fp16/bf16 conversions with the NaN rule in a slow path.
   test_cuda_build.py), no local memory (test_cuda_build.py checks stack and spills of every
   kernel), and <= 128 registers (two CTAs per SM).
 """
+
 from __future__ import annotations
 
 import re
@@ -32,8 +33,21 @@ MOVER = ROOT / "csrc" / "cuda" / "mover_common.cuh"
 
 def _build(out: Path, defs: list[str]) -> Path:
     exe = out / ("check" + "".join(d.replace("-D", "_") for d in defs))
-    cmd = [CXX, "-std=c++20", "-O2", "-Wall", "-Wextra", "-Werror", "-ffp-contract=off", *defs,
-           f"-I{ROOT / 'include'}", f"-I{ROOT / 'csrc'}", str(ROOT / "tests/cpp/reduce_hunk_check.cpp"), "-o", str(exe)]
+    cmd = [
+        CXX,
+        "-std=c++20",
+        "-O2",
+        "-Wall",
+        "-Wextra",
+        "-Werror",
+        "-ffp-contract=off",
+        *defs,
+        f"-I{ROOT / 'include'}",
+        f"-I{ROOT / 'csrc'}",
+        str(ROOT / "tests/cpp/reduce_hunk_check.cpp"),
+        "-o",
+        str(exe),
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stderr[-4000:]}"
     return exe
@@ -43,7 +57,9 @@ def _build(out: Path, defs: list[str]) -> Path:
 def test_hunk_reduce_matches_host_reduce_bit_for_bit(tmp_path):
     exe = _build(tmp_path, [])
     for seed in (1, 2):
-        r = subprocess.run([str(exe), "--seed", str(seed), "--rounds", "2"], capture_output=True, text=True, timeout=300)
+        r = subprocess.run(
+            [str(exe), "--seed", str(seed), "--rounds", "2"], capture_output=True, text=True, timeout=300
+        )
         assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
         assert " 0 mismatching" in r.stdout, r.stdout
 
@@ -114,7 +130,9 @@ def test_persistent_kernels_keep_two_ctas_per_sm(compiled):
     """<= 128 registers x 256 threads: two mover CTAs per SM, as before the hunks (109-124); a larger
     source group (G = 4: 140-156) would halve loopback grids and what co-resident compute keeps."""
     log = compiled["k_persistent"].log
-    found = re.findall(r"Compiling entry function '(\S*k_persistent\S*)' for '(sm_\d+)'.*?Used (\d+) registers", log, re.S)
+    found = re.findall(
+        r"Compiling entry function '(\S*k_persistent\S*)' for '(sm_\d+)'.*?Used (\d+) registers", log, re.S
+    )
     assert len(found) == 3 * len(cb.real_archs()), found
     for fn, arch, regs in found:
         assert int(regs) <= 128, (fn, arch, regs)
@@ -130,11 +148,22 @@ def test_bench_reduce_sweep_rows_name_ctas_and_rate_per_cta():
 
     def mover_reduce(case, k, dt, nbytes, name, ctas):
         used = min(ctas, 16)  # as if co-residency capped 23 and 32 at 16
-        return bg.Row("reduce", case, "tile mover", nbytes, 1e-3, nbytes, (k + 2) * nbytes, 0, f"{used} CTAs/rank",
-                      dict(k=k, dtype=name, ctas=used))
+        return bg.Row(
+            "reduce",
+            case,
+            "tile mover",
+            nbytes,
+            1e-3,
+            nbytes,
+            (k + 2) * nbytes,
+            0,
+            f"{used} CTAs/rank",
+            dict(k=k, dtype=name, ctas=used),
+        )
 
-    g = stub_gpu(tma_reason=None, quick=False,
-                 torch=types.SimpleNamespace(float32="f32", bfloat16="bf16", float16="f16"))
+    g = stub_gpu(
+        tma_reason=None, quick=False, torch=types.SimpleNamespace(float32="f32", bfloat16="bf16", float16="f16")
+    )
     g.mover_reduce = mover_reduce
     assert "reduce_sweep" in bg.SECTIONS and bg.SECTIONS.index("reduce_sweep") == bg.SECTIONS.index("reduce") + 1
     g.run_reduce_sweep()

@@ -2,6 +2,7 @@
 in device form (slot_src, slot_quota, int32 loads) equals the host planners' RerouteTable, and
 the rerouted maps and probs are identical; the CUDA build compiles (the ``gpu`` test runs the
 kernel against the host build)."""
+
 from __future__ import annotations
 
 import re
@@ -31,8 +32,14 @@ def _routing(load_row, E, rng):
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.integers(2, 12), st.integers(1, 4), st.integers(1, 3), st.sampled_from(["quota", "device", "lpt"]),
-       st.sampled_from(["echo", "physical"]), st.integers(0, 2**31 - 1))
+@given(
+    st.integers(2, 12),
+    st.integers(1, 4),
+    st.integers(1, 3),
+    st.sampled_from(["quota", "device", "lpt"]),
+    st.sampled_from(["echo", "physical"]),
+    st.integers(0, 2**31 - 1),
+)
 def test_device_table_equals_host_table(W, epr, K, planner, layout, seed):
     rng = np.random.default_rng(seed)
     E = W * epr
@@ -42,9 +49,14 @@ def test_device_table_equals_host_table(W, epr, K, planner, layout, seed):
     res = get_planner(planner)(load, domain, K)
     for rank in range(W):
         host = RerouteTable.from_result(res, rank, layout)
-        dev = RerouteTable.from_plan(torch.as_tensor(load, dtype=torch.int32),
-                                     torch.as_tensor(res.slot_src, dtype=torch.int32),
-                                     torch.as_tensor(_slot_quota(res)), rank, epr, layout)
+        dev = RerouteTable.from_plan(
+            torch.as_tensor(load, dtype=torch.int32),
+            torch.as_tensor(res.slot_src, dtype=torch.int32),
+            torch.as_tensor(_slot_quota(res)),
+            rank,
+            epr,
+            layout,
+        )
         I = host.bounds.shape[1]
         assert dev.num_columns == host.num_columns
         torch.testing.assert_close(dev.bounds[:, :I], host.bounds, rtol=0, atol=0)
@@ -62,15 +74,18 @@ def test_device_table_equals_host_table(W, epr, K, planner, layout, seed):
 def test_from_plan_errors():
     z = torch.zeros
     with pytest.raises(ValueError, match=r"loads must be torch.int32 \[2, 4\] on cpu, got torch.int64 \[2, 4\]"):
-        RerouteTable.from_plan(z((2, 4), dtype=torch.int64), z((2, 1), dtype=torch.int32),
-                               z((2, 1), dtype=torch.int64), 0, 2)
+        RerouteTable.from_plan(
+            z((2, 4), dtype=torch.int64), z((2, 1), dtype=torch.int32), z((2, 1), dtype=torch.int64), 0, 2
+        )
     with pytest.raises(ValueError, match="reroute layout must be one of"):
-        RerouteTable.from_plan(z((2, 4), dtype=torch.int32), z((2, 1), dtype=torch.int32),
-                               z((2, 1), dtype=torch.int64), 0, 2, layout="x")
+        RerouteTable.from_plan(
+            z((2, 4), dtype=torch.int32), z((2, 1), dtype=torch.int32), z((2, 1), dtype=torch.int64), 0, 2, layout="x"
+        )
 
 
 def test_cuda_build_has_the_reroute_kernel_without_local_memory():
     import cuda_build as cb
+
     for text in cb.kernel_texts("k_reroute", "k_reroute_table"):
         assert "LDL" not in text and "STL" not in text
 
@@ -83,8 +98,11 @@ def test_gpu_table_equals_host_build():
         load = rng.integers(0, 50, size=(W, E))
         load[:, rng.integers(E, size=2)] += rng.integers(0, 500, size=(W, 2))
         res = get_planner("device")(load, Domain.flat(W, epr), K)
-        args = [torch.as_tensor(load, dtype=torch.int32), torch.as_tensor(res.slot_src, dtype=torch.int32),
-                torch.as_tensor(_slot_quota(res))]
+        args = [
+            torch.as_tensor(load, dtype=torch.int32),
+            torch.as_tensor(res.slot_src, dtype=torch.int32),
+            torch.as_tensor(_slot_quota(res)),
+        ]
         for rank in (0, W - 1):
             for layout in ("echo", "physical"):
                 host = RerouteTable.from_plan(*args, rank, epr, layout)
@@ -98,11 +116,18 @@ def test_gpu_table_equals_host_build():
 # `lanes` runs the same source with one lane or with host threads standing in for the warp's
 # lanes.  Every lane count must give expert_table's rows (lanes=0), byte for byte.
 
+
 def _lane_tables(load, slot_src, slot_quota, epr, rank, layout, lanes_list=(1, 2, 8, 32)):
     from ultracomm import _core
 
-    args = (np.ascontiguousarray(load, dtype=np.int32), np.ascontiguousarray(slot_src, dtype=np.int32),
-            np.ascontiguousarray(slot_quota, dtype=np.int64), epr, rank, layout)
+    args = (
+        np.ascontiguousarray(load, dtype=np.int32),
+        np.ascontiguousarray(slot_src, dtype=np.int32),
+        np.ascontiguousarray(slot_quota, dtype=np.int64),
+        epr,
+        rank,
+        layout,
+    )
     want = _core.reroute_table(*args)
     for lanes in lanes_list:
         got = _core.reroute_table(*args, lanes=lanes)
@@ -110,8 +135,14 @@ def _lane_tables(load, slot_src, slot_quota, epr, rank, layout, lanes_list=(1, 2
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.integers(2, 48), st.integers(1, 4), st.integers(1, 3), st.sampled_from(["quota", "device", "lpt"]),
-       st.integers(0, 1), st.integers(0, 2**31 - 1))
+@given(
+    st.integers(2, 48),
+    st.integers(1, 4),
+    st.integers(1, 3),
+    st.sampled_from(["quota", "device", "lpt"]),
+    st.integers(0, 1),
+    st.integers(0, 2**31 - 1),
+)
 def test_lane_tables_equal_the_loop(W, epr, K, planner, layout, seed):
     rng = np.random.default_rng(seed)
     E = W * epr
@@ -149,7 +180,7 @@ def test_lane_tables_equal_the_loop_on_plans_no_planner_makes(W, epr, K, seed):
                 slot_src[r, k] = rng.integers(E)
     for e in range(E):  # at most world - 1 instances of an expert (expert_table's rows hold world)
         hits = np.argwhere(slot_src == e)
-        for r, k in hits[W - 2:]:
+        for r, k in hits[W - 2 :]:
             slot_src[r, k] = -1
     quota = np.where(slot_src >= 0, rng.integers(-3, 40, size=(W, K)), 0)
     for rank in range(W):
@@ -160,6 +191,7 @@ def test_cuda_build_reroute_is_a_warp_per_expert():
     """Warp shuffles (sums and scans over lanes) and shared memory for the instance list; rows
     written as 64-bit stores (STG.E.64), no local memory (above)."""
     import cuda_build as cb
+
     for text in cb.kernel_texts("k_reroute", "k_reroute_table"):
         assert "SHFL.UP" in text and "SHFL.BFLY" in text, "warp scan / sum"
         assert re.search(r"\bSTS\b", text) and re.search(r"\bLDS\b", text), "instances in shared memory"

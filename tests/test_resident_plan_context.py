@@ -4,6 +4,7 @@ whatever ``schedule_builder`` says -- the same lists, digest and summation order
 build (tests/test_slot_build.py) -- so replica weights are exact and master grads bit-identical
 to a portable-builder run of the same plan as a ReplicaPlan; bad tensors are refused before
 anything moves."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -37,12 +38,18 @@ def test_resident_plan_runs_the_portable_builders_schedule():
             assert torch.equal(got[r][0][m].view(torch.uint8), want[r][0][m].view(torch.uint8)), (r, m)
 
 
-@pytest.mark.parametrize("bad, msg", [
-    (torch.zeros((4, 2), dtype=torch.int64), r"ResidentPlan.slot_src must be a contiguous int32 \[world, slots\] "
-                                              r"tensor, got torch.int64 \[4, 2\]"),
-    (torch.zeros((4, 2, 1), dtype=torch.int32), r"got torch.int32 \[4, 2, 1\]"),
-    (torch.zeros((2, 4), dtype=torch.int32).t(), r"contiguous"),
-])
+@pytest.mark.parametrize(
+    "bad, msg",
+    [
+        (
+            torch.zeros((4, 2), dtype=torch.int64),
+            r"ResidentPlan.slot_src must be a contiguous int32 \[world, slots\] "
+            r"tensor, got torch.int64 \[4, 2\]",
+        ),
+        (torch.zeros((4, 2, 1), dtype=torch.int32), r"got torch.int32 \[4, 2, 1\]"),
+        (torch.zeros((2, 4), dtype=torch.int32).t(), r"contiguous"),
+    ],
+)
 def test_bad_resident_plan_tensors_are_refused(bad, msg):
     with pytest.raises(ValueError, match=msg):
         ResidentPlan(bad)
@@ -52,13 +59,15 @@ def test_resident_plan_of_another_shape_is_refused_before_anything_moves():
     layout = make_layout(9, 21, grad_dtype=torch.float32)
 
     def body(group):
-        with Context(group, layout, 2, 2, num_layers=1, chunk_bytes=32, tile_bytes=16, num_workers=2,
-                     timeout_s=30.0) as ctx:
+        with Context(
+            group, layout, 2, 2, num_layers=1, chunk_bytes=32, tile_bytes=16, num_workers=2, timeout_s=30.0
+        ) as ctx:
             weights, grads = masters_for(layout, group.rank, 2)
             ctx.register_masters(0, weights, grads)
             vid = ctx.begin(0)
-            with pytest.raises(ValueError, match="plan is for world 2, 3 slots per rank; this Context has world 2, "
-                                                 "2 slots per rank"):
+            with pytest.raises(
+                ValueError, match="plan is for world 2, 3 slots per rank; this Context has world 2, 2 slots per rank"
+            ):
                 ctx.weight_sync(vid, ResidentPlan(torch.full((2, 3), -1, dtype=torch.int32)))
             ctx.end(vid)
             return True
@@ -96,8 +105,9 @@ def test_failed_inputs_are_refused_on_the_host_path_too():
     from ultracomm.errors import UltracommError
 
     src = torch.full((2, 1), -1, dtype=torch.int32)
-    ok = ResidentPlan(src, exchange_status=torch.zeros(4, dtype=torch.int32),
-                      planner_result=torch.zeros(3, dtype=torch.int64))
+    ok = ResidentPlan(
+        src, exchange_status=torch.zeros(4, dtype=torch.int32), planner_result=torch.zeros(3, dtype=torch.int64)
+    )
     assert ok.host_plan(1).slot_src.tolist() == [[-1], [-1]]
     # the exchange's status word keeps its cause's kind (issue 35): 1 a timeout, 2 ranks out of step
     with pytest.raises(UltracommTimeout, match="the expert loads' exchange timed out"):
@@ -121,8 +131,18 @@ def test_a_rank_whose_inputs_failed_makes_every_rank_raise(plan_check):
     layout = make_layout(9, 21, grad_dtype=torch.float32)
 
     def body(group):
-        with Context(group, layout, 1, 1, num_layers=1, chunk_bytes=32, tile_bytes=16, num_workers=2,
-                     timeout_s=30.0, plan_check=plan_check) as ctx:
+        with Context(
+            group,
+            layout,
+            1,
+            1,
+            num_layers=1,
+            chunk_bytes=32,
+            tile_bytes=16,
+            num_workers=2,
+            timeout_s=30.0,
+            plan_check=plan_check,
+        ) as ctx:
             weights, grads = masters_for(layout, group.rank, 1)
             ctx.register_masters(0, weights, grads)
             vid = ctx.begin(0)

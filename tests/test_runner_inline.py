@@ -1,5 +1,6 @@
 """A synchronous operation with nothing queued runs on the caller's thread (no hand-off to the
 Context's runner thread, perf/README.md section 6b); anything else keeps the one call order."""
+
 from __future__ import annotations
 
 import threading
@@ -67,9 +68,9 @@ def test_sync_ops_run_on_the_callers_thread_and_async_ones_keep_the_order():
         w = torch.arange(epr * 64, dtype=torch.float32).reshape(epr, 64) + 1000 * group.rank
         ctx.register_masters(0, [w], [torch.zeros_like(w)])
         vid = ctx.begin(0)
-        ctx.weight_sync(vid, plan)               # sync, idle: caller's thread
-        work = ctx.restore(vid, async_op=True)   # async: runner thread
-        ctx.restore(vid)                         # sync after an async one still queued or not: in order
+        ctx.weight_sync(vid, plan)  # sync, idle: caller's thread
+        work = ctx.restore(vid, async_op=True)  # async: runner thread
+        ctx.restore(vid)  # sync after an async one still queued or not: in order
         work.wait()
         got = ctx.replica_weights[0][0].clone()
         ctx.end(vid)

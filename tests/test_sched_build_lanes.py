@@ -6,6 +6,7 @@ builder (``_core.build_schedule_portable_serial_ref``, kept as the oracle), over
 up to 1024 experts, 1-4 slots, with and without node_of.  Also: the kernel's launch shape (no
 one-thread builder left, the scratch in bounded shared memory) and its SASS (no local memory,
 bounded static shared memory, block barriers, warp shuffles and atomic counts)."""
+
 from __future__ import annotations
 
 import os
@@ -26,7 +27,7 @@ def problem(seed, world, slots, experts, nodes, skew, scatter_homes):
     """(slot_src, home_of, node_of, weight bytes, grad bytes): Zipf-hot experts replicated on
     up to every rank (deep trees, gateways), homes contiguous or scattered, a plan ~90% filled."""
     rng = np.random.default_rng(seed)
-    home_of = (rng.integers(0, world, experts) if scatter_homes else np.arange(experts) * world // experts)
+    home_of = rng.integers(0, world, experts) if scatter_homes else np.arange(experts) * world // experts
     home_of = home_of.astype(np.int32)
     w = 1.0 / np.arange(1, experts + 1) ** skew
     w = w[rng.permutation(experts)]
@@ -56,9 +57,17 @@ def assert_same(got, want, where):
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(seed=st.integers(0, 10**6), world=st.integers(2, 288), slots=st.integers(1, 4), data=st.data(),
-       nodes=st.sampled_from([0, 0, 2, 4, 8]), skew=st.sampled_from([0.6, 1.2, 2.5]), scatter=st.booleans(),
-       chunk=st.sampled_from([16, 64, 4096]), max_depth=st.sampled_from([1, 2, 3, 8]))
+@given(
+    seed=st.integers(0, 10**6),
+    world=st.integers(2, 288),
+    slots=st.integers(1, 4),
+    data=st.data(),
+    nodes=st.sampled_from([0, 0, 2, 4, 8]),
+    skew=st.sampled_from([0.6, 1.2, 2.5]),
+    scatter=st.booleans(),
+    chunk=st.sampled_from([16, 64, 4096]),
+    max_depth=st.sampled_from([1, 2, 3, 8]),
+)
 def test_lanes_give_the_one_thread_builders_bytes(seed, world, slots, data, nodes, skew, scatter, chunk, max_depth):
     experts = data.draw(st.integers(1, 1024 // world) if world <= 1024 else st.just(1), label="epr") * world
     slot_src, home_of, node_of, wb, gb = problem(seed, world, slots, min(experts, 1024), nodes, skew, scatter)
@@ -71,8 +80,15 @@ def test_lanes_give_the_one_thread_builders_bytes(seed, world, slots, data, node
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 10**6), world=st.integers(2, 96), slots=st.integers(1, 4), epr=st.integers(1, 4),
-       nodes=st.sampled_from([0, 2, 4]), chunk=st.sampled_from([16, 4096]), max_depth=st.sampled_from([1, 2, 8]))
+@given(
+    seed=st.integers(0, 10**6),
+    world=st.integers(2, 96),
+    slots=st.integers(1, 4),
+    epr=st.integers(1, 4),
+    nodes=st.sampled_from([0, 2, 4]),
+    chunk=st.sampled_from([16, 4096]),
+    max_depth=st.sampled_from([1, 2, 8]),
+)
 def test_views_on_lanes_hold_the_one_lane_views(seed, world, slots, epr, nodes, chunk, max_depth):
     """build_into_views (what k_build_slot runs): tasks, refs, counts, my_slots, slot_parent and
     the digest of every lane count are the one-lane build's."""
@@ -148,6 +164,7 @@ def test_lane_options_are_checked():
 
 # ---------------------------------------------------------------------------- the launch
 
+
 def test_launch_shape_is_a_cta_with_shared_memory_scratch():
     """k_build_slot launches one CTA of SCHEDULE_BUILD_BLOCK_THREADS (no one-thread builder left);
     the scratch sits in dynamic shared memory within the budget (no opt-in above 48 KB) whenever it
@@ -155,11 +172,11 @@ def test_launch_shape_is_a_cta_with_shared_memory_scratch():
     threads = _core.SCHEDULE_BUILD_BLOCK_THREADS
     budget = _core.SCHEDULE_BUILD_SMEM_BUDGET
     assert threads >= 128 and threads % 32 == 0 and budget <= 48 * 1024 - 1024
-    for (W, S, E, warps) in ((8, 2, 64, 8), (64, 2, 256, 8), (64, 4, 256, 4)):
+    for W, S, E, warps in ((8, 2, 64, 8), (64, 2, 256, 8), (64, 4, 256, 4)):
         ls = _core.schedule_build_launch(W, S, E)
         assert ls["threads"] == threads and ls["warps"] >= warps, (W, S, E, ls)
         assert 0 < ls["smem_bytes"] == ls["scratch_bytes"] <= budget
-    for (W, S, E) in ((64, 4, 1024), (128, 2, 1024), (288, 2, 2304), (1024, 8, 65536)):
+    for W, S, E in ((64, 4, 1024), (128, 2, 1024), (288, 2, 2304), (1024, 8, 65536)):
         ls = _core.schedule_build_launch(W, S, E)
         assert ls["threads"] == threads and ls["smem_bytes"] <= budget
         if ls["smem_bytes"] == 0:  # global scratch: the arena's buffer, sized for 8 warps
@@ -200,6 +217,6 @@ def test_sass_cta_builder_no_local_memory_bounded_shared_memory():
         assert len(kernels) == 2
         for fn, text in kernels.items():
             assert not re.search(r"\b(LDL|STL)\b", text), f"local memory in {fn} sm_{arch}"
-            assert "BAR.SYNC" in text, fn           # __syncthreads: block steps
-            assert "SHFL." in text, fn              # warp reductions and scans
-            assert "ATOM.E.ADD" in text, fn         # the counts: generic atomics (the scratch is shared or global)
+            assert "BAR.SYNC" in text, fn  # __syncthreads: block steps
+            assert "SHFL." in text, fn  # warp reductions and scans
+            assert "ATOM.E.ADD" in text, fn  # the counts: generic atomics (the scratch is shared or global)

@@ -12,6 +12,7 @@ the header -- so the CTA computes it in parallel and every lane count gets the s
   parent_rank / parent_slot of either tree -- changes it (the per-rank task and ref lists are
   functions of exactly these, so any change to any rank's lists is a change here).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -71,9 +72,16 @@ def trees_of(built) -> list:
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 10**6), world=st.integers(2, 96), slots=st.integers(1, 4), epr=st.integers(1, 4),
-       nodes=st.sampled_from([0, 2, 4]), chunk=st.sampled_from([16, 4096]), max_depth=st.sampled_from([1, 2, 8]),
-       hop=st.sampled_from([0, 740, 1 << 20]))
+@given(
+    seed=st.integers(0, 10**6),
+    world=st.integers(2, 96),
+    slots=st.integers(1, 4),
+    epr=st.integers(1, 4),
+    nodes=st.sampled_from([0, 2, 4]),
+    chunk=st.sampled_from([16, 4096]),
+    max_depth=st.sampled_from([1, 2, 8]),
+    hop=st.sampled_from([0, 740, 1 << 20]),
+)
 def test_digest_is_its_definition_on_every_rank(seed, world, slots, epr, nodes, chunk, max_depth, hop):
     """The built digest is the Python evaluation of the definition over the inputs and the chosen
     trees, the same on every rank, and the serial oracle's (which computes it its own way)."""
@@ -103,8 +111,9 @@ def test_digest_does_not_depend_on_the_lanes():
     want = py_digest(slot_src, home_of, node_of, wb, gb, chunk, hop, depth, trees)
     assert one["digest"] == want
     for lanes, wl in LANE_SHAPES:
-        got = _core.schedule_digest_portable(slot_src, home_of, node_of, wb, gb, chunk, depth, hop, trees,
-                                             lanes=lanes, warp_lanes=wl)
+        got = _core.schedule_digest_portable(
+            slot_src, home_of, node_of, wb, gb, chunk, depth, hop, trees, lanes=lanes, warp_lanes=wl
+        )
         assert got == want, (lanes, wl)
     caps = ([64 * 64] * 2, [40 * 3] * 2)
     for lanes, wl in ((2, 0), (8, 0), (32, 0), (256, 32)):
@@ -119,16 +128,33 @@ def test_every_single_field_changes_the_digest():
     parent_slot of both trees, changed alone (to another value, including -1 and a high bit),
     gives a digest unlike the original's and unlike every other change's."""
     slot_src, home_of, node_of = problem(3, 6, 2, 12, 2)
-    base = dict(slot_src=slot_src, home_of=home_of, node_of=node_of, weight_bytes=4096, grad_bytes=8192,
-                chunk_bytes=1024, max_depth=8, hop_bytes=740)
+    base = dict(
+        slot_src=slot_src,
+        home_of=home_of,
+        node_of=node_of,
+        weight_bytes=4096,
+        grad_bytes=8192,
+        chunk_bytes=1024,
+        max_depth=8,
+        hop_bytes=740,
+    )
     built = _core.build_schedule_portable(slot_src, home_of, node_of, 4096, 8192, 1024, 0, 8, 740)
     trees = [(pr.copy(), ps.copy()) for pr, ps in trees_of(built)]
 
     def digest(**over):
         kw = {**base, "trees": trees, **over}
         d = _core.schedule_digest_portable(**kw)
-        assert d == py_digest(kw["slot_src"], kw["home_of"], kw["node_of"], kw["weight_bytes"], kw["grad_bytes"],
-                              kw["chunk_bytes"], kw["hop_bytes"], kw["max_depth"], kw["trees"])
+        assert d == py_digest(
+            kw["slot_src"],
+            kw["home_of"],
+            kw["node_of"],
+            kw["weight_bytes"],
+            kw["grad_bytes"],
+            kw["chunk_bytes"],
+            kw["hop_bytes"],
+            kw["max_depth"],
+            kw["trees"],
+        )
         return d
 
     d0 = digest()
@@ -142,8 +168,14 @@ def test_every_single_field_changes_the_digest():
         seen.add(d)
         n += 1
 
-    for name, value in (("weight_bytes", 4112), ("grad_bytes", 8208), ("chunk_bytes", 2048), ("max_depth", 7),
-                        ("hop_bytes", 741), ("hop_bytes", 740 + (1 << 39))):
+    for name, value in (
+        ("weight_bytes", 4112),
+        ("grad_bytes", 8208),
+        ("chunk_bytes", 2048),
+        ("max_depth", 7),
+        ("hop_bytes", 741),
+        ("hop_bytes", 740 + (1 << 39)),
+    ):
         changed(digest(**{name: value}))
     for name in ("slot_src", "home_of"):
         arr = base[name]
@@ -174,8 +206,10 @@ def test_no_node_of_is_node_zero():
     slot_src, home_of, _ = problem(5, 8, 2, 16, 0)
     built = _core.build_schedule_portable(slot_src, home_of, None, 4096, 4096, 1024, 0, 8, 0)
     zeros = np.zeros(8, np.int32)
-    assert _core.schedule_digest_portable(slot_src, home_of, zeros, 4096, 4096, 1024, 8, 0,
-                                          trees_of(built)) == built["digest"]
+    assert (
+        _core.schedule_digest_portable(slot_src, home_of, zeros, 4096, 4096, 1024, 8, 0, trees_of(built))
+        == built["digest"]
+    )
 
 
 def test_schedule_digest_portable_checks_its_trees():

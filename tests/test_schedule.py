@@ -1,4 +1,5 @@
 """Schedule builder: trees, task lists, stats, determinism, validation (CPU only)."""
+
 from __future__ import annotations
 
 import json
@@ -123,7 +124,7 @@ def check(plan: Plan, sched, *, mode="auto", max_depth=4, node_of=None, chunk=No
                 assert t["ref_count"] >= 1 and len(rr) == t["ref_count"]
                 pairs = [(int(x["rank"]), int(x["slot"])) for x in rr]
                 assert pairs == sorted(pairs), "refs in (rank, slot) order"
-                for (cr, cs) in pairs:
+                for cr, cs in pairs:
                     assert src[cr, cs] == e and pr[cr, cs] == r and ps[cr, cs] == ss
                     seen[(cr, cs, c)] = seen.get((cr, cs, c), 0) + 1
         if sched.built_for is None:
@@ -190,15 +191,13 @@ def simulate(plan, sched, op):
         for _, t, rr in allt:
             me = (int(t["self_rank"]), int(t["self_slot"]), int(t["chunk"]))
             assert me[1] == MASTER or me in done, "relay forwards before its chunk arrived"
-            for (r, s) in rr:
+            for r, s in rr:
                 done.add((r, s, int(t["chunk"])))
     else:
         for _, t, rr in allt:
             c = int(t["chunk"])
-            for (r, s) in rr:
-                has_task = any(
-                    int(u["self_slot"]) == s and int(u["chunk"]) == c for u in sched.tasks(op, r)
-                )
+            for r, s in rr:
+                has_task = any(int(u["self_slot"]) == s and int(u["chunk"]) == c for u in sched.tasks(op, r))
                 assert not has_task or (r, s, c) in done, "reduce reads a partial before it is complete"
             done.add((int(t["self_rank"]), int(t["self_slot"]), c))
 
@@ -373,8 +372,10 @@ def max_side(sched, op):
 # 8 ranks, 16 experts (homes 0,0,1,1,...), 3 slots: on 2 nodes of 4 the auto relay schedule
 # sends 4 experts from one rank where direct's busiest sends 3 (multicast; reduce: pulls),
 # for the same inter-node time.
-TWO_NODE_PLAN = ([[10, 14, 9], [13, -1, -1], [-1, -1, 9], [-1, -1, 11], [13, 0, 3], [0, 14, 4],
-                  [7, 14, -1], [3, 11, 9]], np.arange(16) // 2)
+TWO_NODE_PLAN = (
+    [[10, 14, 9], [13, -1, -1], [-1, -1, 9], [-1, -1, 11], [13, 0, 3], [0, 14, 4], [7, 14, -1], [3, 11, 9]],
+    np.arange(16) // 2,
+)
 
 
 def test_relay_vs_direct_one_node_bytes_several_nodes_tier_time():
@@ -422,10 +423,27 @@ def test_topology_local_relay_carries_the_crossing():
     # glm-4.5 EP16 on 2 nodes of 8, 4 slots (the sim's goal sweep, greedy plan, imbalance 3).
     # Rank 4 must send its 4 remote-only experts over RDMA; experts 40 / 41 / 48 cross from a
     # replica on node 0 instead, so no rank sends more than 4 experts over RDMA (was 6).
-    slot_src = np.array([[40, 107, 57, 56], [47, 145, 48, 140], [8, 137, -1, -1], [45, 44, 144, 20],
-                         [-1, -1, -1, -1], [0, 4, 22, -1], [3, 145, -1, -1], [41, 55, -1, -1],
-                         [48, 46, 146, 3], [49, 40, 148, 24], [6, 9, 134, -1], [145, 41, 47, -1],
-                         [41, 143, 43, 5], [41, 42, 77, 0], [-1, -1, -1, -1], [41, 48, 49, 143]], np.int32)
+    slot_src = np.array(
+        [
+            [40, 107, 57, 56],
+            [47, 145, 48, 140],
+            [8, 137, -1, -1],
+            [45, 44, 144, 20],
+            [-1, -1, -1, -1],
+            [0, 4, 22, -1],
+            [3, 145, -1, -1],
+            [41, 55, -1, -1],
+            [48, 46, 146, 3],
+            [49, 40, 148, 24],
+            [6, 9, 134, -1],
+            [145, 41, 47, -1],
+            [41, 143, 43, 5],
+            [41, 42, 77, 0],
+            [-1, -1, -1, -1],
+            [41, 48, 49, 143],
+        ],
+        np.int32,
+    )
     plan = make_plan(slot_src, np.arange(160) // 10)
     node_of = (np.arange(16) // 8).astype(np.int32)
     B = 47 << 20
@@ -568,6 +586,7 @@ def test_to_json_and_repr():
 
 def test_torch_plan():
     import torch
+
     plan = hot_plan(8, 5)
     tp = Plan(torch.from_numpy(plan.slot_src), torch.from_numpy(plan.home_of), 8, 1, 8)
     assert build_schedule(tp, 4096, 4096).digest == build_schedule(plan, 4096, 4096).digest
@@ -588,10 +607,19 @@ def test_replica_plan_input():
 
 def _core_build(**over):
     args = dict(
-        world=4, slots_per_rank=1, num_experts=4,
-        slot_src=np.array([-1, 0, 0, -1], np.int32), home_of=np.arange(4, dtype=np.int32),
-        node_of=None, weight_bytes=1024, grad_bytes=1024, chunk_bytes=256, relay_mode=0,
-        max_depth=4, intra_bw=1e9, inter_bw=1e9,
+        world=4,
+        slots_per_rank=1,
+        num_experts=4,
+        slot_src=np.array([-1, 0, 0, -1], np.int32),
+        home_of=np.arange(4, dtype=np.int32),
+        node_of=None,
+        weight_bytes=1024,
+        grad_bytes=1024,
+        chunk_bytes=256,
+        relay_mode=0,
+        max_depth=4,
+        intra_bw=1e9,
+        inter_bw=1e9,
     )
     args.update(over)
     return _core.build_schedule(**args)
@@ -608,8 +636,10 @@ def _core_build(**over):
         (dict(slot_src=np.array([-1, 7, 0, -1], np.int32)), "slot_src\\[1\\]\\[0\\] = 7: expert out of range"),
         (dict(slot_src=np.array([-1, -2, 0, -1], np.int32)), "slot_src\\[1\\]\\[0\\] = -2: expert out of range"),
         (dict(slot_src=np.array([0, 0, -1, -1], np.int32)), "replica on its home rank 0"),
-        (dict(slots_per_rank=2, slot_src=np.array([-1, -1, 0, 0, -1, -1, -1, -1], np.int32)),
-         "expert 0 appears twice on rank 1 \\(slots 0 and 1\\)"),
+        (
+            dict(slots_per_rank=2, slot_src=np.array([-1, -1, 0, 0, -1, -1, -1, -1], np.int32)),
+            "expert 0 appears twice on rank 1 \\(slots 0 and 1\\)",
+        ),
         (dict(home_of=np.array([0, 1, 9, 3], np.int32)), "home_of\\[2\\] = 9 is not a rank"),
         (dict(chunk_bytes=0), "chunk_bytes must be a positive multiple of 16, got 0"),
         (dict(chunk_bytes=100), "chunk_bytes must be a positive multiple of 16, got 100"),
@@ -638,5 +668,8 @@ def test_invalid_via_wrapper():
     with pytest.raises(ValueError, match="op must be"):
         build_schedule(hot_plan(4, 2), 1024, 1024).tasks("broadcast", 0)
     with pytest.raises(ValueError, match="integer"):
-        build_schedule(make_plan(np.zeros((2, 1)), np.arange(2)).__class__(
-            np.zeros((2, 1), np.float32), np.arange(2), 2, 1, 2), 1024, 1024)
+        build_schedule(
+            make_plan(np.zeros((2, 1)), np.arange(2)).__class__(np.zeros((2, 1), np.float32), np.arange(2), 2, 1, 2),
+            1024,
+            1024,
+        )

@@ -1,5 +1,6 @@
 """Issue 36: Schedule and PortableSchedule share one base (ultracomm.schedule_base): the same
 interface, and the JSON export written once for both."""
+
 from __future__ import annotations
 
 import json

@@ -3,6 +3,7 @@ valid trees (topology rule included), task lists in the host builder's format (f
 lists derived from its own trees by reference.tasks_from_trees, refs shared across chunks), identical trees and digests on
 every rank, execution on the host executor (exact bytes for multicast, the documented fp32 order
 for reduce), tree quality against the bytes lower bound, and bad input."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -51,7 +52,7 @@ def expand(tasks, refs):
     for t in tasks:
         b, n = int(t["ref_begin"]), int(t["ref_count"])
         row = tuple(int(t[k]) for k in t.dtype.names if k not in ("ref_begin", "ref_count"))
-        out.append((row, refs[b:b + n].tobytes()))
+        out.append((row, refs[b : b + n].tobytes()))
     return out
 
 
@@ -102,8 +103,15 @@ def check(plan, scheds, wb, gb, chunk, node_of=None, max_depth=8):
 
 
 @SETTINGS
-@given(seed=st.integers(0, 10**6), world=st.integers(2, 64), slots=st.integers(1, 4), epr=st.integers(1, 3),
-       nodes=st.sampled_from([0, 2, 4]), chunk=st.sampled_from([16, 64, 4096]), max_depth=st.sampled_from([1, 2, 8]))
+@given(
+    seed=st.integers(0, 10**6),
+    world=st.integers(2, 64),
+    slots=st.integers(1, 4),
+    epr=st.integers(1, 3),
+    nodes=st.sampled_from([0, 2, 4]),
+    chunk=st.sampled_from([16, 64, 4096]),
+    max_depth=st.sampled_from([1, 2, 8]),
+)
 def test_random_plans_valid_identical_on_every_rank(seed, world, slots, epr, nodes, chunk, max_depth):
     plan, node_of, wb, gb = random_problem(seed, world, slots, epr, nodes)
     scheds = build_all(plan, wb, gb, node_of=node_of, chunk_bytes=chunk, max_depth=max_depth)
@@ -128,17 +136,20 @@ def test_digest_depends_on_plan_and_builder():
     c = build_schedule_portable(make_plan(src, plan.home_of), 4096, 4096, rank=0)
     assert len({a.digest, b.digest, c.digest}) == 3
     from ultracomm.schedule import build_schedule
+
     assert build_schedule(plan, 4096, 4096).digest != a.digest
 
 
 # ---------------------------------------------------------------------------- execution
 
+
 def run_plan(plan, scheds, wb_members, chunk, seed):
     from test_host_executor import Cluster, check_multicast, ok
 
     W, S = plan.world, plan.slots_per_rank
-    cl = Cluster(W, S, wb_members, chunk=chunk, num_experts=plan.num_experts,
-                 home_of=[int(h) for h in plan.home_of], seed=seed)
+    cl = Cluster(
+        W, S, wb_members, chunk=chunk, num_experts=plan.num_experts, home_of=[int(h) for h in plan.home_of], seed=seed
+    )
     my = [[int(x) for x in plan.slot_src[r]] for r in range(W)]
     tasks = lambda op: [s.tasks(op, r) for r, s in enumerate(scheds)]  # noqa: E731
     refs = lambda op: [s.refs(op, r) for r, s in enumerate(scheds)]  # noqa: E731
@@ -149,8 +160,9 @@ def run_plan(plan, scheds, wb_members, chunk, seed):
     ok(cl.run(Op.REDUCE, tasks(Op.REDUCE), refs(Op.REDUCE), my, num_workers=2))
     assert len(cl.g_off) == 1 and cl.g_off[0] == 0
     n = cl.g_bytes[0] // 4
-    grads = {(r, s): init[r][s][: n * 4].view(torch.float32).numpy() for r in range(W) for s in range(S)
-             if my[r][s] >= 0}
+    grads = {
+        (r, s): init[r][s][: n * 4].view(torch.float32).numpy() for r in range(W) for s in range(S) if my[r][s] >= 0
+    }
     master = {e: master_init[e][0].numpy() for e in master_init}
     ref = reference_reduce_tree(scheds[0], grads, master)
     for e, want in ref.items():
@@ -161,8 +173,13 @@ def run_plan(plan, scheds, wb_members, chunk, seed):
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 10**6), world=st.integers(2, 64), slots=st.integers(1, 4),
-       nodes=st.sampled_from([0, 2, 4]), max_depth=st.sampled_from([2, 8]))
+@given(
+    seed=st.integers(0, 10**6),
+    world=st.integers(2, 64),
+    slots=st.integers(1, 4),
+    nodes=st.sampled_from([0, 2, 4]),
+    max_depth=st.sampled_from([2, 8]),
+)
 def test_random_plans_run_on_host_executor(seed, world, slots, nodes, max_depth):
     rng = np.random.default_rng(seed)
     plan = random_plan(rng, world, slots, world, fill=0.9)
@@ -181,13 +198,17 @@ def test_hot_plan_runs_on_host_executor():
 
 # ---------------------------------------------------------------------------- bad input
 
-@pytest.mark.parametrize("over, msg", [
-    (dict(chunk_bytes=24), "multiple of 16"),
-    (dict(rank=8), r"rank in \[0, world\)"),
-    (dict(max_depth=0), "max_depth"),
-    (dict(node_of=np.full(8, 9, np.int32)), "node_of"),
-    (dict(node_of=np.zeros(3, np.int32)), r"node_of must be int32 \[world\]"),
-])
+
+@pytest.mark.parametrize(
+    "over, msg",
+    [
+        (dict(chunk_bytes=24), "multiple of 16"),
+        (dict(rank=8), r"rank in \[0, world\)"),
+        (dict(max_depth=0), "max_depth"),
+        (dict(node_of=np.full(8, 9, np.int32)), "node_of"),
+        (dict(node_of=np.zeros(3, np.int32)), r"node_of must be int32 \[world\]"),
+    ],
+)
 def test_bad_input(over, msg):
     plan = hot_plan(8, 6)
     kw = dict(rank=0)
@@ -210,6 +231,7 @@ def test_bad_plan():
 
 # ---------------------------------------------------------------------------- tree quality
 
+
 def _eval_cases():
     """The planners' evaluation plans (planners/eval.py: TAOT EP16/EP32 on 2/4 nodes, UltraEP EP64
     on one node), planned by the device planner."""
@@ -223,8 +245,9 @@ def _eval_cases():
         W = nodes * gpn
         dom = Domain.nodes(nodes, gpn, model.experts_per_rank(W))
         for imb in ev.IMBALANCES:
-            load = workloads.zipf_load(W, model.num_experts, ev.TOKENS_PER_RANK, model.top_k, 1.0 + imb,
-                                       seed=int(imb * 100) + W)
+            load = workloads.zipf_load(
+                W, model.num_experts, ev.TOKENS_PER_RANK, model.top_k, 1.0 + imb, seed=int(imb * 100) + W
+            )
             out.append((f"{label} {imb}", get_planner("device")(load, dom, ev.K).plan, dom.node_of, model))
     label, W, mname, _ = ev.EP64
     model = workloads.get_model(mname)
@@ -258,6 +281,7 @@ def test_quality_on_eval_plans():
 
 
 # ---------------------------------------------------------------------------- CUDA build
+
 
 def test_kernel_compiles_without_local_memory():
     """csrc/cuda/k_build.cu (the builder under nvcc) for every listed architecture: warnings as

@@ -3,6 +3,7 @@ side by side with the host builder on the same plan: replica weights exact; mast
 bit-identical to the host builder's run where the two builders' reduce trees are the same, and
 in any case equal to the documented fp32 order of the portable schedule's own tree
 (``expected_master_grads`` replays its task lists)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -31,10 +32,22 @@ class AllRanks:
 def run(builder, plan, layout, epr, slots, init_master, init_replica, sync_plan=None, **kw):
     """Every rank's master grads and schedule after weight_sync and grad_reduce of ``plan`` (or of
     ``sync_plan``, another form of it, e.g. a ResidentPlan), replica weights checked."""
+
     def body(group):
         r = group.rank
-        with Context(group, layout, epr, slots, num_layers=1, chunk_bytes=32, tile_bytes=16, num_workers=2,
-                     timeout_s=30.0, schedule_builder=builder, **kw) as ctx:
+        with Context(
+            group,
+            layout,
+            epr,
+            slots,
+            num_layers=1,
+            chunk_bytes=32,
+            tile_bytes=16,
+            num_workers=2,
+            timeout_s=30.0,
+            schedule_builder=builder,
+            **kw,
+        ) as ctx:
             weights, grads = masters_for(layout, r, epr)
             ctx.register_masters(0, weights, grads)
             for m in range(len(layout.members)):
@@ -53,8 +66,11 @@ def run(builder, plan, layout, epr, slots, init_master, init_replica, sync_plan=
 
 
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("seed, intra_bw, same", [(5, 370e9, True), (5, 1e6, True), (1, 1e6, False)],
-                         ids=["direct", "relayed-same-trees", "relayed-other-trees"])
+@pytest.mark.parametrize(
+    "seed, intra_bw, same",
+    [(5, 370e9, True), (5, 1e6, True), (1, 1e6, False)],
+    ids=["direct", "relayed-same-trees", "relayed-other-trees"],
+)
 def test_portable_builder_matches_host_builder(grad_dtype, seed, intra_bw, same):
     world, slots, epr = 6, 2, 2
     slot_src = random_slot_src(np.random.default_rng(seed), world, slots, epr, fill=1.0)
@@ -64,10 +80,12 @@ def test_portable_builder_matches_host_builder(grad_dtype, seed, intra_bw, same)
     plan = ReplicaPlan.make(slot_src, experts_per_rank=epr)
     layout = make_layout(9, 21, grad_dtype=grad_dtype)
     gen = torch.Generator().manual_seed(11)
-    init_master = [[torch.randn((epr, *m.shape), generator=gen).to(grad_dtype) for m in layout.members]
-                   for _ in range(world)]
-    init_replica = [[torch.randn((slots, *m.shape), generator=gen).to(grad_dtype) for m in layout.members]
-                    for _ in range(world)]
+    init_master = [
+        [torch.randn((epr, *m.shape), generator=gen).to(grad_dtype) for m in layout.members] for _ in range(world)
+    ]
+    init_replica = [
+        [torch.randn((slots, *m.shape), generator=gen).to(grad_dtype) for m in layout.members] for _ in range(world)
+    ]
     host = run("host", plan, layout, epr, slots, init_master, init_replica, intra_bw=intra_bw)
     port = run("portable", plan, layout, epr, slots, init_master, init_replica, intra_bw=intra_bw)
     scheds = [s for _, s in port]

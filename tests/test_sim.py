@@ -1,5 +1,6 @@
 """Fabric simulator: hand-computed makespans of small schedules, lower bound <= makespan,
 all-to-all model, CLI table and JSON."""
+
 from __future__ import annotations
 
 import json
@@ -23,9 +24,22 @@ LAUNCH = 2e-6
 
 
 def fabric(world: int, gpus_per_node: int | None = None) -> sim.Fabric:
-    return sim.Fabric("test", world, gpus_per_node or world, BW, XBW, BW, XBW, intra_latency_s=LAT,
-                      inter_latency_s=XLAT, chunk_overhead_s=OVH, launch_s=LAUNCH, hbm_bw=1e10,
-                      a2a_startup_s=5e-6, a2a_per_peer_s=1e-6)
+    return sim.Fabric(
+        "test",
+        world,
+        gpus_per_node or world,
+        BW,
+        XBW,
+        BW,
+        XBW,
+        intra_latency_s=LAT,
+        inter_latency_s=XLAT,
+        chunk_overhead_s=OVH,
+        launch_s=LAUNCH,
+        hbm_bw=1e10,
+        a2a_startup_s=5e-6,
+        a2a_per_peer_s=1e-6,
+    )
 
 
 def sched(plan, wb, gb, fab, mode, chunk):
@@ -48,7 +62,7 @@ def test_one_sender_k_receivers_direct():
         assert r.critical_rank == 0 and r.critical_link == "egress nvlink"
         assert r.flows == k and r.chunks == C
         assert r.per_rank_finish[0] == approx(r.makespan_s)
-        assert (r.per_rank_finish[k + 1:] == 0).all()
+        assert (r.per_rank_finish[k + 1 :] == 0).all()
         # grads pulled by the home: k * G / bw on its ingress
         g = sim.simulate(s, fab, "reduce")
         assert g.makespan_s == approx(LAUNCH + k * 2 * B / BW + LAT + OVH)
@@ -239,8 +253,22 @@ def test_ep64_speed():
 
 def test_cli_table_and_json(tmp_path, capsys):
     out = tmp_path / "sim.json"
-    rc = sim.main(["--model", "qwen3-30b-a3b", "--domain", "h200x8", "--ep", "4", "--slots", "2",
-                   "--imbalance", "1.5,3", "--json", str(out)])
+    rc = sim.main(
+        [
+            "--model",
+            "qwen3-30b-a3b",
+            "--domain",
+            "h200x8",
+            "--ep",
+            "4",
+            "--slots",
+            "2",
+            "--imbalance",
+            "1.5,3",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     text = capsys.readouterr().out
     assert "simulated" in text and "rly/LB" in text and "a2a/rly" in text and "gr/ws" in text and "grads" in text
@@ -249,12 +277,26 @@ def test_cli_table_and_json(tmp_path, capsys):
     assert d["ep"] == 4 and d["fabric"]["name"] == "h200x8"
     # one row per (imbalance, grad dtype); bf16 and fp32 by default
     assert [(r["imbalance"], r["grad_dtype"]) for r in d["rows"]] == [
-        (1.5, "bf16"), (1.5, "fp32"), (3.0, "bf16"), (3.0, "fp32")]
+        (1.5, "bf16"),
+        (1.5, "fp32"),
+        (3.0, "bf16"),
+        (3.0, "fp32"),
+    ]
     wb = workloads.get_model("qwen3-30b-a3b").expert_weight_bytes()
     for row in d["rows"]:
-        for key in ("imbalance", "replicas_max", "replicas_total", "weight_sync_ms", "grad_reduce_ms",
-                    "weight_sync_relay_over_lb", "weight_sync_a2a_over_relay", "grad_reduce_relay_over_lb",
-                    "grad_reduce_a2a_over_relay", "grad_over_weight", "weight_sync_direct_over_relay"):
+        for key in (
+            "imbalance",
+            "replicas_max",
+            "replicas_total",
+            "weight_sync_ms",
+            "grad_reduce_ms",
+            "weight_sync_relay_over_lb",
+            "weight_sync_a2a_over_relay",
+            "grad_reduce_relay_over_lb",
+            "grad_reduce_a2a_over_relay",
+            "grad_over_weight",
+            "weight_sync_direct_over_relay",
+        ):
             assert key in row
         for op in ("weight_sync_ms", "grad_reduce_ms"):
             assert set(row[op]) == {"a2a", "direct", "relay", "lb"}

@@ -1,6 +1,7 @@
 """What the simulator's claims rest on: the calibration's bytes and its stated error, the same
 gradient dtype charged to the all-to-all baseline and to ultracomm, the sensitivity grid and
 the goal counts."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -18,13 +19,17 @@ def test_ultraep_expert_bytes():
     assert sim.ULTRAEP_EXPERT.expert_weight_bytes() == 37_748_736
     assert ExpertLayout.swiglu(4096, 1536).weight_bytes == 37_748_736
     # max replicas x bytes / published direct time = the 706-714 GB/s UltraEP reports ...
-    cp = [m * 37_748_736 / (t * 1e-3) / 1e9
-          for m, t in zip(sim.ULTRAEP["replicas_max"], sim.ULTRAEP["weight_sync_direct_ms"])]
+    cp = [
+        m * 37_748_736 / (t * 1e-3) / 1e9
+        for m, t in zip(sim.ULTRAEP["replicas_max"], sim.ULTRAEP["weight_sync_direct_ms"])
+    ]
     assert [round(x) for x in cp] == [706, 712, 714]
     # ... which DeepSeek-V3's expert could not reach below 1.6 TB/s (NVLink5: 900 GB/s peak)
     dsv3 = workloads.get_model("deepseek-v3").expert_weight_bytes()
-    assert min(m * dsv3 / (t * 1e-3) for m, t in zip(sim.ULTRAEP["replicas_max"],
-                                                      sim.ULTRAEP["weight_sync_direct_ms"])) > 1.6e12
+    assert (
+        min(m * dsv3 / (t * 1e-3) for m, t in zip(sim.ULTRAEP["replicas_max"], sim.ULTRAEP["weight_sync_direct_ms"]))
+        > 1.6e12
+    )
 
 
 def test_calibrate_bytes_and_ratios():
@@ -55,11 +60,18 @@ def test_calibrate_bytes_and_ratios():
 
 def test_verdict_direction():
     def res(direct, relay):
-        rows = [{"sim_over_published": {"weight_sync_direct": d, "weight_sync_relay": r},
-                 "published": {"critical_path_GBps": 710.0, "weight_sync_direct_ms": 0.2, "weight_sync_relay_ms": 0.19},
-                 "sim": {"critical_path_GBps": 720.0, "weight_sync_direct_ms": 0.2 * d,
-                         "weight_sync_relay_ms": 0.19 * r}}
-                for d, r in zip(direct, relay)]
+        rows = [
+            {
+                "sim_over_published": {"weight_sync_direct": d, "weight_sync_relay": r},
+                "published": {"critical_path_GBps": 710.0, "weight_sync_direct_ms": 0.2, "weight_sync_relay_ms": 0.19},
+                "sim": {
+                    "critical_path_GBps": 720.0,
+                    "weight_sync_direct_ms": 0.2 * d,
+                    "weight_sync_relay_ms": 0.19 * r,
+                },
+            }
+            for d, r in zip(direct, relay)
+        ]
         return calibration.verdict({"rows": rows, "expert_bytes": 37_748_736})
 
     v = res([0.99, 1.22], [0.58, 0.88])  # the issue's figures: relay gains 1.8-2.9x simulated vs 1.05x published
@@ -86,7 +98,9 @@ def test_alltoall_charged_the_same_grad_dtype():
     rows = sim.run_case("qwen3-30b-a3b", fab, 8, 2, [2.0], grad_dtype="fp32,bf16")
     wb = workloads.get_model("qwen3-30b-a3b").expert_weight_bytes()
     assert [(r["grad_dtype"], r["grad_bytes"], r["a2a_bytes"]["reduce"]) for r in rows] == [
-        ("fp32", 2 * wb, 2 * wb), ("bf16", wb, wb)]
+        ("fp32", 2 * wb, 2 * wb),
+        ("bf16", wb, wb),
+    ]
     with pytest.raises(ValueError, match="grad dtypes"):
         sim.run_case("qwen3-30b-a3b", fab, 8, 2, [2.0], grad_dtype="fp8")
 
@@ -105,25 +119,38 @@ def test_sensitivity_grid():
             vals = [x[m] for x in r["settings"]]
             assert r["range"][m] == [min(vals), max(vals)]
             corner = [x[m] for x in r["settings"] if x["hop_us"] == 10]
-            assert r["pessimistic"][m] == (max(corner) if m.endswith("over_lb") or m == "grad_over_weight"
-                                           else min(corner))
+            assert r["pessimistic"][m] == (
+                max(corner) if m.endswith("over_lb") or m == "grad_over_weight" else min(corner)
+            )
         # larger hop latency and per-chunk cost never make the same chunk size faster here
         t = {(x["hop_us"], x["chunk_bytes"]): x["weight_sync_relay_ms"] for x in r["settings"]}
         for c in sens.CHUNKS:
             assert t[(2, c)] <= t[(5, c)] <= t[(10, c)]
     # weight_sync does not depend on the grad dtype
-    assert [x["weight_sync_relay_ms"] for x in res["bf16"]["settings"]] == \
-        [x["weight_sync_relay_ms"] for x in res["fp32"]["settings"]]
+    assert [x["weight_sync_relay_ms"] for x in res["bf16"]["settings"]] == [
+        x["weight_sync_relay_ms"] for x in res["fp32"]["settings"]
+    ]
 
 
 def test_goal_counts():
     def case(dt, ep, imb, ws_lb, gr_lb, ws_a2a, gr_a2a, gw):
-        return {"grad_dtype": dt, "ep": ep, "imbalance": imb, "weight_sync_relay_over_lb": ws_lb,
-                "grad_reduce_relay_over_lb": gr_lb, "weight_sync_a2a_over_relay": ws_a2a,
-                "grad_reduce_a2a_over_relay": gr_a2a, "grad_over_weight": gw}
+        return {
+            "grad_dtype": dt,
+            "ep": ep,
+            "imbalance": imb,
+            "weight_sync_relay_over_lb": ws_lb,
+            "grad_reduce_relay_over_lb": gr_lb,
+            "weight_sync_a2a_over_relay": ws_a2a,
+            "grad_reduce_a2a_over_relay": gr_a2a,
+            "grad_over_weight": gw,
+        }
 
-    cases = [case("bf16", 64, 2.0, 1.0, 1.2, 2.5, 1.5, 1.0), case("bf16", 64, 1.5, 1.3, 1.0, 1.0, 1.0, 3.0),
-             case("fp32", 64, 3.0, 1.05, 1.05, 2.0, 2.1, 2.2), case("fp32", 8, 3.0, 1.0, 1.0, 1.0, 1.0, 1.0)]
+    cases = [
+        case("bf16", 64, 2.0, 1.0, 1.2, 2.5, 1.5, 1.0),
+        case("bf16", 64, 1.5, 1.3, 1.0, 1.0, 1.0, 3.0),
+        case("fp32", 64, 3.0, 1.05, 1.05, 2.0, 2.1, 2.2),
+        case("fp32", 8, 3.0, 1.0, 1.0, 1.0, 1.0, 1.0),
+    ]
     c = sim.goal_counts(cases)
     assert c["bf16"] == {"ws_lb": (1, 2), "gr_lb": (1, 2), "ws_a2a": (1, 1), "gr_a2a": (0, 1), "gr_ws": (1, 2)}
     assert c["fp32"] == {"ws_lb": (2, 2), "gr_lb": (2, 2), "ws_a2a": (1, 1), "gr_a2a": (1, 1), "gr_ws": (2, 2)}
@@ -133,7 +160,9 @@ def test_goal_sweep_small():
     res = sim.goals((2.0,), slots_list=(2,), configs=((8, "h200x8"),), models=("qwen3-30b-a3b",))
     assert res["grad_dtypes"] == ["bf16", "fp32"]
     assert [(c["model"], c["ep"], c["grad_dtype"]) for c in res["cases"]] == [
-        ("qwen3-30b-a3b", 8, "bf16"), ("qwen3-30b-a3b", 8, "fp32")]
+        ("qwen3-30b-a3b", 8, "bf16"),
+        ("qwen3-30b-a3b", 8, "fp32"),
+    ]
     text = sim.goal_summary(res["cases"])
     assert "[EP divides experts, bf16 grads]" in text and "[EP divides experts, fp32 grads]" in text
     assert np.isfinite(res["cases"][0]["grad_over_weight"])

@@ -1,5 +1,6 @@
 """The simulator's non-link costs: SM budgets (with the per-chunk cost on their throughput),
 host-side build and copies, and the hardware profile JSON that sets them."""
+
 from __future__ import annotations
 
 import json
@@ -17,9 +18,23 @@ LAUNCH = 2e-6
 
 
 def fabric(world: int, **kw) -> sim.Fabric:
-    return sim.Fabric("test", world, world, BW, BW / 4, BW, BW / 4, intra_latency_s=LAT, inter_latency_s=3e-6,
-                      chunk_overhead_s=OVH, launch_s=LAUNCH, hbm_bw=1e10, a2a_startup_s=5e-6,
-                      a2a_per_peer_s=1e-6, **kw)
+    return sim.Fabric(
+        "test",
+        world,
+        world,
+        BW,
+        BW / 4,
+        BW,
+        BW / 4,
+        intra_latency_s=LAT,
+        inter_latency_s=3e-6,
+        chunk_overhead_s=OVH,
+        launch_s=LAUNCH,
+        hbm_bw=1e10,
+        a2a_startup_s=5e-6,
+        a2a_per_peer_s=1e-6,
+        **kw,
+    )
 
 
 def approx(x):
@@ -112,10 +127,27 @@ def test_presets_charge_ultracomm_defaults():
 def profile_dict(**over) -> dict:
     from ultracomm.cuda.hwprofile import SCHEMA
 
-    d = dict(schema=SCHEMA, device="made-up GPU", compute_capability="9.0", sm_count=100,
-             date="2026-01-01T00:00:00Z", torch="2.11", cuda="13.0", source="tests", d2d_copy_bw=2e12,
-             per_sm_copy_bw=90e9, per_sm_reduce_bw=60e9, sm_sweep=[[1, 90e9]], reduce_bw=1e12, torch_reduce_bw=1e12,
-             flag_rtt_s=1e-6, launch_s=3e-6, relay_hop_s=[[32768, 3e-6]], chunk_overhead_s=2e-6, hop_bw=1e11)
+    d = dict(
+        schema=SCHEMA,
+        device="made-up GPU",
+        compute_capability="9.0",
+        sm_count=100,
+        date="2026-01-01T00:00:00Z",
+        torch="2.11",
+        cuda="13.0",
+        source="tests",
+        d2d_copy_bw=2e12,
+        per_sm_copy_bw=90e9,
+        per_sm_reduce_bw=60e9,
+        sm_sweep=[[1, 90e9]],
+        reduce_bw=1e12,
+        torch_reduce_bw=1e12,
+        flag_rtt_s=1e-6,
+        launch_s=3e-6,
+        relay_hop_s=[[32768, 3e-6]],
+        chunk_overhead_s=2e-6,
+        hop_bw=1e11,
+    )
     d.update(over)
     return d
 
@@ -134,8 +166,11 @@ def test_hardware_profile(tmp_path):
     assert (sim.apply_profile(base, str(p)).multicast_sms, sim.apply_profile(base, str(p)).reduce_sms) == (5, 7)
     p.write_text(json.dumps(profile_dict()))
     # one GPU measures no link: latencies and bandwidths stay
-    assert (f.intra_latency_s, f.inter_latency_s, f.intra_bw) == (base.intra_latency_s, base.inter_latency_s,
-                                                                  base.intra_bw)
+    assert (f.intra_latency_s, f.inter_latency_s, f.intra_bw) == (
+        base.intra_latency_s,
+        base.inter_latency_s,
+        base.intra_bw,
+    )
     assert "made-up GPU" in f.describe() and "no hardware profile" in base.describe()
     # unmeasured per-SM rates keep the assumed ones and ultracomm's fallback SM default
     p.write_text(json.dumps(profile_dict(per_sm_copy_bw=None, per_sm_reduce_bw=None, launch_s=None)))
@@ -150,12 +185,26 @@ def test_cli_profile_and_budgets(tmp_path, capsys, monkeypatch):
     p = tmp_path / "hw_profile.json"
     p.write_text(json.dumps(profile_dict(per_sm_copy_bw=10e9)))
     out = tmp_path / "o.json"
-    args = ["--model", "qwen3-30b-a3b", "--domain", "h200x8", "--ep", "4", "--imbalance", "2",
-            "--grad-dtype", "bf16", "--json", str(out)]
+    args = [
+        "--model",
+        "qwen3-30b-a3b",
+        "--domain",
+        "h200x8",
+        "--ep",
+        "4",
+        "--imbalance",
+        "2",
+        "--grad-dtype",
+        "bf16",
+        "--json",
+        str(out),
+    ]
     assert sim.main(args + ["--profile", str(p), "--multicast-sms", "4"]) == 0
     assert "SM budget 4 (weight_sync)" in capsys.readouterr().out
     d = json.loads(out.read_text())
-    assert d["fabric"]["sm_copy_bw"] == 10e9 and d["fabric"]["multicast_sms"] == 4 and "made-up" in d["fabric"]["profile"]
+    assert (
+        d["fabric"]["sm_copy_bw"] == 10e9 and d["fabric"]["multicast_sms"] == 4 and "made-up" in d["fabric"]["profile"]
+    )
     slow = d["rows"][0]["weight_sync_ms"]["relay"]
     assert sim.main(args + ["--profile", str(p), "--multicast-sms", "0"]) == 0  # links only: faster
     assert json.loads(out.read_text())["rows"][0]["weight_sync_ms"]["relay"] < slow

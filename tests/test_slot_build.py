@@ -4,6 +4,7 @@ plans (with and without nodes, depth limits and chunk sizes) both views get exac
 builder's task and ref bytes, this rank's plan row as ``my_slots``, its slots' parents in that
 op's tree as ``slot_parent``, the counts and the digest; a build that cannot fit its views
 writes no task and the rejected digest (peers raise PlanError instead of waiting)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -28,8 +29,15 @@ def _caps(plan, wb, gb, chunk):
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 10**6), world=st.integers(2, 48), slots=st.integers(1, 4), epr=st.integers(1, 3),
-       nodes=st.sampled_from([0, 2, 4]), chunk=st.sampled_from([16, 64, 4096]), max_depth=st.sampled_from([1, 2, 8]))
+@given(
+    seed=st.integers(0, 10**6),
+    world=st.integers(2, 48),
+    slots=st.integers(1, 4),
+    epr=st.integers(1, 3),
+    nodes=st.sampled_from([0, 2, 4]),
+    chunk=st.sampled_from([16, 64, 4096]),
+    max_depth=st.sampled_from([1, 2, 8]),
+)
 def test_views_hold_the_portable_builders_lists_on_every_rank(seed, world, slots, epr, nodes, chunk, max_depth):
     plan, node_of, wb, gb = random_problem(seed, world, slots, epr, nodes)
     tcap, rcap = _caps(plan, wb, gb, chunk)
@@ -80,8 +88,9 @@ def test_a_template_of_another_rank_is_not_written():
     slots are cleared (the 7s the test filled them with become -1: the rank's drain then waits on
     nothing) and the digest says rejected."""
     slot_src, home_of = _small()
-    got = _core.build_into_views(slot_src, home_of, None, 4096, 8192, 1024, 0, 8, 64, [100, 100], [100, 100],
-                                 view_rank=1)
+    got = _core.build_into_views(
+        slot_src, home_of, None, 4096, 8192, 1024, 0, 8, 64, [100, 100], [100, 100], view_rank=1
+    )
     assert got["status"] == K_BAD_SHAPE
     assert_rejected(got, refs=False)
 
@@ -91,8 +100,9 @@ def test_failed_inputs_are_not_built_from(upstream):
     """The loads' exchange timed out, or the planner refused the loads: the build rejects with
     that status instead of building lists from partial or stale inputs."""
     slot_src, home_of = _small()
-    got = _core.build_into_views(slot_src, home_of, None, 4096, 8192, 1024, 0, 8, 64, [100, 100], [100, 100],
-                                 upstream=upstream)
+    got = _core.build_into_views(
+        slot_src, home_of, None, 4096, 8192, 1024, 0, 8, 64, [100, 100], [100, 100], upstream=upstream
+    )
     assert got["status"] == upstream
     assert_rejected(got)
 

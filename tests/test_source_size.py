@@ -1,6 +1,7 @@
 """No file under csrc/ (C++, CUDA, headers) and no Python file under python/ is longer than 600
 lines (project standard); the API's Context (``context.py``) and the ReplicaManager
 (``moe/manager.py``) are held to 500 (issue 36)."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -2,6 +2,7 @@
 the side stream): what run() enqueues, in which order, at which addresses; device shadows only
 for the peers an op crosses to; the loopback domain's one merged sequence; bad inputs.
 (The device runs are in test_split_cuda_gpu.py.)"""
+
 from __future__ import annotations
 
 import ctypes
@@ -47,9 +48,12 @@ class FakeCuda:
         return SimpleNamespace(device=device, num_slots=num_slots)
 
     def Runner(self, device):
-        return SimpleNamespace(take_error=lambda: None,
-                               launch_slot=lambda arena, slot, op, ranks, epoch, ctas, stream, coop: self.log.append(
-                                   ("launch_all", tuple(ranks) if ranks is not None else None, epoch, ctas, stream)))
+        return SimpleNamespace(
+            take_error=lambda: None,
+            launch_slot=lambda arena, slot, op, ranks, epoch, ctas, stream, coop: self.log.append(
+                ("launch_all", tuple(ranks) if ranks is not None else None, epoch, ctas, stream)
+            ),
+        )
 
 
 class FakeTma:
@@ -146,11 +150,24 @@ def transport(rank, log, window, **kw):
     dog = SideWatchdog(rank, 5.0, lambda e: None, words=torch.zeros(5, dtype=torch.int64), autostart=False)
     drv = FakeDriver(log)
     drv.abort = dog.gate_addrs()
-    return SplitCudaTransport(comm=None, rank=rank, world=4, window=window, wlayout=WL, layout=None, num_workers=1,
-                              timeout_s=5.0, domain_of=kw.pop("domain_of", DOM),
-                              tma=FakeTma(log, rank, getattr(window, "shared", None)),
-                              drv=drv, messenger=kw.pop("messenger", FakeMessenger(log)), side=FakeSide(log), dog=dog,
-                              gates=Gates(dog.gate_addrs(), alloc=host_words), **kw)
+    return SplitCudaTransport(
+        comm=None,
+        rank=rank,
+        world=4,
+        window=window,
+        wlayout=WL,
+        layout=None,
+        num_workers=1,
+        timeout_s=5.0,
+        domain_of=kw.pop("domain_of", DOM),
+        tma=FakeTma(log, rank, getattr(window, "shared", None)),
+        drv=drv,
+        messenger=kw.pop("messenger", FakeMessenger(log)),
+        side=FakeSide(log),
+        dog=dog,
+        gates=Gates(dog.gate_addrs(), alloc=host_words),
+        **kw,
+    )
 
 
 def bracketed(t, caller, epoch, body):
@@ -197,11 +214,13 @@ def test_run_enqueues_fork_kernel_crossings_join_in_order(mode, op):
     peers = programs_2x2(mode, op)[0].peers
     assert sorted(t.shadows.views) == list(peers)  # shadows only for the peers this op crosses to
     assert all(v.numel() == WL["total_bytes"] and not v.any() for v in t.shadows.views.values())
-    table = (win.local.data_ptr(), 8192) + tuple(t.shadows.views[q].data_ptr() if q in peers else NO_SHADOW
-                                                 for q in (2, 3))
+    table = (win.local.data_ptr(), 8192) + tuple(
+        t.shadows.views[q].data_ptr() if q in peers else NO_SHADOW for q in (2, 3)
+    )
     ops = stream_program(programs_2x2(mode, op)[0], WL)
-    assert log == [("fork", 5), ("kernel", 0, int(op), 3, 5, table)] + \
-        bracketed(t, 5, 3, expected(ops, 3, win.local.data_ptr(), t.shadows.views))
+    assert log == [("fork", 5), ("kernel", 0, int(op), 3, 5, table)] + bracketed(
+        t, 5, 3, expected(ops, 3, win.local.data_ptr(), t.shadows.views)
+    )
     assert t.dog.pending() == 1
 
 
@@ -285,29 +304,58 @@ def test_the_pointer_tables_pass_the_real_bindings_plan_checks(real_cuda, monkey
     from ultracomm.transports import tma as tma_mod
 
     monkeypatch.setattr(tma_mod, "cuda_runtime", lambda device, what="": Bindings(real_cuda))
-    monkeypatch.setattr(split_cuda_mod, "DeviceShadows", lambda *a: DeviceShadows(
-        *a[:3], "cpu", alloc=lambda n, dev: torch.zeros(n, dtype=torch.uint8)))
+    monkeypatch.setattr(
+        split_cuda_mod,
+        "DeviceShadows",
+        lambda *a: DeviceShadows(*a[:3], "cpu", alloc=lambda n, dev: torch.zeros(n, dtype=torch.uint8)),
+    )
     shared: dict = {}
     ts = []
     for r in range(4):
-        win = SimpleNamespace(provider="cuda_local" if loopback else "cuda_ipc", world=4, loopback=loopback,
-                              shared=shared, local=SimpleNamespace(device=torch.device("cuda", 0)),
-                              peer_bases=[0x7000_0000_0000 + (i << 32) if loopback or DOM[i] == DOM[r] else 0
-                                          for i in range(4)])
+        win = SimpleNamespace(
+            provider="cuda_local" if loopback else "cuda_ipc",
+            world=4,
+            loopback=loopback,
+            shared=shared,
+            local=SimpleNamespace(device=torch.device("cuda", 0)),
+            peer_bases=[0x7000_0000_0000 + (i << 32) if loopback or DOM[i] == DOM[r] else 0 for i in range(4)],
+        )
         log = Log()
-        ts.append(SplitCudaTransport(comm=None, rank=r, world=4, window=win, wlayout=WL, layout=LAYOUT,
-                                     num_workers=1, timeout_s=2.0, multicast_sms=2, reduce_sms=2, domain_of=DOM,
-                                     drv=FakeDriver(log), messenger=FakeMessenger(log), side=FakeSide(log),
-                                     dog=SideWatchdog(r, 2.0, log.append, words=torch.zeros(5, dtype=torch.int64),
-                                                      autostart=False)))
+        ts.append(
+            SplitCudaTransport(
+                comm=None,
+                rank=r,
+                world=4,
+                window=win,
+                wlayout=WL,
+                layout=LAYOUT,
+                num_workers=1,
+                timeout_s=2.0,
+                multicast_sms=2,
+                reduce_sms=2,
+                domain_of=DOM,
+                drv=FakeDriver(log),
+                messenger=FakeMessenger(log),
+                side=FakeSide(log),
+                dog=SideWatchdog(r, 2.0, log.append, words=torch.zeros(5, dtype=torch.int64), autostart=False),
+            )
+        )
     assert [t.tma.multicast_sms for t in ts] == [2] * 4  # below the NCCL reserve's cap (132 - 16 SMs)
-    w = (torch.zeros((1, 64), dtype=torch.float32), )
+    w = (torch.zeros((1, 64), dtype=torch.float32),)
     masters = Masters.of(w, w, 1, ["w"])
     for op in (Op.MULTICAST, Op.REDUCE):
         with pytest.raises(RuntimeError) as ei:
             for t in ts:  # a loopback set reaches the binding at its last rank
-                t.run(op, schedule("force"), 1, masters, PLAN.slot_src[t.rank].tolist(),
-                      PLAN.local_index_of.tolist(), "x", 0)
+                t.run(
+                    op,
+                    schedule("force"),
+                    1,
+                    masters,
+                    PLAN.slot_src[t.rank].tolist(),
+                    PLAN.local_index_of.tolist(),
+                    "x",
+                    0,
+                )
         assert_reached_cuda(ei)
     assert ts[0].tma._bases[2] == ts[0].shadows.views[2].data_ptr() and ts[0].tma._bases[3] == NO_SHADOW
     assert all(b != 0 and b % 8 == 0 for t in ts for b in t.tma._bases)

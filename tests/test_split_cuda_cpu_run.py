@@ -4,6 +4,7 @@ thread per rank over the same pointer table the kernel would get) and the side s
 driver that executes each stream operation as it is enqueued (one FIFO stream).  The bytes --
 replica weights, relays' partials, master grads -- must equal the host executor's over real
 windows."""
+
 from __future__ import annotations
 
 import ctypes
@@ -108,8 +109,16 @@ class HostKernel:
         bases = list(self._bases)
 
         def start(epoch):
-            host = HostTransport(rank=self.rank, world=len(bases), window=self.window, wlayout=self.wlayout,
-                                 layout=self.layout, num_workers=2, timeout_s=TIMEOUT_S, peer_bases=bases)
+            host = HostTransport(
+                rank=self.rank,
+                world=len(bases),
+                window=self.window,
+                wlayout=self.wlayout,
+                layout=self.layout,
+                num_workers=2,
+                timeout_s=TIMEOUT_S,
+                peer_bases=bases,
+            )
             self.runs.start(host.run, op, schedule, epoch, masters, my_slots, local_index_of)
 
         return ("key", self.rank), start
@@ -135,13 +144,14 @@ def masters_of(layout, rank, epr, seed):
 def fill_grads(loc, wl, rank, seed):
     gen = torch.Generator().manual_seed(seed * 31 + rank)
     n = wl["grad_stride"] * wl["slots"] // 4
-    loc[wl["grads_off"]:wl["grads_off"] + 4 * n].view(torch.float32).copy_(torch.randn(n, generator=gen))
+    loc[wl["grads_off"] : wl["grads_off"] + 4 * n].view(torch.float32).copy_(torch.randn(n, generator=gen))
 
 
 def run(world, plan, layout, epr, mode, node_of, dom, split: bool):
     wl = _core.window_layout(plan.slots_per_rank, layout.weight_bytes, layout.grad_bytes, 128)
-    sched = build_schedule(plan, layout.weight_bytes, layout.grad_bytes, chunk_bytes=128, relay_mode=mode,
-                           node_of=node_of)
+    sched = build_schedule(
+        plan, layout.weight_bytes, layout.grad_bytes, chunk_bytes=128, relay_mode=mode, node_of=node_of
+    )
     locs, bases = windows(world, wl)
     ms = [masters_of(layout, r, epr, 5) for r in range(world)]
     slots = [plan.slot_src[r].tolist() for r in range(world)]
@@ -152,18 +162,35 @@ def run(world, plan, layout, epr, mode, node_of, dom, split: bool):
     shared: dict = {}
     ts = []
     for r in range(world):
-        win = SimpleNamespace(local=locs[r], peer_bases=list(bases), loopback=True, shared=shared, world=world,
-                              provider="fake")
+        win = SimpleNamespace(
+            local=locs[r], peer_bases=list(bases), loopback=True, shared=shared, world=world, provider="fake"
+        )
         if split:
             dog = SideWatchdog(r, TIMEOUT_S, lambda e: None, words=torch.zeros(5, dtype=torch.int64), autostart=False)
-            ts.append(SplitCudaTransport(
-                comm=None, rank=r, world=world, window=win, wlayout=wl, layout=layout, num_workers=1,
-                timeout_s=TIMEOUT_S, domain_of=dom, tma=HostKernel(r, win, wl, layout, runs), drv=NowDriver(),
-                side=SimpleNamespace(fork=lambda s: None, get=lambda: (0, None), close=lambda: None),
-                dog=dog, gates=Gates(dog.gate_addrs(), alloc=lambda n: torch.zeros(n, dtype=torch.int64))))
+            ts.append(
+                SplitCudaTransport(
+                    comm=None,
+                    rank=r,
+                    world=world,
+                    window=win,
+                    wlayout=wl,
+                    layout=layout,
+                    num_workers=1,
+                    timeout_s=TIMEOUT_S,
+                    domain_of=dom,
+                    tma=HostKernel(r, win, wl, layout, runs),
+                    drv=NowDriver(),
+                    side=SimpleNamespace(fork=lambda s: None, get=lambda: (0, None), close=lambda: None),
+                    dog=dog,
+                    gates=Gates(dog.gate_addrs(), alloc=lambda n: torch.zeros(n, dtype=torch.int64)),
+                )
+            )
         else:
-            ts.append(HostTransport(rank=r, world=world, window=win, wlayout=wl, layout=layout, num_workers=2,
-                                    timeout_s=TIMEOUT_S))
+            ts.append(
+                HostTransport(
+                    rank=r, world=world, window=win, wlayout=wl, layout=layout, num_workers=2, timeout_s=TIMEOUT_S
+                )
+            )
     out = []
     for epoch, op in ((1, Op.MULTICAST), (2, Op.REDUCE)):
         if split:
@@ -173,7 +200,7 @@ def run(world, plan, layout, epr, mode, node_of, dom, split: bool):
             for r in range(world):
                 runs.start(ts[r].run, op, sched, epoch, ms[r][0], slots[r], lio)
         runs.join()
-        out.append([loc[:wl["ready_off"]].clone() for loc in locs])
+        out.append([loc[: wl["ready_off"]].clone() for loc in locs])
     out.append([torch.cat([g.reshape(-1).view(torch.uint8) for g in ms[r][1]]) for r in range(world)])
     if split:
         assert any(t.shadows.views for t in ts)  # chunks crossed domains
@@ -191,8 +218,11 @@ CASES = [  # world, domain index per rank, node_of, relay mode, grad dtype
 @pytest.mark.parametrize("world,dom,node_of,mode,grad_dtype", CASES)
 def test_the_cuda_splits_loopback_path_gives_the_host_executors_bytes(which, world, dom, node_of, mode, grad_dtype):
     layout, epr, slots = layout_of(grad_dtype), 2, 3
-    src = (hot_slot_src(world, slots, epr, expert=1) if which == "hot"
-           else random_slot_src(np.random.default_rng(world + len(mode)), world, slots, epr, 0.9))
+    src = (
+        hot_slot_src(world, slots, epr, expert=1)
+        if which == "hot"
+        else random_slot_src(np.random.default_rng(world + len(mode)), world, slots, epr, 0.9)
+    )
     plan = ReplicaPlan.make(src, experts_per_rank=epr)
     want = run(world, plan, layout, epr, mode, node_of, dom, split=False)
     got = run(world, plan, layout, epr, mode, node_of, dom, split=True)

@@ -12,6 +12,7 @@ its own process (tests/mp/).
 Device-only (``gpu`` marker; scripts/gpu_check.sh runs them).  As with tma, one thread drives
 every loopback rank on one stream.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,12 +25,17 @@ from ultracomm import Context, ExpertLayout, LoopbackDomain, Member, PlanError, 
 
 import gpu_worker
 from conftest import expert_weights, hot_slot_src, random_slot_src
-from test_copy_engine_gpu import assert_refuses_capture, fill_replica_grads, host_reference  # the copy_engine gpu test's grads and reference
+from test_copy_engine_gpu import (
+    assert_refuses_capture,
+    fill_replica_grads,
+    host_reference,
+)  # the copy_engine gpu test's grads and reference
 
 pytestmark = pytest.mark.gpu
 
-LAYOUT = ExpertLayout((Member("fc1", (40, 24), torch.bfloat16), Member("fc2", (56,), torch.bfloat16)),
-                      grad_dtype=torch.float32)
+LAYOUT = ExpertLayout(
+    (Member("fc1", (40, 24), torch.bfloat16), Member("fc2", (56,), torch.bfloat16)), grad_dtype=torch.float32
+)
 
 
 def make(world, epr, slots, transport, mode, domain, node_of, grad_dtype=torch.float32):
@@ -84,8 +90,11 @@ CASES = [  # world, domains, node_of, relay mode, grad dtype, plan (kept small: 
 @pytest.mark.parametrize("world,domain,node_of,mode,grad_dtype,which", CASES)
 def test_split_on_the_gpu_matches_the_host_executor_bit_for_bit(world, domain, node_of, mode, grad_dtype, which):
     epr, slots = 2, 2
-    src = (random_slot_src(np.random.default_rng(7), world, slots, epr, fill=1.0) if which == "random"
-           else hot_slot_src(world, slots, epr, expert=1))
+    src = (
+        random_slot_src(np.random.default_rng(7), world, slots, epr, fill=1.0)
+        if which == "random"
+        else hot_slot_src(world, slots, epr, expert=1)
+    )
     plan = ReplicaPlan.make(src, experts_per_rank=epr)
     hosts, hgrads = make(world, epr, slots, "host", mode, None, node_of, grad_dtype)
     want = run_all(hosts, hgrads, plan, host=True)
@@ -133,8 +142,12 @@ def test_a_stalled_cross_domain_rank_is_a_named_timeout_and_the_callers_stream_i
     p = gpu_worker.run_worker("split_cuda_stall_worker.py")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
-    named = [e for e in out["errors"] if e and e.startswith(("TimeoutError: ultracomm: rank 2 weight_sync",
-                                                             "TimeoutError: ultracomm: rank 3 weight_sync"))]
+    named = [
+        e
+        for e in out["errors"]
+        if e
+        and e.startswith(("TimeoutError: ultracomm: rank 2 weight_sync", "TimeoutError: ultracomm: rank 3 weight_sync"))
+    ]
     assert named and "rank 0" in named[0], out["errors"]  # it waited for rank 0's chunk across domains
     assert all(e is not None for e in out["errors"])  # every loopback rank learns of the failure
     assert 2.0 <= out["waited"] < 12.0  # released by the watchdog at the timeout (issue 35: no longer twice it)
@@ -154,15 +167,17 @@ def test_split_failure_returns_a_named_error_near_its_deadline_then_the_device_s
     gpu_worker.record(f"split/{case}", out)
     assert out["synced"] and out["sync_s"] < 1.0, out
     if case == "mismatch":
-        assert all(e["plan_error"] and "runs a different plan for this operation" in e["error"]
-                   for e in out["errors"]), out
+        assert all(
+            e["plan_error"] and "runs a different plan for this operation" in e["error"] for e in out["errors"]
+        ), out
         assert out["late_s"] < 0.0, out
     else:
         for r in (2, 3):  # both receivers: a timeout naming rank 0, whose chunk (or header) they waited for --
             e = out["errors"][r]  # their kernel's, or the domain's side-stream watchdog's if that was recorded first
             text = e["error"].split(": ", 1)[1]
-            assert e["timeout"] and (text.startswith(f"ultracomm: rank {r} weight_sync")
-                                     or "transport split, side stream)" in text), out
+            assert e["timeout"] and (
+                text.startswith(f"ultracomm: rank {r} weight_sync") or "transport split, side stream)" in text
+            ), out
             assert "rank 0" in text, out
         assert -0.001 <= out["late_s"] <= 0.010, out
         assert out["later_work"] and any(out["released"]) and out["closed"], out

@@ -7,6 +7,7 @@ simulated side stream (a thread running what was enqueued, a fake NCCL group who
 receives block until it is aborted): a dead peer's blocked receive returns after the abort, the
 gates behind it leave their waits and write nothing, and the caller gets UltracommTimeout naming
 the message it waited for."""
+
 from __future__ import annotations
 
 import ctypes
@@ -21,7 +22,16 @@ import torch
 from ultracomm import UltracommError, UltracommTimeout, _core
 from ultracomm.records import Op
 from ultracomm.transports.split import cuda as split_cuda
-from ultracomm.transports.split.cuda_watchdog import ABORT, DONE, OPEN, PROGRESS, SKIP, STARTED, SideWatchdog, progress_value
+from ultracomm.transports.split.cuda_watchdog import (
+    ABORT,
+    DONE,
+    OPEN,
+    PROGRESS,
+    SKIP,
+    STARTED,
+    SideWatchdog,
+    progress_value,
+)
 from ultracomm.transports.split.cuda_gates import Gates, gate_args, gated, run_gate_on_host
 from ultracomm.transports.split.cuda_movers import NcclMessenger, abort_group
 from ultracomm.transports.split.stream import OWN, RECV, SEND, WAIT_GE, WRITE, Ref, StreamOp, stream_program
@@ -41,8 +51,7 @@ class Clock:
 
 
 def dog_of(clock, failures):
-    return SideWatchdog(0, 5.0, failures.append, words=torch.zeros(5, dtype=torch.int64), clock=clock,
-                        autostart=False)
+    return SideWatchdog(0, 5.0, failures.append, words=torch.zeros(5, dtype=torch.int64), clock=clock, autostart=False)
 
 
 def test_done_retires_and_the_clock_starts_when_the_side_stream_reached_the_op():
@@ -75,9 +84,11 @@ def test_past_the_timeout_it_names_the_stuck_message_and_releases_the_join():
     assert dog.released() and int(dog.words[SKIP]) == int(dog.words[OPEN]) == 1  # no group: both at once
     msg = str(failures[0])
     assert isinstance(failures[0], UltracommTimeout)
-    assert msg.startswith("ultracomm: rank 0 weight_sync (epoch 7, transport split, side stream) gave up after 5 s "
-                          "sending message 5 of 6: multicast expert 0 chunk 0 (bytes [0, 128) of slot 0) rank 0 -> "
-                          "rank 2 (peer rank 2); the other end never took part")
+    assert msg.startswith(
+        "ultracomm: rank 0 weight_sync (epoch 7, transport split, side stream) gave up after 5 s "
+        "sending message 5 of 6: multicast expert 0 chunk 0 (bytes [0, 128) of slot 0) rank 0 -> "
+        "rank 2 (peer rank 2); the other end never took part"
+    )
     dog.poll()
     assert len(failures) == 1  # once
 
@@ -160,9 +171,11 @@ def test_a_failed_enqueue_abandons_the_side_stream_and_releases_the_join():
     log = Log()
     t = transport(0, log, window_of(0))
     t.messenger = FailingMessenger()
-    with pytest.raises(split_cuda.UltracommError,
-                       match=r"rank 0 weight_sync \(epoch 3, transport split\): enqueueing the side stream failed "
-                             r"\(RuntimeError: NCCL error: unhandled system error\)"):
+    with pytest.raises(
+        split_cuda.UltracommError,
+        match=r"rank 0 weight_sync \(epoch 3, transport split\): enqueueing the side stream failed "
+        r"\(RuntimeError: NCCL error: unhandled system error\)",
+    ):
         t.run(Op.MULTICAST, schedule("force"), 3, None, [-1], [0], "weight_sync", 5)
     # nothing waits for the half-queued op: released join, no pending op, streams reported abandoned
     assert int(t.dog.words[DONE]) == ABORT and t.dog.pending() == 0 and t.abandoned_streams()
@@ -308,20 +321,36 @@ class SimMessenger(NcclMessenger):
 def sim_transport(rank, order, kernel_error=None):
     side = SimSide()
     win = window_of(rank)
-    dog = SideWatchdog(rank, 5.0, lambda e: None, words=torch.zeros(5, dtype=torch.int64), clock=Clock(),
-                       autostart=False)
+    dog = SideWatchdog(
+        rank, 5.0, lambda e: None, words=torch.zeros(5, dtype=torch.int64), clock=Clock(), autostart=False
+    )
     group = FakeGroup(order)
     tma = FakeTma(Log(), rank)
     if kernel_error is not None:
+
         def check_error():
             raise kernel_error
+
         tma.check_error = check_error
     t = split_cuda.SplitCudaTransport(
-        comm=None, rank=rank, world=4, window=win, wlayout=WL, layout=None, num_workers=1, timeout_s=5.0,
-        domain_of=DOM, tma=tma, drv=SimDriver(side, order), messenger=SimMessenger(group, side), side=side,
-        dog=dog, gates=Gates(dog.gate_addrs(), alloc=lambda n: torch.zeros(n, dtype=torch.int64)))
+        comm=None,
+        rank=rank,
+        world=4,
+        window=win,
+        wlayout=WL,
+        layout=None,
+        num_workers=1,
+        timeout_s=5.0,
+        domain_of=DOM,
+        tma=tma,
+        drv=SimDriver(side, order),
+        messenger=SimMessenger(group, side),
+        side=side,
+        dog=dog,
+        gates=Gates(dog.gate_addrs(), alloc=lambda n: torch.zeros(n, dtype=torch.int64)),
+    )
     dog.on_failure = t._on_dog_failure
-    win.local[WL["ready_off"]:WL["ready_off"] + 8].view(torch.int64)[0] = 3  # the kernel joined epoch 3
+    win.local[WL["ready_off"] : WL["ready_off"] + 8].view(torch.int64)[0] = 3  # the kernel joined epoch 3
     return t, side, group
 
 
@@ -331,11 +360,16 @@ def wait_until(cond, what):
         waiting()
 
 
-@pytest.mark.parametrize("rank,awaited", [
-    (0, "sending message 1 of 6: header (digest) rank 0 -> rank 2 (peer rank 2)"),
-    (2, "receiving message 1 of 6: header (digest) rank 0 -> rank 2 (peer rank 0)")])
+@pytest.mark.parametrize(
+    "rank,awaited",
+    [
+        (0, "sending message 1 of 6: header (digest) rank 0 -> rank 2 (peer rank 2)"),
+        (2, "receiving message 1 of 6: header (digest) rank 0 -> rank 2 (peer rank 0)"),
+    ],
+)
 def test_a_dead_peer_the_watchdog_aborts_the_group_the_side_stream_drains_and_the_caller_gets_a_named_timeout(
-        rank, awaited):
+    rank, awaited
+):
     order: list = []
     t, side, group = sim_transport(rank, order)
     t.run(Op.MULTICAST, schedule("force"), 3, None, [-1], [0], "weight_sync", 5)
@@ -354,7 +388,7 @@ def test_a_dead_peer_the_watchdog_aborts_the_group_the_side_stream_drains_and_th
     assert not side.errors
     # the group abort came before any gate left its wait, and nothing claims a chunk arrived
     assert order[0] == "abort" and order.count("abort") == 1
-    arrivals = t.window.local[WL["arrival_off"]:WL["arrival_off"] + 16].view(torch.int64)
+    arrivals = t.window.local[WL["arrival_off"] : WL["arrival_off"] + 16].view(torch.int64)
     assert arrivals.tolist() == [0, 0]
     if rank == 0:  # its kernel never copied the chunks into the shadow: both chunk waits were released
         assert order.count("wait released") == 2 and "write skipped" not in order
@@ -364,8 +398,9 @@ def test_a_dead_peer_the_watchdog_aborts_the_group_the_side_stream_drains_and_th
     assert int(t.dog.words[DONE]) == ABORT  # the side stream's late done write does not lower the join
     with pytest.raises(UltracommTimeout) as ei:
         t.check_error()
-    assert f"rank {rank} weight_sync (epoch 3, transport split, side stream) gave up after 5 s {awaited}" \
-        in str(ei.value)
+    assert f"rank {rank} weight_sync (epoch 3, transport split, side stream) gave up after 5 s {awaited}" in str(
+        ei.value
+    )
     t.check_error()  # once
     assert t.abandoned_streams()
     t.close()  # keeps what the failed side stream may use (the group: aborted, not destroyed)
@@ -396,8 +431,15 @@ def test_an_abort_that_does_not_return_still_opens_the_gates_within_the_grace():
         started.set()
         assert unblock.wait(20.0)
 
-    dog = SideWatchdog(0, 5.0, lambda e: None, words=torch.zeros(5, dtype=torch.int64), autostart=False,
-                       abort_group=stuck_abort, grace_s=0.05)
+    dog = SideWatchdog(
+        0,
+        5.0,
+        lambda e: None,
+        words=torch.zeros(5, dtype=torch.int64),
+        autostart=False,
+        abort_group=stuck_abort,
+        grace_s=0.05,
+    )
     dog.add(3, "weight_sync", OPS)
     t0 = time.monotonic()
     dog.abandon(UltracommTimeout("x"))
@@ -414,12 +456,15 @@ def test_an_abort_that_raises_is_logged_and_the_gates_open(caplog):
     def failing():
         raise RuntimeError("NCCL error: invalid usage")
 
-    dog = SideWatchdog(1, 5.0, lambda e: None, words=torch.zeros(5, dtype=torch.int64), autostart=False,
-                       abort_group=failing)
+    dog = SideWatchdog(
+        1, 5.0, lambda e: None, words=torch.zeros(5, dtype=torch.int64), autostart=False, abort_group=failing
+    )
     with caplog.at_level("WARNING", logger="ultracomm"):
         dog.abandon(UltracommTimeout("x"))
     assert dog.released() and isinstance(dog.abort_error, RuntimeError)
-    assert "rank 1: aborting the side stream's NCCL group failed: RuntimeError: NCCL error: invalid usage" in caplog.text
+    assert (
+        "rank 1: aborting the side stream's NCCL group failed: RuntimeError: NCCL error: invalid usage" in caplog.text
+    )
 
 
 def test_abort_group_uses_what_this_torch_offers():
@@ -439,16 +484,31 @@ def test_abort_group_uses_what_this_torch_offers():
     m.close()  # an aborted group is not destroyed (destroy_process_group would shut its gone communicators down)
     assert m.group is None
     if hasattr(torch.distributed, "ProcessGroup"):  # the installed torch has the method abort_group calls first
-        assert hasattr(torch.distributed.ProcessGroup, "abort") or hasattr(torch.distributed.ProcessGroup, "_get_backend")
+        assert hasattr(torch.distributed.ProcessGroup, "abort") or hasattr(
+            torch.distributed.ProcessGroup, "_get_backend"
+        )
 
 
 def test_the_gates_group_waits_then_writes_and_never_move_a_wait_before_a_write():
-    ops = [StreamOp(WAIT_GE, Ref(OWN, 8)), StreamOp(WAIT_GE, Ref(OWN, 16)), StreamOp(SEND, Ref(OWN, 0), 2, 8),
-           StreamOp(RECV, Ref(OWN, 24), 2, 8), StreamOp(WRITE, Ref(OWN, 32)), StreamOp(WAIT_GE, Ref(OWN, 40)),
-           StreamOp(WRITE, Ref(OWN, 48)), StreamOp(WRITE, Ref(OWN, 56))]
+    ops = [
+        StreamOp(WAIT_GE, Ref(OWN, 8)),
+        StreamOp(WAIT_GE, Ref(OWN, 16)),
+        StreamOp(SEND, Ref(OWN, 0), 2, 8),
+        StreamOp(RECV, Ref(OWN, 24), 2, 8),
+        StreamOp(WRITE, Ref(OWN, 32)),
+        StreamOp(WAIT_GE, Ref(OWN, 40)),
+        StreamOp(WRITE, Ref(OWN, 48)),
+        StreamOp(WRITE, Ref(OWN, 56)),
+    ]
     steps = gated(ops, lambda o: 1000 + o.ref.off)
-    assert steps == [("gate", (1008, 1016), ()), ("op", ops[2]), ("op", ops[3]), ("gate", (), (1032,)),
-                     ("gate", (1040,), ()), ("gate", (), (1048, 1056))]
+    assert steps == [
+        ("gate", (1008, 1016), ()),
+        ("op", ops[2]),
+        ("op", ops[3]),
+        ("gate", (), (1032,)),
+        ("gate", (1040,), ()),
+        ("gate", (), (1048, 1056)),
+    ]
     g = Gates((0x5000, 0x6000), alloc=lambda n: torch.zeros(n, dtype=torch.int64))
     out = g.steps(ops, lambda o: 1000 + o.ref.off)
     assert g.steps(ops, lambda o: 1000 + o.ref.off) is out  # cached per (ops, addresses)

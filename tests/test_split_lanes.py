@@ -1,6 +1,7 @@
 """The split transport's bridge per op: two lane threads kept for the transport's life (none
 started per op), a header with a peer only when the op's plan changed, receives posted before
 the interpreter starts -- and the same bytes as before (exact weights, exact sums)."""
+
 from __future__ import annotations
 
 import threading
@@ -27,8 +28,18 @@ def test_headers_only_when_the_plan_changes_and_bytes_stay_exact():
 
     def body(group):
         r = group.rank
-        ctx = Context(group, LAYOUT, EPR, SLOTS, num_layers=1, transport="split", window="local", domain="a,a,b,b",
-                      timeout_s=30.0, split_route="split")  # the bridge's route (small experts: auto sends messages)
+        ctx = Context(
+            group,
+            LAYOUT,
+            EPR,
+            SLOTS,
+            num_layers=1,
+            transport="split",
+            window="local",
+            domain="a,a,b,b",
+            timeout_s=30.0,
+            split_route="split",
+        )  # the bridge's route (small experts: auto sends messages)
         headers: list[int] = []
         real = ctx.transport.messenger.exchange
 
@@ -37,8 +48,15 @@ def test_headers_only_when_the_plan_changes_and_bytes_stay_exact():
             return real(ops)
 
         ctx.transport.messenger.exchange = spy
-        ws = [torch.stack([torch.arange(m.numel, dtype=torch.float32).reshape(m.shape) + 100 * (r * EPR + i) + j
-                           for i in range(EPR)]) for j, m in enumerate(LAYOUT.members)]
+        ws = [
+            torch.stack(
+                [
+                    torch.arange(m.numel, dtype=torch.float32).reshape(m.shape) + 100 * (r * EPR + i) + j
+                    for i in range(EPR)
+                ]
+            )
+            for j, m in enumerate(LAYOUT.members)
+        ]
         gs = [torch.zeros_like(w) for w in ws]
         ctx.register_masters(0, ws, gs)
         lanes_before = {t.name for t in threading.enumerate() if t.name.startswith(f"ultracomm-bridge-r{r}-")}
@@ -104,24 +122,33 @@ def test_direct_plans_cover_every_path_of_the_bit_exact_cases():
     for world, domain, node_of, mode, grad_dtype in CASES:
         layout, epr, slots = layout_of(grad_dtype), 2, 3
         rng = np.random.default_rng(world * 13 + len(mode))
-        plans = [ReplicaPlan.make(hot_slot_src(world, slots, epr, expert=1), experts_per_rank=epr)] + \
-                [ReplicaPlan.make(random_slot_src(rng, world, slots, epr, 0.9), experts_per_rank=epr) for _ in range(2)]
+        plans = [ReplicaPlan.make(hot_slot_src(world, slots, epr, expert=1), experts_per_rank=epr)] + [
+            ReplicaPlan.make(random_slot_src(rng, world, slots, epr, 0.9), experts_per_rank=epr) for _ in range(2)
+        ]
         dom = domains.domain_of(domain.split(","))
         for plan in plans:
-            sched = build_schedule(plan, layout.weight_bytes, layout.grad_bytes, chunk_bytes=128, relay_mode=mode,
-                                   node_of=node_of)
-            for op, nbytes, mo, mb in ((Op.MULTICAST, layout.weight_bytes, layout.weight_offsets, layout.weight_sizes),
-                                       (Op.REDUCE, layout.grad_bytes, layout.grad_offsets, layout.grad_sizes)):
+            sched = build_schedule(
+                plan, layout.weight_bytes, layout.grad_bytes, chunk_bytes=128, relay_mode=mode, node_of=node_of
+            )
+            for op, nbytes, mo, mb in (
+                (Op.MULTICAST, layout.weight_bytes, layout.weight_offsets, layout.weight_sizes),
+                (Op.REDUCE, layout.grad_bytes, layout.grad_offsets, layout.grad_sizes),
+            ):
                 for r in range(world):
                     tasks, refs = sched.tasks(op, r), sched.refs(op, r)
-                    prog = build_bridge_program(op, sched, r, tasks, refs, plan.slot_src.numpy(), plan.home_of.numpy(),
-                                                dom, 128, nbytes)
+                    prog = build_bridge_program(
+                        op, sched, r, tasks, refs, plan.slot_src.numpy(), plan.home_of.numpy(), dom, 128, nbytes
+                    )
                     d = build_direct_plan(prog, sched, tasks, refs, dom, list(mo), list(mb))
                     for k in seen[op]:
                         seen[op][k] += len(getattr(d, k))
                     # every crossing is moved by exactly one path; segments lie inside its chunk
-                    assert sorted(p.x.tag * 64 + p.x.dst for p in d.early_sends + d.lane_sends) == sorted(x.tag * 64 + x.dst for x in prog.sends)
-                    assert sorted(p.x.tag * 64 + p.x.src for p in d.early_recvs + d.lane_recvs) == sorted(x.tag * 64 + x.src for x in prog.recvs)
+                    assert sorted(p.x.tag * 64 + p.x.dst for p in d.early_sends + d.lane_sends) == sorted(
+                        x.tag * 64 + x.dst for x in prog.sends
+                    )
+                    assert sorted(p.x.tag * 64 + p.x.src for p in d.early_recvs + d.lane_recvs) == sorted(
+                        x.tag * 64 + x.src for x in prog.recvs
+                    )
                     for p in d.early_sends + d.lane_sends + d.early_recvs + d.lane_recvs:
                         assert p.segs and all(p.x.lo <= lo < hi <= p.x.hi for _, lo, hi in p.segs)
                     if op == Op.MULTICAST:  # the interpreter keeps only refs inside the domain

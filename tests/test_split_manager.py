@@ -3,6 +3,7 @@ loads, plan and the portable schedule builder run on the host, ``ultracomm.sched
 every master gradient and every replica weight equals the ``host`` transport's, bit for bit, on
 each route (issue 32 item 7: the portable schedule's stats had no ``inter_egress`` /
 ``inter_ingress``, which the split transport's route choice reads -- KeyError at the first step)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -24,10 +25,12 @@ def train_rank(group, transport: str, route: str, node_of):
     ``runs``: per transport op ``(op, route, crosses domains, schedule type)``."""
     from ultracomm.moe import ReplicaManager, linear
 
-    opts = dict(transport="split", domain="a,a,b,b", split_route=route) if transport == "split" else \
-        dict(transport="host")
-    mgr = ReplicaManager(group, mh.layout(), EPR, K, LAYERS, max_microbatches=2, node_of=node_of, window="local",
-                         timeout_s=30, **opts)  # planner: the default (device control plane)
+    opts = (
+        dict(transport="split", domain="a,a,b,b", split_route=route) if transport == "split" else dict(transport="host")
+    )
+    mgr = ReplicaManager(
+        group, mh.layout(), EPR, K, LAYERS, max_microbatches=2, node_of=node_of, window="local", timeout_s=30, **opts
+    )  # planner: the default (device control plane)
     runs = []
     t = mgr.ctx.transport
     real_run = t.run
@@ -69,8 +72,9 @@ def train(transport: str, route: str = "auto", node_of=None):
     return LoopbackDomain(WORLD).run(lambda g: train_rank(g, transport, route, node_of), timeout=240)
 
 
-@pytest.mark.parametrize("route,node_of", [("auto", None), ("split", None), ("split", [0, 0, 1, 1]),
-                                           ("messages", [0, 0, 1, 1])])
+@pytest.mark.parametrize(
+    "route,node_of", [("auto", None), ("split", None), ("split", [0, 0, 1, 1]), ("messages", [0, 0, 1, 1])]
+)
 def test_manager_on_split_with_the_default_planner_matches_the_host_transport(route, node_of):
     host = train("host", node_of=node_of)
     split = train("split", route, node_of)

@@ -2,6 +2,7 @@
 exact records for small 2x2 schedules, the order argument under a rendezvous model, and the
 stream lists executed beside the real host interpreter (tests/split_stream_sim.py) giving the
 host executor's bytes; a wrong order is caught as a deadlock, not by a timer."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -13,8 +14,18 @@ from ultracomm.records import Op
 from ultracomm.schedule import build_schedule
 from ultracomm.transports import split as split_mod
 from ultracomm.transports.split.bridge_program import Crossing, build_bridge_program
-from ultracomm.transports.split.stream import (COPY, OWN, RECV, SEND, WAIT_GE, WRITE, loopback_sequence, messages,
-                                               rank_stream, stream_program)
+from ultracomm.transports.split.stream import (
+    COPY,
+    OWN,
+    RECV,
+    SEND,
+    WAIT_GE,
+    WRITE,
+    loopback_sequence,
+    messages,
+    rank_stream,
+    stream_program,
+)
 
 from conftest import hot_slot_src, random_slot_src
 from split_stream_sim import SimHub, StreamDeadlock, run_key_model, streams_of
@@ -35,8 +46,12 @@ def programs_2x2(mode: str, op: Op):
     """Expert 0 (home rank 0) on ranks 2 and 3; domains {0, 1} and {2, 3}."""
     plan = ReplicaPlan.make(np.array([[-1], [-1], [0], [0]], dtype=np.int32), experts_per_rank=1)
     s = build_schedule(plan, 256, 256, chunk_bytes=128, relay_mode=mode, node_of=[0, 0, 1, 1])
-    return [build_bridge_program(op, s, r, s.tasks(op, r), s.refs(op, r), plan.slot_src.numpy(),
-                                 plan.home_of.numpy(), DOM, 128, 256) for r in range(4)]
+    return [
+        build_bridge_program(
+            op, s, r, s.tasks(op, r), s.refs(op, r), plan.slot_src.numpy(), plan.home_of.numpy(), DOM, 128, 256
+        )
+        for r in range(4)
+    ]
 
 
 def records(ops):
@@ -55,11 +70,17 @@ def test_multicast_relay_records():
     p = programs_2x2("force", Op.MULTICAST)
     assert [x.peers for x in p] == [(2,), (), (0,), ()]
     assert records(stream_program(p[0], WL)) == header(0, 2, 512, 528, True) + [
-        (WAIT_GE, 2, 576, -1, 0), (SEND, 2, 0, 2, 128),      # arrival in the shadow of 2, chunk 0 from it
-        (WAIT_GE, 2, 584, -1, 0), (SEND, 2, 128, 2, 128)]
+        (WAIT_GE, 2, 576, -1, 0),
+        (SEND, 2, 0, 2, 128),  # arrival in the shadow of 2, chunk 0 from it
+        (WAIT_GE, 2, 584, -1, 0),
+        (SEND, 2, 128, 2, 128),
+    ]
     assert records(stream_program(p[2], WL)) == header(2, 0, 512, 528, False) + [
-        (RECV, OWN, 0, 0, 128), (WRITE, OWN, 576, -1, 0),    # into the real slot, then own arrival
-        (RECV, OWN, 128, 0, 128), (WRITE, OWN, 584, -1, 0)]
+        (RECV, OWN, 0, 0, 128),
+        (WRITE, OWN, 576, -1, 0),  # into the real slot, then own arrival
+        (RECV, OWN, 128, 0, 128),
+        (WRITE, OWN, 584, -1, 0),
+    ]
     assert stream_program(p[1], WL) == [] and stream_program(p[3], WL) == []
 
 
@@ -67,12 +88,27 @@ def test_multicast_direct_records():
     p = programs_2x2("off", Op.MULTICAST)
     assert [x.peers for x in p] == [(2, 3), (), (0,), (0,)]
     assert records(stream_program(p[0], WL)) == (
-        header(0, 2, 512, 528, True)[:3] + header(0, 3, 512, 528, True)[:3] +
-        header(0, 2, 512, 528, True)[3:] + header(0, 3, 512, 528, True)[3:] + [
-            (WAIT_GE, 2, 576, -1, 0), (SEND, 2, 0, 2, 128), (WAIT_GE, 3, 576, -1, 0), (SEND, 3, 0, 3, 128),
-            (WAIT_GE, 2, 584, -1, 0), (SEND, 2, 128, 2, 128), (WAIT_GE, 3, 584, -1, 0), (SEND, 3, 128, 3, 128)])
+        header(0, 2, 512, 528, True)[:3]
+        + header(0, 3, 512, 528, True)[:3]
+        + header(0, 2, 512, 528, True)[3:]
+        + header(0, 3, 512, 528, True)[3:]
+        + [
+            (WAIT_GE, 2, 576, -1, 0),
+            (SEND, 2, 0, 2, 128),
+            (WAIT_GE, 3, 576, -1, 0),
+            (SEND, 3, 0, 3, 128),
+            (WAIT_GE, 2, 584, -1, 0),
+            (SEND, 2, 128, 2, 128),
+            (WAIT_GE, 3, 584, -1, 0),
+            (SEND, 3, 128, 3, 128),
+        ]
+    )
     assert records(stream_program(p[3], WL)) == header(3, 0, 512, 528, False) + [
-        (RECV, OWN, 0, 0, 128), (WRITE, OWN, 576, -1, 0), (RECV, OWN, 128, 0, 128), (WRITE, OWN, 584, -1, 0)]
+        (RECV, OWN, 0, 0, 128),
+        (WRITE, OWN, 576, -1, 0),
+        (RECV, OWN, 128, 0, 128),
+        (WRITE, OWN, 584, -1, 0),
+    ]
 
 
 def test_reduce_relay_records():
@@ -80,32 +116,60 @@ def test_reduce_relay_records():
     p = programs_2x2("force", Op.REDUCE)
     assert [x.peers for x in p] == [(2,), (), (0,), ()]
     assert records(stream_program(p[0], WL)) == header(0, 2, 520, 536, True) + [
-        (RECV, 2, 256, 2, 128), (WRITE, 2, 640, -1, 0),      # into the shadow of 2, then its grad_ready
-        (RECV, 2, 384, 2, 128), (WRITE, 2, 648, -1, 0)]
+        (RECV, 2, 256, 2, 128),
+        (WRITE, 2, 640, -1, 0),  # into the shadow of 2, then its grad_ready
+        (RECV, 2, 384, 2, 128),
+        (WRITE, 2, 648, -1, 0),
+    ]
     assert records(stream_program(p[2], WL)) == header(2, 0, 520, 536, False) + [
-        (WAIT_GE, OWN, 640, -1, 0), (SEND, OWN, 256, 0, 128), (WRITE, OWN, 704, -1, 0),  # own consumed after
-        (WAIT_GE, OWN, 648, -1, 0), (SEND, OWN, 384, 0, 128), (WRITE, OWN, 712, -1, 0)]
-    assert [o.key for o in stream_program(p[2], WL) if o.kind == SEND][2:] == [(0, 1, 0, 2, 0, 0),
-                                                                                 (1, 1, 0, 2, 0, 0)]
+        (WAIT_GE, OWN, 640, -1, 0),
+        (SEND, OWN, 256, 0, 128),
+        (WRITE, OWN, 704, -1, 0),  # own consumed after
+        (WAIT_GE, OWN, 648, -1, 0),
+        (SEND, OWN, 384, 0, 128),
+        (WRITE, OWN, 712, -1, 0),
+    ]
+    assert [o.key for o in stream_program(p[2], WL) if o.kind == SEND][2:] == [(0, 1, 0, 2, 0, 0), (1, 1, 0, 2, 0, 0)]
 
 
 def test_reduce_direct_records():
     p = programs_2x2("off", Op.REDUCE)
     assert records(stream_program(p[0], WL))[10:] == [
-        (RECV, 2, 256, 2, 128), (WRITE, 2, 640, -1, 0), (RECV, 3, 256, 3, 128), (WRITE, 3, 640, -1, 0),
-        (RECV, 2, 384, 2, 128), (WRITE, 2, 648, -1, 0), (RECV, 3, 384, 3, 128), (WRITE, 3, 648, -1, 0)]
+        (RECV, 2, 256, 2, 128),
+        (WRITE, 2, 640, -1, 0),
+        (RECV, 3, 256, 3, 128),
+        (WRITE, 3, 640, -1, 0),
+        (RECV, 2, 384, 2, 128),
+        (WRITE, 2, 648, -1, 0),
+        (RECV, 3, 384, 3, 128),
+        (WRITE, 3, 648, -1, 0),
+    ]
 
 
 def test_loopback_sequence_pairs_each_send_with_its_receive():
     p = programs_2x2("force", Op.REDUCE)
     seq = loopback_sequence(p, WL)
-    got = [(o.kind, o.rank, o.ref.shadow, o.ref.off) + ((o.peer, o.src.shadow, o.src.off, o.nbytes)
-                                                       if o.kind == COPY else ()) for o in seq]
+    got = [
+        (o.kind, o.rank, o.ref.shadow, o.ref.off)
+        + ((o.peer, o.src.shadow, o.src.off, o.nbytes) if o.kind == COPY else ())
+        for o in seq
+    ]
     assert got == [
-        (WAIT_GE, 0, OWN, 520), (COPY, 2, 0, 536, 0, OWN, 536, 8), (COPY, 2, 0, 520, 0, OWN, 520, 8),
-        (WAIT_GE, 2, OWN, 520), (COPY, 0, 2, 536, 2, OWN, 536, 8), (COPY, 0, 2, 520, 2, OWN, 520, 8),
-        (WAIT_GE, 2, OWN, 640), (COPY, 0, 2, 256, 2, OWN, 256, 128), (WRITE, 2, OWN, 704), (WRITE, 0, 2, 640),
-        (WAIT_GE, 2, OWN, 648), (COPY, 0, 2, 384, 2, OWN, 384, 128), (WRITE, 2, OWN, 712), (WRITE, 0, 2, 648)]
+        (WAIT_GE, 0, OWN, 520),
+        (COPY, 2, 0, 536, 0, OWN, 536, 8),
+        (COPY, 2, 0, 520, 0, OWN, 520, 8),
+        (WAIT_GE, 2, OWN, 520),
+        (COPY, 0, 2, 536, 2, OWN, 536, 8),
+        (COPY, 0, 2, 520, 2, OWN, 520, 8),
+        (WAIT_GE, 2, OWN, 640),
+        (COPY, 0, 2, 256, 2, OWN, 256, 128),
+        (WRITE, 2, OWN, 704),
+        (WRITE, 0, 2, 640),
+        (WAIT_GE, 2, OWN, 648),
+        (COPY, 0, 2, 384, 2, OWN, 384, 128),
+        (WRITE, 2, OWN, 712),
+        (WRITE, 0, 2, 648),
+    ]
 
 
 def test_bad_inputs_are_clear_errors():
@@ -122,8 +186,12 @@ def test_bad_inputs_are_clear_errors():
 
 
 # ---------------------------------------------------------------------------------------- model
-LAYOUTS = [("a,a,b,b", [0, 0, 1, 1]), ("n0,n0,n0,n1", [0, 0, 0, 1]), ("a,a,a,a,b,b,b,b", [0, 0, 0, 0, 1, 1, 1, 1]),
-           ("x,y,x,y,z,z,x,y", None)]
+LAYOUTS = [
+    ("a,a,b,b", [0, 0, 1, 1]),
+    ("n0,n0,n0,n1", [0, 0, 0, 1]),
+    ("a,a,a,a,b,b,b,b", [0, 0, 0, 0, 1, 1, 1, 1]),
+    ("x,y,x,y,z,z,x,y", None),
+]
 
 
 def all_programs(world, domain, node_of, mode, seed):
@@ -134,11 +202,27 @@ def all_programs(world, domain, node_of, mode, seed):
     out = []
     for slot_src in (hot_slot_src(world, slots, epr, expert=1), random_slot_src(rng, world, slots, epr, 0.9)):
         plan = ReplicaPlan.make(slot_src, experts_per_rank=epr)
-        s = build_schedule(plan, layout.weight_bytes, layout.grad_bytes, chunk_bytes=64, relay_mode=mode,
-                           node_of=node_of)
+        s = build_schedule(
+            plan, layout.weight_bytes, layout.grad_bytes, chunk_bytes=64, relay_mode=mode, node_of=node_of
+        )
         for op, nbytes in ((Op.MULTICAST, layout.weight_bytes), (Op.REDUCE, layout.grad_bytes)):
-            out.append([build_bridge_program(op, s, r, s.tasks(op, r), s.refs(op, r), plan.slot_src.numpy(),
-                                             plan.home_of.numpy(), dom, 64, nbytes) for r in range(world)])
+            out.append(
+                [
+                    build_bridge_program(
+                        op,
+                        s,
+                        r,
+                        s.tasks(op, r),
+                        s.refs(op, r),
+                        plan.slot_src.numpy(),
+                        plan.home_of.numpy(),
+                        dom,
+                        64,
+                        nbytes,
+                    )
+                    for r in range(world)
+                ]
+            )
     return wl, out
 
 
@@ -162,14 +246,29 @@ def test_the_key_model_catches_a_wait_ahead_of_what_it_depends_on():
     plan = ReplicaPlan.make(np.array([[-1], [-1], [0], [0]], dtype=np.int32), experts_per_rank=1)
     s = build_schedule(plan, 256, 256, chunk_bytes=128, relay_mode="force", node_of=[0, 0, 1, 1])
     dom = (0, 0, 1, 2)
-    progs = [build_bridge_program(Op.MULTICAST, s, r, s.tasks(Op.MULTICAST, r), s.refs(Op.MULTICAST, r),
-                                  plan.slot_src.numpy(), plan.home_of.numpy(), dom, 128, 256) for r in range(4)]
+    progs = [
+        build_bridge_program(
+            Op.MULTICAST,
+            s,
+            r,
+            s.tasks(Op.MULTICAST, r),
+            s.refs(Op.MULTICAST, r),
+            plan.slot_src.numpy(),
+            plan.home_of.numpy(),
+            dom,
+            128,
+            256,
+        )
+        for r in range(4)
+    ]
     streams = streams_of(progs, WL)
     assert run_key_model(streams) == 2 * (2 + 2) + 2 * 2  # two crossing edges, 2 chunks each, and headers
     s2 = streams[2]
     recv0 = next(i for i, o in enumerate(s2) if o.kind == RECV and o.peer == 0 and o.nbytes == 128)
     wait3 = next(i for i, o in enumerate(s2) if o.kind == WAIT_GE and o.ref.shadow == 3)
-    bad = s2[:recv0] + s2[wait3:wait3 + 2] + [o for i, o in enumerate(s2[recv0:], recv0) if i not in (wait3, wait3 + 1)]
+    bad = (
+        s2[:recv0] + s2[wait3 : wait3 + 2] + [o for i, o in enumerate(s2[recv0:], recv0) if i not in (wait3, wait3 + 1)]
+    )
     with pytest.raises(StreamDeadlock, match="rank 2: wait_ge wait before multicast expert 0 chunk 0"):
         run_key_model({**streams, 2: bad})
 
@@ -185,14 +284,17 @@ SIM_CASES = [  # world, domains, node_of, relay mode, grad dtype
 
 def _plans(world, slots, epr, seed):
     rng = np.random.default_rng(seed)
-    return [ReplicaPlan.make(hot_slot_src(world, slots, epr, expert=1), experts_per_rank=epr),
-            ReplicaPlan.make(random_slot_src(rng, world, slots, epr, 0.9), experts_per_rank=epr)]
+    return [
+        ReplicaPlan.make(hot_slot_src(world, slots, epr, expert=1), experts_per_rank=epr),
+        ReplicaPlan.make(random_slot_src(rng, world, slots, epr, 0.9), experts_per_rank=epr),
+    ]
 
 
 @pytest.mark.parametrize("order", ["global", "loopback"])
 @pytest.mark.parametrize("world,domain,node_of,mode,grad_dtype", SIM_CASES)
-def test_streams_beside_the_interpreter_give_the_host_executors_bytes(monkeypatch, order, world, domain, node_of,
-                                                                       mode, grad_dtype):
+def test_streams_beside_the_interpreter_give_the_host_executors_bytes(
+    monkeypatch, order, world, domain, node_of, mode, grad_dtype
+):
     from test_p2p import run_ops
 
     layout, epr, slots = layout_of(grad_dtype), 2, 3
@@ -219,6 +321,7 @@ def test_sends_before_receives_deadlock_beside_the_interpreter(monkeypatch):
     monkeypatch.setattr(split_mod, "BridgeRun", hub.bridge)
     monkeypatch.setattr(split_mod, "DIRECT_CROSSINGS", False)
     with pytest.raises(StreamDeadlock, match="no stream can move: rank 0: send header"):
-        run_split(4, [ReplicaPlan.make(slot_src, experts_per_rank=epr)], layout, epr, slots, "force", [0, 0, 1, 1],
-                  "a,a,b,b")
+        run_split(
+            4, [ReplicaPlan.make(slot_src, experts_per_rank=epr)], layout, epr, slots, "force", [0, 0, 1, 1], "a,a,b,b"
+        )
     assert hub.moved == 0 and hub.deadlocks

@@ -8,6 +8,7 @@ epochs, the stream handed over, no collective per operation, errors surfacing at
 ``wait()``/``synchronize()`` with the record's text, refusal after a failure, rejection of a
 local plan, capture rules.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -122,8 +123,9 @@ def fake(monkeypatch):
     return made
 
 
-LAYOUT = ExpertLayout((Member("fc1", (5, 3), torch.bfloat16), Member("fc2", (7,), torch.bfloat16)),
-                      grad_dtype=torch.float32)
+LAYOUT = ExpertLayout(
+    (Member("fc1", (5, 3), torch.bfloat16), Member("fc2", (7,), torch.bfloat16)), grad_dtype=torch.float32
+)
 
 
 def masters(rank: int, epr: int):
@@ -134,8 +136,7 @@ def masters(rank: int, epr: int):
 
 
 def make_ctx(group, slots=2, epr=2, **kw):
-    kw = dict(dict(transport="tma", window="local", chunk_bytes=64, tile_bytes=16, num_workers=2, timeout_s=20.0),
-              **kw)
+    kw = dict(dict(transport="tma", window="local", chunk_bytes=64, tile_bytes=16, num_workers=2, timeout_s=20.0), **kw)
     return Context(group, LAYOUT, epr, slots, num_layers=1, **kw)
 
 
@@ -163,8 +164,9 @@ def replicas_ok(ctx, plan):
 @pytest.mark.parametrize("mode", ["off", "force"])
 def test_end_to_end_without_collectives_per_op(fake, mode):
     world, slots, epr = 3, 2, 2
-    plan = ReplicaPlan.make(random_slot_src(np.random.default_rng(3), world, slots, epr, fill=1.0),
-                            experts_per_rank=epr)
+    plan = ReplicaPlan.make(
+        random_slot_src(np.random.default_rng(3), world, slots, epr, fill=1.0), experts_per_rank=epr
+    )
     full = build_schedule(plan, LAYOUT.weight_bytes, LAYOUT.grad_bytes, chunk_bytes=64, relay_mode=mode)
     gen = torch.Generator().manual_seed(11)
     init_master = [[torch.randn((epr, *m.shape), generator=gen) for m in LAYOUT.members] for _ in range(world)]
@@ -202,8 +204,11 @@ def test_end_to_end_without_collectives_per_op(fake, mode):
             assert count.calls == before + 1  # the one barrier of this test
             streams = ctx._streams.streams
             assert streams.syncs == 1 and streams.released == streams.recorded[:1]
-            assert ctx.transport.runs == [(Op.MULTICAST, 1, "weight_sync", STREAM), (Op.MULTICAST, 2, "restore", STREAM),
-                                          (Op.REDUCE, 3, "grad_reduce", STREAM)]
+            assert ctx.transport.runs == [
+                (Op.MULTICAST, 1, "weight_sync", STREAM),
+                (Op.MULTICAST, 2, "restore", STREAM),
+                (Op.REDUCE, 3, "grad_reduce", STREAM),
+            ]
             transport = ctx.transport
         assert transport.closed and streams.syncs == 2  # close() lets queued kernels finish first
         return [g.clone() for g in grads]
@@ -308,9 +313,12 @@ def test_wait_with_timeout_polls_the_event(fake):
         with make_ctx(group, slots=1, epr=1) as ctx:
             ctx.register_masters(0, *masters(0, 1))
             work = ctx.weight_sync(ctx.begin(0), plan, async_op=True)
-            with pytest.raises(UltracommTimeout, match=r"^ultracomm: weight_sync \(rank 0, epoch 1\) did not finish "
-                               r"within wait\(timeout=0.01 s\); awaited: the operation's completion event on its "
-                               r"CUDA stream"):
+            with pytest.raises(
+                UltracommTimeout,
+                match=r"^ultracomm: weight_sync \(rank 0, epoch 1\) did not finish "
+                r"within wait\(timeout=0.01 s\); awaited: the operation's completion event on its "
+                r"CUDA stream",
+            ):
                 work.wait(timeout=0.01)  # the fake event completes only when synchronized
             assert not work.is_completed()
             ctx._streams.streams.recorded[0].done = True
@@ -335,8 +343,9 @@ def test_debug_log_names_the_sm_counts_and_their_source(fake, caplog):
     with caplog.at_level(logging.DEBUG, logger="ultracomm"):
         got = LoopbackDomain(1).run(body)
     assert got == [{"multicast": 11, "reduce": 5}]
-    assert "rank 0: multicast_sms=11 (auto: ceil(nvlink bw 3.7e+11 / measured per-CTA fallback 3.45e+10 B/s" \
-        in caplog.text
+    assert (
+        "rank 0: multicast_sms=11 (auto: ceil(nvlink bw 3.7e+11 / measured per-CTA fallback 3.45e+10 B/s" in caplog.text
+    )
     assert "rank 0: reduce_sms=5 (ULTRACOMM_REDUCE_SMS=5)" in caplog.text
 
 
@@ -445,8 +454,18 @@ def test_manager_step_forward_and_backward_never_wait_on_the_host(fake):
         def body(group):
             r = group.rank
             kw = dict(transport="tma", window="local") if stream_ordered else dict(transport="host")
-            mgr = ReplicaManager(group, mh.layout(), epr, slots, layers, max_microbatches=2, timeout_s=20,
-                                 chunk_bytes=64, tile_bytes=16, **kw)
+            mgr = ReplicaManager(
+                group,
+                mh.layout(),
+                epr,
+                slots,
+                layers,
+                max_microbatches=2,
+                timeout_s=20,
+                chunk_bytes=64,
+                tile_bytes=16,
+                **kw,
+            )
             params = mh.make_params(r, epr, layers, torch.float32, "stacked", False, False)
             for layer in range(layers):
                 mgr.register_layer(layer, params[layer])
@@ -462,11 +481,13 @@ def test_manager_step_forward_and_backward_never_wait_on_the_host(fake):
             out = mh.master_grads(params, False)
             mgr.close()
             return out
+
         return LoopbackDomain(world).run(body)
 
     got = run(True)
-    assert fake and all(s.host_waits == 0 and s.stream_waits > 0 for s in fake), \
-        [(s.host_waits, s.stream_waits) for s in fake]
+    assert fake and all(s.host_waits == 0 and s.stream_waits > 0 for s in fake), [
+        (s.host_waits, s.stream_waits) for s in fake
+    ]
     want = run(False)
     for a, b in zip(got, want):
         for la, lb in zip(a, b):

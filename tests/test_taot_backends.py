@@ -3,6 +3,7 @@ family of seeded loads (the eval's EP64 shapes, EP16/EP72, Zipf / rank-blocked /
 and option sets; the pruned C++ auction picks what a scan of every rank picks, on random
 inputs over several blocks of ranks and price steps (the matching's cached proposals:
 test_planners.test_matching_cpp_matches_numpy)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -19,8 +20,13 @@ needs_cpp = pytest.mark.skipif(not taot._HAVE_CPP, reason="_core built without t
 # (nodes, ranks per node, experts per rank)
 GEOMETRIES = [(8, 8, 4), (1, 64, 4), (2, 8, 8), (9, 8, 4)]
 LOADS = [("zipf", 1.5), ("zipf", 3.0), ("blocked", 2.0), ("blocked", 3.0), ("hot", 0.7)]
-OPTIONS = [{}, {"intra_first": False}, {"consolidate": False, "mutual": False},
-           {"spill": "paper", "auction_iters": 3}, {"tol": 0.02, "price_step": 0.2}]
+OPTIONS = [
+    {},
+    {"intra_first": False},
+    {"consolidate": False, "mutual": False},
+    {"spill": "paper", "auction_iters": 3},
+    {"tol": 0.02, "price_step": 0.2},
+]
 
 
 def _assert_same(a, b, what: str) -> None:
@@ -50,8 +56,14 @@ def test_plans_identical_to_numpy_reference(nodes, gpn, epr):
 
 @needs_cpp
 @settings(max_examples=80, deadline=None)
-@given(st.integers(0, 2**31 - 1), st.integers(1, 40), st.integers(1, 6), st.integers(1, 24),
-       st.sampled_from([0.05, 0.0, 0.5, -0.05]), st.booleans())
+@given(
+    st.integers(0, 2**31 - 1),
+    st.integers(1, 40),
+    st.integers(1, 6),
+    st.integers(1, 24),
+    st.sampled_from([0.05, 0.0, 0.5, -0.05]),
+    st.booleans(),
+)
 def test_auction_pruned_scan_matches_numpy(seed, R, E, S, step, structured):
     """Slots' bids over up to 5 blocks of 8 ranks: the block and rank pruning of the C++ bid
     keeps the numpy argmax (ties: lowest rank), with node-structured or arbitrary bonuses."""
@@ -83,17 +95,37 @@ def test_taot_run_rejects_bad_inputs():
     E = W * epr
     load = np.ones((W, E), np.int64)
     el, L = load.sum(0), load.sum(0).reshape(W, epr).sum(1)
-    args = dict(load=load, el=el, L=L, home=np.arange(E) // epr, excess=np.zeros(W, np.int64),
-                spare=np.zeros(W, np.int64), flow=np.zeros((W, W)), Brr=np.ones((W, W)),
-                bid=np.ones((W, W)), same=np.ones((W, W), np.uint8), experts_per_rank=epr, K=2,
-                target=8, min_gain=1, alpha=1.0, dynamic_spill=True, mutual=True, two_pass=False,
-                consolidate=True, price_step=0.05, auction_cap=None)
+    args = dict(
+        load=load,
+        el=el,
+        L=L,
+        home=np.arange(E) // epr,
+        excess=np.zeros(W, np.int64),
+        spare=np.zeros(W, np.int64),
+        flow=np.zeros((W, W)),
+        Brr=np.ones((W, W)),
+        bid=np.ones((W, W)),
+        same=np.ones((W, W), np.uint8),
+        experts_per_rank=epr,
+        K=2,
+        target=8,
+        min_gain=1,
+        alpha=1.0,
+        dynamic_spill=True,
+        mutual=True,
+        two_pass=False,
+        consolidate=True,
+        price_step=0.05,
+        auction_cap=None,
+    )
     n, src, quota, *_ = _core.taot_run(**args)
     assert n == 0 and (src == -1).all()
-    for bad, match in ((dict(experts_per_rank=3), "experts_per_rank"),
-                       (dict(home=np.full(E, W)), r"home in \[0, W\)"),
-                       (dict(flow=np.zeros((W, W + 1))), "flow / Brr / bid"),
-                       (dict(spare=np.zeros(W + 1, np.int64)), "L / excess / spare"),
-                       (dict(min_gain=0), "min_gain >= 1")):
+    for bad, match in (
+        (dict(experts_per_rank=3), "experts_per_rank"),
+        (dict(home=np.full(E, W)), r"home in \[0, W\)"),
+        (dict(flow=np.zeros((W, W + 1))), "flow / Brr / bid"),
+        (dict(spare=np.zeros(W + 1, np.int64)), "L / excess / spare"),
+        (dict(min_gain=0), "min_gain >= 1"),
+    ):
         with pytest.raises(ValueError, match=match):
             _core.taot_run(**{**args, **bad})

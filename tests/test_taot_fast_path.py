@@ -1,6 +1,7 @@
 """taot.plan's fast path (cached per-domain tables, marked distinct experts, pre-tie-broken
 auction bonus, rank loads from the plan's integers) gives exactly what the public phase
 functions give when called the plain way, on seeded EP16 / EP64 loads."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -11,8 +12,14 @@ from ultracomm.planners import Domain, taot
 from ultracomm.planners.base import home_rank_load
 
 # (world, nodes, experts per rank, generator, skew); EP64 flat is the eval's UltraEP case
-CASES = [(16, 2, 8, "zipf", 1.5), (16, 2, 8, "blocked", 3.0), (64, 1, 4, "zipf", 3.03),
-         (64, 1, 4, "blocked", 2.0), (64, 1, 4, "hot", 0.7), (64, 8, 4, "zipf", 2.0)]
+CASES = [
+    (16, 2, 8, "zipf", 1.5),
+    (16, 2, 8, "blocked", 3.0),
+    (64, 1, 4, "zipf", 3.03),
+    (64, 1, 4, "blocked", 2.0),
+    (64, 1, 4, "hot", 0.7),
+    (64, 8, 4, "zipf", 2.0),
+]
 
 
 def _load(world, epr, kind, skew, seed):
@@ -47,9 +54,8 @@ def test_fast_path_matches_plain_phases(world, nodes, epr, kind, skew, backend):
         e_m = res.slot_src[r_m, k_m].astype(np.int64)
         demand = res.slot_moves.sum(0)[r_m, k_m]
         bonus = np.where(d.same_node, 1.0, 0.5)[:, r_m]
-        for b in (["numpy", "cpp"] if taot._HAVE_CPP else ["numpy"]):
-            X, rounds = taot.lagrangian_auction(load, e_m, demand, bonus, 0.05, None,
-                                                slot_rank=r_m, backend=b)
+        for b in ["numpy", "cpp"] if taot._HAVE_CPP else ["numpy"]:
+            X, rounds = taot.lagrangian_auction(load, e_m, demand, bonus, 0.05, None, slot_rank=r_m, backend=b)
             assert np.array_equal(res.slot_moves[:, r_m, k_m], X), b
             assert rounds == res.info["auction_rounds"], b
         # the intra-first decision used the plan's most loaded rank

@@ -4,6 +4,7 @@ written into its plan-arena slot only when the slot holds another (restore / gra
 vid reuse its slot), the arena's bounds, the launch arguments, that a loopback
 domain's ranks meet and launch ONCE after the last rank enqueued, and that a kernel's error
 record comes back as the host executor's exception and text on every rank, once."""
+
 from __future__ import annotations
 
 import threading
@@ -111,12 +112,13 @@ def fake_cuda(monkeypatch):
 
 
 def setup(world=4, epr=1, slots=2):
-    layout = ExpertLayout((Member("fc1", (8, 6), torch.bfloat16), Member("fc2", (10,), torch.bfloat16)),
-                          grad_dtype=torch.float32)
+    layout = ExpertLayout(
+        (Member("fc1", (8, 6), torch.bfloat16), Member("fc2", (10,), torch.bfloat16)), grad_dtype=torch.float32
+    )
     slot_src = np.full((world, slots), -1, np.int32)
     for r in range(1, world):
-        slot_src[r, 0] = 0                 # expert 0 everywhere
-    slot_src[0, 1] = world - 1             # expert world-1 on rank 0
+        slot_src[r, 0] = 0  # expert 0 everywhere
+    slot_src[0, 1] = world - 1  # expert world-1 on rank 0
     plan = ReplicaPlan.make(slot_src, experts_per_rank=epr)
     wl = _core.window_layout(slots, layout.weight_bytes, layout.grad_bytes, 64)
     sched = build_schedule(plan, wl["weight_slot_bytes"], wl["grad_slot_bytes"], chunk_bytes=64)
@@ -130,8 +132,18 @@ def masters_of(layout, epr=1):
 
 
 def transport(rank, world, window, layout, wl, **kw):
-    return tma_mod.TmaTransport(rank=rank, world=world, window=window, wlayout=wl, layout=layout, num_workers=2,
-                                timeout_s=3.0, multicast_sms=kw.pop("multicast_sms", 5), reduce_sms=7, **kw)
+    return tma_mod.TmaTransport(
+        rank=rank,
+        world=world,
+        window=window,
+        wlayout=wl,
+        layout=layout,
+        num_workers=2,
+        timeout_s=3.0,
+        multicast_sms=kw.pop("multicast_sms", 5),
+        reduce_sms=7,
+        **kw,
+    )
 
 
 def test_one_rank_uploads_its_arguments_once_and_launches(fake_cuda):
@@ -154,8 +166,12 @@ def test_one_rank_uploads_its_arguments_once_and_launches(fake_cuda):
     assert rd.ranks[0]["op"] == 1 and rd.ranks[0]["master_ptrs"] == list(m.grad_ptrs) and rd.ranks[0]["grad_dtype"] == 0
     runner = fake_cuda.runners[0]
     # no vid slot: scratch slots (the first two after the 0 vid slots), the plan written once
-    assert [(l[0], l[1], l[2], l[3], l[5]) for l in runner.launches] == [(mc, 1, 5, 1234, 0), (None, 2, 5, 1234, 0),
-                                                                       (None, 3, 5, 1234, 0), (rd, 4, 7, 99, 1)]
+    assert [(l[0], l[1], l[2], l[3], l[5]) for l in runner.launches] == [
+        (mc, 1, 5, 1234, 0),
+        (None, 2, 5, 1234, 0),
+        (None, 3, 5, 1234, 0),
+        (rd, 4, 7, 99, 1),
+    ]
 
 
 def test_vid_slots_keep_their_plans_and_the_arena_is_sized_at_setup(fake_cuda):
@@ -165,20 +181,28 @@ def test_vid_slots_keep_their_plans_and_the_arena_is_sized_at_setup(fake_cuda):
     # (experts_per_rank + slots) x chunks tasks, world x slots refs, per op
     (arena,) = fake_cuda.arenas
     assert arena.num_slots == 6 + 8  # vid slots + scratch
-    assert arena.bounds == dict(nranks=1, world=4, num_experts=4, masters=2, slots=2,
-                                tasks=(3 * wl["weight_chunks"], 3 * wl["grad_chunks"]), refs=(8, 8))
+    assert arena.bounds == dict(
+        nranks=1,
+        world=4,
+        num_experts=4,
+        masters=2,
+        slots=2,
+        tasks=(3 * wl["weight_chunks"], 3 * wl["grad_chunks"]),
+        refs=(8, 8),
+    )
     assert t.plan_arena_bytes == 14 * 1000 + 3 * wl["weight_chunks"]
     m = masters_of(layout)
     my, lio = plan.slot_src[2].tolist(), plan.local_index_of.tolist()
     t.run(Op.MULTICAST, sched, 1, m, my, lio, "weight_sync", stream=1, slot=5)
-    t.run(Op.MULTICAST, sched, 2, m, my, lio, "restore", stream=1, slot=5)      # the vid's plan: no upload
-    t.run(Op.REDUCE, sched, 3, m, my, lio, "grad_reduce", stream=1, slot=5)     # its reduce area: written once
+    t.run(Op.MULTICAST, sched, 2, m, my, lio, "restore", stream=1, slot=5)  # the vid's plan: no upload
+    t.run(Op.REDUCE, sched, 3, m, my, lio, "grad_reduce", stream=1, slot=5)  # its reduce area: written once
     t.run(Op.MULTICAST, sched, 4, m, my, lio, "weight_sync", stream=1, slot=4)  # another vid: its own slot
-    t.run(Op.MULTICAST, sched, 5, m, my, lio, "restore", stream=1, slot=5)      # slot 5 still holds it
+    t.run(Op.MULTICAST, sched, 5, m, my, lio, "restore", stream=1, slot=5)  # slot 5 still holds it
     src = np.asarray(plan.slot_src).copy()
     src[0, 1] = -1  # another plan: rank 0 holds no replica
-    other = build_schedule(ReplicaPlan.make(src, experts_per_rank=1), wl["weight_slot_bytes"], wl["grad_slot_bytes"],
-                           chunk_bytes=64)
+    other = build_schedule(
+        ReplicaPlan.make(src, experts_per_rank=1), wl["weight_slot_bytes"], wl["grad_slot_bytes"], chunk_bytes=64
+    )
     assert other.digest != sched.digest
     t.run(Op.MULTICAST, other, 6, m, my, lio, "weight_sync", stream=1, slot=5)  # the slot's next vid: rewritten
     got = [(l[5], l[6], l[0] is not None) for l in fake_cuda.runners[0].launches]
@@ -188,8 +212,19 @@ def test_vid_slots_keep_their_plans_and_the_arena_is_sized_at_setup(fake_cuda):
 
 
 def record(code, rank, op, epoch, expert=0, chunk=1, slot=0, peer=1, flag_kind=2, observed=0, peer_ready=0):
-    return make_error_record(code, rank, op, epoch, flag_kind=flag_kind, expert=expert, chunk=chunk, slot=slot,
-                             peer=peer, observed=observed, peer_ready=peer_ready)
+    return make_error_record(
+        code,
+        rank,
+        op,
+        epoch,
+        flag_kind=flag_kind,
+        expert=expert,
+        chunk=chunk,
+        slot=slot,
+        peer=peer,
+        observed=observed,
+        peer_ready=peer_ready,
+    )
 
 
 def test_error_record_raises_the_host_executors_exception(fake_cuda):
@@ -258,8 +293,13 @@ def test_loopback_ranks_from_threads(fake_cuda):
     assert len(fake_cuda.runners) == 1 and len({id(t._loopback) for t in ts}) == 1
     assert ts[0]._loopback.runner is fake_cuda.runners[0]
     lio = plan.local_index_of.tolist()
-    th = [threading.Thread(target=ts[r].run, args=(Op.REDUCE, sched, 3, masters_of(layout), plan.slot_src[r].tolist(),
-                                                   lio, "grad_reduce", 0)) for r in range(4)]
+    th = [
+        threading.Thread(
+            target=ts[r].run,
+            args=(Op.REDUCE, sched, 3, masters_of(layout), plan.slot_src[r].tolist(), lio, "grad_reduce", 0),
+        )
+        for r in range(4)
+    ]
     for x in th:
         x.start()
     for x in th:
@@ -272,11 +312,11 @@ def test_reject_publishes_in_the_window_and_fails_loopback_peers(fake_cuda):
     t = transport(1, 4, FakeWindow(4, wl["total_bytes"]), layout, wl)
     t.reject(Op.MULTICAST, 5, stream=77)
     L = wl
-    assert fake_cuda.rejections == [(0, 5, t.window.peer_bases[1], L["slots"], L["weight_slot_bytes"],
-                                     L["grad_slot_bytes"], L["chunk_bytes"], 77)]
+    assert fake_cuda.rejections == [
+        (0, 5, t.window.peer_bases[1], L["slots"], L["weight_slot_bytes"], L["grad_slot_bytes"], L["chunk_bytes"], 77)
+    ]
     shared = {}
-    ts = [transport(r, 4, FakeWindow(4, wl["total_bytes"], loopback=True, shared=shared), layout, wl)
-          for r in range(4)]
+    ts = [transport(r, 4, FakeWindow(4, wl["total_bytes"], loopback=True, shared=shared), layout, wl) for r in range(4)]
     lio = plan.local_index_of.tolist()
     for r in (0, 2):  # submitted before rank 3 rejected: never launched
         ts[r].run(Op.MULTICAST, sched, 6, masters_of(layout), plan.slot_src[r].tolist(), lio, "weight_sync", 0)
@@ -292,8 +332,7 @@ def test_reject_publishes_in_the_window_and_fails_loopback_peers(fake_cuda):
 def test_loopback_launch_failure_reaches_every_rank(fake_cuda):
     layout, plan, wl, sched = setup()
     shared = {}
-    ts = [transport(r, 4, FakeWindow(4, wl["total_bytes"], loopback=True, shared=shared), layout, wl)
-          for r in range(4)]
+    ts = [transport(r, 4, FakeWindow(4, wl["total_bytes"], loopback=True, shared=shared), layout, wl) for r in range(4)]
 
     def refuse(*a):
         raise ValueError("a loopback launch of 4 ranks x 5 CTAs cannot be co-resident")

@@ -1,6 +1,7 @@
 """Malformed traces and options given to the trace tools (issue 20 part 2): every case ends with
 one clear line naming the file or option and what is wrong, exit status 2, in bounded time (a
 per-case subprocess timeout: FIFOs, decompression bombs and huge counts once hung)."""
+
 from __future__ import annotations
 
 import json
@@ -42,18 +43,21 @@ def make(tmp_path, kind: str) -> str:
     t = str(tmp_path / "t")
     if kind.startswith("npy:"):
         p = str(tmp_path / "counts.npy")
-        arrays = {"npy:huge": np.full((2, 2, E), (1 << 63) - 1, np.int64),
-                  "npy:negative": np.full((2, 2, E), -1, np.int64),
-                  "npy:float": np.full((2, 2, E), 0.5),
-                  "npy:uint64": np.full((2, 2, E), (1 << 64) - 1, np.uint64)}
+        arrays = {
+            "npy:huge": np.full((2, 2, E), (1 << 63) - 1, np.int64),
+            "npy:negative": np.full((2, 2, E), -1, np.int64),
+            "npy:float": np.full((2, 2, E), 0.5),
+            "npy:uint64": np.full((2, 2, E), (1 << 64) - 1, np.uint64),
+        }
         if kind == "npy:pickled":
             np.save(p, np.array([{"a": 1}], dtype=object), allow_pickle=True)
         elif kind == "npy:fifo":
             os.mkfifo(p)
         elif kind == "npy:lying-header":  # 10**12 elements claimed, 16 bytes held
             with open(p, "wb") as f:
-                np.lib.format.write_array_header_1_0(f, {"descr": "<i8", "fortran_order": False,
-                                                         "shape": (10 ** 6, 10 ** 6)})
+                np.lib.format.write_array_header_1_0(
+                    f, {"descr": "<i8", "fortran_order": False, "shape": (10**6, 10**6)}
+                )
                 f.write(bytes(16))
         elif kind == "npy:truncated":
             np.save(p, np.zeros((2, 2, E), np.int64))
@@ -87,7 +91,7 @@ def make(tmp_path, kind: str) -> str:
     elif kind == "world-0":
         write_index(t, {**idx, "world": 0})
     elif kind == "world-huge":
-        write_index(t, {**idx, "world": 10 ** 12})
+        write_index(t, {**idx, "world": 10**12})
     elif kind == "world-disagrees":
         write_index(t, {**idx, "world": 2, "experts_per_rank": 4})
     elif kind == "garbage-index":
@@ -116,8 +120,9 @@ def make(tmp_path, kind: str) -> str:
             for k, v in d.items():
                 with zf.open(k + ".npy", "w") as f:
                     if k == "step":
-                        np.lib.format.write_array_header_1_0(f, {"descr": "<i8", "fortran_order": False,
-                                                                 "shape": (10 ** 12,)})
+                        np.lib.format.write_array_header_1_0(
+                            f, {"descr": "<i8", "fortran_order": False, "shape": (10**12,)}
+                        )
                         f.write(bytes(8))
                     else:
                         np.lib.format.write_array(f, v)
@@ -137,27 +142,46 @@ CASES = [
     ("files-int", [], "index.json: 'files' must be a list of {\"file\": name, ...} objects, got int"),
     ("files-str", [], "index.json: 'files' must be a list of {\"file\": name, ...} objects, got str"),
     ("missing-file", [], "a records file does not exist"),
-    ("dotdot", [], "a listed records file '../outside/secret.npz' leaves the trace directory (absolute or '..'); "
-                   "a trace's files stay inside it"),
+    (
+        "dotdot",
+        [],
+        "a listed records file '../outside/secret.npz' leaves the trace directory (absolute or '..'); "
+        "a trace's files stay inside it",
+    ),
     ("absolute", [], "leaves the trace directory (absolute or '..')"),
     ("symlink-out", [], "is a symlink that leaves the trace directory"),
     ("world-0", [], "a trace with records needs world >= 1 and num_experts >= 1, got 0 and 8"),
     ("world-huge", [], "'world' must be an integer in [0, 65536], got 1000000000000"),
-    ("world-disagrees", [], "array 'slot_src' has shape (2, 4, 0), but the index says (2, 2, 0) (world 2, 8 experts, "
-                            "0 slots)"),
+    (
+        "world-disagrees",
+        [],
+        "array 'slot_src' has shape (2, 4, 0), but the index says (2, 2, 0) (world 2, 8 experts, 0 slots)",
+    ),
     ("garbage-index", [], "index.json is not valid JSON"),
     ("fifo-index", [], "index.json is not a regular file"),
     ("fifo-npz", [], "a records file is not a regular file"),
     ("empty-npz", [], "has no 'step' array: not an ultracomm trace file"),
     ("truncated-npz", [], "a records file is not a readable .npz"),
-    ("no-expert_load", [], "000000_step0.npz lacks the array(s) 'expert_load' that every ultracomm records file "
-                           "holds; the file is damaged or not from ultracomm.profile: record or import the trace "
-                           "again"),
-    ("no-has_plan", [], "000000_step0.npz lacks the array(s) 'has_plan' that every ultracomm records file holds; "
-                        "the file is damaged or not from ultracomm.profile: record or import the trace again"),
-    ("lying-npz", [], "000000_step0.npz: a records file member 'step.npy' has a .npy header that claims shape "
-                      "(1000000000000,) int64 (8000000000000 bytes) but only 8 bytes follow it; the file is truncated "
-                      "or damaged: write it again (numpy.save)"),
+    (
+        "no-expert_load",
+        [],
+        "000000_step0.npz lacks the array(s) 'expert_load' that every ultracomm records file "
+        "holds; the file is damaged or not from ultracomm.profile: record or import the trace "
+        "again",
+    ),
+    (
+        "no-has_plan",
+        [],
+        "000000_step0.npz lacks the array(s) 'has_plan' that every ultracomm records file holds; "
+        "the file is damaged or not from ultracomm.profile: record or import the trace again",
+    ),
+    (
+        "lying-npz",
+        [],
+        "000000_step0.npz: a records file member 'step.npy' has a .npy header that claims shape "
+        "(1000000000000,) int64 (8000000000000 bytes) but only 8 bytes follow it; the file is truncated "
+        "or damaged: write it again (numpy.save)",
+    ),
     ("huge-counts", [], "array 'expert_load' holds a count of 4611686018427387904, more than 281474976710656 (2**48)"),
     ("npy:huge", ["--ep", "4"], "holds a count of 9223372036854775807, more than 281474976710656 (2**48)"),
     ("npy:uint64", ["--ep", "4"], "holds a count of 18446744073709551615, more than 281474976710656 (2**48)"),
@@ -165,9 +189,13 @@ CASES = [
     ("npy:float", ["--ep", "4"], "must hold integer token counts, got dtype float64"),
     ("npy:pickled", ["--ep", "4"], "the routing-statistics file is not a valid .npy array"),
     ("npy:fifo", ["--ep", "4"], "the routing-statistics file is not a regular file"),
-    ("npy:lying-header", ["--ep", "4"], "counts.npy: the routing-statistics file has a .npy header that claims shape "
-                                        "(1000000, 1000000) int64 (8000000000000 bytes) but only 16 bytes follow it; "
-                                        "the file is truncated or damaged: write it again (numpy.save)"),
+    (
+        "npy:lying-header",
+        ["--ep", "4"],
+        "counts.npy: the routing-statistics file has a .npy header that claims shape "
+        "(1000000, 1000000) int64 (8000000000000 bytes) but only 16 bytes follow it; "
+        "the file is truncated or damaged: write it again (numpy.save)",
+    ),
     ("npy:truncated", ["--ep", "4"], "the routing-statistics file is not a valid .npy array"),
     ("npy:huge", ["--ep", "1000000000000"], "--ep 1000000000000: EP ranks must be in [1, 65536]"),
 ]
@@ -179,25 +207,39 @@ OPTION_CASES = [  # (tool, options, error text); the trace itself is good
     ("whatif", ["--planner", ","], "--planner ',': name at least one of quota, taot, greedy, lpt, device, recorded"),
     ("whatif", ["--tflops", "1e-300"], "--tflops 1e-300: achieved TFLOP/s must be a number in [0.001, 1e7]"),
     ("whatif", ["--slots", "0"], "--slots 0: replica slots per rank must be in [1, 1024]"),
-    ("whatif", ["--domain", "99999999999x8-rdma"], "--domain 99999999999x8-rdma: at most 8192 nodes of 8 (65536 ranks)"),
-    ("whatif", ["--json", "{tmp}/missing/out.json"], "--json {tmp}/missing/out.json: the directory {tmp}/missing does "
-                                                    "not exist"),
+    (
+        "whatif",
+        ["--domain", "99999999999x8-rdma"],
+        "--domain 99999999999x8-rdma: at most 8192 nodes of 8 (65536 ranks)",
+    ),
+    (
+        "whatif",
+        ["--json", "{tmp}/missing/out.json"],
+        "--json {tmp}/missing/out.json: the directory {tmp}/missing does not exist",
+    ),
     ("whatif", ["--json", "{tmp}"], "--json {tmp}: is a directory; give a file name"),
     ("viewer", ["--ep", "0"], "--ep 0: EP ranks must be in [1, 65536]"),
     ("viewer", ["--max-cells", "-1"], "--max-cells -1: must be a positive count"),
     ("viewer", ["--max-detail", "-5"], "--max-detail -5: must be a positive count"),
     ("viewer", ["--max-points", "0"], "--max-points 0: must be a positive count"),
-    ("viewer", ["--screenshot", "{tmp}/missing/x.png"], "--screenshot {tmp}/missing/x.png: the directory "
-                                                        "{tmp}/missing does not exist"),
+    (
+        "viewer",
+        ["--screenshot", "{tmp}/missing/x.png"],
+        "--screenshot {tmp}/missing/x.png: the directory {tmp}/missing does not exist",
+    ),
     ("viewer", ["-o", "{tmp}"], "-o/--out {tmp}: is a directory; give a file name"),
 ]
 
 
 def run_tool(tool: str, args: list, cwd) -> subprocess.CompletedProcess:
     mod = {"whatif": "ultracomm.tools.whatif", "viewer": "ultracomm.viewer", "profile": "ultracomm.profile"}[tool]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "python"), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-m", mod, *args], capture_output=True, text=True, timeout=60, cwd=cwd,
-                          env=env)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "python"), os.environ.get("PYTHONPATH", "")]),
+    }
+    return subprocess.run(
+        [sys.executable, "-m", mod, *args], capture_output=True, text=True, timeout=60, cwd=cwd, env=env
+    )
 
 
 def one_error_line(p: subprocess.CompletedProcess, text: str) -> None:
@@ -246,8 +288,9 @@ def test_a_decompression_bomb_is_refused_before_inflating(tmp_path):
     assert os.path.getsize(p) < 1 << 20
     with pytest.raises(TraceError) as err:
         load_npz(p, "a records file", limit=1 << 20)
-    assert str(err.value) == (f"{p}: a records file would decompress to {(1 << 25) + 128} bytes, more than the "
-                              f"{1 << 20} this reader accepts")
+    assert str(err.value) == (
+        f"{p}: a records file would decompress to {(1 << 25) + 128} bytes, more than the {1 << 20} this reader accepts"
+    )
 
 
 def test_the_viewer_escapes_what_a_trace_says(tmp_path):
@@ -256,8 +299,11 @@ def test_the_viewer_escapes_what_a_trace_says(tmp_path):
         prof.set_domain(W, E // W)
         prof.record(0, load=np.full((W, E), 3, np.int64))
     out = tmp_path / "r.html"
-    p = run_tool("viewer", [path, "-o", str(out), "--title", "<img src=x onerror=alert(2)>", "--model",
-                            "qwen3-30b-a3b"], tmp_path)
+    p = run_tool(
+        "viewer",
+        [path, "-o", str(out), "--title", "<img src=x onerror=alert(2)>", "--model", "qwen3-30b-a3b"],
+        tmp_path,
+    )
     assert p.returncode == 0, p.stderr
     html = out.read_text()
     assert "<img" not in html and "<title>&lt;img src=x onerror=alert(2)></title>" in html

@@ -14,6 +14,7 @@ Before the fix (the replicas' sums added into ``.grad``/``main_grad`` after the 
 optimizer reads, AdamW decayed masters no token reached (``.grad`` zeros instead of None),
 and frozen experts crashed in ``_build``.
 """
+
 from __future__ import annotations
 
 import pytest

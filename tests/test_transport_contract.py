@@ -3,6 +3,7 @@ the declarations are true of its code: the options are keywords its constructor 
 transport that takes a slot has ``run(..., slot=)``, one with window flags has ``reject``,
 one that names ranks by evidence has a ``witness`` the Context can set.  Context itself calls
 transports only through the declarations (no ``getattr``/``inspect`` probes of a transport)."""
+
 from __future__ import annotations
 
 import ast
@@ -43,14 +44,18 @@ def test_declarations_are_true_of_the_code(key):
     assert COMMON <= set(params), f"{cls.__name__} lacks common constructor keywords"
     assert cls.options <= OPTIONS
     assert all(o in params or var_kw for o in cls.options), f"{cls.__name__} declares options it does not take"
-    required = {n for n, p in params.items() if p.default is inspect.Parameter.empty
-                and p.kind is inspect.Parameter.KEYWORD_ONLY}
+    required = {
+        n
+        for n, p in params.items()
+        if p.default is inspect.Parameter.empty and p.kind is inspect.Parameter.KEYWORD_ONLY
+    }
     assert required <= COMMON | cls.options, f"{cls.__name__} requires {sorted(required - COMMON - cls.options)}"
     run = inspect.signature(cls.run).parameters
     assert ("slot" in run) == cls.takes_slot
     assert ("stream" in run) == cls.stream_ordered
-    assert (cls.reject is not getattr(Transport, "reject", None) if hasattr(cls, "reject") else False) == \
-        cls.window_flags
+    assert (
+        cls.reject is not getattr(Transport, "reject", None) if hasattr(cls, "reject") else False
+    ) == cls.window_flags
     if cls.names_by_evidence:
         assert "witness" in cls.__dict__ or "witness" in inspect.getsource(cls.__init__)
     if cls.build_on_device:
@@ -62,7 +67,11 @@ def test_context_does_not_probe_transports():
     for rel in ("context.py", "cuda/stream_ordered.py", "dataplane/__init__.py", "moe/manager.py"):
         tree = ast.parse((root / rel).read_text())
         for node in ast.walk(tree):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr"):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "hasattr")
+            ):
                 target = ast.unparse(node.args[0])
                 assert "transport" not in target, f"{rel}:{node.lineno}: {ast.unparse(node)} probes a transport"
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "inspect":

@@ -1,5 +1,6 @@
 """ultracomm.viewer: the payload's budgets and numbers, and the page in a real headless browser
 (Debian's Chromium driven by Playwright's Python API; no browser download)."""
+
 from __future__ import annotations
 
 import base64
@@ -30,8 +31,16 @@ WB, GB = 9437184, 18874368
 
 def _load(step: int, layer: int) -> np.ndarray:
     # one hot expert per (step, layer) carrying 40-70 % of the tokens: replicas and relay trees
-    return workloads.hot_rank_load(W, E, 200, 2, 0.4 + 0.1 * ((step + layer) % 4), 13 * step + layer,
-                                   hot_rank=(step + 2 * layer) % W, hot_experts=1)
+    return workloads.hot_rank_load(
+        W,
+        E,
+        200,
+        2,
+        0.4 + 0.1 * ((step + layer) % 4),
+        13 * step + layer,
+        hot_rank=(step + 2 * layer) % W,
+        hot_experts=1,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -44,15 +53,24 @@ def small(tmp_path_factory):
                 load = _load(step, layer)
                 res = get_planner("quota")(load, Domain.flat(W, EPR), SLOTS)
                 sched = build_schedule(res.plan, WB, GB, relay_mode="force")
-                prof.record(layer, load=load, plan=res, schedule=sched,
-                            times={"weight_sync": (100 + 10 * layer + step) * 1e-6, "restore": 90e-6,
-                                   "grad_reduce": (200 + step) * 1e-6})
+                prof.record(
+                    layer,
+                    load=load,
+                    plan=res,
+                    schedule=sched,
+                    times={
+                        "weight_sync": (100 + 10 * layer + step) * 1e-6,
+                        "restore": 90e-6,
+                        "grad_reduce": (200 + step) * 1e-6,
+                    },
+                )
     return load_trace(path)
 
 
 def _inflate(html: str) -> dict:
-    m = re.search(r'<script id="uc-data" type="application/octet-stream" data-encoding="deflate-base64">([^<]*)</script>',
-                  html)
+    m = re.search(
+        r'<script id="uc-data" type="application/octet-stream" data-encoding="deflate-base64">([^<]*)</script>', html
+    )
     return json.loads(zlib.decompress(base64.b64decode(m.group(1))))
 
 
@@ -65,7 +83,13 @@ def _heat(payload: dict, layer: int) -> np.ndarray:
 def test_payload_numbers(small):
     payload = build_payload(small)
     meta = payload["meta"]
-    assert (meta["world"], meta["num_experts"], meta["steps"], meta["records"], meta["layers"]) == (W, E, STEPS, 18, [0, 1, 2])
+    assert (meta["world"], meta["num_experts"], meta["steps"], meta["records"], meta["layers"]) == (
+        W,
+        E,
+        STEPS,
+        18,
+        [0, 1, 2],
+    )
     assert meta["planner"] == "recorded" and meta["planned_here"] == 0
     assert payload["heat"]["rows"] == STEPS and payload["heat"]["cols"] == E
     for layer in range(LAYERS):
@@ -136,13 +160,19 @@ def test_large_trace_stays_bounded(large):
 
 def test_cli_writes_report(small, tmp_path):
     out = tmp_path / "r.html"
-    res = subprocess.run([sys.executable, "-m", "ultracomm.viewer", small.path, "-o", str(out)],
-                         capture_output=True, text=True, check=True)
+    res = subprocess.run(
+        [sys.executable, "-m", "ultracomm.viewer", small.path, "-o", str(out)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert "18 records" in res.stdout and out.stat().st_size > 10_000
     assert _inflate(out.read_text())["meta"]["records"] == 18
     page = out.read_text()
     assert "http://" not in page.replace("http://www.w3.org/2000/svg", "") and "https://" not in page  # offline
-    bad = subprocess.run([sys.executable, "-m", "ultracomm.viewer", str(tmp_path / "none")], capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "-m", "ultracomm.viewer", str(tmp_path / "none")], capture_output=True, text=True
+    )
     assert bad.returncode == 2 and "does not exist" in bad.stderr
 
 
@@ -151,8 +181,9 @@ def test_cli_writes_report(small, tmp_path):
 
 @pytest.fixture(scope="module")
 def browser():
-    sync_api = pytest.importorskip("playwright.sync_api",
-                                   reason="playwright is not installed (pip install playwright; scripts/setup.sh does)")
+    sync_api = pytest.importorskip(
+        "playwright.sync_api", reason="playwright is not installed (pip install playwright; scripts/setup.sh does)"
+    )
     if find_chromium() is None:
         pytest.skip("no Chromium on this machine (apt-get install chromium; scripts/setup.sh installs it where it can)")
     with sync_api.sync_playwright() as p:
@@ -166,7 +197,10 @@ def _open(browser, path: Path, width: int = 1400):
     msgs: list = []
     page.on("console", lambda m: msgs.append(f"{m.type}: {m.text}") if m.type in ("error", "warning") else None)
     page.on("pageerror", lambda e: msgs.append(f"pageerror: {e}"))
-    page.on("request", lambda r: msgs.append(f"request: {r.url}") if not r.url.startswith(("file:", "data:", "blob:")) else None)
+    page.on(
+        "request",
+        lambda r: msgs.append(f"request: {r.url}") if not r.url.startswith(("file:", "data:", "blob:")) else None,
+    )
     page.goto(path.as_uri())
     page.wait_for_selector("body[data-ready='1']", timeout=30_000)
     return page, msgs
@@ -181,12 +215,25 @@ def test_page_in_browser(browser, small):
     path = OUT / "viewer_small.html"
     write_html(small, path)
     page, msgs = _open(browser, path)
-    for pid in ("panel-heatmap", "panel-rankload", "panel-imbalance", "panel-placement", "panel-tree",
-                "panel-egress", "panel-times"):
+    for pid in (
+        "panel-heatmap",
+        "panel-rankload",
+        "panel-imbalance",
+        "panel-placement",
+        "panel-tree",
+        "panel-egress",
+        "panel-times",
+    ):
         assert page.locator(f"#{pid}").is_visible(), pid
     chips = dict(zip(_attr_values(page, ".chip", "data-key"), _attr_values(page, ".chip", "data-value")))
     assert {k: chips[k] for k in ("world", "experts", "slots", "layers", "steps", "records")} == {
-        "world": "8", "experts": "32", "slots": "2", "layers": "3", "steps": "6", "records": "18"}
+        "world": "8",
+        "experts": "32",
+        "slots": "2",
+        "layers": "3",
+        "steps": "6",
+        "records": "18",
+    }
 
     # the first sample shown is layer 0's most imbalanced record
     rows0 = [small.find(s, 0) for s in range(STEPS)]
@@ -243,10 +290,15 @@ def check_detail(page, trace, i: int) -> None:
     assert before == trace.rank_load_before[i].tolist() and after == trace["rank_load_after"][i].tolist()
     assert page.text_content("#imb-before") == f"{trace.imbalance_before[i]:.3f}"
     assert page.text_content("#imb-after") == f"{trace.imbalance_after[i]:.3f}"
-    cells = zip(_attr_values(page, "#placement g.cell", "data-rank"), _attr_values(page, "#placement g.cell", "data-slot"),
-                _attr_values(page, "#placement g.cell", "data-expert"))
+    cells = zip(
+        _attr_values(page, "#placement g.cell", "data-rank"),
+        _attr_values(page, "#placement g.cell", "data-slot"),
+        _attr_values(page, "#placement g.cell", "data-expert"),
+    )
     src = trace["slot_src"][i]
-    assert sorted((int(r), int(s), int(e)) for r, s, e in cells) == [(r, s, int(src[r, s])) for r in range(W) for s in range(SLOTS)]
+    assert sorted((int(r), int(s), int(e)) for r, s, e in cells) == [
+        (r, s, int(src[r, s])) for r in range(W) for s in range(SLOTS)
+    ]
     if page.input_value("#op-select") == "mc":
         vals = [int(v) for v in _attr_values(page, "#egress rect[data-rank]", "data-value")]
         assert vals == trace["multicast_egress"][i].tolist()
@@ -262,10 +314,19 @@ def check_detail(page, trace, i: int) -> None:
     assert page.get_attribute("#tree g.node.master", "data-rank") == str(e // EPR)
     depths = sorted(int(d) for d in _attr_values(page, "#tree g.node:not(.master)", "data-depth"))
     assert depths == sorted(int(trace["multicast_tree_depth"][i][r, s]) for r, s in slots)
-    parents = sorted(zip(map(int, _attr_values(page, "#tree line.edge", "data-from")),
-                         map(int, _attr_values(page, "#tree line.edge", "data-to"))))
-    assert parents == sorted((int(trace["multicast_parent_rank"][i][r, s]) if trace["multicast_parent_slot"][i][r, s] >= 0
-                              else e // EPR, int(r)) for r, s in slots)
+    parents = sorted(
+        zip(
+            map(int, _attr_values(page, "#tree line.edge", "data-from")),
+            map(int, _attr_values(page, "#tree line.edge", "data-to")),
+        )
+    )
+    assert parents == sorted(
+        (
+            int(trace["multicast_parent_rank"][i][r, s]) if trace["multicast_parent_slot"][i][r, s] >= 0 else e // EPR,
+            int(r),
+        )
+        for r, s in slots
+    )
 
 
 @pytest.mark.slow
@@ -289,8 +350,21 @@ def test_cli_screenshot(small, tmp_path):
     pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
     if find_chromium() is None:
         pytest.skip("no Chromium on this machine (apt-get install chromium)")
-    res = subprocess.run([sys.executable, "-m", "ultracomm.viewer", small.path, "-o", str(tmp_path / "r.html"),
-                          "--screenshot", str(tmp_path / "r.png")], capture_output=True, text=True, check=True)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ultracomm.viewer",
+            small.path,
+            "-o",
+            str(tmp_path / "r.html"),
+            "--screenshot",
+            str(tmp_path / "r.png"),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert f"wrote {tmp_path / 'r.png'}" in res.stdout and "the page reported" not in res.stdout
     png = (tmp_path / "r.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(png[16:20], "big") == 1400  # IHDR width

@@ -1,4 +1,5 @@
 """ultracomm.tools.whatif: the replay's numbers are the planners' and the simulator's on the same loads."""
+
 from __future__ import annotations
 
 import json
@@ -47,15 +48,22 @@ def direct(load: np.ndarray, planner: str, slot_src=None, plan=None, after=None)
     saved = (before.max() - np.max(after)) * flop / 400e12
     ws = sim.simulate(sched, fab, "weight_sync", max_chunks=4).makespan_s
     gr = sim.simulate(sched, fab, "grad_reduce", max_chunks=4).makespan_s
-    return {"imbalance_before": before.max() / before.mean(), "busiest_before": int(before.max()),
-            "imbalance_after": np.max(after) / np.mean(after), "busiest_after": float(np.max(after)),
-            "copies_intra": copy_counts(slot_src, dom)[0], "copies_inter": copy_counts(slot_src, dom)[1],
-            "weight_sync_s": ws, "grad_reduce_s": gr,
-            "a2a_weight_sync_s": sim.simulate_alltoall(plan, wb, fab, "multicast", grad_bytes=gb).makespan_s,
-            "a2a_grad_reduce_s": sim.simulate_alltoall(plan, wb, fab, "reduce", grad_bytes=gb).makespan_s,
-            "lb_weight_sync_s": sim.lower_bound(sched, fab, "multicast"),
-            "lb_grad_reduce_s": sim.lower_bound(sched, fab, "reduce"),
-            "compute_saved_s": saved, "net_s": saved - (2 * ws + gr)}
+    return {
+        "imbalance_before": before.max() / before.mean(),
+        "busiest_before": int(before.max()),
+        "imbalance_after": np.max(after) / np.mean(after),
+        "busiest_after": float(np.max(after)),
+        "copies_intra": copy_counts(slot_src, dom)[0],
+        "copies_inter": copy_counts(slot_src, dom)[1],
+        "weight_sync_s": ws,
+        "grad_reduce_s": gr,
+        "a2a_weight_sync_s": sim.simulate_alltoall(plan, wb, fab, "multicast", grad_bytes=gb).makespan_s,
+        "a2a_grad_reduce_s": sim.simulate_alltoall(plan, wb, fab, "reduce", grad_bytes=gb).makespan_s,
+        "lb_weight_sync_s": sim.lower_bound(sched, fab, "multicast"),
+        "lb_grad_reduce_s": sim.lower_bound(sched, fab, "reduce"),
+        "compute_saved_s": saved,
+        "net_s": saved - (2 * ws + gr),
+    }
 
 
 def test_replay_equals_planners_and_simulator(trace):
@@ -65,7 +73,9 @@ def test_replay_equals_planners_and_simulator(trace):
         i = trace.find(row["step"], row["layer"], row["microbatch"])
         load = trace["load"][i]
         if row["planner"] == "recorded":
-            want = direct(load, "", slot_src=trace["slot_src"][i], plan=trace.plan(i), after=trace["rank_load_after"][i])
+            want = direct(
+                load, "", slot_src=trace["slot_src"][i], plan=trace.plan(i), after=trace["rank_load_after"][i]
+            )
         else:
             want = direct(load, row["planner"])
         for k, v in want.items():
@@ -83,15 +93,18 @@ def test_sampling_extrapolates(trace):
     assert rows.tolist() == [0, 2, 5] or rows.tolist() == [0, 3, 5]
     res = replay(trace, ["quota"], SETTING, max_records=3)
     assert (res.records, res.replayed) == (6, 3)
-    assert [(r["step"], r["layer"]) for r in res.rows] == [(int(trace["step"][i]), int(trace["layer"][i])) for i in rows]
+    assert [(r["step"], r["layer"]) for r in res.rows] == [
+        (int(trace["step"][i]), int(trace["layer"][i])) for i in rows
+    ]
     t = res.summary()["quota"]["total"]
     assert t["weight_sync_s"] == pytest.approx(2 * sum(r["weight_sync_s"] for r in res.rows), rel=1e-12)
     assert "totals extrapolated x2.0" in res.render()
 
 
 def test_other_ep_uses_spread_totals(trace):
-    res = replay(trace, ["quota"], Setting(domain="h200x8", ep=4, slots=SLOTS, model="qwen3-30b-a3b", max_chunks=4),
-                 rows=[1])
+    res = replay(
+        trace, ["quota"], Setting(domain="h200x8", ep=4, slots=SLOTS, model="qwen3-30b-a3b", max_chunks=4), rows=[1]
+    )
     load4 = spread_expert_load(trace["expert_load"][1], 4)
     got = get_planner("quota")(load4, Domain(4, np.zeros(4, np.int64), E // 4), SLOTS)
     row = res.rows[0]
@@ -124,10 +137,31 @@ def test_routing_stats_replay_skips_recorded():
 
 
 def test_cli(trace, tmp_path):
-    out = subprocess.run([sys.executable, "-m", "ultracomm.tools.whatif", trace.path, "--planner", "quota,recorded",
-                          "--domain", "h200x8", "--ep", "8", "--max-chunks", "4", "--tflops", "400",
-                          "--max-records", "2", "--json", str(tmp_path / "w.json")],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ultracomm.tools.whatif",
+            trace.path,
+            "--planner",
+            "quota,recorded",
+            "--domain",
+            "h200x8",
+            "--ep",
+            "8",
+            "--max-chunks",
+            "4",
+            "--tflops",
+            "400",
+            "--max-records",
+            "2",
+            "--json",
+            str(tmp_path / "w.json"),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     got = json.loads((tmp_path / "w.json").read_text())
     want = replay(trace, ["quota", "recorded"], SETTING, max_records=2)
     assert got["records"] == 6 and got["replayed"] == 2 and got["setting"]["model"] == "qwen3-30b-a3b"
@@ -138,6 +172,9 @@ def test_cli(trace, tmp_path):
     assert f"{m['imbalance_before']:.3f}" in line and f"{m['weight_sync_s'] * 1e3:.3f}" in line
     assert f"{m['a2a_grad_reduce_s'] * 1e3:.3f}" in line and f"{m['net_s'] * 1e3:.3f}" in line
     assert "simulated and modelled, no GPU" in out and "400 TFLOP/s (assumed)" in out
-    bad = subprocess.run([sys.executable, "-m", "ultracomm.tools.whatif", trace.path, "--planner", "nope"],
-                         capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "-m", "ultracomm.tools.whatif", trace.path, "--planner", "nope"],
+        capture_output=True,
+        text=True,
+    )
     assert bad.returncode == 2 and "unknown planner(s) ['nope']" in bad.stderr

@@ -2,6 +2,7 @@
 in a relay tree 2 -> 0 -> 1, rank 1 waits for rank 0, which is alive and waits in turn for rank
 2, which never started the operation.  Rank 1's error names rank 0 (what it waited for) and then
 rank 2, from the ready flags of the shared window."""
+
 from __future__ import annotations
 
 import os
@@ -18,8 +19,19 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_context import make_layout, masters_for  # noqa: E402
 
 PLAN = ReplicaPlan.make(np.array([[2], [2], [-1]], np.int32), experts_per_rank=1)
-KW = dict(num_layers=1, max_microbatches=2, num_workers=1, window="local", transport="host", relay_mode="force", max_depth=2,
-          plan_check="window", timeout_s=0.5, chunk_bytes=1024, tile_bytes=1024)
+KW = dict(
+    num_layers=1,
+    max_microbatches=2,
+    num_workers=1,
+    window="local",
+    transport="host",
+    relay_mode="force",
+    max_depth=2,
+    plan_check="window",
+    timeout_s=0.5,
+    chunk_bytes=1024,
+    tile_bytes=1024,
+)
 
 
 def test_relay_tree_is_2_0_1():
@@ -49,13 +61,18 @@ def test_timeout_names_the_rank_that_never_started():
     # behind: named as such, never as stopped; rank 0 waits in turn and says so in its own record
     assert errors[1].startswith(
         f"ultracomm: rank 1 weight_sync (multicast) epoch 2 timed out after 0.5 s waiting for rank 0 to deliver "
-        f"{chunk} (arrival flag); by evidence, stopped: ranks []"), errors[1]
-    assert ("rank 2 has not started this operation (ready flag at epoch 1): it waits elsewhere, or stopped calling"
-            in errors[1]), errors[1]
+        f"{chunk} (arrival flag); by evidence, stopped: ranks []"
+    ), errors[1]
+    assert (
+        "rank 2 has not started this operation (ready flag at epoch 1): it waits elsewhere, or stopped calling"
+        in errors[1]
+    ), errors[1]
     assert "stalled or dead" not in errors[1], errors[1]
     # rank 0 waited for rank 2 itself: the executor's fact stays, its guess goes
-    assert "rank 2 has not started this operation (its ready flag is at epoch 1); by evidence, stopped: ranks []" \
-        in errors[0], errors[0]
+    assert (
+        "rank 2 has not started this operation (its ready flag is at epoch 1); by evidence, stopped: ranks []"
+        in errors[0]
+    ), errors[0]
 
 
 def test_note_orders_ranks_by_how_far_they_got():
@@ -63,5 +80,6 @@ def test_note_orders_ranks_by_how_far_they_got():
     assert stopped_note(msg, 9, 0, {0: 9, 1: 9, 2: 8, 3: 5, 4: 9}) == (
         "rank 1 started this operation and likely waits in turn; by their ready flags, 2 rank(s) have not started "
         "this operation (rank 3 at epoch 5, rank 2 at epoch 8): rank 3 stopped first (latest epoch 5) and is "
-        "likely the stalled or dead rank")
+        "likely the stalled or dead rank"
+    )
     assert stopped_note(msg, 9, 0, {0: 9, 1: 9, 2: 10}) is None  # every rank started: nothing known

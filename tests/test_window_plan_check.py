@@ -3,6 +3,7 @@ plan agreement per ``weight_sync``.
 Each rank publishes its schedule digest beside its ready flag; the executor raises
 ``PlanMismatchError`` naming both digests when a peer runs another plan, and a rank whose plan
 is invalid publishes a rejection, so its peers fail at once instead of after the timeout."""
+
 from __future__ import annotations
 
 import time
@@ -27,6 +28,7 @@ SWAP = ReplicaPlan.make(np.array([[1], [0]], np.int32), experts_per_rank=1)  # e
 def run(plans, plan_check="window", **kw):
     """Per rank: (weight_sync's error or None, seconds it took, op digest of the rank's own plan, its
     replica slots afterwards, the exchanges weight_sync made, the error of a later restore or None)."""
+
     def body(group):
         with Context(group, LAYOUT, 1, 1, num_layers=1, plan_check=plan_check, timeout_s=TIMEOUT_S, **kw) as ctx:
             ctx.register_masters(0, *masters_for(LAYOUT, ctx.rank, 1))
@@ -69,7 +71,8 @@ def test_ranks_on_different_plans_raise_plan_mismatch_naming_both_digests_at_onc
         assert type(error).__name__ == "PlanMismatchError"
         assert str(error).startswith(
             f"ultracomm: rank {r} weight_sync (multicast) epoch 1: rank {peer} runs a different plan for this "
-            f"operation (schedule digest 0x{digests[peer]:016x} in its window, 0x{digests[r]:016x} here; seen "), error
+            f"operation (schedule digest 0x{digests[peer]:016x} in its window, 0x{digests[r]:016x} here; seen "
+        ), error
         assert elapsed < FAST_S, elapsed
         assert all(not t.any() for t in replicas), f"rank {r}: bytes moved despite the mismatch"
         assert gathered == []  # no plan agreement
@@ -82,7 +85,8 @@ def test_a_rank_rejecting_its_plan_fails_its_peer_at_once():
     (e0, t0, _, replicas0, gathered0, later0), (e1, _, _, _, _, later1) = res
     assert isinstance(e1, ValueError) and "2 slots per rank" in str(e1)  # rank 1's own error
     assert isinstance(e0, PlanError) and str(e0).startswith(
-        "ultracomm: rank 0 weight_sync (multicast) epoch 1: rank 1 rejected its plan for this operation"), e0
+        "ultracomm: rank 0 weight_sync (multicast) epoch 1: rank 1 rejected its plan for this operation"
+    ), e0
     assert t0 < FAST_S, t0
     assert all(not t.any() for t in replicas0) and gathered0 == []
     assert isinstance(later1, UltracommError) and "this rank rejected its plan" in str(later1)

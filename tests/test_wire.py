@@ -1,6 +1,7 @@
 """The store exchange's byte format (ultracomm.wire, issue 23 item 7): every value ultracomm
 exchanges round-trips exactly; a planted pickle, garbage, truncated or oversized messages are
 refused with a clear error and never executed."""
+
 from __future__ import annotations
 
 import os
@@ -27,11 +28,29 @@ def same(a, b) -> bool:
 
 
 VALUES = [
-    None, True, False, 0, -1, (1 << 63) - 1, -(1 << 63), (1 << 64) - 1, 0.5, float("-inf"), "", "ünïcode",
-    b"\x00\xff", [], (), {}, [1, (2, "x"), {"k": [None]}],
+    None,
+    True,
+    False,
+    0,
+    -1,
+    (1 << 63) - 1,
+    -(1 << 63),
+    (1 << 64) - 1,
+    0.5,
+    float("-inf"),
+    "",
+    "ünïcode",
+    b"\x00\xff",
+    [],
+    (),
+    {},
+    [1, (2, "x"), {"k": [None]}],
     ("arrived", "Context setup", "configuration", ("ExpertLayout(...)", 2, 1, (0, 0, 1, 1), 1 << 20, "auto")),
-    np.arange(12, dtype=np.int64).reshape(3, 4), np.zeros((0, 5), np.float32), np.array([True, False]),
-    np.array(7, dtype=np.uint64), RankDomain("", "host-a", "host-a", "host"),
+    np.arange(12, dtype=np.int64).reshape(3, 4),
+    np.zeros((0, 5), np.float32),
+    np.array([True, False]),
+    np.array(7, dtype=np.uint64),
+    RankDomain("", "host-a", "host-a", "host"),
     {"digest": 0xCBF29CE484222325, "names": ["/ultracomm-1-2"]},
 ]
 
@@ -45,12 +64,15 @@ def test_numpy_scalars_travel_as_python_numbers():
     assert wire.decode(wire.encode([np.int32(3), np.float64(0.25), np.bool_(True)])) == [3, 0.25, True]
 
 
-@pytest.mark.parametrize("value, message", [
-    (object(), "a object cannot travel between ranks"),
-    ({1: 2}, "dict key 1 is not a str"),
-    (1 << 64, "int 18446744073709551616 is outside the int64/uint64 range"),
-    (np.array(["a"]), "numpy array of dtype str32 with 1 dims cannot travel"),
-])
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        (object(), "a object cannot travel between ranks"),
+        ({1: 2}, "dict key 1 is not a str"),
+        (1 << 64, "int 18446744073709551616 is outside the int64/uint64 range"),
+        (np.array(["a"]), "numpy array of dtype str32 with 1 dims cannot travel"),
+    ],
+)
 def test_what_cannot_travel_is_refused_on_the_sender(value, message):
     with pytest.raises(TypeError, match="^ultracomm wire: " + message.replace("(", r"\(").replace(")", r"\)")):
         wire.encode(value)
@@ -73,8 +95,10 @@ def bad_messages():
         (b"UCW1l\xff\xff\xff\xff", "a sequence of 4294967295 items in 0 bytes"),
         (deep, "nesting deeper than 32"),
         (b"UCW1c" + wire.encode("Popen")[4:] + wire.encode({})[4:], "class 'Popen' may not travel"),
-        (b"UCW1c" + wire.encode("RankDomain")[4:] + wire.encode({"host": "h"})[4:],
-         "RankDomain needs fields ['declared', 'host', 'key', 'source'], got ['host']"),
+        (
+            b"UCW1c" + wire.encode("RankDomain")[4:] + wire.encode({"host": "h"})[4:],
+            "RankDomain needs fields ['declared', 'host', 'key', 'source'], got ['host']",
+        ),
         (b"UCW1s\x02\x00\x00\x00\xff\xfe", "a str that is not UTF-8"),
         (b"UCW1a\x63\x01", "array dtype code 99 / 1 dims are not valid"),
     ]
@@ -100,7 +124,8 @@ def test_a_pickle_planted_in_the_store_is_refused_and_never_runs(tmp_path):
             board.read(["ultracomm/0/0", "ultracomm/0/1"])
         assert str(err.value).startswith(
             "ultracomm: the store value under 'ultracomm/0/1' is not one ultracomm wrote (ultracomm wire: not an "
-            "ultracomm message"), str(err.value)
+            "ultracomm message"
+        ), str(err.value)
         assert str(err.value).endswith("another process wrote into this process group's store")
         assert not os.path.exists(marker)
         assert same(board.read(["ultracomm/0/0"])[0], ("arrived", "op", "what", np.arange(3)))

@@ -1,5 +1,6 @@
 """Tests for ultracomm.scenarios: model presets, load generators, the greedy planner and
 workload specs."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -150,8 +151,7 @@ def test_zipf_uniform_and_rank_order():
     load = zipf_load(64, 256, 8192, 8, 1.0, 0)
     assert imbalance(load, 4) == 1.0
     # the hottest home rank depends on the seed (randomised rank order)
-    hottest = {int(np.argmax(expert_load(zipf_load(16, 64, 512, 4, 2.0, s)).reshape(16, 4).sum(1)))
-               for s in range(8)}
+    hottest = {int(np.argmax(expert_load(zipf_load(16, 64, 512, 4, 2.0, s)).reshape(16, 4).sum(1))) for s in range(8)}
     assert len(hottest) > 1
 
 
@@ -387,8 +387,7 @@ def test_determinism():
 # ----------------------------------------------------------------------------- specs
 
 
-@pytest.mark.parametrize("spec", list(WORKLOADS) + ["zipf:2.5", "blocked:1.5", "hot:0.5:2",
-                                                    "rotating:3:4:16"])
+@pytest.mark.parametrize("spec", list(WORKLOADS) + ["zipf:2.5", "blocked:1.5", "hot:0.5:2", "rotating:3:4:16"])
 def test_make_workload_specs(spec):
     m = get_model("deepseek-v3")
     load = make_workload(spec, 64, m, tokens_per_rank=1024, seed=1)
@@ -405,9 +404,27 @@ def test_make_workload_values():
 
 @pytest.mark.parametrize(
     "spec",
-    ["", "zipf", "zipf:", "zipf:abc", "zipf:0.5", "zipf:1:2", "blocked", "blocked:0.9",
-     "blocked:2:1", "hot", "hot:1.5", "hot:0.5:9",
-     "hot:x", "rotating:-1", "rotating:1:2:3:4", "rotating:a", "gauss:2", "uniform:1", "zipf:nan"],
+    [
+        "",
+        "zipf",
+        "zipf:",
+        "zipf:abc",
+        "zipf:0.5",
+        "zipf:1:2",
+        "blocked",
+        "blocked:0.9",
+        "blocked:2:1",
+        "hot",
+        "hot:1.5",
+        "hot:0.5:9",
+        "hot:x",
+        "rotating:-1",
+        "rotating:1:2:3:4",
+        "rotating:a",
+        "gauss:2",
+        "uniform:1",
+        "zipf:nan",
+    ],
 )
 def test_make_workload_bad_specs(spec):
     with pytest.raises(ValueError) as ei:

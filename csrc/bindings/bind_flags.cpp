@@ -15,7 +15,8 @@ namespace {
 
 void check_addr(uintptr_t addr, const char* what) {
   if (addr == 0 || addr % 8)
-    throw std::invalid_argument(std::string("ultracomm.") + what + ": address must be a nonzero 8-byte aligned "
+    throw std::invalid_argument(std::string("ultracomm.") + what +
+                                ": address must be a nonzero 8-byte aligned "
                                 "address of a uint64 flag");
 }
 

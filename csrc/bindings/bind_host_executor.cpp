@@ -46,8 +46,8 @@ RecordView<T> records_view(const py::buffer& b, const char* what) {
   }
   const size_t total = static_cast<size_t>(info.size) * item;
   if (item != sizeof(T) && item != 1)
-    throw std::invalid_argument(std::string("ultracomm.run_host: ") + what + " must hold " +
-                                std::to_string(sizeof(T)) + "-byte records, got itemsize " + std::to_string(item));
+    throw std::invalid_argument(std::string("ultracomm.run_host: ") + what + " must hold " + std::to_string(sizeof(T)) +
+                                "-byte records, got itemsize " + std::to_string(item));
   if (total % sizeof(T))
     throw std::invalid_argument(std::string("ultracomm.run_host: ") + what + " byte size " + std::to_string(total) +
                                 " is not a multiple of " + std::to_string(sizeof(T)));
@@ -105,7 +105,8 @@ void bind_host_executor(py::module_& m) {
     }
   });
   // the caller raised the abort word (run_host's abort_word): an ultracomm.errors.UltracommError
-  py::register_exception<AbortedError>(m, "AbortedError", py::module_::import("ultracomm.errors").attr("UltracommError"));
+  py::register_exception<AbortedError>(m, "AbortedError",
+                                       py::module_::import("ultracomm.errors").attr("UltracommError"));
   m.attr("MAX_MEMBERS") = kMaxMembers;
   m.attr("ERROR_RECORD_BYTES") = sizeof(ErrorRecord);
   m.attr("REJECTED_DIGEST") = kRejectedDigest;
@@ -143,10 +144,11 @@ void bind_host_executor(py::module_& m) {
          std::vector<uint64_t> member_off, std::vector<uint64_t> member_bytes, std::vector<uintptr_t> master_ptrs,
          std::vector<int32_t> local_index_of, int grad_dtype, std::vector<int32_t> my_slots, py::buffer tasks,
          py::buffer refs, int32_t num_workers, double timeout_s, uint32_t jitter_us, uint64_t jitter_seed,
-         std::optional<std::vector<int32_t>> slot_parent, bool portable_f16,
-         std::optional<std::string> op_name, uint64_t digest, const std::string& mover,
-         int32_t threads_per_worker, uintptr_t abort_word, uint64_t tile_bytes) {
-        if (op != 0 && op != 1) throw std::invalid_argument("ultracomm.run_host: op must be 0 (multicast) or 1 (reduce)");
+         std::optional<std::vector<int32_t>> slot_parent, bool portable_f16, std::optional<std::string> op_name,
+         uint64_t digest, const std::string& mover, int32_t threads_per_worker, uintptr_t abort_word,
+         uint64_t tile_bytes) {
+        if (op != 0 && op != 1)
+          throw std::invalid_argument("ultracomm.run_host: op must be 0 (multicast) or 1 (reduce)");
         if (grad_dtype < 0 || grad_dtype > 2)
           throw std::invalid_argument("ultracomm.run_host: grad_dtype must be 0 (fp32), 1 (bf16) or 2 (fp16)");
         // zero-copy: the views hold the buffers until the call returns (after the GIL is back)
@@ -188,10 +190,10 @@ void bind_host_executor(py::module_& m) {
       py::arg("weight_slot_bytes"), py::arg("grad_slot_bytes"), py::arg("chunk_bytes"), py::arg("window_bases"),
       py::arg("member_off"), py::arg("member_bytes"), py::arg("master_ptrs"), py::arg("local_index_of"),
       py::arg("grad_dtype"), py::arg("my_slots"), py::arg("tasks"), py::arg("refs"), py::arg("num_workers"),
-      py::arg("timeout_s"), py::arg("jitter_us") = 0, py::arg("jitter_seed") = 0,
-      py::arg("slot_parent") = py::none(), py::arg("portable_f16") = false, py::arg("op_name") = py::none(),
-      py::arg("digest") = 0, py::arg("mover") = "host", py::arg("threads_per_worker") = 4,
-      py::arg("abort_word") = 0, py::arg("tile_bytes") = kDefaultTileBytes,
+      py::arg("timeout_s"), py::arg("jitter_us") = 0, py::arg("jitter_seed") = 0, py::arg("slot_parent") = py::none(),
+      py::arg("portable_f16") = false, py::arg("op_name") = py::none(), py::arg("digest") = 0,
+      py::arg("mover") = "host", py::arg("threads_per_worker") = 4, py::arg("abort_word") = 0,
+      py::arg("tile_bytes") = kDefaultTileBytes,
       R"doc(Run one rank's task list of one operation (op 0 multicast, 1 reduce) on the host.
 
 Windows are raw addresses (window_bases[world]); master_ptrs[local_index*M + m] are this

@@ -29,8 +29,8 @@ void need(bool ok, const char* what) {
   if (!ok) throw std::invalid_argument(std::string("taot: bad shape: ") + what);
 }
 
-py::tuple matching(I64 sp_e, I64 grp, I64 exc, I64 sp_r, F64 stat, U8 allowed, int64_t K,
-                   int64_t n_inner, int64_t min_gain, bool mutual, bool two_pass) {
+py::tuple matching(I64 sp_e, I64 grp, I64 exc, I64 sp_r, F64 stat, U8 allowed, int64_t K, int64_t n_inner,
+                   int64_t min_gain, bool mutual, bool two_pass) {
   const int64_t ne = sp_e.size(), nr = sp_r.size(), ng = exc.size();
   need(grp.size() == ne, "grp [ne]");
   for (int64_t e = 0; e < ne; ++e) need(grp.data()[e] >= 0 && grp.data()[e] < ng, "grp in [0, ng)");
@@ -45,9 +45,9 @@ py::tuple matching(I64 sp_e, I64 grp, I64 exc, I64 sp_r, F64 stat, U8 allowed, i
   std::fill(rnd.mutable_data(), rnd.mutable_data() + ne * nr, -1);
   {
     py::gil_scoped_release rel;
-    planners::taot_matching(ne, nr, se.mutable_data(), grp.data(), ex.mutable_data(),
-                            sr.mutable_data(), stat.data(), allowed.data(), K, n_inner, min_gain,
-                            mutual, two_pass, g.mutable_data(), rnd.mutable_data());
+    planners::taot_matching(ne, nr, se.mutable_data(), grp.data(), ex.mutable_data(), sr.mutable_data(), stat.data(),
+                            allowed.data(), K, n_inner, min_gain, mutual, two_pass, g.mutable_data(),
+                            rnd.mutable_data());
   }
   return py::make_tuple(g, rnd);
 }
@@ -57,8 +57,7 @@ py::tuple auction(I64 supply, I64 inv, I64 demand, F64 bonus, double price_step,
   const int64_t R = supply.shape(0), U = supply.shape(1), S = inv.size();
   need(demand.size() == S, "demand [S]");
   need(bonus.ndim() == 2 && bonus.shape(0) == R && bonus.shape(1) == S, "bonus [R, S]");
-  for (int64_t s = 0; s < S; ++s)
-    need(inv.data()[s] >= 0 && inv.data()[s] < U, "inv in [0, U)");
+  for (int64_t s = 0; s < S; ++s) need(inv.data()[s] >= 0 && inv.data()[s] < U, "inv in [0, U)");
   I64 sup({R, U});
   std::copy(supply.data(), supply.data() + R * U, sup.mutable_data());
   I64 A(S);
@@ -68,14 +67,14 @@ py::tuple auction(I64 supply, I64 inv, I64 demand, F64 bonus, double price_step,
   int64_t rounds;
   {
     py::gil_scoped_release rel;
-    rounds = planners::taot_auction(R, U, S, sup.mutable_data(), inv.data(), A.mutable_data(),
-                                    bonus.data(), price_step, cap, X.mutable_data());
+    rounds = planners::taot_auction(R, U, S, sup.mutable_data(), inv.data(), A.mutable_data(), bonus.data(), price_step,
+                                    cap, X.mutable_data());
   }
   return py::make_tuple(X, rounds);
 }
 
-U8 consolidate(I64 home, I64 rank, I64 expert, U8 inter, py::array_t<int64_t> amt,
-               py::array_t<int64_t> left, py::array_t<int64_t> room) {
+U8 consolidate(I64 home, I64 rank, I64 expert, U8 inter, py::array_t<int64_t> amt, py::array_t<int64_t> left,
+               py::array_t<int64_t> room) {
   const int64_t n = home.size();
   need(rank.size() == n && expert.size() == n && inter.size() == n && amt.size() == n,
        "home / rank / expert / inter / amt [n]");
@@ -90,9 +89,8 @@ U8 consolidate(I64 home, I64 rank, I64 expert, U8 inter, py::array_t<int64_t> am
   U8 keep(n);
   {
     py::gil_scoped_release rel;
-    planners::taot_consolidate(n, home.data(), rank.data(), expert.data(), inter.data(),
-                               amt.mutable_data(), left.mutable_data(), room.mutable_data(),
-                               keep.mutable_data());
+    planners::taot_consolidate(n, home.data(), rank.data(), expert.data(), inter.data(), amt.mutable_data(),
+                               left.mutable_data(), room.mutable_data(), keep.mutable_data());
   }
   return keep;
 }
@@ -107,9 +105,8 @@ std::tuple<py::array_t<int32_t>, I64, I64> empty_slots(int64_t W, int64_t K) {
   return {src, quota, rep};
 }
 
-py::tuple finish(I64 g, I64 rnd, I64 ei, I64 ri, I64 home, I64 el, I64 L, U8 same, I64 load,
-                 F64 bid, int64_t tgt, int64_t K, bool consolidate, double price_step,
-                 py::object auction_cap) {
+py::tuple finish(I64 g, I64 rnd, I64 ei, I64 ri, I64 home, I64 el, I64 L, U8 same, I64 load, F64 bid, int64_t tgt,
+                 int64_t K, bool consolidate, double price_step, py::object auction_cap) {
   need(load.ndim() == 2, "load [W, E]");
   const int64_t W = load.shape(0), E = load.shape(1), ne = ei.size(), nr = ri.size();
   need(g.ndim() == 2 && g.shape(0) == ne && g.shape(1) == nr, "g [ne, nr]");
@@ -125,10 +122,11 @@ py::tuple finish(I64 g, I64 rnd, I64 ei, I64 ri, I64 home, I64 el, I64 L, U8 sam
     if (g.data()[i] != 0) ++per_rank[ri.data()[i % nr]];
   for (int64_t w = 0; w < W; ++w) need(per_rank[w] <= K, "at most K matches per rank");
   const bool has_cap = !auction_cap.is_none();
-  planners::TaotFinishIn in{W, E, K, ne, nr, g.data(), rnd.data(), ei.data(), ri.data(),
-                            home.data(), el.data(), L.data(), same.data(), load.data(),
-                            bid.data(), tgt, consolidate, price_step, has_cap,
-                            has_cap ? auction_cap.cast<int64_t>() : 0};
+  planners::TaotFinishIn in{W,           E,           K,          ne,
+                            nr,          g.data(),    rnd.data(), ei.data(),
+                            ri.data(),   home.data(), el.data(),  L.data(),
+                            same.data(), load.data(), bid.data(), tgt,
+                            consolidate, price_step,  has_cap,    has_cap ? auction_cap.cast<int64_t>() : 0};
   auto [src, quota, rep] = empty_slots(W, K);
   planners::TaotFinish f;
   {
@@ -138,10 +136,9 @@ py::tuple finish(I64 g, I64 rnd, I64 ei, I64 ri, I64 home, I64 el, I64 L, U8 sam
   return py::make_tuple(f.n_matches, src, quota, rep, f.consolidated, f.rounds, f.worst);
 }
 
-py::tuple run(I64 load, I64 el, I64 L, I64 home, I64 excess, I64 spare, F64 flow, F64 Brr, F64 bid,
-              U8 same, int64_t epr, int64_t K, int64_t tgt, int64_t mg, double alpha,
-              bool dynamic_spill, bool mutual, bool two_pass, bool consolidate, double price_step,
-              py::object auction_cap) {
+py::tuple run(I64 load, I64 el, I64 L, I64 home, I64 excess, I64 spare, F64 flow, F64 Brr, F64 bid, U8 same,
+              int64_t epr, int64_t K, int64_t tgt, int64_t mg, double alpha, bool dynamic_spill, bool mutual,
+              bool two_pass, bool consolidate, double price_step, py::object auction_cap) {
   need(load.ndim() == 2, "load [W, E]");
   const int64_t W = load.shape(0), E = load.shape(1);
   need(epr >= 1 && W * epr == E, "E = W * experts_per_rank");
@@ -152,10 +149,29 @@ py::tuple run(I64 load, I64 el, I64 L, I64 home, I64 excess, I64 spare, F64 flow
   need(K >= 0 && mg >= 1, "K >= 0, min_gain >= 1");
   for (int64_t e = 0; e < E; ++e) need(home.data()[e] >= 0 && home.data()[e] < W, "home in [0, W)");
   const bool has_cap = !auction_cap.is_none();
-  const planners::TaotRunIn in{W, E, epr, K, load.data(), el.data(), L.data(), home.data(),
-                               excess.data(), spare.data(), flow.data(), Brr.data(), bid.data(),
-                               same.data(), tgt, mg, alpha, dynamic_spill, mutual, two_pass,
-                               consolidate, price_step, has_cap,
+  const planners::TaotRunIn in{W,
+                               E,
+                               epr,
+                               K,
+                               load.data(),
+                               el.data(),
+                               L.data(),
+                               home.data(),
+                               excess.data(),
+                               spare.data(),
+                               flow.data(),
+                               Brr.data(),
+                               bid.data(),
+                               same.data(),
+                               tgt,
+                               mg,
+                               alpha,
+                               dynamic_spill,
+                               mutual,
+                               two_pass,
+                               consolidate,
+                               price_step,
+                               has_cap,
                                has_cap ? auction_cap.cast<int64_t>() : 0};
   auto [src, squota, rep] = empty_slots(W, K);
   std::vector<int64_t> q;
@@ -167,8 +183,7 @@ py::tuple run(I64 load, I64 el, I64 L, I64 home, I64 excess, I64 spare, F64 flow
   const int64_t I = r.fin.n_matches ? r.instances : 1;
   I64 quota({E, I});
   if (r.fin.n_matches) std::copy(q.begin(), q.end(), quota.mutable_data());
-  return py::make_tuple(r.fin.n_matches, src, quota, rep, r.fin.consolidated, r.fin.rounds,
-                        r.fin.worst);
+  return py::make_tuple(r.fin.n_matches, src, quota, rep, r.fin.consolidated, r.fin.rounds, r.fin.worst);
 }
 
 I64 split(I64 load, I64 inst_rank, I64 quota, I64 inst_slot, int64_t K) {
@@ -189,16 +204,15 @@ I64 split(I64 load, I64 inst_rank, I64 quota, I64 inst_slot, int64_t K) {
   I64 rep({W, WK});
   {
     py::gil_scoped_release rel;
-    planners::split_slots(W, E, I, WK, load.data(), inst_rank.data(), quota.data(),
-                          inst_slot.data(), rep.mutable_data());
+    planners::split_slots(W, E, I, WK, load.data(), inst_rank.data(), quota.data(), inst_slot.data(),
+                          rep.mutable_data());
   }
   return rep;
 }
 
 // Checks the arrays and fills a QuotaInput that points into them.
-planners::QuotaInput quota_input(const I64& rank_load, const I64& expert_load, const I64& order,
-                                 const py::object& node, I64& node_arr, int64_t slots,
-                                 int64_t min_tokens, int64_t tol, int64_t budget,
+planners::QuotaInput quota_input(const I64& rank_load, const I64& expert_load, const I64& order, const py::object& node,
+                                 I64& node_arr, int64_t slots, int64_t min_tokens, int64_t tol, int64_t budget,
                                  int64_t cover_budget) {
   const int64_t W = rank_load.size(), E = expert_load.size();
   if (W < 1 || E % W || order.size() != E)
@@ -259,11 +273,10 @@ py::dict quota_stats(const planners::QuotaResult& r) {
   return d;
 }
 
-py::tuple quota_search(I64 rank_load, I64 expert_load, I64 order, py::object node, int64_t slots,
-                       int64_t min_tokens, int64_t tol, int64_t budget, int64_t cover_budget) {
+py::tuple quota_search(I64 rank_load, I64 expert_load, I64 order, py::object node, int64_t slots, int64_t min_tokens,
+                       int64_t tol, int64_t budget, int64_t cover_budget) {
   I64 node_arr;
-  auto in = quota_input(rank_load, expert_load, order, node, node_arr, slots, min_tokens, tol, budget,
-                        cover_budget);
+  auto in = quota_input(rank_load, expert_load, order, node, node_arr, slots, min_tokens, tol, budget, cover_budget);
   planners::QuotaResult res;
   {
     py::gil_scoped_release rel;
@@ -272,12 +285,10 @@ py::tuple quota_search(I64 rank_load, I64 expert_load, I64 order, py::object nod
   return py::make_tuple(res.threshold, replica_array(res.replicas), quota_stats(res));
 }
 
-py::tuple quota_feasible(I64 rank_load, I64 expert_load, I64 order, py::object node,
-                         int64_t slots, int64_t min_tokens, int64_t budget, int64_t cover_budget,
-                         int64_t T) {
+py::tuple quota_feasible(I64 rank_load, I64 expert_load, I64 order, py::object node, int64_t slots, int64_t min_tokens,
+                         int64_t budget, int64_t cover_budget, int64_t T) {
   I64 node_arr;
-  auto in = quota_input(rank_load, expert_load, order, node, node_arr, slots, min_tokens, 1, budget,
-                        cover_budget);
+  auto in = quota_input(rank_load, expert_load, order, node, node_arr, slots, min_tokens, 1, budget, cover_budget);
   planners::QuotaResult res;
   res.budget_left = budget;
   res.cover_budget_left = cover_budget;
@@ -304,14 +315,13 @@ py::tuple balance(I64 el, I64 off, I64 inst, I64 base) {
   int64_t T;
   {
     py::gil_scoped_release rel;
-    T = planners::balance_quotas(W, n, el.data(), off.data(), inst.data(), base.data(),
-                                 quota.mutable_data());
+    T = planners::balance_quotas(W, n, el.data(), off.data(), inst.data(), base.data(), quota.mutable_data());
   }
   return py::make_tuple(T, quota);
 }
 
-py::tuple lpt(I64 expert_load, py::object group, int64_t world, int64_t slots,
-              int64_t min_tokens, int64_t budget, int64_t count_rule) {
+py::tuple lpt(I64 expert_load, py::object group, int64_t world, int64_t slots, int64_t min_tokens, int64_t budget,
+              int64_t count_rule) {
   const int64_t E = expert_load.size();
   if (world < 1 || E % world || slots < 0)
     throw std::invalid_argument("lpt_plan: expert_load [world * experts_per_rank], slots >= 0");
@@ -349,48 +359,39 @@ py::tuple lpt(I64 expert_load, py::object group, int64_t world, int64_t slots,
 }  // namespace
 
 void bind_planners(py::module_& m) {
-  m.def("taot_matching", &matching, py::arg("spill"), py::arg("group"), py::arg("group_cap"),
-        py::arg("spare"), py::arg("static"), py::arg("allowed"), py::arg("K"),
-        py::arg("inner_iters"), py::arg("min_gain"), py::arg("mutual"), py::arg("two_pass"),
-        "TAOT phase 2 on the compacted problem: (g [ne, nr], round [ne, nr]).");
-  m.def("taot_auction", &auction, py::arg("supply"), py::arg("inv"), py::arg("demand"),
-        py::arg("bonus"), py::arg("price_step"), py::arg("cap"),
-        "TAOT phase 3: (X [R, S], rounds).");
-  m.def("taot_consolidate", &consolidate, py::arg("home"), py::arg("rank"), py::arg("expert"),
-        py::arg("inter"), py::arg("amt"), py::arg("left"), py::arg("room"),
+  m.def("taot_matching", &matching, py::arg("spill"), py::arg("group"), py::arg("group_cap"), py::arg("spare"),
+        py::arg("static"), py::arg("allowed"), py::arg("K"), py::arg("inner_iters"), py::arg("min_gain"),
+        py::arg("mutual"), py::arg("two_pass"), "TAOT phase 2 on the compacted problem: (g [ne, nr], round [ne, nr]).");
+  m.def("taot_auction", &auction, py::arg("supply"), py::arg("inv"), py::arg("demand"), py::arg("bonus"),
+        py::arg("price_step"), py::arg("cap"), "TAOT phase 3: (X [R, S], rounds).");
+  m.def("taot_consolidate", &consolidate, py::arg("home"), py::arg("rank"), py::arg("expert"), py::arg("inter"),
+        py::arg("amt"), py::arg("left"), py::arg("room"),
         "TAOT refinement: drop replicas whose tokens fit elsewhere; updates amt / left / room "
         "in place, returns keep [n].");
-  m.def("taot_finish", &finish, py::arg("g"), py::arg("rnd"), py::arg("ei"), py::arg("ri"),
-        py::arg("home"), py::arg("el"), py::arg("L"), py::arg("same"), py::arg("load"),
-        py::arg("bid"), py::arg("target"), py::arg("K"), py::arg("consolidate"),
-        py::arg("price_step"), py::arg("auction_cap"),
+  m.def("taot_finish", &finish, py::arg("g"), py::arg("rnd"), py::arg("ei"), py::arg("ri"), py::arg("home"),
+        py::arg("el"), py::arg("L"), py::arg("same"), py::arg("load"), py::arg("bid"), py::arg("target"), py::arg("K"),
+        py::arg("consolidate"), py::arg("price_step"), py::arg("auction_cap"),
         "TAOT after phase 2: (matches, slot_src [W, K] int32, slot_quota [W, K], "
         "rep [W, W, K], consolidated (-1: not run), auction rounds, most loaded rank).");
-  m.def("taot_run", &run, py::arg("load"), py::arg("el"), py::arg("L"), py::arg("home"),
-        py::arg("excess"), py::arg("spare"), py::arg("flow"), py::arg("Brr"), py::arg("bid"),
-        py::arg("same"), py::arg("experts_per_rank"), py::arg("K"), py::arg("target"),
-        py::arg("min_gain"), py::arg("alpha"), py::arg("dynamic_spill"), py::arg("mutual"),
-        py::arg("two_pass"), py::arg("consolidate"), py::arg("price_step"),
-        py::arg("auction_cap"),
+  m.def("taot_run", &run, py::arg("load"), py::arg("el"), py::arg("L"), py::arg("home"), py::arg("excess"),
+        py::arg("spare"), py::arg("flow"), py::arg("Brr"), py::arg("bid"), py::arg("same"), py::arg("experts_per_rank"),
+        py::arg("K"), py::arg("target"), py::arg("min_gain"), py::arg("alpha"), py::arg("dynamic_spill"),
+        py::arg("mutual"), py::arg("two_pass"), py::arg("consolidate"), py::arg("price_step"), py::arg("auction_cap"),
         "TAOT after phase 1: (matches, slot_src [W, K] int32, quota [E, I], rep [W, W, K], "
         "consolidated (-1: not run), auction rounds, most loaded rank).");
-  m.def("split_slots", &split, py::arg("load"), py::arg("inst_rank"), py::arg("quota"),
-        py::arg("inst_slot"), py::arg("K"),
-        "Exact token split over expert instances, per replica slot: rep [W, W*K].");
-  m.def("quota_search", &quota_search, py::arg("rank_load"), py::arg("expert_load"),
-        py::arg("order"), py::arg("node"), py::arg("slots"), py::arg("min_tokens"),
-        py::arg("tol"), py::arg("budget"), py::arg("cover_budget"),
+  m.def("split_slots", &split, py::arg("load"), py::arg("inst_rank"), py::arg("quota"), py::arg("inst_slot"),
+        py::arg("K"), "Exact token split over expert instances, per replica slot: rep [W, W*K].");
+  m.def("quota_search", &quota_search, py::arg("rank_load"), py::arg("expert_load"), py::arg("order"), py::arg("node"),
+        py::arg("slots"), py::arg("min_tokens"), py::arg("tol"), py::arg("budget"), py::arg("cover_budget"),
         "Quota planner threshold search: (threshold, replicas [n, 3] (expert, rank, tokens), "
         "stats dict).");
-  m.def("quota_feasible", &quota_feasible, py::arg("rank_load"), py::arg("expert_load"),
-        py::arg("order"), py::arg("node"), py::arg("slots"), py::arg("min_tokens"),
-        py::arg("budget"), py::arg("cover_budget"), py::arg("T"),
-        "One quota feasibility test at T: (replicas [n, 3] or None, stats dict).");
-  m.def("balance_quotas", &balance, py::arg("el"), py::arg("off"), py::arg("inst"),
-        py::arg("base"),
+  m.def("quota_feasible", &quota_feasible, py::arg("rank_load"), py::arg("expert_load"), py::arg("order"),
+        py::arg("node"), py::arg("slots"), py::arg("min_tokens"), py::arg("budget"), py::arg("cover_budget"),
+        py::arg("T"), "One quota feasibility test at T: (replicas [n, 3] or None, stats dict).");
+  m.def("balance_quotas", &balance, py::arg("el"), py::arg("off"), py::arg("inst"), py::arg("base"),
         "Min-max quotas on a fixed placement: (max rank load, quota per instance).");
-  m.def("lpt_plan", &lpt, py::arg("expert_load"), py::arg("group"), py::arg("world"),
-        py::arg("slots"), py::arg("min_tokens"), py::arg("budget"), py::arg("count_rule"),
+  m.def("lpt_plan", &lpt, py::arg("expert_load"), py::arg("group"), py::arg("world"), py::arg("slots"),
+        py::arg("min_tokens"), py::arg("budget"), py::arg("count_rule"),
         "EPLB within the fixed-home model: (slot_src [W, K], slot_quota [W, K], stats).");
 }
 

@@ -26,23 +26,26 @@ using I32 = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
 
 const char* status_text(int32_t s) {
   switch (s) {
-    case quota::kBadShape: return "world, experts_per_rank or slots outside the planner's capacity";
-    case quota::kBadLoad: return "an expert load is negative, or the total is above 2**48 tokens";
-    case quota::kBadOption: return "min_tokens must be in [1, 2**48], tol in [0, 2**48]";
-    case quota::kBadNode: return "node_of has a negative node";
-    default: return "unknown status";
+    case quota::kBadShape:
+      return "world, experts_per_rank or slots outside the planner's capacity";
+    case quota::kBadLoad:
+      return "an expert load is negative, or the total is above 2**48 tokens";
+    case quota::kBadOption:
+      return "min_tokens must be in [1, 2**48], tol in [0, 2**48]";
+    case quota::kBadNode:
+      return "node_of has a negative node";
+    default:
+      return "unknown status";
   }
 }
 
-py::tuple quota_device(I64 expert_load, py::object node_of, int64_t world, int64_t experts_per_rank,
-                       int64_t slots, int64_t min_tokens, int64_t tol, int64_t eps_bp, int64_t lanes,
-                       int64_t groups) {
-  if (world < 1 || world > quota::kMaxWorld || experts_per_rank < 1 || slots < 0 ||
-      slots > quota::kMaxSlots || world * experts_per_rank > quota::kMaxExperts)
-    throw std::invalid_argument("quota_device: " + std::string(status_text(quota::kBadShape)) +
-                                " (world <= " + std::to_string(quota::kMaxWorld) + ", slots <= " +
-                                std::to_string(quota::kMaxSlots) + ", experts <= " +
-                                std::to_string(quota::kMaxExperts) + ")");
+py::tuple quota_device(I64 expert_load, py::object node_of, int64_t world, int64_t experts_per_rank, int64_t slots,
+                       int64_t min_tokens, int64_t tol, int64_t eps_bp, int64_t lanes, int64_t groups) {
+  if (world < 1 || world > quota::kMaxWorld || experts_per_rank < 1 || slots < 0 || slots > quota::kMaxSlots ||
+      world * experts_per_rank > quota::kMaxExperts)
+    throw std::invalid_argument("quota_device: " + std::string(status_text(quota::kBadShape)) + " (world <= " +
+                                std::to_string(quota::kMaxWorld) + ", slots <= " + std::to_string(quota::kMaxSlots) +
+                                ", experts <= " + std::to_string(quota::kMaxExperts) + ")");
   if (expert_load.ndim() != 1 || expert_load.shape(0) != world * experts_per_rank)
     throw std::invalid_argument("quota_device: expert_load must be int64 [world * experts_per_rank]");
   if (eps_bp < 0 || eps_bp > 10000) throw std::invalid_argument("quota_device: eps_bp must be in [0, 10000]");
@@ -50,9 +53,14 @@ py::tuple quota_device(I64 expert_load, py::object node_of, int64_t world, int64
   if (groups < 1 || groups > quota::kProbes)
     throw std::invalid_argument("quota_device: groups must be in [1, " + std::to_string(quota::kProbes) + "]");
   I32 node;
-  quota::Problem p{static_cast<int32_t>(world), static_cast<int32_t>(experts_per_rank),
-                   static_cast<int32_t>(slots), min_tokens, tol, static_cast<int32_t>(eps_bp),
-                   expert_load.data(), nullptr};
+  quota::Problem p{static_cast<int32_t>(world),
+                   static_cast<int32_t>(experts_per_rank),
+                   static_cast<int32_t>(slots),
+                   min_tokens,
+                   tol,
+                   static_cast<int32_t>(eps_bp),
+                   expert_load.data(),
+                   nullptr};
   if (!node_of.is_none()) {
     node = node_of.cast<I32>();
     if (node.ndim() != 1 || node.shape(0) != world)
@@ -77,7 +85,8 @@ py::tuple quota_device(I64 expert_load, py::object node_of, int64_t world, int64
       std::vector<std::thread> threads;
       for (int32_t i = 0; i < n; ++i)
         threads.emplace_back([&, i] {
-          got[i] = quota::plan(p, scratch.data(), out, rd, quota::ThreadCta{&shared, i, G, static_cast<int32_t>(lanes)});
+          got[i] =
+              quota::plan(p, scratch.data(), out, rd, quota::ThreadCta{&shared, i, G, static_cast<int32_t>(lanes)});
         });
       for (auto& t : threads) t.join();
       res = got[0];
@@ -100,8 +109,8 @@ py::tuple quota_device(I64 expert_load, py::object node_of, int64_t world, int64
 
 void bind_quota_device(py::module_& m) {
   m.def("quota_device", &quota_device, py::arg("expert_load"), py::arg("node_of"), py::arg("world"),
-        py::arg("experts_per_rank"), py::arg("slots"), py::arg("min_tokens"), py::arg("tol"),
-        py::arg("eps_bp"), py::arg("lanes") = 1, py::arg("groups") = 1,
+        py::arg("experts_per_rank"), py::arg("slots"), py::arg("min_tokens"), py::arg("tol"), py::arg("eps_bp"),
+        py::arg("lanes") = 1, py::arg("groups") = 1,
         "Device quota planner, host build: (slot_src [W, K] int32, slot_quota [W, K] int64, info); lanes x "
         "groups host threads stand in for the kernel's warps (any shape gives the same plan).");
   m.def(

@@ -29,14 +29,18 @@ using I32 = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
 
 const char* status_text(int32_t s) {
   switch (s) {
-    case psched::kBadShape: return "world, slots or num_experts outside the builder's capacity";
+    case psched::kBadShape:
+      return "world, slots or num_experts outside the builder's capacity";
     case psched::kBadPlan:
       return "slot_src/home_of invalid (expert out of range, replica on its home rank, or an expert twice on a rank)";
     case psched::kBadOption:
       return "chunk_bytes must be a positive multiple of 16, bytes <= 2**40, max_depth in [1, 64], rank in [0, world)";
-    case psched::kBadNode: return "node_of has a node outside [0, world)";
-    case psched::kOverflow: return "the task or ref output is too small";
-    default: return "unknown status";
+    case psched::kBadNode:
+      return "node_of has a node outside [0, world)";
+    case psched::kOverflow:
+      return "the task or ref output is too small";
+    default:
+      return "unknown status";
   }
 }
 
@@ -64,8 +68,8 @@ Lanes lanes_of(int64_t lanes, int64_t warp_lanes, int64_t warps) {
 }
 
 bool same(const psched::Result& a, const psched::Result& b) {
-  bool eq = a.status == b.status && a.candidates == b.candidates && a.lower_bound == b.lower_bound &&
-            a.digest == b.digest;
+  bool eq =
+      a.status == b.status && a.candidates == b.candidates && a.lower_bound == b.lower_bound && a.digest == b.digest;
   for (int op = 0; op < 2; ++op)
     eq = eq && a.cap[op] == b.cap[op] && a.busiest[op] == b.busiest[op] && a.depth[op] == b.depth[op] &&
          a.num_tasks[op] == b.num_tasks[op] && a.num_refs[op] == b.num_refs[op];
@@ -92,14 +96,15 @@ int32_t warps_of(const Lanes& l) {
 psched::Problem problem_of(const I32& slot_src, const I32& home_of, const py::object& node_of, I32& node,
                            uint64_t weight_bytes, uint64_t grad_bytes, uint64_t chunk_bytes, int64_t rank,
                            int64_t max_depth, uint64_t hop_bytes) {
-  if (slot_src.ndim() != 2) throw std::invalid_argument("build_schedule_portable: slot_src must be int32 [world, slots]");
+  if (slot_src.ndim() != 2)
+    throw std::invalid_argument("build_schedule_portable: slot_src must be int32 [world, slots]");
   if (home_of.ndim() != 1) throw std::invalid_argument("build_schedule_portable: home_of must be int32 [num_experts]");
   const int64_t W = slot_src.shape(0), S = slot_src.shape(1), E = home_of.shape(0);
   if (W < 1 || W > psched::kMaxWorld || S > psched::kMaxSlots || E > psched::kMaxExperts)
     throw std::invalid_argument("build_schedule_portable: " + std::string(status_text(psched::kBadShape)) +
-                                " (world <= " + std::to_string(psched::kMaxWorld) + ", slots <= " +
-                                std::to_string(psched::kMaxSlots) + ", experts <= " +
-                                std::to_string(psched::kMaxExperts) + ")");
+                                " (world <= " + std::to_string(psched::kMaxWorld) +
+                                ", slots <= " + std::to_string(psched::kMaxSlots) +
+                                ", experts <= " + std::to_string(psched::kMaxExperts) + ")");
   psched::Problem p{};
   p.world = int32_t(W);
   p.slots = int32_t(S);
@@ -136,14 +141,15 @@ py::dict build(const I32& slot_src, const I32& home_of, py::object node_of, uint
   int64_t homed = 0;
   for (int64_t e = 0; e < E; ++e) homed += p.home_of[e] == p.rank;
   const uint64_t cb = std::max<uint64_t>(chunk_bytes, 1);
-  const int64_t tcap[2] = {(homed + S) * psched::chunks_of(weight_bytes, cb), (homed + S) * psched::chunks_of(grad_bytes, cb)};
+  const int64_t tcap[2] = {(homed + S) * psched::chunks_of(weight_bytes, cb),
+                           (homed + S) * psched::chunks_of(grad_bytes, cb)};
   std::vector<uint8_t> traw[2], rraw[2];
   psched::OpOut out[2];
   for (int op = 0; op < 2; ++op) {
     traw[op].resize(std::max<int64_t>(tcap[op], 1) * sizeof(Task));
     rraw[op].resize(std::max<int64_t>(W * S, 1) * sizeof(Ref));
-    out[op] = psched::OpOut{reinterpret_cast<Task*>(traw[op].data()), tcap[op],
-                            reinterpret_cast<Ref*>(rraw[op].data()), W * S};
+    out[op] = psched::OpOut{reinterpret_cast<Task*>(traw[op].data()), tcap[op], reinterpret_cast<Ref*>(rraw[op].data()),
+                            W * S};
   }
   psched::Result res{};
   {
@@ -183,8 +189,8 @@ py::dict build(const I32& slot_src, const I32& home_of, py::object node_of, uint
 // write shows), built into; returns per op what the views hold afterwards.
 py::dict build_views(const I32& slot_src, const I32& home_of, py::object node_of, uint64_t weight_bytes,
                      uint64_t grad_bytes, uint64_t chunk_bytes, int64_t rank, int64_t max_depth, uint64_t hop_bytes,
-                     std::vector<int64_t> task_cap, std::vector<int64_t> ref_cap, int64_t view_rank,
-                     int32_t upstream, int64_t lanes, int64_t warp_lanes, int64_t warps) {
+                     std::vector<int64_t> task_cap, std::vector<int64_t> ref_cap, int64_t view_rank, int32_t upstream,
+                     int64_t lanes, int64_t warp_lanes, int64_t warps) {
   const Lanes ln = lanes_of(lanes, warp_lanes, warps);
   I32 node;
   const psched::Problem p =
@@ -193,7 +199,8 @@ py::dict build_views(const I32& slot_src, const I32& home_of, py::object node_of
       ref_cap[1] < 0)
     throw std::invalid_argument("build_into_views: task_cap and ref_cap must be two counts >= 0 (multicast, reduce)");
   const int64_t S = p.slots;
-  std::vector<int64_t> scratch(psched::scratch_words(std::max(p.world, 1), std::max(p.slots, 0), std::max(p.num_experts, 1)));
+  std::vector<int64_t> scratch(
+      psched::scratch_words(std::max(p.world, 1), std::max(p.slots, 0), std::max(p.num_experts, 1)));
   std::vector<Task> tasks[2];
   std::vector<Ref> refs[2];
   std::vector<int32_t> mine[2], parent[2];
@@ -255,15 +262,16 @@ py::dict build_serial_ref(const I32& slot_src, const I32& home_of, py::object no
   I32 node;
   const psched::Problem q =
       problem_of(slot_src, home_of, node_of, node, weight_bytes, grad_bytes, chunk_bytes, rank, max_depth, hop_bytes);
-  psched_ref::Problem p{q.world, q.slots, q.num_experts, q.max_depth, q.rank, 0, q.slot_src, q.home_of, q.node_of,
-                        q.weight_bytes, q.grad_bytes, q.chunk_bytes, q.hop_bytes};
+  psched_ref::Problem p{q.world,   q.slots,   q.num_experts,  q.max_depth,  q.rank,        0,          q.slot_src,
+                        q.home_of, q.node_of, q.weight_bytes, q.grad_bytes, q.chunk_bytes, q.hop_bytes};
   const int64_t W = p.world, S = p.slots, E = p.num_experts;
   if (psched_ref::check_problem(p) != psched::kOk) throw std::invalid_argument("build_schedule_portable_serial_ref");
   std::vector<int64_t> scratch(psched_ref::scratch_words(p.world, p.slots, p.num_experts));
   int64_t homed = 0;
   for (int64_t e = 0; e < E; ++e) homed += p.home_of[e] == p.rank;
   const uint64_t cb = std::max<uint64_t>(chunk_bytes, 1);
-  const int64_t tcap[2] = {(homed + S) * psched::chunks_of(weight_bytes, cb), (homed + S) * psched::chunks_of(grad_bytes, cb)};
+  const int64_t tcap[2] = {(homed + S) * psched::chunks_of(weight_bytes, cb),
+                           (homed + S) * psched::chunks_of(grad_bytes, cb)};
   std::vector<uint8_t> traw[2], rraw[2];
   psched_ref::OpOut out[2];
   for (int op = 0; op < 2; ++op) {
@@ -273,7 +281,8 @@ py::dict build_serial_ref(const I32& slot_src, const I32& home_of, py::object no
                                 reinterpret_cast<Ref*>(rraw[op].data()), W * S};
   }
   const psched_ref::Result res = psched_ref::build(p, scratch.data(), out[0], out[1]);
-  if (res.status != psched::kOk) throw std::invalid_argument("build_schedule_portable_serial_ref: " + std::string(status_text(res.status)));
+  if (res.status != psched::kOk)
+    throw std::invalid_argument("build_schedule_portable_serial_ref: " + std::string(status_text(res.status)));
   const psched_ref::View v = psched_ref::view(scratch.data(), p.world, p.slots, p.num_experts);
   py::dict d;
   const char* names[2] = {"multicast", "reduce"};
@@ -310,7 +319,8 @@ uint64_t digest_of(const I32& slot_src, const I32& home_of, py::object node_of, 
   const psched::Problem p =
       problem_of(slot_src, home_of, node_of, node, weight_bytes, grad_bytes, chunk_bytes, 0, max_depth, hop_bytes);
   const int64_t WS = int64_t(p.world) * p.slots;
-  if (trees.size() != 2) throw std::invalid_argument("schedule_digest_portable: trees must be two (parent_rank, parent_slot) pairs");
+  if (trees.size() != 2)
+    throw std::invalid_argument("schedule_digest_portable: trees must be two (parent_rank, parent_slot) pairs");
   std::vector<int32_t> tb[2];
   for (int op = 0; op < 2; ++op) {
     const I32* parts[2] = {&trees[op].first, &trees[op].second};
@@ -333,9 +343,8 @@ uint64_t digest_of(const I32& slot_src, const I32& home_of, py::object node_of, 
 
 void bind_sched_portable(py::module_& m) {
   m.def("build_schedule_portable", &build, py::arg("slot_src"), py::arg("home_of"), py::arg("node_of"),
-        py::arg("weight_bytes"), py::arg("grad_bytes"), py::arg("chunk_bytes"), py::arg("rank"),
-        py::arg("max_depth"), py::arg("hop_bytes"), py::arg("lanes") = 1, py::arg("warp_lanes") = 0,
-        py::arg("warps") = 0,
+        py::arg("weight_bytes"), py::arg("grad_bytes"), py::arg("chunk_bytes"), py::arg("rank"), py::arg("max_depth"),
+        py::arg("hop_bytes"), py::arg("lanes") = 1, py::arg("warp_lanes") = 0, py::arg("warps") = 0,
         "Portable schedule builder, host build: {multicast: {tasks, refs, parent_rank, parent_slot, depth, ...}, "
         "reduce: {...}, digest, lower_bound, candidates} for one rank.  lanes: host threads standing in for the "
         "CTA's lanes (1: one lane), in warps of warp_lanes (0: lanes / 8, at least 1), at most `warps` candidate "
@@ -350,19 +359,20 @@ void bind_sched_portable(py::module_& m) {
         py::arg("hop_bytes"), py::arg("trees"), py::arg("lanes") = 1, py::arg("warp_lanes") = 0,
         "The portable builder's digest (sched_write.h digest) of these inputs and trees -- [(parent_rank, "
         "parent_slot) of multicast, of reduce], int32 [world, slots] each -- on `lanes` host lanes (tests).");
-  m.def("schedule_build_launch",
-        [](int32_t W, int32_t S, int32_t E) {
-          const psched::LaunchShape ls = psched::launch_shape(W, S, E);
-          py::dict d;
-          d["threads"] = ls.threads;
-          d["warps"] = ls.warps;
-          d["smem_bytes"] = ls.smem_bytes;
-          d["scratch_bytes"] = 8 * psched::scratch_words(W, S, E, ls.warps);
-          return d;
-        },
-        py::arg("world"), py::arg("slots"), py::arg("num_experts"),
-        "k_build_slot's launch (sched_build.h launch_shape): one CTA of `threads`, `warps` candidate trees at once, "
-        "`smem_bytes` of dynamic shared memory holding the scratch (0: the scratch stays in global memory).");
+  m.def(
+      "schedule_build_launch",
+      [](int32_t W, int32_t S, int32_t E) {
+        const psched::LaunchShape ls = psched::launch_shape(W, S, E);
+        py::dict d;
+        d["threads"] = ls.threads;
+        d["warps"] = ls.warps;
+        d["smem_bytes"] = ls.smem_bytes;
+        d["scratch_bytes"] = 8 * psched::scratch_words(W, S, E, ls.warps);
+        return d;
+      },
+      py::arg("world"), py::arg("slots"), py::arg("num_experts"),
+      "k_build_slot's launch (sched_build.h launch_shape): one CTA of `threads`, `warps` candidate trees at once, "
+      "`smem_bytes` of dynamic shared memory holding the scratch (0: the scratch stays in global memory).");
   m.attr("SCHEDULE_BUILD_BLOCK_THREADS") = psched::kBlockThreads;
   m.attr("SCHEDULE_BUILD_SMEM_BUDGET") = psched::kSmemBudget;
   m.def("build_into_views", &build_views, py::arg("slot_src"), py::arg("home_of"), py::arg("node_of"),
@@ -373,9 +383,10 @@ void bind_sched_portable(py::module_& m) {
         "num_tasks, num_refs, my_slots, slot_parent, digest}, reduce: {...}, status, digest}.  view_rank: the "
         "views' rank if not `rank` (tests a template of another rank); upstream: 6 (the loads' exchange failed) or 7 "
         "(the planner failed): nothing is built.  lanes / warp_lanes / warps as build_schedule_portable.");
-  m.def("schedule_portable_scratch_bytes",
-        [](int32_t W, int32_t S, int32_t E) { return 8 * psched::scratch_words(W, S, E); }, py::arg("world"),
-        py::arg("slots"), py::arg("num_experts"));
+  m.def(
+      "schedule_portable_scratch_bytes",
+      [](int32_t W, int32_t S, int32_t E) { return 8 * psched::scratch_words(W, S, E); }, py::arg("world"),
+      py::arg("slots"), py::arg("num_experts"));
   m.attr("SCHEDULE_PORTABLE_MAX_WORLD") = psched::kMaxWorld;
   m.attr("SCHEDULE_PORTABLE_MAX_SLOTS") = psched::kMaxSlots;
   m.attr("SCHEDULE_PORTABLE_MAX_EXPERTS") = psched::kMaxExperts;

@@ -31,7 +31,8 @@ RelayMode parse_mode(const py::object& m) {
     throw std::invalid_argument("relay_mode must be 'auto', 'off' or 'force', got '" + v + "'");
   }
   const int v = m.cast<int>();
-  if (v < 0 || v > 2) throw std::invalid_argument("relay_mode must be 0 (auto), 1 (off) or 2 (force), got " + std::to_string(v));
+  if (v < 0 || v > 2)
+    throw std::invalid_argument("relay_mode must be 0 (auto), 1 (off) or 2 (force), got " + std::to_string(v));
   return static_cast<RelayMode>(v);
 }
 
@@ -43,7 +44,8 @@ Op parse_op(const py::object& o) {
     throw std::invalid_argument("op must be 'multicast' or 'reduce', got '" + v + "'");
   }
   const int v = o.cast<int>();
-  if (v < 0 || v >= kNumOps) throw std::invalid_argument("op must be 0 (multicast) or 1 (reduce), got " + std::to_string(v));
+  if (v < 0 || v >= kNumOps)
+    throw std::invalid_argument("op must be 0 (multicast) or 1 (reduce), got " + std::to_string(v));
   return static_cast<Op>(v);
 }
 
@@ -117,7 +119,8 @@ py::dict op_stats(const OpSchedule& o) {
 }  // namespace
 
 void bind_schedule(py::module_& m) {
-  py::class_<PySchedule>(m, "Schedule", "Per-rank task lists of both operations (see include/ultracomm/records/schedule.h)")
+  py::class_<PySchedule>(m, "Schedule",
+                         "Per-rank task lists of both operations (see include/ultracomm/records/schedule.h)")
       .def_property_readonly("digest", [](const PySchedule& p) { return p.s->digest; })
       .def_property_readonly("built_for", [](const PySchedule& p) { return p.s->built_for; })
       .def_property_readonly("world", [](const PySchedule& p) { return p.s->input.world; })
@@ -145,8 +148,10 @@ void bind_schedule(py::module_& m) {
                         py::module_::import("ultracomm.records").attr("REF_DTYPE"));
           },
           py::arg("op"), py::arg("rank"))
-      .def("parent_rank", [](const PySchedule& p, py::object op) { return grid(*p.s, op_of(*p.s, parse_op(op)).parent_rank); })
-      .def("parent_slot", [](const PySchedule& p, py::object op) { return grid(*p.s, op_of(*p.s, parse_op(op)).parent_slot); })
+      .def("parent_rank",
+           [](const PySchedule& p, py::object op) { return grid(*p.s, op_of(*p.s, parse_op(op)).parent_rank); })
+      .def("parent_slot",
+           [](const PySchedule& p, py::object op) { return grid(*p.s, op_of(*p.s, parse_op(op)).parent_slot); })
       .def("depth", [](const PySchedule& p, py::object op) { return grid(*p.s, op_of(*p.s, parse_op(op)).depth); })
       .def("stats", [](const PySchedule& p, py::object op) { return op_stats(op_of(*p.s, parse_op(op))); })
       .def("input", [](const PySchedule& p) {
@@ -185,9 +190,9 @@ void bind_schedule(py::module_& m) {
         return PySchedule{std::move(s)};
       },
       py::arg("world"), py::arg("slots_per_rank"), py::arg("num_experts"), py::arg("slot_src"), py::arg("home_of"),
-      py::arg("node_of"), py::arg("weight_bytes"), py::arg("grad_bytes"), py::arg("chunk_bytes"),
-      py::arg("relay_mode"), py::arg("max_depth"), py::arg("intra_bw"), py::arg("inter_bw"),
-      py::arg("only_rank") = -1, py::arg("intra_latency_s") = BuildInput{}.intra_latency_s,
+      py::arg("node_of"), py::arg("weight_bytes"), py::arg("grad_bytes"), py::arg("chunk_bytes"), py::arg("relay_mode"),
+      py::arg("max_depth"), py::arg("intra_bw"), py::arg("inter_bw"), py::arg("only_rank") = -1,
+      py::arg("intra_latency_s") = BuildInput{}.intra_latency_s,
       py::arg("inter_latency_s") = BuildInput{}.inter_latency_s,
       "Build both operations' trees and task lists; raises ValueError on invalid input.");
 
@@ -215,9 +220,9 @@ void bind_schedule(py::module_& m) {
         return out;
       },
       py::arg("world"), py::arg("slots_per_rank"), py::arg("num_experts"), py::arg("slot_src"), py::arg("home_of"),
-      py::arg("node_of"), py::arg("weight_bytes"), py::arg("grad_bytes"), py::arg("chunk_bytes"),
-      py::arg("relay_mode"), py::arg("max_depth"), py::arg("intra_bw"), py::arg("inter_bw"),
-      py::arg("only_rank") = -1, py::arg("iters") = 100, py::arg("intra_latency_s") = BuildInput{}.intra_latency_s,
+      py::arg("node_of"), py::arg("weight_bytes"), py::arg("grad_bytes"), py::arg("chunk_bytes"), py::arg("relay_mode"),
+      py::arg("max_depth"), py::arg("intra_bw"), py::arg("inter_bw"), py::arg("only_rank") = -1, py::arg("iters") = 100,
+      py::arg("intra_latency_s") = BuildInput{}.intra_latency_s,
       py::arg("inter_latency_s") = BuildInput{}.inter_latency_s,
       "Run build_schedule `iters` times in C++ (GIL released); returns the nanoseconds of each build.");
 }

@@ -53,8 +53,8 @@ struct ThreadLanes {
   }
 };
 
-py::tuple reroute_table(I32 loads, I32 slot_src, I64 slot_quota, int64_t experts_per_rank, int64_t rank,
-                        int64_t layout, int64_t lanes) {
+py::tuple reroute_table(I32 loads, I32 slot_src, I64 slot_quota, int64_t experts_per_rank, int64_t rank, int64_t layout,
+                        int64_t lanes) {
   if (slot_src.ndim() != 2 || slot_quota.ndim() != 2 || slot_quota.shape(0) != slot_src.shape(0) ||
       slot_quota.shape(1) != slot_src.shape(1))
     throw std::invalid_argument("reroute_table: slot_src and slot_quota must both be [world, slots]");
@@ -67,8 +67,9 @@ py::tuple reroute_table(I32 loads, I32 slot_src, I64 slot_quota, int64_t experts
   for (int64_t s = 0; s < W * K; ++s)
     if (slot_src.data()[s] < -1 || slot_src.data()[s] >= E)
       throw std::invalid_argument("reroute_table: slot_src entry out of range");
-  const split::Plan p{static_cast<int32_t>(W), static_cast<int32_t>(experts_per_rank), static_cast<int32_t>(K),
-                      loads.data(), slot_src.data(), slot_quota.data()};
+  const split::Plan p{static_cast<int32_t>(W), static_cast<int32_t>(experts_per_rank),
+                      static_cast<int32_t>(K), loads.data(),
+                      slot_src.data(),         slot_quota.data()};
   if (lanes < 0 || lanes > 64) throw std::invalid_argument("reroute_table: lanes must be in [0, 64]");
   I64 bounds({E, W}), columns({E, W});
   int64_t* b = bounds.mutable_data();

@@ -49,7 +49,8 @@ std::vector<T> records(const py::handle& obj, const char* what) {
 
 template <class T>
 T get(const py::dict& d, const char* key) {
-  if (!d.contains(key)) throw std::invalid_argument(std::string("ultracomm._cuda.DevicePlan: rank entry lacks '") + key + "'");
+  if (!d.contains(key))
+    throw std::invalid_argument(std::string("ultracomm._cuda.DevicePlan: rank entry lacks '") + key + "'");
   return d[key].cast<T>();
 }
 
@@ -76,7 +77,8 @@ ExecArgs exec_args(const py::dict& d, std::vector<Task>& tasks, std::vector<Ref>
   a.local_index_of = get<std::vector<int32_t>>(d, "local_index_of");
   a.grad_dtype = static_cast<DType>(dt);
   a.my_slots = get<std::vector<int32_t>>(d, "my_slots");
-  if (d.contains("slot_parent") && !d["slot_parent"].is_none()) a.slot_parent = get<std::vector<int32_t>>(d, "slot_parent");
+  if (d.contains("slot_parent") && !d["slot_parent"].is_none())
+    a.slot_parent = get<std::vector<int32_t>>(d, "slot_parent");
   tasks = records<Task>(d["tasks"], "tasks");
   refs = records<Ref>(d["refs"], "refs");
   a.tasks = tasks.data();
@@ -148,7 +150,8 @@ void bind(py::module_& m) {
       "programmatic dependent launch on sm_90+ devices (pdl.h).  ultracomm.cuda.support sets it from "
       "ULTRACOMM_PDL when it loads this module; on by default.");
   m.def(
-      "programmatic_launch", [](std::optional<int> device) {
+      "programmatic_launch",
+      [](std::optional<int> device) {
         return device ? programmatic_launch_on(*device) : programmatic_launch_enabled();
       },
       py::arg("device") = py::none(),
@@ -231,7 +234,8 @@ into text/exception with _core.format_error / _core.raise_error_record.)doc")
       .def(py::init<int>(), py::arg("device"))
       .def(
           "launch",
-          [](Runner& r, const DevicePlan& plan, uint64_t epoch, int ctas_per_rank, uintptr_t stream, bool force_vector) {
+          [](Runner& r, const DevicePlan& plan, uint64_t epoch, int ctas_per_rank, uintptr_t stream,
+             bool force_vector) {
             r.launch(plan, epoch, ctas_per_rank, as_stream(stream), force_vector ? kForceVector : 0u);
           },
           py::arg("plan"), py::arg("epoch"), py::arg("ctas_per_rank"), py::arg("stream"),
@@ -240,7 +244,8 @@ into text/exception with _core.format_error / _core.raise_error_record.)doc")
           "launch_slot",
           [](Runner& r, PlanArena& arena, int slot, int op, const py::object& ranks, uint64_t epoch, int ctas_per_rank,
              uintptr_t stream, bool force_vector) {
-            if (op != 0 && op != 1) throw std::invalid_argument("ultracomm._cuda.Runner.launch_slot: op must be 0 or 1");
+            if (op != 0 && op != 1)
+              throw std::invalid_argument("ultracomm._cuda.Runner.launch_slot: op must be 0 or 1");
             std::vector<std::vector<Task>> tasks;
             std::vector<std::vector<Ref>> refs;
             std::vector<ExecArgs> args;
@@ -248,8 +253,8 @@ into text/exception with _core.format_error / _core.raise_error_record.)doc")
             r.launch(arena, slot, static_cast<Op>(op), ranks.is_none() ? nullptr : &args, epoch, ctas_per_rank,
                      as_stream(stream), force_vector ? kForceVector : 0u);
           },
-          py::arg("arena"), py::arg("slot"), py::arg("op"), py::arg("ranks"), py::arg("epoch"), py::arg("ctas_per_rank"),
-          py::arg("stream"), py::arg("force_vector") = false,
+          py::arg("arena"), py::arg("slot"), py::arg("op"), py::arg("ranks"), py::arg("epoch"),
+          py::arg("ctas_per_rank"), py::arg("stream"), py::arg("force_vector") = false,
           "Enqueue the plan of arena slot `slot` for `op` (ranks: the plan's rank entries, as DevicePlan takes "
           "them, to write into the slot first; None: run what the slot holds).  No allocation, no host wait "
           "(the upload is an async copy from pinned staging on `stream`).")
@@ -272,9 +277,10 @@ into text/exception with _core.format_error / _core.raise_error_record.)doc")
              uintptr_t plan_result) {
             if (!slot_src || slot_src % 4 || !home_of || home_of % 4 || node_of % 4 || exchange_status % 4 ||
                 plan_result % 8)
-              throw std::invalid_argument("ultracomm._cuda.Runner.build_slot: slot_src and home_of must be non-null "
-                                          "int32 device arrays, node_of and exchange_status int32 ones or 0, "
-                                          "plan_result int64 words or 0");
+              throw std::invalid_argument(
+                  "ultracomm._cuda.Runner.build_slot: slot_src and home_of must be non-null "
+                  "int32 device arrays, node_of and exchange_status int32 ones or 0, "
+                  "plan_result int64 words or 0");
             psched::Problem p{};
             p.world = world;
             p.slots = slots;
@@ -308,7 +314,8 @@ into text/exception with _core.format_error / _core.raise_error_record.)doc")
       .def("max_coresident", &Runner::max_coresident, py::arg("grad_dtype") = 0,
            "CTAs of one launch that can be resident at once (a loopback launch needs all).")
       .def_property_readonly("device", &Runner::device)
-      .def_property_readonly("compute_capability", [](const Runner& r) { return py::make_tuple(r.cc_major(), r.cc_minor()); })
+      .def_property_readonly("compute_capability",
+                             [](const Runner& r) { return py::make_tuple(r.cc_major(), r.cc_minor()); })
       .def_property_readonly("sm_count", &Runner::sm_count)
       .def_property_readonly("mover", [](const Runner& r) { return r.tma() ? "tma" : "vector"; });
 
@@ -319,7 +326,8 @@ into text/exception with _core.format_error / _core.raise_error_record.)doc")
         if (op != 0 && op != 1) throw std::invalid_argument("ultracomm._cuda.publish_rejection: op must be 0 or 1");
         if (epoch < 1) throw std::invalid_argument("ultracomm._cuda.publish_rejection: epoch must be >= 1");
         if (!window_base || window_base % 8)
-          throw std::invalid_argument("ultracomm._cuda.publish_rejection: window_base must be an 8-byte aligned address");
+          throw std::invalid_argument(
+              "ultracomm._cuda.publish_rejection: window_base must be an 8-byte aligned address");
         if (const char* e = window_layout_error(slots, weight_slot_bytes, grad_slot_bytes, chunk_bytes))
           throw std::invalid_argument(std::string("ultracomm._cuda.publish_rejection: ") + e);
         launch_reject(static_cast<Op>(op), epoch, window_base,
@@ -330,9 +338,8 @@ into text/exception with _core.format_error / _core.raise_error_record.)doc")
       "Enqueue on `stream`: this rank rejected its plan for `op` at `epoch` (its window at device address "
       "window_base): peers touching it raise PlanError \"rank r rejected its plan\" instead of timing out.");
   bind_loads(m);
-  m.def(
-      "quota_scratch_bytes", &quota_scratch_bytes, py::arg("world"), py::arg("experts"), py::arg("slots"),
-      "Device scratch bytes of one quota_plan launch (8-byte aligned buffer).");
+  m.def("quota_scratch_bytes", &quota_scratch_bytes, py::arg("world"), py::arg("experts"), py::arg("slots"),
+        "Device scratch bytes of one quota_plan launch (8-byte aligned buffer).");
   m.def(
       "quota_plan",
       [](uintptr_t loads, uintptr_t expert_load, uintptr_t node_of, uintptr_t scratch, uintptr_t slot_src,
@@ -340,12 +347,22 @@ into text/exception with _core.format_error / _core.raise_error_record.)doc")
          int64_t min_tokens, int64_t tol, int32_t eps_bp, uintptr_t stream) {
         if (!loads || loads % 4 || !slot_src || slot_src % 4 || node_of % 4 || !expert_load || expert_load % 8 ||
             !scratch || scratch % 8 || !slot_quota || slot_quota % 8 || !result || result % 8)
-          throw std::invalid_argument("ultracomm._cuda.quota_plan: device pointers must be non-null and aligned "
-                                      "to their element (int32: 4, int64/scratch/result: 8)");
-        QuotaArgs a{reinterpret_cast<const int32_t*>(loads), reinterpret_cast<int64_t*>(expert_load),
-                    reinterpret_cast<const int32_t*>(node_of), reinterpret_cast<int64_t*>(scratch),
-                    reinterpret_cast<int32_t*>(slot_src), reinterpret_cast<int64_t*>(slot_quota),
-                    reinterpret_cast<quota::Result*>(result), world, experts_per_rank, slots, min_tokens, tol, eps_bp};
+          throw std::invalid_argument(
+              "ultracomm._cuda.quota_plan: device pointers must be non-null and aligned "
+              "to their element (int32: 4, int64/scratch/result: 8)");
+        QuotaArgs a{reinterpret_cast<const int32_t*>(loads),
+                    reinterpret_cast<int64_t*>(expert_load),
+                    reinterpret_cast<const int32_t*>(node_of),
+                    reinterpret_cast<int64_t*>(scratch),
+                    reinterpret_cast<int32_t*>(slot_src),
+                    reinterpret_cast<int64_t*>(slot_quota),
+                    reinterpret_cast<quota::Result*>(result),
+                    world,
+                    experts_per_rank,
+                    slots,
+                    min_tokens,
+                    tol,
+                    eps_bp};
         launch_quota_plan(a, as_stream(stream));
       },
       py::arg("loads"), py::arg("expert_load"), py::arg("node_of"), py::arg("scratch"), py::arg("slot_src"),
@@ -362,21 +379,29 @@ into text/exception with _core.format_error / _core.raise_error_record.)doc")
          uintptr_t stream) {
         if (!loads || loads % 4 || !slot_src || slot_src % 4 || !slot_quota || slot_quota % 8 || !scratch ||
             scratch % 8 || !bounds || bounds % 8 || !columns || columns % 8)
-          throw std::invalid_argument("ultracomm._cuda.reroute_table: device pointers must be non-null and aligned "
-                                      "to their element (int32: 4, int64: 8)");
+          throw std::invalid_argument(
+              "ultracomm._cuda.reroute_table: device pointers must be non-null and aligned "
+              "to their element (int32: 4, int64: 8)");
         if (world < 1 || experts_per_rank < 1 || slots < 0 || rank < 0 || rank >= world || (layout != 0 && layout != 1))
-          throw std::invalid_argument("ultracomm._cuda.reroute_table: world, experts_per_rank >= 1, slots >= 0, "
-                                      "rank in [0, world), layout 0 (echo) or 1 (physical)");
-        RerouteArgs a{reinterpret_cast<const int32_t*>(loads), reinterpret_cast<const int32_t*>(slot_src),
-                      reinterpret_cast<const int64_t*>(slot_quota), reinterpret_cast<int64_t*>(scratch),
-                      reinterpret_cast<int64_t*>(bounds), reinterpret_cast<int64_t*>(columns), world,
-                      experts_per_rank, slots, rank, layout};
+          throw std::invalid_argument(
+              "ultracomm._cuda.reroute_table: world, experts_per_rank >= 1, slots >= 0, "
+              "rank in [0, world), layout 0 (echo) or 1 (physical)");
+        RerouteArgs a{reinterpret_cast<const int32_t*>(loads),
+                      reinterpret_cast<const int32_t*>(slot_src),
+                      reinterpret_cast<const int64_t*>(slot_quota),
+                      reinterpret_cast<int64_t*>(scratch),
+                      reinterpret_cast<int64_t*>(bounds),
+                      reinterpret_cast<int64_t*>(columns),
+                      world,
+                      experts_per_rank,
+                      slots,
+                      rank,
+                      layout};
         launch_reroute_table(a, as_stream(stream));
       },
       py::arg("loads"), py::arg("slot_src"), py::arg("slot_quota"), py::arg("scratch"), py::arg("bounds"),
       py::arg("columns"), py::arg("world"), py::arg("experts_per_rank"), py::arg("slots"), py::arg("rank"),
-      py::arg("layout"), py::arg("stream"),
-      "Enqueue the device reroute (launch.h launch_reroute_table) on `stream`.");
+      py::arg("layout"), py::arg("stream"), "Enqueue the device reroute (launch.h launch_reroute_table) on `stream`.");
   m.def(
       "launch_empty", [](uintptr_t stream) { launch_empty(as_stream(stream)); }, py::arg("stream"),
       "Enqueue an empty kernel (launch floor).");

@@ -37,9 +37,8 @@ __device__ __forceinline__ void fence_sys() {
 }
 }  // namespace uc_gate
 
-extern "C" __global__ void __launch_bounds__(256) uc_ce_gate(const unsigned long long* desc,
-                                                              unsigned long long epoch,
-                                                              const unsigned long long* abort_word) {
+extern "C" __global__ void __launch_bounds__(256)
+    uc_ce_gate(const unsigned long long* desc, unsigned long long epoch, const unsigned long long* abort_word) {
   using namespace uc_gate;
   __shared__ int go;
   const unsigned n_waits = static_cast<unsigned>(desc[0]);

@@ -19,8 +19,8 @@ struct CudaError : std::runtime_error {
 
 }  // namespace ultracomm::gpu
 
-#define UC_CUDA_CHECK(call)                                                           \
-  do {                                                                                \
-    const cudaError_t uc_err_ = (call);                                               \
+#define UC_CUDA_CHECK(call)                                                                       \
+  do {                                                                                            \
+    const cudaError_t uc_err_ = (call);                                                           \
     if (uc_err_ != cudaSuccess) ::ultracomm::gpu::throw_cuda(uc_err_, #call, __FILE__, __LINE__); \
   } while (0)

@@ -65,7 +65,9 @@ std::vector<unsigned char> plan_image(const std::vector<ExecArgs>& ranks, uintpt
   // views first (patched below), then each rank's arrays
   Image img;
   img.bytes.resize(sizeof(ExecView) * ranks.size());
-  struct Offsets { size_t bases, masters, lidx, slots, parent, tasks, refs, done; };
+  struct Offsets {
+    size_t bases, masters, lidx, slots, parent, tasks, refs, done;
+  };
   std::vector<Offsets> off(ranks.size());
   for (size_t i = 0; i < ranks.size(); ++i) {
     const ExecArgs& a = ranks[i];
@@ -93,8 +95,9 @@ std::vector<unsigned char> plan_image(const std::vector<ExecArgs>& ranks, uintpt
     v.local_index_of = at<int32_t>(base, off[i].lidx, a.local_index_of.size());
     v.my_slots = at<int32_t>(base, off[i].slots, n_or_cap(a.my_slots.size(), cap ? cap->slots : 0));
     // an entry without parents keeps none (null: timeouts then name no parent), also at capacity
-    v.slot_parent = a.slot_parent.empty() ? nullptr
-                                          : at<int32_t>(base, off[i].parent, n_or_cap(a.slot_parent.size(), cap ? cap->slots : 0));
+    v.slot_parent = a.slot_parent.empty()
+                        ? nullptr
+                        : at<int32_t>(base, off[i].parent, n_or_cap(a.slot_parent.size(), cap ? cap->slots : 0));
     v.tasks = at<Task>(base, off[i].tasks, n_or_cap(static_cast<size_t>(a.num_tasks), cap ? cap->tasks : 0));
     v.refs = at<Ref>(base, off[i].refs, n_or_cap(static_cast<size_t>(a.num_refs), cap ? cap->refs : 0));
     v.tile_done = const_cast<uint32_t*>(

@@ -126,9 +126,7 @@ __global__ void __launch_bounds__(psched::kBlockThreads, 1)
 }
 
 // The launch of a problem: one CTA; shared-memory scratch when it fits (launch_shape).
-psched::LaunchShape shape_of(const psched::Problem& p) {
-  return psched::launch_shape(p.world, p.slots, p.num_experts);
-}
+psched::LaunchShape shape_of(const psched::Problem& p) { return psched::launch_shape(p.world, p.slots, p.num_experts); }
 
 }  // namespace
 
@@ -141,7 +139,7 @@ int64_t build_scratch_bytes(int32_t world, int32_t slots, int32_t experts) {
 void launch_build_schedule(const BuildArgs& a, cudaStream_t stream) {
   const psched::LaunchShape ls = shape_of(a.problem);
   k_build_schedule<<<1, ls.threads, static_cast<size_t>(ls.smem_bytes), stream>>>(a, ls.warps,
-                                                                                static_cast<uint32_t>(ls.smem_bytes));
+                                                                                  static_cast<uint32_t>(ls.smem_bytes));
   UC_CUDA_CHECK(cudaGetLastError());
 }
 

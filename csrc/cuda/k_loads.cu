@@ -154,8 +154,12 @@ __global__ void __launch_bounds__(kLoadThreads, 1) k_load_exchange(const __grid_
   }
   const bool vec = !__syncthreads_or(misaligned) && s.num_experts % 4 == 0 && s.record_bytes % 16 == 0 &&
                    reinterpret_cast<uintptr_t>(r.counts) % 16 == 0 && reinterpret_cast<uintptr_t>(r.out) % 16 == 0;
-  const Ctx c{s, r, fits ? staged : r.bases,
-              n, (n % static_cast<uint64_t>(s.entries)) * static_cast<uint64_t>(s.world) * s.record_bytes, vec};
+  const Ctx c{s,
+              r,
+              fits ? staged : r.bases,
+              n,
+              (n % static_cast<uint64_t>(s.entries)) * static_cast<uint64_t>(s.world) * s.record_bytes,
+              vec};
   post(c);
   // the planner (k_quota_plan, launched with PDL) may now be scheduled: it waits in
   // griddepcontrol.wait until this grid completed (every CTA is resident already: a CTA that

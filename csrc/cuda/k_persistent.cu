@@ -53,7 +53,8 @@ __device__ bool last_to_arrive(uint32_t* counter, uint32_t count, dev::MoverBase
 __device__ bool first_ticket(uint32_t* counter, dev::MoverBase& m) {
   uint32_t first = 0;
   if (m.leader())
-    first = cuda::atomic_ref<uint32_t, cuda::thread_scope_device>(*counter).fetch_add(1, cuda::memory_order_relaxed) == 0;
+    first =
+        cuda::atomic_ref<uint32_t, cuda::thread_scope_device>(*counter).fetch_add(1, cuda::memory_order_relaxed) == 0;
   return m.broadcast(first) != 0;
 }
 
@@ -121,9 +122,15 @@ void launch_one(const PersistentArgs& a, uint32_t smem, bool cooperative, cudaSt
 template <class Fn>
 void for_kernel(int grad_dtype, Fn&& fn) {
   switch (grad_dtype) {
-    case 1: fn(k_persistent<interp::GradBF16>); break;
-    case 2: fn(k_persistent<interp::GradF16>); break;
-    default: fn(k_persistent<interp::GradF32>); break;
+    case 1:
+      fn(k_persistent<interp::GradBF16>);
+      break;
+    case 2:
+      fn(k_persistent<interp::GradF16>);
+      break;
+    default:
+      fn(k_persistent<interp::GradF32>);
+      break;
   }
 }
 
@@ -139,7 +146,8 @@ uint32_t shared_smem_bytes(uint32_t smem) { return smem == 0 ? 0 : tma_smem_byte
 void setup_persistent(int cc_major) {
   const int smem = static_cast<int>(persistent_smem_bytes(cc_major));
   for (int d = 0; d < 3; ++d)
-    for_kernel(d, [&](auto k) { UC_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)); });
+    for_kernel(
+        d, [&](auto k) { UC_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)); });
 }
 
 int persistent_max_coresident(int device, int cc_major, int grad_dtype) {
@@ -147,7 +155,7 @@ int persistent_max_coresident(int device, int cc_major, int grad_dtype) {
   for_kernel(grad_dtype, [&](auto k) {
     // a loopback grid may need the shared ring (launch_persistent picks it)
     UC_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k, dev::kThreads,
-                                                                 shared_smem_bytes(persistent_smem_bytes(cc_major))));
+                                                                shared_smem_bytes(persistent_smem_bytes(cc_major))));
   });
   UC_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   return per_sm * sms;
@@ -155,8 +163,7 @@ int persistent_max_coresident(int device, int cc_major, int grad_dtype) {
 
 // A loopback launch (nranks > 1: every CTA must be resident at once) larger than the SM count
 // runs the shared ring, so two CTAs fit an SM; anything else gets the deep one it was given.
-void launch_persistent(const PersistentArgs& a, int grad_dtype, uint32_t smem, bool cooperative,
-                       cudaStream_t stream) {
+void launch_persistent(const PersistentArgs& a, int grad_dtype, uint32_t smem, bool cooperative, cudaStream_t stream) {
   if (a.nranks > 1 && smem > shared_smem_bytes(smem)) {
     int device = 0, sms = 0;
     UC_CUDA_CHECK(cudaGetDevice(&device));
@@ -164,9 +171,15 @@ void launch_persistent(const PersistentArgs& a, int grad_dtype, uint32_t smem, b
     if (static_cast<int64_t>(a.nranks) * a.ctas_per_rank > sms) smem = shared_smem_bytes(smem);
   }
   switch (grad_dtype) {
-    case 1: launch_one<interp::GradBF16>(a, smem, cooperative, stream); break;
-    case 2: launch_one<interp::GradF16>(a, smem, cooperative, stream); break;
-    default: launch_one<interp::GradF32>(a, smem, cooperative, stream); break;
+    case 1:
+      launch_one<interp::GradBF16>(a, smem, cooperative, stream);
+      break;
+    case 2:
+      launch_one<interp::GradF16>(a, smem, cooperative, stream);
+      break;
+    default:
+      launch_one<interp::GradF32>(a, smem, cooperative, stream);
+      break;
   }
 }
 

@@ -149,8 +149,8 @@ int64_t smem_limit() {
   UC_CUDA_CHECK(cudaFuncGetAttributes(&attr, k_quota_plan<true>));
   limit = int64_t(optin) - int64_t(attr.sharedSizeBytes);
   if (limit > 0)
-    UC_CUDA_CHECK(cudaFuncSetAttribute(k_quota_plan<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(limit)));
+    UC_CUDA_CHECK(
+        cudaFuncSetAttribute(k_quota_plan<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(limit)));
   limit = limit > 0 ? limit : 1;  // 1: queried, nothing fits
   g_smem_limit[device].store(limit, std::memory_order_release);
   return limit;

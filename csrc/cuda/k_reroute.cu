@@ -19,8 +19,8 @@
 namespace ultracomm {
 namespace {
 
-constexpr int kRerouteWarps = 8;          // experts per CTA
-constexpr int kSmemBudget = 48 * 1024;    // static limit of dynamic shared memory without opt-in
+constexpr int kRerouteWarps = 8;        // experts per CTA
+constexpr int kSmemBudget = 48 * 1024;  // static limit of dynamic shared memory without opt-in
 
 struct WarpLanes {  // token_split.h's lane group: one warp
   __device__ __forceinline__ int32_t lane() const { return static_cast<int32_t>(threadIdx.x & 31u); }

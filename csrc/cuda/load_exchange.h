@@ -33,25 +33,25 @@ namespace ultracomm {
 
 // One rank's share of a launch (a one-GPU loopback launch runs several, CTA r = rank entry r).
 struct LoadRankArgs {
-  const int32_t* counts;     // device [E]: this rank's counts (read once)
-  int32_t* out;              // device [world * E]: every rank's counts, rank order
-  int32_t* status;           // device [4]: 0 ok | 1 timeout, awaited rank, flag seen (lo, hi)
-                             //   | 2 mismatch, the rank whose tag differs, its tag (lo, hi)
-  const uintptr_t* bases;    // device [world]: each rank's board base as this device addresses it
-  uint64_t* seq;             // device: exchanges this rank ran (the launch runs *seq + 1)
-  uint64_t tag;              // what this exchange is for (written beside the counts, compared with every sender's)
+  const int32_t* counts;   // device [E]: this rank's counts (read once)
+  int32_t* out;            // device [world * E]: every rank's counts, rank order
+  int32_t* status;         // device [4]: 0 ok | 1 timeout, awaited rank, flag seen (lo, hi)
+                           //   | 2 mismatch, the rank whose tag differs, its tag (lo, hi)
+  const uintptr_t* bases;  // device [world]: each rank's board base as this device addresses it
+  uint64_t* seq;           // device: exchanges this rank ran (the launch runs *seq + 1)
+  uint64_t tag;            // what this exchange is for (written beside the counts, compared with every sender's)
   int32_t rank;
   int32_t pad;
 };
 
 // What every rank entry of a launch shares.
 struct LoadExchangeShape {
-  int32_t nranks;            // rank entries of this launch (grid = nranks CTAs)
-  int32_t world;             // <= kMaxExchangeRanks
-  int32_t num_experts;       // E >= 1
-  int32_t entries;           // >= 2
-  uint64_t record_bytes;     // >= kLoadHeaderBytes + 4 E, multiple of 64 (so the counts are 16-byte aligned)
-  uint64_t timeout_ns;       // per exchange; UINT64_MAX = never
+  int32_t nranks;         // rank entries of this launch (grid = nranks CTAs)
+  int32_t world;          // <= kMaxExchangeRanks
+  int32_t num_experts;    // E >= 1
+  int32_t entries;        // >= 2
+  uint64_t record_bytes;  // >= kLoadHeaderBytes + 4 E, multiple of 64 (so the counts are 16-byte aligned)
+  uint64_t timeout_ns;    // per exchange; UINT64_MAX = never
 };
 
 // A launch's kernel arguments for up to N rank entries.  The launcher (k_loads.cu) picks the
@@ -64,15 +64,15 @@ struct LoadExchangeParams {
   LoadRankArgs ranks[N];
 };
 
-constexpr int kMaxExchangeRanks = 288;  // an EP288 world in one loopback launch
+constexpr int kMaxExchangeRanks = 288;                           // an EP288 world in one loopback launch
 using LoadExchangeArgs = LoadExchangeParams<kMaxExchangeRanks>;  // what the bindings fill
 
 constexpr int32_t kLoadStatusOk = 0;
 constexpr int32_t kLoadStatusTimeout = 1;
 constexpr int32_t kLoadStatusMismatch = 2;
-constexpr uint64_t kLoadTagOffset = 8;       // record + 8: the sender's tag
-constexpr uint64_t kLoadHeaderBytes = 16;    // flag and tag ahead of the counts
-constexpr uint64_t kLoadRecordAlign = 64;    // board_layout.BoardLayout.record_bytes rounds to it
+constexpr uint64_t kLoadTagOffset = 8;     // record + 8: the sender's tag
+constexpr uint64_t kLoadHeaderBytes = 16;  // flag and tag ahead of the counts
+constexpr uint64_t kLoadRecordAlign = 64;  // board_layout.BoardLayout.record_bytes rounds to it
 
 static_assert(sizeof(LoadRankArgs) == 56 && sizeof(LoadExchangeShape) == 32, "layout the bindings fill");
 static_assert(std::is_trivially_copyable_v<LoadExchangeArgs> && sizeof(LoadExchangeArgs) <= 32764,

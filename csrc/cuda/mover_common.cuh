@@ -25,7 +25,7 @@ namespace ultracomm::dev {
 
 constexpr int kThreads = gpu::kThreadsPerCta;
 
-constexpr int kSmemSrcs = 64;     // reduce sources whose addresses are staged in shared memory
+constexpr int kSmemSrcs = 64;  // reduce sources whose addresses are staged in shared memory
 
 // Static shared memory of one CTA: the broadcast word, and the addresses of the current copy's
 // destinations / reduction's sources (computed once per segment, read by every thread).
@@ -214,8 +214,7 @@ __device__ __forceinline__ void store_g(uintptr_t p, U v) {
 
 // Units of U at byte `begin` of the segment: src + begin -> dsts[d] + begin.
 template <class U>
-__device__ __forceinline__ void copy_units(const uintptr_t* dsts, int ndst, uintptr_t src, uint64_t begin,
-                                           uint64_t n) {
+__device__ __forceinline__ void copy_units(const uintptr_t* dsts, int ndst, uintptr_t src, uint64_t begin, uint64_t n) {
   const uintptr_t s = src + begin;
   const uint64_t stride = blockDim.x;
   uint64_t i = threadIdx.x;

@@ -42,7 +42,8 @@ size_t PlanArena::area_bytes(const PlanBounds& b, Op op) {
 
 size_t PlanArena::scratch_bytes(const PlanBounds& b) {
   if (b.world > psched::kMaxWorld || b.slots > psched::kMaxSlots || b.num_experts > psched::kMaxExperts) return 0;
-  const size_t n = 8 * static_cast<size_t>(psched::scratch_words(b.world, static_cast<int32_t>(b.slots), b.num_experts));
+  const size_t n =
+      8 * static_cast<size_t>(psched::scratch_words(b.world, static_cast<int32_t>(b.slots), b.num_experts));
   return (n + kAreaAlign - 1) / kAreaAlign * kAreaAlign;
 }
 
@@ -153,8 +154,10 @@ void PlanArena::retire() {
   for (size_t i = 0; i < in_flight_.size(); ++i) {
     if (!in_flight_[i]) continue;
     const cudaError_t q = cudaEventQuery(copied_[i]);
-    if (q == cudaSuccess) in_flight_[i] = false;
-    else if (q != cudaErrorNotReady) throw_cuda(q, "cudaEventQuery(plan staging)", __FILE__, __LINE__);
+    if (q == cudaSuccess)
+      in_flight_[i] = false;
+    else if (q != cudaErrorNotReady)
+      throw_cuda(q, "cudaEventQuery(plan staging)", __FILE__, __LINE__);
   }
 }
 
@@ -165,7 +168,8 @@ void PlanArena::check(const std::vector<ExecArgs>& ranks) const {
   const auto over = [&](const std::string& who, const char* name, int64_t n, int64_t limit) {
     if (n > limit)
       bad(who + std::to_string(n) + " " + name + " exceed the plan arena's bound of " + std::to_string(limit) +
-          " for " + op_name(ranks[0].op) + " (set at setup from the Context's experts, slots, world, window chunks and "
+          " for " + op_name(ranks[0].op) +
+          " (set at setup from the Context's experts, slots, world, window chunks and "
           "loopback ranks)");
   };
   over("", "rank entries", static_cast<int64_t>(ranks.size()), b.nranks);
@@ -204,13 +208,16 @@ void PlanArena::write_image(int slot, const std::vector<ExecArgs>& ranks, cudaSt
   // The previous copy out of this staging area may still be queued (the host is ahead of the
   // device by a whole cycle of this slot): it must read the old bytes before they change.
   if (in_flight_[i] && capturing)  // no event query inside a capture
-    bad("plan slot " + std::to_string(slot) + ": a new plan or template inside a CUDA graph capture while an "
+    bad("plan slot " + std::to_string(slot) +
+        ": a new plan or template inside a CUDA graph capture while an "
         "eager copy into the same slot may still be in flight; synchronize() before capturing (or capture a "
         "step whose plans the slots already hold)");
   if (in_flight_[i]) {
     const cudaError_t q = cudaEventQuery(copied_[i]);
-    if (q == cudaErrorNotReady) UC_CUDA_CHECK(cudaEventSynchronize(copied_[i]));
-    else if (q != cudaSuccess) throw_cuda(q, "cudaEventQuery(plan staging)", __FILE__, __LINE__);
+    if (q == cudaErrorNotReady)
+      UC_CUDA_CHECK(cudaEventSynchronize(copied_[i]));
+    else if (q != cudaSuccess)
+      throw_cuda(q, "cudaEventQuery(plan staging)", __FILE__, __LINE__);
     in_flight_[i] = false;
   }
   std::memcpy(staging_ + off, img.data(), img.size());

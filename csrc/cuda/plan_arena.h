@@ -28,11 +28,11 @@ namespace ultracomm::gpu {
 // What one plan may hold, per rank entry of a launch (the Context's shape; the schedule
 // builder emits at most (local experts + slots) x chunks tasks and world x slots refs).
 struct PlanBounds {
-  int32_t nranks = 1;      // rank entries of one launch (1, or a loopback world)
+  int32_t nranks = 1;  // rank entries of one launch (1, or a loopback world)
   int32_t world = 0;
   int32_t num_experts = 0;
-  int64_t masters = 0;     // master pointers per rank (local experts x members)
-  int32_t slots = 0;       // replica slots per rank
+  int64_t masters = 0;  // master pointers per rank (local experts x members)
+  int32_t slots = 0;    // replica slots per rank
   int64_t tasks[kNumOps] = {0, 0};
   int64_t refs[kNumOps] = {0, 0};
 };
@@ -98,15 +98,15 @@ class PlanArena {
   PlanBounds bounds_;
   size_t area_[kNumOps] = {0, 0};
   size_t bytes_ = 0;
-  unsigned char* dev_ = nullptr;      // device memory
-  unsigned char* staging_ = nullptr;  // pinned host memory, same layout
-  size_t scratch_ = 0;                // builder scratch bytes per slot, after the areas
+  unsigned char* dev_ = nullptr;                // device memory
+  unsigned char* staging_ = nullptr;            // pinned host memory, same layout
+  size_t scratch_ = 0;                          // builder scratch bytes per slot, after the areas
   psched::BuildReport* reports_ = nullptr;      // mapped host memory, [num_slots][nranks]
   psched::BuildReport* reports_dev_ = nullptr;  // its device address
   size_t report_index(int slot, int entry) const;
   std::vector<Area> areas_;
-  std::vector<cudaEvent_t> copied_;   // per area: recorded after its last eager copy
-  std::vector<bool> in_flight_;       // copied_ was recorded and not yet seen complete
+  std::vector<cudaEvent_t> copied_;  // per area: recorded after its last eager copy
+  std::vector<bool> in_flight_;      // copied_ was recorded and not yet seen complete
 };
 
 }  // namespace ultracomm::gpu

@@ -67,9 +67,9 @@ __device__ __forceinline__ void bar_init(uint64_t* bar, uint32_t count) {
 // mbarrier.arrive.expect_tx.release.cta.shared::cta.b64: this thread's arrival (count 1) plus
 // `bytes` of transactions the phase must also see before it completes.
 __device__ __forceinline__ void bar_expect_tx(uint64_t* bar, uint32_t bytes) {
-  NV_IF_TARGET(NV_PROVIDES_SM_90, ((void)cuda::ptx::mbarrier_arrive_expect_tx(
-                                       cuda::ptx::sem_release, cuda::ptx::scope_cta, cuda::ptx::space_shared, bar,
-                                       bytes);))
+  NV_IF_TARGET(NV_PROVIDES_SM_90,
+               ((void)cuda::ptx::mbarrier_arrive_expect_tx(cuda::ptx::sem_release, cuda::ptx::scope_cta,
+                                                           cuda::ptx::space_shared, bar, bytes);))
 }
 
 // mbarrier.try_wait.parity.shared::cta.b64: true once the phase with this parity completed

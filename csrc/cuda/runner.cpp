@@ -27,8 +27,8 @@ std::pair<bool, std::string> cuda_available(int device) {
   UC_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   UC_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
   if (major < 8)
-    return {false, "CUDA device " + std::to_string(device) + " is sm_" + std::to_string(major) +
-                       std::to_string(minor) + "; the tma transport needs sm_80 or newer"};
+    return {false, "CUDA device " + std::to_string(device) + " is sm_" + std::to_string(major) + std::to_string(minor) +
+                       "; the tma transport needs sm_80 or newer"};
   return {true, ""};
 }
 
@@ -87,7 +87,9 @@ unsigned long long Runner::order_after_last(int op, cudaStream_t stream) {
   return capture;
 }
 
-int Runner::max_coresident(int grad_dtype) const { return coresident_[grad_dtype >= 0 && grad_dtype < 3 ? grad_dtype : 0]; }
+int Runner::max_coresident(int grad_dtype) const {
+  return coresident_[grad_dtype >= 0 && grad_dtype < 3 ? grad_dtype : 0];
+}
 
 void Runner::launch(const DevicePlan& plan, uint64_t epoch, int ctas_per_rank, cudaStream_t stream, uint32_t flags) {
   const std::string where = "ultracomm._cuda.Runner.launch: ";
@@ -113,7 +115,8 @@ void Runner::launch(PlanArena& arena, int slot, Op op, const std::vector<ExecArg
   } else {
     const PlanArena::Area& a = arena.area(slot, op);
     if (!a.written)
-      throw std::invalid_argument(where + "plan arena slot " + std::to_string(slot) + " holds no plan for this op; "
+      throw std::invalid_argument(where + "plan arena slot " + std::to_string(slot) +
+                                  " holds no plan for this op; "
                                   "pass the plan's rank entries");
     shape.nranks = a.nranks;
     shape.grad_dtype = a.grad_dtype;
@@ -170,7 +173,8 @@ void Runner::build_slot(PlanArena& arena, int slot, int entry, const psched::Pro
   a.scratch = arena.build_scratch(slot);
   if (a.scratch == nullptr)
     throw std::invalid_argument(where + "world " + std::to_string(b.world) + ", slots " + std::to_string(b.slots) +
-                                ", experts " + std::to_string(b.num_experts) + " exceed the device schedule builder's "
+                                ", experts " + std::to_string(b.num_experts) +
+                                " exceed the device schedule builder's "
                                 "capacities (world <= 1024, slots <= 8, experts <= 65536); use a host-built plan");
   a.problem = problem;
   a.report = arena.build_report_dev(slot, entry);
@@ -192,11 +196,11 @@ void Runner::launch_views(const Shape& p, uint64_t epoch, int ctas_per_rank, cud
   if (grid > (int64_t(1) << 31) - 1) throw std::invalid_argument(where + "grid too large");
   const bool loopback = p.nranks > 1;
   if (loopback && grid > max_coresident(p.grad_dtype))
-    throw std::invalid_argument(
-        where + "a loopback launch of " + std::to_string(p.nranks) + " ranks x " + std::to_string(ctas_per_rank) +
-        " CTAs = " + std::to_string(grid) + " CTAs cannot be co-resident on device " + std::to_string(device_) +
-        " (at most " + std::to_string(max_coresident(p.grad_dtype)) + " on its " + std::to_string(sm_count_) +
-        " SMs); every rank's CTAs must run at once, lower ctas_per_rank");
+    throw std::invalid_argument(where + "a loopback launch of " + std::to_string(p.nranks) + " ranks x " +
+                                std::to_string(ctas_per_rank) + " CTAs = " + std::to_string(grid) +
+                                " CTAs cannot be co-resident on device " + std::to_string(device_) + " (at most " +
+                                std::to_string(max_coresident(p.grad_dtype)) + " on its " + std::to_string(sm_count_) +
+                                " SMs); every rank's CTAs must run at once, lower ctas_per_rank");
   const int op = static_cast<int>(p.op);
   PersistentArgs a{};
   a.views = p.views;

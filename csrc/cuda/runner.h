@@ -51,8 +51,8 @@ class Runner {
   // write there first (checked against the arena's bounds before anything moves; the async copy
   // is enqueued after the wait for the previous launch of this op kind, which may still read
   // the area), or null to run what the slot holds (std::invalid_argument if it holds nothing).
-  void launch(PlanArena& arena, int slot, Op op, const std::vector<ExecArgs>* upload, uint64_t epoch,
-              int ctas_per_rank, cudaStream_t stream, uint32_t flags);
+  void launch(PlanArena& arena, int slot, Op op, const std::vector<ExecArgs>* upload, uint64_t epoch, int ctas_per_rank,
+              cudaStream_t stream, uint32_t flags);
 
   // A device-built plan (include/ultracomm/impl/slot_build.h).  write_template: the rank entries'
   // static part into arena slot `slot` (PlanArena::write_template), after the previous launch
@@ -66,8 +66,8 @@ class Runner {
   // loads' exchange status word and the planner's result words; when either says it failed
   // the build rejects instead of building from them.  Launches of either kind after it on
   // another stream wait for it (it writes both areas).
-  void build_slot(PlanArena& arena, int slot, int entry, const psched::Problem& problem,
-                  const int32_t* exchange_status, const int64_t* plan_result, cudaStream_t stream);
+  void build_slot(PlanArena& arena, int slot, int entry, const psched::Problem& problem, const int32_t* exchange_status,
+                  const int64_t* plan_result, cudaStream_t stream);
 
   // A failure a launch recorded since the last call, if any (call after the stream reached
   // the launch, e.g. after an event or stream synchronisation); multicast's first.
@@ -101,11 +101,11 @@ class Runner {
   uint64_t seen_error_epoch_[kNumOps] = {0, 0};
   // Launches of one op kind share state_[op] (claim counters, join ticket, epochs): each one
   // waits for the previous one of its kind when that went to another stream (order_after_last).
-  unsigned long long order_after_last(int op, cudaStream_t stream);  // the stream's capture id, 0 = eager
+  unsigned long long order_after_last(int op, cudaStream_t stream);         // the stream's capture id, 0 = eager
   void mark_last(int op, cudaStream_t stream, unsigned long long capture);  // records last_[op] on stream
-  cudaEvent_t last_[kNumOps] = {nullptr, nullptr};         // recorded after each launch of the kind
+  cudaEvent_t last_[kNumOps] = {nullptr, nullptr};                          // recorded after each launch of the kind
   cudaStream_t last_stream_[kNumOps] = {nullptr, nullptr};
-  unsigned long long last_capture_[kNumOps] = {0, 0};      // capture id of that launch, 0 = eager
+  unsigned long long last_capture_[kNumOps] = {0, 0};  // capture id of that launch, 0 = eager
   bool launched_[kNumOps] = {false, false};
 };
 

@@ -47,11 +47,16 @@ std::string awaited(const ErrorRecord& r) {
 std::string checked_at(const ErrorRecord& r) {
   const std::string ec = "expert " + std::to_string(r.expert) + " chunk " + std::to_string(r.chunk);
   switch (r.flag_kind) {
-    case kFlagReady: return "before sending " + ec + " to its slot " + std::to_string(r.slot);
-    case kFlagGradReady: return "before reading its grad of " + ec + " in slot " + std::to_string(r.slot);
-    case kFlagArrival: return "while waiting for " + ec + " in slot " + std::to_string(r.slot);
-    case kFlagConsumed: return "while waiting for it to consume " + ec + " of slot " + std::to_string(r.slot);
-    default: return "while checking its plan";
+    case kFlagReady:
+      return "before sending " + ec + " to its slot " + std::to_string(r.slot);
+    case kFlagGradReady:
+      return "before reading its grad of " + ec + " in slot " + std::to_string(r.slot);
+    case kFlagArrival:
+      return "while waiting for " + ec + " in slot " + std::to_string(r.slot);
+    case kFlagConsumed:
+      return "while waiting for it to consume " + ec + " of slot " + std::to_string(r.slot);
+    default:
+      return "while checking its plan";
   }
 }
 

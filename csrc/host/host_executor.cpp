@@ -27,8 +27,8 @@ const char* op_name_of(const ExecArgs& a) { return a.op_name.c_str(); }
 
 [[noreturn]] void throw_aborted(const ExecArgs& a) {
   const std::string name = !a.op_name.empty() ? a.op_name : a.op == Op::kMulticast ? "weight_sync" : "grad_reduce";
-  throw AbortedError("ultracomm: rank " + std::to_string(a.rank) + " " + name + " (epoch " +
-                     std::to_string(a.epoch) + ") stopped: its abort word was raised by the caller");
+  throw AbortedError("ultracomm: rank " + std::to_string(a.rank) + " " + name + " (epoch " + std::to_string(a.epoch) +
+                     ") stopped: its abort word was raised by the caller");
 }
 
 // The first failure, else the caller's abort (a run stopped by abort_word records none).

@@ -53,8 +53,7 @@ void validate(const ExecArgs& a) {
     bad("the layout's " + std::to_string(L.chunks(a.op)) + " chunks of " + std::to_string(L.chunk_bytes) +
         " bytes do not cover the slot's " + std::to_string(L.slot_bytes(a.op)) + " bytes");
   if (a.window_bases.size() != static_cast<size_t>(a.world))
-    bad("window_bases has " + std::to_string(a.window_bases.size()) + " entries, world is " +
-        std::to_string(a.world));
+    bad("window_bases has " + std::to_string(a.window_bases.size()) + " entries, world is " + std::to_string(a.world));
   for (size_t r = 0; r < a.window_bases.size(); ++r) {
     if (a.window_bases[r] == 0) bad("window_bases[" + std::to_string(r) + "] is null");
     if (a.window_bases[r] % 8) bad("window_bases[" + std::to_string(r) + "] is not 8-byte aligned");
@@ -87,11 +86,11 @@ void validate(const ExecArgs& a) {
     if (a.master_ptrs[i] % esize) bad("master_ptrs[" + std::to_string(i) + "] not aligned to the grad dtype");
   for (size_t e = 0; e < a.local_index_of.size(); ++e)
     if (a.local_index_of[e] < -1 || a.local_index_of[e] >= n_local)
-      bad("local_index_of[" + std::to_string(e) + "] = " + std::to_string(a.local_index_of[e]) +
-          " out of range (" + std::to_string(n_local) + " local experts)");
+      bad("local_index_of[" + std::to_string(e) + "] = " + std::to_string(a.local_index_of[e]) + " out of range (" +
+          std::to_string(n_local) + " local experts)");
   if (a.my_slots.size() != static_cast<size_t>(L.slots))
-    bad("my_slots has " + std::to_string(a.my_slots.size()) + " entries, layout has " +
-        std::to_string(L.slots) + " slots");
+    bad("my_slots has " + std::to_string(a.my_slots.size()) + " entries, layout has " + std::to_string(L.slots) +
+        " slots");
   for (size_t s = 0; s < a.my_slots.size(); ++s)
     if (a.my_slots[s] < -1) bad("my_slots[" + std::to_string(s) + "] < -1");
   if (!a.slot_parent.empty() && a.slot_parent.size() != static_cast<size_t>(L.slots))
@@ -105,7 +104,8 @@ void validate(const ExecArgs& a) {
     const auto ti = [i] { return "task " + std::to_string(i) + ": "; };  // built only on error
     if (t.kind != want_kind)
       bad(ti() + "kind " + std::to_string(t.kind) + " does not belong to " + (mc ? "multicast" : "reduce"));
-    if (t.self.rank != a.rank) bad(ti() + "self.rank " + std::to_string(t.self.rank) + " != rank " + std::to_string(a.rank));
+    if (t.self.rank != a.rank)
+      bad(ti() + "self.rank " + std::to_string(t.self.rank) + " != rank " + std::to_string(a.rank));
     if (t.expert < 0) bad(ti() + "negative expert");
     if (t.chunk < 0 || static_cast<uint64_t>(t.chunk) >= nchunks)
       bad(ti() + "chunk " + std::to_string(t.chunk) + " out of range (" + std::to_string(nchunks) + " chunks)");
@@ -128,8 +128,8 @@ void validate(const ExecArgs& a) {
     } else if (t.self.slot < 0 || t.self.slot >= L.slots) {
       bad(ti() + "self.slot " + std::to_string(t.self.slot) + " out of range");
     } else if (a.my_slots[t.self.slot] != t.expert) {
-      bad(ti() + "self slot " + std::to_string(t.self.slot) + " holds expert " + std::to_string(a.my_slots[t.self.slot]) +
-          ", not " + std::to_string(t.expert));
+      bad(ti() + "self slot " + std::to_string(t.self.slot) + " holds expert " +
+          std::to_string(a.my_slots[t.self.slot]) + ", not " + std::to_string(t.expert));
     }
     if (t.ref_begin < 0 || t.ref_count < 0 || static_cast<int64_t>(t.ref_begin) + t.ref_count > a.num_refs)
       bad(ti() + "refs [" + std::to_string(t.ref_begin) + ", +" + std::to_string(t.ref_count) + ") out of range (" +
@@ -148,6 +148,5 @@ void validate(const ExecArgs& a) {
     }
   }
 }
-
 
 }  // namespace ultracomm

@@ -70,7 +70,7 @@ inline void jitter(uint64_t& rng, uint32_t jitter_us) {
 // Shared by every worker group of one rank's operation.
 struct RunState {
   explicit RunState(int64_t units) : num_units(units) {}
-  const int64_t num_units;        // work units (tiles of tasks, interp.h) the claims hand out
+  const int64_t num_units;       // work units (tiles of tasks, interp.h) the claims hand out
   std::atomic<int64_t> next{0};  // the claim counter
   int64_t delay_unit = -1;       // testing (ExecArgs::delay_unit / delay_us)
   uint32_t delay_us = 0;

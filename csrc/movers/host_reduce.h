@@ -59,7 +59,7 @@ void reduce_scalar(uintptr_t dst_seg, const Srcs& srcs, int nsrc, uint64_t first
 #if defined(__x86_64__)
 template <class Srcs>
 __attribute__((target("avx2,f16c"))) void reduce_f16c(uintptr_t dst_seg, const Srcs& srcs, int nsrc, uint64_t first,
-                                                       uint64_t n) {
+                                                      uint64_t n) {
   alignas(64) float acc[kReduceBlock];
   uint16_t* dst = reinterpret_cast<uint16_t*>(dst_seg) + first;
   for (uint64_t i0 = 0; i0 < n; i0 += kReduceBlock) {
@@ -72,8 +72,9 @@ __attribute__((target("avx2,f16c"))) void reduce_f16c(uintptr_t dst_seg, const S
     for (int s = 0; s < nsrc; ++s) {
       const uint16_t* p = reinterpret_cast<const uint16_t*>(srcs[s]) + first + i0;
       for (size_t i = 0; i < mv; i += 8)
-        _mm256_store_ps(acc + i, _mm256_add_ps(_mm256_load_ps(acc + i),
-                                               _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i)))));
+        _mm256_store_ps(acc + i,
+                        _mm256_add_ps(_mm256_load_ps(acc + i),
+                                      _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i)))));
       for (size_t i = mv; i < m; ++i) acc[i] += detail::f16_to_f32(p[i]);
     }
     apply_nan_rule<interp::GradF16>(acc, m, self, srcs, nsrc, first + i0);  // F16C widens NaNs as half.h does

@@ -13,8 +13,8 @@
 
 namespace ultracomm::planners {
 
-int64_t balance_quotas(int64_t W, int64_t n, const int64_t* el, const int64_t* off,
-                       const int64_t* inst, const int64_t* base, int64_t* quota) {
+int64_t balance_quotas(int64_t W, int64_t n, const int64_t* el, const int64_t* off, const int64_t* inst,
+                       const int64_t* base, int64_t* quota) {
   constexpr int kSource = 0, kSink = 1;
   const int rank0 = 2, exp0 = 2 + static_cast<int>(W);
   FlowGraph g(exp0 + static_cast<int>(n));

@@ -9,7 +9,7 @@ namespace ultracomm::planners {
 // anyway (experts with one instance).  Writes quota[off[n]] (tokens per instance, summing
 // to el per expert) so that the most loaded rank is as light as any split allows, and
 // returns that load.  Ties of the flow go to the earlier instance (the home).
-int64_t balance_quotas(int64_t W, int64_t n, const int64_t* el, const int64_t* off,
-                       const int64_t* inst, const int64_t* base, int64_t* quota);
+int64_t balance_quotas(int64_t W, int64_t n, const int64_t* el, const int64_t* off, const int64_t* inst,
+                       const int64_t* base, int64_t* quota);
 
 }  // namespace ultracomm::planners

@@ -28,8 +28,8 @@ struct Share {  // el / count, compared exactly
 };
 
 // EPLB replicate_experts: instances per expert of `experts`, `budget` replicas.
-void replicate(const std::vector<int64_t>& experts, const int64_t* el, int64_t budget,
-               int64_t max_instances, int64_t mt, std::vector<int64_t>& count) {
+void replicate(const std::vector<int64_t>& experts, const int64_t* el, int64_t budget, int64_t max_instances,
+               int64_t mt, std::vector<int64_t>& count) {
   auto worse = [&](int64_t a, int64_t b) {  // heap order: highest share, then lowest id
     const Share sa{el[a], count[a]}, sb{el[b], count[b]};
     if (sa == sb) return a > b;
@@ -52,12 +52,10 @@ void replicate(const std::vector<int64_t>& experts, const int64_t* el, int64_t b
 // instance (ties: lower rank, lower expert).  EPLB's rule (replicate) looks at experts
 // alone, which on rank-blocked loads leaves a rank of many equally hot experts without a
 // replica (EP16, initial 3.0: 1.222 max:mean).
-void replicate_by_rank(const std::vector<int64_t>& ranks, int64_t epr, const int64_t* el,
-                       int64_t budget, int64_t max_instances, int64_t mt,
-                       std::vector<int64_t>& count) {
+void replicate_by_rank(const std::vector<int64_t>& ranks, int64_t epr, const int64_t* el, int64_t budget,
+                       int64_t max_instances, int64_t mt, std::vector<int64_t>& count) {
   auto eligible = [&](int64_t e) {
-    return max_instances > 1 && el[e] >= 2 * mt && count[e] < max_instances &&
-           el[e] / (count[e] + 1) >= mt;
+    return max_instances > 1 && el[e] >= 2 * mt && count[e] < max_instances && el[e] / (count[e] + 1) >= mt;
   };
   auto share_sum = [&](int64_t r) {
     double s = 0;
@@ -72,8 +70,7 @@ void replicate_by_rank(const std::vector<int64_t>& ranks, int64_t epr, const int
       if (best_i >= 0 && !(est[i] > est[best_i])) continue;
       int64_t pick = -1;
       for (int64_t e = ranks[i] * epr; e < (ranks[i] + 1) * epr; ++e)
-        if (eligible(e) && (pick < 0 || Share{el[e], count[e]} > Share{el[pick], count[pick]}))
-          pick = e;
+        if (eligible(e) && (pick < 0 || Share{el[e], count[e]} > Share{el[pick], count[pick]})) pick = e;
       if (pick >= 0) best_i = static_cast<int64_t>(i), best_e = pick;
     }
     if (best_e < 0) break;
@@ -83,8 +80,8 @@ void replicate_by_rank(const std::vector<int64_t>& ranks, int64_t epr, const int
 }
 
 // Steps 2 and 3 for the replica counts `count`.
-LptResult place(const LptInput& in, const std::vector<int64_t>& grp,
-                const std::vector<int64_t>& groups, const std::vector<int64_t>& count) {
+LptResult place(const LptInput& in, const std::vector<int64_t>& grp, const std::vector<int64_t>& groups,
+                const std::vector<int64_t>& count) {
   const int64_t W = in.world, epr = in.experts_per_rank, K = in.slots, E = W * epr;
   const int64_t* el = in.expert_load;
   LptResult res;
@@ -100,9 +97,7 @@ LptResult place(const LptInput& in, const std::vector<int64_t>& grp,
   std::vector<double> load(static_cast<size_t>(W), 0.0);
   for (int64_t e = 0; e < E; ++e) load[e / epr] += static_cast<double>(el[e]) / count[e];
   std::vector<std::set<std::pair<double, int64_t>>> open(groups.size());  // (load, rank)
-  auto group_index = [&](int64_t r) {
-    return std::lower_bound(groups.begin(), groups.end(), grp[r]) - groups.begin();
-  };
+  auto group_index = [&](int64_t r) { return std::lower_bound(groups.begin(), groups.end(), grp[r]) - groups.begin(); };
   if (K > 0)
     for (int64_t r = 0; r < W; ++r) open[group_index(r)].insert({load[r], r});
   std::vector<int64_t> used(static_cast<size_t>(W), 0);
@@ -155,8 +150,8 @@ LptResult place(const LptInput& in, const std::vector<int64_t>& grp,
     off.push_back(static_cast<int64_t>(inst.size()));
   }
   std::vector<int64_t> quota(inst.size());
-  res.max_load = balance_quotas(W, static_cast<int64_t>(rep_e.size()), rel.data(), off.data(),
-                                inst.data(), base.data(), quota.data());
+  res.max_load = balance_quotas(W, static_cast<int64_t>(rep_e.size()), rel.data(), off.data(), inst.data(), base.data(),
+                                quota.data());
   for (size_t i = 0; i < inst.size(); ++i)
     if (where[i] >= 0) {
       res.slot_quota[where[i]] = quota[i];
@@ -194,8 +189,7 @@ LptResult lpt_plan(const LptInput& in) {
     }
     return count;
   };
-  if (in.count_rule != LptCountRule::kBest)
-    return place(in, grp, groups, counts(in.count_rule == LptCountRule::kRank));
+  if (in.count_rule != LptCountRule::kBest) return place(in, grp, groups, counts(in.count_rule == LptCountRule::kRank));
   const std::vector<int64_t> by_expert = counts(false), by_rank = counts(true);
   LptResult a = place(in, grp, groups, by_expert);
   if (by_rank == by_expert) return a;  // place() is a function of the counts: the same plan

@@ -10,8 +10,8 @@ enum class LptCountRule { kEplb, kRank, kBest };  // kBest: both, the plan with 
 
 struct LptInput {
   int64_t world = 0, experts_per_rank = 0, slots = 0;
-  int64_t min_tokens = 1;  // no replica that leaves an instance fewer tokens (even split)
-  int64_t budget = 0;      // replicas to hand out (world * slots at most)
+  int64_t min_tokens = 1;                // no replica that leaves an instance fewer tokens (even split)
+  int64_t budget = 0;                    // replicas to hand out (world * slots at most)
   const int64_t* expert_load = nullptr;  // [world * experts_per_rank]
   const int64_t* group = nullptr;        // [world] node of each rank (hierarchical) or null
   // replica counts: EPLB's rule, the fixed-home (rank) rule, or the better plan of both

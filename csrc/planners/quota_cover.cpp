@@ -27,11 +27,16 @@ namespace {
 
 class Cover {
  public:
-  Cover(const CoverProblem& p, int64_t& budget,
-        const std::function<bool(const std::vector<CoverPiece>&)>& accept,
+  Cover(const CoverProblem& p, int64_t& budget, const std::function<bool(const std::vector<CoverPiece>&)>& accept,
         std::vector<CoverPiece>& pieces)
-      : p_(p), budget_(budget), accept_(accept), pieces_(pieces), spare_(p.spare),
-        slots_(p.slots), cap_(p.cap), mt_(std::max<int64_t>(p.min_tokens, 1)) {
+      : p_(p),
+        budget_(budget),
+        accept_(accept),
+        pieces_(pieces),
+        spare_(p.spare),
+        slots_(p.slots),
+        cap_(p.cap),
+        mt_(std::max<int64_t>(p.min_tokens, 1)) {
     int64_t total_need = 0, total_spare = 0;
     for (int64_t n : p.need) total_need += std::max<int64_t>(n, 0);
     for (size_t j = 0; j < spare_.size(); ++j) {
@@ -43,8 +48,7 @@ class Cover {
     }
     slack_ = total_spare - total_need;
     for (size_t h = 0; h < p.need.size(); ++h) order_.push_back(static_cast<int>(h));
-    std::stable_sort(order_.begin(), order_.end(),
-                     [&](int a, int b) { return p.need[a] > p.need[b]; });
+    std::stable_sort(order_.begin(), order_.end(), [&](int a, int b) { return p.need[a] > p.need[b]; });
     cand_.resize(order_.size());
     suffix_.resize(order_.size());
   }
@@ -97,17 +101,16 @@ class Cover {
     if (caps < need_left) return 0;
     std::stable_sort(exps.begin(), exps.end(), [&](int a, int b) { return cap_[a] > cap_[b]; });
     // receivers that complete the need alone, tightest first, then the others, largest first
-    const size_t p = static_cast<size_t>(
-        std::partition_point(c.begin() + static_cast<std::ptrdiff_t>(start), c.end(),
-                             [&](int j) { return spare_[j] >= need_left; }) - c.begin());
+    const size_t p = static_cast<size_t>(std::partition_point(c.begin() + static_cast<std::ptrdiff_t>(start), c.end(),
+                                                              [&](int j) { return spare_[j] >= need_left; }) -
+                                         c.begin());
     for (size_t step = 0; step < c.size() - start; ++step) {
       const size_t i = step < p - start ? p - 1 - step : start + step;  // p-1 .. start, p ..
-      if (i > start && same(c, i)) continue;  // an equal receiver is tried at i - 1
+      if (i > start && same(c, i)) continue;                            // an equal receiver is tried at i - 1
       const int j = c[i];
       // one slot left and the largest expert covers the need: the spare beyond the need is
       // lost whatever the expert, so a receiver too large for the slack is cut unexplored
-      if (slots_[j] == 1 && cap_[exps[0]] >= need_left && spare_[j] - need_left > slack_ - waste_)
-        continue;
+      if (slots_[j] == 1 && cap_[exps[0]] >= need_left && spare_[j] - need_left > slack_ - waste_) continue;
       for (size_t k = 0; k < exps.size(); ++k) {
         const int x = exps[k];
         if (k > 0 && cap_[x] == cap_[exps[k - 1]]) continue;
@@ -158,8 +161,7 @@ CoverOutcome cover_search(const CoverProblem& p, int64_t& budget,
 }
 
 bool cover_local(const CoverProblem& p, int64_t& budget,
-                 const std::function<bool(const std::vector<CoverPiece>&)>& accept,
-                 std::vector<CoverPiece>& pieces) {
+                 const std::function<bool(const std::vector<CoverPiece>&)>& accept, std::vector<CoverPiece>& pieces) {
   // State: the expert each receiver holds (-1: none).  A hot rank sheds
   // sum over its experts of min(cap, spare of the receivers holding it); `gap` is what it
   // still misses.  Only a move that adds spare to an expert of a short hot rank with room
@@ -200,9 +202,7 @@ bool cover_local(const CoverProblem& p, int64_t& budget,
       got[x] += sp(i);
     }
   };
-  auto group_ok = [&](int i, int x) {
-    return x < 0 || p.recv_group[recv[i]] == p.hot_group[hot_of[x]];
-  };
+  auto group_ok = [&](int i, int x) { return x < 0 || p.recv_group[recv[i]] == p.hot_group[hot_of[x]]; };
   for (int i = 0; i < R; ++i) {  // start: each to the expert whose hot rank gains the most
     int best = -1;
     int64_t bd = 0;
@@ -222,8 +222,7 @@ bool cover_local(const CoverProblem& p, int64_t& budget,
   };
   std::vector<int> short_x;
   std::vector<int64_t> tabu_until(static_cast<size_t>(R), 0);
-  std::vector<int64_t> out_d(static_cast<size_t>(R)), spv(static_cast<size_t>(R)),
-      rgrp(static_cast<size_t>(R));
+  std::vector<int64_t> out_d(static_cast<size_t>(R)), spv(static_cast<size_t>(R)), rgrp(static_cast<size_t>(R));
   std::vector<int> hot_at(static_cast<size_t>(R));  // hot rank of each receiver's expert
   for (int j = 0; j < R; ++j) spv[j] = sp(j), rgrp[j] = p.recv_group[recv[j]];
   int64_t iter = 0;
@@ -273,7 +272,7 @@ bool cover_local(const CoverProblem& p, int64_t& budget,
       // into_x only falls as d grows: no move into x does better than lb; a move that
       // cannot reach the best so far is skipped (consider would reject it unchanged)
       const int64_t lb = gap(hx, sh + cx) - gap0;
-      for (int j = 0; j < R; ++j) {  // j moves to x, or swaps with a smaller i at x
+      for (int j = 0; j < R; ++j) {                       // j moves to x, or swaps with a smaller i at x
         if (hot_at[j] == hx || rgrp[j] != grp) continue;  // (j at x: the same hot rank)
         const int y = at[j];
         const int64_t t = spv[j];
@@ -287,8 +286,7 @@ bool cover_local(const CoverProblem& p, int64_t& budget,
       budget -= R;
     }
     if (bi < 0) {  // every move is tabu: forget them (none at all: give up)
-      if (std::all_of(tabu_until.begin(), tabu_until.end(), [&](int64_t u) { return u <= iter; }))
-        break;
+      if (std::all_of(tabu_until.begin(), tabu_until.end(), [&](int64_t u) { return u <= iter; })) break;
       std::fill(tabu_until.begin(), tabu_until.end(), 0);
       continue;
     }

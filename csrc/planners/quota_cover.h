@@ -10,14 +10,14 @@
 namespace ultracomm::planners {
 
 struct CoverProblem {
-  int64_t min_tokens = 1;               // smallest piece; a hot rank may keep min_tokens - 1 over
-  std::vector<int64_t> need;            // [hot] tokens each hot rank must shed
-  std::vector<int64_t> hot_group;       // [hot] node (0: no restriction)
+  int64_t min_tokens = 1;                     // smallest piece; a hot rank may keep min_tokens - 1 over
+  std::vector<int64_t> need;                  // [hot] tokens each hot rank must shed
+  std::vector<int64_t> hot_group;             // [hot] node (0: no restriction)
   std::vector<std::vector<int>> hot_experts;  // [hot] indices into cap
-  std::vector<int64_t> cap;             // [experts] tokens each expert can shed
-  std::vector<int64_t> spare;           // [receivers] tokens each can take
-  std::vector<int64_t> slots;           // [receivers] replica slots each has free
-  std::vector<int64_t> recv_group;      // [receivers] node
+  std::vector<int64_t> cap;                   // [experts] tokens each expert can shed
+  std::vector<int64_t> spare;                 // [receivers] tokens each can take
+  std::vector<int64_t> slots;                 // [receivers] replica slots each has free
+  std::vector<int64_t> recv_group;            // [receivers] node
 };
 
 struct CoverPiece {
@@ -41,7 +41,6 @@ CoverOutcome cover_search(const CoverProblem& p, int64_t& budget,
 // depth-first search runs out of budget on; never refutes.  Spends at most `budget`
 // units: each iteration costs one per (short expert, usable receiver) pair it scans.
 bool cover_local(const CoverProblem& p, int64_t& budget,
-                 const std::function<bool(const std::vector<CoverPiece>&)>& accept,
-                 std::vector<CoverPiece>& pieces);
+                 const std::function<bool(const std::vector<CoverPiece>&)>& accept, std::vector<CoverPiece>& pieces);
 
 }  // namespace ultracomm::planners

@@ -27,7 +27,7 @@ namespace {
 constexpr int kSource = 0, kSink = 1;
 constexpr size_t kBranch = 3;  // choices tried per step by the search (best + runners-up)
 constexpr int kMaxDiscrepancy = 3;
-constexpr int kPerReceiver = 2;  // a receiver's runner-up expert is a choice too
+constexpr int kPerReceiver = 2;       // a receiver's runner-up expert is a choice too
 constexpr int64_t kDfsBudget = 1000;  // most cover-search placements the depth-first part takes
 
 // What one probe may spend of a budget that the probes of one search share: three
@@ -178,8 +178,7 @@ class Feasibility {
     out.clear();
     for (int x = 0; x < static_cast<int>(exp_id_.size()); ++x)
       for (int a : g_.out(base_exp_ + x))
-        if (!(a & 1) && g_.flow(a) > 0)
-          out.push_back({exp_id_[x], recv_rank_[g_.head(a) - base_recv_], g_.flow(a)});
+        if (!(a & 1) && g_.flow(a) > 0) out.push_back({exp_id_[x], recv_rank_[g_.head(a) - base_recv_], g_.flow(a)});
     return true;
   }
 
@@ -194,7 +193,7 @@ class Feasibility {
 
   int64_t group_of_rank(int64_t r) const { return in_.node ? in_.node[r] : 0; }
 
-  bool allowed(int x, int j) const {  // (node: checked by the caller's segment)
+  bool allowed(int x, int j) const {      // (node: checked by the caller's segment)
     for (int a : g_.out(base_recv_ + j))  // reverse arcs of the replicas on j
       if ((a & 1) && g_.head(a) == base_exp_ + x) return false;
     return true;
@@ -228,8 +227,7 @@ class Feasibility {
       promises(wide);
       sorted_.clear();
       for (int x = 0; x < static_cast<int>(exp_id_.size()); ++x)
-        if (bs_[base_exp_ + x] >= mt_)
-          sorted_.push_back({group_of_rank(exp_home_[x]), bs_[base_exp_ + x], x});
+        if (bs_[base_exp_ + x] >= mt_) sorted_.push_back({group_of_rank(exp_home_[x]), bs_[base_exp_ + x], x});
       std::sort(sorted_.begin(), sorted_.end());  // by node, promise, expert
       c.clear();
       for (int j = 0; j < static_cast<int>(recv_rank_.size()); ++j) {
@@ -369,8 +367,7 @@ class Feasibility {
 
 }  // namespace
 
-bool quota_feasible(const QuotaInput& in, int64_t T, std::vector<QuotaReplica>& out,
-                    QuotaResult& stats) {
+bool quota_feasible(const QuotaInput& in, int64_t T, std::vector<QuotaReplica>& out, QuotaResult& stats) {
   ++stats.probes;
   if (in.slots <= 0) {
     for (int64_t r = 0; r < in.world; ++r)

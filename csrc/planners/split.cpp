@@ -8,9 +8,8 @@
 
 namespace ultracomm::planners {
 
-void split_slots(int64_t W, int64_t E, int64_t I, int64_t WK, const int64_t* load,
-                 const int64_t* inst_rank, const int64_t* quota, const int64_t* inst_slot,
-                 int64_t* rep) {
+void split_slots(int64_t W, int64_t E, int64_t I, int64_t WK, const int64_t* load, const int64_t* inst_rank,
+                 const int64_t* quota, const int64_t* inst_slot, int64_t* rep) {
   // rep: [W(src), WK] tokens each source sends to each replica slot, written completely.
   std::memset(rep, 0, sizeof(int64_t) * static_cast<size_t>(W * WK));
   std::vector<int64_t> rem_ld(static_cast<size_t>(W));
@@ -36,8 +35,14 @@ void split_slots(int64_t W, int64_t E, int64_t I, int64_t WK, const int64_t* loa
     // north-west corner on the remainders (sources in rank order, instances in order)
     int64_t s = 0, i = 0;
     while (s < W && i < I) {
-      if (rem_ld[s] == 0) { ++s; continue; }
-      if (rem_q[i] == 0) { ++i; continue; }
+      if (rem_ld[s] == 0) {
+        ++s;
+        continue;
+      }
+      if (rem_q[i] == 0) {
+        ++i;
+        continue;
+      }
       const int64_t x = std::min(rem_ld[s], rem_q[i]);
       if (i > 0) rep[s * WK + sl[i]] += x;
       rem_ld[s] -= x;

@@ -18,10 +18,9 @@ namespace {
 constexpr double kNeg = -std::numeric_limits<double>::infinity();
 }
 
-void taot_matching(int64_t ne, int64_t nr, int64_t* sp_e, const int64_t* grp, int64_t* exc,
-                   int64_t* sp_r, const double* stat, const uint8_t* allowed, int64_t K,
-                   int64_t n_inner, int64_t min_gain, bool mutual, bool two_pass, int64_t* g,
-                   int64_t* rnd) {
+void taot_matching(int64_t ne, int64_t nr, int64_t* sp_e, const int64_t* grp, int64_t* exc, int64_t* sp_r,
+                   const double* stat, const uint8_t* allowed, int64_t K, int64_t n_inner, int64_t min_gain,
+                   bool mutual, bool two_pass, int64_t* g, int64_t* rnd) {
   const int64_t mg = std::max<int64_t>(min_gain, 1);
   std::vector<uint8_t> lvl(allowed, allowed + ne * nr);
   std::vector<uint8_t> matched(static_cast<size_t>(nr));
@@ -35,7 +34,7 @@ void taot_matching(int64_t ne, int64_t nr, int64_t* sp_e, const int64_t* grp, in
   std::vector<double> best_s(static_cast<size_t>(nr));
   std::vector<int64_t> best_v(static_cast<size_t>(nr));
   std::vector<int64_t> ver(static_cast<size_t>(ne), 0);  // bumped when a row's scores change
-  std::vector<int64_t> eb_r(static_cast<size_t>(ne));  // each proposed expert's best rank
+  std::vector<int64_t> eb_r(static_cast<size_t>(ne));    // each proposed expert's best rank
   std::vector<uint8_t> eb_ok(static_cast<size_t>(ne), 0);
   std::vector<double> win_s(static_cast<size_t>(ne));
   std::vector<int64_t> win_r(static_cast<size_t>(ne));
@@ -163,8 +162,8 @@ void taot_matching(int64_t ne, int64_t nr, int64_t* sp_e, const int64_t* grp, in
   }
 }
 
-int64_t taot_auction(int64_t R, int64_t U, int64_t S, int64_t* supply, const int64_t* inv,
-                     int64_t* A, const double* bonus, double price_step, int64_t cap, int64_t* X) {
+int64_t taot_auction(int64_t R, int64_t U, int64_t S, int64_t* supply, const int64_t* inv, int64_t* A,
+                     const double* bonus, double price_step, int64_t cap, int64_t* X) {
   // supply: [R, U] (modified); inv: [S] distinct-expert index of each slot; A: [S] demand
   // (modified); bonus: [R, S]; X: [R, S] (caller-zeroed).
   std::vector<int64_t> cnt(static_cast<size_t>(R), 0);
@@ -197,9 +196,9 @@ int64_t taot_auction(int64_t R, int64_t U, int64_t S, int64_t* supply, const int
   const bool by_price = price_step >= 0;
   const int64_t nb = (R + kBlock - 1) / kBlock;
   std::vector<double> bnd(static_cast<size_t>(S * nb), kNeg);  // slot's top bonus per block
-  std::vector<int64_t> bord(static_cast<size_t>(S * nb));  // slot's blocks, top bonus first
-  std::vector<uint8_t> has(static_cast<size_t>(U * nb), 0);  // ranks of the block with supply
-  std::vector<double> bmin(static_cast<size_t>(nb), 0.0);  // lowest price in the block
+  std::vector<int64_t> bord(static_cast<size_t>(S * nb));      // slot's blocks, top bonus first
+  std::vector<uint8_t> has(static_cast<size_t>(U * nb), 0);    // ranks of the block with supply
+  std::vector<double> bmin(static_cast<size_t>(nb), 0.0);      // lowest price in the block
   for (int64_t s = 0; s < S; ++s) {
     double* bs = bnd.data() + s * nb;
     for (int64_t r = 0; r < R; ++r) bs[r / kBlock] = std::max(bs[r / kBlock], bT[s * R + r]);
@@ -209,8 +208,7 @@ int64_t taot_auction(int64_t R, int64_t U, int64_t S, int64_t* supply, const int
   }
   for (int64_t u = 0; u < U; ++u)
     for (int64_t r = 0; r < R; ++r)
-      if (supT[u * R + r] > 0)
-        has[u * nb + r / kBlock] |= static_cast<uint8_t>(1u << (r % kBlock));
+      if (supT[u * R + r] > 0) has[u * nb + r / kBlock] |= static_cast<uint8_t>(1u << (r % kBlock));
   double pmin = 0.0;  // the lowest price
   int64_t rounds = 0;
   while (rounds < cap) {
@@ -319,9 +317,8 @@ int64_t taot_auction(int64_t R, int64_t U, int64_t S, int64_t* supply, const int
   return rounds;
 }
 
-void taot_consolidate(int64_t n, const int64_t* home, const int64_t* rank, const int64_t* expert,
-                      const uint8_t* inter, int64_t* amt, int64_t* left, int64_t* room,
-                      uint8_t* keep) {
+void taot_consolidate(int64_t n, const int64_t* home, const int64_t* rank, const int64_t* expert, const uint8_t* inter,
+                      int64_t* amt, int64_t* left, int64_t* room, uint8_t* keep) {
   // Exact port of consolidate_replicas (taot.py): replicas inter-node first, then smallest,
   // then index; a replica is dropped when its tokens fit into the other kept replicas of its
   // home's experts (in index order) and then the home's own room.

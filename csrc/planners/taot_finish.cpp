@@ -11,8 +11,7 @@
 
 namespace ultracomm::planners {
 
-TaotFinish taot_finish(const TaotFinishIn& in, int32_t* slot_src, int64_t* slot_quota,
-                       int64_t* rep) {
+TaotFinish taot_finish(const TaotFinishIn& in, int32_t* slot_src, int64_t* slot_quota, int64_t* rep) {
   const int64_t W = in.W, E = in.E, K = in.K, nr = in.nr;
   TaotFinish out{};
   // matches, row-major over (candidate expert, cold rank): e_m ascends
@@ -35,7 +34,7 @@ TaotFinish taot_finish(const TaotFinishIn& in, int32_t* slot_src, int64_t* slot_
     std::vector<uint8_t> inter(n), keep(n);
     for (int64_t p = 0; p < n; ++p) {
       hm[p] = in.home[e_m[p]];
-      room[hm[p]] += dem[p];  // shed by the home ...
+      room[hm[p]] += dem[p];   // shed by the home ...
       room[r_m[p]] -= dem[p];  // ... taken by the slot's rank
       inter[p] = in.same[hm[p] * W + r_m[p]] ? 0 : 1;
       if (p == 0 || e_m[p] != e_m[p - 1]) left.push_back(in.el[e_m[p]]);
@@ -43,8 +42,8 @@ TaotFinish taot_finish(const TaotFinishIn& in, int32_t* slot_src, int64_t* slot_
       left.back() -= dem[p];
     }
     for (int64_t w = 0; w < W; ++w) room[w] = std::max<int64_t>(in.tgt - (in.L[w] - room[w]), 0);
-    taot_consolidate(n, hm.data(), r_m.data(), e_u.data(), inter.data(), dem.data(),
-                     left.data(), room.data(), keep.data());
+    taot_consolidate(n, hm.data(), r_m.data(), e_u.data(), inter.data(), dem.data(), left.data(), room.data(),
+                     keep.data());
     int64_t m = 0;
     for (int64_t p = 0; p < n; ++p) {
       if (!keep[p]) continue;
@@ -58,9 +57,8 @@ TaotFinish taot_finish(const TaotFinishIn& in, int32_t* slot_src, int64_t* slot_
   // slots: per rank, in round order (stable, like np.lexsort((rnd_m, r_m)))
   std::vector<int64_t> o(n);
   std::iota(o.begin(), o.end(), 0);
-  std::stable_sort(o.begin(), o.end(), [&](int64_t a, int64_t b) {
-    return r_m[a] != r_m[b] ? r_m[a] < r_m[b] : rnd_m[a] < rnd_m[b];
-  });
+  std::stable_sort(o.begin(), o.end(),
+                   [&](int64_t a, int64_t b) { return r_m[a] != r_m[b] ? r_m[a] < r_m[b] : rnd_m[a] < rnd_m[b]; });
   std::vector<int64_t> se(n), sr(n), sk(n), A(n);
   for (int64_t j = 0; j < n; ++j) {
     se[j] = e_m[o[j]], sr[j] = r_m[o[j]], A[j] = dem[o[j]];
@@ -88,8 +86,7 @@ TaotFinish taot_finish(const TaotFinishIn& in, int32_t* slot_src, int64_t* slot_
     fin[sr[j]] += A[j];
   }
   out.worst = std::max<int64_t>(0, *std::max_element(fin.begin(), fin.end()));
-  out.rounds = taot_auction(W, U, n, supply.data(), inv.data(), A.data(), bonus.data(),
-                            in.price_step, cap, X.data());
+  out.rounds = taot_auction(W, U, n, supply.data(), inv.data(), A.data(), bonus.data(), in.price_step, cap, X.data());
   for (int64_t w = 0; w < W; ++w)
     for (int64_t j = 0; j < n; ++j) rep[(w * W + sr[j]) * K + sk[j]] = X[w * n + j];
   return out;

@@ -81,17 +81,15 @@ TaotRun taot_run(const TaotRunIn& in, int32_t* slot_src, int64_t* slot_quota, in
       const double t = a_hint * hint;
       stat[i * nr + j] = b + t;
       const uint8_t ok = h != r ? 1 : 0;  // 2: also in the intra-node pass
-      allowed[i * nr + j] =
-          static_cast<uint8_t>(ok + (in.two_pass ? (ok & in.same[h * W + r]) : 0));
+      allowed[i * nr + j] = static_cast<uint8_t>(ok + (in.two_pass ? (ok & in.same[h * W + r]) : 0));
     }
   }
   std::vector<int64_t> g(static_cast<size_t>(ne * nr), 0), rnd(static_cast<size_t>(ne * nr), -1);
-  taot_matching(ne, nr, cap.data(), grp.data(), exc.data(), sp_r.data(), stat.data(),
-                allowed.data(), K, nr, mg, in.mutual, in.two_pass, g.data(), rnd.data());
-  const TaotFinishIn fin{W,         E,           K,         ne,          nr,
-                         g.data(),  rnd.data(),  ei.data(), ri.data(),   in.home,
-                         in.el,     in.L,        in.same,   in.load,     in.bid,
-                         in.tgt,    in.consolidate, in.price_step, in.has_cap, in.auction_cap};
+  taot_matching(ne, nr, cap.data(), grp.data(), exc.data(), sp_r.data(), stat.data(), allowed.data(), K, nr, mg,
+                in.mutual, in.two_pass, g.data(), rnd.data());
+  const TaotFinishIn fin{
+      W,     E,    K,       ne,      nr,     g.data(), rnd.data(),     ei.data(),     ri.data(),  in.home,
+      in.el, in.L, in.same, in.load, in.bid, in.tgt,   in.consolidate, in.price_step, in.has_cap, in.auction_cap};
   out.fin = taot_finish(fin, slot_src, slot_quota, rep);
   if (out.fin.n_matches == 0) return out;
   // instances (base.instance_index): an expert's replicas in (rank, slot) order, 1, 2, ...;

@@ -9,9 +9,8 @@
 
 namespace ultracomm::detail {
 
-void prepare(int32_t world, int32_t slots, int32_t num_experts, const int32_t* slot_src,
-             const int32_t* home_of, const int32_t* node_of, double intra_bw, double inter_bw,
-             TreeInput& out) {
+void prepare(int32_t world, int32_t slots, int32_t num_experts, const int32_t* slot_src, const int32_t* home_of,
+             const int32_t* node_of, double intra_bw, double inter_bw, TreeInput& out) {
   const int32_t W = world, S = slots, E = num_experts;
   const int64_t WS = int64_t(W) * S;
   out.world = W;
@@ -73,8 +72,8 @@ void prepare(int32_t world, int32_t slots, int32_t num_experts, const int32_t* s
         const int32_t id = out.rep[b + i];
         const int32_t nd = out.node_of[id / S];
         const uint64_t remote = nd != hn;
-        keys.push_back((remote << 62) | (uint64_t(remote ? (1 << 20) - cnt[nd] : 0) << 42) |
-                       (uint64_t(nd) << 21) | uint64_t(id / S));
+        keys.push_back((remote << 62) | (uint64_t(remote ? (1 << 20) - cnt[nd] : 0) << 42) | (uint64_t(nd) << 21) |
+                       uint64_t(id / S));
       }
       std::sort(keys.begin(), keys.end());
       for (int32_t i = 0; i < n; ++i) cnt[out.node_of[out.rep[b + i] / S]] = 0;

@@ -193,8 +193,7 @@ class Repair {
       const int32_t qn = in_.node_of[qr];
       if (in_.multi_node && (inter ? qn != hn : qn != cn)) return;
       if (q < WS && in_subtree(q, c)) return;
-      if (q >= WS && force_ && in_.force_ok[e] &&
-          home_kids(e) + 1 > in_.rep_begin[e + 1] - in_.rep_begin[e] - 1)
+      if (q >= WS && force_ && in_.force_ok[e] && home_kids(e) + 1 > in_.rep_begin[e + 1] - in_.rep_begin[e] - 1)
         return;
       best = q;
       bt = tq;
@@ -298,7 +297,10 @@ class Repair {
   std::vector<int64_t> pn_;
   std::vector<int32_t> first_, next_;
   // relieve() scratch, reused across calls (no allocation per attempt)
-  struct St { int32_t rank, prev, child, tier; int64_t q; };
+  struct St {
+    int32_t rank, prev, child, tier;
+    int64_t q;
+  };
   std::vector<St> st_;
   std::vector<uint32_t> seen_;
   uint32_t stamp_ = 0;

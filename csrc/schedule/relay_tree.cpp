@@ -39,8 +39,10 @@ void direct_tree(const TreeInput& in, Tree& out) {
       out.parent_slot[id] = kMaster;
       out.depth[id] = 1;
       out.max_depth = 1;
-      if (in.node_of[id / S] == in.node_of[h]) out.load_intra[h]++;
-      else out.load_inter[h]++;
+      if (in.node_of[id / S] == in.node_of[h])
+        out.load_intra[h]++;
+      else
+        out.load_inter[h]++;
     }
   }
   finish(in, out);
@@ -120,8 +122,10 @@ class Greedy {
       base_.parent_slot[id] = kMaster;
       base_.depth[id] = 1;
       base_.max_depth = 1;
-      if (in.node_of[in.rank_of_id[id]] == in.node_of[h]) base_.load_intra[h]++;
-      else base_.load_inter[h]++;
+      if (in.node_of[in.rank_of_id[id]] == in.node_of[h])
+        base_.load_intra[h]++;
+      else
+        base_.load_inter[h]++;
     }
     int32_t most = 0;
     for (int32_t e : in.multi) most = std::max(most, in.rep_begin[e + 1] - in.rep_begin[e]);
@@ -170,8 +174,10 @@ class Greedy {
     const int32_t d = depth_of(parent) + 1;
     out_->depth[child] = d;
     out_->max_depth = std::max(out_->max_depth, d);
-    if (parent != kHome) out_->relayed = true;
-    else home_kids_++;
+    if (parent != kHome)
+      out_->relayed = true;
+    else
+      home_kids_++;
   }
 
   // members[lo, hi) of rep sorted into keys_[0, nkeys_) by (intra spare desc, slot id asc),
@@ -230,8 +236,10 @@ class Greedy {
         q_[qn_++] = child;
       }
       out_->max_depth = std::max(out_->max_depth, d + 1);
-      if (node != kHome) out_->relayed = true;
-      else home_kids_ += k;
+      if (node != kHome)
+        out_->relayed = true;
+      else
+        home_kids_ += k;
       si_[r] -= k;
       st_[r] -= k;
       out_->load_intra[r] += static_cast<int32_t>(k);
@@ -243,8 +251,10 @@ class Greedy {
     home_ = in_.home_of[e];
     const int32_t nrep = in_.rep_begin[e + 1] - in_.rep_begin[e];
     const int32_t g0 = in_.grp_begin[e], g1 = in_.grp_begin[e + 1];
-    if (in_.grp_hi[g0] > in_.grp_lo[g0]) si_[home_]++;  // release the reservation
-    else sx_[home_]++;
+    if (in_.grp_hi[g0] > in_.grp_lo[g0])
+      si_[home_]++;  // release the reservation
+    else
+      sx_[home_]++;
     st_[home_]++;
     home_limit_ = (force && in_.force_ok[e]) ? nrep - 1 : INT32_MAX;
     home_kids_ = 0;
@@ -259,8 +269,7 @@ class Greedy {
       for (int32_t i = in_.grp_lo[g]; i < in_.grp_hi[g]; ++i) {
         const int32_t id = in_.rep[i];
         const int64_t sp = si_[in_.rank_of_id[id]];
-        if (gw < 0 || sp > si_[in_.rank_of_id[gw]] || (sp == si_[in_.rank_of_id[gw]] && id < gw))
-          gw = id;
+        if (gw < 0 || sp > si_[in_.rank_of_id[gw]] || (sp == si_[in_.rank_of_id[gw]] && id < gw)) gw = id;
       }
       // feeder on the home's node: (inter spare desc, depth asc, rank asc), among the nodes
       // shallow enough for the gateway and (if the group has more members) one level below it
@@ -276,8 +285,7 @@ class Greedy {
           continue;
         }
         const int32_t br = rank_of(best), d = depth_of(node), bd = depth_of(best);
-        if (sx_[r] > sx_[br] || (sx_[r] == sx_[br] && (d < bd || (d == bd && r < br))))
-          best = node;
+        if (sx_[r] > sx_[br] || (sx_[r] == sx_[br] && (d < bd || (d == bd && r < br)))) best = node;
       }
       if (best == INT32_MIN) return false;
       attach(gw, best);
@@ -300,7 +308,7 @@ class Greedy {
   Tree base_;
   std::vector<uint64_t> keys_;  // [most replicas]; the members being attached: [0, nkeys_)
   size_t nkeys_ = 0;
-  std::vector<int32_t> q_;      // [most replicas + 1]; BFS queue of one expert: [0, qn_)
+  std::vector<int32_t> q_;  // [most replicas + 1]; BFS queue of one expert: [0, qn_)
   size_t qn_ = 0;
   Tree* out_ = nullptr;
   int32_t home_ = 0;
@@ -337,8 +345,8 @@ std::ptrdiff_t smallest_feasible(size_t lo, size_t hi, Ok&& ok) {
   return found;
 }
 
-std::vector<Tree> relay_candidates(const TreeInput& in, int32_t max_depth, bool force,
-                                   const Tree& direct, const Pick* pick) {
+std::vector<Tree> relay_candidates(const TreeInput& in, int32_t max_depth, bool force, const Tree& direct,
+                                   const Pick* pick) {
   std::vector<Tree> res;
   if (in.multi.empty() || max_depth < 2) return res;
   const int32_t W = in.world;
@@ -390,7 +398,8 @@ std::vector<Tree> relay_candidates(const TreeInput& in, int32_t max_depth, bool 
   auto lo_for = [&](int32_t D) {
     const int64_t f = fanout(most, D);
     size_t i = 0;
-    while (i < nt && std::min(total_cap, cap_of(ts[i], ibw, clamp) + (in.multi_node ? cap_of(ts[i], xbw, clamp) : 0)) < f)
+    while (i < nt &&
+           std::min(total_cap, cap_of(ts[i], ibw, clamp) + (in.multi_node ? cap_of(ts[i], xbw, clamp) : 0)) < f)
       ++i;
     return i;
   };

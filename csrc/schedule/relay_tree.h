@@ -27,13 +27,13 @@ struct TreeInput {
   // Groups of expert e: grp[grp_begin[e] .. grp_begin[e+1]); each is [begin, end) into rep.
   // The first group is the home node's (possibly empty).
   std::vector<int32_t> grp_begin, grp_lo, grp_hi;
-  std::vector<uint8_t> force_ok;   // [E] force mode can keep the home below nrep-1 children
-  std::vector<int32_t> multi;      // experts with >= 2 replicas, by (replicas desc, expert asc)
-  std::vector<int32_t> single;     // experts with exactly 1 replica
+  std::vector<uint8_t> force_ok;  // [E] force mode can keep the home below nrep-1 children
+  std::vector<int32_t> multi;     // experts with >= 2 replicas, by (replicas desc, expert asc)
+  std::vector<int32_t> single;    // experts with exactly 1 replica
   int64_t total_reps = 0;
   std::vector<int32_t> rank_of_id, slot_of_id;  // [world*slots] slot id -> rank / slot
-  std::vector<int32_t> empty_parent;  // [world*slots] -1 everywhere (template)
-  std::vector<int32_t> empty_depth;   // [world*slots] 0 everywhere
+  std::vector<int32_t> empty_parent;            // [world*slots] -1 everywhere (template)
+  std::vector<int32_t> empty_depth;             // [world*slots] 0 everywhere
 };
 
 struct Tree {
@@ -46,9 +46,8 @@ struct Tree {
 };
 
 // Validated BuildInput fields -> TreeInput.
-void prepare(int32_t world, int32_t slots, int32_t num_experts, const int32_t* slot_src,
-             const int32_t* home_of, const int32_t* node_of, double intra_bw, double inter_bw,
-             TreeInput& out);
+void prepare(int32_t world, int32_t slots, int32_t num_experts, const int32_t* slot_src, const int32_t* home_of,
+             const int32_t* node_of, double intra_bw, double inter_bw, TreeInput& out);
 
 // Home -> every replica, depth 1 (no topology rule).
 void direct_tree(const TreeInput& in, Tree& out);
@@ -83,7 +82,7 @@ struct Pick {
 // most nrep-1 direct children of the home where the topology allows it.  May return nothing
 // (caller falls back to direct).  `pick` (one node only; may be null) prunes searches that
 // cannot beat the candidates found so far.
-std::vector<Tree> relay_candidates(const TreeInput& in, int32_t max_depth, bool force,
-                                   const Tree& direct, const Pick* pick = nullptr);
+std::vector<Tree> relay_candidates(const TreeInput& in, int32_t max_depth, bool force, const Tree& direct,
+                                   const Pick* pick = nullptr);
 
 }  // namespace ultracomm::detail

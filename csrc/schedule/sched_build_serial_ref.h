@@ -41,31 +41,31 @@ constexpr int32_t kMaxSlots = 8;
 constexpr int32_t kMaxExperts = 1 << 16;
 constexpr int32_t kMaxDepth = 64;
 constexpr uint64_t kMaxBytes = uint64_t(1) << 40;  // per expert and op; chunk counts stay < 2^31
-constexpr uint32_t kDigestTag = 0x50b1d001u;        // first digest word: differs from the host builder's
+constexpr uint32_t kDigestTag = 0x50b1d001u;       // first digest word: differs from the host builder's
 
 enum Status : int32_t {
   kOk = 0,
-  kBadShape = 1,     // world / slots / experts outside [1, capacity] (slots may be 0)
-  kBadPlan = 2,      // slot_src / home_of: out of range, replica at home, expert twice on a rank
-  kBadOption = 3,    // chunk_bytes not a positive multiple of 16, bytes > kMaxBytes, max_depth, rank
-  kBadNode = 4,      // node_of[r] outside [0, world)
-  kOverflow = 5,     // the task or ref output is smaller than this rank's lists
+  kBadShape = 1,   // world / slots / experts outside [1, capacity] (slots may be 0)
+  kBadPlan = 2,    // slot_src / home_of: out of range, replica at home, expert twice on a rank
+  kBadOption = 3,  // chunk_bytes not a positive multiple of 16, bytes > kMaxBytes, max_depth, rank
+  kBadNode = 4,    // node_of[r] outside [0, world)
+  kOverflow = 5,   // the task or ref output is smaller than this rank's lists
 };
 
 struct Problem {
   int32_t world;
-  int32_t slots;             // replica slots per rank
+  int32_t slots;  // replica slots per rank
   int32_t num_experts;
-  int32_t max_depth;         // tree depth limit (1 = direct)
-  int32_t rank;              // whose task lists to write
+  int32_t max_depth;  // tree depth limit (1 = direct)
+  int32_t rank;       // whose task lists to write
   int32_t reserved;
-  const int32_t* slot_src;   // [world * slots] expert of each replica slot, -1 empty
-  const int32_t* home_of;    // [num_experts] home rank of each expert
-  const int32_t* node_of;    // [world] node of each rank; nullptr: one node
-  uint64_t weight_bytes;     // one expert's weights (multicast), slot layout
-  uint64_t grad_bytes;       // one expert's grads (reduce)
-  uint64_t chunk_bytes;      // multiple of 16
-  uint64_t hop_bytes;        // cost model: per-hop latency as bytes of link time
+  const int32_t* slot_src;  // [world * slots] expert of each replica slot, -1 empty
+  const int32_t* home_of;   // [num_experts] home rank of each expert
+  const int32_t* node_of;   // [world] node of each rank; nullptr: one node
+  uint64_t weight_bytes;    // one expert's weights (multicast), slot layout
+  uint64_t grad_bytes;      // one expert's grads (reduce)
+  uint64_t chunk_bytes;     // multiple of 16
+  uint64_t hop_bytes;       // cost model: per-hop latency as bytes of link time
 };
 
 // Caller memory for one op's lists.
@@ -78,11 +78,11 @@ struct OpOut {
 
 struct Result {
   int32_t status;
-  int32_t candidates;        // trees built (successful or not)
-  int32_t lower_bound;       // L0, in experts
-  int32_t cap[2];            // per op: the capacity L of the chosen tree
-  int32_t busiest[2];        // per op: children of its busiest rank (k)
-  int32_t depth[2];          // per op: the chosen tree's depth
+  int32_t candidates;   // trees built (successful or not)
+  int32_t lower_bound;  // L0, in experts
+  int32_t cap[2];       // per op: the capacity L of the chosen tree
+  int32_t busiest[2];   // per op: children of its busiest rank (k)
+  int32_t depth[2];     // per op: the chosen tree's depth
   int64_t num_tasks[2];
   int64_t num_refs[2];
   uint64_t digest;
@@ -94,19 +94,19 @@ UC_INLINE int64_t words_i32(int64_t n) { return (n + 1) / 2; }
 
 // Int32 arrays in the scratch, in this order (offsets in int32 units from the start).
 struct View {
-  int32_t* trees;       // [3][3][WS]: [work, multicast, reduce][parent_rank, parent_slot, depth]
-  int32_t* rem;         // [W] spare capacity
-  int32_t* duty;        // [W] replicated experts homed on the rank not yet hung
-  int32_t* rep_begin;   // [E + 1] replicas of e: rep[rep_begin[e] .. rep_begin[e + 1]), slot id asc
-  int32_t* rep;         // [WS]
-  int32_t* order;       // [E] experts by (replicas desc, id asc)
-  int32_t* cnt;         // [W + 2] counting-sort buckets
-  int32_t* targets;     // [W] one expert's targets
-  int32_t* senders;     // [W + 1] one expert's senders (slot id, or -1 - home for the master)
-  int32_t* gateway;     // [W] per node: the current expert's gateway slot id (or -1)
-  int32_t* height;      // [WS + E] reduce levels (slots, then masters)
-  int32_t* kids;        // [WS] children of each slot in the tree being written
-  uint64_t* keys;       // [E + S] this rank's senders (8-byte aligned)
+  int32_t* trees;      // [3][3][WS]: [work, multicast, reduce][parent_rank, parent_slot, depth]
+  int32_t* rem;        // [W] spare capacity
+  int32_t* duty;       // [W] replicated experts homed on the rank not yet hung
+  int32_t* rep_begin;  // [E + 1] replicas of e: rep[rep_begin[e] .. rep_begin[e + 1]), slot id asc
+  int32_t* rep;        // [WS]
+  int32_t* order;      // [E] experts by (replicas desc, id asc)
+  int32_t* cnt;        // [W + 2] counting-sort buckets
+  int32_t* targets;    // [W] one expert's targets
+  int32_t* senders;    // [W + 1] one expert's senders (slot id, or -1 - home for the master)
+  int32_t* gateway;    // [W] per node: the current expert's gateway slot id (or -1)
+  int32_t* height;     // [WS + E] reduce levels (slots, then masters)
+  int32_t* kids;       // [WS] children of each slot in the tree being written
+  uint64_t* keys;      // [E + S] this rank's senders (8-byte aligned)
 };
 
 // Tree t (0 work, 1 multicast, 2 reduce): parent_rank at [0, WS), parent_slot at [WS, 2 WS),
@@ -127,16 +127,26 @@ UC_INLINE View view(int64_t* s, int32_t W, int32_t S, int32_t E) {
   View v;
   v.trees = p;
   p += 9 * WS;
-  v.rem = p; p += W;
-  v.duty = p; p += W;
-  v.rep_begin = p; p += E + 1;
-  v.rep = p; p += WS;
-  v.order = p; p += E;
-  v.cnt = p; p += W + 2;
-  v.targets = p; p += W;
-  v.senders = p; p += W + 1;
-  v.gateway = p; p += W;
-  v.height = p; p += WS + E;
+  v.rem = p;
+  p += W;
+  v.duty = p;
+  p += W;
+  v.rep_begin = p;
+  p += E + 1;
+  v.rep = p;
+  p += WS;
+  v.order = p;
+  p += E;
+  v.cnt = p;
+  p += W + 2;
+  v.targets = p;
+  p += W;
+  v.senders = p;
+  p += W + 1;
+  v.gateway = p;
+  p += W;
+  v.height = p;
+  p += WS + E;
   v.kids = p;
   v.keys = reinterpret_cast<uint64_t*>(s + words_i32(scratch_i32(W, S, E)));
   return v;
@@ -223,8 +233,8 @@ UC_INLINE int32_t prepare(const Problem& p, const View& v, int32_t& fixed, int64
 // slot id (or -1 - home for a master).  Targets become senders themselves, except those in
 // [gw_lo, gw_hi) (gateways: they must not feed their home's node).  Returns the new sender
 // count, or -1 if some target finds no sender with capacity within depth D.
-UC_INLINE int32_t hang(const Problem& p, const View& v, int32_t* t, int64_t WS, int32_t ns, int32_t n,
-                       int32_t gw_lo, int32_t gw_hi, int32_t D) {
+UC_INLINE int32_t hang(const Problem& p, const View& v, int32_t* t, int64_t WS, int32_t ns, int32_t n, int32_t gw_lo,
+                       int32_t gw_hi, int32_t D) {
   const int32_t S = p.slots;
   int32_t at = 0;  // the shallowest sender that may still have capacity (senders only fill up)
   for (int32_t i = 0; i < n; ++i) {
@@ -364,8 +374,8 @@ UC_INLINE uint64_t op_cost(uint64_t bytes, uint64_t chunk, uint64_t hop, int32_t
 // ---------------------------------------------------------------- task lists
 
 // Writes rank p.rank's lists of one op from tree `tr` (parent_rank, parent_slot, depth).
-UC_INLINE int32_t write_op(const Problem& p, const View& v, const int32_t* tb, bool mc, int32_t maxd,
-                           const OpOut& out, int64_t& ntasks, int64_t& nrefs) {
+UC_INLINE int32_t write_op(const Problem& p, const View& v, const int32_t* tb, bool mc, int32_t maxd, const OpOut& out,
+                           int64_t& ntasks, int64_t& nrefs) {
   const int32_t W = p.world, S = p.slots, E = p.num_experts, r = p.rank;
   const int64_t WS = int64_t(W) * S;
   const int32_t* pr = tb;
@@ -395,8 +405,7 @@ UC_INLINE int32_t write_op(const Problem& p, const View& v, const int32_t* tb, b
   for (int32_t s = 0; s < S; ++s) {
     const int64_t id = int64_t(r) * S + s;
     if (v.kids[id] > 0)
-      v.keys[nk++] = (uint64_t(mc ? dp[id] : v.height[id]) << 48) | (uint64_t(p.slot_src[id]) << 17) |
-                     uint64_t(s + 1);
+      v.keys[nk++] = (uint64_t(mc ? dp[id] : v.height[id]) << 48) | (uint64_t(p.slot_src[id]) << 17) | uint64_t(s + 1);
   }
   for (int32_t i = 1; i < nk; ++i) {
     const uint64_t x = v.keys[i];

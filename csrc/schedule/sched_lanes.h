@@ -72,7 +72,9 @@ struct LaneBlock {
     sync();
     return before;
   }
-  int32_t add(int32_t* p, int32_t v) const { return std::atomic_ref<int32_t>(*p).fetch_add(v, std::memory_order_relaxed); }
+  int32_t add(int32_t* p, int32_t v) const {
+    return std::atomic_ref<int32_t>(*p).fetch_add(v, std::memory_order_relaxed);
+  }
   void amax(int32_t* p, int32_t v) const {
     std::atomic_ref<int32_t> a(*p);
     int32_t cur = a.load(std::memory_order_relaxed);

@@ -26,11 +26,10 @@ void validate(const BuildInput& in, int32_t only_rank) {
   if (E < 0) bad("num_experts must be >= 0, got " + std::to_string(E));
   const int64_t WS = int64_t(W) * S;
   if (int64_t(in.slot_src.size()) != WS)
-    bad("slot_src has " + std::to_string(in.slot_src.size()) + " entries, expected world*slots_per_rank = " +
-        std::to_string(WS));
+    bad("slot_src has " + std::to_string(in.slot_src.size()) +
+        " entries, expected world*slots_per_rank = " + std::to_string(WS));
   if (int64_t(in.home_of.size()) != E)
-    bad("home_of has " + std::to_string(in.home_of.size()) + " entries, expected num_experts = " +
-        std::to_string(E));
+    bad("home_of has " + std::to_string(in.home_of.size()) + " entries, expected num_experts = " + std::to_string(E));
   if (!in.node_of.empty() && int64_t(in.node_of.size()) != W)
     bad("node_of has " + std::to_string(in.node_of.size()) + " entries, expected world = " + std::to_string(W));
   if (in.chunk_bytes == 0 || in.chunk_bytes % 16 != 0)
@@ -109,8 +108,10 @@ void fixed_side(const TreeInput& ti, const Tree& t, SideLoads& out) {
     for (int32_t s = 0; s < S; ++s, ++id) {
       const int32_t p = t.parent_rank[id];
       if (p < 0) continue;
-      if (ti.node_of[r] == ti.node_of[p]) out.fi[r]++;
-      else out.fx[r]++;
+      if (ti.node_of[r] == ti.node_of[p])
+        out.fi[r]++;
+      else
+        out.fx[r]++;
     }
 }
 
@@ -218,11 +219,11 @@ uint64_t fnv_arr(uint64_t h, const int32_t* p, size_t n) {
 // What both ops share: the op-independent parts of the lower bound (in experts) and the
 // experts homed on the ranks whose task lists are built.
 struct Shared {
-  int64_t max_fixed = 0;  // most filled slots on one rank (each has one incoming edge)
-  int64_t max_once = 0;   // most experts with replicas homed on one rank (sent at least once)
-  int64_t max_cross = 0;  // several nodes: max over nodes N of ceil(X_N / |N|) (see schedule.h)
-  int32_t r0 = 0, r1 = 0;           // ranks [r0, r1) get task lists
-  std::vector<int32_t> hb, hx;      // their experts: hx[hb[r - r0] .. hb[r - r0 + 1]), expert asc
+  int64_t max_fixed = 0;        // most filled slots on one rank (each has one incoming edge)
+  int64_t max_once = 0;         // most experts with replicas homed on one rank (sent at least once)
+  int64_t max_cross = 0;        // several nodes: max over nodes N of ceil(X_N / |N|) (see schedule.h)
+  int32_t r0 = 0, r1 = 0;       // ranks [r0, r1) get task lists
+  std::vector<int32_t> hb, hx;  // their experts: hx[hb[r - r0] .. hb[r - r0 + 1]), expert asc
 };
 
 void make_shared(const TreeInput& ti, int32_t only_rank, Shared& sh) {
@@ -290,8 +291,8 @@ void children(const BuildInput& in, const TreeInput& ti, const Tree& t, Children
 }
 
 // Fills one op from its tree: parents, stats, task lists.
-void fill_op(const BuildInput& in, const TreeInput& ti, const Cand& cd, const Children& kids, const Shared& sh,
-             Op op, uint64_t bytes, OpSchedule& o) {
+void fill_op(const BuildInput& in, const TreeInput& ti, const Cand& cd, const Children& kids, const Shared& sh, Op op,
+             uint64_t bytes, OpSchedule& o) {
   const Tree& t = *cd.t;
   const SideLoads& f = *cd.f;
   const int32_t W = ti.world, S = ti.slots, E = ti.num_experts;
@@ -326,8 +327,8 @@ void fill_op(const BuildInput& in, const TreeInput& ti, const Cand& cd, const Ch
   if (!ti.multi_node) {
     o.lower_bound_s = double(lb) / ti.intra_bw;
   } else {
-    o.lower_bound_s = std::max(double(lb) / (ti.intra_bw + ti.inter_bw),
-                               double(sh.max_cross) * double(bytes) / ti.inter_bw);
+    o.lower_bound_s =
+        std::max(double(lb) / (ti.intra_bw + ti.inter_bw), double(sh.max_cross) * double(bytes) / ti.inter_bw);
   }
   o.predicted_s = predicted(in, ti, cd, bytes);
   o.tree_lower_bound_s = tree_bound(in, ti, bytes, o.lower_bound_s);
@@ -370,8 +371,7 @@ void fill_op(const BuildInput& in, const TreeInput& ti, const Cand& cd, const Ch
     }
     for (int32_t s = 0; s < S; ++s) {
       const int64_t id = int64_t(r) * S + s;
-      if (cb[id + 1] > cb[id])
-        keys.push_back((level(id) << 48) | (uint64_t(in.slot_src[id]) << 17) | uint64_t(s + 1));
+      if (cb[id + 1] > cb[id]) keys.push_back((level(id) << 48) | (uint64_t(in.slot_src[id]) << 17) | uint64_t(s + 1));
     }
     std::sort(keys.begin(), keys.end());
     std::vector<Ref>& refs = o.refs[r];
@@ -427,8 +427,8 @@ Schedule build_schedule(const BuildInput& in, int32_t only_rank) {
   }
   // per-thread buffers, reused build after build (prepare() and direct_tree() reset them)
   static thread_local TreeInput ti;
-  detail::prepare(W, in.slots_per_rank, in.num_experts, in.slot_src.data(), in.home_of.data(), node_of,
-                  in.intra_bw, in.inter_bw, ti);
+  detail::prepare(W, in.slots_per_rank, in.num_experts, in.slot_src.data(), in.home_of.data(), node_of, in.intra_bw,
+                  in.inter_bw, ti);
   static thread_local Tree direct;
   detail::direct_tree(ti, direct);
   Shared sh;
@@ -447,8 +447,10 @@ Schedule build_schedule(const BuildInput& in, int32_t only_rank) {
   std::vector<Tree> cands;
   const bool force = in.relay_mode == RelayMode::kForce;
   // force mode raises max_depth 1 to 2 (a relay tree needs depth 2; documented in schedule.h)
-  if (force) cands = detail::relay_candidates(ti, std::max(2, in.max_depth), true, direct, &pick);
-  else if (in.relay_mode == RelayMode::kAuto) cands = detail::relay_candidates(ti, in.max_depth, false, direct, &pick);
+  if (force)
+    cands = detail::relay_candidates(ti, std::max(2, in.max_depth), true, direct, &pick);
+  else if (in.relay_mode == RelayMode::kAuto)
+    cands = detail::relay_candidates(ti, in.max_depth, false, direct, &pick);
 
   // candidate list in depth order: direct first (auto/off), then relay trees shallowest first
   // With several nodes, direct competes in auto only if it already crosses to each remote node

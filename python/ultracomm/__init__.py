@@ -9,6 +9,7 @@ lists them.  The drop-in for MoE stacks is :class:`ReplicaManager` (``ultracomm.
 for Megatron ECHO, UltraEP and vLLM EPLB live in ``ultracomm.integrations``; the README's Layout
 section shows the package's layers.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -21,12 +22,30 @@ _moved.install()  # the old import paths of modules that moved (one table: _move
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "Config": "env", "ConfigError": "errors", "Context": "context", "ExpertLayout": "layout",
-    "LayoutError": "errors", "LoopbackDomain": "comm", "LoopbackGroup": "comm", "Member": "layout",
-    "Op": "records", "PlanError": "errors", "PlanMismatchError": "errors", "RegistrationError": "errors",
-    "RelayMode": "records", "ReplicaPlan": "plan", "Schedule": "schedule", "UltracommError": "errors", "Work": "work",
-    "build_schedule": "schedule", "run_loopback": "comm", "UltracommTimeout": "errors", "PeerError": "errors",
-    "ClosedError": "errors", "ReplicaManager": "moe", "ResidentPlan": "resident_plan",
+    "Config": "env",
+    "ConfigError": "errors",
+    "Context": "context",
+    "ExpertLayout": "layout",
+    "LayoutError": "errors",
+    "LoopbackDomain": "comm",
+    "LoopbackGroup": "comm",
+    "Member": "layout",
+    "Op": "records",
+    "PlanError": "errors",
+    "PlanMismatchError": "errors",
+    "RegistrationError": "errors",
+    "RelayMode": "records",
+    "ReplicaPlan": "plan",
+    "Schedule": "schedule",
+    "UltracommError": "errors",
+    "Work": "work",
+    "build_schedule": "schedule",
+    "run_loopback": "comm",
+    "UltracommTimeout": "errors",
+    "PeerError": "errors",
+    "ClosedError": "errors",
+    "ReplicaManager": "moe",
+    "ResidentPlan": "resident_plan",
 }
 _SUBMODULES = ("moe", "integrations", "planners", "tools", "env", "sim")
 _MOVED = ("workloads", "bench")  # attributes that still resolve (old paths: they warn), not listed

@@ -9,6 +9,7 @@ old path (``import``, ``from ... import``, ``importlib.import_module``) gives th
 
 A module that moves adds one line here (tests/test_moved_paths.py lists the same table).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -114,8 +115,11 @@ class _Loader(importlib.abc.Loader):
 
     def get_code(self, fullname: str) -> CodeType:
         """``python -m <old path>``: runpy runs this code as ``__main__``."""
-        return compile(f"import {__name__}\n{__name__}.run_main({fullname!r})\n",
-                       f"<{fullname}: moved to {MOVED[fullname]}>", "exec")
+        return compile(
+            f"import {__name__}\n{__name__}.run_main({fullname!r})\n",
+            f"<{fullname}: moved to {MOVED[fullname]}>",
+            "exec",
+        )
 
     def get_source(self, fullname: str) -> None:
         return None

@@ -22,16 +22,36 @@ transport's route on the CPU (:func:`split_route`): shared memory inside each do
 messages across, or every edge a message where the bytes shared memory would keep off the
 messages cannot pay for that fixed cost.
 """
+
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, Optional
 
-from .transports.costs import (COSTS, AlphaBeta, Route, align_chunk, best_chunk, costs_for_backend, predicted_s,
-                              split_chunk_bytes, split_route)
+from .transports.costs import (
+    COSTS,
+    AlphaBeta,
+    Route,
+    align_chunk,
+    best_chunk,
+    costs_for_backend,
+    predicted_s,
+    split_chunk_bytes,
+    split_route,
+)
 
-__all__ = ["AlphaBeta", "COSTS", "best_chunk", "costs_for_backend", "choose_schedule", "predicted_s", "Choice",
-           "split_chunk_bytes", "split_route", "Route"]
+__all__ = [
+    "AlphaBeta",
+    "COSTS",
+    "best_chunk",
+    "costs_for_backend",
+    "choose_schedule",
+    "predicted_s",
+    "Choice",
+    "split_chunk_bytes",
+    "split_route",
+    "Route",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,12 +67,23 @@ class Choice:
     def describe(self) -> str:
         d = [self.schedule.stats(op)["depth"] for op in ("multicast", "reduce")]
         how = lambda depth: "direct" if depth <= 1 else f"relay depth {depth}"  # noqa: E731
-        return (f"multicast {how(d[0])}, reduce {how(d[1])}, chunk {self.chunk_bytes} B "
-                f"(predicted {self.predicted_s[0] * 1e3:.2f} / {self.predicted_s[1] * 1e3:.2f} ms)")
+        return (
+            f"multicast {how(d[0])}, reduce {how(d[1])}, chunk {self.chunk_bytes} B "
+            f"(predicted {self.predicted_s[0] * 1e3:.2f} / {self.predicted_s[1] * 1e3:.2f} ms)"
+        )
 
 
-def choose_schedule(plan: Any, weight_bytes: int, grad_bytes: int, costs: AlphaBeta, *, relay_mode: str = "auto",
-                    max_depth: int = 8, node_of: Optional[Any] = None, rank: Optional[int] = None) -> Choice:
+def choose_schedule(
+    plan: Any,
+    weight_bytes: int,
+    grad_bytes: int,
+    costs: AlphaBeta,
+    *,
+    relay_mode: str = "auto",
+    max_depth: int = 8,
+    node_of: Optional[Any] = None,
+    rank: Optional[int] = None,
+) -> Choice:
     """The schedule of ``plan`` for a message transport with ``costs``.
 
     Candidates: direct sends with one chunk per slot (``relay_mode="off"``), and relay trees
@@ -64,8 +95,15 @@ def choose_schedule(plan: Any, weight_bytes: int, grad_bytes: int, costs: AlphaB
     from .schedule import build_schedule
 
     whole = align_chunk(max(int(weight_bytes), int(grad_bytes), 1))
-    kw = dict(node_of=node_of, intra_bw=costs.beta_Bps, inter_bw=costs.beta_Bps, intra_latency_s=costs.alpha_s,
-              inter_latency_s=costs.alpha_s, max_depth=max_depth, rank=rank)
+    kw = dict(
+        node_of=node_of,
+        intra_bw=costs.beta_Bps,
+        inter_bw=costs.beta_Bps,
+        intra_latency_s=costs.alpha_s,
+        inter_latency_s=costs.alpha_s,
+        max_depth=max_depth,
+        rank=rank,
+    )
     cands: list[tuple[int, str]] = []
     if relay_mode != "force":
         cands.append((whole, "off"))

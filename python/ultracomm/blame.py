@@ -29,6 +29,7 @@ The words live in the unused tail of the 64-byte line that holds ``ready[op]`` a
 Messages end with ``by evidence, stopped: ranks [..] (why); already failed: ...; alive: ...;
 state unknown: ranks [..]`` (perf/fault_matrix.py reads them).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -118,8 +119,8 @@ if hasattr(__import__("os"), "register_at_fork"):
 class Evidence:
     """What this rank knows about every other rank when it fails."""
 
-    stopped: dict[int, str] = dataclasses.field(default_factory=dict)   # rank -> why
-    failed: dict[int, str] = dataclasses.field(default_factory=dict)    # rank -> "epoch e (what)"
+    stopped: dict[int, str] = dataclasses.field(default_factory=dict)  # rank -> why
+    failed: dict[int, str] = dataclasses.field(default_factory=dict)  # rank -> "epoch e (what)"
     alive: list[int] = dataclasses.field(default_factory=list)
     behind: dict[int, int] = dataclasses.field(default_factory=dict)  # alive rank -> latest epoch it started
     unknown: list[int] = dataclasses.field(default_factory=list)
@@ -127,19 +128,29 @@ class Evidence:
 
     def sentence(self) -> str:
         st = sorted(self.stopped)
-        parts = [f"by evidence, stopped: ranks {st}" + (" (" + "; ".join(f"rank {r}: {self.stopped[r]}" for r in st)
-                                                         + ")" if st else "")]
+        parts = [
+            f"by evidence, stopped: ranks {st}"
+            + (" (" + "; ".join(f"rank {r}: {self.stopped[r]}" for r in st) + ")" if st else "")
+        ]
         if self.failed:
             fr = sorted(self.failed)
             parts.append(f"already failed: ranks {fr} (" + "; ".join(f"rank {r} {self.failed[r]}" for r in fr) + ")")
         if self.alive:
-            behind = "".join(f"; rank {r} has not started this operation (ready flag at epoch {e}): it waits "
-                             "elsewhere, or stopped calling" for r, e in sorted(self.behind.items()))
+            behind = "".join(
+                f"; rank {r} has not started this operation (ready flag at epoch {e}): it waits "
+                "elsewhere, or stopped calling"
+                for r, e in sorted(self.behind.items())
+            )
             note = f" ({behind[2:]})" if behind else ""
             parts.append(f"alive (heartbeat fresh): ranks {sorted(self.alive)}{note}")
         if self.left:
-            parts.append("closed their Context: ranks " + str(sorted(self.left)) + " (" + "; ".join(
-                f"rank {r} after epoch {e}" for r, e in sorted(self.left.items())) + ")")
+            parts.append(
+                "closed their Context: ranks "
+                + str(sorted(self.left))
+                + " ("
+                + "; ".join(f"rank {r} after epoch {e}" for r, e in sorted(self.left.items()))
+                + ")"
+            )
         if self.unknown:
             parts.append(f"state unknown: ranks {sorted(self.unknown)}")
         return "; ".join(parts)
@@ -217,17 +228,28 @@ class Witness:
         if self._published is None:
             self.publish(epoch, what)
 
-    def publish(self, epoch: int, what: str, awaited: Sequence[int] = (), dead: Sequence[int] = (),
-                stopped: Optional[dict] = None) -> None:
+    def publish(
+        self,
+        epoch: int,
+        what: str,
+        awaited: Sequence[int] = (),
+        dead: Sequence[int] = (),
+        stopped: Optional[dict] = None,
+    ) -> None:
         """This rank failed at ``epoch`` waiting for ``awaited`` (``dead``: ranks whose connection
         closed without a record; ``stopped``: rank -> why, once its evidence is in): the window
         word (first failure only) and the store record ``(epoch, what, awaited, dead, stopped)``."""
         with self._lock:
-            record = (int(epoch), str(what)[:200], sorted({int(a) for a in awaited} - {self.rank}),
-                      sorted({int(d) for d in dead}),
-                      None if stopped is None else {int(k): str(v)[:200] for k, v in stopped.items()})
-            if self._published is not None and (self._published[2:] == record[2:] or
-                                                (stopped is None and self._published[4] is not None)):
+            record = (
+                int(epoch),
+                str(what)[:200],
+                sorted({int(a) for a in awaited} - {self.rank}),
+                sorted({int(d) for d in dead}),
+                None if stopped is None else {int(k): str(v)[:200] for k, v in stopped.items()},
+            )
+            if self._published is not None and (
+                self._published[2:] == record[2:] or (stopped is None and self._published[4] is not None)
+            ):
                 return
             first = self._published is None
             self._published = record
@@ -267,8 +289,14 @@ class Witness:
         age = -1.0 if beat == _CLOSED else (time.monotonic_ns() - beat) / 1e9 if beat else float("inf")
         return failed, age, ready
 
-    def evidence(self, epoch: int, awaited: Sequence[int], dead: Sequence[int] = (), wait: bool = True,
-                 since: Optional[float] = None) -> Evidence:
+    def evidence(
+        self,
+        epoch: int,
+        awaited: Sequence[int],
+        dead: Sequence[int] = (),
+        wait: bool = True,
+        since: Optional[float] = None,
+    ) -> Evidence:
         """What this rank can show about every other rank, having waited for ``awaited`` at
         ``epoch`` since ``since`` (``time.monotonic()``; default: one timeout ago); ``dead``: ranks
         whose connection closed.  Waits until ``since`` + timeout + :func:`grace_s` for the records
@@ -297,8 +325,11 @@ class Witness:
                 for d, why in (rec[4] or {}).items():
                     if not str(why).startswith("by rank"):  # first-hand evidence only
                         reported.setdefault(int(d), (q, why))
-            pending = [q for q in sorted(chase) if q not in records and q not in reported_dead
-                       and q not in reported and win.get(q) is None]
+            pending = [
+                q
+                for q in sorted(chase)
+                if q not in records and q not in reported_dead and q not in reported and win.get(q) is None
+            ]
             # records without their evidence yet: the ranks that can see what this rank cannot
             unfinished = [q for q, rec in records.items() if rec[4] is None]
             if (not pending and not unfinished) or time.monotonic() >= deadline:
@@ -317,27 +348,37 @@ class Witness:
             elif w is not None:
                 if w[1] > stale:
                     how = "killed or stopped" if w[1] != float("inf") else "never beat"
-                    ev.stopped[q] = (f"heartbeat stale for {w[1]:.1f} s ({how}), latest epoch started {w[2]}")
+                    ev.stopped[q] = f"heartbeat stale for {w[1]:.1f} s ({how}), latest epoch started {w[2]}"
                 else:
                     ev.alive.append(q)
                     if w[2] < epoch:  # a fact, not a stop: it may wait in an earlier operation in turn
                         ev.behind[q] = w[2]
             elif q in dead and wait:
-                ev.stopped[q] = (f"its connection closed and it published no failure within the timeout and "
-                                 f"{grace_s(self.timeout_s):g} s more (its process ended)")
+                ev.stopped[q] = (
+                    f"its connection closed and it published no failure within the timeout and "
+                    f"{grace_s(self.timeout_s):g} s more (its process ended)"
+                )
             elif q in reported_dead:
                 ev.stopped[q] = f"rank {reported_dead[q]} saw its connection close with no failure published"
             elif q in reported:
                 ev.stopped[q] = f"by rank {reported[q][0]}'s evidence: {reported[q][1]}"
             elif q in chase and wait:
-                ev.stopped[q] = (f"awaited, silent for the timeout and {grace_s(self.timeout_s):g} s more with no "
-                                 "failure published")
+                ev.stopped[q] = (
+                    f"awaited, silent for the timeout and {grace_s(self.timeout_s):g} s more with no failure published"
+                )
             else:
                 ev.unknown.append(q)
         return ev
 
-    def explain(self, epoch: int, what: str, awaited: Sequence[int], dead: Sequence[int] = (),
-                wait: bool = True, since: Optional[float] = None) -> str:
+    def explain(
+        self,
+        epoch: int,
+        what: str,
+        awaited: Sequence[int],
+        dead: Sequence[int] = (),
+        wait: bool = True,
+        since: Optional[float] = None,
+    ) -> str:
         """Publish this rank's failure, gather the evidence (:meth:`evidence`), return its sentence."""
         self.publish(epoch, what, awaited, dead)
         try:

@@ -14,6 +14,7 @@ loopback ranks -- so it works for gloo and NCCL groups alike and never leaves a 
 collective half done.  A rank that gives up leaves a tombstone under its key, so a rank
 that arrives late raises too instead of going on alone.
 """
+
 from __future__ import annotations
 
 import abc
@@ -105,33 +106,43 @@ class Comm(abc.ABC):
                 board.post(keys[self.rank], (_GAVE_UP, op, what, None))
                 witness = getattr(self, "witness", None)
                 # who stopped: by evidence where the Context has a witness (ultracomm.blame), else a guess
-                why = ("they are likely stalled or dead, or called a different operation" if witness is None else
-                       witness.explain(witness.epoch(), f"{op} ({what}) timed out", missing))
+                why = (
+                    "they are likely stalled or dead, or called a different operation"
+                    if witness is None
+                    else witness.explain(witness.epoch(), f"{op} ({what}) timed out", missing)
+                )
                 raise UltracommTimeout(
                     f"ultracomm: {where} timed out after {self.timeout_s:g} s: ranks {missing} did not arrive "
                     f"(timeout ULTRACOMM_TIMEOUT_S={self.timeout_s:g}); {why}: every rank must call the same "
-                    "collective operations in the same order")
+                    "collective operations in the same order"
+                )
             entries = board.read(keys)
             if seq > 0:  # every rank has posted `seq`, so every rank has read `seq - 1`
                 board.remove(f"ultracomm/{seq - 1}/{self.rank}")
         except _BoardUnreachable as e:
             raise UltracommTimeout(
                 f"ultracomm: {where}: the process group's store is unreachable ({e}); the process hosting "
-                "it (torchrun's agent, or the rank that created it, often rank 0) is likely dead or stalled") from None
+                "it (torchrun's agent, or the rank that created it, often rank 0) is likely dead or stalled"
+            ) from None
         gave_up = [r for r, e in enumerate(entries) if e[0] == _GAVE_UP]
         if gave_up:
             raise UltracommTimeout(
                 f"ultracomm: {where}: ranks {gave_up} had already timed out waiting for this rank "
-                f"(timeout {self.timeout_s:g} s); this rank arrived too late: it was likely stalled")
+                f"(timeout {self.timeout_s:g} s); this rank arrived too late: it was likely stalled"
+            )
         tags: dict[tuple[str, str], list[int]] = {}
         for r, e in enumerate(entries):
             tags.setdefault((e[1], e[2]), []).append(r)
         if len(tags) > 1:  # name what the others posted, as the load boards do (ultracomm.moe.loads)
-            detail = "; ".join(f"{f'rank {rs[0]}' if len(rs) == 1 else f'ranks {rs}'} posted {o} ({w})"
-                               for (o, w), rs in tags.items() if (o, w) != (op, what))
+            detail = "; ".join(
+                f"{f'rank {rs[0]}' if len(rs) == 1 else f'ranks {rs}'} posted {o} ({w})"
+                for (o, w), rs in tags.items()
+                if (o, w) != (op, what)
+            )
             raise PlanMismatchError(
                 f"ultracomm: {where}: ranks called different operations ({detail}); every rank must call "
-                "the same collective operations in the same order")
+                "the same collective operations in the same order"
+            )
         return [e[3] for e in entries]
 
     def agree(self, fn: Callable[[], T], *, op: str, what: str) -> list[T]:
@@ -159,8 +170,10 @@ class Comm(abc.ABC):
             raise error
         failed = [r for r, (m, _) in enumerate(views) if m is not None]
         if failed:
-            raise PeerError(f"ultracomm: rank {self.rank} {op} ({what}): ranks {failed} failed: rank {failed[0]}: "
-                            f"{views[failed[0]][0]}")
+            raise PeerError(
+                f"ultracomm: rank {self.rank} {op} ({what}): ranks {failed} failed: rank {failed[0]}: "
+                f"{views[failed[0]][0]}"
+            )
         return [v for _, v in views]
 
     def barrier(self, *, op: str = "barrier", what: str = "barrier") -> None:
@@ -229,8 +242,9 @@ class _StoreBoard(_Board):
         self._busy_until = 0.0  # monotonic time by which every call queued so far has returned
         self.lock = threading.Lock()
         self.sequence = 0
-        self._thread = threading.Thread(target=_serve_store_calls, args=(self._requests,), name="ultracomm-store",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=_serve_store_calls, args=(self._requests,), name="ultracomm-store", daemon=True
+        )
         self._thread.start()
         weakref.finalize(self, self._requests.put, None)  # the thread ends with the group
         _LIVE_BOARDS.add(self)
@@ -301,8 +315,10 @@ class _StoreBoard(_Board):
             try:
                 out.append(wire.decode(v))
             except wire.WireError as e:
-                raise UltracommError(f"ultracomm: the store value under {key!r} is not one ultracomm wrote ({e}); "
-                                     "another process wrote into this process group's store") from None
+                raise UltracommError(
+                    f"ultracomm: the store value under {key!r} is not one ultracomm wrote ({e}); "
+                    "another process wrote into this process group's store"
+                ) from None
         return out
 
     def remove(self, key: str) -> None:
@@ -386,11 +402,13 @@ def live_group(ref: "weakref.ref[dist.ProcessGroup]", rank: int) -> dist.Process
         raise ClosedError(
             f"ultracomm: rank {rank}: the process group was destroyed (torch.distributed.destroy_process_group) "
             "while an ultracomm Context still uses it; close Contexts before destroying their group, and create "
-            "a new Context on a new group")
+            "a new Context on a new group"
+        )
     return pg
 
 
 # ------------------------------------------------------------------ loopback domains
+
 
 class _DictBoard(_Board):
     """Keys in a dict shared by the threads of a loopback domain; objects are shared, not copied."""

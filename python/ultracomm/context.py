@@ -19,39 +19,30 @@ With a GPU transport (``tma``: ``device="cuda"``, a GPU window, or ``transport="
 CUDA stream and return at once (see :mod:`ultracomm.cuda.stream_ordered`); device errors surface at
 ``work.wait()`` or ``synchronize()``.
 """
+
 from __future__ import annotations
 
 import functools
 import logging
-import weakref
 from typing import Any, Sequence
 
 import torch
 
-from .cuda import stream_ordered
-from .dataplane import domains
-from .blame import Witness
-from .comm import as_comm, require_same
-from .control import plans, setup
-from .control.microbatches import MicroBatch, MicroBatches
-from .control.schedules import Schedules
-from .dataplane import (check_like, check_master_devices, copy_into, device_type, is_stream_ordered, select,
-                        slot_views, transport_kwargs, zero_slots)
-from .dataplane.queue import OpQueue, release
+from . import context_setup
+from .control import plans
+from .control.microbatches import MicroBatch
+from .dataplane import check_like, check_master_devices, copy_into, zero_slots
 from .env import Config
 from .errors import ClosedError, RegistrationError, UltracommTimeout
 from .layout import ExpertLayout
 from .plan import ReplicaPlan
 from .resident_plan import ResidentPlan
-from .profile import profile_for_context
 from .records import Op
 from .schedule_base import ScheduleBase
 from .transports.base import Masters
-from .windows import open_window
 from .work import OrderedRunner, Work
 
 log = logging.getLogger("ultracomm")
-
 
 
 class Context:
@@ -103,126 +94,22 @@ class Context:
         **overrides: Any,
     ):
         self._runner: OrderedRunner | None = None  # set last: a half-built Context has nothing to close
-        comm = as_comm(group)  # a bad group fails here, on this rank: there is nothing to agree over
-        self.rank, self.world = comm.rank, comm.world
-        error: Exception | None = None
-        try:
-            self._configure(comm, layout, experts_per_rank, slots_per_rank, num_layers, max_microbatches,
-                            transport, window, device, node_of, config, overrides, profile)
-        except Exception as e:  # noqa: BLE001 - every rank learns of it in the first agreement
-            error = e
-        # the agreed timeout bounds the first agreement too; a rank that failed before it had a
-        # configuration waits the default (its peers still learn of its error at once)
-        cfg = getattr(self, "config", None) or (config if isinstance(config, Config) else Config())
-        timeout_s = cfg.timeout_s
-        self.comm = comm.with_timeout(timeout_s)
-        # blame by evidence (ultracomm.blame): this Context's failures published, its peers' state read
-        self._witness = self.comm.witness = Witness(self.comm, self.rank, self.world, timeout_s)
-
-        def local_check() -> tuple:
-            if error is not None:
-                raise error
-            chosen = (self._transport_cls.name, self._provider) if self._transport_cls else None
-            where = domains.rank_domain(self.config.domain, self.rank, self.world,
-                                        device_type(self.config.transport, self.config.window, device), device)
-            return setup.agreed_key(self.config, layout, experts_per_rank, slots_per_rank, num_layers,
-                                    max_microbatches, self.node_of, chosen), where
-
-        views = self.comm.agree(local_check, op="Context setup", what="configuration")
-        require_same([v[0] for v in views], "Context configuration")
-        # every rank's memory domain decides auto (and what split does); ultracomm.dataplane.domains
-        self.comm.agree(lambda: self._choose([v[1] for v in views], device), op="Context setup",
-                        what="memory domains and transport choice")
-        reach = None
-        if self._transport_cls.name == "split":  # shared memory reaches this rank's domain only
-            reach = [d == self.domain_of[self.rank] for d in self.domain_of]
-            if self._cuda_dev is None:  # chunks that cross domains are gloo messages: large enough to pay
-                self.wlayout = setup.split_window_layout(self.wlayout, self.config, layout, slots_per_rank)
-        self.window = open_window(self._provider, self.comm, self.wlayout["total_bytes"], op="Context setup",
-                                  device=self._cuda_dev, reach=reach)
-        self._witness.attach_window(self.window, self.wlayout)
-        try:
-            self.comm.agree(self._attach, op="Context setup", what="transport and buffers")
-        except BaseException:
-            self._witness.detach()
-            self.window.close()
-            raise
-        self._masters: list[Masters | None] = [None] * num_layers
-        self._schedules = Schedules(rank=self.rank, num_experts=self.num_experts, experts_per_rank=experts_per_rank,
-                                    layout=layout, chunk_bytes=self.wlayout["chunk_bytes"], node_of=self.node_of,
-                                    domain_of=self.domain_of, transport=self.transport, config=self.config)
-        epr = self.experts_per_rank  # local_index_of of the fixed-home model (resident plans)
-        self._home_local_index = [e % epr if e // epr == self.rank else -1 for e in range(self.num_experts)]
-        if self.transport.build_on_device:
-            self._schedules.device_inputs(self.window.local.device)
-        self._queue.runner = self._runner = OrderedRunner(f"ultracomm-rank{self.rank}")
-        # a Context dropped without close() still stops its thread and unmaps its window; neither
-        # the runner (idle) nor the queue holds a reference to the Context, so dropping it frees it
-        queue = self._queue
-        self._witness.epoch_fn = lambda: queue.epoch
-        self._finalizer = weakref.finalize(self, release, self._runner, self.window, self._streams, self._witness)
-
-    def _configure(self, comm: Any, layout: ExpertLayout, experts_per_rank: int, slots_per_rank: int, num_layers: int,
-                   max_microbatches: int, transport: str | None, window: str | None, device: Any,
-                   node_of: Sequence[int] | None, config: Config | None, overrides: dict, profile: Any = None) -> None:
-        """Check the arguments and derive configuration and window layout (local, nothing moves)."""
-        setup.check_counts(layout, experts_per_rank, slots_per_rank, num_layers, max_microbatches, self.world)
-        self.config = setup.resolve_config(config, transport, window, overrides)
-        self.layout, self.experts_per_rank, self.slots_per_rank = layout, experts_per_rank, slots_per_rank
-        self.num_experts = experts_per_rank * self.world
-        self.num_layers, self.max_microbatches = num_layers, max_microbatches
-        self.node_of = setup.resolve_node_of(node_of, self.world)
-        #: what ``transport="auto"`` chose and why (:class:`ultracomm.dataplane.domains.TransportChoice`); ``None``
-        #: when the transport was named
-        self.transport_choice: domains.TransportChoice | None = None
-        self._transport_cls = None
-        #: memory domain index of every rank (:mod:`ultracomm.dataplane.domains`), agreed at setup
-        self.domain_of: tuple[int, ...] = ()
-        if self.config.transport not in ("auto", "split"):
-            self._transport_cls, self._provider, self._cuda_dev = select(self.config, comm, device)
-        else:  # chosen after the first agreement; contradictions in the arguments still fail here
-            device_type(self.config.transport, self.config.window, device)
-        self.wlayout = setup.window_layout(slots_per_rank, layout, self.config.chunk_bytes)
-        #: the recorder of plans, schedule stats and op times (:mod:`ultracomm.profile`), or None
-        self.profiler = profile_for_context(profile, self)
-
-    def _choose(self, views: Sequence[domains.RankDomain], device: Any) -> None:
-        """Check every rank's domain declaration, then for ``transport="auto"`` pick from every
-        rank's domain key (the same views on every rank: deterministic)."""
-        self.domain_of, choice, picked = setup.choose(self.config, self.comm, device, views, self._transport_cls)
-        if picked is not None:
-            self.transport_choice = choice
-            self._transport_cls, self._provider, self._cuda_dev = picked
-
-    def _attach(self) -> None:
-        """Build the transport and the replica views over the window (every rank agrees it worked)."""
-        kw = transport_kwargs(self._transport_cls, self.config, self._cuda_dev, rank=self.rank, world=self.world,
-                              window=self.window, wlayout=self.wlayout, layout=self.layout, comm=self.comm,
-                              domain_of=self.domain_of, experts_per_rank=self.experts_per_rank,
-                              plan_slots=self.num_layers * self.max_microbatches)
-        #: CTAs per rank the GPU transport was given (``{}`` for the host transport)
-        self.sm_counts = {k: kw[f"{k}_sms"] for k in ("multicast", "reduce") if f"{k}_sms" in kw}
-        self.transport = self._transport_cls(**kw)
-        if self.transport.names_by_evidence:  # host, p2p, split: their timeouts name ranks by evidence
-            self.transport.witness = self._witness
-        self._vids = vids = MicroBatches(self.num_layers, self.max_microbatches)
-        # transports with a plan arena take the vid's slot: restore / grad_reduce reuse its plan
-        slot_of = (lambda mb: vids.slot(mb.vid)) if self.transport.takes_slot else (lambda mb: None)
-        self._queue = OpQueue(self.transport, self.rank, None, self._witness, self.profiler, slot_of)
-        if is_stream_ordered(self.transport):  # the finaliser holds the streams: they must not hold the Context
-            self._queue.streams = stream_ordered.StreamOrdered(
-                self.transport, stream_ordered.streams_for(self._cuda_dev), self._queue.fail, self.rank)
-        self._streams: stream_ordered.StreamOrdered | None = self._queue.streams
-        #: ranks check that they run the same plan through the digests in their windows, not a
-        #: collective per weight_sync (:func:`ultracomm.control.plans.window_check`)
-        self.window_plan_check = plans.window_check(self.config.plan_check, self.transport)
-        self.replica_weights = slot_views(self.window, self.layout, self.slots_per_rank, self.wlayout["weights_off"],
-                                          self.wlayout["weight_stride"], self.layout.weight_offsets,
-                                          [m.dtype for m in self.layout.members])
-        #: per member ``[slots_per_rank, *shape]`` grad views; None for a member without a gradient
-        self.replica_grads = slot_views(self.window, self.layout, self.slots_per_rank, self.wlayout["grads_off"],
-                                        self.wlayout["grad_stride"], self.layout.grad_offsets,
-                                        [self.layout.grad_dtype if m.grad else None for m in self.layout.members])
+        context_setup.construct(
+            self,
+            group,
+            layout,
+            experts_per_rank,
+            slots_per_rank,
+            num_layers,
+            max_microbatches,
+            transport,
+            window,
+            device,
+            node_of,
+            config,
+            profile,
+            overrides,
+        )
 
     def register_masters(self, layer: int, weights: Sequence, grads: Sequence | None = None) -> None:
         """Register layer ``layer``'s master experts on this rank.
@@ -246,10 +133,12 @@ class Context:
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
             raise RegistrationError(f"ultracomm: layer {layer!r} is out of range 0..{self.num_layers - 1}")
         self.layout.check_tensors(weights, grads, self.experts_per_rank)
-        check_master_devices(self.window.device, self.transport.name, self.layout.names, weights, grads or (),
-                             self.experts_per_rank)
-        self._masters[layer] = Masters.of(tuple(weights), None if grads is None else tuple(grads),
-                                          self.experts_per_rank, self.layout.names)
+        check_master_devices(
+            self.window.device, self.transport.name, self.layout.names, weights, grads or (), self.experts_per_rank
+        )
+        self._masters[layer] = Masters.of(
+            tuple(weights), None if grads is None else tuple(grads), self.experts_per_rank, self.layout.names
+        )
 
     # ------------------------------------------------------------------ micro-batch slots
     def begin(self, layer: int) -> int:
@@ -262,7 +151,9 @@ class Context:
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
             raise ValueError(f"ultracomm: layer {layer!r} is out of range 0..{self.num_layers - 1}")
         if self._masters[layer] is None:
-            raise RegistrationError(f"ultracomm: layer {layer} has no masters; call register_masters({layer}, ...) first")
+            raise RegistrationError(
+                f"ultracomm: layer {layer} has no masters; call register_masters({layer}, ...) first"
+            )
         return self._vids.begin(layer)
 
     def end(self, vid: int) -> None:
@@ -278,8 +169,9 @@ class Context:
 
     def _check_open(self) -> None:
         if self._runner is None:
-            raise ClosedError("ultracomm: this Context is closed (close() was called or setup failed); create a "
-                              "new Context")
+            raise ClosedError(
+                "ultracomm: this Context is closed (close() was called or setup failed); create a new Context"
+            )
 
     def _check_masters(self, layer: int) -> Masters:
         """Layer ``layer``'s masters, unchanged since register_masters (else RegistrationError)."""
@@ -294,19 +186,26 @@ class Context:
         self._check_open()
         return self._schedules.get(plan, key, builder)
 
-    def _prepare_plan(self, plan: ReplicaPlan | BaseException, layer: int | None = None,
-                      builder: str | None = None) -> ScheduleBase:
+    def _prepare_plan(
+        self, plan: ReplicaPlan | BaseException, layer: int | None = None, builder: str | None = None
+    ) -> ScheduleBase:
         """Check ``plan`` (and ``layer``'s masters) here, build its schedule, agree with every rank
         (:func:`ultracomm.control.plans.prepare`; the window check publishes a rejection instead)."""
+
         def check(p: Any) -> ReplicaPlan:
             p = plans.check_plan(p, self.world, self.slots_per_rank, self.num_experts, self.experts_per_rank)
             if layer is not None:
                 self._check_masters(layer)
             return p
 
-        return plans.prepare(plan, check=check, schedule=lambda p, key: self._schedules.get(p, key, builder),
-                             window_check=self.window_plan_check, reject=self._queue.reject,
-                             collective=lambda obj: self._collective(obj, op="weight_sync", what="plan agreement"))
+        return plans.prepare(
+            plan,
+            check=check,
+            schedule=lambda p, key: self._schedules.get(p, key, builder),
+            window_check=self.window_plan_check,
+            reject=self._queue.reject,
+            collective=lambda obj: self._collective(obj, op="weight_sync", what="plan agreement"),
+        )
 
     def _collective(self, obj: Any, *, op: str, what: str) -> list[Any]:
         """A bounded exchange with every rank; a timeout breaks the Context (ranks are out of step)."""
@@ -369,8 +268,15 @@ class Context:
 
     def _resident(self, mb: MicroBatch, plan: ResidentPlan) -> ReplicaPlan | BaseException | None:
         """:func:`ultracomm.control.plans.resident_route`; ``mb`` set up for the device build."""
-        route = plans.resident_route(plan, self.world, self.slots_per_rank, self.experts_per_rank,
-                                     self.transport.build_on_device, self.window.local.device, self.window_plan_check)
+        route = plans.resident_route(
+            plan,
+            self.world,
+            self.slots_per_rank,
+            self.experts_per_rank,
+            self.transport.build_on_device,
+            self.window.local.device,
+            self.window_plan_check,
+        )
         if route is not None:
             return route
         self._check_masters(mb.layer)
@@ -394,8 +300,15 @@ class Context:
         mb = self._get(vid, need_plan=True)
         mb.restored, mb.overwritten_by = True, None
 
-    def grad_reduce(self, vid: int, async_op: bool = False, grads: Sequence[torch.Tensor] | None = None, *,
-                    release: bool = True, zero_replica_grads: bool = False) -> Work | None:
+    def grad_reduce(
+        self,
+        vid: int,
+        async_op: bool = False,
+        grads: Sequence[torch.Tensor] | None = None,
+        *,
+        release: bool = True,
+        zero_replica_grads: bool = False,
+    ) -> Work | None:
         """Add every replica's gradient (``replica_grads``) into its home expert's master grad.
 
         Deterministic: for each element, fp32 ``acc = master``, then the sources in the order
@@ -433,18 +346,25 @@ class Context:
             before = functools.partial(copy_into, self.replica_grads, grads)
         if zero_replica_grads:
             if self._streams is not None and getattr(self.window, "loopback", False):
-                raise ValueError("ultracomm: grad_reduce(zero_replica_grads=True) is not supported on a one-GPU "
-                                 "loopback domain (cuda_local windows): a rank's share runs in a later launch, so "
-                                 "the zeroing could not follow it; zero the slots after work.wait() instead")
+                raise ValueError(
+                    "ultracomm: grad_reduce(zero_replica_grads=True) is not supported on a one-GPU "
+                    "loopback domain (cuda_local windows): a rank's share runs in a later launch, so "
+                    "the zeroing could not follow it; zero the slots after work.wait() instead"
+                )
             # a resident plan's row is on the device: every slot (an empty one's grads are unused)
-            filled = list(range(self.slots_per_rank)) if mb.my_slots is None else \
-                [s for s, e in enumerate(mb.my_slots) if e >= 0]
+            filled = (
+                list(range(self.slots_per_rank))
+                if mb.my_slots is None
+                else [s for s, e in enumerate(mb.my_slots) if e >= 0]
+            )
             after = functools.partial(zero_slots, self.replica_grads, filled)
         masters = self._check_masters(mb.layer)
         if masters.grads is None:
-            raise RegistrationError(f"ultracomm: layer {mb.layer} was registered without grads "
-                                    f"(register_masters({mb.layer}, weights, None)); grad_reduce needs them: register "
-                                    "the master grads too")
+            raise RegistrationError(
+                f"ultracomm: layer {mb.layer} was registered without grads "
+                f"(register_masters({mb.layer}, weights, None)); grad_reduce needs them: register "
+                "the master grads too"
+            )
         work = self._queue.submit("grad_reduce", Op.REDUCE, mb, masters, async_op, before, after)
         if release:
             self._vids.release(vid)

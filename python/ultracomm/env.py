@@ -105,21 +105,43 @@ what is accepted.  Every number is bounded so that what the executors compute fr
 becoming zero chunks later.  ``ULTRACOMM_*`` names that are close to a known one but not known
 (typos) trigger a warning.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import difflib
 import math
 import os
-import re
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
 from .errors import ConfigError
+from .env_values import (  # the parsers of the values (public ones re-exported)
+    _Bad,
+    _choice,
+    _parse_float,
+    _parse_int,
+    _parse_sms,
+    domain_keys,
+    parse_bandwidth,
+    parse_bool,
+    parse_domain,
+    parse_size,
+)
 
-__all__ = ["Config", "VARIABLES", "parse_size", "parse_bandwidth", "parse_bool", "parse_domain", "domain_keys",
-           "check_window_layout", "MAX_CHUNK_BYTES", "process_field"]
+__all__ = [
+    "Config",
+    "VARIABLES",
+    "parse_size",
+    "parse_bandwidth",
+    "parse_bool",
+    "parse_domain",
+    "domain_keys",
+    "check_window_layout",
+    "MAX_CHUNK_BYTES",
+    "process_field",
+]
 
 TRANSPORTS = ("auto", "host", "tma", "copy_engine", "p2p", "split")
 WINDOWS = ("auto", "host_shm", "local", "cuda_ipc", "torch_symm", "nvshmem", "cuda_local", "private")
@@ -131,87 +153,6 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 
 # ULTRACOMM_* names used outside the runtime (build configuration); never warned about.
 _OTHER_KNOWN = frozenset({"ULTRACOMM_BUILD_CUDA"})
-
-_SIZE_RE = re.compile(r"^(\d+)\s*(?:([kmg])(?:i?b)?)?$", re.IGNORECASE)
-_BW_RE = re.compile(r"^([0-9]*\.?[0-9]+(?:e[+-]?\d+)?)\s*([kmgt])?(?:b(?:/s)?)?$", re.IGNORECASE)
-_DOMAIN_KEY_RE = re.compile(r"^[A-Za-z0-9._:/@+-]{1,128}$")
-MAX_DOMAIN_KEYS = 1 << 16
-_BOOL = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
-
-
-class _Bad(ValueError):
-    """Internal: a value failed to parse/validate; the message says what is accepted."""
-
-
-def parse_size(text: str) -> int:
-    """``"32768"``, ``"32K"``, ``"1M"``, ``"1GiB"`` -> bytes (binary suffixes)."""
-    m = _SIZE_RE.match(text.strip())
-    if not m:
-        raise _Bad("expected an integer byte count, optionally with suffix K, M or G (KiB/MiB/GiB), e.g. 256K")
-    mult = {None: 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[m.group(2) and m.group(2).lower()]
-    return int(m.group(1)) * mult
-
-
-def parse_bandwidth(text: str) -> float:
-    """``"370e9"``, ``"370G"``, ``"50GB/s"`` -> bytes/s (decimal suffixes)."""
-    m = _BW_RE.match(text.strip())
-    if not m:
-        raise _Bad("expected bytes/s as a number (e.g. 370e9) or with suffix K, M, G or T (10^3..10^12, e.g. 370G)")
-    mult = {None: 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[m.group(2) and m.group(2).lower()]
-    return float(m.group(1)) * mult
-
-
-def parse_bool(text: str) -> bool:
-    """``1/0, true/false, yes/no, on/off`` (case-insensitive) -> bool."""
-    v = _BOOL.get(text.strip().lower())
-    if v is None:
-        raise _Bad("expected one of 1, 0, true, false, yes, no, on, off")
-    return v
-
-
-def _parse_int(text: str) -> int:
-    try:
-        return int(text.strip(), 10)
-    except ValueError:
-        raise _Bad("expected an integer") from None
-
-
-def _parse_sms(text: str) -> int:
-    return 0 if text.strip().lower() == "auto" else _parse_int(text)
-
-
-def _parse_float(text: str) -> float:
-    try:
-        return float(text.strip())
-    except ValueError:
-        raise _Bad("expected a number, e.g. 30 or 2.5") from None
-
-
-def parse_domain(text: str) -> str:
-    """``"node0"`` or ``"a,a,b,b"`` -> the declaration with blanks around keys removed."""
-    keys = [k.strip() for k in text.split(",")]
-    if len(keys) > MAX_DOMAIN_KEYS:
-        raise _Bad(f"expected at most {MAX_DOMAIN_KEYS} comma-separated keys")
-    bad = [k for k in keys if not _DOMAIN_KEY_RE.match(k)]
-    if bad:
-        raise _Bad(f"key {bad[0]!r} is not 1 to 128 characters from A-Z a-z 0-9 . _ : / @ + -; expected a key "
-                   "(e.g. node0) or one key per rank separated by commas (e.g. a,a,b,b)")
-    return ",".join(keys)
-
-
-def domain_keys(declared: str) -> list[str]:
-    """The keys of a (parsed) ``domain`` declaration: one key, or one per rank; ``[]`` if empty."""
-    return declared.split(",") if declared else []
-
-
-def _choice(options: tuple[str, ...]) -> Callable[[str], str]:
-    def parse(text: str) -> str:
-        v = text.strip().lower()
-        if v not in options:
-            raise _Bad(f"expected one of {', '.join(options)}")
-        return v
-
-    return parse
 
 
 @dataclass(frozen=True)
@@ -275,50 +216,163 @@ def _in(options: tuple[str, ...]) -> Callable[[Any], Optional[str]]:
 
 #: Every variable, in documentation order.
 VARIABLES: tuple[_Var, ...] = (
-    _Var("num_workers", "ULTRACOMM_NUM_WORKERS", "int", _parse_int, _between(1, 1024),
-         "host executor worker threads per rank (CPU analogue of SMs)"),
-    _Var("multicast_sms", "ULTRACOMM_MULTICAST_SMS", "int", _parse_sms, _between(0, 4096),
-         "SMs the GPU executor uses for multicast (0 = auto)"),
-    _Var("reduce_sms", "ULTRACOMM_REDUCE_SMS", "int", _parse_sms, _between(0, 4096),
-         "SMs the GPU executor uses for gradient reduction (0 = auto)"),
-    _Var("transport", "ULTRACOMM_TRANSPORT", "str", _choice(TRANSPORTS), _in(TRANSPORTS),
-         "executor: " + " | ".join(TRANSPORTS)),
-    _Var("window", "ULTRACOMM_WINDOW", "str", _choice(WINDOWS), _in(WINDOWS),
-         "symmetric-memory provider: " + " | ".join(WINDOWS)),
-    _Var("tile_bytes", "ULTRACOMM_TILE_BYTES", "int", parse_size, _tile_check,
-         "bytes per tile (multiple of 16)"),
-    _Var("chunk_bytes", "ULTRACOMM_CHUNK_BYTES", "int", parse_size, _chunk_check,
-         "bytes per flagged chunk (multiple of tile_bytes)"),
-    _Var("relay_mode", "ULTRACOMM_RELAY", "str", _choice(RELAY_MODES), _in(RELAY_MODES),
-         "relay trees: " + " | ".join(RELAY_MODES)),
-    _Var("max_depth", "ULTRACOMM_RELAY_MAX_DEPTH", "int", _parse_int, _between(1, 65535),
-         "deepest relay tree allowed (a cap; relay=force uses at least 2)"),
-    _Var("split_route", "ULTRACOMM_SPLIT_ROUTE", "str", _choice(SPLIT_ROUTES), _in(SPLIT_ROUTES),
-         "CPU split transport route: " + " | ".join(SPLIT_ROUTES)),
-    _Var("schedule_builder", "ULTRACOMM_SCHEDULE_BUILDER", "str", _choice(SCHEDULE_BUILDERS), _in(SCHEDULE_BUILDERS),
-         "schedule builder: " + " | ".join(SCHEDULE_BUILDERS)),
-    _Var("plan_check", "ULTRACOMM_PLAN_CHECK", "str", _choice(PLAN_CHECKS), _in(PLAN_CHECKS),
-         "same-plan check: " + " | ".join(PLAN_CHECKS)),
-    _Var("deterministic", "ULTRACOMM_DETERMINISTIC", "bool", parse_bool, lambda v: None,
-         "fixed-order fp32 gradient reduction"),
-    _Var("timeout_s", "ULTRACOMM_TIMEOUT_S", "float", _parse_float, _timeout_check,
-         "seconds any wait for a peer may take before raising UltracommTimeout"),
-    _Var("log_level", "ULTRACOMM_LOG_LEVEL", "str", _choice(LOG_LEVELS), _in(LOG_LEVELS),
-         " | ".join(LOG_LEVELS)),
-    _Var("intra_bw", "ULTRACOMM_INTRA_BW", "float", parse_bandwidth, _positive_finite,
-         "intra-node bytes/s for the cost model"),
-    _Var("inter_bw", "ULTRACOMM_INTER_BW", "float", parse_bandwidth, _positive_finite,
-         "inter-node bytes/s for the cost model"),
-    _Var("jitter_us", "ULTRACOMM_DEBUG_JITTER_US", "int", _parse_int, _between(0, 1_000_000),
-         "testing aid: random delay (us) before each host task"),
-    _Var("hw_profile", "ULTRACOMM_HW_PROFILE", "str", lambda t: t.strip(), _file_or_empty,
-         "hardware profile JSON for the SM defaults (empty: search perf/gpu)"),
-    _Var("profile", "ULTRACOMM_PROFILE", "str", str.strip, _profile_check,
-         "directory for the load profile (empty: off)"),
-    _Var("domain", "ULTRACOMM_DOMAIN", "str", lambda t: parse_domain(t) if t.strip() else "", lambda v: None,
-         "this rank's memory domain key, or one key per rank (empty: detect)"),
-    _Var("pdl", "ULTRACOMM_PDL", "bool", parse_bool, lambda v: None,
-         "programmatic dependent launch of the control-plane kernels on sm_90+ (process-wide)"),
+    _Var(
+        "num_workers",
+        "ULTRACOMM_NUM_WORKERS",
+        "int",
+        _parse_int,
+        _between(1, 1024),
+        "host executor worker threads per rank (CPU analogue of SMs)",
+    ),
+    _Var(
+        "multicast_sms",
+        "ULTRACOMM_MULTICAST_SMS",
+        "int",
+        _parse_sms,
+        _between(0, 4096),
+        "SMs the GPU executor uses for multicast (0 = auto)",
+    ),
+    _Var(
+        "reduce_sms",
+        "ULTRACOMM_REDUCE_SMS",
+        "int",
+        _parse_sms,
+        _between(0, 4096),
+        "SMs the GPU executor uses for gradient reduction (0 = auto)",
+    ),
+    _Var(
+        "transport",
+        "ULTRACOMM_TRANSPORT",
+        "str",
+        _choice(TRANSPORTS),
+        _in(TRANSPORTS),
+        "executor: " + " | ".join(TRANSPORTS),
+    ),
+    _Var(
+        "window",
+        "ULTRACOMM_WINDOW",
+        "str",
+        _choice(WINDOWS),
+        _in(WINDOWS),
+        "symmetric-memory provider: " + " | ".join(WINDOWS),
+    ),
+    _Var("tile_bytes", "ULTRACOMM_TILE_BYTES", "int", parse_size, _tile_check, "bytes per tile (multiple of 16)"),
+    _Var(
+        "chunk_bytes",
+        "ULTRACOMM_CHUNK_BYTES",
+        "int",
+        parse_size,
+        _chunk_check,
+        "bytes per flagged chunk (multiple of tile_bytes)",
+    ),
+    _Var(
+        "relay_mode",
+        "ULTRACOMM_RELAY",
+        "str",
+        _choice(RELAY_MODES),
+        _in(RELAY_MODES),
+        "relay trees: " + " | ".join(RELAY_MODES),
+    ),
+    _Var(
+        "max_depth",
+        "ULTRACOMM_RELAY_MAX_DEPTH",
+        "int",
+        _parse_int,
+        _between(1, 65535),
+        "deepest relay tree allowed (a cap; relay=force uses at least 2)",
+    ),
+    _Var(
+        "split_route",
+        "ULTRACOMM_SPLIT_ROUTE",
+        "str",
+        _choice(SPLIT_ROUTES),
+        _in(SPLIT_ROUTES),
+        "CPU split transport route: " + " | ".join(SPLIT_ROUTES),
+    ),
+    _Var(
+        "schedule_builder",
+        "ULTRACOMM_SCHEDULE_BUILDER",
+        "str",
+        _choice(SCHEDULE_BUILDERS),
+        _in(SCHEDULE_BUILDERS),
+        "schedule builder: " + " | ".join(SCHEDULE_BUILDERS),
+    ),
+    _Var(
+        "plan_check",
+        "ULTRACOMM_PLAN_CHECK",
+        "str",
+        _choice(PLAN_CHECKS),
+        _in(PLAN_CHECKS),
+        "same-plan check: " + " | ".join(PLAN_CHECKS),
+    ),
+    _Var(
+        "deterministic",
+        "ULTRACOMM_DETERMINISTIC",
+        "bool",
+        parse_bool,
+        lambda v: None,
+        "fixed-order fp32 gradient reduction",
+    ),
+    _Var(
+        "timeout_s",
+        "ULTRACOMM_TIMEOUT_S",
+        "float",
+        _parse_float,
+        _timeout_check,
+        "seconds any wait for a peer may take before raising UltracommTimeout",
+    ),
+    _Var("log_level", "ULTRACOMM_LOG_LEVEL", "str", _choice(LOG_LEVELS), _in(LOG_LEVELS), " | ".join(LOG_LEVELS)),
+    _Var(
+        "intra_bw",
+        "ULTRACOMM_INTRA_BW",
+        "float",
+        parse_bandwidth,
+        _positive_finite,
+        "intra-node bytes/s for the cost model",
+    ),
+    _Var(
+        "inter_bw",
+        "ULTRACOMM_INTER_BW",
+        "float",
+        parse_bandwidth,
+        _positive_finite,
+        "inter-node bytes/s for the cost model",
+    ),
+    _Var(
+        "jitter_us",
+        "ULTRACOMM_DEBUG_JITTER_US",
+        "int",
+        _parse_int,
+        _between(0, 1_000_000),
+        "testing aid: random delay (us) before each host task",
+    ),
+    _Var(
+        "hw_profile",
+        "ULTRACOMM_HW_PROFILE",
+        "str",
+        lambda t: t.strip(),
+        _file_or_empty,
+        "hardware profile JSON for the SM defaults (empty: search perf/gpu)",
+    ),
+    _Var(
+        "profile", "ULTRACOMM_PROFILE", "str", str.strip, _profile_check, "directory for the load profile (empty: off)"
+    ),
+    _Var(
+        "domain",
+        "ULTRACOMM_DOMAIN",
+        "str",
+        lambda t: parse_domain(t) if t.strip() else "",
+        lambda v: None,
+        "this rank's memory domain key, or one key per rank (empty: detect)",
+    ),
+    _Var(
+        "pdl",
+        "ULTRACOMM_PDL",
+        "bool",
+        parse_bool,
+        lambda v: None,
+        "programmatic dependent launch of the control-plane kernels on sm_90+ (process-wide)",
+    ),
 )
 _BY_FIELD = {v.field: v for v in VARIABLES}
 _BY_ENV = {v.env: v for v in VARIABLES}
@@ -429,8 +483,7 @@ class Config:
                 close = difflib.get_close_matches(name, list(_BY_ENV), n=1, cutoff=0.8)
                 if close:
                     warnings.warn(
-                        f"{name} is not an ultracomm variable and is ignored; did you mean {close[0]}?",
-                        stacklevel=2,
+                        f"{name} is not an ultracomm variable and is ignored; did you mean {close[0]}?", stacklevel=2
                     )
         return cls(**values)
 
@@ -439,9 +492,7 @@ class Config:
         the variable syntax, e.g. ``tile_bytes="64K"``), validated like :meth:`from_env`."""
         unknown = sorted(set(overrides) - set(_BY_FIELD))
         if unknown:
-            raise ConfigError(
-                f"unknown config field(s) {unknown}; known fields are {sorted(_BY_FIELD)}"
-            )
+            raise ConfigError(f"unknown config field(s) {unknown}; known fields are {sorted(_BY_FIELD)}")
         return dataclasses.replace(self, **overrides)
 
     @property
@@ -514,15 +565,20 @@ def check_window_layout(wlayout: Mapping[str, int]) -> None:
             raise ConfigError(
                 f"chunk_bytes={chunk} (ULTRACOMM_CHUNK_BYTES) splits a {nbytes}-byte {kind} slot into {chunks} "
                 "chunks, which do not cover it within the int32 chunk index; use a chunk size between 16 bytes "
-                f"and {MAX_CHUNK_BYTES}, large enough that bytes / chunk_bytes < 2^31")
+                f"and {MAX_CHUNK_BYTES}, large enough that bytes / chunk_bytes < 2^31"
+            )
     slots = wlayout["slots"]
-    ends = [("weights", wlayout["weights_off"] + wlayout["weight_stride"] * slots, wlayout["grads_off"]),
-            ("grads", wlayout["grads_off"] + wlayout["grad_stride"] * slots, wlayout["ready_off"]),
-            ("flags", wlayout["consumed_off"] + 8 * wlayout["grad_chunks"] * slots, wlayout["total_bytes"])]
+    ends = [
+        ("weights", wlayout["weights_off"] + wlayout["weight_stride"] * slots, wlayout["grads_off"]),
+        ("grads", wlayout["grads_off"] + wlayout["grad_stride"] * slots, wlayout["ready_off"]),
+        ("flags", wlayout["consumed_off"] + 8 * wlayout["grad_chunks"] * slots, wlayout["total_bytes"]),
+    ]
     for name, end, nxt in ends:
         if end > nxt or wlayout["total_bytes"] >= 2**63:
-            raise ConfigError(f"ultracomm: the window layout's {name} region overruns the next one ({end} > {nxt}): "
-                              "the slot sizes are too large for a window; use fewer or smaller slots")
+            raise ConfigError(
+                f"ultracomm: the window layout's {name} region overruns the next one ({end} > {nxt}): "
+                "the slot sizes are too large for a window; use fewer or smaller slots"
+            )
 
 
 def cuda_device_max_connections(environ: Optional[Mapping[str, str]] = None) -> Optional[int]:

@@ -8,6 +8,7 @@ A stalled or dead peer raises :class:`UltracommTimeout` (also a ``TimeoutError``
 whether the wait was in the C++ executor (``ultracomm._core.TimeoutError`` is a
 subclass) or in a control-plane collective (setup, plan agreement, window exchange).
 """
+
 from __future__ import annotations
 
 __all__ = [
@@ -79,8 +80,16 @@ def same_kind(cause: BaseException | None, text: str) -> UltracommError:
     later than it happened (the next operation of a broken Context, a wrapped worker error):
     a timeout -- also a builtin ``TimeoutError`` -- stays an :class:`UltracommTimeout`, a plan
     mismatch a :class:`PlanMismatchError`, and so on; anything else is an :class:`UltracommError`."""
-    kinds = (UltracommTimeout, PlanMismatchError, PlanError, PeerError, ClosedError, ConfigError, RegistrationError,
-             LayoutError)
+    kinds = (
+        UltracommTimeout,
+        PlanMismatchError,
+        PlanError,
+        PeerError,
+        ClosedError,
+        ConfigError,
+        RegistrationError,
+        LayoutError,
+    )
     for kind in kinds:
         if isinstance(cause, kind):
             return kind(text)

@@ -12,6 +12,7 @@ lays out:
 
 ``dequantize(q, scale)`` is ``q * scale`` broadcast over each scale's block, in fp32.
 """
+
 from __future__ import annotations
 
 import torch
@@ -38,16 +39,22 @@ def scale_shape(shape: tuple[int, ...], scaling: str) -> tuple[tuple[int, ...], 
     shape = tuple(shape)
     if scaling == "mxfp8":
         if not shape or shape[-1] % MX_BLOCK:
-            raise LayoutError(f"MXFP8 scales one block of {MX_BLOCK} elements along the last dimension: shape "
-                              f"{list(shape)} needs a last dimension that is a multiple of {MX_BLOCK}")
+            raise LayoutError(
+                f"MXFP8 scales one block of {MX_BLOCK} elements along the last dimension: shape "
+                f"{list(shape)} needs a last dimension that is a multiple of {MX_BLOCK}"
+            )
         return (*shape[:-1], shape[-1] // MX_BLOCK), _e8m0()
     if scaling == "row":
         return (*shape[:-1], 1), torch.float32
     raise LayoutError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
 
 
-def quantize(w: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn, scaling: str = "mxfp8",
-             out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(
+    w: torch.Tensor,
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+    scaling: str = "mxfp8",
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``w`` (any float dtype, ``[..., cols]``) to ``(q, scale)``: ``q`` in ``fp8_dtype``
     shaped like ``w``, ``scale`` as :func:`scale_shape` says.  Values beyond the FP8 range after
     scaling saturate to its largest finite value (none do: each scale is chosen so that
@@ -80,8 +87,10 @@ def quantize(w: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn, scal
 def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """fp32 ``q * scale``, each scale applied to its block of the last dimension."""
     if q.shape[:-1] != scale.shape[:-1] or scale.shape[-1] == 0 or q.shape[-1] % scale.shape[-1]:
-        raise ValueError(f"ultracomm: scale {list(scale.shape)} does not tile q {list(q.shape)} along its last "
-                         "dimension (blocks of q.shape[-1] / scale.shape[-1] elements)")
+        raise ValueError(
+            f"ultracomm: scale {list(scale.shape)} does not tile q {list(q.shape)} along its last "
+            "dimension (blocks of q.shape[-1] / scale.shape[-1] elements)"
+        )
     block = q.shape[-1] // scale.shape[-1]
     return q.float() * scale.float().repeat_interleave(block, dim=-1)
 

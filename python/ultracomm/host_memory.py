@@ -9,6 +9,7 @@ not traced).  So the buffers ultracomm owns and moves over sockets (the ``privat
 the ``p2p`` transport's receive buffers) start on a page.  CUDA allocations are already 256-byte
 aligned and are left as torch makes them.
 """
+
 from __future__ import annotations
 
 import mmap
@@ -29,7 +30,7 @@ def page_aligned_empty(nbytes: int, device: Any = None) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=dev)
     raw = torch.empty(nbytes + PAGE_BYTES - 1, dtype=torch.uint8)
     skip = -raw.data_ptr() % PAGE_BYTES
-    return raw[skip:skip + nbytes]  # a view: keeps ``raw``'s storage alive
+    return raw[skip : skip + nbytes]  # a view: keeps ``raw``'s storage alive
 
 
 def page_aligned_zeros(nbytes: int, device: Any = None) -> torch.Tensor:

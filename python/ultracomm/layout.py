@@ -20,6 +20,7 @@ members (e4m3/e5m2, per-row or MXFP8 block scales) and scale members; ultracomm 
 bytes unconverted (half the bytes of bf16) and reduces each FP8 member's gradient, in
 ``grad_dtype``, into the master of ``master_dtype`` it was quantized from.
 """
+
 from __future__ import annotations
 
 import math
@@ -48,8 +49,10 @@ GRAD_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.flo
 #: 8-bit float weight dtypes: a member of one of them that carries a gradient names the
 #: dtype of the high-precision master it is quantized from (``master_dtype``).
 FP8_DTYPES: tuple[torch.dtype, ...] = tuple(
-    getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
-    if hasattr(torch, n))
+    getattr(torch, n)
+    for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+    if hasattr(torch, n)
+)
 
 #: dtypes of the high-precision masters an FP8 member's gradient reduces into.
 MASTER_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
@@ -94,18 +97,13 @@ class Member:
                 raise TypeError
             shape = tuple(operator.index(d) for d in self.shape)
         except TypeError:
-            raise LayoutError(
-                f"member {self.name!r}: shape must be a tuple of ints, got {self.shape!r}"
-            ) from None
+            raise LayoutError(f"member {self.name!r}: shape must be a tuple of ints, got {self.shape!r}") from None
         if len(shape) == 0 or any(d <= 0 for d in shape):
             raise LayoutError(
-                f"member {self.name!r}: shape {shape} must have at least one dimension and "
-                "all dimensions positive"
+                f"member {self.name!r}: shape {shape} must have at least one dimension and all dimensions positive"
             )
         if not isinstance(self.dtype, torch.dtype):
-            raise LayoutError(
-                f"member {self.name!r}: dtype must be a torch.dtype, got {self.dtype!r}"
-            )
+            raise LayoutError(f"member {self.name!r}: dtype must be a torch.dtype, got {self.dtype!r}")
         if not isinstance(self.grad, bool):
             raise LayoutError(f"member {self.name!r}: grad must be True or False, got {self.grad!r}")
         self._check_master_dtype()
@@ -123,18 +121,23 @@ class Member:
             raise LayoutError(f"member {self.name!r}: master_dtype must be a torch.dtype or None, got {md!r}")
         if not self.grad:
             if md is not None:
-                raise LayoutError(f"member {self.name!r}: master_dtype is for members that carry a gradient; a "
-                                  "member with grad=False (e.g. scales) has no master to reduce into")
+                raise LayoutError(
+                    f"member {self.name!r}: master_dtype is for members that carry a gradient; a "
+                    "member with grad=False (e.g. scales) has no master to reduce into"
+                )
             return
         if self.dtype in FP8_DTYPES:
             if md is not None and md not in MASTER_DTYPES:
                 raise LayoutError(
                     f"member {self.name!r} is {self.dtype}: its master_dtype (the high-precision master it is quantized "
-                    f"from and its gradient reduces into) must be one of {[str(d) for d in MASTER_DTYPES]}, got {md}")
+                    f"from and its gradient reduces into) must be one of {[str(d) for d in MASTER_DTYPES]}, got {md}"
+                )
             return
         if md is not None and md != self.dtype:
-            raise LayoutError(f"member {self.name!r}: master_dtype {md} differs from its dtype {self.dtype}; only an "
-                              "FP8 member's master has another dtype (the weights registered are the masters)")
+            raise LayoutError(
+                f"member {self.name!r}: master_dtype {md} differs from its dtype {self.dtype}; only an "
+                "FP8 member's master has another dtype (the weights registered are the masters)"
+            )
 
     @property
     def numel(self) -> int:
@@ -176,8 +179,10 @@ class ExpertLayout:
         if not members:
             raise LayoutError("an ExpertLayout needs at least one member (e.g. fc1, fc2)")
         if len(members) > MAX_MEMBERS:
-            raise LayoutError(f"an ExpertLayout has at most {MAX_MEMBERS} members, got {len(members)}; "
-                              "concatenate small parameters (e.g. biases) into one member")
+            raise LayoutError(
+                f"an ExpertLayout has at most {MAX_MEMBERS} members, got {len(members)}; "
+                "concatenate small parameters (e.g. biases) into one member"
+            )
         for m in members:
             if not isinstance(m, Member):
                 raise LayoutError(f"members must be Member instances, got {type(m).__name__}")
@@ -213,10 +218,7 @@ class ExpertLayout:
         """A SwiGLU expert: ``fc1 [2*moe_inter, hidden]`` (gate and up fused) and
         ``fc2 [hidden, moe_inter]``, both ``dtype``."""
         return cls(
-            (
-                Member("fc1", (2 * moe_inter, hidden), dtype),
-                Member("fc2", (hidden, moe_inter), dtype),
-            ),
+            (Member("fc1", (2 * moe_inter, hidden), dtype), Member("fc2", (hidden, moe_inter), dtype)),
             grad_dtype,
             align,
         )
@@ -242,8 +244,10 @@ class ExpertLayout:
         members = []
         for name, shape in (("fc1", (2 * moe_inter, hidden)), ("fc2", (hidden, moe_inter))):
             sshape, sdtype = scale_shape(shape, scaling)
-            members += [Member(name, shape, fp8_dtype, master_dtype=master_dtype),
-                        Member(f"{name}_scale", sshape, sdtype, grad=False)]
+            members += [
+                Member(name, shape, fp8_dtype, master_dtype=master_dtype),
+                Member(f"{name}_scale", sshape, sdtype, grad=False),
+            ]
         return cls(tuple(members), torch.float32, align)
 
     @classmethod
@@ -264,8 +268,7 @@ class ExpertLayout:
         for n, w in zip(names, weights):
             if w.ndim < 2:
                 raise LayoutError(
-                    f"weight {n!r} has shape {tuple(w.shape)}; expected "
-                    "[experts_per_rank, *member_shape]"
+                    f"weight {n!r} has shape {tuple(w.shape)}; expected [experts_per_rank, *member_shape]"
                 )
             members.append(Member(n, tuple(w.shape[1:]), w.dtype))
         return cls(tuple(members), grad_dtype, align)
@@ -360,12 +363,7 @@ class ExpertLayout:
 
     # -- registration -------------------------------------------------------------
 
-    def check_tensors(
-        self,
-        weights: Sequence,
-        grads: Optional[Sequence],
-        experts_per_rank: int,
-    ) -> None:
+    def check_tensors(self, weights: Sequence, grads: Optional[Sequence], experts_per_rank: int) -> None:
         """Validate the home tensors a rank registers.
 
         Args:
@@ -387,13 +385,13 @@ class ExpertLayout:
             and what to do.
         """
         if not isinstance(experts_per_rank, int) or experts_per_rank < 0:
-            raise RegistrationError(
-                f"experts_per_rank must be a non-negative int, got {experts_per_rank!r}"
-            )
+            raise RegistrationError(f"experts_per_rank must be a non-negative int, got {experts_per_rank!r}")
         for kind, entries in (("weights", weights), ("grads", grads)):
             if (entries is not None or kind == "weights") and not isinstance(entries, (torch.Tensor, Sequence)):
-                raise RegistrationError(f"ultracomm: {kind} must be {'None or ' if kind == 'grads' else ''}a list "
-                                        f"(one entry per member {list(self.names)}), got {type(entries).__name__}")
+                raise RegistrationError(
+                    f"ultracomm: {kind} must be {'None or ' if kind == 'grads' else ''}a list "
+                    f"(one entry per member {list(self.names)}), got {type(entries).__name__}"
+                )
         groups = [("weights", weights, None)]
         if grads is not None:
             groups.append(("grads", grads, self.grad_dtype))
@@ -409,16 +407,20 @@ class ExpertLayout:
                 where = f"{kind}[{m.name!r}]"
                 if kind == "grads" and not m.grad:
                     if entry is not None:
-                        raise RegistrationError(f"{where}: member {m.name!r} carries no gradient (grad=False); pass "
-                                                "None in its place")
+                        raise RegistrationError(
+                            f"{where}: member {m.name!r} carries no gradient (grad=False); pass None in its place"
+                        )
                     continue
                 if kind == "grads" and entry is None:
-                    raise RegistrationError(f"{where}: member {m.name!r} carries a gradient; pass its "
-                                            f"{self.grad_dtype} grads (None only for members with grad=False)")
+                    raise RegistrationError(
+                        f"{where}: member {m.name!r} carries a gradient; pass its "
+                        f"{self.grad_dtype} grads (None only for members with grad=False)"
+                    )
                 dtype = forced_dtype or m.dtype
                 if isinstance(entry, torch.Tensor):
-                    self._check_one(where, entry, (experts_per_rank, *m.shape), dtype, forced_dtype, device,
-                                    aligned=True)
+                    self._check_one(
+                        where, entry, (experts_per_rank, *m.shape), dtype, forced_dtype, device, aligned=True
+                    )
                     continue
                 if isinstance(entry, (str, bytes)) or not isinstance(entry, Sequence):
                     raise RegistrationError(
@@ -433,15 +435,27 @@ class ExpertLayout:
                 for i, t in enumerate(entry):
                     self._check_one(f"{where}[{i}]", t, m.shape, dtype, forced_dtype, device, aligned=False)
 
-    def _check_one(self, where: str, t: object, want_shape: tuple, want_dtype: torch.dtype,
-                   forced_dtype: Optional[torch.dtype], device: list, aligned: bool) -> None:
+    def _check_one(
+        self,
+        where: str,
+        t: object,
+        want_shape: tuple,
+        want_dtype: torch.dtype,
+        forced_dtype: Optional[torch.dtype],
+        device: list,
+        aligned: bool,
+    ) -> None:
         if not isinstance(t, torch.Tensor):
             raise RegistrationError(f"{where}: expected a torch.Tensor, got {type(t).__name__}")
         if tuple(t.shape) != tuple(want_shape):
             raise RegistrationError(
                 f"{where}: expected shape {list(want_shape)}, got {list(t.shape)}; "
-                + ("stack this rank's experts along dim 0 ([experts_per_rank, *member.shape]) or pass a list of "
-                   "per-expert tensors" if aligned else "each per-expert tensor has the member's shape")
+                + (
+                    "stack this rank's experts along dim 0 ([experts_per_rank, *member.shape]) or pass a list of "
+                    "per-expert tensors"
+                    if aligned
+                    else "each per-expert tensor has the member's shape"
+                )
                 + " (transpose if your framework stores the member the other way round)"
             )
         if t.dtype != want_dtype:

@@ -9,13 +9,21 @@ files after they are written.  ``make_private_dir`` creates what is missing with
 returns an open descriptor of the checked directory: files are then created relative to it
 (``dir_fd``), so a directory renamed or replaced after the check is never written into.
 """
+
 from __future__ import annotations
 
 import os
 import stat
 from typing import Optional
 
-__all__ = ["PrivateDirError", "why_not_private", "why_not_a_dir", "make_private_dir", "open_private", "create_exclusive"]
+__all__ = [
+    "PrivateDirError",
+    "why_not_private",
+    "why_not_a_dir",
+    "make_private_dir",
+    "open_private",
+    "create_exclusive",
+]
 
 
 class PrivateDirError(ValueError):
@@ -29,16 +37,19 @@ def why_not_private(path: str) -> Optional[str]:
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode):
         if st.st_uid != uid:
-            return (f"is a symbolic link owned by uid {st.st_uid}, not by this user (uid {uid}); "
-                    "give a directory you own")
+            return (
+                f"is a symbolic link owned by uid {st.st_uid}, not by this user (uid {uid}); give a directory you own"
+            )
         st = os.stat(path)
     if not stat.S_ISDIR(st.st_mode):
         return "is not a directory; give a directory (created when missing)"
     if st.st_uid != uid:
         return f"is owned by uid {st.st_uid}, not by this user (uid {uid}); give a directory you own"
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return (f"is writable by its group or by everyone (mode {stat.S_IMODE(st.st_mode):04o}); "
-                "give a directory only you can write (chmod go-w)")
+        return (
+            f"is writable by its group or by everyone (mode {stat.S_IMODE(st.st_mode):04o}); "
+            "give a directory only you can write (chmod go-w)"
+        )
     return None
 
 
@@ -92,5 +103,4 @@ def open_private(path: str) -> int:
 
 def create_exclusive(dir_fd: int, name: str) -> int:
     """A new file ``name`` in ``dir_fd``, mode 0600, never through a link, never an existing file."""
-    return os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                   dir_fd=dir_fd)
+    return os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)

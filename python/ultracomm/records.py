@@ -4,6 +4,7 @@
 ``ultracomm::Ref``.  Schedules hand their task lists out as arrays of these dtypes and the
 host executor takes them back without copying.
 """
+
 from __future__ import annotations
 
 import enum

@@ -20,6 +20,7 @@ without a host copy.  What the Context does with it depends on where it runs:
 :class:`DeviceSchedule` is what the Context hands the ``tma`` transport for such a plan: the
 builder's inputs, which the transport turns into ``Runner.build_slot`` calls.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,8 +32,6 @@ from .errors import UltracommError
 from .plan import ReplicaPlan, SlotShape
 
 __all__ = ["ResidentPlan", "DeviceSchedule", "BUILD_STATUS", "BUILD_ERROR"]
-
-
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -57,14 +56,19 @@ class ResidentPlan(SlotShape):
         t = self.slot_src
         if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 2 or not t.is_contiguous():
             got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"ultracomm: ResidentPlan.slot_src must be a contiguous int32 [world, slots] tensor, got "
-                             f"{got}")
-        for name, w, dt in (("exchange_status", self.exchange_status, torch.int32),
-                            ("planner_result", self.planner_result, torch.int64)):
-            if w is not None and (not isinstance(w, torch.Tensor) or w.dtype != dt or w.numel() < 1
-                                  or w.device != t.device):
-                raise ValueError(f"ultracomm: ResidentPlan.{name} must be a {dt} tensor on the plan's device "
-                                 f"{t.device}, or None")
+            raise ValueError(
+                f"ultracomm: ResidentPlan.slot_src must be a contiguous int32 [world, slots] tensor, got {got}"
+            )
+        for name, w, dt in (
+            ("exchange_status", self.exchange_status, torch.int32),
+            ("planner_result", self.planner_result, torch.int64),
+        ):
+            if w is not None and (
+                not isinstance(w, torch.Tensor) or w.dtype != dt or w.numel() < 1 or w.device != t.device
+            ):
+                raise ValueError(
+                    f"ultracomm: ResidentPlan.{name} must be a {dt} tensor on the plan's device {t.device}, or None"
+                )
 
     def host_plan(self, experts_per_rank: int) -> ReplicaPlan:
         """The plan on the host (a copy: on a GPU it waits for the stream that makes it); raises

@@ -27,6 +27,7 @@ gradient chunk is, recursively, ``self + sum_{children c by (rank, slot)} partia
 ``partial(c) = grad(c) + sum_{children of c by (rank, slot)} partial(...)``.  See
 ``ultracomm.tools.reference.reference_reduce_tree``, which reproduces it bit for bit in numpy.
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional, Union
@@ -202,9 +203,21 @@ def build_schedule(
         if int(v) < 0:
             raise ValueError(f"build_schedule: {name} must be >= 0, got {v}")
     core = _core.build_schedule(
-        world, slots, experts, slot_src, home_of, nodes,
-        int(weight_bytes), int(grad_bytes), int(chunk_bytes), _mode(relay_mode), int(max_depth),
-        float(intra_bw), float(inter_bw), -1 if rank is None else int(rank),
-        float(intra_latency_s), float(inter_latency_s),
+        world,
+        slots,
+        experts,
+        slot_src,
+        home_of,
+        nodes,
+        int(weight_bytes),
+        int(grad_bytes),
+        int(chunk_bytes),
+        _mode(relay_mode),
+        int(max_depth),
+        float(intra_bw),
+        float(inter_bw),
+        -1 if rank is None else int(rank),
+        float(intra_latency_s),
+        float(inter_latency_s),
     )
     return Schedule(core)

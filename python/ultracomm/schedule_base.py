@@ -5,6 +5,7 @@
 the host, one rank's lists) are executed alike; executors, Context and the tools read them
 through this interface.
 """
+
 from __future__ import annotations
 
 import abc
@@ -93,8 +94,11 @@ class ScheduleBase(abc.ABC):
                 tasks[str(r)] = [{k: int(row[k]) for k in TASK_DTYPE.names} for row in t]
                 refs[str(r)] = [[int(x["rank"]), int(x["slot"])] for x in self.refs(op, r)]
             out["ops"][op.name.lower()] = {
-                "tree": {"parent_rank": np.asarray(pr).tolist(), "parent_slot": np.asarray(ps).tolist(),
-                         "depth": np.asarray(d).tolist()},
+                "tree": {
+                    "parent_rank": np.asarray(pr).tolist(),
+                    "parent_slot": np.asarray(ps).tolist(),
+                    "depth": np.asarray(d).tolist(),
+                },
                 "stats": _plain(self.stats(op)),
                 "tasks": tasks,
                 "refs": refs,

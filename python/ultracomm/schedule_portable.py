@@ -25,6 +25,7 @@ GPU's CTA build and this host build compute the same value for any lane count
 header tags the builder), so ranks that mix the two builders are caught by the executors' digest
 check.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -36,8 +37,15 @@ from .records import REF_DTYPE, TASK_DTYPE
 from .schedule import _i32, _op
 from .schedule_base import OpLike, ScheduleBase
 
-__all__ = ["PortableSchedule", "build_schedule_portable", "hop_bytes", "MAX_WORLD", "MAX_SLOTS", "MAX_EXPERTS",
-           "INTRA_LATENCY_S"]
+__all__ = [
+    "PortableSchedule",
+    "build_schedule_portable",
+    "hop_bytes",
+    "MAX_WORLD",
+    "MAX_SLOTS",
+    "MAX_EXPERTS",
+    "INTRA_LATENCY_S",
+]
 
 INTRA_LATENCY_S = 2e-6  # the cost model's per-hop latency by default (a flag and a wake-up on NVLink)
 
@@ -47,6 +55,7 @@ def hop_bytes(intra_bw: float, intra_latency_s: float = INTRA_LATENCY_S) -> int:
     if not (intra_bw > 0 and intra_latency_s >= 0):
         raise ValueError("build_schedule_portable: intra_bw must be > 0 and intra_latency_s >= 0")
     return int(round(float(intra_latency_s) * float(intra_bw)))
+
 
 MAX_WORLD = int(_core.SCHEDULE_PORTABLE_MAX_WORLD)
 MAX_SLOTS = int(_core.SCHEDULE_PORTABLE_MAX_SLOTS)
@@ -156,18 +165,35 @@ class PortableSchedule(ScheduleBase):
         # the cost model in seconds (one tier: intra_bw); tree_lower_bound_s is not computed (nan)
         bw = float(self._in["intra_bw"])
         fixed = int(filled.max()) if W else 0
-        cost = max(int(raw["busiest"]), fixed) * B + int(raw["depth_max"]) * (min(self.chunk_bytes, B) + self._in["hop_bytes"])
-        return {"egress": egress, "ingress": ingress, "inter_egress": inter_egress, "inter_ingress": inter_ingress,
-                "max_egress": max(egress, default=0),
-                "lower_bound_s": lb / bw, "predicted_s": cost / bw if B else 0.0, "tree_lower_bound_s": float("nan"),
-                "max_ingress": max(ingress, default=0), "max_link_bytes": mx, "lower_bound_bytes": lb,
-                "ratio": mx / lb if lb else 1.0, "depth": int(raw["depth_max"]), "cap": int(raw["cap"]),
-                "busiest": int(raw["busiest"]), "bytes": B, "chunks": -(-B // self.chunk_bytes),
-                "relayed": bool((raw["parent_slot"][raw["parent_rank"] >= 0] >= 0).any())}
+        cost = max(int(raw["busiest"]), fixed) * B + int(raw["depth_max"]) * (
+            min(self.chunk_bytes, B) + self._in["hop_bytes"]
+        )
+        return {
+            "egress": egress,
+            "ingress": ingress,
+            "inter_egress": inter_egress,
+            "inter_ingress": inter_ingress,
+            "max_egress": max(egress, default=0),
+            "lower_bound_s": lb / bw,
+            "predicted_s": cost / bw if B else 0.0,
+            "tree_lower_bound_s": float("nan"),
+            "max_ingress": max(ingress, default=0),
+            "max_link_bytes": mx,
+            "lower_bound_bytes": lb,
+            "ratio": mx / lb if lb else 1.0,
+            "depth": int(raw["depth_max"]),
+            "cap": int(raw["cap"]),
+            "busiest": int(raw["busiest"]),
+            "bytes": B,
+            "chunks": -(-B // self.chunk_bytes),
+            "relayed": bool((raw["parent_slot"][raw["parent_rank"] >= 0] >= 0).any()),
+        }
 
     def __repr__(self) -> str:
-        return (f"PortableSchedule(rank={self.built_for}, world={self.world}, slots={self.slots_per_rank}, "
-                f"experts={self.num_experts}, digest={self.digest:#018x})")
+        return (
+            f"PortableSchedule(rank={self.built_for}, world={self.world}, slots={self.slots_per_rank}, "
+            f"experts={self.num_experts}, digest={self.digest:#018x})"
+        )
 
 
 def build_schedule_portable(
@@ -198,10 +224,22 @@ def build_schedule_portable(
         if int(v) < 0:
             raise ValueError(f"build_schedule_portable: {name} must be >= 0, got {v}")
     hop = hop_bytes(intra_bw, intra_latency_s)
-    raw = _core.build_schedule_portable(slot_src, home_of, nodes, int(weight_bytes), int(grad_bytes),
-                                        int(chunk_bytes), int(rank), int(max_depth), hop)
-    inputs = dict(world=world, slots_per_rank=slots, num_experts=len(home_of), slot_src=slot_src.reshape(-1).tolist(),
-                  home_of=home_of.tolist(), node_of=None if nodes is None else nodes.tolist(),
-                  weight_bytes=int(weight_bytes), grad_bytes=int(grad_bytes), chunk_bytes=int(chunk_bytes),
-                  max_depth=int(max_depth), hop_bytes=hop, rank=int(rank), intra_bw=float(intra_bw))
+    raw = _core.build_schedule_portable(
+        slot_src, home_of, nodes, int(weight_bytes), int(grad_bytes), int(chunk_bytes), int(rank), int(max_depth), hop
+    )
+    inputs = dict(
+        world=world,
+        slots_per_rank=slots,
+        num_experts=len(home_of),
+        slot_src=slot_src.reshape(-1).tolist(),
+        home_of=home_of.tolist(),
+        node_of=None if nodes is None else nodes.tolist(),
+        weight_bytes=int(weight_bytes),
+        grad_bytes=int(grad_bytes),
+        chunk_bytes=int(chunk_bytes),
+        max_depth=int(max_depth),
+        hop_bytes=hop,
+        rank=int(rank),
+        intra_bw=float(intra_bw),
+    )
     return PortableSchedule(raw, inputs)

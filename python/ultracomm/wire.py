@@ -25,6 +25,7 @@ a     dtype code (u8), ndim (u8), shape (u64 each), then the raw C-order bytes
 c     class name (an ``s`` item), then its fields as an ``m`` item
 ====  ===============================================================
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,9 +38,21 @@ __all__ = ["encode", "decode", "register", "WireError", "DATACLASSES", "MAX_BYTE
 
 MAGIC = b"UCW1"
 MAX_BYTES = 1 << 30  #: largest message decoded (1 GiB)
-MAX_DEPTH = 32       #: deepest nesting decoded
-_DTYPES = ("bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float16", "float32",
-           "float64")
+MAX_DEPTH = 32  #: deepest nesting decoded
+_DTYPES = (
+    "bool",
+    "int8",
+    "uint8",
+    "int16",
+    "uint16",
+    "int32",
+    "uint32",
+    "int64",
+    "uint64",
+    "float16",
+    "float32",
+    "float64",
+)
 
 
 class WireError(ValueError):
@@ -58,8 +71,10 @@ def register(cls: type) -> type:
         raise TypeError(f"ultracomm wire: only dataclasses can be registered, got {cls!r}")
     prior = DATACLASSES.get(cls.__name__)
     if prior is not None and (prior.__module__, prior.__qualname__) != (cls.__module__, cls.__qualname__):
-        raise ValueError(f"ultracomm wire: another class named {cls.__name__} is registered "
-                         f"({prior.__module__}.{prior.__qualname__})")
+        raise ValueError(
+            f"ultracomm wire: another class named {cls.__name__} is registered "
+            f"({prior.__module__}.{prior.__qualname__})"
+        )
     DATACLASSES[cls.__name__] = cls  # the same class again: its module was reloaded
     return cls
 
@@ -105,8 +120,12 @@ def _enc(v: Any, out: list, depth: int) -> None:
         name = v.dtype.name
         if name not in _DTYPES or v.ndim > 8:
             raise TypeError(f"ultracomm wire: numpy array of dtype {name} with {v.ndim} dims cannot travel")
-        out.append(b"a" + bytes([_DTYPES.index(name), v.ndim]) + struct.pack(f"<{v.ndim}Q", *v.shape)
-                   + np.ascontiguousarray(v).astype(v.dtype.newbyteorder("<"), copy=False).tobytes())
+        out.append(
+            b"a"
+            + bytes([_DTYPES.index(name), v.ndim])
+            + struct.pack(f"<{v.ndim}Q", *v.shape)
+            + np.ascontiguousarray(v).astype(v.dtype.newbyteorder("<"), copy=False).tobytes()
+        )
     elif isinstance(v, (list, tuple)):
         out.append((b"l" if isinstance(v, list) else b"t") + _u32(len(v)))
         for x in v:
@@ -123,8 +142,10 @@ def _enc(v: Any, out: list, depth: int) -> None:
         _enc(type(v).__name__, out, depth + 1)
         _enc({f.name: getattr(v, f.name) for f in dataclasses.fields(v)}, out, depth + 1)
     else:
-        raise TypeError(f"ultracomm wire: a {type(v).__name__} cannot travel between ranks (allowed: None, bool, "
-                        "int, float, str, bytes, list, tuple, dict, numpy arrays, registered dataclasses)")
+        raise TypeError(
+            f"ultracomm wire: a {type(v).__name__} cannot travel between ranks (allowed: None, bool, "
+            "int, float, str, bytes, list, tuple, dict, numpy arrays, registered dataclasses)"
+        )
 
 
 # ------------------------------------------------------------------ decode
@@ -134,9 +155,11 @@ class _Reader:
 
     def take(self, n: int, what: str) -> bytes:
         if n < 0 or self.pos + n > len(self.data):
-            raise WireError(f"ultracomm wire: truncated message: {what} needs {n} bytes at offset {self.pos}, "
-                            f"{len(self.data) - self.pos} left")
-        b = self.data[self.pos:self.pos + n]
+            raise WireError(
+                f"ultracomm wire: truncated message: {what} needs {n} bytes at offset {self.pos}, "
+                f"{len(self.data) - self.pos} left"
+            )
+        b = self.data[self.pos : self.pos + n]
         self.pos += n
         return b
 
@@ -152,8 +175,10 @@ def decode(data: bytes) -> Any:
     if len(data) > MAX_BYTES:
         raise WireError(f"ultracomm wire: message of {len(data)} bytes is larger than {MAX_BYTES}")
     if bytes(data[:4]) != MAGIC:
-        raise WireError(f"ultracomm wire: not an ultracomm message (starts with {bytes(data[:4])!r}, expected "
-                        f"{MAGIC!r}); something else wrote this store key")
+        raise WireError(
+            f"ultracomm wire: not an ultracomm message (starts with {bytes(data[:4])!r}, expected "
+            f"{MAGIC!r}); something else wrote this store key"
+        )
     r = _Reader(bytes(data))
     r.pos = 4
     v = _dec(r, 0)
@@ -219,7 +244,9 @@ def _dec(r: _Reader, depth: int) -> Any:
         fields = _dec(r, depth + 1)
         want = {f.name for f in dataclasses.fields(cls)}
         if not isinstance(fields, dict) or set(fields) != want:
-            raise WireError(f"ultracomm wire: {name} needs fields {sorted(want)}, got "
-                            f"{sorted(fields) if isinstance(fields, dict) else type(fields).__name__}")
+            raise WireError(
+                f"ultracomm wire: {name} needs fields {sorted(want)}, got "
+                f"{sorted(fields) if isinstance(fields, dict) else type(fields).__name__}"
+            )
         return cls(**fields)
     raise WireError(f"ultracomm wire: unknown tag {tag!r} at offset {r.pos - 1}")

@@ -1,5 +1,6 @@
 """Work handles for ``async_op=True`` (the ``torch.distributed`` convention) and the one
 ordered worker thread per Context that runs operations in call order on every rank."""
+
 from __future__ import annotations
 
 import queue
@@ -57,7 +58,8 @@ class Work:
         return UltracommTimeout(
             f"ultracomm: {self.name} did not finish within wait(timeout={timeout:g} s); awaited: {self.awaited}. "
             "The operation goes on (bounded by ULTRACOMM_TIMEOUT_S) and the Context stays usable: call wait() "
-            "again to keep waiting")
+            "again to keep waiting"
+        )
 
     def exception(self) -> BaseException | None:
         return self._error if self._done.is_set() else None
@@ -84,7 +86,7 @@ class OrderedRunner:
     def __init__(self, name: str):
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._mu = threading.Lock()
-        self._pending = 0               # submitted or claimed inline, not finished (under _mu)
+        self._pending = 0  # submitted or claimed inline, not finished (under _mu)
         self._running = threading.Lock()  # held while a callable runs, on either thread
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
@@ -138,6 +140,7 @@ class OrderedRunner:
             finally:
                 self._running.release()
                 self._done()
+
         return run
 
     def close(self) -> None:

@@ -18,8 +18,8 @@
 namespace {
 std::vector<std::string> g_log;
 cudaError_t g_fail_sync = cudaSuccess;  // what cudaStreamSynchronize returns
-bool g_event_not_ready = false;          // what cudaEventQuery says
-bool g_views = false;                    // log each launch's rank-0 view
+bool g_event_not_ready = false;         // what cudaEventQuery says
+bool g_views = false;                   // log each launch's rank-0 view
 int g_coresident_per_sm = 2;
 unsigned char g_device_mem[1 << 20];
 size_t g_device_used = 0;
@@ -27,8 +27,14 @@ void log(const std::string& s) { g_log.push_back(s); }
 }  // namespace
 
 extern "C" {
-cudaError_t cudaGetDeviceCount(int* n) { *n = 1; return cudaSuccess; }
-cudaError_t cudaGetDevice(int* d) { *d = 0; return cudaSuccess; }
+cudaError_t cudaGetDeviceCount(int* n) {
+  *n = 1;
+  return cudaSuccess;
+}
+cudaError_t cudaGetDevice(int* d) {
+  *d = 0;
+  return cudaSuccess;
+}
 cudaError_t cudaSetDevice(int) { return cudaSuccess; }
 cudaError_t cudaGetLastError() { return cudaSuccess; }
 const char* cudaGetErrorName(cudaError_t e) { return e == cudaErrorLaunchFailure ? "cudaErrorLaunchFailure" : "err"; }
@@ -43,8 +49,15 @@ cudaError_t cudaMalloc(void** p, size_t n) {
   g_device_used += (n + 255) / 256 * 256;
   return cudaSuccess;
 }
-cudaError_t cudaFree(void*) { log("cudaFree"); return cudaSuccess; }
-cudaError_t cudaMemset(void* p, int v, size_t n) { std::memset(p, v, n); log("cudaMemset"); return cudaSuccess; }
+cudaError_t cudaFree(void*) {
+  log("cudaFree");
+  return cudaSuccess;
+}
+cudaError_t cudaMemset(void* p, int v, size_t n) {
+  std::memset(p, v, n);
+  log("cudaMemset");
+  return cudaSuccess;
+}
 cudaError_t cudaMemcpy(void* d, const void* s, size_t n, cudaMemcpyKind k) {
   std::memcpy(d, s, n);
   log("cudaMemcpy " + std::to_string(n) + (k == cudaMemcpyHostToDevice ? " H2D" : " other"));
@@ -54,22 +67,31 @@ cudaError_t cudaStreamSynchronize(cudaStream_t s) {
   log(std::string("cudaStreamSynchronize ") + (s == cudaStreamLegacy ? "legacy" : "other"));
   return g_fail_sync;
 }
-cudaError_t cudaDeviceSynchronize() { log("cudaDeviceSynchronize"); return cudaSuccess; }
+cudaError_t cudaDeviceSynchronize() {
+  log("cudaDeviceSynchronize");
+  return cudaSuccess;
+}
 cudaError_t cudaHostAlloc(void** p, size_t n, unsigned int flags) {
   *p = std::calloc(1, n);
   log(std::string("cudaHostAlloc") + (flags & cudaHostAllocMapped ? " mapped" : ""));
   return cudaSuccess;
 }
-cudaError_t cudaHostGetDevicePointer(void** d, void* h, unsigned int) { *d = h; return cudaSuccess; }
-cudaError_t cudaFreeHost(void* p) { std::free(p); return cudaSuccess; }
+cudaError_t cudaHostGetDevicePointer(void** d, void* h, unsigned int) {
+  *d = h;
+  return cudaSuccess;
+}
+cudaError_t cudaFreeHost(void* p) {
+  std::free(p);
+  return cudaSuccess;
+}
 cudaError_t cudaStreamIsCapturing(cudaStream_t, cudaStreamCaptureStatus* st) {
   *st = cudaStreamCaptureStatusNone;
   return cudaSuccess;
 }
 // streams are named by their handle's value (1 = "s1"); handles >= 100 capture, id = handle / 100
 std::string sname(cudaStream_t s) { return "s" + std::to_string(reinterpret_cast<uintptr_t>(s)); }
-cudaError_t cudaStreamGetCaptureInfo(cudaStream_t s, cudaStreamCaptureStatus* st, unsigned long long* id,
-                                     cudaGraph_t*, const cudaGraphNode_t**, const cudaGraphEdgeData**, size_t*) {
+cudaError_t cudaStreamGetCaptureInfo(cudaStream_t s, cudaStreamCaptureStatus* st, unsigned long long* id, cudaGraph_t*,
+                                     const cudaGraphNode_t**, const cudaGraphEdgeData**, size_t*) {
   const uintptr_t h = reinterpret_cast<uintptr_t>(s);
   *st = h >= 100 ? cudaStreamCaptureStatusActive : cudaStreamCaptureStatusNone;
   if (id) *id = h / 100;
@@ -95,8 +117,8 @@ cudaError_t cudaEventSynchronize(cudaEvent_t e) {
 }
 cudaError_t cudaMemcpyAsync(void* d, const void* s, size_t n, cudaMemcpyKind k, cudaStream_t st) {
   std::memcpy(d, s, n);
-  log("cudaMemcpyAsync " + std::to_string(n) + (k == cudaMemcpyHostToDevice ? " H2D " : " other ") + sname(st) +
-      " +" + std::to_string(static_cast<unsigned char*>(d) - g_device_mem));
+  log("cudaMemcpyAsync " + std::to_string(n) + (k == cudaMemcpyHostToDevice ? " H2D " : " other ") + sname(st) + " +" +
+      std::to_string(static_cast<unsigned char*>(d) - g_device_mem));
   return cudaSuccess;
 }
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned int) {
@@ -124,8 +146,8 @@ void launch_persistent(const PersistentArgs& a, int, uint32_t smem, bool coopera
 void launch_reject(Op, uint64_t, uintptr_t, const WindowLayout&, cudaStream_t) {}
 // The stub's device memory is host memory: run the build the kernel runs (slot_build.h) in place.
 void launch_build_slot(const SlotBuildArgs& a, cudaStream_t s) {
-  log("launch build_slot views +" + std::to_string(reinterpret_cast<unsigned char*>(a.views[0]) - g_device_mem) +
-      " +" + std::to_string(reinterpret_cast<unsigned char*>(a.views[1]) - g_device_mem) + " caps " +
+  log("launch build_slot views +" + std::to_string(reinterpret_cast<unsigned char*>(a.views[0]) - g_device_mem) + " +" +
+      std::to_string(reinterpret_cast<unsigned char*>(a.views[1]) - g_device_mem) + " caps " +
       std::to_string(a.caps.task_cap[0]) + "/" + std::to_string(a.caps.task_cap[1]) + " " + sname(s));
   const int32_t upstream = psched::upstream_status(a.exchange_status, a.plan_result);
   a.report->result = psched::build_into_views(a.problem, a.scratch, a.views, a.caps, upstream);
@@ -180,7 +202,8 @@ int main(int argc, char** argv) {
       b.refs[0] = b.refs[1] = 2;
       gpu::Runner runner(0);
       gpu::PlanArena arena(0, 3, b);
-      log("arena " + std::to_string(arena.bytes()) + " area " + std::to_string(gpu::PlanArena::area_bytes(b, Op::kMulticast)));
+      log("arena " + std::to_string(arena.bytes()) + " area " +
+          std::to_string(gpu::PlanArena::area_bytes(b, Op::kMulticast)));
       std::vector<Task> tasks(sc == "arena_over" ? 3 : 1);
       std::vector<Ref> refs(1, Ref{1, 0});
       ExecArgs a = one_rank(0, 2);

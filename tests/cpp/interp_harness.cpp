@@ -49,9 +49,9 @@ struct Reader {
 };
 
 struct OpLists {
-  std::vector<int32_t> parent;            // [world * slots]
-  std::vector<std::vector<Task>> tasks;   // [world]
-  std::vector<std::vector<Ref>> refs;     // [world]
+  std::vector<int32_t> parent;           // [world * slots]
+  std::vector<std::vector<Task>> tasks;  // [world]
+  std::vector<std::vector<Ref>> refs;    // [world]
 };
 
 struct Case {
@@ -60,7 +60,7 @@ struct Case {
   std::vector<uint64_t> w_off, w_bytes, g_off, g_bytes;
   std::vector<int32_t> home_of, slot_src;
   OpLists op[2];
-  std::vector<std::vector<uint8_t>> grad_init;    // [world * slots] slot images (empty if no expert)
+  std::vector<std::vector<uint8_t>> grad_init;     // [world * slots] slot images (empty if no expert)
   std::vector<std::vector<uint8_t>> master_grad0;  // [experts] members concatenated
   std::vector<std::vector<uint8_t>> master_grad_want;
 };
@@ -326,7 +326,8 @@ int selftest(const Case& c) {
     } catch (const std::invalid_argument& e) {
       if (!std::strstr(e.what(), what)) std::printf("MISMATCH selftest %s: %s\n", name, e.what()), ++bad;
     }
-    if (std::memcmp(before.data(), w.win[0], before.size()) != 0) std::printf("MISMATCH selftest %s: wrote\n", name), ++bad;
+    if (std::memcmp(before.data(), w.win[0], before.size()) != 0)
+      std::printf("MISMATCH selftest %s: wrote\n", name), ++bad;
   };
   World w(c);
   w.epoch = 1;
@@ -358,15 +359,24 @@ int main(int argc, char** argv) {
       if (i + 1 >= argc) throw std::runtime_error("missing value after " + a);
       return std::string(argv[++i]);
     };
-    if (a == "--mover") o.mover = next() == "block" ? MoverKind::kBlock : MoverKind::kHost;
-    else if (a == "--epochs") o.epochs = std::stoi(next());
-    else if (a == "--workers") o.workers = std::stoi(next());
-    else if (a == "--threads") o.threads = std::stoi(next());
-    else if (a == "--jitter") o.jitter_us = static_cast<uint32_t>(std::stoul(next()));
-    else if (a == "--observe") o.observe = true;
-    else if (a == "--tile") o.tile_bytes = std::stoull(next());
-    else if (a == "--delay-unit") o.delay_unit = std::stoll(next());
-    else if (a == "--delay-us") o.delay_us = static_cast<uint32_t>(std::stoul(next()));
+    if (a == "--mover")
+      o.mover = next() == "block" ? MoverKind::kBlock : MoverKind::kHost;
+    else if (a == "--epochs")
+      o.epochs = std::stoi(next());
+    else if (a == "--workers")
+      o.workers = std::stoi(next());
+    else if (a == "--threads")
+      o.threads = std::stoi(next());
+    else if (a == "--jitter")
+      o.jitter_us = static_cast<uint32_t>(std::stoul(next()));
+    else if (a == "--observe")
+      o.observe = true;
+    else if (a == "--tile")
+      o.tile_bytes = std::stoull(next());
+    else if (a == "--delay-unit")
+      o.delay_unit = std::stoll(next());
+    else if (a == "--delay-us")
+      o.delay_us = static_cast<uint32_t>(std::stoul(next()));
     else if (a == "--ops") {
       const std::string v = next();
       o.mc = v != "reduce";

@@ -93,15 +93,22 @@ struct Gen {
     const uint32_t r = static_cast<uint32_t>(rng());
     if (static_cast<int>(rng() % 1000) < special_per_1000) {
       switch (rng() % 6) {
-        case 0: return 0x7F800000u | (r & 0x80000000u) | (1u + (r % 0x7FFFFFu));  // NaN, any payload
-        case 1: return 0x7F800000u | (r & 0x80000000u);                            // +-inf
-        case 2: return (r & 0x80000000u) | (r & 0x7FFFFFu);                         // subnormal
-        case 3: return (r & 0x80000000u) | 0x7F000000u | (r & 0x7FFFFFu);           // huge
-        case 4: return (r & 0x80000000u) | 0x00800000u | (r & 0xFFFFu);             // tiny normal
-        default: return r & 0x80000000u;                                            // +-0
+        case 0:
+          return 0x7F800000u | (r & 0x80000000u) | (1u + (r % 0x7FFFFFu));  // NaN, any payload
+        case 1:
+          return 0x7F800000u | (r & 0x80000000u);  // +-inf
+        case 2:
+          return (r & 0x80000000u) | (r & 0x7FFFFFu);  // subnormal
+        case 3:
+          return (r & 0x80000000u) | 0x7F000000u | (r & 0x7FFFFFu);  // huge
+        case 4:
+          return (r & 0x80000000u) | 0x00800000u | (r & 0xFFFFu);  // tiny normal
+        default:
+          return r & 0x80000000u;  // +-0
       }
     }
-    const float f = std::ldexp(static_cast<float>(static_cast<int32_t>(r)) / 2147483648.0f, static_cast<int>(rng() % 40) - 20);
+    const float f =
+        std::ldexp(static_cast<float>(static_cast<int32_t>(r)) / 2147483648.0f, static_cast<int>(rng() % 40) - 20);
     return detail::f32_bits(f);
   }
   uint16_t half(bool bf) {
@@ -110,11 +117,16 @@ struct Gen {
       const uint16_t s = r & 0x8000u;
       const uint16_t exp = bf ? 0x7F80u : 0x7C00u, man = bf ? 0x7Fu : 0x3FFu;
       switch (rng() % 5) {
-        case 0: return s | exp | static_cast<uint16_t>(1u + (r % man));  // NaN
-        case 1: return s | exp;                                           // inf
-        case 2: return s | (r & man);                                     // subnormal
-        case 3: return static_cast<uint16_t>(s | (exp - (bf ? 0x80u : 0x400u)) | (r & man));  // largest binade
-        default: return s;
+        case 0:
+          return s | exp | static_cast<uint16_t>(1u + (r % man));  // NaN
+        case 1:
+          return s | exp;  // inf
+        case 2:
+          return s | (r & man);  // subnormal
+        case 3:
+          return static_cast<uint16_t>(s | (exp - (bf ? 0x80u : 0x400u)) | (r & man));  // largest binade
+        default:
+          return s;
       }
     }
     if (bf) return static_cast<uint16_t>(f32() >> 16);
@@ -150,11 +162,11 @@ int run_one(Gen& g, int nsrc, uint64_t packs, const char* name, bool verbose) {
   auto ref_f16c = dst0;
   host::reduce_range<D>(reinterpret_cast<uintptr_t>(ref_f16c.data()), srcs, nsrc, 0, n, /*portable_f16=*/false);
   got.push_back(ref_f16c), what.push_back("host F16C/vector path");
-#define UC_VARIANT(CVT, U, G)                                                                       \
-  do {                                                                                              \
-    auto d = dst0;                                                                                  \
-    device_like<D, CVT<D>, U, G>(reinterpret_cast<uintptr_t>(d.data()), srcs, packs);              \
-    got.push_back(d), what.push_back(#CVT " U=" #U " G=" #G);                                      \
+#define UC_VARIANT(CVT, U, G)                                                         \
+  do {                                                                                \
+    auto d = dst0;                                                                    \
+    device_like<D, CVT<D>, U, G>(reinterpret_cast<uintptr_t>(d.data()), srcs, packs); \
+    got.push_back(d), what.push_back(#CVT " U=" #U " G=" #G);                         \
   } while (0)
   UC_VARIANT(detail::SoftCvt, 4, 4);
   UC_VARIANT(detail::SoftCvt, 4, 2);

@@ -3,6 +3,7 @@
 Run as ``torchrun --nproc-per-node 4 tests/mp/context_worker.py``; exits non-zero (and
 prints why) on the first wrong byte.  Prints ``rank R OK`` per rank.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -25,8 +26,19 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     epr, slots, layers = 2, 2, 3
     layout = ExpertLayout((Member("fc1", (6, 17), torch.bfloat16), Member("fc2", (17, 3), torch.bfloat16)))
-    ctx = Context(None, layout, epr, slots, num_layers=layers, max_microbatches=layers, window="host_shm",
-                  chunk_bytes=128, tile_bytes=128, relay_mode="force", timeout_s=60.0)
+    ctx = Context(
+        None,
+        layout,
+        epr,
+        slots,
+        num_layers=layers,
+        max_microbatches=layers,
+        window="host_shm",
+        chunk_bytes=128,
+        tile_bytes=128,
+        relay_mode="force",
+        timeout_s=60.0,
+    )
     assert ctx.window.provider == "host_shm"
     masters = []
     for layer in range(layers):
@@ -38,8 +50,9 @@ def main() -> None:
 
     for it in range(3):
         rng = np.random.default_rng(it)
-        plans = [ReplicaPlan.make(random_slot_src(rng, world, slots, epr, 0.8), experts_per_rank=epr)
-                 for _ in range(layers)]
+        plans = [
+            ReplicaPlan.make(random_slot_src(rng, world, slots, epr, 0.8), experts_per_rank=epr) for _ in range(layers)
+        ]
         # forward: every layer in flight (one vid each), in order; backward in reverse with restore
         vids = []
         for layer in range(layers):

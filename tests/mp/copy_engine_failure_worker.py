@@ -4,6 +4,7 @@ synchronize of a test process).  Prints one JSON line with what the test checks.
 
     python copy_engine_failure_worker.py stalled|mismatch
 """
+
 from __future__ import annotations
 
 import json
@@ -24,9 +25,21 @@ TIMEOUT_S = 2.0
 
 
 def contexts():
-    ctxs = LoopbackDomain(2).run(lambda g: Context(g, LAYOUT, 1, 1, num_layers=1, transport="copy_engine",
-                                                   window="cuda_local", device="cuda:0", chunk_bytes=1024, tile_bytes=256,
-                                                   timeout_s=TIMEOUT_S))
+    ctxs = LoopbackDomain(2).run(
+        lambda g: Context(
+            g,
+            LAYOUT,
+            1,
+            1,
+            num_layers=1,
+            transport="copy_engine",
+            window="cuda_local",
+            device="cuda:0",
+            chunk_bytes=1024,
+            tile_bytes=256,
+            timeout_s=TIMEOUT_S,
+        )
+    )
     for c in ctxs:
         w = [torch.full((1, *m.shape), float(c.rank + 1), device="cuda:0") for m in LAYOUT.members]
         c.register_masters(0, w, [torch.zeros_like(t) for t in w])
@@ -51,8 +64,11 @@ def stalled() -> dict:
     stream = torch.cuda.current_stream()
     t0_ = time.monotonic()
     with torch.cuda.device(0):
-        t0._enqueue([(t0, cmds, t0._pending(cmds, epoch, op_digest(sched.digest, Op.MULTICAST), "weight_sync"))],
-                    epoch, stream.cuda_stream)
+        t0._enqueue(
+            [(t0, cmds, t0._pending(cmds, epoch, op_digest(sched.digest, Op.MULTICAST), "weight_sync"))],
+            epoch,
+            stream.cuda_stream,
+        )
     done = torch.cuda.Event()
     done.record(stream)
     done.synchronize()  # the caller's stream is released by the watchdog's abort
@@ -63,8 +79,13 @@ def stalled() -> dict:
         err = None
     except Exception as e:  # noqa: BLE001 - reported
         err = f"{type(e).__name__}: {e}"
-    out = dict(error=err, waited=waited, later_work=after_ok, untouched=slots_of(ctxs[1]) == before,
-               abandoned=t0.abandoned_streams())
+    out = dict(
+        error=err,
+        waited=waited,
+        later_work=after_ok,
+        untouched=slots_of(ctxs[1]) == before,
+        abandoned=t0.abandoned_streams(),
+    )
     for c in ctxs:
         c.close()  # must not hang on the blocked internal streams
     out["closed"] = True
@@ -74,8 +95,10 @@ def stalled() -> dict:
 def mismatched_weight_sync(ctxs) -> tuple[list, float, list]:
     """Rank 0 weight_syncs plan A, rank 1 plan B; each rank's error from synchronize() (or None),
     the seconds that took, and each rank's slots before."""
-    plans = [ReplicaPlan.make(np.array([[1], [0]], np.int32), experts_per_rank=1),
-             ReplicaPlan.make(np.array([[1], [-1]], np.int32), experts_per_rank=1)]
+    plans = [
+        ReplicaPlan.make(np.array([[1], [0]], np.int32), experts_per_rank=1),
+        ReplicaPlan.make(np.array([[1], [-1]], np.int32), experts_per_rank=1),
+    ]
     before = [slots_of(c) for c in ctxs]
     start = time.monotonic()
     for c, p in zip(ctxs, plans):
@@ -95,8 +118,11 @@ def mismatch() -> dict:
     the digest-equality waits keep every copy out, the watchdogs raise PlanError."""
     ctxs = contexts()
     errs, waited, before = mismatched_weight_sync(ctxs)
-    out = dict(errors=[None if e is None else f"{type(e).__name__}: {e}" for e in errs], waited=waited,
-               untouched=[slots_of(c) == b for c, b in zip(ctxs, before)])
+    out = dict(
+        errors=[None if e is None else f"{type(e).__name__}: {e}" for e in errs],
+        waited=waited,
+        untouched=[slots_of(c) == b for c, b in zip(ctxs, before)],
+    )
     for c in ctxs:
         c.close()
     out["closed"] = True

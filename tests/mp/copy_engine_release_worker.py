@@ -9,6 +9,7 @@ stall: rank 1 never joins (its ready flag never rises); dead: rank 1 publishes i
 ready flag, then does nothing more (died after joining: rank 0's copies into it run, its copy to
 rank 0 never comes); mismatch: the ranks pass different plans.
 """
+
 from __future__ import annotations
 
 import json
@@ -42,8 +43,11 @@ def device_sync() -> tuple[bool, float]:
 
 
 def describe(e) -> dict:
-    return dict(error=None if e is None else f"{type(e).__name__}: {e}",
-                timeout=isinstance(e, UltracommTimeout), plan_error=isinstance(e, PlanError))
+    return dict(
+        error=None if e is None else f"{type(e).__name__}: {e}",
+        timeout=isinstance(e, UltracommTimeout),
+        plan_error=isinstance(e, PlanError),
+    )
 
 
 def lost_peer(dead: bool) -> dict:
@@ -52,8 +56,10 @@ def lost_peer(dead: bool) -> dict:
     c0, t0, c1, t1 = ctxs[0], ctxs[0].transport, ctxs[1], ctxs[1].transport
     epoch = max(c._queue.epoch for c in ctxs) + 1
     stream = torch.cuda.current_stream()
-    cmds = [t.commands(c.schedule_for(plan), c._masters[0], plan.slot_src[c.rank].tolist(),
-                       plan.local_index_of.tolist()) for c, t in zip(ctxs, (t0, t1))]
+    cmds = [
+        t.commands(c.schedule_for(plan), c._masters[0], plan.slot_src[c.rank].tolist(), plan.local_index_of.tolist())
+        for c, t in zip(ctxs, (t0, t1))
+    ]
     before = slots_of(c1) if not dead else None
     with torch.cuda.device(0):
         if dead:  # rank 1 joins (digest, ready) and dies
@@ -72,9 +78,14 @@ def lost_peer(dead: bool) -> dict:
         err = e
     returned = time.monotonic()
     synced, sync_s = device_sync()
-    out = dict(describe(err), late_s=returned - (start + TIMEOUT_S), synced=synced, sync_s=sync_s,
-               untouched=True if dead else slots_of(c1) == before, later_work=bool(
-                   torch.ones(4, device="cuda:0").sum().item() == 4.0) if synced else False)
+    out = dict(
+        describe(err),
+        late_s=returned - (start + TIMEOUT_S),
+        synced=synced,
+        sync_s=sync_s,
+        untouched=True if dead else slots_of(c1) == before,
+        later_work=bool(torch.ones(4, device="cuda:0").sum().item() == 4.0) if synced else False,
+    )
     for c in ctxs:
         c.close()
     out["closed"] = True
@@ -92,8 +103,14 @@ def mismatch() -> dict:
     ctxs = contexts()
     errs, waited, before = mismatched_weight_sync(ctxs)
     synced, sync_s = device_sync()
-    out = dict(errors=[describe(e) for e in errs], waited=waited, late_s=waited - TIMEOUT_S, synced=synced,
-               sync_s=sync_s, untouched=[slots_of(c) == b for c, b in zip(ctxs, before)] if synced else None)
+    out = dict(
+        errors=[describe(e) for e in errs],
+        waited=waited,
+        late_s=waited - TIMEOUT_S,
+        synced=synced,
+        sync_s=sync_s,
+        untouched=[slots_of(c) == b for c, b in zip(ctxs, before)] if synced else None,
+    )
     for c in ctxs:
         c.close()
     out["closed"] = True
@@ -104,8 +121,12 @@ if __name__ == "__main__":
     rc = 0
     try:
         case = sys.argv[1]
-        fn = {"stall": lambda: lost_peer(False), "dead": lambda: lost_peer(True), "mismatch": mismatch,
-              "stall_stream": fresh_stream_stall}[case]
+        fn = {
+            "stall": lambda: lost_peer(False),
+            "dead": lambda: lost_peer(True),
+            "mismatch": mismatch,
+            "stall_stream": fresh_stream_stall,
+        }[case]
         print(json.dumps(dict(case=case, **fn())), flush=True)
     except BaseException:  # noqa: BLE001 - reported, then the same exit as below
         traceback.print_exc()

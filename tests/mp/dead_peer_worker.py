@@ -1,5 +1,6 @@
 """Worker for the dead-peer test: after one good weight_sync, the last rank exits; the others
 call restore() and must get ultracomm's TimeoutError naming the missing rank, in time."""
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,7 @@ def main() -> None:
         f.write(str(os.getpid()))
     layout = ExpertLayout((Member("w", (64, 64), torch.bfloat16),))
     ctx = Context(None, layout, 1, 1, num_layers=1, window="host_shm", timeout_s=TIMEOUT_S, relay_mode="off")
-    ctx.register_masters(0, [torch.full((1, 64, 64), float(rank), dtype=torch.bfloat16)],
-                         [torch.zeros((1, 64, 64))])
+    ctx.register_masters(0, [torch.full((1, 64, 64), float(rank), dtype=torch.bfloat16)], [torch.zeros((1, 64, 64))])
     # every rank r holds a replica of expert (r+1) % world: each rank waits on its right neighbour
     plan = ReplicaPlan.make(np.array([[(r + 1) % world] for r in range(world)], np.int32), experts_per_rank=1)
     vid = ctx.begin(0)

@@ -15,6 +15,7 @@ calling thread stops before it returns to Python) at one point:
 
 Every rank writes ``rank<R>.json``: the error it raised (type, MRO, text), when it raised.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -41,8 +42,17 @@ def manager_options(transport: str, world: int) -> dict:
     return dict(transport="split", domain=",".join("a" * half + "b" * (world - half)))
 
 
-def main(rank: int, world: int, port: int, transport: str, phase: str, kind: str, victims: tuple,
-         out_dir: str, timeout_s: float) -> None:
+def main(
+    rank: int,
+    world: int,
+    port: int,
+    transport: str,
+    phase: str,
+    kind: str,
+    victims: tuple,
+    out_dir: str,
+    timeout_s: float,
+) -> None:
     import torch
     import torch.distributed as dist
 
@@ -75,8 +85,17 @@ def main(rank: int, world: int, port: int, transport: str, phase: str, kind: str
     E = world * epr
     t0 = time.monotonic()
     try:
-        mgr = ReplicaManager(None, mh.layout(), epr, slots, layers, max_microbatches=1, planner="quota",
-                             timeout_s=timeout_s, **manager_options(transport, world))
+        mgr = ReplicaManager(
+            None,
+            mh.layout(),
+            epr,
+            slots,
+            layers,
+            max_microbatches=1,
+            planner="quota",
+            timeout_s=timeout_s,
+            **manager_options(transport, world),
+        )
         params = mh.make_params(rank, epr, layers, torch.float32, "stacked", False, False)
         for layer in range(layers):
             mgr.register_layer(layer, params[layer])
@@ -133,8 +152,9 @@ def main(rank: int, world: int, port: int, transport: str, phase: str, kind: str
             for layer in range(layers):
                 _, rmap, probs, _ = mh.batch(rank, layer, it, E, 16)
                 step = mgr.step(layer, rmap, probs)
-                loss = mh.rank_loss(step, rank, world, layer, it, params[layer], step.replica_weights(), linear,
-                                    tokens=16)
+                loss = mh.rank_loss(
+                    step, rank, world, layer, it, params[layer], step.replica_weights(), linear, tokens=16
+                )
                 total = total + step.guard(loss)
             if phase == "between":
                 fault_here()

@@ -6,6 +6,7 @@ chosen point, skips an operation or calls a different one.  Every rank writes wh
 to ``rank<R>.json``: the error it raised (type, text), how long the operation under test took
 from its start (``elapsed``) and the wall-clock time it raised (``raised_at``).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -16,9 +17,21 @@ import threading
 import time
 import traceback
 
-SCENARIOS = ("setup_kill", "setup_stop", "between_kill", "between_stop", "weight_sync_kill", "weight_sync_stop",
-             "grad_reduce_kill", "grad_reduce_stop", "skip_op", "different_collective", "different_ops",
-             "store_host_kill", "store_host_stop")
+SCENARIOS = (
+    "setup_kill",
+    "setup_stop",
+    "between_kill",
+    "between_stop",
+    "weight_sync_kill",
+    "weight_sync_stop",
+    "grad_reduce_kill",
+    "grad_reduce_stop",
+    "skip_op",
+    "different_collective",
+    "different_ops",
+    "store_host_kill",
+    "store_host_stop",
+)
 # in these the victim hosts the group's store itself (as rank 0 does under init_method=tcp://)
 STORE_ON_VICTIM = ("store_host_kill", "store_host_stop")
 
@@ -39,10 +52,14 @@ def main(rank: int, world: int, port: int, scenario: str, out_dir: str, timeout_
     from ultracomm.windows import host_shm
 
     victim = rank == world - 1
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=victim and scenario in STORE_ON_VICTIM,
-                          timeout=datetime.timedelta(seconds=120))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    store = dist.TCPStore(
+        "127.0.0.1",
+        port,
+        world,
+        is_master=victim and scenario in STORE_ON_VICTIM,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
     phase, _, kind = scenario.rpartition("_")  # kind: kill | stop for the signal scenarios
     layout = ExpertLayout((Member("w", (64, 64), torch.bfloat16),))
     # rank r holds a replica of expert r+1: every rank depends on its right neighbour
@@ -68,14 +85,27 @@ def main(rank: int, world: int, port: int, scenario: str, out_dir: str, timeout_
         under_test()
         # the plan agreement (a store collective per weight_sync) is what the between/skip/store scenarios
         # fault; the host transport's default is the window check since issue 32
-        ctx = Context(None, layout, 1, 1, num_layers=1, max_microbatches=2, window="host_shm",
-                      timeout_s=timeout_s, relay_mode="off", num_workers=1, plan_check="agree")
-        ctx.register_masters(0, [torch.full((1, 64, 64), float(rank + 1), dtype=torch.bfloat16)],
-                             [torch.zeros((1, 64, 64))])
+        ctx = Context(
+            None,
+            layout,
+            1,
+            1,
+            num_layers=1,
+            max_microbatches=2,
+            window="host_shm",
+            timeout_s=timeout_s,
+            relay_mode="off",
+            num_workers=1,
+            plan_check="agree",
+        )
+        ctx.register_masters(
+            0, [torch.full((1, 64, 64), float(rank + 1), dtype=torch.bfloat16)], [torch.zeros((1, 64, 64))]
+        )
         vid1 = ctx.begin(0)
         ctx.weight_sync(vid1, plan)  # one good operation first
-        assert torch.equal(ctx.replica_weights[0][0], torch.full((64, 64), float((rank + 1) % world + 1),
-                                                                 dtype=torch.bfloat16))
+        assert torch.equal(
+            ctx.replica_weights[0][0], torch.full((64, 64), float((rank + 1) % world + 1), dtype=torch.bfloat16)
+        )
         if victim and phase in ("weight_sync", "grad_reduce"):
             real_run = ctx.transport.run
             target = Op.MULTICAST if phase == "weight_sync" else Op.REDUCE
@@ -111,8 +141,12 @@ def main(rank: int, world: int, port: int, scenario: str, out_dir: str, timeout_
 
 def record_error(result: dict, e: BaseException) -> None:
     """What a survivor raised: text, type, its classes (UltracommTimeout? PlanError?) and where."""
-    result.update(error=str(e), type=type(e).__name__, mro=[c.__name__ for c in type(e).__mro__],
-                  trace=traceback.format_exc()[-3000:])
+    result.update(
+        error=str(e),
+        type=type(e).__name__,
+        mro=[c.__name__ for c in type(e).__mro__],
+        trace=traceback.format_exc()[-3000:],
+    )
 
 
 def report(result: dict, t0: float, out_dir: str, rank: int) -> None:

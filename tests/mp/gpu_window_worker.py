@@ -6,6 +6,7 @@ the next rank's window through that rank's peer view and the pointer table, and 
 checks that its own window holds the previous rank's signature.  Prints ``rank R OK``.
 No kernel spins here (copies only), so two processes may share one GPU.
 """
+
 from __future__ import annotations
 
 import sys

@@ -7,6 +7,7 @@ lets ranks 0 and 1 call restore().  Each survivor writes ``OUT_DIR/rankR.json`` 
 raised and how long it took.  Plan: rank r holds a replica of expert (r + 1) % 4, so rank 1
 receives from the dead rank 2 and rank 0 sends to the stopped rank 3.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,19 @@ def worker(rank: int, init_file: str, out_dir: str, reported, go, transport: str
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     layout = ExpertLayout((Member("w", (64, 64), torch.bfloat16),))
     extra = {"domain": "a,a,b,b"} if transport == "split" else {}
-    ctx = Context(None, layout, 1, 1, num_layers=1, transport=transport, timeout_s=TIMEOUT_S, relay_mode="off",
-                  chunk_bytes=4096, tile_bytes=4096, **extra)
+    ctx = Context(
+        None,
+        layout,
+        1,
+        1,
+        num_layers=1,
+        transport=transport,
+        timeout_s=TIMEOUT_S,
+        relay_mode="off",
+        chunk_bytes=4096,
+        tile_bytes=4096,
+        **extra,
+    )
     ctx.register_masters(0, [torch.full((1, 64, 64), float(rank), dtype=torch.bfloat16)], [torch.zeros((1, 64, 64))])
     plan = ReplicaPlan.make(np.array([[(r + 1) % WORLD] for r in range(WORLD)], np.int32), experts_per_rank=1)
     vid = ctx.begin(0)

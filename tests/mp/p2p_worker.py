@@ -10,6 +10,7 @@ every relay mode, and compares the pools (weights and grads, relays' partials in
 master grads bit for bit.  Prints ``rank R OK <n> checks <m> relayed`` (and ``rank R pair OK``); exits non-zero on the first
 difference.
 """
+
 from __future__ import annotations
 
 import os
@@ -33,11 +34,14 @@ def check_group(group, node_of, transport: str = "p2p", domain: str | None = Non
     epr, slots = 2, 3
     checks = relayed = 0
     for mode, grad_dtype in (("force", torch.bfloat16), ("auto", torch.float32), ("off", torch.float32)):
-        layout = ExpertLayout((Member("fc1", (6, 17), torch.bfloat16), Member("fc2", (17, 3), torch.bfloat16)),
-                              grad_dtype=grad_dtype)
+        layout = ExpertLayout(
+            (Member("fc1", (6, 17), torch.bfloat16), Member("fc2", (17, 3), torch.bfloat16)), grad_dtype=grad_dtype
+        )
         kw = dict(num_layers=1, relay_mode=mode, node_of=node_of, chunk_bytes=128, tile_bytes=16, timeout_s=60.0)
-        ctxs = {"p2p": Context(group, layout, epr, slots, transport=transport, **kw, **extra),
-                "host": Context(group, layout, epr, slots, transport="host", window="host_shm", domain="", **kw)}
+        ctxs = {
+            "p2p": Context(group, layout, epr, slots, transport=transport, **kw, **extra),
+            "host": Context(group, layout, epr, slots, transport="host", window="host_shm", domain="", **kw),
+        }
         assert ctxs["p2p"].transport.name == transport
         # the host executor's schedules (chunk, relay mode), not the p2p cost model's choice: this
         # compares the executors byte for byte (tests/test_alpha_beta.py tests the choice)
@@ -54,8 +58,9 @@ def check_group(group, node_of, transport: str = "p2p", domain: str | None = Non
             ctx.register_masters(0, w, g)
             masters[name] = g
         rng = np.random.default_rng(11)
-        plans = [hot_slot_src(world, slots, epr, expert=1)] + [random_slot_src(rng, world, slots, epr, 0.9)
-                                                                 for _ in range(2)]
+        plans = [hot_slot_src(world, slots, epr, expert=1)] + [
+            random_slot_src(rng, world, slots, epr, 0.9) for _ in range(2)
+        ]
         for i, src in enumerate(plans):
             plan = ReplicaPlan.make(src, experts_per_rank=epr)
             relayed += int(ctxs["p2p"].schedule_for(plan).stats("multicast")["depth"] >= 2)
@@ -74,7 +79,12 @@ def check_group(group, node_of, transport: str = "p2p", domain: str | None = Non
                     ctx.replica_grads[m].copy_(torch.randn(ctx.replica_grads[m].shape, generator=gen))
                     masters[name][m].copy_(torch.randn(masters[name][m].shape, generator=gen))
                 ctx.grad_reduce(vid)
-                pools[name] = (after_sync, after_restore, ctx.window.local[:end].clone(), [x.clone() for x in masters[name]])
+                pools[name] = (
+                    after_sync,
+                    after_restore,
+                    ctx.window.local[:end].clone(),
+                    [x.clone() for x in masters[name]],
+                )
             for s, e in enumerate(plan.slot_src[rank].tolist()):  # the experts arrived (not zeros on both)
                 if e >= 0:
                     for m, want in enumerate(expert_weights(layout, e)):
@@ -84,8 +94,9 @@ def check_group(group, node_of, transport: str = "p2p", domain: str | None = Non
             assert torch.equal(hr, pr), f"rank {rank} {mode} plan {i}: pools after restore differ"
             assert torch.equal(hg, pg), f"rank {rank} {mode} plan {i}: grad pools (relay partials) differ"
             for m in range(2):
-                assert torch.equal(hm[m].view(torch.uint8), pm[m].view(torch.uint8)), \
+                assert torch.equal(hm[m].view(torch.uint8), pm[m].view(torch.uint8)), (
                     f"rank {rank} {mode} plan {i}: master grads of member {m} differ"
+                )
             checks += 1
         for ctx in ctxs.values():
             ctx.close()

@@ -20,6 +20,7 @@ start).  Then, with rank 0 the home of expert 0 and its replicas on ranks 2 and 
 * mismatch: rank 3 passes another plan (found before anything is enqueued: PlanMismatchError on
   every rank, before the deadline).
 """
+
 from __future__ import annotations
 
 import json
@@ -47,10 +48,24 @@ OTHER = ReplicaPlan.make(np.array([[-1], [-1], [0], [-1]], np.int32), experts_pe
 
 
 def contexts():
-    ctxs = LoopbackDomain(4).run(lambda g: Context(g, LAYOUT, 1, 1, num_layers=1, transport="split",
-                                                   window="cuda_local", device="cuda:0", domain="a,a,b,b",
-                                                   node_of=[0, 0, 1, 1], relay_mode="off", chunk_bytes=1024,
-                                                   tile_bytes=256, timeout_s=TIMEOUT_S))
+    ctxs = LoopbackDomain(4).run(
+        lambda g: Context(
+            g,
+            LAYOUT,
+            1,
+            1,
+            num_layers=1,
+            transport="split",
+            window="cuda_local",
+            device="cuda:0",
+            domain="a,a,b,b",
+            node_of=[0, 0, 1, 1],
+            relay_mode="off",
+            chunk_bytes=1024,
+            tile_bytes=256,
+            timeout_s=TIMEOUT_S,
+        )
+    )
     for c in ctxs:
         w = [torch.full((1, *m.shape), float(c.rank + 1), device="cuda:0") for m in LAYOUT.members]
         c.register_masters(0, w, [torch.zeros_like(t) for t in w])
@@ -67,8 +82,11 @@ def device_sync() -> tuple[bool, float]:
 
 
 def describe(e) -> dict:
-    return dict(error=None if e is None else f"{type(e).__name__}: {e}", timeout=isinstance(e, UltracommTimeout),
-                plan_error=isinstance(e, PlanError))
+    return dict(
+        error=None if e is None else f"{type(e).__name__}: {e}",
+        timeout=isinstance(e, UltracommTimeout),
+        plan_error=isinstance(e, PlanError),
+    )
 
 
 def warm_up(ctxs) -> None:
@@ -104,8 +122,12 @@ def kill_rank0_crossings(ctxs) -> torch.Tensor:
     merge = split_cuda.loopback_sequence
 
     def dead_sequence(progs, wlayout):
-        return [StreamOp(WAIT_GE, Ref(OWN, 0), key=o.key, what=f"{o.what} (rank 0 dead)", rank=DEAD)
-                if o.kind == COPY and o.peer == 0 else o for o in merge(progs, wlayout)]
+        return [
+            StreamOp(WAIT_GE, Ref(OWN, 0), key=o.key, what=f"{o.what} (rank 0 dead)", rank=DEAD)
+            if o.kind == COPY and o.peer == 0
+            else o
+            for o in merge(progs, wlayout)
+        ]
 
     split_cuda.loopback_sequence = dead_sequence
     return word
@@ -136,10 +158,17 @@ def lost_peer(case: str) -> dict:
     named = [e for e in errors if e is not None]
     synced, sync_s = device_sync()
     later = bool(torch.ones(4, device="cuda:0").sum().item() == 4.0) if synced else False
-    out = dict(describe(named[0] if named else None), errors=[describe(e) for e in errors], enqueue_s=enqueued,
-               late_s=returned - (start + TIMEOUT_S), synced=synced, sync_s=sync_s, later_work=later,
-               released=[bool(c.transport.dog.released()) for c in ctxs],
-               abandoned=[c.transport.abandoned_streams() for c in ctxs])
+    out = dict(
+        describe(named[0] if named else None),
+        errors=[describe(e) for e in errors],
+        enqueue_s=enqueued,
+        late_s=returned - (start + TIMEOUT_S),
+        synced=synced,
+        sync_s=sync_s,
+        later_work=later,
+        released=[bool(c.transport.dog.released()) for c in ctxs],
+        abandoned=[c.transport.abandoned_streams() for c in ctxs],
+    )
     for c in ctxs:
         c.close()  # must not hang
     out["closed"] = True
@@ -164,8 +193,9 @@ def mismatch() -> dict:
             errors[c.rank] = errors[c.rank] or e
     waited = time.monotonic() - start
     synced, sync_s = device_sync()
-    out = dict(errors=[describe(e) for e in errors], waited=waited, late_s=waited - TIMEOUT_S, synced=synced,
-               sync_s=sync_s)
+    out = dict(
+        errors=[describe(e) for e in errors], waited=waited, late_s=waited - TIMEOUT_S, synced=synced, sync_s=sync_s
+    )
     for c in ctxs:
         c.close()
     out["closed"] = True

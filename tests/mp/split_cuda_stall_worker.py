@@ -9,6 +9,7 @@ but never copies expert 0 into its shadows of ranks 2 and 3 (direct multicast), 
 stream's wait for that chunk never passes, the kernel of rank 2 or 3 times out waiting for rank
 0's chunk, and the watchdog releases the caller's stream after the timeout (issue 35: once, not twice).
 """
+
 from __future__ import annotations
 
 import json
@@ -25,10 +26,24 @@ TIMEOUT_S = 2.0
 
 
 def main() -> dict:
-    ctxs = LoopbackDomain(4).run(lambda g: Context(g, LAYOUT, 1, 1, num_layers=1, transport="split",
-                                                   window="cuda_local", device="cuda:0", domain="a,a,b,b",
-                                                   node_of=[0, 0, 1, 1], relay_mode="off", chunk_bytes=1024, tile_bytes=256,
-                                                   timeout_s=TIMEOUT_S))
+    ctxs = LoopbackDomain(4).run(
+        lambda g: Context(
+            g,
+            LAYOUT,
+            1,
+            1,
+            num_layers=1,
+            transport="split",
+            window="cuda_local",
+            device="cuda:0",
+            domain="a,a,b,b",
+            node_of=[0, 0, 1, 1],
+            relay_mode="off",
+            chunk_bytes=1024,
+            tile_bytes=256,
+            timeout_s=TIMEOUT_S,
+        )
+    )
     for c in ctxs:
         w = [torch.full((1, *m.shape), float(c.rank + 1), device="cuda:0") for m in LAYOUT.members]
         c.register_masters(0, w, [torch.zeros_like(t) for t in w])

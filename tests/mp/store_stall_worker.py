@@ -3,6 +3,7 @@ over the launcher's TCPStore.  The store thread stops the whole process (SIGSTOP
 the store answered the exchange's wait (keys missing, at timeout_s) and well before the
 caller's own bound (timeout_s + _QUICK_S); the launcher resumes it after that bound has passed.
 Prints the error the exchange raised."""
+
 from __future__ import annotations
 
 import datetime

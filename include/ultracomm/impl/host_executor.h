@@ -27,7 +27,7 @@ struct ExecArgs {
   int32_t rank = 0;
   int32_t world = 0;
   uint64_t epoch = 0;
-  WindowLayout layout;  // must be WindowLayout::make(...) (not re-derived by run_host)
+  WindowLayout layout;                  // must be WindowLayout::make(...) (not re-derived by run_host)
   std::vector<uintptr_t> window_bases;  // [world]: each rank's window base in this process
   // Members of one expert, slot layout: member m occupies [member_off[m], +member_bytes[m]).
   // For multicast these are the weight members; for reduce the grad members.
@@ -50,11 +50,11 @@ struct ExecArgs {
   const Ref* refs = nullptr;
   int64_t num_refs = 0;
   int32_t num_workers = 4;
-  double timeout_s = 100.0;  // > 0; >= 1e9 (or inf) never times out
-  uint32_t jitter_us = 0;  // testing: random sleep up to this before each task
-  uint64_t jitter_seed = 0;  // worker w draws from a PRNG seeded with jitter_seed + w
-  int64_t delay_unit = -1;   // testing: the worker that claims this work unit (tile) sleeps
-  uint32_t delay_us = 0;     //   delay_us before moving it (holds one tile of a chunk back)
+  double timeout_s = 100.0;   // > 0; >= 1e9 (or inf) never times out
+  uint32_t jitter_us = 0;     // testing: random sleep up to this before each task
+  uint64_t jitter_seed = 0;   // worker w draws from a PRNG seeded with jitter_seed + w
+  int64_t delay_unit = -1;    // testing: the worker that claims this work unit (tile) sleeps
+  uint32_t delay_us = 0;      //   delay_us before moving it (holds one tile of a chunk back)
   bool portable_f16 = false;  // testing: portable fp16 conversions instead of F16C (same bits)
   // This op's schedule digest, published beside ready[op]; a peer touching this rank with
   // another digest (or kRejectedDigest) raises PlanMismatchError.  Must not be kRejectedDigest.

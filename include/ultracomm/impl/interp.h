@@ -66,29 +66,29 @@ constexpr int kMaxCopyDsts = 8;
 
 // The mover policy.  "group-collective": every thread of the group calls it, same order.
 template <class M>
-concept Mover = requires(M m, const M cm, uintptr_t a, uint64_t u, uint32_t s, ErrorRecord r, const uintptr_t* p,
-                         RefAddrs srcs) {
-  { cm.leader() } -> std::same_as<bool>;                  // the thread that loads/stores flags
-  { m.sync() };                                           // group barrier
-  { m.template broadcast<uint64_t>(u) } -> std::same_as<uint64_t>;  // leader's value to all
-  { m.claim() } -> std::same_as<int64_t>;                 // next work unit (tile) index; -1 once aborted
-  { m.retire(a, s) } -> std::same_as<bool>;               // leader only: one tile of a task done (below)
-  { m.load_acquire(a) } -> std::same_as<uint64_t>;        // leader only, system scope
-  { m.load_relaxed(a) } -> std::same_as<uint64_t>;        // leader only, system scope: a poll
-  { m.store_release(a, u) };                              // leader only, system scope
-  { m.peer_known(1) } -> std::same_as<bool>;              // leader only: peer's plan verified this launch
-  { m.set_peer_known(1) };                                // leader only (ranks >= kPeerCacheRanks: no-op)
-  { m.fence_release() };                                  // leader only: orders what came before ...
-  { m.store_after_fence(a, u) };                          // ... these flag stores (one fence, N flags)
-  { m.now_ns() } -> std::same_as<uint64_t>;               // leader only
-  { m.relax(s) };                                         // leader only: backoff in a spin
-  { m.aborted() } -> std::same_as<bool>;                  // leader only: another group failed
-  { m.fail(r) };                                          // leader only: first failure wins
-  { m.after_acquire() };                                  // before reading what a peer published
-  { m.copy(p, 1, a, u) };                                 // one segment to n destinations
-  { m.before_release() };                                 // copies complete+visible before release
-  { m.template reduce<GradF32>(a, srcs, 1, u) };          // dst = D(f32(dst) + srcs[0] + ...)
-};
+concept Mover =
+    requires(M m, const M cm, uintptr_t a, uint64_t u, uint32_t s, ErrorRecord r, const uintptr_t* p, RefAddrs srcs) {
+      { cm.leader() } -> std::same_as<bool>;                            // the thread that loads/stores flags
+      { m.sync() };                                                     // group barrier
+      { m.template broadcast<uint64_t>(u) } -> std::same_as<uint64_t>;  // leader's value to all
+      { m.claim() } -> std::same_as<int64_t>;                           // next work unit (tile) index; -1 once aborted
+      { m.retire(a, s) } -> std::same_as<bool>;                         // leader only: one tile of a task done (below)
+      { m.load_acquire(a) } -> std::same_as<uint64_t>;                  // leader only, system scope
+      { m.load_relaxed(a) } -> std::same_as<uint64_t>;                  // leader only, system scope: a poll
+      { m.store_release(a, u) };                                        // leader only, system scope
+      { m.peer_known(1) } -> std::same_as<bool>;                        // leader only: peer's plan verified this launch
+      { m.set_peer_known(1) };                                          // leader only (ranks >= kPeerCacheRanks: no-op)
+      { m.fence_release() };                                            // leader only: orders what came before ...
+      { m.store_after_fence(a, u) };                                    // ... these flag stores (one fence, N flags)
+      { m.now_ns() } -> std::same_as<uint64_t>;                         // leader only
+      { m.relax(s) };                                                   // leader only: backoff in a spin
+      { m.aborted() } -> std::same_as<bool>;                            // leader only: another group failed
+      { m.fail(r) };                                                    // leader only: first failure wins
+      { m.after_acquire() };                                            // before reading what a peer published
+      { m.copy(p, 1, a, u) };                                           // one segment to n destinations
+      { m.before_release() };                                           // copies complete+visible before release
+      { m.template reduce<GradF32>(a, srcs, 1, u) };                    // dst = D(f32(dst) + srcs[0] + ...)
+    };
 
 // Mover::retire(counter, tiles): adds one to the uint32 at `counter` (acq_rel: every earlier
 // tile's copies, complete at its before_release, happen before the last one's release); true in
@@ -299,8 +299,7 @@ UC_HD bool task_in_bounds(const ExecView& v, M& m, const Task& t, int64_t ti) {
 // many, 0 to stop.  Joined-only batching keeps today's progress rule: a destination that never
 // joins does not hold back the ones before it.
 template <class M>
-UC_HD int32_t leader_gather_joined(const ExecView& v, M& m, const Task& t, int64_t ti, const Ref* refs,
-                                   int32_t left) {
+UC_HD int32_t leader_gather_joined(const ExecView& v, M& m, const Task& t, int64_t ti, const Ref* refs, int32_t left) {
   const auto joined = [&](int32_t j) {
     const Ref d = refs[j];
     if (m.peer_known(d.rank)) return uint32_t(kOk);  // joined with our digest: checked once per launch
@@ -452,9 +451,12 @@ UC_HD bool run_tasks(const ExecView& v, M& m) {
 template <class M>
 UC_HD bool run_tasks(const ExecView& v, M& m) {
   switch (v.grad_dtype) {
-    case 1: return run_tasks<M, GradBF16>(v, m);
-    case 2: return run_tasks<M, GradF16>(v, m);
-    default: return run_tasks<M, GradF32>(v, m);
+    case 1:
+      return run_tasks<M, GradBF16>(v, m);
+    case 2:
+      return run_tasks<M, GradF16>(v, m);
+    default:
+      return run_tasks<M, GradF32>(v, m);
   }
 }
 

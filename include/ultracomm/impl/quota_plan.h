@@ -31,27 +31,27 @@
 
 namespace ultracomm::quota {
 
-constexpr int32_t kMaxWorld = 1024;    // rank ids fit the key's low 10 bits
+constexpr int32_t kMaxWorld = 1024;  // rank ids fit the key's low 10 bits
 constexpr int32_t kMaxExperts = 1 << 16;
 constexpr int32_t kMaxSlots = 8;
 constexpr int64_t kMaxTokens = int64_t(1) << 48;  // planners/base.MAX_LOAD_TOTAL
-constexpr int32_t kProbes = 8;         // thresholds per search round (warps of the kernel)
+constexpr int32_t kProbes = 8;                    // thresholds per search round (warps of the kernel)
 
 enum Status : int32_t {
   kOk = 0,
-  kBadShape = 1,      // world / experts_per_rank / slots out of [1, capacity]
-  kBadLoad = 2,       // a negative expert load, or a total above kMaxTokens
-  kBadOption = 3,     // min_tokens outside [1, kMaxTokens], tol outside [0, kMaxTokens], eps_bp outside [0, 10000]
-  kBadNode = 4,       // node_of[r] < 0
+  kBadShape = 1,   // world / experts_per_rank / slots out of [1, capacity]
+  kBadLoad = 2,    // a negative expert load, or a total above kMaxTokens
+  kBadOption = 3,  // min_tokens outside [1, kMaxTokens], tol outside [0, kMaxTokens], eps_bp outside [0, 10000]
+  kBadNode = 4,    // node_of[r] < 0
 };
 
 struct Problem {
   int32_t world;
-  int32_t experts_per_rank;  // expert e lives on rank e / experts_per_rank
-  int32_t slots;             // replica slots per rank (0: nothing to place)
-  int64_t min_tokens;        // smallest piece a replica may take (>= 1)
-  int64_t tol;               // the search stops when the bracket is within tol tokens; 0: from eps_bp
-  int32_t eps_bp;            // tol = max(1, floor(mean) * eps_bp / 10000) when tol is 0
+  int32_t experts_per_rank;    // expert e lives on rank e / experts_per_rank
+  int32_t slots;               // replica slots per rank (0: nothing to place)
+  int64_t min_tokens;          // smallest piece a replica may take (>= 1)
+  int64_t tol;                 // the search stops when the bracket is within tol tokens; 0: from eps_bp
+  int32_t eps_bp;              // tol = max(1, floor(mean) * eps_bp / 10000) when tol is 0
   const int64_t* expert_load;  // [E] tokens of each expert, summed over source ranks
   const int32_t* node_of;      // [world] node of each rank; nullptr: replicas go anywhere
   UC_HD int32_t experts() const { return world * experts_per_rank; }
@@ -60,17 +60,17 @@ struct Problem {
 // Views of the caller's scratch (int64 words): the problem's derived data, shared by the
 // probes, and per probe lane group the mutable state of one probe and its plan.
 struct Shared {
-  int64_t* rank_load;   // [world] home load of each rank
-  int32_t* rank_order;  // [world] ranks by home load, largest first, ties lower rank
+  int64_t* rank_load;     // [world] home load of each rank
+  int32_t* rank_order;    // [world] ranks by home load, largest first, ties lower rank
   int32_t* expert_order;  // [E] per rank, its experts hottest first, ties lower id
 };
 struct ProbeState {
-  int64_t* spare;     // [world] T - load of a receiver; -1 for a hot rank
-  int32_t* free;      // [world] free replica slots
-  int32_t* held;      // [world] expert of the rank's newest replica (-1)
-  int32_t* src;       // [world * slots] expert held by each slot (-1 empty)
-  int64_t* quota;     // [world * slots] tokens each slot computes
-  int64_t* avail;     // [E] tokens of each expert not yet given to a replica
+  int64_t* spare;  // [world] T - load of a receiver; -1 for a hot rank
+  int32_t* free;   // [world] free replica slots
+  int32_t* held;   // [world] expert of the rank's newest replica (-1)
+  int32_t* src;    // [world * slots] expert held by each slot (-1 empty)
+  int64_t* quota;  // [world * slots] tokens each slot computes
+  int64_t* avail;  // [E] tokens of each expert not yet given to a replica
 };
 
 // The plan: slot s of rank r (index r * slots + s) holds a replica of expert src (-1: empty)
@@ -128,8 +128,8 @@ UC_INLINE ProbeState probe_view(int64_t* s, int32_t W, int32_t E, int32_t K, int
 }
 
 UC_INLINE int32_t check_problem(const Problem& p) {
-  if (p.world < 1 || p.world > kMaxWorld || p.experts_per_rank < 1 || p.slots < 0 ||
-      p.slots > kMaxSlots || int64_t(p.world) * p.experts_per_rank > kMaxExperts)
+  if (p.world < 1 || p.world > kMaxWorld || p.experts_per_rank < 1 || p.slots < 0 || p.slots > kMaxSlots ||
+      int64_t(p.world) * p.experts_per_rank > kMaxExperts)
     return kBadShape;
   if (p.min_tokens < 1 || p.min_tokens > kMaxTokens || p.tol < 0 || p.tol > kMaxTokens || p.eps_bp < 0 ||
       p.eps_bp > 10000)
@@ -229,14 +229,12 @@ constexpr uint64_t kNoReceiver = ~uint64_t(0);
 // low 10 bits are the rank, so ties go to the lower rank and the key names the winner.
 UC_INLINE uint64_t receiver_key(int64_t spare, int64_t need, int32_t r) {
   const uint64_t fits = spare >= need ? 0u : 1u;
-  const uint64_t v = fits == 0 ? static_cast<uint64_t>(spare)
-                               : static_cast<uint64_t>(kMaxTokens - spare);
+  const uint64_t v = fits == 0 ? static_cast<uint64_t>(spare) : static_cast<uint64_t>(kMaxTokens - spare);
   return (fits << 59) | (v << 10) | static_cast<uint64_t>(r);
 }
 
 UC_INLINE bool can_receive(const Problem& p, ProbeState st, int32_t r, int32_t e, int32_t hnode) {
-  return st.spare[r] >= p.min_tokens && st.free[r] > 0 && st.held[r] != e &&
-         (!p.node_of || p.node_of[r] == hnode);
+  return st.spare[r] >= p.min_tokens && st.free[r] > 0 && st.held[r] != e && (!p.node_of || p.node_of[r] == hnode);
 }
 
 // Can T be met?  Fills st.src / st.quota with the replicas (slot order = order placed).
@@ -370,8 +368,8 @@ UC_INLINE Bracket start_bracket(const Problem& p, Shared sh) {
 UC_INLINE bool search_done(const Bracket& b) { return b.hi - b.lo <= b.tol; }
 
 UC_INLINE int64_t raw_threshold(const Bracket& b, int32_t i) {
-  if (b.round == 0) return b.lo + (b.tol << i);               // tol <= 2^48, i < 8: no overflow
-  return b.lo + (b.hi - b.lo) * (i + 1) / (kProbes + 1);      // span <= 2^48: no overflow
+  if (b.round == 0) return b.lo + (b.tol << i);           // tol <= 2^48, i < 8: no overflow
+  return b.lo + (b.hi - b.lo) * (i + 1) / (kProbes + 1);  // span <= 2^48: no overflow
 }
 
 // Threshold i of this round, or 0 where slot i probes nothing (outside (lo, hi), or the same

@@ -58,34 +58,34 @@ constexpr int32_t kMaxSlots = 8;
 constexpr int32_t kMaxExperts = 1 << 16;
 constexpr int32_t kMaxDepth = 64;
 constexpr uint64_t kMaxBytes = uint64_t(1) << 40;  // per expert and op; chunk counts stay < 2^31
-constexpr uint32_t kDigestTag = 0x50b1d001u;        // first digest word: differs from the host builder's
-constexpr int32_t kMaxWarps = 8;                    // candidate trees built at once (warps of the CTA)
-constexpr int32_t kBlockThreads = 32 * kMaxWarps;   // the kernel's CTA
-constexpr int64_t kSmemBudget = 46 * 1024;          // dynamic shared memory the kernel may take (no opt-in)
+constexpr uint32_t kDigestTag = 0x50b1d001u;       // first digest word: differs from the host builder's
+constexpr int32_t kMaxWarps = 8;                   // candidate trees built at once (warps of the CTA)
+constexpr int32_t kBlockThreads = 32 * kMaxWarps;  // the kernel's CTA
+constexpr int64_t kSmemBudget = 46 * 1024;         // dynamic shared memory the kernel may take (no opt-in)
 
 enum Status : int32_t {
   kOk = 0,
-  kBadShape = 1,     // world / slots / experts outside [1, capacity] (slots may be 0)
-  kBadPlan = 2,      // slot_src / home_of: out of range, replica at home, expert twice on a rank
-  kBadOption = 3,    // chunk_bytes not a positive multiple of 16, bytes > kMaxBytes, max_depth, rank
-  kBadNode = 4,      // node_of[r] outside [0, world)
-  kOverflow = 5,     // the task or ref output is smaller than this rank's lists
+  kBadShape = 1,   // world / slots / experts outside [1, capacity] (slots may be 0)
+  kBadPlan = 2,    // slot_src / home_of: out of range, replica at home, expert twice on a rank
+  kBadOption = 3,  // chunk_bytes not a positive multiple of 16, bytes > kMaxBytes, max_depth, rank
+  kBadNode = 4,    // node_of[r] outside [0, world)
+  kOverflow = 5,   // the task or ref output is smaller than this rank's lists
 };
 
 struct Problem {
   int32_t world;
-  int32_t slots;             // replica slots per rank
+  int32_t slots;  // replica slots per rank
   int32_t num_experts;
-  int32_t max_depth;         // tree depth limit (1 = direct)
-  int32_t rank;              // whose task lists to write
+  int32_t max_depth;  // tree depth limit (1 = direct)
+  int32_t rank;       // whose task lists to write
   int32_t reserved;
-  const int32_t* slot_src;   // [world * slots] expert of each replica slot, -1 empty
-  const int32_t* home_of;    // [num_experts] home rank of each expert
-  const int32_t* node_of;    // [world] node of each rank; nullptr: one node
-  uint64_t weight_bytes;     // one expert's weights (multicast), slot layout
-  uint64_t grad_bytes;       // one expert's grads (reduce)
-  uint64_t chunk_bytes;      // multiple of 16
-  uint64_t hop_bytes;        // cost model: per-hop latency as bytes of link time
+  const int32_t* slot_src;  // [world * slots] expert of each replica slot, -1 empty
+  const int32_t* home_of;   // [num_experts] home rank of each expert
+  const int32_t* node_of;   // [world] node of each rank; nullptr: one node
+  uint64_t weight_bytes;    // one expert's weights (multicast), slot layout
+  uint64_t grad_bytes;      // one expert's grads (reduce)
+  uint64_t chunk_bytes;     // multiple of 16
+  uint64_t hop_bytes;       // cost model: per-hop latency as bytes of link time
 };
 
 // Caller memory for one op's lists.
@@ -98,11 +98,11 @@ struct OpOut {
 
 struct Result {
   int32_t status;
-  int32_t candidates;        // trees the one-thread order builds (successful or not)
-  int32_t lower_bound;       // L0, in experts
-  int32_t cap[2];            // per op: the capacity L of the chosen tree
-  int32_t busiest[2];        // per op: children of its busiest rank (k)
-  int32_t depth[2];          // per op: the chosen tree's depth
+  int32_t candidates;   // trees the one-thread order builds (successful or not)
+  int32_t lower_bound;  // L0, in experts
+  int32_t cap[2];       // per op: the capacity L of the chosen tree
+  int32_t busiest[2];   // per op: children of its busiest rank (k)
+  int32_t depth[2];     // per op: the chosen tree's depth
   int64_t num_tasks[2];
   int64_t num_refs[2];
   uint64_t digest;
@@ -160,8 +160,8 @@ struct View {
   int32_t* height;
   int32_t* kids;
   int32_t* sref;
-  int32_t* warp0;       // first candidate warp's area (warp_i32 ints each)
-  uint64_t* keys;       // sorted [NX + S], then unsorted [NX + S]
+  int32_t* warp0;  // first candidate warp's area (warp_i32 ints each)
+  uint64_t* keys;  // sorted [NX + S], then unsorted [NX + S]
   int32_t W, S, E, warps;
 };
 
@@ -182,18 +182,30 @@ UC_INLINE View view(int64_t* s, int32_t W, int32_t S, int32_t E, int32_t warps =
   View v;
   v.block = s;
   int32_t* p = reinterpret_cast<int32_t*>(s + kBlockWords);
-  v.misc = p; p += 8;
-  v.src = p; p += WS;
-  v.home = p; p += E;
-  v.node = p; p += W;
-  v.trees = p; p += 6 * WS;
-  v.rep_begin = p; p += E + 1;
-  v.rep = p; p += WS;
-  v.order = p; p += NX;
-  v.duty = p; p += W;
-  v.height = p; p += WS + E;
-  v.kids = p; p += WS;
-  v.sref = p; p += NX + S + 1;
+  v.misc = p;
+  p += 8;
+  v.src = p;
+  p += WS;
+  v.home = p;
+  p += E;
+  v.node = p;
+  p += W;
+  v.trees = p;
+  p += 6 * WS;
+  v.rep_begin = p;
+  p += E + 1;
+  v.rep = p;
+  p += WS;
+  v.order = p;
+  p += NX;
+  v.duty = p;
+  p += W;
+  v.height = p;
+  p += WS + E;
+  v.kids = p;
+  p += WS;
+  v.sref = p;
+  p += NX + S + 1;
   v.warp0 = p;
   v.keys = reinterpret_cast<uint64_t*>(s + kBlockWords + words_i32(scratch_i32(W, S, E, warps)));
   v.W = W;
@@ -207,12 +219,18 @@ UC_INLINE Work work(const View& v, int32_t w) {
   const int64_t WS = int64_t(v.W) * v.S;
   int32_t* p = v.warp0 + int64_t(w) * warp_i32(v.W, v.S);
   Work k;
-  k.tree = p; p += 3 * WS;
-  k.rem = p; p += v.W;
-  k.gateway = p; p += v.W;
-  k.targets = p; p += v.W;
-  k.senders = p; p += v.W + 1;
-  k.tmp = p; p += v.W;
+  k.tree = p;
+  p += 3 * WS;
+  k.rem = p;
+  p += v.W;
+  k.gateway = p;
+  p += v.W;
+  k.targets = p;
+  p += v.W;
+  k.senders = p;
+  p += v.W + 1;
+  k.tmp = p;
+  p += v.W;
   k.words = p;
   return k;
 }
@@ -322,11 +340,11 @@ UC_INLINE int32_t check_problem(const Problem& p) {
 // ---------------------------------------------------------------- preparation
 
 struct Prepared {
-  int32_t l0;      // the lower bound L0
-  int32_t fixed;   // most filled slots of a rank
-  int64_t total;   // replicas
-  int32_t once;    // most replicated experts homed on a rank
-  int32_t nx;      // experts with replicas
+  int32_t l0;     // the lower bound L0
+  int32_t fixed;  // most filled slots of a rank
+  int64_t total;  // replicas
+  int32_t once;   // most replicated experts homed on a rank
+  int32_t nx;     // experts with replicas
 };
 
 // Replicas per expert (CSR), experts by replica count, homes' duties, L0.
@@ -334,8 +352,8 @@ template <class G>
 UC_INLINE Prepared prepare(const Problem& p, const View& v, const G& g) {
   const int32_t W = p.world, S = p.slots, E = p.num_experts;
   const int64_t WS = int64_t(W) * S;
-  int32_t* cursor = v.height;     // [E]
-  int32_t* list = v.height + E;   // [NX] keys of the experts with replicas, any order
+  int32_t* cursor = v.height;    // [E]
+  int32_t* list = v.height + E;  // [NX] keys of the experts with replicas, any order
   for (int32_t e = g.lane(); e <= E; e += g.width()) v.rep_begin[e] = 0;
   for (int32_t r = g.lane(); r < W; r += g.width()) v.duty[r] = 0;
   if (g.lane() == 0) v.misc[0] = 0;
@@ -457,7 +475,8 @@ UC_INLINE void search(const Problem& p, const View& v, const Search& sc, Result&
         const int32_t k = w.words[5], d = w.words[6];
         UC_UNROLL
         for (int32_t op = 0; op < 2; ++op) {
-          const uint64_t c = op_cost(op == 0 ? p.weight_bytes : p.grad_bytes, p.chunk_bytes, p.hop_bytes, k, sc.fixed, d);
+          const uint64_t c =
+              op_cost(op == 0 ? p.weight_bytes : p.grad_bytes, p.chunk_bytes, p.hop_bytes, k, sc.fixed, d);
           if (c < best[op]) {
             best[op] = c;
             res.cap[op] = static_cast<int32_t>(candidate_cap(sc.l0, sc.lmax, i));

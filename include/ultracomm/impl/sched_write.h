@@ -71,8 +71,8 @@ UC_INLINE int32_t rank_senders(const Problem& p, const View& v, const int32_t* t
 
 // Writes rank p.rank's lists of op (0 multicast, 1 reduce) from its chosen tree.
 template <class G>
-UC_INLINE int32_t write_op(const Problem& p, const View& v, int32_t op, int32_t maxd, const OpOut& out,
-                           int64_t& ntasks, int64_t& nrefs, const G& g) {
+UC_INLINE int32_t write_op(const Problem& p, const View& v, int32_t op, int32_t maxd, const OpOut& out, int64_t& ntasks,
+                           int64_t& nrefs, const G& g) {
   const int32_t S = p.slots, E = p.num_experts, r = p.rank;
   const int64_t WS = int64_t(p.world) * S;
   const bool mc = op == 0;
@@ -183,8 +183,9 @@ UC_INLINE void digest_add(int64_t half[2], uint64_t t) {
 
 // The header's chain (every lane computes it: a few words).
 UC_INLINE uint64_t digest_header(const Problem& p) {
-  const uint64_t words[9] = {uint64_t(kDigestTag), uint64_t(p.world), uint64_t(p.slots), uint64_t(p.num_experts),
-                             p.weight_bytes, p.grad_bytes, p.chunk_bytes, p.hop_bytes, uint64_t(p.max_depth)};
+  const uint64_t words[9] = {uint64_t(kDigestTag),    uint64_t(p.world), uint64_t(p.slots),
+                             uint64_t(p.num_experts), p.weight_bytes,    p.grad_bytes,
+                             p.chunk_bytes,           p.hop_bytes,       uint64_t(p.max_depth)};
   uint64_t h = 0x9e3779b97f4a7c15ULL;
   UC_UNROLL
   for (int i = 0; i < 9; ++i) h = mix64(h ^ words[i]);
@@ -206,7 +207,8 @@ UC_INLINE uint64_t digest(const Problem& p, const int32_t* const trees[2], const
     digest_add(half, digest_term(kSegNode, r, p.node_of ? p.node_of[r] : 0));
   UC_UNROLL
   for (uint32_t op = 0; op < 2; ++op)
-    for (int64_t i = g.lane(); i < 2 * WS; i += g.width()) digest_add(half, digest_term(kSegTree + op, i, trees[op][i]));
+    for (int64_t i = g.lane(); i < 2 * WS; i += g.width())
+      digest_add(half, digest_term(kSegTree + op, i, trees[op][i]));
   const int64_t lo = g.sum(half[0]);
   const int64_t hi = g.sum(half[1]);
   const uint64_t sum = uint64_t(lo) + (uint64_t(hi) << 32);

@@ -35,8 +35,8 @@ constexpr int32_t kRanksOutOfStep = 8;  // the loads' exchange found a rank on a
 // status (nonzero: it failed), the planner's result words (low 32 bits of [0]: its status).
 UC_INLINE int32_t upstream_status(const int32_t* exchange_status, const int64_t* plan_result) {
   // the exchange's status word: 1 a rank never posted, 2 a rank posted another exchange's tag
-  if (exchange_status != nullptr && *exchange_status != 0) return *exchange_status == 2 ? kRanksOutOfStep
-                                                                                        : kExchangeFailed;
+  if (exchange_status != nullptr && *exchange_status != 0)
+    return *exchange_status == 2 ? kRanksOutOfStep : kExchangeFailed;
   if (plan_result != nullptr && (*plan_result & 0xffffffff) != 0) return kPlanFailed;
   return 0;
 }
@@ -87,9 +87,9 @@ UC_INLINE Result build_into_views(const Problem& p, int64_t* scratch, ExecView* 
     ExecView* v = views[op];
     int32_t* my = const_cast<int32_t*>(v->my_slots);
     int32_t* parent = const_cast<int32_t*>(v->slot_parent);
-    const int32_t* pr =
-        res.status == kOk ? chosen(view(scratch, p.world, p.slots, p.num_experts, candidate_warps(g, warps)), op)
-                          : nullptr;
+    const int32_t* pr = res.status == kOk
+                            ? chosen(view(scratch, p.world, p.slots, p.num_experts, candidate_warps(g, warps)), op)
+                            : nullptr;
     // the view's own slots (a failed build clears them: the rank's drain then waits on nothing)
     const int64_t n = v->layout.slots < S ? v->layout.slots : S;
     for (int64_t s = g.lane(); s < n; s += g.width()) {

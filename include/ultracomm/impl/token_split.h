@@ -28,8 +28,8 @@ UC_INLINE int64_t scratch_words(int32_t world) { return 2 * int64_t(world); }
 // the last instance); returns the number of instances.  scratch: scratch_words(world) words.
 UC_HD inline int32_t expert_counts(const Plan& p, int32_t e, int32_t me, int64_t* counts, int64_t* scratch) {
   const int32_t W = p.world, K = p.slots, E = p.experts(), home = e / p.experts_per_rank;
-  int64_t* rem_ld = scratch;      // [W]
-  int64_t* rem_q = scratch + W;   // [W] instances
+  int64_t* rem_ld = scratch;     // [W]
+  int64_t* rem_q = scratch + W;  // [W] instances
   int32_t n = 1;
   int64_t total = 0, rep_q = 0;
   for (int32_t s = 0; s < W; ++s) {
@@ -69,8 +69,14 @@ UC_HD inline int32_t expert_counts(const Plan& p, int32_t e, int32_t me, int64_t
   int32_t s = 0;
   i = 0;
   while (s < W && s <= me && i < n) {
-    if (rem_ld[s] == 0) { ++s; continue; }
-    if (rem_q[i] == 0) { ++i; continue; }
+    if (rem_ld[s] == 0) {
+      ++s;
+      continue;
+    }
+    if (rem_q[i] == 0) {
+      ++i;
+      continue;
+    }
     const int64_t x = rem_ld[s] < rem_q[i] ? rem_ld[s] : rem_q[i];
     if (s == me) counts[i] += x;
     rem_ld[s] -= x;
@@ -84,8 +90,8 @@ enum Layout : int32_t { kEcho = 0, kPhysical = 1 };  // moe/reroute.py's column 
 // One row of moe/reroute.py's RerouteTable for expert e and source `me`, padded to `world`
 // instances: bounds[i] = cumulative counts (unused instances repeat the total, so a token rank
 // never selects them), columns[i] = the rerouted map's column of instance i (unused: home's).
-UC_HD inline void expert_table(const Plan& p, int32_t e, int32_t me, int32_t layout, int64_t* bounds,
-                               int64_t* columns, int64_t* scratch) {
+UC_HD inline void expert_table(const Plan& p, int32_t e, int32_t me, int32_t layout, int64_t* bounds, int64_t* columns,
+                               int64_t* scratch) {
   const int32_t W = p.world, K = p.slots, E = p.experts(), epr = p.experts_per_rank, home = e / epr;
   const int32_t n = expert_counts(p, e, me, bounds, scratch);
   for (int32_t i = 1; i < W; ++i) bounds[i] += bounds[i - 1];
@@ -98,7 +104,6 @@ UC_HD inline void expert_table(const Plan& p, int32_t e, int32_t me, int32_t lay
       columns[i++] = layout == kEcho ? E + r * K + k : r * (epr + K) + epr + k;
     }
 }
-
 
 // ---------------------------------------------------------------- the same table, on lanes
 //
@@ -126,9 +131,9 @@ struct SerialLanes {  // one lane: the host build of expert_table_lanes
 };
 
 struct LaneInstance {
-  int32_t rank;     // who holds it
-  int64_t quota;    // tokens it computes (instance 0: the expert's tokens less its replicas')
-  int64_t local;    // tokens its own rank sends it first: min(load of that rank, quota)
+  int32_t rank;   // who holds it
+  int64_t quota;  // tokens it computes (instance 0: the expert's tokens less its replicas')
+  int64_t local;  // tokens its own rank sends it first: min(load of that rank, quota)
 };
 
 UC_HD inline LaneInstance lane_instance(const Plan& p, int32_t e, int32_t i, const int32_t* inst, int64_t home_quota) {
@@ -145,8 +150,7 @@ UC_HD inline LaneInstance lane_instance(const Plan& p, int32_t e, int32_t i, con
 // compacted into inst[1..n) in (rank, slot) order; returns n, or -1 when the plan is outside
 // the closed form's domain.  *multi: some replica has a positive quota.
 template <class G>
-UC_HD int32_t lane_instances(const Plan& p, int32_t e, int32_t me, int32_t* inst, int64_t* v, bool* multi,
-                             const G& g) {
+UC_HD int32_t lane_instances(const Plan& p, int32_t e, int32_t me, int32_t* inst, int64_t* v, bool* multi, const G& g) {
   const int32_t W = p.world, K = p.slots, E = p.experts(), home = e / p.experts_per_rank;
   int64_t total = 0, before = 0, own = 0, rep_q = 0, bad = 0, pos = 0;
   for (int32_t s = g.lane(); s < W; s += g.width()) {
@@ -172,7 +176,7 @@ UC_HD int32_t lane_instances(const Plan& p, int32_t e, int32_t me, int32_t* inst
     }
     n += static_cast<int32_t>(cnt);
   }
-  g.sync();  // inst written before any lane reads it
+  g.sync();                                                       // inst written before any lane reads it
   for (int32_t i = 2 + g.lane(); i < n && i < W; i += g.width())  // two replicas on one rank
     bad += inst[i] / K == inst[i - 1] / K ? 1 : 0;
   v[0] = g.sum(total);
@@ -185,8 +189,8 @@ UC_HD int32_t lane_instances(const Plan& p, int32_t e, int32_t me, int32_t* inst
 }
 
 template <class G>
-UC_HD void expert_table_lanes(const Plan& p, int32_t e, int32_t me, int32_t layout, int64_t* bounds,
-                              int64_t* columns, int32_t* inst, int64_t* scratch, const G& g) {
+UC_HD void expert_table_lanes(const Plan& p, int32_t e, int32_t me, int32_t layout, int64_t* bounds, int64_t* columns,
+                              int32_t* inst, int64_t* scratch, const G& g) {
   const int32_t W = p.world, K = p.slots, E = p.experts(), epr = p.experts_per_rank, home = e / epr;
   int64_t v[4];  // total, before, own, replicas' quotas
   bool multi = false;
@@ -208,7 +212,7 @@ UC_HD void expert_table_lanes(const Plan& p, int32_t e, int32_t me, int32_t layo
   }
   const int64_t A = v[1] - g.sum(sub_before), L = v[2] - g.sum(sub_own);
   const int64_t home_col = layout == kEcho ? e : int64_t(home) * (epr + K) + e % epr;
-  int64_t carry_q = 0, carry_c = 0;  // remainders and counts of the instances before this chunk
+  int64_t carry_q = 0, carry_c = 0;             // remainders and counts of the instances before this chunk
   for (int32_t b = 0; b < W; b += g.width()) {  // same trip count on every lane
     const int32_t i = b + g.lane();
     int64_t c = 0, rest = 0;

@@ -31,16 +31,16 @@ constexpr uint64_t kRejectedDigest = ~uint64_t(0);
 constexpr uint64_t kNotRead = ~uint64_t(0);  // peer_ready / observed: not read
 
 struct ErrorRecord {
-  uint32_t code;        // ErrorCode
-  int32_t rank;         // the rank that failed (this rank)
-  uint8_t op;           // Op
+  uint32_t code;  // ErrorCode
+  int32_t rank;   // the rank that failed (this rank)
+  uint8_t op;     // Op
   uint8_t reserved[3];
-  uint32_t flag_kind;   // FlagKind of the flag awaited
-  int64_t task;         // index in the rank's task list; -1 in join/drain
-  int32_t expert;       // -1 if none
-  int32_t chunk;        // -1 if none
-  int32_t slot;         // slot of the flag awaited (on `peer` for ready/grad_ready, else own)
-  int32_t peer;         // rank awaited / checked; -1 = unknown (no slot_parent given)
+  uint32_t flag_kind;  // FlagKind of the flag awaited
+  int64_t task;        // index in the rank's task list; -1 in join/drain
+  int32_t expert;      // -1 if none
+  int32_t chunk;       // -1 if none
+  int32_t slot;        // slot of the flag awaited (on `peer` for ready/grad_ready, else own)
+  int32_t peer;        // rank awaited / checked; -1 = unknown (no slot_parent given)
   uint64_t epoch;
   uint64_t observed;    // flag value seen at the timeout, or the peer's digest
   uint64_t expected;    // own digest (kDigestMismatch / kRejected)

@@ -12,7 +12,7 @@
 
 namespace ultracomm {
 
-constexpr int kMaxMembers = 8;  // members of one expert (fc1, fc2, biases, scales ...)
+constexpr int kMaxMembers = 8;                     // members of one expert (fc1, fc2, biases, scales ...)
 constexpr uint64_t kDefaultTileBytes = 64 * 1024;  // ExecView::tile_bytes unless a caller sets another
 
 struct ExecView {
@@ -29,16 +29,16 @@ struct ExecView {
   const uintptr_t* master_ptrs;   // [n_local * num_members]: member m of local expert i at [i * M + m]
   const int32_t* local_index_of;  // [num_experts]: local index on its home, -1 if not here
   int32_t num_experts;
-  int32_t grad_dtype;             // DType: 0 fp32, 1 bf16, 2 fp16 (reduce only)
-  const int32_t* my_slots;        // [layout.slots]: expert held by each own slot, -1 empty
-  const int32_t* slot_parent;     // [layout.slots] or null: rank each own slot receives from /
-                                  //   is consumed by (names peers in errors, watched for digests)
+  int32_t grad_dtype;          // DType: 0 fp32, 1 bf16, 2 fp16 (reduce only)
+  const int32_t* my_slots;     // [layout.slots]: expert held by each own slot, -1 empty
+  const int32_t* slot_parent;  // [layout.slots] or null: rank each own slot receives from /
+                               //   is consumed by (names peers in errors, watched for digests)
   const Task* tasks;
   int64_t num_tasks;
   const Ref* refs;
   int64_t num_refs;
-  uint64_t timeout_ns;            // per wait; UINT64_MAX = never
-  uint64_t digest;                // this op's schedule digest, published beside ready[op]
+  uint64_t timeout_ns;  // per wait; UINT64_MAX = never
+  uint64_t digest;      // this op's schedule digest, published beside ready[op]
   // Tiles (interp.h run_tasks): a task's chunk is moved as tiles of tile_bytes (a multiple of 16),
   // claimed by any worker; the worker retiring a task's last tile on tile_done[task] releases the
   // chunk.  tile_bytes 0 or >= layout.chunk_bytes, or tile_done null: one tile per task (a task

@@ -90,8 +90,7 @@ UC_INLINE float f16_to_f32(uint16_t h) {
   const float magic_bias = 0.5f;
   const float denormalized = add_rn(f32_from_bits((two_w >> 17) | magic_mask), -magic_bias);
   const uint32_t denormalized_cutoff = 1u << 27;
-  const uint32_t result =
-      sign | (two_w < denormalized_cutoff ? f32_bits(denormalized) : f32_bits(normalized));
+  const uint32_t result = sign | (two_w < denormalized_cutoff ? f32_bits(denormalized) : f32_bits(normalized));
   return f32_from_bits(result);
 }
 

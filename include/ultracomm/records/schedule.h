@@ -13,12 +13,12 @@ struct BuildInput {
   int32_t world = 0;
   int32_t slots_per_rank = 0;
   int32_t num_experts = 0;
-  std::vector<int32_t> slot_src;  // [world * slots_per_rank], logical expert or -1
-  std::vector<int32_t> home_of;   // [num_experts]
-  std::vector<int32_t> node_of;   // [world]; all zeros for one node
-  uint64_t weight_bytes = 0;      // one expert's weights, slot layout
-  uint64_t grad_bytes = 0;        // one expert's grads, slot layout
-  uint64_t chunk_bytes = 1 << 20; // multiple of 16
+  std::vector<int32_t> slot_src;   // [world * slots_per_rank], logical expert or -1
+  std::vector<int32_t> home_of;    // [num_experts]
+  std::vector<int32_t> node_of;    // [world]; all zeros for one node
+  uint64_t weight_bytes = 0;       // one expert's weights, slot layout
+  uint64_t grad_bytes = 0;         // one expert's grads, slot layout
+  uint64_t chunk_bytes = 1 << 20;  // multiple of 16
   // kAuto: per op, the candidate tree with the least predicted_s.  A relay tree is a
   // candidate only if, on one node, no rank sends (multicast) / pulls (reduce) more experts
   // than in the direct tree, so max egress / ingress never exceed direct's; on several nodes,
@@ -31,8 +31,8 @@ struct BuildInput {
   // Max tree depth (1 = direct); auto picks the depth by predicted time.  kForce raises 1 to 2
   // (a relay tree needs depth 2): it builds the trees of max_depth = 2 (input and digest keep 1).
   int32_t max_depth = 8;
-  double intra_bw = 370e9;        // bytes/s per rank per direction within a node
-  double inter_bw = 50e9;         // bytes/s per rank per direction across nodes
+  double intra_bw = 370e9;  // bytes/s per rank per direction within a node
+  double inter_bw = 50e9;   // bytes/s per rank per direction across nodes
   // Per-hop latency of the cost model (seconds): a chunk is visible at the receiver (data +
   // flag, handled) this long after its last byte left; one per tree level on the critical path.
   double intra_latency_s = 2e-6;
@@ -55,8 +55,8 @@ struct OpSchedule {
   uint64_t bytes = 0;                    // one expert's bytes for this op (weights / grads)
   uint64_t chunks = 0;                   // ceil(bytes / chunk_bytes)
   // stats
-  std::vector<uint64_t> egress;   // [world] bytes sent (multicast) / read from it by peers (reduce)
-  std::vector<uint64_t> ingress;  // [world] bytes received / pulled
+  std::vector<uint64_t> egress;                       // [world] bytes sent (multicast) / read from it by peers (reduce)
+  std::vector<uint64_t> ingress;                      // [world] bytes received / pulled
   std::vector<uint64_t> inter_egress, inter_ingress;  // [world] the cross-node part of the above
   int32_t max_depth = 0;
   // Multicast: max(max ingress, max over ranks of the bytes it must send at least once
@@ -77,7 +77,7 @@ struct OpSchedule {
   // fan-out f of f*B/bw + (least depth at which fan-out f holds n replicas) * hop.  Where it
   // exceeds lower_bound_s + one hop, no tree reaches DESIGN.md's bound.
   double tree_lower_bound_s = 0;
-  bool relayed = false;            // true when any expert uses a relay
+  bool relayed = false;  // true when any expert uses a relay
 };
 
 struct Schedule {

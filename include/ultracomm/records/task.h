@@ -38,7 +38,7 @@ struct Ref {
 };
 
 struct Task {
-  uint8_t kind;       // TaskKind
+  uint8_t kind;  // TaskKind
   uint8_t reserved0;
   uint16_t level;     // dependency level: a task only waits on tasks of lower (chunk, level)
   int32_t expert;     // logical expert id
@@ -46,9 +46,9 @@ struct Task {
   int32_t ref_begin;  // index into the rank's refs array
   int32_t ref_count;  // copy: destinations; reduce: sources in summation order (after self)
   int32_t reserved1;
-  uint64_t offset;    // byte offset of the chunk within the expert (slot layout)
-  uint64_t bytes;     // byte length of the chunk
-  Ref self;           // copy: the source; reduce: the destination and first addend
+  uint64_t offset;  // byte offset of the chunk within the expert (slot layout)
+  uint64_t bytes;   // byte length of the chunk
+  Ref self;         // copy: the source; reduce: the destination and first addend
 };
 static_assert(sizeof(Ref) == 8, "Ref must stay 8 bytes");
 static_assert(sizeof(Task) == 48, "Task must stay 48 bytes (shared with CUDA and numpy)");

@@ -31,9 +31,9 @@ struct WindowLayout {
   uint64_t weight_stride = 0, grad_stride = 0;
   uint64_t weight_chunks = 0, grad_chunks = 0;
   uint64_t weights_off = 0, grads_off = 0;
-  uint64_t ready_off = 0;     // uint64 ready[kNumOps]
-  uint64_t digest_off = 0;    // uint64 digest[kNumOps]: schedule digest of the op in ready[op]'s epoch
-  uint64_t arrival_off = 0;   // uint64 arrival[slots][weight_chunks]
+  uint64_t ready_off = 0;       // uint64 ready[kNumOps]
+  uint64_t digest_off = 0;      // uint64 digest[kNumOps]: schedule digest of the op in ready[op]'s epoch
+  uint64_t arrival_off = 0;     // uint64 arrival[slots][weight_chunks]
   uint64_t grad_ready_off = 0;  // uint64 grad_ready[slots][grad_chunks]
   uint64_t consumed_off = 0;    // uint64 consumed[slots][grad_chunks]
   uint64_t total_bytes = 0;

@@ -1,4 +1,5 @@
 """The micro-batch slots of a Context: ``max_microbatches`` per layer, each a ``vid`` in flight."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,12 +14,12 @@ __all__ = ["MicroBatch", "MicroBatches"]
 class MicroBatch:
     layer: int
     vid: int
-    plan: Any = None                         # ReplicaPlan | ResidentPlan
-    schedule: Any = None                     # a ScheduleBase | DeviceSchedule
-    my_slots: list[int] | None = None        # this rank's row of plan.slot_src
+    plan: Any = None  # ReplicaPlan | ResidentPlan
+    schedule: Any = None  # a ScheduleBase | DeviceSchedule
+    my_slots: list[int] | None = None  # this rank's row of plan.slot_src
     local_index_of: list[int] | None = None  # plan.local_index_of, as a list for the executor
-    restored: bool = False                   # restore() (or weights_copied) since weight_sync
-    overwritten_by: int | None = None        # layer whose multicast overwrote the slots before any restore
+    restored: bool = False  # restore() (or weights_copied) since weight_sync
+    overwritten_by: int | None = None  # layer whose multicast overwrote the slots before any restore
 
     def keep(self, rank: int, plan: Any, schedule: Any, local_index_of: list[int] | None = None) -> None:
         """Hold ``plan`` and its ``schedule``; a resident plan (on the device) has no host row, and
@@ -36,7 +37,8 @@ class MicroBatch:
             raise UltracommError(
                 f"ultracomm: grad_reduce(vid {self.vid}, layer {self.layer}): layer {self.overwritten_by}'s multicast "
                 f"overwrote the replica slots after this micro-batch's weight_sync and restore(vid) was never called, "
-                f"so its backward ran on another layer's weights; call restore({self.vid}) before the expert Dgrad")
+                f"so its backward ran on another layer's weights; call restore({self.vid}) before the expert Dgrad"
+            )
 
 
 class MicroBatches:
@@ -68,15 +70,19 @@ class MicroBatches:
         raise UltracommError(
             f"ultracomm: layer {layer} already has {self.max_microbatches} micro-batches in flight; call "
             "grad_reduce(vid) or end(vid) for finished ones, or create the Context with a larger max_microbatches "
-            "(micro-batches in flight per layer)")
+            "(micro-batches in flight per layer)"
+        )
 
     def get(self, vid: int, need_plan: bool = False) -> MicroBatch:
         if isinstance(vid, bool) or not isinstance(vid, int) or vid < 0:
             raise ValueError(f"ultracomm: vid {vid!r} is not in flight; get one from begin(layer)")
         mb = self._table[vid % len(self._table)]
         if mb is None or mb.vid != vid:
-            state = "was released (by grad_reduce or end)" if vid < self._begun * len(self._table) else \
-                "was never returned by begin"
+            state = (
+                "was released (by grad_reduce or end)"
+                if vid < self._begun * len(self._table)
+                else "was never returned by begin"
+            )
             raise ValueError(f"ultracomm: vid {vid} is not in flight: it {state}; get one from begin(layer)")
         if need_plan and mb.schedule is None:
             raise UltracommError(f"ultracomm: vid {vid} has no plan yet; call weight_sync(vid, plan) first")

@@ -1,5 +1,6 @@
 """The schedule of a plan under a Context's configuration, built by the builder the call
 names and cached by plan digest (this rank's lists)."""
+
 from __future__ import annotations
 
 import collections
@@ -35,8 +36,19 @@ class Schedules:
     trees by them) and whether it is ``split`` (shared memory inside a domain, messages between
     domains).  ``config`` may be replaced (``Context.set_relay_mode``); call ``clear()``."""
 
-    def __init__(self, *, rank: int, num_experts: int, experts_per_rank: int, layout: ExpertLayout, chunk_bytes: int,
-                 node_of: Sequence[int], domain_of: Sequence[int], transport: Any, config: Config):
+    def __init__(
+        self,
+        *,
+        rank: int,
+        num_experts: int,
+        experts_per_rank: int,
+        layout: ExpertLayout,
+        chunk_bytes: int,
+        node_of: Sequence[int],
+        domain_of: Sequence[int],
+        transport: Any,
+        config: Config,
+    ):
         self.rank, self.num_experts, self.experts_per_rank = rank, num_experts, experts_per_rank
         self.layout, self.chunk_bytes = layout, chunk_bytes
         self.node_of, self.domain_of = list(node_of), tuple(domain_of)
@@ -67,10 +79,18 @@ class Schedules:
         self._cache[key] = sched
         if log.isEnabledFor(logging.DEBUG):
             st = sched.stats()
-            log.debug("rank %d: schedule %016x built: multicast depth %d max egress %d B (lower bound %d B); "
-                      "reduce depth %d max ingress %d B (lower bound %d B)", self.rank, sched.digest,
-                      st["multicast"]["depth"], st["multicast"]["max_egress"], st["multicast"]["lower_bound_bytes"],
-                      st["reduce"]["depth"], st["reduce"]["max_ingress"], st["reduce"]["lower_bound_bytes"])
+            log.debug(
+                "rank %d: schedule %016x built: multicast depth %d max egress %d B (lower bound %d B); "
+                "reduce depth %d max ingress %d B (lower bound %d B)",
+                self.rank,
+                sched.digest,
+                st["multicast"]["depth"],
+                st["multicast"]["max_egress"],
+                st["multicast"]["lower_bound_bytes"],
+                st["reduce"]["depth"],
+                st["reduce"]["max_ingress"],
+                st["reduce"]["lower_bound_bytes"],
+            )
         if len(self._cache) > CACHED:
             self._cache.popitem(last=False)
         return sched
@@ -81,32 +101,67 @@ class Schedules:
         if costs is not None and not self.split:  # a message transport: chunk and tree by its alpha-beta model
             if len(set(self.domain_of)) == 1:  # one host: every rank's messages share its cores
                 costs = dataclasses.replace(costs, shared=True)
-            return choose_schedule(plan, lay.weight_bytes, lay.grad_bytes, costs, relay_mode=c.relay_mode,
-                                   max_depth=c.max_depth, node_of=self.node_of, rank=self.rank).schedule
+            return choose_schedule(
+                plan,
+                lay.weight_bytes,
+                lay.grad_bytes,
+                costs,
+                relay_mode=c.relay_mode,
+                max_depth=c.max_depth,
+                node_of=self.node_of,
+                rank=self.rank,
+            ).schedule
         inter = {}
         if self.split and costs is not None:  # shared memory inside a domain, messages between domains
             shm = COSTS["host_shm"]
-            inter = dict(intra_bw=shm.beta_Bps, intra_latency_s=shm.alpha_s, inter_bw=costs.beta_Bps,
-                         inter_latency_s=costs.alpha_s)
+            inter = dict(
+                intra_bw=shm.beta_Bps,
+                intra_latency_s=shm.alpha_s,
+                inter_bw=costs.beta_Bps,
+                inter_latency_s=costs.alpha_s,
+            )
         if builder == "portable":  # the device control plane's builder (sched_build.h)
             # its own tree choice: relay "off" means direct (depth 1); "force" is not honoured
             return build_schedule_portable(
-                plan, lay.weight_bytes, lay.grad_bytes, rank=self.rank, node_of=self.node_of,
-                chunk_bytes=self.chunk_bytes, max_depth=1 if c.relay_mode == "off" else c.max_depth,
+                plan,
+                lay.weight_bytes,
+                lay.grad_bytes,
+                rank=self.rank,
+                node_of=self.node_of,
+                chunk_bytes=self.chunk_bytes,
+                max_depth=1 if c.relay_mode == "off" else c.max_depth,
                 intra_bw=inter.get("intra_bw", c.intra_bw),
-                **({"intra_latency_s": inter["intra_latency_s"]} if inter else {}))
-        return build_schedule(plan, lay.weight_bytes, lay.grad_bytes, node_of=self.node_of,
-                              chunk_bytes=self.chunk_bytes, relay_mode=c.relay_mode, max_depth=c.max_depth,
-                              rank=self.rank, **{"intra_bw": c.intra_bw, "inter_bw": c.inter_bw, **inter})
+                **({"intra_latency_s": inter["intra_latency_s"]} if inter else {}),
+            )
+        return build_schedule(
+            plan,
+            lay.weight_bytes,
+            lay.grad_bytes,
+            node_of=self.node_of,
+            chunk_bytes=self.chunk_bytes,
+            relay_mode=c.relay_mode,
+            max_depth=c.max_depth,
+            rank=self.rank,
+            **{"intra_bw": c.intra_bw, "inter_bw": c.inter_bw, **inter},
+        )
 
     def device(self, plan: ResidentPlan) -> DeviceSchedule:
         """The device build's inputs for ``plan`` (fixed-home experts, this Context's chunking,
         depth limit and cost model; the same numbers ``get`` gives the portable host build)."""
         home, nodes = self.device_inputs(plan.slot_src.device)
         c = self.config
-        return DeviceSchedule(plan, home, nodes, self.rank, self.num_experts,
-                              1 if c.relay_mode == "off" else c.max_depth, self.layout.weight_bytes,
-                              self.layout.grad_bytes, self.chunk_bytes, hop_bytes(c.intra_bw))
+        return DeviceSchedule(
+            plan,
+            home,
+            nodes,
+            self.rank,
+            self.num_experts,
+            1 if c.relay_mode == "off" else c.max_depth,
+            self.layout.weight_bytes,
+            self.layout.grad_bytes,
+            self.chunk_bytes,
+            hop_bytes(c.intra_bw),
+        )
 
     def device_inputs(self, dev: torch.device) -> tuple:
         """``(home_of, node_of)`` int32 tensors on ``dev`` for the device builds (made at setup for
@@ -124,10 +179,13 @@ def direct_schedule(schedule: ScheduleBase, costs: Any, rank: int) -> ScheduleBa
     under ``costs``, as the ``p2p`` transport chooses on one host: what the CPU ``split``
     transport's messages route multicasts."""
     inp = schedule.inputs()
-    plan = ReplicaPlan.make(np.asarray(inp["slot_src"], dtype=np.int32).reshape(int(inp["world"]), -1),
-                            home_of=np.asarray(inp["home_of"], dtype=np.int32))
-    return choose_schedule(plan, int(inp["weight_bytes"]), int(inp["grad_bytes"]), costs, relay_mode="off",
-                           rank=rank).schedule
+    plan = ReplicaPlan.make(
+        np.asarray(inp["slot_src"], dtype=np.int32).reshape(int(inp["world"]), -1),
+        home_of=np.asarray(inp["home_of"], dtype=np.int32),
+    )
+    return choose_schedule(
+        plan, int(inp["weight_bytes"]), int(inp["grad_bytes"]), costs, relay_mode="off", rank=rank
+    ).schedule
 
 
 register_direct_builder(direct_schedule)

@@ -1,4 +1,5 @@
 """A Context's arguments checked and its configuration derived, before any rank agrees (local)."""
+
 from __future__ import annotations
 
 import logging
@@ -10,8 +11,19 @@ from ..dataplane import device_type, domains, select
 from ..env import Config, check_window_layout
 from ..layout import ExpertLayout
 
-__all__ = ["MAX_EXPERTS", "MAX_SLOTS", "MAX_LAYERS", "MAX_MICROBATCHES", "check_counts", "resolve_config",
-           "resolve_node_of", "agreed_key", "split_window_layout", "window_layout", "choose"]
+__all__ = [
+    "MAX_EXPERTS",
+    "MAX_SLOTS",
+    "MAX_LAYERS",
+    "MAX_MICROBATCHES",
+    "check_counts",
+    "resolve_config",
+    "resolve_node_of",
+    "agreed_key",
+    "split_window_layout",
+    "window_layout",
+    "choose",
+]
 
 log = logging.getLogger("ultracomm")
 
@@ -22,20 +34,25 @@ MAX_LAYERS = 1 << 20
 MAX_MICROBATCHES = 1 << 16
 
 
-def check_counts(layout: Any, experts_per_rank: Any, slots_per_rank: Any, num_layers: Any, max_microbatches: Any,
-                 world: int) -> None:
+def check_counts(
+    layout: Any, experts_per_rank: Any, slots_per_rank: Any, num_layers: Any, max_microbatches: Any, world: int
+) -> None:
     """The layout and the counts a Context is made with (TypeError / ValueError naming the bad one)."""
     if not isinstance(layout, ExpertLayout):
         raise TypeError(f"ultracomm: layout must be an ExpertLayout, got {type(layout).__name__}")
-    for name, v, lo, hi in (("experts_per_rank", experts_per_rank, 1, MAX_EXPERTS),
-                            ("slots_per_rank", slots_per_rank, 0, MAX_SLOTS),
-                            ("num_layers", num_layers, 1, MAX_LAYERS),
-                            ("max_microbatches", max_microbatches, 1, MAX_MICROBATCHES)):
+    for name, v, lo, hi in (
+        ("experts_per_rank", experts_per_rank, 1, MAX_EXPERTS),
+        ("slots_per_rank", slots_per_rank, 0, MAX_SLOTS),
+        ("num_layers", num_layers, 1, MAX_LAYERS),
+        ("max_microbatches", max_microbatches, 1, MAX_MICROBATCHES),
+    ):
         if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
             raise ValueError(f"ultracomm: {name} must be an int in [{lo}, {hi}], got {v!r}")
     if experts_per_rank * world > MAX_EXPERTS:
-        raise ValueError(f"ultracomm: experts_per_rank {experts_per_rank} x world {world} experts exceeds "
-                         f"{MAX_EXPERTS} (expert ids are int32)")
+        raise ValueError(
+            f"ultracomm: experts_per_rank {experts_per_rank} x world {world} experts exceeds "
+            f"{MAX_EXPERTS} (expert ids are int32)"
+        )
 
 
 def resolve_config(config: Config | None, transport: str | None, window: str | None, overrides: dict) -> Config:
@@ -63,25 +80,49 @@ def resolve_node_of(node_of: Sequence[int] | None, world: int) -> list[int]:
         return [0] * world
     out = list(node_of)
     if len(out) != world or any(isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < world for n in out):
-        raise ValueError(f"ultracomm: node_of must list, for each of the {world} ranks, an int node "
-                         f"index in [0, {world}); got {node_of!r}")
+        raise ValueError(
+            f"ultracomm: node_of must list, for each of the {world} ranks, an int node "
+            f"index in [0, {world}); got {node_of!r}"
+        )
     return out
 
 
-def agreed_key(config: Config, layout: ExpertLayout, experts_per_rank: int, slots_per_rank: int, num_layers: int,
-               max_microbatches: int, node_of: Sequence[int], chosen: tuple | None) -> tuple:
+def agreed_key(
+    config: Config,
+    layout: ExpertLayout,
+    experts_per_rank: int,
+    slots_per_rank: int,
+    num_layers: int,
+    max_microbatches: int,
+    node_of: Sequence[int],
+    chosen: tuple | None,
+) -> tuple:
     """What every rank's Context must agree on (``comm.require_same``): its shape and the
     configuration its schedules depend on; ``chosen``: ``(transport, window)`` when named."""
-    return (repr(layout), experts_per_rank, slots_per_rank, num_layers, max_microbatches, list(node_of),
-            config.chunk_bytes, config.relay_mode, config.max_depth, config.schedule_builder, config.intra_bw,
-            config.inter_bw, config.plan_check, *(chosen or (config.transport, config.window)))
+    return (
+        repr(layout),
+        experts_per_rank,
+        slots_per_rank,
+        num_layers,
+        max_microbatches,
+        list(node_of),
+        config.chunk_bytes,
+        config.relay_mode,
+        config.max_depth,
+        config.schedule_builder,
+        config.intra_bw,
+        config.inter_bw,
+        config.plan_check,
+        *(chosen or (config.transport, config.window)),
+    )
 
 
 def split_window_layout(wlayout: dict, config: Config, layout: ExpertLayout, slots_per_rank: int) -> dict:
     """The CPU ``split`` transport's window layout: chunks that cross domains are gloo messages,
     large enough to pay for one (:func:`ultracomm.alpha_beta.split_chunk_bytes`)."""
-    chunk = split_chunk_bytes(config.chunk_bytes, config.tile_bytes, max(layout.weight_bytes, layout.grad_bytes),
-                              COSTS["gloo"])
+    chunk = split_chunk_bytes(
+        config.chunk_bytes, config.tile_bytes, max(layout.weight_bytes, layout.grad_bytes), COSTS["gloo"]
+    )
     return wlayout if chunk == wlayout["chunk_bytes"] else window_layout(slots_per_rank, layout, chunk)
 
 

@@ -22,6 +22,7 @@ Each call binds the symbol cuda.h binds (:data:`SIGNATURES`: ``cuStreamWaitValue
 co. on CUDA 12+), else the original where an older driver lacks it.  Every thread that makes
 these calls first makes the device's primary context current (:meth:`Driver.bind`).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -30,8 +31,15 @@ from typing import Optional
 
 from .support import NotAvailableError
 
-__all__ = ["Driver", "DriverError", "SIGNATURES", "driver", "driver_reason", "CU_STREAM_WAIT_VALUE_GEQ",
-           "CU_STREAM_WAIT_VALUE_EQ"]
+__all__ = [
+    "Driver",
+    "DriverError",
+    "SIGNATURES",
+    "driver",
+    "driver_reason",
+    "CU_STREAM_WAIT_VALUE_GEQ",
+    "CU_STREAM_WAIT_VALUE_EQ",
+]
 
 CU_STREAM_WAIT_VALUE_GEQ = 0x0
 CU_STREAM_WAIT_VALUE_EQ = 0x1
@@ -58,8 +66,10 @@ SIGNATURES: dict[str, tuple[str, list]] = {
     "cuCtxSetCurrent": ("cuCtxSetCurrent", [_PTR]),
     "cuModuleLoadData": ("cuModuleLoadData", [ctypes.POINTER(_PTR), _PTR]),
     "cuModuleGetFunction": ("cuModuleGetFunction", [ctypes.POINTER(_PTR), _PTR, ctypes.c_char_p]),
-    "cuLaunchKernel": ("cuLaunchKernel", [_PTR, _UINT, _UINT, _UINT, _UINT, _UINT, _UINT, _UINT, _PTR,
-                                          ctypes.POINTER(_PTR), ctypes.POINTER(_PTR)]),
+    "cuLaunchKernel": (
+        "cuLaunchKernel",
+        [_PTR, _UINT, _UINT, _UINT, _UINT, _UINT, _UINT, _UINT, _PTR, ctypes.POINTER(_PTR), ctypes.POINTER(_PTR)],
+    ),
 }
 
 

@@ -12,6 +12,7 @@ through ctypes, else reports nothing (no NVML, no driver, a GPU without fabric s
 failure is "no fabric info", never an error).  Nothing here ran on an NVL72 system: the key logic
 is tested with injected fabric records only.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -42,16 +43,22 @@ class FabricInfo:
     @property
     def registered(self) -> bool:
         """Registration completed without error, with a nonzero cluster UUID."""
-        return (self.state == FABRIC_STATE_COMPLETED and self.status == _NVML_SUCCESS
-                and self.cluster_uuid.strip("0") != "")
+        return (
+            self.state == FABRIC_STATE_COMPLETED and self.status == _NVML_SUCCESS and self.cluster_uuid.strip("0") != ""
+        )
 
 
 class _FabricInfoV2(ctypes.Structure):
     """``nvmlGpuFabricInfo_v2_t`` (nvml.h; nvmlGpuFabricState_t is an unsigned char)."""
 
-    _fields_ = [("version", ctypes.c_uint), ("clusterUuid", ctypes.c_uint8 * _UUID_LEN),
-                ("status", ctypes.c_int), ("cliqueId", ctypes.c_uint32), ("state", ctypes.c_uint8),
-                ("healthMask", ctypes.c_uint32)]
+    _fields_ = [
+        ("version", ctypes.c_uint),
+        ("clusterUuid", ctypes.c_uint8 * _UUID_LEN),
+        ("status", ctypes.c_int),
+        ("cliqueId", ctypes.c_uint32),
+        ("state", ctypes.c_uint8),
+        ("healthMask", ctypes.c_uint32),
+    ]
 
 
 #: nvmlGpuFabricInfo_v2 = NVML_STRUCT_VERSION(GpuFabricInfo, 2): the struct size | 2 << 24

@@ -43,6 +43,7 @@ there, hence ``2 * d2d_copy_bw``).  Single-GPU figures say nothing about NVLink:
 here is HBM -> HBM, so ``chunk_overhead_s`` is the flag/handling part of a hop, not its
 link latency.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -58,6 +59,7 @@ __all__ = ["SCHEMA", "HwProfile", "validate", "load_profile", "profile_paths", "
 
 SCHEMA = "ultracomm.hwprofile/1"
 log = logging.getLogger("ultracomm")
+
 
 def _default_dir() -> str:
     """``perf/gpu`` of the source checkout this module runs from: the nearest ancestor holding
@@ -129,15 +131,21 @@ class HwProfile:
 
 
 def _bad(where: str, field: str, why: str) -> ValueError:
-    return ValueError(f"ultracomm: hardware profile {where}: field {field!r} {why} (schema {SCHEMA}; "
-                      "see ultracomm/cuda/hwprofile.py)")
+    return ValueError(
+        f"ultracomm: hardware profile {where}: field {field!r} {why} (schema {SCHEMA}; see ultracomm/cuda/hwprofile.py)"
+    )
 
 
 def _number(where: str, name: str, v: Any, optional: bool, allow_zero: bool = False) -> Optional[float]:
     if v is None and optional:
         return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 \
-            or (v == 0 and not allow_zero):
+    if (
+        isinstance(v, bool)
+        or not isinstance(v, (int, float))
+        or not math.isfinite(v)
+        or v < 0
+        or (v == 0 and not allow_zero)
+    ):
         raise _bad(where, name, f"must be a finite number > 0{' or null' if optional else ''}, got {v!r}")
     return float(v)
 
@@ -147,8 +155,13 @@ def _pairs(where: str, name: str, v: Any) -> tuple[tuple[int, float], ...]:
         raise _bad(where, name, f"must be a list of [int, number] pairs, got {type(v).__name__}")
     out = []
     for p in v:
-        if not (isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[0], int) and not isinstance(p[0], bool)
-                and p[0] > 0):
+        if not (
+            isinstance(p, (list, tuple))
+            and len(p) == 2
+            and isinstance(p[0], int)
+            and not isinstance(p[0], bool)
+            and p[0] > 0
+        ):
             raise _bad(where, name, f"must hold [positive int, number] pairs, got {p!r}")
         out.append((int(p[0]), _number(where, name, p[1], optional=False)))
     if [a for a, _ in out] != sorted({a for a, _ in out}):
@@ -222,8 +235,9 @@ def profile_paths(directory: Optional[str] = None) -> list[str]:
     return sorted(glob.glob(os.path.join(directory or DEFAULT_DIR, "*profile*.json")))
 
 
-def find_profile(device: Optional[str] = None, directory: Optional[str] = None,
-                 path: Optional[str] = None) -> Optional[HwProfile]:
+def find_profile(
+    device: Optional[str] = None, directory: Optional[str] = None, path: Optional[str] = None
+) -> Optional[HwProfile]:
     """The profile to use: ``path`` when given (must be valid), else the newest (by ``date``) valid
     profile in ``directory`` whose ``device`` equals ``device`` (any device when ``None``), else
     ``None``.  Invalid files found by the search are skipped with a warning naming them."""

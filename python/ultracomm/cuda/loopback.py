@@ -18,6 +18,7 @@ per rank on CPU copies) must give the same bytes, flags included::
 ``plan`` validates (ValueError, nothing written) and uploads once; ``launch`` only enqueues
 (capturable in a CUDA graph: replays run fresh epochs, see csrc/cuda/persistent_args.h).
 """
+
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -55,7 +56,9 @@ class CudaLoopback:
             if w.device != dev or w.device.type != "cuda" or w.dtype != torch.uint8 or not w.is_contiguous():
                 raise ValueError(f"ultracomm: window {r} must be a contiguous uint8 tensor on {dev} (a CUDA device)")
             if w.numel() < wlayout["total_bytes"]:
-                raise ValueError(f"ultracomm: window {r} has {w.numel()} bytes, the layout needs {wlayout['total_bytes']}")
+                raise ValueError(
+                    f"ultracomm: window {r} has {w.numel()} bytes, the layout needs {wlayout['total_bytes']}"
+                )
         self.world, self.wlayout, self.windows = world, dict(wlayout), list(windows)
         self.device = dev.index if dev.index is not None else torch.cuda.current_device()
         self.timeout_s = float(timeout_s)
@@ -67,10 +70,22 @@ class CudaLoopback:
     def bases(self) -> list[int]:
         return [w.data_ptr() for w in self.windows]
 
-    def plan(self, op: Op | int, *, tasks: Sequence, refs: Sequence, member_off: Sequence[int],
-             member_bytes: Sequence[int], master_ptrs: Sequence[Sequence[int]],
-             local_index_of: Sequence[Sequence[int]], my_slots: Sequence[Sequence[int]], grad_dtype: Any = 0,
-             slot_parent: Sequence[Sequence[int]] | None = None, digest: int = 0, withhold: Sequence[int] = ()):
+    def plan(
+        self,
+        op: Op | int,
+        *,
+        tasks: Sequence,
+        refs: Sequence,
+        member_off: Sequence[int],
+        member_bytes: Sequence[int],
+        master_ptrs: Sequence[Sequence[int]],
+        local_index_of: Sequence[Sequence[int]],
+        my_slots: Sequence[Sequence[int]],
+        grad_dtype: Any = 0,
+        slot_parent: Sequence[Sequence[int]] | None = None,
+        digest: int = 0,
+        withhold: Sequence[int] = (),
+    ):
         """Validate and upload one operation for every rank (per-rank sequences of length world):
         ``tasks[r]`` / ``refs[r]`` TASK_DTYPE / REF_DTYPE arrays, ``master_ptrs[r]`` device
         addresses of rank r's masters (``[local expert * M + member]``), ``local_index_of[r]``,
@@ -80,17 +95,41 @@ class CudaLoopback:
         ranks = []
         for r in range(self.world):
             held = r in withhold
-            ranks.append(dict(
-                op=int(op), rank=r, world=self.world, slots=L["slots"], weight_slot_bytes=L["weight_slot_bytes"],
-                grad_slot_bytes=L["grad_slot_bytes"], chunk_bytes=L["chunk_bytes"], window_bases=self.bases,
-                member_off=list(member_off), member_bytes=list(member_bytes), master_ptrs=list(master_ptrs[r]),
-                local_index_of=list(local_index_of[r]), grad_dtype=_dtype_code(grad_dtype), my_slots=list(my_slots[r]),
-                tasks=tasks[r][:0] if held else tasks[r], refs=refs[r], timeout_s=self.timeout_s,
-                slot_parent=None if slot_parent is None else list(slot_parent[r]), digest=int(digest)))
+            ranks.append(
+                dict(
+                    op=int(op),
+                    rank=r,
+                    world=self.world,
+                    slots=L["slots"],
+                    weight_slot_bytes=L["weight_slot_bytes"],
+                    grad_slot_bytes=L["grad_slot_bytes"],
+                    chunk_bytes=L["chunk_bytes"],
+                    window_bases=self.bases,
+                    member_off=list(member_off),
+                    member_bytes=list(member_bytes),
+                    master_ptrs=list(master_ptrs[r]),
+                    local_index_of=list(local_index_of[r]),
+                    grad_dtype=_dtype_code(grad_dtype),
+                    my_slots=list(my_slots[r]),
+                    tasks=tasks[r][:0] if held else tasks[r],
+                    refs=refs[r],
+                    timeout_s=self.timeout_s,
+                    slot_parent=None if slot_parent is None else list(slot_parent[r]),
+                    digest=int(digest),
+                )
+            )
         return self._cuda.DevicePlan(ranks, self.device)
 
-    def launch(self, plan, epoch: int, *, ctas_per_rank: int = 4, stream: int | None = None,
-               force_vector: bool = False, op_name: str | None = None) -> None:
+    def launch(
+        self,
+        plan,
+        epoch: int,
+        *,
+        ctas_per_rank: int = 4,
+        stream: int | None = None,
+        force_vector: bool = False,
+        op_name: str | None = None,
+    ) -> None:
         """Enqueue ``plan`` at ``epoch`` on ``stream`` (default: the device's current stream).
         ``force_vector`` moves every byte through the vector path also on sm_90+ (benchmarks)."""
         if stream is None:
@@ -107,24 +146,46 @@ class CudaLoopback:
         if rec is not None:
             raise_record(rec, self._names.get(record_epoch(rec)), self.timeout_s)
 
-    def run(self, plan, epoch: int, *, ctas_per_rank: int = 4, force_vector: bool = False,
-            op_name: str | None = None) -> None:
+    def run(
+        self, plan, epoch: int, *, ctas_per_rank: int = 4, force_vector: bool = False, op_name: str | None = None
+    ) -> None:
         """Launch on the current stream, wait for it, raise a recorded failure."""
         self.launch(plan, epoch, ctas_per_rank=ctas_per_rank, force_vector=force_vector, op_name=op_name)
         torch.cuda.current_stream(self.device).synchronize()
         self.check_error()
 
 
-def run(op: Op | int, schedule, epoch: int, windows: Sequence[torch.Tensor], wlayout: dict, *,
-        member_off: Sequence[int], member_bytes: Sequence[int], master_ptrs: Sequence[Sequence[int]],
-        local_index_of: Sequence[Sequence[int]], my_slots: Sequence[Sequence[int]], grad_dtype: Any = 0,
-        ctas_per_rank: int = 4, timeout_s: float = 10.0) -> None:
+def run(
+    op: Op | int,
+    schedule,
+    epoch: int,
+    windows: Sequence[torch.Tensor],
+    wlayout: dict,
+    *,
+    member_off: Sequence[int],
+    member_bytes: Sequence[int],
+    master_ptrs: Sequence[Sequence[int]],
+    local_index_of: Sequence[Sequence[int]],
+    my_slots: Sequence[Sequence[int]],
+    grad_dtype: Any = 0,
+    ctas_per_rank: int = 4,
+    timeout_s: float = 10.0,
+) -> None:
     """One operation of ``schedule`` (a ``Schedule`` built for all ranks) over one-GPU loopback
     windows, synchronously: plan, launch, wait, raise a recorded failure."""
     world = len(windows)
     lb = CudaLoopback(world, wlayout, windows, timeout_s=timeout_s)
-    plan = lb.plan(op, tasks=[schedule.tasks(op, r) for r in range(world)],
-                   refs=[schedule.refs(op, r) for r in range(world)], member_off=member_off, member_bytes=member_bytes,
-                   master_ptrs=master_ptrs, local_index_of=local_index_of, my_slots=my_slots, grad_dtype=grad_dtype,
-                   slot_parent=[p.tolist() for p in schedule.tree(op)[0]], digest=schedule.digest)
+    plan = lb.plan(
+        op,
+        tasks=[schedule.tasks(op, r) for r in range(world)],
+        refs=[schedule.refs(op, r) for r in range(world)],
+        member_off=member_off,
+        member_bytes=member_bytes,
+        master_ptrs=master_ptrs,
+        local_index_of=local_index_of,
+        my_slots=my_slots,
+        grad_dtype=grad_dtype,
+        slot_parent=[p.tolist() for p in schedule.tree(op)[0]],
+        digest=schedule.digest,
+    )
     lb.run(plan, epoch, ctas_per_rank=ctas_per_rank)

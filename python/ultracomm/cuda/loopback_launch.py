@@ -18,6 +18,7 @@ Rules the last rank checks before launching (an error there names what differs):
 The domain's launch sets live in ``window.shared`` (the loopback domain's dict), one per
 window set, found with :func:`launches_for`.
 """
+
 from __future__ import annotations
 
 import threading
@@ -49,7 +50,7 @@ class LoopbackLaunches:
             raise ValueError(f"ultracomm: a loopback domain needs world >= 1, got {world}")
         self.world = world
         self._lock = threading.Lock()
-        self._calls = [0] * world          # deposits made by each rank
+        self._calls = [0] * world  # deposits made by each rank
         self._open: dict[int, dict[int, Deposit]] = {}  # launch number -> rank -> deposit
 
     def pending(self) -> dict[int, list[int]]:
@@ -74,13 +75,17 @@ class LoopbackLaunches:
         ops = {repr(x.op) for x in deps}
         if len(ops) > 1:
             detail = "; ".join(f"rank {x.rank}: {x.op!r}" for x in deps)
-            raise UltracommError(f"ultracomm: loopback launch {n}: ranks called different operations ({detail}); "
-                                 "every rank must call the same operations in the same order")
+            raise UltracommError(
+                f"ultracomm: loopback launch {n}: ranks called different operations ({detail}); "
+                "every rank must call the same operations in the same order"
+            )
         streams = {x.stream for x in deps}
         if len(streams) > 1:
             detail = "; ".join(f"rank {x.rank}: 0x{x.stream:x}" for x in deps)
-            raise UltracommError(f"ultracomm: loopback launch {n}: ranks enqueued on different CUDA streams "
-                                 f"({detail}); one launch runs every loopback rank, so all must use one stream")
+            raise UltracommError(
+                f"ultracomm: loopback launch {n}: ranks enqueued on different CUDA streams "
+                f"({detail}); one launch runs every loopback rank, so all must use one stream"
+            )
         launch(deps)
         return True
 

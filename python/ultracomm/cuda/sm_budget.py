@@ -18,6 +18,7 @@ Where the rate comes from, first match:
 3. :data:`FALLBACK_PER_CTA_BW`: per-CTA rates measured by the committed H200 runs (sources in
    :data:`FALLBACK_SOURCES`).
 """
+
 from __future__ import annotations
 
 import math
@@ -26,8 +27,19 @@ from typing import Optional
 
 from .hwprofile import HwProfile, find_profile
 
-__all__ = ["LINKS", "KINDS", "FALLBACK_PER_CTA_BW", "FALLBACK_SOURCES", "REDUCE_TRAFFIC_PER_OUTPUT",
-           "MAX_DEFAULT_SMS", "SmChoice", "default_sms", "per_cta_rate", "choose_sms", "choices_for_device"]
+__all__ = [
+    "LINKS",
+    "KINDS",
+    "FALLBACK_PER_CTA_BW",
+    "FALLBACK_SOURCES",
+    "REDUCE_TRAFFIC_PER_OUTPUT",
+    "MAX_DEFAULT_SMS",
+    "SmChoice",
+    "default_sms",
+    "per_cta_rate",
+    "choose_sms",
+    "choices_for_device",
+]
 
 #: The links an operation's bytes cross: ``nvlink`` (a peer GPU's memory: multicast egress and
 #: reduce ingress between GPUs, what ``ULTRACOMM_INTRA_BW`` describes) and ``local`` (this GPU's
@@ -47,9 +59,9 @@ KINDS = ("multicast", "reduce")
 FALLBACK_PER_CTA_BW = {"multicast": 34.5e9, "reduce": 14.6e9}
 FALLBACK_SOURCES = {
     "multicast": "perf/gpu/2026-12-04_nvidia-h200_run2/bench_gpu.json sweep '16 CTAs' tile mover: "
-                 "552.2e9 B/s payload / 16 CTAs, H200 HBM->HBM",
+    "552.2e9 B/s payload / 16 CTAs, H200 HBM->HBM",
     "reduce": "perf/gpu/2026-12-04_nvidia-h200_run1/bench_gpu.json reduce 'k=2 fp32' tile mover: "
-              "268435456 B traffic / 802 us / 23 CTAs, H200 HBM->HBM",
+    "268435456 B traffic / 802 us / 23 CTAs, H200 HBM->HBM",
 }
 #: Traffic bytes ``perf/bench_gpu.py`` counts per output byte of a k=2 reduction (its ``traffic_bytes``).
 REDUCE_TRAFFIC_PER_OUTPUT = 4
@@ -92,15 +104,23 @@ def per_cta_rate(kind: str, link: str = "nvlink", profile: Optional[HwProfile] =
             return profile.per_sm_copy_bw, f"per_sm_copy_bw={profile.per_sm_copy_bw:.4g} B/s {where}"
         if link == "local" and kind == "reduce" and profile.per_sm_reduce_bw:
             rate = profile.per_sm_reduce_bw * REDUCE_TRAFFIC_PER_OUTPUT
-            return rate, (f"per_sm_reduce_bw={profile.per_sm_reduce_bw:.4g} B/s x {REDUCE_TRAFFIC_PER_OUTPUT} "
-                          f"(traffic) {where}")
+            return rate, (
+                f"per_sm_reduce_bw={profile.per_sm_reduce_bw:.4g} B/s x {REDUCE_TRAFFIC_PER_OUTPUT} (traffic) {where}"
+            )
     rate = FALLBACK_PER_CTA_BW[kind]
-    return rate, (f"measured per-CTA fallback {rate:.4g} B/s ({FALLBACK_SOURCES[kind]}; "
-                  f"no profile figure for {kind} on {link})")
+    return rate, (
+        f"measured per-CTA fallback {rate:.4g} B/s ({FALLBACK_SOURCES[kind]}; no profile figure for {kind} on {link})"
+    )
 
 
-def choose_sms(kind: str, configured: int, link_bw: float, device_sms: Optional[int] = None,
-               profile: Optional[HwProfile] = None, link: str = "nvlink") -> SmChoice:
+def choose_sms(
+    kind: str,
+    configured: int,
+    link_bw: float,
+    device_sms: Optional[int] = None,
+    profile: Optional[HwProfile] = None,
+    link: str = "nvlink",
+) -> SmChoice:
     """SMs for ``kind`` (``multicast`` or ``reduce``): ``configured`` when > 0 (the env value or a
     per-Context override), else :func:`default_sms` with :func:`per_cta_rate` of ``kind`` on ``link``."""
     _check(kind, link)
@@ -113,13 +133,21 @@ def choose_sms(kind: str, configured: int, link_bw: float, device_sms: Optional[
     return SmChoice(sms, f"auto: ceil({link} bw {link_bw:.4g} / {where}) clamped to [1, {cap}]")
 
 
-def choices_for_device(multicast_sms: int, reduce_sms: int, link_bw: float, device_sms: Optional[int],
-                       device_name: Optional[str], profile_path: str = "",
-                       link: str = "nvlink") -> tuple[SmChoice, SmChoice]:
+def choices_for_device(
+    multicast_sms: int,
+    reduce_sms: int,
+    link_bw: float,
+    device_sms: Optional[int],
+    device_name: Optional[str],
+    profile_path: str = "",
+    link: str = "nvlink",
+) -> tuple[SmChoice, SmChoice]:
     """Both choices for one device; the profile is looked up only when a value is ``auto``: the
     file ``profile_path`` names, else the newest profile of ``device_name`` (none without a device)."""
     profile = None
     if (multicast_sms <= 0 or reduce_sms <= 0) and (profile_path or device_name):
         profile = find_profile(device=device_name, path=profile_path or None)
-    return (choose_sms("multicast", multicast_sms, link_bw, device_sms, profile, link),
-            choose_sms("reduce", reduce_sms, link_bw, device_sms, profile, link))
+    return (
+        choose_sms("multicast", multicast_sms, link_bw, device_sms, profile, link),
+        choose_sms("reduce", reduce_sms, link_bw, device_sms, profile, link),
+    )

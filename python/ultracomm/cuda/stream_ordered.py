@@ -18,6 +18,7 @@ launch; ``async_op=False`` returns ``None`` with the work queued on the stream (
 Events come from a small pool and go back to it once their Work has completed, so a steady
 state creates none.
 """
+
 from __future__ import annotations
 
 import time
@@ -46,8 +47,10 @@ class CudaStreams:
     def check_current_device(self) -> None:
         cur = torch.cuda.current_device()
         if cur != self.device.index:
-            raise UltracommError(f"ultracomm: the current CUDA device is cuda:{cur} but this Context lives on "
-                                 f"{self.device}; call torch.cuda.set_device({self.device.index}) first")
+            raise UltracommError(
+                f"ultracomm: the current CUDA device is cuda:{cur} but this Context lives on "
+                f"{self.device}; call torch.cuda.set_device({self.device.index}) first"
+            )
 
     def stream_handle(self) -> int:
         """The caller's current stream on this device, as a ``cudaStream_t`` integer."""
@@ -172,12 +175,23 @@ class StreamOrdered:
         if async_op and self.streams.is_capturing():
             raise UltracommError(
                 f"ultracomm: {name}: async_op=True inside CUDA graph capture; a captured operation has no "
-                "completion to wait for. Use async_op=False while capturing and synchronize after replay")
+                "completion to wait for. Use async_op=False while capturing and synchronize after replay"
+            )
 
-    def submit(self, name: str, op: Any, epoch: int, schedule: Any, masters: Any, my_slots: Any,
-               local_index_of: Any, async_op: bool,
-               on_time: Optional[Callable[[Any], None]] = None,
-               after: Optional[Callable[[], None]] = None, slot: Optional[int] = None) -> Optional[StreamWork]:
+    def submit(
+        self,
+        name: str,
+        op: Any,
+        epoch: int,
+        schedule: Any,
+        masters: Any,
+        my_slots: Any,
+        local_index_of: Any,
+        async_op: bool,
+        on_time: Optional[Callable[[Any], None]] = None,
+        after: Optional[Callable[[], None]] = None,
+        slot: Optional[int] = None,
+    ) -> Optional[StreamWork]:
         """Enqueue ``op`` at ``epoch`` on the caller's current stream; a Work when ``async_op``.
         Call :meth:`check_submit` first.  ``on_time`` (the profiler) gets ``(start, end)``
         timing events recorded on the stream around the operation -- never synchronised here --
@@ -191,9 +205,17 @@ class StreamOrdered:
             on_time = None
         start = self.streams.timing_event() if on_time is not None else None
         try:
-            enqueued = self.transport.run(op, schedule, epoch, masters, my_slots, local_index_of, name,
-                                          stream=self.streams.stream_handle(),
-                                          **({"slot": slot} if slot is not None else {}))
+            enqueued = self.transport.run(
+                op,
+                schedule,
+                epoch,
+                masters,
+                my_slots,
+                local_index_of,
+                name,
+                stream=self.streams.stream_handle(),
+                **({"slot": slot} if slot is not None else {}),
+            )
         except BaseException as e:
             if on_time is not None:
                 on_time(None)

@@ -4,6 +4,7 @@ Importing ultracomm never needs a GPU or the ``_cuda`` module; the GPU windows a
 ``tma`` transport call :func:`require` when they are asked for, so the error names what is
 missing (a CPU build of torch, no visible device, ``_cuda`` not built) and what to do.
 """
+
 from __future__ import annotations
 
 import functools
@@ -16,8 +17,18 @@ import torch
 
 from ..errors import UltracommError
 
-__all__ = ["NotAvailableError", "torch_cuda_reason", "cuda_module", "cuda_module_reason", "require",
-           "resolve_device", "cuda_runtime", "raise_record", "record_epoch", "make_error_record"]
+__all__ = [
+    "NotAvailableError",
+    "torch_cuda_reason",
+    "cuda_module",
+    "cuda_module_reason",
+    "require",
+    "resolve_device",
+    "cuda_runtime",
+    "raise_record",
+    "record_epoch",
+    "make_error_record",
+]
 
 
 class NotAvailableError(UltracommError, ValueError):
@@ -28,8 +39,7 @@ class NotAvailableError(UltracommError, ValueError):
 def torch_cuda_reason() -> Optional[str]:
     """Why torch cannot use a CUDA device here, or ``None`` when it can."""
     if torch.version.cuda is None:
-        return (f"torch {torch.__version__} is a CPU build (torch.version.cuda is None); "
-                "install a CUDA build of torch")
+        return f"torch {torch.__version__} is a CPU build (torch.version.cuda is None); install a CUDA build of torch"
     if not torch.cuda.is_available():
         return "no CUDA device is visible (torch.cuda.is_available() is False; check CUDA_VISIBLE_DEVICES)"
     return None
@@ -40,9 +50,11 @@ def _import_cuda() -> tuple[Optional[ModuleType], Optional[str]]:
     try:
         mod = importlib.import_module("ultracomm._cuda")
     except ImportError as e:
-        return None, (f"ultracomm._cuda is not built or does not load ({e}); rebuild with nvcc on PATH "
-                      "(ULTRACOMM_BUILD_CUDA=ON pip install --no-build-isolation -e . or "
-                      "python scripts/build_inplace.py)")
+        return None, (
+            f"ultracomm._cuda is not built or does not load ({e}); rebuild with nvcc on PATH "
+            "(ULTRACOMM_BUILD_CUDA=ON pip install --no-build-isolation -e . or "
+            "python scripts/build_inplace.py)"
+        )
     if hasattr(mod, "set_programmatic_launch"):  # ULTRACOMM_PDL (env.py "Process-wide fields")
         from ..env import process_field
 
@@ -101,12 +113,26 @@ _TIMEOUT, _DIGEST_MISMATCH, _REJECTED = 1, 2, 3
 _NOT_READ = 0xFFFFFFFFFFFFFFFF
 
 
-def make_error_record(code: int, rank: int, op: int, epoch: int, *, flag_kind: int = 0, task: int = -1,
-                      expert: int = -1, chunk: int = -1, slot: int = -1, peer: int = -1, observed: int = _NOT_READ,
-                      expected: int = _NOT_READ, peer_ready: int = _NOT_READ) -> bytes:
+def make_error_record(
+    code: int,
+    rank: int,
+    op: int,
+    epoch: int,
+    *,
+    flag_kind: int = 0,
+    task: int = -1,
+    expert: int = -1,
+    chunk: int = -1,
+    slot: int = -1,
+    peer: int = -1,
+    observed: int = _NOT_READ,
+    expected: int = _NOT_READ,
+    peer_ready: int = _NOT_READ,
+) -> bytes:
     """A raw ErrorRecord (what a kernel writes), e.g. for a failure the host side detects."""
-    return _RECORD.pack(code, rank, op, flag_kind, task, expert, chunk, slot, peer, epoch, observed, expected,
-                        peer_ready)
+    return _RECORD.pack(
+        code, rank, op, flag_kind, task, expert, chunk, slot, peer, epoch, observed, expected, peer_ready
+    )
 
 
 def record_epoch(record: bytes) -> int:

@@ -18,6 +18,7 @@ Rules (``transport`` / ``window`` are the config values, ``device`` the Context 
 4. ``register_masters``: tensors on the window's device; for a CUDA window every
    (expert, member) address 16-byte aligned (TMA bulk copies; contiguity is the layout's check).
 """
+
 from __future__ import annotations
 
 import logging
@@ -58,21 +59,26 @@ def device_type(transport: str, window: str, device: Any = None) -> str:
     if device is not None:
         t = _type_of(device)
         if win_type is not None and win_type != t:
-            raise ValueError(f"ultracomm: window {window!r} lives on the {win_type.upper()} but device={device!r}; "
-                             f"drop one of them or pick a {t.upper()} window")
+            raise ValueError(
+                f"ultracomm: window {window!r} lives on the {win_type.upper()} but device={device!r}; "
+                f"drop one of them or pick a {t.upper()} window"
+            )
         if transport in GPU_TRANSPORTS and t == "cpu":
             raise ValueError(f"ultracomm: transport {transport!r} runs on a GPU but device={device!r}")
         if transport == "host" and t == "cuda":
-            raise ValueError(f"ultracomm: transport 'host' runs on the CPU but device={device!r}; use transport='tma'"
-                             " (or 'auto') for a CUDA Context")
+            raise ValueError(
+                f"ultracomm: transport 'host' runs on the CPU but device={device!r}; use transport='tma'"
+                " (or 'auto') for a CUDA Context"
+            )
         return t
     if win_type is not None:
         return win_type
     return "cuda" if transport in GPU_TRANSPORTS else "cpu"
 
 
-def select(config: Config, comm: Comm, device: Any = None,
-           choice: TransportChoice | None = None) -> tuple[type, str, torch.device | None]:
+def select(
+    config: Config, comm: Comm, device: Any = None, choice: TransportChoice | None = None
+) -> tuple[type, str, torch.device | None]:
     """(transport class, window provider, CUDA device or ``None``) for a Context (rules 1-3).
     ``choice``: what ``transport="auto"`` became from the ranks' domains (logged once here)."""
     dtype = device_type(config.transport, config.window, device)
@@ -82,16 +88,25 @@ def select(config: Config, comm: Comm, device: Any = None,
         window = choice.window  # the domain needs it (nvshmem: a CUDA domain over several hosts)
     provider = resolve_provider(window, comm, dtype, allowed=transport_cls.window_providers)
     if provider not in transport_cls.window_providers:
-        raise ValueError(f"ultracomm: transport {transport_cls.name!r} cannot use window {provider!r}; "
-                         f"use one of {transport_cls.window_providers}")
+        raise ValueError(
+            f"ultracomm: transport {transport_cls.name!r} cannot use window {provider!r}; "
+            f"use one of {transport_cls.window_providers}"
+        )
     why = getattr(PROVIDERS[provider], "unavailable_reason", lambda c: None)(comm)
     if window != "auto" and why:
         raise NotAvailableError(f"ultracomm: window {provider!r} is not available: {why}")
     cuda_dev = resolve_device(device) if dtype == "cuda" else None
     if choice is not None:
         log.info("ultracomm: rank %d: %s", comm.rank, choice.describe())
-    log.info("ultracomm: rank %d: transport %s (%s), window %s (%s)%s", comm.rank, transport_cls.name,
-             config.transport, provider, config.window, f" on {cuda_dev}" if cuda_dev is not None else "")
+    log.info(
+        "ultracomm: rank %d: transport %s (%s), window %s (%s)%s",
+        comm.rank,
+        transport_cls.name,
+        config.transport,
+        provider,
+        config.window,
+        f" on {cuda_dev}" if cuda_dev is not None else "",
+    )
     return transport_cls, provider, cuda_dev
 
 
@@ -101,23 +116,28 @@ def is_stream_ordered(transport: Any) -> bool:
     return bool(transport.stream_ordered)
 
 
-def transport_kwargs(transport_cls: type, config: Config, cuda_dev: torch.device | None,
-                     **base: Any) -> dict[str, Any]:
+def transport_kwargs(transport_cls: type, config: Config, cuda_dev: torch.device | None, **base: Any) -> dict[str, Any]:
     """The keyword arguments ``transport_cls`` takes: the common ones of ``base`` (rank, world,
     window, wlayout, layout) and ``timeout_s``, plus what its declared ``options`` name (see
     :mod:`ultracomm.transports.base`): ``base``'s others, the config's executor knobs and
     ``multicast_sms`` / ``reduce_sms`` (resolved: env value or the analytic default of
     :mod:`ultracomm.cuda.sm_budget`, logged at debug level)."""
     options = transport_cls.options
-    kw = dict(base, num_workers=config.num_workers, timeout_s=config.timeout_s, jitter_us=config.jitter_us,
-              split_route=config.split_route)
+    kw = dict(
+        base,
+        num_workers=config.num_workers,
+        timeout_s=config.timeout_s,
+        jitter_us=config.jitter_us,
+        split_route=config.split_route,
+    )
     if "multicast_sms" in options or "reduce_sms" in options:
         dev_sms = name = None
         if cuda_dev is not None:
             props = torch.cuda.get_device_properties(cuda_dev)
             dev_sms, name = props.multi_processor_count, props.name
-        mc, rd = choices_for_device(config.multicast_sms, config.reduce_sms, config.intra_bw, dev_sms, name,
-                                    config.hw_profile)
+        mc, rd = choices_for_device(
+            config.multicast_sms, config.reduce_sms, config.intra_bw, dev_sms, name, config.hw_profile
+        )
         log.debug("ultracomm: rank %s: multicast_sms=%d (%s)", base.get("rank"), mc.sms, mc.source)
         log.debug("ultracomm: rank %s: reduce_sms=%d (%s)", base.get("rank"), rd.sms, rd.source)
         kw.update(multicast_sms=mc.sms, reduce_sms=rd.sms)
@@ -125,8 +145,14 @@ def transport_kwargs(transport_cls: type, config: Config, cuda_dev: torch.device
     return {k: v for k, v in kw.items() if k in common or k in options}
 
 
-def check_master_devices(window_device: torch.device, transport_name: str, names: Sequence[str],
-                         weights: Sequence, grads: Sequence, experts_per_rank: int) -> None:
+def check_master_devices(
+    window_device: torch.device,
+    transport_name: str,
+    names: Sequence[str],
+    weights: Sequence,
+    grads: Sequence,
+    experts_per_rank: int,
+) -> None:
     """Rule 4; ``names`` are the layout's member names (for the messages).  A member is a
     stacked ``[experts_per_rank, ...]`` tensor or a list of per-expert tensors."""
     entries = []  # (label, tensor, bytes of one expert's row in it)
@@ -144,23 +170,33 @@ def check_master_devices(window_device: torch.device, transport_name: str, names
                 raise RegistrationError(
                     f"ultracomm: {label} is on {t.device}, but this Context's window is on the CPU "
                     f"(transport {transport_name!r}); move the tensors with .cpu(), or create the Context "
-                    "with device='cuda' to run the tma transport on the GPU")
+                    "with device='cuda' to run the tma transport on the GPU"
+                )
         return
     for label, t, per_expert in entries:
         if t.device != window_device:
             raise RegistrationError(
                 f"ultracomm: {label} is on {t.device}, but this Context's window is on {window_device}; "
                 f"the {transport_name} transport reads and writes masters on the window's GPU: move them "
-                f"with .to('{window_device}')")
+                f"with .to('{window_device}')"
+            )
         if t.numel() and (t.data_ptr() % TMA_ALIGN or per_expert % TMA_ALIGN):
             raise RegistrationError(
                 f"ultracomm: {label}: every expert's row must start 16-byte aligned for TMA bulk copies, "
                 f"got base 0x{t.data_ptr():x} and {per_expert} bytes per expert; register a fresh allocation "
-                "and pad the member so that its bytes per expert are a multiple of 16")
+                "and pad the member so that its bytes per expert are a multiple of 16"
+            )
 
 
-def slot_views(window: Any, layout: Any, slots_per_rank: int, region_off: int, stride: int,
-               member_offs: Sequence[int], dtypes: Sequence[torch.dtype | None]) -> tuple[torch.Tensor | None, ...]:
+def slot_views(
+    window: Any,
+    layout: Any,
+    slots_per_rank: int,
+    region_off: int,
+    stride: int,
+    member_offs: Sequence[int],
+    dtypes: Sequence[torch.dtype | None],
+) -> tuple[torch.Tensor | None, ...]:
     """``[slots_per_rank, *member.shape]`` views of member ``m`` in every slot of a window region
     (None where its dtype is None: a member without bytes there)."""
     views: list[torch.Tensor | None] = []
@@ -180,23 +216,38 @@ def slot_views(window: Any, layout: Any, slots_per_rank: int, region_off: int, s
         base = local.storage_offset()
         assert base % esz == 0, f"window starts {base} B into its storage, not a multiple of {esz}"
         flat = torch.empty(0, dtype=dt, device=local.device).set_(
-            local.untyped_storage(), base // esz, (local.numel() // esz,), (1,))
-        views.append(torch.as_strided(flat, (slots_per_rank, *member.shape), (stride // esz, *inner),
-                                      (base + region_off + off) // esz))
+            local.untyped_storage(), base // esz, (local.numel() // esz,), (1,)
+        )
+        views.append(
+            torch.as_strided(
+                flat, (slots_per_rank, *member.shape), (stride // esz, *inner), (base + region_off + off) // esz
+            )
+        )
     return tuple(views)
 
 
 def check_like(given: Any, views: Sequence[torch.Tensor | None], what: str) -> None:
     """``given`` is one tensor per entry of ``views``, of its shape and dtype (None where the view
     is None: a member without bytes there); else ValueError saying ``what`` each must be."""
-    if isinstance(given, torch.Tensor) or len(given) != len(views) or any(
-            (g is None) != (v is None) or (v is not None and (not isinstance(g, torch.Tensor) or
-                                                              tuple(g.shape) != tuple(v.shape) or g.dtype != v.dtype))
-            for g, v in zip(given, views)):
-        got = [None if g is None else (tuple(g.shape), g.dtype) if isinstance(g, torch.Tensor) else type(g).__name__
-               for g in (given if not isinstance(given, torch.Tensor) else [given])]
-        raise ValueError(f"ultracomm: grads must be one {what} tensor per member (None for a member without a "
-                         f"gradient); got {got}")
+    if (
+        isinstance(given, torch.Tensor)
+        or len(given) != len(views)
+        or any(
+            (g is None) != (v is None)
+            or (
+                v is not None
+                and (not isinstance(g, torch.Tensor) or tuple(g.shape) != tuple(v.shape) or g.dtype != v.dtype)
+            )
+            for g, v in zip(given, views)
+        )
+    ):
+        got = [
+            None if g is None else (tuple(g.shape), g.dtype) if isinstance(g, torch.Tensor) else type(g).__name__
+            for g in (given if not isinstance(given, torch.Tensor) else [given])
+        ]
+        raise ValueError(
+            f"ultracomm: grads must be one {what} tensor per member (None for a member without a gradient); got {got}"
+        )
 
 
 def copy_into(views: Sequence[torch.Tensor | None], sources: Sequence[torch.Tensor | None]) -> None:

@@ -36,6 +36,7 @@ the persistent ``tma`` kernel over ``cuda_ipc``) and only the edges across domai
 which edges go where and :meth:`TransportChoice.edges` counts them for a schedule.  The choice
 is logged once per Context.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -49,8 +50,16 @@ from ..env import domain_keys
 from ..cuda.fabric import FabricQuery, fabric_key, gpu_fabric_info
 from ..records import Op
 
-__all__ = ["host_key", "domain_of", "RankDomain", "rank_domain", "check_domains", "TransportChoice",
-           "choose_transport", "split_edges"]
+__all__ = [
+    "host_key",
+    "domain_of",
+    "RankDomain",
+    "rank_domain",
+    "check_domains",
+    "TransportChoice",
+    "choose_transport",
+    "split_edges",
+]
 
 
 def host_key() -> str:
@@ -81,8 +90,9 @@ class RankDomain:
     source: str
 
 
-def rank_domain(declared: str, rank: int, world: int, device_type: str, device: Any = None,
-                fabric: FabricQuery = gpu_fabric_info) -> RankDomain:
+def rank_domain(
+    declared: str, rank: int, world: int, device_type: str, device: Any = None, fabric: FabricQuery = gpu_fabric_info
+) -> RankDomain:
     """Rank ``rank``'s domain (see the module docstring).  ``declared``: a parsed ``Config.domain``;
     ``device``: the CUDA device of a CUDA Context; ``fabric``: how to read its fabric registration
     (tests inject one).  Raises ``ValueError`` for a per-rank list whose length is not ``world``."""
@@ -90,9 +100,11 @@ def rank_domain(declared: str, rank: int, world: int, device_type: str, device: 
     keys = domain_keys(declared)
     if len(keys) > 1:
         if len(keys) != world:
-            raise ValueError(f"ultracomm: ULTRACOMM_DOMAIN={declared!r} lists {len(keys)} domain keys but the "
-                             f"Context's group has {world} ranks; give one key per rank (rank r takes entry r), "
-                             "or a single key for this process")
+            raise ValueError(
+                f"ultracomm: ULTRACOMM_DOMAIN={declared!r} lists {len(keys)} domain keys but the "
+                f"Context's group has {world} ranks; give one key per rank (rank r takes entry r), "
+                "or a single key for this process"
+            )
         return RankDomain(declared, host, keys[rank], "declared")
     if keys:
         return RankDomain(declared, host, keys[0], "declared")
@@ -113,8 +125,10 @@ def check_domains(views: Sequence[RankDomain], device_type: str) -> None:
         for r, v in enumerate(views):
             by.setdefault(v.declared or "(unset)", []).append(r)
         detail = "; ".join(f"ranks {rs}: {d!r}" for d, rs in by.items())
-        raise ValueError(f"ultracomm: ranks declare different ULTRACOMM_DOMAIN values ({detail}); a per-rank list "
-                         "must be the same on every rank")
+        raise ValueError(
+            f"ultracomm: ranks declare different ULTRACOMM_DOMAIN values ({detail}); a per-rank list "
+            "must be the same on every rank"
+        )
     if device_type != "cuda":
         hosts: dict[str, dict[str, list[int]]] = {}
         for r, v in enumerate(views):
@@ -122,9 +136,11 @@ def check_domains(views: Sequence[RankDomain], device_type: str) -> None:
         for key, on in hosts.items():
             if len(on) > 1:
                 detail = "; ".join(f"ranks {rs} on {h}" for h, rs in on.items())
-                raise ValueError(f"ultracomm: memory domain {key!r} spans several hosts ({detail}), but CPU ranks "
-                                 "share memory only within one host; give ranks on different hosts different "
-                                 "ULTRACOMM_DOMAIN keys (or unset it)")
+                raise ValueError(
+                    f"ultracomm: memory domain {key!r} spans several hosts ({detail}), but CPU ranks "
+                    "share memory only within one host; give ranks on different hosts different "
+                    "ULTRACOMM_DOMAIN keys (or unset it)"
+                )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,14 +183,22 @@ def choose_transport(device_type: str, keys: Sequence[str], hosts: Optional[Sequ
     n, world = len(sizes), len(dom)
     if n == 1:
         if len(set(hosts)) > 1:  # only CUDA gets here (check_domains refuses it on the CPU)
-            return TransportChoice(local, dom, f"all {world} ranks share one {memory} domain over {len(set(hosts))} "
-                                   "hosts (multi-node NVLink): window nvshmem, since CUDA IPC handles do not reach "
-                                   "across hosts", edge_transport={"intra": local}, window="nvshmem")
-        return TransportChoice(local, dom, f"all {world} ranks share one {memory} domain (host)",
-                               edge_transport={"intra": local})
+            return TransportChoice(
+                local,
+                dom,
+                f"all {world} ranks share one {memory} domain over {len(set(hosts))} "
+                "hosts (multi-node NVLink): window nvshmem, since CUDA IPC handles do not reach "
+                "across hosts",
+                edge_transport={"intra": local},
+                window="nvshmem",
+            )
+        return TransportChoice(
+            local, dom, f"all {world} ranks share one {memory} domain (host)", edge_transport={"intra": local}
+        )
     if max(sizes) == 1:
-        return TransportChoice("p2p", dom, f"no two of the {world} ranks share a {memory} domain",
-                               edge_transport={"cross": "p2p"})
+        return TransportChoice(
+            "p2p", dom, f"no two of the {world} ranks share a {memory} domain", edge_transport={"cross": "p2p"}
+        )
     spread = f"the ranks span {n} {memory} domains of {sizes} ranks"
     if device_type == "cuda":
         by: dict[int, set] = {}
@@ -183,17 +207,35 @@ def choose_transport(device_type: str, keys: Sequence[str], hosts: Optional[Sequ
         wide = sorted(d for d, hs in by.items() if len(hs) > 1)
         if wide:  # a multi-node NVLink domain beside others: its window would be nvshmem, which split lacks
             return TransportChoice(
-                "p2p", dom, spread, edge_transport={"intra": "p2p", "cross": "p2p"},
-                split=(f"domains {wide} span several hosts (multi-node NVLink), and the GPU split maps a domain "
-                       "with cuda_ipc, which does not reach across hosts: every edge runs on p2p (same results)"))
+                "p2p",
+                dom,
+                spread,
+                edge_transport={"intra": "p2p", "cross": "p2p"},
+                split=(
+                    f"domains {wide} span several hosts (multi-node NVLink), and the GPU split maps a domain "
+                    "with cuda_ipc, which does not reach across hosts: every edge runs on p2p (same results)"
+                ),
+            )
         return TransportChoice(
-            "split", dom, spread, edge_transport={"intra": "tma", "cross": "p2p"},
-            split=("edges inside a domain run on tma (the persistent kernel over cuda_ipc windows) and edges across "
-                   "domains on p2p (NCCL on a side stream, through device shadows)"))
+            "split",
+            dom,
+            spread,
+            edge_transport={"intra": "tma", "cross": "p2p"},
+            split=(
+                "edges inside a domain run on tma (the persistent kernel over cuda_ipc windows) and edges across "
+                "domains on p2p (NCCL on a side stream, through device shadows)"
+            ),
+        )
     return TransportChoice(
-        "split", dom, spread, edge_transport={"intra": "host", "cross": "p2p"},
-        split=("edges inside a domain run on host (shared-memory windows) and edges across domains on p2p (gloo "
-               "messages through shadow windows and a bridge)"))
+        "split",
+        dom,
+        spread,
+        edge_transport={"intra": "host", "cross": "p2p"},
+        split=(
+            "edges inside a domain run on host (shared-memory windows) and edges across domains on p2p (gloo "
+            "messages through shadow windows and a bridge)"
+        ),
+    )
 
 
 def split_edges(schedule, domain_of: Sequence[int]) -> dict[str, dict[str, int]]:

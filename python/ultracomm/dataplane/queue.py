@@ -9,6 +9,7 @@ it is published in the window (blame by evidence) and every later operation is r
 error of the same kind (a timeout stays an ``UltracommTimeout``, a plan mismatch a
 ``PlanMismatchError``), naming it.
 """
+
 from __future__ import annotations
 
 import functools
@@ -33,8 +34,15 @@ class OpQueue:
     the plan-arena slot an operation passes (None: the transport takes none); ``profiler``: the
     Context's recorder or None."""
 
-    def __init__(self, transport: Any, rank: int, runner: OrderedRunner, witness: Any, profiler: Any,
-                 slot_of: Callable[[Any], int | None]):
+    def __init__(
+        self,
+        transport: Any,
+        rank: int,
+        runner: OrderedRunner,
+        witness: Any,
+        profiler: Any,
+        slot_of: Callable[[Any], int | None],
+    ):
         self.transport, self.rank, self.runner, self.witness = transport, rank, runner, witness
         self.profiler, self.slot_of = profiler, slot_of
         self.streams: Any = None
@@ -84,8 +92,16 @@ class OpQueue:
         raise error
 
     # -- operations -----------------------------------------------------------------------------
-    def submit(self, name: str, op: Op, mb: Any, masters: Any, async_op: bool,
-               before: Callable[[], None] | None = None, after: Callable[[], None] | None = None) -> Work | None:
+    def submit(
+        self,
+        name: str,
+        op: Op,
+        mb: Any,
+        masters: Any,
+        async_op: bool,
+        before: Callable[[], None] | None = None,
+        after: Callable[[], None] | None = None,
+    ) -> Work | None:
         """Run (or enqueue) ``op`` of ``mb``'s schedule as operation ``name``: ``before`` runs
         ahead of it in the queue, ``after`` behind it, ahead of any later operation."""
         self.check()
@@ -95,13 +111,22 @@ class OpQueue:
 
         def body() -> None:
             if self.broken is not None:  # queued before an earlier operation failed: never start it
-                raise self.failed_earlier(f"ultracomm: {name} (epoch {epoch}) not started: an earlier operation of "
-                                          "this Context failed")
+                raise self.failed_earlier(
+                    f"ultracomm: {name} (epoch {epoch}) not started: an earlier operation of this Context failed"
+                )
             try:
                 if before is not None:
                     before()
-                self.transport.run(op, sched, epoch, masters, mb.my_slots, mb.local_index_of, name,
-                                   **({} if slot is None else {"slot": slot}))
+                self.transport.run(
+                    op,
+                    sched,
+                    epoch,
+                    masters,
+                    mb.my_slots,
+                    mb.local_index_of,
+                    name,
+                    **({} if slot is None else {"slot": slot}),
+                )
                 if after is not None:  # in the queue: before any later operation starts
                     after()
             except BaseException as e:
@@ -128,16 +153,28 @@ class OpQueue:
         work.wait()
         return None
 
-    def _enqueue(self, name: str, op: Op, mb: Any, masters: Any, async_op: bool,
-                 before: Callable[[], None] | None, after: Callable[[], None] | None) -> Work | None:
+    def _enqueue(
+        self,
+        name: str,
+        op: Op,
+        mb: Any,
+        masters: Any,
+        async_op: bool,
+        before: Callable[[], None] | None,
+        after: Callable[[], None] | None,
+    ) -> Work | None:
         """The stream-ordered path: enqueued on the caller's current stream under the lock."""
         sched = mb.schedule
         on_time = None
         if self.profiler is not None:  # device time from CUDA events around the enqueue, read lazily
             resident = isinstance(sched, DeviceSchedule)  # its plan is on the device: times only
-            on_time = functools.partial(self.profiler.op_end,
-                                        self.profiler.op_begin(name, mb.vid, mb.layer, None if resident else mb.plan,
-                                                               None if resident else sched), name)
+            on_time = functools.partial(
+                self.profiler.op_end,
+                self.profiler.op_begin(
+                    name, mb.vid, mb.layer, None if resident else mb.plan, None if resident else sched
+                ),
+                name,
+            )
         with self.lock:
             try:
                 self.streams.check_submit(name, async_op)
@@ -148,8 +185,19 @@ class OpQueue:
                     on_time(None)
                 raise
             self.epoch += 1
-            return self.streams.submit(name, op, self.epoch, sched, masters, mb.my_slots, mb.local_index_of,
-                                       async_op, on_time=on_time, after=after, slot=self.slot_of(mb))
+            return self.streams.submit(
+                name,
+                op,
+                self.epoch,
+                sched,
+                masters,
+                mb.my_slots,
+                mb.local_index_of,
+                async_op,
+                on_time=on_time,
+                after=after,
+                slot=self.slot_of(mb),
+            )
 
     def synchronize(self) -> None:
         """Wait for every operation submitted so far (stream-ordered: all work on the device),

@@ -63,6 +63,7 @@ that is already complete.  On a GPU the operations are enqueued on the current s
 event is recorded after them; this module has not been run on a GPU yet.  A call reads the
 mapping on the host (on a GPU: one device-to-host copy of it per call).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -122,8 +123,10 @@ def _wait_for(event: Any) -> None:
     elif isinstance(event, (getattr(torch, "Event", ()), getattr(torch.cuda, "Event", ()))):
         torch.cuda.current_stream().wait_event(event)
     elif event is not True:
-        raise TypeError(f"ultracomm: previous_event must be an event from capture(), a CUDA event or an EventOverlap; "
-                        f"got {type(event).__name__}")
+        raise TypeError(
+            f"ultracomm: previous_event must be an event from capture(), a CUDA event or an EventOverlap; "
+            f"got {type(event).__name__}"
+        )
 
 
 class BufferAllocator:
@@ -140,8 +143,9 @@ class BufferAllocator:
             raise ValueError("ultracomm: this allocation plan was materialized by an LBBuffer; it cannot change")
         shape = tuple(int(d) for d in shape)
         if len(shape) < 1 or any(d < 1 for d in shape):
-            raise ValueError("ultracomm: a pool is [num_redundant_experts, ...] with positive sizes, got "
-                             f"{list(shape)}")
+            raise ValueError(
+                f"ultracomm: a pool is [num_redundant_experts, ...] with positive sizes, got {list(shape)}"
+            )
         tensor = torch.empty(shape, dtype=dtype, device="meta")
         self.allocations.append(tensor)
         return tensor
@@ -157,8 +161,7 @@ def _word(nbytes: int) -> torch.dtype:
 class _Pool:
     """One planned tensor: a Context whose replica slots are the pool's rows."""
 
-    def __init__(self, index: int, shape: tuple, dtype: torch.dtype, group: Any, num_local_experts: int,
-                 options: dict):
+    def __init__(self, index: int, shape: tuple, dtype: torch.dtype, group: Any, num_local_experts: int, options: dict):
         self.index, self.slots, self.inner, self.dtype = index, shape[0], shape[1:], dtype
         itemsize = torch.empty((), dtype=dtype).element_size()
         self.nbytes = itemsize * int(np.prod(self.inner, dtype=np.int64))  # bytes per slot
@@ -203,12 +206,15 @@ class LBBuffer:
     collection) releases the pools' windows: drop the pool tensors first.
     """
 
-    def __init__(self, group: Any, lb_allocation_plan_or_num_bytes: Any, num_local_experts: int,
-                 **context_options: Any):
+    def __init__(
+        self, group: Any, lb_allocation_plan_or_num_bytes: Any, num_local_experts: int, **context_options: Any
+    ):
         plan = lb_allocation_plan_or_num_bytes
         if not isinstance(plan, BufferAllocator):
-            raise ConfigError("ultracomm: LBBuffer needs a BufferAllocator plan (allocate(shape, dtype) per redundant "
-                              f"tensor); got {type(plan).__name__}: a byte count says nothing of the tensors' shapes")
+            raise ConfigError(
+                "ultracomm: LBBuffer needs a BufferAllocator plan (allocate(shape, dtype) per redundant "
+                f"tensor); got {type(plan).__name__}: a byte count says nothing of the tensors' shapes"
+            )
         if plan.materialized:
             raise ValueError("ultracomm: this allocation plan was materialized by another LBBuffer already")
         if not plan.allocations:
@@ -219,8 +225,9 @@ class LBBuffer:
         self.pools: list[_Pool] = []
         try:
             for i, meta in enumerate(plan.allocations):
-                self.pools.append(_Pool(i, tuple(meta.shape), meta.dtype, group, num_local_experts,
-                                        dict(context_options)))
+                self.pools.append(
+                    _Pool(i, tuple(meta.shape), meta.dtype, group, num_local_experts, dict(context_options))
+                )
         except BaseException:
             self.destroy()
             raise
@@ -247,15 +254,22 @@ class LBBuffer:
         """The SMs the pools' Contexts run with (0 on the host executor)."""
         return max((max(p.ctx.sm_counts.values(), default=0) for p in self.pools), default=0)
 
-    def lb_prefetch_weights(self, redundant_expert_weights: Sequence[torch.Tensor] | torch.Tensor,
-                            expert_weights: Sequence[torch.Tensor] | torch.Tensor, redundancy_mapping: torch.Tensor,
-                            num_sms: int = 0, previous_event: Any = None) -> EventOverlap:
+    def lb_prefetch_weights(
+        self,
+        redundant_expert_weights: Sequence[torch.Tensor] | torch.Tensor,
+        expert_weights: Sequence[torch.Tensor] | torch.Tensor,
+        redundancy_mapping: torch.Tensor,
+        num_sms: int = 0,
+        previous_event: Any = None,
+    ) -> EventOverlap:
         """Fill every rank's redundant slots with the experts ``redundancy_mapping`` names (collective)."""
         dst = _tensors(redundant_expert_weights, "redundant_expert_weights")
         src = _tensors(expert_weights, "expert_weights")
         if len(dst) != len(src):
-            raise ValueError(f"ultracomm: lb_prefetch_weights got {len(dst)} redundant_expert_weights and {len(src)} "
-                             "expert_weights; pass one source per destination")
+            raise ValueError(
+                f"ultracomm: lb_prefetch_weights got {len(dst)} redundant_expert_weights and {len(src)} "
+                "expert_weights; pass one source per destination"
+            )
         _check_sms(num_sms)
         pools = [self._pool_of(t, f"redundant_expert_weights[{i}]") for i, t in enumerate(dst)]
         if len({p.index for p in pools}) != len(pools):
@@ -263,15 +277,21 @@ class LBBuffer:
         mapping = self._mapping(redundancy_mapping)
         for i, (pool, w) in enumerate(zip(pools, src)):
             if w.dim() < 1 or int(w.shape[0]) != self.num_local_experts:
-                raise ValueError(f"ultracomm: expert_weights[{i}] is {list(w.shape)}; expected [num_local_experts="
-                                 f"{self.num_local_experts}, ...]")
+                raise ValueError(
+                    f"ultracomm: expert_weights[{i}] is {list(w.shape)}; expected [num_local_experts="
+                    f"{self.num_local_experts}, ...]"
+                )
             if pool.slots != mapping.shape[1]:
-                raise ValueError(f"ultracomm: redundant_expert_weights[{i}] has {pool.slots} slots; redundancy_mapping "
-                                 f"has {mapping.shape[1]} columns")
+                raise ValueError(
+                    f"ultracomm: redundant_expert_weights[{i}] has {pool.slots} slots; redundancy_mapping "
+                    f"has {mapping.shape[1]} columns"
+                )
             got = w.element_size() * (w.numel() // self.num_local_experts)
             if got != pool.nbytes:
-                raise ValueError(f"ultracomm: expert_weights[{i}] has {got} bytes per expert, its destination "
-                                 f"{pool.nbytes}; each pair must have the same bytes per expert")
+                raise ValueError(
+                    f"ultracomm: expert_weights[{i}] has {got} bytes per expert, its destination "
+                    f"{pool.nbytes}; each pair must have the same bytes per expert"
+                )
         plan, dups = self._plan(mapping)
         if previous_event is not None:
             _wait_for(previous_event)
@@ -287,8 +307,14 @@ class LBBuffer:
                 pool.tensor[dup].copy_(pool.tensor[first])
         return self._done()
 
-    def lb_reduce_grads(self, redundant_expert_grads: torch.Tensor, expert_grads: torch.Tensor,
-                        redundancy_mapping: torch.Tensor, num_sms: int = 0, previous_event: Any = None) -> EventOverlap:
+    def lb_reduce_grads(
+        self,
+        redundant_expert_grads: torch.Tensor,
+        expert_grads: torch.Tensor,
+        redundancy_mapping: torch.Tensor,
+        num_sms: int = 0,
+        previous_event: Any = None,
+    ) -> EventOverlap:
         """``expert_grads += `` every redundant slot's gradient of that expert (collective); the
         redundant gradients are left unchanged."""
         for name, t in (("redundant_expert_grads", redundant_expert_grads), ("expert_grads", expert_grads)):
@@ -298,16 +324,22 @@ class LBBuffer:
         _check_sms(num_sms)
         pool = self._pool_of(redundant_expert_grads, "redundant_expert_grads")
         if not pool.fp32_rows:
-            raise ValueError("ultracomm: lb_reduce_grads: redundant_expert_grads must be a float32 "
-                             "[num_redundant_experts, hidden] pool of this buffer")
+            raise ValueError(
+                "ultracomm: lb_reduce_grads: redundant_expert_grads must be a float32 "
+                "[num_redundant_experts, hidden] pool of this buffer"
+            )
         mapping = self._mapping(redundancy_mapping)
         if pool.slots != mapping.shape[1]:
-            raise ValueError(f"ultracomm: redundant_expert_grads has {pool.slots} slots; redundancy_mapping has "
-                             f"{mapping.shape[1]} columns")
+            raise ValueError(
+                f"ultracomm: redundant_expert_grads has {pool.slots} slots; redundancy_mapping has "
+                f"{mapping.shape[1]} columns"
+            )
         want = (self.num_local_experts, pool.inner[0])
         if tuple(expert_grads.shape) != want or not expert_grads.is_contiguous():
-            raise ValueError(f"ultracomm: lb_reduce_grads: expert_grads must be a contiguous float32 {list(want)} "
-                             f"(num_local_experts, hidden), got {list(expert_grads.shape)}")
+            raise ValueError(
+                f"ultracomm: lb_reduce_grads: expert_grads must be a contiguous float32 {list(want)} "
+                f"(num_local_experts, hidden), got {list(expert_grads.shape)}"
+            )
         plan, dups = self._plan(mapping)
         if previous_event is not None:
             _wait_for(previous_event)
@@ -346,29 +378,41 @@ class LBBuffer:
         for p in self.pools:
             if p.holds(t):
                 return p
-        raise ValueError(f"ultracomm: {name} ({t.dtype} {list(t.shape)}) is not a redundant pool of this LBBuffer; "
-                         "destinations must be tensors its BufferAllocator planned (or views of one, each slot whole)")
+        raise ValueError(
+            f"ultracomm: {name} ({t.dtype} {list(t.shape)}) is not a redundant pool of this LBBuffer; "
+            "destinations must be tensors its BufferAllocator planned (or views of one, each slot whole)"
+        )
 
     def _mapping(self, m: Any) -> np.ndarray:
-        if not isinstance(m, torch.Tensor) or m.dtype != torch.int32 or m.dim() != 2 \
-                or int(m.shape[0]) != self.num_nvlink_ranks:
+        if (
+            not isinstance(m, torch.Tensor)
+            or m.dtype != torch.int32
+            or m.dim() != 2
+            or int(m.shape[0]) != self.num_nvlink_ranks
+        ):
             what = f"{m.dtype} {list(m.shape)}" if isinstance(m, torch.Tensor) else type(m).__name__
-            raise ValueError(f"ultracomm: redundancy_mapping must be an int32 [num_nvlink_ranks="
-                             f"{self.num_nvlink_ranks}, num_redundant_experts] tensor, got {what}")
+            raise ValueError(
+                f"ultracomm: redundancy_mapping must be an int32 [num_nvlink_ranks="
+                f"{self.num_nvlink_ranks}, num_redundant_experts] tensor, got {what}"
+            )
         a = m.detach().to("cpu").numpy().astype(np.int64)
         num_experts = self.num_nvlink_ranks * self.num_local_experts
         bad = np.argwhere((a < -1) | (a >= num_experts))
         if len(bad):
             r, c = (int(x) for x in bad[0])
-            raise PlanError(f"ultracomm: redundancy_mapping[{r}, {c}] = {int(a[r, c])}: expert ids are local to the "
-                            f"NVLink domain, in [0, {num_experts}) (num_nvlink_ranks x num_local_experts), or -1 for "
-                            "an empty slot")
+            raise PlanError(
+                f"ultracomm: redundancy_mapping[{r}, {c}] = {int(a[r, c])}: expert ids are local to the "
+                f"NVLink domain, in [0, {num_experts}) (num_nvlink_ranks x num_local_experts), or -1 for "
+                "an empty slot"
+            )
         own = np.argwhere((a >= 0) & (a // self.num_local_experts == np.arange(a.shape[0])[:, None]))
         if len(own):
             r, c = (int(x) for x in own[0])
-            raise PlanError(f"ultracomm: redundancy_mapping[{r}, {c}] = {int(a[r, c])} is rank {r}'s own expert; a "
-                            "redundant slot holds another rank's expert (DeepEP: a rank's own experts must not appear "
-                            "in its redundant slots)")
+            raise PlanError(
+                f"ultracomm: redundancy_mapping[{r}, {c}] = {int(a[r, c])} is rank {r}'s own expert; a "
+                "redundant slot holds another rank's expert (DeepEP: a rank's own experts must not appear "
+                "in its redundant slots)"
+            )
         return a
 
     def _plan(self, mapping: np.ndarray) -> tuple[ReplicaPlan, list[tuple[int, int]]]:
@@ -420,21 +464,34 @@ def _buffer_of(t: Any, name: str) -> LBBuffer:
     for buf in list(_LIVE):
         if isinstance(t, torch.Tensor) and any(p.holds(t) for p in buf.pools):
             return buf
-    raise ValueError(f"ultracomm: {name} is not a redundant pool of any live LBBuffer; allocate it with a "
-                     "BufferAllocator and make an LBBuffer from that plan")
+    raise ValueError(
+        f"ultracomm: {name} is not a redundant pool of any live LBBuffer; allocate it with a "
+        "BufferAllocator and make an LBBuffer from that plan"
+    )
 
 
-def lb_prefetch_weights(redundant_expert_weights: Sequence[torch.Tensor] | torch.Tensor,
-                        expert_weights: Sequence[torch.Tensor] | torch.Tensor, redundancy_mapping: torch.Tensor,
-                        num_sms: int = 0, previous_event: Any = None) -> EventOverlap:
+def lb_prefetch_weights(
+    redundant_expert_weights: Sequence[torch.Tensor] | torch.Tensor,
+    expert_weights: Sequence[torch.Tensor] | torch.Tensor,
+    redundancy_mapping: torch.Tensor,
+    num_sms: int = 0,
+    previous_event: Any = None,
+) -> EventOverlap:
     """:meth:`LBBuffer.lb_prefetch_weights` of the buffer that holds the destinations."""
     first = _tensors(redundant_expert_weights, "redundant_expert_weights")[0]
     return _buffer_of(first, "redundant_expert_weights[0]").lb_prefetch_weights(
-        redundant_expert_weights, expert_weights, redundancy_mapping, num_sms, previous_event)
+        redundant_expert_weights, expert_weights, redundancy_mapping, num_sms, previous_event
+    )
 
 
-def lb_reduce_grads(redundant_expert_grads: torch.Tensor, expert_grads: torch.Tensor, redundancy_mapping: torch.Tensor,
-                    num_sms: int = 0, previous_event: Any = None) -> EventOverlap:
+def lb_reduce_grads(
+    redundant_expert_grads: torch.Tensor,
+    expert_grads: torch.Tensor,
+    redundancy_mapping: torch.Tensor,
+    num_sms: int = 0,
+    previous_event: Any = None,
+) -> EventOverlap:
     """:meth:`LBBuffer.lb_reduce_grads` of the buffer that holds ``redundant_expert_grads``."""
     return _buffer_of(redundant_expert_grads, "redundant_expert_grads").lb_reduce_grads(
-        redundant_expert_grads, expert_grads, redundancy_mapping, num_sms, previous_event)
+        redundant_expert_grads, expert_grads, redundancy_mapping, num_sms, previous_event
+    )

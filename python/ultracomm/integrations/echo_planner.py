@@ -45,6 +45,7 @@ unrouted entries keep whatever they held); ``pr2368`` multiplies by the new map.
 ``greedy``, ``lpt``); it then decides slots and per-source token counts itself, and the
 output has the same shapes and column order.
 """
+
 from __future__ import annotations
 
 import math
@@ -70,8 +71,9 @@ def _err(msg: str) -> ValueError:
     return ValueError(f"ultracomm: gen_offloading_plan: {msg}")
 
 
-def effective_column(num_experts: int, num_ep_ranks: int, spares_per_rank: int,
-                     expert: int | None = None, spare: int | None = None) -> int:
+def effective_column(
+    num_experts: int, num_ep_ranks: int, spares_per_rank: int, expert: int | None = None, spare: int | None = None
+) -> int:
     """Column of home ``expert`` or global spare ``spare`` (rank ``spare // K``) in Megatron's
     per-rank order: rank ``r``'s columns are ``r*(M+K) .. r*(M+K)+M+K-1``, homes first."""
     M, K = num_experts // num_ep_ranks, spares_per_rank
@@ -93,8 +95,18 @@ def _as_int(x: Any, name: str, lo: int, hi: int | None, what: str) -> int:
     return int(x)
 
 
-def _check(map_token_to_expert, probs_routing, counts, ep_rank, num_ep_ranks, K, threshold_multiplier,
-           dtype_index, assignment_algorithm, upstream):
+def _check(
+    map_token_to_expert,
+    probs_routing,
+    counts,
+    ep_rank,
+    num_ep_ranks,
+    K,
+    threshold_multiplier,
+    dtype_index,
+    assignment_algorithm,
+    upstream,
+):
     """Every argument checked before anything is computed; returns ``(counts int64 [R, E],
     rank, R, K, threshold)``."""
     m = map_token_to_expert
@@ -105,33 +117,46 @@ def _check(map_token_to_expert, probs_routing, counts, ep_rank, num_ep_ranks, K,
     p = probs_routing
     if not isinstance(p, torch.Tensor) or not p.dtype.is_floating_point or tuple(p.shape) != (T, E):
         got = f"{p.dtype} {list(p.shape)}" if isinstance(p, torch.Tensor) else type(p).__name__
-        raise _err(f"probs_routing must be a floating-point tensor shaped like map_token_to_expert {[T, E]}, "
-                   f"got {got}")
+        raise _err(f"probs_routing must be a floating-point tensor shaped like map_token_to_expert {[T, E]}, got {got}")
     R = _as_int(num_ep_ranks, "num_ep_ranks", 1, None, "a positive int (the EP group's size)")
     if E % R:
-        raise _err(f"num_ep_ranks={R} does not divide the {E} experts of map_token_to_expert; every EP rank "
-                   "homes the same number of experts")
+        raise _err(
+            f"num_ep_ranks={R} does not divide the {E} experts of map_token_to_expert; every EP rank "
+            "homes the same number of experts"
+        )
     rank = _as_int(ep_rank, "ep_rank", 0, R - 1, f"an int in 0..{R - 1} (this rank's index in the EP group)")
     K = _as_int(K, "num_spare_experts_per_ep_rank", 1, None, "a positive int")
-    if isinstance(threshold_multiplier, bool) or not isinstance(threshold_multiplier, (int, float)) \
-            or not math.isfinite(threshold_multiplier):
+    if (
+        isinstance(threshold_multiplier, bool)
+        or not isinstance(threshold_multiplier, (int, float))
+        or not math.isfinite(threshold_multiplier)
+    ):
         raise _err(f"threshold_multiplier must be a finite number (<= 0: off), got {threshold_multiplier!r}")
-    if not isinstance(dtype_index, torch.dtype) or dtype_index.is_floating_point or dtype_index.is_complex \
-            or dtype_index == torch.bool:
+    if (
+        not isinstance(dtype_index, torch.dtype)
+        or dtype_index.is_floating_point
+        or dtype_index.is_complex
+        or dtype_index == torch.bool
+    ):
         raise _err(f"dtype_index must be an integer torch dtype (torch.int32 or torch.int64), got {dtype_index!r}")
     if upstream not in UPSTREAMS:
         raise _err(f"upstream must be one of {sorted(UPSTREAMS)}, got {upstream!r}")
     if assignment_algorithm not in ALGORITHMS and assignment_algorithm not in PLANNERS:
-        raise _err(f"assignment_algorithm must be 'approx_bin_packing' or 'one_shot_greedy' (Megatron's) or an "
-                   f"ultracomm planner ({', '.join(sorted(PLANNERS))}), got {assignment_algorithm!r}")
+        raise _err(
+            f"assignment_algorithm must be 'approx_bin_packing' or 'one_shot_greedy' (Megatron's) or an "
+            f"ultracomm planner ({', '.join(sorted(PLANNERS))}), got {assignment_algorithm!r}"
+        )
     if assignment_algorithm == "approx_bin_packing" and K != 1:
-        raise _err(f"assignment_algorithm='approx_bin_packing' supports num_spare_experts_per_ep_rank=1 only (as "
-                   f"upstream), got {K}; use 'one_shot_greedy' or an ultracomm planner")
+        raise _err(
+            f"assignment_algorithm='approx_bin_packing' supports num_spare_experts_per_ep_rank=1 only (as "
+            f"upstream), got {K}; use 'one_shot_greedy' or an ultracomm planner"
+        )
     c = counts
     if not isinstance(c, torch.Tensor) or tuple(c.shape) != (R, E):
         got = list(c.shape) if isinstance(c, torch.Tensor) else type(c).__name__
-        raise _err(f"count_tokens_per_expert_from_ep_rank must be a [num_ep_ranks, experts] = {[R, E]} tensor, "
-                   f"got {got}")
+        raise _err(
+            f"count_tokens_per_expert_from_ep_rank must be a [num_ep_ranks, experts] = {[R, E]} tensor, got {got}"
+        )
     if c.dtype == torch.bool or c.dtype.is_complex:
         raise _err(f"count_tokens_per_expert_from_ep_rank must hold token counts (an integer tensor), got {c.dtype}")
     c = c.detach().cpu()
@@ -139,8 +164,10 @@ def _check(map_token_to_expert, probs_routing, counts, ep_rank, num_ep_ranks, K,
         bad = (~torch.isfinite(c)) | (c != torch.floor(c))
         if bool(bad.any()):
             r, e = (int(i) for i in bad.nonzero()[0])
-            raise _err(f"count_tokens_per_expert_from_ep_rank must hold whole token counts; entry [{r}, {e}] is "
-                       f"{float(c[r, e])!r}")
+            raise _err(
+                f"count_tokens_per_expert_from_ep_rank must hold whole token counts; entry [{r}, {e}] is "
+                f"{float(c[r, e])!r}"
+            )
         if bool((c.abs() >= 2.0**53).any()):
             raise _err("count_tokens_per_expert_from_ep_rank has a count of 2**53 or more; pass an integer tensor")
     c = c.to(torch.int64)
@@ -149,14 +176,18 @@ def _check(map_token_to_expert, probs_routing, counts, ep_rank, num_ep_ranks, K,
         raise _err(f"count_tokens_per_expert_from_ep_rank must be >= 0; entry [{r}, {e}] is {int(c[r, e])}")
     limit = torch.iinfo(dtype_index).max
     if int(c.sum()) > limit:
-        raise _err(f"count_tokens_per_expert_from_ep_rank totals {int(c.sum())} tokens, more than dtype_index="
-                   f"{dtype_index} holds ({limit}); pass dtype_index=torch.int64")
+        raise _err(
+            f"count_tokens_per_expert_from_ep_rank totals {int(c.sum())} tokens, more than dtype_index="
+            f"{dtype_index} holds ({limit}); pass dtype_index=torch.int64"
+        )
     mine = m.sum(0).cpu().to(torch.int64)
     if not torch.equal(mine, c[rank]):
         e = int((mine != c[rank]).nonzero()[0])
-        raise _err(f"row ep_rank={rank} of count_tokens_per_expert_from_ep_rank says {int(c[rank, e])} tokens for "
-                   f"expert {e}, but map_token_to_expert routes {int(mine[e])} of this rank's tokens to it; pass "
-                   "every rank's map_token_to_expert.sum(0), gathered over the EP group in rank order")
+        raise _err(
+            f"row ep_rank={rank} of count_tokens_per_expert_from_ep_rank says {int(c[rank, e])} tokens for "
+            f"expert {e}, but map_token_to_expert routes {int(mine[e])} of this rank's tokens to it; pass "
+            "every rank's map_token_to_expert.sum(0), gathered over the EP group in rank order"
+        )
     return c.numpy(), rank, R, K, float(threshold_multiplier)
 
 
@@ -323,8 +354,15 @@ def _split_by_source(counts: np.ndarray, assign: np.ndarray) -> np.ndarray:
 # ----------------------------------------------------------------------------- step 4
 
 
-def _reroute(map_token_to_expert: torch.Tensor, probs: torch.Tensor, to_spare: np.ndarray,
-             sup: np.ndarray, R: int, K: int, upstream: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _reroute(
+    map_token_to_expert: torch.Tensor,
+    probs: torch.Tensor,
+    to_spare: np.ndarray,
+    sup: np.ndarray,
+    R: int,
+    K: int,
+    upstream: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's rerouted map and probs in Megatron's column order: for each spare column in
     order, the next ``to_spare[j]`` tokens of its home (token order) move; the rest stay home."""
     E = map_token_to_expert.shape[1]
@@ -348,8 +386,9 @@ def _reroute(map_token_to_expert: torch.Tensor, probs: torch.Tensor, to_spare: n
     return _finish_probs(map_token_to_expert, probs, table, R, K, upstream)
 
 
-def _finish_probs(map_token_to_expert: torch.Tensor, probs: torch.Tensor, table: RerouteTable, R: int, K: int,
-                  upstream: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _finish_probs(
+    map_token_to_expert: torch.Tensor, probs: torch.Tensor, table: RerouteTable, R: int, K: int, upstream: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     rmap, rprobs = reroute(map_token_to_expert, probs, table)
     if upstream == "balanced_moe":  # probs where no token was routed stay, in their home column
         E = map_token_to_expert.shape[1]
@@ -403,8 +442,17 @@ def gen_offloading_plan(
         ValueError naming the argument, before anything is computed.
     """
     counts, rank, R, K, threshold = _check(
-        map_token_to_expert, probs_routing, count_tokens_per_expert_from_ep_rank, ep_rank, num_ep_ranks,
-        num_spare_experts_per_ep_rank, threshold_multiplier, dtype_index, assignment_algorithm, upstream)
+        map_token_to_expert,
+        probs_routing,
+        count_tokens_per_expert_from_ep_rank,
+        ep_rank,
+        num_ep_ranks,
+        num_spare_experts_per_ep_rank,
+        threshold_multiplier,
+        dtype_index,
+        assignment_algorithm,
+        upstream,
+    )
     E = counts.shape[1]
     dev = map_token_to_expert.device
     if assignment_algorithm in PLANNERS:

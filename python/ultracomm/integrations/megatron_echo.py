@@ -38,6 +38,7 @@ Before/after in Megatron's MoE layer::
 Build every layer's dispatcher before the first dispatch (their Contexts are shared by all
 layers, one per weight shape and call); ``close_dispatchers(ep_group)`` at the end.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -104,7 +105,7 @@ def close_dispatchers(ep_group: Any) -> None:
     """Close the Contexts shared by ``ep_group``'s dispatchers and forget them (end of training;
     dispatchers built afterwards start a new pool)."""
     pool = _DEFAULT_GROUP_POOL.pop("default", None) if ep_group is None else _POOLS.pop(ep_group, None)
-    for member in (pool.members.values() if pool else ()):
+    for member in pool.members.values() if pool else ():
         member.ctx.close()
 
 
@@ -136,8 +137,14 @@ class _Member:
         self.ctx.register_masters(layer, [[w.detach() for w in weights]], [list(sums.unbind(0))])
         self.registered[layer], self.sums[layer] = (key, list(weights)), sums
 
-    def reduce(self, disp: "EchoExpertDispatcher", vid: int, layer: int, spare_grads: torch.Tensor,
-               local_copies: list[tuple[int, int]]) -> torch.Tensor:
+    def reduce(
+        self,
+        disp: "EchoExpertDispatcher",
+        vid: int,
+        layer: int,
+        spare_grads: torch.Tensor,
+        local_copies: list[tuple[int, int]],
+    ) -> torch.Tensor:
         """``[M, *shape]`` home sums of ``spare_grads [K, *shape]`` (collective)."""
         sums = self.sums[layer]
         sums.zero_()
@@ -150,8 +157,15 @@ class _Member:
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, disp: "EchoExpertDispatcher", member: _Member, vid: int, meta: EchoDispatchMetadata,
-                runtime_dtype: torch.dtype, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(
+        ctx: Any,
+        disp: "EchoExpertDispatcher",
+        member: _Member,
+        vid: int,
+        meta: EchoDispatchMetadata,
+        runtime_dtype: torch.dtype,
+        *weights: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
         ctx.disp, ctx.member, ctx.vid, ctx.meta = disp, member, vid, meta
         ctx.weights = weights  # the parameters themselves: their main_grad is read at backward time
         return tuple(disp._outputs(member, meta, weights, runtime_dtype))
@@ -190,8 +204,16 @@ class EchoExpertDispatcher:
     summed in, as upstream.
     """
 
-    def __init__(self, config: Any, ep_group: Any, num_home_experts: int, num_spare_experts: int, *,
-                 max_microbatches: int | None = None, **context_options: Any):
+    def __init__(
+        self,
+        config: Any,
+        ep_group: Any,
+        num_home_experts: int,
+        num_spare_experts: int,
+        *,
+        max_microbatches: int | None = None,
+        **context_options: Any,
+    ):
         from ..comm import as_comm
 
         self.config, self.ep_group = config, ep_group
@@ -202,8 +224,10 @@ class EchoExpertDispatcher:
                 raise _err(f"{name} must be a positive multiple of the EP size {self.ep_size}, got {v!r}")
         self.policy = getattr(config, "moe_balance_expert_weight_grad_combine_dtype", "fp32")
         if self.policy not in _COMBINE_POLICIES:
-            raise _err(f"config.moe_balance_expert_weight_grad_combine_dtype must be one of {_COMBINE_POLICIES}, "
-                       f"got {self.policy!r}")
+            raise _err(
+                f"config.moe_balance_expert_weight_grad_combine_dtype must be one of {_COMBINE_POLICIES}, "
+                f"got {self.policy!r}"
+            )
         self.num_home_experts, self.num_spare_experts = num_home_experts, num_spare_experts
         self.num_local_home_experts = num_home_experts // self.ep_size
         self.num_local_spare_experts = num_spare_experts // self.ep_size
@@ -215,8 +239,10 @@ class EchoExpertDispatcher:
         self.context_options = context_options
         self._pool = _pool_of(ep_group)
         if self._pool.members:
-            raise RuntimeError("ultracomm: an EchoExpertDispatcher was built after the first dispatch of its EP "
-                               "group; build every MoE layer's dispatcher before the first forward")
+            raise RuntimeError(
+                "ultracomm: an EchoExpertDispatcher was built after the first dispatch of its EP "
+                "group; build every MoE layer's dispatcher before the first forward"
+            )
         self.layer = len(self._pool.dispatchers)
         self._pool.dispatchers.append(self)
 
@@ -226,8 +252,10 @@ class EchoExpertDispatcher:
         one expert; one on its expert's own home rank is a local copy) and plan the multicast."""
         m = expert_offloading_map
         if not isinstance(m, torch.Tensor) or m.dtype != torch.bool:
-            raise _err(f"expert_offloading_map must be a bool tensor, got "
-                       f"{m.dtype if isinstance(m, torch.Tensor) else type(m).__name__}")
+            raise _err(
+                f"expert_offloading_map must be a bool tensor, got "
+                f"{m.dtype if isinstance(m, torch.Tensor) else type(m).__name__}"
+            )
         want = (self.num_home_experts, self.num_spare_experts)
         if tuple(m.shape) != want:
             raise _err(f"expert_offloading_map must have shape {list(want)}, got {list(m.shape)}")
@@ -236,8 +264,10 @@ class EchoExpertDispatcher:
         if bool((per_slot > 1).any()):
             j = int((per_slot > 1).nonzero()[0])
             held = cpu[:, j].nonzero().squeeze(1).tolist()
-            raise _err(f"spare slot {j} of expert_offloading_map holds experts {held}; each spare slot holds at most "
-                       "one home expert")
+            raise _err(
+                f"spare slot {j} of expert_offloading_map holds experts {held}; each spare slot holds at most "
+                "one home expert"
+            )
         M, K, R = self.num_local_home_experts, self.num_local_spare_experts, self.ep_size
         src = torch.where(per_slot > 0, cpu.to(torch.int64).argmax(0), -1)  # home expert of each spare
         remote = src.clone().view(R, K)
@@ -248,8 +278,12 @@ class EchoExpertDispatcher:
         plan = ReplicaPlan.make(remote.to(torch.int32), self.num_home_experts, experts_per_rank=M)
         return EchoDispatchMetadata(m, plan, mine.clone().to(m.device), local)
 
-    def dispatch(self, metadata: EchoDispatchMetadata, *expert_weights: torch.Tensor,
-                 runtime_weight_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    def dispatch(
+        self,
+        metadata: EchoDispatchMetadata,
+        *expert_weights: torch.Tensor,
+        runtime_weight_dtype: torch.dtype | None = None,
+    ) -> list[torch.Tensor]:
         """This rank's spare slots' weights (``num_local_spare_experts`` tensors shaped like one
         expert weight, in ``runtime_weight_dtype`` or the weights' dtype; zeros for an empty
         slot), from the local home experts' weights of one projection.  Collective."""
@@ -263,8 +297,9 @@ class EchoExpertDispatcher:
             raise _err("all expert weights of one dispatch call must have one shape, dtype and device")
         runtime = dtype if runtime_weight_dtype is None else runtime_weight_dtype
         if not isinstance(runtime, torch.dtype) or not runtime.is_floating_point:
-            raise _err(f"runtime_weight_dtype must be a floating-point torch dtype or None, got "
-                       f"{runtime_weight_dtype!r}")
+            raise _err(
+                f"runtime_weight_dtype must be a floating-point torch dtype or None, got {runtime_weight_dtype!r}"
+            )
         combine = _combine_dtype(dtype, self.policy)
         key = (shape, dtype, combine)
         call = metadata.dispatched.get(key, 0)  # fc1 and fc2 of one shape get a Context each
@@ -285,13 +320,21 @@ class EchoExpertDispatcher:
         member.ctx.weights_copied(vid)  # the outputs are copies: other layers may reuse the slots
         return out
 
-    def expert_dispatch(self, metadata: EchoDispatchMetadata, *expert_weights: torch.Tensor,
-                        runtime_weight_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    def expert_dispatch(
+        self,
+        metadata: EchoDispatchMetadata,
+        *expert_weights: torch.Tensor,
+        runtime_weight_dtype: torch.dtype | None = None,
+    ) -> list[torch.Tensor]:
         """The older name of :meth:`dispatch`."""
         return self.dispatch(metadata, *expert_weights, runtime_weight_dtype=runtime_weight_dtype)
 
-    def fold_spare_gradients(self, metadata: EchoDispatchMetadata, *local_spare_grads: torch.Tensor,
-                             reference_weight_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    def fold_spare_gradients(
+        self,
+        metadata: EchoDispatchMetadata,
+        *local_spare_grads: torch.Tensor,
+        reference_weight_dtype: torch.dtype | None = None,
+    ) -> list[torch.Tensor]:
         """The local home experts' sums of their spares' gradients (``num_local_home_experts``
         tensors in the grad-combine dtype of ``reference_weight_dtype`` or the grads' dtype),
         from this rank's ``num_local_spare_experts`` spare gradients.  Collective; the metadata
@@ -307,11 +350,19 @@ class EchoExpertDispatcher:
             raise _err("all spare gradients of one fold_spare_gradients call must have one shape")
         wdtype = reference_weight_dtype or g0.dtype
         combine = _combine_dtype(wdtype, self.policy)
-        member = next((mb for k, mb in self._pool.members.items()
-                       if k[:3] == (shape, wdtype, combine) and self.layer in mb.registered), None)
+        member = next(
+            (
+                mb
+                for k, mb in self._pool.members.items()
+                if k[:3] == (shape, wdtype, combine) and self.layer in mb.registered
+            ),
+            None,
+        )
         if member is None:
-            raise _err(f"fold_spare_gradients: no dispatch of {list(shape)} {wdtype} weights by this layer yet; "
-                       "call dispatch(metadata, *home_weights) first (or pass reference_weight_dtype)")
+            raise _err(
+                f"fold_spare_gradients: no dispatch of {list(shape)} {wdtype} weights by this layer yet; "
+                "call dispatch(metadata, *home_weights) first (or pass reference_weight_dtype)"
+            )
         vid = member.ctx.begin(self.layer)
         try:
             member.ctx.weight_sync(vid, metadata.plan)
@@ -327,8 +378,9 @@ class EchoExpertDispatcher:
             raise
 
     # ------------------------------------------------------------------ internals
-    def _outputs(self, member: _Member, meta: EchoDispatchMetadata, weights: Sequence[torch.Tensor],
-                 runtime: torch.dtype) -> list[torch.Tensor]:
+    def _outputs(
+        self, member: _Member, meta: EchoDispatchMetadata, weights: Sequence[torch.Tensor], runtime: torch.dtype
+    ) -> list[torch.Tensor]:
         slots = member.ctx.replica_weights[0]
         out = []
         mine = meta.plan.slot_src[self.ep_rank].tolist()
@@ -349,7 +401,14 @@ class EchoExpertDispatcher:
         if member is None:
             shape, dtype, combine, _ = key
             layout = ExpertLayout((Member("w", shape, dtype),), grad_dtype=combine)
-            ctx = Context(self.ep_group, layout, self.num_local_home_experts, self.num_local_spare_experts,
-                          len(pool.dispatchers), self.max_microbatches, **self.context_options)
+            ctx = Context(
+                self.ep_group,
+                layout,
+                self.num_local_home_experts,
+                self.num_local_spare_experts,
+                len(pool.dispatchers),
+                self.max_microbatches,
+                **self.context_options,
+            )
             member = pool.members[key] = _Member(ctx)
         return member

@@ -32,6 +32,7 @@ wrap ultracomm ``Work`` handles; a ``grad_reduce`` whose replicas another layer'
 overwrote since its last ``weight_sync`` raises instead of reducing gradients computed on
 stale weights; reductions are always in a fixed order; ``legacy_placement`` is refused.
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional, Sequence
@@ -58,7 +59,7 @@ __version__ = "1.0.0"
 UPSTREAM_COMMIT = "94cab099b44fffa99a82fea99e7c12d89cf65e4f"  # Dots-Infra/UltraEP v1.0.0
 
 _SPARE_LAYERS = 3  # UltraEP allocates num_layers + 3 real layers (1-indexed layer ids)
-_ALIGN = 16        # UltraEP's TMA alignment (kNumTMAAlignBytes); ultracomm's layouts use the same
+_ALIGN = 16  # UltraEP's TMA alignment (kNumTMAAlignBytes); ultracomm's layouts use the same
 _PLAN_MODES = {"direct": "off", "adaptive": "auto", "adaptiverelay": "auto", "forcerelay": "force"}
 
 
@@ -122,24 +123,46 @@ class Manager:
     ``node_of`` and any ``Context`` option (``timeout_s``, ``relay_mode``, ``device``, ...).
     """
 
-    def __init__(self, group: Any, num_layers: int, num_local_master_experts: int,
-                 num_local_redundant_experts: int, expert_fc1_numel: int, expert_fc2_numel: int,
-                 is_train: bool = True, explicitly_destroy: bool = False, max_microbatches: int = 1,
-                 legacy_placement: bool = False, weight_data_dtype: torch.dtype = torch.bfloat16,
-                 weight_scale_dtype: torch.dtype = torch.float32, expert_fc1_weight_scale_numel: int = 0,
-                 expert_fc2_weight_scale_numel: int = 0, grad_dtype: torch.dtype = torch.float32, *,
-                 planner: str = "quota", planner_options: dict | None = None, **context_options: Any):
-        for name, dt in (("weight_data_dtype", weight_data_dtype), ("weight_scale_dtype", weight_scale_dtype),
-                         ("grad_dtype", grad_dtype)):
+    def __init__(
+        self,
+        group: Any,
+        num_layers: int,
+        num_local_master_experts: int,
+        num_local_redundant_experts: int,
+        expert_fc1_numel: int,
+        expert_fc2_numel: int,
+        is_train: bool = True,
+        explicitly_destroy: bool = False,
+        max_microbatches: int = 1,
+        legacy_placement: bool = False,
+        weight_data_dtype: torch.dtype = torch.bfloat16,
+        weight_scale_dtype: torch.dtype = torch.float32,
+        expert_fc1_weight_scale_numel: int = 0,
+        expert_fc2_weight_scale_numel: int = 0,
+        grad_dtype: torch.dtype = torch.float32,
+        *,
+        planner: str = "quota",
+        planner_options: dict | None = None,
+        **context_options: Any,
+    ):
+        for name, dt in (
+            ("weight_data_dtype", weight_data_dtype),
+            ("weight_scale_dtype", weight_scale_dtype),
+            ("grad_dtype", grad_dtype),
+        ):
             if not isinstance(dt, torch.dtype):  # UltraEP's check_dtype
                 raise TypeError(f"{name} must be a torch.dtype, got {type(dt).__name__}")
         if grad_dtype is not torch.float32:  # UltraEP's grad_reduce kernels read and write fp32
             raise ValueError("UltraEP currently supports only fp32 gradients")
         if legacy_placement:
-            raise ValueError("ultracomm UltraEP adapter: legacy_placement (UltraEP's CPU placement with round-robin "
-                             "reroute) is not supported; choose an ultracomm planner with planner=... instead")
-        for name, n in (("expert_fc1_weight_scale_numel", expert_fc1_weight_scale_numel),
-                        ("expert_fc2_weight_scale_numel", expert_fc2_weight_scale_numel)):
+            raise ValueError(
+                "ultracomm UltraEP adapter: legacy_placement (UltraEP's CPU placement with round-robin "
+                "reroute) is not supported; choose an ultracomm planner with planner=... instead"
+            )
+        for name, n in (
+            ("expert_fc1_weight_scale_numel", expert_fc1_weight_scale_numel),
+            ("expert_fc2_weight_scale_numel", expert_fc2_weight_scale_numel),
+        ):
             if isinstance(n, bool) or not isinstance(n, int) or n < 0:
                 raise ValueError(f"ultracomm UltraEP adapter: {name} must be an int >= 0, got {n!r}")
         self.group = group
@@ -152,7 +175,11 @@ class Manager:
         self.expert_fc1_weight_scale_numel = expert_fc1_weight_scale_numel
         self.expert_fc2_weight_scale_numel = expert_fc2_weight_scale_numel
         self.expert_weight_scale_total_numel = expert_fc1_weight_scale_numel + expert_fc2_weight_scale_numel
-        self.weight_data_dtype, self.weight_scale_dtype, self.grad_dtype = weight_data_dtype, weight_scale_dtype, grad_dtype
+        self.weight_data_dtype, self.weight_scale_dtype, self.grad_dtype = (
+            weight_data_dtype,
+            weight_scale_dtype,
+            grad_dtype,
+        )
         self.is_train, self.explicitly_destroy, self.legacy_placement = is_train, explicitly_destroy, False
         self.reroute_mode = "quota"
         self.grad_reduce_deterministic = True
@@ -160,19 +187,29 @@ class Manager:
         self.real_num_alloc_layers = num_layers + _SPARE_LAYERS
         self.num_alloc_layers = self.real_num_alloc_layers * self.max_microbatches
         # FP8 scales ride in the weight slot after fc2 (one multicast); members of size 0 are left out
-        members = [Member("fc1", (expert_fc1_numel,), weight_data_dtype),
-                   Member("fc2", (expert_fc2_numel,), weight_data_dtype)]
+        members = [
+            Member("fc1", (expert_fc1_numel,), weight_data_dtype),
+            Member("fc2", (expert_fc2_numel,), weight_data_dtype),
+        ]
         scale_numels = {"fc1_scale": expert_fc1_weight_scale_numel, "fc2_scale": expert_fc2_weight_scale_numel}
         self._scale_members = [name for name, n in scale_numels.items() if n > 0]
         members += [Member(name, (scale_numels[name],), weight_scale_dtype) for name in self._scale_members]
         layout = ExpertLayout(tuple(members), grad_dtype, _ALIGN)
-        self.ctx = Context(group, layout, num_local_master_experts, num_local_redundant_experts,
-                           self.real_num_alloc_layers, self.max_microbatches, **context_options)
+        self.ctx = Context(
+            group,
+            layout,
+            num_local_master_experts,
+            num_local_redundant_experts,
+            self.real_num_alloc_layers,
+            self.max_microbatches,
+            **context_options,
+        )
         self.rank, self.num_ranks = self.ctx.rank, self.ctx.world
         self.nvl_domain_size = _domain_size(self.ctx.domain_of, self.rank)
         _runtime_sizes.setdefault(id(group), self.nvl_domain_size)
         self.weight_sync_plan_mode = {"off": "direct", "auto": "adaptive", "force": "forcerelay"}[
-            self.ctx.config.relay_mode]
+            self.ctx.config.relay_mode
+        ]
         M, R, W = num_local_master_experts, num_local_redundant_experts, self.num_ranks
         self.num_local_physical_experts = M + R
         self.num_global_physical_experts = (M + R) * W
@@ -216,8 +253,11 @@ class Manager:
         b2 = self.expert_fc2_weight_scale_numel * first.element_size()
         stride = -(-(-(-b1 // _ALIGN) * _ALIGN + b2) // _ALIGN) * _ALIGN
         return torch.empty(0, dtype=torch.uint8, device=first.device).set_(
-            first.untyped_storage(), first.storage_offset() * first.element_size(),
-            (self.num_local_redundant_experts, stride), (self.ctx.wlayout["weight_stride"], 1))
+            first.untyped_storage(),
+            first.storage_offset() * first.element_size(),
+            (self.num_local_redundant_experts, stride),
+            (self.ctx.wlayout["weight_stride"], 1),
+        )
 
     def _joined(self, fc1: torch.Tensor, stride: int, what: str) -> torch.Tensor:
         """``[R, fc1 + fc2]`` over the slots (UltraEP's full buffer): fc2 must directly follow fc1."""
@@ -227,9 +267,11 @@ class Manager:
                 f"ultracomm UltraEP adapter: local_replica_{what}_buffer (the joined [R, fc1 + fc2] view) needs "
                 f"expert_fc1_numel * {fc1.element_size()} bytes to be a multiple of {_ALIGN} (fc2 starts at the next "
                 f"{_ALIGN}-byte boundary); expert_fc1_numel={self.expert_fc1_numel} is not, so use "
-                f"local_replica_fc1_{what}_buffer and local_replica_fc2_{what}_buffer")
-        return torch.as_strided(fc1, (self.num_local_redundant_experts, self.expert_total_numel),
-                                (stride // fc1.element_size(), 1))
+                f"local_replica_fc1_{what}_buffer and local_replica_fc2_{what}_buffer"
+            )
+        return torch.as_strided(
+            fc1, (self.num_local_redundant_experts, self.expert_total_numel), (stride // fc1.element_size(), 1)
+        )
 
     @property
     def local_replica_weight_buffer(self) -> torch.Tensor:
@@ -298,7 +340,8 @@ class Manager:
             raise RuntimeError(
                 f"ultracomm UltraEP adapter: get_comm_stream() has no CUDA stream to return: this Manager's transport "
                 f"{self.ctx.transport.name!r} is not stream-ordered (its operations run on ultracomm's own thread and "
-                "are joined with EventHandle.current_stream_wait())")
+                "are joined with EventHandle.current_stream_wait())"
+            )
         return torch.cuda.current_stream(self.device)
 
     def set_weight_sync_plan_mode(self, plan_mode: str) -> None:
@@ -320,7 +363,9 @@ class Manager:
         """The next virtual layer id of ``real_layer_id`` (``real * max_microbatches + slot``;
         the slot counter wraps, as in UltraEP)."""
         if not 0 <= real_layer_id < self.real_num_alloc_layers:
-            raise ValueError(f"ultracomm: real layer {real_layer_id} is out of range 0..{self.real_num_alloc_layers - 1}")
+            raise ValueError(
+                f"ultracomm: real layer {real_layer_id} is out of range 0..{self.real_num_alloc_layers - 1}"
+            )
         slot = self._mb_counters[real_layer_id] % self.max_microbatches
         self._mb_counters[real_layer_id] += 1
         return real_layer_id * self.max_microbatches + slot
@@ -328,12 +373,16 @@ class Manager:
     def _real_layer_id(self, layer_id: int) -> int:
         return layer_id // self.max_microbatches
 
-    def construct_local_master_ptr_pool(self, layer_id: int, fc1_weights: Sequence[torch.Tensor],
-                                        fc2_weights: Sequence[torch.Tensor],
-                                        fc1_grads: Optional[Sequence[torch.Tensor]] = None,
-                                        fc2_grads: Optional[Sequence[torch.Tensor]] = None,
-                                        fc1_weight_scales: Optional[Sequence[torch.Tensor]] = None,
-                                        fc2_weight_scales: Optional[Sequence[torch.Tensor]] = None) -> None:
+    def construct_local_master_ptr_pool(
+        self,
+        layer_id: int,
+        fc1_weights: Sequence[torch.Tensor],
+        fc2_weights: Sequence[torch.Tensor],
+        fc1_grads: Optional[Sequence[torch.Tensor]] = None,
+        fc2_grads: Optional[Sequence[torch.Tensor]] = None,
+        fc1_weight_scales: Optional[Sequence[torch.Tensor]] = None,
+        fc2_weight_scales: Optional[Sequence[torch.Tensor]] = None,
+    ) -> None:
         """Register real layer ``layer_id``'s master experts: per-expert lists (any shapes of
         ``expert_fc{1,2}_numel`` elements, each contiguous; grads fp32; FP8 scales of
         ``expert_fc{1,2}_weight_scale_numel`` elements when those are non-zero)."""
@@ -341,10 +390,14 @@ class Manager:
         lists = [("fc1_weights", fc1_weights), ("fc2_weights", fc2_weights)]
         if self._scale_members:
             if fc1_weight_scales is None or fc2_weight_scales is None:
-                raise ValueError("ultracomm UltraEP adapter: weight scale tensors are required when scale numel is "
-                                 "non-zero (pass fc1_weight_scales and fc2_weight_scales)")
-            scales = {"fc1_scale": ("fc1_weight_scales", fc1_weight_scales),
-                      "fc2_scale": ("fc2_weight_scales", fc2_weight_scales)}
+                raise ValueError(
+                    "ultracomm UltraEP adapter: weight scale tensors are required when scale numel is "
+                    "non-zero (pass fc1_weight_scales and fc2_weight_scales)"
+                )
+            scales = {
+                "fc1_scale": ("fc1_weight_scales", fc1_weight_scales),
+                "fc2_scale": ("fc2_weight_scales", fc2_weight_scales),
+            }
             lists += [scales[name] for name in self._scale_members]
         for name, lst in lists:
             if len(lst) != M:
@@ -357,8 +410,9 @@ class Manager:
             grads = [flat(fc1_grads), flat(fc2_grads)]
             if self._scale_members:  # every member has a grad in a Context; the scales' stay zero
                 dev = fc1_weights[0].device if M else self.device
-                self._scale_grads[layer_id] = [torch.zeros((M, m.numel), device=dev)
-                                               for m in self.ctx.layout.members[2:]]
+                self._scale_grads[layer_id] = [
+                    torch.zeros((M, m.numel), device=dev) for m in self.ctx.layout.members[2:]
+                ]
                 grads += self._scale_grads[layer_id]
         self.ctx.register_masters(layer_id, [flat(lst) for _, lst in lists], grads)
 
@@ -419,19 +473,24 @@ class Manager:
         mine[:, :n] = table.bounds.numpy()[:, :n]
         self._logical_to_physical_map[layer_id] = torch.from_numpy(l2p)
         self._logical_instance_quota[layer_id] = torch.from_numpy(quota.astype(np.int32))
-        self._logical_instance_quota_prefix[layer_id] = torch.from_numpy((np.cumsum(quota, 1) * inside).astype(np.int32))
+        self._logical_instance_quota_prefix[layer_id] = torch.from_numpy(
+            (np.cumsum(quota, 1) * inside).astype(np.int32)
+        )
         self._rank_quota_prefix[layer_id] = torch.from_numpy((mine * inside).astype(np.int32))
         self._logical_replica_counts[layer_id] = torch.from_numpy(counts.astype(np.int32))
 
     def _slot(self, layer_id: int, what: str) -> _Slot:
         slot = self._slots.get(layer_id)
         if slot is None:
-            raise ValueError(f"ultracomm: {what}({layer_id}): no placement for this layer id; call "
-                             f"update_placement({layer_id}, routing_map) first")
+            raise ValueError(
+                f"ultracomm: {what}({layer_id}): no placement for this layer id; call "
+                f"update_placement({layer_id}, routing_map) first"
+            )
         return slot
 
-    def weight_sync(self, layer_id: int, previous_event: Optional[EventHandle] = None,
-                    async_finish: bool = False) -> EventHandle:
+    def weight_sync(
+        self, layer_id: int, previous_event: Optional[EventHandle] = None, async_finish: bool = False
+    ) -> EventHandle:
         """Copy the masters into the replicas of ``layer_id``'s placement: the first call
         after ``update_placement`` multicasts, later calls restore (UltraEP's backward hook)."""
         slot = self._slot(layer_id, "weight_sync")
@@ -444,8 +503,9 @@ class Manager:
             work = self.ctx.restore(slot.vid, async_op=async_finish)
         return EventHandle(work)
 
-    def reroute(self, layer_id: int, probs: torch.Tensor, routing_map: torch.Tensor,
-                backend: str = "cuda") -> tuple[torch.Tensor, torch.Tensor]:
+    def reroute(
+        self, layer_id: int, probs: torch.Tensor, routing_map: torch.Tensor, backend: str = "cuda"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(expanded_probs, expanded_routing_map)`` ``[T, world * (M + R)]``: this rank's
         tokens sent to the instances by ``rank_quota_prefix`` (differentiable in ``probs``).
         Runs where the tensors are; ``backend`` must be ``"cuda"``, as in UltraEP v1.0.0."""
@@ -485,13 +545,17 @@ class Manager:
 
     def _check_topk(self, topk_ids: torch.Tensor, what: str) -> torch.Tensor:
         if not isinstance(topk_ids, torch.Tensor) or topk_ids.dtype != torch.int64 or topk_ids.dim() != 2:
-            got = f"{topk_ids.dtype} {list(topk_ids.shape)}" if isinstance(topk_ids, torch.Tensor) else \
-                type(topk_ids).__name__
+            got = (
+                f"{topk_ids.dtype} {list(topk_ids.shape)}"
+                if isinstance(topk_ids, torch.Tensor)
+                else type(topk_ids).__name__
+            )
             raise ValueError(f"ultracomm: {what}: topk_ids must be an int64 [tokens, top_k] tensor, got {got}")
         return topk_ids
 
-    def grad_reduce(self, layer_id: int, previous_event: Optional[EventHandle] = None,
-                    async_finish: bool = False) -> EventHandle:
+    def grad_reduce(
+        self, layer_id: int, previous_event: Optional[EventHandle] = None, async_finish: bool = False
+    ) -> EventHandle:
         """Add the replicas' gradients (``local_replica_*_grad_buffer``) into the masters' grads,
         deterministically, then zero this rank's placed replica grad slots (UltraEP's reduce
         leaves them zero, so the next backward's ``+=`` starts clean).  The placement stays

@@ -31,6 +31,7 @@ communicators do, and the worker's ``stream.synchronize()`` waits for them.
 Not checked: on a GPU (the tests here run CPU tensors and stand-in streams), and vLLM's
 elastic EP (``StatelessGroupCoordinator``), whose groups this factory has not been tried on.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -72,10 +73,14 @@ def _on_stream(stream: Any) -> Iterator[None]:
 
 
 def _expert_tensors(expert_weights: Any, what: str) -> list[torch.Tensor]:
-    if isinstance(expert_weights, torch.Tensor) or not expert_weights \
-            or not all(isinstance(t, torch.Tensor) for t in expert_weights):
-        raise ValueError(f"ultracomm: {what} must list one layer's expert weight tensors, each "
-                         "[num_local_physical_experts, ...]")
+    if (
+        isinstance(expert_weights, torch.Tensor)
+        or not expert_weights
+        or not all(isinstance(t, torch.Tensor) for t in expert_weights)
+    ):
+        raise ValueError(
+            f"ultracomm: {what} must list one layer's expert weight tensors, each [num_local_physical_experts, ...]"
+        )
     return list(expert_weights)
 
 
@@ -96,14 +101,23 @@ class UltracommEplbCommunicator:
     ``last_stats`` its schedule's statistics (trees, egress, lower bound).
     """
 
-    def __init__(self, ep_group: Any, expert_weights: Sequence[torch.Tensor], stream: Any = None, *,
-                 vllm_version: str | None = None, **context_options: Any):
+    def __init__(
+        self,
+        ep_group: Any,
+        expert_weights: Sequence[torch.Tensor],
+        stream: Any = None,
+        *,
+        vllm_version: str | None = None,
+        **context_options: Any,
+    ):
         self.protocol: Protocol = protocol_for(vllm_version)  # before anything is allocated
         expert_weights = _expert_tensors(expert_weights, "expert_weights")
         self.ppr = int(expert_weights[0].shape[0]) if expert_weights[0].dim() else 0
         if self.ppr < 1 or any(t.dim() == 0 or int(t.shape[0]) != self.ppr for t in expert_weights):
-            raise ValueError("ultracomm: every expert weight tensor needs the same leading "
-                             "num_local_physical_experts dimension (at least 1)")
+            raise ValueError(
+                "ultracomm: every expert weight tensor needs the same leading "
+                "num_local_physical_experts dimension (at least 1)"
+            )
         device = expert_weights[0].device
         self._cuda = device.type == "cuda"
         if self._cuda:
@@ -150,12 +164,14 @@ class UltracommEplbCommunicator:
         self.layer_idx = int(layer_idx)
 
     def add_send(self, tensors: Sequence[torch.Tensor], dst_rank: int, expert_id: int) -> None:
-        self._sends.append((int(expert_id), self._peer(dst_rank, "add_send", "dst_rank"),
-                            self._check(tensors, "add_send")))
+        self._sends.append(
+            (int(expert_id), self._peer(dst_rank, "add_send", "dst_rank"), self._check(tensors, "add_send"))
+        )
 
     def add_recv(self, tensors: Sequence[torch.Tensor], src_rank: int, expert_id: int) -> None:
-        self._recvs.append((int(expert_id), self._peer(src_rank, "add_recv", "src_rank"),
-                            self._check(tensors, "add_recv")))
+        self._recvs.append(
+            (int(expert_id), self._peer(src_rank, "add_recv", "src_rank"), self._check(tensors, "add_recv"))
+        )
 
     def execute(self, old_indices: Any = None) -> None:
         """Run every queued move as one multicast per expert; collective (every rank calls it)."""
@@ -196,26 +212,33 @@ class UltracommEplbCommunicator:
 
     # ------------------------------------------------------------------ internals
     def _mismatch(self, call: str, release: str, newer: bool = True) -> None:
-        raise TypeError(f"ultracomm: {call} is a call of vLLM {release}{'+' if newer else ''}, but this "
-                        f"communicator was made for vLLM {self.protocol.version} (vllm_version=); make it with "
-                        "the vllm_version of the vLLM that drives it")
+        raise TypeError(
+            f"ultracomm: {call} is a call of vLLM {release}{'+' if newer else ''}, but this "
+            f"communicator was made for vLLM {self.protocol.version} (vllm_version=); make it with "
+            "the vllm_version of the vLLM that drives it"
+        )
 
     def _peer(self, rank: Any, what: str, arg: str) -> int:
         r = int(rank)
         if not 0 <= r < self.world or r == self.rank:
-            raise ValueError(f"ultracomm: {what}: {arg}={rank!r} must be another rank of the EP group "
-                             f"(0..{self.world - 1}, not this rank {self.rank})")
+            raise ValueError(
+                f"ultracomm: {what}: {arg}={rank!r} must be another rank of the EP group "
+                f"(0..{self.world - 1}, not this rank {self.rank})"
+            )
         return r
 
     def _check(self, tensors: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
         tensors = list(tensors)
         if len(tensors) != len(self.members):
-            raise ValueError(f"ultracomm: {what} got {len(tensors)} tensors; the layer has {len(self.members)} "
-                             "expert weight tensors")
+            raise ValueError(
+                f"ultracomm: {what} got {len(tensors)} tensors; the layer has {len(self.members)} expert weight tensors"
+            )
         for m, t in zip(self.members, tensors):
             if t.numel() != m.numel or t.dtype != m.dtype:
-                raise ValueError(f"ultracomm: {what}: tensor {m.name} is {t.dtype} {list(t.shape)}; expected one "
-                                 f"expert row {m.dtype} {list(m.shape)}")
+                raise ValueError(
+                    f"ultracomm: {what}: tensor {m.name} is {t.dtype} {list(t.shape)}; expected one "
+                    f"expert row {m.dtype} {list(m.shape)}"
+                )
         return tensors
 
     def _aligned(self, t: torch.Tensor, shape: tuple) -> torch.Tensor:
@@ -229,8 +252,9 @@ class UltracommEplbCommunicator:
         senders: dict[int, set[int]] = {}
         for r, (sends, _, sent) in enumerate(views):
             if len(sent) > ppr:
-                raise PlanError(f"ultracomm: rank {r} sends {len(sent)} distinct experts; at most "
-                                f"num_local_physical_experts={ppr}")
+                raise PlanError(
+                    f"ultracomm: rank {r} sends {len(sent)} distinct experts; at most num_local_physical_experts={ppr}"
+                )
             for e, d in sends:
                 senders.setdefault(e, set()).add(r)
         if not any(recvs for _, recvs, _ in views):
@@ -238,20 +262,29 @@ class UltracommEplbCommunicator:
         slot_src = np.full((W, ppr), -1, np.int64)
         for d, (_, recvs, _) in enumerate(views):
             if len(recvs) > ppr:
-                raise PlanError(f"ultracomm: rank {d} receives {len(recvs)} experts; at most "
-                                f"num_local_physical_experts={ppr}")
+                raise PlanError(
+                    f"ultracomm: rank {d} receives {len(recvs)} experts; at most num_local_physical_experts={ppr}"
+                )
             for k, (e, s) in enumerate(recvs):
                 if (e, d) not in views[s][0]:
-                    raise PlanError(f"ultracomm: rank {d} expects expert {e} from rank {s}, which queued no "
-                                    f"add_send of it to rank {d}; every add_recv needs the matching add_send")
+                    raise PlanError(
+                        f"ultracomm: rank {d} expects expert {e} from rank {s}, which queued no "
+                        f"add_send of it to rank {d}; every add_recv needs the matching add_send"
+                    )
                 src = min(senders[e])  # one source per expert: the whole move is one multicast
                 slot_src[d, k] = src * ppr + views[src][2].index(e)
         return slot_src
 
 
-def create_eplb_communicator(group_coordinator: Any, backend: str | None, expert_weights: Any,
-                             expert_buffer: Sequence[torch.Tensor] | None = None, *,
-                             vllm_version: str | None = None, **context_options: Any) -> UltracommEplbCommunicator:
+def create_eplb_communicator(
+    group_coordinator: Any,
+    backend: str | None,
+    expert_weights: Any,
+    expert_buffer: Sequence[torch.Tensor] | None = None,
+    *,
+    vllm_version: str | None = None,
+    **context_options: Any,
+) -> UltracommEplbCommunicator:
     """vLLM's factory, same arguments (``vllm/distributed/eplb/eplb_communicator.py``).
 
     Args:
@@ -271,30 +304,43 @@ def create_eplb_communicator(group_coordinator: Any, backend: str | None, expert
     if backend is not None and not isinstance(backend, str):
         raise ValueError(f"ultracomm: backend must be vLLM's communicator backend name (a str), got {backend!r}")
     if protocol.factory_all_layers:
-        if isinstance(expert_weights, torch.Tensor) or not expert_weights or \
-                any(isinstance(layer, torch.Tensor) for layer in expert_weights):
-            raise ValueError(f"ultracomm: vLLM {protocol.version} passes expert_weights as every MoE layer's "
-                             "list of tensors (model.expert_weights); got one layer's tensors or none")
+        if (
+            isinstance(expert_weights, torch.Tensor)
+            or not expert_weights
+            or any(isinstance(layer, torch.Tensor) for layer in expert_weights)
+        ):
+            raise ValueError(
+                f"ultracomm: vLLM {protocol.version} passes expert_weights as every MoE layer's "
+                "list of tensors (model.expert_weights); got one layer's tensors or none"
+            )
         layers = [_expert_tensors(layer, f"expert_weights[{i}]") for i, layer in enumerate(expert_weights)]
         first = layers[0]
         for i, layer in enumerate(layers[1:], 1):
             if [(t.shape, t.dtype) for t in layer] != [(t.shape, t.dtype) for t in first]:
-                raise ValueError(f"ultracomm: expert_weights[{i}] differs from expert_weights[0] in its tensors' "
-                                 "shapes or dtypes; every MoE layer must have the same expert tensors")
+                raise ValueError(
+                    f"ultracomm: expert_weights[{i}] differs from expert_weights[0] in its tensors' "
+                    "shapes or dtypes; every MoE layer must have the same expert tensors"
+                )
         if expert_buffer is not None:
             buf = list(expert_buffer)
             if [(tuple(b.shape), b.dtype) for b in buf] != [(tuple(t.shape), t.dtype) for t in first]:
-                raise ValueError("ultracomm: expert_buffer must be one tensor per expert weight tensor, each shaped "
-                                 "like a layer's (torch.empty_like of expert_weights[0])")
+                raise ValueError(
+                    "ultracomm: expert_buffer must be one tensor per expert weight tensor, each shaped "
+                    "like a layer's (torch.empty_like of expert_weights[0])"
+                )
     else:
         if expert_buffer is not None:
-            raise ValueError(f"ultracomm: vLLM {protocol.version}'s create_eplb_communicator takes no expert_buffer "
-                             "(added in 0.23); drop it, or pass the vllm_version of the vLLM that calls this")
+            raise ValueError(
+                f"ultracomm: vLLM {protocol.version}'s create_eplb_communicator takes no expert_buffer "
+                "(added in 0.23); drop it, or pass the vllm_version of the vLLM that calls this"
+            )
         first = _expert_tensors(expert_weights, f"expert_weights (vLLM {protocol.version}: one layer's tensors)")
     group = getattr(group_coordinator, "cpu_group", None)
     if group is None:
-        raise ValueError("ultracomm: group_coordinator must be vLLM's GroupCoordinator of the EPLB group (with a "
-                         "cpu_group), as vLLM's get_eplb_group() returns")
+        raise ValueError(
+            "ultracomm: group_coordinator must be vLLM's GroupCoordinator of the EPLB group (with a "
+            "cpu_group), as vLLM's get_eplb_group() returns"
+        )
     comm = UltracommEplbCommunicator(group, first, vllm_version=protocol.version, **context_options)
     comm.backend = backend
     if expert_buffer is None and protocol.recv_rows:

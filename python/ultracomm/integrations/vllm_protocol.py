@@ -26,6 +26,7 @@ Read from the released wheels (``pip download vllm==X --no-deps``), files
 
 Newer releases are refused rather than guessed at: each release so far changed something here.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,8 +34,7 @@ import re
 
 from ..errors import ConfigError
 
-__all__ = ["Protocol", "FIRST", "LAST", "DEFAULT_VERSION", "SUPPORTED", "installed_vllm_version",
-           "protocol_for"]
+__all__ = ["Protocol", "FIRST", "LAST", "DEFAULT_VERSION", "SUPPORTED", "installed_vllm_version", "protocol_for"]
 
 FIRST, LAST = (0, 21), (0, 34)
 SUPPORTED = "0.21 to 0.34"
@@ -45,13 +45,13 @@ DEFAULT_VERSION = "0.34.0"  # what a communicator speaks when vLLM is not instal
 class Protocol:
     """The communicator calls of one vLLM release (see the module docstring)."""
 
-    version: str                # as given, e.g. "0.34.0"
-    release: tuple[int, int]    # (major, minor)
-    execute_old_indices: bool   # 0.21-0.22: execute(old_indices=...)
-    transfer_context: bool      # 0.23+: set_transfer_context(old_indices, layer_idx, ...)
-    recv_rows: bool             # 0.34: set_transfer_context(..., recv_rows); needs_recv_rows, owned_expert_buffer
-    factory_all_layers: bool    # 0.23+: the factory takes every layer's tensors and expert_buffer
-    migration_batches: bool     # 0.32+: a layer may be several set_transfer_context/execute rounds
+    version: str  # as given, e.g. "0.34.0"
+    release: tuple[int, int]  # (major, minor)
+    execute_old_indices: bool  # 0.21-0.22: execute(old_indices=...)
+    transfer_context: bool  # 0.23+: set_transfer_context(old_indices, layer_idx, ...)
+    recv_rows: bool  # 0.34: set_transfer_context(..., recv_rows); needs_recv_rows, owned_expert_buffer
+    factory_all_layers: bool  # 0.23+: the factory takes every layer's tensors and expert_buffer
+    migration_batches: bool  # 0.32+: a layer may be several set_transfer_context/execute rounds
 
 
 def installed_vllm_version() -> str | None:
@@ -83,18 +83,29 @@ def protocol_for(vllm_version: str | None = None) -> Protocol:
         vllm_version = installed_vllm_version() or DEFAULT_VERSION
     release = _release(vllm_version)
     if release < FIRST:
-        why = (" (vLLM 0.20 calls add_send(tensor, dst_rank) once per weight tensor without expert_id, so "
-               "moves of one expert cannot be grouped into a multicast)" if release == (0, 20) else "")
-        raise ConfigError(f"ultracomm: vLLM {vllm_version} is not supported{why}; the vLLM EPLB communicator "
-                          f"matches vLLM {SUPPORTED}: upgrade vLLM, or keep vLLM's own communicator")
+        why = (
+            " (vLLM 0.20 calls add_send(tensor, dst_rank) once per weight tensor without expert_id, so "
+            "moves of one expert cannot be grouped into a multicast)"
+            if release == (0, 20)
+            else ""
+        )
+        raise ConfigError(
+            f"ultracomm: vLLM {vllm_version} is not supported{why}; the vLLM EPLB communicator "
+            f"matches vLLM {SUPPORTED}: upgrade vLLM, or keep vLLM's own communicator"
+        )
     if release > LAST:
-        raise ConfigError(f"ultracomm: vLLM {vllm_version} is newer than the releases the vLLM EPLB communicator "
-                          f"was checked against ({SUPPORTED}); its communicator calls may differ: use vLLM "
-                          f"{LAST[0]}.{LAST[1]}, or keep vLLM's own communicator until ultracomm is checked "
-                          f"against {vllm_version}")
-    return Protocol(version=vllm_version, release=release,
-                    execute_old_indices=release <= (0, 22),
-                    transfer_context=release >= (0, 23),
-                    recv_rows=release >= (0, 34),
-                    factory_all_layers=release >= (0, 23),
-                    migration_batches=release >= (0, 32))
+        raise ConfigError(
+            f"ultracomm: vLLM {vllm_version} is newer than the releases the vLLM EPLB communicator "
+            f"was checked against ({SUPPORTED}); its communicator calls may differ: use vLLM "
+            f"{LAST[0]}.{LAST[1]}, or keep vLLM's own communicator until ultracomm is checked "
+            f"against {vllm_version}"
+        )
+    return Protocol(
+        version=vllm_version,
+        release=release,
+        execute_old_indices=release <= (0, 22),
+        transfer_context=release >= (0, 23),
+        recv_rows=release >= (0, 34),
+        factory_all_layers=release >= (0, 23),
+        migration_batches=release >= (0, 32),
+    )

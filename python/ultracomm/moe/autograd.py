@@ -21,6 +21,7 @@ per (layer, micro-batch):
   ``w.main_grad`` when the weight has one (Megatron's gradient-accumulation fusion; replica
   weights get theirs from the guard), so bf16 weights never round their wgrads to bf16.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
@@ -105,7 +106,8 @@ class _Linear(torch.autograd.Function):
                 raise UltracommError(
                     f"ultracomm: linear(): the {w.dtype} weight has no main_grad; autograd would round its "
                     "gradient to that dtype.  Replica weights of a ReplicaManager get one in the backward; "
-                    "for another FP8 weight set weight.main_grad (an fp32 tensor of its shape)")
+                    "for another FP8 weight set weight.main_grad (an fp32 tensor of its shape)"
+                )
             return dx, dy2.t() @ x2, None
         main_grad.add_(dy2.t().float() @ x2.float())  # fp32 wgrad, accumulated in place
         return dx, fused_wgrad_return(w), None

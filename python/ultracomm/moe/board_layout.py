@@ -23,6 +23,7 @@ readers poll their own memory (on GPUs the polling stays local, the writes cross
 With two entries a record is rewritten (exchange ``n + 2``) only after its reader posted
 ``n + 1``, i.e. finished reading ``n``.  Flags only grow, never reset.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -60,8 +61,7 @@ class ExchangeTag:
 
     @property
     def value(self) -> int:
-        return (_OPS[self.op] | (0 if self.grad else _NO_GRAD) | self.layer << _LAYER_SHIFT
-                | self.slot << _SLOT_SHIFT)
+        return _OPS[self.op] | (0 if self.grad else _NO_GRAD) | self.layer << _LAYER_SHIFT | self.slot << _SLOT_SHIFT
 
     @classmethod
     def decode(cls, value: int) -> "ExchangeTag | None":
@@ -70,8 +70,9 @@ class ExchangeTag:
         code = value & 0xFF
         if value == 0 or code not in ops or value & 0xFE00:
             return None
-        return cls(value >> _LAYER_SHIFT & ((1 << _LAYER_BITS) - 1), value >> _SLOT_SHIFT, not value & _NO_GRAD,
-                   ops[code])
+        return cls(
+            value >> _LAYER_SHIFT & ((1 << _LAYER_BITS) - 1), value >> _SLOT_SHIFT, not value & _NO_GRAD, ops[code]
+        )
 
     @staticmethod
     def describe(value: int) -> str:
@@ -94,8 +95,10 @@ class BoardLayout:
 
     def __post_init__(self) -> None:
         if self.world < 1 or self.num_experts < 1 or self.entries < 2:
-            raise ValueError(f"ultracomm: a load board needs world >= 1, num_experts >= 1 and entries >= 2, got "
-                             f"{self.world}, {self.num_experts}, {self.entries}")
+            raise ValueError(
+                f"ultracomm: a load board needs world >= 1, num_experts >= 1 and entries >= 2, got "
+                f"{self.world}, {self.num_experts}, {self.entries}"
+            )
 
     @property
     def record_bytes(self) -> int:
@@ -124,15 +127,21 @@ def timeout_text(rank: int, op: str, timeout_s: float, missing: list[int], why: 
     """The error of an exchange whose ``missing`` ranks never posted (both boards say this);
     ``why``: the evidence of who stopped (:mod:`ultracomm.blame`), else a guess."""
     why = why or "they are likely stalled or dead, or called a different operation"
-    return (f"ultracomm: rank {rank} {op} (expert loads) timed out after {timeout_s:g} s: ranks {missing} did not "
-            f"post their loads (timeout ULTRACOMM_TIMEOUT_S={timeout_s:g}); {why}: every rank must call step() for "
-            "the same layers in the same order")
+    return (
+        f"ultracomm: rank {rank} {op} (expert loads) timed out after {timeout_s:g} s: ranks {missing} did not "
+        f"post their loads (timeout ULTRACOMM_TIMEOUT_S={timeout_s:g}); {why}: every rank must call step() for "
+        "the same layers in the same order"
+    )
 
 
 def mismatch_text(rank: int, op: str, n: int, posted: dict[int, list[int]]) -> str:
     """The error of exchange ``n`` where ranks posted other tags (``posted``: tag value -> ranks):
     both boards say this, in the words of the store exchange (``Comm.all_gather_object``)."""
-    parts = [f"{f'rank {rs[0]}' if len(rs) == 1 else f'ranks {rs}'} posted {ExchangeTag.describe(t)}"
-             for t, rs in posted.items()]
-    return (f"ultracomm: rank {rank} {op} (expert loads): ranks called different operations ({'; '.join(parts)} "
-            f"in load exchange {n}); every rank must call the same collective operations in the same order")
+    parts = [
+        f"{f'rank {rs[0]}' if len(rs) == 1 else f'ranks {rs}'} posted {ExchangeTag.describe(t)}"
+        for t, rs in posted.items()
+    ]
+    return (
+        f"ultracomm: rank {rank} {op} (expert loads): ranks called different operations ({'; '.join(parts)} "
+        f"in load exchange {n}); every rank must call the same collective operations in the same order"
+    )

@@ -6,16 +6,18 @@ reduce at a time returns from it), never in a user tensor: no user pointer is ba
 schedule or a captured graph.  Replica grads: two sets, so a reduce in flight never blocks the
 next layer's wgrads.  ``None`` for a member without a gradient (an FP8 weight's scales).
 """
+
 from __future__ import annotations
 
 from typing import Any, Sequence
 
 import torch
 
-from ..layout import ExpertLayout
+from ..errors import RegistrationError
+from ..layout import MASTER_DTYPES, ExpertLayout
 from .autograd import fused_wgrad_return
 
-__all__ = ["RegisteredLayer", "GradStaging", "tensors_of"]
+__all__ = ["RegisteredLayer", "GradStaging", "tensors_of", "masters_of"]
 
 
 def tensors_of(member: Any) -> list[torch.Tensor]:
@@ -56,10 +58,17 @@ class GradStaging:
 
     def __init__(self, layout: ExpertLayout, experts_per_rank: int, slots_per_rank: int, device: torch.device):
         gd = layout.grad_dtype
-        self.master = [torch.zeros((experts_per_rank, *m.shape), dtype=gd, device=device) if m.grad else None
-                       for m in layout.members]
-        self.replica = [[torch.zeros((slots_per_rank, *m.shape), dtype=gd, device=device) if m.grad else None
-                         for m in layout.members] for _ in range(2)]
+        self.master = [
+            torch.zeros((experts_per_rank, *m.shape), dtype=gd, device=device) if m.grad else None
+            for m in layout.members
+        ]
+        self.replica = [
+            [
+                torch.zeros((slots_per_rank, *m.shape), dtype=gd, device=device) if m.grad else None
+                for m in layout.members
+            ]
+            for _ in range(2)
+        ]
         self.work: list[Any] = [None, None]
         self._next = 0
 
@@ -87,8 +96,9 @@ class GradStaging:
                 for j in rows:
                     g[j].zero_()
 
-    def contributions(self, layer: RegisteredLayer, rows: list[int] | None, inputs: Sequence[int],
-                      needs: Sequence[bool]) -> list[torch.Tensor | None]:
+    def contributions(
+        self, layer: RegisteredLayer, rows: list[int] | None, inputs: Sequence[int], needs: Sequence[bool]
+    ) -> list[torch.Tensor | None]:
         """Per master anchor of ``layer``, from the staging a reduction just filled: its reduced
         replica contribution as an autograd gradient in the master's dtype (None where no expert
         of it has a replica, or it takes no gradient); or, where the master has a ``main_grad``
@@ -100,7 +110,7 @@ class GradStaging:
             if not need or not mine:
                 out.append(None)
                 continue
-            src = self.master[m][j0:j0 + n].view(t.shape)  # a per-expert anchor: n == 1
+            src = self.master[m][j0 : j0 + n].view(t.shape)  # a per-expert anchor: n == 1
             main_grad = getattr(t, "main_grad", None)
             if main_grad is not None:
                 if len(mine) == n:
@@ -119,3 +129,60 @@ class GradStaging:
                     g[k].copy_(src[k])
                 out.append(g)
         return out
+
+
+def masters_of(layout: ExpertLayout, params: list[Any], masters: Sequence[Any] | None) -> list[Any]:
+    """Per member, what its gradient reduces into (see ``register_layer``), checked."""
+    members = layout.members
+    if masters is None:
+        fp8 = [m.name for m in members if m.fp8 and m.grad]
+        if fp8:
+            raise RegistrationError(
+                f"ultracomm: members {fp8} are FP8 runtime copies: pass masters=[...] (per member the "
+                "high-precision master its replicas' gradients reduce into, None for the others)"
+            )
+        return [p if m.grad else None for m, p in zip(members, params)]
+    if isinstance(masters, torch.Tensor) or len(masters) != len(members):
+        raise RegistrationError(
+            f"ultracomm: masters must be a list with one entry per member "
+            f"{list(layout.names)} (None where the member needs none)"
+        )
+    out = []
+    for m, p, hp in zip(members, params, masters):
+        if hp is None:
+            if m.fp8 and m.grad:
+                raise RegistrationError(
+                    f"ultracomm: masters[{m.name!r}] is None, but {m.name!r} is an FP8 runtime "
+                    f"copy with a gradient: pass its {m.master_dtype} master"
+                )
+            out.append(p if m.grad else None)
+            continue
+        if not m.grad:
+            raise RegistrationError(
+                f"ultracomm: masters[{m.name!r}]: member {m.name!r} carries no gradient "
+                "(grad=False); pass None in its place"
+            )
+        hp = hp if isinstance(hp, torch.Tensor) else list(hp)
+        for i, (t, w) in enumerate(zip(tensors_of(hp), tensors_of(p))):
+            want = m.grad_master_dtype
+            if (
+                not isinstance(t, torch.Tensor)
+                or t.shape != w.shape
+                or t.dtype not in ((want,) if want is not None else MASTER_DTYPES)
+                or t.device != w.device
+                or isinstance(hp, torch.Tensor) != isinstance(p, torch.Tensor)
+                or len(tensors_of(hp)) != len(tensors_of(p))
+            ):
+                raise RegistrationError(
+                    f"ultracomm: masters[{m.name!r}]: expected what params[{m.name!r}] is (a stacked tensor or a "
+                    f"list of per-expert tensors, shaped {list(w.shape)}, on {w.device}) in "
+                    f"{want or 'a float dtype'}; got {_describe(t)}"
+                )
+        out.append(hp)
+    return out
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"{x.dtype} {list(x.shape)} on {x.device}"
+    return type(x).__name__

@@ -14,6 +14,7 @@ Two ways, the same result (int64 ``[world, E]``, rank order):
 * :func:`gather_loads` (any other Context): the group's bounded store exchange; its ``op`` names
   the same (``str(tag)``), and ranks in different exchanges raise ``PlanMismatchError`` there too.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -46,8 +47,10 @@ def check_counts(counts: np.ndarray, num_experts: int) -> np.ndarray:
     if counts.shape != (num_experts,):
         raise ValueError(f"ultracomm: expert counts must be [{num_experts}], got {list(counts.shape)}")
     if counts.size and (counts.min() < 0 or counts.max() > MAX_COUNT):
-        raise ValueError(f"ultracomm: expert counts must be in 0..{MAX_COUNT} (int32 on the load board), got "
-                         f"{int(counts.min())}..{int(counts.max())}")
+        raise ValueError(
+            f"ultracomm: expert counts must be in 0..{MAX_COUNT} (int32 on the load board), got "
+            f"{int(counts.min())}..{int(counts.max())}"
+        )
     return np.ascontiguousarray(counts, dtype=np.int32)
 
 
@@ -121,9 +124,11 @@ class LoadBoard:
             raise UltracommTimeout(timeout_text(self.rank, op, self.timeout_s, missing, why))
         bad = [q for q in range(self.world) if out[q].size and (out[q].min() < 0 or out[q].max() > MAX_COUNT)]
         if bad:  # every sender checked its own counts: what arrived is not what a rank posted
-            raise PeerError(f"ultracomm: rank {self.rank} {op} (expert loads): ranks {bad} posted counts outside "
-                            f"0..{MAX_COUNT} (rank {bad[0]}: {int(out[bad[0]].min())}..{int(out[bad[0]].max())}); "
-                            "their boards were overwritten, or they run another ultracomm: the group is unusable")
+            raise PeerError(
+                f"ultracomm: rank {self.rank} {op} (expert loads): ranks {bad} posted counts outside "
+                f"0..{MAX_COUNT} (rank {bad[0]}: {int(out[bad[0]].min())}..{int(out[bad[0]].max())}); "
+                "their boards were overwritten, or they run another ultracomm: the group is unusable"
+            )
         return out
 
     def close(self) -> None:

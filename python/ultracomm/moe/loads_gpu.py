@@ -21,6 +21,7 @@ and the rank completing the set launches every rank (:mod:`ultracomm.cuda.loopba
 order of calls, one stream); ``gather`` then waits (bounded) until that launch is enqueued, so
 loopback ranks calling ``gather`` need a thread each.
 """
+
 from __future__ import annotations
 
 import logging
@@ -97,18 +98,25 @@ class GpuLoadBoard:
         from ..windows import open_window
 
         nbytes = BoardLayout(ctx.world, ctx.num_experts).total_bytes
-        board = open_window(w.provider, ctx.comm, nbytes, op="ReplicaManager setup (load board)",
-                            device=w.local.device)
+        board = open_window(w.provider, ctx.comm, nbytes, op="ReplicaManager setup (load board)", device=w.local.device)
         return cls(board, ctx.num_experts, ctx.rank, ctx.world, ctx.config.timeout_s)
 
     def _entry(self, tag: int) -> dict:
-        return dict(counts=self._counts.data_ptr(), out=self.out.data_ptr(), status=self._buf.data_ptr(),
-                    bases=self._bases.data_ptr(), seq=self._seq.data_ptr(), rank=self.rank, tag=tag)
+        return dict(
+            counts=self._counts.data_ptr(),
+            out=self.out.data_ptr(),
+            status=self._buf.data_ptr(),
+            bases=self._bases.data_ptr(),
+            seq=self._seq.data_ptr(),
+            rank=self.rank,
+            tag=tag,
+        )
 
     def _launch(self, entries: Sequence[dict], stream: int) -> None:
         L = self.layout
-        self._cuda.load_exchange(list(entries), L.world, L.num_experts, L.entries, L.record_bytes, self.timeout_s,
-                                 stream)
+        self._cuda.load_exchange(
+            list(entries), L.world, L.num_experts, L.entries, L.record_bytes, self.timeout_s, stream
+        )
 
     def post(self, counts: torch.Tensor, tag: int = 0) -> torch.Tensor:
         """Enqueue this rank's exchange of ``counts`` (``[E]``, any integer dtype, on this device)
@@ -119,8 +127,9 @@ class GpuLoadBoard:
         if tuple(counts.shape) != (self.E,):
             raise ValueError(f"ultracomm: expert counts must be [{self.E}], got {list(counts.shape)}")
         if counts.device != self.device:
-            raise ValueError(f"ultracomm: expert counts must be on the load board's device {self.device}, got "
-                             f"{counts.device}")
+            raise ValueError(
+                f"ultracomm: expert counts must be on the load board's device {self.device}, got {counts.device}"
+            )
         self._counts.copy_(counts.detach())  # on the stream, ahead of the exchange
         stream = self._stream()
         tag = int(tag) & 0xFFFFFFFFFFFFFFFF
@@ -151,8 +160,9 @@ class GpuLoadBoard:
         if not share.done.wait(self.timeout_s):
             raise UltracommTimeout(timeout_text(self.rank, op, self.timeout_s, self._missing_loopback()))
         if share.error is not None:
-            raise UltracommError(f"ultracomm: rank {self.rank} {op} (expert loads): the shared loopback launch "
-                                 f"failed: {share.error}")
+            raise UltracommError(
+                f"ultracomm: rank {self.rank} {op} (expert loads): the shared loopback launch failed: {share.error}"
+            )
 
     def _missing_loopback(self) -> list[int]:
         pending = launches_for(self.window, "ultracomm.load_board").pending()

@@ -19,6 +19,7 @@ See :mod:`ultracomm.moe.autograd` for why every rank reaches every collective, a
 token on its replicas; :mod:`ultracomm.moe.step` for a step, :mod:`ultracomm.moe.grad_staging`
 for where the gradients are staged.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -31,12 +32,13 @@ import torch
 
 from ..context import Context
 from ..errors import ConfigError, RegistrationError, UltracommError
-from ..layout import MASTER_DTYPES, ExpertLayout
+from ..layout import ExpertLayout
 from ..planners import Domain, get_planner
 from ..planners import device as device_planner
 from ..resident_plan import ResidentPlan
 from .board_layout import ExchangeTag
-from .grad_staging import GradStaging, RegisteredLayer, tensors_of
+from .grad_staging import GradStaging, RegisteredLayer, masters_of, tensors_of
+from .recompute import recompute_target
 from .loads import board_for_context, gather_loads
 from .reroute import LAYOUTS
 from .step import ON_STREAM, Step
@@ -58,29 +60,6 @@ def _orphaned(manager_ref: weakref.ref, vid: int) -> None:
     manager = manager_ref()
     if manager is not None:
         manager._orphans.append(vid)
-
-
-def _will_execute(node: Any) -> bool:
-    """Whether the running backward pass will execute ``node``."""
-    return node is not None and torch._C._will_engine_execute_node(node)
-
-
-def _nearest_in_graph(start: Any, steps: list["Step"]) -> list["Step"]:
-    """The step whose node a breadth-first walk from ``start`` (the node whose backward is
-    running) meets first: the recompute belongs to the checkpointed region ``start`` is in."""
-    want = {s._node(): s for s in steps}
-    seen, frontier = set(), [start]
-    while frontier:
-        nxt = []
-        for node in frontier:
-            if node is None or node in seen:
-                continue
-            seen.add(node)
-            if node in want:
-                return [want[node]]
-            nxt.extend(fn for fn, _ in node.next_functions)
-        frontier = nxt
-    return []
 
 
 class ReplicaManager:
@@ -105,17 +84,40 @@ class ReplicaManager:
         context_options: further ``Context`` keywords (``timeout_s``, ``relay_mode``, ...).
     """
 
-    def __init__(self, group: Any, layout: ExpertLayout, experts_per_rank: int, slots_per_rank: int,
-                 num_layers: int, max_microbatches: int = 1, *, planner: Any = "device",
-                 planner_options: dict | None = None, reroute_layout: str = "echo",
-                 node_of: Sequence[int] | None = None, context: Context | None = None, **context_options: Any):
+    def __init__(
+        self,
+        group: Any,
+        layout: ExpertLayout,
+        experts_per_rank: int,
+        slots_per_rank: int,
+        num_layers: int,
+        max_microbatches: int = 1,
+        *,
+        planner: Any = "device",
+        planner_options: dict | None = None,
+        reroute_layout: str = "echo",
+        node_of: Sequence[int] | None = None,
+        context: Context | None = None,
+        **context_options: Any,
+    ):
         if reroute_layout not in LAYOUTS:
             raise ValueError(f"ultracomm: reroute_layout must be one of {LAYOUTS}, got {reroute_layout!r}")
-        self.ctx = context if context is not None else Context(
-            # one micro-batch slot per layer beyond the caller's: the steps that expect no backward
-            # (evaluation, no_grad) take it and free it at once, whatever is in flight
-            group, layout, experts_per_rank, slots_per_rank, num_layers, max_microbatches + 1, node_of=node_of,
-            **context_options)
+        self.ctx = (
+            context
+            if context is not None
+            else Context(
+                # one micro-batch slot per layer beyond the caller's: the steps that expect no backward
+                # (evaluation, no_grad) take it and free it at once, whatever is in flight
+                group,
+                layout,
+                experts_per_rank,
+                slots_per_rank,
+                num_layers,
+                max_microbatches + 1,
+                node_of=node_of,
+                **context_options,
+            )
+        )
         c = self.ctx
         if c.stream_ordered and getattr(c.window, "loopback", False) and c.world > 1:
             if context is None:  # ours: nothing else will close it
@@ -126,7 +128,8 @@ class ReplicaManager:
                 "rank to call it, so a rank's forward compute and its backward (every rank's autograd nodes run on "
                 "one device thread) would be enqueued before the operation they read.  Use one process per GPU "
                 "(cuda_ipc or torch_symm windows), the host executor, or Context operations driven from one "
-                "thread (as tests/test_gpu_context.py does)")
+                "thread (as tests/test_gpu_context.py does)"
+            )
         self.layout, self.rank, self.world = c.layout, c.rank, c.world
         #: steps whose backward has not run, per layer, at most (the Context has one slot more
         #: when the manager built it)
@@ -136,8 +139,13 @@ class ReplicaManager:
         self.num_experts = c.num_experts
         self.domain = Domain(self.world, np.asarray(c.node_of, np.int64), self.experts_per_rank)
         if planner == "device" and not device_planner.fits(self.world, self.num_experts, self.slots_per_rank):
-            _log.warning("ultracomm: world %d, %d experts, %d slots exceed the device planner's capacities; "
-                         "planning with the host planner 'quota'", self.world, self.num_experts, self.slots_per_rank)
+            _log.warning(
+                "ultracomm: world %d, %d experts, %d slots exceed the device planner's capacities; "
+                "planning with the host planner 'quota'",
+                self.world,
+                self.num_experts,
+                self.slots_per_rank,
+            )
             planner = "quota"
         self.planner = get_planner(planner) if isinstance(planner, str) else planner
         self.planner_options = dict(planner_options or {})
@@ -200,54 +208,19 @@ class ReplicaManager:
         if not isinstance(layer, int) or not 0 <= layer < self.num_layers:
             raise RegistrationError(f"ultracomm: layer {layer!r} is out of range 0..{self.num_layers - 1}")
         params = [p if isinstance(p, torch.Tensor) else list(p) for p in params]
-        anchors = self._masters_of(params, masters)
+        anchors = masters_of(self.layout, params, masters)
         flat = [t for p in params for t in tensors_of(p)]
         dev = flat[0].device if flat else torch.device("cpu")
         if self.grads is None:  # see moe.grad_staging: no user pointer in a schedule or captured graph
             self.grads = GradStaging(self.layout, self.experts_per_rank, self.slots_per_rank, dev)
-        grads = [g if g is None or isinstance(p, torch.Tensor) else list(g.unbind(0))
-                 for p, g in zip(params, self.grads.master)]
-        self.ctx.register_masters(layer, [p.detach() if isinstance(p, torch.Tensor) else [t.detach() for t in p]
-                                          for p in params], grads)
+        grads = [
+            g if g is None or isinstance(p, torch.Tensor) else list(g.unbind(0))
+            for p, g in zip(params, self.grads.master)
+        ]
+        self.ctx.register_masters(
+            layer, [p.detach() if isinstance(p, torch.Tensor) else [t.detach() for t in p] for p in params], grads
+        )
         self.layers[layer] = RegisteredLayer(anchors)
-
-    def _masters_of(self, params: list[Any], masters: Sequence[Any] | None) -> list[Any]:
-        """Per member, what its gradient reduces into (see ``register_layer``), checked."""
-        members = self.layout.members
-        if masters is None:
-            fp8 = [m.name for m in members if m.fp8 and m.grad]
-            if fp8:
-                raise RegistrationError(
-                    f"ultracomm: members {fp8} are FP8 runtime copies: pass masters=[...] (per member the "
-                    "high-precision master its replicas' gradients reduce into, None for the others)")
-            return [p if m.grad else None for m, p in zip(members, params)]
-        if isinstance(masters, torch.Tensor) or len(masters) != len(members):
-            raise RegistrationError(f"ultracomm: masters must be a list with one entry per member "
-                                    f"{list(self.layout.names)} (None where the member needs none)")
-        out = []
-        for m, p, hp in zip(members, params, masters):
-            if hp is None:
-                if m.fp8 and m.grad:
-                    raise RegistrationError(f"ultracomm: masters[{m.name!r}] is None, but {m.name!r} is an FP8 runtime "
-                                            f"copy with a gradient: pass its {m.master_dtype} master")
-                out.append(p if m.grad else None)
-                continue
-            if not m.grad:
-                raise RegistrationError(f"ultracomm: masters[{m.name!r}]: member {m.name!r} carries no gradient "
-                                        "(grad=False); pass None in its place")
-            hp = hp if isinstance(hp, torch.Tensor) else list(hp)
-            for i, (t, w) in enumerate(zip(tensors_of(hp), tensors_of(p))):
-                want = m.grad_master_dtype
-                if not isinstance(t, torch.Tensor) or t.shape != w.shape or t.dtype not in (
-                        (want,) if want is not None else MASTER_DTYPES) \
-                        or t.device != w.device or isinstance(hp, torch.Tensor) != isinstance(p, torch.Tensor) \
-                        or len(tensors_of(hp)) != len(tensors_of(p)):
-                    raise RegistrationError(
-                        f"ultracomm: masters[{m.name!r}]: expected what params[{m.name!r}] is (a stacked tensor or a "
-                        f"list of per-expert tensors, shaped {list(w.shape)}, on {w.device}) in "
-                        f"{want or 'a float dtype'}; got {_describe(t)}")
-            out.append(hp)
-        return out
 
     # -------------------------------------------------------------- per layer and micro-batch
     def step(self, layer: int, routing_map: torch.Tensor, probs: torch.Tensor | None = None) -> Step:
@@ -266,7 +239,7 @@ class ReplicaManager:
         self._collect_orphans()
         grad = torch.is_grad_enabled() and not self._evaluating
         if grad and torch._C._current_autograd_node() is not None:
-            target = self._recompute_target(layer, routing_map)
+            target = recompute_target(self._live_steps(), layer, routing_map)
             if target is not None:
                 return self._recompute(target, routing_map, probs)
         if grad and sum(s.layer == layer for s in self._live_steps()) >= self.max_microbatches:
@@ -296,7 +269,8 @@ class ReplicaManager:
         return UltracommError(
             f"ultracomm: layer {layer} already has {self.max_microbatches} steps whose backward has not run; "
             "run their backward, call ReplicaManager.abandon() to drop them (a skipped step), take evaluation "
-            "forwards inside `with manager.evaluating():`, or create the manager with a larger max_microbatches")
+            "forwards inside `with manager.evaluating():`, or create the manager with a larger max_microbatches"
+        )
 
     @contextlib.contextmanager
     def evaluating(self) -> Iterator[None]:
@@ -311,8 +285,9 @@ class ReplicaManager:
         finally:
             self._evaluating -= 1
 
-    def _step_on_host(self, layer: int, routing_map: torch.Tensor, probs: torch.Tensor | None,
-                      grad: bool) -> tuple[int, Step]:
+    def _step_on_host(
+        self, layer: int, routing_map: torch.Tensor, probs: torch.Tensor | None, grad: bool
+    ) -> tuple[int, Step]:
         """Loads to the host, a planner there, the plan handed over: a host planner, or the device
         control plane's host build (then the schedule is the portable builder's, as on a GPU).
         The loads' exchange names what it is for (layer, micro-batch slot, grad): ranks out of
@@ -336,8 +311,9 @@ class ReplicaManager:
             self.ctx.end(vid)  # nothing of this step survives: its slot is free again
             raise
 
-    def _step_on_device(self, layer: int, routing_map: torch.Tensor, probs: torch.Tensor | None,
-                        grad: bool) -> tuple[int, Step]:
+    def _step_on_device(
+        self, layer: int, routing_map: torch.Tensor, probs: torch.Tensor | None, grad: bool
+    ) -> tuple[int, Step]:
         """The device-resident step: the loads' all-gather through the GPU windows, the quota
         planner, the schedule build into the vid's plan slot and the multicast, all enqueued on
         the current stream -- no host synchronisation, no store or torch.distributed call,
@@ -355,8 +331,12 @@ class ReplicaManager:
             plan = ResidentPlan(out["slot_src"], exchange_status=self._board.status, planner_result=out["result"])
             sync = self.ctx.weight_sync(vid, plan, async_op=self.async_ok()) or ON_STREAM
             # the step's own copies (stream-ordered, small): the vid slot's buffers serve its next step
-            snap = dict(loads=step_loads, slot_src=out["slot_src"].clone(), slot_quota=out["slot_quota"].clone(),
-                        result=out["result"].clone())
+            snap = dict(
+                loads=step_loads,
+                slot_src=out["slot_src"].clone(),
+                slot_quota=out["slot_quota"].clone(),
+                result=out["result"].clone(),
+            )
             return vid, Step(self, layer, None, routing_map, probs, vid, sync, grad, resident=snap)
         except BaseException:
             self.ctx.end(vid)
@@ -367,26 +347,39 @@ class ReplicaManager:
         reused after, so a captured graph writes the same memory at every replay)."""
         out = self._plan_bufs.get(slot)
         if out is None:
-            out = self._plan_bufs[slot] = device_planner.plan_on_gpu(loads, self.domain, self.slots_per_rank,
-                                                                         **self.planner_options)
+            out = self._plan_bufs[slot] = device_planner.plan_on_gpu(
+                loads, self.domain, self.slots_per_rank, **self.planner_options
+            )
         return out
 
     def _check_routing(self, routing_map: Any, probs: Any) -> None:
         """Everything ``step`` needs of its inputs, checked before it takes a slot."""
         E = self.num_experts
-        if not isinstance(routing_map, torch.Tensor) or routing_map.dtype != torch.bool or routing_map.dim() != 2 \
-                or routing_map.shape[1] != E:
-            raise ValueError(f"ultracomm: routing_map must be a bool [tokens, {E}] tensor, got "
-                             f"{_describe(routing_map)}")
+        if (
+            not isinstance(routing_map, torch.Tensor)
+            or routing_map.dtype != torch.bool
+            or routing_map.dim() != 2
+            or routing_map.shape[1] != E
+        ):
+            raise ValueError(
+                f"ultracomm: routing_map must be a bool [tokens, {E}] tensor, got {_describe(routing_map)}"
+            )
         if probs is None:
             return
-        if not isinstance(probs, torch.Tensor) or not probs.is_floating_point() \
-                or tuple(probs.shape) != tuple(routing_map.shape):
-            raise ValueError(f"ultracomm: probs must be a floating-point [tokens, {E}] tensor shaped like "
-                             f"routing_map {list(routing_map.shape)} (or None), got {_describe(probs)}")
+        if (
+            not isinstance(probs, torch.Tensor)
+            or not probs.is_floating_point()
+            or tuple(probs.shape) != tuple(routing_map.shape)
+        ):
+            raise ValueError(
+                f"ultracomm: probs must be a floating-point [tokens, {E}] tensor shaped like "
+                f"routing_map {list(routing_map.shape)} (or None), got {_describe(probs)}"
+            )
         if probs.device != routing_map.device:
-            raise ValueError(f"ultracomm: probs is on {probs.device} but routing_map on {routing_map.device}; "
-                             "pass both on the same device")
+            raise ValueError(
+                f"ultracomm: probs is on {probs.device} but routing_map on {routing_map.device}; "
+                "pass both on the same device"
+            )
 
     # -------------------------------------------------------------- abandoned steps
     @property
@@ -429,43 +422,26 @@ class ReplicaManager:
             self.ctx.end(vid)
         return dropped
 
-    def _recompute_target(self, layer: int, routing_map: torch.Tensor) -> Step | None:
-        """The live step whose forward this call recomputes (non-reentrant checkpointing), or
-        None (a reentrant recompute: its first forward ran under no_grad and left no step).
-
-        With several micro-batches of ``layer`` in flight the one being recomputed is the one
-        whose graph the running backward pass executes -- not the oldest: pipeline schedules
-        run backwards in any order (F0 F1 B1 B0)."""
-        live = [s for s in self._live_steps() if s.layer == layer]
-        if not live:
-            return None
-        hits = [s for s in live if _will_execute(s._node())]
-        # the routing first: a layer applied twice in one checkpointed block has two steps the
-        # backward executes, and the recompute replays both calls in their order -- every rank
-        # picks the same one this way (a restore it triggers is collective)
-        same = [s for s in hits if torch.equal(s.routing_map, routing_map)]
-        if not same:  # a step without replica weights/guard (no node): match by routing
-            same = [s for s in live if s._node() is None and torch.equal(s.routing_map, routing_map)]
-        if not same:
-            if hits:
-                raise UltracommError(
-                    f"ultracomm: layer {layer}: the recomputed routing differs from the forward's; activation "
-                    "recompute needs a deterministic router (same inputs, same routing)")
-            return None
-        if len(same) > 1:  # the same routing twice: the first not yet recomputed, nearest in the graph
-            fresh = [s for s in same if not s._recomputed] or same
-            same = _nearest_in_graph(torch._C._current_autograd_node(), fresh) or fresh
-        target = same[0]
-        target._recomputed = True
-        return target
-
     def _recompute(self, target: Step, routing_map: torch.Tensor, probs: torch.Tensor | None) -> Step:
         # the slots may still hold the target (every rank decides alike: same calls, same owner)
-        sync = target._sync if self.slots_owner is target else \
-            self.ctx.restore(target.vid, async_op=self.async_ok()) or ON_STREAM
+        sync = (
+            target._sync
+            if self.slots_owner is target
+            else self.ctx.restore(target.vid, async_op=self.async_ok()) or ON_STREAM
+        )
         self.slots_owner = target
-        return Step(self, target.layer, target._result, routing_map, probs, target.vid, sync, True, target=target,
-                    resident=target._resident)
+        return Step(
+            self,
+            target.layer,
+            target._result,
+            routing_map,
+            probs,
+            target.vid,
+            sync,
+            True,
+            target=target,
+            resident=target._resident,
+        )
 
     def retire(self, vid: int) -> bool:
         """A step's backward is done (or it was dropped): it no longer counts as in flight.

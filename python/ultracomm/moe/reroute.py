@@ -23,6 +23,7 @@ layout      P                                column of home expert e / replica (
                                              its masters, then its redundant slots)
 ==========  ===============================  =========================================
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -90,9 +91,16 @@ class RerouteTable:
         return cls(torch.from_numpy(np.cumsum(counts, axis=1)), torch.from_numpy(columns), P)
 
     @classmethod
-    def from_plan(cls, loads: torch.Tensor, slot_src: torch.Tensor, slot_quota: torch.Tensor, rank: int,
-                  experts_per_rank: int, layout: str = "echo",
-                  out: "dict | None" = None) -> "RerouteTable":
+    def from_plan(
+        cls,
+        loads: torch.Tensor,
+        slot_src: torch.Tensor,
+        slot_quota: torch.Tensor,
+        rank: int,
+        experts_per_rank: int,
+        layout: str = "echo",
+        out: "dict | None" = None,
+    ) -> "RerouteTable":
         """The table for source rank ``rank`` computed where the plan is, by the device reroute
         (``include/ultracomm/impl/token_split.h``: the same split as the planners').
 
@@ -113,18 +121,22 @@ class RerouteTable:
             raise ValueError(f"ultracomm: reroute layout must be one of {LAYOUTS}, got {layout!r}")
         W, K = slot_src.shape
         E = W * experts_per_rank
-        for name, t, dt, shape in (("loads", loads, torch.int32, (W, E)), ("slot_src", slot_src, torch.int32, (W, K)),
-                                   ("slot_quota", slot_quota, torch.int64, (W, K))):
+        for name, t, dt, shape in (
+            ("loads", loads, torch.int32, (W, E)),
+            ("slot_src", slot_src, torch.int32, (W, K)),
+            ("slot_quota", slot_quota, torch.int64, (W, K)),
+        ):
             if t.dtype != dt or tuple(t.shape) != shape or t.device != slot_src.device:
-                raise ValueError(f"ultracomm: {name} must be {dt} {list(shape)} on {slot_src.device}, got "
-                                 f"{t.dtype} {list(t.shape)} on {t.device}")
+                raise ValueError(
+                    f"ultracomm: {name} must be {dt} {list(shape)} on {slot_src.device}, got "
+                    f"{t.dtype} {list(t.shape)} on {t.device}"
+                )
         P = num_columns(layout, E, W, K)
         lay = LAYOUTS.index(layout)
         if slot_src.device.type != "cuda":
             from .. import _core
 
-            b, c = _core.reroute_table(loads.numpy(), slot_src.numpy(), slot_quota.numpy(), experts_per_rank,
-                                       rank, lay)
+            b, c = _core.reroute_table(loads.numpy(), slot_src.numpy(), slot_quota.numpy(), experts_per_rank, rank, lay)
             return cls(torch.from_numpy(b), torch.from_numpy(c), P)
         from ..cuda import support as cuda_support
 
@@ -132,22 +144,37 @@ class RerouteTable:
         cuda = cuda_support.cuda_runtime(dev.index, "the device reroute")
         if not out:  # none, or an empty dict to fill (the caller keeps it for the next call)
             out = {} if out is None else out
-            out.update(bounds=torch.empty((E, W), dtype=torch.int64, device=dev),
-                       columns=torch.empty((E, W), dtype=torch.int64, device=dev),
-                       scratch=torch.empty(cuda.reroute_scratch_bytes(W, E) // 8, dtype=torch.int64, device=dev))
+            out.update(
+                bounds=torch.empty((E, W), dtype=torch.int64, device=dev),
+                columns=torch.empty((E, W), dtype=torch.int64, device=dev),
+                scratch=torch.empty(cuda.reroute_scratch_bytes(W, E) // 8, dtype=torch.int64, device=dev),
+            )
         args = [t.contiguous() for t in (loads, slot_src, slot_quota)]
-        cuda.reroute_table(args[0].data_ptr(), args[1].data_ptr(), args[2].data_ptr(), out["scratch"].data_ptr(),
-                           out["bounds"].data_ptr(), out["columns"].data_ptr(), W, experts_per_rank, K, rank, lay,
-                           torch.cuda.current_stream(dev).cuda_stream)
+        cuda.reroute_table(
+            args[0].data_ptr(),
+            args[1].data_ptr(),
+            args[2].data_ptr(),
+            out["scratch"].data_ptr(),
+            out["bounds"].data_ptr(),
+            out["columns"].data_ptr(),
+            W,
+            experts_per_rank,
+            K,
+            rank,
+            lay,
+            torch.cuda.current_stream(dev).cuda_stream,
+        )
         return cls(out["bounds"], out["columns"], P)
 
     def to(self, device: torch.device) -> "RerouteTable":
-        return RerouteTable(self.bounds.to(device, non_blocking=True),
-                            self.columns.to(device, non_blocking=True), self.num_columns)
+        return RerouteTable(
+            self.bounds.to(device, non_blocking=True), self.columns.to(device, non_blocking=True), self.num_columns
+        )
 
 
-def reroute(routing_map: torch.Tensor, probs: torch.Tensor | None,
-            table: RerouteTable) -> tuple[torch.Tensor, torch.Tensor | None]:
+def reroute(
+    routing_map: torch.Tensor, probs: torch.Tensor | None, table: RerouteTable
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Apply ``table`` to this rank's routing.
 
     Args:
@@ -163,8 +190,10 @@ def reroute(routing_map: torch.Tensor, probs: torch.Tensor | None,
         prob; unrouted entries are False / 0.
     """
     if routing_map.dtype != torch.bool or routing_map.ndim != 2:
-        raise ValueError(f"ultracomm: routing_map must be a bool [tokens, experts] tensor, got "
-                         f"{routing_map.dtype} {list(routing_map.shape)}")
+        raise ValueError(
+            f"ultracomm: routing_map must be a bool [tokens, experts] tensor, got "
+            f"{routing_map.dtype} {list(routing_map.shape)}"
+        )
     T, E = routing_map.shape
     if table.bounds.shape[0] != E:
         raise ValueError(f"ultracomm: routing_map has {E} expert columns, the plan has {table.bounds.shape[0]} experts")

@@ -6,6 +6,7 @@ on the GPU, the device copies of it), the rerouted routing, the replica weights 
 replicas' gradients into the manager's staging, reduces them and returns each master's share
 (:mod:`ultracomm.moe.autograd`).
 """
+
 from __future__ import annotations
 
 import weakref
@@ -48,8 +49,9 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
     """``t``'s memory as a tensor with its own version counter: autograd saves replica weights
     for the Dgrad, and writes into other views of the window (the grad slots) must not count
     as modifying them."""
-    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), t.shape,
-                                                               t.stride())
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+        t.untyped_storage(), t.storage_offset(), t.shape, t.stride()
+    )
 
 
 class Step:
@@ -64,9 +66,19 @@ class Step:
         imbalance: ``(before, after)`` max:mean of the per-rank token loads (from ``result``).
     """
 
-    def __init__(self, manager: "ReplicaManager", layer: int, result: PlannerResult | None,
-                 routing_map: torch.Tensor, probs: torch.Tensor | None, vid: int | None, sync: Any, grad: bool,
-                 target: "Step | None" = None, resident: dict | None = None):
+    def __init__(
+        self,
+        manager: "ReplicaManager",
+        layer: int,
+        result: PlannerResult | None,
+        routing_map: torch.Tensor,
+        probs: torch.Tensor | None,
+        vid: int | None,
+        sync: Any,
+        grad: bool,
+        target: "Step | None" = None,
+        resident: dict | None = None,
+    ):
         self.manager, self.layer, self._result = manager, layer, result
         self.routing_map, self.probs = routing_map, probs
         self.vid, self._sync, self.grad, self._target = vid, sync, grad, target
@@ -97,8 +109,13 @@ class Step:
         if self._result is None:  # device-resident: host copies of the loads and the plan (a sync)
             snap, mgr = self._resident, self.manager
             info = device_planner.decode_result(snap["result"].cpu())
-            self._result = build_result(snap["loads"].cpu().numpy().astype(np.int64), mgr.domain,
-                                        snap["slot_src"].cpu().numpy(), snap["slot_quota"].cpu().numpy(), info)
+            self._result = build_result(
+                snap["loads"].cpu().numpy().astype(np.int64),
+                mgr.domain,
+                snap["slot_src"].cpu().numpy(),
+                snap["slot_quota"].cpu().numpy(),
+                info,
+            )
         return self._result
 
     @property
@@ -109,9 +126,13 @@ class Step:
         return max_mean(load.sum(0).reshape(-1, epr).sum(1)), max_mean(res.rank_load)
 
     # -------------------------------------------------------------- forward
-    def rerouted(self, layout: str | None = None, routing_map: torch.Tensor | None = None,
-                 probs: torch.Tensor | None = None, source: int | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def rerouted(
+        self,
+        layout: str | None = None,
+        routing_map: torch.Tensor | None = None,
+        probs: torch.Tensor | None = None,
+        source: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This rank's routing with hot experts' tokens sent to their replicas.
 
         Args:
@@ -128,14 +149,17 @@ class Step:
             raise ValueError(f"ultracomm: layout must be one of {LAYOUTS}, got {layout!r}")
         src = self.manager.rank if source is None else source
         if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < self.manager.world:
-            raise ValueError(f"ultracomm: rerouted(source={source!r}): source must be a rank in "
-                             f"0..{self.manager.world - 1} (default: this rank)")
+            raise ValueError(
+                f"ultracomm: rerouted(source={source!r}): source must be a rank in "
+                f"0..{self.manager.world - 1} (default: this rank)"
+            )
         key = f"{layout}:{src}"
         table = self._tables.get(key)
         if table is None and self._resident is not None:  # on the GPU, from the plan there (no host sync)
             snap = self._resident
             table = self._tables[key] = RerouteTable.from_plan(
-                snap["loads"], snap["slot_src"], snap["slot_quota"], src, self.manager.experts_per_rank, layout)
+                snap["loads"], snap["slot_src"], snap["slot_quota"], src, self.manager.experts_per_rank, layout
+            )
         elif table is None:
             table = self._tables[key] = RerouteTable.from_result(self.result, src, layout).to(self.device)
         rm = self.routing_map if routing_map is None else routing_map
@@ -158,9 +182,10 @@ class Step:
             if any(v is None for v in views):
                 raise UltracommError(
                     f"ultracomm: layer {self.layer} step (vid {self.vid}): the tensors an earlier replica_weights() "
-                    "returned were dropped; call replica_weights() once per step and keep its tensors until guard()")
+                    "returned were dropped; call replica_weights() once per step and keep its tensors until guard()"
+                )
         M, S = len(self.manager.layout.members), self.manager.slots_per_rank
-        return [list(views[m * S:(m + 1) * S]) for m in range(M)]
+        return [list(views[m * S : (m + 1) * S]) for m in range(M)]
 
     def replicas(self) -> list[int]:
         """Expert held by each of this rank's replica slots (-1 = empty); on the device-resident
@@ -177,8 +202,10 @@ class Step:
         self._build()
         token, self._token = self._token, None
         if token is None:
-            raise UltracommError(f"ultracomm: layer {self.layer} step (vid {self.vid}): guard() was already called; "
-                                 "call it once per step, on the expert output")
+            raise UltracommError(
+                f"ultracomm: layer {self.layer} step (vid {self.vid}): guard() was already called; "
+                "call it once per step, on the expert output"
+            )
         if self._frozen and not x.requires_grad:  # no backward will come through here: done now
             self._finish()
             return x
@@ -192,8 +219,10 @@ class Step:
     def _build(self) -> list[torch.Tensor] | None:
         """Create the forward's outputs once; returns the views when it created them."""
         if self._released:
-            raise UltracommError(f"ultracomm: layer {self.layer} step (vid {self.vid}): its backward is done, it was "
-                                 "abandoned, or its manager closed; replica_weights() and guard() belong to its forward")
+            raise UltracommError(
+                f"ultracomm: layer {self.layer} step (vid {self.vid}): its backward is done, it was "
+                "abandoned, or its manager closed; replica_weights() and guard() belong to its forward"
+            )
         if self._built:
             return None
         self._built = True
@@ -229,7 +258,8 @@ class Step:
             raise UltracommError(
                 f"ultracomm: layer {self.layer}: the replica slots were overwritten by layer "
                 f"{getattr(mgr.slots_owner, 'layer', '?')} after this step's weight_sync; run each layer's "
-                "expert compute (replica_weights()) before the next layer's step()")
+                "expert compute (replica_weights()) before the next layer's step()"
+            )
         return [_alias(t[s]) for t in mgr.ctx.replica_weights for s in range(mgr.slots_per_rank)]
 
     # -------------------------------------------------------------- backward
@@ -266,12 +296,16 @@ class Step:
 
     def _check_backward(self) -> None:
         if self._state == "reduced":
-            raise UltracommError(f"ultracomm: layer {self.layer} step (vid {self.vid}) was already reduced; "
-                                 "a step supports one backward pass (no retain_graph re-runs)")
+            raise UltracommError(
+                f"ultracomm: layer {self.layer} step (vid {self.vid}) was already reduced; "
+                "a step supports one backward pass (no retain_graph re-runs)"
+            )
         if self._state == "abandoned":
-            raise UltracommError(f"ultracomm: layer {self.layer} step (vid {self.vid}) was abandoned "
-                                 "(ReplicaManager.abandon() or close()) before its backward; its replica gradients "
-                                 "cannot be reduced any more")
+            raise UltracommError(
+                f"ultracomm: layer {self.layer} step (vid {self.vid}) was abandoned "
+                "(ReplicaManager.abandon() or close()) before its backward; its replica gradients "
+                "cannot be reduced any more"
+            )
 
     def _release_graph(self) -> None:
         """The forward is over for good: replica_weights()/guard() raise from now on."""
@@ -280,8 +314,9 @@ class Step:
         if self._finalizer is not None:
             self._finalizer.detach()
 
-    def _backward_reduce(self, grads: Sequence[torch.Tensor | None],
-                         needs: Sequence[bool]) -> list[torch.Tensor | None]:
+    def _backward_reduce(
+        self, grads: Sequence[torch.Tensor | None], needs: Sequence[bool]
+    ) -> list[torch.Tensor | None]:
         """The replicas' gradients of this step -> ``grad_reduce`` -> per master anchor its
         reduced replica contribution (what ``_ReplicaWeights.backward`` returns)."""
         if self._target is not None:
@@ -294,7 +329,8 @@ class Step:
                 f"ultracomm: layer {self.layer} (vid {self.vid}): the replica slots were overwritten by layer "
                 f"{getattr(mgr.slots_owner, 'layer', '?')} after this step's weight_sync and nothing restored them "
                 "before the expert backward, so its gradients used stale weights; wrap the expert output in "
-                "step.guard(...)")
+                "step.guard(...)"
+            )
         if self._staging is None:
             self._staging = mgr.grads.acquire()
         staging = mgr.grads.replica[self._staging]
@@ -307,7 +343,8 @@ class Step:
                 raise UltracommError(
                     f"ultracomm: layer {self.layer}: the replica of FP8 member {members[i // S].name!r} got its gradient "
                     f"through autograd, which rounds it to {g.dtype}; accumulate an FP8 weight's gradient in fp32 "
-                    "into weight.main_grad instead (ultracomm.moe.linear(x, weight, weight_scale) does)")
+                    "into weight.main_grad instead (ultracomm.moe.linear(x, weight, weight_scale) does)"
+                )
             staging[i // S][i % S].add_(g)
         rows = self._reduced_rows()
         mgr.grads.zero_master(rows)
@@ -328,5 +365,7 @@ class Step:
             return None
         mgr = self.manager
         lo = mgr.rank * mgr.experts_per_rank
-        experts = {int(e) for e in np.asarray(self._result.plan.slot_src).ravel() if lo <= e < lo + mgr.experts_per_rank}
+        experts = {
+            int(e) for e in np.asarray(self._result.plan.slot_src).ravel() if lo <= e < lo + mgr.experts_per_rank
+        }
         return sorted(e - lo for e in experts)

@@ -27,6 +27,7 @@ Modules: :mod:`.replica_plan` (the plan, its checks, identity and the Megatron c
 :mod:`.phy2log` (EPLB physical->logical maps), :mod:`.inputs` (the integer inputs every
 converter accepts).
 """
+
 from __future__ import annotations
 
 from .inputs import ArrayLike as ArrayLike  # the inputs' type, named in signatures
@@ -34,9 +35,4 @@ from .phy2log import Move, moves_from_phy2log, plan_from_phy2log
 from .replica_plan import ReplicaPlan
 from .replica_plan import SlotShape as SlotShape  # the world/slots_per_rank shape ResidentPlan shares
 
-__all__ = [
-    "ReplicaPlan",
-    "Move",
-    "moves_from_phy2log",
-    "plan_from_phy2log",
-]
+__all__ = ["ReplicaPlan", "Move", "moves_from_phy2log", "plan_from_phy2log"]

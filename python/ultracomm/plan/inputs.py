@@ -1,6 +1,7 @@
 """What a plan's constructors and converters accept: integer tensors, ndarrays or nested lists,
 converted to int64 numpy arrays, with a :class:`~ultracomm.errors.PlanError` naming the input
 when a value is not an integer or does not fit in int32."""
+
 from __future__ import annotations
 
 from typing import Any, Sequence, Union
@@ -26,8 +27,7 @@ def _to_numpy(x: ArrayLike, name: str, *, allow_bool: bool = False) -> np.ndarra
         if t.dtype == torch.bool:
             if not allow_bool:
                 raise PlanError(
-                    f"{name} must hold integer expert ids, got a torch.bool tensor; "
-                    "convert it with .to(torch.int32)"
+                    f"{name} must hold integer expert ids, got a torch.bool tensor; convert it with .to(torch.int32)"
                 )
             return t.cpu().numpy().astype(np.int64)
         if t.is_floating_point() or t.is_complex():
@@ -41,16 +41,13 @@ def _to_numpy(x: ArrayLike, name: str, *, allow_bool: bool = False) -> np.ndarra
         arr = arr.astype(np.int64)
     if arr.dtype == np.bool_:
         if not allow_bool:
-            raise PlanError(
-                f"{name} must hold integer expert ids, got booleans; convert to int32"
-            )
+            raise PlanError(f"{name} must hold integer expert ids, got booleans; convert to int32")
         return arr.astype(np.int64)
     if arr.dtype.kind in "fO" and not isinstance(x, np.ndarray) and _all_python_ints(x):
         raise PlanError(f"{name} has values outside the int32 range")  # numpy fell back to float/object
     if arr.dtype.kind not in "iu":
         raise PlanError(
-            f"{name} must hold integers, got dtype {arr.dtype}; expert ids are integers "
-            "(-1 marks an empty slot)"
+            f"{name} must hold integers, got dtype {arr.dtype}; expert ids are integers (-1 marks an empty slot)"
         )
     return _as_int64(arr, name)
 

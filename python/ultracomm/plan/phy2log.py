@@ -1,6 +1,7 @@
 """EPLB (vLLM / DeepSeek) physical->logical maps ``phy2log`` ``[(L,) P]``: the weight moves
 between two maps (:func:`moves_from_phy2log`) and the :class:`~ultracomm.plan.ReplicaPlan` of a
 home-fixed map (:func:`plan_from_phy2log`)."""
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -81,9 +82,7 @@ def _moves_1d(o: np.ndarray, n: np.ndarray, ppr: int, layer: int | None) -> list
     return moves
 
 
-def moves_from_phy2log(
-    old_phy2log: ArrayLike, new_phy2log: ArrayLike, world: int
-) -> list[Move] | list[list[Move]]:
+def moves_from_phy2log(old_phy2log: ArrayLike, new_phy2log: ArrayLike, world: int) -> list[Move] | list[list[Move]]:
     """Weight moves that turn an EPLB ``old_phy2log`` into ``new_phy2log``.
 
     Args:
@@ -145,13 +144,9 @@ def plan_from_phy2log(
         raise PlanError(f"world must be >= 1, got {world}")
     P = n.shape[0]
     if P % world != 0:
-        raise PlanError(
-            f"phy2log has P = {P} physical slots, which does not divide by world = {world}"
-        )
+        raise PlanError(f"phy2log has P = {P} physical slots, which does not divide by world = {world}")
     ppr = P // world
-    base = ReplicaPlan.make(
-        np.zeros((world, 0), np.int32), num_experts, home_of, experts_per_rank
-    )
+    base = ReplicaPlan.make(np.zeros((world, 0), np.int32), num_experts, home_of, experts_per_rank)
     hn = base.home_of.numpy()
     homes = [base.experts_homed_on(r) for r in range(world)]
     nhome = max(len(h) for h in homes)
@@ -181,8 +176,7 @@ def plan_from_phy2log(
             e = int(row[nhome + k])
             if e >= num_experts:
                 raise PlanError(
-                    f"new_phy2log[{r * ppr + nhome + k}] = {e} is out of range: experts are "
-                    f"0..{num_experts - 1}"
+                    f"new_phy2log[{r * ppr + nhome + k}] = {e} is out of range: experts are 0..{num_experts - 1}"
                 )
             if e >= 0 and hn[e] != r:
                 src[r, k] = e

@@ -2,6 +2,7 @@
 expert's master lives (``home_of``); built and checked by :meth:`ReplicaPlan.make`, compared by
 content and :meth:`ReplicaPlan.digest`, converted to and from Megatron's ECHO map and
 ``experts_to_copy`` (see :mod:`ultracomm.plan` for the invariants and the converters)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -126,10 +127,7 @@ class ReplicaPlan(SlotShape):
             num_experts = home.shape[0]
         if num_experts is None:
             if experts_per_rank is None:
-                raise PlanError(
-                    "cannot infer the number of experts: pass num_experts=, home_of= or "
-                    "experts_per_rank="
-                )
+                raise PlanError("cannot infer the number of experts: pass num_experts=, home_of= or experts_per_rank=")
             num_experts = world * int(experts_per_rank)
         if not isinstance(num_experts, (int, np.integer)) or num_experts < 1:
             raise PlanError(f"num_experts must be a positive int, got {num_experts!r}")
@@ -151,9 +149,7 @@ class ReplicaPlan(SlotShape):
         cls, world: int, slots_per_rank: int, num_experts: int, home_of: ArrayLike | None = None
     ) -> "ReplicaPlan":
         """A plan with every slot empty (``slot_src`` all -1)."""
-        return cls.make(
-            np.full((world, slots_per_rank), -1, dtype=np.int32), num_experts, home_of
-        )
+        return cls.make(np.full((world, slots_per_rank), -1, dtype=np.int32), num_experts, home_of)
 
     # -- validation ---------------------------------------------------------------
 
@@ -162,10 +158,7 @@ class ReplicaPlan(SlotShape):
         entry.  With ``experts_per_rank`` also check that each rank hosts exactly that
         many experts."""
         s, h = self.slot_src, self.home_of
-        for name, t, nd, shape_txt in (
-            ("slot_src", s, 2, "[world, slots_per_rank]"),
-            ("home_of", h, 1, "[E]"),
-        ):
+        for name, t, nd, shape_txt in (("slot_src", s, 2, "[world, slots_per_rank]"), ("home_of", h, 1, "[E]")):
             if not isinstance(t, torch.Tensor):
                 raise PlanError(
                     f"{name} must be a torch.Tensor, got {type(t).__name__}; build plans with "
@@ -192,9 +185,7 @@ class ReplicaPlan(SlotShape):
         bad = np.flatnonzero((hn < 0) | (hn >= world))
         if bad.size:
             e = int(bad[0])
-            raise PlanError(
-                f"home_of[{e}] = {int(hn[e])} is out of range: ranks are 0..{world - 1}"
-            )
+            raise PlanError(f"home_of[{e}] = {int(hn[e])} is out of range: ranks are 0..{world - 1}")
         if experts_per_rank is not None:
             counts = np.bincount(hn, minlength=world)
             wrong = np.flatnonzero(counts != experts_per_rank)
@@ -210,8 +201,7 @@ class ReplicaPlan(SlotShape):
         if bad_idx.size:
             r, j = (int(v) for v in bad_idx[0])
             raise PlanError(
-                f"slot_src[{r}, {j}] = {int(sn[r, j])} is out of range: experts are "
-                f"0..{E - 1} (-1 marks an empty slot)"
+                f"slot_src[{r}, {j}] = {int(sn[r, j])} is out of range: experts are 0..{E - 1} (-1 marks an empty slot)"
             )
         filled = sn >= 0
         homes = np.where(filled, hn[np.where(filled, sn, 0)], -1)
@@ -339,9 +329,7 @@ class ReplicaPlan(SlotShape):
         """
         m = _to_numpy(map_home_expert_to_spare, "map_home_expert_to_spare", allow_bool=True)
         if m.ndim != 2:
-            raise PlanError(
-                f"map_home_expert_to_spare must be 2-D [E, S_global], got shape {tuple(m.shape)}"
-            )
+            raise PlanError(f"map_home_expert_to_spare must be 2-D [E, S_global], got shape {tuple(m.shape)}")
         if m.size and not np.isin(m, (0, 1)).all():
             raise PlanError("map_home_expert_to_spare must hold booleans (or 0/1)")
         if world < 1:

@@ -18,21 +18,14 @@ integer token conservation).
 ``device`` the device control plane's quota planner (same C++ as the GPU kernel), host build
 =========  ==================================================================
 """
+
 from __future__ import annotations
 
 from typing import Callable
 
 from .base import Domain, PlannerResult, copy_counts, excess_imbalance, max_mean
 
-__all__ = [
-    "Domain",
-    "PlannerResult",
-    "PLANNERS",
-    "get_planner",
-    "excess_imbalance",
-    "max_mean",
-    "copy_counts",
-]
+__all__ = ["Domain", "PlannerResult", "PLANNERS", "get_planner", "excess_imbalance", "max_mean", "copy_counts"]
 
 from . import device, greedy, lpt, quota, taot
 

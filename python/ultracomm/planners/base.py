@@ -19,6 +19,7 @@ Conventions (all planners):
   with one expert on 17 instances, a few hundred microseconds of memory traffic).
 * ``max_instances = 1 + max_e (replicas of e)`` (at least 1).
 """
+
 from __future__ import annotations
 
 import functools
@@ -76,13 +77,9 @@ class Domain:
         if self.world < 1:
             raise PlanError(f"Domain.world must be >= 1, got {self.world}")
         if node.shape != (self.world,):
-            raise PlanError(
-                f"Domain.node_of must have shape [{self.world}], got {tuple(node.shape)}"
-            )
+            raise PlanError(f"Domain.node_of must have shape [{self.world}], got {tuple(node.shape)}")
         if self.experts_per_rank < 1:
-            raise PlanError(
-                f"Domain.experts_per_rank must be >= 1, got {self.experts_per_rank}"
-            )
+            raise PlanError(f"Domain.experts_per_rank must be >= 1, got {self.experts_per_rank}")
         node.setflags(write=False)
         object.__setattr__(self, "node_of", node)
 
@@ -117,10 +114,7 @@ class Domain:
         return self.node_of[:, None] == self.node_of[None, :]
 
     def __repr__(self) -> str:
-        return (
-            f"Domain(world={self.world}, nodes={self.num_nodes}, "
-            f"experts_per_rank={self.experts_per_rank})"
-        )
+        return f"Domain(world={self.world}, nodes={self.num_nodes}, experts_per_rank={self.experts_per_rank})"
 
 
 # ----------------------------------------------------------------------------- result
@@ -161,9 +155,7 @@ class PlannerResult:
         """The :class:`ReplicaPlan` (built and validated lazily; validation costs a few
         hundred microseconds at EP64, which is why it is not part of planning)."""
         return ReplicaPlan.make(
-            self.slot_src,
-            home_of=self.domain.home_of,
-            experts_per_rank=self.domain.experts_per_rank,
+            self.slot_src, home_of=self.domain.home_of, experts_per_rank=self.domain.experts_per_rank
         )
 
     @property
@@ -223,21 +215,24 @@ def as_load(load: Any, domain: Domain) -> np.ndarray:
     if a.dtype.kind not in "iu":
         raise PlanError(f"ultracomm: load must hold integer token counts, got dtype {a.dtype}")
     if a.size and a.dtype.kind == "u" and int(a.max()) > MAX_LOAD_TOTAL:  # before int64 could wrap it
-        raise PlanError(f"ultracomm: load holds {int(a.max())} tokens for one expert; a plan holds at most "
-                        f"{MAX_LOAD_TOTAL} (2**48) tokens in all")
+        raise PlanError(
+            f"ultracomm: load holds {int(a.max())} tokens for one expert; a plan holds at most "
+            f"{MAX_LOAD_TOTAL} (2**48) tokens in all"
+        )
     a = np.ascontiguousarray(a, dtype=np.int64)
     if a.shape != (domain.world, domain.num_experts):
         raise PlanError(
-            f"ultracomm: load must have shape [world, E] = [{domain.world}, {domain.num_experts}], "
-            f"got {tuple(a.shape)}"
+            f"ultracomm: load must have shape [world, E] = [{domain.world}, {domain.num_experts}], got {tuple(a.shape)}"
         )
     if a.size and a.min() < 0:
         r, e = (int(i) for i in np.argwhere(a < 0)[0])
         raise PlanError(f"ultracomm: load must be non-negative: rank {r} routes {int(a[r, e])} tokens to expert {e}")
     total = float(a.sum(dtype=np.float64))  # exact below 2**53; int64 could wrap
     if total > MAX_LOAD_TOTAL:
-        raise PlanError(f"ultracomm: load holds {int(a.astype(object).sum())} tokens in all; a plan holds at most "
-                        f"{MAX_LOAD_TOTAL} (2**48)")
+        raise PlanError(
+            f"ultracomm: load holds {int(a.astype(object).sum())} tokens in all; a plan holds at most "
+            f"{MAX_LOAD_TOTAL} (2**48)"
+        )
     return a
 
 
@@ -275,9 +270,7 @@ def instance_index(slot_src: np.ndarray, domain: Domain) -> tuple[np.ndarray, np
     return inst_rank, slot_inst.reshape(W, K)
 
 
-def split_tokens(
-    load: np.ndarray, inst_rank: np.ndarray, quota: np.ndarray, backend: str | None = None
-) -> np.ndarray:
+def split_tokens(load: np.ndarray, inst_rank: np.ndarray, quota: np.ndarray, backend: str | None = None) -> np.ndarray:
     """Exact integer split of each expert's tokens over its instances.
 
     Locality first: a source rank that holds an instance of ``e`` sends its own tokens
@@ -341,9 +334,7 @@ def split_tokens(
     return moves
 
 
-def expand_moves(
-    load: np.ndarray, slot_src: np.ndarray, slot_moves: np.ndarray, domain: Domain, I: int
-) -> np.ndarray:
+def expand_moves(load: np.ndarray, slot_src: np.ndarray, slot_moves: np.ndarray, domain: Domain, I: int) -> np.ndarray:
     """Dense ``[world, E, I]`` token moves from the per-slot form (home = the rest)."""
     W, E = load.shape
     _, slot_inst = instance_index(slot_src, domain)

@@ -31,6 +31,7 @@ Compared with the host ``quota`` planner (max-flow repair, cover search, bounded
 backtracking): no search beyond the greedy, so on tight loads it may stop one ``tol`` step
 higher or place more replicas; perf/planners.md measures both on the evaluation loads.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
@@ -91,8 +92,9 @@ def plan(
         ValueError: shapes or sizes beyond the planner's capacities, bad options.
     """
     if not _HAVE_CPP:
-        raise RuntimeError("ultracomm._core has no quota_device; rebuild the core "
-                           "(pip install --no-build-isolation -e .)")
+        raise RuntimeError(
+            "ultracomm._core has no quota_device; rebuild the core (pip install --no-build-isolation -e .)"
+        )
     load = as_load(load, domain)
     K = check_slots(slots_per_rank)
     _check(domain, K, min_tokens)
@@ -100,8 +102,9 @@ def plan(
     eps_bp = _eps_bp(eps)
     el = np.ascontiguousarray(load.sum(0), dtype=np.int64)
     node = np.ascontiguousarray(domain.node_of, dtype=np.int32) if intra_node_only else None
-    slot_src, slot_quota, info = _core_mod.quota_device(el, node, W, epr, K, int(min_tokens), 0, eps_bp,
-                                                        int(lanes), int(groups))
+    slot_src, slot_quota, info = _core_mod.quota_device(
+        el, node, W, epr, K, int(min_tokens), 0, eps_bp, int(lanes), int(groups)
+    )
     return build_result(load, domain, slot_src, slot_quota, dict(info))
 
 
@@ -119,21 +122,34 @@ def fits(world: int, num_experts: int, slots_per_rank: int) -> bool:
 def _check(domain: Domain, K: int, min_tokens: int) -> None:
     W, epr = domain.world, domain.experts_per_rank
     if W > MAX_WORLD or W * epr > MAX_EXPERTS or K > MAX_SLOTS:
-        raise ValueError(f"the device planner holds world <= {MAX_WORLD}, experts <= {MAX_EXPERTS}, "
-                         f"slots <= {MAX_SLOTS}; got world {W}, experts {W * epr}, slots {K} "
-                         "(use a host planner: planner='quota')")
+        raise ValueError(
+            f"the device planner holds world <= {MAX_WORLD}, experts <= {MAX_EXPERTS}, "
+            f"slots <= {MAX_SLOTS}; got world {W}, experts {W * epr}, slots {K} "
+            "(use a host planner: planner='quota')"
+        )
     if not isinstance(min_tokens, (int, np.integer)) or isinstance(min_tokens, bool) or min_tokens < 1:
         raise ValueError(f"min_tokens must be an int >= 1, got {min_tokens!r}")
 
 
-STATUS = {1: "world, experts_per_rank or slots beyond the planner's capacity",
-          2: "an expert load is negative, or the total is above 2**48 tokens",
-          3: "min_tokens, tol or eps out of range", 4: "node_of has a negative node"}
+STATUS = {
+    1: "world, experts_per_rank or slots beyond the planner's capacity",
+    2: "an expert load is negative, or the total is above 2**48 tokens",
+    3: "min_tokens, tol or eps out of range",
+    4: "node_of has a negative node",
+}
 
 
-def plan_on_gpu(loads: "torch.Tensor", domain: Domain, slots_per_rank: int, *, eps: float = 0.01,
-                min_tokens: int = 1, intra_node_only: bool = False, stream: "torch.cuda.Stream | None" = None,
-                out: "dict | None" = None) -> "dict":
+def plan_on_gpu(
+    loads: "torch.Tensor",
+    domain: Domain,
+    slots_per_rank: int,
+    *,
+    eps: float = 0.01,
+    min_tokens: int = 1,
+    intra_node_only: bool = False,
+    stream: "torch.cuda.Stream | None" = None,
+    out: "dict | None" = None,
+) -> "dict":
     """Run the same planner as :func:`plan` on the GPU, stream-ordered, with no host sync.
 
     The first call on a device sets the kernel's shared-memory attribute (host calls, no stream
@@ -160,8 +176,13 @@ def plan_on_gpu(loads: "torch.Tensor", domain: Domain, slots_per_rank: int, *, e
     _check(domain, K, min_tokens)
     W, epr = domain.world, domain.experts_per_rank
     E = W * epr
-    if not (isinstance(loads, torch.Tensor) and loads.is_cuda and loads.dtype == torch.int32
-            and tuple(loads.shape) == (W, E) and loads.is_contiguous()):
+    if not (
+        isinstance(loads, torch.Tensor)
+        and loads.is_cuda
+        and loads.dtype == torch.int32
+        and tuple(loads.shape) == (W, E)
+        and loads.is_contiguous()
+    ):
         raise ValueError(f"loads must be a contiguous int32 CUDA tensor of shape [{W}, {E}]")
     dev = loads.device
     cuda = cuda_support.cuda_runtime(dev.index, "the device planner")
@@ -173,13 +194,25 @@ def plan_on_gpu(loads: "torch.Tensor", domain: Domain, slots_per_rank: int, *, e
             result=torch.zeros(3, dtype=torch.int64, device=dev),
             scratch=torch.empty(cuda.quota_scratch_bytes(W, E, K) // 8, dtype=torch.int64, device=dev),
         )
-        out["node_of"] = (torch.as_tensor(np.asarray(domain.node_of, np.int32), device=dev)
-                          if intra_node_only else None)
+        out["node_of"] = torch.as_tensor(np.asarray(domain.node_of, np.int32), device=dev) if intra_node_only else None
     s = stream if stream is not None else torch.cuda.current_stream(dev)
     node = out.get("node_of")
-    cuda.quota_plan(loads.data_ptr(), out["expert_load"].data_ptr(), node.data_ptr() if node is not None else 0,
-                    out["scratch"].data_ptr(), out["slot_src"].data_ptr(), out["slot_quota"].data_ptr(),
-                    out["result"].data_ptr(), W, epr, K, int(min_tokens), 0, _eps_bp(eps), s.cuda_stream)
+    cuda.quota_plan(
+        loads.data_ptr(),
+        out["expert_load"].data_ptr(),
+        node.data_ptr() if node is not None else 0,
+        out["scratch"].data_ptr(),
+        out["slot_src"].data_ptr(),
+        out["slot_quota"].data_ptr(),
+        out["result"].data_ptr(),
+        W,
+        epr,
+        K,
+        int(min_tokens),
+        0,
+        _eps_bp(eps),
+        s.cuda_stream,
+    )
     return out
 
 

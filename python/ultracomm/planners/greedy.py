@@ -28,6 +28,7 @@ Regime -- what it is for and where it stops:
   hot-rank loads at 4.8-14.4, where quota and taot reach 1.01 (perf/planners.md,
   "greedy's regime").  Use quota or taot there.
 """
+
 from __future__ import annotations
 
 from typing import Any

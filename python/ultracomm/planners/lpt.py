@@ -63,6 +63,7 @@ shares already min-max, what is left is the placement, and at 1.01 x mean that i
 covering (spare only 4 % above the excess, in 22 slots) that counting and LPT packing by
 shares do not solve.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -82,8 +83,7 @@ except ImportError:  # pragma: no cover - core not built
 __all__ = ["plan", "balance_quotas"]
 
 
-def balance_quotas(expert_load: Any, instance_ranks: list[list[int]], base: Any
-                   ) -> tuple[int, list[np.ndarray]]:
+def balance_quotas(expert_load: Any, instance_ranks: list[list[int]], base: Any) -> tuple[int, list[np.ndarray]]:
     """Min-max split of replicated experts' tokens over a fixed placement (step 3).
 
     Args:
@@ -99,15 +99,13 @@ def balance_quotas(expert_load: Any, instance_ranks: list[list[int]], base: Any
     lens = np.fromiter((len(x) for x in instance_ranks), np.int64, len(instance_ranks))
     off = np.concatenate(([0], np.cumsum(lens))).astype(np.int64)
     inst = np.fromiter((r for x in instance_ranks for r in x), np.int64, int(off[-1]))
-    T, q = _core().balance_quotas(np.asarray(expert_load, np.int64), off, inst,
-                                  np.asarray(base, np.int64))
+    T, q = _core().balance_quotas(np.asarray(expert_load, np.int64), off, inst, np.asarray(base, np.int64))
     return int(T), np.split(q, off[1:-1])
 
 
 def _core():
     if not _HAVE_CPP:
-        raise RuntimeError("ultracomm._core has no lpt_plan; rebuild the core "
-                           "(pip install --no-build-isolation -e .)")
+        raise RuntimeError("ultracomm._core has no lpt_plan; rebuild the core (pip install --no-build-isolation -e .)")
     return _core_mod
 
 
@@ -149,6 +147,5 @@ def plan(
     el, _ = home_rank_load(load, domain)
     budget = W * K if max_replicas is None else max(0, min(int(max_replicas), W * K))
     group = domain.node_of if hierarchical else None
-    slot_src, slot_quota, info = _core().lpt_plan(el, group, W, K, max(int(min_tokens), 1), budget,
-                                                  rules[counts])
+    slot_src, slot_quota, info = _core().lpt_plan(el, group, W, K, max(int(min_tokens), 1), budget, rules[counts])
     return build_result(load, domain, slot_src, slot_quota, info)

@@ -86,6 +86,7 @@ north-west-corner (:func:`~ultracomm.planners.base.split_tokens`).
 UltraEP keeps replication inside one scale-up domain; with ``intra_node_only=True``
 replicas only go to ranks on the expert's home node.
 """
+
 from __future__ import annotations
 
 import math
@@ -119,8 +120,9 @@ COVER_BUDGET = 80_000
 
 def _core():
     if not _HAVE_CPP:
-        raise RuntimeError("ultracomm._core has no quota_search; rebuild the core "
-                           "(pip install --no-build-isolation -e .)")
+        raise RuntimeError(
+            "ultracomm._core has no quota_search; rebuild the core (pip install --no-build-isolation -e .)"
+        )
     return _core_mod
 
 
@@ -172,9 +174,17 @@ def feasible(
     """
     load, el, L, order, node = _inputs(load, domain, intra_node_only)
     K = check_slots(slots_per_rank)
-    reps, _ = _core().quota_feasible(L, el, order, node, K, max(int(min_tokens), 1),
-                                     _check_budget(search_budget),
-                                     _check_budget(cover_budget, "cover_budget"), int(T))
+    reps, _ = _core().quota_feasible(
+        L,
+        el,
+        order,
+        node,
+        K,
+        max(int(min_tokens), 1),
+        _check_budget(search_budget),
+        _check_budget(cover_budget, "cover_budget"),
+        int(T),
+    )
     return reps
 
 
@@ -215,9 +225,17 @@ def plan(
     K = check_slots(slots_per_rank)
     W = domain.world
     tol = max(1, int(math.floor(eps * L.sum() / W)))
-    thr, reps, stats = _core().quota_search(L, el, order, node, K, max(int(min_tokens), 1), tol,
-                                            _check_budget(search_budget),
-                                            _check_budget(cover_budget, "cover_budget"))
+    thr, reps, stats = _core().quota_search(
+        L,
+        el,
+        order,
+        node,
+        K,
+        max(int(min_tokens), 1),
+        tol,
+        _check_budget(search_budget),
+        _check_budget(cover_budget, "cover_budget"),
+    )
     slot_src = np.full((W, K), -1, np.int32)
     slot_quota = np.zeros((W, K), np.int64)
     if reps.shape[0]:

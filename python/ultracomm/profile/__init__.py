@@ -94,6 +94,7 @@ CLI::
 Modules: :mod:`.recorder` (Profiler, the Context's hook), :mod:`.trace` (reading back,
 imports), :mod:`.fields` (array names shared by both).
 """
+
 from __future__ import annotations
 
 from .fields import FORMAT, OPS, spread_expert_load

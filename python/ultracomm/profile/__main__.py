@@ -1,4 +1,5 @@
 """``python -m ultracomm.profile show TRACE`` / ``import COUNTS.npy -o TRACE --world W``."""
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             tr = load_trace(a.trace, loads=False, world=a.ep)
             print(tr.summary())
         else:
-            tr = import_routing_stats(read_counts(a.counts), a.out, a.world,
-                                      meta={"source": os.path.abspath(a.counts)}, overwrite=a.overwrite)
+            tr = import_routing_stats(
+                read_counts(a.counts), a.out, a.world, meta={"source": os.path.abspath(a.counts)}, overwrite=a.overwrite
+            )
             print(f"wrote {a.out}: " + tr.summary().splitlines()[0])
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

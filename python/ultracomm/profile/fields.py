@@ -1,4 +1,5 @@
 """Names and shapes of a trace's per-record arrays, shared by the recorder and the reader."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -45,13 +46,18 @@ def spread_expert_load(expert_load: Any, world: int) -> np.ndarray:
     extra = ((ranks - np.arange(el.size)[None, :]) % int(world)) < r[None, :]
     return q[None, :] + extra.astype(np.int64)
 
+
 def empty_arrays(world: int, E: int, S: int, n: int = 0) -> dict:
     """Every per-record array of ``n`` records holding nothing (no load, plan, stats, times)."""
     out = {"step": np.zeros(n, np.int64), "layer": np.zeros(n, np.int32), "microbatch": np.zeros(n, np.int32)}
     for k in ("has_load", "has_full_load", "has_plan", "has_stats"):
         out[k] = np.zeros(n, bool)
-    out.update(expert_load=np.zeros((n, E), np.int64), slot_src=np.full((n, world, S), -1, np.int32),
-               home_of=np.zeros((n, E), np.int32), rank_load_after=np.full((n, world), np.nan))
+    out.update(
+        expert_load=np.zeros((n, E), np.int64),
+        slot_src=np.full((n, world, S), -1, np.int32),
+        home_of=np.zeros((n, E), np.int32),
+        rank_load_after=np.full((n, world), np.nan),
+    )
     for op in STAT_OPS:
         for k in STAT_VECTORS:
             out[f"{op}_{k}"] = np.zeros((n, world), np.int64)
@@ -77,7 +83,8 @@ def schedule_stats(schedule: Any) -> dict:
             **{k: np.asarray(st[k], dtype=np.int64) for k in STAT_VECTORS},
             **{k: int(st[k]) for k in STAT_INTS},
             **{k: float(st[k]) for k in STAT_FLOATS},
-            "parent_rank": np.array(pr, dtype=np.int32), "parent_slot": np.array(ps, dtype=np.int32),
+            "parent_rank": np.array(pr, dtype=np.int32),
+            "parent_slot": np.array(ps, dtype=np.int32),
             "tree_depth": np.array(d, dtype=np.int32),
         }
     return out

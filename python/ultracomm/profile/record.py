@@ -4,6 +4,7 @@ Recording keeps references (plans, schedules) and copies of loads only; everythi
 (plan arrays, schedule stats and trees, rank loads after balancing, op times from CUDA events)
 is computed by the writer thread in :func:`records_to_arrays`, off the training thread.
 """
+
 from __future__ import annotations
 
 import time
@@ -17,23 +18,38 @@ from .fields import OPS, STAT_FLOATS, STAT_INTS, STAT_OPS, STAT_VECTORS, TREE, a
 class Record:
     """One (step, layer, micro-batch); filled by ``Profiler.record`` and the Context's ops."""
 
-    __slots__ = ("step", "layer", "microbatch", "load", "expert_load", "plan", "rank_after", "schedule",
-                 "times", "pending", "vid", "has_data", "has_ops", "sealed", "nbytes")
+    __slots__ = (
+        "step",
+        "layer",
+        "microbatch",
+        "load",
+        "expert_load",
+        "plan",
+        "rank_after",
+        "schedule",
+        "times",
+        "pending",
+        "vid",
+        "has_data",
+        "has_ops",
+        "sealed",
+        "nbytes",
+    )
 
     def __init__(self, step: int, layer: int, microbatch: int):
         self.step, self.layer, self.microbatch = step, layer, microbatch
-        self.load: Optional[np.ndarray] = None         # [world, E] (int32 when it fits), detail "full"
+        self.load: Optional[np.ndarray] = None  # [world, E] (int32 when it fits), detail "full"
         self.expert_load: Optional[np.ndarray] = None  # [E] int64
-        self.plan: Any = None                          # ReplicaPlan or PlannerResult (a reference)
-        self.rank_after: Optional[np.ndarray] = None   # [world] given by the caller
-        self.schedule: Any = None                      # Schedule (a reference)
-        self.times: dict[str, list] = {}               # op -> seconds or (start, end) CUDA events
-        self.pending = 0                               # operations begun and not yet timed
+        self.plan: Any = None  # ReplicaPlan or PlannerResult (a reference)
+        self.rank_after: Optional[np.ndarray] = None  # [world] given by the caller
+        self.schedule: Any = None  # Schedule (a reference)
+        self.times: dict[str, list] = {}  # op -> seconds or (start, end) CUDA events
+        self.pending = 0  # operations begun and not yet timed
         self.vid: Any = None
-        self.has_data = False                          # Profiler.record filled it
-        self.has_ops = False                           # a Context operation filled it
-        self.sealed = False                            # taken by the writer: later op times are late
-        self.nbytes = 512                              # memory estimate, for the buffer bound
+        self.has_data = False  # Profiler.record filled it
+        self.has_ops = False  # a Context operation filled it
+        self.sealed = False  # taken by the writer: later op times are late
+        self.nbytes = 512  # memory estimate, for the buffer bound
 
 
 def plan_shape(plan: Any) -> tuple[int, int, int]:
@@ -85,8 +101,9 @@ def resolve_time(v: Any, wait_s: float = 60.0) -> float:
     return float(v)
 
 
-def records_to_arrays(recs: list[Record], world: int, num_experts: int, slots: int, detail: str,
-                      wait_s: float = 60.0) -> dict:
+def records_to_arrays(
+    recs: list[Record], world: int, num_experts: int, slots: int, detail: str, wait_s: float = 60.0
+) -> dict:
     """The per-record arrays of ``recs`` (names in :class:`ultracomm.profile.Trace`)."""
     n, W, E, S = len(recs), world, num_experts, slots
     out: dict[str, np.ndarray] = {

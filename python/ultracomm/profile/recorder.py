@@ -1,5 +1,6 @@
 """The recorder: :class:`Profiler` (buffering, steps, the writer thread) and the Context's hook
 (see :mod:`ultracomm.profile`)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -51,9 +52,18 @@ class Profiler:
     :meth:`close`.
     """
 
-    def __init__(self, path: PathLike, *, detail: str = "full", steps: str = "auto",
-                 max_buffer_bytes: int = 64 << 20, op_wait_s: float = 60.0, write_interval_s: float = 1.0,
-                 meta: Optional[Mapping[str, Any]] = None, overwrite: bool = False):
+    def __init__(
+        self,
+        path: PathLike,
+        *,
+        detail: str = "full",
+        steps: str = "auto",
+        max_buffer_bytes: int = 64 << 20,
+        op_wait_s: float = 60.0,
+        write_interval_s: float = 1.0,
+        meta: Optional[Mapping[str, Any]] = None,
+        overwrite: bool = False,
+    ):
         if detail not in DETAILS:
             raise ValueError(f"ultracomm.profile: detail must be one of {DETAILS}, got {detail!r}")
         if steps not in ("auto", "manual"):
@@ -75,15 +85,15 @@ class Profiler:
         self.experts_per_rank: Optional[int] = None
         self.node_of: Optional[list[int]] = None
         self.rank: Optional[int] = None
-        self.owned_by_context = False                  # a Context that made it closes it
-        self._cond = threading.Condition()             # guards everything below
+        self.owned_by_context = False  # a Context that made it closes it
+        self._cond = threading.Condition()  # guards everything below
         self._step = 0
-        self._records: list[Record] = []               # the current step's, not yet flushed
+        self._records: list[Record] = []  # the current step's, not yet flushed
         self._by_layer: dict[int, list[Record]] = {}
         self._bytes = 0
-        self._layer_mbs: dict[int, set] = {}           # micro-batches each layer has in the step
-        self._vids: dict[Any, Record] = {}             # micro-batches in flight -> their record
-        self._outbox: list[list[Record]] = []          # flushed, waiting for the writer
+        self._layer_mbs: dict[int, set] = {}  # micro-batches each layer has in the step
+        self._vids: dict[Any, Record] = {}  # micro-batches in flight -> their record
+        self._outbox: list[list[Record]] = []  # flushed, waiting for the writer
         self._outbox_bytes = 0
         self._files: list[dict] = []
         self._file_no = 0
@@ -96,8 +106,14 @@ class Profiler:
         self._writer.start()
 
     # -- shapes -------------------------------------------------------------------------
-    def set_domain(self, world: int, experts_per_rank: int, slots_per_rank: Optional[int] = None,
-                   node_of: Optional[Sequence[int]] = None, rank: Optional[int] = None) -> None:
+    def set_domain(
+        self,
+        world: int,
+        experts_per_rank: int,
+        slots_per_rank: Optional[int] = None,
+        node_of: Optional[Sequence[int]] = None,
+        rank: Optional[int] = None,
+    ) -> None:
         """Fix the trace's shapes up front (a Context does; otherwise the first record does)."""
         with self._cond:
             self._check_shape("world", int(world))
@@ -115,8 +131,10 @@ class Profiler:
         if have is None:
             setattr(self, name, value)
         elif have != value:
-            raise ValueError(f"ultracomm.profile: {name} is {value} here but {have} earlier in this trace; "
-                             "one trace holds one EP group's shapes (use another Profiler)")
+            raise ValueError(
+                f"ultracomm.profile: {name} is {value} here but {have} earlier in this trace; "
+                "one trace holds one EP group's shapes (use another Profiler)"
+            )
 
     def _check_plan(self, plan: Any) -> None:
         w, s, e = plan_shape(plan)
@@ -142,8 +160,10 @@ class Profiler:
         if repeat and (self.auto_steps or microbatch is not None):
             if any(v != vid for v in self._vids):
                 if microbatch is not None:
-                    raise ValueError(f"ultracomm.profile: layer {layer} micro-batch {microbatch} is already "
-                                     f"recorded in step {self._step} while micro-batches are in flight")
+                    raise ValueError(
+                        f"ultracomm.profile: layer {layer} micro-batch {microbatch} is already "
+                        f"recorded in step {self._step} while micro-batches are in flight"
+                    )
             else:  # the forward came back to a layer it has seen: a new step
                 self._end_step()
                 seen = self._layer_mbs.setdefault(layer, set())
@@ -161,9 +181,17 @@ class Profiler:
         if self._bytes > self.max_buffer_bytes:
             self._flush(part=True)
 
-    def record(self, layer: int, *, load: Any = None, plan: Any = None, schedule: Any = None,
-               rank_load_after: Any = None, times: Optional[Mapping[str, float]] = None,
-               microbatch: Optional[int] = None) -> tuple[int, int, int]:
+    def record(
+        self,
+        layer: int,
+        *,
+        load: Any = None,
+        plan: Any = None,
+        schedule: Any = None,
+        rank_load_after: Any = None,
+        times: Optional[Mapping[str, float]] = None,
+        microbatch: Optional[int] = None,
+    ) -> tuple[int, int, int]:
         """Record what the balancer saw and did for one micro-batch of ``layer``.
 
         Args:
@@ -214,7 +242,7 @@ class Profiler:
                 rec.expert_load = totals
                 grow += totals.nbytes
                 if full is not None and self.detail == "full":
-                    rec.load = full if full.max(initial=0) >= 2 ** 31 else full.astype(np.int32)
+                    rec.load = full if full.max(initial=0) >= 2**31 else full.astype(np.int32)
                     grow += rec.load.nbytes
             if plan is not None:
                 rec.plan = plan
@@ -326,8 +354,11 @@ class Profiler:
 
     def _wait_for_room(self) -> None:
         """Backpressure (lock held; the writer frees room): recording waits for the disk."""
-        self._cond.wait_for(lambda: self._outbox_bytes <= self.max_buffer_bytes or self._error is not None
-                            or not self._writer.is_alive())
+        self._cond.wait_for(
+            lambda: (
+                self._outbox_bytes <= self.max_buffer_bytes or self._error is not None or not self._writer.is_alive()
+            )
+        )
 
     def _write_loop(self) -> None:
         while True:
@@ -336,8 +367,10 @@ class Profiler:
                 if not self._outbox:
                     return
                 # one file per write interval (or per quarter of the buffer), not per step
-                self._cond.wait_for(lambda: self._closed or self._outbox_bytes >= self.max_buffer_bytes // 4,
-                                    timeout=max(0.0, self._last_write + self.write_interval_s - time.monotonic()))
+                self._cond.wait_for(
+                    lambda: self._closed or self._outbox_bytes >= self.max_buffer_bytes // 4,
+                    timeout=max(0.0, self._last_write + self.write_interval_s - time.monotonic()),
+                )
                 batch, self._outbox = self._outbox, []
                 recs = [r for rs in batch for r in rs]
                 # the Context's last operations of these records may still be running
@@ -357,8 +390,10 @@ class Profiler:
                     self._late += late
                 self._write_index()
                 if late:
-                    warnings.warn(f"ultracomm.profile: {late} operation(s) of steps {first}..{last} were still "
-                                  f"running after {self.op_wait_s} s; their times are not in the trace")
+                    warnings.warn(
+                        f"ultracomm.profile: {late} operation(s) of steps {first}..{last} were still "
+                        f"running after {self.op_wait_s} s; their times are not in the trace"
+                    )
             except BaseException as e:  # noqa: BLE001 - raised by the next caller
                 with self._cond:
                     self._error = e
@@ -370,10 +405,20 @@ class Profiler:
 
     def _write_index(self) -> None:
         with self._cond:
-            idx = {"format": FORMAT, "version": VERSION, "detail": self.detail, "world": self.world,
-                   "num_experts": self.num_experts, "experts_per_rank": self.experts_per_rank,
-                   "slots_per_rank": self.slots_per_rank, "node_of": self.node_of, "rank": self.rank,
-                   "meta": self.meta, "late_ops": self._late, "files": list(self._files)}
+            idx = {
+                "format": FORMAT,
+                "version": VERSION,
+                "detail": self.detail,
+                "world": self.world,
+                "num_experts": self.num_experts,
+                "experts_per_rank": self.experts_per_rank,
+                "slots_per_rank": self.slots_per_rank,
+                "node_of": self.node_of,
+                "rank": self.rank,
+                "meta": self.meta,
+                "late_ops": self._late,
+                "files": list(self._files),
+            }
         with _replacing(self._dir_fd, INDEX) as f:
             f.write(json.dumps(idx, indent=1).encode())
 
@@ -436,8 +481,10 @@ def _claim_dir(path: Path, overwrite: bool) -> int:
             try:
                 os.close(create_exclusive(fd, INDEX))  # the claim; filled by the first _write_index
             except FileExistsError:
-                raise TraceExistsError(f"ultracomm.profile: {path} already holds a trace; pick another directory, "
-                                       "remove it, or pass overwrite=True") from None
+                raise TraceExistsError(
+                    f"ultracomm.profile: {path} already holds a trace; pick another directory, "
+                    "remove it, or pass overwrite=True"
+                ) from None
     except BaseException:
         os.close(fd)
         raise
@@ -462,8 +509,10 @@ def _replacing(dir_fd: int, name: str) -> Iterator[BinaryIO]:
 
 def _write_npz(dir_fd: int, name: str, arrays: Mapping[str, np.ndarray]) -> None:
     """``np.savez_compressed`` at deflate level 1 (fast), written to a temporary name first."""
-    with _replacing(dir_fd, name) as out, \
-            zipfile.ZipFile(out, "w", compression=zipfile.ZIP_DEFLATED, compresslevel=1) as zf:
+    with (
+        _replacing(dir_fd, name) as out,
+        zipfile.ZipFile(out, "w", compression=zipfile.ZIP_DEFLATED, compresslevel=1) as zf,
+    ):
         for k, v in arrays.items():
             with zf.open(k + ".npy", "w", force_zip64=True) as f:
                 np.lib.format.write_array(f, np.ascontiguousarray(v), allow_pickle=False)
@@ -515,8 +564,9 @@ def profile_for_context(profile: Any, ctx: Any) -> Optional[Profiler]:
                 raise PrivateDirError(f"{e} (ULTRACOMM_PROFILE)") from None
             raise
     else:
-        raise TypeError(f"ultracomm: profile must be a directory, a Profiler, False or None; got "
-                        f"{type(profile).__name__}")
+        raise TypeError(
+            f"ultracomm: profile must be a directory, a Profiler, False or None; got {type(profile).__name__}"
+        )
     prof.set_domain(ctx.world, ctx.experts_per_rank, ctx.slots_per_rank, ctx.node_of, ctx.rank)
     prof.owned_by_context = owned
     if owned:  # a Context dropped without close() still writes what it recorded

@@ -1,5 +1,6 @@
 """Reading traces back: :class:`Trace`, :func:`load_trace`, and traces from plain routing
 statistics (see :mod:`ultracomm.profile`)."""
+
 from __future__ import annotations
 
 import os
@@ -11,8 +12,18 @@ import numpy as np
 
 from .fields import FORMAT, INDEX, OPS, VERSION, empty_arrays, int_array, spread_expert_load
 from .recorder import Profiler
-from .trace_checks import (MAX_INDEX_BYTES, MAX_WORLD, TraceError, bounded_int, check_part, load_counts, load_npz,
-                           member_path, parse_index, read_regular)
+from .trace_checks import (
+    MAX_INDEX_BYTES,
+    MAX_WORLD,
+    TraceError,
+    bounded_int,
+    check_part,
+    load_counts,
+    load_npz,
+    member_path,
+    parse_index,
+    read_regular,
+)
 
 PathLike = Union[str, os.PathLike]
 
@@ -134,11 +145,12 @@ class Trace:
 
     def summary(self) -> str:
         a = self.arrays
-        parts = [f"{len(self)} records, {self.steps.size} steps, {self.layers.size} layers",
-                 f"world {self.world}, {self.num_experts} experts ({self.experts_per_rank}/rank), "
-                 f"{self.slots_per_rank} slots/rank, detail {self.detail}",
-                 f"with load {int(a['has_load'].sum())}, plan {int(a['has_plan'].sum())}, "
-                 f"stats {int(a['has_stats'].sum())}"]
+        parts = [
+            f"{len(self)} records, {self.steps.size} steps, {self.layers.size} layers",
+            f"world {self.world}, {self.num_experts} experts ({self.experts_per_rank}/rank), "
+            f"{self.slots_per_rank} slots/rank, detail {self.detail}",
+            f"with load {int(a['has_load'].sum())}, plan {int(a['has_plan'].sum())}, stats {int(a['has_stats'].sum())}",
+        ]
         for op in OPS:
             t = a[f"time_{op}"]
             if np.isfinite(t).any():
@@ -163,8 +175,9 @@ def _read_dir(path: Path, loads: bool) -> Trace:
     if idx.get("format") != FORMAT:
         raise ValueError(f"ultracomm.profile: {path / INDEX} is not an ultracomm profile index")
     if idx.get("version") != VERSION:
-        raise ValueError(f"ultracomm.profile: {path} has format version {idx.get('version')}; this ultracomm "
-                         f"reads version {VERSION}")
+        raise ValueError(
+            f"ultracomm.profile: {path} has format version {idx.get('version')}; this ultracomm reads version {VERSION}"
+        )
     parts: list[dict] = []
     lazy: list = []
     world = int(idx["world"] or 0)
@@ -198,11 +211,22 @@ def _read_dir(path: Path, loads: bool) -> Trace:
     arrays = {k: v[order] for k, v in arrays.items()}
     lazy = [lazy[i] for i in order] if lazy else []
     node_of = np.asarray(idx["node_of"] if idx.get("node_of") else np.zeros(world), dtype=np.int64)
-    return Trace(world, E, epr, S, idx["detail"], node_of, dict(idx.get("meta") or {}), arrays,
-                 int(idx.get("late_ops", 0)), str(path), lazy)
+    return Trace(
+        world,
+        E,
+        epr,
+        S,
+        idx["detail"],
+        node_of,
+        dict(idx.get("meta") or {}),
+        arrays,
+        int(idx.get("late_ops", 0)),
+        str(path),
+        lazy,
+    )
 
-def load_trace(path: PathLike, *, loads: bool = True, world: Optional[int] = None,
-               rank: Optional[int] = None) -> Trace:
+
+def load_trace(path: PathLike, *, loads: bool = True, world: Optional[int] = None, rank: Optional[int] = None) -> Trace:
     """Read a trace back.
 
     Args:
@@ -227,8 +251,10 @@ def load_trace(path: PathLike, *, loads: bool = True, world: Optional[int] = Non
         raise ValueError(f"ultracomm.profile: {p} holds no trace (no {INDEX}, no rank<r>/{INDEX})")
     if p.suffix in (".npy", ".npz"):  # regular files only: read_counts refuses FIFOs without blocking
         if world is None:
-            raise ValueError(f"ultracomm.profile: {p} holds routing statistics; say how many EP ranks they "
-                             "come from (world=..., --ep on the command line)")
+            raise ValueError(
+                f"ultracomm.profile: {p} holds routing statistics; say how many EP ranks they "
+                "come from (world=..., --ep on the command line)"
+            )
         bounded_int(world, "world (--ep)", 1, MAX_WORLD, str(p))
         return from_routing_stats(read_counts(p), world, meta={"source": str(p)})
     raise ValueError(f"ultracomm.profile: {p} is neither a trace directory nor a .npy/.npz routing-statistics file")
@@ -240,8 +266,9 @@ def read_counts(path: PathLike) -> np.ndarray:
     return load_counts(Path(path))
 
 
-def from_routing_stats(counts: Any, world: int, *, experts_per_rank: Optional[int] = None,
-                       meta: Optional[Mapping[str, Any]] = None) -> Trace:
+def from_routing_stats(
+    counts: Any, world: int, *, experts_per_rank: Optional[int] = None, meta: Optional[Mapping[str, Any]] = None
+) -> Trace:
     """A :class:`Trace` (``detail="experts"``, no plans) from token counts a user logs.
 
     Args:
@@ -253,8 +280,10 @@ def from_routing_stats(counts: Any, world: int, *, experts_per_rank: Optional[in
     if c.ndim == 3:
         c = c[:, :, None, :]
     if c.ndim != 4:
-        raise ValueError(f"ultracomm.profile: counts must be [steps, layers, E] or [steps, layers, microbatches, E], "
-                         f"got shape {c.shape}")
+        raise ValueError(
+            f"ultracomm.profile: counts must be [steps, layers, E] or [steps, layers, microbatches, E], "
+            f"got shape {c.shape}"
+        )
     T, L, M, E = c.shape
     if not isinstance(world, (int, np.integer)) or world < 1 or E % world:
         raise ValueError(f"ultracomm.profile: {E} experts do not divide over world = {world!r} ranks")
@@ -264,14 +293,19 @@ def from_routing_stats(counts: Any, world: int, *, experts_per_rank: Optional[in
     n = T * L * M
     arrays = empty_arrays(int(world), E, 0, n)
     s, l, m = np.meshgrid(np.arange(T), np.arange(L), np.arange(M), indexing="ij")
-    arrays.update(step=s.reshape(-1).astype(np.int64), layer=l.reshape(-1).astype(np.int32),
-                  microbatch=m.reshape(-1).astype(np.int32), expert_load=c.reshape(n, E))
+    arrays.update(
+        step=s.reshape(-1).astype(np.int64),
+        layer=l.reshape(-1).astype(np.int32),
+        microbatch=m.reshape(-1).astype(np.int32),
+        expert_load=c.reshape(n, E),
+    )
     arrays["has_load"][:] = True
     return Trace(int(world), E, epr, 0, "experts", np.zeros(int(world), np.int64), dict(meta or {}), arrays)
 
 
-def import_routing_stats(counts: Any, path: PathLike, world: int, *, meta: Optional[Mapping[str, Any]] = None,
-                         overwrite: bool = False) -> Trace:
+def import_routing_stats(
+    counts: Any, path: PathLike, world: int, *, meta: Optional[Mapping[str, Any]] = None, overwrite: bool = False
+) -> Trace:
     """Write routing statistics ``[steps, layers(, microbatches), E]`` as a trace directory
     (``detail="experts"``) and return it read back."""
     tr = from_routing_stats(counts, world, meta=meta)

@@ -8,6 +8,7 @@ inside its directory (no ``..``, no absolute path, no symlink leaving it), ``.np
 size-checked before they are decompressed (a bomb is refused, not inflated), JSON is checked
 for shape and type, and shapes and counts are bounded before planners or arrays see them.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,16 +24,32 @@ import numpy as np
 
 from .fields import empty_arrays
 
-__all__ = ["TraceError", "MAX_WORLD", "MAX_EXPERTS", "MAX_SLOTS", "MAX_INDEX_BYTES", "MAX_ARRAY_BYTES",
-           "MAX_COUNT", "RECORD_ARRAYS", "read_regular", "member_path", "load_npz", "read_npy", "load_counts",
-           "check_index", "check_counts", "bounded_int", "output_path"]
+__all__ = [
+    "TraceError",
+    "MAX_WORLD",
+    "MAX_EXPERTS",
+    "MAX_SLOTS",
+    "MAX_INDEX_BYTES",
+    "MAX_ARRAY_BYTES",
+    "MAX_COUNT",
+    "RECORD_ARRAYS",
+    "read_regular",
+    "member_path",
+    "load_npz",
+    "read_npy",
+    "load_counts",
+    "check_index",
+    "check_counts",
+    "bounded_int",
+    "output_path",
+]
 
-MAX_WORLD = 1 << 16          #: EP ranks a trace may describe
-MAX_EXPERTS = 1 << 20        #: experts per layer
-MAX_SLOTS = 1 << 10          #: replica slots per rank
-MAX_INDEX_BYTES = 16 << 20   #: an index.json larger than this is refused
-MAX_ARRAY_BYTES = 4 << 30    #: decompressed bytes of one .npz / .npy (all members)
-MAX_COUNT = 1 << 48          #: tokens in one count (the planners' bound, ultracomm.planners.base.MAX_LOAD_TOTAL)
+MAX_WORLD = 1 << 16  #: EP ranks a trace may describe
+MAX_EXPERTS = 1 << 20  #: experts per layer
+MAX_SLOTS = 1 << 10  #: replica slots per rank
+MAX_INDEX_BYTES = 16 << 20  #: an index.json larger than this is refused
+MAX_ARRAY_BYTES = 4 << 30  #: decompressed bytes of one .npz / .npy (all members)
+MAX_COUNT = 1 << 48  #: tokens in one count (the planners' bound, ultracomm.planners.base.MAX_LOAD_TOTAL)
 #: arrays every records file holds (the recorder writes them all; readers index them without asking)
 RECORD_ARRAYS = tuple(empty_arrays(0, 0, 0))
 
@@ -83,8 +100,9 @@ def member_path(root: Path, name: Any, what: str) -> Path:
         raise TraceError(f"{root}: {what} must be a file name (a non-empty string), got {name!r}")
     p = Path(name)
     if p.is_absolute() or ".." in p.parts:
-        raise TraceError(f"{root}: {what} {name!r} leaves the trace directory (absolute or '..'); a trace's files "
-                         "stay inside it")
+        raise TraceError(
+            f"{root}: {what} {name!r} leaves the trace directory (absolute or '..'); a trace's files stay inside it"
+        )
     full = root / p
     try:
         inside = full.resolve(strict=False).is_relative_to(root.resolve(strict=False))
@@ -109,8 +127,9 @@ def load_npz(path: Path, what: str, limit: int = MAX_ARRAY_BYTES, skip: tuple = 
                 infos = zf.infolist()
                 total = sum(i.file_size for i in infos)
                 if total > limit:
-                    raise TraceError(f"{path}: {what} would decompress to {total} bytes, more than the {limit} this "
-                                     "reader accepts")
+                    raise TraceError(
+                        f"{path}: {what} would decompress to {total} bytes, more than the {limit} this reader accepts"
+                    )
                 out = {}
                 for info in infos:
                     if not info.filename.endswith(".npy"):
@@ -137,15 +156,18 @@ def read_npy(f: BinaryIO, size: int, where: str) -> np.ndarray:
     claims 10**12 elements in a small file ends in MemoryError: the claim is compared to the
     bytes that follow the header first.  Other malformed headers raise ValueError."""
     version = np.lib.format.read_magic(f)
-    read_header = {(1, 0): np.lib.format.read_array_header_1_0,
-                   (2, 0): np.lib.format.read_array_header_2_0}.get(version)
+    read_header = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}.get(
+        version
+    )
     if read_header is None:  # 3.0 only differs for non-latin-1 field names, never token counts
         raise ValueError(f"unsupported .npy format version {version[0]}.{version[1]}")
     shape, _, dtype = read_header(f)
     claimed, left = math.prod(shape) * dtype.itemsize, size - f.tell()
     if not dtype.hasobject and claimed > left:  # object arrays: read_array refuses the pickle below
-        raise TraceError(f"{where} has a .npy header that claims shape {shape} {dtype} ({claimed} bytes) but only "
-                         f"{left} bytes follow it; the file is truncated or damaged: write it again (numpy.save)")
+        raise TraceError(
+            f"{where} has a .npy header that claims shape {shape} {dtype} ({claimed} bytes) but only "
+            f"{left} bytes follow it; the file is truncated or damaged: write it again (numpy.save)"
+        )
     f.seek(0)
     return np.lib.format.read_array(f, allow_pickle=False)
 
@@ -195,24 +217,29 @@ def check_index(idx: Any, where: str) -> dict:
         raise TraceError(f"{where} must be a JSON object, got {type(idx).__name__}")
     files = idx.get("files")
     if not isinstance(files, list) or not all(isinstance(f, dict) and "file" in f for f in files):
-        raise TraceError(f"{where}: 'files' must be a list of {{\"file\": name, ...}} objects, got "
-                         f"{type(files).__name__}")
+        raise TraceError(
+            f"{where}: 'files' must be a list of {{\"file\": name, ...}} objects, got {type(files).__name__}"
+        )
     world = bounded_int(idx.get("world") or 0, "'world'", 0, MAX_WORLD, where)
     E = bounded_int(idx.get("num_experts") or 0, "'num_experts'", 0, MAX_EXPERTS, where)
     if files and (world < 1 or E < 1):
         raise TraceError(f"{where}: a trace with records needs world >= 1 and num_experts >= 1, got {world} and {E}")
     if world and E % world:
         raise TraceError(f"{where}: num_experts {E} does not divide over world {world}")
-    epr = bounded_int(idx.get("experts_per_rank") or (E // world if world else 0), "'experts_per_rank'", 0,
-                      MAX_EXPERTS, where)
+    epr = bounded_int(
+        idx.get("experts_per_rank") or (E // world if world else 0), "'experts_per_rank'", 0, MAX_EXPERTS, where
+    )
     if world and epr * world != E:
         raise TraceError(f"{where}: experts_per_rank {epr} x world {world} != num_experts {E}")
     bounded_int(idx.get("slots_per_rank") or 0, "'slots_per_rank'", 0, MAX_SLOTS, where)
     if idx.get("detail") not in ("full", "experts"):
-        raise TraceError(f"{where}: 'detail' must be \"full\" or \"experts\", got {idx.get('detail')!r}")
+        raise TraceError(f'{where}: \'detail\' must be "full" or "experts", got {idx.get("detail")!r}')
     node_of = idx.get("node_of")
-    if node_of and (not isinstance(node_of, list) or len(node_of) != world
-                    or not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < MAX_WORLD for n in node_of)):
+    if node_of and (
+        not isinstance(node_of, list)
+        or len(node_of) != world
+        or not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < MAX_WORLD for n in node_of)
+    ):
         raise TraceError(f"{where}: 'node_of' must list one node index per rank ({world})")
     if idx.get("meta") is not None and not isinstance(idx.get("meta"), dict):
         raise TraceError(f"{where}: 'meta' must be a JSON object")
@@ -235,17 +262,26 @@ def check_part(d: dict, world: int, E: int, S: int, where: str) -> None:
     missing = [k for k in RECORD_ARRAYS if k not in d]
     if missing:  # readers index every one of them; a KeyError later names no file
         names = ", ".join(map(repr, missing[:3])) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
-        raise TraceError(f"{where} lacks the array(s) {names} that every ultracomm records file holds; the file is "
-                         "damaged or not from ultracomm.profile: record or import the trace again")
+        raise TraceError(
+            f"{where} lacks the array(s) {names} that every ultracomm records file holds; the file is "
+            "damaged or not from ultracomm.profile: record or import the trace again"
+        )
     n = d["step"].shape[0] if d["step"].ndim == 1 else -1
-    want = {"expert_load": (n, E), "load": (n, world, E), "slot_src": (n, world, S), "home_of": (n, E),
-            "rank_load_after": (n, world)}
+    want = {
+        "expert_load": (n, E),
+        "load": (n, world, E),
+        "slot_src": (n, world, S),
+        "home_of": (n, E),
+        "rank_load_after": (n, world),
+    }
     for k, v in d.items():
         if v.ndim == 0 or v.shape[0] != n:
             raise TraceError(f"{where}: array {k!r} has shape {v.shape}, expected {n} records first")
         if k in want and tuple(v.shape) != want[k]:
-            raise TraceError(f"{where}: array {k!r} has shape {tuple(v.shape)}, but the index says {want[k]} "
-                             f"(world {world}, {E} experts, {S} slots)")
+            raise TraceError(
+                f"{where}: array {k!r} has shape {tuple(v.shape)}, but the index says {want[k]} "
+                f"(world {world}, {E} experts, {S} slots)"
+            )
     for k in ("expert_load", "load"):
         if k in d:
             check_counts(d[k], f"{where}: array {k!r}")
@@ -277,8 +313,10 @@ def check_options(a: Any) -> None:
     if hasattr(a, "slots"):
         need(1 <= a.slots <= MAX_SLOTS, f"--slots {a.slots}: replica slots per rank must be in [1, {MAX_SLOTS}]")
     if hasattr(a, "tflops"):
-        need(math.isfinite(a.tflops) and 1e-3 <= a.tflops <= 1e7,
-             f"--tflops {a.tflops:g}: achieved TFLOP/s must be a number in [0.001, 1e7]")
+        need(
+            math.isfinite(a.tflops) and 1e-3 <= a.tflops <= 1e7,
+            f"--tflops {a.tflops:g}: achieved TFLOP/s must be a number in [0.001, 1e7]",
+        )
     for name in ("max_records", "max_chunks"):  # 0 means all / exact
         if hasattr(a, name):
             v = getattr(a, name)
@@ -290,8 +328,10 @@ def check_options(a: Any) -> None:
     domain = getattr(a, "domain", None)
     m = re.fullmatch(r"(\d+)x8-rdma", domain.strip().lower()) if isinstance(domain, str) else None
     if m:
-        need(1 <= int(m.group(1)) <= MAX_WORLD // 8,
-             f"--domain {domain}: at most {MAX_WORLD // 8} nodes of 8 ({MAX_WORLD} ranks)")
+        need(
+            1 <= int(m.group(1)) <= MAX_WORLD // 8,
+            f"--domain {domain}: at most {MAX_WORLD // 8} nodes of 8 ({MAX_WORLD} ranks)",
+        )
     for opt, name in (("--json", "json"), ("-o/--out", "out"), ("--screenshot", "screenshot")):
         if getattr(a, name, None):
             output_path(getattr(a, name), opt)

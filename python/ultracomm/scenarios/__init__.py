@@ -36,10 +36,10 @@ CLI specs
 ``"hot:<fraction>[:<n>]"`` and ``"rotating[:<step>[:<num_hot>[:<skew>]]]"``; :data:`WORKLOADS`
 lists the usual ones.
 """
+
 from __future__ import annotations
 
-from .loads import (LoadLike, expert_load, hot_rank_load, imbalance, rank_blocked_load, rotating_hot_load,
-                    zipf_load)
+from .loads import LoadLike, expert_load, hot_rank_load, imbalance, rank_blocked_load, rotating_hot_load, zipf_load
 from .models import MODELS, ModelSpec, get_model
 from .plans import greedy_replicas, hot_plan, max_mean_after, zipf_slot_src
 from .specs import WORKLOAD_FORMS, WORKLOADS, make_workload

@@ -1,5 +1,6 @@
 """Synthetic router loads (``int64 [world, E]``, every row summing to ``tokens_per_rank * top_k``)
 and their metrics; the package docstring lists the generators."""
+
 from __future__ import annotations
 
 import math
@@ -8,8 +9,15 @@ from typing import Sequence, Union
 import numpy as np
 import torch
 
-__all__ = ["LoadLike", "expert_load", "imbalance", "zipf_load", "hot_rank_load", "rotating_hot_load",
-           "rank_blocked_load"]
+__all__ = [
+    "LoadLike",
+    "expert_load",
+    "imbalance",
+    "zipf_load",
+    "hot_rank_load",
+    "rotating_hot_load",
+    "rank_blocked_load",
+]
 
 LoadLike = Union[np.ndarray, torch.Tensor, Sequence]
 
@@ -167,9 +175,7 @@ def imbalance(load: LoadLike, experts_per_rank: int) -> float:
 # ----------------------------------------------------------------------------- generators
 
 
-def _zipf_probs(
-    s: float, s_expert: float, rank_pos: np.ndarray, expert_pos: np.ndarray, top_k: int
-) -> np.ndarray:
+def _zipf_probs(s: float, s_expert: float, rank_pos: np.ndarray, expert_pos: np.ndarray, top_k: int) -> np.ndarray:
     """Two-level Zipf distribution over experts (``[E]``, rank-major): home rank ``r``
     weighs ``(rank_pos[r] + 1) ** -s``, and its ``j``-th expert takes a share of that
     proportional to ``(expert_pos[r, j] + 1) ** -s_expert``.
@@ -255,9 +261,13 @@ def zipf_load(
 
     if total == 0 or world == 1:
         return load_at(0.0)
-    return _fit_exponent(load_at, lambda ld: imbalance(ld, epr), t,
-                         f"world = {world}, experts_per_rank = {epr}, top_k = {top_k}",
-                         "each rank can send an expert at most tokens_per_rank tokens")
+    return _fit_exponent(
+        load_at,
+        lambda ld: imbalance(ld, epr),
+        t,
+        f"world = {world}, experts_per_rank = {epr}, top_k = {top_k}",
+        "each rank can send an expert at most tokens_per_rank tokens",
+    )
 
 
 def _fit_exponent(load_at, imb, t: float, sizes: str, why: str) -> np.ndarray:
@@ -363,9 +373,13 @@ def rank_blocked_load(
 
     if tokens_per_rank == 0 or world == 1:
         return load_at(0.0)
-    return _fit_exponent(load_at, lambda ld: imbalance(ld, epr), t,
-                         f"world = {world}, experts_per_rank = {epr}, top_k = {top_k}",
-                         "one rank takes every token at most")
+    return _fit_exponent(
+        load_at,
+        lambda ld: imbalance(ld, epr),
+        t,
+        f"world = {world}, experts_per_rank = {epr}, top_k = {top_k}",
+        "one rank takes every token at most",
+    )
 
 
 def hot_rank_load(
@@ -405,9 +419,7 @@ def hot_rank_load(
         raise ValueError(f"hot_rank must be in 0..{world - 1}, got {hot_rank!r}")
     nh = epr if hot_experts is None else _check_int("hot_experts", hot_experts)
     if nh > epr:
-        raise ValueError(
-            f"hot_experts = {nh} exceeds the {epr} experts homed on rank {hot_rank}"
-        )
+        raise ValueError(f"hot_experts = {nh} exceeds the {epr} experts homed on rank {hot_rank}")
     hot = np.arange(hot_rank * epr, hot_rank * epr + nh)
     cold = np.setdiff1d(np.arange(num_experts), hot)
     rest_cols = np.arange(num_experts) if rest_over_all else cold
@@ -428,14 +440,7 @@ def hot_rank_load(
 
 
 def rotating_hot_load(
-    world: int,
-    num_experts: int,
-    tokens_per_rank: int,
-    top_k: int,
-    step: int,
-    num_hot: int,
-    skew: float,
-    seed: int,
+    world: int, num_experts: int, tokens_per_rank: int, top_k: int, step: int, num_hot: int, skew: float, seed: int
 ) -> np.ndarray:
     """One micro-batch of a sequence in which the hot experts rotate.
 

@@ -1,4 +1,5 @@
 """MoE model presets: the shape of one model's routed experts (:class:`ModelSpec`, :data:`MODELS`)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -41,10 +42,7 @@ class ModelSpec:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"ModelSpec {self.name!r}: {f} must be a positive int, got {v!r}")
         if self.top_k > self.num_experts:
-            raise ValueError(
-                f"ModelSpec {self.name!r}: top_k = {self.top_k} exceeds num_experts = "
-                f"{self.num_experts}"
-            )
+            raise ValueError(f"ModelSpec {self.name!r}: top_k = {self.top_k} exceeds num_experts = {self.num_experts}")
 
     def expert_weight_bytes(self, dtype: torch.dtype = torch.bfloat16) -> int:
         """Bytes of one expert's weights: gate + up + down = ``3 * H * I * itemsize``
@@ -55,9 +53,7 @@ class ModelSpec:
         """Bytes of one expert's gradients: ``3 * H * I * itemsize(grad_dtype)``."""
         return 3 * self.hidden * self.moe_inter * _itemsize(grad_dtype)
 
-    def layout(
-        self, dtype: torch.dtype = torch.bfloat16, grad_dtype: torch.dtype = torch.float32
-    ) -> ExpertLayout:
+    def layout(self, dtype: torch.dtype = torch.bfloat16, grad_dtype: torch.dtype = torch.float32) -> ExpertLayout:
         """The SwiGLU :class:`ExpertLayout`: ``fc1 [2I, H]``, ``fc2 [H, I]`` in ``dtype``,
         gradients in ``grad_dtype``."""
         return ExpertLayout.swiglu(self.hidden, self.moe_inter, dtype, grad_dtype)

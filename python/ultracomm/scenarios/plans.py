@@ -1,5 +1,6 @@
 """Replica plans for workloads: the greedy planner, one hot expert's plan, Zipf-filled slots, and the
 max:mean rank load a plan leaves."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -33,11 +34,7 @@ def max_mean_after(load: LoadLike, plan: ReplicaPlan) -> float:
 
 
 def greedy_replicas(
-    load: LoadLike,
-    world: int,
-    slots_per_rank: int,
-    experts_per_rank: int,
-    min_tokens: float = 1,
+    load: LoadLike, world: int, slots_per_rank: int, experts_per_rank: int, min_tokens: float = 1
 ) -> ReplicaPlan:
     """Fill replica slots greedily to lower the most loaded rank's estimated load.
 
@@ -112,8 +109,9 @@ def greedy_replicas(
     return ReplicaPlan.make(slot_src, num_experts=E, experts_per_rank=epr)
 
 
-def zipf_slot_src(seed: int, world: int, slots: int, experts: int, skew: float = 1.2,
-                  fill: float = 0.9) -> tuple[np.ndarray, np.ndarray]:
+def zipf_slot_src(
+    seed: int, world: int, slots: int, experts: int, skew: float = 1.2, fill: float = 0.9
+) -> tuple[np.ndarray, np.ndarray]:
     """Replica slots filled by Zipf-like popularity (``1 / rank**skew`` over a seeded permutation
     of the experts): a few hot experts replicated on many ranks, the tail on few; each slot is
     filled with probability ``fill``.  Valid (no replica at home, none twice on a rank).
@@ -136,9 +134,7 @@ def zipf_slot_src(seed: int, world: int, slots: int, experts: int, skew: float =
     return slot_src, home_of
 
 
-def hot_plan(
-    world: int, slots_per_rank: int, experts_per_rank: int, expert: int, replicas: int
-) -> ReplicaPlan:
+def hot_plan(world: int, slots_per_rank: int, experts_per_rank: int, expert: int, replicas: int) -> ReplicaPlan:
     """``expert`` replicated onto ``replicas`` other ranks: slot 0 of ranks
     ``home+1, home+2, ...`` (mod ``world``), other slots empty -- e.g. one hot expert on
     60 of 64 ranks."""

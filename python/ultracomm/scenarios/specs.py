@@ -1,4 +1,5 @@
 """Workload specs of the command lines (``"zipf:1.5"``, ``"hot:0.7"``, ...): :func:`make_workload`."""
+
 from __future__ import annotations
 
 import math
@@ -39,14 +40,11 @@ _ROTATING_SKEW = 8.0
 
 def _bad_spec(spec: object, why: str) -> ValueError:
     return ValueError(
-        f"bad workload spec {spec!r}: {why}; accepted forms: {', '.join(WORKLOAD_FORMS)} "
-        f"(e.g. {', '.join(WORKLOADS)})"
+        f"bad workload spec {spec!r}: {why}; accepted forms: {', '.join(WORKLOAD_FORMS)} (e.g. {', '.join(WORKLOADS)})"
     )
 
 
-def make_workload(
-    spec: str, world: int, model: ModelSpec, tokens_per_rank: int = 8192, seed: int = 0
-) -> np.ndarray:
+def make_workload(spec: str, world: int, model: ModelSpec, tokens_per_rank: int = 8192, seed: int = 0) -> np.ndarray:
     """The load ``int64 [world, model.num_experts]`` described by ``spec``.
 
     Forms (see :data:`WORKLOAD_FORMS`): ``uniform``; ``zipf:T`` (:func:`zipf_load` with
@@ -104,8 +102,6 @@ def make_workload(
         nh = int(num(args[1], int)) if len(args) > 1 else k
         sk = float(num(args[2], float)) if len(args) > 2 else _ROTATING_SKEW
         if step < 0 or not 1 <= nh <= E or sk <= 0:
-            raise _bad_spec(
-                spec, f"need step >= 0, 1 <= num_hot <= {E} and skew > 0"
-            )
+            raise _bad_spec(spec, f"need step >= 0, 1 <= num_hot <= {E} and skew > 0")
         return rotating_hot_load(world, E, tokens_per_rank, k, step, nh, sk, seed)
     raise _bad_spec(spec, f"unknown kind {kind!r}")

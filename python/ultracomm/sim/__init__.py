@@ -103,6 +103,7 @@ published figures) and :mod:`~ultracomm.sim.sensitivity_grid`.
 Domains larger than a preset: ``--ep 64`` on ``h200x8`` is an error (naming ``8x8-rdma`` and
 ``nvl72``): an 8-GPU preset never grows into several nodes silently.
 """
+
 from __future__ import annotations
 
 from .baselines import simulate_alltoall

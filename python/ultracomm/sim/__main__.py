@@ -1,4 +1,5 @@
 """``python -m ultracomm.sim``: see :mod:`ultracomm.sim.cli`."""
+
 import sys
 
 from .cli import main

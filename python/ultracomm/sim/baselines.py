@@ -24,6 +24,7 @@ collective.  The grad bytes are an explicit argument: compare both methods with 
 gradient dtype (ECHO's reverse moves grads in the weights' dtype, bf16; ultracomm's grad
 slots use the layout's ``grad_dtype``, fp32 by default, bf16 when a user chooses it).
 """
+
 from __future__ import annotations
 
 import time
@@ -36,8 +37,7 @@ from .fabric import Fabric
 from .model import SimResult, _critical, _finish, _opname, _plan_arrays, lower_bound
 
 
-def simulate_alltoall(plan, weight_bytes: int, fabric: Fabric, op, *, grad_bytes: Optional[int] = None
-                      ) -> SimResult:
+def simulate_alltoall(plan, weight_bytes: int, fabric: Fabric, op, *, grad_bytes: Optional[int] = None) -> SimResult:
     """Simulated makespan of Megatron MoE ECHO's all-to-all weight distribution (``op``
     multicast) or of its autograd reverse (``op`` reduce: ``grad_bytes`` is required, the
     bytes of one expert's gradient in the dtype being compared) for ``plan`` on ``fabric``.
@@ -45,9 +45,11 @@ def simulate_alltoall(plan, weight_bytes: int, fabric: Fabric, op, *, grad_bytes
     t0 = time.perf_counter()
     name = _opname(op)
     if name == "reduce" and grad_bytes is None:
-        raise ValueError("simulate_alltoall(op='reduce') needs grad_bytes: pass the same gradient bytes the "
-                         "schedule it is compared with is charged (e.g. 2 x weight_bytes for bf16 weights with "
-                         "fp32 grads, weight_bytes for bf16 grads)")
+        raise ValueError(
+            "simulate_alltoall(op='reduce') needs grad_bytes: pass the same gradient bytes the "
+            "schedule it is compared with is charged (e.g. 2 x weight_bytes for bf16 weights with "
+            "fp32 grads, weight_bytes for bf16 grads)"
+        )
     src, home = _plan_arrays(plan)
     W = src.shape[0]
     fab = fabric.for_world(W)
@@ -69,8 +71,9 @@ def simulate_alltoall(plan, weight_bytes: int, fabric: Fabric, op, *, grad_bytes
     # its own bound: links only (its adds run as an HBM-bound index_add_, not in an SM budget)
     lb = lower_bound(plan, fab.replace(multicast_sms=0, reduce_sms=0), name, nbytes, host_s=host)
     if rr.size == 0 or nbytes == 0:
-        return SimResult(name, "alltoall", 0.0, np.zeros(W), lb, -1, "", nbytes, 0, egress, ingress,
-                         wall_s=time.perf_counter() - t0)
+        return SimResult(
+            name, "alltoall", 0.0, np.zeros(W), lb, -1, "", nbytes, 0, egress, ingress, wall_s=time.perf_counter() - t0
+        )
     startup = fab.launch_s + fab.a2a_startup_s + fab.a2a_per_peer_s * (W - 1)
     sent_rows = np.bincount(hh, minlength=W)
     if name == "multicast":
@@ -85,15 +88,40 @@ def simulate_alltoall(plan, weight_bytes: int, fabric: Fabric, op, *, grad_bytes
     # NCCL's send and recv kernels both use SMs: same budget and per-SM copy rate as ultracomm's op
     sms = fab.multicast_sms if name == "multicast" else fab.reduce_sms
     pool_bw = sms * fab.sm_copy_bw if sms > 0 else float("inf")
-    end, events, updates = _run_flows(ids, ids + n, sr, dr, np.array([float(nbytes)]), fab,
-                                      np.full(n, t_start), deps_enabled=False, pools=[(sr, pool_bw), (dr, pool_bw)])
+    end, events, updates = _run_flows(
+        ids,
+        ids + n,
+        sr,
+        dr,
+        np.array([float(nbytes)]),
+        fab,
+        np.full(n, t_start),
+        deps_enabled=False,
+        pools=[(sr, pool_bw), (dr, pool_bw)],
+    )
     coll_end = float(end.max())
     mk = coll_end + post
     prf = np.full(W, mk)
-    cr, cl = _critical(_finish(end, sr, dr, W), egress, ingress, inter_e, inter_i, fab, coll_end,
-                       np.maximum(egress, ingress), pool_bw)
-    return SimResult(name, "alltoall", mk, prf, lb, cr, cl, nbytes, int(n), egress, ingress, flows=int(n),
-                     chunks=1, effective_chunk_bytes=nbytes, events=events, rate_updates=updates,
-                     wall_s=time.perf_counter() - t0,
-                     parts={"host_s": host, "prep_s": prep, "startup_s": startup, "transfer_s": coll_end - t_start,
-                            "post_s": post})
+    cr, cl = _critical(
+        _finish(end, sr, dr, W), egress, ingress, inter_e, inter_i, fab, coll_end, np.maximum(egress, ingress), pool_bw
+    )
+    return SimResult(
+        name,
+        "alltoall",
+        mk,
+        prf,
+        lb,
+        cr,
+        cl,
+        nbytes,
+        int(n),
+        egress,
+        ingress,
+        flows=int(n),
+        chunks=1,
+        effective_chunk_bytes=nbytes,
+        events=events,
+        rate_updates=updates,
+        wall_s=time.perf_counter() - t0,
+        parts={"host_s": host, "prep_s": prep, "startup_s": startup, "transfer_s": coll_end - t_start, "post_s": post},
+    )

@@ -1,5 +1,6 @@
 """Side-by-side simulations of one plan: all-to-all, ultracomm direct, ultracomm relay and the
 lower bound, with the *same* gradient dtype charged to every method; rows and tables."""
+
 from __future__ import annotations
 
 from typing import Optional, Sequence, Union
@@ -23,8 +24,7 @@ def grad_dtypes(spec: Union[str, Sequence[str]]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
-def make_plan(load, world: int, slots: int, experts_per_rank: int, planner: str = "greedy",
-              node_of=None):
+def make_plan(load, world: int, slots: int, experts_per_rank: int, planner: str = "greedy", node_of=None):
     """A ReplicaPlan from a load: ``greedy`` = :func:`ultracomm.scenarios.greedy_replicas`;
     ``quota`` (UltraEP), ``lpt``, ``taot`` and ``feplb`` (FEPLB's greedy) from
     :mod:`ultracomm.planners`."""
@@ -40,9 +40,17 @@ def make_plan(load, world: int, slots: int, experts_per_rank: int, planner: str 
     return get_planner("greedy" if p == "feplb" else p)(load, dom, slots).plan
 
 
-def compare(plan, weight_bytes: int, grad_bytes: int, fabric: Fabric, *, chunk_bytes: int = 1 << 20,
-            max_depth: Optional[int] = None, max_chunks: Optional[int] = None,
-            ops: Sequence[str] = ("multicast", "reduce")) -> dict:
+def compare(
+    plan,
+    weight_bytes: int,
+    grad_bytes: int,
+    fabric: Fabric,
+    *,
+    chunk_bytes: int = 1 << 20,
+    max_depth: Optional[int] = None,
+    max_chunks: Optional[int] = None,
+    ops: Sequence[str] = ("multicast", "reduce"),
+) -> dict:
     """weight_sync and grad_reduce of ``plan`` on ``fabric`` by all-to-all, ultracomm direct
     (relay off) and ultracomm relay (auto), with the lower bound.  ``grad_bytes`` is charged to
     *every* method (dtype parity).  Returns a dict: ``{"multicast": {"a2a", "direct", "relay",
@@ -50,8 +58,10 @@ def compare(plan, weight_bytes: int, grad_bytes: int, fabric: Fabric, *, chunk_b
     "replicas_total", "weight_bytes", "grad_bytes"}`` (only the ``ops`` asked for)."""
     fab = fabric.for_world(int(plan.world))
     out: dict = {"results": {}, "weight_bytes": int(weight_bytes), "grad_bytes": int(grad_bytes)}
-    scheds = {m: schedule_for(plan, weight_bytes, grad_bytes, fab, mode, chunk_bytes, max_depth)
-              for m, mode in (("direct", "off"), ("relay", "auto"))}
+    scheds = {
+        m: schedule_for(plan, weight_bytes, grad_bytes, fab, mode, chunk_bytes, max_depth)
+        for m, mode in (("direct", "off"), ("relay", "auto"))
+    }
     for op in ops:
         row = {}
         a = simulate_alltoall(plan, weight_bytes, fab, op, grad_bytes=grad_bytes)
@@ -119,15 +129,29 @@ def _row(imb: float, achieved: float, cmp: dict, grad_dtype: str) -> dict:
         "relay_bytes": {op: res[("relay", op)].bytes for op in ("multicast", "reduce")},
         "parts_ms": {f"{meth}/{op}": {k: v * 1e3 for k, v in r.parts.items()} for (meth, op), r in res.items()},
         "critical": {f"{meth}/{op}": [r.critical_rank, r.critical_link] for (meth, op), r in res.items()},
-        "max_egress_ingress": {f"{meth}/{op}": [int(r.egress.max(initial=0)), int(r.ingress.max(initial=0))]
-                               for (meth, op), r in res.items()},
+        "max_egress_ingress": {
+            f"{meth}/{op}": [int(r.egress.max(initial=0)), int(r.ingress.max(initial=0))]
+            for (meth, op), r in res.items()
+        },
     }
 
 
-def run_case(model, fabric: Fabric, ep: int, slots: int, imbalances: Sequence[float], *,
-             planner: str = "greedy", tokens: int = 8192, seed: int = 0, chunk_bytes: int = 1 << 20,
-             max_depth: Optional[int] = None, max_chunks: Optional[int] = None, num_experts: Optional[int] = None,
-             grad_dtype: Union[str, Sequence[str]] = "fp32") -> list[dict]:
+def run_case(
+    model,
+    fabric: Fabric,
+    ep: int,
+    slots: int,
+    imbalances: Sequence[float],
+    *,
+    planner: str = "greedy",
+    tokens: int = 8192,
+    seed: int = 0,
+    chunk_bytes: int = 1 << 20,
+    max_depth: Optional[int] = None,
+    max_chunks: Optional[int] = None,
+    num_experts: Optional[int] = None,
+    grad_dtype: Union[str, Sequence[str]] = "fp32",
+) -> list[dict]:
     """One row per (imbalance, gradient dtype): Zipf load (``tokens`` per rank, the model's
     top-k), plan, and :func:`compare` on the model's bf16 expert weights, with grads of
     ``grad_dtype`` (``"fp32"``, ``"bf16"`` or several, e.g. ``"bf16,fp32"``) charged to every
@@ -154,18 +178,46 @@ def run_case(model, fabric: Fabric, ep: int, slots: int, imbalances: Sequence[fl
     return rows
 
 
-HDR = ("imb", "reps", "ws a2a", "direct", "relay", "LB", "rly/LB", "a2a/rly",
-       "grads", "gr a2a", "direct", "relay", "LB", "rly/LB", "a2a/rly", "gr/ws")
+HDR = (
+    "imb",
+    "reps",
+    "ws a2a",
+    "direct",
+    "relay",
+    "LB",
+    "rly/LB",
+    "a2a/rly",
+    "grads",
+    "gr a2a",
+    "direct",
+    "relay",
+    "LB",
+    "rly/LB",
+    "a2a/rly",
+    "gr/ws",
+)
 
 
 def fmt_row(r: dict) -> list:
     w, g = r["weight_sync_ms"], r["grad_reduce_ms"]
-    return [f"{r['imbalance']:g}", f"{r['replicas_max']}/{r['replicas_total']}",
-            f"{w['a2a']:.3f}", f"{w['direct']:.3f}", f"{w['relay']:.3f}", f"{w['lb']:.3f}",
-            f"{r['weight_sync_relay_over_lb']:.3f}", f"{r['weight_sync_a2a_over_relay']:.2f}",
-            r["grad_dtype"], f"{g['a2a']:.3f}", f"{g['direct']:.3f}", f"{g['relay']:.3f}", f"{g['lb']:.3f}",
-            f"{r['grad_reduce_relay_over_lb']:.3f}", f"{r['grad_reduce_a2a_over_relay']:.2f}",
-            f"{r['grad_over_weight']:.2f}"]
+    return [
+        f"{r['imbalance']:g}",
+        f"{r['replicas_max']}/{r['replicas_total']}",
+        f"{w['a2a']:.3f}",
+        f"{w['direct']:.3f}",
+        f"{w['relay']:.3f}",
+        f"{w['lb']:.3f}",
+        f"{r['weight_sync_relay_over_lb']:.3f}",
+        f"{r['weight_sync_a2a_over_relay']:.2f}",
+        r["grad_dtype"],
+        f"{g['a2a']:.3f}",
+        f"{g['direct']:.3f}",
+        f"{g['relay']:.3f}",
+        f"{g['lb']:.3f}",
+        f"{r['grad_reduce_relay_over_lb']:.3f}",
+        f"{r['grad_reduce_a2a_over_relay']:.2f}",
+        f"{r['grad_over_weight']:.2f}",
+    ]
 
 
 def table(rows: Sequence[Sequence[str]], hdr: Sequence[str]) -> str:

@@ -6,6 +6,7 @@ receiver's for a pull-and-add, both for a collective that runs kernels on both s
 Flows with a chunk ready share the resources max-min fairly (progressive filling); rates are
 recomputed whenever a flow starts, stalls, resumes or ends.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -38,8 +39,9 @@ def _maxmin(links: np.ndarray, cap: np.ndarray) -> np.ndarray:
     return rate
 
 
-def _run_flows(src_node, dst_node, src_rank, dst_rank, chunk_sizes, fab, start=None, deps_enabled=True,
-               pools: Sequence[tuple] = ()):
+def _run_flows(
+    src_node, dst_node, src_rank, dst_rank, chunk_sizes, fab, start=None, deps_enabled=True, pools: Sequence[tuple] = ()
+):
     """Event-driven fluid simulation.
 
     Flows ``i`` carry ``len(chunk_sizes)`` chunks from ``src_rank[i]`` to ``dst_rank[i]``;

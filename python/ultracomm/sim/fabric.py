@@ -5,6 +5,7 @@ Every number a :class:`Fabric` holds is an *assumption* with a source (below and
 replaces them (:func:`ultracomm.sim.hardware.apply_profile`).  Nothing here was measured on
 a GPU in this project.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -96,8 +97,17 @@ class Fabric:
             v = getattr(self, f)
             if not (v > 0 and math.isfinite(v)):
                 raise ValueError(f"Fabric {self.name!r}: {f} must be positive, got {v!r}")
-        for f in ("intra_latency_s", "inter_latency_s", "chunk_overhead_s", "launch_s", "a2a_startup_s",
-                  "a2a_per_peer_s", "host_build_s", "d2h_latency_s", "h2d_latency_s"):
+        for f in (
+            "intra_latency_s",
+            "inter_latency_s",
+            "chunk_overhead_s",
+            "launch_s",
+            "a2a_startup_s",
+            "a2a_per_peer_s",
+            "host_build_s",
+            "d2h_latency_s",
+            "h2d_latency_s",
+        ):
             v = getattr(self, f)
             if not (v >= 0 and math.isfinite(v)):
                 raise ValueError(f"Fabric {self.name!r}: {f} must be >= 0, got {v!r}")
@@ -131,8 +141,7 @@ class Fabric:
         ``sm_copy_bw``, ``"reduce"`` accumulates at ``sm_reduce_bw``); ``inf`` when the budget
         is 0 (not modelled).  With ``chunk_bytes`` each SM also spends ``chunk_overhead_s``
         per chunk: ``sms * chunk / (chunk / rate + overhead)``."""
-        sms, rate = ((self.multicast_sms, self.sm_copy_bw) if op == "multicast"
-                     else (self.reduce_sms, self.sm_reduce_bw))
+        sms, rate = (self.multicast_sms, self.sm_copy_bw) if op == "multicast" else (self.reduce_sms, self.sm_reduce_bw)
         if sms <= 0:
             return math.inf
         if not chunk_bytes:
@@ -151,8 +160,9 @@ class Fabric:
         if world > self.world:
             hint = ""
             if self.gpus_per_node == 8:
-                hint = (f"; for {world} GPUs use '{-(-world // 8)}x8-rdma' (nodes of 8 over RDMA)"
-                        + (" or 'nvl72' (one NVLink domain)" if world <= 72 else ""))
+                hint = f"; for {world} GPUs use '{-(-world // 8)}x8-rdma' (nodes of 8 over RDMA)" + (
+                    " or 'nvl72' (one NVLink domain)" if world <= 72 else ""
+                )
             raise ValueError(f"fabric {self.name!r} has {self.world} GPUs, cannot host EP {world}{hint}")
         if world == self.world:
             return self
@@ -163,20 +173,33 @@ class Fabric:
         return dataclasses.replace(self, **changes)
 
     def describe(self) -> str:
-        tier = (f", {self.num_nodes} nodes x {self.gpus_per_node}, RDMA {self.inter_bw / GB:.0f} GB/s "
-                f"(peak {self.inter_bw_peak / GB:.0f})" if self.multi_node else "")
-        sm = (f"; SM budget {self.multicast_sms} (weight_sync) / {self.reduce_sms} (grad_reduce) x "
-              f"{self.sm_copy_bw / GB:g} / {self.sm_reduce_bw / GB:g} GB/s per SM"
-              if self.multicast_sms or self.reduce_sms else "; SM throughput not modelled")
-        host = (f"; host: build {self.host_build_s * 1e6:g} us, D2H {self.d2h_latency_s * 1e6:g} us, "
-                f"H2D {self.h2d_latency_s * 1e6:g} us + bytes / {self.h2d_bw / GB:g} GB/s"
-                if self.host_build_s or self.d2h_latency_s or self.h2d_latency_s else "")
-        return (f"{self.name}: {self.world} GPUs, NVLink {self.intra_bw / GB:.0f} GB/s per direction "
-                f"achieved (peak {self.intra_bw_peak / GB:.0f}){tier}; hop {self.intra_latency_s * 1e6:.1f} us"
-                + (f" / {self.inter_latency_s * 1e6:.1f} us RDMA" if self.multi_node else "")
-                + f", chunk overhead {self.chunk_overhead_s * 1e6:.1f} us, launch {self.launch_s * 1e6:.0f} us"
-                + sm + host + (f"; hardware profile: {self.profile}" if self.profile else
-                               "; no hardware profile (assumed costs)"))
+        tier = (
+            f", {self.num_nodes} nodes x {self.gpus_per_node}, RDMA {self.inter_bw / GB:.0f} GB/s "
+            f"(peak {self.inter_bw_peak / GB:.0f})"
+            if self.multi_node
+            else ""
+        )
+        sm = (
+            f"; SM budget {self.multicast_sms} (weight_sync) / {self.reduce_sms} (grad_reduce) x "
+            f"{self.sm_copy_bw / GB:g} / {self.sm_reduce_bw / GB:g} GB/s per SM"
+            if self.multicast_sms or self.reduce_sms
+            else "; SM throughput not modelled"
+        )
+        host = (
+            f"; host: build {self.host_build_s * 1e6:g} us, D2H {self.d2h_latency_s * 1e6:g} us, "
+            f"H2D {self.h2d_latency_s * 1e6:g} us + bytes / {self.h2d_bw / GB:g} GB/s"
+            if self.host_build_s or self.d2h_latency_s or self.h2d_latency_s
+            else ""
+        )
+        return (
+            f"{self.name}: {self.world} GPUs, NVLink {self.intra_bw / GB:.0f} GB/s per direction "
+            f"achieved (peak {self.intra_bw_peak / GB:.0f}){tier}; hop {self.intra_latency_s * 1e6:.1f} us"
+            + (f" / {self.inter_latency_s * 1e6:.1f} us RDMA" if self.multi_node else "")
+            + f", chunk overhead {self.chunk_overhead_s * 1e6:.1f} us, launch {self.launch_s * 1e6:.0f} us"
+            + sm
+            + host
+            + (f"; hardware profile: {self.profile}" if self.profile else "; no hardware profile (assumed costs)")
+        )
 
 
 # Hopper NVLink4: 450 GB/s per direction peak; NCCL's own model and p2p copies achieve
@@ -199,20 +222,60 @@ def _gpu(*args, sms: int, **kw) -> Fabric:
 
 
 FABRICS: dict[str, Fabric] = {
-    "h100x8": _gpu("h100x8", 8, 8, _NVL4, _RDMA, 450 * GB, _RDMA, hbm_bw=3.0e12, sms=132,
-                   notes="8x H100 SXM, NVLink4 (NVSwitch); HBM3 3.35 TB/s peak, copy ~3.0 TB/s assumed"),
-    "h200x8": _gpu("h200x8", 8, 8, _NVL4, _RDMA, 450 * GB, _RDMA, hbm_bw=4.3e12, sms=132,
-                   notes="8x H200, NVLink4; D2D copy 4.3 TB/s measured (read+write)"),
-    "nvl72": _gpu("nvl72", 72, 72, _NVL5, _RDMA, 900 * GB, _RDMA, hbm_bw=7.2e12, sms=148,
-                  notes="GB200 NVL72: 72 GPUs in one NVLink5 domain, 900 GB/s peak per direction, "
-                        "740 GB/s assumed achieved (Hopper's 370/450); HBM3e 8 TB/s, copy 7.2 TB/s assumed; "
-                        "148 SMs per B200"),
+    "h100x8": _gpu(
+        "h100x8",
+        8,
+        8,
+        _NVL4,
+        _RDMA,
+        450 * GB,
+        _RDMA,
+        hbm_bw=3.0e12,
+        sms=132,
+        notes="8x H100 SXM, NVLink4 (NVSwitch); HBM3 3.35 TB/s peak, copy ~3.0 TB/s assumed",
+    ),
+    "h200x8": _gpu(
+        "h200x8",
+        8,
+        8,
+        _NVL4,
+        _RDMA,
+        450 * GB,
+        _RDMA,
+        hbm_bw=4.3e12,
+        sms=132,
+        notes="8x H200, NVLink4; D2D copy 4.3 TB/s measured (read+write)",
+    ),
+    "nvl72": _gpu(
+        "nvl72",
+        72,
+        72,
+        _NVL5,
+        _RDMA,
+        900 * GB,
+        _RDMA,
+        hbm_bw=7.2e12,
+        sms=148,
+        notes="GB200 NVL72: 72 GPUs in one NVLink5 domain, 900 GB/s peak per direction, "
+        "740 GB/s assumed achieved (Hopper's 370/450); HBM3e 8 TB/s, copy 7.2 TB/s assumed; "
+        "148 SMs per B200",
+    ),
 }
 
 
 def _rdma_preset(n: int) -> Fabric:
-    return _gpu(f"{n}x8-rdma", 8 * n, 8, _NVL4, _RDMA, 450 * GB, _RDMA, hbm_bw=4.3e12, sms=132,
-                notes=f"{n} nodes of 8x H100/H200 (NVLink4), 400 Gb/s RDMA per GPU between nodes")
+    return _gpu(
+        f"{n}x8-rdma",
+        8 * n,
+        8,
+        _NVL4,
+        _RDMA,
+        450 * GB,
+        _RDMA,
+        hbm_bw=4.3e12,
+        sms=132,
+        notes=f"{n} nodes of 8x H100/H200 (NVLink4), 400 Gb/s RDMA per GPU between nodes",
+    )
 
 
 for _n in (2, 4):

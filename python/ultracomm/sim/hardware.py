@@ -37,6 +37,7 @@ measured per-CTA fallback (multicast 34.5 GB/s, reduce 14.6 GB/s): 11 / 26 SMs o
 22 / 32 on NVLink5.  The simulated throughput of those SMs
 uses ``sm_copy_bw`` / ``sm_reduce_bw`` (above), not the floor.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Union
@@ -44,24 +45,24 @@ from typing import Optional, Union
 #: Where each default comes from (Fabric field -> source); the report prints this table.
 SOURCES: dict[str, str] = {
     "sm_copy_bw": "DeepEP's intranode kernels move 337 GB/s with their default 20 SMs on H20 and the maintainers "
-                  "answer 'use more SMs' for more (deepseek-ai/DeepEP#16): >= 17 GB/s per SM with per-token work; "
-                  "~40 SMs saturate an H100 PCIe's ~2 TB/s HBM (zejia-lin/BulletServe#1): ~50 GB/s read+write, "
-                  "25 GB/s payload per SM. Assumed, not measured here.",
+    "answer 'use more SMs' for more (deepseek-ai/DeepEP#16): >= 17 GB/s per SM with per-token work; "
+    "~40 SMs saturate an H100 PCIe's ~2 TB/s HBM (zejia-lin/BulletServe#1): ~50 GB/s read+write, "
+    "25 GB/s payload per SM. Assumed, not measured here.",
     "sm_reduce_bw": "0.9 x sm_copy_bw: a bulk reduce-store ran at ~90% of a bulk store on H200 "
-                    "(microsoft/mscclpp#853). Assumed.",
+    "(microsoft/mscclpp#853). Assumed.",
     "hbm_bw": "H200 device-to-device copy through PyTorch, 4.3 TB/s read+write (FACTS.md); H100 3.0 and B200 7.2 "
-              "TB/s assumed from the vendor peaks.",
+    "TB/s assumed from the vendor peaks.",
     "chunk_overhead_s": "Estimate: a release/acquire flag round and a bulk-store drain per chunk.",
     "intra_latency_s": "Estimate: one NVLink hop, data and flag visible at the receiver.",
     "inter_latency_s": "Estimate: one RDMA hop.",
     "launch_s": "Estimate: a kernel launch floor.",
     "intra_bw": "NVLink4 370 GB/s achieved (NCCL's model 20.6 GB/s x 18; p2p copies 371-380 GB/s, FACTS.md); "
-                "NVLink5 740 GB/s = 900 x 370/450, assumed.",
+    "NVLink5 740 GB/s = 900 x 370/450, assumed.",
     "sms": "Vendor: 132 SMs per H100 / H200 SXM, 148 per B200.",
     "multicast_sms": "ultracomm's auto SM default (ultracomm.cuda.sm_budget) for this fabric's link bandwidth.",
     "reduce_sms": "ultracomm's auto SM default (ultracomm.cuda.sm_budget) for this fabric's link bandwidth.",
     "host_build_s": "One rank's schedule build at world 64 measured 11-27 us on a 2-core CI VM "
-                    "(perf/bench_schedule.py; a host CPU figure).",
+    "(perf/bench_schedule.py; a host CPU figure).",
     "d2h_latency_s": "Estimate: one small device-to-host copy and its synchronisation.",
     "h2d_latency_s": "Estimate: one small host-to-device copy.",
     "h2d_bw": "Estimate: PCIe Gen5 x16 host-to-device.",

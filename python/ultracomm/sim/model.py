@@ -4,6 +4,7 @@ See the package docstring (:mod:`ultracomm.sim`) for the model; this module turn
 Schedule's task lists into flows for :mod:`ultracomm.sim.engine` and adds the costs that
 are not flows (launch, host-side build and copies).
 """
+
 from __future__ import annotations
 
 import math
@@ -18,8 +19,16 @@ from .engine import _run_flows
 from .fabric import Fabric
 
 
-def schedule_for(plan, weight_bytes: int, grad_bytes: int, fabric: Fabric, relay_mode: str = "auto",
-                 chunk_bytes: int = 1 << 20, max_depth: Optional[int] = None, costs=None):
+def schedule_for(
+    plan,
+    weight_bytes: int,
+    grad_bytes: int,
+    fabric: Fabric,
+    relay_mode: str = "auto",
+    chunk_bytes: int = 1 << 20,
+    max_depth: Optional[int] = None,
+    costs=None,
+):
     """:func:`~ultracomm.schedule.build_schedule` with the fabric's nodes, bandwidths and hop
     latencies (latency + chunk overhead per hop); ``max_depth`` None: the builder's default.
 
@@ -34,13 +43,28 @@ def schedule_for(plan, weight_bytes: int, grad_bytes: int, fabric: Fabric, relay
     if costs is not None:
         from ..alpha_beta import choose_schedule
 
-        return choose_schedule(plan, int(weight_bytes), int(grad_bytes), costs, relay_mode=relay_mode,
-                               node_of=fab.nodes if fab.multi_node else None, **kw).schedule
-    return build_schedule(plan, int(weight_bytes), int(grad_bytes),
-                          node_of=fab.nodes if fab.multi_node else None, chunk_bytes=int(chunk_bytes),
-                          relay_mode=relay_mode, intra_bw=fab.intra_bw, inter_bw=fab.inter_bw,
-                          intra_latency_s=fab.intra_latency_s + fab.chunk_overhead_s,
-                          inter_latency_s=fab.inter_latency_s + fab.chunk_overhead_s, **kw)
+        return choose_schedule(
+            plan,
+            int(weight_bytes),
+            int(grad_bytes),
+            costs,
+            relay_mode=relay_mode,
+            node_of=fab.nodes if fab.multi_node else None,
+            **kw,
+        ).schedule
+    return build_schedule(
+        plan,
+        int(weight_bytes),
+        int(grad_bytes),
+        node_of=fab.nodes if fab.multi_node else None,
+        chunk_bytes=int(chunk_bytes),
+        relay_mode=relay_mode,
+        intra_bw=fab.intra_bw,
+        inter_bw=fab.inter_bw,
+        intra_latency_s=fab.intra_latency_s + fab.chunk_overhead_s,
+        inter_latency_s=fab.inter_latency_s + fab.chunk_overhead_s,
+        **kw,
+    )
 
 
 @dataclass
@@ -92,9 +116,25 @@ class SimResult:
         return self.makespan_s / self.lower_bound_s if self.lower_bound_s > 0 else 1.0
 
     def to_dict(self) -> dict:
-        d = {k: getattr(self, k) for k in ("op", "method", "makespan_s", "lower_bound_s", "critical_rank",
-                                           "critical_link", "bytes", "replicas", "flows", "chunks",
-                                           "effective_chunk_bytes", "events", "rate_updates", "wall_s")}
+        d = {
+            k: getattr(self, k)
+            for k in (
+                "op",
+                "method",
+                "makespan_s",
+                "lower_bound_s",
+                "critical_rank",
+                "critical_link",
+                "bytes",
+                "replicas",
+                "flows",
+                "chunks",
+                "effective_chunk_bytes",
+                "events",
+                "rate_updates",
+                "wall_s",
+            )
+        }
         d["ratio_to_lb"] = self.ratio_to_lb
         d["max_egress"] = int(self.egress.max()) if self.egress.size else 0
         d["max_ingress"] = int(self.ingress.max()) if self.ingress.size else 0
@@ -106,8 +146,14 @@ class SimResult:
 def _opname(op) -> str:
     if isinstance(op, str):
         k = op.strip().lower()
-        alias = {"multicast": "multicast", "weight_sync": "multicast", "weights": "multicast",
-                 "reduce": "reduce", "grad_reduce": "reduce", "grads": "reduce"}
+        alias = {
+            "multicast": "multicast",
+            "weight_sync": "multicast",
+            "weights": "multicast",
+            "reduce": "reduce",
+            "grad_reduce": "reduce",
+            "grads": "reduce",
+        }
         if k not in alias:
             raise ValueError(f"op must be 'multicast'/'weight_sync' or 'reduce'/'grad_reduce', got {op!r}")
         return alias[k]
@@ -125,8 +171,10 @@ def _plan_arrays(plan_or_sched) -> tuple[np.ndarray, np.ndarray]:
     if hasattr(plan_or_sched, "inputs") and callable(plan_or_sched.inputs):
         inp = plan_or_sched.inputs()
         W, S = int(inp["world"]), int(inp["slots_per_rank"])
-        return (np.asarray(inp["slot_src"], dtype=np.int64).reshape(W, S),
-                np.asarray(inp["home_of"], dtype=np.int64).reshape(-1))
+        return (
+            np.asarray(inp["slot_src"], dtype=np.int64).reshape(W, S),
+            np.asarray(inp["home_of"], dtype=np.int64).reshape(-1),
+        )
     src = plan_or_sched.slot_src
     home = plan_or_sched.home_of
     src = src.numpy() if hasattr(src, "numpy") else np.asarray(src)
@@ -218,8 +266,15 @@ def _chunk_bytes_of(schedule_or_plan) -> Optional[int]:
     return None
 
 
-def lower_bound(schedule_or_plan, fabric: Fabric, op, nbytes: Optional[int] = None, *,
-                terms: bool = False, host_s: Optional[float] = None):
+def lower_bound(
+    schedule_or_plan,
+    fabric: Fabric,
+    op,
+    nbytes: Optional[int] = None,
+    *,
+    terms: bool = False,
+    host_s: Optional[float] = None,
+):
     """DESIGN.md's lower bound of ``op`` on ``fabric`` (seconds), with tiers and the SM budget
     (package doc).
 
@@ -310,9 +365,12 @@ def _critical(prf, egress, ingress, inter_e, inter_i, fab, makespan, pool_bytes=
     last = np.flatnonzero(prf >= makespan * (1 - 1e-3))
     best, who, what = -1.0, -1, ""
     for r in last.tolist():
-        cands = [((egress[r] - inter_e[r]) / fab.intra_bw, "egress nvlink"),
-                 ((ingress[r] - inter_i[r]) / fab.intra_bw, "ingress nvlink"),
-                 (inter_e[r] / fab.inter_bw, "egress rdma"), (inter_i[r] / fab.inter_bw, "ingress rdma")]
+        cands = [
+            ((egress[r] - inter_e[r]) / fab.intra_bw, "egress nvlink"),
+            ((ingress[r] - inter_i[r]) / fab.intra_bw, "ingress nvlink"),
+            (inter_e[r] / fab.inter_bw, "egress rdma"),
+            (inter_i[r] / fab.inter_bw, "ingress rdma"),
+        ]
         if pool_bytes is not None and math.isfinite(pool_bw):
             cands.append((pool_bytes[r] / pool_bw, "sm pool"))
         for x, nm in cands:
@@ -351,8 +409,21 @@ def simulate(schedule, fabric: Fabric, op, *, max_chunks: Optional[int] = None) 
     replicas = int((np.asarray(inp["slot_src"]) >= 0).sum())
     parts = {"host_s": host, "launch_s": fab.launch_s}
     if sr.size == 0 or sizes.size == 0 or sizes.sum() == 0:
-        return SimResult(name, "schedule", 0.0, np.zeros(W), lb, -1, "", nbytes, replicas, egress, ingress,
-                         wall_s=time.perf_counter() - t0, parts={"host_s": 0.0, "launch_s": 0.0})
+        return SimResult(
+            name,
+            "schedule",
+            0.0,
+            np.zeros(W),
+            lb,
+            -1,
+            "",
+            nbytes,
+            replicas,
+            egress,
+            ingress,
+            wall_s=time.perf_counter() - t0,
+            parts={"host_s": 0.0, "launch_s": 0.0},
+        )
     # push (multicast): the sender's SMs write; pull-and-add (reduce): the receiver's SMs read and add
     pool_rank = sr if name == "multicast" else dr
     pool_bw = fab.sm_pool_bw(name, raw_chunk)
@@ -364,6 +435,23 @@ def simulate(schedule, fabric: Fabric, op, *, max_chunks: Optional[int] = None) 
     mk = float(end.max())
     pool_bytes = egress if name == "multicast" else ingress
     cr, cl = _critical(prf, egress, ingress, inter_e, inter_i, fab, mk, pool_bytes, pool_bw)
-    return SimResult(name, "schedule", mk, prf, lb, cr, cl, nbytes, replicas, egress, ingress,
-                     flows=int(sr.size), chunks=int(sizes.size), effective_chunk_bytes=int(sizes.max()),
-                     events=events, rate_updates=updates, wall_s=time.perf_counter() - t0, parts=parts)
+    return SimResult(
+        name,
+        "schedule",
+        mk,
+        prf,
+        lb,
+        cr,
+        cl,
+        nbytes,
+        replicas,
+        egress,
+        ingress,
+        flows=int(sr.size),
+        chunks=int(sizes.size),
+        effective_chunk_bytes=int(sizes.max()),
+        events=events,
+        rate_updates=updates,
+        wall_s=time.perf_counter() - t0,
+        parts=parts,
+    )

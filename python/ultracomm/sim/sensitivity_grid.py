@@ -10,6 +10,7 @@ trees with the fabric's latencies and the chunk size), the plan is not.
 A conclusion that holds at every setting is robust to these costs; one that holds only at
 the default (the optimistic corner) says so in the report.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -35,9 +36,11 @@ class Setting:
 
     def fabric(self, fab: Fabric) -> Fabric:
         """``fab`` with this setting's hop latency and per-chunk overhead."""
-        return fab.replace(intra_latency_s=self.hop_s,
-                           inter_latency_s=self.hop_s + max(0.0, fab.inter_latency_s - fab.intra_latency_s),
-                           chunk_overhead_s=self.overhead_s)
+        return fab.replace(
+            intra_latency_s=self.hop_s,
+            inter_latency_s=self.hop_s + max(0.0, fab.inter_latency_s - fab.intra_latency_s),
+            chunk_overhead_s=self.overhead_s,
+        )
 
 
 CORNERS = ((2e-6, 0.5e-6), (5e-6, 5e-6), (10e-6, 10e-6))
@@ -47,13 +50,26 @@ SETTINGS = tuple(Setting(h, o, c) for h, o in CORNERS for c in CHUNKS)
 DEFAULT = Setting(2e-6, 0.5e-6, 1 << 20)
 
 #: metrics a sensitivity reports as ranges
-METRICS = ("weight_sync_relay_over_lb", "grad_reduce_relay_over_lb", "weight_sync_a2a_over_relay",
-           "grad_reduce_a2a_over_relay", "weight_sync_direct_over_relay", "grad_over_weight")
+METRICS = (
+    "weight_sync_relay_over_lb",
+    "grad_reduce_relay_over_lb",
+    "weight_sync_a2a_over_relay",
+    "grad_reduce_a2a_over_relay",
+    "weight_sync_direct_over_relay",
+    "grad_over_weight",
+)
 
 
-def sensitivity(plan, weight_bytes: int, fabric: Fabric, *, grad_dtype: Union[str, Sequence[str]] = "fp32",
-                settings: Sequence[Setting] = SETTINGS, max_depth: Optional[int] = None,
-                max_chunks: Optional[int] = None) -> dict:
+def sensitivity(
+    plan,
+    weight_bytes: int,
+    fabric: Fabric,
+    *,
+    grad_dtype: Union[str, Sequence[str]] = "fp32",
+    settings: Sequence[Setting] = SETTINGS,
+    max_depth: Optional[int] = None,
+    max_chunks: Optional[int] = None,
+) -> dict:
     """Simulate ``plan`` (bf16 weights of ``weight_bytes``) at every setting, for each gradient
     dtype.  Returns ``{dtype: {"settings": [{"setting": label, metric: value, ...}], "range":
     {metric: [min, max]}, "pessimistic": {metric: value at the 10+10 us corner, worst chunk
@@ -61,29 +77,58 @@ def sensitivity(plan, weight_bytes: int, fabric: Fabric, *, grad_dtype: Union[st
     fab0 = fabric.for_world(int(plan.world))
     per: dict = {d: [] for d in grad_dtypes(grad_dtype)}
     for s in settings:
-        for d, cmp in compare_dtypes(plan, weight_bytes, tuple(per), s.fabric(fab0), chunk_bytes=s.chunk_bytes,
-                                     max_depth=max_depth, max_chunks=max_chunks):
+        for d, cmp in compare_dtypes(
+            plan,
+            weight_bytes,
+            tuple(per),
+            s.fabric(fab0),
+            chunk_bytes=s.chunk_bytes,
+            max_depth=max_depth,
+            max_chunks=max_chunks,
+        ):
             r = _row(0.0, 0.0, cmp, d)
-            per[d].append({"setting": s.label, "hop_us": s.hop_s * 1e6, "overhead_us": s.overhead_s * 1e6,
-                           "chunk_bytes": s.chunk_bytes, **{m: r[m] for m in METRICS},
-                           "weight_sync_relay_ms": r["weight_sync_ms"]["relay"],
-                           "grad_reduce_relay_ms": r["grad_reduce_ms"]["relay"]})
+            per[d].append(
+                {
+                    "setting": s.label,
+                    "hop_us": s.hop_s * 1e6,
+                    "overhead_us": s.overhead_s * 1e6,
+                    "chunk_bytes": s.chunk_bytes,
+                    **{m: r[m] for m in METRICS},
+                    "weight_sync_relay_ms": r["weight_sync_ms"]["relay"],
+                    "grad_reduce_relay_ms": r["grad_reduce_ms"]["relay"],
+                }
+            )
     worst_corner = max(h for h, _ in CORNERS)
     out = {}
     for d, rows in per.items():
         pess = [x for x in rows if abs(x["hop_us"] - worst_corner * 1e6) < 1e-9] or rows
-        out[d] = {"settings": rows,
-                  "range": {m: [min(x[m] for x in rows), max(x[m] for x in rows)] for m in METRICS},
-                  # relay's worst case: highest relay/LB, lowest gains over a2a and direct
-                  "pessimistic": {m: (max if m.endswith("over_lb") or m == "grad_over_weight" else min)(
-                      x[m] for x in pess) for m in METRICS}}
+        out[d] = {
+            "settings": rows,
+            "range": {m: [min(x[m] for x in rows), max(x[m] for x in rows)] for m in METRICS},
+            # relay's worst case: highest relay/LB, lowest gains over a2a and direct
+            "pessimistic": {
+                m: (max if m.endswith("over_lb") or m == "grad_over_weight" else min)(x[m] for x in pess)
+                for m in METRICS
+            },
+        }
     return out
 
 
-def sensitivity_case(model, fabric: Fabric, ep: int, slots: int, imbalance: float, *, planner: str = "greedy",
-                     tokens: int = 8192, seed: int = 0, num_experts: Optional[int] = None,
-                     grad_dtype: Union[str, Sequence[str]] = "fp32", settings: Sequence[Setting] = SETTINGS,
-                     **kw) -> dict:
+def sensitivity_case(
+    model,
+    fabric: Fabric,
+    ep: int,
+    slots: int,
+    imbalance: float,
+    *,
+    planner: str = "greedy",
+    tokens: int = 8192,
+    seed: int = 0,
+    num_experts: Optional[int] = None,
+    grad_dtype: Union[str, Sequence[str]] = "fp32",
+    settings: Sequence[Setting] = SETTINGS,
+    **kw,
+) -> dict:
     """:func:`sensitivity` of one goal-sweep case (the same load and plan as
     :func:`~ultracomm.sim.compare.run_case` makes)."""
     from .. import scenarios as workloads

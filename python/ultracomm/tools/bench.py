@@ -68,6 +68,7 @@ spec (``zipf:<max:mean>``, ``hot:<fraction>``, ``rotating``, ``uniform``) turned
 by ``workloads.greedy_replicas``.  ``--model`` sets the expert size (times ``--scale``) and
 the top-k of the generated loads; the expert count is world x ``--experts-per-rank``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -76,20 +77,26 @@ import itertools
 import json
 import os
 import statistics
-import time
-from typing import Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from .bench_baselines import TorchBaselines, times as timed_runs
+
 METHODS = ("a2a_shm", "a2a_gloo", "p2p_gloo", "direct", "relay", "relay_gloo", "relay_split")
 #: old method names
 ALIASES = {"a2a": "a2a_gloo", "p2p": "p2p_gloo"}
 #: what moved each method's bytes
-TRANSPORT = {"a2a_shm": "shared memory", "a2a_gloo": "gloo (TCP loopback)", "p2p_gloo": "gloo (TCP loopback)",
-             "direct": "shared memory", "relay": "shared memory", "relay_gloo": "gloo (TCP loopback)",
-             "relay_split": "shared memory within a domain + gloo across"}
+TRANSPORT = {
+    "a2a_shm": "shared memory",
+    "a2a_gloo": "gloo (TCP loopback)",
+    "p2p_gloo": "gloo (TCP loopback)",
+    "direct": "shared memory",
+    "relay": "shared memory",
+    "relay_gloo": "gloo (TCP loopback)",
+    "relay_split": "shared memory within a domain + gloo across",
+}
 GRAD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -118,8 +125,9 @@ def make_plan(workload: str, world: int, slots: int, epr: int, top_k: int = 8, s
         rng = np.random.default_rng(seed)
         for r in range(world):
             cands = [e for e in range(world * epr) if e // epr != r]
-            src[r, :] = rng.choice(cands, size=min(slots, len(cands)), replace=False).tolist() + \
-                [-1] * max(0, slots - len(cands))
+            src[r, :] = rng.choice(cands, size=min(slots, len(cands)), replace=False).tolist() + [-1] * max(
+                0, slots - len(cands)
+            )
         return ReplicaPlan.make(src, experts_per_rank=epr), None
     from .. import scenarios as wl
 
@@ -156,92 +164,6 @@ def busiest_home_bytes(plan, nbytes: int) -> int:
 
 
 # ------------------------------------------------------------------------------ timing
-def _times(fn: Callable[[], None], iters: int, warmup: int, setup: Callable[[], None] | None = None,
-           check: Callable[[], int] | None = None) -> tuple[list[float], int]:
-    """Slowest rank's time of ``fn()`` per iteration, and the wrong elements summed over every
-    iteration (``setup()`` before and ``check()`` after each run, both untimed)."""
-    out, wrong = [], 0
-    for i in range(warmup + iters):
-        if setup is not None:
-            setup()
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-        if check is not None:
-            wrong += check()
-        if i >= warmup:
-            out.append(float(dt))
-    return out, wrong
-
-
-# ------------------------------------------------------------------------------ baselines
-class TorchBaselines:
-    """ECHO-style all-to-all and P2P weight distribution / gradient return over torch.distributed."""
-
-    def __init__(self, plan, rank: int, epr: int, n: int):
-        self.plan, self.rank, self.world, self.epr, self.n = plan, rank, plan.world, epr, n
-        src = plan.slot_src.tolist()
-        home = plan.home_of.tolist()
-        local = plan.local_index_of.tolist()
-        # rows this rank sends to each destination, in destination slot order
-        self.send_rows = [[local[e] for e in src[d] if e >= 0 and home[e] == rank] for d in range(self.world)]
-        # (source rank, slot) of each row this rank receives, grouped by source rank in slot order
-        self.recv_slots = [[s for s, e in enumerate(src[rank]) if e >= 0 and home[e] == h] for h in range(self.world)]
-        self.send_index = torch.tensor([i for rows in self.send_rows for i in rows], dtype=torch.long)
-        self.recv_index = torch.tensor([s for ss in self.recv_slots for s in ss], dtype=torch.long)
-        self.send_splits = [len(r) * n for r in self.send_rows]
-        self.recv_splits = [len(s) * n for s in self.recv_slots]
-
-    def a2a_weights(self, master: torch.Tensor, slots: torch.Tensor) -> None:
-        """``master [epr, n]`` (bf16) -> ``slots [S, n]`` through one all_to_all_single (bytes)."""
-        send = master.index_select(0, self.send_index).view(torch.uint8).reshape(-1)
-        recv = torch.empty(sum(self.recv_splits) * master.element_size(), dtype=torch.uint8)
-        es = master.element_size()
-        dist.all_to_all_single(recv, send, [x * es for x in self.recv_splits], [x * es for x in self.send_splits])
-        if self.recv_index.numel():
-            slots.index_copy_(0, self.recv_index, recv.view(master.dtype).view(-1, self.n))
-
-    def a2a_grads(self, slot_grads: torch.Tensor, master_grad: torch.Tensor) -> None:
-        """Reverse: replica grads back to their homes, ``index_add_`` into ``master_grad [epr, n]``."""
-        send = slot_grads.index_select(0, self.recv_index).reshape(-1)
-        recv = torch.empty(sum(self.send_splits), dtype=slot_grads.dtype)
-        dist.all_to_all_single(recv, send, self.send_splits, self.recv_splits)
-        if self.send_index.numel():
-            master_grad.index_add_(0, self.send_index, recv.view(-1, self.n))
-
-    def p2p_weights(self, master: torch.Tensor, slots: torch.Tensor) -> None:
-        ops = []
-        for d, rows in enumerate(self.send_rows):
-            for i in rows:
-                if d != self.rank:
-                    ops.append(dist.P2POp(dist.isend, master[i].view(torch.uint8), d))
-        for h, ss in enumerate(self.recv_slots):
-            for s in ss:
-                ops.append(dist.P2POp(dist.irecv, slots[s].view(torch.uint8), h))
-        if ops:
-            for w in dist.batch_isend_irecv(ops):
-                w.wait()
-
-    def p2p_grads(self, slot_grads: torch.Tensor, master_grad: torch.Tensor, scratch: list[torch.Tensor]) -> None:
-        ops, adds = [], []
-        for h, ss in enumerate(self.recv_slots):
-            for s in ss:
-                ops.append(dist.P2POp(dist.isend, slot_grads[s], h))
-        k = 0
-        for d, rows in enumerate(self.send_rows):
-            for i in rows:
-                ops.append(dist.P2POp(dist.irecv, scratch[k], d))
-                adds.append((i, k))
-                k += 1
-        if ops:
-            for w in dist.batch_isend_irecv(ops):
-                w.wait()
-        for i, k in adds:  # rank order: deterministic
-            master_grad[i].add_(scratch[k])
-
-
 def round_order(methods: list[str], i: int) -> list[str]:
     """The methods' order in round ``i`` of an interleaved run: every permutation in turn, so each
     method takes each place equally often and runs right after each other method equally often.
@@ -289,9 +211,18 @@ def run_case(op: str, size: int, workload: str, args, rank: int, world: int) -> 
                 halves = [int(r >= (world + 1) // 2) for r in range(world)]
                 split = dict(domain=",".join(f"half{h}" for h in halves), node_of=halves)
             transport = {"relay_gloo": "p2p", "relay_split": "split"}.get(method, args.transport)
-            ctx = Context(None, layout, epr, slots, num_layers=1, relay_mode="off" if method == "direct" else "auto",
-                          chunk_bytes=args.chunk_bytes, tile_bytes=min(args.chunk_bytes, 32768),
-                          transport=transport, **split)
+            ctx = Context(
+                None,
+                layout,
+                epr,
+                slots,
+                num_layers=1,
+                relay_mode="off" if method == "direct" else "auto",
+                chunk_bytes=args.chunk_bytes,
+                tile_bytes=min(args.chunk_bytes, 32768),
+                transport=transport,
+                **split,
+            )
             ctx.register_masters(0, [master], [grad])
             sched, opname = ctx.schedule_for(plan), ("multicast" if op == "weight_sync" else "reduce")
             st = sched.stats(opname)
@@ -341,6 +272,7 @@ def run_case(op: str, size: int, workload: str, args, rank: int, world: int) -> 
             setup, check = (lambda: slot_w.zero_()), (lambda: check_weights(slot_w))
             end = (lambda: ctx.end(vid)) if ctx is not None else (lambda: None)
         else:
+
             def setup():  # untimed: fresh inputs (relays overwrite their slot with the partial)
                 grad.zero_()
                 slot_g.fill_(1.0)  # small integers: exact in any order, so checkable
@@ -370,11 +302,13 @@ def run_case(op: str, size: int, workload: str, args, rank: int, world: int) -> 
                     run()
                 finally:
                     torch.set_num_threads(threads)
+
         if lb is None:  # the lower bound does not depend on the method: take it from a schedule
             from ..schedule import build_schedule
 
-            s = build_schedule(plan, layout.weight_bytes, layout.grad_bytes, chunk_bytes=args.chunk_bytes,
-                               relay_mode="off")
+            s = build_schedule(
+                plan, layout.weight_bytes, layout.grad_bytes, chunk_bytes=args.chunk_bytes, relay_mode="off"
+            )
             lb = s.stats("multicast" if op == "weight_sync" else "reduce")["lower_bound_bytes"]
 
         def close() -> None:
@@ -383,8 +317,20 @@ def run_case(op: str, size: int, workload: str, args, rank: int, world: int) -> 
                 ctx.close()
             if echo is not None:
                 echo.close()
-        return dict(fn=fn, setup=setup, check=check, close=close, busiest=busiest, lb=lb, depth=depth,
-                    cross=cross, choice=choice, times=[], wrong=0)
+
+        return dict(
+            fn=fn,
+            setup=setup,
+            check=check,
+            close=close,
+            busiest=busiest,
+            lb=lb,
+            depth=depth,
+            cross=cross,
+            choice=choice,
+            times=[],
+            wrong=0,
+        )
 
     cases: dict[str, dict] = {}
     if args.interleave:
@@ -393,7 +339,7 @@ def run_case(op: str, size: int, workload: str, args, rank: int, world: int) -> 
         for i in range(args.warmup + args.iters):
             for method in round_order(args.methods, i):
                 c = cases[method]
-                t, w = _times(c["fn"], 1, 0, c["setup"], c["check"])
+                t, w = timed_runs(c["fn"], 1, 0, c["setup"], c["check"])
                 c["wrong"] += w
                 if i >= args.warmup:
                     c["times"] += t
@@ -402,7 +348,7 @@ def run_case(op: str, size: int, workload: str, args, rank: int, world: int) -> 
     else:
         for method in args.methods:
             c = cases[method] = prepare(method)
-            c["times"], c["wrong"] = _times(c["fn"], args.iters, args.warmup, c["setup"], c["check"])
+            c["times"], c["wrong"] = timed_runs(c["fn"], args.iters, args.warmup, c["setup"], c["check"])
             c["close"]()
     rows = []
     for method in args.methods:
@@ -413,30 +359,52 @@ def run_case(op: str, size: int, workload: str, args, rank: int, world: int) -> 
         med = statistics.median(times)
         p90 = sorted(times)[min(len(times) - 1, int(round(0.9 * (len(times) - 1))))]
         moved = replicas * nbytes
-        rows.append({
-            "op": op, "method": method, "transport": TRANSPORT[method], "workload": workload, "imbalance": imb,
-            "size": nbytes, "grad_dtype": args.grad_dtype,
-            "replicas": replicas, "max_replicas": max(counts) if counts else 0, "moved_bytes": moved,
-            "time_us": med * 1e6, "p90_us": p90 * 1e6,
-            # per iteration, in round order (interleaved: round i of every method): paired comparisons
-            "times_us": [t * 1e6 for t in times], "interleaved": bool(args.interleave),
-            "algbw_GBps": moved / med / 1e9, "busbw_GBps": moved / med / 1e9, "cpbw_GBps": busiest / med / 1e9,
-            "busiest_bytes": busiest, "lower_bound_bytes": lb, "lb_ratio": busiest / max(1, lb), "depth": c["depth"],
-            "wrong": int(wrong_t), "cross_bytes": c["cross"], "choice": c["choice"],
-        })
+        rows.append(
+            {
+                "op": op,
+                "method": method,
+                "transport": TRANSPORT[method],
+                "workload": workload,
+                "imbalance": imb,
+                "size": nbytes,
+                "grad_dtype": args.grad_dtype,
+                "replicas": replicas,
+                "max_replicas": max(counts) if counts else 0,
+                "moved_bytes": moved,
+                "time_us": med * 1e6,
+                "p90_us": p90 * 1e6,
+                # per iteration, in round order (interleaved: round i of every method): paired comparisons
+                "times_us": [t * 1e6 for t in times],
+                "interleaved": bool(args.interleave),
+                "algbw_GBps": moved / med / 1e9,
+                "busbw_GBps": moved / med / 1e9,
+                "cpbw_GBps": busiest / med / 1e9,
+                "busiest_bytes": busiest,
+                "lower_bound_bytes": lb,
+                "lb_ratio": busiest / max(1, lb),
+                "depth": c["depth"],
+                "wrong": int(wrong_t),
+                "cross_bytes": c["cross"],
+                "choice": c["choice"],
+            }
+        )
     return rows
 
 
-HEADER = (f"# {'op':>11} {'method':>10} {'over':>6} {'workload':>9} {'size(B)':>10} {'repl':>4} {'dep':>3} "
-          f"{'time(us)':>10} {'p90(us)':>10} {'algbw':>7} {'busbw':>7} {'cpbw':>7} {'lb':>5} {'#wrong':>6}")
+HEADER = (
+    f"# {'op':>11} {'method':>10} {'over':>6} {'workload':>9} {'size(B)':>10} {'repl':>4} {'dep':>3} "
+    f"{'time(us)':>10} {'p90(us)':>10} {'algbw':>7} {'busbw':>7} {'cpbw':>7} {'lb':>5} {'#wrong':>6}"
+)
 
 
 def format_row(r: dict) -> str:
     over = "gloo" if r["transport"].startswith("gloo") else "split" if "+" in r["transport"] else "shm"
-    return (f"  {r['op']:>11} {r['method']:>10} {over:>6} {r['workload']:>9} {r['size']:>10} {r['replicas']:>4} "
-            f"{r['depth']:>3} "
-            f"{r['time_us']:>10.1f} {r['p90_us']:>10.1f} {r['algbw_GBps']:>7.2f} {r['busbw_GBps']:>7.2f} "
-            f"{r['cpbw_GBps']:>7.2f} {r['lb_ratio']:>5.2f} {r['wrong']:>6}")
+    return (
+        f"  {r['op']:>11} {r['method']:>10} {over:>6} {r['workload']:>9} {r['size']:>10} {r['replicas']:>4} "
+        f"{r['depth']:>3} "
+        f"{r['time_us']:>10.1f} {r['p90_us']:>10.1f} {r['algbw_GBps']:>7.2f} {r['busbw_GBps']:>7.2f} "
+        f"{r['cpbw_GBps']:>7.2f} {r['lb_ratio']:>5.2f} {r['wrong']:>6}"
+    )
 
 
 def plot(rows: list[dict], path: str, title: str = "") -> None:
@@ -456,8 +424,13 @@ def plot(rows: list[dict], path: str, title: str = "") -> None:
             if not pts:
                 continue
             xs = [r["imbalance"] if r["imbalance"] is not None else i for i, r in enumerate(pts)]
-            ax.plot(xs, [r["time_us"] / 1e3 for r in pts], marker="o", label=f"{method} ({TRANSPORT[method]})",
-                    linestyle=":" if TRANSPORT[method].startswith("gloo") else "-")
+            ax.plot(
+                xs,
+                [r["time_us"] / 1e3 for r in pts],
+                marker="o",
+                label=f"{method} ({TRANSPORT[method]})",
+                linestyle=":" if TRANSPORT[method].startswith("gloo") else "-",
+            )
         ax.set_title(f"{op}, {size / 2**20:.1f} MiB per expert")
         ax.set_xlabel("max:mean load imbalance (workload order if unknown)")
         ax.set_ylabel("time (ms), median")
@@ -481,15 +454,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--factor", type=int, default=4)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--interleave", action="store_true",
-                   help="set every method up at once and time them round-robin (one iteration each in turn)")
+    p.add_argument(
+        "--interleave",
+        action="store_true",
+        help="set every method up at once and time them round-robin (one iteration each in turn)",
+    )
     p.add_argument("--slots", type=int, default=2)
     p.add_argument("--experts-per-rank", type=int, default=2)
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--chunk-bytes", type=parse_size, default=parse_size("256K"))
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
-    p.add_argument("--grad-dtype", choices=sorted(GRAD_DTYPES), default="fp32",
-                   help="gradient dtype of grad_reduce, the same for every method")
+    p.add_argument(
+        "--grad-dtype",
+        choices=sorted(GRAD_DTYPES),
+        default="fp32",
+        help="gradient dtype of grad_reduce, the same for every method",
+    )
     p.add_argument("--json", default=None, help="write all rows as JSON to this file (rank 0)")
     p.add_argument("--plot", default=None, help="write a PNG of time per method per workload (rank 0)")
     args = p.parse_args(argv)
@@ -529,16 +509,20 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     load_before = os.getloadavg()
     if rank == 0:
-        print(f"# ultracomm bench (measured): world {world}; ultracomm transport {transport} over {window} windows "
-              f"({cfg.num_workers} workers); relay_gloo: transport p2p; relay_split: transport split over 2 declared "
-              f"domains (halves); a2a_shm over {window} windows "
-              f"({cfg.num_workers} torch threads); *_gloo "
-              f"over {dist.get_backend()}; {args.slots} slots/rank, {args.experts_per_rank} experts/rank, chunk "
-              f"{args.chunk_bytes} B, iters {args.iters} (+{args.warmup} warm-up)"
-              + (", methods interleaved per iteration" if args.interleave else "")
-              + (f"; model {args.model} x{args.scale}" if args.model else ""))
-        print(f"# size: bytes of one expert (bf16 weights / {args.grad_dtype} grads); algbw = replicas x size / time; busbw = "
-              "algbw x 1; cpbw = busiest rank's link bytes / time; lb = busiest bytes / lower bound; GB/s")
+        print(
+            f"# ultracomm bench (measured): world {world}; ultracomm transport {transport} over {window} windows "
+            f"({cfg.num_workers} workers); relay_gloo: transport p2p; relay_split: transport split over 2 declared "
+            f"domains (halves); a2a_shm over {window} windows "
+            f"({cfg.num_workers} torch threads); *_gloo "
+            f"over {dist.get_backend()}; {args.slots} slots/rank, {args.experts_per_rank} experts/rank, chunk "
+            f"{args.chunk_bytes} B, iters {args.iters} (+{args.warmup} warm-up)"
+            + (", methods interleaved per iteration" if args.interleave else "")
+            + (f"; model {args.model} x{args.scale}" if args.model else "")
+        )
+        print(
+            f"# size: bytes of one expert (bf16 weights / {args.grad_dtype} grads); algbw = replicas x size / time; busbw = "
+            "algbw x 1; cpbw = busiest rank's link bytes / time; lb = busiest bytes / lower bound; GB/s"
+        )
         print(HEADER)
     for op in ops:
         for workload in workloads:
@@ -556,8 +540,10 @@ def main(argv: list[str] | None = None) -> int:
             if r["choice"] is not None and r["method"] in ("relay_gloo", "relay_split"):
                 print(f"# choice {r['method']} {r['op']} {r['workload']} {r['size']} B: {r['choice']}")
             if r["cross_bytes"] is not None:
-                print(f"# relay_split {r['op']} {r['workload']} {r['size']} B: {r['cross_bytes']} of "
-                      f"{r['moved_bytes']} replica bytes went over gloo")
+                print(
+                    f"# relay_split {r['op']} {r['workload']} {r['size']} B: {r['cross_bytes']} of "
+                    f"{r['moved_bytes']} replica bytes went over gloo"
+                )
         for op in ops:
             for workload in workloads:
                 sel = [r for r in rows if r["op"] == op and r["workload"] == workload]
@@ -566,16 +552,35 @@ def main(argv: list[str] | None = None) -> int:
                 largest = max(r["size"] for r in sel)  # grad rows count grad-dtype bytes, weight rows bf16
                 by = {r["method"]: r["time_us"] for r in sel if r["size"] == largest}
                 if "relay" in by:
-                    print(f"# {op} {workload} at {largest} B: " + ", ".join(
-                        f"{m} / relay = {by[m] / by['relay']:.2f}x" for m in METHODS if m in by and m != "relay"))
+                    print(
+                        f"# {op} {workload} at {largest} B: "
+                        + ", ".join(
+                            f"{m} / relay = {by[m] / by['relay']:.2f}x" for m in METHODS if m in by and m != "relay"
+                        )
+                    )
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"world": world, "transport": transport, "window": window, "baseline_backend": dist.get_backend(),
-                           "device": "cpu", "args": {k: v for k, v in vars(args).items()}, "rows": rows,
-                           "loadavg": {"before": list(load_before), "after": list(load_after)}}, f, indent=1)
+                json.dump(
+                    {
+                        "world": world,
+                        "transport": transport,
+                        "window": window,
+                        "baseline_backend": dist.get_backend(),
+                        "device": "cpu",
+                        "args": {k: v for k, v in vars(args).items()},
+                        "rows": rows,
+                        "loadavg": {"before": list(load_before), "after": list(load_after)},
+                    },
+                    f,
+                    indent=1,
+                )
         if args.plot:
-            plot(rows, args.plot, f"measured: {world} ranks, {'GPU' if torch.cuda.is_available() else 'CPU only'}; "
-                                  "solid: shared memory, dotted: gloo TCP loopback")
+            plot(
+                rows,
+                args.plot,
+                f"measured: {world} ranks, {'GPU' if torch.cuda.is_available() else 'CPU only'}; "
+                "solid: shared memory, dotted: gloo TCP loopback",
+            )
     dist.destroy_process_group()
     return 1 if wrong else 0
 

@@ -23,6 +23,7 @@ The barrier's flag is written after the staged rows with plain stores; x86-64's 
 (TSO) makes the rows visible before the flag.  Other CPUs would need fences: :class:`EchoShm`
 refuses to run there rather than race.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -52,8 +53,9 @@ class EchoShm:
         timeout_s: how long a barrier may wait for a peer before raising ``TimeoutError``.
     """
 
-    def __init__(self, plan, comm: Comm, n: int, weight_dtype: torch.dtype, grad_dtype: torch.dtype,
-                 timeout_s: float = 100.0):
+    def __init__(
+        self, plan, comm: Comm, n: int, weight_dtype: torch.dtype, grad_dtype: torch.dtype, timeout_s: float = 100.0
+    ):
         if platform.machine().lower() not in ("x86_64", "amd64"):
             raise RuntimeError(f"EchoShm relies on x86-64 store ordering; this CPU is {platform.machine()}")
         from ..windows.host_shm import HostShmWindow
@@ -70,14 +72,25 @@ class EchoShm:
         r = self.rank
         self.send_index = torch.tensor([i for d in range(W) for i in rows[r][d]], dtype=torch.long)
         # where my rows sit in home h's staging area: after the rows h sends to ranks < me
-        self.recv = [(h, sum(len(x) for x in rows[h][:r]), torch.tensor(slots[r][h], dtype=torch.long))
-                     for h in range(W) if slots[r][h]]
+        self.recv = [
+            (h, sum(len(x) for x in rows[h][:r]), torch.tensor(slots[r][h], dtype=torch.long))
+            for h in range(W)
+            if slots[r][h]
+        ]
         # reverse: I stage my replicas' grads grouped by home; home h reads my block for it
         self.grad_index = torch.tensor([s for h in range(W) for s in slots[r][h]], dtype=torch.long)
-        self.grad_from = [(d, sum(len(x) for x in slots[d][:r]), torch.tensor(rows[r][d], dtype=torch.long))
-                          for d in range(W) if rows[r][d]]
-        most = max(max(sum(len(x) for x in rows[h]) * _itemsize(weight_dtype),
-                       sum(len(x) for x in slots[h]) * _itemsize(grad_dtype)) for h in range(W))
+        self.grad_from = [
+            (d, sum(len(x) for x in slots[d][:r]), torch.tensor(rows[r][d], dtype=torch.long))
+            for d in range(W)
+            if rows[r][d]
+        ]
+        most = max(
+            max(
+                sum(len(x) for x in rows[h]) * _itemsize(weight_dtype),
+                sum(len(x) for x in slots[h]) * _itemsize(grad_dtype),
+            )
+            for h in range(W)
+        )
         self.window = HostShmWindow.create(comm, _FLAG_BYTES + max(most * self.n, 16))
         self._views = [self._peer_bytes(p) for p in range(W)]
         self._epoch = 0
@@ -112,8 +125,10 @@ class EchoShm:
             if not waiting:
                 break
             if time.monotonic() > deadline:
-                raise TimeoutError(f"ultracomm EchoShm rank {self.rank}: {what} barrier {e} still waits for "
-                                   f"ranks {waiting} after {self.timeout_s:g} s")
+                raise TimeoutError(
+                    f"ultracomm EchoShm rank {self.rank}: {what} barrier {e} still waits for "
+                    f"ranks {waiting} after {self.timeout_s:g} s"
+                )
             # the host executor's flag-wait policy: 32 yields, then sleeps doubling from 2 us to 200 us
             if yields < 32:
                 yields += 1
@@ -130,19 +145,31 @@ class EchoShm:
             torch.index_select(src, 0, index, out=self._stage(self.rank, dtype)[:k])
         self.barrier(f"{what} stage")
         for p, off, idx in pulls:
-            apply(idx, self._stage(p, dtype)[off:off + idx.numel()])
+            apply(idx, self._stage(p, dtype)[off : off + idx.numel()])
         self.barrier(f"{what} exchange")
 
     def weights(self, master: torch.Tensor, slots: torch.Tensor) -> None:
         """``master [epr, n]`` (home rows) -> ``slots [S, n]`` (this rank's replicas)."""
-        self._run("weights", master, self.send_index, self.wdtype, self.recv,
-                  lambda idx, rows: slots.index_copy_(0, idx, rows))
+        self._run(
+            "weights",
+            master,
+            self.send_index,
+            self.wdtype,
+            self.recv,
+            lambda idx, rows: slots.index_copy_(0, idx, rows),
+        )
 
     def grads(self, slot_grads: torch.Tensor, master_grad: torch.Tensor) -> None:
         """Replica grads ``slot_grads [S, n]`` -> added into ``master_grad [epr, n]`` at their
         homes, peers in rank order."""
-        self._run("grads", slot_grads, self.grad_index, self.gdtype, self.grad_from,
-                  lambda idx, rows: master_grad.index_add_(0, idx, rows))
+        self._run(
+            "grads",
+            slot_grads,
+            self.grad_index,
+            self.gdtype,
+            self.grad_from,
+            lambda idx, rows: master_grad.index_add_(0, idx, rows),
+        )
 
     def close(self) -> None:
         self._views, self._flags = [], []

@@ -12,6 +12,7 @@ test's interval, no assumption about the shape of the noise).
 * ``slower``: the whole interval is above 1;
 * ``same``: the interval holds 1 -- no difference this many rounds can show.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -23,8 +24,10 @@ __all__ = ["paired_ratios", "median_ci", "verdict", "Paired", "compare"]
 def paired_ratios(a: Sequence[float], b: Sequence[float]) -> list[float]:
     """``a[i] / b[i]`` per round; both lists are one method's times in round order."""
     if len(a) != len(b):
-        raise ValueError(f"ultracomm: paired times need one time per round for both methods; got {len(a)} and "
-                         f"{len(b)} (were they timed in the same interleaved run?)")
+        raise ValueError(
+            f"ultracomm: paired times need one time per round for both methods; got {len(a)} and "
+            f"{len(b)} (were they timed in the same interleaved run?)"
+        )
     if any(not (x > 0) for x in b):
         raise ValueError("ultracomm: a paired ratio needs positive times")
     return [float(x) / float(y) for x, y in zip(a, b)]
@@ -68,8 +71,9 @@ class Paired:
         self.verdict = verdict(self.lo, self.hi)
 
     def __repr__(self) -> str:
-        return (f"Paired(n={len(self.ratios)}, median={self.median:.3f}, ci=[{self.lo:.3f}, {self.hi:.3f}], "
-                f"{self.verdict})")
+        return (
+            f"Paired(n={len(self.ratios)}, median={self.median:.3f}, ci=[{self.lo:.3f}, {self.hi:.3f}], {self.verdict})"
+        )
 
 
 def compare(runs: Sequence[tuple[Sequence[float], Sequence[float]]], conf: float = 0.95) -> Paired:

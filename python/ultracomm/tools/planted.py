@@ -1,6 +1,7 @@
 """Loads built around a known quota plan, to check that the quota planner finds plans
 that provably exist (tests/test_planners.py, perf/planners.md via
 :mod:`ultracomm.tools.planner_eval`)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -8,8 +9,9 @@ import numpy as np
 __all__ = ["planted_load", "planted_family", "planted_table"]
 
 
-def planted_load(seed: int, world: int, epr: int, K: int, n_hot: int,
-                 mean: int = 10_000) -> tuple[np.ndarray, int, list[tuple[int, int, int]]]:
+def planted_load(
+    seed: int, world: int, epr: int, K: int, n_hot: int, mean: int = 10_000
+) -> tuple[np.ndarray, int, list[tuple[int, int, int]]]:
     """A load with a plan meeting T = mean - 1 + mean // 100 -- the first threshold quota
     probes (1.01 x mean) -- in which every non-hot rank ends exactly at T: each takes K
     replicas of hot ranks' experts (30-95 % of its final load) and the hot ranks end with
@@ -39,14 +41,15 @@ def planted_load(seed: int, world: int, epr: int, K: int, n_hot: int,
     for r in range(world):  # what each rank computes of its own experts
         own = int(final[r] - got[r])
         cuts = np.sort(rng.integers(0, own + 1, size=epr - 1))
-        el[r * epr:(r + 1) * epr] += np.diff(np.concatenate(([0], cuts, [own])))
+        el[r * epr : (r + 1) * epr] += np.diff(np.concatenate(([0], cuts, [own])))
     load = np.zeros((world, E), np.int64)
     load[rng.integers(0, world, size=E), np.arange(E)] = el  # each expert from one sender
     return load, T, reps
 
 
-def planted_family(cases: int = 200, slots: tuple[int, ...] = (1, 2, 3),
-                   worlds: tuple[int, ...] = (8, 16, 32, 64)) -> list[dict]:
+def planted_family(
+    cases: int = 200, slots: tuple[int, ...] = (1, 2, 3), worlds: tuple[int, ...] = (8, 16, 32, 64)
+) -> list[dict]:
     """quota on the planted family: per (slots per rank, world), how many loads it met at
     their planted threshold, its copies against the planted plan's, and the time per
     :func:`~ultracomm.planners.quota.plan` call (CPU ms).  Two seed families
@@ -72,25 +75,39 @@ def planted_family(cases: int = 200, slots: tuple[int, ...] = (1, 2, 3),
                 t0 = time.process_time()
                 res = get_planner("quota")(load, d, K)
                 ms = (time.process_time() - t0) * 1e3
-                by_w.setdefault(W, []).append((bool(res.rank_load.max() <= T), ms,
-                                               int((res.slot_src >= 0).sum()), len(reps)))
+                by_w.setdefault(W, []).append(
+                    (bool(res.rank_load.max() <= T), ms, int((res.slot_src >= 0).sum()), len(reps))
+                )
         for W in sorted(by_w):
             rows = by_w[W]
             ts = np.array([r[1] for r in rows])
-            out.append(dict(slots=K, world=W, met=sum(r[0] for r in rows), loads=len(rows),
-                            copies=sum(r[2] for r in rows), planted=sum(r[3] for r in rows),
-                            ms_median=float(np.median(ts)), ms_p90=float(np.percentile(ts, 90)),
-                            ms_max=float(ts.max())))
+            out.append(
+                dict(
+                    slots=K,
+                    world=W,
+                    met=sum(r[0] for r in rows),
+                    loads=len(rows),
+                    copies=sum(r[2] for r in rows),
+                    planted=sum(r[3] for r in rows),
+                    ms_median=float(np.median(ts)),
+                    ms_p90=float(np.percentile(ts, 90)),
+                    ms_max=float(ts.max()),
+                )
+            )
     return out
 
 
 def planted_table(rows: list[dict]) -> str:
     """Markdown table of :func:`planted_family`'s rows."""
-    h = ("| slots/rank | world | met at the planted threshold | copies (quota / planted) | "
-         "CPU ms median | CPU ms p90 | CPU ms max |")
+    h = (
+        "| slots/rank | world | met at the planted threshold | copies (quota / planted) | "
+        "CPU ms median | CPU ms p90 | CPU ms max |"
+    )
     lines = [h, "|" + "|".join(["---"] * (h.count("|") - 1)) + "|"]
     for r in rows:
-        lines.append(f"| {r['slots']} | {r['world']} | {r['met']}/{r['loads']} | {r['copies']} / "
-                     f"{r['planted']} | {r['ms_median']:.2f} | {r['ms_p90']:.2f} | "
-                     f"{r['ms_max']:.2f} |")
+        lines.append(
+            f"| {r['slots']} | {r['world']} | {r['met']}/{r['loads']} | {r['copies']} / "
+            f"{r['planted']} | {r['ms_median']:.2f} | {r['ms_p90']:.2f} | "
+            f"{r['ms_max']:.2f} |"
+        )
     return "\n".join(lines)

@@ -16,6 +16,7 @@ occupies bytes ``[member_off[m], member_off[m] + member_bytes[m])``; bytes betwe
   to right, then ``self = acc.to(grad dtype)``; a relay's partial is rounded into its slot's
   dtype before its parent reads it.
 """
+
 from __future__ import annotations
 
 from typing import Mapping, Sequence
@@ -31,13 +32,14 @@ def _u8(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().view(torch.uint8).reshape(-1)
 
 
-def slot_image(members: Sequence[torch.Tensor], member_off: Sequence[int], slot_bytes: int,
-               fill: int = 0) -> torch.Tensor:
+def slot_image(
+    members: Sequence[torch.Tensor], member_off: Sequence[int], slot_bytes: int, fill: int = 0
+) -> torch.Tensor:
     """Member tensors placed in slot layout: a ``uint8[slot_bytes]``, padding = ``fill``."""
     out = torch.full((slot_bytes,), fill, dtype=torch.uint8)
     for t, off in zip(members, member_off):
         b = _u8(t)
-        out[off:off + b.numel()] = b
+        out[off : off + b.numel()] = b
     return out
 
 
@@ -46,7 +48,7 @@ def split_image(image: torch.Tensor, like: Sequence[torch.Tensor], member_off: S
     out = []
     for t, off in zip(like, member_off):
         nb = t.numel() * t.element_size()
-        out.append(image[off:off + nb].clone().view(t.dtype).reshape(t.shape))
+        out.append(image[off : off + nb].clone().view(t.dtype).reshape(t.shape))
     return out
 
 
@@ -54,12 +56,16 @@ def member_mask(member_off: Sequence[int], member_bytes: Sequence[int], slot_byt
     """``bool[slot_bytes]``: True on member bytes, False on padding."""
     mask = torch.zeros(slot_bytes, dtype=torch.bool)
     for off, nb in zip(member_off, member_bytes):
-        mask[off:off + nb] = True
+        mask[off : off + nb] = True
     return mask
 
 
-def reference_multicast(slot_src: Sequence[Sequence[int]], masters: Mapping[int, Sequence[torch.Tensor]],
-                        member_off: Sequence[int], slot_bytes: int) -> list[torch.Tensor]:
+def reference_multicast(
+    slot_src: Sequence[Sequence[int]],
+    masters: Mapping[int, Sequence[torch.Tensor]],
+    member_off: Sequence[int],
+    slot_bytes: int,
+) -> list[torch.Tensor]:
     """Expected weight slots after a multicast.
 
     ``slot_src[r][s]``: the expert held by slot ``s`` of rank ``r`` (-1 empty);
@@ -78,9 +84,15 @@ def reference_multicast(slot_src: Sequence[Sequence[int]], masters: Mapping[int,
     return out
 
 
-def reference_reduce(tasks_by_rank: Sequence[np.ndarray], refs_by_rank: Sequence[np.ndarray],
-                     grads_by_rank: Sequence[torch.Tensor], master_grads: Mapping[int, Sequence[torch.Tensor]],
-                     member_off: Sequence[int], member_bytes: Sequence[int], dtype: torch.dtype):
+def reference_reduce(
+    tasks_by_rank: Sequence[np.ndarray],
+    refs_by_rank: Sequence[np.ndarray],
+    grads_by_rank: Sequence[torch.Tensor],
+    master_grads: Mapping[int, Sequence[torch.Tensor]],
+    member_off: Sequence[int],
+    member_bytes: Sequence[int],
+    dtype: torch.dtype,
+):
     """Replays reduce tasks (``records.TASK_DTYPE`` / ``REF_DTYPE`` arrays per rank).
 
     ``grads_by_rank[r]``: rank ``r``'s replica grad slots before the reduce, ``uint8[slots,
@@ -106,7 +118,7 @@ def reference_reduce(tasks_by_rank: Sequence[np.ndarray], refs_by_rank: Sequence
         rest = []
         for r, t in pending:
             b, n, c = int(t["ref_begin"]), int(t["ref_count"]), int(t["chunk"])
-            srcs = [(int(x["rank"]), int(x["slot"])) for x in refs_by_rank[r][b:b + n]]
+            srcs = [(int(x["rank"]), int(x["slot"])) for x in refs_by_rank[r][b : b + n]]
             if any(s in relays and (s[0], s[1], c) not in final for s in srcs):
                 rest.append((r, t))
                 continue
@@ -189,7 +201,7 @@ def reference_reduce_tree(sched, grads: dict, master: dict, dtype=np.float32) ->
             return memo[(rank, slot, e)]
         base = master[e] if slot == MASTER else grads[(rank, slot)]
         acc = base.astype(np.float32)
-        for (cr, cs) in sorted(kids.get((rank, slot, e), [])):
+        for cr, cs in sorted(kids.get((rank, slot, e), [])):
             acc = acc + value(cr, cs, e).astype(np.float32)
         v = acc.astype(dtype)
         memo[(rank, slot, e)] = v

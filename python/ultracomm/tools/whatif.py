@@ -36,6 +36,7 @@ different ``--ep`` use the per-expert totals spread evenly over the source ranks
 (:func:`ultracomm.profile.spread_expert_load`).  ``recorded`` as a planner name replays the
 trace's own plans (records without one are skipped for it).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -96,13 +97,24 @@ class Setting:
             raise ValueError(f"slots must be an int >= 0, got {self.slots!r}")
         fab = sim.get_fabric(self.domain, self.ep)
         flop = (6 if self.forward_only else 18) * spec.hidden * spec.moe_inter
-        return {"fabric": fab, "spec": spec, "flop_per_token": flop,
-                "weight_bytes": int(self.weight_bytes or spec.expert_weight_bytes()),
-                "grad_bytes": int(self.grad_bytes or spec.expert_grad_bytes())}
+        return {
+            "fabric": fab,
+            "spec": spec,
+            "flop_per_token": flop,
+            "weight_bytes": int(self.weight_bytes or spec.expert_weight_bytes()),
+            "grad_bytes": int(self.grad_bytes or spec.expert_grad_bytes()),
+        }
 
 
-def plan_and_schedule(load: np.ndarray, planner: str, fabric: Any, slots: int, weight_bytes: int,
-                      grad_bytes: int, chunk_bytes: int = 1 << 20):
+def plan_and_schedule(
+    load: np.ndarray,
+    planner: str,
+    fabric: Any,
+    slots: int,
+    weight_bytes: int,
+    grad_bytes: int,
+    chunk_bytes: int = 1 << 20,
+):
     """``(PlannerResult, Schedule)``: ``planner`` on ``load [world, E]`` over ``fabric``'s ranks
     and nodes, and the plan's all-rank schedule (relay ``auto``, the fabric's bandwidths)."""
     from .. import sim
@@ -149,8 +161,15 @@ class WhatIf:
     info: dict = field(default_factory=dict)
 
     _SUMS = ("weight_sync_s", "grad_reduce_s", "a2a_weight_sync_s", "a2a_grad_reduce_s", "compute_saved_s", "net_s")
-    _MEANS = ("imbalance_before", "imbalance_after", "busiest_before", "busiest_after", "copies_intra",
-              "copies_inter", *_SUMS)
+    _MEANS = (
+        "imbalance_before",
+        "imbalance_after",
+        "busiest_before",
+        "busiest_after",
+        "copies_intra",
+        "copies_inter",
+        *_SUMS,
+    )
 
     def summary(self) -> dict:
         """Per planner: ``mean`` (per replayed record) of every number, ``total`` (sums over
@@ -171,34 +190,62 @@ class WhatIf:
         """The text report the CLI prints."""
         info, s = self.info, self.setting
         fab = info.get("fabric")
-        lines = [f"# what-if replay (simulated and modelled, no GPU){': ' + source if source else ''}",
-                 f"# {self.records} records with a load, {self.replayed} replayed"
-                 + (f" (evenly spaced; totals extrapolated x{self.records / self.replayed:.1f})"
-                    if self.replayed and self.replayed < self.records else ""),
-                 f"# model {s.model}: {info.get('weight_bytes', 0):,} B weights / {info.get('grad_bytes', 0):,} B "
-                 f"grads per expert; {info.get('flop_per_token', 0) / 1e6:.1f} MFLOP per token and expert "
-                 f"({'forward' if s.forward_only else 'forward + backward'}) at {s.tflops:g} TFLOP/s (assumed)",
-                 f"# {fab.describe() if fab is not None else s.domain}; EP {s.ep}, {s.slots} slots/rank, "
-                 f"chunks {s.chunk_bytes} B" + (f", at most {s.max_chunks} simulated per flow" if s.max_chunks else ""),
-                 "# weight_sync / grad_reduce: ultracomm schedule (relay auto) vs all-to-all (Megatron MoE ECHO) "
-                 "moving the same replicas",
-                 "# net = compute saved - (2 x weight_sync + grad_reduce), nothing overlapped", "",
-                 "per replayed record (means):"]
+        lines = [
+            f"# what-if replay (simulated and modelled, no GPU){': ' + source if source else ''}",
+            f"# {self.records} records with a load, {self.replayed} replayed"
+            + (
+                f" (evenly spaced; totals extrapolated x{self.records / self.replayed:.1f})"
+                if self.replayed and self.replayed < self.records
+                else ""
+            ),
+            f"# model {s.model}: {info.get('weight_bytes', 0):,} B weights / {info.get('grad_bytes', 0):,} B "
+            f"grads per expert; {info.get('flop_per_token', 0) / 1e6:.1f} MFLOP per token and expert "
+            f"({'forward' if s.forward_only else 'forward + backward'}) at {s.tflops:g} TFLOP/s (assumed)",
+            f"# {fab.describe() if fab is not None else s.domain}; EP {s.ep}, {s.slots} slots/rank, "
+            f"chunks {s.chunk_bytes} B" + (f", at most {s.max_chunks} simulated per flow" if s.max_chunks else ""),
+            "# weight_sync / grad_reduce: ultracomm schedule (relay auto) vs all-to-all (Megatron MoE ECHO) "
+            "moving the same replicas",
+            "# net = compute saved - (2 x weight_sync + grad_reduce), nothing overlapped",
+            "",
+            "per replayed record (means):",
+        ]
         summ = self.summary()
-        hdr = ("planner", "n", "imb before", "imb after", "copies in/out", "busiest tokens", "weight_sync ms",
-               "a2a ms", "grad_reduce ms", "a2a ms", "compute saved ms", "net ms")
+        hdr = (
+            "planner",
+            "n",
+            "imb before",
+            "imb after",
+            "copies in/out",
+            "busiest tokens",
+            "weight_sync ms",
+            "a2a ms",
+            "grad_reduce ms",
+            "a2a ms",
+            "compute saved ms",
+            "net ms",
+        )
         rows = []
         for p in self.planners:
             m = summ[p]["mean"]
             if not m:
                 rows.append([p, "0"] + ["-"] * (len(hdr) - 2))
                 continue
-            rows.append([p, str(summ[p]["n"]), f"{m['imbalance_before']:.3f}", f"{m['imbalance_after']:.3f}",
-                         f"{m['copies_intra']:.1f}/{m['copies_inter']:.1f}",
-                         f"{m['busiest_before']:.0f} -> {m['busiest_after']:.0f}",
-                         f"{m['weight_sync_s'] * 1e3:.3f}", f"{m['a2a_weight_sync_s'] * 1e3:.3f}",
-                         f"{m['grad_reduce_s'] * 1e3:.3f}", f"{m['a2a_grad_reduce_s'] * 1e3:.3f}",
-                         f"{m['compute_saved_s'] * 1e3:.3f}", f"{m['net_s'] * 1e3:.3f}"])
+            rows.append(
+                [
+                    p,
+                    str(summ[p]["n"]),
+                    f"{m['imbalance_before']:.3f}",
+                    f"{m['imbalance_after']:.3f}",
+                    f"{m['copies_intra']:.1f}/{m['copies_inter']:.1f}",
+                    f"{m['busiest_before']:.0f} -> {m['busiest_after']:.0f}",
+                    f"{m['weight_sync_s'] * 1e3:.3f}",
+                    f"{m['a2a_weight_sync_s'] * 1e3:.3f}",
+                    f"{m['grad_reduce_s'] * 1e3:.3f}",
+                    f"{m['a2a_grad_reduce_s'] * 1e3:.3f}",
+                    f"{m['compute_saved_s'] * 1e3:.3f}",
+                    f"{m['net_s'] * 1e3:.3f}",
+                ]
+            )
         lines.append(_table(rows, hdr))
         lines += ["", f"whole trace ({self.records} records; ms):"]
         hdr2 = ("planner", "weight_sync", "a2a", "grad_reduce", "a2a", "compute saved", "net", "comm saved vs a2a")
@@ -209,18 +256,40 @@ class WhatIf:
                 rows.append([p] + ["-"] * (len(hdr2) - 1))
                 continue
             a2a_net = t["compute_saved_s"] - (2 * t["a2a_weight_sync_s"] + t["a2a_grad_reduce_s"])
-            rows.append([p, *(_ms(t[k]) for k in ("weight_sync_s", "a2a_weight_sync_s", "grad_reduce_s",
-                                                  "a2a_grad_reduce_s", "compute_saved_s", "net_s")),
-                         _ms(t["net_s"] - a2a_net, "+")])
+            rows.append(
+                [
+                    p,
+                    *(
+                        _ms(t[k])
+                        for k in (
+                            "weight_sync_s",
+                            "a2a_weight_sync_s",
+                            "grad_reduce_s",
+                            "a2a_grad_reduce_s",
+                            "compute_saved_s",
+                            "net_s",
+                        )
+                    ),
+                    _ms(t["net_s"] - a2a_net, "+"),
+                ]
+            )
         lines.append(_table(rows, hdr2))
         return "\n".join(lines)
 
     def to_json(self) -> dict:
         fab = self.info.get("fabric")
-        return {"setting": self.setting.__dict__, "records": self.records, "replayed": self.replayed,
-                "planners": self.planners, "fabric": None if fab is None else fab.describe(),
-                "weight_bytes": self.info.get("weight_bytes"), "grad_bytes": self.info.get("grad_bytes"),
-                "flop_per_token": self.info.get("flop_per_token"), "summary": self.summary(), "rows": self.rows}
+        return {
+            "setting": self.setting.__dict__,
+            "records": self.records,
+            "replayed": self.replayed,
+            "planners": self.planners,
+            "fabric": None if fab is None else fab.describe(),
+            "weight_bytes": self.info.get("weight_bytes"),
+            "grad_bytes": self.info.get("grad_bytes"),
+            "flop_per_token": self.info.get("flop_per_token"),
+            "summary": self.summary(),
+            "rows": self.rows,
+        }
 
 
 def _ms(seconds: float, sign: str = "") -> str:
@@ -241,9 +310,14 @@ def _max_mean(x: np.ndarray) -> float:
     return float(np.max(x)) / m if m > 0 else 1.0
 
 
-def replay(trace: Trace, planners: Sequence[str] = ("quota", "taot", "greedy", "lpt"),
-           setting: Optional[Setting] = None, *, max_records: int = 64,
-           rows: Optional[Sequence[int]] = None) -> WhatIf:
+def replay(
+    trace: Trace,
+    planners: Sequence[str] = ("quota", "taot", "greedy", "lpt"),
+    setting: Optional[Setting] = None,
+    *,
+    max_records: int = 64,
+    rows: Optional[Sequence[int]] = None,
+) -> WhatIf:
     """Replay ``trace``'s loads through ``planners`` and the simulator (module docstring).
 
     ``rows``: the trace rows to replay (default :func:`sample_rows` with ``max_records``).
@@ -266,7 +340,7 @@ def replay(trace: Trace, planners: Sequence[str] = ("quota", "taot", "greedy", "
     wb, gb, flop = info["weight_bytes"], info["grad_bytes"], info["flop_per_token"]
     flops = s.tflops * 1e12
     epr = trace.num_experts // s.ep
-    dom = Domain(s.ep, fab.nodes[:s.ep].astype(np.int64), epr)
+    dom = Domain(s.ep, fab.nodes[: s.ep].astype(np.int64), epr)
     sel = sample_rows(trace, max_records) if rows is None else np.asarray(rows, dtype=np.int64)
     a = trace.arrays
     out: list[dict] = []
@@ -274,8 +348,13 @@ def replay(trace: Trace, planners: Sequence[str] = ("quota", "taot", "greedy", "
         if s.ep != trace.world:
             load = spread_expert_load(load.sum(axis=0), s.ep)
         before = load.sum(axis=0).reshape(s.ep, epr).sum(axis=1)
-        base = {"step": int(a["step"][i]), "layer": int(a["layer"][i]), "microbatch": int(a["microbatch"][i]),
-                "imbalance_before": _max_mean(before), "busiest_before": int(before.max())}
+        base = {
+            "step": int(a["step"][i]),
+            "layer": int(a["layer"][i]),
+            "microbatch": int(a["microbatch"][i]),
+            "imbalance_before": _max_mean(before),
+            "busiest_before": int(before.max()),
+        }
         for p in planners:
             if p == RECORDED:
                 plan = trace.plan(i)
@@ -294,12 +373,24 @@ def replay(trace: Trace, planners: Sequence[str] = ("quota", "taot", "greedy", "
             a_gr = sim.simulate_alltoall(plan, wb, fab, "reduce", grad_bytes=gb)
             busiest_after = float(np.max(after))
             saved = (base["busiest_before"] - busiest_after) * flop / flops
-            out.append({**base, "planner": p, "imbalance_after": _max_mean(np.asarray(after, dtype=np.float64)),
-                        "busiest_after": busiest_after, "copies_intra": int(intra), "copies_inter": int(inter),
-                        "weight_sync_s": ws.makespan_s, "grad_reduce_s": gr.makespan_s,
-                        "a2a_weight_sync_s": a_ws.makespan_s, "a2a_grad_reduce_s": a_gr.makespan_s,
-                        "lb_weight_sync_s": ws.lower_bound_s, "lb_grad_reduce_s": gr.lower_bound_s,
-                        "compute_saved_s": saved, "net_s": saved - (2 * ws.makespan_s + gr.makespan_s)})
+            out.append(
+                {
+                    **base,
+                    "planner": p,
+                    "imbalance_after": _max_mean(np.asarray(after, dtype=np.float64)),
+                    "busiest_after": busiest_after,
+                    "copies_intra": int(intra),
+                    "copies_inter": int(inter),
+                    "weight_sync_s": ws.makespan_s,
+                    "grad_reduce_s": gr.makespan_s,
+                    "a2a_weight_sync_s": a_ws.makespan_s,
+                    "a2a_grad_reduce_s": a_gr.makespan_s,
+                    "lb_weight_sync_s": ws.lower_bound_s,
+                    "lb_grad_reduce_s": gr.lower_bound_s,
+                    "compute_saved_s": saved,
+                    "net_s": saved - (2 * ws.makespan_s + gr.makespan_s),
+                }
+            )
     return WhatIf(out, list(planners), int(a["has_load"].sum()), int(sel.size), s, info)
 
 
@@ -307,18 +398,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m ultracomm.tools.whatif",
         description="Replay a load trace through the balancing planners and the fabric simulator: imbalance, "
-                    "copies, simulated weight_sync/grad_reduce vs all-to-all, and the MoE compute a balanced "
-                    "step saves.  Simulated and modelled, no GPU.")
+        "copies, simulated weight_sync/grad_reduce vs all-to-all, and the MoE compute a balanced "
+        "step saves.  Simulated and modelled, no GPU.",
+    )
     ap.add_argument("trace", help="trace directory (ultracomm.profile) or a [steps, layers, E] .npy/.npz")
-    ap.add_argument("--planner", default="quota,taot,greedy,lpt",
-                    help="comma-separated: quota, taot, greedy, lpt, device, recorded (the trace's own plans)")
+    ap.add_argument(
+        "--planner",
+        default="quota,taot,greedy,lpt",
+        help="comma-separated: quota, taot, greedy, lpt, device, recorded (the trace's own plans)",
+    )
     ap.add_argument("--domain", default="nvl72", help="fabric preset: h100x8, h200x8, nvl72, <n>x8-rdma")
     ap.add_argument("--ep", type=int, default=None, help="EP ranks (default: the trace's world)")
     ap.add_argument("--slots", type=int, default=2, help="replica slots per rank")
-    ap.add_argument("--model", default=None, help="model preset for expert bytes and FLOP (default: the "
-                                                  "trace's meta 'model', else qwen3-235b-a22b)")
-    ap.add_argument("--tflops", type=float, default=DEFAULT_TFLOPS,
-                    help=f"achieved expert GEMM TFLOP/s (default {DEFAULT_TFLOPS:g}, an assumption)")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="model preset for expert bytes and FLOP (default: the trace's meta 'model', else qwen3-235b-a22b)",
+    )
+    ap.add_argument(
+        "--tflops",
+        type=float,
+        default=DEFAULT_TFLOPS,
+        help=f"achieved expert GEMM TFLOP/s (default {DEFAULT_TFLOPS:g}, an assumption)",
+    )
     ap.add_argument("--forward-only", action="store_true", help="inference: forward FLOP only")
     ap.add_argument("--max-records", type=int, default=64, help="records replayed (evenly spaced; 0: all)")
     ap.add_argument("--max-chunks", type=int, default=16, help="chunks simulated per flow (0: exact)")
@@ -328,11 +430,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         check_options(a)  # before the trace is read: bad options fail at once
         planners = [p.strip() for p in a.planner.split(",") if p.strip()]
         if not planners:
-            raise TraceError(f"--planner {a.planner!r}: name at least one of quota, taot, greedy, lpt, device, recorded")
+            raise TraceError(
+                f"--planner {a.planner!r}: name at least one of quota, taot, greedy, lpt, device, recorded"
+            )
         trace = load_trace(a.trace, loads=False, world=a.ep)
         model = a.model or trace.meta.get("model") or "qwen3-235b-a22b"
-        setting = Setting(domain=a.domain, ep=a.ep or trace.world, slots=a.slots, model=model, tflops=a.tflops,
-                          forward_only=a.forward_only, max_chunks=a.max_chunks)
+        setting = Setting(
+            domain=a.domain,
+            ep=a.ep or trace.world,
+            slots=a.slots,
+            model=model,
+            tflops=a.tflops,
+            forward_only=a.forward_only,
+            max_chunks=a.max_chunks,
+        )
         res = replay(trace, planners, setting, max_records=a.max_records)
     except (ValueError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)

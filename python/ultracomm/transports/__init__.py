@@ -22,6 +22,7 @@ failures are collected by ``check_error()``; absent/``False``: ``run`` blocks un
 ultracomm imports without ``_cuda``, a driver or a GPU.  ``auto`` is decided with the ranks' memory domains by
 :mod:`ultracomm.dataplane.domains`; :func:`resolve_transport` alone maps it by device.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -40,8 +41,10 @@ def _load_tma() -> type:
     try:
         return importlib.import_module(".tma", __name__).TmaTransport
     except (ImportError, AttributeError) as e:
-        raise NotAvailableError(f"ultracomm: transport 'tma' is not available: its Python side "
-                                f"(ultracomm.transports.tma.TmaTransport) does not load: {e}") from e
+        raise NotAvailableError(
+            f"ultracomm: transport 'tma' is not available: its Python side "
+            f"(ultracomm.transports.tma.TmaTransport) does not load: {e}"
+        ) from e
 
 
 def _load_copy_engine() -> type:

@@ -24,6 +24,7 @@ reads them and never probes a transport (no ``getattr`` / ``inspect`` on it):
 and, as instance attributes, ``message_costs`` (alpha-beta costs of its messages, or None) and
 ``plan_arena_bytes`` (device memory set aside for plans).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,8 +38,19 @@ from ..errors import RegistrationError
 from ..records import Op
 
 #: Constructor keywords a transport may declare in ``options``.
-OPTIONS = frozenset({"comm", "num_workers", "jitter_us", "multicast_sms", "reduce_sms", "domain_of",
-                     "split_route", "experts_per_rank", "plan_slots"})
+OPTIONS = frozenset(
+    {
+        "comm",
+        "num_workers",
+        "jitter_us",
+        "multicast_sms",
+        "reduce_sms",
+        "domain_of",
+        "split_route",
+        "experts_per_rank",
+        "plan_slots",
+    }
+)
 
 
 class Transport:
@@ -63,10 +75,21 @@ class Transport:
         super().__init_subclass__(**kw)
         bad = set(cls.options) - OPTIONS
         if bad:
-            raise TypeError(f"transport {cls.__name__} declares unknown options {sorted(bad)}; known: {sorted(OPTIONS)}")
+            raise TypeError(
+                f"transport {cls.__name__} declares unknown options {sorted(bad)}; known: {sorted(OPTIONS)}"
+            )
 
-    def run(self, op: Op, schedule: Any, epoch: int, masters: "Masters", my_slots: Sequence[int],
-            local_index_of: Sequence[int], op_name: str | None = None, **kw: Any) -> None:
+    def run(
+        self,
+        op: Op,
+        schedule: Any,
+        epoch: int,
+        masters: "Masters",
+        my_slots: Sequence[int],
+        local_index_of: Sequence[int],
+        op_name: str | None = None,
+        **kw: Any,
+    ) -> None:
         raise NotImplementedError
 
     def quiesce(self) -> None:
@@ -101,8 +124,13 @@ def master_pointers(members: Sequence, experts_per_rank: int) -> tuple[int, ...]
 
 def _fingerprint(t: torch.Tensor) -> tuple:
     """What the executor relies on: address, shape, dtype, contiguity, and a storage that still holds it."""
-    return (t.data_ptr(), tuple(t.shape), t.dtype, t.is_contiguous(),
-            t.untyped_storage().nbytes() >= (t.storage_offset() + t.numel()) * t.element_size())
+    return (
+        t.data_ptr(),
+        tuple(t.shape),
+        t.dtype,
+        t.is_contiguous(),
+        t.untyped_storage().nbytes() >= (t.storage_offset() + t.numel()) * t.element_size(),
+    )
 
 
 def _labelled(kind: str, members: Sequence, names: Sequence[str]) -> list[tuple[str, torch.Tensor]]:
@@ -138,10 +166,16 @@ class Masters:
     @classmethod
     def of(cls, weights: tuple, grads: tuple | None, experts_per_rank: int, names: Sequence[str]) -> "Masters":
         weights = tuple(w if isinstance(w, torch.Tensor) else tuple(w) for w in weights)
-        grads = None if grads is None else tuple(g if g is None or isinstance(g, torch.Tensor) else tuple(g)
-                                                 for g in grads)
-        m = cls(weights, grads, master_pointers(weights, experts_per_rank), master_pointers(grads or (), experts_per_rank),
-                tuple(names))
+        grads = (
+            None if grads is None else tuple(g if g is None or isinstance(g, torch.Tensor) else tuple(g) for g in grads)
+        )
+        m = cls(
+            weights,
+            grads,
+            master_pointers(weights, experts_per_rank),
+            master_pointers(grads or (), experts_per_rank),
+            tuple(names),
+        )
         return dataclasses.replace(m, fingerprints=tuple(_fingerprint(t) for _, t in m._tensors()))
 
     def _tensors(self) -> list[tuple[str, torch.Tensor]]:
@@ -154,7 +188,8 @@ class Masters:
             raise RegistrationError(
                 f"ultracomm: layer {layer}: registered tensor {changed} no longer has the address or size it was "
                 "registered with (replaced by param.data = ..., set_(), or a resized storage); call "
-                f"register_masters({layer}, ...) again with the tensors to use")
+                f"register_masters({layer}, ...) again with the tensors to use"
+            )
         return self
 
     def changed(self, names: Sequence[str] | None = None) -> str | None:
@@ -176,5 +211,3 @@ def op_digest(schedule_digest: int, op: Op) -> int:
     64-bit digest xor the op (never ``_core.REJECTED_DIGEST``, which marks a rejected plan)."""
     d = (int(schedule_digest) ^ int(op)) & 0xFFFFFFFFFFFFFFFF
     return d ^ 0x2 if d == _core.REJECTED_DIGEST else d
-
-

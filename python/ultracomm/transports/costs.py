@@ -7,6 +7,7 @@ messages read their costs here (``p2p`` by backend, the CPU ``split`` for its ro
 :func:`split_route`); the control plane chooses schedules with them
 (:func:`ultracomm.alpha_beta.choose_schedule`).
 """
+
 from __future__ import annotations
 
 import collections
@@ -14,8 +15,17 @@ import dataclasses
 import math
 from typing import Any, Optional, Sequence
 
-__all__ = ["AlphaBeta", "COSTS", "best_chunk", "costs_for_backend", "predicted_s", "split_chunk_bytes", "split_route",
-           "Route", "align_chunk"]
+__all__ = [
+    "AlphaBeta",
+    "COSTS",
+    "best_chunk",
+    "costs_for_backend",
+    "predicted_s",
+    "split_chunk_bytes",
+    "split_route",
+    "Route",
+    "align_chunk",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,8 +62,9 @@ class AlphaBeta:
         return best_chunk(nbytes, self, ((self, levels),))
 
 
-def best_chunk(nbytes: int, link: AlphaBeta, fill: Sequence[tuple[AlphaBeta, int]], granule: int = 16,
-               min_chunk: int = 1 << 16) -> int:
+def best_chunk(
+    nbytes: int, link: AlphaBeta, fill: Sequence[tuple[AlphaBeta, int]], granule: int = 16, min_chunk: int = 1 << 16
+) -> int:
     """The chunk (a multiple of ``granule``) of an ``nbytes`` slot that minimises the model's time
     ``m * link.alpha + nbytes / link.beta + sum(levels * (c / beta + alpha) for (beta, alpha), levels in fill)``,
     ``m = ceil(nbytes / c)`` messages over the busiest link and each further level of the path
@@ -94,8 +105,9 @@ COSTS: dict[str, AlphaBeta] = {
     # and split lost where the bytes it keeps off gloo take less than ~2.5 ms to send at 4 ranks (2 per
     # domain) and ~5 ms at 8 (4 per domain) -- about twice that for a reduction: its host executor's
     # join and hand-offs, on more ranks than cores, run beside the messages instead of under them.
-    "host_shm": AlphaBeta(20e-6, 6e9, "measured: host executor over shared memory, 2-core CPU machine",
-                          op_alpha_s=1.25e-3),
+    "host_shm": AlphaBeta(
+        20e-6, 6e9, "measured: host executor over shared memory, 2-core CPU machine", op_alpha_s=1.25e-3
+    ),
     "gloo": AlphaBeta(1e-3, 1.6e9, "measured: gloo TCP loopback, 2-core CPU machine (perf/README.md section 6)"),
     # NCCL point-to-point across nodes: 400 Gb/s RDMA NICs achieve ~50 GB/s per GPU (FACTS.md);
     # per message ~10 us of launch and protocol (an estimate, not measured here).
@@ -108,8 +120,14 @@ def align_chunk(nbytes: float) -> int:
     return max(16, -(-int(math.ceil(nbytes)) // 16) * 16)
 
 
-def split_chunk_bytes(chunk_bytes: int, tile_bytes: int, slot_bytes: int, costs: AlphaBeta,
-                      inside: Optional[AlphaBeta] = None, inside_levels: int = 2) -> int:
+def split_chunk_bytes(
+    chunk_bytes: int,
+    tile_bytes: int,
+    slot_bytes: int,
+    costs: AlphaBeta,
+    inside: Optional[AlphaBeta] = None,
+    inside_levels: int = 2,
+) -> int:
     """The window chunk of a ``split`` transport on the CPU (:func:`best_chunk`, in whole tiles):
     a crossing moves one chunk per message over ``costs`` (one crossing per path: a remote
     domain's gateway hangs from the home's domain), then up to ``inside_levels`` relay levels
@@ -151,17 +169,24 @@ class Route:
     the direct schedule), with the model's inputs."""
 
     route: str
-    saved_bytes: int       # bytes that shared memory keeps off the messages under the split route
-    saved_s: float         # their time over the messages' link
-    fixed_s: float         # what the shared-memory tier adds to the operation
+    saved_bytes: int  # bytes that shared memory keeps off the messages under the split route
+    saved_s: float  # their time over the messages' link
+    fixed_s: float  # what the shared-memory tier adds to the operation
 
     def describe(self) -> str:
-        return (f"{self.route} ({self.saved_bytes} B kept off messages = {self.saved_s * 1e3:.2f} ms vs "
-                f"{self.fixed_s * 1e3:.2f} ms fixed cost of shared memory)")
+        return (
+            f"{self.route} ({self.saved_bytes} B kept off messages = {self.saved_s * 1e3:.2f} ms vs "
+            f"{self.fixed_s * 1e3:.2f} ms fixed cost of shared memory)"
+        )
 
 
-def split_route(schedule: Any, op: str, domain_of: Sequence[int], messages: Optional[AlphaBeta] = None,
-                inside: Optional[AlphaBeta] = None) -> Route:
+def split_route(
+    schedule: Any,
+    op: str,
+    domain_of: Sequence[int],
+    messages: Optional[AlphaBeta] = None,
+    inside: Optional[AlphaBeta] = None,
+) -> Route:
     """The route of ``op`` (``"multicast"`` / ``"reduce"``) of a ``split`` transport's
     ``schedule`` (built with the domains as nodes).
 

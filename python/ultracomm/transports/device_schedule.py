@@ -2,6 +2,7 @@
 (:class:`DeviceSchedule`), and what the build's status words mean (:data:`BUILD_STATUS`,
 :data:`BUILD_ERROR`).  Data-plane vocabulary: the transport reads it, the control plane
 (:mod:`ultracomm.resident_plan`) makes it and re-exports it."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,7 +25,7 @@ BUILD_STATUS = {
     6: "the expert loads' exchange timed out (a rank never posted its loads), so nothing was built from them",
     7: "the planner refused the loads, so nothing was built from its output",
     8: "the expert loads' exchange found ranks out of step (a rank posted another layer or micro-batch: "
-       "GpuLoadBoard.status word 0 is 2), so nothing was built from them",
+    "GpuLoadBoard.status word 0 is 2), so nothing was built from them",
 }
 
 #: the error class a failed device build raises, by its status: its cause keeps its kind (issue 35)
@@ -58,10 +59,19 @@ class DeviceSchedule:
     def build_args(self) -> dict:
         """Keyword arguments of ``Runner.build_slot`` beside arena, slot, entry and stream."""
         src, p = self.plan.slot_src, self.plan
-        return dict(slot_src=src.data_ptr(), home_of=self.home_of.data_ptr(),
-                    exchange_status=0 if p.exchange_status is None else p.exchange_status.data_ptr(),
-                    plan_result=0 if p.planner_result is None else p.planner_result.data_ptr(),
-                    node_of=0 if self.node_of is None else self.node_of.data_ptr(), world=int(src.shape[0]),
-                    slots=int(src.shape[1]), num_experts=self.num_experts, rank=self.rank, max_depth=self.max_depth,
-                    weight_bytes=self.weight_bytes, grad_bytes=self.grad_bytes, chunk_bytes=self.chunk_bytes,
-                    hop_bytes=self.hop_bytes)
+        return dict(
+            slot_src=src.data_ptr(),
+            home_of=self.home_of.data_ptr(),
+            exchange_status=0 if p.exchange_status is None else p.exchange_status.data_ptr(),
+            plan_result=0 if p.planner_result is None else p.planner_result.data_ptr(),
+            node_of=0 if self.node_of is None else self.node_of.data_ptr(),
+            world=int(src.shape[0]),
+            slots=int(src.shape[1]),
+            num_experts=self.num_experts,
+            rank=self.rank,
+            max_depth=self.max_depth,
+            weight_bytes=self.weight_bytes,
+            grad_bytes=self.grad_bytes,
+            chunk_bytes=self.chunk_bytes,
+            hop_bytes=self.hop_bytes,
+        )

@@ -1,6 +1,7 @@
 """A chunk's member byte ranges and one segment's reduction in the documented order: the parts of
 the executors' protocol that the Python executors (``p2p``, ``copy_engine``'s command lists) run
 themselves, and the references (:mod:`ultracomm.tools.reference`) replay."""
+
 from __future__ import annotations
 
 from typing import Iterator, Sequence
@@ -8,8 +9,9 @@ from typing import Iterator, Sequence
 import torch
 
 
-def member_segments(offset: int, nbytes: int, member_off: Sequence[int],
-                    member_bytes: Sequence[int]) -> Iterator[tuple[int, int, int]]:
+def member_segments(
+    offset: int, nbytes: int, member_off: Sequence[int], member_bytes: Sequence[int]
+) -> Iterator[tuple[int, int, int]]:
     """``(m, lo, hi)`` for every member ``m`` intersecting ``[offset, offset + nbytes)``, in member
     order: the byte ranges an executor's copy or reduce of that range touches (the executors'
     ``for_each_segment``; padding between members is never moved)."""

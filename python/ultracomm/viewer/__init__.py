@@ -12,6 +12,7 @@ The page is ``assets/viewer.html`` with ``viewer.css``, ``viewer.js`` and the da
 (:func:`ultracomm.viewer.payload.build_payload`, bounded in size for large traces) inlined:
 no CDN, no network, no library.
 """
+
 from __future__ import annotations
 
 import base64
@@ -41,8 +42,12 @@ def render_html(trace_or_payload: Union[Trace, dict], **options: Any) -> str:
     raw = json.dumps(payload, separators=(",", ":"), allow_nan=False).encode("utf-8")
     data = base64.b64encode(zlib.compress(raw, 9)).decode("ascii")
     title = (payload.get("title") or "ultracomm load profile").replace("&", "&amp;").replace("<", "&lt;")
-    parts = {"/*{{CSS}}*/": _asset("viewer.css"), "/*{{JS}}*/": _asset("viewer.js"), "{{TITLE}}": title,
-             "{{DATA}}": data}
+    parts = {
+        "/*{{CSS}}*/": _asset("viewer.css"),
+        "/*{{JS}}*/": _asset("viewer.js"),
+        "{{TITLE}}": title,
+        "{{DATA}}": data,
+    }
     # one pass: text put in is never searched for the next placeholder
     return re.sub("|".join(re.escape(k) for k in parts), lambda m: parts[m.group(0)], _asset("viewer.html"))
 

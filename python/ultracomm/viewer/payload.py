@@ -15,6 +15,7 @@ Budgets (all parameters of :func:`build_payload`):
 
 A 1000-step x 94-layer x 128-expert trace stays under ~5 MB of HTML with the defaults.
 """
+
 from __future__ import annotations
 
 import base64
@@ -76,8 +77,9 @@ def _run_sums(keys: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarra
     return keys[starts], np.add.reduceat(rows.astype(np.float64), starts, axis=0)
 
 
-def _heat(trace: Trace, layers: np.ndarray, ustep: np.ndarray, sidx: np.ndarray, max_cells: int,
-          max_experts: int) -> dict:
+def _heat(
+    trace: Trace, layers: np.ndarray, ustep: np.ndarray, sidx: np.ndarray, max_cells: int, max_experts: int
+) -> dict:
     E = trace.num_experts
     if E > max_experts:
         e_edges = step_bins(E, max_experts)
@@ -87,9 +89,13 @@ def _heat(trace: Trace, layers: np.ndarray, ustep: np.ndarray, sidx: np.ndarray,
     rows_per_layer = max(1, max_cells // max(1, layers.size * cols))
     edges = step_bins(ustep.size, rows_per_layer)
     a = trace.arrays
-    out = {"step_bins": [[int(ustep[edges[b]]), int(ustep[edges[b + 1] - 1])] for b in range(edges.size - 1)],
-           "expert_bins": None if cols == E else [[int(e_edges[c]), int(e_edges[c + 1] - 1)] for c in range(cols)],
-           "rows": int(edges.size - 1), "cols": int(cols), "layers": {}}
+    out = {
+        "step_bins": [[int(ustep[edges[b]]), int(ustep[edges[b + 1] - 1])] for b in range(edges.size - 1)],
+        "expert_bins": None if cols == E else [[int(e_edges[c]), int(e_edges[c + 1] - 1)] for c in range(cols)],
+        "rows": int(edges.size - 1),
+        "cols": int(cols),
+        "layers": {},
+    }
     bin_of_step = np.searchsorted(edges, np.arange(ustep.size), side="right") - 1
     el = a["expert_load"]
     nb = edges.size - 1
@@ -109,8 +115,13 @@ def _heat(trace: Trace, layers: np.ndarray, ustep: np.ndarray, sidx: np.ndarray,
         exact = mx <= _U16 and np.all(binned == np.round(binned))
         scale = 1.0 if exact or mx == 0 else mx / _U16
         q = np.round(binned / scale).astype("<u2")
-        out["layers"][str(layer)] = {"scale": scale, "max": mx, "sum": int(q.sum(dtype=np.int64)),
-                                     "empty_rows": _ints(np.flatnonzero(nsteps == 0)), "data": _b64(q)}
+        out["layers"][str(layer)] = {
+            "scale": scale,
+            "max": mx,
+            "sum": int(q.sum(dtype=np.int64)),
+            "empty_rows": _ints(np.flatnonzero(nsteps == 0)),
+            "data": _b64(q),
+        }
     return out
 
 
@@ -119,7 +130,7 @@ def _series(trace: Trace, layers: np.ndarray, ustep: np.ndarray, sidx: np.ndarra
     edges = step_bins(ustep.size, max_points)
     bin_of_step = np.searchsorted(edges, np.arange(ustep.size), side="right") - 1
     nb = edges.size - 1
-    x = [float(np.mean(ustep[edges[b]:edges[b + 1]])) for b in range(nb)]
+    x = [float(np.mean(ustep[edges[b] : edges[b + 1]])) for b in range(nb)]
     values = {"imb_before": trace.imbalance_before, "imb_after": trace.imbalance_after}
     for op in OPS:
         values[f"t_{op}"] = a[f"time_{op}"] * 1e3
@@ -166,24 +177,53 @@ def _stats_json(st: dict) -> dict:
     # link bytes are whole experts: send counts x one unit (their gcd) keep the page small
     eg, ing = np.asarray(st["egress"], np.int64), np.asarray(st["ingress"], np.int64)
     unit = int(np.gcd.reduce(np.concatenate([eg, ing]))) or 1
-    return {"unit": unit, "egress": _ints(eg // unit), "ingress": _ints(ing // unit),
-            "parent_rank": _ints(st["parent_rank"]), "parent_slot": _ints(st["parent_slot"]),
-            "depth": _ints(st["tree_depth"]), "max_depth": int(st["depth"]),
-            "max_egress": int(st["max_egress"]), "max_ingress": int(st["max_ingress"]),
-            "lower_bound_bytes": int(st["lower_bound_bytes"]), "lower_bound_s": _num(st["lower_bound_s"]),
-            "predicted_s": _num(st["predicted_s"])}
+    return {
+        "unit": unit,
+        "egress": _ints(eg // unit),
+        "ingress": _ints(ing // unit),
+        "parent_rank": _ints(st["parent_rank"]),
+        "parent_slot": _ints(st["parent_slot"]),
+        "depth": _ints(st["tree_depth"]),
+        "max_depth": int(st["depth"]),
+        "max_egress": int(st["max_egress"]),
+        "max_ingress": int(st["max_ingress"]),
+        "lower_bound_bytes": int(st["lower_bound_bytes"]),
+        "lower_bound_s": _num(st["lower_bound_s"]),
+        "predicted_s": _num(st["predicted_s"]),
+    }
 
 
 def _recorded_stats(trace: Trace, i: int, op: str) -> dict:
     a = trace.arrays
-    keys = ("egress", "ingress", "depth", "max_egress", "max_ingress", "lower_bound_bytes", "lower_bound_s",
-            "predicted_s", "parent_rank", "parent_slot", "tree_depth")
+    keys = (
+        "egress",
+        "ingress",
+        "depth",
+        "max_egress",
+        "max_ingress",
+        "lower_bound_bytes",
+        "lower_bound_s",
+        "predicted_s",
+        "parent_rank",
+        "parent_slot",
+        "tree_depth",
+    )
     return {k: a[f"{op}_{k}"][i] for k in keys}
 
 
-def build_payload(trace: Trace, *, planner: str = "auto", domain: Optional[str] = None, slots: int = 2,
-                  model: Optional[str] = None, max_cells: int = 1_000_000, max_experts: int = 512,
-                  max_points: int = 256, max_detail: int = 800, title: Optional[str] = None) -> dict:
+def build_payload(
+    trace: Trace,
+    *,
+    planner: str = "auto",
+    domain: Optional[str] = None,
+    slots: int = 2,
+    model: Optional[str] = None,
+    max_cells: int = 1_000_000,
+    max_experts: int = 512,
+    max_points: int = 256,
+    max_detail: int = 800,
+    title: Optional[str] = None,
+) -> dict:
     """The JSON-able dict the page reads (module docstring for the budgets).
 
     ``planner``: ``auto`` (recorded plans; records without one are planned with ``quota``),
@@ -219,52 +259,92 @@ def build_payload(trace: Trace, *, planner: str = "auto", domain: Optional[str] 
         finite = np.where(np.isfinite(imb_b[rows]), imb_b[rows], -np.inf)
         worst = int(rows[int(np.argmax(finite))]) if np.isfinite(finite).any() else None
         pick = _pick(rows, per_layer, worst)
-        need = [int(i) for i in pick if setting is not None and a["has_load"][i] and (plan_here or not a["has_plan"][i])]
+        need = [
+            int(i) for i in pick if setting is not None and a["has_load"][i] and (plan_here or not a["has_plan"][i])
+        ]
         loads = dict(zip(need, trace.loads(need))) if need else {}
         samples = []
         for i in pick.tolist():
-            smp: dict[str, Any] = {"row": i, "step": int(a["step"][i]), "mb": int(a["microbatch"][i]),
-                                   "imb_before": _num(imb_b[i]), "imb_after": _num(imb_a[i]),
-                                   "before": _compact(before[i]) if a["has_load"][i] else None,
-                                   "after": None, "slot_src": None, "mc": None, "rd": None, "plan_source": None,
-                                   "times": {op: _num(a[f"time_{op}"][i] * 1e3) for op in OPS}}
+            smp: dict[str, Any] = {
+                "row": i,
+                "step": int(a["step"][i]),
+                "mb": int(a["microbatch"][i]),
+                "imb_before": _num(imb_b[i]),
+                "imb_after": _num(imb_a[i]),
+                "before": _compact(before[i]) if a["has_load"][i] else None,
+                "after": None,
+                "slot_src": None,
+                "mc": None,
+                "rd": None,
+                "plan_source": None,
+                "times": {op: _num(a[f"time_{op}"][i] * 1e3) for op in OPS},
+            }
             if i in loads:
                 from ..tools.whatif import plan_and_schedule
 
-                res, sched = plan_and_schedule(loads[i], pname, info["fabric"], slots, info["weight_bytes"],
-                                               info["grad_bytes"])
+                res, sched = plan_and_schedule(
+                    loads[i], pname, info["fabric"], slots, info["weight_bytes"], info["grad_bytes"]
+                )
                 st = schedule_stats(sched)
                 after = res.rank_load.astype(np.float64)
-                smp.update(after=_compact(after), slot_src=_ints(res.slot_src), plan_source=pname,
-                           mc=_stats_json(st["multicast"]), rd=_stats_json(st["reduce"]),
-                           imb_after=_num(after.max() / after.mean() if after.mean() > 0 else 1.0))
+                smp.update(
+                    after=_compact(after),
+                    slot_src=_ints(res.slot_src),
+                    plan_source=pname,
+                    mc=_stats_json(st["multicast"]),
+                    rd=_stats_json(st["reduce"]),
+                    imb_after=_num(after.max() / after.mean() if after.mean() > 0 else 1.0),
+                )
                 planned += 1
             elif a["has_plan"][i] and planner != "none":
-                smp.update(after=_compact(a["rank_load_after"][i]), slot_src=_ints(a["slot_src"][i]),
-                           plan_source="recorded")
+                smp.update(
+                    after=_compact(a["rank_load_after"][i]), slot_src=_ints(a["slot_src"][i]), plan_source="recorded"
+                )
                 if a["has_stats"][i]:
-                    smp.update(mc=_stats_json(_recorded_stats(trace, i, "multicast")),
-                               rd=_stats_json(_recorded_stats(trace, i, "reduce")))
+                    smp.update(
+                        mc=_stats_json(_recorded_stats(trace, i, "multicast")),
+                        rd=_stats_json(_recorded_stats(trace, i, "reduce")),
+                    )
             samples.append(smp)
         detail[str(layer)] = samples
 
     nsteps_mb = int(a["microbatch"].max()) + 1 if n else 0
-    meta = {"world": trace.world, "num_experts": trace.num_experts, "experts_per_rank": trace.experts_per_rank,
-            "slots_per_rank": int(max(trace.slots_per_rank, slots if setting is not None else 0)),
-            "detail": trace.detail, "records": n, "steps": int(ustep.size), "first_step": int(ustep[0]),
-            "last_step": int(ustep[-1]), "layers": _ints(layers), "microbatches": nsteps_mb,
-            "node_of": _ints(trace.node_of) if trace.node_of.size == trace.world else [0] * trace.world,
-            "source": trace.path or trace.meta.get("source") or "(in memory)",
-            "recorded_plans": int(a["has_plan"].sum()), "planned_here": planned,
-            "planner": pname if planned else ("recorded" if a["has_plan"].any() else None),
-            "fabric": info["fabric"].describe() if setting is not None else None,
-            "model": setting.model if setting is not None else trace.meta.get("model"),
-            "trace_meta": {k: v for k, v in trace.meta.items() if isinstance(v, (str, int, float, bool))},
-            "imbalance_before_mean": _num(np.nanmean(imb_b)) if np.isfinite(imb_b).any() else None,
-            "imbalance_after_mean": _num(np.nanmean(imb_a)) if np.isfinite(imb_a).any() else None,
-            "late_ops": trace.late_ops}
-    if setting is not None and meta["fabric"] is not None and trace.node_of.size == trace.world and not trace.node_of.any():
-        meta["node_of"] = _ints(info["fabric"].nodes[:trace.world])
-    return {"version": PAYLOAD_VERSION, "title": title or str(meta["source"]),
-            "meta": meta, "heat": _heat(trace, layers, ustep, sidx, max_cells, max_experts),
-            "series": _series(trace, layers, ustep, sidx, max_points), "detail": detail}
+    meta = {
+        "world": trace.world,
+        "num_experts": trace.num_experts,
+        "experts_per_rank": trace.experts_per_rank,
+        "slots_per_rank": int(max(trace.slots_per_rank, slots if setting is not None else 0)),
+        "detail": trace.detail,
+        "records": n,
+        "steps": int(ustep.size),
+        "first_step": int(ustep[0]),
+        "last_step": int(ustep[-1]),
+        "layers": _ints(layers),
+        "microbatches": nsteps_mb,
+        "node_of": _ints(trace.node_of) if trace.node_of.size == trace.world else [0] * trace.world,
+        "source": trace.path or trace.meta.get("source") or "(in memory)",
+        "recorded_plans": int(a["has_plan"].sum()),
+        "planned_here": planned,
+        "planner": pname if planned else ("recorded" if a["has_plan"].any() else None),
+        "fabric": info["fabric"].describe() if setting is not None else None,
+        "model": setting.model if setting is not None else trace.meta.get("model"),
+        "trace_meta": {k: v for k, v in trace.meta.items() if isinstance(v, (str, int, float, bool))},
+        "imbalance_before_mean": _num(np.nanmean(imb_b)) if np.isfinite(imb_b).any() else None,
+        "imbalance_after_mean": _num(np.nanmean(imb_a)) if np.isfinite(imb_a).any() else None,
+        "late_ops": trace.late_ops,
+    }
+    if (
+        setting is not None
+        and meta["fabric"] is not None
+        and trace.node_of.size == trace.world
+        and not trace.node_of.any()
+    ):
+        meta["node_of"] = _ints(info["fabric"].nodes[: trace.world])
+    return {
+        "version": PAYLOAD_VERSION,
+        "title": title or str(meta["source"]),
+        "meta": meta,
+        "heat": _heat(trace, layers, ustep, sidx, max_cells, max_experts),
+        "series": _series(trace, layers, ustep, sidx, max_points),
+        "detail": detail,
+    }

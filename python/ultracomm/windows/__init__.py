@@ -25,6 +25,7 @@ nvshmem      NVSHMEM symmetric heap, nvshmem_ptr peers (nvshmem4py)       CUDA (
 barrier before returning.  ``nvshmem`` (optional extra ``ultracomm[nvshmem]``) is named
 explicitly or taken by ``auto`` only when the others are not available here.
 """
+
 from __future__ import annotations
 
 import logging
@@ -43,9 +44,15 @@ from .torch_symm import TorchSymmWindow
 
 log = logging.getLogger("ultracomm")
 
-PROVIDERS = {"host_shm": HostShmWindow, "local": LocalWindow, "torch_symm": TorchSymmWindow,
-             "cuda_ipc": CudaIpcWindow, "cuda_local": CudaLocalWindow, "private": PrivateWindow,
-             "nvshmem": NvshmemWindow}
+PROVIDERS = {
+    "host_shm": HostShmWindow,
+    "local": LocalWindow,
+    "torch_symm": TorchSymmWindow,
+    "cuda_ipc": CudaIpcWindow,
+    "cuda_local": CudaLocalWindow,
+    "private": PrivateWindow,
+    "nvshmem": NvshmemWindow,
+}
 CPU_PROVIDERS = ("local", "host_shm")
 GPU_PROVIDERS = ("cuda_local", "torch_symm", "cuda_ipc", "nvshmem")  # auto's order of preference
 
@@ -73,8 +80,7 @@ def _auto(comm: Comm, device_type: str, allowed: Sequence[str] | None) -> str:
     raise NotAvailableError("ultracomm: no GPU window is available here: " + "; ".join(reasons))
 
 
-def resolve_provider(provider: str, comm: Comm, device_type: str = "cpu",
-                     allowed: Sequence[str] | None = None) -> str:
+def resolve_provider(provider: str, comm: Comm, device_type: str = "cpu", allowed: Sequence[str] | None = None) -> str:
     """``auto`` -> the best provider for ``device_type`` (``cpu``/``cuda``) among ``allowed``
     (the transport's providers; ``None``: any); other names are checked and returned."""
     if provider == "auto":
@@ -89,8 +95,14 @@ def resolve_provider(provider: str, comm: Comm, device_type: str = "cpu",
     return provider
 
 
-def open_window(provider: str, comm: Comm, nbytes: int, op: str = "window setup", device: Any = None,
-                reach: Sequence[bool] | None = None) -> Window:
+def open_window(
+    provider: str,
+    comm: Comm,
+    nbytes: int,
+    op: str = "window setup",
+    device: Any = None,
+    reach: Sequence[bool] | None = None,
+) -> Window:
     """Collectively create a window of ``nbytes`` per rank with ``provider`` (or ``auto``);
     bounded by ``comm.timeout_s``.  ``op`` names the caller's operation in errors.  ``device``:
     the CUDA device of a GPU provider (``None``: the current one); CPU providers take none.
@@ -105,5 +117,19 @@ def open_window(provider: str, comm: Comm, nbytes: int, op: str = "window setup"
     return PROVIDERS[name].create(comm, nbytes, op=op)
 
 
-__all__ = ["Window", "HostShmWindow", "LocalWindow", "CudaIpcWindow", "CudaLocalWindow", "TorchSymmWindow", "PrivateWindow", "NvshmemWindow",
-           "open_window", "resolve_provider", "device_type_of", "PROVIDERS", "CPU_PROVIDERS", "GPU_PROVIDERS"]
+__all__ = [
+    "Window",
+    "HostShmWindow",
+    "LocalWindow",
+    "CudaIpcWindow",
+    "CudaLocalWindow",
+    "TorchSymmWindow",
+    "PrivateWindow",
+    "NvshmemWindow",
+    "open_window",
+    "resolve_provider",
+    "device_type_of",
+    "PROVIDERS",
+    "CPU_PROVIDERS",
+    "GPU_PROVIDERS",
+]

@@ -1,4 +1,5 @@
 """The window interface shared by every provider."""
+
 from __future__ import annotations
 
 import abc

@@ -12,6 +12,7 @@ segments, which a raw ``cudaIpcGetMemHandle`` would not.
 CUDA IPC works between processes of one host; ranks on several hosts (a multi-node NVLink
 domain) need ``torch_symm``.  No new dependency: torch only.
 """
+
 from __future__ import annotations
 
 import socket
@@ -27,18 +28,35 @@ from .gpu_common import check_usable, zero_and_barrier
 
 def _export(local: torch.Tensor) -> dict:
     """What a peer needs to open ``local`` (picklable: bytes and ints)."""
-    (_dev, handle, size, offset, ref_handle, ref_offset, event_handle,
-     event_sync) = local.untyped_storage()._share_cuda_()
-    return dict(host=socket.gethostname(), handle=handle, storage_bytes=size, storage_offset=offset,
-                ref_handle=ref_handle, ref_offset=ref_offset, event_handle=event_handle,
-                event_sync=event_sync, tensor_offset=local.storage_offset(), nbytes=local.numel())
+    (_dev, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync) = (
+        local.untyped_storage()._share_cuda_()
+    )
+    return dict(
+        host=socket.gethostname(),
+        handle=handle,
+        storage_bytes=size,
+        storage_offset=offset,
+        ref_handle=ref_handle,
+        ref_offset=ref_offset,
+        event_handle=event_handle,
+        event_sync=event_sync,
+        tensor_offset=local.storage_offset(),
+        nbytes=local.numel(),
+    )
 
 
 def _open(peer: dict, device: torch.device) -> torch.UntypedStorage:
     """Map a peer's exported window into this process, on ``device`` (this rank's GPU)."""
     return torch.UntypedStorage._new_shared_cuda(
-        device.index, peer["handle"], peer["storage_bytes"], peer["storage_offset"], peer["ref_handle"],
-        peer["ref_offset"], peer["event_handle"], peer["event_sync"])
+        device.index,
+        peer["handle"],
+        peer["storage_bytes"],
+        peer["storage_offset"],
+        peer["ref_handle"],
+        peer["ref_offset"],
+        peer["event_handle"],
+        peer["event_sync"],
+    )
 
 
 class CudaIpcWindow(Window):
@@ -54,13 +72,16 @@ class CudaIpcWindow(Window):
     @staticmethod
     def unavailable_reason(comm: Comm) -> str | None:
         if comm.kind != "torch":
-            return "cuda_ipc exchanges handles between processes of a torch.distributed group; " \
-                   "for a LoopbackGroup use cuda_local"
+            return (
+                "cuda_ipc exchanges handles between processes of a torch.distributed group; "
+                "for a LoopbackGroup use cuda_local"
+            )
         return torch_cuda_reason()
 
     @classmethod
-    def create(cls, comm: Comm, nbytes: int, op: str = "window setup", device: Any = None,
-               reach: list[bool] | None = None) -> "CudaIpcWindow":
+    def create(
+        cls, comm: Comm, nbytes: int, op: str = "window setup", device: Any = None, reach: list[bool] | None = None
+    ) -> "CudaIpcWindow":
         """``reach`` (the GPU ``split`` transport): open only the ranks marked ``True`` (this rank's
         memory domain, one host); the others get ``peer_bases[r] == 0``."""
         check_usable(cls, comm)
@@ -75,8 +96,10 @@ class CudaIpcWindow(Window):
         local = mine["local"]
         hosts = sorted({e["host"] for r, e in enumerate(exports) if reach is None or reach[r]})
         if len(hosts) > 1:
-            raise ValueError(f"ultracomm: cuda_ipc needs every rank on one host, the group spans {hosts}; "
-                             "use window='torch_symm' for a multi-node NVLink domain")
+            raise ValueError(
+                f"ultracomm: cuda_ipc needs every rank on one host, the group spans {hosts}; "
+                "use window='torch_symm' for a multi-node NVLink domain"
+            )
 
         def open_peers() -> None:
             storages: list[Any] = []
@@ -91,8 +114,9 @@ class CudaIpcWindow(Window):
                     bases.append(0)
                     continue
                 if e["nbytes"] != nbytes:
-                    raise ValueError(f"rank {r}'s window has {e['nbytes']} bytes, this rank's {nbytes}: "
-                                     "ranks disagree on the layout")
+                    raise ValueError(
+                        f"rank {r}'s window has {e['nbytes']} bytes, this rank's {nbytes}: ranks disagree on the layout"
+                    )
                 s = _open(e, dev)
                 storages.append(s)
                 bases.append(s.data_ptr() + e["tensor_offset"])
@@ -109,7 +133,7 @@ class CudaIpcWindow(Window):
         storage = self._peer_storages[r]
         flat = torch.empty(0, dtype=torch.uint8, device=self.local.device).set_(storage)
         off = self.peer_bases[r] - storage.data_ptr()
-        return flat[off:off + self.nbytes]
+        return flat[off : off + self.nbytes]
 
     def close(self) -> None:
         self._peer_storages = []

@@ -6,6 +6,7 @@ allocation on the same device, and ``peer_bases`` are plain device addresses.  T
 transport launches all loopback ranks in one grid so that every rank's CTAs are resident
 together; ``shared`` (the domain's dict, one object for all ranks) is where its ranks meet.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -40,12 +41,17 @@ class CudaLocalWindow(Window):
     def create(cls, comm: Comm, nbytes: int, op: str = "window setup", device: Any = None) -> "CudaLocalWindow":
         check_usable(cls, comm)
         # loopback collectives share objects: peers get the tensors themselves
-        peers = comm.agree(lambda: torch.empty(nbytes, dtype=torch.uint8, device=resolve_device(device)), op=op,
-                           what="cuda_local window allocation")
+        peers = comm.agree(
+            lambda: torch.empty(nbytes, dtype=torch.uint8, device=resolve_device(device)),
+            op=op,
+            what="cuda_local window allocation",
+        )
         devices = [p.device.index for p in peers]
         if len(set(devices)) != 1:
-            raise ValueError(f"ultracomm: cuda_local puts every loopback rank on one GPU, but ranks chose devices "
-                             f"{devices}; pass the same device= on every rank")
+            raise ValueError(
+                f"ultracomm: cuda_local puts every loopback rank on one GPU, but ranks chose devices "
+                f"{devices}; pass the same device= on every rank"
+            )
         local = peers[comm.rank]
         zero_and_barrier(comm, local, op)
         return cls(comm.rank, comm.world, local, peers, comm.domain.shared)

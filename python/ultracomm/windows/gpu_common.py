@@ -6,6 +6,7 @@ the window is zeroed (flags hold epochs: 0 = nothing published yet), the zeroing
 finished on the device, and a barrier has passed: no peer can publish epoch 1 into a window
 that is still being cleared.
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -18,6 +18,7 @@ Unreached ranks get ``peer_bases[r] == 0``; their segments are never opened here
 Peer names are accepted only in the form this module generates, and only regular files
 are mapped: a name such as ``../../some/file`` is rejected before anything is opened.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -49,8 +50,10 @@ def check_segment_name(name: object, rank: int) -> str:
     """``name`` if it is a segment name this module generates for ``rank``; else ValueError."""
     m = _NAME.match(name) if isinstance(name, str) else None
     if m is None or int(m.group(3)) != rank:
-        raise ValueError(f"ultracomm: rank {rank} sent host_shm segment name {name!r}, which is not one ultracomm "
-                         f"generates for rank {rank} (ultracomm-<pid>-<12 hex digits>-r{rank}); refusing to open it")
+        raise ValueError(
+            f"ultracomm: rank {rank} sent host_shm segment name {name!r}, which is not one ultracomm "
+            f"generates for rank {rank} (ultracomm-<pid>-<12 hex digits>-r{rank}); refusing to open it"
+        )
     return name
 
 
@@ -116,7 +119,8 @@ def _map(path: str, nbytes: int, create: bool) -> mmap.mmap:
             except OSError as e:
                 raise RuntimeError(
                     f"ultracomm: cannot reserve {nbytes} bytes in {SHM_DIR} for the host_shm window ({e}); "
-                    f"free space there or enlarge it (containers: --shm-size)") from e
+                    f"free space there or enlarge it (containers: --shm-size)"
+                ) from e
         else:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -164,8 +168,9 @@ class HostShmWindow(Window):
         self.peer_bases = [0 if v is None else v.data_ptr() for v in views]
 
     @classmethod
-    def create(cls, comm: Comm, nbytes: int, op: str = "window setup",
-               reach: list[bool] | None = None) -> "HostShmWindow":
+    def create(
+        cls, comm: Comm, nbytes: int, op: str = "window setup", reach: list[bool] | None = None
+    ) -> "HostShmWindow":
         def choose_name() -> str:
             if not os.path.isdir(SHM_DIR):
                 raise RuntimeError(f"ultracomm: host_shm needs {SHM_DIR} (POSIX shared memory); it is missing here")
@@ -182,6 +187,7 @@ class HostShmWindow(Window):
         own: mmap.mmap | None = None
         maps: list[mmap.mmap | None] = []
         try:
+
             def create_own() -> str | None:
                 nonlocal own
                 for r, n in enumerate(names):  # every rank checks every name before anything is opened
@@ -200,7 +206,8 @@ class HostShmWindow(Window):
                 raise UltracommError(
                     f"ultracomm: host_shm segment names of ranks {taken} already exist in {SHM_DIR} "
                     f"({', '.join(names[r] for r in taken)}): another process holds them; they were left alone. "
-                    "Retry (names are random), and check what else writes to /dev/shm")
+                    "Retry (names are random), and check what else writes to /dev/shm"
+                )
 
             def map_peers() -> None:
                 for r, n in enumerate(names):
@@ -214,7 +221,8 @@ class HostShmWindow(Window):
                                 f"ultracomm: {op}: rank {comm.rank} could not map rank {r}'s host_shm segment "
                                 f"{os.path.join(SHM_DIR, n)}: it no longer exists, so rank {r} gave up this setup "
                                 "(timed out or failed) and removed it; this rank was likely stopped meanwhile. "
-                                "Create the Context again on every rank") from None
+                                "Create the Context again on every rank"
+                            ) from None
                     else:
                         maps.append(None)
 
@@ -253,5 +261,4 @@ def _is_name_for(name: object, rank: int) -> bool:
         return False
 
 
-__all__ = ["HostShmWindow", "SHM_DIR", "STALE_AFTER_S", "check_segment_name", "segment_name",
-           "sweep_stale_segments"]
+__all__ = ["HostShmWindow", "SHM_DIR", "STALE_AFTER_S", "check_segment_name", "segment_name", "sweep_stale_segments"]

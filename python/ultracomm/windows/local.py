@@ -1,4 +1,5 @@
 """``local`` windows: all ranks are threads of one process (loopback domains)."""
+
 from __future__ import annotations
 
 import torch

@@ -20,6 +20,7 @@ NVSHMEM.  A process that exits without it leaves the cleanup to NVSHMEM's own te
 Where nvshmem4py is not installed, or the machine has no GPU, the provider is "not available"
 with the reason (:class:`~ultracomm.cuda.support.NotAvailableError`), never an ImportError.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -46,14 +47,18 @@ def nvshmem_module() -> tuple[Optional[ModuleType], Optional[str]]:
     try:
         return importlib.import_module("nvshmem.core"), None
     except Exception as e:  # noqa: BLE001 - ImportError, or a missing shared library underneath
-        return None, (f"nvshmem4py does not import ({type(e).__name__}: {e}); install the optional extra "
-                      "ultracomm[nvshmem] (pip install nvshmem4py-cu13)")
+        return None, (
+            f"nvshmem4py does not import ({type(e).__name__}: {e}); install the optional extra "
+            "ultracomm[nvshmem] (pip install nvshmem4py-cu13)"
+        )
 
 
 def nvshmem_reason(comm: Optional[Comm] = None) -> Optional[str]:
     """Why the nvshmem window cannot work here (``None`` when it can be tried)."""
     if comm is not None and comm.kind != "torch":
-        return "nvshmem needs a torch.distributed process group (one process per GPU); for a LoopbackGroup use cuda_local"
+        return (
+            "nvshmem needs a torch.distributed process group (one process per GPU); for a LoopbackGroup use cuda_local"
+        )
     reasons = [r for r in (nvshmem_module()[1], torch_cuda_reason()) if r]
     return "; ".join(reasons) or None
 
@@ -76,7 +81,8 @@ def _init(nv: ModuleType, comm: Comm, dev: torch.device, op: str) -> None:
                 raise NotAvailableError(
                     f"ultracomm: window 'nvshmem' is not available: NVSHMEM is already initialised in this process for "
                     f"a group of {_STATE['group'][0]} ranks (as PE {_STATE['group'][1]}); every Context over nvshmem "
-                    "windows must use that group (call ultracomm.windows.nvshmem.finalize() first to switch)")
+                    "windows must use that group (call ultracomm.windows.nvshmem.finalize() first to switch)"
+                )
             return
     uid = comm.agree(lambda: _uid_bytes(nv) if comm.rank == 0 else None, op=op, what="nvshmem unique id")[0]
     try:  # cuda-core comes with nvshmem4py; older releases keep Device under .experimental
@@ -84,8 +90,17 @@ def _init(nv: ModuleType, comm: Comm, dev: torch.device, op: str) -> None:
     except ImportError:
         from cuda.core.experimental import Device
 
-    comm.agree(lambda: nv.init(device=Device(dev.index), uid=_uid_from(nv, uid), rank=comm.rank, nranks=comm.world,
-                               initializer_method="uid"), op=op, what="nvshmem init")
+    comm.agree(
+        lambda: nv.init(
+            device=Device(dev.index),
+            uid=_uid_from(nv, uid),
+            rank=comm.rank,
+            nranks=comm.world,
+            initializer_method="uid",
+        ),
+        op=op,
+        what="nvshmem init",
+    )
     with _LOCK:
         _STATE["group"] = (comm.world, comm.rank)
 
@@ -119,9 +134,11 @@ class NvshmemWindow(Window):
             for r in range(comm.world):
                 t = local if r == comm.rank else nv.get_peer_tensor(local, r)
                 if t is None or t.data_ptr() == 0:
-                    raise ValueError(f"ultracomm: rank {comm.rank} cannot reach rank {r}'s nvshmem window by load/store "
-                                     "(nvshmem_ptr is NULL: not in this NVLink domain); use transport='p2p' for ranks "
-                                     "across domains")
+                    raise ValueError(
+                        f"ultracomm: rank {comm.rank} cannot reach rank {r}'s nvshmem window by load/store "
+                        "(nvshmem_ptr is NULL: not in this NVLink domain); use transport='p2p' for ranks "
+                        "across domains"
+                    )
                 bases.append(t.data_ptr())
             return bases
 

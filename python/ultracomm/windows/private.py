@@ -6,6 +6,7 @@ every window, so the Context's replica views are unchanged), on the CPU or on th
 CUDA device.  ``peer_bases`` holds only this rank's own address (0 for peers): a transport
 that dereferences a peer's base cannot run over it, and says so when it checks its providers.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -40,8 +41,7 @@ class PrivateWindow(Window):
 
         pool: list[torch.Tensor] = []
         # only the outcome is exchanged (a torch group pickles what agree returns)
-        comm.agree(lambda: pool.append(page_aligned_zeros(nbytes, dev)), op=op,
-                   what="private replica pool allocation")
+        comm.agree(lambda: pool.append(page_aligned_zeros(nbytes, dev)), op=op, what="private replica pool allocation")
         return cls(comm.rank, comm.world, pool[0])
 
     def close(self) -> None:

@@ -9,6 +9,7 @@ torch's backend decides the mechanism (CUDA IPC within a host; fabric handles ac
 multi-node NVLink domain where the driver has them), which is why ``window="auto"``
 prefers this provider on process groups when torch has it.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -56,8 +57,10 @@ class TorchSymmWindow(Window):
         if comm.kind != "torch":
             return "torch_symm needs a torch.distributed process group; for a LoopbackGroup use cuda_local"
         if _symm_module() is None:
-            return (f"torch {torch.__version__} has no torch.distributed._symmetric_memory.empty/rendezvous "
-                    "(torch >= 2.5 has them); use window='cuda_ipc'")
+            return (
+                f"torch {torch.__version__} has no torch.distributed._symmetric_memory.empty/rendezvous "
+                "(torch >= 2.5 has them); use window='cuda_ipc'"
+            )
         return torch_cuda_reason()
 
     @classmethod
@@ -76,13 +79,14 @@ class TorchSymmWindow(Window):
                 symm.enable_symm_mem_for_group(name)
         # torch's rendezvous refuses two ranks on one device ("allocations from overlapping devices"):
         # say so, with the ranks and the provider that works there, before anything is allocated
-        where = comm.agree(lambda: (socket.gethostname(), device_uuid(dev)),
-                           op=op, what="torch_symm devices")
+        where = comm.agree(lambda: (socket.gethostname(), device_uuid(dev)), op=op, what="torch_symm devices")
         for r, w in enumerate(where):
             q = where.index(w)
             if q != r:
-                raise ValueError(f"ultracomm: window 'torch_symm' needs one GPU per rank, but ranks {q} and {r} use "
-                                 f"the same GPU ({dev} on {w[0]}); use window='cuda_ipc' for ranks that share a GPU")
+                raise ValueError(
+                    f"ultracomm: window 'torch_symm' needs one GPU per rank, but ranks {q} and {r} use "
+                    f"the same GPU ({dev} on {w[0]}); use window='cuda_ipc' for ranks that share a GPU"
+                )
         mine: dict[str, Any] = {}
 
         def allocate() -> None:  # everywhere first: a rank that cannot must not leave peers in rendezvous
@@ -96,8 +100,10 @@ class TorchSymmWindow(Window):
             ptrs = [int(p) for p in handle.buffer_ptrs]
             offset = local.data_ptr() - ptrs[comm.rank] if len(ptrs) == comm.world else -1
             if offset < 0:
-                raise RuntimeError(f"rendezvous returned {len(ptrs)} buffers (world {comm.world}) with this rank's "
-                                   f"tensor at offset {offset}")
+                raise RuntimeError(
+                    f"rendezvous returned {len(ptrs)} buffers (world {comm.world}) with this rank's "
+                    f"tensor at offset {offset}"
+                )
             mine["ptrs"] = ptrs
             return offset
 

@@ -75,6 +75,7 @@ Modules: :mod:`.tables` (the topology cost and the per-domain tables), :mod:`.si
 between phases 2 and 3), :mod:`.auction` (phase 3), :mod:`.backend` (compiled loops or the numpy
 reference); :func:`plan` (here) runs them.
 """
+
 from __future__ import annotations
 
 import math
@@ -161,9 +162,20 @@ def plan(
         raise ValueError(f"spill must be 'dynamic' or 'paper', got {spill!r}")
     load = as_load(load, domain)
     K = check_slots(slots_per_rank)
-    opts = dict(lam=lam, eps=eps, w_inter=w_inter, sinkhorn_iters=sinkhorn_iters,
-                price_step=price_step, auction_iters=auction_iters, backend=backend, tol=tol,
-                min_gain_frac=min_gain_frac, spill=spill, mutual=mutual, consolidate=consolidate)
+    opts = dict(
+        lam=lam,
+        eps=eps,
+        w_inter=w_inter,
+        sinkhorn_iters=sinkhorn_iters,
+        price_step=price_step,
+        auction_iters=auction_iters,
+        backend=backend,
+        tol=tol,
+        min_gain_frac=min_gain_frac,
+        spill=spill,
+        mutual=mutual,
+        consolidate=consolidate,
+    )
     two_pass = intra_first and domain.num_nodes > 1
     res, worst = _plan(load, domain, K, two_pass=two_pass, **opts)
     if not two_pass:
@@ -181,10 +193,25 @@ def plan(
     return res
 
 
-def _plan(load: np.ndarray, domain: Domain, K: int, *, lam: float, eps: float | None,
-          w_inter: float, sinkhorn_iters: int, price_step: float, auction_iters: int | None,
-          backend: str | None, tol: float, min_gain_frac: float, spill: str, mutual: bool,
-          two_pass: bool, consolidate: bool) -> tuple[PlannerResult, int]:
+def _plan(
+    load: np.ndarray,
+    domain: Domain,
+    K: int,
+    *,
+    lam: float,
+    eps: float | None,
+    w_inter: float,
+    sinkhorn_iters: int,
+    price_step: float,
+    auction_iters: int | None,
+    backend: str | None,
+    tol: float,
+    min_gain_frac: float,
+    spill: str,
+    mutual: bool,
+    two_pass: bool,
+    consolidate: bool,
+) -> tuple[PlannerResult, int]:
     """One TAOT run (see :func:`plan`); ``two_pass``: intra-node pairs first.  Returns the
     result and its most loaded rank's tokens (``result.rank_load.max()``, from the plan's
     integers without building ``rank_load``)."""
@@ -210,9 +237,28 @@ def _plan(load: np.ndarray, domain: Domain, K: int, *, lam: float, eps: float | 
     alpha = total / el.size  # mean * R / E
     if _use_cpp(backend):  # everything below, and build_result, in one C++ call: same results
         n, slot_src, quota, rep, ncons, rounds, worst = _core_mod.taot_run(
-            load, el, L, home, excess, spare, flow, Brr, bid, same.view(np.uint8), epr, K, tgt,
-            mg, alpha, spill == "dynamic", bool(mutual), bool(two_pass), bool(consolidate),
-            float(price_step), auction_iters)
+            load,
+            el,
+            L,
+            home,
+            excess,
+            spare,
+            flow,
+            Brr,
+            bid,
+            same.view(np.uint8),
+            epr,
+            K,
+            tgt,
+            mg,
+            alpha,
+            spill == "dynamic",
+            bool(mutual),
+            bool(two_pass),
+            bool(consolidate),
+            float(price_step),
+            auction_iters,
+        )
         if n == 0:
             return _none(load, domain, slot_src, info, L)
         if ncons >= 0:
@@ -250,8 +296,20 @@ def _plan(load: np.ndarray, domain: Domain, K: int, *, lam: float, eps: float | 
     if two_pass:
         allowed += allowed & same.take(hb, 0).take(ri, 1)
     # fresh arrays (fancy-indexed): _match may consume them
-    gs, rs = _match(cap, grp.astype(np.int64, copy=False), exc, spare[ri], static, allowed, K,
-                    ri.size, mg, mutual, two_pass, backend)
+    gs, rs = _match(
+        cap,
+        grp.astype(np.int64, copy=False),
+        exc,
+        spare[ri],
+        static,
+        allowed,
+        K,
+        ri.size,
+        mg,
+        mutual,
+        two_pass,
+        backend,
+    )
     e_c, r_c = np.nonzero(gs)
     if e_c.size == 0:
         return _none(load, domain, slot_src, info, L)
@@ -284,20 +342,20 @@ def _plan(load: np.ndarray, domain: Domain, K: int, *, lam: float, eps: float | 
     slot_quota = np.zeros((W, K), np.int64)
     slot_quota[r_m, k_m] = demand
     X, rounds = lagrangian_auction(
-        load, e_m, demand, Brr[:, r_m], price_step, auction_iters, slot_rank=r_m, backend=backend,
+        load, e_m, demand, Brr[:, r_m], price_step, auction_iters, slot_rank=r_m, backend=backend
     )
     info["auction_rounds"] = rounds
     rep = np.zeros((W, W, K), np.int64)
     rep[:, r_m, k_m] = X
     # most loaded rank: homes less what their replicas take, plus what slots take
-    fin = L - np.bincount(home[e_m], demand, W).astype(np.int64) + np.bincount(
-        r_m, demand, W).astype(np.int64)
+    fin = L - np.bincount(home[e_m], demand, W).astype(np.int64) + np.bincount(r_m, demand, W).astype(np.int64)
     res = build_result(load, domain, slot_src, slot_quota, info, replica_moves=rep, expert_load=el)
     return res, int(fin.max(initial=0))
 
 
-def _none(load: np.ndarray, domain: Domain, slot_src: np.ndarray, info: dict[str, Any],
-          L: np.ndarray) -> tuple[PlannerResult, int]:
+def _none(
+    load: np.ndarray, domain: Domain, slot_src: np.ndarray, info: dict[str, Any], L: np.ndarray
+) -> tuple[PlannerResult, int]:
     """:func:`_plan`'s result without replicas (each rank keeps its load ``L``)."""
     W, K = slot_src.shape
     res = build_result(load, domain, slot_src, np.zeros((W, K), np.int64), info)

@@ -1,5 +1,6 @@
 """TAOT phase 3: the Lagrangian auction that assigns each replica slot's tokens to the source
 ranks that hold them, exactly (integers)."""
+
 from __future__ import annotations
 
 import numpy as np

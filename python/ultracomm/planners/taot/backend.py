@@ -2,6 +2,7 @@
 ``taot_auction`` / ``taot_consolidate`` / ``taot_run``, csrc/planners/taot*.cpp) when it has them,
 else the numpy reference; ``backend="cpp"`` / ``"numpy"`` chooses explicitly.  Both give
 bit-identical plans."""
+
 from __future__ import annotations
 
 try:  # compiled loops (csrc/planners/taot.cpp); numpy reference otherwise

@@ -1,5 +1,6 @@
 """TAOT's consolidation (between phases 2 and 3): drop the replicas whose tokens fit into the
 home's other replicas or back home, within the balance target."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -56,8 +57,7 @@ def consolidate_replicas(
     for p in order.tolist():
         h, a, e = int(home[p]), int(amt[p]), int(expert[p])
         others = [q for q in range(n) if q != p and keep[q] and home[q] == h]
-        caps = [min(int(room[rank[q]]), int(left[expert[q]]) + (a if expert[q] == e else 0))
-                for q in others]
+        caps = [min(int(room[rank[q]]), int(left[expert[q]]) + (a if expert[q] == e else 0)) for q in others]
         if int(room[h]) + sum(caps) < a:
             continue
         keep[p] = False

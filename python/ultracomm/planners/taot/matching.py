@@ -1,5 +1,6 @@
 """TAOT phase 2: the column-first matching of spilling experts to cold ranks (which expert gets a
 replica where, and how many tokens it takes), and the paper's fixed per-expert spill."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -44,8 +45,17 @@ def _match(
     mg = max(int(min_gain), 1)
     if _use_cpp(backend):
         return _core_mod.taot_matching(
-            sp_e, grp, exc, sp_r, np.ascontiguousarray(static), allowed, int(K), int(n_inner),
-            mg, bool(mutual), bool(two_pass),
+            sp_e,
+            grp,
+            exc,
+            sp_r,
+            np.ascontiguousarray(static),
+            allowed,
+            int(K),
+            int(n_inner),
+            mg,
+            bool(mutual),
+            bool(two_pass),
         )
     ne, nr = static.shape
     gs = np.zeros((ne, nr), np.int64)
@@ -179,8 +189,7 @@ def column_first_matching(
     if two_pass:
         allowed += allowed & np.asarray(first_pass, bool)[np.ix_(ei, ri)]
     n_inner = ri.size if inner_iters is None else int(inner_iters)
-    gs, rs = _match(sp_e, grp, exc, sp_r, static, allowed, K, n_inner, min_gain, mutual,
-                    two_pass, backend)
+    gs, rs = _match(sp_e, grp, exc, sp_r, static, allowed, K, n_inner, min_gain, mutual, two_pass, backend)
     g[np.ix_(ei, ri)] = gs
     rnd[np.ix_(ei, ri)] = rs
     return g, rnd

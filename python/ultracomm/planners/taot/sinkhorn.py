@@ -1,5 +1,6 @@
 """TAOT phase 1: the rank-level balanced entropic optimal transport from hot ranks' excess to
 cold ranks' spare (Sinkhorn-Knopp), the hint phase 2 scores with."""
+
 from __future__ import annotations
 
 import numpy as np

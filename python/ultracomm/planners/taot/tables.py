@@ -1,6 +1,7 @@
 """TAOT's topology terms: the transport cost between ranks and the per-domain tables built
 from it (Sinkhorn kernel, topology preference, the auction's tie-broken bonus), cached per
 domain and options."""
+
 from __future__ import annotations
 
 import weakref

@@ -41,6 +41,7 @@ streams, fakes; the gate kernel compiles).  On an H200 (perf/gpu/README.md) the 
 (then with copy-engine copies) copied bit-exactly and refused graph capture; its stalled-peer and
 plan-mismatch paths hung or half-reported there.  The gates have not run on a device yet.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -56,10 +57,19 @@ from ...errors import UltracommError
 from ...cuda.loopback_launch import Deposit, launches_for
 from ...records import Op
 from .gate import KERNEL, PTX, THREADS, pack
-from .plan import (EPOCH, MAIN, Cmd, abort_addr, flag_addr, gate_commands, host_words, multicast_commands,
-                   submission_order, word_addr)
-from .watchdog import (KEPT, Pending, Watchdog, abandoned, device_watchdogs, pending_for, pinned_words,
-                                   quiesce)
+from .plan import (
+    EPOCH,
+    MAIN,
+    Cmd,
+    abort_addr,
+    flag_addr,
+    gate_commands,
+    host_words,
+    multicast_commands,
+    submission_order,
+    word_addr,
+)
+from .watchdog import KEPT, Pending, Watchdog, abandoned, device_watchdogs, pending_for, pinned_words, quiesce
 from ..base import Masters, Transport, op_digest
 
 __all__ = ["CopyEngineTransport"]
@@ -67,7 +77,6 @@ __all__ = ["CopyEngineTransport"]
 _READ_WAIT_S = 1.0  # bound on the watchdog's device reads (a side copy behind a blocked queue)
 _SIDE = -3  # stream key of the watchdog's reads (MAIN, DRAIN and ranks are the others)
 _KEPT = KEPT  # reduce kernels of transports whose streams were abandoned land here (see close)
-
 
 
 class CopyEngineTransport(Transport):
@@ -90,8 +99,9 @@ class CopyEngineTransport(Transport):
         self.device = window.local.device
         self._ordinal = torch.device(self.device).index or 0  # for Driver.bind (a CUDA tensor's has an index)
         self._loopback = bool(getattr(window, "loopback", False))
-        self._tma_kw = dict(rank=rank, world=world, window=window, wlayout=wlayout, layout=layout,
-                            timeout_s=timeout_s, **tma_kw)
+        self._tma_kw = dict(
+            rank=rank, world=world, window=window, wlayout=wlayout, layout=layout, timeout_s=timeout_s, **tma_kw
+        )
         self._tma = None
         self._streams: dict[int, torch.cuda.Stream] = {}
         self._cache: dict[int, list[Cmd]] = {}
@@ -122,8 +132,10 @@ class CopyEngineTransport(Transport):
                 require("transport 'tma'")
                 from ..tma import TmaTransport as cls
             except (NotAvailableError, ImportError) as e:
-                raise NotAvailableError(f"ultracomm: transport 'copy_engine' cannot reduce: its reduction is the tma "
-                                        f"transport's ordered reduction kernel, which is not available ({e})") from None
+                raise NotAvailableError(
+                    f"ultracomm: transport 'copy_engine' cannot reduce: its reduction is the tma "
+                    f"transport's ordered reduction kernel, which is not available ({e})"
+                ) from None
             common = {"rank", "world", "window", "wlayout", "layout", "timeout_s"}
             self._tma = cls(**{k: v for k, v in self._tma_kw.items() if k in common or k in cls.options})
         return self._tma
@@ -138,18 +150,35 @@ class CopyEngineTransport(Transport):
                 self._cache.clear()
                 self._retired += self._gated.values()  # a gate still queued may read them
                 self._gated.clear()
-            cmds = multicast_commands(self.rank, self.wlayout, list(self.window.peer_bases),
-                                      schedule.tasks(Op.MULTICAST, self.rank), schedule.refs(Op.MULTICAST, self.rank),
-                                      list(self.layout.weight_offsets), list(self.layout.weight_sizes),
-                                      list(masters.weight_ptrs), list(local_index_of), list(my_slots),
-                                      op_digest(schedule.digest, Op.MULTICAST), self._words.data_ptr(),
-                                      schedule.tree(Op.MULTICAST)[0][self.rank].tolist())
+            cmds = multicast_commands(
+                self.rank,
+                self.wlayout,
+                list(self.window.peer_bases),
+                schedule.tasks(Op.MULTICAST, self.rank),
+                schedule.refs(Op.MULTICAST, self.rank),
+                list(self.layout.weight_offsets),
+                list(self.layout.weight_sizes),
+                list(masters.weight_ptrs),
+                list(local_index_of),
+                list(my_slots),
+                op_digest(schedule.digest, Op.MULTICAST),
+                self._words.data_ptr(),
+                schedule.tree(Op.MULTICAST)[0][self.rank].tolist(),
+            )
             self._cache[key] = cmds
         return cmds
 
     def _pending(self, cmds: list[Cmd], epoch: int, digest: int, op_name: str | None) -> Pending:
-        return pending_for(cmds, epoch, digest, op_name, self.wlayout, self.window.peer_bases,
-                           word_addr(self._words.data_ptr(), None), self._abort_word())
+        return pending_for(
+            cmds,
+            epoch,
+            digest,
+            op_name,
+            self.wlayout,
+            self.window.peer_bases,
+            word_addr(self._words.data_ptr(), None),
+            self._abort_word(),
+        )
 
     def _abort_word(self) -> int:
         return abort_addr(self._words.data_ptr(), self.world)
@@ -196,8 +225,12 @@ class CopyEngineTransport(Transport):
             return
         handle = caller.cuda_stream if cmd.stream == MAIN else self._stream(cmd.stream).cuda_stream
         if cmd.kind == "gate":
-            self.driver.launch(self.driver.function(PTX, KERNEL), THREADS, handle,
-                               [ctypes.c_void_p(cmd.src), ctypes.c_uint64(epoch), ctypes.c_void_p(self._abort_word())])
+            self.driver.launch(
+                self.driver.function(PTX, KERNEL),
+                THREADS,
+                handle,
+                [ctypes.c_void_p(cmd.src), ctypes.c_uint64(epoch), ctypes.c_void_p(self._abort_word())],
+            )
         elif cmd.kind == "copy":
             self.driver.memcpy(cmd.addr, cmd.src, cmd.nbytes, handle)
         elif cmd.kind == "write":
@@ -206,8 +239,9 @@ class CopyEngineTransport(Transport):
             self.driver.wait_value(handle, cmd.addr, value, equal=cmd.kind == "wait_eq")
 
     @staticmethod
-    def _enqueue(items: Sequence[tuple["CopyEngineTransport", list[Cmd], Pending | None]], epoch: int,
-                 stream: int) -> None:
+    def _enqueue(
+        items: Sequence[tuple["CopyEngineTransport", list[Cmd], Pending | None]], epoch: int, stream: int
+    ) -> None:
         """Enqueue ranks' commands (one rank, or every rank of a loopback domain) on ``stream``
         and their internal streams, in :func:`submission_order`; the watchdogs watch first."""
         for t, _, p in items:
@@ -223,22 +257,39 @@ class CopyEngineTransport(Transport):
             # write, and an operation whose `started` word is never written has no clock.  Fail
             # every rank's watchdog: the joins are released, the streams count as abandoned.
             for t, _, _ in items:
-                t._dog.fail(UltracommError(f"ultracomm: rank {t.rank}: enqueueing a copy_engine operation (epoch "
-                                           f"{epoch}) failed: {e}"))
+                t._dog.fail(
+                    UltracommError(
+                        f"ultracomm: rank {t.rank}: enqueueing a copy_engine operation (epoch {epoch}) failed: {e}"
+                    )
+                )
             raise
 
-    def run(self, op: Op, schedule, epoch: int, masters: Masters, my_slots: Sequence[int],
-            local_index_of: Sequence[int], op_name: str | None = None, *, stream: int) -> bool:
+    def run(
+        self,
+        op: Op,
+        schedule,
+        epoch: int,
+        masters: Masters,
+        my_slots: Sequence[int],
+        local_index_of: Sequence[int],
+        op_name: str | None = None,
+        *,
+        stream: int,
+    ) -> bool:
         """Enqueue ``op`` at ``epoch`` on ``stream`` (a ``cudaStream_t`` as int) and return: ``True``
         when this call enqueued work, ``False`` for a loopback rank's share that the rank
         completing the set enqueues."""
         op = Op(int(op))
         if self._dog.failure is not None:
-            raise UltracommError(f"ultracomm: rank {self.rank} {op_name or op.name.lower()}: an earlier copy_engine "
-                                 f"operation failed ({self._dog.failure}); create a new Context")
+            raise UltracommError(
+                f"ultracomm: rank {self.rank} {op_name or op.name.lower()}: an earlier copy_engine "
+                f"operation failed ({self._dog.failure}); create a new Context"
+            )
         if torch.cuda.is_current_stream_capturing():
-            raise UltracommError("ultracomm: transport 'copy_engine' cannot be captured in a CUDA graph (its stream "
-                                 "commands carry each operation's epoch as a literal); use transport='tma'")
+            raise UltracommError(
+                "ultracomm: transport 'copy_engine' cannot be captured in a CUDA graph (its stream "
+                "commands carry each operation's epoch as a literal); use transport='tma'"
+            )
         if op == Op.REDUCE:
             done = self._reducer().run(op, schedule, epoch, masters, my_slots, local_index_of, op_name, stream=stream)
             return done is not False
@@ -253,8 +304,10 @@ class CopyEngineTransport(Transport):
     def _deposit(self, op: Op, epoch: int, stream: int, item: tuple) -> bool:
         def launch(deps: Sequence[Deposit]) -> None:
             e = max(d.epoch for d in deps)  # every rank's epoch, as one launch of the tma kernel
-            items = [(t, cmds, t._pending(cmds, e, dg, name) if dg is not None else None)
-                     for t, cmds, dg, name in (d.item for d in deps)]
+            items = [
+                (t, cmds, t._pending(cmds, e, dg, name) if dg is not None else None)
+                for t, cmds, dg, name in (d.item for d in deps)
+            ]
             self._enqueue(items, e, stream)
 
         return launches_for(self.window).deposit(Deposit(self.rank, int(op), int(epoch), int(stream), item), launch)
@@ -266,9 +319,10 @@ class CopyEngineTransport(Transport):
         from ... import _core
 
         me = self.window.peer_bases[self.rank]
-        cmds = [Cmd("write", MAIN, flag_addr(self.wlayout, me, "digest", op=Op(op)), int(_core.REJECTED_DIGEST),
-                    phase=0),
-                Cmd("write", MAIN, flag_addr(self.wlayout, me, "ready", op=Op(op)), phase=0)]
+        cmds = [
+            Cmd("write", MAIN, flag_addr(self.wlayout, me, "digest", op=Op(op)), int(_core.REJECTED_DIGEST), phase=0),
+            Cmd("write", MAIN, flag_addr(self.wlayout, me, "ready", op=Op(op)), phase=0),
+        ]
         with torch.cuda.device(self.device):
             if self._loopback:
                 self._deposit(Op(op), epoch, stream, (self, cmds, None, None))
@@ -285,7 +339,7 @@ class CopyEngineTransport(Transport):
             side = self._stream(_SIDE)
             n = self._scratch.numel()
             for i in range(0, len(addrs), n):
-                part = addrs[i:i + n]
+                part = addrs[i : i + n]
                 for j, a in enumerate(part):
                     self.driver.memcpy(self._scratch.data_ptr() + 8 * j, a, 8, side.cuda_stream)
                 ev = torch.cuda.Event()

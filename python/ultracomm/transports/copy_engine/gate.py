@@ -7,6 +7,7 @@ then copies and writes its flags, or, aborted, does nothing.  The PTX below is w
 current); the driver JIT-compiles it once per process (``cuModuleLoadData``), so the transport
 needs no nvcc and no rebuilt ``_cuda``.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -34,8 +35,9 @@ def descriptor(gate: Cmd) -> np.ndarray:
     copies = [p for p in gate.parts if p.kind == "copy"]
     writes = [p for p in gate.parts if p.kind == "write"]
     if len(waits) + len(copies) + len(writes) != len(gate.parts):
-        raise ValueError(f"ultracomm: a copy_engine gate holds only waits, copies and writes, got "
-                         f"{[p.kind for p in gate.parts]}")
+        raise ValueError(
+            f"ultracomm: a copy_engine gate holds only waits, copies and writes, got {[p.kind for p in gate.parts]}"
+        )
     words = [len(waits), len(copies), len(writes), 0]
     for p in waits:
         words += [p.addr, _v(p.value), 1 if p.kind == "wait_eq" else 0]

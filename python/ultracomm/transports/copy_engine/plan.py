@@ -45,6 +45,7 @@ so even streams that share a hardware queue never hold work that a queued wait d
 Commands carry absolute addresses; values are ``EPOCH`` (this operation's epoch) or a literal.
 :func:`simulate` executes every rank's commands of a loopback domain over host memory.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -57,12 +58,24 @@ import numpy as np
 from ...records import MASTER, Op
 from ..segments import member_segments
 
-__all__ = ["Cmd", "EPOCH", "MAIN", "DRAIN", "host_words", "word_addr", "abort_addr", "multicast_commands",
-           "gate_commands", "submission_order", "simulate", "geq"]
+__all__ = [
+    "Cmd",
+    "EPOCH",
+    "MAIN",
+    "DRAIN",
+    "host_words",
+    "word_addr",
+    "abort_addr",
+    "multicast_commands",
+    "gate_commands",
+    "submission_order",
+    "simulate",
+    "geq",
+]
 
-EPOCH = -1   # value placeholder: the operation's epoch
-MAIN = -1    # stream key of the caller's stream (others: the destination rank, or DRAIN)
-DRAIN = -2   # stream key of the stream that waits for this rank's own arrivals
+EPOCH = -1  # value placeholder: the operation's epoch
+MAIN = -1  # stream key of the caller's stream (others: the destination rank, or DRAIN)
+DRAIN = -2  # stream key of the stream that waits for this rank's own arrivals
 
 # FlagKind (include/ultracomm/records/error_record.h) of a wait, for the watchdog's error records
 FLAG_NONE, FLAG_READY, FLAG_ARRIVAL = 0, 1, 2
@@ -123,10 +136,21 @@ def flag_addr(wl: dict, base: int, kind: str, slot: int = 0, chunk: int = 0, op:
     return base + wl["arrival_off"] + 8 * (slot * wl["weight_chunks"] + chunk)
 
 
-def multicast_commands(rank: int, wl: dict, bases: Sequence[int], tasks: np.ndarray, refs: np.ndarray,
-                       member_off: Sequence[int], member_bytes: Sequence[int], master_ptrs: Sequence[int],
-                       local_index_of: Sequence[int], my_slots: Sequence[int], digest: int, words: int,
-                       slot_parent: Optional[Sequence[int]] = None) -> list[Cmd]:
+def multicast_commands(
+    rank: int,
+    wl: dict,
+    bases: Sequence[int],
+    tasks: np.ndarray,
+    refs: np.ndarray,
+    member_off: Sequence[int],
+    member_bytes: Sequence[int],
+    master_ptrs: Sequence[int],
+    local_index_of: Sequence[int],
+    my_slots: Sequence[int],
+    digest: int,
+    words: int,
+    slot_parent: Optional[Sequence[int]] = None,
+) -> list[Cmd]:
     """Rank ``rank``'s commands for one multicast, in submission order (``master_ptrs[i * M + m]``:
     member ``m`` of local expert ``i``; ``bases``: every rank's window as addressed here;
     ``words``: this rank's host words (:func:`host_words`); ``slot_parent[s]``: the rank that
@@ -134,40 +158,71 @@ def multicast_commands(rank: int, wl: dict, bases: Sequence[int], tasks: np.ndar
     me = bases[rank]
     nm = len(member_off)
     parent = list(slot_parent) if slot_parent is not None else [-1] * len(my_slots)
-    cmds = [Cmd("write", MAIN, flag_addr(wl, me, "digest"), digest, what="digest", phase=0),
-            Cmd("write", MAIN, flag_addr(wl, me, "ready"), what="ready", phase=0),
-            Cmd("write", MAIN, word_addr(words, None), what="started", phase=0),
-            Cmd("fork", MAIN, phase=0)]
+    cmds = [
+        Cmd("write", MAIN, flag_addr(wl, me, "digest"), digest, what="digest", phase=0),
+        Cmd("write", MAIN, flag_addr(wl, me, "ready"), what="ready", phase=0),
+        Cmd("write", MAIN, word_addr(words, None), what="started", phase=0),
+        Cmd("fork", MAIN, phase=0),
+    ]
     streams: list[int] = []
     relay_waited: set[tuple[int, int, int]] = set()
     for ti, t in enumerate(tasks):
         c, e, self_slot = int(t["chunk"]), int(t["expert"]), int(t["self_slot"])
         off, nb, order = int(t["offset"]), int(t["bytes"]), (c, int(t["level"]))
         at = dict(order=order, task=ti, expert=e, chunk=c)
-        for ref in refs[int(t["ref_begin"]):int(t["ref_begin"]) + int(t["ref_count"])]:
+        for ref in refs[int(t["ref_begin"]) : int(t["ref_begin"]) + int(t["ref_count"])]:
             d, s = int(ref["rank"]), int(ref["slot"])
             if d not in streams:
                 streams.append(d)
                 cmds.append(Cmd("forked", d, **at))
-                cmds.append(Cmd("wait", d, flag_addr(wl, bases[d], "ready"), flag=FLAG_READY, slot=s, peer=d,
-                                what=f"rank {d} to start the operation (ready flag; expert {e} chunk {c} slot {s})",
-                                **at))
-                cmds.append(Cmd("wait_eq", d, flag_addr(wl, bases[d], "digest"), digest, flag=FLAG_READY, slot=s,
-                                peer=d, what=f"rank {d} to run this plan (digest; expert {e} chunk {c} slot {s})",
-                                **at))
+                cmds.append(
+                    Cmd(
+                        "wait",
+                        d,
+                        flag_addr(wl, bases[d], "ready"),
+                        flag=FLAG_READY,
+                        slot=s,
+                        peer=d,
+                        what=f"rank {d} to start the operation (ready flag; expert {e} chunk {c} slot {s})",
+                        **at,
+                    )
+                )
+                cmds.append(
+                    Cmd(
+                        "wait_eq",
+                        d,
+                        flag_addr(wl, bases[d], "digest"),
+                        digest,
+                        flag=FLAG_READY,
+                        slot=s,
+                        peer=d,
+                        what=f"rank {d} to run this plan (digest; expert {e} chunk {c} slot {s})",
+                        **at,
+                    )
+                )
             if self_slot != MASTER and (d, self_slot, c) not in relay_waited:
                 relay_waited.add((d, self_slot, c))
-                cmds.append(Cmd("wait", d, flag_addr(wl, me, "arrival", self_slot, c), flag=FLAG_ARRIVAL,
-                                slot=self_slot, peer=parent[self_slot],
-                                what=f"expert {e} chunk {c} to arrive in its relay slot {self_slot}", **at))
+                cmds.append(
+                    Cmd(
+                        "wait",
+                        d,
+                        flag_addr(wl, me, "arrival", self_slot, c),
+                        flag=FLAG_ARRIVAL,
+                        slot=self_slot,
+                        peer=parent[self_slot],
+                        what=f"expert {e} chunk {c} to arrive in its relay slot {self_slot}",
+                        **at,
+                    )
+                )
             for m, lo, hi in member_segments(off, nb, member_off, member_bytes):
                 if self_slot == MASTER:
                     src = master_ptrs[local_index_of[e] * nm + m] + lo - member_off[m]
                 else:
                     src = slot_addr(wl, me, self_slot) + lo
                 cmds.append(Cmd("copy", d, slot_addr(wl, bases[d], s) + lo, src=src, nbytes=hi - lo, **at))
-            cmds.append(Cmd("write", d, flag_addr(wl, bases[d], "arrival", s, c),
-                            what=f"arrival expert {e} chunk {c}", **at))
+            cmds.append(
+                Cmd("write", d, flag_addr(wl, bases[d], "arrival", s, c), what=f"arrival expert {e} chunk {c}", **at)
+            )
     for d in streams:
         cmds.append(Cmd("write", d, word_addr(words, d), what=f"done[{d}]", phase=2))
     filled = [(s, e) for s, e in enumerate(my_slots) if e >= 0]
@@ -176,9 +231,20 @@ def multicast_commands(rank: int, wl: dict, bases: Sequence[int], tasks: np.ndar
         cmds.append(Cmd("forked", DRAIN, phase=2))
         for s, e in filled:
             for c in range(wl["weight_chunks"]):
-                cmds.append(Cmd("wait", DRAIN, flag_addr(wl, me, "arrival", s, c), flag=FLAG_ARRIVAL, expert=e,
-                                chunk=c, slot=s, peer=parent[s], phase=2,
-                                what=f"expert {e} chunk {c} to arrive in slot {s}"))
+                cmds.append(
+                    Cmd(
+                        "wait",
+                        DRAIN,
+                        flag_addr(wl, me, "arrival", s, c),
+                        flag=FLAG_ARRIVAL,
+                        expert=e,
+                        chunk=c,
+                        slot=s,
+                        peer=parent[s],
+                        phase=2,
+                        what=f"expert {e} chunk {c} to arrive in slot {s}",
+                    )
+                )
         cmds.append(Cmd("write", DRAIN, word_addr(words, DRAIN), what="done[drain]", phase=2))
     cmds += [Cmd("wait", MAIN, word_addr(words, k), what=f"join: stream {k} done", phase=3) for k in streams]
     return cmds
@@ -197,8 +263,16 @@ def gate_commands(cmds: Sequence[Cmd], words: int, nwords: int) -> list[Cmd]:
         i = open_at.pop(stream, None)
         if i is not None:
             ps = parts.pop(stream)
-            out[i] = dataclasses.replace(ps[0], kind="gate", addr=0, value=EPOCH, src=0, nbytes=0,
-                                         what=f"gate: {ps[0].what or ps[0].kind}", parts=tuple(ps))
+            out[i] = dataclasses.replace(
+                ps[0],
+                kind="gate",
+                addr=0,
+                value=EPOCH,
+                src=0,
+                nbytes=0,
+                what=f"gate: {ps[0].what or ps[0].kind}",
+                parts=tuple(ps),
+            )
 
     for c in cmds:
         host = c.kind == "write" and words <= c.addr < words + 8 * nwords
@@ -251,9 +325,15 @@ def _u64(addr: int) -> ctypes.c_uint64:
     return ctypes.c_uint64.from_address(addr)
 
 
-def simulate(programs: Sequence[Sequence[Cmd]], epoch: int, seed: int = 0,
-             on_stall: Optional[Callable[[list], bool]] = None, max_rounds: int = 10**6,
-             aborts: Optional[Sequence[int]] = None, skipped: Optional[list] = None) -> list:
+def simulate(
+    programs: Sequence[Sequence[Cmd]],
+    epoch: int,
+    seed: int = 0,
+    on_stall: Optional[Callable[[list], bool]] = None,
+    max_rounds: int = 10**6,
+    aborts: Optional[Sequence[int]] = None,
+    skipped: Optional[list] = None,
+) -> list:
     """Run every rank's commands over host memory with per-stream FIFO order, picking a ready
     stream at random each step (``seed``).  When no stream can move: without ``on_stall``,
     ``RuntimeError`` naming the stuck waits (a deadlock in the command order); with it,
@@ -296,8 +376,10 @@ def simulate(programs: Sequence[Sequence[Cmd]], epoch: int, seed: int = 0,
         if not runnable:
             stuck = [(k[0], k[1], queues[k][pos[k]]) for k in live]
             if on_stall is None:
-                raise RuntimeError("copy_engine commands deadlock: " + "; ".join(
-                    f"rank {r} stream {s}: {c.kind} {c.what}" for r, s, c in stuck))
+                raise RuntimeError(
+                    "copy_engine commands deadlock: "
+                    + "; ".join(f"rank {r} stream {s}: {c.kind} {c.what}" for r, s, c in stuck)
+                )
             if on_stall(stuck):
                 continue
             return stuck

@@ -27,6 +27,7 @@ own high-priority stream, bounded (1 s): where that stream shares a hardware que
 one the read may not finish, and the operation then fails at the timeout with a message that
 names no flag.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -85,6 +86,8 @@ def pinned_words(n: int) -> torch.Tensor:
     """``n`` zeroed int64 words of pinned host memory (``cudaHostAlloc``: mapped, so the pointer is
     also the device address with unified addressing): the host words stream waits and writes use."""
     return torch.zeros(n, dtype=torch.int64, pin_memory=True)
+
+
 _TIMEOUT, _MISMATCH, _REJECTED = 1, 2, 3
 
 
@@ -116,13 +119,24 @@ class Pending:
     extra: dict = field(default_factory=dict)
 
 
-def pending_for(cmds: Sequence[Cmd], epoch: int, digest: int, op_name: Optional[str], wl: dict,
-                bases: Sequence[int], started: int, abort: int = 0) -> Pending:
+def pending_for(
+    cmds: Sequence[Cmd],
+    epoch: int,
+    digest: int,
+    op_name: Optional[str],
+    wl: dict,
+    bases: Sequence[int],
+    started: int,
+    abort: int = 0,
+) -> Pending:
     """What the watchdog watches of one rank's multicast commands (:func:`multicast_commands`):
     its internal streams' waits, the peers they name, the caller's joins."""
     waits = [c for c in cmds if c.kind in ("wait", "wait_eq") and c.stream != MAIN]
-    peers = {c.peer: (flag_addr(wl, bases[c.peer], "ready"), flag_addr(wl, bases[c.peer], "digest"))
-             for c in waits if c.peer >= 0}
+    peers = {
+        c.peer: (flag_addr(wl, bases[c.peer], "ready"), flag_addr(wl, bases[c.peer], "digest"))
+        for c in waits
+        if c.peer >= 0
+    }
     joins = [c.addr for c in cmds if c.kind == "wait" and c.stream == MAIN]
     return Pending(epoch, int(Op.MULTICAST), op_name, digest, started, joins, waits, peers, abort=abort)
 
@@ -135,9 +149,17 @@ class Watchdog:
     thread every ``poll_s`` while operations are in flight.
     """
 
-    def __init__(self, rank: int, timeout_s: float, read_device: Callable[[Sequence[int]], Optional[list[int]]],
-                 *, check_s: Optional[float] = None, poll_s: float = 2e-3, clock: Callable[[], float] = time.monotonic,
-                 rejected_digest: int = int(_core.REJECTED_DIGEST)):
+    def __init__(
+        self,
+        rank: int,
+        timeout_s: float,
+        read_device: Callable[[Sequence[int]], Optional[list[int]]],
+        *,
+        check_s: Optional[float] = None,
+        poll_s: float = 2e-3,
+        clock: Callable[[], float] = time.monotonic,
+        rejected_digest: int = int(_core.REJECTED_DIGEST),
+    ):
         self.rank, self.timeout_s = rank, float(timeout_s)
         self.check_s = float(check_s) if check_s is not None else min(0.05, self.timeout_s / 4)
         self.poll_s, self.clock, self.read_device = float(poll_s), clock, read_device
@@ -235,7 +257,7 @@ class Watchdog:
         words = self.read_device([c.addr for c in p.waits] + [a for r in peers for a in p.peers[r]])
         if words is None:
             return self._untraced(p) if expired else None
-        flags, pw = words[:len(p.waits)], words[len(p.waits):]
+        flags, pw = words[: len(p.waits)], words[len(p.waits) :]
         state = {r: (pw[2 * i], pw[2 * i + 1]) for i, r in enumerate(peers)}
         blocked, seen = [], set()
         for c, v in zip(p.waits, flags):
@@ -264,8 +286,19 @@ class Watchdog:
         return self._error(p, c, _TIMEOUT, observed=v, peer_ready=ready if ready is not None else (1 << 64) - 1)
 
     def _error(self, p: Pending, c: Cmd, code: int, **kw) -> BaseException:
-        rec = make_error_record(code, self.rank, p.op, p.epoch, flag_kind=c.flag, task=c.task,
-                                expert=c.expert, chunk=c.chunk, slot=c.slot, peer=c.peer, **kw)
+        rec = make_error_record(
+            code,
+            self.rank,
+            p.op,
+            p.epoch,
+            flag_kind=c.flag,
+            task=c.task,
+            expert=c.expert,
+            chunk=c.chunk,
+            slot=c.slot,
+            peer=c.peer,
+            **kw,
+        )
         try:
             raise_record(rec, p.op_name, self.timeout_s)
         except Exception as e:  # noqa: BLE001 - kept, raised by check_error
@@ -276,14 +309,16 @@ class Watchdog:
         return UltracommTimeout(
             f"ultracomm: rank {self.rank} {p.op_name or 'weight_sync'} (multicast) epoch {p.epoch} timed out after "
             f"{self.timeout_s:g} s waiting for its copies to complete (no flag it waits for is missing, or the "
-            f"flags could not be read; timeout ULTRACOMM_TIMEOUT_S)")
+            f"flags could not be read; timeout ULTRACOMM_TIMEOUT_S)"
+        )
 
     # -- the thread ----------------------------------------------------------------------------
     def start(self) -> None:
         with self._lock:
             if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name=f"ultracomm-ce-watchdog-{self.rank}",
-                                                daemon=True)
+                self._thread = threading.Thread(
+                    target=self._loop, name=f"ultracomm-ce-watchdog-{self.rank}", daemon=True
+                )
                 self._thread.start()
 
     def _loop(self) -> None:

@@ -1,4 +1,5 @@
 """The host transport: runs a rank's task list with the C++ host executor (``_core.run_host``)."""
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -21,8 +22,19 @@ class HostTransport(Transport):
     window_flags = True
     names_by_evidence = True
 
-    def __init__(self, *, rank: int, world: int, window, wlayout: dict, layout, num_workers: int,
-                 timeout_s: float, jitter_us: int = 0, peer_bases: Sequence[int] | None = None):
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world: int,
+        window,
+        wlayout: dict,
+        layout,
+        num_workers: int,
+        timeout_s: float,
+        jitter_us: int = 0,
+        peer_bases: Sequence[int] | None = None,
+    ):
         """``peer_bases``: the pointer table to run over instead of ``window.peer_bases`` (the
         ``split`` transport's shadows stand in for ranks in other memory domains)."""
         self.rank, self.world = rank, world
@@ -48,8 +60,11 @@ class HostTransport(Transport):
         if args is None:
             if len(self._cache) >= 128:
                 self._cache.clear()
-            args = (schedule.tasks(op, self.rank), schedule.refs(op, self.rank),
-                    schedule.tree(op)[0][self.rank].tolist())
+            args = (
+                schedule.tasks(op, self.rank),
+                schedule.refs(op, self.rank),
+                schedule.tree(op)[0][self.rank].tolist(),
+            )
             self._cache[key] = args
         return args
 
@@ -57,12 +72,29 @@ class HostTransport(Transport):
         """This rank rejected its plan for ``op`` at ``epoch``: publish it in its window instead of
         running the op, so every peer that exchanges data with it raises PlanMismatchError at once."""
         L = self.wlayout
-        _core.publish_rejection(int(op), self.rank, epoch, self._bases[self.rank], L["slots"], L["weight_slot_bytes"],
-                                L["grad_slot_bytes"], L["chunk_bytes"])
+        _core.publish_rejection(
+            int(op),
+            self.rank,
+            epoch,
+            self._bases[self.rank],
+            L["slots"],
+            L["weight_slot_bytes"],
+            L["grad_slot_bytes"],
+            L["chunk_bytes"],
+        )
 
-    def run(self, op: Op, schedule, epoch: int, masters: Masters, my_slots: Sequence[int],
-            local_index_of: Sequence[int], op_name: str | None = None, abort_word: int = 0,
-            lists: tuple | None = None) -> None:
+    def run(
+        self,
+        op: Op,
+        schedule,
+        epoch: int,
+        masters: Masters,
+        my_slots: Sequence[int],
+        local_index_of: Sequence[int],
+        op_name: str | None = None,
+        abort_word: int = 0,
+        lists: tuple | None = None,
+    ) -> None:
         """Run ``op`` of ``schedule`` for this rank at ``epoch``; blocks until done here.
         ``op_name`` (``weight_sync``, ``restore``, ``grad_reduce``) names the operation in errors;
         ``abort_word``: address of a uint64 that stops the run once nonzero (``_core.run_host``);
@@ -76,8 +108,21 @@ class HostTransport(Transport):
         else:
             member_off, member_bytes, ptrs = self._grad_members + (masters.grad_ptrs,)
         try:
-            self._run_host(op, epoch, tasks, refs, slot_parent, member_off, member_bytes, ptrs, my_slots,
-                           local_index_of, op_name, op_digest(schedule.digest, op), abort_word)
+            self._run_host(
+                op,
+                epoch,
+                tasks,
+                refs,
+                slot_parent,
+                member_off,
+                member_bytes,
+                ptrs,
+                my_slots,
+                local_index_of,
+                op_name,
+                op_digest(schedule.digest, op),
+                abort_word,
+            )
         except _core.TimeoutError as e:
             witness = self.witness
             if witness is not None:  # blame by evidence (ultracomm.blame): heartbeats, failure words, records
@@ -98,16 +143,48 @@ class HostTransport(Transport):
             return None
         # a pointer that differs from the window's is a stand-in (split shadows), not the peer's flags
         readable = [b != 0 and b == w for b, w in zip(self._bases, own)]
-        return stopped_note(message, epoch, self.rank,
-                            latest_epochs(self._bases, readable, self.wlayout["ready_off"]))
+        return stopped_note(message, epoch, self.rank, latest_epochs(self._bases, readable, self.wlayout["ready_off"]))
 
-    def _run_host(self, op, epoch, tasks, refs, slot_parent, member_off, member_bytes, ptrs, my_slots,
-                  local_index_of, op_name, digest, abort_word) -> None:
+    def _run_host(
+        self,
+        op,
+        epoch,
+        tasks,
+        refs,
+        slot_parent,
+        member_off,
+        member_bytes,
+        ptrs,
+        my_slots,
+        local_index_of,
+        op_name,
+        digest,
+        abort_word,
+    ) -> None:
         _core.run_host(
-            int(op), self.rank, self.world, epoch,
-            self.wlayout["slots"], self.wlayout["weight_slot_bytes"], self.wlayout["grad_slot_bytes"],
-            self.wlayout["chunk_bytes"], self._bases, member_off, member_bytes, list(ptrs), list(local_index_of),
-            self._grad_code, list(my_slots), tasks, refs,
-            self.num_workers, self.timeout_s, self.jitter_us, epoch,
-            slot_parent=slot_parent, op_name=op_name, digest=digest, abort_word=abort_word,
+            int(op),
+            self.rank,
+            self.world,
+            epoch,
+            self.wlayout["slots"],
+            self.wlayout["weight_slot_bytes"],
+            self.wlayout["grad_slot_bytes"],
+            self.wlayout["chunk_bytes"],
+            self._bases,
+            member_off,
+            member_bytes,
+            list(ptrs),
+            list(local_index_of),
+            self._grad_code,
+            list(my_slots),
+            tasks,
+            refs,
+            self.num_workers,
+            self.timeout_s,
+            self.jitter_us,
+            epoch,
+            slot_parent=slot_parent,
+            op_name=op_name,
+            digest=digest,
+            abort_word=abort_word,
         )

@@ -12,6 +12,7 @@ Only windows this process maps can be read (host_shm, local; in the split transp
 this rank's memory domain): the p2p transport's private windows and other domains' shadows
 are not the peers' flags.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -28,8 +29,9 @@ def latest_epochs(bases: Sequence[int], readable: Sequence[bool], ready_off: int
     out = {}
     for r, (base, ok) in enumerate(zip(bases, readable)):
         if ok and base:
-            out[r] = max(ctypes.c_uint64.from_address(base + ready_off + 8 * int(op)).value
-                         for op in (Op.MULTICAST, Op.REDUCE))
+            out[r] = max(
+                ctypes.c_uint64.from_address(base + ready_off + 8 * int(op)).value for op in (Op.MULTICAST, Op.REDUCE)
+            )
     return out
 
 
@@ -45,7 +47,12 @@ def stopped_note(message: str, epoch: int, rank: int, latest: dict[int, int]) ->
         return None
     first_epoch, first = behind[0]
     listed = ", ".join(f"rank {r} at epoch {e}" for e, r in behind)
-    started = (f"rank {awaited} started this operation and likely waits in turn; "
-               if awaited is not None and latest.get(awaited, -1) >= epoch else "")
-    return (f"{started}by their ready flags, {len(behind)} rank(s) have not started this operation ({listed}): "
-            f"rank {first} stopped first (latest epoch {first_epoch}) and is likely the stalled or dead rank")
+    started = (
+        f"rank {awaited} started this operation and likely waits in turn; "
+        if awaited is not None and latest.get(awaited, -1) >= epoch
+        else ""
+    )
+    return (
+        f"{started}by their ready flags, {len(behind)} rank(s) have not started this operation ({listed}): "
+        f"rank {first} stopped first (latest epoch {first_epoch}) and is likely the stalled or dead rank"
+    )

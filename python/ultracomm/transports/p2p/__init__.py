@@ -25,6 +25,7 @@ operations on that group from another thread while an ultracomm operation is in 
 ``LoopbackGroup`` (ranks as threads) the messages go through in-process mailboxes
 (:mod:`ultracomm.transports.p2p.messengers`).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -75,8 +76,10 @@ class P2PTransport(Transport):
         self.messenger = messenger_for(comm, world, self.device)
         #: the alpha-beta costs the Context builds this transport's schedules with (chunk, tree)
         self.message_costs = costs_for_backend(getattr(self.messenger, "backend", "gloo"))
-        self._members = {Op.MULTICAST: (list(layout.weight_offsets), list(layout.weight_sizes)),
-                         Op.REDUCE: (list(layout.grad_offsets), list(layout.grad_sizes))}
+        self._members = {
+            Op.MULTICAST: (list(layout.weight_offsets), list(layout.weight_sizes)),
+            Op.REDUCE: (list(layout.grad_offsets), list(layout.grad_sizes)),
+        }
         self._programs: dict[tuple[int, int], Program] = {}
         #: per op, the last (schedule, masters, local index map) run and its binding, compared by identity
         self._last: dict[Op, tuple] = {}
@@ -88,24 +91,41 @@ class P2PTransport(Transport):
         """This rank's (cached) message program of ``op`` for ``schedule``."""
         mo, mb = self._members[op]
         slot_bytes = self.wlayout["weight_slot_bytes" if op == Op.MULTICAST else "grad_slot_bytes"]
-        return cached_program(self._programs, schedule, op, self.world, lambda slot_src, home_of: build_program(
-            op, schedule, self.rank, schedule.tasks(op, self.rank), schedule.refs(op, self.rank), slot_src, home_of,
-            schedule.chunk_bytes, slot_bytes, mo, mb), _CACHE)
+        return cached_program(
+            self._programs,
+            schedule,
+            op,
+            self.world,
+            lambda slot_src, home_of: build_program(
+                op,
+                schedule,
+                self.rank,
+                schedule.tasks(op, self.rank),
+                schedule.refs(op, self.rank),
+                slot_src,
+                home_of,
+                schedule.chunk_bytes,
+                slot_bytes,
+                mo,
+                mb,
+            ),
+            _CACHE,
+        )
 
     def _slot_bytes(self, op: Op, slot: int, lo: int, hi: int) -> torch.Tensor:
         if op == Op.MULTICAST:
             base = self.wlayout["weights_off"] + self.wlayout["weight_stride"] * slot
         else:
             base = self.wlayout["grads_off"] + self.wlayout["grad_stride"] * slot
-        return self.window.local[base + lo:base + hi]
+        return self.window.local[base + lo : base + hi]
 
     def _master_bytes(self, members: tuple, li: int, m: int, member_off: int, lo: int, hi: int) -> torch.Tensor:
         t = members[m]
         if isinstance(t, torch.Tensor):
             flat = _flat_bytes(t)
             per = flat.numel() // t.shape[0]
-            return flat[li * per + lo - member_off:li * per + hi - member_off]
-        return _flat_bytes(t[li])[lo - member_off:hi - member_off]
+            return flat[li * per + lo - member_off : li * per + hi - member_off]
+        return _flat_bytes(t[li])[lo - member_off : hi - member_off]
 
     # ------------------------------------------------------------------ run
     def bound(self, op: Op, prog: Program, masters: Masters, local_index_of: Sequence[int]) -> Bound:
@@ -126,12 +146,26 @@ class P2PTransport(Transport):
                     return self._master_bytes(members, lio[expert], m, member_off[m], lo, hi)
                 return self._slot_bytes(op, self_slot, lo, hi)
 
-            b = cache[key] = bind(prog, op, source, lambda slot, lo, hi: self._slot_bytes(op, slot, lo, hi),
-                                  self.device, self.layout.grad_dtype)
+            b = cache[key] = bind(
+                prog,
+                op,
+                source,
+                lambda slot, lo, hi: self._slot_bytes(op, slot, lo, hi),
+                self.device,
+                self.layout.grad_dtype,
+            )
         return b
 
-    def run(self, op: Op, schedule, epoch: int, masters: Masters, my_slots: Sequence[int],
-            local_index_of: Sequence[int], op_name: str | None = None) -> None:
+    def run(
+        self,
+        op: Op,
+        schedule,
+        epoch: int,
+        masters: Masters,
+        my_slots: Sequence[int],
+        local_index_of: Sequence[int],
+        op_name: str | None = None,
+    ) -> None:
         """Run ``op`` of ``schedule`` for this rank at ``epoch``; blocks until this rank's messages
         are done.  ``op_name`` (``weight_sync``, ``restore``, ``grad_reduce``) names the operation
         in errors."""
@@ -160,9 +194,13 @@ def with_evidence(e: BaseException, witness, epoch: int, op_name: str, since: fl
     peer = getattr(e, "peer", None)
     if witness is None or peer is None or "by evidence" in str(e):
         return e
-    why = witness.explain(epoch, f"{op_name} message with rank {peer} failed",
-                          [peer, *getattr(e, "also_awaited", ())], [peer] if getattr(e, "closed", False) else [],
-                          since=since)
+    why = witness.explain(
+        epoch,
+        f"{op_name} message with rank {peer} failed",
+        [peer, *getattr(e, "also_awaited", ())],
+        [peer] if getattr(e, "closed", False) else [],
+        since=since,
+    )
     out = UltracommTimeout(f"{e}; {why}")
     out.peer, out.closed = peer, getattr(e, "closed", False)
     return out
@@ -176,7 +214,7 @@ class _Run:
         self.t, self.op, self.b = t, op, bound
         self.op_name, self.epoch = op_name, epoch
         self.works: list[Any] = [None] * len(bound.messages)  # a coalesced batch: the batch's one Work
-        self.done: set[int] = set()           # ids of Works that completed
+        self.done: set[int] = set()  # ids of Works that completed
         self.in_flight: list[list[int]] = []
         self.timeout = datetime.timedelta(seconds=t.timeout_s)
         self.started = time.monotonic()
@@ -197,8 +235,9 @@ class _Run:
         self.done.add(id(work))
 
     def fail(self, msg: Message, incoming: bool, cause: BaseException, posting: bool = False) -> NoReturn:
-        err = peer_failure(self.where, self.describe(msg, incoming), msg.src if incoming else msg.dst,
-                           self.t.timeout_s, cause, posting)
+        err = peer_failure(
+            self.where, self.describe(msg, incoming), msg.src if incoming else msg.dst, self.t.timeout_s, cause, posting
+        )
         err.also_awaited = self.unfinished_peers()
         raise err from None
 
@@ -224,10 +263,16 @@ class _Run:
         """What a wait was for: the peer, the expert, the chunk and the bytes."""
         what = f"expert {msg.expert} chunk {msg.chunk} (bytes [{msg.lo}, {msg.hi}) of"
         if self.op == Op.MULTICAST:
-            return (f"receive {what} its slot {msg.slot}) from rank {msg.src}" if incoming else
-                    f"send {what} rank {msg.dst}'s slot {msg.slot}) to rank {msg.dst}")
-        return (f"receive {what} rank {msg.src}'s grad slot {msg.slot}) from rank {msg.src}" if incoming else
-                f"send {what} its grad slot {msg.slot}) to rank {msg.dst}")
+            return (
+                f"receive {what} its slot {msg.slot}) from rank {msg.src}"
+                if incoming
+                else f"send {what} rank {msg.dst}'s slot {msg.slot}) to rank {msg.dst}"
+            )
+        return (
+            f"receive {what} rank {msg.src}'s grad slot {msg.slot}) from rank {msg.src}"
+            if incoming
+            else f"send {what} its grad slot {msg.slot}) to rank {msg.dst}"
+        )
 
     def post(self, wave: BoundWave) -> None:
         if not wave.ops:

@@ -7,6 +7,7 @@ a small operation.  So the slices are made once per (program, masters, local ind
 kept; an operation then only posts and waits.  Receive buffers are the program's own (one
 operation at a time per transport), so a binding's tensors stay valid for its program's life.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,16 +37,16 @@ class BoundReduce:
 
     dst: torch.Tensor
     sources: list[int]
-    bufs: list[torch.Tensor]            # the sources' receive buffers (uint8), in order
+    bufs: list[torch.Tensor]  # the sources' receive buffers (uint8), in order
     fast: Optional[tuple[torch.Tensor, list[torch.Tensor]]]  # (dst as fp32, sources as dtype)
 
 
 @dataclasses.dataclass
 class BoundWave:
     reduces: list[BoundReduce]
-    deps: list[int]                     # multicast: received message ids a relay's sends wait for
+    deps: list[int]  # multicast: received message ids a relay's sends wait for
     ops: list[tuple[str, torch.Tensor, int, int]]  # (kind, tensor, peer, tag), sends first
-    ids: list[int]                      # message id of each op
+    ids: list[int]  # message id of each op
 
 
 @dataclasses.dataclass
@@ -56,8 +57,14 @@ class Bound:
     messages: list[Message]
 
 
-def bind(prog: Program, op: Op, source: Callable[[int, int, int, int, int], torch.Tensor],
-         slot_bytes: Callable[[int, int, int], torch.Tensor], device: Any, dtype: torch.dtype) -> Bound:
+def bind(
+    prog: Program,
+    op: Op,
+    source: Callable[[int, int, int, int, int], torch.Tensor],
+    slot_bytes: Callable[[int, int, int], torch.Tensor],
+    device: Any,
+    dtype: torch.dtype,
+) -> Bound:
     """Bind ``prog``: ``source(expert, self_slot, member, lo, hi)`` gives a send's bytes (or a
     reduce's destination), ``slot_bytes(slot, lo, hi)`` a multicast receive's target."""
     ids: dict[Message, int] = {}
@@ -80,8 +87,12 @@ def bind(prog: Program, op: Op, source: Callable[[int, int, int, int, int], torc
             d = _typed_view(dst, dtype)
             srcs = [_typed_view(b, dtype) for b in bufs]
             fast = None
-            if dtype == torch.float32 and d is not None and d.data_ptr() == dst.data_ptr() \
-                    and all(s is not None for s in srcs):
+            if (
+                dtype == torch.float32
+                and d is not None
+                and d.data_ptr() == dst.data_ptr()
+                and all(s is not None for s in srcs)
+            ):
                 fast = (d, srcs)
             reduces.append(BoundReduce(dst, [mid(m) for m in item.sources], bufs, fast))
         deps: list[int] = []

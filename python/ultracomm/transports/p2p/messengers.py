@@ -13,6 +13,7 @@ handle (NCCL completes a coalesced batch as a whole).
   pair.  It makes ``transport="p2p"`` usable on loopback domains, where the test suite runs
   it for many plans without starting processes.
 """
+
 from __future__ import annotations
 
 import collections
@@ -38,11 +39,14 @@ class TorchMessenger:
     def __init__(self, group: Any, world: int, device: torch.device):
         backend = self.backend = str(dist.get_backend(group)).lower()
         if device.type == "cpu" and "gloo" not in backend:
-            raise ValueError(f"ultracomm: transport 'p2p' on the CPU needs a gloo process group, this one is "
-                             f"{backend!r}; create the Context with device='cuda' for NCCL, or use a gloo group")
+            raise ValueError(
+                f"ultracomm: transport 'p2p' on the CPU needs a gloo process group, this one is "
+                f"{backend!r}; create the Context with device='cuda' for NCCL, or use a gloo group"
+            )
         if device.type == "cuda" and "nccl" not in backend:
-            raise ValueError(f"ultracomm: transport 'p2p' on {device} needs an NCCL process group, this one is "
-                             f"{backend!r}")
+            raise ValueError(
+                f"ultracomm: transport 'p2p' on {device} needs an NCCL process group, this one is {backend!r}"
+            )
         self._group_ref = weakref.ref(group)  # weak, as in TorchComm: ultracomm must not keep a destroyed group alive
         self._rank = dist.get_rank(group)
         self.global_rank = [dist.get_global_rank(group, r) for r in range(world)]
@@ -70,8 +74,10 @@ class TorchMessenger:
                 except RuntimeError as e:  # a peer's connection is gone
                     raise PostError(i, e) from None
             return works
-        p2p = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, self.global_rank[peer], group, tag)
-               for kind, tensor, peer, tag in ops]
+        p2p = [
+            dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, self.global_rank[peer], group, tag)
+            for kind, tensor, peer, tag in ops
+        ]
         try:
             works = dist.batch_isend_irecv(p2p)
         except RuntimeError as e:
@@ -80,8 +86,9 @@ class TorchMessenger:
         return [whole] * len(ops)
 
 
-def peer_failure(where: str, what: str, peer: int, timeout_s: float, cause: BaseException | None,
-                 posting: bool = False) -> UltracommTimeout:
+def peer_failure(
+    where: str, what: str, peer: int, timeout_s: float, cause: BaseException | None, posting: bool = False
+) -> UltracommTimeout:
     """The error for a message to or from ``peer`` that did not complete: posting refused at once,
     the connection lost while waiting (gloo notices a dead peer's closed socket asynchronously, so
     a dead peer gives either), or the wait ran out of time."""
@@ -95,9 +102,11 @@ def peer_failure(where: str, what: str, peer: int, timeout_s: float, cause: Base
     detail = f" ({type(cause).__name__}: {text})" if cause is not None else ""
     # who stopped is for the evidence to say (ultracomm.blame: P2PTransport.run adds it); the peer may be
     # alive and waiting in turn, or have raised and left
-    err = UltracommTimeout(f"ultracomm: {where} {how} (timeout ULTRACOMM_TIMEOUT_S={timeout_s:g}); the peer, rank "
-                           f"{peer}, did not complete it: stalled, dead, failed earlier or in a different "
-                           f"operation{detail}")
+    err = UltracommTimeout(
+        f"ultracomm: {where} {how} (timeout ULTRACOMM_TIMEOUT_S={timeout_s:g}); the peer, rank "
+        f"{peer}, did not complete it: stalled, dead, failed earlier or in a different "
+        f"operation{detail}"
+    )
     err.peer = peer
     err.closed = bool(posting or (cause is not None and "timed out" not in how and "gave up" not in how))
     return err
@@ -147,12 +156,16 @@ class _Receive:
         b = self.boxes
         with b.cv:
             if not b.cv.wait_for(lambda: len(b.boxes[self.key]) > 0, timeout=timeout.total_seconds()):
-                raise TimeoutError(f"loopback p2p: nothing from rank {self.key[0]} with tag {self.key[2]} within "
-                                   f"{timeout.total_seconds():g} s")
+                raise TimeoutError(
+                    f"loopback p2p: nothing from rank {self.key[0]} with tag {self.key[2]} within "
+                    f"{timeout.total_seconds():g} s"
+                )
             data = b.boxes[self.key].popleft()
         if data.numel() != self.out.numel():
-            raise RuntimeError(f"loopback p2p: rank {self.key[0]} sent {data.numel()} bytes with tag {self.key[2]}, "
-                               f"rank {self.key[1]} expected {self.out.numel()}")
+            raise RuntimeError(
+                f"loopback p2p: rank {self.key[0]} sent {data.numel()} bytes with tag {self.key[2]}, "
+                f"rank {self.key[1]} expected {self.out.numel()}"
+            )
         self.out.copy_(data)
         self.done = True
         return True
@@ -188,11 +201,15 @@ def messenger_for(comm: Any, world: int, device: torch.device):
     kind = getattr(comm, "kind", None)
     if kind == "loopback":
         if device.type != "cpu":
-            raise ValueError("ultracomm: transport 'p2p' on a LoopbackGroup runs on the CPU only; use transport='tma' "
-                             "with a cuda_local window for one-GPU loopback domains")
+            raise ValueError(
+                "ultracomm: transport 'p2p' on a LoopbackGroup runs on the CPU only; use transport='tma' "
+                "with a cuda_local window for one-GPU loopback domains"
+            )
         return LoopbackMessenger(comm)
     group = getattr(comm, "pg", None)
     if kind != "torch" or group is None:
-        raise ValueError(f"ultracomm: transport 'p2p' needs a torch.distributed process group or a LoopbackGroup, "
-                         f"got {type(comm).__name__}")
+        raise ValueError(
+            f"ultracomm: transport 'p2p' needs a torch.distributed process group or a LoopbackGroup, "
+            f"got {type(comm).__name__}"
+        )
     return TorchMessenger(group, world, device)

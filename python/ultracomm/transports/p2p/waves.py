@@ -20,6 +20,7 @@ the global tree (``Schedule.tree``), because a rank's schedule holds only its ow
 :func:`build_program` checks that its tasks agree with the tree, so a mismatch is a clear
 error here, not a hang.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -75,8 +76,8 @@ class ReduceItem:
     member: int
     lo: int
     hi: int
-    self_slot: int                  # MASTER or the relay's own slot
-    sources: tuple[Message, ...]    # the received messages, in summation order
+    self_slot: int  # MASTER or the relay's own slot
+    sources: tuple[Message, ...]  # the received messages, in summation order
 
 
 @dataclasses.dataclass
@@ -120,8 +121,9 @@ class Program:
         return sum(x.msg.hi - x.msg.lo for w in self.waves for x in w.sends)
 
 
-def cached_program(cache: dict, schedule, op: Op, world: int, build: Callable[[np.ndarray, np.ndarray], Any],
-                   limit: int = 128) -> Any:
+def cached_program(
+    cache: dict, schedule, op: Op, world: int, build: Callable[[np.ndarray, np.ndarray], Any], limit: int = 128
+) -> Any:
     """``cache``'s entry for (``schedule``, ``op``), made by ``build(slot_src [world, slots], home_of [E])``
     (the plan's arrays, int64) when missing; the cache is emptied when it reaches ``limit`` entries."""
     key = (schedule.digest, int(op))
@@ -130,8 +132,9 @@ def cached_program(cache: dict, schedule, op: Op, world: int, build: Callable[[n
         if len(cache) >= limit:
             cache.clear()
         inp = schedule.inputs()
-        prog = cache[key] = build(np.asarray(inp["slot_src"], dtype=np.int64).reshape(world, -1),
-                                  np.asarray(inp["home_of"], dtype=np.int64))
+        prog = cache[key] = build(
+            np.asarray(inp["slot_src"], dtype=np.int64).reshape(world, -1), np.asarray(inp["home_of"], dtype=np.int64)
+        )
     return prog
 
 
@@ -167,13 +170,25 @@ def reduce_heights(schedule, slot_src: np.ndarray, home_of: np.ndarray) -> tuple
 
 def _check(ok: bool, what: str) -> None:
     if not ok:
-        raise ValueError(f"ultracomm p2p: the schedule's tasks and trees disagree: {what}; rebuild the schedule "
-                         "with this build of ultracomm")
+        raise ValueError(
+            f"ultracomm p2p: the schedule's tasks and trees disagree: {what}; rebuild the schedule "
+            "with this build of ultracomm"
+        )
 
 
-def build_program(op: Op, schedule, rank: int, tasks: np.ndarray, refs: np.ndarray, slot_src: np.ndarray,
-                  home_of: np.ndarray, chunk_bytes: int, slot_bytes: int, member_off: Sequence[int],
-                  member_bytes: Sequence[int]) -> Program:
+def build_program(
+    op: Op,
+    schedule,
+    rank: int,
+    tasks: np.ndarray,
+    refs: np.ndarray,
+    slot_src: np.ndarray,
+    home_of: np.ndarray,
+    chunk_bytes: int,
+    slot_bytes: int,
+    member_off: Sequence[int],
+    member_bytes: Sequence[int],
+) -> Program:
     """Rank ``rank``'s :class:`Program` of ``op`` from its task list (``tasks``/``refs``), the
     schedule's global trees and the plan (``slot_src [world, slots]``, ``home_of [E]``)."""
     op = Op(op)
@@ -194,8 +209,10 @@ def build_program(op: Op, schedule, rank: int, tasks: np.ndarray, refs: np.ndarr
             e = int(slot_src[rank, s])
             if e >= 0:
                 p = int(pr[rank, s])
-                _check(0 <= p < world and p != rank, f"rank {rank} slot {s} (expert {e}) has {op.name.lower()} "
-                       f"tree parent rank {p}")
+                _check(
+                    0 <= p < world and p != rank,
+                    f"rank {rank} slot {s} (expert {e}) has {op.name.lower()} tree parent rank {p}",
+                )
                 yield s, e, p
 
     if op == Op.MULTICAST:
@@ -204,9 +221,11 @@ def build_program(op: Op, schedule, rank: int, tasks: np.ndarray, refs: np.ndarr
             c, e, me_slot = int(t["chunk"]), int(t["expert"]), int(t["self_slot"])
             for d, s in _refs_of(t, refs):
                 _check(d != rank, f"rank {rank} copies expert {e} to its own slot {s}")
-                _check((int(pr[d, s]), int(ps[d, s])) == (rank, me_slot),
-                       f"rank {rank} copies expert {e} to rank {d} slot {s}, whose tree parent is "
-                       f"({int(pr[d, s])}, {int(ps[d, s])})")
+                _check(
+                    (int(pr[d, s]), int(ps[d, s])) == (rank, me_slot),
+                    f"rank {rank} copies expert {e} to rank {d} slot {s}, whose tree parent is "
+                    f"({int(pr[d, s])}, {int(ps[d, s])})",
+                )
                 for m, lo, hi in segs(c):
                     sends.append(SendItem(Message(c + int(depth[d, s]) - 1, rank, d, s, c, m, lo, hi, e), me_slot))
         for s, e, p in own_slots():
@@ -224,13 +243,17 @@ def build_program(op: Op, schedule, rank: int, tasks: np.ndarray, refs: np.ndarr
         for i, t in enumerate(tasks):
             c, e, me_slot = int(t["chunk"]), int(t["expert"]), int(t["self_slot"])
             h = master_h.get(e) if me_slot == MASTER else int(height[rank, me_slot])
-            _check(h is not None and h >= 1, f"rank {rank} reduces expert {e} into slot {me_slot}, which has no children")
+            _check(
+                h is not None and h >= 1, f"rank {rank} reduces expert {e} into slot {me_slot}, which has no children"
+            )
             srcs = _refs_of(t, refs)
             for q, s in srcs:
                 _check(q != rank, f"rank {rank} reduces its own slot {s} into expert {e}")
-                _check((int(pr[q, s]), int(ps[q, s])) == (rank, me_slot),
-                       f"rank {rank} pulls expert {e} from rank {q} slot {s}, whose tree parent is "
-                       f"({int(pr[q, s])}, {int(ps[q, s])})")
+                _check(
+                    (int(pr[q, s]), int(ps[q, s])) == (rank, me_slot),
+                    f"rank {rank} pulls expert {e} from rank {q} slot {s}, whose tree parent is "
+                    f"({int(pr[q, s])}, {int(ps[q, s])})",
+                )
             for m, lo, hi in segs(c):
                 got = [Message(c + int(height[q, s]), q, rank, s, c, m, lo, hi, e) for q, s in srcs]
                 recvs.extend(got)
@@ -252,8 +275,10 @@ def build_program(op: Op, schedule, rank: int, tasks: np.ndarray, refs: np.ndarr
     for msg in recvs:
         waves[msg.wave].recvs.append(tagged(msg))
     for w, item in reduces:
-        _check(all(x.wave < w for x in item.sources),
-               f"rank {rank} reduces expert {item.expert} chunk {item.chunk} before its sources arrive")
+        _check(
+            all(x.wave < w for x in item.sources),
+            f"rank {rank} reduces expert {item.expert} chunk {item.chunk} before its sources arrive",
+        )
         waves[w].reduces.append(dataclasses.replace(item, sources=tuple(tagged(x) for x in item.sources)))
     for wave in waves:
         wave.sends.sort(key=lambda x: (x.msg.dst, x.msg.order()))
@@ -265,7 +290,7 @@ def build_program(op: Op, schedule, rank: int, tasks: np.ndarray, refs: np.ndarr
 def _refs_of(task, refs: np.ndarray) -> list[tuple[int, int]]:
     """A task's ``(rank, slot)`` refs, in list order."""
     b = int(task["ref_begin"])
-    return [(int(x["rank"]), int(x["slot"])) for x in refs[b:b + int(task["ref_count"])]]
+    return [(int(x["rank"]), int(x["slot"])) for x in refs[b : b + int(task["ref_count"])]]
 
 
 def _by_pair(msgs: list[Message]) -> dict[tuple[int, int], list[Message]]:

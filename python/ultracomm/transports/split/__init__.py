@@ -28,6 +28,7 @@ relays round their partials, so the bits follow the tree).  Both routes give the
 executor's bytes for the schedule (tests/test_split.py runs both).  Ranks pick alike: the
 route is a function of the schedule.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -86,19 +87,35 @@ class SplitTransport(Transport):
     options = frozenset({"comm", "num_workers", "jitter_us", "domain_of", "split_route"})
     names_by_evidence = True
 
-    def __init__(self, *, comm: Any, rank: int, world: int, window, wlayout: dict, layout, num_workers: int,
-                 timeout_s: float, jitter_us: int = 0, domain_of: Sequence[int] | None = None,
-                 split_route: str = "auto"):
+    def __init__(
+        self,
+        *,
+        comm: Any,
+        rank: int,
+        world: int,
+        window,
+        wlayout: dict,
+        layout,
+        num_workers: int,
+        timeout_s: float,
+        jitter_us: int = 0,
+        domain_of: Sequence[int] | None = None,
+        split_route: str = "auto",
+    ):
         if domain_of is None or len(domain_of) != world:
-            raise ValueError(f"ultracomm: transport 'split' needs domain_of, one memory domain per rank ({world}); "
-                             f"got {domain_of!r}")
+            raise ValueError(
+                f"ultracomm: transport 'split' needs domain_of, one memory domain per rank ({world}); got {domain_of!r}"
+            )
         if split_route not in ("auto", "split", "messages"):
-            raise ValueError(f"ultracomm: transport 'split': split_route must be auto, split or messages; got "
-                             f"{split_route!r}")
+            raise ValueError(
+                f"ultracomm: transport 'split': split_route must be auto, split or messages; got {split_route!r}"
+            )
         if window.local.device.type != "cpu":
-            raise ValueError("ultracomm: SplitTransport runs on the CPU (host executor inside a domain); for a GPU "
-                             "window the split is ultracomm.transports.split.cuda.SplitCudaTransport (a Context "
-                             "with transport='split' on a CUDA device picks it)")
+            raise ValueError(
+                "ultracomm: SplitTransport runs on the CPU (host executor inside a domain); for a GPU "
+                "window the split is ultracomm.transports.split.cuda.SplitCudaTransport (a Context "
+                "with transport='split' on a CUDA device picks it)"
+            )
         self.rank, self.world = rank, world
         #: the alpha-beta costs of the messages between domains (gloo): the Context builds this
         #: transport's trees with them (and host shared memory's inside a domain)
@@ -108,19 +125,31 @@ class SplitTransport(Transport):
         self.domain_of = tuple(int(d) for d in domain_of)
         for r, b in enumerate(window.peer_bases):
             if self.domain_of[r] == self.domain_of[rank] and not b:
-                raise ValueError(f"ultracomm: transport 'split': rank {r} is in this rank's memory domain but the "
-                                 f"window does not reach it")
+                raise ValueError(
+                    f"ultracomm: transport 'split': rank {r} is in this rank's memory domain but the "
+                    f"window does not reach it"
+                )
         self.shadows = Shadows(rank, self.domain_of, wlayout["total_bytes"], wlayout["ready_off"])
-        self.host = HostTransport(rank=rank, world=world, window=window, wlayout=wlayout, layout=layout,
-                                  num_workers=num_workers, timeout_s=timeout_s, jitter_us=jitter_us,
-                                  peer_bases=self.shadows.bases(window.peer_bases))
+        self.host = HostTransport(
+            rank=rank,
+            world=world,
+            window=window,
+            wlayout=wlayout,
+            layout=layout,
+            num_workers=num_workers,
+            timeout_s=timeout_s,
+            jitter_us=jitter_us,
+            peer_bases=self.shadows.bases(window.peer_bases),
+        )
         self.messenger = messenger_for(comm, world, torch.device("cpu")) if self.shadows.views else None
         #: the bridge's send and receive threads, kept for the transport's life (not started per op)
         self.lanes = BridgeLanes(f"ultracomm-bridge-r{rank}") if self.messenger is not None else None
         self._programs: dict[tuple[int, int], BridgeProgram] = {}
         self._direct: dict[tuple[int, int], DirectPlan] = {}
-        self._members = {Op.MULTICAST: (list(layout.weight_offsets), list(layout.weight_sizes)),
-                         Op.REDUCE: (list(layout.grad_offsets), list(layout.grad_sizes))}
+        self._members = {
+            Op.MULTICAST: (list(layout.weight_offsets), list(layout.weight_sizes)),
+            Op.REDUCE: (list(layout.grad_offsets), list(layout.grad_sizes)),
+        }
         self.split_route = split_route
         #: the messages' alpha-beta costs of the route choice (kept apart from ``message_costs``, which
         #: tests clear to build the host executor's schedules)
@@ -128,8 +157,9 @@ class SplitTransport(Transport):
         #: the messages route: the p2p transport over this window's buffers and the same process group
         self.p2p = None
         if self.messenger is not None:
-            self.p2p = P2PTransport(comm=comm, rank=rank, world=world, window=window, wlayout=wlayout, layout=layout,
-                                    timeout_s=timeout_s)
+            self.p2p = P2PTransport(
+                comm=comm, rank=rank, world=world, window=window, wlayout=wlayout, layout=layout, timeout_s=timeout_s
+            )
             self.p2p.label = "split, messages route"
         self._routes: dict[tuple[int, int], Route] = {}
         self._direct_schedules: dict[int, object] = {}
@@ -179,8 +209,10 @@ class SplitTransport(Transport):
         d = self._direct_schedules.get(schedule.digest)
         if d is None:
             if _DIRECT_BUILDER is None:
-                raise UltracommError("ultracomm: transport 'split': no direct-schedule builder registered (the control "
-                                     "plane registers one: import ultracomm.control.schedules, as Context does)")
+                raise UltracommError(
+                    "ultracomm: transport 'split': no direct-schedule builder registered (the control "
+                    "plane registers one: import ultracomm.control.schedules, as Context does)"
+                )
             d = _DIRECT_BUILDER(schedule, dataclasses.replace(self.route_costs, shared=True), self.rank)
             if len(self._direct_schedules) >= _CACHE:
                 self._direct_schedules.clear()
@@ -197,9 +229,25 @@ class SplitTransport(Transport):
     def program(self, op: Op, schedule) -> BridgeProgram:
         """This rank's (cached) crossings of ``op`` for ``schedule``."""
         slot_bytes = self.wlayout["weight_slot_bytes" if op == Op.MULTICAST else "grad_slot_bytes"]
-        return cached_program(self._programs, schedule, op, self.world, lambda slot_src, home_of: build_bridge_program(
-            op, schedule, self.rank, schedule.tasks(op, self.rank), schedule.refs(op, self.rank), slot_src, home_of,
-            self.domain_of, self.wlayout["chunk_bytes"], slot_bytes), _CACHE)
+        return cached_program(
+            self._programs,
+            schedule,
+            op,
+            self.world,
+            lambda slot_src, home_of: build_bridge_program(
+                op,
+                schedule,
+                self.rank,
+                schedule.tasks(op, self.rank),
+                schedule.refs(op, self.rank),
+                slot_src,
+                home_of,
+                self.domain_of,
+                self.wlayout["chunk_bytes"],
+                slot_bytes,
+            ),
+            _CACHE,
+        )
 
     def direct_plan(self, op: Op, schedule, prog: BridgeProgram) -> DirectPlan | None:
         """This rank's (cached) :class:`~.bridge_direct.DirectPlan` of ``op``, or None for the shadow
@@ -211,13 +259,26 @@ class SplitTransport(Transport):
         if plan is None:
             if len(self._direct) >= _CACHE:
                 self._direct.clear()
-            plan = self._direct[key] = build_direct_plan(prog, schedule, schedule.tasks(op, self.rank),
-                                                         schedule.refs(op, self.rank), self.domain_of,
-                                                         *self._members[op])
+            plan = self._direct[key] = build_direct_plan(
+                prog,
+                schedule,
+                schedule.tasks(op, self.rank),
+                schedule.refs(op, self.rank),
+                self.domain_of,
+                *self._members[op],
+            )
         return plan
 
-    def run(self, op: Op, schedule, epoch: int, masters: Masters, my_slots: Sequence[int],
-            local_index_of: Sequence[int], op_name: str | None = None) -> None:
+    def run(
+        self,
+        op: Op,
+        schedule,
+        epoch: int,
+        masters: Masters,
+        my_slots: Sequence[int],
+        local_index_of: Sequence[int],
+        op_name: str | None = None,
+    ) -> None:
         """Run ``op`` of ``schedule`` for this rank at ``epoch``; blocks until done here (the
         interpreter drained and the bridge's messages completed)."""
         op = Op(op)
@@ -231,22 +292,38 @@ class SplitTransport(Transport):
             return
         abort = torch.zeros(1, dtype=torch.int64)
         started = time.monotonic()
-        args = (self.messenger, prog, epoch, op_digest(schedule.digest, op), self.window.local,
-                self.window.peer_bases[self.rank], self.shadows, self.wlayout, abort, self.timeout_s,
-                f"rank {self.rank} {name} (epoch {epoch}, transport split, bridge)")
+        args = (
+            self.messenger,
+            prog,
+            epoch,
+            op_digest(schedule.digest, op),
+            self.window.local,
+            self.window.peer_bases[self.rank],
+            self.shadows,
+            self.wlayout,
+            abort,
+            self.timeout_s,
+            f"rank {self.rank} {name} (epoch {epoch}, transport split, bridge)",
+        )
         direct = self.direct_plan(op, schedule, prog)
         lists = None
         if direct is None:
             bridge = BridgeRun(*args)
         else:
             mc = op == Op.MULTICAST
-            bridge = DirectBridge(*args, plan=direct, members=masters.weights if mc else masters.grads,
-                                  local_index_of=local_index_of, member_off=self._members[op][0])
+            bridge = DirectBridge(
+                *args,
+                plan=direct,
+                members=masters.weights if mc else masters.grads,
+                local_index_of=local_index_of,
+                member_off=self._members[op][0],
+            )
             lists, my_slots = (direct.tasks, direct.refs), direct.my_slots(my_slots)
         bridge.start(self.lanes)
         try:
-            self.host.run(op, schedule, epoch, masters, my_slots, local_index_of, name, abort_word=abort.data_ptr(),
-                          lists=lists)
+            self.host.run(
+                op, schedule, epoch, masters, my_slots, local_index_of, name, abort_word=abort.data_ptr(), lists=lists
+            )
             if direct is not None:
                 bridge.finish_early()
         except _core.AbortedError:

@@ -33,6 +33,7 @@ wins and raises the abort word: the interpreter's workers stop at their next wai
 (``_core.AbortedError``), the bridge at its next flag wait; a message wait already under way
 ends within the timeout.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -97,8 +98,20 @@ class BridgeRun:
     :meth:`start` with the transport's :class:`BridgeLanes` (without: two threads of its own and a
     header with every peer, as a one-off bridge)."""
 
-    def __init__(self, messenger: Any, prog: BridgeProgram, epoch: int, digest: int, local: torch.Tensor,
-                 own_base: int, shadows: Any, wl: dict, abort: torch.Tensor, timeout_s: float, where: str):
+    def __init__(
+        self,
+        messenger: Any,
+        prog: BridgeProgram,
+        epoch: int,
+        digest: int,
+        local: torch.Tensor,
+        own_base: int,
+        shadows: Any,
+        wl: dict,
+        abort: torch.Tensor,
+        timeout_s: float,
+        where: str,
+    ):
         self.m, self.prog, self.epoch, self.digest = messenger, prog, int(epoch), int(digest)
         self.local, self.own_base, self.shadows, self.wl = local, int(own_base), shadows, wl
         self.abort, self.abort_addr = abort, int(abort.data_ptr())
@@ -107,9 +120,9 @@ class BridgeRun:
         self._lock = threading.Lock()
         self.error: Optional[BaseException] = None
         self._finished = [threading.Event(), threading.Event()]  # send lane, receive lane
-        self._hsend: list[tuple[int, Any]] = []                   # posted header sends
-        self._hrecv: list[tuple[int, Any, torch.Tensor]] = []     # posted header receives
-        self._posted: list[tuple[Crossing, Any, str]] = []        # posted data receives
+        self._hsend: list[tuple[int, Any]] = []  # posted header sends
+        self._hrecv: list[tuple[int, Any, torch.Tensor]] = []  # posted header receives
+        self._posted: list[tuple[Crossing, Any, str]] = []  # posted data receives
 
     # ------------------------------------------------------------------ failures
     def fail(self, error: BaseException) -> None:
@@ -127,6 +140,7 @@ class BridgeRun:
                 self.fail(e)
             finally:
                 done.set()
+
         return job
 
     def stopped(self) -> bool:
@@ -155,9 +169,11 @@ class BridgeRun:
         bound = 2 * self.timeout_s
         status, seen = _core.wait_flag(addr, self.epoch, bound, self.abort_addr)
         if status == 1:
-            raise UltracommTimeout(f"ultracomm: {self.where} gave up after waiting up to {bound:g} s for {waited} "
-                                   f"(flag {seen}, epoch {self.epoch}); this rank's interpreter never produced it "
-                                   f"(timeout ULTRACOMM_TIMEOUT_S={self.timeout_s:g})")
+            raise UltracommTimeout(
+                f"ultracomm: {self.where} gave up after waiting up to {bound:g} s for {waited} "
+                f"(flag {seen}, epoch {self.epoch}); this rank's interpreter never produced it "
+                f"(timeout ULTRACOMM_TIMEOUT_S={self.timeout_s:g})"
+            )
         return status == 0
 
     def _post(self, kind: str, buf: torch.Tensor, peer: int, tag: int, what: str) -> Any:
@@ -183,19 +199,20 @@ class BridgeRun:
                 _core.store_release(base + self.wl["ready_off"] + 8 * op, self.epoch)
         if header_peers:
             hdr = torch.from_numpy(np.array([self.epoch, self.digest], dtype=np.uint64).view(np.uint8))
-            self._hsend = [(q, self._post("send", hdr, q, HEADER_TAG, f"send its header to rank {q}"))
-                           for q in header_peers]
+            self._hsend = [
+                (q, self._post("send", hdr, q, HEADER_TAG, f"send its header to rank {q}")) for q in header_peers
+            ]
             for q in header_peers:
                 buf = torch.zeros(16, dtype=torch.uint8)
                 self._hrecv.append((q, self._post("recv", buf, q, HEADER_TAG, f"receive the header of rank {q}"), buf))
         for x in self.prog.recvs:
             if self.mc:  # into the real slot
                 what = f"receive {self._chunk(x)} its slot {x.slot}) from rank {x.src}"
-                buf = self.local[self._slot_off(x.slot) + x.lo:self._slot_off(x.slot) + x.hi]
+                buf = self.local[self._slot_off(x.slot) + x.lo : self._slot_off(x.slot) + x.hi]
             else:  # into the shadow of the source
                 what = f"receive {self._chunk(x)} rank {x.src}'s grad slot {x.slot}) from rank {x.src}"
                 view = self.shadows.views[x.src]
-                buf = view[self._slot_off(x.slot) + x.lo:self._slot_off(x.slot) + x.hi]
+                buf = view[self._slot_off(x.slot) + x.lo : self._slot_off(x.slot) + x.hi]
             self._posted.append((x, self._post("recv", buf, x.src, x.tag, what), what))
 
     # ------------------------------------------------------------------ send lane
@@ -205,12 +222,14 @@ class BridgeRun:
             if self.mc:  # the interpreter wrote the chunk into its shadow of x.dst, then raised arrival there
                 what = f"send {self._chunk(x)} rank {x.dst}'s slot {x.slot}) to rank {x.dst}"
                 flag = self.shadows.base(x.dst) + self._flag_off("arrival", x.slot, x.chunk)
-                buf = self.shadows.views[x.dst][self._slot_off(x.slot) + x.lo:self._slot_off(x.slot) + x.hi]
-                waited = f"its own copy of {self._chunk(x)} rank {x.dst}'s slot {x.slot}) into its shadow of rank {x.dst}"
+                buf = self.shadows.views[x.dst][self._slot_off(x.slot) + x.lo : self._slot_off(x.slot) + x.hi]
+                waited = (
+                    f"its own copy of {self._chunk(x)} rank {x.dst}'s slot {x.slot}) into its shadow of rank {x.dst}"
+                )
             else:  # own grad slot, complete once own grad_ready is raised (leaf: join; relay: its partial)
                 what = f"send {self._chunk(x)} its grad slot {x.slot}) to rank {x.dst}"
                 flag = self.own_base + self._flag_off("grad_ready", x.slot, x.chunk)
-                buf = self.local[self._slot_off(x.slot) + x.lo:self._slot_off(x.slot) + x.hi]
+                buf = self.local[self._slot_off(x.slot) + x.lo : self._slot_off(x.slot) + x.hi]
                 waited = f"its own grad_ready of {self._chunk(x)} its grad slot {x.slot}) for rank {x.dst}"
             if not self._wait_flag(flag, waited):
                 return
@@ -263,11 +282,16 @@ class BridgeRun:
         _core.store_release(base + self.wl["digest_off"] + 8 * op, digest)
         _core.store_release(base + self.wl["ready_off"] + 8 * op, epoch)
         if epoch != self.epoch:
-            raise UltracommError(f"ultracomm: {self.where}: rank {q} sent the header of epoch {epoch}, this rank is at "
-                                 f"epoch {self.epoch}: the ranks called their operations in different orders")
+            raise UltracommError(
+                f"ultracomm: {self.where}: rank {q} sent the header of epoch {epoch}, this rank is at "
+                f"epoch {self.epoch}: the ranks called their operations in different orders"
+            )
         if digest != self.digest:
-            why = "rejected its plan" if digest == _core.REJECTED_DIGEST else \
-                f"runs another plan (schedule digest {digest:016x}, this rank's {self.digest:016x})"
+            why = (
+                "rejected its plan"
+                if digest == _core.REJECTED_DIGEST
+                else f"runs another plan (schedule digest {digest:016x}, this rank's {self.digest:016x})"
+            )
             raise PlanError(f"ultracomm: {self.where}: rank {q} {why}; every rank must pass the same valid plan")
 
     # ------------------------------------------------------------------ driver
@@ -289,16 +313,21 @@ class BridgeRun:
             for ev in self._finished:
                 ev.set()
             return
-        jobs = [(0, self._send, bool(self.prog.sends or self._hsend)),
-                (1, self._recv, bool(self._posted or self._hrecv))]
+        jobs = [
+            (0, self._send, bool(self.prog.sends or self._hsend)),
+            (1, self._recv, bool(self._posted or self._hrecv)),
+        ]
         for lane, body, needed in jobs:
             if not needed:
                 self._finished[lane].set()
             elif lanes is not None:
                 lanes.submit(lane, self._guard(body, self._finished[lane]))
             else:
-                threading.Thread(target=self._guard(body, self._finished[lane]), daemon=True,
-                                 name=f"ultracomm-bridge-{('send', 'recv')[lane]}-r{self.prog.rank}").start()
+                threading.Thread(
+                    target=self._guard(body, self._finished[lane]),
+                    daemon=True,
+                    name=f"ultracomm-bridge-{('send', 'recv')[lane]}-r{self.prog.rank}",
+                ).start()
 
     def join(self) -> bool:
         """Wait for both lanes' work of this op (each wait of theirs is bounded); False if one is

@@ -27,6 +27,7 @@ Messages carry member segments (padding between members never moves): crossing t
 the same on both ends; tag 0 stays the header.  Layouts of more than 255 members use the shadow
 protocol.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -82,19 +83,28 @@ def _keep_refs(tasks: np.ndarray, refs: np.ndarray, keep) -> tuple[np.ndarray, n
     out_t, out_r = [], []
     for t in tasks:
         b, n = int(t["ref_begin"]), int(t["ref_count"])
-        kept = [x for x in refs[b:b + n] if keep(int(x["rank"]))]
+        kept = [x for x in refs[b : b + n] if keep(int(x["rank"]))]
         if not kept:
             continue
         row = t.copy()
         row["ref_begin"], row["ref_count"] = len(out_r), len(kept)
         out_t.append(row)
         out_r += kept
-    return (np.array(out_t, dtype=tasks.dtype) if out_t else np.zeros(0, dtype=tasks.dtype),
-            np.array(out_r, dtype=REF_DTYPE) if out_r else np.zeros(0, dtype=REF_DTYPE))
+    return (
+        np.array(out_t, dtype=tasks.dtype) if out_t else np.zeros(0, dtype=tasks.dtype),
+        np.array(out_r, dtype=REF_DTYPE) if out_r else np.zeros(0, dtype=REF_DTYPE),
+    )
 
 
-def build_direct_plan(prog: BridgeProgram, schedule: Any, tasks: np.ndarray, refs: np.ndarray,
-                      domain_of: Sequence[int], member_off: Sequence[int], member_bytes: Sequence[int]) -> DirectPlan:
+def build_direct_plan(
+    prog: BridgeProgram,
+    schedule: Any,
+    tasks: np.ndarray,
+    refs: np.ndarray,
+    domain_of: Sequence[int],
+    member_off: Sequence[int],
+    member_bytes: Sequence[int],
+) -> DirectPlan:
     """Rank ``prog.rank``'s :class:`DirectPlan` of ``prog.op`` (see the module docstring)."""
     op, rank = prog.op, prog.rank
     if len(member_off) > MAX_SEGMENTS:
@@ -138,8 +148,9 @@ class DirectBridge(BridgeRun):
     offsets in the slot layout.  After the interpreter returned, the calling thread runs
     :meth:`finish_early`."""
 
-    def __init__(self, *args: Any, plan: DirectPlan, members: tuple, local_index_of: Sequence[int],
-                 member_off: Sequence[int]):
+    def __init__(
+        self, *args: Any, plan: DirectPlan, members: tuple, local_index_of: Sequence[int], member_off: Sequence[int]
+    ):
         super().__init__(*args)
         self.plan, self.members, self.local_index_of, self.member_off = plan, members, local_index_of, member_off
         self._early_sent: list[tuple[Part, list]] = []
@@ -149,7 +160,7 @@ class DirectBridge(BridgeRun):
     # ------------------------------------------------------------------ buffers
     def _own(self, slot: int, lo: int, hi: int) -> torch.Tensor:
         base = self._slot_off(slot)
-        return self.local[base + lo:base + hi]
+        return self.local[base + lo : base + hi]
 
     def _source(self, p: Part, m: int, lo: int, hi: int) -> torch.Tensor:
         """Multicast: the master's member bytes or the relay's own slot; reduce: own grad slot."""
@@ -160,28 +171,36 @@ class DirectBridge(BridgeRun):
         if isinstance(t, torch.Tensor):
             flat = t.reshape(-1).view(torch.uint8)
             per = flat.numel() // t.shape[0]
-            return flat[li * per + lo - off:li * per + hi - off]
-        return t[li].reshape(-1).view(torch.uint8)[lo - off:hi - off]
+            return flat[li * per + lo - off : li * per + hi - off]
+        return t[li].reshape(-1).view(torch.uint8)[lo - off : hi - off]
 
     def _target(self, p: Part, lo: int, hi: int) -> torch.Tensor:
         if self.mc:  # the real slot
             return self._own(p.x.slot, lo, hi)
         base = self._slot_off(p.x.slot)  # the shadow of the source
-        return self.shadows.views[p.x.src][base + lo:base + hi]
+        return self.shadows.views[p.x.src][base + lo : base + hi]
 
     def _what(self, p: Part, send: bool) -> str:
         x = p.x
         if self.mc:
-            return (f"send {self._chunk(x)} rank {x.dst}'s slot {x.slot}) to rank {x.dst}" if send else
-                    f"receive {self._chunk(x)} its slot {x.slot}) from rank {x.src}")
-        return (f"send {self._chunk(x)} its grad slot {x.slot}) to rank {x.dst}" if send else
-                f"receive {self._chunk(x)} rank {x.src}'s grad slot {x.slot}) from rank {x.src}")
+            return (
+                f"send {self._chunk(x)} rank {x.dst}'s slot {x.slot}) to rank {x.dst}"
+                if send
+                else f"receive {self._chunk(x)} its slot {x.slot}) from rank {x.src}"
+            )
+        return (
+            f"send {self._chunk(x)} its grad slot {x.slot}) to rank {x.dst}"
+            if send
+            else f"receive {self._chunk(x)} rank {x.src}'s grad slot {x.slot}) from rank {x.src}"
+        )
 
     def _post_part(self, kind: str, p: Part) -> list:
         send = kind == "send"
         peer, what = (p.x.dst if send else p.x.src), self._what(p, send)
-        return [self._post(kind, self._source(p, m, lo, hi) if send else self._target(p, lo, hi), peer, p.tag(k), what)
-                for k, (m, lo, hi) in enumerate(p.segs)]
+        return [
+            self._post(kind, self._source(p, m, lo, hi) if send else self._target(p, lo, hi), peer, p.tag(k), what)
+            for k, (m, lo, hi) in enumerate(p.segs)
+        ]
 
     def _complete_part(self, p: Part, works: list, send: bool) -> None:
         what = self._what(p, send)

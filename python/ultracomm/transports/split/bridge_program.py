@@ -22,6 +22,7 @@ and digest), computed alike on both ends.  The sender's side comes from its own 
 receiver's from the global tree; they are checked against each other (a mismatch is a clear
 error, not a hang).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -78,18 +79,29 @@ class BridgeProgram:
 
 def _check(ok: bool, what: str) -> None:
     if not ok:
-        raise ValueError(f"ultracomm split: the schedule's tasks and trees disagree: {what}; rebuild the schedule "
-                         "with this build of ultracomm")
+        raise ValueError(
+            f"ultracomm split: the schedule's tasks and trees disagree: {what}; rebuild the schedule "
+            "with this build of ultracomm"
+        )
 
 
 def _refs(task, refs: np.ndarray) -> list[tuple[int, int]]:
     b = int(task["ref_begin"])
-    return [(int(x["rank"]), int(x["slot"])) for x in refs[b:b + int(task["ref_count"])]]
+    return [(int(x["rank"]), int(x["slot"])) for x in refs[b : b + int(task["ref_count"])]]
 
 
-def build_bridge_program(op: Op, schedule, rank: int, tasks: np.ndarray, refs: np.ndarray, slot_src: np.ndarray,
-                         home_of: np.ndarray, domain_of: Sequence[int], chunk_bytes: int,
-                         slot_bytes: int) -> BridgeProgram:
+def build_bridge_program(
+    op: Op,
+    schedule,
+    rank: int,
+    tasks: np.ndarray,
+    refs: np.ndarray,
+    slot_src: np.ndarray,
+    home_of: np.ndarray,
+    domain_of: Sequence[int],
+    chunk_bytes: int,
+    slot_bytes: int,
+) -> BridgeProgram:
     """Rank ``rank``'s :class:`BridgeProgram` of ``op`` from its task list (``tasks``/``refs``), the
     schedule's global trees, the plan (``slot_src [world, slots]``, ``home_of [E]``) and the ranks'
     domains (``domain_of[r]``)."""
@@ -126,9 +138,11 @@ def build_bridge_program(op: Op, schedule, rank: int, tasks: np.ndarray, refs: n
             for d, s in _refs(t, refs):
                 if int(dom[d]) == me:
                     continue
-                _check((int(pr[d, s]), int(ps[d, s])) == (rank, self_slot),
-                       f"rank {rank} copies expert {e} to rank {d} slot {s}, whose tree parent is "
-                       f"({int(pr[d, s])}, {int(ps[d, s])})")
+                _check(
+                    (int(pr[d, s]), int(ps[d, s])) == (rank, self_slot),
+                    f"rank {rank} copies expert {e} to rank {d} slot {s}, whose tree parent is "
+                    f"({int(pr[d, s])}, {int(ps[d, s])})",
+                )
                 sends.append(crossing(c, int(depth[d, s]) - 1, rank, d, s, e))
         for s, e, p in own_cross_slots():
             recvs += [crossing(c, int(depth[rank, s]) - 1, p, rank, s, e) for c in range(nchunks)]
@@ -141,11 +155,15 @@ def build_bridge_program(op: Op, schedule, rank: int, tasks: np.ndarray, refs: n
             for q, s in _refs(t, refs):
                 if int(dom[q]) == me:
                     continue
-                _check((int(pr[q, s]), int(ps[q, s])) == (rank, self_slot),
-                       f"rank {rank} pulls expert {e} from rank {q} slot {s}, whose tree parent is "
-                       f"({int(pr[q, s])}, {int(ps[q, s])})")
-                _check(self_slot == MASTER or int(slot_src[rank, self_slot]) == e,
-                       f"rank {rank} reduces expert {e} into its slot {self_slot}")
+                _check(
+                    (int(pr[q, s]), int(ps[q, s])) == (rank, self_slot),
+                    f"rank {rank} pulls expert {e} from rank {q} slot {s}, whose tree parent is "
+                    f"({int(pr[q, s])}, {int(ps[q, s])})",
+                )
+                _check(
+                    self_slot == MASTER or int(slot_src[rank, self_slot]) == e,
+                    f"rank {rank} reduces expert {e} into its slot {self_slot}",
+                )
                 recvs.append(crossing(c, int(height[q, s]), q, rank, s, e))
 
     tag: dict[Crossing, int] = {}

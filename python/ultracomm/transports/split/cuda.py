@@ -48,6 +48,7 @@ stalled cross-domain rank hung the caller's stream there before the gates and th
 (run 3); those have not run on a device yet.  Shadows are full-size allocations
 (:mod:`.cuda_shadow`).
 """
+
 from __future__ import annotations
 
 import logging
@@ -126,14 +127,32 @@ class SplitCudaTransport(Transport):
     options = frozenset({"comm", "num_workers", "jitter_us", "multicast_sms", "reduce_sms", "domain_of"})
     window_flags = True
 
-    def __init__(self, *, comm: Any, rank: int, world: int, window, wlayout: dict, layout, num_workers: int,
-                 timeout_s: float, jitter_us: int = 0, multicast_sms: int | None = None,
-                 reduce_sms: int | None = None, domain_of: Sequence[int] | None = None,
-                 tma: Any = None, drv: Any = None, messenger: Any = None, side: Any = None, dog: Any = None,
-                 gates: Any = None):
+    def __init__(
+        self,
+        *,
+        comm: Any,
+        rank: int,
+        world: int,
+        window,
+        wlayout: dict,
+        layout,
+        num_workers: int,
+        timeout_s: float,
+        jitter_us: int = 0,
+        multicast_sms: int | None = None,
+        reduce_sms: int | None = None,
+        domain_of: Sequence[int] | None = None,
+        tma: Any = None,
+        drv: Any = None,
+        messenger: Any = None,
+        side: Any = None,
+        dog: Any = None,
+        gates: Any = None,
+    ):
         if domain_of is None or len(domain_of) != world:
-            raise ValueError(f"ultracomm: transport 'split' needs domain_of, one memory domain per rank ({world}); "
-                             f"got {domain_of!r}")
+            raise ValueError(
+                f"ultracomm: transport 'split' needs domain_of, one memory domain per rank ({world}); got {domain_of!r}"
+            )
         self.rank, self.world = rank, world
         self.window, self.wlayout, self.layout = window, dict(wlayout), layout
         self.timeout_s = float(timeout_s)
@@ -141,8 +160,10 @@ class SplitCudaTransport(Transport):
         me = self.domain_of[rank]
         for r, b in enumerate(window.peer_bases):
             if self.domain_of[r] == me and not b:
-                raise ValueError(f"ultracomm: transport 'split': rank {r} is in this rank's memory domain but the "
-                                 "window does not reach it")
+                raise ValueError(
+                    f"ultracomm: transport 'split': rank {r} is in this rank's memory domain but the "
+                    "window does not reach it"
+                )
         self.loopback = bool(getattr(window, "loopback", False))
         if drv is None:
             from ...cuda.driver import driver
@@ -151,12 +172,23 @@ class SplitCudaTransport(Transport):
         if tma is None:
             from ..tma import TmaTransport
 
-            tma = TmaTransport(rank=rank, world=world, window=window, wlayout=wlayout, layout=layout,
-                               num_workers=num_workers, timeout_s=timeout_s, multicast_sms=multicast_sms,
-                               reduce_sms=reduce_sms)
+            tma = TmaTransport(
+                rank=rank,
+                world=world,
+                window=window,
+                wlayout=wlayout,
+                layout=layout,
+                num_workers=num_workers,
+                timeout_s=timeout_s,
+                multicast_sms=multicast_sms,
+                reduce_sms=reduce_sms,
+            )
             # the side stream's gates (one CTA each) and NCCL's kernels run beside the persistent kernel
-            cap = max(1, tma.runner.sm_count - NCCL_SM_RESERVE) if not self.loopback else \
-                max(1, (tma.runner.sm_count - GATE_SM_RESERVE) // world)  # loopback: one launch of every rank
+            cap = (
+                max(1, tma.runner.sm_count - NCCL_SM_RESERVE)
+                if not self.loopback
+                else max(1, (tma.runner.sm_count - GATE_SM_RESERVE) // world)
+            )  # loopback: one launch of every rank
             tma.multicast_sms, tma.reduce_sms = min(tma.multicast_sms, cap), min(tma.reduce_sms, cap)
         self.tma, self.drv = tma, drv
         self.shadows = DeviceShadows(rank, self.domain_of, wlayout["total_bytes"], window.local.device)
@@ -172,10 +204,12 @@ class SplitCudaTransport(Transport):
             messenger = side_group(m.group, world, window.local.device, NCCL_SM_RESERVE)
         self.messenger = messenger
         if crosses and cuda_device_max_connections() == 1:
-            log.warning("ultracomm split: CUDA_DEVICE_MAX_CONNECTIONS=1 puts every stream of the device in one "
-                        "hardware queue: if a cross-domain peer fails, the watchdog's release of this rank's "
-                        "stream may not reach work queued behind the blocked side stream (it can hang instead of "
-                        "raising UltracommTimeout); leave the variable unset or > 1 with this transport")
+            log.warning(
+                "ultracomm split: CUDA_DEVICE_MAX_CONNECTIONS=1 puts every stream of the device in one "
+                "hardware queue: if a cross-domain peer fails, the watchdog's release of this rank's "
+                "stream may not reach work queued behind the blocked side stream (it can hang instead of "
+                "raising UltracommTimeout); leave the variable unset or > 1 with this transport"
+            )
         self.side = side if side is not None else SideStream(drv, window.local.device)
         self.dog = dog if dog is not None else SideWatchdog(rank, timeout_s, self._on_dog_failure)
         if getattr(self.dog, "abort_group", None) is None and hasattr(self.messenger, "abort"):
@@ -199,9 +233,18 @@ class SplitCudaTransport(Transport):
         slot_bytes = self.wlayout["weight_slot_bytes" if op == Op.MULTICAST else "grad_slot_bytes"]
 
         def build(slot_src, home_of):
-            prog = build_bridge_program(op, schedule, self.rank, schedule.tasks(op, self.rank),
-                                        schedule.refs(op, self.rank), slot_src, home_of, self.domain_of,
-                                        self.wlayout["chunk_bytes"], slot_bytes)
+            prog = build_bridge_program(
+                op,
+                schedule,
+                self.rank,
+                schedule.tasks(op, self.rank),
+                schedule.refs(op, self.rank),
+                slot_src,
+                home_of,
+                self.domain_of,
+                self.wlayout["chunk_bytes"],
+                slot_bytes,
+            )
             return prog, stream_program(prog, self.wlayout)
 
         return cached_program(self._programs, schedule, op, self.world, build, _CACHE)
@@ -209,17 +252,32 @@ class SplitCudaTransport(Transport):
     def _ensure_shadows(self, peers: Sequence[int]) -> None:
         if self.shadows.ensure(peers):  # new shadows: later plans get them in their pointer table
             self.tma._bases = self.shadows.bases(self.window.peer_bases)
-            log.debug("ultracomm split: rank %d holds %d device shadows (%d bytes)", self.rank,
-                      len(self.shadows.views), self.shadows.bytes_held())
+            log.debug(
+                "ultracomm split: rank %d holds %d device shadows (%d bytes)",
+                self.rank,
+                len(self.shadows.views),
+                self.shadows.bytes_held(),
+            )
 
     # ------------------------------------------------------------------ run
-    def run(self, op: Op, schedule, epoch: int, masters: Masters, my_slots: Sequence[int],
-            local_index_of: Sequence[int], op_name: str | None, stream: int) -> bool:
+    def run(
+        self,
+        op: Op,
+        schedule,
+        epoch: int,
+        masters: Masters,
+        my_slots: Sequence[int],
+        local_index_of: Sequence[int],
+        op_name: str | None,
+        stream: int,
+    ) -> bool:
         """Enqueue ``op`` of ``schedule`` for this rank at ``epoch`` on ``stream`` (module docstring)."""
         op = Op(int(op))
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise UltracommError("ultracomm: transport 'split' cannot be captured in a CUDA graph (its side stream's "
-                                 "flag operations carry the epoch as a literal); run it outside the capture")
+            raise UltracommError(
+                "ultracomm: transport 'split' cannot be captured in a CUDA graph (its side stream's "
+                "flag operations carry the epoch as a literal); run it outside the capture"
+            )
         self._bind()  # before the first driver call (shadows, the side stream) on this thread
         self.gates.collect(idle=self.dog.pending() == 0 and not self.dog.failed())
         prog, ops = self.program(op, schedule)
@@ -229,19 +287,33 @@ class SplitCudaTransport(Transport):
             key, make = self.tma._rank_args(op, schedule, masters, my_slots, local_index_of)
             ctas = self.tma.multicast_sms if op == Op.MULTICAST else self.tma.reduce_sms
             item = ((key, make, ctas, op_name), prog, op_digest(schedule.digest, op))
-            return self._launches.deposit(Deposit(self.rank, int(op), int(epoch), int(stream), item),
-                                          self._launch_loopback)
+            return self._launches.deposit(
+                Deposit(self.rank, int(op), int(epoch), int(stream), item), self._launch_loopback
+            )
         if not prog.peers:  # nothing crosses here in this op: the kernel alone
             return self.tma.run(op, schedule, epoch, masters, my_slots, local_index_of, op_name, stream)
         side, side_stream = self.side.get()
-        self._bridged(stream, int(epoch), op_name or op.name.lower(), ops,
-                      lambda: self.tma.run(op, schedule, epoch, masters, my_slots, local_index_of, op_name, stream),
-                      lambda mark: enqueue_rank_stream(ops, int(epoch), self.spaces, side, self.drv, self.messenger,
-                                                       side_stream, mark, gates=self.gates))
+        self._bridged(
+            stream,
+            int(epoch),
+            op_name or op.name.lower(),
+            ops,
+            lambda: self.tma.run(op, schedule, epoch, masters, my_slots, local_index_of, op_name, stream),
+            lambda mark: enqueue_rank_stream(
+                ops, int(epoch), self.spaces, side, self.drv, self.messenger, side_stream, mark, gates=self.gates
+            ),
+        )
         return True
 
-    def _bridged(self, stream: int, epoch: int, name: str, ops: Sequence, launch: Callable[[], Any],
-                 enqueue: Callable[[Callable[[int], None]], None]) -> None:
+    def _bridged(
+        self,
+        stream: int,
+        epoch: int,
+        name: str,
+        ops: Sequence,
+        launch: Callable[[], Any],
+        enqueue: Callable[[Callable[[int], None]], None],
+    ) -> None:
         """fork; the kernel (``launch``); on the side stream started, the crossings with a progress
         word after each message (``enqueue(mark)``), done; the caller's stream joins on done (a
         host word the watchdog can release)."""
@@ -257,9 +329,11 @@ class SplitCudaTransport(Transport):
         except BaseException as e:
             # part of the op is queued (the kernel, maybe waits or a receive on the side stream) and may
             # never finish: fail like a watchdog timeout so nothing waits for it (abandoned_streams)
-            err = UltracommError(f"ultracomm: rank {self.rank} {name} (epoch {epoch}, transport split): enqueueing "
-                                 f"the side stream failed ({type(e).__name__}: {e}); this Context cannot be used "
-                                 f"further: close it")
+            err = UltracommError(
+                f"ultracomm: rank {self.rank} {name} (epoch {epoch}, transport split): enqueueing "
+                f"the side stream failed ({type(e).__name__}: {e}); this Context cannot be used "
+                f"further: close it"
+            )
             dog.abandon(err)
             if self.loopback:  # the other ranks of the launch raise it at their check_error
                 self.tma._loopback.record_failure(raiser(err), None, raised_by=self.rank)
@@ -276,17 +350,22 @@ class SplitCudaTransport(Transport):
         if seq is None:
             if len(self._seqs) >= _CACHE:
                 self._seqs.clear()
-            seq = self._seqs[deps[0].item[2]] = loopback_sequence([d.item[1] for d in deps if d.item[1].peers],
-                                                                  self.wlayout)
+            seq = self._seqs[deps[0].item[2]] = loopback_sequence(
+                [d.item[1] for d in deps if d.item[1].peers], self.wlayout
+            )
         kernel = [Deposit(d.rank, d.op, d.epoch, d.stream, d.item[0]) for d in deps]
         if not seq:
             self.tma._loopback.launch(kernel, self.rank)
             return
         spaces_of, side = self._spaces_of, self.side.get()[0]
-        self._bridged(stream, int(epoch), deps[0].item[0][3] or Op(int(deps[0].op)).name.lower(), seq,
-                      lambda: self.tma._loopback.launch(kernel, self.rank),
-                      lambda mark: enqueue_loopback(seq, int(epoch), spaces_of, side, self.drv, mark,
-                                                    gates=self.gates))
+        self._bridged(
+            stream,
+            int(epoch),
+            deps[0].item[0][3] or Op(int(deps[0].op)).name.lower(),
+            seq,
+            lambda: self.tma._loopback.launch(kernel, self.rank),
+            lambda mark: enqueue_loopback(seq, int(epoch), spaces_of, side, self.drv, mark, gates=self.gates),
+        )
 
     def _check_plans(self, deps: Sequence[Deposit], epoch: int) -> None:
         """Loopback ranks on different plans would merge bridge programs that do not pair up: raise
@@ -299,8 +378,11 @@ class SplitCudaTransport(Transport):
 
         def throw(me: int, op_name: str | None, timeout_s: float) -> None:
             q = next(r for r, d in enumerate(digests) if d != digests[me])
-            raise_record(make_error_record(_DIGEST_MISMATCH, me, op, epoch, peer=q, observed=digests[q],
-                                           expected=digests[me]), op_name, timeout_s)
+            raise_record(
+                make_error_record(_DIGEST_MISMATCH, me, op, epoch, peer=q, observed=digests[q], expected=digests[me]),
+                op_name,
+                timeout_s,
+            )
 
         self.tma._loopback.record_failure(throw, name, raised_by=self.rank)
         throw(self.rank, name, self.timeout_s)

@@ -27,6 +27,7 @@ kept until no op is in flight (:meth:`Gates.collect`), as a queued gate still re
 gate needs one CTA beside the persistent kernel (NCCL's reserve off a loopback domain; a
 loopback domain leaves :data:`GATE_SM_RESERVE` SMs free).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -124,11 +125,13 @@ class Gates:
         words, at = table_words(plain)
         table = self.alloc(len(words))
         if len(words):
-            table.numpy().view(np.uint64)[:len(words)] = words
+            table.numpy().view(np.uint64)[: len(words)] = words
         base = int(table.data_ptr())
         offsets = iter(at)
-        steps = [("gate", base + 8 * next(offsets), self.open_addr if s[1] else self.skip_addr) if s[0] == "gate"
-                 else s for s in plain]
+        steps = [
+            ("gate", base + 8 * next(offsets), self.open_addr if s[1] else self.skip_addr) if s[0] == "gate" else s
+            for s in plain
+        ]
         if len(self._cache) >= _CACHE:
             self._retired += self._cache.values()
             self._cache.clear()
@@ -143,8 +146,12 @@ class Gates:
 
     def launch(self, drv: Any, stream: int, step: tuple, epoch: int) -> None:
         """One gate (``step``: ``("gate", descriptor, abort word)`` of :meth:`steps`) at ``epoch`` on ``stream``."""
-        drv.launch(drv.function(PTX, KERNEL), THREADS, stream,
-                   [ctypes.c_void_p(step[1]), ctypes.c_uint64(int(epoch)), ctypes.c_void_p(step[2])])
+        drv.launch(
+            drv.function(PTX, KERNEL),
+            THREADS,
+            stream,
+            [ctypes.c_void_p(step[1]), ctypes.c_uint64(int(epoch)), ctypes.c_void_p(step[2])],
+        )
 
     def held(self) -> int:
         """Tables held (cached and retired)."""
@@ -156,8 +163,14 @@ def gate_args(args: Sequence[Any]) -> tuple[int, int, int]:
     return int(args[0].value or 0), int(args[1].value), int(args[2].value or 0)
 
 
-def run_gate_on_host(desc: int, epoch: int, abort_word: int, read: Callable[[int], int],
-                     write: Callable[[int, int], None], waiting: Optional[Callable[[], None]] = None) -> bool:
+def run_gate_on_host(
+    desc: int,
+    epoch: int,
+    abort_word: int,
+    read: Callable[[int], int],
+    write: Callable[[int, int], None],
+    waiting: Optional[Callable[[], None]] = None,
+) -> bool:
     """What the gate kernel does, on host memory (CPU tests): wait for each flag ``>= epoch`` (cyclic)
     unless the abort word is set, then write each flag = epoch; False (nothing written) if aborted.
     ``waiting()``: called between polls of a flag not yet there (a test's bound or pause)."""

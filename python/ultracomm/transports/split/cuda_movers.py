@@ -29,6 +29,7 @@ group's own torch timeout (the process-group default) is far longer than the Con
 watchdog's abort, not torch's, ends a stuck op.  The caller's stream joins the side stream
 through a host word that the watchdog releases first (:mod:`.cuda_watchdog`).
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Optional, Protocol, Sequence
@@ -37,8 +38,15 @@ import torch
 
 from .stream import COPY, OWN, RECV, SEND, Ref, StreamOp
 
-__all__ = ["Spaces", "NcclMessenger", "abort_group", "side_group", "side_group_options", "enqueue_rank_stream",
-           "enqueue_loopback"]
+__all__ = [
+    "Spaces",
+    "NcclMessenger",
+    "abort_group",
+    "side_group",
+    "side_group_options",
+    "enqueue_rank_stream",
+    "enqueue_loopback",
+]
 
 
 class Spaces:
@@ -55,7 +63,7 @@ class Spaces:
         return int(self.tensor(ref).data_ptr()) + ref.off
 
     def view(self, ref: Ref, nbytes: int) -> torch.Tensor:
-        return self.tensor(ref)[ref.off:ref.off + nbytes]
+        return self.tensor(ref)[ref.off : ref.off + nbytes]
 
 
 class Driver(Protocol):  # ultracomm.cuda.driver.Driver's calls used here
@@ -119,9 +127,11 @@ def abort_group(group: Any) -> None:
     if fn is None:
         from ...errors import UltracommError
 
-        raise UltracommError(f"ultracomm split: torch {torch.__version__} offers no abort of a process group "
-                             "(ProcessGroup.abort, ProcessGroupNCCL._abort): a side stream blocked in an NCCL "
-                             "receive stays blocked until torch's own timeout")
+        raise UltracommError(
+            f"ultracomm split: torch {torch.__version__} offers no abort of a process group "
+            "(ProcessGroup.abort, ProcessGroupNCCL._abort): a side stream blocked in an NCCL "
+            "receive stays blocked until torch's own timeout"
+        )
     fn()
 
 
@@ -146,16 +156,26 @@ def side_group(comm_group: Any, world: int, device: torch.device, max_ctas: int)
     import torch.distributed as dist
 
     ranks = [dist.get_global_rank(comm_group, r) for r in range(world)]
-    group = dist.new_group(ranks, backend="nccl", pg_options=side_group_options(max_ctas),
-                           use_local_synchronization=True)
+    group = dist.new_group(
+        ranks, backend="nccl", pg_options=side_group_options(max_ctas), use_local_synchronization=True
+    )
     # a group's first batch_isend_irecv must involve every rank: make the communicator now, together
     dist.barrier(group=group, device_ids=[device.index])
     return NcclMessenger(group, ranks, owned=True)
 
 
-def enqueue_rank_stream(ops: Sequence[StreamOp], epoch: int, spaces: Spaces, side: int, drv: Driver,
-                        messenger: Any, side_stream: Any, mark: Optional[Callable[[int], None]] = None, *,
-                        gates: Any) -> None:
+def enqueue_rank_stream(
+    ops: Sequence[StreamOp],
+    epoch: int,
+    spaces: Spaces,
+    side: int,
+    drv: Driver,
+    messenger: Any,
+    side_stream: Any,
+    mark: Optional[Callable[[int], None]] = None,
+    *,
+    gates: Any,
+) -> None:
     """Enqueue one rank's stream operations on stream ``side`` (its handle; ``side_stream``: the
     same as a torch stream, for the messenger): flag waits and writes as gates (``gates``: a
     :class:`.cuda_gates.Gates`), messages through ``messenger``; ``mark(k)`` after the k-th message
@@ -175,8 +195,16 @@ def enqueue_rank_stream(ops: Sequence[StreamOp], epoch: int, spaces: Spaces, sid
             raise ValueError(f"ultracomm split: a rank's stream cannot hold {op.kind!r} ({op.what})")
 
 
-def enqueue_loopback(seq: Sequence[StreamOp], epoch: int, spaces_of: dict[int, Spaces], side: int,
-                     drv: Driver, mark: Optional[Callable[[int], None]] = None, *, gates: Any) -> None:
+def enqueue_loopback(
+    seq: Sequence[StreamOp],
+    epoch: int,
+    spaces_of: dict[int, Spaces],
+    side: int,
+    drv: Driver,
+    mark: Optional[Callable[[int], None]] = None,
+    *,
+    gates: Any,
+) -> None:
     """Enqueue a loopback domain's merged sequence (:func:`.stream.loopback_sequence`) on
     ``side``; ``spaces_of[r]``: rank ``r``'s spaces; flag waits and writes as gates; ``mark(k)``
     after the k-th copy (1-based)."""

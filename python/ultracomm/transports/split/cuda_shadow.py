@@ -19,6 +19,7 @@ and its slots' parents, all of which are bridge-program peers, so it is never de
 it is not null (the plan validation refuses null bases) but lies in the first pages, which
 nothing maps, so a bug there faults instead of writing into someone's memory.
 """
+
 from __future__ import annotations
 
 from typing import Any, Iterable, Sequence
@@ -33,8 +34,14 @@ NO_SHADOW = 0x1000  # non-null, 8-byte aligned, never mapped (see the module doc
 class DeviceShadows:
     """Rank ``rank``'s shadows of ranks outside its domain (``domain_of[r]``), on ``device``."""
 
-    def __init__(self, rank: int, domain_of: Sequence[int], nbytes: int, device: Any,
-                 alloc=lambda n, dev: torch.zeros(n, dtype=torch.uint8, device=dev)):
+    def __init__(
+        self,
+        rank: int,
+        domain_of: Sequence[int],
+        nbytes: int,
+        device: Any,
+        alloc=lambda n, dev: torch.zeros(n, dtype=torch.uint8, device=dev),
+    ):
         self.rank, self.domain_of, self.nbytes, self.device = rank, tuple(domain_of), int(nbytes), device
         self._alloc = alloc
         self.views: dict[int, torch.Tensor] = {}
@@ -44,8 +51,10 @@ class DeviceShadows:
         made = False
         for q in peers:
             if self.domain_of[q] == self.domain_of[self.rank]:
-                raise ValueError(f"ultracomm split: rank {q} shares rank {self.rank}'s memory domain; it gets no "
-                                 "shadow (the bridge program and the domains disagree)")
+                raise ValueError(
+                    f"ultracomm split: rank {q} shares rank {self.rank}'s memory domain; it gets no "
+                    "shadow (the bridge program and the domains disagree)"
+                )
             if q not in self.views:
                 self.views[q] = self._alloc(self.nbytes, self.device)
                 made = True
@@ -57,8 +66,10 @@ class DeviceShadows:
     def bases(self, window_bases: Sequence[int]) -> list[int]:
         """The kernel's pointer table: real windows in this domain, shadows (or NO_SHADOW) elsewhere."""
         me = self.domain_of[self.rank]
-        return [int(b) if self.domain_of[r] == me else
-                (int(self.views[r].data_ptr()) if r in self.views else NO_SHADOW) for r, b in enumerate(window_bases)]
+        return [
+            int(b) if self.domain_of[r] == me else (int(self.views[r].data_ptr()) if r in self.views else NO_SHADOW)
+            for r, b in enumerate(window_bases)
+        ]
 
     def tensor(self, peer: int) -> torch.Tensor:
         return self.views[peer]

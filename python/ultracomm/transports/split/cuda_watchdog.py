@@ -35,6 +35,7 @@ without ``on_failure`` (its error is raised where it happened).  After a failure
 the window mapped, as for ``copy_engine`` (a gate that passed its wait just before the abort may
 still be writing).
 """
+
 from __future__ import annotations
 
 import logging
@@ -50,8 +51,18 @@ from ...errors import UltracommTimeout
 from ..copy_engine.watchdog import ABORT, pinned_words
 from .stream import COPY, RECV, SEND, StreamOp
 
-__all__ = ["ABORT", "STARTED", "PROGRESS", "DONE", "SKIP", "OPEN", "WORDS", "SideWatchdog", "progress_value",
-           "messages_of"]
+__all__ = [
+    "ABORT",
+    "STARTED",
+    "PROGRESS",
+    "DONE",
+    "SKIP",
+    "OPEN",
+    "WORDS",
+    "SideWatchdog",
+    "progress_value",
+    "messages_of",
+]
 
 # word indices; SKIP, OPEN: the abort words of the side stream's write gates and wait gates (.cuda_gates)
 STARTED, PROGRESS, DONE, SKIP, OPEN = 0, 1, 2, 3, 4
@@ -87,10 +98,18 @@ class SideWatchdog:
     finds it); ``abort_group()``: what releases the side stream's NCCL operations (None: nothing
     to abort, e.g. a loopback domain), called once on a failure (:meth:`release`)."""
 
-    def __init__(self, rank: int, timeout_s: float, on_failure: Callable[[BaseException], None],
-                 words: Optional[torch.Tensor] = None, clock: Callable[[], float] = time.monotonic,
-                 poll_s: float = 0.002, autostart: bool = True,
-                 abort_group: Optional[Callable[[], None]] = None, grace_s: float = GRACE_S):
+    def __init__(
+        self,
+        rank: int,
+        timeout_s: float,
+        on_failure: Callable[[BaseException], None],
+        words: Optional[torch.Tensor] = None,
+        clock: Callable[[], float] = time.monotonic,
+        poll_s: float = 0.002,
+        autostart: bool = True,
+        abort_group: Optional[Callable[[], None]] = None,
+        grace_s: float = GRACE_S,
+    ):
         self.rank, self.timeout_s, self.on_failure = rank, float(timeout_s), on_failure
         self.words = words if words is not None else pinned_words(WORDS)
         if self.words.numel() < WORDS:
@@ -117,8 +136,9 @@ class SideWatchdog:
         with self._lock:
             self._pending.append(_Pending(int(epoch), name, ops))
         if self._thread is None and self.autostart:
-            self._thread = threading.Thread(target=self._loop, name=f"ultracomm-split-watchdog-r{self.rank}",
-                                            daemon=True)
+            self._thread = threading.Thread(
+                target=self._loop, name=f"ultracomm-split-watchdog-r{self.rank}", daemon=True
+            )
             self._thread.start()
 
     def pending(self) -> int:
@@ -130,7 +150,7 @@ class SideWatchdog:
 
     def poll(self) -> None:
         """One check of the oldest ops in flight (the thread's body; tests call it directly)."""
-        started, progress, done = (int(x) for x in self.words.tolist()[:DONE + 1])
+        started, progress, done = (int(x) for x in self.words.tolist()[: DONE + 1])
         if self.failure is not None and done != ABORT:  # a late done write of the blocked stream: keep it released
             self.words[DONE] = ABORT
         with self._lock:
@@ -183,8 +203,12 @@ class SideWatchdog:
                     self.abort_group()
                 except BaseException as e:  # noqa: BLE001 - logged; the gates open anyway
                     self.abort_error = e
-                    log.warning("ultracomm split: rank %d: aborting the side stream's NCCL group failed: %s: %s",
-                                self.rank, type(e).__name__, e)
+                    log.warning(
+                        "ultracomm split: rank %d: aborting the side stream's NCCL group failed: %s: %s",
+                        self.rank,
+                        type(e).__name__,
+                        e,
+                    )
                 finally:
                     returned.set()
 
@@ -201,15 +225,18 @@ class SideWatchdog:
         msgs = messages_of(p.ops)
         where = f"ultracomm: rank {self.rank} {p.name} (epoch {p.epoch}, transport split, side stream)"
         if k >= len(msgs):
-            return UltracommTimeout(f"{where} gave up after {bound:g} s: all {len(msgs)} messages moved but "
-                                    f"the stream did not finish (timeout ULTRACOMM_TIMEOUT_S={self.timeout_s:g})")
+            return UltracommTimeout(
+                f"{where} gave up after {bound:g} s: all {len(msgs)} messages moved but "
+                f"the stream did not finish (timeout ULTRACOMM_TIMEOUT_S={self.timeout_s:g})"
+            )
         m = msgs[k]
         verb = {SEND: "sending", RECV: "receiving", COPY: "copying"}[m.kind]
         return UltracommTimeout(
             f"{where} gave up after {bound:g} s {verb} message {k + 1} of {len(msgs)}: {m.what}"
             f"{f' (peer rank {m.peer})' if m.kind != COPY else ''}; the other end never took part (a stalled or "
             f"dead rank) or a kernel never produced the chunk (its own error, raised first, says which) "
-            f"(timeout ULTRACOMM_TIMEOUT_S={self.timeout_s:g})")
+            f"(timeout ULTRACOMM_TIMEOUT_S={self.timeout_s:g})"
+        )
 
     def _loop(self) -> None:
         while not self._stop.wait(self.poll_s):

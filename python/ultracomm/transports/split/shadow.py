@@ -20,6 +20,7 @@ at most the bytes that crossed under the last plan, as the ``p2p`` transport kee
 buffers per program.  Epoch flags survive a release; the slot bytes need not (each op writes
 every crossing chunk before it is read).
 """
+
 from __future__ import annotations
 
 import mmap

@@ -51,6 +51,7 @@ headers both ways: the simulation in ``tests/split_stream_sim.py`` checks both.
 :func:`loopback_sequence` merges every rank's messages of a one-process loopback domain into
 one list in the same global order (a SEND and its RECV become one copy), for one side stream.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -59,8 +60,21 @@ from typing import Optional, Sequence
 from ...records import Op
 from .bridge_program import BridgeProgram, Crossing
 
-__all__ = ["OWN", "Ref", "StreamOp", "Message", "WAIT_GE", "SEND", "RECV", "WRITE", "COPY", "messages",
-           "rank_stream", "loopback_sequence", "stream_program"]
+__all__ = [
+    "OWN",
+    "Ref",
+    "StreamOp",
+    "Message",
+    "WAIT_GE",
+    "SEND",
+    "RECV",
+    "WRITE",
+    "COPY",
+    "messages",
+    "rank_stream",
+    "loopback_sequence",
+    "stream_program",
+]
 
 OWN = -1  # Ref.shadow of this rank's own window
 WAIT_GE, SEND, RECV, WRITE, COPY = "wait_ge", "send", "recv", "write", "copy"
@@ -89,7 +103,7 @@ class StreamOp:
     nbytes: int = 0
     key: tuple = ()
     what: str = ""
-    rank: int = -1       # loopback sequence: the rank whose spaces ``ref`` is relative to
+    rank: int = -1  # loopback sequence: the rank whose spaces ``ref`` is relative to
     src: Optional[Ref] = None  # COPY: the source (relative to ``peer``'s spaces)
 
 
@@ -124,24 +138,60 @@ def _crossing_message(wl: dict, mc: bool, x: Crossing) -> Message:
     name = f"expert {x.expert} chunk {x.chunk} (bytes [{x.lo}, {x.hi}) of slot {x.slot})"
     key = (*x.key(), x.src, x.dst, 0)
     if mc:  # sender: its shadow of dst; receiver: its real slot
-        return Message(key, x.src, x.dst, Ref(x.dst, lo), Ref(OWN, lo), n,
-                       wait=Ref(x.dst, _flag(wl, "arrival", x.slot, x.chunk)), src_write=None,
-                       dst_write=Ref(OWN, _flag(wl, "arrival", x.slot, x.chunk)),
-                       what=f"multicast {name} rank {x.src} -> rank {x.dst}")
-    return Message(key, x.src, x.dst, Ref(OWN, lo), Ref(x.src, lo), n,
-                   wait=Ref(OWN, _flag(wl, "grad_ready", x.slot, x.chunk)),
-                   src_write=Ref(OWN, _flag(wl, "consumed", x.slot, x.chunk)),
-                   dst_write=Ref(x.src, _flag(wl, "grad_ready", x.slot, x.chunk)),
-                   what=f"reduce {name} rank {x.src} -> rank {x.dst}")
+        return Message(
+            key,
+            x.src,
+            x.dst,
+            Ref(x.dst, lo),
+            Ref(OWN, lo),
+            n,
+            wait=Ref(x.dst, _flag(wl, "arrival", x.slot, x.chunk)),
+            src_write=None,
+            dst_write=Ref(OWN, _flag(wl, "arrival", x.slot, x.chunk)),
+            what=f"multicast {name} rank {x.src} -> rank {x.dst}",
+        )
+    return Message(
+        key,
+        x.src,
+        x.dst,
+        Ref(OWN, lo),
+        Ref(x.src, lo),
+        n,
+        wait=Ref(OWN, _flag(wl, "grad_ready", x.slot, x.chunk)),
+        src_write=Ref(OWN, _flag(wl, "consumed", x.slot, x.chunk)),
+        dst_write=Ref(x.src, _flag(wl, "grad_ready", x.slot, x.chunk)),
+        what=f"reduce {name} rank {x.src} -> rank {x.dst}",
+    )
 
 
 def _header_messages(wl: dict, op: Op, src: int, dst: int) -> list[Message]:
     digest, ready = wl["digest_off"] + 8 * int(op), wl["ready_off"] + 8 * int(op)
-    return [Message((*_HEADER, src, dst, 0), src, dst, Ref(OWN, digest), Ref(src, digest), 8,
-                    wait=Ref(OWN, ready), src_write=None, dst_write=None,
-                    what=f"header (digest) rank {src} -> rank {dst}"),
-            Message((*_HEADER, src, dst, 1), src, dst, Ref(OWN, ready), Ref(src, ready), 8,
-                    wait=None, src_write=None, dst_write=None, what=f"header (ready) rank {src} -> rank {dst}")]
+    return [
+        Message(
+            (*_HEADER, src, dst, 0),
+            src,
+            dst,
+            Ref(OWN, digest),
+            Ref(src, digest),
+            8,
+            wait=Ref(OWN, ready),
+            src_write=None,
+            dst_write=None,
+            what=f"header (digest) rank {src} -> rank {dst}",
+        ),
+        Message(
+            (*_HEADER, src, dst, 1),
+            src,
+            dst,
+            Ref(OWN, ready),
+            Ref(src, ready),
+            8,
+            wait=None,
+            src_write=None,
+            dst_write=None,
+            what=f"header (ready) rank {src} -> rank {dst}",
+        ),
+    ]
 
 
 def messages(prog: BridgeProgram, wl: dict) -> list[Message]:
@@ -210,8 +260,10 @@ def loopback_sequence(progs: Sequence[BridgeProgram], wl: dict) -> list[StreamOp
         ms = by_key[key]
         if len(ms) != 2 or ms[0] != ms[1]:
             ends = sorted({p.rank for p in progs if any(m.key == key for m in messages(p, wl))})
-            raise ValueError(f"ultracomm split: {ms[0].what} is listed by ranks {ends} (expected both ends, alike): "
-                             "the ranks' bridge programs disagree")
+            raise ValueError(
+                f"ultracomm split: {ms[0].what} is listed by ranks {ends} (expected both ends, alike): "
+                "the ranks' bridge programs disagree"
+            )
         m = ms[0]
         if m.wait is not None:
             out.append(StreamOp(WAIT_GE, m.wait, key=key, what=f"wait before {m.what}", rank=m.src))

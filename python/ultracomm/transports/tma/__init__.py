@@ -58,6 +58,7 @@ raised by ``check_error``.
     ``PlanError`` (a peer runs another plan or rejected its plan) or ``UltracommError``, for
     the first failure recorded since the last call; otherwise returns.
 """
+
 from __future__ import annotations
 
 import logging
@@ -93,14 +94,29 @@ class TmaTransport(Transport):
     #: takes resident plans (DeviceSchedule): builds their lists on the GPU
     build_on_device = True
 
-    def __init__(self, *, rank: int, world: int, window, wlayout: dict, layout, num_workers: int,
-                 timeout_s: float, jitter_us: int = 0, multicast_sms: int | None = None,
-                 reduce_sms: int | None = None, link_bytes_per_s: float = 450e9, experts_per_rank: int | None = None,
-                 plan_slots: int = 0):
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world: int,
+        window,
+        wlayout: dict,
+        layout,
+        num_workers: int,
+        timeout_s: float,
+        jitter_us: int = 0,
+        multicast_sms: int | None = None,
+        reduce_sms: int | None = None,
+        link_bytes_per_s: float = 450e9,
+        experts_per_rank: int | None = None,
+        plan_slots: int = 0,
+    ):
         local = window.local
         if getattr(local, "device", None) is None or local.device.type != "cuda":
-            raise ValueError(f"ultracomm: the tma transport needs a GPU window, got {window.provider!r} on "
-                             f"{getattr(local, 'device', 'host')}")
+            raise ValueError(
+                f"ultracomm: the tma transport needs a GPU window, got {window.provider!r} on "
+                f"{getattr(local, 'device', 'host')}"
+            )
         import torch
 
         self.device = local.device.index if local.device.index is not None else torch.cuda.current_device()
@@ -114,32 +130,51 @@ class TmaTransport(Transport):
         self._arena_shape = None
         if experts_per_rank is not None:
             loopback = bool(getattr(window, "loopback", False))
-            self._arena_shape = dict(nranks=world if loopback else 1, world=world,
-                                     experts_per_rank=int(experts_per_rank), members=len(layout.members),
-                                     wlayout=dict(wlayout))
+            self._arena_shape = dict(
+                nranks=world if loopback else 1,
+                world=world,
+                experts_per_rank=int(experts_per_rank),
+                members=len(layout.members),
+                wlayout=dict(wlayout),
+            )
         #: device bytes of this rank's plan arena (as many again in pinned host memory); a loopback
         #: domain's ranks share one arena of that size
-        self.plan_arena_bytes = arena_bytes(self._cuda, self.plan_slots, **self._arena_shape) \
-            if self._arena_shape is not None else 0
+        self.plan_arena_bytes = (
+            arena_bytes(self._cuda, self.plan_slots, **self._arena_shape) if self._arena_shape is not None else 0
+        )
         # a loopback window (cuda_local): one launch runs every rank (loopback.py)
-        self._loopback = (runner_for(window, self._cuda, self.device, self.timeout_s, self.plan_slots)
-                          if getattr(window, "loopback", False) else None)
+        self._loopback = (
+            runner_for(window, self._cuda, self.device, self.timeout_s, self.plan_slots)
+            if getattr(window, "loopback", False)
+            else None
+        )
         self.runner = self._loopback.runner if self._loopback is not None else self._cuda.Runner(self.device)
         sms = self.runner.sm_count
         # the Context passes both (env / profile); alone: the measured per-CTA fallback
-        self.multicast_sms = int(multicast_sms) if multicast_sms is not None else \
-            choose_sms("multicast", 0, link_bytes_per_s, sms).sms
-        self.reduce_sms = int(reduce_sms) if reduce_sms is not None else \
-            choose_sms("reduce", 0, link_bytes_per_s, sms).sms
+        self.multicast_sms = (
+            int(multicast_sms) if multicast_sms is not None else choose_sms("multicast", 0, link_bytes_per_s, sms).sms
+        )
+        self.reduce_sms = (
+            int(reduce_sms) if reduce_sms is not None else choose_sms("reduce", 0, link_bytes_per_s, sms).sms
+        )
         for what, v in (("multicast_sms", self.multicast_sms), ("reduce_sms", self.reduce_sms)):
             if v < 1:
                 raise ValueError(f"ultracomm: {what} must be >= 1, got {v}")
-        log.debug("ultracomm tma: rank %d device %d (%s mover, %d SMs): multicast_sms=%d reduce_sms=%d",
-                  rank, self.device, self.runner.mover, sms, self.multicast_sms, self.reduce_sms)
+        log.debug(
+            "ultracomm tma: rank %d device %d (%s mover, %d SMs): multicast_sms=%d reduce_sms=%d",
+            rank,
+            self.device,
+            self.runner.mover,
+            sms,
+            self.multicast_sms,
+            self.reduce_sms,
+        )
         self._grad_code = GRAD_DTYPE_CODE[layout.grad_dtype]
         self._bases = [int(b) for b in window.peer_bases]
-        self._members = {Op.MULTICAST: (list(layout.weight_offsets), list(layout.weight_sizes)),
-                         Op.REDUCE: (list(layout.grad_offsets), list(layout.grad_sizes))}
+        self._members = {
+            Op.MULTICAST: (list(layout.weight_offsets), list(layout.weight_sizes)),
+            Op.REDUCE: (list(layout.grad_offsets), list(layout.grad_sizes)),
+        }
         self._slots = PlanSlots(self.plan_slots)
         self._resident = ResidentSlots(self._slots)
         self._templates: dict = {}  # (id(masters), id(local_index_of)) -> resident plans' templates
@@ -163,11 +198,17 @@ class TmaTransport(Transport):
     def _shape_of(self, masters: Masters, local_index_of: Sequence[int]) -> dict:
         """The arena's shape when the constructor was not told experts_per_rank: the first plan's."""
         n_local = sum(1 for i in local_index_of if i >= 0)
-        return dict(nranks=self.world if self._loopback is not None else 1, world=self.world,
-                    experts_per_rank=max(n_local, 1), members=len(self.layout.members), wlayout=dict(self.wlayout))
+        return dict(
+            nranks=self.world if self._loopback is not None else 1,
+            world=self.world,
+            experts_per_rank=max(n_local, 1),
+            members=len(self.layout.members),
+            wlayout=dict(self.wlayout),
+        )
 
-    def _rank_args(self, op: Op, schedule, masters: Masters, my_slots: Sequence[int],
-                   local_index_of: Sequence[int]) -> tuple[tuple, "Callable[[], dict]"]:
+    def _rank_args(
+        self, op: Op, schedule, masters: Masters, my_slots: Sequence[int], local_index_of: Sequence[int]
+    ) -> tuple[tuple, "Callable[[], dict]"]:
         """(cache key, builder of this rank's DevicePlan arguments) of one operation."""
         ptrs = masters.weight_ptrs if op == Op.MULTICAST else masters.grad_ptrs
         key = (schedule.digest, int(op), tuple(ptrs), tuple(my_slots), tuple(local_index_of), tuple(self._bases))
@@ -175,13 +216,27 @@ class TmaTransport(Transport):
         def make() -> dict:
             member_off, member_bytes = self._members[op]
             L = self.wlayout
-            return dict(op=int(op), rank=self.rank, world=self.world, slots=L["slots"],
-                        weight_slot_bytes=L["weight_slot_bytes"], grad_slot_bytes=L["grad_slot_bytes"],
-                        chunk_bytes=L["chunk_bytes"], window_bases=self._bases, member_off=member_off,
-                        member_bytes=member_bytes, master_ptrs=list(ptrs), local_index_of=list(local_index_of),
-                        grad_dtype=self._grad_code, my_slots=list(my_slots), tasks=schedule.tasks(op, self.rank),
-                        refs=schedule.refs(op, self.rank), timeout_s=self.timeout_s,
-                        slot_parent=schedule.tree(op)[0][self.rank].tolist(), digest=schedule.digest)
+            return dict(
+                op=int(op),
+                rank=self.rank,
+                world=self.world,
+                slots=L["slots"],
+                weight_slot_bytes=L["weight_slot_bytes"],
+                grad_slot_bytes=L["grad_slot_bytes"],
+                chunk_bytes=L["chunk_bytes"],
+                window_bases=self._bases,
+                member_off=member_off,
+                member_bytes=member_bytes,
+                master_ptrs=list(ptrs),
+                local_index_of=list(local_index_of),
+                grad_dtype=self._grad_code,
+                my_slots=list(my_slots),
+                tasks=schedule.tasks(op, self.rank),
+                refs=schedule.refs(op, self.rank),
+                timeout_s=self.timeout_s,
+                slot_parent=schedule.tree(op)[0][self.rank].tolist(),
+                digest=schedule.digest,
+            )
 
         return key, make
 
@@ -194,8 +249,11 @@ class TmaTransport(Transport):
             # held weakly: masters registered anew must not keep the old tensors alive
             for k in [k for k, v in self._templates.items() if v[0]() is None]:
                 del self._templates[k]
-            got = self._templates[key] = (weakref.ref(masters), local_index_of,
-                                          *self._template_fns(masters, local_index_of))
+            got = self._templates[key] = (
+                weakref.ref(masters),
+                local_index_of,
+                *self._template_fns(masters, local_index_of),
+            )
         return Share(sched.token, got[2], got[3], sched.build_args())
 
     def _template_fns(self, masters: Masters, local_index_of: Sequence[int]) -> tuple:
@@ -203,23 +261,51 @@ class TmaTransport(Transport):
         S = int(self.wlayout["slots"])
         # registered without grads: no reduction can run (Context refuses it); the weights'
         # pointers stand in so the reduce template is well-formed, and the key tells them apart
-        ptrs = {int(Op.MULTICAST): list(masters.weight_ptrs),
-                int(Op.REDUCE): list(masters.grad_ptrs if masters.grad_ptrs is not None else masters.weight_ptrs)}
+        ptrs = {
+            int(Op.MULTICAST): list(masters.weight_ptrs),
+            int(Op.REDUCE): list(masters.grad_ptrs if masters.grad_ptrs is not None else masters.weight_ptrs),
+        }
         keys = {op: (op, masters.grad_ptrs is None, tuple(p), tuple(lio), tuple(self._bases)) for op, p in ptrs.items()}
 
         def template(op: int) -> dict:
             member_off, member_bytes = self._members[Op(op)]
             L = self.wlayout
-            return dict(op=op, rank=self.rank, world=self.world, slots=S, weight_slot_bytes=L["weight_slot_bytes"],
-                        grad_slot_bytes=L["grad_slot_bytes"], chunk_bytes=L["chunk_bytes"], window_bases=self._bases,
-                        member_off=member_off, member_bytes=member_bytes, master_ptrs=ptrs[op], local_index_of=lio,
-                        grad_dtype=self._grad_code, my_slots=[-1] * S, tasks=np.zeros(0, TASK_DTYPE),
-                        refs=np.zeros(0, REF_DTYPE), timeout_s=self.timeout_s, slot_parent=[-1] * S, digest=1)
+            return dict(
+                op=op,
+                rank=self.rank,
+                world=self.world,
+                slots=S,
+                weight_slot_bytes=L["weight_slot_bytes"],
+                grad_slot_bytes=L["grad_slot_bytes"],
+                chunk_bytes=L["chunk_bytes"],
+                window_bases=self._bases,
+                member_off=member_off,
+                member_bytes=member_bytes,
+                master_ptrs=ptrs[op],
+                local_index_of=lio,
+                grad_dtype=self._grad_code,
+                my_slots=[-1] * S,
+                tasks=np.zeros(0, TASK_DTYPE),
+                refs=np.zeros(0, REF_DTYPE),
+                timeout_s=self.timeout_s,
+                slot_parent=[-1] * S,
+                digest=1,
+            )
 
         return template, keys.__getitem__
 
-    def run(self, op: Op, schedule, epoch: int, masters: Masters, my_slots: Sequence[int],
-            local_index_of: Sequence[int], op_name: str | None, stream: int, slot: int | None = None) -> bool:
+    def run(
+        self,
+        op: Op,
+        schedule,
+        epoch: int,
+        masters: Masters,
+        my_slots: Sequence[int],
+        local_index_of: Sequence[int],
+        op_name: str | None,
+        stream: int,
+        slot: int | None = None,
+    ) -> bool:
         """Enqueue ``op`` of ``schedule`` for this rank at ``epoch`` on ``stream`` (see module doc)."""
         op = Op(int(op))
         ctas = self.multicast_sms if op == Op.MULTICAST else self.reduce_sms
@@ -228,30 +314,47 @@ class TmaTransport(Transport):
         key, make = self._rank_args(op, schedule, masters, my_slots, local_index_of)
         if self._loopback is not None:  # the rank completing the set launches every rank
             lb = self.loopback_arena(masters, local_index_of)
-            return launches_for(self.window).deposit(Deposit(self.rank, int(op), int(epoch), int(stream),
-                                                             (key, make, ctas, op_name, slot)),
-                                                     lambda deps: lb.launch(deps, self.rank))
+            return launches_for(self.window).deposit(
+                Deposit(self.rank, int(op), int(epoch), int(stream), (key, make, ctas, op_name, slot)),
+                lambda deps: lb.launch(deps, self.rank),
+            )
         if self._arena is None:
             self._arena = self._make_arena(self._shape_of(masters, local_index_of))
         where, upload = self._slots.place(int(op), key, slot)
-        self.runner.launch_slot(self._arena, where, int(op), [make()] if upload else None, int(epoch), ctas,
-                                int(stream), False)
+        self.runner.launch_slot(
+            self._arena, where, int(op), [make()] if upload else None, int(epoch), ctas, int(stream), False
+        )
         self._slots.written(where, int(op), key)
         if len(self._names) > 1024:
             self._names.clear()
         self._names[int(epoch)] = op_name
         return True
 
-    def _run_resident(self, op: Op, sched: DeviceSchedule, epoch: int, masters: Masters,
-                      local_index_of: Sequence[int], op_name: str | None, stream: int, slot: int | None,
-                      ctas: int) -> bool:
+    def _run_resident(
+        self,
+        op: Op,
+        sched: DeviceSchedule,
+        epoch: int,
+        masters: Masters,
+        local_index_of: Sequence[int],
+        op_name: str | None,
+        stream: int,
+        slot: int | None,
+        ctas: int,
+    ) -> bool:
         share = self._share(sched, masters, local_index_of)
         if self._loopback is not None:
             lb = self.loopback_arena(masters, local_index_of)
             return launches_for(self.window).deposit(
-                Deposit(self.rank, int(op), int(epoch), int(stream), (("resident", share.token), None, ctas, op_name,
-                                                                      slot, share)),
-                lambda deps: lb.launch(deps, self.rank))
+                Deposit(
+                    self.rank,
+                    int(op),
+                    int(epoch),
+                    int(stream),
+                    (("resident", share.token), None, ctas, op_name, slot, share),
+                ),
+                lambda deps: lb.launch(deps, self.rank),
+            )
         if self._arena is None:
             self._arena = self._make_arena(self._shape_of(masters, local_index_of))
         self._resident.launch(self.runner, self._arena, slot, int(op), [share], int(epoch), ctas, int(stream))
@@ -267,8 +370,16 @@ class TmaTransport(Transport):
             self._loopback.reject(self.rank, int(op), int(epoch), self.wlayout, self._bases[self.rank], int(stream))
             return
         L = self.wlayout
-        self._cuda.publish_rejection(int(op), int(epoch), self._bases[self.rank], L["slots"], L["weight_slot_bytes"],
-                                     L["grad_slot_bytes"], L["chunk_bytes"], int(stream))
+        self._cuda.publish_rejection(
+            int(op),
+            int(epoch),
+            self._bases[self.rank],
+            L["slots"],
+            L["weight_slot_bytes"],
+            L["grad_slot_bytes"],
+            L["chunk_bytes"],
+            int(stream),
+        )
 
     def close(self) -> None:
         """Free this rank's plan arena (the caller synchronised the device first)."""

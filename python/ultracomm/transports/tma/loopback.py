@@ -11,6 +11,7 @@ shared launch is raised by every rank's ``check_error()``, once each; so is a ra
 of its plan, and a launch that could not start (bad plan, grid too large), which the launching
 rank gets at once from its ``run()``.
 """
+
 from __future__ import annotations
 
 import threading
@@ -56,15 +57,19 @@ class LoopbackRunner:
             try:
                 vids = {d.item[4] if len(d.item) > 4 else None for d in deposits}
                 if len(vids) > 1:
-                    raise ValueError(f"ultracomm: loopback ranks ran one operation on different vid slots "
-                                     f"{sorted(vids, key=str)}; every rank must begin its micro-batches in the same "
-                                     "order")
+                    raise ValueError(
+                        f"ultracomm: loopback ranks ran one operation on different vid slots "
+                        f"{sorted(vids, key=str)}; every rank must begin its micro-batches in the same "
+                        "order"
+                    )
                 shares = [d.item[5] if len(d.item) > 5 else None for d in deposits]
                 ctas = max(d.item[2] for d in deposits)
                 if any(s is not None for s in shares):  # a resident plan: built on the device (resident.py)
                     if any(s is None for s in shares):
-                        raise ValueError("ultracomm: loopback ranks ran one operation with resident and host-built "
-                                         "plans; every rank must pass the same kind of plan")
+                        raise ValueError(
+                            "ultracomm: loopback ranks ran one operation with resident and host-built "
+                            "plans; every rank must pass the same kind of plan"
+                        )
                     self._resident.launch(self.runner, self.arena, vids.pop(), op, shares, epoch, ctas, stream)
                 else:
                     key = (op, tuple(d.item[0] for d in deposits))
@@ -86,17 +91,20 @@ class LoopbackRunner:
         window) and, since the shared launch will not run, record for every other rank the
         error a peer touching it would raise ("rank r rejected its plan")."""
         L = wlayout
-        self.cuda.publish_rejection(op, epoch, window_base, L["slots"], L["weight_slot_bytes"], L["grad_slot_bytes"],
-                                    L["chunk_bytes"], stream)
+        self.cuda.publish_rejection(
+            op, epoch, window_base, L["slots"], L["weight_slot_bytes"], L["grad_slot_bytes"], L["chunk_bytes"], stream
+        )
         with self._lock:
+
             def throw(me: int, name: str | None, t: float) -> None:
                 raise_record(make_error_record(_REJECTED, me, op, epoch, peer=rank), name, t)
 
             self._errors.append((throw, self._names.get(epoch)))
             self._seen[rank] = len(self._errors)  # the rejecting rank raised its own error already
 
-    def record_failure(self, throw: Callable[[int, str | None, float], None], name: str | None,
-                       raised_by: int | None = None) -> None:
+    def record_failure(
+        self, throw: Callable[[int, str | None, float], None], name: str | None, raised_by: int | None = None
+    ) -> None:
         """A failure found on the host before a launch (``throw(rank, op name, timeout_s)`` raises it
         as that rank would): every rank's ``check_error`` raises it once, except ``raised_by``,
         whose own call raised it already."""
@@ -109,8 +117,9 @@ class LoopbackRunner:
         with self._lock:
             rec = self.runner.take_error()
             if rec is not None:
-                self._errors.append((lambda me, name, t, rec=rec: raise_record(rec, name, t),
-                                     self._names.get(record_epoch(rec))))
+                self._errors.append(
+                    (lambda me, name, t, rec=rec: raise_record(rec, name, t), self._names.get(record_epoch(rec)))
+                )
             if self.arena is not None:
                 self.arena.retire()
             failure = self._resident.take_failure(self.arena, rank) if self.arena is not None else None
@@ -126,6 +135,7 @@ class LoopbackRunner:
 
 def raiser(e: BaseException) -> Callable[[int, str | None, float], None]:
     """A ``throw(rank, op name, timeout_s)`` for :meth:`LoopbackRunner.record_failure` that raises ``e``."""
+
     def throw(rank: int, name: str | None, timeout_s: float) -> None:
         raise e
 

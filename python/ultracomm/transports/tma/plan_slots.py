@@ -20,6 +20,7 @@ Arena size (:func:`arena_bounds`): per rank entry of a launch, the schedule buil
 most ``(experts_per_rank + slots) x chunks`` tasks and ``world x slots`` refs per operation;
 ``Context.plan_arena_bytes()`` reports the exact bytes.
 """
+
 from __future__ import annotations
 
 import logging
@@ -45,9 +46,15 @@ def arena_bounds(*, nranks: int, world: int, experts_per_rank: int, members: int
     """The keyword bounds of ``_cuda.PlanArena`` / ``plan_arena_bytes`` (without device and slots)."""
     S = int(wlayout["slots"])
     chunks = (int(wlayout["weight_chunks"]), int(wlayout["grad_chunks"]))
-    return dict(nranks=nranks, world=world, num_experts=world * experts_per_rank,
-                masters=experts_per_rank * members, slots=S,
-                tasks=tuple((experts_per_rank + S) * c for c in chunks), refs=(world * S, world * S))
+    return dict(
+        nranks=nranks,
+        world=world,
+        num_experts=world * experts_per_rank,
+        masters=experts_per_rank * members,
+        slots=S,
+        tasks=tuple((experts_per_rank + S) * c for c in chunks),
+        refs=(world * S, world * S),
+    )
 
 
 def arena_bytes(cuda: Any, vid_slots: int, **shape: Any) -> int:
@@ -75,8 +82,10 @@ class PlanSlots:
         (the slot holds another plan).  Call :meth:`written` once the launch is enqueued."""
         if vid_slot is not None:
             if not 0 <= vid_slot < self.vid_slots:
-                raise ValueError(f"ultracomm: plan slot {vid_slot} is out of range 0..{self.vid_slots - 1} (the "
-                                 "transport's vid slots: num_layers x max_microbatches)")
+                raise ValueError(
+                    f"ultracomm: plan slot {vid_slot} is out of range 0..{self.vid_slots - 1} (the "
+                    "transport's vid slots: num_layers x max_microbatches)"
+                )
             slot = int(vid_slot)
         else:
             slot = self._scratch_slot(key)
@@ -97,9 +106,11 @@ class PlanSlots:
         else:
             victim = next((k for k, s in self._scratch.items() if s not in self.pinned), None)
             if victim is None:
-                raise UltracommError(f"ultracomm: {SCRATCH} plans without a vid slot are pinned by captured CUDA "
-                                     "graphs; capture through Context operations (their plans live in their vid's "
-                                     "slot) or fewer distinct plans per capture")
+                raise UltracommError(
+                    f"ultracomm: {SCRATCH} plans without a vid slot are pinned by captured CUDA "
+                    "graphs; capture through Context operations (their plans live in their vid's "
+                    "slot) or fewer distinct plans per capture"
+                )
             slot = self._scratch.pop(victim)
         self._scratch[key] = slot
         return slot

@@ -15,6 +15,7 @@ A failed build made the rank publish a rejection; it reports in mapped host memo
 behind a sequence lock), and :meth:`ResidentSlots.take_failure` raises each new failure once --
 also of builds a CUDA graph replay ran, which the host never enqueued itself.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -47,20 +48,33 @@ class ResidentSlots:
         self._entries: dict[int, int] = {}  # slot -> rank entries its builds write (slots ever built)
         self._seen: dict[tuple[int, int], int] = {}  # (slot, entry) -> failed builds already reported
 
-    def launch(self, runner: Any, arena: Any, slot: int | None, op: int, shares: Sequence[Share], epoch: int,
-               ctas: int, stream: int) -> None:
+    def launch(
+        self,
+        runner: Any,
+        arena: Any,
+        slot: int | None,
+        op: int,
+        shares: Sequence[Share],
+        epoch: int,
+        ctas: int,
+        stream: int,
+    ) -> None:
         """Enqueue ``op`` of the resident plan ``shares`` (one per rank entry, in rank order) from
         vid slot ``slot``: on the plan's first operation (its ``weight_sync``) the templates that
         changed and the build first."""
         if slot is None:
-            raise ValueError("ultracomm: a resident plan runs from its vid's plan slot; pass it through "
-                             "Context.weight_sync(vid, ResidentPlan(...))")
+            raise ValueError(
+                "ultracomm: a resident plan runs from its vid's plan slot; pass it through "
+                "Context.weight_sync(vid, ResidentPlan(...))"
+            )
         key = ("resident", *(s.token for s in shares))
         if self.slots.held(slot, op) != key:
             if op != int(Op.MULTICAST):
-                raise UltracommError(f"ultracomm: plan slot {slot} no longer holds the resident plan this "
-                                     f"{'reduction' if op else 'multicast'} belongs to (another plan was written "
-                                     "there since its weight_sync)")
+                raise UltracommError(
+                    f"ultracomm: plan slot {slot} no longer holds the resident plan this "
+                    f"{'reduction' if op else 'multicast'} belongs to (another plan was written "
+                    "there since its weight_sync)"
+                )
             for o in (int(Op.MULTICAST), int(Op.REDUCE)):
                 tkey = tuple(s.template_key(o) for s in shares)
                 if self.slots.template(slot, o) != tkey:
@@ -72,8 +86,10 @@ class ResidentSlots:
                 self.slots.built(slot, o, key)
             self._entries[slot] = len(shares)
         elif self.slots.template(slot, op) != tuple(s.template_key(op) for s in shares):
-            raise UltracommError(f"ultracomm: plan slot {slot}: the masters (or window) changed since this resident "
-                                 "plan's weight_sync built its lists; call weight_sync again after register_masters")
+            raise UltracommError(
+                f"ultracomm: plan slot {slot}: the masters (or window) changed since this resident "
+                "plan's weight_sync built its lists; call weight_sync again after register_masters"
+            )
         runner.launch_slot(arena, slot, op, None, epoch, ctas, stream, False)
 
     def take_failure(self, arena: Any, rank: int) -> UltracommError | None:
@@ -97,5 +113,6 @@ class ResidentSlots:
                     more = f" ({n} failed builds since the last check; the last one's reason)" if n > 1 else ""
                     failure = BUILD_ERROR.get(status, UltracommError)(
                         f"ultracomm: {who}: the device schedule build of plan slot {slot} failed: {why}{more}; the "
-                        "rank published a rejection (peers raise PlanError) and ran no task of it")
+                        "rank published a rejection (peers raise PlanError) and ran no task of it"
+                    )
         return failure

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import threading
 import time
 import traceback
 
@@ -23,31 +22,13 @@ import numpy as np
 import torch
 
 from ultracomm import ReplicaPlan
-from ultracomm.errors import PlanError, UltracommTimeout
 from ultracomm.records import Op
 from ultracomm.transports.host import op_digest
 
 # the failure worker's Contexts (two loopback ranks on cuda:0, copy_engine), slots and mismatch
 from copy_engine_failure_worker import TIMEOUT_S, contexts, mismatched_weight_sync, slots_of  # noqa: E402
 
-SYNC_BOUND_S = 5.0
-
-
-def device_sync() -> tuple[bool, float]:
-    """torch.cuda.synchronize() in a thread, bounded: (returned, seconds)."""
-    t = time.monotonic()
-    th = threading.Thread(target=torch.cuda.synchronize, daemon=True)
-    th.start()
-    th.join(SYNC_BOUND_S)
-    return not th.is_alive(), time.monotonic() - t
-
-
-def describe(e) -> dict:
-    return dict(
-        error=None if e is None else f"{type(e).__name__}: {e}",
-        timeout=isinstance(e, UltracommTimeout),
-        plan_error=isinstance(e, PlanError),
-    )
+from release_common import SYNC_BOUND_S, describe, device_sync  # noqa: E402,F401 - shared with the other release worker
 
 
 def lost_peer(dead: bool) -> dict:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import threading
 import time
 import traceback
 
@@ -34,20 +33,20 @@ import numpy as np
 import torch
 
 from ultracomm import Context, ExpertLayout, LoopbackDomain, Member, ReplicaPlan
-from ultracomm.errors import PlanError, UltracommTimeout
 from ultracomm.transports.split import cuda as split_cuda
 from ultracomm.transports.split.cuda_movers import Spaces
 from ultracomm.transports.split.stream import COPY, OWN, WAIT_GE, Ref, StreamOp
 
 LAYOUT = ExpertLayout((Member("fc1", (40, 24), torch.float32), Member("fc2", (56,), torch.float32)))
 TIMEOUT_S = 2.0
-SYNC_BOUND_S = 5.0
+from release_common import SYNC_BOUND_S, describe, device_sync  # noqa: E402,F401 - shared with the other release worker
+
 DEAD = -7  # the spaces key of the word nobody writes (dead case)
 PLAN = ReplicaPlan.make(np.array([[-1], [-1], [0], [0]], np.int32), experts_per_rank=1)
 OTHER = ReplicaPlan.make(np.array([[-1], [-1], [0], [-1]], np.int32), experts_per_rank=1)
 
 
-def contexts():
+def contexts(timeout_s: float = TIMEOUT_S):
     ctxs = LoopbackDomain(4).run(
         lambda g: Context(
             g,
@@ -63,30 +62,13 @@ def contexts():
             relay_mode="off",
             chunk_bytes=1024,
             tile_bytes=256,
-            timeout_s=TIMEOUT_S,
+            timeout_s=timeout_s,
         )
     )
     for c in ctxs:
         w = [torch.full((1, *m.shape), float(c.rank + 1), device="cuda:0") for m in LAYOUT.members]
         c.register_masters(0, w, [torch.zeros_like(t) for t in w])
     return ctxs
-
-
-def device_sync() -> tuple[bool, float]:
-    """torch.cuda.synchronize() in a thread, bounded: (returned, seconds)."""
-    t = time.monotonic()
-    th = threading.Thread(target=torch.cuda.synchronize, daemon=True)
-    th.start()
-    th.join(SYNC_BOUND_S)
-    return not th.is_alive(), time.monotonic() - t
-
-
-def describe(e) -> dict:
-    return dict(
-        error=None if e is None else f"{type(e).__name__}: {e}",
-        timeout=isinstance(e, UltracommTimeout),
-        plan_error=isinstance(e, PlanError),
-    )
 
 
 def warm_up(ctxs) -> None:

@@ -19,34 +19,16 @@ import time
 import numpy as np
 import torch
 
-from ultracomm import Context, ExpertLayout, LoopbackDomain, Member, ReplicaPlan
+from ultracomm import ExpertLayout, Member, ReplicaPlan
 
 LAYOUT = ExpertLayout((Member("fc1", (40, 24), torch.float32), Member("fc2", (56,), torch.float32)))
 TIMEOUT_S = 2.0
 
+from split_cuda_release_worker import contexts  # noqa: E402 - its Contexts (this script's folder is on sys.path)
+
 
 def main() -> dict:
-    ctxs = LoopbackDomain(4).run(
-        lambda g: Context(
-            g,
-            LAYOUT,
-            1,
-            1,
-            num_layers=1,
-            transport="split",
-            window="cuda_local",
-            device="cuda:0",
-            domain="a,a,b,b",
-            node_of=[0, 0, 1, 1],
-            relay_mode="off",
-            chunk_bytes=1024,
-            tile_bytes=256,
-            timeout_s=TIMEOUT_S,
-        )
-    )
-    for c in ctxs:
-        w = [torch.full((1, *m.shape), float(c.rank + 1), device="cuda:0") for m in LAYOUT.members]
-        c.register_masters(0, w, [torch.zeros_like(t) for t in w])
+    ctxs = contexts(TIMEOUT_S)  # the release worker's four loopback ranks over the CUDA split
     tma0 = ctxs[0].transport.tma
     rank_args = tma0._rank_args
 

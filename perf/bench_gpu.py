@@ -654,7 +654,7 @@ class Timer:
 
 
 # cudaMemcpyAsync(void *dst, const void *src, size_t count, enum cudaMemcpyKind kind, cudaStream_t stream)
-# (tests/test_gpu_paths_cpu.py checks both against cuda_runtime_api.h)
+# (tests/cuda/test_gpu_paths_cpu.py checks both against cuda_runtime_api.h)
 CUDART_MEMCPY_ASYNC_ARGTYPES = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
 CUDA_MEMCPY_DEVICE_TO_DEVICE = 3
 

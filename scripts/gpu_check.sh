@@ -103,8 +103,8 @@ rc_test=$?
 tail -15 "$OUT/gpu-tests.log"
 
 # the stall cases (copy_engine: default stream and a fresh non-blocking one; split) with 32 hardware queues
-step stall-cdmc32 90 env CUDA_DEVICE_MAX_CONNECTIONS=32 "$PY" -m pytest tests/test_copy_engine_gpu.py \
-  tests/test_split_cuda_gpu.py -v -m gpu -k "near_its_deadline and stall" -p no:cacheprovider \
+step stall-cdmc32 90 env CUDA_DEVICE_MAX_CONNECTIONS=32 "$PY" -m pytest tests/transports/test_copy_engine_gpu.py \
+  tests/transports/test_split_cuda_gpu.py -v -m gpu -k "near_its_deadline and stall" -p no:cacheprovider \
   -o faulthandler_timeout=60 ${per_test[@]+"${per_test[@]}"} > "$LOGS/stall-cdmc32.log" 2>&1
 rc_stall=$?
 tail -5 "$LOGS/stall-cdmc32.log"

@@ -55,7 +55,7 @@ if [ "$MODE" = test ]; then
       echo "setup: no chromium, and no root apt-get to install it; the viewer's browser tests will skip"
     fi
   fi
-  # SASS checks of the CUDA kernels without a GPU (tests/test_cuda_build.py): cuobjdump / nvdisasm
+  # SASS checks of the CUDA kernels without a GPU (tests/cuda/test_cuda_build.py): cuobjdump / nvdisasm
   quiet pip install -q nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm
 fi
 

@@ -56,7 +56,7 @@ def flat(params: list[list[Any]]) -> list[torch.Tensor]:
 
 def megatron_ddp_hook(p: torch.Tensor) -> None:
     """megatron-core 0.16.1 ``DistributedDataParallel._make_backward_post_hook``, restated (as
-    tests/test_integration_megatron_echo.py does): on the grad accumulator, add ``.grad`` into
+    tests/integrations/test_integration_megatron_echo.py does): on the grad accumulator, add ``.grad`` into
     ``main_grad`` unless a fused wgrad set ``grad_added_to_main_grad``; then clear ``.grad``."""
 
     def hook(*unused):

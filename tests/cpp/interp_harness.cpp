@@ -1,4 +1,4 @@
-// Interpreter harness: runs a real schedule (dumped by tests/test_interp_harness.py) through
+// Interpreter harness: runs a real schedule (dumped by tests/transports/test_interp_harness.py) through
 // run_host with the host or block mover, all ranks as threads of this process, for many
 // epochs, and checks every byte: replicas equal the masters after multicast, master grads
 // equal the Python reference's ordered fp32 sum after reduce.  Built by the test plainly and

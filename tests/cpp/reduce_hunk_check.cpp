@@ -8,7 +8,7 @@
 //
 //   reduce_hunk_check [--seed N] [--rounds N]
 // Built with -DUC_MUTATE_FTZ, the GPU-like conversion flushes subnormal results to zero (as
-// cvt.ftz would): the check must then fail (tests/test_reduce_hunk.py).
+// cvt.ftz would): the check must then fail (tests/transports/test_reduce_hunk.py).
 #include <cinttypes>
 #include <cmath>
 #include <cstdio>

@@ -44,7 +44,7 @@ def check_group(group, node_of, transport: str = "p2p", domain: str | None = Non
         }
         assert ctxs["p2p"].transport.name == transport
         # the host executor's schedules (chunk, relay mode), not the p2p cost model's choice: this
-        # compares the executors byte for byte (tests/test_alpha_beta.py tests the choice)
+        # compares the executors byte for byte (tests/control/test_alpha_beta.py tests the choice)
         ctxs["p2p"].transport.message_costs = None
         assert ctxs["p2p"].window.provider == ("private" if transport == "p2p" else "host_shm")
         if transport == "split":  # host_shm maps only this rank's domain; the others are reached by messages

@@ -2,7 +2,7 @@
 ranks (domains {0, 1} and {2, 3}), in its own process: before issue 35's gates the side stream
 stayed blocked after the failure, which would hang any later device-wide synchronize of a test
 process (split_cuda_release_worker.py checks that it no longer does).  Prints one JSON line with
-what tests/test_split_cuda_gpu.py checks.
+what tests/transports/test_split_cuda_gpu.py checks.
 
 Rank 0 (home of expert 0) runs with its kernel's task list withheld: it joins (ready, digest)
 but never copies expert 0 into its shadows of ranks 2 and 3 (direct multicast), so the side

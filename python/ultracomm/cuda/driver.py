@@ -50,7 +50,7 @@ _U64, _PTR, _UINT, _INT = ctypes.c_uint64, ctypes.c_void_p, ctypes.c_uint, ctype
 # API name -> (the symbol cuda.h binds it to without per-thread default streams, argtypes), all
 # returning CUresult.  Pinned, not guessed: libcuda also exports older versions under the plain
 # names (cuStreamDestroy, cuStreamWaitValue64 are v1), and a "_v2" of an API whose header binds
-# the plain name would be another function.  tests/test_gpu_paths_cpu.py checks this table
+# the plain name would be another function.  tests/cuda/test_gpu_paths_cpu.py checks this table
 # against cuda.h's prototypes.
 SIGNATURES: dict[str, tuple[str, list]] = {
     "cuMemcpyAsync": ("cuMemcpyAsync", [_U64, _U64, ctypes.c_size_t, _PTR]),

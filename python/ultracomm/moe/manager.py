@@ -128,7 +128,7 @@ class ReplicaManager:
                 "rank to call it, so a rank's forward compute and its backward (every rank's autograd nodes run on "
                 "one device thread) would be enqueued before the operation they read.  Use one process per GPU "
                 "(cuda_ipc or torch_symm windows), the host executor, or Context operations driven from one "
-                "thread (as tests/test_gpu_context.py does)"
+                "thread (as tests/cuda/test_gpu_context.py does)"
             )
         self.layout, self.rank, self.world = c.layout, c.rank, c.world
         #: steps whose backward has not run, per layer, at most (the Context has one slot more

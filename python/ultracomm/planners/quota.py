@@ -59,7 +59,7 @@ What is guaranteed:
   complete: if it runs to the end (at most 1000 placements per probe, and a quarter of
   the probe's share of ``cover_budget``), its answer is exact -- a plan when one exists,
   else a proof that none does (``info['refuted']``; checked against brute force on small
-  loads, tests/test_planners.py).  When it stops early the local search, which cannot
+  loads, tests/planners/test_planners.py).  When it stops early the local search, which cannot
   refute, takes over, and a threshold is then missed only if that runs out of budget too.
 * With more slots per rank the cover search splits a receiver's spare only in the way its
   order suggests (a partial piece at a hot rank's last receiver), so nothing is exact: a

@@ -1,5 +1,5 @@
 """Loads built around a known quota plan, to check that the quota planner finds plans
-that provably exist (tests/test_planners.py, perf/planners.md via
+that provably exist (tests/planners/test_planners.py, perf/planners.md via
 :mod:`ultracomm.tools.planner_eval`)."""
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A ``gate`` command (:func:`.plan.gate_commands`) runs as one launch of ``uc_ce_gate`` (one CTA of
 :data:`THREADS` threads) on its internal stream: it waits for its flags or this rank's abort word,
 then copies and writes its flags, or, aborted, does nothing.  The PTX below is what
-:data:`NVCC` makes of ``csrc/cuda/ce_gate.cuh`` (tests/test_copy_engine_gate.py checks it is
+:data:`NVCC` makes of ``csrc/cuda/ce_gate.cuh`` (tests/transports/test_copy_engine_gate.py checks it is
 current); the driver JIT-compiles it once per process (``cuModuleLoadData``), so the transport
 needs no nvcc and no rebuilt ``_cuda``.
 """

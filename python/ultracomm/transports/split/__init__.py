@@ -25,7 +25,7 @@ and into the same buffers -- a multicast with the direct schedule of the same pl
 (:func:`ultracomm.alpha_beta.choose_schedule` with relays off: copies, so the same bytes), a
 reduction with this schedule where its tree is direct (a relay tree keeps the split route:
 relays round their partials, so the bits follow the tree).  Both routes give the host
-executor's bytes for the schedule (tests/test_split.py runs both).  Ranks pick alike: the
+executor's bytes for the schedule (tests/transports/test_split.py runs both).  Ranks pick alike: the
 route is a function of the schedule.
 """
 

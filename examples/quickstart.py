@@ -17,7 +17,7 @@ slots.  A router skewed towards a few hot experts sends each token to TOP_K expe
    optimizer step sees ordinary gradients.
 
 Rank 0 prints per step the loss and the token imbalance (max:mean over ranks) before and after
-balancing; ``--no-replication`` prints the same losses (tests/test_example_quickstart.py checks).
+balancing; ``--no-replication`` prints the same losses (tests/moe/test_example_quickstart.py checks).
 CPU only, as written (gloo); on GPUs use NCCL and put the tensors on each rank's device.
 """
 

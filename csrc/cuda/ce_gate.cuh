@@ -3,7 +3,7 @@
 //
 // Not part of the _cuda build (a .cuh: CMake globs cuda/*.cu).  Its PTX is embedded in
 // python/ultracomm/transports/copy_engine/gate.py, loaded with cuModuleLoadData and launched with
-// cuLaunchKernel (tests/test_copy_engine_gate.py checks the embedded PTX is this file's, and that
+// cuLaunchKernel (tests/transports/test_copy_engine_gate.py checks the embedded PTX is this file's, and that
 // ptxas compiles it without spills).
 //
 // A gate replaces "cuStreamWaitValue64(peer word); cuMemcpyAsync(...); cuStreamWriteValue64(flag)"

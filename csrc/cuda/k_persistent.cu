@@ -59,7 +59,7 @@ __device__ bool first_ticket(uint32_t* counter, dev::MoverBase& m) {
 }
 
 // Two CTAs per SM (<= 128 registers): what loopback grids on the shared ring and co-resident
-// compute need (tests/test_reduce_hunk.py); the tile claims of issue 34 took sm_100 past 128.
+// compute need (tests/transports/test_reduce_hunk.py); the tile claims of issue 34 took sm_100 past 128.
 template <class D>
 __global__ void __launch_bounds__(dev::kThreads, 2) k_persistent(const PersistentArgs a) {
 #if defined(__CUDA_ARCH__)

@@ -26,7 +26,7 @@
 // max(k, fixed) * B + depth * (min(chunk, B) + hop_bytes) wins (k: its busiest rank's children,
 // fixed: the most filled slots of a rank), ties to the smaller L.
 //
-// Parallel form (the same result for any lanes; tests/test_sched_build_lanes.py checks 1, 2, 8
+// Parallel form (the same result for any lanes; tests/control/test_sched_build_lanes.py checks 1, 2, 8
 // and 32 host lanes against the one-lane build and against the former one-thread builder):
 //  - inputs staged into the scratch, problem checks as block reductions;
 //  - replicas per expert by atomic counts + a block scan (CSR), filled in any order: nothing

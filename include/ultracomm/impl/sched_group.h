@@ -17,7 +17,7 @@
 // Nothing the builder writes depends on the lane count or on the order lanes run in: every
 // position is computed from a total order (ranks by count, scans in lane order), atomics only
 // count, and a value several lanes compute is the same on each.  The tests compare 1, 2, 8 and
-// 32 host lanes byte for byte (tests/test_sched_build_lanes.py).
+// 32 host lanes byte for byte (tests/control/test_sched_build_lanes.py).
 #pragma once
 #include <cstdint>
 

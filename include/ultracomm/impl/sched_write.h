@@ -158,7 +158,7 @@ UC_INLINE int32_t write_op(const Problem& p, const View& v, int32_t op, int32_t 
 // field changes its key, its term and the sum (by mix64(k') - mix64(k) != 0), and each step after
 // it is a bijection of its input: ANY single-field change gives another digest, by construction.
 // Several changes collide with probability ~2^-64 (a structured, not a keyed, hash: it detects
-// mismatched plans, it does not authenticate them).  tests/test_sched_build_lanes.py checks it
+// mismatched plans, it does not authenticate them).  tests/control/test_sched_build_lanes.py checks it
 // against an independent Python evaluation, over lane counts 1..32 and the CTA's 256, and flips
 // every field.  (Before issue 33 this was an FNV-1a chain on one lane; digests of builds before
 // and after the change differ -- ranks must run one build of ultracomm, as for any plan format.)

@@ -937,7 +937,7 @@ class Gpu:
 
     def _control_shape(self, label: str, W: int, epr: int) -> None:
         torch = self.torch
-        from ultracomm.tools import workloads
+        from ultracomm import scenarios as workloads
         from ultracomm.moe.board_layout import BoardLayout
         from ultracomm.moe.reroute import RerouteTable
         from ultracomm.planners import Domain, get_planner

@@ -7,6 +7,7 @@ of the CUDA loopback tests' harness, and that every ``gpu``-marked test collects
 from __future__ import annotations
 
 import ctypes
+import glob
 import os
 import re
 import shutil
@@ -354,12 +355,14 @@ def test_every_gpu_test_collects_and_skips_here():
     """What scripts/gpu_check.sh runs (``pytest -m gpu``), here over the files that mark tests gpu
     (the whole suite's collection costs a minute; a collection error elsewhere fails CI anyway)."""
     marker = "pytest.mark." + "gpu"  # spelled apart: this file marks nothing
-    files = sorted(
-        f
-        for f in os.listdir(os.path.join(ROOT, "tests"))
-        if f.startswith("test_") and f.endswith(".py") and marker in open(os.path.join(ROOT, "tests", f)).read()
+    files = sorted(  # tests/ mirrors the package: every folder below it
+        os.path.relpath(f, os.path.join(ROOT, "tests"))
+        for f in glob.glob(os.path.join(ROOT, "tests", "**", "test_*.py"), recursive=True)
+        if marker in open(f).read()
     )
-    assert {"test_cuda_loopback.py", "test_copy_engine_gpu.py", "test_gpu_context.py"} <= set(files)
+    assert {"test_cuda_loopback.py", "test_copy_engine_gpu.py", "test_gpu_context.py"} <= {
+        os.path.basename(f) for f in files
+    }
     p = subprocess.run(
         [
             sys.executable,

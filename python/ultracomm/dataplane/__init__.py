@@ -129,6 +129,7 @@ def transport_kwargs(transport_cls: type, config: Config, cuda_dev: torch.device
         timeout_s=config.timeout_s,
         jitter_us=config.jitter_us,
         split_route=config.split_route,
+        tile_bytes=config.tile_bytes,
     )
     if "multicast_sms" in options or "reduce_sms" in options:
         dev_sms = name = None

@@ -49,8 +49,12 @@ OPTIONS = frozenset(
         "split_route",
         "experts_per_rank",
         "plan_slots",
+        "tile_bytes",
     }
 )
+
+#: The host executor's tile when a caller names none (kDefaultTileBytes, include/ultracomm/records/exec_view.h).
+DEFAULT_TILE_BYTES = 64 * 1024
 
 
 class Transport:

@@ -7,7 +7,7 @@ from typing import Sequence
 from ... import _core
 from ...records import Op
 from ...blame import strip_blame
-from ..base import GRAD_DTYPE_CODE, Masters, Transport, master_pointers, op_digest
+from ..base import DEFAULT_TILE_BYTES, GRAD_DTYPE_CODE, Masters, Transport, master_pointers, op_digest
 from .who_stopped import _AWAITED, latest_epochs, stopped_note
 
 __all__ = ["HostTransport", "Masters", "master_pointers", "op_digest", "GRAD_DTYPE_CODE"]
@@ -18,7 +18,7 @@ class HostTransport(Transport):
 
     name = "host"
     window_providers = ("host_shm", "local")
-    options = frozenset({"num_workers", "jitter_us"})
+    options = frozenset({"num_workers", "jitter_us", "tile_bytes"})
     window_flags = True
     names_by_evidence = True
 
@@ -33,9 +33,12 @@ class HostTransport(Transport):
         num_workers: int,
         timeout_s: float,
         jitter_us: int = 0,
+        tile_bytes: int = DEFAULT_TILE_BYTES,
         peer_bases: Sequence[int] | None = None,
     ):
-        """``peer_bases``: the pointer table to run over instead of ``window.peer_bases`` (the
+        """``tile_bytes``: the unit a worker claims (``ULTRACOMM_TILE_BYTES``): a chunk's tiles are
+        moved by any worker, and the chunk is released by the worker that retires its last one.
+        ``peer_bases``: the pointer table to run over instead of ``window.peer_bases`` (the
         ``split`` transport's shadows stand in for ranks in other memory domains)."""
         self.rank, self.world = rank, world
         self.window = window
@@ -44,6 +47,7 @@ class HostTransport(Transport):
         self.num_workers = num_workers
         self.timeout_s = timeout_s
         self.jitter_us = jitter_us
+        self.tile_bytes = int(tile_bytes)
         self._grad_code = GRAD_DTYPE_CODE[layout.grad_dtype]
         self._bases = list(window.peer_bases if peer_bases is None else peer_bases)
         self._weight_members = (list(layout.weight_offsets), list(layout.weight_sizes))
@@ -187,4 +191,5 @@ class HostTransport(Transport):
             op_name=op_name,
             digest=digest,
             abort_word=abort_word,
+            tile_bytes=self.tile_bytes,
         )

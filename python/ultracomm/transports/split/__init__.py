@@ -44,7 +44,7 @@ from ...records import Op
 from .bridge import BridgeLanes, BridgeRun
 from .bridge_direct import MAX_SEGMENTS, DirectBridge, DirectPlan, build_direct_plan
 from .bridge_program import BridgeProgram, build_bridge_program
-from ..base import Masters, Transport, op_digest
+from ..base import DEFAULT_TILE_BYTES, Masters, Transport, op_digest
 from ..host import HostTransport
 from ..p2p import P2PTransport, with_evidence
 from ..p2p.messengers import messenger_for
@@ -84,7 +84,7 @@ class SplitTransport(Transport):
 
     name = "split"
     window_providers = ("host_shm", "local")
-    options = frozenset({"comm", "num_workers", "jitter_us", "domain_of", "split_route"})
+    options = frozenset({"comm", "num_workers", "jitter_us", "domain_of", "split_route", "tile_bytes"})
     names_by_evidence = True
 
     def __init__(
@@ -101,6 +101,7 @@ class SplitTransport(Transport):
         jitter_us: int = 0,
         domain_of: Sequence[int] | None = None,
         split_route: str = "auto",
+        tile_bytes: int = DEFAULT_TILE_BYTES,
     ):
         if domain_of is None or len(domain_of) != world:
             raise ValueError(
@@ -139,6 +140,7 @@ class SplitTransport(Transport):
             num_workers=num_workers,
             timeout_s=timeout_s,
             jitter_us=jitter_us,
+            tile_bytes=tile_bytes,
             peer_bases=self.shadows.bases(window.peer_bases),
         )
         self.messenger = messenger_for(comm, world, torch.device("cpu")) if self.shadows.views else None

@@ -32,7 +32,7 @@ def _load(spec: str) -> type:
     try:
         return getattr(importlib.import_module(mod), cls)
     except ImportError as e:  # tma / copy_engine / split on CUDA need the _cuda module's Python side
-        pytest.skip(f"{spec} does not import here: {e}")
+        pytest.skip(f"{spec} needs the _cuda module, built only where nvcc is found: {e}")
 
 
 @pytest.mark.parametrize("key", sorted(CLASSES))

@@ -17,7 +17,7 @@ from ..errors import RegistrationError
 from ..layout import MASTER_DTYPES, ExpertLayout
 from .autograd import fused_wgrad_return
 
-__all__ = ["RegisteredLayer", "GradStaging", "tensors_of", "masters_of"]
+__all__ = ["RegisteredLayer", "GradStaging", "tensors_of", "masters_of", "describe"]
 
 
 def tensors_of(member: Any) -> list[torch.Tensor]:
@@ -176,13 +176,14 @@ def masters_of(layout: ExpertLayout, params: list[Any], masters: Sequence[Any] |
                 raise RegistrationError(
                     f"ultracomm: masters[{m.name!r}]: expected what params[{m.name!r}] is (a stacked tensor or a "
                     f"list of per-expert tensors, shaped {list(w.shape)}, on {w.device}) in "
-                    f"{want or 'a float dtype'}; got {_describe(t)}"
+                    f"{want or 'a float dtype'}; got {describe(t)}"
                 )
         out.append(hp)
     return out
 
 
-def _describe(x: Any) -> str:
+def describe(x: Any) -> str:
+    """``dtype [shape] on device`` of a tensor, else its type's name (for error messages)."""
     if isinstance(x, torch.Tensor):
         return f"{x.dtype} {list(x.shape)} on {x.device}"
     return type(x).__name__

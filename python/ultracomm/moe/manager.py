@@ -37,7 +37,7 @@ from ..planners import Domain, get_planner
 from ..planners import device as device_planner
 from ..resident_plan import ResidentPlan
 from .board_layout import ExchangeTag
-from .grad_staging import GradStaging, RegisteredLayer, masters_of, tensors_of
+from .grad_staging import GradStaging, RegisteredLayer, describe, masters_of, tensors_of
 from .recompute import recompute_target
 from .loads import board_for_context, gather_loads
 from .reroute import LAYOUTS
@@ -46,12 +46,6 @@ from .step import ON_STREAM, Step
 __all__ = ["ReplicaManager", "Step"]
 
 _log = logging.getLogger("ultracomm")
-
-
-def _describe(x: Any) -> str:
-    if isinstance(x, torch.Tensor):
-        return f"{x.dtype} {list(x.shape)} on {x.device}"
-    return type(x).__name__
 
 
 def _orphaned(manager_ref: weakref.ref, vid: int) -> None:
@@ -361,9 +355,7 @@ class ReplicaManager:
             or routing_map.dim() != 2
             or routing_map.shape[1] != E
         ):
-            raise ValueError(
-                f"ultracomm: routing_map must be a bool [tokens, {E}] tensor, got {_describe(routing_map)}"
-            )
+            raise ValueError(f"ultracomm: routing_map must be a bool [tokens, {E}] tensor, got {describe(routing_map)}")
         if probs is None:
             return
         if (
@@ -373,7 +365,7 @@ class ReplicaManager:
         ):
             raise ValueError(
                 f"ultracomm: probs must be a floating-point [tokens, {E}] tensor shaped like "
-                f"routing_map {list(routing_map.shape)} (or None), got {_describe(probs)}"
+                f"routing_map {list(routing_map.shape)} (or None), got {describe(probs)}"
             )
         if probs.device != routing_map.device:
             raise ValueError(

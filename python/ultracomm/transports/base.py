@@ -27,6 +27,7 @@ and, as instance attributes, ``message_costs`` (alpha-beta costs of its messages
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar, Sequence
@@ -57,7 +58,7 @@ OPTIONS = frozenset(
 DEFAULT_TILE_BYTES = 64 * 1024
 
 
-class Transport:
+class Transport(abc.ABC):
     """The declared contract of a transport (see the module docstring)."""
 
     name: ClassVar[str]
@@ -83,6 +84,7 @@ class Transport:
                 f"transport {cls.__name__} declares unknown options {sorted(bad)}; known: {sorted(OPTIONS)}"
             )
 
+    @abc.abstractmethod
     def run(
         self,
         op: Op,
@@ -93,8 +95,9 @@ class Transport:
         local_index_of: Sequence[int],
         op_name: str | None = None,
         **kw: Any,
-    ) -> None:
-        raise NotImplementedError
+    ) -> Any:
+        """Run (blocking) or enqueue (``stream_ordered``: ``stream=``) ``op`` of ``schedule`` for this
+        rank at ``epoch``; ``slot=`` where ``takes_slot``."""
 
     def quiesce(self) -> None:
         """Let operations in flight end (done or failed); stream-ordered transports with internal

@@ -267,14 +267,27 @@ class WithheldTasks:
         return self._schedule.tasks(op, rank)[:0]
 
 
+def withhold_tasks(ctx) -> None:
+    """``ctx``'s rank joins its operations but moves nothing: the schedules its operations run have
+    empty task lists.  Patched where weight_sync builds them (the Context's schedule cache, which
+    ``Context.schedule_for`` only looks up: patching that method withholds nothing)."""
+    get = ctx._schedules.get
+    ctx._schedules.get = lambda plan, key=None, builder=None: WithheldTasks(get(plan, key, builder))
+
+
 def test_timeout_surfaces_at_wait():
+    check_timeout_surfaces_at_wait("tma")
+
+
+def check_timeout_surfaces_at_wait(transport: str) -> None:
+    """A withheld home: the waiting rank's Work raises UltracommTimeout, its Context refuses later
+    operations.  ``transport``: "tma" here; tests/cuda/test_gpu_paths_cpu.py runs it on "host"."""
     layout = layout_of(torch.float32)
     plan = ReplicaPlan.make(np.array([[1], [0]], np.int32), experts_per_rank=1)
-    ctxs, _ = make(2, layout, 1, 1, "tma", timeout_s=1.0)
+    ctxs, _ = make(2, layout, 1, 1, transport, timeout_s=1.0)
     vids = [c.begin(0) for c in ctxs]
     # the home (rank 0) joins but its copy tasks are withheld: rank 1 waits for chunks that never come
-    build = ctxs[0].schedule_for
-    ctxs[0].schedule_for = lambda plan, key=None, builder=None: WithheldTasks(build(plan, key, builder))
+    withhold_tasks(ctxs[0])
     works = [c.weight_sync(v, plan, async_op=True) for c, v in zip(ctxs, vids)]
     failed = []
     for r, w in enumerate(works):

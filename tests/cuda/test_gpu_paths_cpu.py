@@ -350,6 +350,15 @@ def test_cuda_loopback_harness_runs_its_host_half():
     assert sch.tasks(Op.MULTICAST, 0).dtype.names
 
 
+def test_gpu_context_timeout_test_withholds_on_the_host_transport():
+    """test_gpu_context.py's timeout test, whole, on the host transport: its way of withholding the
+    home's tasks must reach the schedules weight_sync runs (patching ``Context.schedule_for`` no
+    longer did after the Context's split: no rank timed out)."""
+    import test_gpu_context as tgc
+
+    tgc.check_timeout_surfaces_at_wait("host")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the gpu tests run")
 def test_every_gpu_test_collects_and_skips_here():
     """What scripts/gpu_check.sh runs (``pytest -m gpu``), here over the files that mark tests gpu

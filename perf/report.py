@@ -747,8 +747,8 @@ def main() -> int:
     parts.append(ep8_section(cases, sens, optimistic))
     parts.append(calibration_section(cal))
     parts.append(measured_section(bench, p.stdout, a.nproc, zipf))
-    # sections 6b-6e: measured by hand, kept verbatim
-    for name in ("message_transports.md", "control_plane.md", "planner_device.md", "failure_semantics.md"):
+    # sections 6b-6f: measured by hand (6f: a bench no two-GPU device has run yet), kept verbatim
+    for name in ("message_transports.md", "control_plane.md", "planner_device.md", "failure_semantics.md", "nvlink.md"):
         extra = os.path.join(HERE, name)
         if os.path.exists(extra):
             with open(extra) as f:

@@ -98,12 +98,26 @@ def pybind11_include() -> str:
     raise RuntimeError("pybind11 headers not found (pip install pybind11, or a torch that bundles them)")
 
 
+def cuda_architectures() -> str:
+    """ULTRACOMM_CUDA_ARCHITECTURES as the CMake build would get it: a definition in
+    SKBUILD_CMAKE_DEFINE (scripts/gpu_check.sh sets the GPU's own, e.g. ``90-real``), else the
+    variable in the environment, else csrc/CMakeLists.txt's default (every CI architecture: about
+    three times the compile)."""
+    m = re.search(
+        r"(?:^|;)ULTRACOMM_CUDA_ARCHITECTURES=(.*?)(?=;[A-Za-z_]\w*=|$)", os.environ.get("SKBUILD_CMAKE_DEFINE", "")
+    )
+    if m and m.group(1).strip():
+        return m.group(1).strip()
+    return os.environ.get("ULTRACOMM_CUDA_ARCHITECTURES") or cmake_set("ULTRACOMM_CUDA_ARCHITECTURES")
+
+
 def cuda_commands(nvcc: str, work: str, out: str) -> tuple[list[list[str]], list[str]]:
-    """(compile commands, link command) of _cuda: CMake's kernels, host sources and flags."""
+    """(compile commands, link command) of _cuda: CMake's kernels, host sources and flags, for
+    :func:`cuda_architectures`."""
     cuda_home = cuda_root(nvcc)
     inc = [f"-I{ROOT}/include", f"-I{ROOT}/csrc", f"-I{ROOT}/csrc/cuda", f"-I{cuda_home}/include"]
     gencode = []
-    for a in cmake_set("ULTRACOMM_CUDA_ARCHITECTURES").split(";"):
+    for a in cuda_architectures().split(";"):
         num, _, kind = a.partition("-")
         code = f"compute_{num}" if kind == "virtual" else f"sm_{num}"
         gencode.append(f"-gencode=arch=compute_{num.rstrip('a')}{'a' if num.endswith('a') else ''},code={code}")

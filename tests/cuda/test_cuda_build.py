@@ -298,3 +298,17 @@ def test_build_inplace_builds_cuda_with_cmake_flags():
         for a in cb.real_archs():
             assert f"sm_{a}" in out
         assert "_cuda" in out and "cudart_static" in out
+
+
+def test_build_inplace_builds_only_the_architecture_gpu_check_asks_for():
+    """scripts/gpu_check.sh exports SKBUILD_CMAKE_DEFINE=ULTRACOMM_CUDA_ARCHITECTURES=<the GPU's>-real
+    for the pip build; its fallback build must honour it too (it compiled every CI architecture:
+    three times the device time)."""
+    if cb.find_nvcc() is None:
+        pytest.skip("no nvcc: build_inplace prints no _cuda commands")
+    script = os.path.join(ROOT, "scripts", "build_inplace.py")
+    for define in ("ULTRACOMM_CUDA_ARCHITECTURES=90-real", "FOO=1;ULTRACOMM_CUDA_ARCHITECTURES=90-real;BAR=x"):
+        env = dict(os.environ, SKBUILD_CMAKE_DEFINE=define)
+        out = subprocess.run([sys.executable, script, "--dry-run"], capture_output=True, text=True, env=env).stdout
+        archs = set(re.findall(r"-gencode=arch=compute_\w+,code=(\w+)", out))
+        assert archs == {"sm_90"}, (define, archs)

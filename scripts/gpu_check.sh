@@ -24,7 +24,8 @@
 # (every step's own output: build logs, bench stderr, CPU benches; `tar xzf logs.tar.gz`).
 # Commit the profile and the tables of a real device under perf/gpu/ (date and device in the name):
 # `cp $OUT/*_profile.json perf/gpu/`.
-# Exit status: 0 when the build, the gpu tests (both steps) and the bench (#wrong = 0) all passed.
+# Exit status: 0 when the build, the gpu tests (both steps) and the bench (#wrong = 0) all passed;
+# 2 when torch sees no CUDA device (after checking the pip build for sm_90: nothing else runs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-perf/out/gpu}"
@@ -60,11 +61,16 @@ trap pack EXIT
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
+# no CUDA device for torch (a CPU machine, a broken driver): nothing here can run; the pip build is
+# still checked (for sm_90, the lent H100/H200's), then the script ends with status 2 -- no fallback
+# build (it uninstalls ultracomm first), no test or bench step
+has_gpu=$("$PY" -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null | tail -1)
 rc_build=1
 # only this GPU's architecture (a third of the compile; the wheel's default builds every CI target)
 if [ -z "${SKBUILD_CMAKE_DEFINE:-}" ]; then
   cc=$("$PY" -c "import torch; M, m = torch.cuda.get_device_capability(); print(f'{M}{m}')" 2>/dev/null) \
     && [ -n "$cc" ] && export SKBUILD_CMAKE_DEFINE="ULTRACOMM_CUDA_ARCHITECTURES=${cc}-real"
+  [ "$has_gpu" = 1 ] || export SKBUILD_CMAKE_DEFINE="ULTRACOMM_CUDA_ARCHITECTURES=90-real"
 fi
 export CUDAFLAGS="${CUDAFLAGS:+$CUDAFLAGS }--threads 0"  # CMake's nvcc: a file's architectures in parallel
 if [ -z "${CUDACXX:-}" ]; then  # CMake may miss an nvcc off PATH (build_inplace.py also tries /usr/local/cuda)
@@ -76,6 +82,11 @@ if "$PY" -c "import scikit_build_core, pybind11" 2>/dev/null && command -v cmake
   [ "$rc_build" = 0 ] || { echo "gpu_check: pip build failed (rc=$rc_build):"; tail -15 "$LOGS/build.log"; }
 else
   echo "gpu_check: no scikit-build-core/pybind11/cmake: skipping the pip build" | tee "$LOGS/build.log"
+fi
+if [ "$has_gpu" != 1 ]; then
+  echo "gpu_check: torch sees no CUDA device: build checked (rc=$rc_build, ${SKBUILD_CMAKE_DEFINE:-}), no gpu" \
+    "test or bench run, in ${SECONDS}s" | tee -a "$OUT/env.txt"
+  exit 2
 fi
 if [ "$rc_build" = 0 ] && ! "$PY" -c "import ultracomm._cuda" 2>/dev/null; then
   echo "gpu_check: the pip build has no ultracomm._cuda (CMake found no nvcc?): uninstalling it, trying the fallback build"

@@ -1,5 +1,5 @@
 """Run a GPU failure worker (tests/mp/*_worker.py) in its own process with a bound: a worker still
-running at the bound gets SIGABRT, which ``-X faulthandler`` turns into every thread's Python
+running at the bound (:data:`TIMEOUT_S`) gets SIGABRT, which ``-X faulthandler`` turns into every thread's Python
 stack on its stderr, and the test fails with those stacks -- where a device run hung is then in
 the test's report (a plain timeout kill would leave nothing to read)."""
 
@@ -13,7 +13,13 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_worker(script: str, *args: str, timeout_s: float = 40.0) -> subprocess.CompletedProcess:
+#: a worker's bound: a passing one takes some 3-10 s on an H200 (interpreter and CUDA start, its
+#: Contexts, the 2 s timeout it provokes, a synchronize bounded at 5 s); a hung one costs the bound
+#: + its stacks, out of gpu_check.sh's capped test step (seven of them at 40 s filled it)
+TIMEOUT_S = 20.0
+
+
+def run_worker(script: str, *args: str, timeout_s: float = TIMEOUT_S) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-X", "faulthandler", os.path.join(ROOT, "tests", "mp", script), *args]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -50,3 +50,62 @@ def test_no_cuda_device_builds_for_sm90_then_exits_2_without_tests_or_benches(tm
     with tarfile.open(out / "logs.tar.gz") as tar:  # the logs are packed on this exit too
         build = tar.extractfile("logs/build.log").read().decode()
     assert "stub pip build for ULTRACOMM_CUDA_ARCHITECTURES=90-real" in build
+
+
+def _gpu_test_ids() -> list[str]:
+    """Node ids of the gpu tests (collected from the files that mark tests gpu, as -m gpu selects)."""
+    import glob
+    import sys
+
+    files = sorted(
+        os.path.relpath(f, ROOT)
+        for f in glob.glob(os.path.join(ROOT, "tests", "**", "test_*.py"), recursive=True)
+        if "pytest.mark." + "gpu" in open(f).read()
+    )
+    p = subprocess.run(
+        [sys.executable, "-m", "pytest", *files, "-m", "gpu", "--collect-only", "-q", "-p", "no:cacheprovider"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    return [line for line in p.stdout.splitlines() if "::" in line]
+
+
+def test_a_device_run_starts_with_the_failure_workers_then_bit_exactness_then_the_control_plane():
+    """conftest.gpu_order on the gpu tests: issue 35's failure workers first, then the data plane
+    bit for bit, then the control plane against its host builds, then the rest; and the workers'
+    bound keeps even all of them hung inside gpu_check.sh's test step, with time left for the rest."""
+    import ast
+    import re
+    import types
+
+    import conftest
+    import gpu_worker
+
+    ids = _gpu_test_ids()
+    items = [types.SimpleNamespace(nodeid=i, keywords={}) for i in ids]
+    order = [x.nodeid for x in sorted(items, key=conftest.gpu_order)]
+    groups = [conftest.gpu_order(types.SimpleNamespace(nodeid=i, keywords={}))[1] for i in order]
+    assert groups == sorted(groups)
+    workers = [i for i in order if "near_its_deadline" in i]
+    assert len(workers) == 7 and order[:7] == workers, order[:10]  # copy_engine x 4, split x 3
+    exact = [i for i in order if conftest.gpu_order(types.SimpleNamespace(nodeid=i, keywords={}))[1] == 1]
+    assert {i.split("::")[0].split("/")[-1] for i in exact} == {
+        "test_cuda_loopback.py",
+        "test_gpu_context.py",
+        "test_copy_engine_gpu.py",
+        "test_split_cuda_gpu.py",
+    }
+    assert order[7 : 7 + len(exact)] == exact
+    control = [i for i in order if conftest.gpu_order(types.SimpleNamespace(nodeid=i, keywords={}))[1] == 2]
+    assert any("test_planner_device.py" in i for i in control) and any("test_reroute_device.py" in i for i in control)
+    # every test that runs a failure worker is one of those first seven
+    for f in {i.split("::")[0] for i in ids}:
+        for fn in ast.walk(ast.parse(open(os.path.join(ROOT, f)).read())):
+            if isinstance(fn, ast.FunctionDef) and fn.name.startswith("test_") and "run_worker(" in ast.unparse(fn):
+                assert "near_its_deadline" in fn.name, (f, fn.name)
+    # all seven hung (bound, then stacks on SIGABRT within 10 s) still leave the step time to run the rest
+    cap = int(re.search(r"step gpu-tests (\d+) ", open(os.path.join(ROOT, "scripts", "gpu_check.sh")).read()).group(1))
+    assert len(workers) * (gpu_worker.TIMEOUT_S + 10) <= cap - 30, (len(workers), gpu_worker.TIMEOUT_S, cap)

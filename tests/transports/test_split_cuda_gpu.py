@@ -3,11 +3,11 @@ the tma kernel inside a domain, the crossings as copies on the side stream, agai
 executor bit for bit (weight_sync, restore, grad_reduce); ranks on different plans raise
 PlanError; the transport refuses CUDA-graph capture.
 
-A stalled cross-domain rank gives a named UltracommTimeout and the watchdog releases the
-caller's stream; issue 35: a stalled rank, a dead cross-domain peer and a plan mismatch each
-return a named error within 10 ms of the deadline (start + timeout; a mismatch before it) and a
-device-wide synchronize after it returns (the side stream's gates released).  Each failure runs in
-its own process (tests/mp/).
+Issue 35: a stalled cross-domain rank, a dead cross-domain peer and a plan mismatch each return a
+named error within 10 ms of the deadline (start + timeout; a mismatch before it), every loopback
+rank learns of a stall, the watchdog releases the caller's stream and a device-wide synchronize
+after it returns (the side stream's gates released).  Each failure runs in its own process
+(tests/mp/split_cuda_release_worker.py).
 
 Device-only (``gpu`` marker; scripts/gpu_check.sh runs them).  As with tma, one thread drives
 every loopback rank on one stream.
@@ -138,22 +138,6 @@ def test_split_refuses_graph_capture(monkeypatch):
     assert_refuses_capture(make(2, 1, 1, "split", "off", "a,b", None)[0], monkeypatch)
 
 
-def test_a_stalled_cross_domain_rank_is_a_named_timeout_and_the_callers_stream_is_released():
-    p = gpu_worker.run_worker("split_cuda_stall_worker.py")
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    out = json.loads(p.stdout.strip().splitlines()[-1])
-    named = [
-        e
-        for e in out["errors"]
-        if e
-        and e.startswith(("TimeoutError: ultracomm: rank 2 weight_sync", "TimeoutError: ultracomm: rank 3 weight_sync"))
-    ]
-    assert named and "rank 0" in named[0], out["errors"]  # it waited for rank 0's chunk across domains
-    assert all(e is not None for e in out["errors"])  # every loopback rank learns of the failure
-    assert 2.0 <= out["waited"] < 12.0  # released by the watchdog at the timeout (issue 35: no longer twice it)
-    assert out["later_work"] and all(out["abandoned"]) and out["closed"]
-
-
 @pytest.mark.parametrize("case", ["stall", "dead", "mismatch"])
 def test_split_failure_returns_a_named_error_near_its_deadline_then_the_device_synchronizes(case):
     """Issue 35 (tests/mp/split_cuda_release_worker.py says what each case does): the named error
@@ -179,5 +163,7 @@ def test_split_failure_returns_a_named_error_near_its_deadline_then_the_device_s
                 text.startswith(f"ultracomm: rank {r} weight_sync") or "transport split, side stream)" in text
             ), out
             assert "rank 0" in text, out
+        if case == "stall":  # every loopback rank learns of the failure
+            assert all(e["error"] is not None for e in out["errors"]), out
         assert -0.001 <= out["late_s"] <= 0.010, out
         assert out["later_work"] and any(out["released"]) and out["closed"], out

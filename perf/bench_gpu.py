@@ -2248,17 +2248,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     out_json, prof = None, None
     for name in only:
-        gpu.section(name, getattr(gpu, f"run_{name}"))
+        interrupted = False
+        try:
+            gpu.section(name, getattr(gpu, f"run_{name}"))
+        except KeyboardInterrupt:  # SIGINT (gpu_check.sh's step timeout): keep and print what was measured
+            interrupted = True
+            gpu.errors.append(f"{name}: interrupted (SIGINT); later sections not run")
+            gpu.rows.append(Row(name, "-", "-", 0, None, 0, 0, None, "interrupted (SIGINT): the rest not measured"))
         try:
             out_json, prof = write_results(gpu, args, only, stamp)
         except Exception as e:  # noqa: BLE001 - the next sections still run; the error is reported
             if not any(x.startswith("results:") for x in gpu.errors):
                 gpu.errors.append(f"results: {type(e).__name__}: {e}")
                 traceback.print_exc()
-    for name in only:
         rows = [r for r in gpu.rows if r.section == name]
-        if rows:
-            print(f"\n## {name}\n{format_table(rows)}")
+        if rows:  # each section's table as it completes: a run killed later keeps it in its output
+            print(f"\n## {name}\n{format_table(rows)}", flush=True)
+        if interrupted:
+            break
     print("\n" + "\n".join(goal_lines(gpu.rows)))
     wrong = wrong_total(gpu.rows)
     print(f"bench_gpu: #wrong total (ultracomm and CUDA rows) = {wrong}")

@@ -109,3 +109,61 @@ def test_a_device_run_starts_with_the_failure_workers_then_bit_exactness_then_th
     # all seven hung (bound, then stacks on SIGABRT within 10 s) still leave the step time to run the rest
     cap = int(re.search(r"step gpu-tests (\d+) ", open(os.path.join(ROOT, "scripts", "gpu_check.sh")).read()).group(1))
     assert len(workers) * (gpu_worker.TIMEOUT_S + 10) <= cap - 30, (len(workers), gpu_worker.TIMEOUT_S, cap)
+
+
+def _bench():
+    import importlib.util
+    import sys
+
+    if "bench_gpu" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("bench_gpu", os.path.join(ROOT, "perf", "bench_gpu.py"))
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["bench_gpu"] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules["bench_gpu"]
+
+
+def test_bench_prints_each_section_as_it_completes_and_keeps_them_when_interrupted(monkeypatch, tmp_path, capsys):
+    """gpu_check.sh stops a bench that runs out of its step's time with SIGINT, SIGKILL 10 s later:
+    the sections measured so far must be in bench_gpu.txt (printed as each completes; they were
+    all printed at the end, so a stopped run's text held nothing) and in the JSON, and the
+    interrupted section says so."""
+    import json
+
+    bg = _bench()
+
+    class FakeGpu:
+        def __init__(self, *args):
+            self.info = dict(name="Fake GPU", cc="9.0", sms=132, torch="t", cuda="c")
+            self.rows, self.errors, self.poisoned = [], [], None
+            self.tma_reason = self.ce_reason = None
+
+        def section(self, name, fn):  # as Gpu.section: it catches Exception, not KeyboardInterrupt
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001
+                self.errors.append(f"{name}: {e}")
+
+        def run_launch(self):
+            self.rows.append(bg.Row("launch", "floor", "empty kernel", 0, 1e-5, 0, 0, 0))
+            print("bench_gpu: launch done")
+
+        def run_flag(self):
+            raise KeyboardInterrupt
+
+        def run_control(self):
+            raise AssertionError("a section ran after the interrupt")
+
+    monkeypatch.setattr(bg, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(bg, "Gpu", FakeGpu)
+    try:
+        rc = bg.main(["--only", "launch,flag,control", "--out", str(tmp_path)])
+    except KeyboardInterrupt:
+        raise AssertionError("the interrupt left bench_gpu.main without its tables") from None
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert out.index("bench_gpu: launch done") < out.index("## launch") < out.index("## flag")
+    assert "interrupted (SIGINT): the rest not measured" in out and "## control" not in out
+    rec = json.load(open(tmp_path / "bench_gpu.json"))
+    assert [(r["section"], r["case"]) for r in rec["rows"]] == [("launch", "floor"), ("flag", "-")]
+    assert rec["errors"] == ["flag: interrupted (SIGINT); later sections not run"]

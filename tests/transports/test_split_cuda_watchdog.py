@@ -126,6 +126,34 @@ def test_the_transport_raises_it_once_and_reports_abandoned_streams():
     assert ("tma_close", 0) not in log and shadows.views and (t.tma, shadows, t.dog) in split_cuda._KEPT
 
 
+def test_quiesce_after_one_side_stream_of_a_loopback_domain_failed():
+    """A loopback domain's side streams share the device: once one failed, quiesce (before any
+    device-wide synchronize: Context.synchronize, close) waits only for the other side streams'
+    ops that their stream reached.  It asked each for running(), which the side watchdog lacked:
+    an AttributeError from every synchronize and close after a split failure on a device."""
+    from ultracomm.transports.copy_engine.watchdog import quiesce
+
+    clock = Clock()
+    dogs = [dog_of(clock, []) for _ in range(3)]
+    dogs[0].add(3, "weight_sync", OPS)
+    dogs[0].words[STARTED] = 3
+    dogs[0].poll()
+    clock.t += 5.01
+    dogs[0].poll()
+    assert dogs[0].failed() and not dogs[1].failed()
+    dogs[1].add(4, "weight_sync", OPS)  # queued behind the caller's earlier work: no clock, not waited for
+    assert [d.running() for d in dogs] == [0, 0, 0]
+    quiesce(dogs)
+    dogs[1].words[STARTED] = 4  # its side stream reached it: it ends within the timeout
+    assert dogs[1].running() == 1
+    done = threading.Timer(0.05, lambda: (dogs[1].words.__setitem__(DONE, 4), dogs[1].poll()))
+    done.start()
+    t = time.monotonic()
+    quiesce(dogs)  # returns once that op is done
+    assert dogs[1].running() == 0 and time.monotonic() - t >= 0.04
+    done.join()
+
+
 def test_close_after_success_frees_the_kernel_plans_and_shadows():
     log = Log()
     t = transport(0, log, window_of(0))

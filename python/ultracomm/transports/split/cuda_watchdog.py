@@ -148,6 +148,14 @@ class SideWatchdog:
     def failed(self) -> bool:
         return self.failure is not None
 
+    def running(self) -> int:
+        """Ops in flight whose side stream reached them (their clock runs, or will at the next poll):
+        each ends, done or failed, within the timeout.  What :func:`..copy_engine.watchdog.quiesce`
+        waits for on the domain's other side streams once one failed."""
+        started = int(self.words[STARTED])
+        with self._lock:
+            return sum(1 for p in self._pending if p.t0 is not None or started >= p.epoch)
+
     def poll(self) -> None:
         """One check of the oldest ops in flight (the thread's body; tests call it directly)."""
         started, progress, done = (int(x) for x in self.words.tolist()[: DONE + 1])

@@ -440,6 +440,39 @@ def test_synchronize_lets_operations_end_before_any_device_sync(fake, monkeypatc
     assert LoopbackDomain(1).run(body) == [True]
 
 
+class NeverReached(AbandoningTransport):
+    """Operations in flight that the caller's stream never reaches: quiesce gives up (its bound)."""
+
+    def quiesce(self):
+        from ultracomm.errors import UltracommTimeout
+
+        raise UltracommTimeout("ultracomm: 1 operation(s) of rank(s) [0] still in flight after 0.1 s")
+
+
+def test_a_quiesce_that_gives_up_fails_the_context_without_a_device_sync(fake, monkeypatch):
+    import ultracomm.dataplane.queue as queue
+    from ultracomm.errors import UltracommTimeout
+
+    monkeypatch.setitem(transports.TRANSPORTS, "tma", NeverReached)
+    monkeypatch.setattr(queue, "_KEPT_WINDOWS", [])
+
+    def body(group):
+        ctx = make_ctx(group, slots=1, epr=1)
+        ctx.register_masters(0, *masters(0, 1))
+        streams = ctx._streams.streams
+        with pytest.raises(UltracommTimeout, match="still in flight after 0.1 s"):
+            ctx.synchronize()
+        assert streams.syncs == 0  # a synchronize would not return: none started
+        with pytest.raises(UltracommTimeout, match="still in flight"):  # the failure stays
+            ctx.synchronize()
+        window = ctx.window
+        ctx.close()
+        assert streams.syncs == 0 and queue._KEPT_WINDOWS == [window]
+        return True
+
+    assert LoopbackDomain(1).run(body) == [True]
+
+
 def test_manager_step_forward_and_backward_never_wait_on_the_host(fake):
     """ReplicaManager over a stream-ordered transport (issue 19 item 6): weight_sync before the
     expert compute, the staging reuse and the end of the backward are stream waits, not host

@@ -334,6 +334,29 @@ def test_quiesce_waits_for_operations_in_flight_to_end(fake_cuda, domain, make_t
     assert done.wait(10) and ts[0].abandoned_streams()
 
 
+def test_quiesce_is_bounded_when_no_stream_reaches_the_operations(fake_cuda, domain, make_transports):
+    """Operations the caller's stream never reaches have no clock of their own: quiesce gives up
+    after its bound with an UltracommTimeout that says what it waited for (it waited forever)."""
+    import time
+
+    from ultracomm.errors import UltracommTimeout
+    from ultracomm.transports.copy_engine.watchdog import quiesce
+
+    plan = ReplicaPlan.make(hot_slot_src(WORLD, SLOTS, EPR, expert=1), experts_per_rank=EPR)
+    ts = make_transports(loopback=True)
+    run_all(ts, domain, plan, 5, fake_cuda)
+    assert all(t._dog.pending() == 1 and t._dog.running() == 0 for t in ts)
+    t0 = time.monotonic()
+    with pytest.raises(
+        UltracommTimeout, match=r"4 operation\(s\) of rank\(s\) \[0, 1, 2, 3\] still in flight after 0.2 s"
+    ):
+        quiesce(ts[0]._dogs, bound_s=0.2)
+    assert 0.2 <= time.monotonic() - t0 < 5
+    assert ts[0]._dogs[0].timeout_s == 30.0  # the default bound: twice the watchdogs' timeout
+    ts[2]._dog.fail(UltracommError("ultracomm: rank 2 weight_sync (multicast) epoch 5 timed out"))
+    quiesce(ts[0]._dogs, bound_s=0.2)  # failed, nothing running: returns at once
+
+
 def test_quiesce_after_a_failure_waits_for_the_other_ranks_running_operations(fake_cuda, domain, make_transports):
     """A loopback rank's failure must not cut short another rank's operation that is running:
     that rank's own watchdog still reports its error (an H200 run of the plan-mismatch case

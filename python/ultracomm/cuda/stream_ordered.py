@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..errors import UltracommError
+from ..errors import UltracommError, UltracommTimeout
 from ..work import Work
 
 __all__ = ["CudaStreams", "StreamWork", "StreamOrdered", "streams_for"]
@@ -238,8 +238,16 @@ class StreamOrdered:
         """The transport left streams blocked for good after a failure (``copy_engine``: waits
         only a lost peer can satisfy): a device-wide synchronize would never return.  A
         transport with ``quiesce()`` is asked first to let its operations in flight end (done
-        or failed), so that the answer holds for them too."""
-        self.transport.quiesce()
+        or failed), so that the answer holds for them too.  One that no stream reaches within the
+        quiesce's bound fails this Context (``UltracommTimeout``, raised by ``synchronize``) and
+        counts as abandoned: nothing then waits on the device for it."""
+        try:
+            self.transport.quiesce()
+        except UltracommTimeout as e:
+            if self.failure is None:
+                self.failure = e
+                self._on_error(e)
+            return True
         return bool(self.transport.abandoned_streams())
 
     def synchronize(self) -> None:

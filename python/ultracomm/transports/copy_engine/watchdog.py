@@ -68,17 +68,37 @@ def abandoned(dogs: Sequence) -> bool:
     return any(d.failure is not None for d in dogs)
 
 
-def quiesce(dogs: Sequence) -> None:
+def quiesce(dogs: Sequence, bound_s: Optional[float] = None) -> None:
     """Wait until none of ``dogs`` has an operation in flight (each ends done or failed within its
     timeout once its stream reached it): before a device-wide synchronize.  Once one failed, wait
     only for the others' operations whose stream reached them (their clocks run, so each ends
-    within its timeout): a loopback rank on another plan then reports its own error, not None."""
+    within its timeout): a loopback rank on another plan then reports its own error, not None.
+
+    An operation no stream reaches (the caller's stream is held by work queued before it) has no
+    clock: ``bound_s`` (default twice the longest timeout of ``dogs``: time for the stream to reach
+    it, then for it to end) bounds the wait, then ``UltracommTimeout`` says what was awaited --
+    a device-wide synchronize would not return either."""
+    if bound_s is None:
+        bound_s = 2.0 * max((float(d.timeout_s) for d in dogs), default=0.0)
+    deadline = time.monotonic() + bound_s
     while True:
         if abandoned(dogs):
             if not any(d.failure is None and d.running() for d in dogs):
                 return
+            left = [d for d in dogs if d.failure is None and d.running()]
         elif not any(d.pending() for d in dogs):
             return
+        else:
+            left = [d for d in dogs if d.pending()]
+        if time.monotonic() >= deadline:
+            ops = sum(d.pending() for d in left)
+            ranks = sorted({int(d.rank) for d in left})
+            raise UltracommTimeout(
+                f"ultracomm: {ops} operation(s) of rank(s) {ranks} still in flight after {bound_s:g} s "
+                "(twice ULTRACOMM_TIMEOUT_S) while waiting for them to end before a device-wide synchronize: "
+                "the caller's stream has not reached them, so work queued before them on it has not finished "
+                "(a synchronize would not return either); the device's streams are left as they are"
+            )
         time.sleep(1e-3)
 
 

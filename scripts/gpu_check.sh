@@ -18,6 +18,9 @@
 #      shape, ~10 GiB of device memory, some 10-20 s; the budget keeps 30 s for it and 30 s for copy_engine):
 #      tables, results JSON and the hardware profile JSON (rewritten after each section; --budget-s ends
 #      it before the step's timeout)
+#   3b. perf/bench_nvlink.py (issue 34's two-GPU row: torchrun over two GPUs where there are two, else
+#      its "not measured" rows) and the standalone probes named in GPU_CHECK_PROBES (.cu files,
+#      built for this GPU and run while time is left; not project code), output in logs/
 #   4. if time is left: the CPU benches (host executor, schedule builder) for the record
 # A step that runs out of time gets SIGINT (pytest still writes its XML), SIGKILL 10 s later.
 # Results under $OUT (default perf/out/gpu), at most 7 files, so that a machine that returns few
@@ -131,6 +134,28 @@ step bench-gpu 180 "$PY" perf/bench_gpu.py --out "$OUT" --budget-s "$budget" > "
 rc_bench=$?
 cat "$OUT/bench_gpu.txt"
 [ "$rc_bench" = 0 ] || { echo "gpu_check: bench_gpu rc=$rc_bench"; tail -20 "$LOGS/bench_gpu.log"; }
+
+# issue 34's two-GPU row (tile mover vs peer cudaMemcpyAsync over NVLink, perf/bench_nvlink.py): one rank
+# per GPU under torchrun where two GPUs are visible; else its "not measured" rows.  Output in logs/
+ngpu=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+if [ "${ngpu:-0}" -ge 2 ]; then
+  step bench-nvlink 150 "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 perf/bench_nvlink.py \
+    --out "$LOGS/nvlink" > "$LOGS/bench_nvlink.txt" 2>&1
+  echo "gpu_check: bench_nvlink rc=$?"; tail -30 "$LOGS/bench_nvlink.txt"
+else
+  "$PY" perf/bench_nvlink.py --out "$LOGS/nvlink" > "$LOGS/bench_nvlink.txt" 2>&1
+  echo "gpu_check: bench_nvlink: $(head -1 "$LOGS/bench_nvlink.txt")"
+fi
+
+# standalone probes (not project code; e.g. ../shared/probes/tma_ladder.cu copied into the tree for
+# the device call) named in GPU_CHECK_PROBES: built for this GPU and run while time is left
+arch=$("$PY" -c "import torch; M, m = torch.cuda.get_device_capability(); print(f'{M}{m}')" 2>/dev/null)
+for probe in ${GPU_CHECK_PROBES:-}; do
+  name=$(basename "$probe" .cu)
+  step "probe-$name-build" 60 nvcc -std=c++17 -O3 -arch="sm_${arch:-90}" -o "$LOGS/$name" "$probe" \
+    > "$LOGS/probe_$name.txt" 2>&1 && step "probe-$name" 60 "$LOGS/$name" >> "$LOGS/probe_$name.txt" 2>&1
+  tail -40 "$LOGS/probe_$name.txt"
+done
 
 step bench-host 40 "$PY" perf/bench_host.py --json "$LOGS/bench_host.json" > "$LOGS/bench_host.log" 2>&1 \
   || echo "gpu_check: bench_host did not finish"

@@ -20,6 +20,8 @@ What those files fix, restated here as the oracle (:func:`expected_slots`, :func
 
 from __future__ import annotations
 
+from unittest import mock
+
 import numpy as np
 import pytest
 import torch
@@ -383,6 +385,20 @@ def test_undefined_mappings_and_bad_arguments_raise():
                 buf.lb_reduce_grads(grads, torch.zeros(3, 8), ok)
             with pytest.raises(ValueError, match="not a redundant pool of any live LBBuffer"):
                 lb_reduce_grads(torch.zeros(2, 8), torch.zeros(2, 8), ok)
+            # a one-GPU loopback domain launches every rank's share at the last call: duplicate slots
+            # (whose copy_ would be queued before that launch) are refused there, before anything moves
+            ctx = buf._pool_of(pools[0], "p").ctx
+            with (
+                mock.patch.object(ctx.transport, "stream_ordered", True, create=True),
+                mock.patch.object(ctx.window, "loopback", True, create=True),
+                mock.patch.object(ctx.window, "provider", "cuda_local"),
+            ):
+                dup = torch.tensor([[2, 2], [0, 1]], dtype=torch.int32)
+                if r == 0:
+                    with pytest.raises(ValueError, match=r"slots 0 and 1 of rank 0; on a one-GPU loopback domain"):
+                        buf.lb_prefetch_weights(pools, src, dup)
+                else:  # this rank holds no duplicate: nothing to refuse (it would then wait for rank 0)
+                    assert buf._plan(dup.numpy().astype(np.int64))[1] == []
             # nothing was broken by the refusals: a valid call still runs on every rank
             buf.lb_prefetch_weights(pools, src, ok).wait()
             return as_bytes(pools[0])[0].equal(blob(2, 1024, 0)) if r == 0 else True

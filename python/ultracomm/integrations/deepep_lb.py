@@ -293,6 +293,17 @@ class LBBuffer:
                     f"{pool.nbytes}; each pair must have the same bytes per expert"
                 )
         plan, dups = self._plan(mapping)
+        ctx0 = pools[0].ctx
+        if dups and ctx0.transport.stream_ordered and getattr(ctx0.window, "loopback", False):
+            # a loopback domain on one GPU launches every rank's share at the last rank's call: a
+            # duplicate slot's copy_ queued after this rank's call would run before its multicast
+            first, dup = dups[0]
+            raise ValueError(
+                f"ultracomm: lb_prefetch_weights: redundancy_mapping puts one expert in slots {first} and {dup} "
+                f"of rank {self.rank_idx}; on a one-GPU loopback domain ({ctx0.window.provider}) duplicate slots "
+                "are not supported (their copy would run before the launch that fills the first slot): map each "
+                "expert at most once per rank, or run one process per GPU"
+            )
         if previous_event is not None:
             _wait_for(previous_event)
         for pool, w in zip(pools, src):

@@ -34,6 +34,7 @@ struct GroupShared {
   uintptr_t dsts[interp::kMaxCopyDsts];
   uintptr_t srcs[kSmemSrcs];
   uint32_t known[interp::kPeerCacheRanks / 32];  // leader: peers whose plan it verified this launch
+  uint64_t scan_min[kThreads / 32];              // first_below: each warp's first flag not up
 };
 
 // What a launch gives each CTA's mover (device pointers).
@@ -123,6 +124,36 @@ class MoverBase {
     if (c.fetch_add(1u, cuda::memory_order_acq_rel) + 1u != tiles) return false;
     c.store(0u, cuda::memory_order_relaxed);
     return true;
+  }
+
+  // Group-collective (interp.h first_below): thread t polls flags t, t + blockDim, ... relaxed
+  // (LD.E.64.STRONG.SYS, no CCTL.IVALL in the loop) up to its first one below the epoch.  A
+  // thread that saw a flag up then acquires once: fence.acq_rel.sys after its polls (its reads
+  // and the fence form an acquire; MEMBAR.ALL.SYS + CCTL.IVALL, once per warp, not per flag),
+  // before the barrier that orders the whole CTA after it.  The barrier is a vote
+  // (__syncthreads_or): every flag up, n, and done.  Else the smallest index: a warp minimum
+  // per warp into shared memory, one more barrier, the minimum of those (the next call writes
+  // them only after its vote, when every thread has read these).
+  __device__ uint64_t first_below(uintptr_t flags, uint64_t n, uint64_t epoch) {
+    uint64_t mine = n;
+    uint64_t i = threadIdx.x;
+    for (; i < n; i += blockDim.x)
+      if (load_relaxed(flags + 8 * i) < epoch) {
+        mine = i;
+        break;
+      }
+    if (i > threadIdx.x) cuda::atomic_thread_fence(cuda::memory_order_acquire, cuda::thread_scope_system);
+    if (!__syncthreads_or(mine < n)) return n;
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) {
+      const uint64_t o = __shfl_xor_sync(0xffffffffu, mine, d);
+      mine = o < mine ? o : mine;
+    }
+    if ((threadIdx.x & 31u) == 0) sh_->scan_min[threadIdx.x >> 5] = mine;
+    __syncthreads();
+    uint64_t first = n;
+    for (uint32_t w = 0; w < (blockDim.x >> 5); ++w) first = sh_->scan_min[w] < first ? sh_->scan_min[w] : first;
+    return first;
   }
 
   __device__ uint64_t now_ns() { return globaltimer_ns(); }

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "group_barrier.h"
 #include "host_mover_base.h"
@@ -14,11 +15,14 @@
 
 namespace ultracomm::host {
 
-// One per group: its barrier and the broadcast word (the CUDA block's shared memory).
+// One per group: its barrier, the broadcast word and the first_below results, one per thread
+// and two sets used in turn (the CUDA block's shared memory).
 struct BlockGroup {
-  explicit BlockGroup(int threads) : bar(threads) {}
+  explicit BlockGroup(int threads)
+      : bar(threads), scan{std::vector<uint64_t>(threads), std::vector<uint64_t>(threads)} {}
   GroupBarrier bar;
   alignas(64) unsigned char word[16] = {};
+  std::vector<uint64_t> scan[2];
 };
 
 class BlockMover : public HostMoverBase {
@@ -45,6 +49,18 @@ class BlockMover : public HostMoverBase {
   // The broadcast that reported the wait's outcome already ordered every thread after the
   // leader's acquire (barrier), as __syncthreads does on a device.
   void after_acquire() {}
+  // Thread t reads flags t, t + T, ... (acquire loads) and writes its first one below the epoch;
+  // after one barrier every thread takes the minimum.  The two result sets alternate: a call
+  // writes its set only after every thread passed the previous call's barrier, so after every
+  // read of the set two calls back.  Every share came back complete when n is returned: each
+  // flag was acquired by its reader, whose barrier orders the whole group after it.
+  uint64_t first_below(uintptr_t flags, uint64_t n, uint64_t epoch) {
+    std::vector<uint64_t>& r = g_.scan[scan_turn_];
+    scan_turn_ ^= 1;
+    r[tid_] = scan_share(flags, n, epoch, static_cast<uint64_t>(tid_), static_cast<uint64_t>(threads_));
+    sync();
+    return *std::min_element(r.begin(), r.end());
+  }
   // Thread t copies its 64-byte-aligned share of the segment to every destination.
   void copy(const uintptr_t* dsts, int ndst, uintptr_t src, uint64_t bytes) {
     const uint64_t part = align_up(ceil_div(bytes, static_cast<uint64_t>(threads_)), 64);
@@ -70,6 +86,7 @@ class BlockMover : public HostMoverBase {
   BlockGroup& g_;
   int tid_;
   int threads_;
+  int scan_turn_ = 0;  // which of g_.scan the next first_below writes (the same in every thread)
 };
 static_assert(interp::Mover<BlockMover>);
 

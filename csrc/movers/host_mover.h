@@ -23,6 +23,8 @@ class HostMover : public HostMoverBase {
   }
   int64_t claim() { return claim_task(); }
   void after_acquire() {}  // the acquire load orders this thread's later reads
+  // The group is this thread: it reads every flag.
+  uint64_t first_below(uintptr_t flags, uint64_t n, uint64_t epoch) { return scan_share(flags, n, epoch, 0, 1); }
   void copy(const uintptr_t* dsts, int ndst, uintptr_t src, uint64_t bytes) {
     for (int j = 0; j < ndst; ++j)
       std::memcpy(reinterpret_cast<void*>(dsts[j]), reinterpret_cast<const void*>(src), bytes);

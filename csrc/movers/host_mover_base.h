@@ -42,6 +42,15 @@ class HostMoverBase {
   HostMoverBase(RunState& run, uint32_t jitter_us, uint64_t jitter_seed, bool portable_f16)
       : run_(run), rng_(jitter_seed), jitter_us_(jitter_us), portable_f16_(portable_f16) {}
 
+  // One thread's share of a first_below scan: flags first, first + stride, ... below n; the first
+  // one below the epoch, or n.  Acquire loads (on x86 a plain load, as a relaxed one; and what
+  // ThreadSanitizer sees), so a share that came back complete is acquired flag by flag.
+  static uint64_t scan_share(uintptr_t flags, uint64_t n, uint64_t epoch, uint64_t first, uint64_t stride) {
+    for (uint64_t i = first; i < n; i += stride)
+      if (host::load_acquire(flags + 8 * i) < epoch) return i;
+    return n;
+  }
+
   // The next work unit (-1 once aborted), after a random 0..jitter_us sleep before a real one.
   int64_t claim_task() {
     const int64_t i = run_.claim();

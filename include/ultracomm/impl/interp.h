@@ -85,11 +85,19 @@ concept Mover =
       { m.aborted() } -> std::same_as<bool>;                            // leader only: another group failed
       { m.fail(r) };                                                    // leader only: first failure wins
       { m.after_acquire() };                                            // before reading what a peer published
+      { m.first_below(a, u, u) } -> std::same_as<uint64_t>;             // group-collective flag scan (below)
       { m.copy(p, 1, a, u) };                                           // one segment to n destinations
       { m.before_release() };                                           // copies complete+visible before release
       { m.template reduce<GradF32>(a, srcs, 1, u) };                    // dst = D(f32(dst) + srcs[0] + ...)
     };
 
+// Mover::first_below(flags, n, epoch): the n consecutive 8-byte flags at `flags`, each read once
+// by some thread of the group (strided shares, polls: no acquire per flag on the device); the
+// smallest index whose flag is below `epoch` (not arrived, as leader_wait counts it), or n when
+// every one is up.  Returning n, it has acquired every flag: what they publish is visible to
+// every thread of the group (after after_acquire, as after a wait).  Flags only grow within an
+// epoch, so an index it returns was below when read, and one it passed stays up.
+//
 // Mover::retire(counter, tiles): adds one to the uint32 at `counter` (acq_rel: every earlier
 // tile's copies, complete at its before_release, happen before the last one's release); true in
 // the worker that retired the task's last tile, which also stores 0 back (nobody else touches
@@ -497,7 +505,10 @@ UC_HD void join(const ExecView& v, M& m) {
 }
 
 // Group-collective.  Waits until every own non-empty slot has all chunks arrived (multicast)
-// or consumed by its parent (reduce).  False on a failure.
+// or consumed by its parent (reduce).  False on a failure.  A slot's chunk flags are
+// consecutive words: the whole group scans them at once (first_below); only a chunk not yet up
+// is waited for as a task waits (wait_flag: timeout, abort, plan checks and the same error
+// record as a wait per chunk), then the scan goes on after it.  Every chunk up: one scan.
 template <class M>
 UC_HD bool drain(const ExecView& v, M& m) {
   const bool mc = v.op == Op::kMulticast;
@@ -506,13 +517,17 @@ UC_HD bool drain(const ExecView& v, M& m) {
     const int32_t e = v.my_slots[s];
     if (e < 0) continue;
     const int32_t parent = parent_of(v, s);
-    for (uint64_t c = 0; c < nchunks; ++c) {
+    const auto flag_off = [&](int64_t ci) { return mc ? v.layout.arrival_flag(s, ci) : v.layout.consumed_flag(s, ci); };
+    for (uint64_t c = 0;;) {
+      c += m.first_below(own_flag(v, flag_off(static_cast<int64_t>(c))), nchunks - c, v.epoch);
+      if (c >= nchunks) break;
       const int64_t ci = static_cast<int64_t>(c);
-      const uint64_t off = mc ? v.layout.arrival_flag(s, ci) : v.layout.consumed_flag(s, ci);
-      if (!wait_flag(v, m, own_flag(v, off), parent, false,
+      if (!wait_flag(v, m, own_flag(v, flag_off(ci)), parent, false,
                      [&] { return what(v, mc ? kFlagArrival : kFlagConsumed, -1, e, ci, s, parent); }))
         return false;
+      ++c;
     }
+    m.after_acquire();
   }
   return true;
 }

@@ -11,6 +11,7 @@ switch; the clean build must report no race and no wrong byte, and every mutant 
   release_each_tile    every tile's worker releases its chunk, not only
                        the one retiring the last tile (issue 34 tiles)   -> race, torn chunk
 Tiles (--tile BYTES, default 64 KiB): chunks split into tiles that any worker claims.
+Drains: a receiver's group scans a slot's chunk flags at once (small_chunks: 66 per slot).
 """
 
 from __future__ import annotations
@@ -191,6 +192,8 @@ def cases(tmp_path_factory) -> dict[str, Path]:
         "direct_fp32": write_case(d / "direct_fp32", direct, [1000, 64], [200, 16], 256, "off", 0, seed=6),
         "auto_fp16": write_case(d / "auto_fp16", auto, [901, 77, 5], [211, 19, 3], 384, "auto", 2, seed=4),
         "big_chunk": write_case(d / "big_chunk", big, [1 << 20], [64], 1 << 20, "off", 0, seed=5),
+        # 64-byte chunks: 66 weight and 33 grad chunks per slot, what a drain scans
+        "small_chunks": write_case(d / "small_chunks", relay, [4000, 200], [500, 24], 64, "force", 0, seed=7),
     }
 
 
@@ -218,6 +221,20 @@ def test_tsan_clean_many_epochs(harness, cases, case, mover):
     )
     assert races(r) == 0 and "ThreadSanitizer" not in r.stderr, r.stderr[-3000:]
     assert r.returncode == 0 and "OK: 8 epochs, 0 failures" in r.stdout, r.stdout[-2000:]
+
+
+@pytest.mark.parametrize("mover,threads", [("host", 1), ("block", 5)])
+def test_tsan_clean_small_chunks_drained_by_the_whole_group(harness, cases, mover, threads):
+    """Many small chunks per slot (issue 34's drain): each receiver's drain scans a slot's chunk
+    flags with every thread of its group (interp.h first_below) while relays still forward;
+    every byte right, and no race between the receivers' scans and the senders' copies."""
+    r = run_harness(
+        harness["clean"],
+        cases["small_chunks"],
+        *("--mover", mover, "--epochs", "3", "--workers", "2", "--threads", str(threads), "--jitter", "20"),
+    )
+    assert races(r) == 0 and "ThreadSanitizer" not in r.stderr, r.stderr[-3000:]
+    assert r.returncode == 0 and "OK: 3 epochs, 0 failures" in r.stdout, r.stdout[-2000:]
 
 
 @pytest.mark.parametrize("mover", ["host", "block"])

@@ -167,17 +167,53 @@ def test_sass_join_by_first_ticket(compiled, arch):
         assert (len(adds32), len(adds64)) == (3 + 2, 1), (fn, len(adds32), len(adds64))
 
 
-def _loops(sass_text: str) -> list[list[str]]:
-    """Innermost loops of a SASS listing: the instructions from a backward branch's target to the
-    branch, for branches whose range holds no other backward branch."""
-    lines = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"^\s+/\*([0-9a-f]+)\*/\s+(.*?);", sass_text, re.M)]
+def _instructions(sass_text: str) -> list[tuple[int, str]]:
+    """(address, instruction) of every line of a SASS listing, in program order."""
+    return [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"^\s+/\*([0-9a-f]+)\*/\s+(.*?);", sass_text, re.M)]
+
+
+def _loop_spans(sass_text: str) -> list[tuple[int, int]]:
+    """Innermost loops of a SASS listing as (first, last) addresses: a backward branch's target
+    and the branch, for branches whose range holds no other backward branch."""
     back = []
-    for addr, ins in lines:
+    for addr, ins in _instructions(sass_text):
         m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)\s*$", ins)
         if m and int(m.group(1), 16) <= addr:
             back.append((int(m.group(1), 16), addr))
-    inner = [(lo, hi) for lo, hi in back if not any(lo <= l2 and h2 <= hi and (l2, h2) != (lo, hi) for l2, h2 in back)]
-    return [[ins for addr, ins in lines if lo <= addr <= hi] for lo, hi in inner]
+    return [(lo, hi) for lo, hi in back if not any(lo <= l2 and h2 <= hi and (l2, h2) != (lo, hi) for l2, h2 in back)]
+
+
+def _loops(sass_text: str) -> list[list[str]]:
+    """Innermost loops of a SASS listing: the instructions from a backward branch's target to the
+    branch, for branches whose range holds no other backward branch."""
+    lines = _instructions(sass_text)
+    return [[ins for addr, ins in lines if lo <= addr <= hi] for lo, hi in _loop_spans(sass_text)]
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch", [80, 90, 100])
+def test_sass_drain_scans_flags_with_every_thread(compiled, arch):
+    # issue 34's drain (interp.h drain -> mover_common.cuh first_below): every thread polls its
+    # strided share of a slot's chunk flags relaxed (LD...64.STRONG.SYS, no CCTL.IVALL or MEMBAR
+    # in the loop), acquires once after the loop (MEMBAR.ALL.SYS + CCTL.IVALL: the one acquire
+    # of what it saw), then the CTA votes (__syncthreads_or: BAR.RED.OR, the kernel's only one)
+    # -- not a leader acquiring flag by flag between two barriers
+    for fn, text in cb.kernel_sass(_sass_or_skip(compiled, "k_persistent", arch)).items():
+        lines = _instructions(text)
+        votes = [addr for addr, ins in lines if re.match(r"BAR\.RED\.OR\b", ins)]
+        assert len(votes) == 1, (fn, votes)  # first_below's vote, inlined once (drain is called once)
+        scans = [(lo, hi) for lo, hi in _loop_spans(text) if hi < votes[0]]
+        assert scans, f"{fn}: no loop before the drain's vote"
+        lo, hi = max(scans, key=lambda span: span[1])  # the innermost loop that ends last before the vote
+        body = [ins for addr, ins in lines if lo <= addr <= hi]
+        assert sum(bool(re.search(r"\bLDG?\.E\.64\.STRONG\.SYS\b", i)) for i in body) == 1, (fn, body)
+        assert not any("CCTL" in i or "MEMBAR" in i or re.match(r"BAR\b", i) for i in body), (fn, body)
+        between = [ins for addr, ins in lines if hi < addr < votes[0]]
+        assert sum("CCTL.IVALL" in i for i in between) == 1 and any("MEMBAR.ALL.SYS" in i for i in between), (
+            fn,
+            between,
+        )
+        assert not any(re.search(r"\bLDG?\.E\.64\.STRONG", i) for i in between), (fn, between)  # no acquire load
 
 
 @needs_nvcc

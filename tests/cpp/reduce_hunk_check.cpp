@@ -9,6 +9,16 @@
 //   reduce_hunk_check [--seed N] [--rounds N]
 // Built with -DUC_MUTATE_FTZ, the GPU-like conversion flushes subnormal results to zero (as
 // cvt.ftz would): the check must then fail (tests/transports/test_reduce_hunk.py).
+//
+// The staged reduce (reduce_hunk.h "Staged reduce", csrc/cuda/mover_tma.cuh staged_body) runs
+// here too, as the device drives it but sequentially: a ring of S stages of `per` sub-tiles,
+// fills issued by memcpy (the bulk loads) through staged_issue_fill up to S ahead, every thread
+// folding a fill (staged_consume_fill) before its stage is refilled (the device's barrier), the
+// refill's start derived from the adds' cursor as the device derives it; stages are poisoned
+// with finite garbage (0x5A bytes) before each refill so that a slot read before, after or
+// instead of its operand changes a sum.  Built with -DUC_MUTATE_STAGED_EARLY_REFILL, a stage is
+// refilled before its fill was added: the check must then fail.
+#include <array>
 #include <cinttypes>
 #include <cmath>
 #include <cstdio>
@@ -84,6 +94,71 @@ void device_like(uintptr_t dst, const std::vector<uintptr_t>& srcs, uint64_t pac
     const uint64_t off[1] = {p * 16};
     detail::reduce_hunk<D, Cvt, HostIo, 1, G>(dst, srcs, nsrc, off);
   }
+}
+
+// The device's staged reduce, sequentially (see the top).  threads x U x 16 = sub-tile bytes;
+// `head` packs before the staged body go through reduce_hunk (the device's reduce_one elements
+// before the first aligned pack; here a 16-byte offset of every operand's body).
+template <class D, class Cvt, int U>
+bool staged_like(uintptr_t dst, const std::vector<uintptr_t>& srcs, uint64_t packs, uint32_t threads, uint32_t stages,
+                 int per, uint64_t head) {
+  const int nsrc = static_cast<int>(srcs.size());
+  if (head > packs) head = packs;
+  for (uint64_t p = 0; p < head; ++p) {
+    const uint64_t off[1] = {p * 16};
+    detail::reduce_hunk<D, Cvt, HostIo, 1, 2>(dst, srcs, nsrc, off);
+  }
+  if (head == packs) return true;
+  const uint32_t sub = threads * U * 16;
+  const detail::StagedSegment g =
+      detail::StagedSegment::make(static_cast<uint32_t>(head * 16), (packs - head) * 16, sub, nsrc + 1, per);
+  const size_t stage_bytes = static_cast<size_t>(per) * sub;
+  std::vector<unsigned char> ring(stages * stage_bytes, 0x5A);
+  bool ok = true;
+  detail::StagedCursor running;  // where the next fill starts, kept fill by fill
+  auto issue = [&](detail::StagedCursor at, uint32_t s) {
+    if (at.tile != running.tile || at.op != running.op) ok = false;  // the device derives it from the adds
+    unsigned char* stage = ring.data() + s * stage_bytes;
+    std::memset(stage, 0x5A, stage_bytes);
+    uint32_t expected = 0, got = 0;
+    detail::staged_issue_fill(
+        g, at, dst, srcs, [&](uint32_t bytes) { expected = bytes; },
+        [&](int h, uintptr_t src, uint32_t bytes) {
+          if (h >= per || bytes == 0 || bytes > sub || bytes % 16) ok = false;
+          std::memcpy(stage + static_cast<size_t>(h) * sub, reinterpret_cast<const void*>(src), bytes);
+          got += bytes;
+        });
+    if (expected != got) ok = false;  // the mbarrier's expect_tx must match the bytes loaded
+    running = at;
+  };
+  detail::StagedCursor at;
+  for (uint32_t q = 0; q < stages && at.tile < g.tiles; ++q) {
+    issue(at, q);
+    at = running;
+  }
+  std::vector<std::array<std::array<float, Cvt::E>, U>> accs(threads);
+  std::vector<detail::StagedCursor> take(threads);
+  for (uint32_t s = 0;; s = s + 1 == stages ? 0 : s + 1) {
+    detail::StagedCursor next = take[0];
+    next.advance(static_cast<int>(stages) * per, g.ops);  // start of the fill after this stage's
+#if defined(UC_MUTATE_STAGED_EARLY_REFILL)
+    if (next.tile < g.tiles) issue(next, s);
+#endif
+    const uintptr_t stage = reinterpret_cast<uintptr_t>(ring.data() + s * stage_bytes);
+    for (uint32_t t = 0; t < threads; ++t) {
+      float (&acc)[U][Cvt::E] = *reinterpret_cast<float (*)[U][Cvt::E]>(accs[t].data());
+      detail::staged_consume_fill<D, Cvt, HostIo, HostIo, U>(acc, g, take[t], stage, dst, srcs, t, threads);
+    }
+    for (uint32_t t = 1; t < threads; ++t)
+      if (take[t].tile != take[0].tile || take[t].op != take[0].op) ok = false;
+    if (take[0].tile >= g.tiles) break;
+#if !defined(UC_MUTATE_STAGED_EARLY_REFILL)
+    detail::StagedCursor from = take[0];  // as the device: (stages - 1) fills past the adds
+    from.advance(static_cast<int>(stages - 1) * per, g.ops);
+    if (from.tile < g.tiles) issue(from, s);
+#endif
+  }
+  return ok;
 }
 
 struct Gen {
@@ -174,7 +249,28 @@ int run_one(Gen& g, int nsrc, uint64_t packs, const char* name, bool verbose) {
   UC_VARIANT(GpuLikeCvt, 4, 4);
   UC_VARIANT(GpuLikeCvt, 1, 2);
 #undef UC_VARIANT
+  // the staged reduce: the device's geometry (256 threads x 2 packs, 4 sub-tiles a stage, the deep
+  // and the shared ring), and small ones whose sub-tiles, fills and ring wrap many times here
+#define UC_STAGED(CVT, U, T, S, PER, HEAD)                                                                          \
+  do {                                                                                                              \
+    auto d = dst0;                                                                                                  \
+    const bool ok = staged_like<D, CVT<D>, U>(reinterpret_cast<uintptr_t>(d.data()), srcs, packs, T, S, PER, HEAD); \
+    got.push_back(d),                                                                                               \
+        what.push_back("staged " #CVT " U=" #U " threads=" #T " stages=" #S " per=" #PER " head=" #HEAD);           \
+    if (!ok) {                                                                                                      \
+      ++bad;                                                                                                        \
+      std::printf("MISMATCH %s k=%d packs=%" PRIu64 " %s: ring bookkeeping\n", name, nsrc, packs,                   \
+                  what.back().c_str());                                                                             \
+    }                                                                                                               \
+  } while (0)
   int bad = 0;
+  UC_STAGED(GpuLikeCvt, 2, 256, 6, 4, 0);
+  UC_STAGED(GpuLikeCvt, 2, 256, 3, 4, 1);
+  UC_STAGED(GpuLikeCvt, 2, 4, 3, 4, 0);
+  UC_STAGED(detail::SoftCvt, 2, 4, 6, 4, 3);
+  UC_STAGED(GpuLikeCvt, 1, 2, 2, 2, 0);
+  UC_STAGED(detail::SoftCvt, 2, 3, 5, 3, 1);
+#undef UC_STAGED
   for (size_t v = 0; v < got.size(); ++v) {
     if (std::memcmp(got[v].data(), ref.data(), n * sizeof(T)) == 0) continue;
     ++bad;

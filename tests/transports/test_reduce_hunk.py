@@ -13,6 +13,12 @@ fp16/bf16 conversions with the NaN rule in a slow path.
   conversions (HADD2.F32, F2FP...PACK_AB), no FFMA/HFMA (also
   test_cuda_build.py), no local memory (test_cuda_build.py checks stack and spills of every
   kernel), and <= 128 registers (two CTAs per SM).
+
+The TMA-staged reduce (reduce_path="tma", the same header's "Staged reduce", driven by
+csrc/cuda/mover_tma.cuh reduce_staged): the same g++ check runs its fills through a ring of its
+own (the device's geometry and small ones that wrap the ring many times) against the host reduce
+bit for bit, including the ring's bookkeeping (expect_tx = the bytes loaded, the refill's start
+derived from the adds' cursor); a mutant that refills a stage before its fill was added must fail.
 """
 
 from __future__ import annotations
@@ -69,6 +75,17 @@ def test_hunk_check_catches_a_flushing_conversion(tmp_path):
     exe = _build(tmp_path, ["-DUC_MUTATE_FTZ"])
     r = subprocess.run([str(exe), "--rounds", "1"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 1 and "MISMATCH" in r.stdout, r.stdout[-2000:]
+
+
+@pytest.mark.skipif(CXX is None, reason="needs g++")
+def test_staged_check_catches_a_stage_refilled_too_early(tmp_path):
+    # the staged variants' ring refills a stage before its fill was added: the poisoned stage (or
+    # the next fill's bytes) reaches the sums; only the staged variants may mismatch
+    exe = _build(tmp_path, ["-DUC_MUTATE_STAGED_EARLY_REFILL"])
+    r = subprocess.run([str(exe), "--rounds", "1"], capture_output=True, text=True, timeout=300)
+    bad = [line for line in r.stdout.splitlines() if line.startswith("MISMATCH")]
+    assert r.returncode == 1 and bad, r.stdout[-2000:]
+    assert all(" staged " in line for line in bad), bad[:5]
 
 
 def _constant(name: str) -> int:

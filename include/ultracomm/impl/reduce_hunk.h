@@ -127,4 +127,143 @@ UC_INLINE void reduce_hunk(uintptr_t dst, const Srcs& srcs, int nsrc, const uint
   for (int u = 0; u < U; ++u) Io::store(dst + off[u], Cvt::pack(acc[u]));
 }
 
+// ---------------------------------------------------------------------------------------
+// Staged reduce: the TMA path's alternative (csrc/cuda/mover_tma.cuh TmaMover::reduce_staged,
+// sm_90+, run option reduce_path="tma").  A segment's body (16-B aligned in dst and every source,
+// a multiple of 16 bytes) is cut into sub-tiles of `sub` bytes; the operands of a sub-tile -- dst,
+// then src_0, src_1, ... -- are brought into shared memory one after the other by bulk copies,
+// `per` operands to a ring stage (a "fill": operands f x per .. f x per + per - 1 of the segment's
+// sequence, which may straddle sub-tiles; one mbarrier), and every thread folds each operand into
+// its fp32 accumulators as it arrives: acc = Cvt(dst), then acc = acc + Cvt(src_s) for s = 0, 1,
+// ..., each add rounded once -- reduce_hunk's operations in reduce_hunk's order, only the loads
+// differ.  A thread owns U packs of a sub-tile, pack u at byte (u x threads + tid) x 16 (a warp
+// reads 512 consecutive bytes: no bank conflict).  Buf reads a pack of the staged buffer
+// (ld.shared on the device), Io global memory: the NaN slow path (hunk_pack_nan_rule) re-reads
+// the operands there, as reduce_hunk's does (dst is written only after its sub-tile's last
+// source).  The device drives the ring (mbarriers, refills); tests/cpp/reduce_hunk_check.cpp
+// drives the same functions with memcpy for the bulk copies and a ring of its own, and checks
+// the result against the host reduce bit for bit.
+
+// Operand `op` (0: dst, s + 1: src_s) of sub-tile `tile`: a position in the segment's operand
+// sequence, whose operand j is (j / ops, j % ops), ops = nsrc + 1.  Advanced one operand at a
+// time, or n at once (one 32-bit division: n and ops are small).
+struct StagedCursor {
+  uint32_t tile = 0;
+  int op = 0;
+  UC_INLINE void next(int ops) {
+    if (++op == ops) {
+      op = 0;
+      ++tile;
+    }
+  }
+  UC_INLINE void advance(int n, int ops) {
+    op += n;
+    tile += static_cast<uint32_t>(op / ops);
+    op %= ops;
+  }
+};
+
+// One staged segment: `bytes` (a multiple of 16, under 2^32 sub-tiles) of dst and of each source,
+// from byte `base` (< 2^32) of each, in `tiles` sub-tiles of `sub` bytes (the last one `last`),
+// `ops` = nsrc + 1 operands each, `per` operands to a fill.  32-bit fields: the device keeps them
+// in registers through the whole loop.
+struct StagedSegment {
+  uint32_t base;
+  uint32_t tiles;
+  uint32_t last;
+  uint32_t sub;
+  int ops;
+  int per;
+  UC_INLINE static StagedSegment make(uint32_t base, uint64_t bytes, uint32_t sub, int ops, int per) {
+    const uint32_t tiles = static_cast<uint32_t>(bytes / sub + (bytes % sub != 0));
+    return StagedSegment{base, tiles, static_cast<uint32_t>(bytes - static_cast<uint64_t>(tiles - 1) * sub),
+                         sub,  ops,   per};
+  }
+  UC_INLINE uint64_t at(uint32_t tile) const { return base + static_cast<uint64_t>(tile) * sub; }
+  UC_INLINE uint32_t len(uint32_t tile) const { return tile + 1 == tiles ? last : sub; }
+};
+
+// The issuing thread: the fill that starts at `c` (c.tile < g.tiles; `c` is left past it): its
+// operands -- per, or the rest of the segment -- as expect(total bytes) first (the stage's
+// completion counts them: mbarrier expect_tx), then load(h, global address, bytes) for each, the
+// fill's operand h into slot h of the stage.
+template <class Srcs, class Expect, class Load>
+UC_INLINE void staged_issue_fill(const StagedSegment& g, StagedCursor& c, uintptr_t dst, const Srcs& srcs,
+                                 Expect&& expect, Load&& load) {
+  uint32_t total = 0;
+  StagedCursor k = c;
+  for (int h = 0; h < g.per && k.tile < g.tiles; ++h, k.next(g.ops)) total += g.len(k.tile);
+  expect(total);
+  for (int h = 0; h < g.per && c.tile < g.tiles; ++h, c.next(g.ops)) {
+    const uintptr_t a = c.op == 0 ? dst : srcs[c.op - 1];
+    load(h, a + g.at(c.tile), g.len(c.tile));
+  }
+}
+
+// acc[u] = Cvt(pack u of the buffer) (first: dst) or acc[u] + Cvt(pack u), each add rounded once.
+template <class Cvt, class Buf, int U>
+UC_INLINE void staged_fold(float (&acc)[U][Cvt::E], uintptr_t buf, const uint32_t (&boff)[U], bool first) {
+  Pack16 r[U];
+  UC_UNROLL
+  for (int u = 0; u < U; ++u) r[u] = Buf::load(buf + boff[u]);
+  if (first) {
+    UC_UNROLL
+    for (int u = 0; u < U; ++u) Cvt::unpack(r[u], acc[u]);
+    return;
+  }
+  UC_UNROLL
+  for (int u = 0; u < U; ++u) {
+    float x[Cvt::E];
+    Cvt::unpack(r[u], x);
+    UC_UNROLL
+    for (int k = 0; k < Cvt::E; ++k) acc[u][k] = add_rn(acc[u][k], x[k]);
+  }
+}
+
+// A finished sub-tile: this thread's packs u < n (those inside it) to dst at off[u], or, if a sum
+// came out NaN, all of them again by the slow path (reduce_hunk's rule, over the valid packs).
+template <class D, class Cvt, class Io, int U, class Srcs>
+UC_INLINE void staged_store(const float (&acc)[U][Cvt::E], uintptr_t dst, const Srcs& srcs, int nsrc,
+                            const uint64_t (&off)[U], int n) {
+  uint32_t nan = 0;
+  UC_UNROLL
+  for (int u = 0; u < U; ++u) {
+    UC_UNROLL
+    for (int k = 0; k < Cvt::E; ++k) nan |= static_cast<uint32_t>(u < n && f32_is_nan(f32_bits(acc[u][k])));
+  }
+  if (__builtin_expect(nan != 0, 0)) {
+    UC_UNROLL
+    for (int u = 0; u < U; ++u)
+      if (u < n) hunk_pack_nan_rule<D, Io>(dst, srcs, nsrc, off[u]);
+    return;
+  }
+  UC_UNROLL
+  for (int u = 0; u < U; ++u)
+    if (u < n) Io::store(dst + off[u], Cvt::pack(acc[u]));
+}
+
+// Every thread, once the fill that starts at `c` is in its stage (slot h at stage + h x sub):
+// folds its operands into acc (`c` is left past them) and, after a sub-tile's last source,
+// stores the sub-tile's packs of this thread (tid of `threads`; sub = threads x U x 16).
+template <class D, class Cvt, class Buf, class Io, int U, class Srcs>
+UC_INLINE void staged_consume_fill(float (&acc)[U][Cvt::E], const StagedSegment& g, StagedCursor& c, uintptr_t stage,
+                                   uintptr_t dst, const Srcs& srcs, uint32_t tid, uint32_t threads) {
+  uint32_t boff[U];
+  UC_UNROLL
+  for (int u = 0; u < U; ++u) boff[u] = (static_cast<uint32_t>(u) * threads + tid) * 16u;
+  for (int h = 0; h < g.per && c.tile < g.tiles; ++h, c.next(g.ops)) {
+    staged_fold<Cvt, Buf, U>(acc, stage + static_cast<uint32_t>(h) * g.sub, boff, c.op == 0);
+    if (c.op != g.ops - 1) continue;  // not yet the sub-tile's last source (or dst alone: no source)
+    const uint32_t len = g.len(c.tile);
+    uint64_t off[U];
+    int valid = 0;
+    UC_UNROLL
+    for (int u = 0; u < U; ++u) {
+      off[u] = g.at(c.tile) + boff[u];
+      valid += boff[u] < len;
+    }
+    staged_store<D, Cvt, Io, U>(acc, dst, srcs, g.ops - 1, off, valid);
+  }
+}
+
 }  // namespace ultracomm::detail

@@ -128,6 +128,15 @@ std::unique_ptr<DevicePlan> make_plan(const py::list& ranks, int device) {
 
 cudaStream_t as_stream(uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
 
+// A launch's flags (persistent_args.h) from the bindings' arguments; reduce_path: "hunk" (the
+// register hunks, default) or "tma" (the TMA-staged reduce, kReduceStaged; sm_90+).
+uint32_t launch_flags(bool force_vector, const std::string& reduce_path) {
+  if (reduce_path != "hunk" && reduce_path != "tma")
+    throw std::invalid_argument("ultracomm._cuda.Runner: reduce_path must be 'hunk' or 'tma', got '" + reduce_path +
+                                "'");
+  return (force_vector ? kForceVector : 0u) | (reduce_path == "tma" ? kReduceStaged : 0u);
+}
+
 }  // namespace
 
 void bind(py::module_& m) {
@@ -138,6 +147,8 @@ void bind(py::module_& m) {
   m.attr("MAX_LOOPBACK_RANKS") = kMaxLoopbackRanks;
   m.attr("ERROR_RECORD_BYTES") = sizeof(ErrorRecord);
   m.attr("FORCE_VECTOR") = kForceVector;
+  m.attr("REDUCE_STAGED") = kReduceStaged;
+  m.attr("REDUCE_PATHS") = py::make_tuple("hunk", "tma");
 
   m.def(
       "available", [](int device) { return cuda_available(device); }, py::arg("device") = 0,
@@ -226,24 +237,26 @@ staging); Runner.launch_slot writes a plan into a slot with an async copy on the
   py::class_<Runner>(m, "Runner", R"doc(Launch state of one executor on one device.
 
 Runner(device) allocates the device state and a mapped error record.  launch(plan, epoch,
-ctas_per_rank, stream, force_vector=False) enqueues one persistent kernel on the stream (no
-allocation, no synchronisation: capturable in a CUDA graph); the kernel runs epoch
-max(epoch, last epoch + 1).  take_error() returns the raw ErrorRecord bytes of a failure
+ctas_per_rank, stream, force_vector=False, reduce_path="hunk") enqueues one persistent kernel on
+the stream (no allocation, no synchronisation: capturable in a CUDA graph); the kernel runs epoch
+max(epoch, last epoch + 1).  reduce_path: how reductions run, "hunk" (register hunks) or "tma"
+(TMA-staged through shared memory, sm_90+: ValueError before sm_90); force_vector: no bulk copy
+at all (sm_90+ devices through the vector path, reductions by register hunks).  take_error() returns the raw ErrorRecord bytes of a failure
 recorded since the last call (read it after the stream reached the launch), or None; turn it
 into text/exception with _core.format_error / _core.raise_error_record.)doc")
       .def(py::init<int>(), py::arg("device"))
       .def(
           "launch",
-          [](Runner& r, const DevicePlan& plan, uint64_t epoch, int ctas_per_rank, uintptr_t stream,
-             bool force_vector) {
-            r.launch(plan, epoch, ctas_per_rank, as_stream(stream), force_vector ? kForceVector : 0u);
+          [](Runner& r, const DevicePlan& plan, uint64_t epoch, int ctas_per_rank, uintptr_t stream, bool force_vector,
+             const std::string& reduce_path) {
+            r.launch(plan, epoch, ctas_per_rank, as_stream(stream), launch_flags(force_vector, reduce_path));
           },
           py::arg("plan"), py::arg("epoch"), py::arg("ctas_per_rank"), py::arg("stream"),
-          py::arg("force_vector") = false)
+          py::arg("force_vector") = false, py::arg("reduce_path") = "hunk")
       .def(
           "launch_slot",
           [](Runner& r, PlanArena& arena, int slot, int op, const py::object& ranks, uint64_t epoch, int ctas_per_rank,
-             uintptr_t stream, bool force_vector) {
+             uintptr_t stream, bool force_vector, const std::string& reduce_path) {
             if (op != 0 && op != 1)
               throw std::invalid_argument("ultracomm._cuda.Runner.launch_slot: op must be 0 or 1");
             std::vector<std::vector<Task>> tasks;
@@ -251,13 +264,14 @@ into text/exception with _core.format_error / _core.raise_error_record.)doc")
             std::vector<ExecArgs> args;
             if (!ranks.is_none()) args = rank_args(ranks.cast<py::list>(), tasks, refs);
             r.launch(arena, slot, static_cast<Op>(op), ranks.is_none() ? nullptr : &args, epoch, ctas_per_rank,
-                     as_stream(stream), force_vector ? kForceVector : 0u);
+                     as_stream(stream), launch_flags(force_vector, reduce_path));
           },
           py::arg("arena"), py::arg("slot"), py::arg("op"), py::arg("ranks"), py::arg("epoch"),
-          py::arg("ctas_per_rank"), py::arg("stream"), py::arg("force_vector") = false,
+          py::arg("ctas_per_rank"), py::arg("stream"), py::arg("force_vector") = false, py::arg("reduce_path") = "hunk",
           "Enqueue the plan of arena slot `slot` for `op` (ranks: the plan's rank entries, as DevicePlan takes "
           "them, to write into the slot first; None: run what the slot holds).  No allocation, no host wait "
-          "(the upload is an async copy from pinned staging on `stream`).")
+          "(the upload is an async copy from pinned staging on `stream`).  force_vector and reduce_path as "
+          "launch's.")
       .def(
           "write_template",
           [](Runner& r, PlanArena& arena, int slot, const py::list& ranks, uintptr_t stream) {

@@ -7,6 +7,8 @@
 // instantiations.
 #include <cuda/atomic>
 
+#include <type_traits>
+
 #include "cuda_check.h"
 #include "launch.h"
 #include "mover_tma.cuh"
@@ -15,12 +17,15 @@
 namespace ultracomm {
 namespace {
 
-static_assert(interp::Mover<dev::TmaMover> && interp::Mover<dev::VecMover>);
+static_assert(interp::Mover<dev::TmaMover<>> && interp::Mover<dev::TmaMover<true>> && interp::Mover<dev::VecMover>);
 
-// The mover is chosen per compiled architecture: bulk copies from sm_90 on.
+// The mover is chosen per compiled architecture: bulk copies from sm_90 on.  Staged: the
+// kernels of reduce_path="tma" (TMA-staged reductions, sm_90+ only).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-using DeviceMover = dev::TmaMover;
+template <bool Staged>
+using DeviceMover = dev::TmaMover<Staged>;
 #else
+template <bool Staged>
 using DeviceMover = dev::VecMover;
 #endif
 
@@ -60,9 +65,13 @@ __device__ bool first_ticket(uint32_t* counter, dev::MoverBase& m) {
 
 // Two CTAs per SM (<= 128 registers): what loopback grids on the shared ring and co-resident
 // compute need (tests/transports/test_reduce_hunk.py); the tile claims of issue 34 took sm_100 past 128.
-template <class D>
+// One kernel per grad dtype and reduce path (Staged: reduce_path="tma").  Before sm_90 both are
+// VecMover's (no bulk copies, no staged path), the same code: the runner refuses reduce_path="tma"
+// there, and every kernel keeps the protocol the SASS tests check.
+template <class D, bool Staged>
 __global__ void __launch_bounds__(dev::kThreads, 2) k_persistent(const PersistentArgs a) {
 #if defined(__CUDA_ARCH__)
+  using Mover = DeviceMover<Staged>;
   __shared__ dev::GroupShared sh;
   __shared__ ExecView view;
   extern __shared__ __align__(128) unsigned char dyn_smem[];
@@ -70,14 +79,14 @@ __global__ void __launch_bounds__(dev::kThreads, 2) k_persistent(const Persisten
   RankState& rs = a.state->ranks[rank];
   uint64_t epoch = 0;
   load_view(view, a, rank, epoch);
-  DeviceMover m(dev::MoverEnv{a.state, a.err, &rs.next_task, epoch}, &sh, dyn_smem, (a.flags & kForceVector) != 0);
+  Mover m(dev::MoverEnv{a.state, a.err, &rs.next_task, epoch}, &sh, dyn_smem, a.flags);
 
   // join by the rank's first CTA to start (ticket 0), not by worker 0: CTAs of one launch need
   // not all be resident at once (a one-rank launch is not cooperative), and peers wait on this
   // rank's ready flag while its started CTAs spin on theirs; a join left to a CTA still queued
   // behind them would never come.  It overlaps the other workers' first claims.
   if (first_ticket(&rs.join_ticket, m)) interp::join(view, m);
-  interp::run_tasks<DeviceMover, D>(view, m);
+  interp::run_tasks<Mover, D>(view, m);
   // drain once per rank, by its last CTA out of run_tasks, unless the launch failed.
   if (last_to_arrive(&rs.done_workers, static_cast<uint32_t>(a.ctas_per_rank), m)) {
     bool ok = false;
@@ -103,42 +112,37 @@ __global__ void __launch_bounds__(dev::kThreads, 2) k_persistent(const Persisten
 #endif
 }
 
-template <class D>
-void launch_one(const PersistentArgs& a, uint32_t smem, bool cooperative, cudaStream_t stream) {
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>(a.nranks * a.ctas_per_rank));
-  cfg.blockDim = dim3(dev::kThreads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeCooperative;
-  attr[0].val.cooperative = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = cooperative ? 1 : 0;
-  UC_CUDA_CHECK(cudaLaunchKernelEx(&cfg, k_persistent<D>, a));
-}
-
-// Runs fn on each instantiation, or on grad_dtype's (0 fp32, 1 bf16, 2 fp16).
+// Runs fn on the kernel of grad_dtype (0 fp32, 1 bf16, 2 fp16) and reduce path (staged: the
+// TMA-staged reduce).
 template <class Fn>
-void for_kernel(int grad_dtype, Fn&& fn) {
-  switch (grad_dtype) {
-    case 1:
-      fn(k_persistent<interp::GradBF16>);
-      break;
-    case 2:
-      fn(k_persistent<interp::GradF16>);
-      break;
-    default:
-      fn(k_persistent<interp::GradF32>);
-      break;
-  }
+void for_kernel(int grad_dtype, bool staged, Fn&& fn) {
+  const auto pick = [&](auto stage) {
+    constexpr bool S = decltype(stage)::value;
+    switch (grad_dtype) {
+      case 1:
+        fn(k_persistent<interp::GradBF16, S>);
+        break;
+      case 2:
+        fn(k_persistent<interp::GradF16, S>);
+        break;
+      default:
+        fn(k_persistent<interp::GradF32, S>);
+        break;
+    }
+  };
+  if (staged)
+    pick(std::true_type{});
+  else
+    pick(std::false_type{});
 }
 
 }  // namespace
 
 namespace gpu {
 
-uint32_t persistent_smem_bytes(int cc_major) { return cc_major >= 9 ? dev::TmaMover::kSmemBytes : 0; }
+// Both reduce paths use the same ring: the staged reduce adds no shared memory.
+uint32_t persistent_smem_bytes(int cc_major) { return cc_major >= 9 ? dev::TmaMover<>::kSmemBytes : 0; }
+static_assert(dev::TmaMover<true>::kSmemBytes == dev::TmaMover<>::kSmemBytes);
 
 // The shared ring (two CTAs per SM), for loopback grids larger than the SM count.
 uint32_t shared_smem_bytes(uint32_t smem) { return smem == 0 ? 0 : tma_smem_bytes(kTmaStagesShared); }
@@ -146,17 +150,23 @@ uint32_t shared_smem_bytes(uint32_t smem) { return smem == 0 ? 0 : tma_smem_byte
 void setup_persistent(int cc_major) {
   const int smem = static_cast<int>(persistent_smem_bytes(cc_major));
   for (int d = 0; d < 3; ++d)
-    for_kernel(
-        d, [&](auto k) { UC_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)); });
+    for (const bool staged : {false, true})
+      for_kernel(d, staged, [&](auto k) {
+        UC_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+      });
 }
 
+// The lower of the two reduce paths' kernels (the loopback check does not know which will run).
 int persistent_max_coresident(int device, int cc_major, int grad_dtype) {
-  int per_sm = 0, sms = 0;
-  for_kernel(grad_dtype, [&](auto k) {
-    // a loopback grid may need the shared ring (launch_persistent picks it)
-    UC_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k, dev::kThreads,
-                                                                shared_smem_bytes(persistent_smem_bytes(cc_major))));
-  });
+  int per_sm = 1 << 30, sms = 0;
+  for (const bool staged : {false, true})
+    for_kernel(grad_dtype, staged, [&](auto k) {
+      // a loopback grid may need the shared ring (launch_persistent picks it)
+      int n = 0;
+      UC_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k, dev::kThreads,
+                                                                  shared_smem_bytes(persistent_smem_bytes(cc_major))));
+      per_sm = n < per_sm ? n : per_sm;
+    });
   UC_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   return per_sm * sms;
 }
@@ -170,17 +180,20 @@ void launch_persistent(const PersistentArgs& a, int grad_dtype, uint32_t smem, b
     UC_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
     if (static_cast<int64_t>(a.nranks) * a.ctas_per_rank > sms) smem = shared_smem_bytes(smem);
   }
-  switch (grad_dtype) {
-    case 1:
-      launch_one<interp::GradBF16>(a, smem, cooperative, stream);
-      break;
-    case 2:
-      launch_one<interp::GradF16>(a, smem, cooperative, stream);
-      break;
-    default:
-      launch_one<interp::GradF32>(a, smem, cooperative, stream);
-      break;
-  }
+  const bool staged = (a.flags & kReduceStaged) != 0;  // the runner allows it from sm_90 on
+  for_kernel(grad_dtype, staged, [&](auto k) {
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(static_cast<unsigned>(a.nranks * a.ctas_per_rank));
+    cfg.blockDim = dim3(dev::kThreads);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeCooperative;
+    attr[0].val.cooperative = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = cooperative ? 1 : 0;
+    UC_CUDA_CHECK(cudaLaunchKernelEx(&cfg, k, a));
+  });
 }
 
 }  // namespace gpu

@@ -11,7 +11,10 @@ class VecMover : public MoverBase {
  public:
   static constexpr uint32_t kSmemBytes = 0;  // dynamic shared memory it needs
 
-  __device__ VecMover(const MoverEnv& env, GroupShared* sh, unsigned char* /*dyn_smem*/, bool /*force_vector*/)
+  // flags (persistent_args.h) change nothing here: every byte already takes the vector path, and
+  // reductions the register hunks (kReduceStaged needs bulk copies: the launcher refuses it
+  // before sm_90).
+  __device__ VecMover(const MoverEnv& env, GroupShared* sh, unsigned char* /*dyn_smem*/, uint32_t /*flags*/)
       : MoverBase(env, sh) {}
 
   // Plain loads after the leader's acquire see the peer's data: the acquire invalidated the

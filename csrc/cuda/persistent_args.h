@@ -44,7 +44,9 @@ struct ErrorSlot {
 };
 
 // Flags of PersistentArgs::flags.
-constexpr uint32_t kForceVector = 1u;  // sm_90+: move every byte through the vector path (bench)
+constexpr uint32_t kForceVector = 1u;   // sm_90+: move every byte through the vector path (bench)
+constexpr uint32_t kReduceStaged = 2u;  // sm_90+: reductions TMA-staged (run option reduce_path="tma"; the
+                                        // launcher refuses it before sm_90), else register hunks
 
 struct PersistentArgs {
   const ExecView* views;  // device memory, [nranks]: rank r's view (its epoch is replaced)

@@ -85,6 +85,14 @@ __device__ __forceinline__ void fence_async_global() {
   NV_IF_TARGET(NV_PROVIDES_SM_90, (cuda::ptx::fence_proxy_async(cuda::ptx::space_global);))
 }
 
+// fence.proxy.async.shared::cta: this thread's generic-proxy accesses of shared memory (and,
+// after a barrier, those of the threads it synchronised with) are ordered before its later
+// async-proxy ones -- the staged reduce's ld.shared reads of a stage before the bulk load that
+// refills it.
+__device__ __forceinline__ void fence_async_shared() {
+  NV_IF_TARGET(NV_PROVIDES_SM_90, (cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);))
+}
+
 // mov.u32 %dynamic_smem_size: the dynamic shared memory this launch gave the CTA (the TMA
 // ring sizes itself from it).
 __device__ __forceinline__ uint32_t dynamic_smem_bytes() { return cuda::ptx::get_sreg_dynamic_smem_size(); }

@@ -192,6 +192,11 @@ void Runner::launch_views(const Shape& p, uint64_t epoch, int ctas_per_rank, cud
                           const std::string& where, const std::function<void(unsigned long long)>& before) {
   if (epoch < 1) throw std::invalid_argument(where + "epoch must be >= 1 (flags start at 0)");
   if (ctas_per_rank < 1) throw std::invalid_argument(where + "ctas_per_rank must be >= 1");
+  if ((flags & kReduceStaged) != 0 && cc_major_ < 9)
+    throw std::invalid_argument(where +
+                                "reduce_path='tma' (the TMA-staged reduce) needs bulk copies, sm_90 or newer; " +
+                                "device " + std::to_string(device_) + " is sm_" + std::to_string(cc_major_) +
+                                std::to_string(cc_minor_) + ": use reduce_path='hunk'");
   const int64_t grid = static_cast<int64_t>(p.nranks) * ctas_per_rank;
   if (grid > (int64_t(1) << 31) - 1) throw std::invalid_argument(where + "grid too large");
   const bool loopback = p.nranks > 1;

@@ -42,7 +42,8 @@ class Runner {
   // Enqueues plan's operation on `stream` at `epoch` (the kernel runs max(epoch, last + 1) of
   // this runner's previous launches of that op), ctas_per_rank CTAs per rank.  Loopback plans
   // (nranks > 1) need every CTA co-resident: std::invalid_argument naming the limit otherwise.
-  // flags: persistent_args.h kForceVector.  A launch on another stream than the previous one of
+  // flags: persistent_args.h kForceVector, kReduceStaged (std::invalid_argument before sm_90: no
+  // bulk copies there).  A launch on another stream than the previous one of
   // its op waits for it (cudaStreamWaitEvent: a graph edge while both are in one capture); an
   // eager launch and a captured one are not ordered here (the graph's launch stream orders them).
   void launch(const DevicePlan& plan, uint64_t epoch, int ctas_per_rank, cudaStream_t stream, uint32_t flags);

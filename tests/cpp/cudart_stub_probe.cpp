@@ -21,6 +21,7 @@ cudaError_t g_fail_sync = cudaSuccess;  // what cudaStreamSynchronize returns
 bool g_event_not_ready = false;         // what cudaEventQuery says
 bool g_views = false;                   // log each launch's rank-0 view
 int g_coresident_per_sm = 2;
+int g_cc_major = 9;  // the stub device's compute capability (major)
 unsigned char g_device_mem[1 << 20];
 size_t g_device_used = 0;
 void log(const std::string& s) { g_log.push_back(s); }
@@ -40,7 +41,7 @@ cudaError_t cudaGetLastError() { return cudaSuccess; }
 const char* cudaGetErrorName(cudaError_t e) { return e == cudaErrorLaunchFailure ? "cudaErrorLaunchFailure" : "err"; }
 const char* cudaGetErrorString(cudaError_t) { return "stub error"; }
 cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr a, int) {
-  *v = a == cudaDevAttrComputeCapabilityMajor ? 9 : a == cudaDevAttrMultiProcessorCount ? 132 : 0;
+  *v = a == cudaDevAttrComputeCapabilityMajor ? g_cc_major : a == cudaDevAttrMultiProcessorCount ? 132 : 0;
   return cudaSuccess;
 }
 cudaError_t cudaMalloc(void** p, size_t n) {
@@ -133,7 +134,7 @@ uint32_t persistent_smem_bytes(int cc_major) { return cc_major >= 9 ? 65568 : 0;
 int persistent_max_coresident(int, int, int) { return g_coresident_per_sm * 132; }
 void launch_persistent(const PersistentArgs& a, int, uint32_t smem, bool cooperative, cudaStream_t s) {
   log("launch grid " + std::to_string(a.nranks * a.ctas_per_rank) + " smem " + std::to_string(smem) +
-      (cooperative ? " cooperative" : " plain") + " " + sname(s));
+      (cooperative ? " cooperative" : " plain") + " " + sname(s) + ((a.flags & kReduceStaged) ? " staged" : ""));
   if (g_views) {
     // the kernel's view of rank 0: what the launch would run
     ExecView v;
@@ -308,6 +309,14 @@ int main(int argc, char** argv) {
       runner.launch(arena, 1, Op::kReduce, nullptr, 4, 1, s1, 0);
       log("-- build slot 2 without a template");
       runner.build_slot(arena, 2, 0, p, nullptr, nullptr, s1);
+    } else if (sc.rfind("staged_", 0) == 0) {  // staged_<cc major>: a reduce launch with kReduceStaged
+      g_cc_major = std::atoi(sc.c_str() + 7);
+      ExecArgs r = one_rank(0, 1);
+      r.op = Op::kReduce;
+      gpu::DevicePlan red({r});
+      gpu::Runner runner(0);
+      g_log.clear();
+      runner.launch(red, 1, 2, nullptr, kReduceStaged);
     } else if (sc.rfind("streams", 0) == 0) {  // streams <op><handle> ...: one launch each
       gpu::DevicePlan mc({one_rank(0, 1)});
       ExecArgs r = one_rank(0, 1);

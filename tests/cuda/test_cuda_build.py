@@ -18,6 +18,7 @@ import torch
 import cuda_build as cb
 
 ROOT = cb.ROOT
+MOVER_TMA = os.path.join(ROOT, "csrc", "cuda", "mover_tma.cuh")
 needs_nvcc = pytest.mark.skipif(cb.find_nvcc() is None, reason="nvcc not found (CUDA compile checks need it)")
 
 
@@ -56,9 +57,10 @@ def test_every_source_compiles_without_spills_or_local_memory(compiled):
             assert got, f"{name}: no kernel compiled for sm_{arch}"
         for (arch, f), props in funcs.items():
             assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in props, (name, arch, f, props)
-    # one persistent kernel per grad dtype
+    # one persistent kernel per grad dtype and reduce path (register hunks, TMA-staged)
     kp = {f for (_, f) in cb.ptxas_functions(compiled["k_persistent"].log)}
-    assert len([f for f in kp if "k_persistent" in f]) == 3, kp
+    assert len([f for f in kp if "k_persistent" in f]) == 6, kp
+    assert len([f for f in kp if _staged(f)]) == 3, kp
 
 
 @needs_nvcc
@@ -67,7 +69,7 @@ def test_sass_bulk_copies_and_system_flags(compiled, arch):
     if arch not in cb.real_archs():
         pytest.skip(f"sm_{arch} not built")
     kernels = cb.kernel_sass(_sass_or_skip(compiled, "k_persistent", arch))
-    assert len(kernels) == 3
+    assert len(kernels) == 6  # 3 grad dtypes x 2 reduce paths
     for fn, text in kernels.items():
         ops = _ops(text)
         assert "UBLKCP.S.G" in ops, fn  # cp.async.bulk global -> shared (read once)
@@ -91,6 +93,84 @@ def test_sass_bulk_copies_and_system_flags(compiled, arch):
             assert not any("MEMBAR" in i for i in body), (fn, body)
 
 
+def _staged(fn: str) -> bool:
+    """k_persistent<D, true>: the TMA-staged reduce's kernels (reduce_path="tma"), by the Itanium
+    mangling of the bool template argument (Lb1E; the register-hunk kernels carry Lb0E)."""
+    assert "k_persistent" in fn and ("ELb0E" in fn) != ("ELb1E" in fn), fn
+    return "ELb1E" in fn
+
+
+def _pairs(kernels: dict[str, str]) -> list[tuple[str, str, str]]:
+    """(grad dtype, hunk kernel's SASS, staged kernel's SASS) per grad dtype."""
+    out = []
+    for dt in ("7GradF32", "7GradF16", "8GradBF16"):
+        hunk = [t for f, t in kernels.items() if dt + "ELb0E" in f]
+        staged = [t for f, t in kernels.items() if dt + "ELb1E" in f]
+        assert len(hunk) == len(staged) == 1, (dt, list(kernels))
+        out.append((dt, hunk[0], staged[0]))
+    return out
+
+
+def _instrs(text: str) -> list[tuple[str, list[int]]]:
+    """(mnemonic, register numbers in operand order: the destination first) of each instruction."""
+    out = []
+    for m in re.finditer(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)\s*(.*?);", text, re.M):
+        out.append((m.group(1), [int(r) for r in re.findall(r"\bR(\d+)\b", m.group(2))]))
+    return out
+
+
+def _lds_fed_fadds(text: str, window: int = 48) -> int:
+    """LDS.128s whose value an FADD adds within `window` instructions: straight (fp32) or through
+    one conversion (bf16: a shift / PRMT; fp16: HADD2.F32) -- the staged reduce adding from shared
+    memory.  Register dataflow in program order; a register overwritten by anything else is dropped."""
+    ins, n = _instrs(text), 0
+    for i, (op, regs) in enumerate(ins):
+        if not op.startswith("LDS.128") or not regs:
+            continue
+        loaded = {regs[0] + k for k in range(4)}
+        for op2, r2 in ins[i + 1 : i + 1 + window]:
+            if not r2:
+                continue
+            if op2.startswith("FADD") and loaded & set(r2[1:]):
+                n += 1
+                break
+            if op2.startswith(("PRMT", "IMAD.U32", "IMAD.SHL", "SHF", "LOP3", "HADD2.F32")) and loaded & set(r2[1:]):
+                loaded.add(r2[0])
+            else:
+                loaded.discard(r2[0])
+    return n
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch", [90, 100])
+def test_sass_staged_reduce_adds_from_shared_memory(compiled, arch):
+    # reduce_path="tma" (issue 34, mover_tma.cuh reduce_staged): beside the copy path's bulk copies,
+    # which both kernels of a dtype hold, the staged kernel issues the reduce's own bulk loads
+    # (more UBLKCP.S.G, with their mbarrier expect_tx: SYNCS.ARRIVE.TRANS64), every thread waits on
+    # a stage (more SYNCS.PHASECHK), the refill fences the generic reads before the async writes
+    # (one more FENCE.VIEW.ASYNC.S), and its FADDs add values that LDS.128 read from shared memory
+    # (the register-hunk kernel has none: its adds read LDG results); no local memory in either
+    if arch not in cb.real_archs():
+        pytest.skip(f"sm_{arch} not built")
+    packs = int(re.search(r"constexpr int kStagedPacks = (\d+);", open(MOVER_TMA).read()).group(1))
+    for dt, hunk, staged in _pairs(cb.kernel_sass(_sass_or_skip(compiled, "k_persistent", arch))):
+        h, s = _ops_list(hunk), _ops_list(staged)
+        count = lambda ops, name: sum(o == name for o in ops)  # noqa: E731
+        assert count(s, "UBLKCP.S.G") > count(h, "UBLKCP.S.G") > 0, dt
+        assert count(s, "SYNCS.ARRIVE.TRANS64") > count(h, "SYNCS.ARRIVE.TRANS64"), dt
+        assert count(s, "SYNCS.PHASECHK.TRANS64.TRYWAIT") > count(h, "SYNCS.PHASECHK.TRANS64.TRYWAIT"), dt
+        assert count(s, "FENCE.VIEW.ASYNC.S") > count(h, "FENCE.VIEW.ASYNC.S"), dt
+        assert _lds_fed_fadds(staged) >= packs, (dt, arch)  # one per pack a thread folds
+        assert _lds_fed_fadds(hunk) == 0, (dt, arch)
+        for ops in (h, s):
+            assert not [o for o in ops if o.startswith(("LDL", "STL"))], (dt, arch)
+
+
+def _ops_list(sass_text: str) -> list[str]:
+    """Instruction mnemonics of a SASS listing, in program order."""
+    return re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass_text, re.M)
+
+
 def _limits() -> dict[str, int]:
     """The integer constants of csrc/cuda/mover_limits.h (what the kernel and the launcher use)."""
     text = open(os.path.join(ROOT, "csrc", "cuda", "mover_limits.h")).read()
@@ -111,6 +191,15 @@ def test_tma_ring_depth_and_shared_memory(compiled, arch):
     assert (stages - lag) * tile >= 128 * 1024, lim
     static = {int(m) for m in re.findall(r"(\d+) bytes smem", compiled["k_persistent"].log)}
     assert static and max(static) <= 4096, static
+    # the staged reduce (reduce_path="tma") adds none: its operands go through this ring, its
+    # barriers are the ring's, and every persistent kernel of an architecture declares as much
+    # static shared memory as the others
+    per_arch = re.findall(
+        r"Compiling entry function '\S*k_persistent\S*' for 'sm_(\d+)'.*?(\d+) bytes smem",
+        compiled["k_persistent"].log,
+        re.S,
+    )
+    assert len({b for a, b in per_arch if int(a) == arch}) == 1, per_arch
     ring = lambda n: n * (tile + 8)  # noqa: E731  stages, then one mbarrier each
     assert ring(stages) + max(static) <= lim["kSmemPerCtaMax"] == 232448
     assert 2 * (ring(shared) + max(static) + 1024) <= 228 * 1024  # 1 KB reserved per CTA

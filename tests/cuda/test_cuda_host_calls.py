@@ -96,6 +96,18 @@ def test_one_rank_launch_is_plain(probe):
     assert calls(probe, "launch_1_4")[0] == "launch grid 4 smem 65568 plain s0"
 
 
+def test_staged_reduce_launches_on_sm90_and_is_refused_before(probe):
+    # reduce_path="tma" (kReduceStaged): the flag reaches the launcher, which picks the staged
+    # kernels (k_persistent.cu); before sm_90 there are no bulk copies: refused before any launch
+    assert calls(probe, "staged_9")[0] == "launch grid 2 smem 65568 plain s0 staged"
+    log = calls(probe, "staged_8")
+    assert not [line for line in log if line.startswith("launch ")], log
+    assert log[-1] == (
+        "threw ultracomm._cuda.Runner.launch: reduce_path='tma' (the TMA-staged reduce) needs bulk copies, "
+        "sm_90 or newer; device 0 is sm_80: use reduce_path='hunk'"
+    ), log
+
+
 def test_loopback_launch_beyond_coresidency_is_refused_before_launch(probe):
     log = calls(probe, "launch_4_100")
     assert not [line for line in log if line.startswith("launch ")], log

@@ -205,7 +205,7 @@ class Bindings:
         return types.SimpleNamespace(device=device, num_slots=num_slots, bounds=bounds)
 
     def Runner(self, device):  # noqa: N802 - the binding's name
-        def launch_slot(arena, slot, op, ranks, *a):
+        def launch_slot(arena, slot, op, ranks, *a, **kw):
             if ranks is None:
                 pytest.fail("launched without a plan")
             self._cuda.DevicePlan(ranks, device)  # converts and validates every entry, then needs the device
@@ -299,7 +299,8 @@ def test_cuda_loopback_and_bench_arguments_convert_in_the_real_binding(real_cuda
             getattr(real_cuda, fn)(*args)
         assert_reached_cuda(ei)
     names = re.findall(r"(\w+):", real_cuda.Runner.launch.__doc__.split("->")[0])
-    assert names == ["self", "plan", "epoch", "ctas_per_rank", "stream", "force_vector"]  # the callers' order
+    # the callers' order (reduce_path: a keyword, after every positional the callers pass)
+    assert names == ["self", "plan", "epoch", "ctas_per_rank", "stream", "force_vector", "reduce_path"]
 
 
 def _cpu_loopback_init(self, world, wlayout, windows, *, timeout_s=10.0):

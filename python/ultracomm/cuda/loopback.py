@@ -129,12 +129,17 @@ class CudaLoopback:
         stream: int | None = None,
         force_vector: bool = False,
         op_name: str | None = None,
+        reduce_path: str = "hunk",
     ) -> None:
         """Enqueue ``plan`` at ``epoch`` on ``stream`` (default: the device's current stream).
-        ``force_vector`` moves every byte through the vector path also on sm_90+ (benchmarks)."""
+        ``force_vector`` moves every byte through the vector path also on sm_90+ (benchmarks);
+        ``reduce_path``: ``"hunk"`` (register hunks) or ``"tma"`` (TMA-staged, sm_90+; see
+        :mod:`ultracomm.transports.tma`)."""
         if stream is None:
             stream = torch.cuda.current_stream(self.device).cuda_stream
-        self.runner.launch(plan, int(epoch), int(ctas_per_rank), int(stream), bool(force_vector))
+        self.runner.launch(
+            plan, int(epoch), int(ctas_per_rank), int(stream), bool(force_vector), reduce_path=str(reduce_path)
+        )
         if len(self._names) > 256:
             self._names.clear()
         self._names[int(epoch)] = op_name
@@ -147,10 +152,24 @@ class CudaLoopback:
             raise_record(rec, self._names.get(record_epoch(rec)), self.timeout_s)
 
     def run(
-        self, plan, epoch: int, *, ctas_per_rank: int = 4, force_vector: bool = False, op_name: str | None = None
+        self,
+        plan,
+        epoch: int,
+        *,
+        ctas_per_rank: int = 4,
+        force_vector: bool = False,
+        op_name: str | None = None,
+        reduce_path: str = "hunk",
     ) -> None:
         """Launch on the current stream, wait for it, raise a recorded failure."""
-        self.launch(plan, epoch, ctas_per_rank=ctas_per_rank, force_vector=force_vector, op_name=op_name)
+        self.launch(
+            plan,
+            epoch,
+            ctas_per_rank=ctas_per_rank,
+            force_vector=force_vector,
+            op_name=op_name,
+            reduce_path=reduce_path,
+        )
         torch.cuda.current_stream(self.device).synchronize()
         self.check_error()
 

@@ -18,6 +18,7 @@ ULTRACOMM_CHUNK_BYTES       chunk_bytes       size (bytes)          1048576 (1M)
 ULTRACOMM_RELAY             relay_mode        choice                auto                auto (relay when the cost model says so) | off (direct) | force
 ULTRACOMM_RELAY_MAX_DEPTH   max_depth         int 1..65535          8                   deepest relay tree the schedule builder may use (a cap: depth is chosen by predicted time; relay=force uses at least 2)
 ULTRACOMM_SPLIT_ROUTE       split_route       choice                auto                transport split on the CPU: auto (per operation, by the alpha-beta model: ultracomm.alpha_beta.split_route) | split (shared memory inside a domain, messages across) | messages (every edge a message, the direct schedule)
+ULTRACOMM_REDUCE_PATH       reduce_path       choice                hunk                how the tma transport's kernel adds gradients, bit-identical either way (ultracomm.transports.tma, "Reduce paths"): hunk (register hunks) | tma (TMA-staged through shared memory; sm_90+, the transport raises on older GPUs)
 ULTRACOMM_SCHEDULE_BUILDER  schedule_builder  choice                host                host (csrc/schedule/schedule_builder.cpp) | portable (include/ultracomm/impl/sched_build.h, the device control plane's builder: shared-memory transports only, message transports keep host; relay=off gives direct trees, relay=force is not honoured)
 ULTRACOMM_PLAN_CHECK        plan_check        choice                auto                how ranks make sure they run the same plan: auto | agree | window (see "Plan checks")
 ULTRACOMM_DETERMINISTIC     deterministic     bool                  true                fixed-order fp32 gradient reduction (bit-identical runs)
@@ -147,6 +148,7 @@ TRANSPORTS = ("auto", "host", "tma", "copy_engine", "p2p", "split")
 WINDOWS = ("auto", "host_shm", "local", "cuda_ipc", "torch_symm", "nvshmem", "cuda_local", "private")
 RELAY_MODES = ("auto", "off", "force")
 SPLIT_ROUTES = ("auto", "split", "messages")
+REDUCE_PATHS = ("hunk", "tma")
 PLAN_CHECKS = ("auto", "agree", "window")
 SCHEDULE_BUILDERS = ("host", "portable")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -290,6 +292,9 @@ VARIABLES: tuple[_Var, ...] = (
         "CPU split transport route: " + " | ".join(SPLIT_ROUTES),
     ),
     _Var(
+        "reduce_path", "ULTRACOMM_REDUCE_PATH", "str", _choice(REDUCE_PATHS), _in(REDUCE_PATHS), "tma adds: hunk | tma"
+    ),
+    _Var(
         "schedule_builder",
         "ULTRACOMM_SCHEDULE_BUILDER",
         "str",
@@ -426,6 +431,7 @@ class Config:
     relay_mode: str = "auto"
     max_depth: int = 8
     split_route: str = "auto"
+    reduce_path: str = "hunk"
     schedule_builder: str = "host"
     plan_check: str = "auto"
     deterministic: bool = True

@@ -55,13 +55,15 @@ class FakeRunner:
 
     def __init__(self, device, cuda):
         self.device, self.launches, self.errors, self.cuda = device, [], [], cuda
+        self.reduce_paths = []  # each launch's reduce_path
 
-    def launch_slot(self, arena, slot, op, ranks, epoch, ctas, stream, force_vector):
+    def launch_slot(self, arena, slot, op, ranks, epoch, ctas, stream, force_vector, reduce_path="hunk"):
         plan = None
         if ranks is not None:  # written into the slot
             plan = FakePlan(ranks, arena.device)
             self.cuda.plans.append(plan)
         self.launches.append((plan, epoch, ctas, stream, force_vector, slot, op))
+        self.reduce_paths.append(reduce_path)
 
     def take_error(self):
         return self.errors.pop(0) if self.errors else None
@@ -172,6 +174,48 @@ def test_one_rank_uploads_its_arguments_once_and_launches(fake_cuda):
         (None, 3, 5, 1234, 0),
         (rd, 4, 7, 99, 1),
     ]
+
+
+@pytest.mark.parametrize("loopback", [False, True])
+def test_reduce_path_reaches_every_launch(fake_cuda, loopback):
+    # ULTRACOMM_REDUCE_PATH / the reduce_path option: the kernels a launch runs (hunk: register
+    # hunks, the default; tma: TMA-staged), for host-built plans, one rank or a loopback domain
+    layout, plan, wl, sched = setup()
+    shared = {}
+    world = 4 if loopback else 1
+    wins = [FakeWindow(4, wl["total_bytes"], loopback=loopback, shared=shared) for _ in range(world)]
+    ranks = range(4) if loopback else [2]
+    ts = {r: transport(r, 4, wins[i], layout, wl, reduce_path="tma") for i, r in enumerate(ranks)}
+    assert all(t.reduce_path == "tma" for t in ts.values())
+    lio = plan.local_index_of.tolist()
+    for op, epoch in ((Op.MULTICAST, 1), (Op.REDUCE, 2)):
+        for r, t in ts.items():
+            t.run(op, sched, epoch, masters_of(layout), plan.slot_src[r].tolist(), lio, "op", stream=5)
+    assert fake_cuda.runners[0].reduce_paths == ["tma", "tma"]
+    assert transport(1, 4, FakeWindow(4, wl["total_bytes"]), layout, wl).reduce_path == "hunk"
+
+
+def test_reduce_path_is_checked_and_needs_the_tma_mover(fake_cuda, monkeypatch):
+    layout, plan, wl, sched = setup()
+    with pytest.raises(ValueError, match="reduce_path must be one of hunk, tma, got 'staged'"):
+        transport(2, 4, FakeWindow(4, wl["total_bytes"]), layout, wl, reduce_path="staged")
+    monkeypatch.setattr(FakeRunner, "mover", "vector")  # an sm_80 device: no bulk copies
+    with pytest.raises(ValueError, match=r"reduce_path='tma' .* need sm_90 or newer; device 0 runs the vector mover"):
+        transport(2, 4, FakeWindow(4, wl["total_bytes"]), layout, wl, reduce_path="tma")
+    assert transport(2, 4, FakeWindow(4, wl["total_bytes"]), layout, wl).reduce_path == "hunk"
+
+
+def test_reduce_path_is_a_declared_option_fed_from_the_config():
+    from ultracomm.dataplane import transport_kwargs
+    from ultracomm.env import Config
+    from ultracomm.transports.base import OPTIONS
+
+    assert "reduce_path" in OPTIONS and "reduce_path" in tma_mod.TmaTransport.options
+    kw = transport_kwargs(tma_mod.TmaTransport, Config(reduce_path="tma", multicast_sms=3, reduce_sms=4), None)
+    assert kw["reduce_path"] == "tma" and kw["reduce_sms"] == 4
+    kw = transport_kwargs(tma_mod.TmaTransport, Config.from_env({"ULTRACOMM_REDUCE_PATH": "tma"}), None)
+    assert kw["reduce_path"] == "tma"
+    assert transport_kwargs(tma_mod.TmaTransport, Config(), None)["reduce_path"] == "hunk"
 
 
 def test_vid_slots_keep_their_plans_and_the_arena_is_sized_at_setup(fake_cuda):
@@ -334,7 +378,7 @@ def test_loopback_launch_failure_reaches_every_rank(fake_cuda):
     shared = {}
     ts = [transport(r, 4, FakeWindow(4, wl["total_bytes"], loopback=True, shared=shared), layout, wl) for r in range(4)]
 
-    def refuse(*a):
+    def refuse(*a, **kw):
         raise ValueError("a loopback launch of 4 ranks x 5 CTAs cannot be co-resident")
 
     fake_cuda.runners[-1].launch_slot = refuse

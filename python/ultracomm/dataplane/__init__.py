@@ -130,6 +130,7 @@ def transport_kwargs(transport_cls: type, config: Config, cuda_dev: torch.device
         jitter_us=config.jitter_us,
         split_route=config.split_route,
         tile_bytes=config.tile_bytes,
+        reduce_path=config.reduce_path,
     )
     if "multicast_sms" in options or "reduce_sms" in options:
         dev_sms = name = None

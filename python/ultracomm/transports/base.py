@@ -51,6 +51,7 @@ OPTIONS = frozenset(
         "experts_per_rank",
         "plan_slots",
         "tile_bytes",
+        "reduce_path",
     }
 )
 

@@ -5,7 +5,7 @@ caller's CUDA stream.
 Interface (stable; ``Context`` and the GPU tests use exactly this):
 
 ``TmaTransport(*, rank, world, window, wlayout, layout, num_workers, timeout_s, jitter_us=0,
-multicast_sms=None, reduce_sms=None, experts_per_rank=None, plan_slots=0)``
+multicast_sms=None, reduce_sms=None, experts_per_rank=None, plan_slots=0, reduce_path="hunk")``
     ``window``: a GPU window (``cuda_ipc``, ``torch_symm``, ``cuda_local`` or ``nvshmem``) whose
     ``peer_bases`` are device addresses of every rank's window as this device addresses them
     and whose ``local`` is a CUDA tensor (its device is the one the kernel runs on).
@@ -16,6 +16,8 @@ multicast_sms=None, reduce_sms=None, experts_per_rank=None, plan_slots=0)``
     ``plan_slots``: vid slots of the plan arena (``Context``: num_layers x max_microbatches);
     with ``experts_per_rank`` the arena is allocated here (:attr:`plan_arena_bytes`), else at the
     first ``run`` (its local experts are then the first plan's).
+    ``reduce_path`` (``ULTRACOMM_REDUCE_PATH``): how the kernel adds gradients, ``"hunk"`` or
+    ``"tma"`` (see "Reduce paths"); ``"tma"`` on a GPU older than sm_90 raises ``ValueError``.
     Raises :class:`~ultracomm.cuda.support.NotAvailableError` naming what is missing (a CPU
     torch, no device, no ``_cuda`` in the build, no driver, a pre-sm_80 GPU).
 
@@ -30,6 +32,18 @@ multicast_sms=None, reduce_sms=None, experts_per_rank=None, plan_slots=0)``
     kernel publishes the schedule digest beside ``ready[op]`` (a peer on another plan raises
     ``PlanError`` on every rank touching it).  Graph replays run fresh epochs on their own (the
     kernel runs max(epoch, last + 1)) and the plan their slot holds when they run.
+
+Reduce paths (``reduce_path``): both add, per element, the destination then every source in the
+schedule's order in fp32, each add rounded once, fp16/bf16 converted in hardware and NaN sums
+redone by the host's rule: bit-identical to the host executor and to each other.  ``"hunk"`` (the
+default): each thread loads several 16-byte packs of the destination and of a pair of sources into
+registers before the first add (NCCL's reduceCopyPacks; csrc/cuda/mover_common.cuh vec_reduce).
+``"tma"``: bulk copies (``cp.async.bulk``) bring each operand's 8 KiB sub-tile into shared memory
+through the kernel's ring of stages, up to six stages of four operands ahead of the adds, which
+read shared memory (csrc/cuda/mover_tma.cuh reduce_staged); segments whose operands are not
+16-byte congruent take the hunk path.  Separate kernels (the default ones are unchanged), sm_90+
+only, no more shared memory.  Which is faster is ``perf/bench_gpu.py``'s to say (reduce rows
+``tile mover tma-staged`` beside ``tile mover``).
 
 Loopback windows (``cuda_local``: every rank a thread of one process, windows on one GPU):
     each rank's n-th ``run`` joins the n-th launch (:mod:`ultracomm.cuda.loopback_launch`: same
@@ -68,6 +82,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ...cuda.support import cuda_runtime, raise_record, record_epoch
+from ...env import REDUCE_PATHS
 from ...cuda.loopback_launch import Deposit, launches_for
 from ...records import REF_DTYPE, TASK_DTYPE, Op
 from ..device_schedule import DeviceSchedule
@@ -88,7 +103,9 @@ class TmaTransport(Transport):
     name = "tma"
     window_providers = ("cuda_ipc", "torch_symm", "cuda_local", "nvshmem")
     stream_ordered = True
-    options = frozenset({"num_workers", "jitter_us", "multicast_sms", "reduce_sms", "experts_per_rank", "plan_slots"})
+    options = frozenset(
+        {"num_workers", "jitter_us", "multicast_sms", "reduce_sms", "experts_per_rank", "plan_slots", "reduce_path"}
+    )
     takes_slot = True
     window_flags = True
     #: takes resident plans (DeviceSchedule): builds their lists on the GPU
@@ -110,7 +127,10 @@ class TmaTransport(Transport):
         link_bytes_per_s: float = 450e9,
         experts_per_rank: int | None = None,
         plan_slots: int = 0,
+        reduce_path: str = "hunk",
     ):
+        if reduce_path not in REDUCE_PATHS:
+            raise ValueError(f"ultracomm: reduce_path must be one of {', '.join(REDUCE_PATHS)}, got {reduce_path!r}")
         local = window.local
         if getattr(local, "device", None) is None or local.device.type != "cuda":
             raise ValueError(
@@ -149,6 +169,14 @@ class TmaTransport(Transport):
             else None
         )
         self.runner = self._loopback.runner if self._loopback is not None else self._cuda.Runner(self.device)
+        if reduce_path == "tma" and self.runner.mover != "tma":
+            raise ValueError(
+                f"ultracomm: reduce_path='tma' (ULTRACOMM_REDUCE_PATH) stages gradients through shared memory with "
+                f"bulk copies, which need sm_90 or newer; device {self.device} runs the {self.runner.mover} mover "
+                "(sm_80): use reduce_path='hunk'"
+            )
+        #: how the kernel adds gradients: "hunk" (registers) or "tma" (TMA-staged), module doc
+        self.reduce_path = reduce_path
         sms = self.runner.sm_count
         # the Context passes both (env / profile); alone: the measured per-CTA fallback
         self.multicast_sms = (
@@ -161,13 +189,14 @@ class TmaTransport(Transport):
             if v < 1:
                 raise ValueError(f"ultracomm: {what} must be >= 1, got {v}")
         log.debug(
-            "ultracomm tma: rank %d device %d (%s mover, %d SMs): multicast_sms=%d reduce_sms=%d",
+            "ultracomm tma: rank %d device %d (%s mover, %d SMs): multicast_sms=%d reduce_sms=%d reduce_path=%s",
             rank,
             self.device,
             self.runner.mover,
             sms,
             self.multicast_sms,
             self.reduce_sms,
+            reduce_path,
         )
         self._grad_code = GRAD_DTYPE_CODE[layout.grad_dtype]
         self._bases = [int(b) for b in window.peer_bases]
@@ -316,13 +345,21 @@ class TmaTransport(Transport):
             lb = self.loopback_arena(masters, local_index_of)
             return launches_for(self.window).deposit(
                 Deposit(self.rank, int(op), int(epoch), int(stream), (key, make, ctas, op_name, slot)),
-                lambda deps: lb.launch(deps, self.rank),
+                lambda deps: lb.launch(deps, self.rank, self.reduce_path),
             )
         if self._arena is None:
             self._arena = self._make_arena(self._shape_of(masters, local_index_of))
         where, upload = self._slots.place(int(op), key, slot)
         self.runner.launch_slot(
-            self._arena, where, int(op), [make()] if upload else None, int(epoch), ctas, int(stream), False
+            self._arena,
+            where,
+            int(op),
+            [make()] if upload else None,
+            int(epoch),
+            ctas,
+            int(stream),
+            False,
+            reduce_path=self.reduce_path,
         )
         self._slots.written(where, int(op), key)
         if len(self._names) > 1024:
@@ -353,11 +390,13 @@ class TmaTransport(Transport):
                     int(stream),
                     (("resident", share.token), None, ctas, op_name, slot, share),
                 ),
-                lambda deps: lb.launch(deps, self.rank),
+                lambda deps: lb.launch(deps, self.rank, self.reduce_path),
             )
         if self._arena is None:
             self._arena = self._make_arena(self._shape_of(masters, local_index_of))
-        self._resident.launch(self.runner, self._arena, slot, int(op), [share], int(epoch), ctas, int(stream))
+        self._resident.launch(
+            self.runner, self._arena, slot, int(op), [share], int(epoch), ctas, int(stream), self.reduce_path
+        )
         if len(self._names) > 1024:
             self._names.clear()
         self._names[int(epoch)] = op_name

@@ -47,9 +47,10 @@ class LoopbackRunner:
             if self.arena is None:
                 self.arena = self.cuda.PlanArena(self.device, self._slots.num_slots, **arena_bounds(**shape))
 
-    def launch(self, deposits: Sequence[Deposit], launcher: int) -> None:
+    def launch(self, deposits: Sequence[Deposit], launcher: int, reduce_path: str = "hunk") -> None:
         """Launch every rank's share (``item = (plan key, args builder, ctas, op name[, vid slot])``,
-        in rank order) once; ``launcher`` is the rank whose call completed the set."""
+        in rank order) once; ``launcher`` is the rank whose call completed the set, and its
+        transport's ``reduce_path`` the launch's (one configuration for the domain's ranks)."""
         op, stream = int(deposits[0].op), deposits[0].stream
         epoch = max(d.epoch for d in deposits)  # the kernel runs max(epoch, last + 1) anyway
         name = deposits[0].item[3]
@@ -70,12 +71,16 @@ class LoopbackRunner:
                             "ultracomm: loopback ranks ran one operation with resident and host-built "
                             "plans; every rank must pass the same kind of plan"
                         )
-                    self._resident.launch(self.runner, self.arena, vids.pop(), op, shares, epoch, ctas, stream)
+                    self._resident.launch(
+                        self.runner, self.arena, vids.pop(), op, shares, epoch, ctas, stream, reduce_path
+                    )
                 else:
                     key = (op, tuple(d.item[0] for d in deposits))
                     slot, upload = self._slots.place(op, key, vids.pop())
                     ranks = [d.item[1]() for d in deposits] if upload else None
-                    self.runner.launch_slot(self.arena, slot, op, ranks, epoch, ctas, stream, False)
+                    self.runner.launch_slot(
+                        self.arena, slot, op, ranks, epoch, ctas, stream, False, reduce_path=reduce_path
+                    )
                     self._slots.written(slot, op, key)
             except Exception as e:
                 # the other ranks' parts never run: their check_error says why

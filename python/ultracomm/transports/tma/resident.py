@@ -58,10 +58,11 @@ class ResidentSlots:
         epoch: int,
         ctas: int,
         stream: int,
+        reduce_path: str = "hunk",
     ) -> None:
         """Enqueue ``op`` of the resident plan ``shares`` (one per rank entry, in rank order) from
         vid slot ``slot``: on the plan's first operation (its ``weight_sync``) the templates that
-        changed and the build first."""
+        changed and the build first.  ``reduce_path``: the launch's (``Runner.launch_slot``)."""
         if slot is None:
             raise ValueError(
                 "ultracomm: a resident plan runs from its vid's plan slot; pass it through "
@@ -90,7 +91,7 @@ class ResidentSlots:
                 f"ultracomm: plan slot {slot}: the masters (or window) changed since this resident "
                 "plan's weight_sync built its lists; call weight_sync again after register_masters"
             )
-        runner.launch_slot(arena, slot, op, None, epoch, ctas, stream, False)
+        runner.launch_slot(arena, slot, op, None, epoch, ctas, stream, False, reduce_path=reduce_path)
 
     def take_failure(self, arena: Any, rank: int) -> UltracommError | None:
         """The error of a device build that failed since the last call, or None.  Each rank

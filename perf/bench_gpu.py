@@ -13,7 +13,11 @@ Sections (each prints a table like nccl-tests and goes into the JSON):
   fanout    1 -> N (N = 2, 4, 8): one multicast (world N+1, direct) vs N cudaMemcpyAsync copies
   sweep     tile mover copy of 256 MiB with 1..32 CTAs: fraction of cudaMemcpyAsync's rate
   reduce    home grad += k replica grads (k = 2, 4, 8; fp32, bf16, fp16; fp32 accumulation in
-            schedule order) vs ``torch.sum`` of the pre-stacked ``[k + 1, n]`` sources
+            schedule order) vs ``torch.sum`` of the pre-stacked ``[k + 1, n]`` sources; the tile
+            mover twice per case: ``tile mover`` (reduce_path="hunk", register hunks) and ``tile
+            mover tma-staged`` (reduce_path="tma": operands staged in shared memory by bulk copies,
+            sm_90+), same bytes, same #wrong check, the staged row's note giving its rate as a share
+            of the hunk row's; ``reduce_sweep`` runs both paths too
   flag      release -> acquire round trip between two CTAs (``_cuda`` ping-pong microkernel)
   relay     chains of D = 1..4 hops (world D+1, relay forced, verified to be a chain):
             fill: S = one chunk (32 KiB .. 4 MiB), per-hop cost = slope of time over D;
@@ -131,6 +135,9 @@ LB_PER_GRAPH, LB_REPLAYS = 2, 5  # graph-replayed lb_prefetch rows: a few large 
 # the lb_prefetch rows' impls: DeepEP's way (a direct push, one copy per slot and tensor), ultracomm's
 # multicast of one 3-member layout, and the deepep_lb adapter's own calls
 LB_COPIES, LB_MULTICAST, LB_ADAPTER = "copy_ per (slot, tensor)", "tile mover, 3-member layout", "deepep_lb.LBBuffer"
+# the reduce rows' impl per reduce path of the tile mover (ULTRACOMM_REDUCE_PATH): the register hunks keep
+# the rows' historical name
+REDUCE_IMPLS = {"hunk": "tile mover", "tma": "tile mover tma-staged"}
 GOAL_COPY, GOAL_COPY_SMS, GOAL_REDUCE = 0.90, 16, 0.85
 SENTINEL = 0xA5
 # control plane shapes (label, world, experts per rank): EP8 .. EP288 loopback worlds on one GPU
@@ -1443,10 +1450,31 @@ class Gpu:
                     )
                 )
                 del stacked, out, want
-            if self.tma_reason:
-                self.mover_missing("reduce", case, nbytes)
-                continue
-            self.rows.append(self.mover_reduce(case, k, dt, nbytes, name, 1 if name == "fp32-1cta" else 0))
+            for path in REDUCE_IMPLS:
+                row = self.reduce_row("reduce", case, k, dt, nbytes, name, 1 if name == "fp32-1cta" else 0, path)
+                self.rows.append(row)
+
+    def staged_reason(self) -> Optional[str]:
+        """Why the tile mover's TMA-staged reduce cannot run here (None: it can): sm_90+ only."""
+        cc = tuple(int(x) for x in str(self.info.get("cc", "0.0")).split("."))
+        return None if cc >= (9, 0) else f"reduce_path='tma' needs sm_90+ (bulk copies); this GPU is sm_{cc[0]}{cc[1]}"
+
+    def reduce_row(
+        self, section: str, case: str, k: int, dt, nbytes: int, name: str, ctas: int, path: str = "hunk"
+    ) -> Row:
+        """The tile mover's row of one reduce case through reduce path ``path`` (impl REDUCE_IMPLS[path]),
+        or the row saying why it was not measured; a staged row's note compares it with the hunk row
+        of the same section, case and size measured before it."""
+        why = self.tma_reason or (self.staged_reason() if path == "tma" else None)
+        if why:
+            return Row(section, case, REDUCE_IMPLS[path], nbytes, None, 0, 0, None, f"not measured: {why}")
+        row = self.mover_reduce(case, k, dt, nbytes, name, ctas, path)
+        row.section = section
+        hunk = [r for r in self.rows if (r.section, r.case, r.size, r.impl) == (section, case, nbytes, "tile mover")]
+        if path != "hunk" and hunk and hunk[-1].algbw and row.algbw:
+            row.extra["vs_hunk"] = row.algbw / hunk[-1].algbw
+            row.note += f", {100 * row.extra['vs_hunk']:.1f}% of tile mover's rate"
+        return row
 
     def run_reduce_sweep(self) -> None:
         """Reduce CTA sweep (issue 34): one rank's reduce at 1..32 CTAs, k=2 fp32 and k=8 fp16/bf16
@@ -1460,20 +1488,17 @@ class Gpu:
                 case = f"k={k} {name} {ctas} CTAs"
                 if self.late("reduce_sweep", case):
                     return
-                if self.tma_reason:
-                    self.mover_missing("reduce_sweep", case, size)
-                    continue
-                row = self.mover_reduce(case, k, dtypes[name], size, name, ctas)
-                row.section = "reduce_sweep"
-                used = row.extra.get("ctas") or ctas
-                if row.busbw:
-                    row.extra["per_cta_busbw"] = row.busbw / used
-                    row.note += f", {row.busbw / used / 1e9:.1f} GB/s per CTA"
-                self.rows.append(row)
+                for path in REDUCE_IMPLS:  # each CTA count through both reduce paths, hunk first
+                    row = self.reduce_row("reduce_sweep", case, k, dtypes[name], size, name, ctas, path)
+                    used = row.extra.get("ctas") or ctas
+                    if row.busbw:
+                        row.extra["per_cta_busbw"] = row.busbw / used
+                        row.note += f", {row.busbw / used / 1e9:.1f} GB/s per CTA"
+                    self.rows.append(row)
 
-    def mover_reduce(self, case: str, k: int, dt, nbytes: int, name: str, ctas: int) -> Row:
+    def mover_reduce(self, case: str, k: int, dt, nbytes: int, name: str, ctas: int, path: str = "hunk") -> Row:
         cfg = dict(reduce_sms=ctas) if ctas else {}
-        d = self.domain(k + 1, one_expert(k), nbytes, dt, relay_mode="off", **cfg)
+        d = self.domain(k + 1, one_expert(k), nbytes, dt, relay_mode="off", reduce_path=path, **cfg)
         try:
             d.run("multicast")  # the plan's first operation; the reduce reads the replicas' grads
             want = d.seed_grads()
@@ -1490,14 +1515,14 @@ class Gpu:
         return Row(
             "reduce",
             case,
-            "tile mover",
+            REDUCE_IMPLS[path],
             nbytes,
             t,
             nbytes,
             (k + 2) * nbytes,
             wrong,
             f"{used} CTAs/rank" + (" (co-residency cap)" if capped else "") + (", cpu-bound" if cpu else ""),
-            dict(k=k, dtype=name, ctas=used),
+            dict(k=k, dtype=name, ctas=used, reduce_path=path),
         )
 
     def run_relay(self) -> None:
@@ -1855,8 +1880,10 @@ class Loopback:
         max_depth: int = 8,
         timeout_s: float = 10.0,
         transport: str = "tma",
+        reduce_path: str = "hunk",
     ):
         torch, uc = gpu.torch, gpu.uc
+        self.reduce_path = reduce_path  # the tma kernel's reduce path (REDUCE_IMPLS)
         from ultracomm import _core
         from ultracomm.records import Op
         from ultracomm.schedule import build_schedule
@@ -1979,6 +2006,7 @@ class Loopback:
             self.epoch,
             ctas_per_rank=self.ctas if op == "multicast" else self.reduce_ctas,
             op_name="weight_sync" if op == "multicast" else "grad_reduce",
+            reduce_path=self.reduce_path,
         )
 
     def check(self) -> None:

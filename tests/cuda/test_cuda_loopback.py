@@ -3,8 +3,9 @@ loopback domain in ONE persistent-kernel launch, compared BIT FOR BIT with the h
 (``_core.run_host``, one thread per rank) on identical inputs: every window byte (data,
 padding, flags, digests) and every master.  Direct, relay and deep trees, world 2..8,
 fp32/bf16/fp16, odd member sizes (unaligned segments and tails), 1 and several CTAs per rank,
-TMA and forced-vector paths; a withheld rank times out with the host executor's words; a
-CUDA graph replays with fresh epochs."""
+TMA and forced-vector paths, both reduce paths (reduce_path "hunk": register hunks; "tma": operands
+staged in shared memory by bulk copies, sm_90+, its ring wrapped by long segments); a withheld rank
+times out with the host executor's words; a CUDA graph replays with fresh epochs."""
 
 from __future__ import annotations
 
@@ -35,6 +36,12 @@ def _require_cuda():
         return cuda_runtime(torch.cuda.current_device(), "the CUDA loopback executor")
     except Exception as e:  # noqa: BLE001 - any missing piece is a skip reason on a gpu run
         pytest.skip(str(e))
+
+
+def _require_reduce_path(reduce_path):
+    """Skip a reduce_path="tma" case before sm_90 (no bulk copies: the runner refuses it)."""
+    if reduce_path == "tma" and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("reduce_path='tma' needs sm_90+ (bulk copies)")
 
 
 def _placed(t, misalign, device="cpu"):
@@ -190,10 +197,10 @@ def assert_same_bytes(d: Domain, gpu: GpuCopy):
                 assert torch.equal(h.view(torch.uint8), g.cpu().view(torch.uint8)), f"master {name} {e}/{m} differ"
 
 
-def run_both(d: Domain, op, tasks, refs, slot_parent, epoch=1, ctas=2, force_vector=False):
+def run_both(d: Domain, op, tasks, refs, slot_parent, epoch=1, ctas=2, force_vector=False, reduce_path="hunk"):
     gpu = GpuCopy(d)
     plan = gpu.plan(op, tasks, refs, slot_parent)
-    gpu.lb.launch(plan, epoch, ctas_per_rank=ctas, force_vector=force_vector)
+    gpu.lb.launch(plan, epoch, ctas_per_rank=ctas, force_vector=force_vector, reduce_path=reduce_path)
     gpu.wait()
     gpu.lb.check_error()
     errs = d.run_host(op, tasks, refs, epoch, slot_parent)
@@ -254,9 +261,22 @@ TREES = {
 
 @pytest.mark.parametrize("shape", sorted(TREES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("ctas,force_vector,misalign", [(1, False, 0), (3, False, 0), (2, True, 0), (2, False, 3)])
-def test_trees_bit_exact_with_host_executor(shape, dtype, ctas, force_vector, misalign):
+@pytest.mark.parametrize(
+    "ctas,force_vector,misalign,reduce_path",
+    [
+        (1, False, 0, "hunk"),
+        (3, False, 0, "hunk"),
+        (2, True, 0, "hunk"),
+        (2, False, 3, "hunk"),
+        # the TMA-staged reduce: 1 and several CTAs; misaligned masters fall back to the hunks
+        (1, False, 0, "tma"),
+        (3, False, 0, "tma"),
+        (2, False, 3, "tma"),
+    ],
+)
+def test_trees_bit_exact_with_host_executor(shape, dtype, ctas, force_vector, misalign, reduce_path):
     _require_cuda()
+    _require_reduce_path(reduce_path)
     world, slots, trees = TREES[shape]
     E = world
     # odd members: bulk bodies with byte tails (1000, 333), vector-only (7), several chunks (40000);
@@ -278,7 +298,38 @@ def test_trees_bit_exact_with_host_executor(shape, dtype, ctas, force_vector, mi
     for op, kind in ((Op.MULTICAST, TaskKind.COPY), (Op.REDUCE, TaskKind.REDUCE)):
         slot_bytes = d.wsb if op == Op.MULTICAST else d.gsb
         tasks, refs = tasks_from_trees(world, trees, slot_bytes, d.chunk, kind)
-        run_both(d, op, tasks, refs, parent, epoch=1 + int(op), ctas=ctas, force_vector=force_vector)
+        run_both(
+            d, op, tasks, refs, parent, epoch=1 + int(op), ctas=ctas, force_vector=force_vector, reduce_path=reduce_path
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k,ctas", [(2, 1), (5, 3), (7, 2)])
+@pytest.mark.parametrize("reduce_path", ["hunk", "tma"])
+def test_long_reduce_segments_bit_exact(dtype, k, ctas, reduce_path):
+    """A home reducing k replicas (direct fan-in) over 64 KiB tiles of 256 KiB chunks: the staged
+    reduce's 8 KiB sub-tiles x (k + 1) operands run many fills through its ring, wrapping it (six
+    stages, three where two CTAs share an SM), fills straddling sub-tiles when k + 1 is odd; odd
+    member sizes leave short last sub-tiles and element tails; NaN/inf/subnormal inputs."""
+    _require_cuda()
+    _require_reduce_path(reduce_path)
+    world = k + 1
+    trees = [(0, 0, {(0, MASTER): [(r, 0) for r in range(1, world)]})]
+    d = Domain(
+        world,
+        1,
+        [64],
+        [70001 * 4 // ESIZE[dtype], 16411],
+        chunk=256 * 1024,
+        grad_dtype=dtype,
+        num_experts=1,
+        home_of=[0],
+        my_slots=_slots_of(world, 1, trees),
+        seed=k,
+    )
+    parent = _parents(world, 1, trees)
+    tasks, refs = tasks_from_trees(world, trees, d.gsb, d.chunk, TaskKind.REDUCE)
+    run_both(d, Op.REDUCE, tasks, refs, parent, epoch=1, ctas=ctas, reduce_path=reduce_path)
 
 
 # ------------------------------------------------------------------------------------------
@@ -307,18 +358,22 @@ def _random_plan(world, slots, experts, rng):
 
 
 @pytest.mark.parametrize(
-    "world,relay_mode,dtype",
+    "world,relay_mode,dtype,reduce_path",
     [
-        (2, "off", torch.float32),
-        (3, "auto", torch.bfloat16),
-        (5, "force", torch.float16),
-        (8, "force", torch.bfloat16),
-        (8, "off", torch.float32),
-        (6, "auto", torch.float32),
+        (2, "off", torch.float32, "hunk"),
+        (3, "auto", torch.bfloat16, "hunk"),
+        (5, "force", torch.float16, "hunk"),
+        (8, "force", torch.bfloat16, "hunk"),
+        (8, "off", torch.float32, "hunk"),
+        (6, "auto", torch.float32, "hunk"),
+        (3, "auto", torch.bfloat16, "tma"),
+        (5, "force", torch.float16, "tma"),
+        (8, "off", torch.float32, "tma"),
     ],
 )
-def test_builder_schedules_bit_exact(world, relay_mode, dtype):
+def test_builder_schedules_bit_exact(world, relay_mode, dtype, reduce_path):
     _require_cuda()
+    _require_reduce_path(reduce_path)
     from ultracomm.schedule import build_schedule
 
     rng = np.random.default_rng(world * 7 + len(relay_mode))
@@ -341,7 +396,7 @@ def test_builder_schedules_bit_exact(world, relay_mode, dtype):
         tasks = [sch.tasks(op, r) for r in range(world)]
         refs = [sch.refs(op, r) for r in range(world)]
         parent = [[int(p) for p in row] for row in sch.tree(op)[0]]
-        run_both(d, op, tasks, refs, parent, epoch=1 + int(op), ctas=2)
+        run_both(d, op, tasks, refs, parent, epoch=1 + int(op), ctas=2, reduce_path=reduce_path)
 
 
 # ------------------------------------------------------------------------------------------

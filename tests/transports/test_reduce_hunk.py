@@ -160,38 +160,55 @@ def test_persistent_kernels_keep_two_ctas_per_sm(compiled):
 
 
 def test_bench_reduce_sweep_rows_name_ctas_and_rate_per_cta():
-    """perf/bench_gpu.py reduce_sweep (issue 34): k=2 fp32 and k=8 bf16/fp16 at 1..32 CTAs, each row
-    with its traffic per CTA; its own section, so the reduce goal and the profile's reduce fields keep
+    """perf/bench_gpu.py reduce_sweep (issue 34): k=2 fp32 and k=8 bf16/fp16 at 1..32 CTAs, each CTA
+    count through both reduce paths (impl "tile mover": register hunks; "tile mover tma-staged":
+    reduce_path="tma"), each row with its traffic per CTA, the staged row's note its rate as a share
+    of the hunk row's; its own section, so the reduce goal and the profile's reduce fields keep
     reading the `reduce` rows."""
     import types
 
     from test_bench_gpu import DEVICE, bg, stub_gpu
 
-    def mover_reduce(case, k, dt, nbytes, name, ctas):
+    def mover_reduce(case, k, dt, nbytes, name, ctas, path="hunk"):
         used = min(ctas, 16)  # as if co-residency capped 23 and 32 at 16
         return bg.Row(
             "reduce",
             case,
-            "tile mover",
+            bg.REDUCE_IMPLS[path],
             nbytes,
-            1e-3,
+            1e-3 if path == "hunk" else 0.8e-3,
             nbytes,
             (k + 2) * nbytes,
             0,
             f"{used} CTAs/rank",
-            dict(k=k, dtype=name, ctas=used),
+            dict(k=k, dtype=name, ctas=used, reduce_path=path),
         )
 
-    g = stub_gpu(
-        tma_reason=None, quick=False, torch=types.SimpleNamespace(float32="f32", bfloat16="bf16", float16="f16")
-    )
+    dtypes = types.SimpleNamespace(float32="f32", bfloat16="bf16", float16="f16")
+    g = stub_gpu(tma_reason=None, quick=False, torch=dtypes, info=dict(cc="9.0"))
     g.mover_reduce = mover_reduce
     assert "reduce_sweep" in bg.SECTIONS and bg.SECTIONS.index("reduce_sweep") == bg.SECTIONS.index("reduce") + 1
     g.run_reduce_sweep()
-    assert [r.case for r in g.rows[:8]] == [f"k=2 fp32 {c} CTAs" for c in (1, 2, 4, 8, 12, 16, 23, 32)]
-    assert [r.case for r in g.rows[8::8]] == ["k=8 bf16 1 CTAs", "k=8 fp16 1 CTAs"] and len(g.rows) == 24
-    assert all(r.section == "reduce_sweep" and r.size == 64 * bg.MiB for r in g.rows)
-    r = g.rows[7]  # 32 asked, 16 ran: the rate is per CTA that ran
-    assert r.extra["per_cta_busbw"] == r.busbw / 16 and r.note.endswith(f", {r.busbw / 16 / 1e9:.1f} GB/s per CTA")
+    assert bg.REDUCE_IMPLS == {"hunk": "tile mover", "tma": "tile mover tma-staged"}
+    hunk = [r for r in g.rows if r.impl == "tile mover"]
+    staged = [r for r in g.rows if r.impl == "tile mover tma-staged"]
+    assert len(g.rows) == 48 and [r.impl for r in g.rows[:2]] == ["tile mover", "tile mover tma-staged"]
+    for rows in (hunk, staged):
+        assert [r.case for r in rows[:8]] == [f"k=2 fp32 {c} CTAs" for c in (1, 2, 4, 8, 12, 16, 23, 32)]
+        assert [r.case for r in rows[8::8]] == ["k=8 bf16 1 CTAs", "k=8 fp16 1 CTAs"] and len(rows) == 24
+        assert all(r.section == "reduce_sweep" and r.size == 64 * bg.MiB for r in rows)
+        r = rows[7]  # 32 asked, 16 ran: the rate is per CTA that ran
+        assert r.extra["per_cta_busbw"] == r.busbw / 16 and r.note.endswith(f", {r.busbw / 16 / 1e9:.1f} GB/s per CTA")
+        assert r.algbw_per_cta == r.algbw / 16  # the table's GB/s/CTA column
+    assert all(r.note.startswith("16 CTAs/rank, 125.0% of tile mover's rate") for r in staged[5:8])
+    assert staged[0].extra["vs_hunk"] == pytest.approx(1.25) and "vs_hunk" not in hunk[0].extra
     assert bg.goal_lines(g.rows)[1] == "goal reduce: not measured (reduce rows missing)"
     assert bg.build_profile(g.rows, DEVICE, "d")["per_sm_reduce_bw"] is None
+    # before sm_90 the staged rows say why they were not measured; the hunk rows are measured
+    old = stub_gpu(tma_reason=None, quick=True, torch=dtypes, info=dict(cc="8.0"))
+    old.mover_reduce = mover_reduce
+    old.run_reduce_sweep()
+    assert {r.note for r in old.rows if r.impl == "tile mover tma-staged"} == {
+        "not measured: reduce_path='tma' needs sm_90+ (bulk copies); this GPU is sm_80"
+    }
+    assert all(r.time_s for r in old.rows if r.impl == "tile mover") and len(old.rows) == 36

@@ -29,6 +29,10 @@
 # (every step's own output: build logs, bench stderr, CPU benches; `tar xzf logs.tar.gz`).
 # Commit the profile and the tables of a real device under perf/gpu/ (date and device in the name):
 # `cp $OUT/*_profile.json perf/gpu/`.
+# A shorter rerun (a warm machine keeps the build; e.g. after a fix): GPU_CHECK_STEPS, a comma list of
+# tests, stall, bench, nvlink, probes, cpu (default all; the build always runs), GPU_CHECK_PYTEST (more
+# pytest arguments for the tests step, e.g. '-k "tma or split"'), GPU_CHECK_BENCH (more bench_gpu.py
+# arguments, e.g. '--only control,reduce').  A step left out counts as passed.
 # Exit status: 0 when the build, the gpu tests (both steps) and the bench (#wrong = 0) all passed;
 # 2 when torch sees no CUDA device (after checking the pip build for sm_90: nothing else runs).
 set -uo pipefail
@@ -40,6 +44,9 @@ PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1
 DEADLINE=$((SECONDS + 470))  # the whole check stays under 8 minutes (each step: + 10 s to die)
 exec 3>&1  # progress lines go to the terminal even when a step's output goes to a log
+
+# want STEP: whether GPU_CHECK_STEPS asks for it
+want() { case ",${GPU_CHECK_STEPS:-all}," in *,all,* | *",$1,"*) return 0 ;; esac; return 1; }
 
 # step NAME CAP CMD...: run CMD with timeout min(CAP, time left before the deadline); its status
 step() {
@@ -112,33 +119,47 @@ print('gpu_check: ultracomm from', ultracomm.__file__, '; _cuda:', r() or 'loads
 per_test=()
 "$PY" -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout=120)
 export GPU_CHECK_RECORDS="$LOGS/failure_times.jsonl"  # tests/gpu_worker.py's record(): issue 35's delays
-step gpu-tests 240 "$PY" -m pytest tests -v -m gpu --continue-on-collection-errors -p no:cacheprovider \
-  -o faulthandler_timeout=60 ${per_test[@]+"${per_test[@]}"} --junitxml="$OUT/gpu-tests.xml" > "$OUT/gpu-tests.log" 2>&1
-rc_test=$?
-[ "$rc_test" = 5 ] && rc_test=0  # no gpu-marked test collected
-tail -15 "$OUT/gpu-tests.log"
+rc_test=0
+if want tests; then
+  eval "extra=(${GPU_CHECK_PYTEST:-})"  # the caller's words, quotes kept
+  step gpu-tests 240 "$PY" -m pytest tests -v -m gpu --continue-on-collection-errors -p no:cacheprovider \
+    -o faulthandler_timeout=60 ${per_test[@]+"${per_test[@]}"} ${extra[@]+"${extra[@]}"} \
+    --junitxml="$OUT/gpu-tests.xml" > "$OUT/gpu-tests.log" 2>&1
+  rc_test=$?
+  [ "$rc_test" = 5 ] && rc_test=0  # no gpu-marked test collected
+  tail -15 "$OUT/gpu-tests.log"
+fi
 
 # the stall cases (copy_engine: default stream and a fresh non-blocking one; split) with 32 hardware queues
-step stall-cdmc32 90 env CUDA_DEVICE_MAX_CONNECTIONS=32 "$PY" -m pytest tests/transports/test_copy_engine_gpu.py \
-  tests/transports/test_split_cuda_gpu.py -v -m gpu -k "near_its_deadline and stall" -p no:cacheprovider \
-  -o faulthandler_timeout=60 ${per_test[@]+"${per_test[@]}"} > "$LOGS/stall-cdmc32.log" 2>&1
-rc_stall=$?
-tail -5 "$LOGS/stall-cdmc32.log"
+rc_stall=0
+if want stall; then
+  step stall-cdmc32 90 env CUDA_DEVICE_MAX_CONNECTIONS=32 "$PY" -m pytest tests/transports/test_copy_engine_gpu.py \
+    tests/transports/test_split_cuda_gpu.py -v -m gpu -k "near_its_deadline and stall" -p no:cacheprovider \
+    -o faulthandler_timeout=60 ${per_test[@]+"${per_test[@]}"} > "$LOGS/stall-cdmc32.log" 2>&1
+  rc_stall=$?
+  tail -5 "$LOGS/stall-cdmc32.log"
+fi
 { echo "failure timings (issue 35; late_s: the named error past its deadline, sync_s: the synchronize after it):"
   cat "$GPU_CHECK_RECORDS" 2>/dev/null || echo "(none recorded)"; } >> "$OUT/env.txt"
 
-left=$((DEADLINE - SECONDS))
-budget=$(( (left < 180 ? left : 180) - 25 ))  # the bench stops starting rows in time to print and write
-step bench-gpu 180 "$PY" perf/bench_gpu.py --out "$OUT" --budget-s "$budget" > "$OUT/bench_gpu.txt" \
-  2> "$LOGS/bench_gpu.log"
-rc_bench=$?
-cat "$OUT/bench_gpu.txt"
-[ "$rc_bench" = 0 ] || { echo "gpu_check: bench_gpu rc=$rc_bench"; tail -20 "$LOGS/bench_gpu.log"; }
+rc_bench=0
+if want bench; then
+  left=$((DEADLINE - SECONDS))
+  budget=$(( (left < 180 ? left : 180) - 25 ))  # the bench stops starting rows in time to print and write
+  eval "extra=(${GPU_CHECK_BENCH:-})"
+  step bench-gpu 180 "$PY" perf/bench_gpu.py --out "$OUT" --budget-s "$budget" ${extra[@]+"${extra[@]}"} \
+    > "$OUT/bench_gpu.txt" 2> "$LOGS/bench_gpu.log"
+  rc_bench=$?
+  cat "$OUT/bench_gpu.txt"
+  [ "$rc_bench" = 0 ] || { echo "gpu_check: bench_gpu rc=$rc_bench"; tail -20 "$LOGS/bench_gpu.log"; }
+fi
 
 # issue 34's two-GPU row (tile mover vs peer cudaMemcpyAsync over NVLink, perf/bench_nvlink.py): one rank
 # per GPU under torchrun where two GPUs are visible; else its "not measured" rows.  Output in logs/
 ngpu=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
-if [ "${ngpu:-0}" -ge 2 ]; then
+if ! want nvlink; then
+  :
+elif [ "${ngpu:-0}" -ge 2 ]; then
   step bench-nvlink 150 "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 perf/bench_nvlink.py \
     --out "$LOGS/nvlink" > "$LOGS/bench_nvlink.txt" 2>&1
   echo "gpu_check: bench_nvlink rc=$?"; tail -30 "$LOGS/bench_nvlink.txt"
@@ -150,6 +171,7 @@ fi
 # standalone probes (not project code; e.g. ../shared/probes/tma_ladder.cu copied into the tree for
 # the device call) named in GPU_CHECK_PROBES: built for this GPU and run while time is left
 arch=$("$PY" -c "import torch; M, m = torch.cuda.get_device_capability(); print(f'{M}{m}')" 2>/dev/null)
+want probes || GPU_CHECK_PROBES=
 for probe in ${GPU_CHECK_PROBES:-}; do
   name=$(basename "$probe" .cu)
   step "probe-$name-build" 60 nvcc -std=c++17 -O3 -arch="sm_${arch:-90}" -o "$LOGS/$name" "$probe" \
@@ -157,10 +179,12 @@ for probe in ${GPU_CHECK_PROBES:-}; do
   tail -40 "$LOGS/probe_$name.txt"
 done
 
-step bench-host 40 "$PY" perf/bench_host.py --json "$LOGS/bench_host.json" > "$LOGS/bench_host.log" 2>&1 \
-  || echo "gpu_check: bench_host did not finish"
-step bench-schedule 30 "$PY" perf/bench_schedule.py --json "$LOGS/bench_schedule.json" > "$LOGS/bench_schedule.log" 2>&1 \
-  || echo "gpu_check: bench_schedule did not finish"
+if want cpu; then
+  step bench-host 40 "$PY" perf/bench_host.py --json "$LOGS/bench_host.json" > "$LOGS/bench_host.log" 2>&1 \
+    || echo "gpu_check: bench_host did not finish"
+  step bench-schedule 30 "$PY" perf/bench_schedule.py --json "$LOGS/bench_schedule.json" \
+    > "$LOGS/bench_schedule.log" 2>&1 || echo "gpu_check: bench_schedule did not finish"
+fi
 echo "gpu_check: build=$rc_build tests=$rc_test stall-cdmc32=$rc_stall bench=$rc_bench in ${SECONDS}s; results in $OUT" \
   | tee -a "$OUT/env.txt"
 [ "$rc_build" = 0 ] && [ "$rc_test" = 0 ] && [ "$rc_stall" = 0 ] && [ "$rc_bench" = 0 ]

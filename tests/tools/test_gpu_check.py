@@ -52,6 +52,56 @@ def test_no_cuda_device_builds_for_sm90_then_exits_2_without_tests_or_benches(tm
     assert "stub pip build for ULTRACOMM_CUDA_ARCHITECTURES=90-real" in build
 
 
+# the same, for a machine whose torch sees a device: every python call it makes is logged
+STUB_GPU = """#!/bin/bash
+echo "CALL $*" >> "$STUB_LOG"
+for a in "$@"; do echo "ARG[$a]" >> "$STUB_LOG"; done
+case "$*" in
+  *"torch.cuda.is_available())"*) echo 1 ;;
+  *"get_device_capability"*) echo 90 ;;
+  *"device_count"*) echo 1 ;;
+esac
+exit 0
+"""
+
+
+def test_a_shorter_rerun_runs_only_the_steps_asked_for_with_their_arguments(tmp_path):
+    """GPU_CHECK_STEPS / GPU_CHECK_PYTEST / GPU_CHECK_BENCH: the build, then only the steps named,
+    the caller's extra arguments reaching pytest and the bench as the words they wrote."""
+    stub = tmp_path / "python"
+    stub.write_text(STUB_GPU)
+    stub.chmod(0o755)
+    for tool in ("cmake", "nvcc", "nvidia-smi"):
+        (tmp_path / tool).write_text("#!/bin/bash\necho stub\n")
+        (tmp_path / tool).chmod(0o755)
+    out, log = tmp_path / "out", tmp_path / "stub.log"
+    env = dict(
+        os.environ,
+        PYTHON=str(stub),
+        OUT=str(out),
+        STUB_LOG=str(log),
+        PATH=f"{tmp_path}:{os.environ['PATH']}",
+        GPU_CHECK_STEPS="tests,bench",
+        GPU_CHECK_PYTEST='-k "tma or split"',
+        GPU_CHECK_BENCH="--only control,reduce",
+    )
+    p = subprocess.run(
+        ["bash", os.path.join(ROOT, "scripts", "gpu_check.sh")], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    calls = [line for line in log.read_text().splitlines() if line.startswith("CALL ")]
+    args = log.read_text().splitlines()
+    assert any("-m pip install" in c for c in calls)  # the build always runs
+    tests = [c for c in calls if "-m pytest" in c]
+    assert len(tests) == 1 and "-m gpu" in tests[0]  # the tests step, not the stall rerun
+    assert "ARG[tma or split]" in args and "ARG[-k]" in args  # one word, as quoted
+    bench = [c for c in calls if "bench_" in c]
+    assert len(bench) == 1 and "perf/bench_gpu.py" in bench[0] and "--only control,reduce" in bench[0]
+    assert "gpu_check: stall-cdmc32 (timeout" not in p.stdout and "bench-host" not in p.stdout
+    assert "did not finish" not in p.stdout
+    assert "gpu_check: build=0 tests=0 stall-cdmc32=0 bench=0" in p.stdout
+
+
 def _gpu_test_ids() -> list[str]:
     """Node ids of the gpu tests (collected from the files that mark tests gpu, as -m gpu selects)."""
     import glob

@@ -106,14 +106,9 @@ def test_driver_binds_the_header_symbols_with_their_argument_types():
 
 def bench():
     """perf/bench_gpu.py as the module ``bench_gpu`` (loaded once)."""
-    import importlib.util
+    import perf_modules
 
-    if "bench_gpu" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("bench_gpu", os.path.join(ROOT, "perf", "bench_gpu.py"))
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["bench_gpu"] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules["bench_gpu"]
+    return perf_modules.load("bench_gpu")
 
 
 @needs_headers

@@ -4,7 +4,6 @@ scripts/gpu_check.sh's structure.  The measurements themselves need a device (gp
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import json
 import os
 import re
@@ -12,6 +11,7 @@ import subprocess
 import sys
 
 import numpy as np
+import perf_modules
 import pytest
 
 from ultracomm.cuda.hwprofile import validate
@@ -20,11 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_gpu", os.path.join(ROOT, "perf", "bench_gpu.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_gpu"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return perf_modules.load("bench_gpu", fresh=True)
 
 
 bg = load_bench()

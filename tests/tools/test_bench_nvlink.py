@@ -5,12 +5,12 @@ NVLink measurement itself needs a two-GPU machine (none has run it yet)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 
+import perf_modules
 import pytest
 
 from conftest import leftover_segments, shm_segments
@@ -21,11 +21,7 @@ KiB = 1 << 10
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_nvlink", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_nvlink"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return perf_modules.load("bench_nvlink", fresh=True)
 
 
 bn = load_bench()

@@ -162,15 +162,9 @@ def test_a_device_run_starts_with_the_failure_workers_then_bit_exactness_then_th
 
 
 def _bench():
-    import importlib.util
-    import sys
+    import perf_modules
 
-    if "bench_gpu" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("bench_gpu", os.path.join(ROOT, "perf", "bench_gpu.py"))
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["bench_gpu"] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules["bench_gpu"]
+    return perf_modules.load("bench_gpu")
 
 
 def test_bench_prints_each_section_as_it_completes_and_keeps_them_when_interrupted(monkeypatch, tmp_path, capsys):

@@ -50,7 +50,7 @@ class FakeCuda:
     def Runner(self, device):
         return SimpleNamespace(
             take_error=lambda: None,
-            launch_slot=lambda arena, slot, op, ranks, epoch, ctas, stream, coop: self.log.append(
+            launch_slot=lambda arena, slot, op, ranks, epoch, ctas, stream, coop, reduce_path="hunk": self.log.append(
                 ("launch_all", tuple(ranks) if ranks is not None else None, epoch, ctas, stream)
             ),
         )

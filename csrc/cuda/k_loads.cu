@@ -192,7 +192,11 @@ void launch_n(const LoadExchangeArgs& a, cudaStream_t stream) {
   attr[0].id = cudaLaunchAttributeCooperative;  // every rank's CTA resident at once, or the launch fails
   attr[0].val.cooperative = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  // Not while the stream is captured into a graph (as the persistent kernel's loopback launch,
+  // which ran captured on an H200): the occupancy check (check_and_launch) is what holds there.
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  UC_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  cfg.numAttrs = capture == cudaStreamCaptureStatusNone ? 1 : 0;
   UC_CUDA_CHECK(cudaLaunchKernelEx(&cfg, k_load_exchange<N>, p));
 }
 

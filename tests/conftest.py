@@ -23,11 +23,17 @@ GPU_FIRST = (
         "test_device_step_gpu.py::test_captured_control_plane",
     ),
 )
+#: The TMA-staged reduce's bit-exactness cases (reduce_path="tma": node ids with a ``tma`` param of
+#: test_cuda_loopback.py) run after the control plane: the default path's answer comes first.
+GPU_STAGED = ("test_cuda_loopback.py::",), ("-tma-", "[tma-", "-tma]")
 
 
 def gpu_order(item) -> tuple:
     """Sort key of a test on a machine with a device: slow (multi-process) tests last, before
     them :data:`GPU_FIRST`'s groups in order (the sort is stable: file order within a group)."""
+    files, params = GPU_STAGED
+    if any(f in item.nodeid for f in files) and any(p in item.nodeid for p in params):
+        return ("slow" in item.keywords, len(GPU_FIRST) - 0.5)
     group = next((i for i, parts in enumerate(GPU_FIRST) if any(p in item.nodeid for p in parts)), len(GPU_FIRST))
     return ("slow" in item.keywords, group)
 

@@ -151,6 +151,16 @@ def test_a_device_run_starts_with_the_failure_workers_then_bit_exactness_then_th
     assert order[7 : 7 + len(exact)] == exact
     control = [i for i in order if conftest.gpu_order(types.SimpleNamespace(nodeid=i, keywords={}))[1] == 2]
     assert any("test_planner_device.py" in i for i in control) and any("test_reroute_device.py" in i for i in control)
+    # the TMA-staged reduce's bit-exactness cases: after the control plane, before the rest
+    staged = [
+        i
+        for i in order
+        if conftest.gpu_order(types.SimpleNamespace(nodeid=i, keywords={}))[1] == len(conftest.GPU_FIRST) - 0.5
+    ]
+    assert staged and all("test_cuda_loopback.py" in i and "tma" in i.split("[")[1] for i in staged), staged
+    assert not any("tma" in i.split("[")[1] for i in exact if "test_cuda_loopback.py" in i and "[" in i)
+    k = order.index(staged[0])
+    assert order[k - 1] in control and order[k : k + len(staged)] == staged
     # every test that runs a failure worker is one of those first seven
     for f in {i.split("::")[0] for i in ids}:
         for fn in ast.walk(ast.parse(open(os.path.join(ROOT, f)).read())):

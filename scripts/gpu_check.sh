@@ -9,7 +9,8 @@
 #      test (a hang names its test), tracebacks of a test still running after 60 s, and with
 #      pytest-timeout installed a 120 s limit per test.  Order (tests/conftest.py gpu_order): issue 35's
 #      seven failure workers first (20 s bound each: all hung still leave ~100 s), then bit-exactness
-#      against the host executor, then the control plane against its host builds, then the rest
+#      against the host executor, then the control plane against its host builds, then the TMA-staged
+#      reduce's bit-exactness cases, then the rest
 #   2b. the stall cases again with CUDA_DEVICE_MAX_CONNECTIONS=32 (issue 35: does a blocked
 #      internal stream still hold up later work when streams do not share hardware queues?)
 #      Every failure run's measurements (named error's delay past its deadline, the synchronize

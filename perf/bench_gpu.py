@@ -1093,7 +1093,7 @@ CUDART_MEMCPY_ASYNC_ARGTYPES = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_
 CUDA_MEMCPY_DEVICE_TO_DEVICE = 3
 
 
-def _cudart():
+def load_cudart():
     """libcudart already loaded by torch (found in /proc/self/maps), for cudaMemcpyAsync."""
     path = None
     try:
@@ -1159,7 +1159,7 @@ class Gpu:
             except ImportError as e:
                 self.tma_reason = f"ultracomm.cuda.loopback does not load ({e})"
         try:
-            self.cudart = _cudart()
+            self.cudart = load_cudart()
             self.cudart_reason = None
         except Exception as e:  # noqa: BLE001
             self.cudart, self.cudart_reason = None, str(e)

@@ -109,8 +109,14 @@ def _load_bench_gpu():
 
 
 _bg = _load_bench_gpu()
-# its row, table and timing conventions; _cudart is private there (libcudart as torch loaded it)
-Row, fmt_size, format_table, graph_note, _cudart = _bg.Row, _bg.fmt_size, _bg.format_table, _bg.graph_note, _bg._cudart
+# its row, table and timing conventions; load_cudart: libcudart as torch loaded it
+Row, fmt_size, format_table, graph_note, load_cudart = (
+    _bg.Row,
+    _bg.fmt_size,
+    _bg.format_table,
+    _bg.graph_note,
+    _bg.load_cudart,
+)
 MiB, SENTINEL, CUDA_MEMCPY_DEVICE_TO_DEVICE = _bg.MiB, _bg.SENTINEL, _bg.CUDA_MEMCPY_DEVICE_TO_DEVICE
 
 SECTION = "nvlink"
@@ -351,7 +357,7 @@ class GpuRt:
 
     def __init__(self, torch, dev):
         self.torch, self.dev = torch, dev
-        self.cudart = _cudart()
+        self.cudart = load_cudart()
 
     def stream(self) -> int:
         return self.torch.cuda.current_stream(self.dev).cuda_stream

@@ -2661,13 +2661,19 @@ def wrong_total(rows: Sequence[Row]) -> int:
     return sum(r.wrong or 0 for r in rows if not r.note.startswith("informational"))
 
 
+def write_json(path: str, rec: dict) -> None:
+    """``rec`` as JSON at ``path``, replaced whole (a run stopped mid-write leaves the previous file)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(rec, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
 def write_results(gpu: "Gpu", args, only: Sequence[str], stamp: str) -> tuple[str, Optional[str]]:
     """(results JSON path, profile path or None); rewritten after every section."""
     os.makedirs(args.out, exist_ok=True)
     out_json = args.json or os.path.join(args.out, "bench_gpu.json")
-    with open(out_json + ".tmp", "w") as f:
-        json.dump(results_record(gpu.info, stamp, args.quick, only, gpu.rows, gpu.errors), f, indent=1)
-    os.replace(out_json + ".tmp", out_json)
+    write_json(out_json, results_record(gpu.info, stamp, args.quick, only, gpu.rows, gpu.errors))
     prof = build_profile(gpu.rows, gpu.info, stamp)
     if prof["d2d_copy_bw"] is None:
         return out_json, None

@@ -85,7 +85,6 @@ import argparse
 import ctypes
 import datetime
 import importlib.util
-import json
 import os
 import statistics
 import subprocess
@@ -118,6 +117,10 @@ Row, fmt_size, format_table, graph_note, load_cudart = (
     _bg.load_cudart,
 )
 MiB, SENTINEL, CUDA_MEMCPY_DEVICE_TO_DEVICE = _bg.MiB, _bg.SENTINEL, _bg.CUDA_MEMCPY_DEVICE_TO_DEVICE
+wrong_total, write_json = (
+    _bg.wrong_total,
+    _bg.write_json,
+)  # #wrong of ultracomm's and CUDA's rows; a whole-file JSON write
 
 SECTION = "nvlink"
 DEFAULT_SIZES = (MiB, 16 * MiB, 64 * MiB, 256 * MiB)
@@ -252,10 +255,6 @@ def order_rows(rows: Sequence[Row]) -> list[Row]:
     return sorted(rows, key=key)
 
 
-def wrong_total(rows: Sequence[Row]) -> int:
-    return sum(r.wrong or 0 for r in rows)
-
-
 def combine_times(per_rank: Sequence[Optional[list]]) -> Optional[float]:
     """Per trial the slowest rank that timed it, median over trials; None if no rank timed."""
     timed = [t for t in per_rank if t]
@@ -279,13 +278,6 @@ def record(mode: str, stamp: str, devices, topology, args: dict, rows: Sequence[
         wrong_total=wrong_total(rows),
         rows=[r.to_dict() for r in rows],
     )
-
-
-def write_json(path: str, rec: dict) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump(rec, f, indent=1)
-    os.replace(path + ".tmp", path)
 
 
 def _commit() -> Optional[str]:

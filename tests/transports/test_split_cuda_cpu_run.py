@@ -229,3 +229,62 @@ def test_the_cuda_splits_loopback_path_gives_the_host_executors_bytes(which, wor
     for i, (a, b) in enumerate(zip(want, got)):
         for r in range(world):
             assert torch.equal(a[r], b[r]), f"step {i} rank {r} differs"
+
+
+def test_release_check_takes_the_one_record_a_loopback_launch_hands_every_rank():
+    """test_split_cuda_gpu's failure check on what its worker reports after a stall: a loopback launch
+    keeps ONE kernel error record (its first CTA to fail: rank 2's or rank 3's) and every rank's
+    check_error raises that one, after the side-stream watchdog's timeout recorded before it.  Each
+    receiver must pass whichever of the two failed first (rank 3 raising rank 2's words, and back)."""
+    import importlib.util
+    import os
+
+    from test_split_cuda_gpu import check_release
+    from ultracomm.cuda.support import make_error_record
+    from ultracomm.transports.tma.loopback import LoopbackRunner, raiser
+
+    spec = importlib.util.spec_from_file_location(
+        "release_common", os.path.join(os.path.dirname(__file__), "..", "mp", "release_common.py")
+    )
+    common = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(common)
+    from ultracomm.transports.copy_engine.plan import FLAG_ARRIVAL as arrival  # a receiver waits for rank 0's chunk
+
+    for failed in (2, 3):
+        rec = make_error_record(
+            1, failed, int(Op.MULTICAST), 2, flag_kind=arrival, expert=0, chunk=0, slot=0, peer=0, observed=1
+        )
+
+        class Runner:
+            def __init__(self, device, rec=rec):
+                self.recs = [rec]
+
+            def take_error(self):
+                return self.recs.pop() if self.recs else None
+
+        lb = LoopbackRunner(SimpleNamespace(Runner=Runner), 4, 0, 2.0)
+        lb._names[2] = "weight_sync"
+        dog = _core.TimeoutError(
+            "ultracomm: rank 2 weight_sync (epoch 2, transport split, side stream) timed out after 2 s waiting "
+            "for a message from rank 0"
+        )
+        lb.record_failure(raiser(dog), None)  # the watchdog's, on its thread, before anyone checks
+        errors = []
+        for r in range(4):
+            try:
+                lb.check_error(r)
+                errors.append(None)
+            except Exception as e:  # noqa: BLE001 - what the worker reports
+                errors.append(e)
+        assert len({str(e) for e in errors}) == 1 and f"rank {failed} weight_sync" in str(errors[0])
+        out = dict(
+            common.describe(errors[0]),
+            errors=[common.describe(e) for e in errors],
+            late_s=0.002,
+            synced=True,
+            sync_s=0.01,
+            later_work=True,
+            released=[True, False, False, False],
+            closed=True,
+        )
+        check_release("stall", out)

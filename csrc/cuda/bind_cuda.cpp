@@ -116,14 +116,25 @@ PlanBounds bounds(int nranks, int world, int num_experts, int64_t masters, int s
   return b;
 }
 
-std::unique_ptr<DevicePlan> make_plan(const py::list& ranks, int device) {
+// The Python DevicePlan: the device plan and each rank entry's task count (host-known, so a
+// launch sizes each rank's CTAs: runner.h launch_ctas).
+class BoundPlan : public DevicePlan {
+ public:
+  explicit BoundPlan(const std::vector<ExecArgs>& ranks) : DevicePlan(ranks), rank_tasks_(rank_tasks(ranks)) {}
+  const std::vector<int64_t>& task_counts() const { return rank_tasks_; }
+
+ private:
+  std::vector<int64_t> rank_tasks_;
+};
+
+std::unique_ptr<BoundPlan> make_plan(const py::list& ranks, int device) {
   std::vector<std::vector<Task>> tasks(ranks.size());
   std::vector<std::vector<Ref>> refs(ranks.size());
   std::vector<ExecArgs> args;
   args.reserve(ranks.size());
   for (size_t i = 0; i < ranks.size(); ++i) args.push_back(exec_args(ranks[i].cast<py::dict>(), tasks[i], refs[i]));
   DeviceGuard guard(device);
-  return std::make_unique<DevicePlan>(args);
+  return std::make_unique<BoundPlan>(args);
 }
 
 cudaStream_t as_stream(uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
@@ -169,16 +180,25 @@ void bind(py::module_& m) {
       "Whether control-plane launches on CUDA device `device` use programmatic dependent launch now (the "
       "switch on and compute capability >= 9.0); without a device: the switch alone (needs no driver).");
 
-  py::class_<DevicePlan>(m, "DevicePlan", R"doc(One operation's task lists and views on a device.
+  m.def("launch_ctas", &launch_ctas, py::arg("rank_tasks"), py::arg("ctas_per_rank"),
+        "The rule Runner.launch applies to a DevicePlan, from each rank entry's task count: ctas_per_rank CTAs for "
+        "a rank with at least one task, 1 for a rank with none (it joins and drains).  Needs no device.");
+  m.def("max_ctas_per_rank", &max_ctas_per_rank, py::arg("rank_tasks"), py::arg("max_grid"),
+        "The largest ctas_per_rank whose launch_ctas(rank_tasks, ctas_per_rank) sum to at most max_grid; 0 when "
+        "not even 1 fits; max_grid when it fits and no rank has a task.  Needs no device.");
+
+  py::class_<BoundPlan>(m, "DevicePlan", R"doc(One operation's task lists and views on a device.
 
 DevicePlan(ranks, device): ranks is a list of dicts, one per rank a launch runs (one, or every
 rank of a one-GPU loopback domain), with _core.run_host's argument names: op, rank, world,
 slots, weight_slot_bytes, grad_slot_bytes, chunk_bytes, window_bases (device addresses),
 member_off, member_bytes, master_ptrs, local_index_of, grad_dtype, my_slots, tasks, refs,
 timeout_s, and optional slot_parent, digest.  Validated as run_host validates (ValueError),
-then uploaded once (allocates and copies synchronously: build plans before graph capture).)doc")
+then uploaded once (allocates and copies synchronously: build plans before graph capture).
+rank_tasks: each rank entry's task count, which sizes its CTAs (Runner.launch_ctas).)doc")
       .def(py::init(&make_plan), py::arg("ranks"), py::arg("device"))
       .def_property_readonly("nranks", &DevicePlan::nranks)
+      .def_property_readonly("rank_tasks", &BoundPlan::task_counts)
       .def_property_readonly("op", [](const DevicePlan& p) { return static_cast<int>(p.op()); })
       .def_property_readonly("grad_dtype", &DevicePlan::grad_dtype)
       .def_property_readonly("device", &DevicePlan::device)
@@ -239,7 +259,10 @@ staging); Runner.launch_slot writes a plan into a slot with an async copy on the
 Runner(device) allocates the device state and a mapped error record.  launch(plan, epoch,
 ctas_per_rank, stream, force_vector=False, reduce_path="hunk") enqueues one persistent kernel on
 the stream (no allocation, no synchronisation: capturable in a CUDA graph); the kernel runs epoch
-max(epoch, last epoch + 1).  reduce_path: how reductions run, "hunk" (register hunks) or "tma"
+max(epoch, last epoch + 1).  ctas_per_rank: the CTAs of each rank with at least one task in the
+plan; a rank with none gets ONE (it joins and drains): launch_ctas(plan, ctas_per_rank) lists them,
+and a loopback launch (plan.nranks > 1) needs their sum co-resident (max_coresident; ValueError
+otherwise).  launch_slot's arena plans are built on the device: every rank gets ctas_per_rank.  reduce_path: how reductions run, "hunk" (register hunks) or "tma"
 (TMA-staged through shared memory, sm_90+: ValueError before sm_90); force_vector: no bulk copy
 at all (sm_90+ devices through the vector path, reductions by register hunks).  take_error() returns the raw ErrorRecord bytes of a failure
 recorded since the last call (read it after the stream reached the launch), or None; turn it
@@ -247,12 +270,28 @@ into text/exception with _core.format_error / _core.raise_error_record.)doc")
       .def(py::init<int>(), py::arg("device"))
       .def(
           "launch",
-          [](Runner& r, const DevicePlan& plan, uint64_t epoch, int ctas_per_rank, uintptr_t stream, bool force_vector,
+          [](Runner& r, const BoundPlan& plan, uint64_t epoch, int ctas_per_rank, uintptr_t stream, bool force_vector,
              const std::string& reduce_path) {
-            r.launch(plan, epoch, ctas_per_rank, as_stream(stream), launch_flags(force_vector, reduce_path));
+            r.launch(plan, plan.task_counts(), epoch, ctas_per_rank, as_stream(stream),
+                     launch_flags(force_vector, reduce_path));
           },
           py::arg("plan"), py::arg("epoch"), py::arg("ctas_per_rank"), py::arg("stream"),
           py::arg("force_vector") = false, py::arg("reduce_path") = "hunk")
+      .def_static(
+          "launch_ctas",
+          [](const BoundPlan& plan, int ctas_per_rank) { return launch_ctas(plan.task_counts(), ctas_per_rank); },
+          py::arg("plan"), py::arg("ctas_per_rank"),
+          "The CTAs launch(plan, ..., ctas_per_rank) gives each rank entry, in order: ctas_per_rank for a rank "
+          "with at least one task in the plan, 1 for a rank with none; their sum is the grid (a loopback launch "
+          "needs it <= max_coresident(plan.grad_dtype)).  Static: needs no device.")
+      .def_static(
+          "max_ctas_per_rank",
+          [](const BoundPlan& plan, int64_t max_grid) { return max_ctas_per_rank(plan.task_counts(), max_grid); },
+          py::arg("plan"), py::arg("max_grid"),
+          "The largest ctas_per_rank whose launch of `plan` has a grid of at most max_grid CTAs (the sum of "
+          "launch_ctas(plan, c)), e.g. max_grid = max_coresident(plan.grad_dtype) for a loopback plan; 0 when "
+          "not even 1 fits.  When no rank has a task every ctas_per_rank gives the same grid (one CTA a rank): "
+          "then max_grid if that fits.  Static: needs no device.")
       .def(
           "launch_slot",
           [](Runner& r, PlanArena& arena, int slot, int op, const py::object& ranks, uint64_t epoch, int ctas_per_rank,

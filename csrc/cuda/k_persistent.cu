@@ -1,10 +1,11 @@
 // k_persistent: one persistent kernel per operation launch.  CTA = one worker group; the grid
-// is nranks x ctas_per_rank (blockIdx.x = rank * ctas_per_rank + worker), so a one-GPU
-// loopback domain runs all its ranks in ONE launch with co-resident CTAs, and a process that
-// owns one rank of a multi-GPU domain launches nranks = 1.  All protocol logic is
-// interp.h's; this file is the prologue (view, epoch, mover), the loop (join / run_tasks /
-// drain), the epilogue (the launch's last CTA resets the shared state), the launcher and the
-// instantiations.
+// is every rank's CTAs in rank order (persistent_args.h cta_rank: rank r runs blocks
+// [cta_end[r - 1], cta_end[r]); ctas_per_rank each when uniform, one for a rank with no task
+// when the host knows the counts), so a one-GPU loopback domain runs all its ranks in ONE launch
+// with co-resident CTAs, and a process that owns one rank of a multi-GPU domain launches
+// nranks = 1.  All protocol logic is interp.h's; this file is the prologue (view, epoch, mover),
+// the loop (join / run_tasks / drain), the epilogue (the launch's last CTA resets the shared
+// state), the launcher and the instantiations.
 #include <cuda/atomic>
 
 #include <type_traits>
@@ -68,14 +69,18 @@ __device__ bool first_ticket(uint32_t* counter, dev::MoverBase& m) {
 // One kernel per grad dtype and reduce path (Staged: reduce_path="tma").  Before sm_90 both are
 // VecMover's (no bulk copies, no staged path), the same code: the runner refuses reduce_path="tma"
 // there, and every kernel keeps the protocol the SASS tests check.
+// __grid_constant__: the CTA layout (a.cta_end, indexed by a runtime rank) is read in place from
+// the parameter space (LDC with a register index), never from a local copy of the struct.  nvcc 13
+// already does so for this const parameter; the qualifier makes it a guarantee (any write to `a` is
+// a compile error) and tests/cuda/test_cuda_build.py checks the SASS.
 template <class D, bool Staged>
-__global__ void __launch_bounds__(dev::kThreads, 2) k_persistent(const PersistentArgs a) {
+__global__ void __launch_bounds__(dev::kThreads, 2) k_persistent(const __grid_constant__ PersistentArgs a) {
 #if defined(__CUDA_ARCH__)
   using Mover = DeviceMover<Staged>;
   __shared__ dev::GroupShared sh;
   __shared__ ExecView view;
   extern __shared__ __align__(128) unsigned char dyn_smem[];
-  const int rank = static_cast<int>(blockIdx.x) / a.ctas_per_rank;
+  const int rank = cta_rank(a, static_cast<int32_t>(blockIdx.x)).rank;
   RankState& rs = a.state->ranks[rank];
   uint64_t epoch = 0;
   load_view(view, a, rank, epoch);
@@ -88,7 +93,9 @@ __global__ void __launch_bounds__(dev::kThreads, 2) k_persistent(const Persisten
   if (first_ticket(&rs.join_ticket, m)) interp::join(view, m);
   interp::run_tasks<Mover, D>(view, m);
   // drain once per rank, by its last CTA out of run_tasks, unless the launch failed.
-  if (last_to_arrive(&rs.done_workers, static_cast<uint32_t>(a.ctas_per_rank), m)) {
+  // (the rank's CTA count looked up again here, not held in a register through run_tasks)
+  const int32_t rank_ctas = cta_rank(a, static_cast<int32_t>(blockIdx.x)).ctas;
+  if (last_to_arrive(&rs.done_workers, static_cast<uint32_t>(rank_ctas), m)) {
     bool ok = false;
     if (m.leader()) ok = !m.aborted();
     if (m.broadcast(ok)) interp::drain(view, m);
@@ -171,19 +178,20 @@ int persistent_max_coresident(int device, int cc_major, int grad_dtype) {
   return per_sm * sms;
 }
 
-// A loopback launch (nranks > 1: every CTA must be resident at once) larger than the SM count
-// runs the shared ring, so two CTAs fit an SM; anything else gets the deep one it was given.
+// A loopback launch (nranks > 1: every CTA must be resident at once) whose grid, every rank's
+// CTAs, is larger than the SM count runs the shared ring (persistent_args.h shared_ring), so two
+// CTAs fit an SM; anything else gets the deep one it was given.
 void launch_persistent(const PersistentArgs& a, int grad_dtype, uint32_t smem, bool cooperative, cudaStream_t stream) {
   if (a.nranks > 1 && smem > shared_smem_bytes(smem)) {
     int device = 0, sms = 0;
     UC_CUDA_CHECK(cudaGetDevice(&device));
     UC_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    if (static_cast<int64_t>(a.nranks) * a.ctas_per_rank > sms) smem = shared_smem_bytes(smem);
+    if (shared_ring(a, sms)) smem = shared_smem_bytes(smem);
   }
   const bool staged = (a.flags & kReduceStaged) != 0;  // the runner allows it from sm_90 on
   for_kernel(grad_dtype, staged, [&](auto k) {
     cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(static_cast<unsigned>(a.nranks * a.ctas_per_rank));
+    cfg.gridDim = dim3(static_cast<unsigned>(launch_grid(a)));
     cfg.blockDim = dim3(dev::kThreads);
     cfg.dynamicSmemBytes = smem;
     cfg.stream = stream;

@@ -25,9 +25,10 @@ uint32_t persistent_smem_bytes(int cc_major);
 // (occupancy per SM x SMs): a loopback launch needs all its CTAs co-resident.
 int persistent_max_coresident(int device, int cc_major, int grad_dtype);
 
-// Enqueues one persistent launch: grid = a.nranks * a.ctas_per_rank.  grad_dtype selects the
-// instantiation (multicast uses fp32's).  cooperative: launch with the cooperative attribute,
-// which guarantees co-residency or fails (loopback).
+// Enqueues one persistent launch: grid = launch_grid(a), every rank's CTAs (persistent_args.h
+// set_cta_layout).  grad_dtype selects the instantiation (multicast uses fp32's).  cooperative:
+// launch with the cooperative attribute, which guarantees co-residency or fails (loopback).  A
+// loopback grid larger than the SM count runs the shared (shallower) TMA ring: two CTAs an SM.
 void launch_persistent(const PersistentArgs& a, int grad_dtype, uint32_t smem_bytes, bool cooperative,
                        cudaStream_t stream);
 

@@ -3,6 +3,7 @@
 
 #include "k_build.h"
 
+#include <cstdint>
 #include <cstring>
 #include <functional>
 #include <stdexcept>
@@ -39,6 +40,36 @@ DeviceGuard::DeviceGuard(int device) {
 DeviceGuard::~DeviceGuard() {
   int cur = -1;
   if (cudaGetDevice(&cur) == cudaSuccess && cur != prev_) cudaSetDevice(prev_);
+}
+
+std::vector<int32_t> launch_ctas(const std::vector<int64_t>& rank_tasks, int ctas_per_rank) {
+  if (ctas_per_rank < 1) throw std::invalid_argument("ultracomm._cuda.launch_ctas: ctas_per_rank must be >= 1");
+  std::vector<int32_t> out;
+  out.reserve(rank_tasks.size());
+  for (const int64_t n : rank_tasks) {
+    if (n < 0) throw std::invalid_argument("ultracomm._cuda.launch_ctas: a task count is negative");
+    out.push_back(n > 0 ? ctas_per_rank : 1);
+  }
+  return out;
+}
+
+int max_ctas_per_rank(const std::vector<int64_t>& rank_tasks, int64_t max_grid) {
+  const auto grid = [&](int c) {
+    int64_t g = 0;
+    for (const int32_t n : launch_ctas(rank_tasks, c)) g += n;
+    return g;
+  };
+  const int64_t g1 = grid(1), per_cta = grid(2) - g1;  // grid(c) = g1 + per_cta * (c - 1)
+  if (g1 > max_grid) return 0;
+  const int64_t top = per_cta == 0 ? max_grid : 1 + (max_grid - g1) / per_cta;
+  return static_cast<int>(top < INT32_MAX ? top : INT32_MAX);
+}
+
+std::vector<int64_t> rank_tasks(const std::vector<ExecArgs>& ranks) {
+  std::vector<int64_t> out;
+  out.reserve(ranks.size());
+  for (const ExecArgs& a : ranks) out.push_back(a.num_tasks);
+  return out;
 }
 
 Runner::Runner(int device) : device_(device) {
@@ -91,13 +122,18 @@ int Runner::max_coresident(int grad_dtype) const {
   return coresident_[grad_dtype >= 0 && grad_dtype < 3 ? grad_dtype : 0];
 }
 
-void Runner::launch(const DevicePlan& plan, uint64_t epoch, int ctas_per_rank, cudaStream_t stream, uint32_t flags) {
+void Runner::launch(const DevicePlan& plan, const std::vector<int64_t>& rank_tasks, uint64_t epoch, int ctas_per_rank,
+                    cudaStream_t stream, uint32_t flags) {
   const std::string where = "ultracomm._cuda.Runner.launch: ";
   if (plan.device() != device_)
     throw std::invalid_argument(where + "the plan lives on device " + std::to_string(plan.device()) +
                                 ", this runner on device " + std::to_string(device_));
+  if (rank_tasks.size() != static_cast<size_t>(plan.nranks()))
+    throw std::invalid_argument(where + std::to_string(rank_tasks.size()) + " task counts for a plan of " +
+                                std::to_string(plan.nranks()) + " rank entries");
+  if (ctas_per_rank < 1) throw std::invalid_argument(where + "ctas_per_rank must be >= 1");
   const Shape shape{plan.views(), plan.nranks(), plan.op(), plan.grad_dtype()};
-  launch_views(shape, epoch, ctas_per_rank, stream, flags, where, [](unsigned long long) {});
+  launch_views(shape, epoch, launch_ctas(rank_tasks, ctas_per_rank), stream, flags, where, [](unsigned long long) {});
 }
 
 void Runner::launch(PlanArena& arena, int slot, Op op, const std::vector<ExecArgs>* upload, uint64_t epoch,
@@ -121,9 +157,12 @@ void Runner::launch(PlanArena& arena, int slot, Op op, const std::vector<ExecArg
     shape.nranks = a.nranks;
     shape.grad_dtype = a.grad_dtype;
   }
+  if (ctas_per_rank < 1) throw std::invalid_argument(where + "ctas_per_rank must be >= 1");
+  // uniform: the host does not know a device-built plan's task counts
+  const std::vector<int32_t> ctas(static_cast<size_t>(shape.nranks), ctas_per_rank);
   // the upload goes after the wait for the previous launch of this op kind: that launch (or one
   // before it) may still read this area
-  launch_views(shape, epoch, ctas_per_rank, stream, flags, where, [&](unsigned long long capture) {
+  launch_views(shape, epoch, ctas, stream, flags, where, [&](unsigned long long capture) {
     if (capture == 0) arena.retire();  // copies that finished no longer keep a capture from the slot
     if (upload != nullptr) arena.write(slot, *upload, stream, capture != 0);
   });
@@ -188,21 +227,49 @@ void Runner::build_slot(PlanArena& arena, int slot, int entry, const psched::Pro
   for (int op = 0; op < kNumOps; ++op) mark_last(op, stream, capture);
 }
 
-void Runner::launch_views(const Shape& p, uint64_t epoch, int ctas_per_rank, cudaStream_t stream, uint32_t flags,
-                          const std::string& where, const std::function<void(unsigned long long)>& before) {
+namespace {
+
+// What a grid is made of, for the messages: "4 ranks x 100 CTAs" when uniform, else each distinct
+// count with its ranks, e.g. "4 ranks (1 with tasks x 100 CTAs, 3 without x 1 CTA)".
+std::string grid_makeup(const std::vector<int32_t>& ctas) {
+  const size_t n = ctas.size();
+  const std::string ranks = std::to_string(n) + (n == 1 ? " rank" : " ranks");
+  bool uniform = true;
+  for (const int32_t c : ctas) uniform = uniform && c == ctas[0];
+  if (uniform) return ranks + " x " + std::to_string(ctas[0]) + (ctas[0] == 1 ? " CTA" : " CTAs");
+  int32_t top = 0;
+  size_t idle = 0;
+  for (const int32_t c : ctas) {
+    top = c > top ? c : top;
+    idle += c == 1;
+  }
+  return ranks + " (" + std::to_string(n - idle) + " with tasks x " + std::to_string(top) + " CTAs, " +
+         std::to_string(idle) + " without x 1 CTA)";
+}
+
+}  // namespace
+
+void Runner::launch_views(const Shape& p, uint64_t epoch, const std::vector<int32_t>& ctas, cudaStream_t stream,
+                          uint32_t flags, const std::string& where,
+                          const std::function<void(unsigned long long)>& before) {
   if (epoch < 1) throw std::invalid_argument(where + "epoch must be >= 1 (flags start at 0)");
-  if (ctas_per_rank < 1) throw std::invalid_argument(where + "ctas_per_rank must be >= 1");
+  if (p.nranks < 1 || p.nranks > kMaxLoopbackRanks || ctas.size() != static_cast<size_t>(p.nranks))
+    throw std::invalid_argument(where + "a launch runs 1 to " + std::to_string(kMaxLoopbackRanks) +
+                                " rank entries, not " + std::to_string(p.nranks));
+  int64_t grid = 0;
+  for (const int32_t c : ctas) {
+    if (c < 1) throw std::invalid_argument(where + "ctas_per_rank must be >= 1");
+    grid += c;
+  }
   if ((flags & kReduceStaged) != 0 && cc_major_ < 9)
     throw std::invalid_argument(where +
                                 "reduce_path='tma' (the TMA-staged reduce) needs bulk copies, sm_90 or newer; " +
                                 "device " + std::to_string(device_) + " is sm_" + std::to_string(cc_major_) +
                                 std::to_string(cc_minor_) + ": use reduce_path='hunk'");
-  const int64_t grid = static_cast<int64_t>(p.nranks) * ctas_per_rank;
   if (grid > (int64_t(1) << 31) - 1) throw std::invalid_argument(where + "grid too large");
   const bool loopback = p.nranks > 1;
   if (loopback && grid > max_coresident(p.grad_dtype))
-    throw std::invalid_argument(where + "a loopback launch of " + std::to_string(p.nranks) + " ranks x " +
-                                std::to_string(ctas_per_rank) + " CTAs = " + std::to_string(grid) +
+    throw std::invalid_argument(where + "a loopback launch of " + grid_makeup(ctas) + " = " + std::to_string(grid) +
                                 " CTAs cannot be co-resident on device " + std::to_string(device_) + " (at most " +
                                 std::to_string(max_coresident(p.grad_dtype)) + " on its " + std::to_string(sm_count_) +
                                 " SMs); every rank's CTAs must run at once, lower ctas_per_rank");
@@ -212,8 +279,7 @@ void Runner::launch_views(const Shape& p, uint64_t epoch, int ctas_per_rank, cud
   a.state = state_ + op;
   a.err = err_dev_ + op;
   a.epoch = epoch;
-  a.nranks = p.nranks;
-  a.ctas_per_rank = ctas_per_rank;
+  set_cta_layout(a, ctas.data(), p.nranks);
   a.flags = flags;
   DeviceGuard guard(device_);
   const unsigned long long capture = order_after_last(op, stream);

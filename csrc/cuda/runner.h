@@ -32,6 +32,23 @@ class DeviceGuard {
   int prev_ = -1;
 };
 
+// The CTAs a launch of a plan whose task counts the host knows gives each rank (a DevicePlan's;
+// rank_tasks[r]: rank entry r's tasks in the op): ctas_per_rank to a rank with at least one task,
+// ONE to a rank with none (it only publishes its ready flag and drains its incoming chunks; tasks
+// are claimed dynamically, so more CTAs would only spin).  A one-GPU loopback launch whose op has
+// tasks on few ranks then fits many more CTAs on those (the co-residency limit counts the whole
+// grid).  std::invalid_argument for ctas_per_rank < 1 or a negative count.
+std::vector<int32_t> launch_ctas(const std::vector<int64_t>& rank_tasks, int ctas_per_rank);
+
+// The largest ctas_per_rank whose launch_ctas sum to at most max_grid CTAs (e.g. max_coresident
+// for a loopback plan), from launch_ctas itself (the grid is affine in ctas_per_rank); 0 when not
+// even 1 fits; min(max_grid, INT_MAX) when it fits and no rank has a task (the grid then does not
+// depend on ctas_per_rank).
+int max_ctas_per_rank(const std::vector<int64_t>& rank_tasks, int64_t max_grid);
+
+// Each rank entry's task count (ExecArgs::num_tasks): what launch_ctas reads.
+std::vector<int64_t> rank_tasks(const std::vector<ExecArgs>& ranks);
+
 class Runner {
  public:
   explicit Runner(int device);  // allocates and zeroes the state; sets kernel attributes
@@ -40,18 +57,24 @@ class Runner {
   Runner& operator=(const Runner&) = delete;
 
   // Enqueues plan's operation on `stream` at `epoch` (the kernel runs max(epoch, last + 1) of
-  // this runner's previous launches of that op), ctas_per_rank CTAs per rank.  Loopback plans
-  // (nranks > 1) need every CTA co-resident: std::invalid_argument naming the limit otherwise.
+  // this runner's previous launches of that op).  rank_tasks: the plan's task count per rank
+  // entry (rank_tasks() of the entries it was built from; nranks of them, std::invalid_argument
+  // otherwise): each rank gets launch_ctas(rank_tasks, ctas_per_rank)[r] CTAs.  Loopback plans
+  // (nranks > 1) need every CTA of the grid co-resident: std::invalid_argument naming the grid's
+  // make-up and the limit otherwise.
   // flags: persistent_args.h kForceVector, kReduceStaged (std::invalid_argument before sm_90: no
   // bulk copies there).  A launch on another stream than the previous one of
   // its op waits for it (cudaStreamWaitEvent: a graph edge while both are in one capture); an
   // eager launch and a captured one are not ordered here (the graph's launch stream orders them).
-  void launch(const DevicePlan& plan, uint64_t epoch, int ctas_per_rank, cudaStream_t stream, uint32_t flags);
+  void launch(const DevicePlan& plan, const std::vector<int64_t>& rank_tasks, uint64_t epoch, int ctas_per_rank,
+              cudaStream_t stream, uint32_t flags);
 
-  // The same for the plan in arena slot `slot`, area `op`.  upload: the plan's rank entries to
-  // write there first (checked against the arena's bounds before anything moves; the async copy
-  // is enqueued after the wait for the previous launch of this op kind, which may still read
-  // the area), or null to run what the slot holds (std::invalid_argument if it holds nothing).
+  // The same for the plan in arena slot `slot`, area `op`, with ctas_per_rank CTAs for EVERY rank
+  // (uniform: a device-built plan's task counts are not known on the host).  upload: the plan's
+  // rank entries to write there first (checked against the arena's bounds before anything moves;
+  // the async copy is enqueued after the wait for the previous launch of this op kind, which may
+  // still read the area), or null to run what the slot holds (std::invalid_argument if it holds
+  // nothing).
   void launch(PlanArena& arena, int slot, Op op, const std::vector<ExecArgs>* upload, uint64_t epoch, int ctas_per_rank,
               cudaStream_t stream, uint32_t flags);
 
@@ -88,9 +111,9 @@ class Runner {
     Op op;
     int grad_dtype;
   };
-  // checks, ordering, before(capture id) (the plan upload), launch, event
-  void launch_views(const Shape& p, uint64_t epoch, int ctas_per_rank, cudaStream_t stream, uint32_t flags,
-                    const std::string& where, const std::function<void(unsigned long long)>& before);
+  // checks, ordering, before(capture id) (the plan upload), launch, event; ctas: per rank, p.nranks
+  void launch_views(const Shape& p, uint64_t epoch, const std::vector<int32_t>& ctas, cudaStream_t stream,
+                    uint32_t flags, const std::string& where, const std::function<void(unsigned long long)>& before);
   int device_;
   int cc_major_ = 0, cc_minor_ = 0, sm_count_ = 0;
   int coresident_[3] = {0, 0, 0};  // per grad dtype

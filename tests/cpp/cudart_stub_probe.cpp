@@ -133,8 +133,25 @@ void setup_persistent(int cc_major) { log("setup_persistent " + std::to_string(c
 uint32_t persistent_smem_bytes(int cc_major) { return cc_major >= 9 ? 65568 : 0; }
 int persistent_max_coresident(int, int, int) { return g_coresident_per_sm * 132; }
 void launch_persistent(const PersistentArgs& a, int, uint32_t smem, bool cooperative, cudaStream_t s) {
-  log("launch grid " + std::to_string(a.nranks * a.ctas_per_rank) + " smem " + std::to_string(smem) +
-      (cooperative ? " cooperative" : " plain") + " " + sname(s) + ((a.flags & kReduceStaged) ? " staged" : ""));
+  // a loopback launch's layout: the CTAs of each rank as the kernel's cta_rank sees them, from
+  // the arguments it would get (rank of every block, counted per rank; -1 if a block maps to a
+  // rank whose count disagrees with cta_rank's)
+  std::string layout;
+  if (a.nranks > 1) {
+    std::vector<int> seen(static_cast<size_t>(a.nranks), 0), said(static_cast<size_t>(a.nranks), 0);
+    for (int32_t b = 0; b < launch_grid(a); ++b) {
+      const CtaRank cr = cta_rank(a, b);
+      if (cr.rank < 0 || cr.rank >= a.nranks) return log("launch: block " + std::to_string(b) + " maps nowhere");
+      seen[static_cast<size_t>(cr.rank)]++;
+      said[static_cast<size_t>(cr.rank)] = cr.ctas;
+    }
+    layout = " ctas";
+    for (int r = 0; r < a.nranks; ++r) layout += (r ? "," : " ") + std::to_string(seen[r] == said[r] ? seen[r] : -1);
+    layout += a.ctas_per_rank > 0 ? " uniform" : "";
+  }
+  log("launch grid " + std::to_string(launch_grid(a)) + " smem " + std::to_string(smem) +
+      (cooperative ? " cooperative" : " plain") + " " + sname(s) + ((a.flags & kReduceStaged) ? " staged" : "") +
+      layout);
   if (g_views) {
     // the kernel's view of rank 0: what the launch would run
     ExecView v;
@@ -162,6 +179,27 @@ void launch_build_slot(const SlotBuildArgs& a, cudaStream_t s) {
 
 using namespace ultracomm;
 
+// Each rank's tasks (valid copies of its own expert, rank r homes expert r, to the next rank's
+// slot 0), kept alive for the plans that point at them.
+std::vector<std::vector<Task>> g_tasks(64);
+std::vector<Ref> g_refs[64];
+
+static ExecArgs one_rank(int rank, int world);
+
+// rank `rank` of a world in which expert e lives on rank e, with `n` tasks copying its expert
+static ExecArgs busy_rank(int rank, int world, int n) {
+  ExecArgs a = one_rank(rank, world);
+  for (int e = 0; e < world; ++e) a.local_index_of.push_back(e == rank ? 0 : -1);
+  a.master_ptrs = {0x9000u + 0x1000u * static_cast<unsigned>(rank)};
+  g_refs[rank] = {Ref{(rank + 1) % world, 0}};
+  g_tasks[rank].assign(static_cast<size_t>(n), Task{1, 0, 0, rank, 0, 0, 1, 0, 0, 256, Ref{rank, kMaster}});
+  a.tasks = g_tasks[rank].data();
+  a.num_tasks = n;
+  a.refs = g_refs[rank].data();
+  a.num_refs = 1;
+  return a;
+}
+
 static ExecArgs one_rank(int rank, int world) {
   ExecArgs a;
   a.op = Op::kMulticast;
@@ -183,15 +221,46 @@ int main(int argc, char** argv) {
       if (sc == "plan_upload_sync_fails") g_fail_sync = cudaErrorLaunchFailure;
       gpu::DevicePlan plan({one_rank(0, 2), one_rank(1, 2)});
       log("plan ready " + std::to_string(plan.bytes()));
-    } else if (sc.rfind("launch_", 0) == 0) {  // launch_<nranks>_<ctas_per_rank>
+    } else if (sc.rfind("launch_", 0) == 0) {  // launch_<nranks>_<ctas_per_rank> [tasks of rank 0, 1, ...]
       int nranks = 0, ctas = 0;
       std::sscanf(sc.c_str(), "launch_%d_%d", &nranks, &ctas);
       std::vector<ExecArgs> ranks;
-      for (int r = 0; r < nranks; ++r) ranks.push_back(one_rank(r, nranks));
+      for (int r = 0; r < nranks; ++r) {
+        const int n = r + 2 < argc ? std::atoi(argv[r + 2]) : 1;  // every rank busy unless told
+        ranks.push_back(n > 0 ? busy_rank(r, nranks, n) : one_rank(r, nranks));
+      }
       gpu::DevicePlan plan(ranks);
       gpu::Runner runner(0);
       g_log.clear();
-      runner.launch(plan, 1, ctas, nullptr, 0);
+      runner.launch(plan, gpu::rank_tasks(ranks), 1, ctas, nullptr, 0);
+    } else if (sc == "ctas") {  // ctas <ctas_per_rank> <max_grid> <tasks of rank 0, 1, ...>: the rule alone
+      const int ctas = std::atoi(argv[2]);
+      const int64_t max_grid = std::atoll(argv[3]);
+      std::vector<int64_t> tasks;
+      for (int i = 4; i < argc; ++i) tasks.push_back(std::atoll(argv[i]));
+      std::string line = "launch_ctas";
+      for (const int32_t c : gpu::launch_ctas(tasks, ctas)) line += " " + std::to_string(c);
+      log(line);
+      log("max_ctas_per_rank " + std::to_string(gpu::max_ctas_per_rank(tasks, max_grid)));
+    } else if (sc.rfind("arena_uniform_", 0) == 0) {  // arena_uniform_<ctas>: 3 entries, tasks on rank 0 only
+      gpu::PlanBounds b;
+      b.nranks = 3;
+      b.world = 3;
+      b.num_experts = 3;
+      b.masters = 1;
+      b.slots = 1;
+      b.tasks[0] = b.tasks[1] = 2;
+      b.refs[0] = b.refs[1] = 2;
+      gpu::Runner runner(0);
+      gpu::PlanArena arena(0, 1, b);
+      std::vector<ExecArgs> plan{busy_rank(0, 3, 1), one_rank(1, 3), one_rank(2, 3)};
+      for (int r = 1; r < 3; ++r) {
+        plan[r].local_index_of = {-1, -1, -1};
+        plan[r].local_index_of[r] = 0;
+        plan[r].master_ptrs = {0x9000u + 0x1000u * r};
+      }
+      g_log.clear();
+      runner.launch(arena, 0, Op::kMulticast, &plan, 1, std::atoi(sc.c_str() + 14), nullptr, 0);
     } else if (sc == "arena" || sc == "arena_capture" || sc == "arena_behind" || sc == "arena_over") {
       g_views = true;
       gpu::PlanBounds b;
@@ -316,7 +385,7 @@ int main(int argc, char** argv) {
       gpu::DevicePlan red({r});
       gpu::Runner runner(0);
       g_log.clear();
-      runner.launch(red, 1, 2, nullptr, kReduceStaged);
+      runner.launch(red, {1}, 1, 2, nullptr, kReduceStaged);
     } else if (sc.rfind("streams", 0) == 0) {  // streams <op><handle> ...: one launch each
       gpu::DevicePlan mc({one_rank(0, 1)});
       ExecArgs r = one_rank(0, 1);
@@ -326,7 +395,7 @@ int main(int argc, char** argv) {
       g_log.clear();
       for (int i = 2; i < argc; ++i) {
         const uintptr_t h = std::strtoull(argv[i] + 1, nullptr, 10);
-        runner.launch(argv[i][0] == 'm' ? mc : red, 1, 1, reinterpret_cast<cudaStream_t>(h), 0);
+        runner.launch(argv[i][0] == 'm' ? mc : red, {1}, 1, 1, reinterpret_cast<cudaStream_t>(h), 0);
       }
     }
   } catch (const std::exception& e) {

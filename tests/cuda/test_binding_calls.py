@@ -40,7 +40,16 @@ CUDA_FACTORIES = {"cuda_runtime", "cuda_module"}
 CLASS_RECEIVERS = {"runner": "Runner", "_runner": "Runner", "arena": "PlanArena", "_arena": "PlanArena"}
 #: their methods (csrc/cuda/bind_cuda.cpp), to tell them from other runners' where the file does not hold _cuda
 CLASS_METHODS = {
-    "Runner": {"launch", "launch_slot", "build_slot", "write_template", "take_error", "max_coresident"},
+    "Runner": {
+        "launch",
+        "launch_slot",
+        "build_slot",
+        "write_template",
+        "take_error",
+        "max_coresident",
+        "launch_ctas",
+        "max_ctas_per_rank",
+    },
     "PlanArena": {"build_result", "retire"},
 }
 

@@ -242,6 +242,36 @@ def test_sass_no_noncoherent_loads(compiled, arch):
         assert not bad, (name, arch, bad)
 
 
+#: where the kernel parameters start in constant bank 0, per architecture (the ABI's; a toolkit
+#: that moves them fails the test below with the offsets it found)
+PARAM_BASE = {80: 0x160, 90: 0x210, 100: 0x380}
+PERSISTENT_ARGS_BYTES = 48 + 4 * 64  # persistent_args.h PersistentArgs: the header, cta_end[kMaxLoopbackRanks]
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch", [80, 90, 100])
+def test_sass_rank_lookup_reads_the_parameter_space(compiled, arch):
+    # the per-rank CTA layout (PersistentArgs::cta_end, indexed by a runtime rank in cta_rank) is
+    # read from the __grid_constant__ parameter itself: LDC with a register index into constant
+    # bank 0 within the parameter block; never a local copy of the struct (no LDL/STL, no stack
+    # frame), and every persistent kernel stays within the 128 registers of two CTAs an SM
+    if arch not in cb.real_archs():
+        pytest.skip(f"sm_{arch} not built")
+    lo, hi = PARAM_BASE[arch], PARAM_BASE[arch] + PERSISTENT_ARGS_BYTES
+    kernels = {f: t for f, t in cb.kernel_sass(_sass_or_skip(compiled, "k_persistent", arch)).items()}
+    assert len(kernels) == 6, sorted(kernels)
+    for fn, text in kernels.items():
+        indexed = [int(d, 16) for d in re.findall(r"\bLDC(?:\.\w+)*\s+R\d+,\s*c\[0x0\]\[R\d+\+0x([0-9a-f]+)\]", text)]
+        assert [d for d in indexed if lo <= d < hi], (fn, [hex(d) for d in indexed])
+        assert not re.search(r"\b(LDL|STL)(\.\w+)*\s", text), fn
+    regs = {
+        f: int(re.search(r"Used (\d+) registers", p).group(1))
+        for (a, f), p in cb.ptxas_functions(compiled["k_persistent"].log).items()
+        if a == f"sm_{arch}" and "k_persistent" in f
+    }
+    assert len(regs) == 6 and max(regs.values()) <= 128, regs
+
+
 @needs_nvcc
 @pytest.mark.parametrize("arch", [80, 90, 100])
 def test_sass_join_by_first_ticket(compiled, arch):

@@ -88,12 +88,79 @@ def test_plan_upload_failure_frees_and_names_the_call(probe):
 
 
 def test_loopback_launch_is_cooperative_with_the_movers_shared_memory(probe):
-    # sm_90 stub device: TmaMover's 4 x 16 KiB stages + 4 mbarriers of dynamic shared memory
-    assert calls(probe, "launch_2_4")[0] == "launch grid 8 smem 65568 cooperative s0"
+    # sm_90 stub device: TmaMover's 4 x 16 KiB stages + 4 mbarriers of dynamic shared memory; both
+    # ranks have a task: ctas_per_rank each (the stub reads the layout back through cta_rank)
+    assert calls(probe, "launch_2_4")[0] == "launch grid 8 smem 65568 cooperative s0 ctas 4,4 uniform"
+
+
+def test_rank_without_tasks_gets_one_cta(probe):
+    # a host-built plan (DevicePlan): ranks with >= 1 task get ctas_per_rank CTAs, ranks with none
+    # one (they join and drain); the grid is the sum and the kernel's cta_rank maps it back
+    assert calls(probe, "launch_3_100", "1", "0", "0")[0] == "launch grid 102 smem 65568 cooperative s0 ctas 100,1,1"
+    assert calls(probe, "launch_3_100", "64", "0", "0")[0] == "launch grid 102 smem 65568 cooperative s0 ctas 100,1,1"
+    assert calls(probe, "launch_4_100", "0", "3", "0", "1")[0] == (
+        "launch grid 202 smem 65568 cooperative s0 ctas 1,100,1,100"
+    )
+    # no rank with a task: one CTA each, whatever ctas_per_rank says
+    assert calls(probe, "launch_3_40", "0", "0", "0")[0] == "launch grid 3 smem 65568 cooperative s0 ctas 1,1,1 uniform"
+    assert calls(probe, "launch_1_4", "0")[0] == "launch grid 1 smem 65568 plain s0"
+
+
+def test_coresidency_counts_the_whole_grid(probe):
+    # 264 co-resident on the stub (2 x 132 SMs): 262 on rank 0 + 1 per idle rank fits, 263 does not,
+    # and the message says what the grid is made of
+    assert calls(probe, "launch_3_262", "5", "0", "0")[0] == ("launch grid 264 smem 65568 cooperative s0 ctas 262,1,1")
+    log = calls(probe, "launch_3_263", "5", "0", "0")
+    assert not [line for line in log if line.startswith("launch ")], log
+    assert log[-1] == (
+        "threw ultracomm._cuda.Runner.launch: a loopback launch of 3 ranks (1 with tasks x 263 CTAs, 2 without "
+        "x 1 CTA) = 265 CTAs cannot be co-resident on device 0 (at most 264 on its 132 SMs); every rank's CTAs "
+        "must run at once, lower ctas_per_rank"
+    ), log
+
+
+def test_arena_launch_stays_uniform(probe):
+    # a plan arena's plans may be built on the device: task counts unknown on the host, every rank
+    # gets ctas_per_rank even where the uploaded entry has no task (ranks 1 and 2 here)
+    log = calls(probe, "arena_uniform_4")
+    assert [c for c in log if c.startswith("launch ")] == [
+        "launch grid 12 smem 65568 cooperative s0 ctas 4,4,4 uniform"
+    ]
+    assert calls(probe, "arena_uniform_100")[-1] == (
+        "threw ultracomm._cuda.Runner.launch: a loopback launch of 3 ranks x 100 CTAs = 300 CTAs cannot be "
+        "co-resident on device 0 (at most 264 on its 132 SMs); every rank's CTAs must run at once, lower "
+        "ctas_per_rank"
+    )
+
+
+@pytest.mark.parametrize(
+    "ctas, max_grid, tasks, want, top",
+    [
+        (4, 264, [64, 0, 0], [4, 1, 1], 262),  # the bench's reduce: tasks on rank 0 only
+        (4, 264, [1, 1, 1], [4, 4, 4], 88),  # uniform when every rank is busy: the old max // world
+        (7, 264, [0, 5, 0, 5], [1, 7, 1, 7], 131),
+        (3, 264, [0, 0], [1, 1], 264),  # nothing to claim: every launch is one CTA a rank
+        (1, 2, [0, 0, 0], [1, 1, 1], 0),  # not even one CTA a rank fits
+        (2, 2, [9], [2], 2),
+        (5, 10, [3, 0], [5, 1], 9),
+    ],
+)
+def test_launch_ctas_rule_and_the_largest_fitting_ctas_per_rank(probe, ctas, max_grid, tasks, want, top):
+    log = calls(probe, "ctas", str(ctas), str(max_grid), *map(str, tasks))
+    assert log == ["launch_ctas " + " ".join(map(str, want)), f"max_ctas_per_rank {top}"], log
+    if top and any(tasks):  # the largest one fits and the next does not (the rule written out)
+        assert [sum(c if t else 1 for t in tasks) <= max_grid for c in (top, top + 1)] == [True, False]
+
+
+def test_launch_ctas_refuses_bad_input(probe):
+    assert calls(probe, "ctas", "0", "264", "1")[-1] == (
+        "threw ultracomm._cuda.launch_ctas: ctas_per_rank must be >= 1"
+    )
+    assert calls(probe, "ctas", "2", "264", "-1")[-1] == "threw ultracomm._cuda.launch_ctas: a task count is negative"
 
 
 def test_one_rank_launch_is_plain(probe):
-    assert calls(probe, "launch_1_4")[0] == "launch grid 4 smem 65568 plain s0"
+    assert calls(probe, "launch_1_4")[0] == "launch grid 4 smem 65568 plain s0"  # its rank has a task
 
 
 def test_staged_reduce_launches_on_sm90_and_is_refused_before(probe):

@@ -514,14 +514,62 @@ def _two_ranks(nbytes, chunk):
 
 
 def test_loopback_refuses_a_grid_that_cannot_be_coresident():
+    # the multicast has tasks on rank 0 only: rank 1 gets one CTA, rank 0 all the others
     _require_cuda()
     d, tasks, refs, parent = _two_ranks(64, 64)
     gpu = GpuCopy(d)
     plan = gpu.plan(Op.MULTICAST, tasks, refs, parent)
-    world = d.world
-    too_many = gpu.lb.runner.max_coresident(0) // world + 1
-    with pytest.raises(ValueError, match="cannot be co-resident"):
-        gpu.lb.launch(plan, 1, ctas_per_rank=too_many)
+    top = gpu.lb.max_ctas_per_rank(plan)
+    assert top == gpu.lb.runner.max_coresident(0) - 1 and gpu.lb.launch_ctas(plan, top) == [top, 1]
+    with pytest.raises(
+        ValueError, match=r"2 ranks \(1 with tasks x \d+ CTAs, 1 without x 1 CTA\).*cannot be co-resident"
+    ):
+        gpu.lb.launch(plan, 1, ctas_per_rank=top + 1)
+
+
+@pytest.mark.parametrize("op", [Op.MULTICAST, Op.REDUCE])
+@pytest.mark.parametrize("grid", ["sms", "past_sms", "coresident"])
+@pytest.mark.parametrize("reduce_path", ["hunk", "tma"])
+def test_busy_rank_with_many_ctas_idle_ranks_with_one_bit_exact(op, grid, reduce_path):
+    """A home pushing to / pulling from k = 3 replicas (tasks on rank 0 only): rank 0 runs many CTAs,
+    each replica one (join and drain), so the last of rank 0's CTAs out of run_tasks must count
+    rank 0's own CTAs before it drains.  Grids: exactly the SM count (deep TMA ring), one past it
+    (the shared ring), every co-resident CTA; bit-exact with the host executor."""
+    _require_cuda()
+    _require_reduce_path(reduce_path)
+    if op == Op.MULTICAST and reduce_path == "tma":
+        pytest.skip("reduce_path only changes reductions")
+    world, dtype = 4, torch.float32
+    trees = [(0, 0, {(0, MASTER): [(r, 0) for r in range(1, world)]})]
+    d = Domain(
+        world,
+        1,
+        [300001, 16411],
+        [70001, 16411],
+        chunk=256 * 1024,
+        grad_dtype=dtype,
+        num_experts=1,
+        home_of=[0],
+        my_slots=_slots_of(world, 1, trees),
+        seed=7,
+    )
+    parent = _parents(world, 1, trees)
+    kind = TaskKind.COPY if op == Op.MULTICAST else TaskKind.REDUCE
+    tasks, refs = tasks_from_trees(world, trees, d.wsb if op == Op.MULTICAST else d.gsb, d.chunk, kind)
+    assert [len(t) > 0 for t in tasks] == [True, False, False, False]
+    gpu = GpuCopy(d)
+    plan = gpu.plan(op, tasks, refs, parent)
+    sms = gpu.lb.runner.sm_count
+    ctas = {"sms": sms - (world - 1), "past_sms": sms - (world - 1) + 1, "coresident": gpu.lb.max_ctas_per_rank(plan)}[
+        grid
+    ]
+    assert gpu.lb.launch_ctas(plan, ctas) == [ctas, 1, 1, 1]
+    gpu.lb.launch(plan, 1, ctas_per_rank=ctas, reduce_path=reduce_path)
+    gpu.wait()
+    gpu.lb.check_error()
+    errs = d.run_host(op, tasks, refs, 1, parent)
+    assert all(e is None for e in errs.values()), errs
+    assert_same_bytes(d, gpu)
 
 
 def test_plan_validation_rejects_bad_tasks_before_anything_moves():

@@ -1,8 +1,12 @@
 """One-GPU loopback domains on the CUDA executor: every rank's window lives on one device and
-ONE launch of the persistent kernel runs all ranks (grid = world x ctas_per_rank, all CTAs
-co-resident: the launch is cooperative and refused if they cannot all be resident), so a
-spinning rank can never starve a rank that was not scheduled.  This is the test vehicle of
-the ``gpu`` tests and the GPU microbenchmarks.
+ONE launch of the persistent kernel runs all ranks (all CTAs co-resident: the launch is
+cooperative and refused if they cannot all be resident), so a spinning rank can never starve a
+rank that was not scheduled.  The grid: ``ctas_per_rank`` CTAs for each rank with at least one
+task in the plan, ONE for each rank without (it only joins and drains; tasks are claimed
+dynamically, so more CTAs would only spin) -- ``CudaLoopback.launch_ctas`` lists them.  An
+operation with tasks on one rank (a pushed multicast, a pulled reduce) can so give that rank
+nearly every co-resident CTA (``max_ctas_per_rank``), as a rank owning a whole GPU would have.
+This is the test vehicle of the ``gpu`` tests and the GPU microbenchmarks.
 
 Data in, data out, as the host executor: ``windows[r]`` is rank r's window (a uint8 CUDA
 tensor of ``wlayout["total_bytes"]``, laid out by ``_core.window_layout``), the per-rank
@@ -120,6 +124,18 @@ class CudaLoopback:
             )
         return self._cuda.DevicePlan(ranks, self.device)
 
+    def launch_ctas(self, plan, ctas_per_rank: int) -> list[int]:
+        """The CTAs ``launch(plan, ..., ctas_per_rank=...)`` gives each rank, in rank order:
+        ``ctas_per_rank`` where the plan has a task, 1 where it has none (``_cuda.Runner.launch_ctas``,
+        the rule the launch itself applies); the grid is their sum."""
+        return list(self.runner.launch_ctas(plan, int(ctas_per_rank)))
+
+    def max_ctas_per_rank(self, plan) -> int:
+        """The largest ``ctas_per_rank`` whose launch of ``plan`` is co-resident on this device
+        (its whole grid, ``sum(launch_ctas(plan, c))``, within ``runner.max_coresident`` of the
+        plan's grad dtype); 0 when not even one CTA a rank fits."""
+        return int(self.runner.max_ctas_per_rank(plan, int(self.runner.max_coresident(plan.grad_dtype))))
+
     def launch(
         self,
         plan,
@@ -132,6 +148,8 @@ class CudaLoopback:
         reduce_path: str = "hunk",
     ) -> None:
         """Enqueue ``plan`` at ``epoch`` on ``stream`` (default: the device's current stream).
+        ``ctas_per_rank``: the CTAs of each rank with at least one task in ``plan``; a rank with
+        none gets one (``launch_ctas``); ValueError if the whole grid cannot be co-resident.
         ``force_vector`` moves every byte through the vector path also on sm_90+ (benchmarks);
         ``reduce_path``: ``"hunk"`` (register hunks) or ``"tma"`` (TMA-staged, sm_90+; see
         :mod:`ultracomm.transports.tma`)."""

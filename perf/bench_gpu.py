@@ -1290,7 +1290,7 @@ class Gpu:
                     0,
                     0,
                     0,
-                    "persistent launch, world 1" + (", cpu-bound" if cpu else ""),
+                    "persistent launch, world 1, one CTA (no task)" + (", cpu-bound" if cpu else ""),
                     dict(timing="eager"),
                 )
             )
@@ -1306,7 +1306,7 @@ class Gpu:
                     0,
                     0,
                     0,
-                    graph_note(LAUNCH_PER_GRAPH, LAUNCH_REPLAYS, "persistent launch, world 1"),
+                    graph_note(LAUNCH_PER_GRAPH, LAUNCH_REPLAYS, "persistent launch, world 1, one CTA (no task)"),
                     gextra,
                 )
             )
@@ -1775,7 +1775,7 @@ class Gpu:
         d = self.domain(n + 1, one_expert(n), size, self.torch.float32, relay_mode="off", **cfg)
         try:
             t, cpu, wrong = d.timed_multicast(self.timer)
-            ctas, capped, tasks, chunk = d.ctas, d.capped, d.num_tasks("multicast"), d.sched.chunk_bytes
+            (note, ctas, grid), tasks, chunk = d.cta_note("multicast"), d.num_tasks("multicast"), d.sched.chunk_bytes
         finally:
             d.close()
         return Row(
@@ -1787,8 +1787,8 @@ class Gpu:
             n * size,
             (1 + n) * size,
             wrong,
-            f"{ctas} CTAs/rank" + (" (co-residency cap)" if capped else "") + (", cpu-bound" if cpu else ""),
-            dict(ctas=ctas, tasks=tasks, chunk=chunk),
+            note + (", cpu-bound" if cpu else ""),
+            dict(ctas=ctas, tasks=tasks, chunk=chunk, grid=grid),
         )
 
     def run_fanout(self) -> None:
@@ -1903,15 +1903,24 @@ class Gpu:
             row.note += f", {100 * row.extra['vs_hunk']:.1f}% of tile mover's rate"
         return row
 
+    def reduce_sweep_ctas(self) -> list[int]:
+        """reduce_sweep's CTA counts: 1..32, then the device's SM count (the all-SM rows issue 34's
+        "reduce with every SM vs torch.sum" reads: rank 0 holds every task of the pulled reduce, the k
+        idle ranks one CTA each, so the grid is SMs + k and runs the shared TMA ring)."""
+        ctas = [1, 2, 4, 8, 16, 32] if self.quick else [1, 2, 4, 8, 12, 16, 23, 32]
+        sms = self.info.get("sms")
+        return ctas + ([int(sms)] if sms and int(sms) not in ctas else [])
+
     def run_reduce_sweep(self) -> None:
-        """Reduce CTA sweep (issue 34): one rank's reduce at 1..32 CTAs, k=2 fp32 and k=8 fp16/bf16
-        (64 MiB of output; 16 MiB with --quick), each row with its traffic per CTA ((k + 2) x S / time /
-        CTAs: the per-SM rate the SM budget needs)."""
+        """Reduce CTA sweep (issue 34): one rank's reduce at 1..32 CTAs and at the device's SM count,
+        k=2 fp32 and k=8 fp16/bf16 (64 MiB of output, as the reduce section's torch.sum rows; 16 MiB
+        with --quick), each row with its traffic per CTA ((k + 2) x S / time / CTAs: the per-SM rate
+        the SM budget needs)."""
         torch = self.torch
         size = (16 * MiB) if self.quick else (64 * MiB)
         dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
         for k, name in ((2, "fp32"), (8, "bf16"), (8, "fp16")):
-            for ctas in (1, 2, 4, 8, 16, 32) if self.quick else (1, 2, 4, 8, 12, 16, 23, 32):
+            for ctas in self.reduce_sweep_ctas():
                 case = f"k={k} {name} {ctas} CTAs"
                 if self.late("reduce_sweep", case):
                     return
@@ -1936,7 +1945,7 @@ class Gpu:
             want = d.seed_grads()  # the timed runs accumulated: check one more from a fresh state
             d.run("reduce")
             wrong = w0 + d.reduce_wrong(want)
-            used, capped = d.reduce_ctas, d.capped
+            note, used, grid = d.cta_note("reduce")
         finally:
             d.close()
         return Row(
@@ -1948,8 +1957,8 @@ class Gpu:
             nbytes,
             (k + 2) * nbytes,
             wrong,
-            f"{used} CTAs/rank" + (" (co-residency cap)" if capped else "") + (", cpu-bound" if cpu else ""),
-            dict(k=k, dtype=name, ctas=used, reduce_path=path),
+            note + (", cpu-bound" if cpu else ""),
+            dict(k=k, dtype=name, ctas=used, reduce_path=path, grid=grid),
         )
 
     def run_relay(self) -> None:
@@ -2287,10 +2296,13 @@ def ordered_sum(torch, stacked):
 class Loopback:
     """A one-GPU loopback domain of ``world`` ranks holding one expert of ``nbytes`` (weights and
     grads, slot 0), over the schedule ultracomm builds for the plan, run by
-    ``ultracomm.cuda.loopback`` (``transport="tma"``: all ranks in ONE persistent launch; CTAs per
-    rank: ``ctas`` / ``reduce_ctas`` when given, else what a Context would use
-    (``ultracomm.cuda.sm_budget``)) or by one ``copy_engine`` transport per rank (multicast only; the
-    rank completing each set enqueues every rank's commands, as in a Context)."""
+    ``ultracomm.cuda.loopback`` (``transport="tma"``: all ranks in ONE persistent launch; CTAs of
+    each rank with a task in the op: ``multicast_sms`` / ``reduce_sms`` when given, else what a
+    Context would use (``ultracomm.cuda.sm_budget``), capped so the whole grid is co-resident; a
+    rank with no task gets one CTA (``CudaLoopback.launch_ctas``), so rank 0 of a pushed multicast
+    or a pulled reduce may have every co-resident CTA but one per idle rank) or by one
+    ``copy_engine`` transport per rank (multicast only; the rank completing each set enqueues every
+    rank's commands, as in a Context)."""
 
     def __init__(
         self,
@@ -2353,12 +2365,6 @@ class Loopback:
         cfg = Config()
         mc, rd = choices_for_device(multicast_sms, reduce_sms, cfg.intra_bw, gpu.info["sms"], gpu.info["name"])
         self.lb = CudaLoopback(world, self.wl, self.windows, timeout_s=timeout_s)
-        # one launch runs every rank: all world x CTAs must be co-resident (the launch is cooperative)
-        code = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}[grad_dtype]
-        cap_mc = max(1, self.lb.runner.max_coresident(0) // world)
-        cap_rd = max(1, self.lb.runner.max_coresident(code) // world)
-        self.ctas, self.reduce_ctas = min(mc.sms, cap_mc), min(rd.sms, cap_rd)
-        self.capped = self.ctas < mc.sms or self.reduce_ctas < rd.sms
         slots = [plan.slot_src[r].tolist() for r in range(world)]
         lio = [plan.local_index_of.tolist()] * world
         self.plans = {}
@@ -2379,6 +2385,43 @@ class Loopback:
                 slot_parent=[p.tolist() for p in self.sched.tree(op)[0]],
                 digest=self.sched.digest,
             )
+        # one launch runs every rank, all its CTAs co-resident (the launch is cooperative): ranks with
+        # a task get ctas_per_rank, ranks without one, so the cap is what the whole grid leaves
+        # (CudaLoopback.max_ctas_per_rank), not max_coresident // world
+        cap_mc = max(1, self.lb.max_ctas_per_rank(self.plans[Op.MULTICAST]))
+        cap_rd = max(1, self.lb.max_ctas_per_rank(self.plans[Op.REDUCE]))
+        self.ctas, self.reduce_ctas = min(mc.sms, cap_mc), min(rd.sms, cap_rd)
+        self.op_capped = {"multicast": self.ctas < mc.sms, "reduce": self.reduce_ctas < rd.sms}
+        self.capped = any(self.op_capped.values())
+
+    def launch_layout(self, op: str) -> list[int]:
+        """CTAs of each rank in one launch of ``op`` (``CudaLoopback.launch_ctas``, the rule the launch
+        applies); [] for the copy_engine transport."""
+        if self.lb is None:
+            return []
+        return self.lb.launch_ctas(self.plans[self.ops[op]], self.ctas if op == "multicast" else self.reduce_ctas)
+
+    def cta_note(self, op: str) -> tuple[str, int, int]:
+        """(note, rank 0's CTAs, grid) of one launch of ``op``: "N CTAs/rank" when every rank has a
+        task, else "N CTAs on rank 0, 1 per idle rank" (or on each rank with a task); the
+        co-residency cap when it lowered the count; the grid when it exceeds the SMs (a loopback
+        grid larger than the SM count runs the shared, shallower TMA ring)."""
+        ctas = self.launch_layout(op)
+        grid = sum(ctas)
+        busy = [r for r in range(self.world) if len(self.sched.tasks(self.ops[op], r))]
+        n = self.ctas if op == "multicast" else self.reduce_ctas
+        if len(busy) == self.world:
+            note = f"{n} CTAs/rank"
+        elif busy == [0]:
+            note = f"{n} CTAs on rank 0, 1 per idle rank"
+        else:
+            note = f"{n} CTAs on each of {len(busy)} ranks with tasks, 1 per idle rank"
+        if self.op_capped[op]:
+            note += " (co-residency cap)"
+        sms = self.gpu.info.get("sms")
+        if self.world > 1 and sms and grid > sms and self.lb.runner.mover == "tma":
+            note += f", grid {grid} > {sms} SMs: shared ring"
+        return note, (ctas[0] if ctas else 0), grid
 
     def _copy_engine(self, plan, layout, timeout_s: float) -> None:
         """One CopyEngineTransport per rank over cuda_local-like windows (every rank's window on
@@ -2392,7 +2435,7 @@ class Loopback:
         bases = [w.data_ptr() for w in self.windows]
         n = self.glayout[0]
         self.ctas = self.reduce_ctas = 0
-        self.capped = False
+        self.capped, self.op_capped = False, {"multicast": False, "reduce": False}
         self.slots = [plan.slot_src[r].tolist() for r in range(self.world)]
         self.lio = plan.local_index_of.tolist()
         self.masters = [Masters.of((self.weights[r].view(1, n),), None, 1, ["w"]) for r in range(self.world)]

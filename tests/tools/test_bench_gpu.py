@@ -961,3 +961,130 @@ def test_lb_domain_arguments_run_bit_exact_on_the_host_executor():
     assert d.slot(0, 0, 0).dtype == dts[0] and d.slot(0, 0, 2).numel() == 16
     d.close()
     assert d.windows == []
+
+
+# ----------------------------------------------------------------------------- loopback CTA layout
+
+
+def _rule_module():
+    """The compiled rule (``_cuda.launch_ctas`` / ``max_ctas_per_rank``: no device needed), or skip."""
+    from ultracomm.cuda.support import cuda_module
+
+    cuda = cuda_module()
+    if cuda is None or not hasattr(cuda, "max_ctas_per_rank"):
+        pytest.skip("ultracomm._cuda (with launch_ctas) is not built here")
+    return cuda
+
+
+def cpu_loopback(monkeypatch, launches):
+    """CudaLoopback over CPU tensors whose plans only count tasks and whose runner applies the compiled
+    CTA rule (the bench's cap and notes go through CudaLoopback.launch_ctas / max_ctas_per_rank)."""
+    import types
+
+    import ultracomm.cuda.loopback as cl
+
+    cuda = _rule_module()
+    runner = types.SimpleNamespace(
+        mover="tma",
+        max_coresident=lambda dtype=0: 264,  # 2 x 132 SMs
+        launch_ctas=lambda plan, c: cuda.launch_ctas(plan.rank_tasks, c),
+        max_ctas_per_rank=lambda plan, grid: cuda.max_ctas_per_rank(plan.rank_tasks, grid),
+    )
+
+    class CpuLoopback(cl.CudaLoopback):
+        def __init__(self, world, wlayout, windows, *, timeout_s=10.0):
+            self.world, self.wlayout, self.windows, self.device, self.timeout_s = world, wlayout, windows, 0, timeout_s
+            self.runner, self._names = runner, {}
+
+        def plan(self, op, *, tasks, grad_dtype=0, **kw):
+            return types.SimpleNamespace(
+                op=int(op), rank_tasks=[len(t) for t in tasks], grad_dtype=cl._dtype_code(grad_dtype)
+            )
+
+        def launch(self, plan, epoch, *, ctas_per_rank=4, **kw):
+            launches.append((plan.op, ctas_per_rank, self.launch_ctas(plan, ctas_per_rank)))
+
+    monkeypatch.setattr(cl, "CudaLoopback", CpuLoopback)
+
+
+def test_loopback_caps_rank_0_by_the_whole_grid_not_max_coresident_over_world(monkeypatch):
+    """k=2: the pushed multicast and the pulled reduce have tasks on rank 0 only, so rank 0 may have
+    264 - 2 co-resident CTAs (not 264 // 3 = 88); the notes say the layout, the cap per op and the
+    shared ring of a grid beyond the SMs; extra ctas is rank 0's, extra grid the whole launch's."""
+    import types
+
+    import torch
+
+    import ultracomm
+
+    launches: list = []
+    cpu_loopback(monkeypatch, launches)
+    g = types.SimpleNamespace(torch=torch, uc=ultracomm, dev=torch.device("cpu"), info=dict(sms=132, name="x"))
+    d = bg.Loopback(
+        g, 3, bg.one_expert(2), 3 * 4096, torch.float32, chunk_bytes=4096, multicast_sms=300, reduce_sms=132
+    )
+    assert [len(d.sched.tasks(d.ops[op], r)) > 0 for op in ("multicast", "reduce") for r in range(3)] == [
+        True, False, False, True, False, False,
+    ]  # fmt: skip
+    assert (d.ctas, d.reduce_ctas, d.capped) == (262, 132, True)
+    assert d.cta_note("multicast") == (
+        "262 CTAs on rank 0, 1 per idle rank (co-residency cap), grid 264 > 132 SMs: shared ring",
+        262,
+        264,
+    )
+    assert d.cta_note("reduce") == ("132 CTAs on rank 0, 1 per idle rank, grid 134 > 132 SMs: shared ring", 132, 134)
+    d.run("reduce")
+    d.run("multicast")
+    assert launches == [(1, 132, [132, 1, 1]), (0, 262, [262, 1, 1])]
+    d = bg.Loopback(g, 3, bg.one_expert(2), 3 * 4096, torch.float32, chunk_bytes=4096, multicast_sms=8, reduce_sms=130)
+    assert d.cta_note("multicast") == ("8 CTAs on rank 0, 1 per idle rank", 8, 10)
+    assert d.cta_note("reduce") == ("130 CTAs on rank 0, 1 per idle rank", 130, 132)  # 132 CTAs: the deep ring
+
+
+def test_loopback_every_rank_busy_keeps_ctas_per_rank(monkeypatch):
+    """Each rank homes an expert replicated on the next: every rank has tasks, the grid is uniform and
+    the cap is the old max_coresident // world."""
+    import types
+
+    import numpy as np
+    import torch
+
+    import ultracomm
+
+    cpu_loopback(monkeypatch, [])
+    g = types.SimpleNamespace(torch=torch, uc=ultracomm, dev=torch.device("cpu"), info=dict(sms=132, name="x"))
+    ring = np.array([[1], [2], [0]], np.int32)  # rank r holds a replica of rank r+1's expert
+    d = bg.Loopback(g, 3, ring, 4096, torch.float32, chunk_bytes=4096, multicast_sms=100, reduce_sms=100)
+    assert (d.ctas, d.reduce_ctas) == (88, 88)
+    assert d.cta_note("reduce") == ("88 CTAs/rank (co-residency cap), grid 264 > 132 SMs: shared ring", 88, 264)
+
+
+def test_reduce_rows_carry_rank_0s_ctas_and_the_grid():
+    """mover_reduce's row: extra ctas = rank 0's CTAs, extra grid = the launch's, the note the domain's."""
+
+    class Domain:
+        def run(self, op):
+            pass
+
+        def seed_grads(self):
+            return None
+
+        def reduce_wrong(self, want):
+            return 0
+
+        def check(self):
+            pass
+
+        def close(self):
+            pass
+
+        def cta_note(self, op):
+            assert op == "reduce"
+            return "132 CTAs on rank 0, 1 per idle rank, grid 134 > 132 SMs: shared ring", 132, 134
+
+    g = stub_gpu(timer=lambda fn, **kw: (fn(), (1e-3, False))[1])
+    g.domain = lambda *a, **k: Domain()
+    r = g.mover_reduce("k=2 fp32 132 CTAs", 2, None, 64 * MiB, "fp32", 132, "hunk")
+    assert r.extra == dict(k=2, dtype="fp32", ctas=132, reduce_path="hunk", grid=134)
+    assert r.note == "132 CTAs on rank 0, 1 per idle rank, grid 134 > 132 SMs: shared ring"
+    assert r.busbw / r.extra["ctas"] == 4 * 64 * MiB / 1e-3 / 132  # per CTA of rank 0, not of the grid

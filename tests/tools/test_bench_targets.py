@@ -412,9 +412,16 @@ def test_sweep_rows_carry_their_task_count():
     plan = uc.ReplicaPlan.make(bg.one_expert(1), experts_per_rank=1)
     d.sched = build_schedule(plan, 256 * MiB, 256 * MiB, chunk_bytes=MiB, relay_mode="off", max_depth=8)
     assert d.num_tasks("multicast") == 256 and d.sched.chunk_bytes == MiB
-    src = open(bg.__file__).read()
-    body = src[src.index("    def mover_multicast(") : src.index("    def run_fanout(")]
-    assert 'd.num_tasks("multicast")' in body and "dict(ctas=ctas, tasks=tasks, chunk=chunk)" in body
+    # the row mover_multicast writes from such a domain: rank 0's CTAs, the tasks, the chunk, the grid
+    import types
+
+    d.cta_note = lambda op: ("16 CTAs on rank 0, 1 per idle rank", 16, 17)
+    d.timed_multicast = lambda timer: (1e-3, False, 0)
+    d.close = lambda: None
+    g = object.__new__(bg.Gpu)
+    g.timer, g.torch, g.domain = None, types.SimpleNamespace(float32="f32"), lambda *a, **k: d
+    r = g.mover_multicast("sweep", "16 CTAs", 1, 256 * MiB, multicast_sms=16)
+    assert r.extra == dict(ctas=16, tasks=256, chunk=MiB, grid=17) and r.note == "16 CTAs on rank 0, 1 per idle rank"
 
 
 def test_not_measured_quotes_what_the_bench_wrote_instead():
@@ -426,3 +433,69 @@ def test_not_measured_quotes_what_the_bench_wrote_instead():
     )
     failed = Row("control", "EP64", "-", 256, None, 0, 0, None, "FAILED: RuntimeError: boom")
     assert "(EP64: FAILED: RuntimeError: boom)" in one([failed], "EP64 k_quota")["line"]
+
+
+# ----------------------------------------------------------------------------- all-SM reduce rows
+
+
+def test_reduce_sweep_runs_every_case_at_the_sm_count_too():
+    """run_reduce_sweep: 1..32 CTAs then the device's SM count (once, even when it is in the list),
+    each through both impls, named "<k> <dtype> <n> CTAs" at the reduce section's 64 MiB (16 MiB
+    with --quick), the size of its torch.sum rows."""
+    got = []
+
+    def reduce_row(section, case, k, dt, size, name, ctas, path):
+        got.append((case, size, ctas, path))
+        return Row(section, case, bg.REDUCE_IMPLS[path], size, None, 0, 0, None, "")
+
+    for quick, sms, size in (
+        (False, 132, 64 * MiB),
+        (True, 132, 16 * MiB),
+        (False, 23, 64 * MiB),
+        (False, None, 64 * MiB),
+    ):
+        g = object.__new__(bg.Gpu)
+        g.rows, g.quick, g.info = [], quick, dict(sms=sms) if sms else {}
+        g.torch = __import__("types").SimpleNamespace(float32="f32", bfloat16="bf16", float16="f16")
+        g.late = lambda *a, **k: False
+        g.reduce_row = reduce_row
+        got.clear()
+        g.run_reduce_sweep()
+        base = [1, 2, 4, 8, 16, 32] if quick else [1, 2, 4, 8, 12, 16, 23, 32]
+        counts = base + ([sms] if sms and sms not in base else [])
+        want = [
+            (f"k={k} {name} {c} CTAs", size, c, path)
+            for k, name in ((2, "fp32"), (8, "bf16"), (8, "fp16"))
+            for c in counts
+            for path in ("hunk", "tma")
+        ]
+        assert got == want, (quick, sms)
+        assert g.reduce_sweep_ctas() == counts
+
+
+def test_reduce_all_sm_reads_the_sweep_rows_at_the_sm_count():
+    """The sweep's rows at the SM count pair with the reduce section's torch.sum row of the same k,
+    dtype and size; rows below the SM count are not all-SM; the worst case counts, each at its
+    better impl; a torch.sum row of another size does not pair."""
+    base = [torch_sum("k=2 fp32", 100.0), torch_sum("k=8 bf16", 100.0), torch_sum("k=8 fp16", 100.0)]
+    sweep = [
+        reduce("k=2 fp32 23 CTAs", HUNK, 100 / 0.5, ctas=23, section="reduce_sweep"),  # not all-SM
+        reduce("k=2 fp32 132 CTAs", HUNK, 100 / 0.88, ctas=132, section="reduce_sweep"),
+        reduce("k=2 fp32 132 CTAs", TMA, 100 / 0.91, ctas=132, section="reduce_sweep"),
+        reduce("k=8 bf16 132 CTAs", HUNK, 100 / 0.95, ctas=132, section="reduce_sweep"),
+        reduce("k=8 fp16 132 CTAs", TMA, 100 / 0.87, ctas=132, section="reduce_sweep"),
+    ]
+    t = one(base + sweep, "reduce with every SM", sms=132)
+    assert t["verdict"] == "PASS" and t["value"] == pytest.approx(0.87)  # fp16 is the worst, at its tma rate
+    assert t["detail"] == f"worst k=8 fp16 at 64M, {TMA}"
+    assert t["rows"] == [f"reduce_sweep / k=8 fp16 132 CTAs / {TMA} (64M)", "reduce / k=8 fp16 / torch.sum (64M)"]
+    sweep[4] = reduce("k=8 fp16 132 CTAs", TMA, 100 / 0.80, ctas=132, section="reduce_sweep")
+    t = one(base + sweep, "reduce with every SM", sms=132)
+    assert t["verdict"] == "MISS" and t["value"] == pytest.approx(0.80)
+    # the quick size against the full-size torch.sum: no pair
+    quick = [reduce("k=2 fp32 132 CTAs", HUNK, 25.0, ctas=132, size=16 * MiB, section="reduce_sweep")]
+    t = one(base + quick, "reduce with every SM", sms=132)
+    assert t["verdict"] == "not measured" and "no torch.sum row for the all-SM rows' case and size" in t["line"]
+    # a 132-CTA row on a 148-SM device is not every SM
+    t = one(base + sweep, "reduce with every SM", sms=148)
+    assert t["verdict"] == "not measured" and "reduce rows ran at <= 132 CTAs of 148 SMs" in t["line"]

@@ -148,46 +148,74 @@ void for_kernel(int grad_dtype, bool staged, Fn&& fn) {
 namespace gpu {
 
 // Both reduce paths use the same ring: the staged reduce adds no shared memory.
-uint32_t persistent_smem_bytes(int cc_major) { return cc_major >= 9 ? dev::TmaMover<>::kSmemBytes : 0; }
 static_assert(dev::TmaMover<true>::kSmemBytes == dev::TmaMover<>::kSmemBytes);
 
-// The shared ring (two CTAs per SM), for loopback grids larger than the SM count.
-uint32_t shared_smem_bytes(uint32_t smem) { return smem == 0 ? 0 : tma_smem_bytes(kTmaStagesShared); }
+namespace {
 
-void setup_persistent(int cc_major) {
-  const int smem = static_cast<int>(persistent_smem_bytes(cc_major));
+// The most static shared memory of the persistent kernels (GroupShared, the view): every ring
+// sits beside it.
+int64_t persistent_static_smem() {
+  int64_t most = 0;
   for (int d = 0; d < 3; ++d)
     for (const bool staged : {false, true})
       for_kernel(d, staged, [&](auto k) {
-        UC_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+        cudaFuncAttributes fa{};
+        UC_CUDA_CHECK(cudaFuncGetAttributes(&fa, k));
+        if (static_cast<int64_t>(fa.sharedSizeBytes) > most) most = static_cast<int64_t>(fa.sharedSizeBytes);
       });
+  return most;
+}
+
+// Bytes of the largest ring of <= cap stages within `room` bytes; 0 under two stages (the mover
+// then copies through the vector path, mover_tma.cuh).
+uint32_t ring_within(int64_t room, int cap) {
+  int s = cap;
+  while (s >= 2 && static_cast<int64_t>(tma_smem_bytes(s)) > room) --s;
+  return s >= 2 ? tma_smem_bytes(s) : 0;
+}
+
+}  // namespace
+
+// The rings follow the device, not its architecture alone: an sm_120 part (RTX Blackwell) runs
+// the sm_100 code with 99 KB per block and 100 KB per SM, where the 6-stage ring (192 KB) would
+// make cudaFuncSetAttribute fail and no Runner could be made.
+PersistentRings setup_persistent(int device, int cc_major) {
+  PersistentRings r;
+  UC_CUDA_CHECK(cudaDeviceGetAttribute(&r.sms, cudaDevAttrMultiProcessorCount, device));
+  if (cc_major >= 9) {  // before sm_90 the kernels run VecMover: no ring
+    int optin = 0, per_sm = 0, reserved = 0;
+    UC_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    UC_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
+    UC_CUDA_CHECK(cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, device));
+    const int64_t fixed = persistent_static_smem();
+    r.deep = ring_within(optin - fixed, kTmaStages);
+    // two CTAs per SM: each gets half the SM's shared memory, less the block's reserve
+    const int64_t half = per_sm / 2 - reserved < optin ? per_sm / 2 - reserved : optin;
+    r.shared = ring_within(half - fixed, kTmaStagesShared);
+  }
+  for (int d = 0; d < 3; ++d)
+    for (const bool staged : {false, true})
+      for_kernel(d, staged, [&](auto k) {
+        UC_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(r.deep)));
+      });
+  return r;
 }
 
 // The lower of the two reduce paths' kernels (the loopback check does not know which will run).
-int persistent_max_coresident(int device, int cc_major, int grad_dtype) {
-  int per_sm = 1 << 30, sms = 0;
+int persistent_max_coresident(const PersistentRings& rings, int grad_dtype) {
+  int per_sm = 1 << 30;
   for (const bool staged : {false, true})
     for_kernel(grad_dtype, staged, [&](auto k) {
-      // a loopback grid may need the shared ring (launch_persistent picks it)
+      // a loopback grid above the SM count runs the shared ring (PersistentRings::pick)
       int n = 0;
-      UC_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k, dev::kThreads,
-                                                                  shared_smem_bytes(persistent_smem_bytes(cc_major))));
+      UC_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k, dev::kThreads, rings.shared));
       per_sm = n < per_sm ? n : per_sm;
     });
-  UC_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  return per_sm * sms;
+  return per_sm * rings.sms;
 }
 
-// A loopback launch (nranks > 1: every CTA must be resident at once) whose grid, every rank's
-// CTAs, is larger than the SM count runs the shared ring (persistent_args.h shared_ring), so two
-// CTAs fit an SM; anything else gets the deep one it was given.
+// smem: the ring the caller picked (PersistentRings::pick).
 void launch_persistent(const PersistentArgs& a, int grad_dtype, uint32_t smem, bool cooperative, cudaStream_t stream) {
-  if (a.nranks > 1 && smem > shared_smem_bytes(smem)) {
-    int device = 0, sms = 0;
-    UC_CUDA_CHECK(cudaGetDevice(&device));
-    UC_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    if (shared_ring(a, sms)) smem = shared_smem_bytes(smem);
-  }
   const bool staged = (a.flags & kReduceStaged) != 0;  // the runner allows it from sm_90 on
   for_kernel(grad_dtype, staged, [&](auto k) {
     cudaLaunchConfig_t cfg{};

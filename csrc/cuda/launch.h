@@ -14,21 +14,32 @@
 
 namespace ultracomm::gpu {
 
-// Per device, once: allow each persistent kernel the dynamic shared memory its mover needs.
-void setup_persistent(int cc_major);
+// The TMA rings of the persistent kernel on one device, as dynamic shared memory bytes (0: no
+// ring, the vector path; always 0 before sm_90): `deep` for one CTA per SM, `shared` for two
+// (loopback grids larger than the SM count), each the most stages (<= kTmaStages /
+// kTmaStagesShared) the device's shared memory holds beside the kernels' static shared memory.
+struct PersistentRings {
+  uint32_t deep = 0;
+  uint32_t shared = 0;
+  int sms = 0;  // the device's SM count
+  // The ring a launch runs: the shared one when its grid, every rank's CTAs, is a loopback grid
+  // larger than the SM count (persistent_args.h shared_ring), else the deep one.
+  uint32_t pick(const PersistentArgs& a) const { return shared_ring(a, sms) ? shared : deep; }
+};
 
-// Dynamic shared memory a launch on a device of compute capability cc_major needs
-// (TmaMover's stages on sm_90+, none for VecMover).
-uint32_t persistent_smem_bytes(int cc_major);
+// Per device, once: size the rings to the device and allow each persistent kernel the deep one.
+PersistentRings setup_persistent(int device, int cc_major);
 
-// CTAs of the persistent kernel for grad_dtype that can be resident at once on `device`
-// (occupancy per SM x SMs): a loopback launch needs all its CTAs co-resident.
-int persistent_max_coresident(int device, int cc_major, int grad_dtype);
+// CTAs of the persistent kernel for grad_dtype that can be resident at once on the device of
+// `rings` (occupancy per SM with the shared ring x SMs): a loopback launch needs all its CTAs
+// co-resident.
+int persistent_max_coresident(const PersistentRings& rings, int grad_dtype);
 
 // Enqueues one persistent launch: grid = launch_grid(a), every rank's CTAs (persistent_args.h
-// set_cta_layout).  grad_dtype selects the instantiation (multicast uses fp32's).  cooperative:
-// launch with the cooperative attribute, which guarantees co-residency or fails (loopback).  A
-// loopback grid larger than the SM count runs the shared (shallower) TMA ring: two CTAs an SM.
+// set_cta_layout), with `smem_bytes` of dynamic shared memory (PersistentRings::pick; the mover
+// sizes its ring from it).  grad_dtype selects the instantiation (multicast uses fp32's).
+// cooperative: launch with the cooperative attribute, which guarantees co-residency or fails
+// (loopback).
 void launch_persistent(const PersistentArgs& a, int grad_dtype, uint32_t smem_bytes, bool cooperative,
                        cudaStream_t stream);
 

@@ -94,8 +94,8 @@ UC_INLINE CtaRank cta_rank(const PersistentArgs& a, int32_t block) {
 UC_INLINE int64_t launch_grid(const PersistentArgs& a) { return a.nranks > 0 ? a.cta_end[a.nranks - 1] : 0; }
 
 // Whether a launch runs the shared (shallower) TMA ring, two CTAs an SM: a loopback launch
-// (nranks > 1, every CTA co-resident) whose grid exceeds the device's SMs (k_persistent.cu
-// launch_persistent).
+// (nranks > 1, every CTA co-resident) whose grid exceeds the device's SMs (launch.h
+// PersistentRings::pick).
 UC_INLINE bool shared_ring(const PersistentArgs& a, int32_t sms) { return a.nranks > 1 && launch_grid(a) > sms; }
 
 // Host: a's layout from rank r's CTA count ctas[r], r < nranks (the caller checked 1 <= nranks <=

@@ -32,6 +32,21 @@ void check_bounds(int num_slots, const PlanBounds& b) {
   if (b.masters > kMaxCount || b.slots > (1 << 20)) bad("masters must be <= 2^40 and slots <= 2^20");
 }
 
+// This thread's stream-capture mode is relaxed while the guard lives: an event query or
+// synchronize for an eager copy stays legal while another stream is being captured in global
+// mode (torch.cuda.graph's default, also from another thread), where it would fail and
+// invalidate that capture.
+class RelaxedCaptureMode {
+ public:
+  RelaxedCaptureMode() { UC_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode_)); }
+  ~RelaxedCaptureMode() { cudaThreadExchangeStreamCaptureMode(&mode_); }
+  RelaxedCaptureMode(const RelaxedCaptureMode&) = delete;
+  RelaxedCaptureMode& operator=(const RelaxedCaptureMode&) = delete;
+
+ private:
+  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
+};
+
 }  // namespace
 
 size_t PlanArena::area_bytes(const PlanBounds& b, Op op) {
@@ -151,6 +166,7 @@ psched::BuildReport PlanArena::build_report(int slot, int entry) const {
 }
 
 void PlanArena::retire() {
+  const RelaxedCaptureMode relaxed;
   for (size_t i = 0; i < in_flight_.size(); ++i) {
     if (!in_flight_[i]) continue;
     const cudaError_t q = cudaEventQuery(copied_[i]);
@@ -213,6 +229,7 @@ void PlanArena::write_image(int slot, const std::vector<ExecArgs>& ranks, cudaSt
         "eager copy into the same slot may still be in flight; synchronize() before capturing (or capture a "
         "step whose plans the slots already hold)");
   if (in_flight_[i]) {
+    const RelaxedCaptureMode relaxed;
     const cudaError_t q = cudaEventQuery(copied_[i]);
     if (q == cudaErrorNotReady)
       UC_CUDA_CHECK(cudaEventSynchronize(copied_[i]));

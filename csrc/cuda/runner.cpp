@@ -79,8 +79,8 @@ Runner::Runner(int device) : device_(device) {
   UC_CUDA_CHECK(cudaDeviceGetAttribute(&cc_major_, cudaDevAttrComputeCapabilityMajor, device));
   UC_CUDA_CHECK(cudaDeviceGetAttribute(&cc_minor_, cudaDevAttrComputeCapabilityMinor, device));
   UC_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device));
-  setup_persistent(cc_major_);
-  for (int d = 0; d < 3; ++d) coresident_[d] = persistent_max_coresident(device, cc_major_, d);
+  rings_ = setup_persistent(device, cc_major_);
+  for (int d = 0; d < 3; ++d) coresident_[d] = persistent_max_coresident(rings_, d);
   void* p = nullptr;
   UC_CUDA_CHECK(cudaMalloc(&p, kNumOps * sizeof(DeviceState)));
   state_ = static_cast<DeviceState*>(p);
@@ -286,7 +286,7 @@ void Runner::launch_views(const Shape& p, uint64_t epoch, const std::vector<int3
   before(capture);
   // Cooperative (co-residency guaranteed or the launch fails) for loopback grids, except while
   // the stream is captured into a graph: the occupancy check above is what holds there.
-  launch_persistent(a, p.grad_dtype, persistent_smem_bytes(cc_major_), loopback && capture == 0, stream);
+  launch_persistent(a, p.grad_dtype, rings_.pick(a), loopback && capture == 0, stream);
   mark_last(op, stream, capture);
 }
 

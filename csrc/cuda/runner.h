@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "device_plan.h"
+#include "launch.h"
 #include "plan_arena.h"
 #include "persistent_args.h"
 #include "ultracomm/impl/sched_build.h"
@@ -117,6 +118,7 @@ class Runner {
   int device_;
   int cc_major_ = 0, cc_minor_ = 0, sm_count_ = 0;
   int coresident_[3] = {0, 0, 0};  // per grad dtype
+  PersistentRings rings_;          // the TMA rings this device holds (launch.h)
   // One state and one error slot per op kind: a multicast and a reduction may overlap on two
   // streams (disjoint flags and slots); launches of one kind must be stream-ordered.
   DeviceState* state_ = nullptr;   // device memory, [kNumOps]

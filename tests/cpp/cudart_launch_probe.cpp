@@ -22,6 +22,7 @@
 #include <memory>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "device_plan.h"
@@ -90,8 +91,11 @@ std::string sname(cudaStream_t s) { return "s" + std::to_string(reinterpret_cast
 
 // A call that is illegal while a global-mode capture is under way (cudaStreamCaptureModeGlobal:
 // "potentially unsafe API calls"; torch.cuda.graph captures in that mode by default).
+// This thread's capture mode (cudaThreadExchangeStreamCaptureMode): relaxed lifts the rule.
+cudaStreamCaptureMode g_mode = cudaStreamCaptureModeGlobal;
 void unsafe(const char* call) {
-  if (g_capturing) log(std::string("VIOLATION ") + call + " during a stream capture");
+  if (g_capturing && g_mode != cudaStreamCaptureModeRelaxed)
+    log(std::string("VIOLATION ") + call + " during a stream capture");
 }
 
 int optin_smem() { return g_cc_major >= 12 ? 101376 : g_cc_major >= 9 ? 232448 : g_cc_major == 8 ? 166912 : 49152; }
@@ -248,6 +252,12 @@ cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr a, int) {
     case cudaDevAttrMaxSharedMemoryPerBlockOptin:
       *v = optin_smem();
       break;
+    case cudaDevAttrMaxSharedMemoryPerMultiprocessor:
+      *v = smem_per_sm();
+      break;
+    case cudaDevAttrReservedSharedMemoryPerBlock:
+      *v = 1024;
+      break;
     default:
       *v = 0;
   }
@@ -312,6 +322,10 @@ cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned int) {
 }
 cudaError_t cudaEventDestroy(cudaEvent_t) { return cudaSuccess; }
 cudaError_t cudaEventRecord(cudaEvent_t, cudaStream_t) { return cudaSuccess; }
+cudaError_t cudaThreadExchangeStreamCaptureMode(cudaStreamCaptureMode* mode) {
+  std::swap(*mode, g_mode);
+  return cudaSuccess;
+}
 cudaError_t cudaEventQuery(cudaEvent_t) {
   unsafe("cudaEventQuery");
   return cudaSuccess;
@@ -406,6 +420,26 @@ void persistent(bool capture) {
   g_capturing = false;
 }
 
+// Eager launches with new plans (the plan arena's staging copies still in flight: it queries
+// their events) while another stream of the process is being captured in global mode.
+void beside_capture() {
+  gpu::Runner runner(0);
+  std::vector<ExecArgs> ranks{one_rank(0, 1, Op::kMulticast)};
+  gpu::PlanBounds b;
+  b.nranks = 1;
+  b.world = 1;
+  b.num_experts = 1;
+  b.slots = 1;
+  gpu::PlanArena arena(0, 1, b);
+  runner.launch(arena, 0, Op::kMulticast, &ranks, 1, 1, stream_of(false), 0);
+  log("-- another stream is being captured");
+  g_capturing = true;
+  runner.launch(arena, 0, Op::kMulticast, &ranks, 2, 1, stream_of(false), 0);   // waits for the first copy
+  runner.launch(arena, 0, Op::kMulticast, nullptr, 3, 1, stream_of(false), 0);  // retires it
+  g_capturing = false;
+  log(g_mode == cudaStreamCaptureModeGlobal ? "mode restored" : "VIOLATION capture mode left relaxed");
+}
+
 // The device control plane of one step: exchange, quota plan, build, reroute.
 void control(int world, int epr, int slots, int nranks, bool capture) {
   const int E = world * epr;
@@ -483,6 +517,8 @@ int main(int argc, char** argv) {
       persistent(false);
     } else if (sc == "persistent_captured") {
       persistent(true);
+    } else if (sc == "persistent_beside_capture") {
+      beside_capture();
     } else if (sc.rfind("control", 0) == 0) {  // control[_captured] world epr slots nranks
       const bool capture = sc == "control_captured";
       control(std::atoi(argv[3]), std::atoi(argv[4]), std::atoi(argv[5]), std::atoi(argv[6]), capture);

@@ -108,6 +108,13 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
   log("cudaEventRecord e" + std::to_string(reinterpret_cast<uintptr_t>(e)) + " " + sname(s));
   return cudaSuccess;
 }
+cudaError_t cudaThreadExchangeStreamCaptureMode(cudaStreamCaptureMode* mode) {
+  static cudaStreamCaptureMode held = cudaStreamCaptureModeGlobal;
+  const cudaStreamCaptureMode was = held;
+  held = *mode;
+  *mode = was;
+  return cudaSuccess;
+}
 cudaError_t cudaEventQuery(cudaEvent_t e) {
   log("cudaEventQuery e" + std::to_string(reinterpret_cast<uintptr_t>(e)));
   return g_event_not_ready ? cudaErrorNotReady : cudaSuccess;
@@ -129,9 +136,12 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned int) {
 }
 
 namespace ultracomm::gpu {
-void setup_persistent(int cc_major) { log("setup_persistent " + std::to_string(cc_major)); }
-uint32_t persistent_smem_bytes(int cc_major) { return cc_major >= 9 ? 65568 : 0; }
-int persistent_max_coresident(int, int, int) { return g_coresident_per_sm * 132; }
+PersistentRings setup_persistent(int, int cc_major) {
+  log("setup_persistent " + std::to_string(cc_major));
+  const uint32_t ring = cc_major >= 9 ? 65568 : 0;
+  return {ring, ring, 132};
+}
+int persistent_max_coresident(const PersistentRings& r, int) { return g_coresident_per_sm * r.sms; }
 void launch_persistent(const PersistentArgs& a, int, uint32_t smem, bool cooperative, cudaStream_t s) {
   // a loopback launch's layout: the CTAs of each rank as the kernel's cta_rank sees them, from
   // the arguments it would get (rank of every block, counted per rank; -1 if a block maps to a

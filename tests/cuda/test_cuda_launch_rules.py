@@ -132,15 +132,37 @@ def test_persistent_launches_fit_the_device(probe, scenario, cc):
         assert len(captured) > 50 and not [line for line in captured if "cooperative" in line], captured
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="k_persistent.cu: persistent_smem_bytes(cc >= 9) asks for the 6-stage ring (196656 B) whatever the "
-    "device's opt-in limit: on an sm_120 device (99 KB per block) setup_persistent's cudaFuncSetAttribute fails "
-    "and no Runner can be made; the ring should be sized to the device (reported, file owned by another change)",
-)
-def test_persistent_launches_fit_a_99kb_device(probe):
+def test_persistent_rings_follow_a_99kb_device(probe):
+    # an sm_120 part (RTX Blackwell: 99 KB per block, 100 KB per SM) runs the sm_100 code: the deep
+    # ring is the most 32 KB stages that fit beside the kernels' static shared memory, and a
+    # loopback grid above the SM count (two CTAs per SM, 50 KB each) gets no ring (vector path)
+    statics = [
+        int(line.rsplit(" static ", 1)[1])
+        for line in probe("kernels", "12")
+        if line.startswith("ultracomm::k_persistent<")
+    ]
+    assert len(statics) == 6, statics
+    stage = 32768 + 8
+    deep = max(s for s in range(2, 7) if s * stage <= 101376 - max(statics)) * stage
     log = probe("persistent", "12")
     assert not _refused(log), _refused(log)
+    assert (
+        f"cudaFuncSetAttribute ultracomm::k_persistent<ultracomm::interp::GradF32, false> MaxDynamicSharedMemorySize {deep}"
+        in log
+    )
+    launches = [line for line in log if line.startswith("launchEx ultracomm::k_persistent")]
+    grids = [(int(line.split(" grid ")[1].split()[0]), int(line.split(" smem ")[1].split()[0])) for line in launches]
+    assert {smem for grid, smem in grids if grid > 132} == {0}, grids
+    assert {smem for grid, smem in grids if grid <= 132} == {deep}, grids
+
+
+def test_eager_plans_beside_another_streams_capture(probe):
+    # the plan arena's event query and synchronize (a slot's previous staging copy) run in relaxed
+    # capture mode: in torch's global mode they would fail while any stream is being captured and
+    # invalidate that capture; the thread's mode is restored afterwards
+    log = probe("persistent_beside_capture")
+    assert not _refused(log), _refused(log)
+    assert "mode restored" in log and len([line for line in log if line.startswith("launchEx")]) == 3, log
 
 
 SHAPES = [

@@ -116,25 +116,14 @@ PlanBounds bounds(int nranks, int world, int num_experts, int64_t masters, int s
   return b;
 }
 
-// The Python DevicePlan: the device plan and each rank entry's task count (host-known, so a
-// launch sizes each rank's CTAs: runner.h launch_ctas).
-class BoundPlan : public DevicePlan {
- public:
-  explicit BoundPlan(const std::vector<ExecArgs>& ranks) : DevicePlan(ranks), rank_tasks_(rank_tasks(ranks)) {}
-  const std::vector<int64_t>& task_counts() const { return rank_tasks_; }
-
- private:
-  std::vector<int64_t> rank_tasks_;
-};
-
-std::unique_ptr<BoundPlan> make_plan(const py::list& ranks, int device) {
+std::unique_ptr<DevicePlan> make_plan(const py::list& ranks, int device) {
   std::vector<std::vector<Task>> tasks(ranks.size());
   std::vector<std::vector<Ref>> refs(ranks.size());
   std::vector<ExecArgs> args;
   args.reserve(ranks.size());
   for (size_t i = 0; i < ranks.size(); ++i) args.push_back(exec_args(ranks[i].cast<py::dict>(), tasks[i], refs[i]));
   DeviceGuard guard(device);
-  return std::make_unique<BoundPlan>(args);
+  return std::make_unique<DevicePlan>(args);
 }
 
 cudaStream_t as_stream(uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
@@ -187,7 +176,7 @@ void bind(py::module_& m) {
         "The largest ctas_per_rank whose launch_ctas(rank_tasks, ctas_per_rank) sum to at most max_grid; 0 when "
         "not even 1 fits; max_grid when it fits and no rank has a task.  Needs no device.");
 
-  py::class_<BoundPlan>(m, "DevicePlan", R"doc(One operation's task lists and views on a device.
+  py::class_<DevicePlan>(m, "DevicePlan", R"doc(One operation's task lists and views on a device.
 
 DevicePlan(ranks, device): ranks is a list of dicts, one per rank a launch runs (one, or every
 rank of a one-GPU loopback domain), with _core.run_host's argument names: op, rank, world,
@@ -198,7 +187,7 @@ then uploaded once (allocates and copies synchronously: build plans before graph
 rank_tasks: each rank entry's task count, which sizes its CTAs (Runner.launch_ctas).)doc")
       .def(py::init(&make_plan), py::arg("ranks"), py::arg("device"))
       .def_property_readonly("nranks", &DevicePlan::nranks)
-      .def_property_readonly("rank_tasks", &BoundPlan::task_counts)
+      .def_property_readonly("rank_tasks", &DevicePlan::rank_tasks)
       .def_property_readonly("op", [](const DevicePlan& p) { return static_cast<int>(p.op()); })
       .def_property_readonly("grad_dtype", &DevicePlan::grad_dtype)
       .def_property_readonly("device", &DevicePlan::device)
@@ -270,23 +259,22 @@ into text/exception with _core.format_error / _core.raise_error_record.)doc")
       .def(py::init<int>(), py::arg("device"))
       .def(
           "launch",
-          [](Runner& r, const BoundPlan& plan, uint64_t epoch, int ctas_per_rank, uintptr_t stream, bool force_vector,
+          [](Runner& r, const DevicePlan& plan, uint64_t epoch, int ctas_per_rank, uintptr_t stream, bool force_vector,
              const std::string& reduce_path) {
-            r.launch(plan, plan.task_counts(), epoch, ctas_per_rank, as_stream(stream),
-                     launch_flags(force_vector, reduce_path));
+            r.launch(plan, epoch, ctas_per_rank, as_stream(stream), launch_flags(force_vector, reduce_path));
           },
           py::arg("plan"), py::arg("epoch"), py::arg("ctas_per_rank"), py::arg("stream"),
           py::arg("force_vector") = false, py::arg("reduce_path") = "hunk")
       .def_static(
           "launch_ctas",
-          [](const BoundPlan& plan, int ctas_per_rank) { return launch_ctas(plan.task_counts(), ctas_per_rank); },
+          [](const DevicePlan& plan, int ctas_per_rank) { return launch_ctas(plan.rank_tasks(), ctas_per_rank); },
           py::arg("plan"), py::arg("ctas_per_rank"),
           "The CTAs launch(plan, ..., ctas_per_rank) gives each rank entry, in order: ctas_per_rank for a rank "
           "with at least one task in the plan, 1 for a rank with none; their sum is the grid (a loopback launch "
           "needs it <= max_coresident(plan.grad_dtype)).  Static: needs no device.")
       .def_static(
           "max_ctas_per_rank",
-          [](const BoundPlan& plan, int64_t max_grid) { return max_ctas_per_rank(plan.task_counts(), max_grid); },
+          [](const DevicePlan& plan, int64_t max_grid) { return max_ctas_per_rank(plan.rank_tasks(), max_grid); },
           py::arg("plan"), py::arg("max_grid"),
           "The largest ctas_per_rank whose launch of `plan` has a grid of at most max_grid CTAs (the sum of "
           "launch_ctas(plan, c)), e.g. max_grid = max_coresident(plan.grad_dtype) for a loopback plan; 0 when "

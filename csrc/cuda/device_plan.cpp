@@ -121,6 +121,7 @@ DevicePlan::DevicePlan(const std::vector<ExecArgs>& ranks) {
   nranks_ = static_cast<int>(ranks.size());
   op_ = ranks[0].op;
   grad_dtype_ = static_cast<int>(ranks[0].grad_dtype);
+  for (const ExecArgs& a : ranks) rank_tasks_.push_back(a.num_tasks);
   UC_CUDA_CHECK(cudaGetDevice(&device_));
   bytes_ = plan_image(ranks, 0).size();
   UC_CUDA_CHECK(cudaMalloc(&blob_, bytes_));

@@ -55,6 +55,9 @@ class DevicePlan {
   int grad_dtype() const { return grad_dtype_; }
   int device() const { return device_; }
   size_t bytes() const { return bytes_; }
+  // Each rank entry's task count (host-known: a launch sizes each rank's CTAs by it, runner.h
+  // launch_ctas).
+  const std::vector<int64_t>& rank_tasks() const { return rank_tasks_; }
 
  private:
   void* blob_ = nullptr;
@@ -64,6 +67,7 @@ class DevicePlan {
   int grad_dtype_ = 0;
   int device_ = 0;
   size_t bytes_ = 0;
+  std::vector<int64_t> rank_tasks_;
 };
 
 }  // namespace ultracomm::gpu

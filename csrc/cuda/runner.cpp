@@ -65,13 +65,6 @@ int max_ctas_per_rank(const std::vector<int64_t>& rank_tasks, int64_t max_grid) 
   return static_cast<int>(top < INT32_MAX ? top : INT32_MAX);
 }
 
-std::vector<int64_t> rank_tasks(const std::vector<ExecArgs>& ranks) {
-  std::vector<int64_t> out;
-  out.reserve(ranks.size());
-  for (const ExecArgs& a : ranks) out.push_back(a.num_tasks);
-  return out;
-}
-
 Runner::Runner(int device) : device_(device) {
   const auto [ok, why] = cuda_available(device);
   if (!ok) throw std::runtime_error("ultracomm._cuda: " + why);
@@ -122,18 +115,15 @@ int Runner::max_coresident(int grad_dtype) const {
   return coresident_[grad_dtype >= 0 && grad_dtype < 3 ? grad_dtype : 0];
 }
 
-void Runner::launch(const DevicePlan& plan, const std::vector<int64_t>& rank_tasks, uint64_t epoch, int ctas_per_rank,
-                    cudaStream_t stream, uint32_t flags) {
+void Runner::launch(const DevicePlan& plan, uint64_t epoch, int ctas_per_rank, cudaStream_t stream, uint32_t flags) {
   const std::string where = "ultracomm._cuda.Runner.launch: ";
   if (plan.device() != device_)
     throw std::invalid_argument(where + "the plan lives on device " + std::to_string(plan.device()) +
                                 ", this runner on device " + std::to_string(device_));
-  if (rank_tasks.size() != static_cast<size_t>(plan.nranks()))
-    throw std::invalid_argument(where + std::to_string(rank_tasks.size()) + " task counts for a plan of " +
-                                std::to_string(plan.nranks()) + " rank entries");
   if (ctas_per_rank < 1) throw std::invalid_argument(where + "ctas_per_rank must be >= 1");
   const Shape shape{plan.views(), plan.nranks(), plan.op(), plan.grad_dtype()};
-  launch_views(shape, epoch, launch_ctas(rank_tasks, ctas_per_rank), stream, flags, where, [](unsigned long long) {});
+  launch_views(shape, epoch, launch_ctas(plan.rank_tasks(), ctas_per_rank), stream, flags, where,
+               [](unsigned long long) {});
 }
 
 void Runner::launch(PlanArena& arena, int slot, Op op, const std::vector<ExecArgs>* upload, uint64_t epoch,

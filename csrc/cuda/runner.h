@@ -47,9 +47,6 @@ std::vector<int32_t> launch_ctas(const std::vector<int64_t>& rank_tasks, int cta
 // depend on ctas_per_rank).
 int max_ctas_per_rank(const std::vector<int64_t>& rank_tasks, int64_t max_grid);
 
-// Each rank entry's task count (ExecArgs::num_tasks): what launch_ctas reads.
-std::vector<int64_t> rank_tasks(const std::vector<ExecArgs>& ranks);
-
 class Runner {
  public:
   explicit Runner(int device);  // allocates and zeroes the state; sets kernel attributes
@@ -58,17 +55,15 @@ class Runner {
   Runner& operator=(const Runner&) = delete;
 
   // Enqueues plan's operation on `stream` at `epoch` (the kernel runs max(epoch, last + 1) of
-  // this runner's previous launches of that op).  rank_tasks: the plan's task count per rank
-  // entry (rank_tasks() of the entries it was built from; nranks of them, std::invalid_argument
-  // otherwise): each rank gets launch_ctas(rank_tasks, ctas_per_rank)[r] CTAs.  Loopback plans
+  // this runner's previous launches of that op).  Each rank entry gets
+  // launch_ctas(plan.rank_tasks(), ctas_per_rank)[r] CTAs.  Loopback plans
   // (nranks > 1) need every CTA of the grid co-resident: std::invalid_argument naming the grid's
   // make-up and the limit otherwise.
   // flags: persistent_args.h kForceVector, kReduceStaged (std::invalid_argument before sm_90: no
   // bulk copies there).  A launch on another stream than the previous one of
   // its op waits for it (cudaStreamWaitEvent: a graph edge while both are in one capture); an
   // eager launch and a captured one are not ordered here (the graph's launch stream orders them).
-  void launch(const DevicePlan& plan, const std::vector<int64_t>& rank_tasks, uint64_t epoch, int ctas_per_rank,
-              cudaStream_t stream, uint32_t flags);
+  void launch(const DevicePlan& plan, uint64_t epoch, int ctas_per_rank, cudaStream_t stream, uint32_t flags);
 
   // The same for the plan in arena slot `slot`, area `op`, with ctas_per_rank CTAs for EVERY rank
   // (uniform: a device-built plan's task counts are not known on the host).  upload: the plan's

@@ -242,7 +242,7 @@ int main(int argc, char** argv) {
       gpu::DevicePlan plan(ranks);
       gpu::Runner runner(0);
       g_log.clear();
-      runner.launch(plan, gpu::rank_tasks(ranks), 1, ctas, nullptr, 0);
+      runner.launch(plan, 1, ctas, nullptr, 0);
     } else if (sc == "ctas") {  // ctas <ctas_per_rank> <max_grid> <tasks of rank 0, 1, ...>: the rule alone
       const int ctas = std::atoi(argv[2]);
       const int64_t max_grid = std::atoll(argv[3]);
@@ -390,12 +390,12 @@ int main(int argc, char** argv) {
       runner.build_slot(arena, 2, 0, p, nullptr, nullptr, s1);
     } else if (sc.rfind("staged_", 0) == 0) {  // staged_<cc major>: a reduce launch with kReduceStaged
       g_cc_major = std::atoi(sc.c_str() + 7);
-      ExecArgs r = one_rank(0, 1);
+      ExecArgs r = one_rank(0, 1);  // no task: one CTA whatever is asked (runner.h launch_ctas)
       r.op = Op::kReduce;
       gpu::DevicePlan red({r});
       gpu::Runner runner(0);
       g_log.clear();
-      runner.launch(red, {1}, 1, 2, nullptr, kReduceStaged);
+      runner.launch(red, 1, 2, nullptr, kReduceStaged);
     } else if (sc.rfind("streams", 0) == 0) {  // streams <op><handle> ...: one launch each
       gpu::DevicePlan mc({one_rank(0, 1)});
       ExecArgs r = one_rank(0, 1);
@@ -405,7 +405,7 @@ int main(int argc, char** argv) {
       g_log.clear();
       for (int i = 2; i < argc; ++i) {
         const uintptr_t h = std::strtoull(argv[i] + 1, nullptr, 10);
-        runner.launch(argv[i][0] == 'm' ? mc : red, {1}, 1, 1, reinterpret_cast<cudaStream_t>(h), 0);
+        runner.launch(argv[i][0] == 'm' ? mc : red, 1, 1, reinterpret_cast<cudaStream_t>(h), 0);
       }
     }
   } catch (const std::exception& e) {

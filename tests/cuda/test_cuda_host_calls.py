@@ -5,24 +5,12 @@ the toolkit's headers): the order of the runtime calls and the launch checks, wi
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from cuda_build import find_nvcc
-
-ROOT = Path(__file__).resolve().parents[2]
-CXX = shutil.which("g++")
-
-
-def cuda_include() -> Path | None:
-    nvcc = find_nvcc()
-    cands = [Path(os.path.realpath(nvcc)).parent.parent / "include"] if nvcc else []
-    cands.append(Path("/usr/local/cuda/include"))
-    return next((c for c in cands if (c / "cuda_runtime_api.h").exists()), None)
+from cpp_build import CXX, build_probe, cuda_include
 
 
 INC = cuda_include()
@@ -31,7 +19,6 @@ pytestmark = pytest.mark.skipif(CXX is None or INC is None, reason="needs g++ an
 
 @pytest.fixture(scope="module")
 def probe(tmp_path_factory) -> Path:
-    exe = tmp_path_factory.mktemp("cudart_stub") / "probe"
     srcs = [
         "tests/cpp/cudart_stub_probe.cpp",
         "csrc/cuda/device_plan.cpp",
@@ -41,28 +28,7 @@ def probe(tmp_path_factory) -> Path:
         "csrc/host/validate_exec.cpp",
         "csrc/host/error_text.cpp",
     ]
-    r = subprocess.run(
-        [
-            CXX,
-            "-std=c++20",
-            "-O1",
-            "-Wall",
-            "-Wextra",
-            "-Werror",
-            "-pthread",
-            f"-I{ROOT / 'include'}",
-            f"-I{ROOT / 'csrc'}",
-            f"-I{ROOT / 'csrc' / 'cuda'}",
-            f"-I{INC}",
-            *(str(ROOT / s) for s in srcs),
-            "-o",
-            str(exe),
-        ],
-        capture_output=True,
-        text=True,
-    )
-    assert r.returncode == 0, r.stderr[-4000:]
-    return exe
+    return build_probe(tmp_path_factory.mktemp("cudart_stub") / "probe", srcs, cuda_headers=True)
 
 
 def calls(probe: Path, scenario: str, *args: str) -> list[str]:

@@ -10,28 +10,17 @@ No GPU needed: a launch that the device would refuse shows up as a ``VIOLATION``
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 
 import cuda_build as cb
+from cpp_build import CXX, build_probe
 
-ROOT = Path(cb.ROOT)
-CXX = shutil.which("g++")
 pytestmark = pytest.mark.skipif(
     CXX is None or cb.find_nvcc() is None, reason="needs g++ and nvcc (the launchers' objects)"
 )
-
-
-def _cuda_include() -> Path:
-    nvcc = Path(os.path.realpath(cb.find_nvcc()))
-    cands = [nvcc.parent.parent / "include", nvcc.parent.parent / "targets" / "x86_64-linux" / "include"]
-    cands.append(Path("/usr/local/cuda/include"))
-    return next(c for c in cands if (c / "cuda_runtime_api.h").exists())
 
 
 def kernel_table(compiled) -> str:
@@ -54,7 +43,6 @@ def probe(tmp_path_factory):
     d = tmp_path_factory.mktemp("cudart_launch")
     table = d / "kernels.txt"
     table.write_text(kernel_table(compiled))
-    exe = d / "probe"
     srcs = [
         "tests/cpp/cudart_launch_probe.cpp",
         "csrc/cuda/device_plan.cpp",
@@ -64,28 +52,7 @@ def probe(tmp_path_factory):
         "csrc/host/validate_exec.cpp",
         "csrc/host/error_text.cpp",
     ]
-    r = subprocess.run(
-        [
-            CXX,
-            "-std=c++20",
-            "-O1",
-            "-Wall",
-            "-Wextra",
-            "-Werror",
-            "-pthread",
-            f"-I{ROOT / 'include'}",
-            f"-I{ROOT / 'csrc'}",
-            f"-I{ROOT / 'csrc' / 'cuda'}",
-            f"-I{_cuda_include()}",
-            *(str(ROOT / s) for s in srcs),
-            *(c.obj for c in compiled.values()),
-            "-o",
-            str(exe),
-        ],
-        capture_output=True,
-        text=True,
-    )
-    assert r.returncode == 0, r.stderr[-4000:]
+    exe = build_probe(d / "probe", srcs, cuda_headers=True, objects=[c.obj for c in compiled.values()])
 
     def run(*args: str) -> list[str]:
         out = subprocess.run(

@@ -7,39 +7,20 @@ out of run_tasks waits for before it drains (a wrong count drains too early or n
 from __future__ import annotations
 
 import random
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-CXX = shutil.which("g++")
+from cpp_build import CXX, build_probe
+
 MAX_RANKS = 64  # kMaxLoopbackRanks
 pytestmark = pytest.mark.skipif(CXX is None, reason="needs g++")
 
 
 @pytest.fixture(scope="module")
 def probe(tmp_path_factory) -> Path:
-    exe = tmp_path_factory.mktemp("cta_layout") / "probe"
-    r = subprocess.run(
-        [
-            CXX,
-            "-std=c++20",
-            "-Wall",
-            "-Wextra",
-            "-Werror",
-            f"-I{ROOT / 'include'}",
-            f"-I{ROOT / 'csrc' / 'cuda'}",
-            str(ROOT / "tests/cpp/cta_layout_probe.cpp"),
-            "-o",
-            str(exe),
-        ],
-        capture_output=True,
-        text=True,
-    )
-    assert r.returncode == 0, r.stderr
-    return exe
+    return build_probe(tmp_path_factory.mktemp("cta_layout") / "probe", ["tests/cpp/cta_layout_probe.cpp"], opt="-O0")
 
 
 def layouts(probe: Path, cases: list[tuple[int, list[int]]]) -> list[dict]:

@@ -5,38 +5,21 @@ different epochs would wait forever; the abort word too only stops groups it rea
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-CXX = shutil.which("g++")
+from cpp_build import CXX, build_probe
+
 pytestmark = pytest.mark.skipif(CXX is None, reason="needs g++")
 
 
 @pytest.fixture(scope="module")
 def probe(tmp_path_factory) -> Path:
-    exe = tmp_path_factory.mktemp("launch_epoch") / "probe"
-    r = subprocess.run(
-        [
-            CXX,
-            "-std=c++20",
-            "-Wall",
-            "-Wextra",
-            "-Werror",
-            f"-I{ROOT / 'include'}",
-            f"-I{ROOT / 'csrc' / 'cuda'}",
-            str(ROOT / "tests/cpp/launch_epoch_probe.cpp"),
-            "-o",
-            str(exe),
-        ],
-        capture_output=True,
-        text=True,
+    return build_probe(
+        tmp_path_factory.mktemp("launch_epoch") / "probe", ["tests/cpp/launch_epoch_probe.cpp"], opt="-O0"
     )
-    assert r.returncode == 0, r.stderr
-    return exe
 
 
 def epochs(probe: Path, *cases: tuple[int, int, list[int]]) -> list[int]:

@@ -1903,34 +1903,37 @@ class Gpu:
             row.note += f", {100 * row.extra['vs_hunk']:.1f}% of tile mover's rate"
         return row
 
-    def reduce_sweep_ctas(self) -> list[int]:
-        """reduce_sweep's CTA counts: 1..32, then the device's SM count (the all-SM rows issue 34's
-        "reduce with every SM vs torch.sum" reads: rank 0 holds every task of the pulled reduce, the k
-        idle ranks one CTA each, so the grid is SMs + k and runs the shared TMA ring)."""
+    def reduce_sweep_cases(self) -> list[tuple[int, str, int]]:
+        """reduce_sweep's (k, dtype, CTAs), in the order they run: each case at the device's SM count
+        first (the all-SM rows issue 34's "reduce with every SM vs torch.sum" reads: rank 0 holds
+        every task of the pulled reduce, the k idle ranks one CTA each, so the grid is SMs + k and
+        runs the shared TMA ring; first, so a bench cut short by its budget still has them), then
+        each case at 1..32 CTAs."""
+        cases = ((2, "fp32"), (8, "bf16"), (8, "fp16"))
         ctas = [1, 2, 4, 8, 16, 32] if self.quick else [1, 2, 4, 8, 12, 16, 23, 32]
         sms = self.info.get("sms")
-        return ctas + ([int(sms)] if sms and int(sms) not in ctas else [])
+        first = [(k, name, int(sms)) for k, name in cases] if sms and int(sms) not in ctas else []
+        return first + [(k, name, c) for k, name in cases for c in ctas]
 
     def run_reduce_sweep(self) -> None:
-        """Reduce CTA sweep (issue 34): one rank's reduce at 1..32 CTAs and at the device's SM count,
-        k=2 fp32 and k=8 fp16/bf16 (64 MiB of output, as the reduce section's torch.sum rows; 16 MiB
-        with --quick), each row with its traffic per CTA ((k + 2) x S / time / CTAs: the per-SM rate
-        the SM budget needs)."""
+        """Reduce CTA sweep (issue 34): one rank's reduce at the device's SM count and at 1..32 CTAs
+        (reduce_sweep_cases), k=2 fp32 and k=8 fp16/bf16 (64 MiB of output, as the reduce section's
+        torch.sum rows; 16 MiB with --quick), each row with its traffic per CTA ((k + 2) x S / time /
+        CTAs: the per-SM rate the SM budget needs)."""
         torch = self.torch
         size = (16 * MiB) if self.quick else (64 * MiB)
         dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-        for k, name in ((2, "fp32"), (8, "bf16"), (8, "fp16")):
-            for ctas in self.reduce_sweep_ctas():
-                case = f"k={k} {name} {ctas} CTAs"
-                if self.late("reduce_sweep", case):
-                    return
-                for path in REDUCE_IMPLS:  # each CTA count through both reduce paths, hunk first
-                    row = self.reduce_row("reduce_sweep", case, k, dtypes[name], size, name, ctas, path)
-                    used = row.extra.get("ctas") or ctas
-                    if row.busbw:
-                        row.extra["per_cta_busbw"] = row.busbw / used
-                        row.note += f", {row.busbw / used / 1e9:.1f} GB/s per CTA"
-                    self.rows.append(row)
+        for k, name, ctas in self.reduce_sweep_cases():
+            case = f"k={k} {name} {ctas} CTAs"
+            if self.late("reduce_sweep", case):
+                return
+            for path in REDUCE_IMPLS:  # each CTA count through both reduce paths, hunk first
+                row = self.reduce_row("reduce_sweep", case, k, dtypes[name], size, name, ctas, path)
+                used = row.extra.get("ctas") or ctas
+                if row.busbw:
+                    row.extra["per_cta_busbw"] = row.busbw / used
+                    row.note += f", {row.busbw / used / 1e9:.1f} GB/s per CTA"
+                self.rows.append(row)
 
     def mover_reduce(self, case: str, k: int, dt, nbytes: int, name: str, ctas: int, path: str = "hunk") -> Row:
         cfg = dict(reduce_sms=ctas) if ctas else {}
@@ -2101,11 +2104,7 @@ class Gpu:
                     )
                     return
                 d.setup_cuda(self)
-                what = (
-                    f"{d.ctas} CTAs/rank"
-                    + (" (co-residency cap)" if d.capped else "")
-                    + f", {W} ranks in one launch, relay off"
-                )
+                what = f"{d.cta_note()}, {W} ranks in one launch, relay off"
                 t, cpu, wrong = self.lb_timed(d.run, d.slot, masters, mapping, epr, d.check)
                 self.rows.append(
                     lb_row(
@@ -2646,15 +2645,14 @@ class LBDomain:
 
     def setup_cuda(self, gpu: "Gpu", timeout_s: float = 10.0) -> None:
         """CudaLoopback over the windows and the multicast's plan (validated and uploaded once);
-        CTAs per rank as Loopback (what a Context would use, capped so all ranks fit at once)."""
+        CTAs per rank with tasks as Loopback (what a Context would use, capped so the whole grid --
+        one CTA for each rank without a task -- fits at once)."""
         from ultracomm.cuda.loopback import CudaLoopback
         from ultracomm.cuda.sm_budget import choices_for_device
         from ultracomm.env import Config
 
         mc, _ = choices_for_device(0, 0, Config().intra_bw, gpu.info["sms"], gpu.info["name"])
         self.lb = CudaLoopback(self.world, self.wl, self.windows, timeout_s=timeout_s)
-        cap = max(1, self.lb.runner.max_coresident(0) // self.world)
-        self.ctas, self.capped = min(mc.sms, cap), mc.sms > cap
         a = [self.rank_args(r) for r in range(self.world)]
         self.dplan = self.lb.plan(
             self.op,
@@ -2669,6 +2667,19 @@ class LBDomain:
             slot_parent=[x["slot_parent"] for x in a],
             digest=a[0]["digest"],
         )
+        cap = max(1, self.lb.max_ctas_per_rank(self.dplan))  # the whole grid co-resident
+        self.ctas, self.capped = min(mc.sms, cap), mc.sms > cap
+        self.idle = sum(1 for x in a if not len(x["tasks"]))
+
+    def cta_note(self) -> str:
+        """What the launch runs: "N CTAs/rank", or "N CTAs per rank with tasks, 1 per idle rank"
+        (runner.h launch_ctas), and the co-residency cap when it lowered N."""
+        note = (
+            f"{self.ctas} CTAs per rank with tasks, 1 per idle rank ({self.idle})"
+            if self.idle
+            else f"{self.ctas} CTAs/rank"
+        )
+        return note + (" (co-residency cap)" if self.capped else "")
 
     def run(self) -> None:
         self.epoch += 1

@@ -1088,3 +1088,14 @@ def test_reduce_rows_carry_rank_0s_ctas_and_the_grid():
     assert r.extra == dict(k=2, dtype="fp32", ctas=132, reduce_path="hunk", grid=134)
     assert r.note == "132 CTAs on rank 0, 1 per idle rank, grid 134 > 132 SMs: shared ring"
     assert r.busbw / r.extra["ctas"] == 4 * 64 * MiB / 1e-3 / 132  # per CTA of rank 0, not of the grid
+
+
+def test_lb_domain_cta_note_says_what_the_launch_runs():
+    """LBDomain (lb_prefetch rows): a rank without a task in the multicast gets one CTA (runner.h
+    launch_ctas), so the note says how many ranks are idle; the cap is named only when it lowered
+    the count."""
+    d = object.__new__(bg.LBDomain)
+    d.ctas, d.capped, d.idle = 16, False, 0
+    assert d.cta_note() == "16 CTAs/rank"
+    d.ctas, d.capped, d.idle = 29, True, 2
+    assert d.cta_note() == "29 CTAs per rank with tasks, 1 per idle rank (2) (co-residency cap)"

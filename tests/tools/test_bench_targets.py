@@ -439,9 +439,10 @@ def test_not_measured_quotes_what_the_bench_wrote_instead():
 
 
 def test_reduce_sweep_runs_every_case_at_the_sm_count_too():
-    """run_reduce_sweep: 1..32 CTAs then the device's SM count (once, even when it is in the list),
-    each through both impls, named "<k> <dtype> <n> CTAs" at the reduce section's 64 MiB (16 MiB
-    with --quick), the size of its torch.sum rows."""
+    """run_reduce_sweep: every case at the device's SM count first (so a bench its budget cuts short
+    still has the all-SM rows), then every case at 1..32 CTAs (the SM count once, even when it is in
+    the list), each through both impls, named "<k> <dtype> <n> CTAs" at the reduce section's 64 MiB
+    (16 MiB with --quick), the size of its torch.sum rows."""
     got = []
 
     def reduce_row(section, case, k, dt, size, name, ctas, path):
@@ -462,15 +463,12 @@ def test_reduce_sweep_runs_every_case_at_the_sm_count_too():
         got.clear()
         g.run_reduce_sweep()
         base = [1, 2, 4, 8, 16, 32] if quick else [1, 2, 4, 8, 12, 16, 23, 32]
-        counts = base + ([sms] if sms and sms not in base else [])
-        want = [
-            (f"k={k} {name} {c} CTAs", size, c, path)
-            for k, name in ((2, "fp32"), (8, "bf16"), (8, "fp16"))
-            for c in counts
-            for path in ("hunk", "tma")
-        ]
+        cases = ((2, "fp32"), (8, "bf16"), (8, "fp16"))
+        first = [(k, name, sms) for k, name in cases] if sms and sms not in base else []
+        order = first + [(k, name, c) for k, name in cases for c in base]  # all-SM rows of every case first
+        want = [(f"k={k} {name} {c} CTAs", size, c, path) for k, name, c in order for path in ("hunk", "tma")]
         assert got == want, (quick, sms)
-        assert g.reduce_sweep_ctas() == counts
+        assert g.reduce_sweep_cases() == order
 
 
 def test_reduce_all_sm_reads_the_sweep_rows_at_the_sm_count():

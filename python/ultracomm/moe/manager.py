@@ -47,6 +47,9 @@ __all__ = ["ReplicaManager", "Step"]
 
 _log = logging.getLogger("ultracomm")
 
+#: the planner options ``planners.device.plan_on_gpu`` takes (the device control plane's planner)
+_GPU_PLANNER_OPTIONS = ("eps", "min_tokens", "intra_node_only")
+
 
 def _orphaned(manager_ref: weakref.ref, vid: int) -> None:
     """A live step was garbage-collected before its backward: abandon it at the next call
@@ -167,8 +170,13 @@ class ReplicaManager:
         from .loads_gpu import GpuLoadBoard
 
         if isinstance(self._board, GpuLoadBoard) and self.ctx.transport.build_on_device:
-            if "lanes" in self.planner_options:
-                raise ValueError("ultracomm: planner_options lanes is the host build's; the GPU runs a warp per probe")
+            other = sorted(set(self.planner_options) - set(_GPU_PLANNER_OPTIONS))
+            if other:  # plan_on_gpu takes these only: a TypeError at the first step on the GPU otherwise
+                raise ValueError(
+                    f"ultracomm: planner_options {other}: the device control plane plans on the GPU "
+                    f"(plan_on_gpu), which takes {list(_GPU_PLANNER_OPTIONS)}; lanes and groups are the "
+                    "host build's (the GPU runs a warp per probe)"
+                )
             return "device"
         return "host"
 

@@ -1999,7 +1999,11 @@ class Gpu:
                             depth * size,
                             2 * depth * size,
                             wrong,
-                            ("" if chain else "NOT a chain: excluded from the fit") + (" cpu-bound" if cpu else ""),
+                            ", ".join(
+                                x
+                                for x in ("" if chain else "NOT a chain: excluded from the fit", cpu * "cpu-bound")
+                                if x
+                            ),
                             dict(mode=mode, depth=depth, chunk=chunk, chain=chain, ctas=ctas, senders=depth),
                         )
                     )

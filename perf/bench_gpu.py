@@ -37,8 +37,8 @@ Sections (each prints a table like nccl-tests and goes into the JSON):
             ``LBBuffer.lb_prefetch_weights`` driven for every rank from one thread; #wrong over all
             three tensors of every slot (empty slots keep the sentinel); ~10 GiB of device memory
             (skipped with a note when less is free)
-  copy_engine  the ``copy_engine`` transport (zero SMs: ``cuMemcpyAsync`` per destination stream,
-            stream flag waits and writes) on the same loopback domains as the tile mover's copy
+  copy_engine  the ``copy_engine`` transport (since issue 35 not zero-SM: gate kernels, one CTA
+            per destination stream, copy behind flag waits; stream flag writes) on the same loopback domains as the tile mover's copy
             (1 -> 1, copy sizes) and fan-out (1 -> N) rows: same schedule, bytes and dtype, same
             #wrong check; last, because a failed copy_engine operation leaves internal streams
             blocked (no device-wide synchronize may follow: later sections are skipped and the
@@ -226,8 +226,9 @@ def copy_engine_row(
     tile: Optional[Row] = None,
 ) -> Row:
     """The copy_engine row of a 1 -> n multicast of ``size`` bytes: payload nS, traffic 2nS (each
-    destination's copy reads the source), no SM; ``tile``: the tile mover's row of the same case and
-    size, whose rate it is compared to."""
+    destination's copy reads the source); since issue 35 its copies run in gate kernels, one CTA
+    per destination stream (n SMs at most), not on copy engines; ``tile``: the tile mover's row
+    of the same case and size, whose rate it is compared to."""
     row = Row(
         "copy_engine",
         case,
@@ -237,8 +238,8 @@ def copy_engine_row(
         n * size,
         2 * n * size,
         wrong,
-        ", ".join(x for x in ("0 SMs", note) if x),
-        dict(sms=0, destinations=n),
+        ", ".join(x for x in ("" if time_s is None else f"{n} CTA{'s' * (n > 1)} (gate kernels)", note) if x),
+        dict(sms=n, destinations=n),
     )
     if tile is not None and tile.algbw and row.algbw:
         row.note += f", {100 * row.algbw / tile.algbw:.1f}% of tile mover"

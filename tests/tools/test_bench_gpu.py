@@ -300,11 +300,11 @@ def test_copy_engine_row_counts_bytes_and_compares_with_the_tile_mover():
     assert (r.section, r.case, r.impl, r.size) == ("copy_engine", "1->4", "copy engine", 64 * MiB)
     assert r.payload == 4 * 64 * MiB and r.traffic == 2 * 4 * 64 * MiB  # each copy reads the source
     assert r.algbw == 4 * 64 * MiB / 2e-3 and r.busbw == 8 * 64 * MiB / 2e-3
-    assert r.note == "0 SMs, cpu-bound, 50.0% of tile mover"
+    assert r.note == "4 CTAs (gate kernels), cpu-bound, 50.0% of tile mover" and r.extra["sms"] == 4
     d = r.to_dict()
-    assert (d["sms"], d["destinations"], d["vs_tile_mover"], d["wrong"]) == (0, 4, 0.5, 0)
+    assert (d["sms"], d["destinations"], d["vs_tile_mover"], d["wrong"]) == (4, 4, 0.5, 0)
     missing = bg.copy_engine_row("1->1", 1, MiB, None, None, "not measured: no libcuda")
-    assert missing.algbw is None and missing.note == "0 SMs, not measured: no libcuda"
+    assert missing.algbw is None and missing.note == "not measured: no libcuda"
     assert "vs_tile_mover" not in missing.to_dict()
 
 
@@ -313,7 +313,7 @@ def test_copy_engine_rows_in_the_table_and_the_json_record():
     rows.append(bg.copy_engine_row("1->1", 1, 256 * MiB, 400e-6, 3, "", bg.tile_row(rows, 1, 256 * MiB)))
     lines = bg.format_table([r for r in rows if r.section == "copy_engine"]).splitlines()
     assert lines[2].split()[:9] == ["256M", "1->1", "copy", "engine", "400.00", "671.1", "1342.2", "-", "3"]
-    assert lines[2].endswith("0 SMs, 50.0% of tile mover")
+    assert lines[2].endswith("1 CTA (gate kernels), 50.0% of tile mover")
     rec = bg.results_record(DEVICE, "2026-12-01T00:00:00Z", False, bg.SECTIONS, rows, [])
     assert json.loads(json.dumps(rec)) == rec  # plain JSON
     ce = [x for x in rec["rows"] if x["section"] == "copy_engine"]

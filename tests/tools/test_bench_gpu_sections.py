@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import inspect
+import sys
 import threading
 import types
 
@@ -36,6 +37,7 @@ class FakeCudaNS:
     def __init__(self):
         self.clock = 0.0
         self.graphs = 0
+        self.replays = False
         fake = self
 
         class Stream:
@@ -65,15 +67,23 @@ class FakeCudaNS:
                 return (other.t - self.t) * 1e3
 
         class Graph:
+            fn = None
+
             def replay(self):
-                pass
+                # with ``fake.replays``: the first replay runs the captured ``fn`` once more (what
+                # is checked after Timer.graph's ``prepare`` must come from it); later ones nothing
+                fn, self.fn = self.fn, None
+                if fn is not None and fake.replays:
+                    fn()
 
         class Ctx:
             def __init__(self, g, stream=None, **k):
-                pass
+                self.g = g
 
             def __enter__(self):
                 fake.graphs += 1
+                # Timer.graph captures its ``fn``: what a replay runs (read from its frame)
+                self.g.fn = sys._getframe(1).f_locals.get("fn")
 
             def __exit__(self, *a):
                 return False
@@ -528,3 +538,221 @@ def test_main_writes_results_and_profile_and_stops_at_sigint(cpu_bench, monkeypa
     prof = [p for p in tmp_path.iterdir() if p.name.endswith("_profile.json")]
     assert len(prof) == 1 and prof[0].name.endswith("_NVIDIA-H100-80GB-HBM3_profile.json")
     validate(json.load(open(prof[0])))
+
+
+# ----------------------------------------------------------------------------- copy_engine: a fake driver
+
+
+class StreamSim:
+    """Device streams over host memory: per-stream FIFO queues of (ready, run); whatever is ready
+    runs as soon as it is enqueued (the order a device may pick), a blocked head waits for a later
+    enqueue or write.  Thread-safe (the watchdogs read through a side stream)."""
+
+    def __init__(self):
+        self.lock = threading.RLock()
+        self.queues: dict[int, list] = {}
+        self.handles = iter(range(0x1000, 1 << 40))
+
+    def push(self, stream: int, ready, run, what: str) -> None:
+        with self.lock:
+            self.queues.setdefault(int(stream), []).append((ready, run, what))
+            self.progress()
+
+    def progress(self) -> None:
+        with self.lock:
+            moved = True
+            while moved:
+                moved = False
+                for q in self.queues.values():
+                    while q and q[0][0]():
+                        q.pop(0)[1]()
+                        moved = True
+
+    def blocked(self) -> dict:
+        with self.lock:
+            self.progress()
+            return {hex(s): q[0][2] for s, q in self.queues.items() if q}
+
+
+class FakeDriver:
+    """ultracomm.cuda.driver.Driver on StreamSim: copies and 64-bit writes/waits on host addresses,
+    the gate kernel run from its descriptor (the words ``gate.pack`` wrote: waits, copies, writes;
+    skipped once the abort word is set), as uc_ce_gate does."""
+
+    def __init__(self, sim: StreamSim):
+        self.sim, self.bound, self.destroyed, self.gates = sim, [], [], 0
+
+    def bind(self, device):
+        self.bound.append(device)
+
+    def stream_create(self, priority=0):
+        with self.sim.lock:
+            return next(self.sim.handles)
+
+    def stream_destroy(self, stream):
+        self.destroyed.append(stream)
+
+    def memcpy(self, dst, src, nbytes, stream):
+        self.sim.push(stream, lambda: True, lambda: ctypes.memmove(dst, src, nbytes), f"copy {nbytes}")
+
+    def write_value(self, stream, addr, value):
+        def run():
+            i64(addr).value = ctypes.c_int64(value).value
+
+        self.sim.push(stream, lambda: True, run, "write")
+
+    def wait_value(self, stream, addr, value, equal=False):
+        from ultracomm.transports.copy_engine.plan import geq
+
+        def ready():
+            v = ctypes.c_uint64.from_address(addr).value
+            return v == value if equal else geq(v, value)
+
+        self.sim.push(stream, ready, lambda: None, f"wait{'_eq' if equal else ''} {value}")
+
+    def function(self, ptx, name):
+        assert name == "uc_ce_gate" and f".entry {name}" in ptx
+        return 0xF00
+
+    def launch(self, function, threads, stream, args):
+        from ultracomm.transports.copy_engine.gate import _EPOCH_WORD
+        from ultracomm.transports.copy_engine.plan import geq
+
+        assert function == 0xF00 and threads == 256 and len(args) == 3
+        desc, epoch, abort = args[0].value, args[1].value, args[2].value
+        u64 = lambda a: ctypes.c_uint64.from_address(a).value  # noqa: E731
+        nw, nc, nr = u64(desc), u64(desc + 8), u64(desc + 16)
+        at = desc + 32
+        waits = [(u64(at + 24 * i), u64(at + 24 * i + 8), u64(at + 24 * i + 16)) for i in range(nw)]
+        at += 24 * nw
+        copies = [(u64(at + 24 * i), u64(at + 24 * i + 8), u64(at + 24 * i + 16)) for i in range(nc)]
+        at += 24 * nc
+        writes = [(u64(at + 16 * i), u64(at + 16 * i + 8)) for i in range(nr)]
+        val = lambda v: epoch if v == _EPOCH_WORD else v  # noqa: E731
+
+        def ready():
+            if u64(abort):
+                return True
+            return all((u64(a) == val(v)) if eq else geq(u64(a), val(v)) for a, v, eq in waits)
+
+        def run():
+            self.gates += 1
+            if u64(abort):
+                return
+            for dst, src, n in copies:
+                ctypes.memmove(dst, src, n)
+            for a, v in writes:
+                ctypes.c_uint64.from_address(a).value = val(v)
+
+        self.sim.push(stream, ready, run, "gate")
+
+
+@pytest.fixture
+def fake_copy_engine(monkeypatch):
+    """The copy_engine transport's CUDA calls on StreamSim: its driver, torch.cuda's events,
+    external streams and device guard (the transport's own module imports real torch)."""
+    import contextlib
+
+    import ultracomm.transports.copy_engine as ce
+    from ultracomm.cuda import driver as real_driver
+
+    sim = StreamSim()
+    drv = FakeDriver(sim)
+
+    def method(name):  # the fake's method, called with arguments that bind to Driver's
+        sig, impl = inspect.signature(getattr(real_driver.Driver, name)), getattr(drv, name)
+
+        def call(*a, **k):
+            sig.bind(drv, *a, **k)
+            return impl(*a, **k)
+
+        return call
+
+    for name in (
+        "bind",
+        "stream_create",
+        "stream_destroy",
+        "memcpy",
+        "write_value",
+        "wait_value",
+        "function",
+        "launch",
+    ):
+        setattr(drv, name, method(name))
+
+    class ExternalStream:
+        def __init__(self, handle, device=None):
+            self.cuda_stream = int(handle)
+
+        def wait_event(self, ev):
+            sim.push(self.cuda_stream, lambda: ev.done, lambda: None, "wait_event")
+
+    class Event:
+        def __init__(self, *a, **k):
+            self.done = False
+
+        def record(self, stream):
+            self.done = False
+
+            def run():
+                self.done = True
+
+            sim.push(stream.cuda_stream, lambda: True, run, "record")
+
+        def query(self):
+            sim.progress()
+            return self.done
+
+    monkeypatch.setattr(ce, "require", lambda *a, **k: None)
+    monkeypatch.setattr(ce, "driver", lambda: drv)
+    monkeypatch.setattr(ce, "pinned_words", lambda n: torch.zeros(n, dtype=torch.int64))
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "ExternalStream", ExternalStream)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    return sim, drv
+
+
+def test_copy_engine_section_on_the_cpu(cpu_bench, fake_copy_engine, monkeypatch):
+    """run_copy_engine through the real CopyEngineTransport (gated commands, fork/join, the
+    loopback set, the watchdogs) on a fake driver over host memory: every row measured, #wrong 0,
+    every stream drained, no transport left failed, the device not marked poisoned."""
+    sim, drv = fake_copy_engine
+    g = cpu_bench
+    g.ce_reason = None
+    blocked = []
+
+    def synchronize(device=None):  # what a device-wide synchronize would wait for
+        blocked.append(sim.blocked())
+
+    monkeypatch.setattr(g.torch.cuda, "synchronize", synchronize)
+    assert run_sections(g, "copy_engine") == []
+    got = [(r.section, r.case, r.size, r.wrong) for r in g.rows]
+    sizes = [SMALL_MIB * m for m in (1, 4, 16, 64, 256)]
+    assert got == [("copy_engine", "1->1", s, 0) for s in sizes] + [
+        ("copy_engine", f"1->{n}", bg.FANOUT_BYTES, 0) for n in (2, 4, 8)
+    ], [(r.case, r.note) for r in g.rows]
+    assert all(r.impl == "copy engine" and r.time_s for r in g.rows)
+    assert g.poisoned is None and g.kept == []
+    assert blocked and all(b == {} for b in blocked), blocked
+    assert drv.gates > 0 and drv.destroyed
+    # since issue 35 the copies run in gate kernels: one CTA per destination stream, not 0 SMs
+    assert all(r.extra["sms"] == r.extra["destinations"] and "gate kernels" in r.note for r in g.rows)
+    assert not any("0 SMs" in r.note for r in g.rows)
+
+
+def test_graph_rows_wrong_after_replays_on_the_cpu(cpu_bench, monkeypatch):
+    """The graph rows' #wrong checks: a graph's first replay runs what it captured again, after
+    Timer.graph's ``prepare`` (control's PDL row refills its outputs with -7, lb_prefetch its slots
+    with the sentinel), so a check that reads what the replays did not write, or a ``prepare``
+    that spoils what is checked, shows as #wrong here."""
+    g = cpu_bench
+    g.torch.cuda.replays = True
+    monkeypatch.setattr(bg, "CONTROL_SHAPES", (("EP8", 8, 32),))
+    assert run_sections(g, "launch", "control") == []
+    shape, members = (4, 2, 4), (("weights", 4096, "float8_e4m3fn"), ("sf0", 256, "float32"))
+    g.run_lb_prefetch(shape, members)
+    graph = [(r.section, r.case, r.impl, r.wrong) for r in g.rows if r.extra.get("timing") == "graph" and r.time_s]
+    assert len([x for x in graph if x[0] == "control"]) == len(bg.CONTROL_KERNELS) + 2
+    assert len([x for x in graph if x[0] == "lb_prefetch"]) == 2
+    assert [x for x in graph if x[3]] == [], graph

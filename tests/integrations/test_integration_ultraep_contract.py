@@ -45,6 +45,39 @@ def test_version_and_init_runtime():
     assert LoopbackDomain(3).run(lambda g: ultra_ep.init_runtime(g)) == [3, 3, 3]
 
 
+def test_init_runtime_cache_does_not_outlive_its_group(monkeypatch):
+    """init_runtime caches per group object; a size cached for a freed group must not answer for a
+    new group that got its id (ids are reused): that rank would skip the exchange its peers wait in
+    (seen in CI: ranks 1 and 2 timed out waiting for rank 0).  The reuse is forced here: rank 0's
+    group finds an entry under its id that belongs to another object."""
+
+    class Stranger:
+        pass
+
+    def body(g):
+        if g.rank == 0:
+            other = Stranger()
+            ultra_ep._remember_size(other, 7)
+            entry = ultra_ep._runtime_sizes.pop(id(other))
+            ultra_ep._runtime_sizes[id(g)] = entry  # as if `other` had lived at g's address
+        return ultra_ep.init_runtime(g)
+
+    monkeypatch.setenv("ULTRACOMM_TIMEOUT_S", "5")  # with the bug, ranks 1 and 2 time out waiting for rank 0
+    assert LoopbackDomain(3).run(body, timeout=30) == [3, 3, 3]
+
+
+def test_init_runtime_cache_entry_goes_with_its_group():
+    class Group:
+        pass
+
+    g = Group()
+    ultra_ep._remember_size(g, 5)
+    assert ultra_ep._cached_size(g) == 5
+    key = id(g)
+    del g
+    assert key not in ultra_ep._runtime_sizes
+
+
 def test_grad_dtype_must_be_fp32():
     """``ultra_ep/manager.py`` ``Manager.__init__``: ``check_dtype`` raises TypeError for a
     non-dtype, then ``ValueError("UltraEP currently supports only fp32 gradients")``."""

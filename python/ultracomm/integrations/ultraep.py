@@ -35,6 +35,8 @@ stale weights; reductions are always in a fixed order; ``legacy_placement`` is r
 
 from __future__ import annotations
 
+import functools
+import weakref
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -67,7 +69,38 @@ def _domain_size(domain_of_ranks: Sequence[int], rank: int) -> int:
     return sum(1 for d in domain_of_ranks if d == domain_of_ranks[rank])
 
 
-_runtime_sizes: dict[int, int] = {}
+#: id(group) -> (a reference to that group, its domain size).  Keyed by id() because groups need not
+#: be hashable, and checked by identity: an id is reused once its object is freed, and a size cached
+#: for a dead group would make a new group's rank skip the collective its peers wait in.
+_runtime_sizes: dict[int, tuple[Any, int]] = {}
+
+
+def _cached_size(group: Any) -> Optional[int]:
+    entry = _runtime_sizes.get(id(group))
+    return entry[1] if entry is not None and entry[0]() is group else None
+
+
+def _forget(key: int, ref: "weakref.ref") -> None:
+    """The group cached under ``key`` was freed (weakref callback); a newer entry there stays."""
+    entry = _runtime_sizes.get(key)
+    if entry is not None and entry[0] is ref:
+        del _runtime_sizes[key]
+
+
+def _remember_size(group: Any, size: int) -> None:
+    """Cache ``size`` for ``group`` (kept if one is cached already), dropped when the group is freed."""
+    if _cached_size(group) is not None:
+        return
+    key = id(group)
+    try:
+        ref = weakref.ref(group, functools.partial(_forget, key))
+    except TypeError:  # not weak-referenceable: hold it, so its id cannot be reused while cached
+        ref = functools.partial(_identity, group)
+    _runtime_sizes[key] = (ref, size)
+
+
+def _identity(x: Any) -> Any:
+    return x
 
 
 def init_runtime(group: Any) -> int:
@@ -76,16 +109,17 @@ def init_runtime(group: Any) -> int:
     of domain keys, :mod:`ultracomm.dataplane.domains`); later calls return the cached size.  UltraEP
     allows one EP group per process (NVSHMEM); ultracomm has no process-wide runtime, so any
     number of groups may be used."""
-    key = id(group)
-    if key not in _runtime_sizes:
+    size = _cached_size(group)
+    if size is None:
         comm = as_comm(group)
         cfg = Config.from_env()
         dtype = device_type(cfg.transport, cfg.window, None)
         device = torch.device("cuda", torch.cuda.current_device()) if dtype == "cuda" else None
         mine = rank_domain(cfg.domain, comm.rank, comm.world, dtype, device).key
         keys = comm.with_timeout(cfg.timeout_s).all_gather_object(mine, op="init_runtime", what="memory domains")
-        _runtime_sizes[key] = _domain_size(domain_of(keys), comm.rank)
-    return _runtime_sizes[key]
+        size = _domain_size(domain_of(keys), comm.rank)
+        _remember_size(group, size)
+    return size
 
 
 class EventHandle:
@@ -206,7 +240,7 @@ class Manager:
         )
         self.rank, self.num_ranks = self.ctx.rank, self.ctx.world
         self.nvl_domain_size = _domain_size(self.ctx.domain_of, self.rank)
-        _runtime_sizes.setdefault(id(group), self.nvl_domain_size)
+        _remember_size(group, self.nvl_domain_size)
         self.weight_sync_plan_mode = {"off": "direct", "auto": "adaptive", "force": "forcerelay"}[
             self.ctx.config.relay_mode
         ]

@@ -76,6 +76,10 @@ def test_init_runtime_cache_entry_goes_with_its_group():
     key = id(g)
     del g
     assert key not in ultra_ep._runtime_sizes
+    o = object()  # not weak-referenceable: held while cached, so its id stays its own
+    ultra_ep._remember_size(o, 4)
+    assert ultra_ep._cached_size(o) == 4 and ultra_ep._cached_size(object()) is None
+    del ultra_ep._runtime_sizes[id(o)]
 
 
 def test_grad_dtype_must_be_fp32():

@@ -95,12 +95,8 @@ def _remember_size(group: Any, size: int) -> None:
     try:
         ref = weakref.ref(group, functools.partial(_forget, key))
     except TypeError:  # not weak-referenceable: hold it, so its id cannot be reused while cached
-        ref = functools.partial(_identity, group)
+        ref = (lambda g: lambda: g)(group)
     _runtime_sizes[key] = (ref, size)
-
-
-def _identity(x: Any) -> Any:
-    return x
 
 
 def init_runtime(group: Any) -> int:

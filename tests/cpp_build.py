@@ -15,6 +15,16 @@ from cuda_build import find_nvcc
 ROOT = Path(__file__).resolve().parents[1]
 CXX = shutil.which("g++")
 INCLUDES = ("include", "csrc", "csrc/cuda")
+# The host side of _cuda's launches (plans, plan arena, runner) and what it validates with: what a
+# stub-CUDA-runtime probe links beside its own source.
+CUDA_HOST_SOURCES = (
+    "csrc/cuda/device_plan.cpp",
+    "csrc/cuda/plan_arena.cpp",
+    "csrc/cuda/runner.cpp",
+    "csrc/host/host_executor.cpp",
+    "csrc/host/validate_exec.cpp",
+    "csrc/host/error_text.cpp",
+)
 
 
 def cuda_include() -> Optional[Path]:

@@ -18,3 +18,16 @@ def load(name: str, fresh: bool = False) -> ModuleType:
         sys.modules[name] = mod
         spec.loader.exec_module(mod)
     return sys.modules[name]
+
+
+def compiled_cuda():
+    """``ultracomm._cuda`` for the benches' host-side rules (no device needed), or skip the test:
+    it is built wherever nvcc is (CI builds it), so only a build without nvcc skips."""
+    import pytest
+
+    from ultracomm.cuda.support import cuda_module
+
+    cuda = cuda_module()
+    if cuda is None:
+        pytest.skip("ultracomm._cuda is not built here (no nvcc at build time)")
+    return cuda

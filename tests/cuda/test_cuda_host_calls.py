@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cpp_build import CXX, build_probe, cuda_include
+from cpp_build import CUDA_HOST_SOURCES, CXX, build_probe, cuda_include
 
 
 INC = cuda_include()
@@ -19,15 +19,7 @@ pytestmark = pytest.mark.skipif(CXX is None or INC is None, reason="needs g++ an
 
 @pytest.fixture(scope="module")
 def probe(tmp_path_factory) -> Path:
-    srcs = [
-        "tests/cpp/cudart_stub_probe.cpp",
-        "csrc/cuda/device_plan.cpp",
-        "csrc/cuda/plan_arena.cpp",
-        "csrc/cuda/runner.cpp",
-        "csrc/host/host_executor.cpp",
-        "csrc/host/validate_exec.cpp",
-        "csrc/host/error_text.cpp",
-    ]
+    srcs = ["tests/cpp/cudart_stub_probe.cpp", *CUDA_HOST_SOURCES]
     return build_probe(tmp_path_factory.mktemp("cudart_stub") / "probe", srcs, cuda_headers=True)
 
 

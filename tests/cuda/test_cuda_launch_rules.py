@@ -16,7 +16,7 @@ import subprocess
 import pytest
 
 import cuda_build as cb
-from cpp_build import CXX, build_probe
+from cpp_build import CUDA_HOST_SOURCES, CXX, build_probe
 
 pytestmark = pytest.mark.skipif(
     CXX is None or cb.find_nvcc() is None, reason="needs g++ and nvcc (the launchers' objects)"
@@ -43,15 +43,7 @@ def probe(tmp_path_factory):
     d = tmp_path_factory.mktemp("cudart_launch")
     table = d / "kernels.txt"
     table.write_text(kernel_table(compiled))
-    srcs = [
-        "tests/cpp/cudart_launch_probe.cpp",
-        "csrc/cuda/device_plan.cpp",
-        "csrc/cuda/plan_arena.cpp",
-        "csrc/cuda/runner.cpp",
-        "csrc/host/host_executor.cpp",
-        "csrc/host/validate_exec.cpp",
-        "csrc/host/error_text.cpp",
-    ]
+    srcs = ["tests/cpp/cudart_launch_probe.cpp", *CUDA_HOST_SOURCES]
     exe = build_probe(d / "probe", srcs, cuda_headers=True, objects=[c.obj for c in compiled.values()])
 
     def run(*args: str) -> list[str]:

@@ -527,9 +527,10 @@ def test_loopback_refuses_a_grid_that_cannot_be_coresident():
         gpu.lb.launch(plan, 1, ctas_per_rank=top + 1)
 
 
-@pytest.mark.parametrize("op", [Op.MULTICAST, Op.REDUCE])
+@pytest.mark.parametrize(  # reduce_path only changes reductions: multicast runs once
+    ("op", "reduce_path"), [(Op.MULTICAST, "hunk"), (Op.REDUCE, "hunk"), (Op.REDUCE, "tma")]
+)
 @pytest.mark.parametrize("grid", ["sms", "past_sms", "coresident"])
-@pytest.mark.parametrize("reduce_path", ["hunk", "tma"])
 def test_busy_rank_with_many_ctas_idle_ranks_with_one_bit_exact(op, grid, reduce_path):
     """A home pushing to / pulling from k = 3 replicas (tasks on rank 0 only): rank 0 runs many CTAs,
     each replica one (join and drain), so the last of rank 0's CTAs out of run_tasks must count
@@ -537,8 +538,6 @@ def test_busy_rank_with_many_ctas_idle_ranks_with_one_bit_exact(op, grid, reduce
     (the shared ring), every co-resident CTA; bit-exact with the host executor."""
     _require_cuda()
     _require_reduce_path(reduce_path)
-    if op == Op.MULTICAST and reduce_path == "tma":
-        pytest.skip("reduce_path only changes reductions")
     world, dtype = 4, torch.float32
     trees = [(0, 0, {(0, MASTER): [(r, 0) for r in range(1, world)]})]
     d = Domain(

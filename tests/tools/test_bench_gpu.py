@@ -966,16 +966,6 @@ def test_lb_domain_arguments_run_bit_exact_on_the_host_executor():
 # ----------------------------------------------------------------------------- loopback CTA layout
 
 
-def _rule_module():
-    """The compiled rule (``_cuda.launch_ctas`` / ``max_ctas_per_rank``: no device needed), or skip."""
-    from ultracomm.cuda.support import cuda_module
-
-    cuda = cuda_module()
-    if cuda is None or not hasattr(cuda, "max_ctas_per_rank"):
-        pytest.skip("ultracomm._cuda (with launch_ctas) is not built here")
-    return cuda
-
-
 def cpu_loopback(monkeypatch, launches):
     """CudaLoopback over CPU tensors whose plans only count tasks and whose runner applies the compiled
     CTA rule (the bench's cap and notes go through CudaLoopback.launch_ctas / max_ctas_per_rank)."""
@@ -983,7 +973,7 @@ def cpu_loopback(monkeypatch, launches):
 
     import ultracomm.cuda.loopback as cl
 
-    cuda = _rule_module()
+    cuda = perf_modules.compiled_cuda()
     runner = types.SimpleNamespace(
         mover="tma",
         max_coresident=lambda dtype=0: 264,  # 2 x 132 SMs

@@ -308,15 +308,6 @@ def fake_cuda_module(real):
     return m
 
 
-def real_cuda_or_skip():
-    from ultracomm.cuda.support import cuda_module
-
-    cuda = cuda_module()
-    if cuda is None or not hasattr(cuda, "max_ctas_per_rank"):
-        pytest.skip("ultracomm._cuda is not built here")
-    return cuda
-
-
 @pytest.fixture
 def cpu_bench(monkeypatch):
     """A Gpu on the CPU (fake torch.cuda, fake _cuda, the host executor as tile mover), sizes shrunk."""
@@ -326,7 +317,7 @@ def cpu_bench(monkeypatch):
     from ultracomm.planners import device as dp
     from ultracomm.planners import get_planner
 
-    real = real_cuda_or_skip()
+    real = perf_modules.compiled_cuda()
     fake = fake_cuda_module(real)
 
     class CpuLoopback(cl.CudaLoopback):

@@ -30,12 +30,14 @@ DIGEST = 0x5EED_0001
 
 
 def _require_cuda():
+    """``ultracomm._cuda`` here; where torch sees a device (else the conftest skips), a missing or
+    unusable ``_cuda`` fails (a broken device build must not read as skips; as test_gpu_context's)."""
     from ultracomm.cuda.support import cuda_runtime
 
     try:
         return cuda_runtime(torch.cuda.current_device(), "the CUDA loopback executor")
-    except Exception as e:  # noqa: BLE001 - any missing piece is a skip reason on a gpu run
-        pytest.skip(str(e))
+    except Exception as e:  # noqa: BLE001 - any missing piece fails a gpu run
+        pytest.fail(str(e))
 
 
 def _require_reduce_path(reduce_path):

@@ -1,8 +1,9 @@
 """A stalled cross-domain rank under the GPU split transport, on a one-GPU loopback domain of 4
 ranks (domains {0, 1} and {2, 3}), in its own process: before issue 35's gates the side stream
 stayed blocked after the failure, which would hang any later device-wide synchronize of a test
-process (split_cuda_release_worker.py checks that it no longer does).  Prints one JSON line with
-what tests/transports/test_split_cuda_gpu.py checks.
+process (split_cuda_release_worker.py checks that it no longer does).  Prints one JSON line.  No
+test runs it any more (test_split_cuda_gpu.py runs split_cuda_release_worker.py); it is kept as the
+script perf/gpu/2026-12-04_nvidia-h200_run3/diag_run.sh traced.
 
 Rank 0 (home of expert 0) runs with its kernel's task list withheld: it joins (ready, digest)
 but never copies expert 0 into its shadows of ranks 2 and 3 (direct multicast), so the side

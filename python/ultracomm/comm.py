@@ -232,10 +232,18 @@ class _StoreBoard(_Board):
     timeout: ``wait`` for the exchange's timeout, every other call for ``_QUICK_S``.  A call
     that does not answer in time marks the board unreachable for good (its connection is
     mid-request); later exchanges of the group raise at once.
+
+    ``rank``: this rank's number in the group.  Its keys then live under ``ultracomm/<n>/``, ``n``
+    counting the boards this rank has used on the store (the first call asks the store): a group
+    re-created under the same name (``destroy_process_group`` then ``init_process_group``, which
+    restarts torch's group names; a torchrun agent's store outlives both) shares the old one's
+    prefix, and its exchanges would read the keys the old group's last exchanges, tombstones and
+    failure records left there.
     """
 
-    def __init__(self, store: dist.Store):
+    def __init__(self, store: dist.Store, rank: int | None = None):
         self._origin = store
+        self._rank = rank
         self._store: dist.Store | None = None
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._dead: str | None = None
@@ -253,6 +261,8 @@ class _StoreBoard(_Board):
         if self._store is None:  # cloned on the serving thread: connecting may block too
             store = self._origin.clone()
             store.set_timeout(datetime.timedelta(seconds=_QUICK_S))
+            if self._rank is not None:  # every rank of the group counts alike: they use it together
+                store = dist.PrefixStore(f"ultracomm/{store.add(f'ultracomm/boards/{self._rank}', 1)}", store)
             self._store = store
         return self._store
 
@@ -372,7 +382,7 @@ class TorchComm(Comm):
         with _BOARDS_LOCK:
             board = _BOARDS.get(pg)
             if board is None:
-                board = _BOARDS[pg] = _StoreBoard(c10d._get_process_group_store(pg))
+                board = _BOARDS[pg] = _StoreBoard(c10d._get_process_group_store(pg), self.rank)
         self._store_board = board
 
     @property

@@ -31,7 +31,7 @@ from ultracomm.env import check_window_layout
 from ultracomm.windows import host_shm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from conftest import leftover_segments, shm_segments  # noqa: E402
+from conftest import leftover_segments, shm_segments, window_bytes  # noqa: E402
 from test_context import check_replicas, make_layout, masters_for  # noqa: E402
 
 SWAP_PLAN = ReplicaPlan.make(np.array([[1], [0]], np.int32), experts_per_rank=1)
@@ -167,7 +167,7 @@ def test_swapped_registered_tensor_is_named_before_the_op(swap):
                 weights[1].untyped_storage().resize_(0)
             else:
                 grads[0].data = grads[0].clone()
-        before = ctx.window.local.clone()
+        before = window_bytes(ctx)
         member = "grads['fc1']" if swap == "grad" else "weights['fc2']"
         if group.rank == 1:
             with pytest.raises(
@@ -177,7 +177,7 @@ def test_swapped_registered_tensor_is_named_before_the_op(swap):
         elif swap != "grad":  # the plan agreement tells rank 0 at once
             with pytest.raises(ValueError, match=r"ranks \[1\] rejected their plan .*registered tensor"):
                 ctx.weight_sync(vid, SWAP_PLAN)
-        assert torch.equal(ctx.window.local, before)
+        assert torch.equal(window_bytes(ctx), before)
         return True
 
     assert _two_ranks(fn, plan_check="agree") == [True, True]

@@ -15,7 +15,7 @@ from ultracomm import Context, ExpertLayout, LoopbackDomain, Member, ReplicaPlan
 from ultracomm.errors import PlanError, RegistrationError, UltracommError
 from ultracomm.schedule import build_schedule
 
-from conftest import expected_master_grads, expert_weights, hot_slot_src, random_slot_src
+from conftest import expected_master_grads, expert_weights, hot_slot_src, random_slot_src, window_bytes
 
 
 def make_layout(n1: int, n2: int, dtype=torch.bfloat16, grad_dtype=torch.float32) -> ExpertLayout:
@@ -231,10 +231,10 @@ def test_plan_mismatch_across_ranks_moves_nothing():
         with Context(group, layout, epr, slots, num_layers=1, plan_check="agree") as ctx:
             ctx.register_masters(0, *masters_for(layout, ctx.rank, epr))
             vid = ctx.begin(0)
-            before = ctx.window.local.clone()
+            before = window_bytes(ctx)
             with pytest.raises(ValueError, match="plan differs across ranks"):
                 ctx.weight_sync(vid, plans[0] if group.rank != 1 else plans[1])
-            assert torch.equal(ctx.window.local, before)
+            assert torch.equal(window_bytes(ctx), before)
         return True
 
     assert LoopbackDomain(world).run(body) == [True] * world
@@ -317,14 +317,14 @@ def test_one_rank_with_an_invalid_plan_fails_every_rank():
         with Context(group, layout, 1, 1, num_layers=1, plan_check="agree") as ctx:
             ctx.register_masters(0, *masters_for(layout, ctx.rank, 1))
             vid = ctx.begin(0)
-            before = ctx.window.local.clone()
+            before = window_bytes(ctx)
             if group.rank == 0:
                 with pytest.raises(ValueError, match=r"ranks \[1\] rejected their plan"):
                     ctx.weight_sync(vid, good)
             else:
                 with pytest.raises(ValueError, match="slots per rank"):
                     ctx.weight_sync(vid, bad)
-            assert torch.equal(ctx.window.local, before)
+            assert torch.equal(window_bytes(ctx), before)
         return True
 
     assert LoopbackDomain(2).run(body) == [True, True]

@@ -16,6 +16,9 @@ counts as evidence:
   failure path: a healthy operation makes no store call), with what it waited for.  A rank
   that published is alive and failed, never "stopped"; what it waited for is followed in turn,
   so a cascade names the first failure, not the latest closed socket;
+* **its process**, where it runs on this host (same boot, pid namespace and user, known from
+  Context setup): ``/proc`` shows it exited (gone, a zombie, or its pid reused) or stopped
+  (SIGSTOP, a debugger) -- any transport, also for ranks nothing here waited for;
 * **a connection it closed without publishing**: its process ended without raising (p2p, the
   split transport's messages);
 * **silence**: a rank this rank waited for (directly, or through published records) that
@@ -34,12 +37,22 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import os
 import threading
 import time
 import weakref
 from typing import Any, Optional, Sequence
 
-__all__ = ["Witness", "Evidence", "status_offsets", "grace_s", "HEARTBEAT_S", "strip_blame"]
+__all__ = [
+    "Witness",
+    "Evidence",
+    "status_offsets",
+    "grace_s",
+    "HEARTBEAT_S",
+    "strip_blame",
+    "process_identity",
+    "process_state",
+]
 
 HEARTBEAT_S = 0.1  # how often a process writes its heartbeat
 _FAILED_BIT = 1 << 63
@@ -114,6 +127,55 @@ if hasattr(__import__("os"), "register_at_fork"):
     __import__("os").register_at_fork(after_in_child=_at_fork)
 
 
+# ------------------------------------------------------------------ process state
+def _stat(pid: int) -> Optional[tuple[str, int]]:
+    """(state letter, start time in clock ticks after boot) of ``pid`` from ``/proc``; None when
+    the pid has no entry (the process is gone and reaped).  Other OS errors propagate."""
+    try:
+        with open(f"/proc/{int(pid)}/stat", "rb") as f:
+            raw = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = raw[raw.rindex(b")") + 2 :].split()  # the name (field 2) may hold spaces and parentheses
+    return fields[0].decode(), int(fields[19])  # fields 3 (state) and 22 (starttime)
+
+
+def process_identity() -> Optional[tuple]:
+    """This process as a peer on the same host can check it: ``(boot id, pid namespace, uid,
+    pid, start time)``; None without a readable ``/proc``."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        ns = os.readlink("/proc/self/ns/pid")
+        pid = os.getpid()
+        st = _stat(pid)
+    except (OSError, ValueError, IndexError):
+        return None
+    return None if st is None else (boot, ns, os.getuid(), pid, st[1])
+
+
+def process_state(ident: Any, mine: Any = None) -> Optional[str]:
+    """First-hand evidence from the process ``ident`` (a peer's :func:`process_identity`) when
+    this process can see it -- the same boot, pid namespace and user (``mine``: default this
+    process's identity) and not this process itself: why it is stopped ("has exited" -- no
+    entry, a zombie, or its pid now another process's -- or "is stopped" -- SIGSTOP, a
+    debugger), or None (running, or nothing can be told from here)."""
+    mine = process_identity() if mine is None else mine
+    try:
+        boot, ns, uid, pid, start = ident
+        if mine is None or (boot, ns, uid) != tuple(mine[:3]) or pid == mine[3]:
+            return None
+        st = _stat(pid)
+    except (OSError, TypeError, ValueError, IndexError):
+        return None
+    where = f"its process (pid {pid} on this host)"
+    if st is None or st[1] != start or st[0] in ("Z", "X", "x"):
+        return f"{where} has exited"
+    if st[0] in ("T", "t"):
+        return f"{where} is stopped (state {st[0]}: SIGSTOP or a debugger)"
+    return None
+
+
 # ------------------------------------------------------------------ evidence
 @dataclasses.dataclass
 class Evidence:
@@ -186,6 +248,8 @@ class Witness:
         self._lock = threading.Lock()
         #: the owner's current operation epoch (a Context sets it), for failures outside an operation
         self.epoch_fn = lambda: 0
+        #: every rank's :func:`process_identity` (Context setup hands them over; None: unknown)
+        self.processes: list[Any] = [None] * world
 
     def epoch(self) -> int:
         try:
@@ -305,6 +369,11 @@ class Witness:
         still silent stopped."""
         ev = Evidence()
         others = [q for q in range(self.world) if q != self.rank]
+        mine = process_identity()
+
+        def proc(q: int) -> Optional[str]:
+            return process_state(self.processes[q], mine) if q < len(self.processes) else None
+
         stale = stale_s(self.timeout_s)
         win = {q: self._window(q) for q in others}
         records = self._records(others)
@@ -328,7 +397,11 @@ class Witness:
             pending = [
                 q
                 for q in sorted(chase)
-                if q not in records and q not in reported_dead and q not in reported and win.get(q) is None
+                if q not in records
+                and q not in reported_dead
+                and q not in reported
+                and win.get(q) is None
+                and proc(q) is None  # its process shows it: its record can never come
             ]
             # records without their evidence yet: the ranks that can see what this rank cannot
             unfinished = [q for q, rec in records.items() if rec[4] is None]
@@ -353,6 +426,8 @@ class Witness:
                     ev.alive.append(q)
                     if w[2] < epoch:  # a fact, not a stop: it may wait in an earlier operation in turn
                         ev.behind[q] = w[2]
+            elif (how := proc(q)) is not None:
+                ev.stopped[q] = how
             elif q in dead and wait:
                 ev.stopped[q] = (
                     f"its connection closed and it published no failure within the timeout and "

@@ -8,7 +8,7 @@ from __future__ import annotations
 import weakref
 from typing import Any, Sequence
 
-from .blame import Witness
+from .blame import Witness, process_identity
 from .comm import as_comm, require_same
 from .control import plans, setup
 from .control.microbatches import MicroBatches
@@ -81,12 +81,14 @@ def construct(
         where = domains.rank_domain(
             ctx.config.domain, ctx.rank, ctx.world, device_type(ctx.config.transport, ctx.config.window, device), device
         )
-        return setup.agreed_key(
+        key = setup.agreed_key(
             ctx.config, layout, experts_per_rank, slots_per_rank, num_layers, max_microbatches, ctx.node_of, chosen
-        ), where
+        )
+        return key, where, process_identity()
 
     views = ctx.comm.agree(local_check, op="Context setup", what="configuration")
     require_same([v[0] for v in views], "Context configuration")
+    ctx._witness.processes = [v[2] for v in views]  # a peer's process on this host is evidence (ultracomm.blame)
     # every rank's memory domain decides auto (and what split does); ultracomm.dataplane.domains
     ctx.comm.agree(
         lambda: choose(ctx, [v[1] for v in views], device),

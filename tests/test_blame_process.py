@@ -1,0 +1,115 @@
+"""A peer's process on this host as evidence of who stopped (ultracomm.blame, issue 35): ``/proc``
+shows a rank's process exited or SIGSTOPped, so a failing rank names it stopped -- also a rank
+nothing here waited for, which before was of "unknown state" (the fault matrix's two-victim p2p
+cases) -- and stops waiting for a record that process can never publish."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from ultracomm.blame import Witness, process_identity, process_state
+
+pytestmark = pytest.mark.skipif(process_identity() is None, reason="needs /proc")
+
+
+def _child() -> tuple[int, int, tuple]:
+    """A forked child that waits for a byte on a pipe, and its identity (as its Context would hand it over)."""
+    r, w = os.pipe()
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        os.close(w)
+        os.write(ready_w, repr(process_identity()).encode())
+        os.read(r, 1)
+        os._exit(0)
+    os.close(r)
+    os.close(ready_w)
+    ident = eval(os.read(ready_r, 4096).decode())  # noqa: S307 - a tuple of str and int we wrote
+    os.close(ready_r)
+    return pid, w, ident
+
+
+def _stop_and_wait(pid: int, letter: str) -> None:
+    """Wait (bounded) until the kernel shows ``pid`` in state ``letter`` (SIGSTOP and SIGKILL are asynchronous)."""
+    for _ in range(2000):
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+        if raw[raw.rindex(b")") + 2 :].split()[0].decode() == letter:
+            return
+        os.sched_yield()
+    raise AssertionError(f"pid {pid} never reached state {letter}")
+
+
+def test_running_stopped_exited_and_reused_pids_are_told_apart():
+    pid, w, ident = _child()
+    try:
+        assert ident[3] == pid and ident[:3] == process_identity()[:3]
+        assert process_state(ident) is None  # running (blocked on the pipe)
+        os.kill(pid, signal.SIGSTOP)
+        _stop_and_wait(pid, "T")
+        assert (
+            process_state(ident) == f"its process (pid {pid} on this host) is stopped (state T: SIGSTOP or a debugger)"
+        )
+        os.kill(pid, signal.SIGCONT)
+        for _ in range(2000):  # SIGCONT is asynchronous too
+            if process_state(ident) is None:
+                break
+            os.sched_yield()
+        assert process_state(ident) is None
+        # the same pid with another start time is another process: the one we knew has exited
+        assert process_state(ident[:4] + (ident[4] + 1,)) == f"its process (pid {pid} on this host) has exited"
+        os.kill(pid, signal.SIGKILL)
+        _stop_and_wait(pid, "Z")  # killed, not yet reaped
+        assert process_state(ident) == f"its process (pid {pid} on this host) has exited"
+    finally:
+        os.close(w)
+        os.waitpid(pid, 0)
+    assert process_state(ident) == f"its process (pid {pid} on this host) has exited"  # reaped: no /proc entry
+
+
+def test_nothing_is_told_of_other_hosts_namespaces_users_or_this_process():
+    mine = process_identity()
+    gone = (mine[0], mine[1], mine[2], 2**22 + 12345, 1)  # no such pid on this host
+    assert process_state(gone) == f"its process (pid {2**22 + 12345} on this host) has exited"
+    assert process_state(("another-boot",) + gone[1:]) is None
+    assert process_state(gone[:1] + ("pid:[1]",) + gone[2:]) is None
+    assert process_state(gone[:2] + (mine[2] + 1,) + gone[3:]) is None
+    assert process_state(mine) is None  # this process (a loopback domain: every rank is one process)
+    assert process_state(None) is None and process_state(("short",)) is None
+
+
+def test_a_failing_rank_names_a_dead_process_it_never_waited_for_and_does_not_wait_for_its_record():
+    dead, w1, dead_ident = _child()
+    live, w2, live_ident = _child()
+    os.kill(dead, signal.SIGKILL)  # (not EOF on its pipe: the second child holds that pipe's write end too)
+    os.close(w1)
+    os.waitpid(dead, 0)
+    try:
+        wit = Witness(None, 0, 4, timeout_s=30.0)  # no store, no window: what /proc shows is all there is
+        wit.processes = [process_identity(), dead_ident, live_ident, None]
+        t0 = time.monotonic()
+        # rank 0 waited for rank 1 (dead); ranks 2 (alive) and 3 (identity unknown) it did not wait for
+        ev = wit.evidence(epoch=7, awaited=[1], since=t0)
+        took = time.monotonic() - t0
+        assert ev.stopped == {1: f"its process (pid {dead} on this host) has exited"}
+        assert ev.unknown == [2, 3] and not ev.failed and not ev.alive
+        assert took < 30.0, took  # without the process it waits out the timeout and grace (45 s) for rank 1's record
+        # a rank it did not wait for: the process is evidence as well
+        ev = wit.evidence(epoch=7, awaited=[], since=t0)
+        assert sorted(ev.stopped) == [1] and ev.unknown == [2, 3]
+        os.kill(live, signal.SIGSTOP)
+        _stop_and_wait(live, "T")
+        ev = wit.evidence(epoch=7, awaited=[], since=t0)
+        assert sorted(ev.stopped) == [1, 2] and ev.unknown == [3]
+        assert ev.sentence().startswith(
+            f"by evidence, stopped: ranks [1, 2] (rank 1: its process (pid {dead} on this host) has exited; "
+            f"rank 2: its process (pid {live} on this host) is stopped (state T: SIGSTOP or a debugger))"
+        ), ev.sentence()
+    finally:
+        os.kill(live, signal.SIGKILL)
+        os.close(w2)
+        os.waitpid(live, 0)

@@ -331,3 +331,53 @@ def test_p2p_bound_buffers_follow_new_masters_and_repeat_exactly():
             for m in range(2):
                 assert torch.equal(grads[m][i], torch.full_like(grads[m][i], 0.5 + 2 * n))
                 assert torch.equal(grads[2 + m][i], torch.zeros_like(grads[2 + m][i]))
+
+
+def test_two_contexts_on_one_group_never_take_each_others_messages():
+    """Both Contexts number a pair's messages from 0, and operations of different Contexts need not
+    run in the same order on every rank (async ops run on each Context's own thread).  Here the
+    sender runs Context B's weight_sync first, the receiver A's: A's replica got B's expert, no
+    error (two Contexts' async weight_syncs on loopback p2p: 26-30 of 100 per rank, without
+    forcing the order).  Each Context now sends on tags of its own (messengers.channel_of)."""
+    layout = ExpertLayout((Member("w", (16, 16), torch.float32),))
+    plan = ReplicaPlan.make(np.array([[-1], [0]], np.int32), experts_per_rank=1)  # rank 0 -> rank 1 only
+
+    def hold(ctx, wait_for=None, started=None, done=None):
+        real = ctx.transport.run
+
+        def run(*a, **kw):
+            if started is not None:
+                started.set()
+            if wait_for is not None:
+                assert wait_for.wait(20)
+            try:
+                return real(*a, **kw)
+            finally:
+                if done is not None:
+                    done.set()
+
+        ctx.transport.run = run
+
+    def body(group):
+        ctxs = [
+            Context(group, layout, 1, 1, num_layers=1, transport="p2p", timeout_s=20, relay_mode="off")
+            for _ in range(2)
+        ]
+        for c, ctx in enumerate(ctxs):
+            ctx.register_masters(0, [torch.full((1, 16, 16), float(100 * c + group.rank))], [torch.zeros(1, 16, 16)])
+        first = threading.Event()
+        if group.rank == 0:  # the sender: A's operation waits until B's has sent
+            hold(ctxs[0], wait_for=first)
+            hold(ctxs[1], done=first)
+        else:  # the receiver: B's operation waits until A's is receiving
+            hold(ctxs[0], started=first)
+            hold(ctxs[1], wait_for=first)
+        works = [ctx.weight_sync(ctx.begin(0), plan, async_op=True) for ctx in ctxs]
+        for w in works:
+            w.wait()
+        got = [ctx.replica_weights[0][0].unique().tolist() for ctx in ctxs]
+        for ctx in ctxs:
+            ctx.close()
+        return got
+
+    assert LoopbackDomain(2).run(body, timeout=120)[1] == [[0.0], [100.0]]

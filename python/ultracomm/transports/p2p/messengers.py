@@ -32,11 +32,37 @@ __all__ = ["TorchMessenger", "LoopbackMessenger", "PostError", "messenger_for", 
 
 OpSpec = tuple  # (kind, tensor, peer, tag)
 
+#: A Context's messages travel on tags of their own, ``tag * CHANNELS + channel``: every Context
+#: numbers a pair's messages from 0, so two Contexts on one group with operations in flight at once
+#: (async ops run on each Context's own thread) matched each other's messages -- one Context's
+#: replica got another's bytes, no error.  ``channel``: see :func:`channel_of`.
+CHANNELS = 4096
+_MAX_TAG = 2**31 - 1  # gloo takes a non-negative int
+
+
+def channel_of(comm: Any) -> int:
+    """A Context's channel: its group's exchange count when its transport is built (inside the
+    setup's agreement), alike on every rank, different for every Context made on the group (each
+    setup exchanges).  Two live Contexts share one only if 4096 exchanges apart (mod CHANNELS)."""
+    board = getattr(comm, "_store_board", None)
+    if board is not None:
+        return int(board.sequence) % CHANNELS
+    domain = getattr(comm, "domain", None)
+    return int(domain._sequence[comm.rank]) % CHANNELS if domain is not None else 0
+
+
+def channel_tag(tag: int, channel: int) -> int:
+    out = int(tag) * CHANNELS + channel
+    if out > _MAX_TAG:
+        raise ValueError(f"ultracomm: p2p message tag {tag} is too large (at most {_MAX_TAG // CHANNELS} per pair)")
+    return out
+
 
 class TorchMessenger:
     """``batch_isend_irecv`` over a process group; peers are ranks of that group."""
 
-    def __init__(self, group: Any, world: int, device: torch.device):
+    def __init__(self, group: Any, world: int, device: torch.device, channel: int = 0):
+        self.channel = channel
         backend = self.backend = str(dist.get_backend(group)).lower()
         if device.type == "cpu" and "gloo" not in backend:
             raise ValueError(
@@ -70,12 +96,18 @@ class TorchMessenger:
             send, recv = group.send, group.recv
             for i, (kind, tensor, peer, tag) in enumerate(ops):
                 try:
-                    works.append((send if kind == "send" else recv)([tensor], peer, tag))
+                    works.append((send if kind == "send" else recv)([tensor], peer, channel_tag(tag, self.channel)))
                 except RuntimeError as e:  # a peer's connection is gone
                     raise PostError(i, e) from None
             return works
         p2p = [
-            dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, self.global_rank[peer], group, tag)
+            dist.P2POp(
+                dist.isend if kind == "send" else dist.irecv,
+                tensor,
+                self.global_rank[peer],
+                group,
+                channel_tag(tag, self.channel),
+            )
             for kind, tensor, peer, tag in ops
         ]
         try:
@@ -174,8 +206,8 @@ class _Receive:
 class LoopbackMessenger:
     """Mailboxes shared by the threads of one loopback domain."""
 
-    def __init__(self, comm: Any):
-        self.rank = comm.rank
+    def __init__(self, comm: Any, channel: int = 0):
+        self.rank, self.channel = comm.rank, channel
         with comm.domain._lock:
             self.boxes = comm.domain.shared.setdefault("ultracomm.p2p_mailboxes", _Mailboxes())
 
@@ -183,6 +215,7 @@ class LoopbackMessenger:
         out: list = []
         sends = []
         for kind, tensor, peer, tag in ops:
+            tag = channel_tag(tag, self.channel)
             if kind == "send":
                 sends.append(((self.rank, peer, tag), tensor.clone()))
                 out.append(_Sent())
@@ -205,11 +238,11 @@ def messenger_for(comm: Any, world: int, device: torch.device):
                 "ultracomm: transport 'p2p' on a LoopbackGroup runs on the CPU only; use transport='tma' "
                 "with a cuda_local window for one-GPU loopback domains"
             )
-        return LoopbackMessenger(comm)
+        return LoopbackMessenger(comm, channel_of(comm))
     group = getattr(comm, "pg", None)
     if kind != "torch" or group is None:
         raise ValueError(
             f"ultracomm: transport 'p2p' needs a torch.distributed process group or a LoopbackGroup, "
             f"got {type(comm).__name__}"
         )
-    return TorchMessenger(group, world, device)
+    return TorchMessenger(group, world, device, channel_of(comm))

@@ -113,3 +113,23 @@ def test_a_failing_rank_names_a_dead_process_it_never_waited_for_and_does_not_wa
         os.kill(live, signal.SIGKILL)
         os.close(w2)
         os.waitpid(live, 0)
+
+
+def test_a_stopped_process_outweighs_a_heartbeat_that_is_still_fresh():
+    """A heartbeat stays fresh for up to stale_s after its process stops; /proc says it at once."""
+    pid, w, ident = _child()
+    try:
+        wit = Witness(None, 0, 3, timeout_s=30.0)
+        wit.processes = [process_identity(), ident, None]
+        wit._window = lambda q: (0, 0.01, 7)  # every peer's window: not failed, beat 10 ms ago, at epoch 7
+        ev = wit.evidence(epoch=7, awaited=[1], wait=False)
+        assert not ev.stopped and ev.alive == [1, 2]
+        os.kill(pid, signal.SIGSTOP)
+        _stop_and_wait(pid, "T")
+        ev = wit.evidence(epoch=7, awaited=[1], wait=False)
+        assert ev.stopped == {1: f"its process (pid {pid} on this host) is stopped (state T: SIGSTOP or a debugger)"}
+        assert ev.alive == [2]
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.close(w)
+        os.waitpid(pid, 0)

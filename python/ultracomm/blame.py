@@ -418,6 +418,8 @@ class Witness:
                 ev.failed[q] = f"at epoch {w[0] & ~_FAILED_BIT} (its failure word)"
             elif w is not None and w[1] < 0:
                 ev.left[q] = w[2]
+            elif (how := proc(q)) is not None:  # before the heartbeat: a beat is fresh for a while after a stop
+                ev.stopped[q] = how
             elif w is not None:
                 if w[1] > stale:
                     how = "killed or stopped" if w[1] != float("inf") else "never beat"
@@ -426,8 +428,6 @@ class Witness:
                     ev.alive.append(q)
                     if w[2] < epoch:  # a fact, not a stop: it may wait in an earlier operation in turn
                         ev.behind[q] = w[2]
-            elif (how := proc(q)) is not None:
-                ev.stopped[q] = how
             elif q in dead and wait:
                 ev.stopped[q] = (
                     f"its connection closed and it published no failure within the timeout and "

@@ -133,3 +133,32 @@ def test_a_stopped_process_outweighs_a_heartbeat_that_is_still_fresh():
         os.kill(pid, signal.SIGKILL)
         os.close(w)
         os.waitpid(pid, 0)
+
+
+class _LateBoard:
+    """A store whose record of rank 2 shows up after the first read: rank 2 failed, published and
+    exited while the failing rank was already gathering its evidence."""
+
+    def __init__(self):
+        self.reads = 0
+
+    def present(self, keys):
+        self.reads += 1
+        return [self.reads > 1 and k.endswith("/2") for k in keys]
+
+    def read(self, keys):
+        return [(7, "weight_sync timed out", [3], [], {3: "its process (pid 1 on this host) has exited"}) for _ in keys]
+
+
+def test_a_process_that_published_then_exited_reads_as_failed_not_stopped():
+    pid, w, ident = _child()
+    os.kill(pid, signal.SIGKILL)
+    os.close(w)
+    os.waitpid(pid, 0)
+    wit = Witness(None, 0, 3, timeout_s=30.0)
+    wit.processes = [process_identity(), None, ident]
+    board = _LateBoard()
+    wit._board = lambda: board
+    ev = wit.evidence(epoch=7, awaited=[], wait=False)
+    assert ev.failed == {2: "at epoch 7 (weight_sync timed out)"} and not ev.stopped, ev
+    assert ev.unknown == [1]

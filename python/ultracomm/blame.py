@@ -30,7 +30,12 @@ The words live in the unused tail of the 64-byte line that holds ``ready[op]`` a
 ``heartbeat`` at ``digest_off + 24``; the line ends before ``arrival_off``.
 
 Messages end with ``by evidence, stopped: ranks [..] (why); already failed: ...; alive: ...;
-state unknown: ranks [..]`` (perf/fault_matrix.py reads them).
+state unknown: ranks [..]`` (perf/fault_matrix.py reads them).  The host, p2p and CPU split
+transports add it where they raise; the stream-ordered GPU transports (``tma``, ``copy_engine``,
+the CUDA ``split``), whose timeouts come from a kernel's error record or a watchdog and surface
+at ``Work.wait()`` / ``synchronize()``, get it there (``StreamOrdered.check()``,
+:meth:`Witness.timeout_text` with ``wait=False``: a live peer's host thread publishes its failure
+only when it next synchronizes, so silence is no evidence on that path).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import os
+import re
 import threading
 import time
 import weakref
@@ -50,6 +56,7 @@ __all__ = [
     "grace_s",
     "HEARTBEAT_S",
     "strip_blame",
+    "awaited_ranks",
     "process_identity",
     "process_state",
 ]
@@ -410,6 +417,11 @@ class Witness:
             time.sleep(0.05)
             records.update(self._records(pending + unfinished))
             win = {q: self._window(q) for q in others}
+        # a rank's process seen ended or stopped has published all it ever will: read its record after
+        # that sight (the loop above re-reads only the ranks it waits for; one that failed, published and
+        # exited meanwhile would otherwise read as a process that exited without a word)
+        procs = {q: proc(q) for q in others if q not in records}
+        records.update(self._records([q for q, how in procs.items() if how is not None]))
         for q in others:
             w = win.get(q)
             if q in records:
@@ -418,8 +430,8 @@ class Witness:
                 ev.failed[q] = f"at epoch {w[0] & ~_FAILED_BIT} (its failure word)"
             elif w is not None and w[1] < 0:
                 ev.left[q] = w[2]
-            elif (how := proc(q)) is not None:  # before the heartbeat: a beat is fresh for a while after a stop
-                ev.stopped[q] = how
+            elif procs.get(q) is not None:  # before the heartbeat: a beat is fresh for a while after a stop
+                ev.stopped[q] = procs[q]
             elif w is not None:
                 if w[1] > stale:
                     how = "killed or stopped" if w[1] != float("inf") else "never beat"
@@ -463,6 +475,25 @@ class Witness:
         self.publish(epoch, what, awaited, dead, ev.stopped)  # for the ranks that cannot see what this one saw
         return ev.sentence()
 
+    def timeout_text(
+        self, text: str, epoch: Optional[int] = None, what: Optional[str] = None, wait: bool = True
+    ) -> str:
+        """A timeout's ``text`` (the C++ executor's, a kernel's error record, a watchdog's) naming
+        ranks by evidence: the older guess stripped (:func:`strip_blame`), the ranks it waited for
+        read from it (:func:`awaited_ranks`), then :meth:`explain`'s sentence appended.  ``epoch``
+        and ``what`` default to the text's own ("rank 0 weight_sync ... epoch 7" -> 7, "weight_sync
+        timed out"; else :meth:`epoch`).  ``wait=False`` where a live peer publishes its failure
+        only later (the stream-ordered GPU transports: its host thread learns of it at its next
+        synchronize), so that silence calls no rank stopped."""
+        text = strip_blame(str(text))
+        if epoch is None:
+            m = _EPOCH.search(text)
+            epoch = int(m.group(1)) if m else self.epoch()
+        if what is None:
+            m = _OP.search(text)
+            what = f"{m.group(1) if m else 'operation'} timed out"
+        return f"{text}; {self.explain(epoch, what, awaited_ranks(text), wait=wait)}"
+
 
 # ------------------------------------------------------------------ older wordings
 _BLAME_TAILS = (
@@ -476,3 +507,20 @@ def strip_blame(text: str) -> str:
     for old, new in _BLAME_TAILS:
         text = text.replace(old, new)
     return text
+
+
+# what a timeout's text says it waited for: the executor's and the kernels' "waiting for rank 2 ...",
+# the GPU split side stream's "... message 3 of 8: ... (peer rank 2)"
+_AWAITED = re.compile(r"waiting for rank (\d+)|\(peer rank (\d+)\)")
+_EPOCH = re.compile(r"\bepoch (\d+)")  # the first: the operation's ("... (multicast) epoch 7 timed out")
+_OP = re.compile(r"^ultracomm: rank \d+ (\w+)")
+
+
+def awaited_ranks(text: str) -> list[int]:
+    """The ranks a timeout's ``text`` says this rank waited for, in order of mention, each once."""
+    out: list[int] = []
+    for m in _AWAITED.finditer(text):
+        r = int(m.group(1) or m.group(2))
+        if r not in out:
+            out.append(r)
+    return out

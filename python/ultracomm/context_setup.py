@@ -208,7 +208,7 @@ def attach(ctx: Any) -> None:
     ctx._queue = OpQueue(ctx.transport, ctx.rank, None, ctx._witness, ctx.profiler, slot_of)
     if is_stream_ordered(ctx.transport):  # the finaliser holds the streams: they must not hold the Context
         ctx._queue.streams = stream_ordered.StreamOrdered(
-            ctx.transport, stream_ordered.streams_for(ctx._cuda_dev), ctx._queue.fail, ctx.rank
+            ctx.transport, stream_ordered.streams_for(ctx._cuda_dev), ctx._queue.fail, ctx.rank, ctx._witness
         )
     ctx._streams: stream_ordered.StreamOrdered | None = ctx._queue.streams
     #: ranks check that they run the same plan through the digests in their windows, not a

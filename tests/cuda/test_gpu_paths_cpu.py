@@ -355,6 +355,35 @@ def test_gpu_context_timeout_test_withholds_on_the_host_transport():
     tgc.check_timeout_surfaces_at_wait("host")
 
 
+def test_gpu_context_timeout_test_through_the_stream_ordered_path(monkeypatch):
+    """The same test on "tma" as the device runs it -- the error surfacing at ``Work.wait()``
+    through ``StreamOrdered.check()``, which names ranks by evidence (issue 35) -- with
+    test_stream_ordered's stand-in for the kernel (the host executor, errors only at
+    ``check_error()``) and for the CUDA streams."""
+    import test_gpu_context as tgc
+    import test_stream_ordered as tso
+
+    import ultracomm.cuda.stream_ordered as so
+    import ultracomm.transports as transports
+    from ultracomm import Context, LoopbackDomain
+
+    monkeypatch.setitem(transports.TRANSPORTS, "tma", tso.FakeStreamTransport)
+    monkeypatch.setattr(so, "streams_for", lambda device: tso.FakeStreams())
+
+    def make(world, layout, epr, slots, transport, **kw):  # test_gpu_context.make, its "tma" on host memory
+        assert transport == "tma"
+        opts = dict(relay_mode="off", chunk_bytes=1024, tile_bytes=256, transport="tma", window="local", num_workers=2)
+        ctxs = LoopbackDomain(world).run(lambda g: Context(g, layout, epr, slots, num_layers=1, **opts, **kw))
+        regs = [tgc.masters(layout, c.rank, epr, "cpu") for c in ctxs]
+        for c, (w, g) in zip(ctxs, regs):
+            c.register_masters(0, w, g)
+        assert all(c._streams is not None and c._streams.witness is c._witness for c in ctxs)
+        return ctxs, regs
+
+    monkeypatch.setattr(tgc, "make", make)
+    tgc.check_timeout_surfaces_at_wait("tma")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the gpu tests run")
 def test_every_gpu_test_collects_and_skips_here():
     """What scripts/gpu_check.sh runs (``pytest -m gpu``), here over the files that mark tests gpu

@@ -77,6 +77,7 @@ class FakeStreams:
 class FakeStreamTransport(HostTransport):
     name = "tma"
     stream_ordered = True
+    names_by_evidence = False  # as tma's: StreamOrdered names the ranks of its timeouts by evidence
     window_providers = ("local",)
     options = HostTransport.options | {"multicast_sms", "reduce_sms"}
 
@@ -236,6 +237,14 @@ def test_kernel_timeout_surfaces_at_wait_and_breaks_the_context(fake):
             text = str(ei.value)
             assert isinstance(ei.value, ultracomm.UltracommTimeout)
             assert "rank 0" in text and "weight_sync" in text and "epoch 1" in text
+            # the record's guess ("it is likely the stalled or dead rank") gives way to the evidence
+            # (issue 35): rank 1's heartbeat or its closed Context, never "stopped" for its silence
+            assert (
+                "rank 1 has not started this operation (its ready flag is at epoch 0); by evidence, stopped: ranks []"
+                in (text)
+                and "likely" not in text
+            ), text
+            assert "likely the stalled or dead rank" in str(ei.value.__cause__)  # the record, chained
             assert work.exception() is ei.value and work.is_completed()
             with pytest.raises(TimeoutError, match="weight_sync"):
                 ctx.synchronize()  # the record stays: synchronize raises it too

@@ -52,11 +52,7 @@ def lost_peer(dead: bool) -> dict:
     done = torch.cuda.Event()
     done.record(stream)
     done.synchronize()  # the caller's stream: released by the watchdog's abort
-    err = None
-    try:
-        t0.check_error()
-    except Exception as e:  # noqa: BLE001 - reported
-        err = e
+    err = c0._streams.check()  # the Context's view, as Work.wait() / synchronize() raise it: ranks by evidence
     returned = time.monotonic()
     synced, sync_s = device_sync()
     out = dict(

@@ -129,13 +129,8 @@ def lost_peer(case: str) -> dict:
     done = torch.cuda.Event()
     done.record(stream)
     done.synchronize()  # released by the watchdog (the join) and the kernels' own deadlines
-    errors = []
-    for c in ctxs:
-        try:
-            c.transport.check_error()
-            errors.append(None)
-        except Exception as e:  # noqa: BLE001 - reported
-            errors.append(e)
+    # each Context's view, as Work.wait() / synchronize() raise it: ranks named by evidence (issue 35)
+    errors = [c._streams.check() for c in ctxs]
     returned = time.monotonic()
     named = [e for e in errors if e is not None]
     synced, sync_s = device_sync()

@@ -240,6 +240,8 @@ def test_release_check_takes_the_one_record_a_loopback_launch_hands_every_rank()
     import os
 
     from test_split_cuda_gpu import check_release
+    from ultracomm.blame import Witness, process_identity
+    from ultracomm.cuda.stream_ordered import StreamOrdered
     from ultracomm.cuda.support import make_error_record
     from ultracomm.transports.tma.loopback import LoopbackRunner, raiser
 
@@ -269,14 +271,18 @@ def test_release_check_takes_the_one_record_a_loopback_launch_hands_every_rank()
             "for a message from rank 0"
         )
         lb.record_failure(raiser(dog), None)  # the watchdog's, on its thread, before anyone checks
+        # what the worker reports: each rank's Context's check (StreamOrdered, its witness: every rank is
+        # this one process, no heartbeat in a CUDA window), naming ranks by evidence (issue 35)
         errors = []
         for r in range(4):
-            try:
-                lb.check_error(r)
-                errors.append(None)
-            except Exception as e:  # noqa: BLE001 - what the worker reports
-                errors.append(e)
-        assert len({str(e) for e in errors}) == 1 and f"rank {failed} weight_sync" in str(errors[0])
+            wit = Witness(None, r, 4, timeout_s=2.0)
+            wit.processes = [process_identity()] * 4
+            errors.append(
+                StreamOrdered(
+                    SimpleNamespace(check_error=lambda r=r: lb.check_error(r)), None, lambda e: None, r, wit
+                ).check()
+            )
+        assert len({str(e.__cause__) for e in errors}) == 1 and f"rank {failed} weight_sync" in str(errors[0])
         out = dict(
             common.describe(errors[0]),
             errors=[common.describe(e) for e in errors],

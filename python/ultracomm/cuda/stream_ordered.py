@@ -7,7 +7,8 @@ plan's task lists in a device cache keyed by the schedule digest, so with a fixe
 operations can be captured in a CUDA graph).  Failures (a timeout, a digest mismatch) are
 recorded by the device (``tma``'s kernel) or the transport's watchdog (``copy_engine``) and
 raised by ``transport.check_error()``, which this module calls at ``Work.wait()`` and
-``Context.synchronize()``: that is where a device error surfaces, with the record's text.
+``Context.synchronize()``: that is where a device error surfaces, with the record's text -- a
+timeout's naming the ranks by evidence (:meth:`StreamOrdered._by_evidence`, issue 35).
 A transport whose ``abandoned_streams()`` is true after a failure (``copy_engine``: internal
 streams blocked for good on a lost peer) gets no device-wide synchronize from the Context, and
 its window stays mapped.
@@ -147,14 +148,46 @@ class StreamOrdered:
     """Submission, completion and error collection for one Context's stream-ordered transport.
 
     ``on_error(exc)`` is called with the first failure seen (the Context marks itself broken).
+    ``witness``: the Context's :class:`ultracomm.blame.Witness`; a timeout then names ranks by
+    evidence (:meth:`_by_evidence`).
     """
 
-    def __init__(self, transport: Any, streams: Any, on_error: Callable[[BaseException], None], rank: int):
+    def __init__(
+        self, transport: Any, streams: Any, on_error: Callable[[BaseException], None], rank: int, witness: Any = None
+    ):
         self.rank = rank  # named in each Work's name
         self.transport = transport
         self.streams = streams
         self._on_error = on_error
+        self.witness = witness
         self.failure: Optional[BaseException] = None  # the first failure seen: it stays
+
+    def _first(self, e: BaseException) -> None:
+        """Keep ``e`` (a timeout with its ranks named by evidence) as this Context's failure."""
+        self.failure = self._by_evidence(e)
+        self._on_error(self.failure)
+
+    def _by_evidence(self, e: BaseException) -> BaseException:
+        """Blame by evidence (issue 35) for the stream-ordered transports, whose timeouts come from
+        a kernel's error record or a watchdog and carry the older guess ("... it is likely the
+        stalled or dead rank"): the same kind of error (its type; ``e`` chained) with that guess
+        stripped and the evidence sentence appended (:meth:`ultracomm.blame.Witness.timeout_text`).
+        ``wait=False``: a live peer's host thread publishes its failure only when it next
+        synchronizes, so silence is no evidence here; a peer's process on this host (exited,
+        stopped), its failure record or word, its heartbeat are.  Other failures, and texts that
+        already name ranks by evidence, stay as they are."""
+        if self.witness is None or not isinstance(e, UltracommTimeout) or "by evidence, stopped:" in str(e):
+            return e
+        try:
+            text = self.witness.timeout_text(str(e), wait=False)
+        except Exception:  # noqa: BLE001 - the failure being reported matters more than its note
+            return e
+        try:
+            named = type(e)(text)
+        except Exception:  # noqa: BLE001 - a type that takes other arguments: still a timeout
+            named = UltracommTimeout(text)
+        named.__cause__ = e
+        return named
 
     def check(self) -> Optional[BaseException]:
         """The first failure of this Context's operations (the transport's error record, reported
@@ -165,8 +198,7 @@ class StreamOrdered:
             self.transport.check_error()
         except Exception as e:  # noqa: BLE001 - handed to the waiter
             if self.failure is None:
-                self.failure = e
-                self._on_error(e)
+                self._first(e)
         return self.failure
 
     def check_submit(self, name: str, async_op: bool) -> None:
@@ -245,8 +277,7 @@ class StreamOrdered:
             self.transport.quiesce()
         except UltracommTimeout as e:
             if self.failure is None:
-                self.failure = e
-                self._on_error(e)
+                self._first(e)
             return True
         return bool(self.transport.abandoned_streams())
 

@@ -9,7 +9,8 @@ on (their ``ready`` and ``digest`` words, read from device memory by ``read_devi
 that joined this epoch with another digest, or that rejected its plan, fails the operation at
 once with ``PlanError``; past ``timeout_s`` it fails with ``UltracommTimeout``.  Both are
 worded by the host executor's ``format_error`` (rank, operation, expert, chunk, flag, peer;
-"likely the stalled or dead rank" when the awaited peer never started the operation).
+whether the awaited peer started the operation); the Context's ``StreamOrdered.check()`` replaces
+that record's guess of who stopped by the evidence (issue 35, :mod:`ultracomm.blame`).
 
 On a failure it *aborts*: writes :data:`ABORT` into every ``done`` word of this transport, so
 the caller's stream passes its joins and later work on it runs, and sets this rank's ``abort``
@@ -300,7 +301,7 @@ class Watchdog:
             return None
         if not blocked:
             return self._untraced(p)
-        # prefer a wait on a peer that never started this operation: the likely stalled rank
+        # prefer a wait on a peer that never started this operation: its ready flag says so
         c, v = min(blocked, key=lambda cv: not (state.get(cv[0].peer, (p.epoch,))[0] < p.epoch))
         ready = state.get(c.peer, (None,))[0]
         return self._error(p, c, _TIMEOUT, observed=v, peer_ready=ready if ready is not None else (1 << 64) - 1)

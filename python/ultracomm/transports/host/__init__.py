@@ -6,9 +6,8 @@ from typing import Sequence
 
 from ... import _core
 from ...records import Op
-from ...blame import strip_blame
 from ..base import DEFAULT_TILE_BYTES, GRAD_DTYPE_CODE, Masters, Transport, master_pointers, op_digest
-from .who_stopped import _AWAITED, latest_epochs, stopped_note
+from .who_stopped import latest_epochs, stopped_note
 
 __all__ = ["HostTransport", "Masters", "master_pointers", "op_digest", "GRAD_DTYPE_CODE"]
 
@@ -130,10 +129,8 @@ class HostTransport(Transport):
         except _core.TimeoutError as e:
             witness = self.witness
             if witness is not None:  # blame by evidence (ultracomm.blame): heartbeats, failure words, records
-                text = strip_blame(str(e))
-                awaited = [int(r) for r in _AWAITED.findall(text)]
-                why = witness.explain(epoch, f"{op_name or op.name.lower()} timed out", awaited)
-                raise _core.TimeoutError(f"{text}; {why}") from None
+                text = witness.timeout_text(str(e), epoch, f"{op_name or op.name.lower()} timed out")
+                raise _core.TimeoutError(text) from None
             note = self._who_stopped(str(e), epoch)
             if note is None:
                 raise

@@ -16,12 +16,10 @@ are not the peers' flags.
 from __future__ import annotations
 
 import ctypes
-import re
 from typing import Optional, Sequence
 
+from ...blame import awaited_ranks
 from ...records import Op
-
-_AWAITED = re.compile(r"waiting for rank (\d+)")
 
 
 def latest_epochs(bases: Sequence[int], readable: Sequence[bool], ready_off: int) -> dict[int, int]:
@@ -41,8 +39,8 @@ def stopped_note(message: str, epoch: int, rank: int, latest: dict[int, int]) ->
     behind = sorted((e, r) for r, e in latest.items() if r != rank and e < epoch)
     if not behind:
         return None
-    m = _AWAITED.search(message)
-    awaited = int(m.group(1)) if m else None
+    found = awaited_ranks(message)
+    awaited = found[0] if found else None
     if [r for _, r in behind] == [awaited] and "has not started this operation" in message:
         return None
     first_epoch, first = behind[0]

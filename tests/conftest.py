@@ -196,3 +196,16 @@ def window_bytes(ctx) -> torch.Tensor:
     beat = status_offsets(ctx.wlayout)[1]
     out[beat : beat + 8] = 0
     return out
+
+
+def live_threads() -> int:
+    """``threading.active_count()`` once ultracomm's heartbeat thread (ultracomm.blame) has ended:
+    it is process-wide, started with the first host window and ending within ``HEARTBEAT_S`` of
+    the last one's close, so counted right after a close and not 0.1 s later it read as a thread
+    that came or went.  (A window still open keeps it: the join gives up, and it counts.)"""
+    import threading
+
+    for t in threading.enumerate():
+        if t.name == "ultracomm-heartbeat":
+            t.join(timeout=2.0)
+    return threading.active_count()

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import gc
 import os
-import threading
 
 import numpy as np
 import pytest
 import torch
 
 import moe_harness as mh
+from conftest import live_threads
 from ultracomm import LoopbackDomain, UltracommError
 from ultracomm.moe import ReplicaManager, linear
 from ultracomm.planners.base import build_result
@@ -168,7 +168,7 @@ def test_a_step_whose_graph_is_freed_is_dropped_by_itself():
 def resources() -> tuple[int, int, int]:
     with open("/proc/self/maps") as f:
         maps = sum(1 for _ in f)
-    return threading.active_count(), len(os.listdir("/proc/self/fd")), maps
+    return live_threads(), len(os.listdir("/proc/self/fd")), maps
 
 
 def test_managers_dropped_without_close_after_a_forward_leave_nothing_behind():

@@ -162,3 +162,78 @@ def test_a_process_that_published_then_exited_reads_as_failed_not_stopped():
     ev = wit.evidence(epoch=7, awaited=[], wait=False)
     assert ev.failed == {2: "at epoch 7 (weight_sync timed out)"} and not ev.stopped, ev
     assert ev.unknown == [1]
+
+
+def test_a_proc_of_another_pid_namespace_gives_no_identity(monkeypatch):
+    """A process in a pid namespace whose /proc is its parent namespace's (``unshare -p`` without
+    a new /proc): its pids name other processes there, so it tells nothing of itself or its peers."""
+    pid, w, _ = _child()
+    try:
+        monkeypatch.setattr(os, "getpid", lambda: pid)  # this process's pid as its namespace numbers it
+        assert process_identity() is None
+    finally:
+        monkeypatch.undo()
+        os.close(w)
+        os.waitpid(pid, 0)
+
+
+def test_a_live_process_hidden_from_proc_is_not_called_exited(monkeypatch):
+    """hidepid=invisible (or a peer not dumpable) hides a live process's /proc entry: no entry is
+    not exit then (kill(pid, 0) finds it); a reaped one still has exited."""
+    import ultracomm.blame as blame
+
+    pid, w, ident = _child()
+    stat = blame._stat
+    monkeypatch.setattr(blame, "_stat", lambda p: None if p == pid else stat(p))
+    try:
+        assert process_state(ident) is None
+    finally:
+        os.close(w)
+        os.waitpid(pid, 0)
+    assert process_state(ident) == f"its process (pid {pid} on this host) has exited"
+
+
+def test_a_process_that_failed_or_closed_then_exited_reads_so_not_stopped():
+    """Its window read before its process was seen gone: the failure word or closed Context it
+    wrote meanwhile is read after that sight, as its record is."""
+    kids = [_child() for _ in range(2)]
+    for pid, w, _ in kids:
+        os.kill(pid, signal.SIGKILL)
+        os.close(w)
+        os.waitpid(pid, 0)
+    wit = Witness(None, 0, 3, timeout_s=30.0)
+    wit.processes = [process_identity()] + [ident for _, _, ident in kids]
+    reads = {1: 0, 2: 0}
+    later = {1: (0, -1.0, 7), 2: ((1 << 63) | 7, 0.01, 7)}  # rank 1 closed its Context, rank 2 failed
+
+    def window(q):
+        reads[q] += 1
+        return (0, 0.01, 7) if reads[q] == 1 else later[q]
+
+    wit._window = window
+    ev = wit.evidence(epoch=7, awaited=[], wait=False)
+    assert not ev.stopped and ev.left == {1: 7} and ev.failed == {2: "at epoch 7 (its failure word)"}, ev
+
+
+def test_the_awaited_ranks_epoch_and_operation_are_read_from_every_timeout_wording():
+    """The executor's and kernels' ("waiting for rank N"), the CUDA split side stream's ("(peer rank
+    N)", its epoch in parentheses): what a stream-ordered timeout's evidence starts from."""
+    from ultracomm.blame import awaited_ranks
+
+    side = (
+        "ultracomm: rank 0 weight_sync (epoch 7, transport split, side stream) gave up after 5 s sending message "
+        "5 of 6: multicast expert 0 chunk 0 (bytes [0, 128) of slot 0) rank 0 -> rank 2 (peer rank 2); the other "
+        "end never took part"
+    )
+    assert awaited_ranks(side) == [2]
+    assert awaited_ranks("receiving message 1 of 6: header (digest) rank 0 -> rank 2 (peer rank 0)") == [0]
+    kernel = (
+        "ultracomm: rank 0 grad_reduce (reduce) epoch 9 timed out after 2 s waiting for rank 3's grad of expert "
+        "1 chunk 0 in slot 0 (grad_ready flag)"
+    )
+    assert awaited_ranks(kernel) == [3]
+    assert awaited_ranks("timed out after 2 s waiting for its parent rank to deliver expert 0 chunk 0") == []
+    for text, published in ((side, (7, "weight_sync timed out", [2])), (kernel, (9, "grad_reduce timed out", [3]))):
+        wit = Witness(None, 0, 4, timeout_s=30.0)
+        assert wit.timeout_text(text, wait=False).startswith(text + "; by evidence, stopped: ranks []")
+        assert wit._published[:3] == published

@@ -147,6 +147,17 @@ def _stat(pid: int) -> Optional[tuple[str, int]]:
     return fields[0].decode(), int(fields[19])  # fields 3 (state) and 22 (starttime)
 
 
+def _pid_exists(pid: int) -> bool:
+    """Whether ``pid`` names a process in this pid namespace (``kill(pid, 0)``, whatever ``/proc`` shows)."""
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists
+        return True
+    return True
+
+
 def process_identity() -> Optional[tuple]:
     """This process as a peer on the same host can check it: ``(boot id, pid namespace, uid,
     pid, start time)``; None without a readable ``/proc``."""
@@ -155,6 +166,8 @@ def process_identity() -> Optional[tuple]:
             boot = f.read().strip()
         ns = os.readlink("/proc/self/ns/pid")
         pid = os.getpid()
+        if os.readlink("/proc/self") != str(pid):  # a /proc of another pid namespace: its pids are not ours
+            return None
         st = _stat(pid)
     except (OSError, ValueError, IndexError):
         return None
@@ -176,6 +189,8 @@ def process_state(ident: Any, mine: Any = None) -> Optional[str]:
     except (OSError, TypeError, ValueError, IndexError):
         return None
     where = f"its process (pid {pid} on this host)"
+    if st is None and _pid_exists(pid):  # hidden from this /proc (hidepid, not dumpable): nothing to tell
+        return None
     if st is None or st[1] != start or st[0] in ("Z", "X", "x"):
         return f"{where} has exited"
     if st[0] in ("T", "t"):
@@ -421,7 +436,9 @@ class Witness:
         # that sight (the loop above re-reads only the ranks it waits for; one that failed, published and
         # exited meanwhile would otherwise read as a process that exited without a word)
         procs = {q: proc(q) for q in others if q not in records}
-        records.update(self._records([q for q, how in procs.items() if how is not None]))
+        seen = [q for q, how in procs.items() if how is not None]
+        records.update(self._records(seen))
+        win.update({q: self._window(q) for q in seen})  # its failure word or closed Context, likewise
         for q in others:
             w = win.get(q)
             if q in records:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import signal
+import threading
 import time
 
 import numpy as np
@@ -185,3 +186,35 @@ def test_copy_engine_release_cases_on_the_cpu_sim_name_ranks_by_evidence(case):
     finally:
         for c in ctxs:
             c.close()
+
+
+class _SlowWitness:
+    """A witness whose naming of the first failure takes a while (its store calls, bounded)."""
+
+    def __init__(self):
+        self.entered, self.go = threading.Event(), threading.Event()
+
+    def timeout_text(self, text: str, wait: bool = True) -> str:
+        self.entered.set()
+        self.go.wait(10.0)
+        return f"{text}; by evidence, stopped: ranks []"
+
+
+def test_a_check_while_the_first_failure_is_being_named_waits_for_it():
+    """The transport hands its record out once: a second waiter's check() during the naming must
+    not read "no failure" (its Work would complete as a success behind a failed operation)."""
+    wit = _SlowWitness()
+    so = StreamOrdered(Recorded(_TIMEOUT, 2), None, lambda e: None, 0, wit)
+    first: list = []
+    second: list = []
+    a = threading.Thread(target=lambda: first.append(so.check()))
+    a.start()
+    assert wit.entered.wait(5.0)
+    b = threading.Thread(target=lambda: second.append(so.check()))
+    b.start()
+    b.join(0.3)
+    wit.go.set()
+    a.join(5.0)
+    b.join(5.0)
+    assert first and second and second[0] is first[0], (first, second)
+    assert isinstance(second[0], UltracommTimeout) and "by evidence" in str(second[0])

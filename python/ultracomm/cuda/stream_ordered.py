@@ -22,6 +22,7 @@ state creates none.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, Callable, Optional
 
@@ -161,11 +162,16 @@ class StreamOrdered:
         self._on_error = on_error
         self.witness = witness
         self.failure: Optional[BaseException] = None  # the first failure seen: it stays
+        # held while the first failure is named (store calls, bounded): a transport hands a record out
+        # once, so a concurrent check() must wait for it, not read "no failure" meanwhile
+        self._lock = threading.RLock()
 
     def _first(self, e: BaseException) -> None:
         """Keep ``e`` (a timeout with its ranks named by evidence) as this Context's failure."""
-        self.failure = self._by_evidence(e)
-        self._on_error(self.failure)
+        with self._lock:
+            if self.failure is None:
+                self.failure = self._by_evidence(e)
+                self._on_error(self.failure)
 
     def _by_evidence(self, e: BaseException) -> BaseException:
         """Blame by evidence (issue 35) for the stream-ordered transports, whose timeouts come from
@@ -194,12 +200,12 @@ class StreamOrdered:
         to ``on_error`` when first seen), or ``None``.  Once one failed, every later check returns
         it: a transport may hand each record out once, but the operations queued behind a failed
         one were aborted, so no later completion may look like a success."""
-        try:
-            self.transport.check_error()
-        except Exception as e:  # noqa: BLE001 - handed to the waiter
-            if self.failure is None:
+        with self._lock:
+            try:
+                self.transport.check_error()
+            except Exception as e:  # noqa: BLE001 - handed to the waiter
                 self._first(e)
-        return self.failure
+            return self.failure
 
     def check_submit(self, name: str, async_op: bool) -> None:
         """Refuse an operation before it takes an epoch (a refused one must not shift the epochs)."""
@@ -276,8 +282,7 @@ class StreamOrdered:
         try:
             self.transport.quiesce()
         except UltracommTimeout as e:
-            if self.failure is None:
-                self._first(e)
+            self._first(e)
             return True
         return bool(self.transport.abandoned_streams())
 

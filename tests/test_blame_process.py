@@ -76,6 +76,9 @@ def test_nothing_is_told_of_other_hosts_namespaces_users_or_this_process():
     gone = (mine[0], mine[1], mine[2], 2**22 + 12345, 1)  # no such pid on this host
     assert process_state(gone) == f"its process (pid {2**22 + 12345} on this host) has exited"
     assert process_state(("another-boot",) + gone[1:]) is None
+    # a VM cloned from a snapshot keeps its boot id: another host name is another host
+    assert mine[0].endswith("/" + open("/proc/sys/kernel/random/boot_id").read().strip())
+    assert process_state(("a-clone/" + mine[0].rsplit("/", 1)[1],) + gone[1:]) is None
     assert process_state(gone[:1] + ("pid:[1]",) + gone[2:]) is None
     assert process_state(gone[:2] + (mine[2] + 1,) + gone[3:]) is None
     assert process_state(mine) is None  # this process (a loopback domain: every rank is one process)

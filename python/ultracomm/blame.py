@@ -44,6 +44,7 @@ import ctypes
 import dataclasses
 import os
 import re
+import socket
 import threading
 import time
 import weakref
@@ -159,11 +160,13 @@ def _pid_exists(pid: int) -> bool:
 
 
 def process_identity() -> Optional[tuple]:
-    """This process as a peer on the same host can check it: ``(boot id, pid namespace, uid,
-    pid, start time)``; None without a readable ``/proc``."""
+    """This process as a peer on the same host can check it: ``(host, pid namespace, uid, pid,
+    start time)``, the host as ultracomm's memory domains key it (``hostname/boot id``: a VM
+    cloned from a snapshot keeps its boot id, and usually gets a name of its own); None without
+    a readable ``/proc``."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
+            boot = f"{socket.gethostname()}/{f.read().strip()}"
         ns = os.readlink("/proc/self/ns/pid")
         pid = os.getpid()
         if os.readlink("/proc/self") != str(pid):  # a /proc of another pid namespace: its pids are not ours

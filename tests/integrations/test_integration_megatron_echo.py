@@ -267,3 +267,38 @@ def test_dispatcher_rejects_bad_input():
             close_dispatchers(group)
 
     LoopbackDomain(2).run(body)
+
+
+_REINIT = r"""
+import torch.distributed as dist
+from ultracomm.integrations import megatron_echo as me
+
+def init():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+assert me._pool_of(None) is me._pool_of(None)  # before init_process_group: one pool
+init()
+first = me._pool_of(None)
+first.members["fc1"] = object()  # its first dispatch happened
+assert me._pool_of(None) is first
+dist.destroy_process_group()
+init()  # the default group again (torch restarts its names): a new object, a new pool
+second = me._pool_of(None)
+assert second is not first and not second.members, "the re-created default group found the old group's pool"
+me.close_dispatchers(None)  # forgets the current default group's pool
+assert me._pool_of(None) is not second
+dist.destroy_process_group()
+print("ok")
+"""
+
+
+def test_default_group_initialised_again_gets_a_new_pool():
+    """ep_group=None (the default group): a training script that destroys its default group and
+    initialises it again builds its dispatchers into a new pool, not the old group's -- which held
+    Contexts on the destroyed group and, after its first dispatch, refused new dispatchers ("built
+    after the first dispatch").  In a subprocess: the default group is process-wide state."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _REINIT], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

@@ -98,23 +98,36 @@ class _Pool:
 
 
 _POOLS: "weakref.WeakKeyDictionary[Any, _Pool]" = weakref.WeakKeyDictionary()
-_DEFAULT_GROUP_POOL: dict[str, _Pool] = {}  # ep_group=None: the default process group
+_DEFAULT_GROUP_POOL: dict[str, _Pool] = {}  # ep_group=None before init_process_group
+
+
+def _pool_key(ep_group: Any) -> Any:
+    """The group a pool belongs to: ``ep_group``, or for None the default process group *object*
+    -- one destroyed and initialised again is another object, so its dispatchers start a new pool
+    rather than finding the old group's (its Contexts on a destroyed group, its dispatchers full)."""
+    if ep_group is not None:
+        return ep_group
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_group() if dist.is_available() and dist.is_initialized() else None
 
 
 def close_dispatchers(ep_group: Any) -> None:
     """Close the Contexts shared by ``ep_group``'s dispatchers and forget them (end of training;
     dispatchers built afterwards start a new pool)."""
-    pool = _DEFAULT_GROUP_POOL.pop("default", None) if ep_group is None else _POOLS.pop(ep_group, None)
+    key = _pool_key(ep_group)
+    pool = _DEFAULT_GROUP_POOL.pop("default", None) if key is None else _POOLS.pop(key, None)
     for member in pool.members.values() if pool else ():
         member.ctx.close()
 
 
 def _pool_of(ep_group: Any) -> _Pool:
-    if ep_group is None:
+    key = _pool_key(ep_group)
+    if key is None:
         return _DEFAULT_GROUP_POOL.setdefault("default", _Pool())
-    pool = _POOLS.get(ep_group)
+    pool = _POOLS.get(key)
     if pool is None:
-        pool = _POOLS[ep_group] = _Pool()
+        pool = _POOLS[key] = _Pool()
     return pool
 
 

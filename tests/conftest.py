@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 
 import numpy as np
 import pytest
@@ -177,13 +176,6 @@ def leftover_segments(before: set[str], pids: set[int] | None = None) -> set[str
         except PermissionError:
             pass
     return out
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (for a torch.distributed rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def window_bytes(ctx) -> torch.Tensor:

@@ -16,13 +16,20 @@ import torch.multiprocessing as mp
 from ultracomm.windows.host_shm import SHM_DIR, sweep_stale_segments
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
-from conftest import expert_weights, free_port, leftover_segments, shm_segments  # noqa: E402
+from conftest import expert_weights, leftover_segments, shm_segments  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="needs POSIX shared memory (/dev/shm)")
 
 
+def _launcher_store() -> dist.TCPStore:
+    """The group's store, hosted here as torchrun's agent hosts it, on a port its server binds
+    itself: a port picked, closed and bound later by a rank could be taken meanwhile."""
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
 def _init(rank: int, world: int, port: int) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
 
 
 def _spawned_context(rank: int, world: int, port: int, results) -> None:
@@ -64,7 +71,8 @@ def test_torch_multiprocessing_spawn_context():
     before = shm_segments()
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_spawned_context, args=(world, free_port(), results), nprocs=world, join=True)
+        store = _launcher_store()
+        mp.spawn(_spawned_context, args=(world, store.port, results), nprocs=world, join=True)
         results = dict(results)
     assert {r: ok for r, (ok, _) in results.items()} == {r: True for r in range(world)}
     assert not leftover_segments(before, {pid for _, pid in results.values()})
@@ -85,8 +93,8 @@ def _killed_after_setup(rank: int, world: int, port: int) -> None:
 def test_nothing_left_in_dev_shm_after_a_crash():
     before = shm_segments()
     ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=_killed_after_setup, args=(r, 2, port)) for r in range(2)]
+    store = _launcher_store()
+    procs = [ctx.Process(target=_killed_after_setup, args=(r, 2, store.port)) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:

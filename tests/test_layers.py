@@ -61,6 +61,7 @@ LAYERS = [
             "ultracomm._core",
             "ultracomm._cuda",
             "ultracomm.host_memory",
+            "ultracomm.host_id",
             "ultracomm.private_dir",
             "ultracomm.errors",
             "ultracomm.env",

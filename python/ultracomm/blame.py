@@ -44,11 +44,12 @@ import ctypes
 import dataclasses
 import os
 import re
-import socket
 import threading
 import time
 import weakref
 from typing import Any, Optional, Sequence
+
+from .host_id import UNKNOWN_BOOT, host_key
 
 __all__ = [
     "Witness",
@@ -161,12 +162,12 @@ def _pid_exists(pid: int) -> bool:
 
 def process_identity() -> Optional[tuple]:
     """This process as a peer on the same host can check it: ``(host, pid namespace, uid, pid,
-    start time)``, the host as ultracomm's memory domains key it (``hostname/boot id``: a VM
-    cloned from a snapshot keeps its boot id, and usually gets a name of its own); None without
-    a readable ``/proc``."""
+    start time)``, the host as :func:`ultracomm.host_id.host_key` names it; None without a
+    readable ``/proc`` (or boot id)."""
+    boot = host_key()
+    if boot.endswith("/" + UNKNOWN_BOOT):  # hosts of one name would look alike
+        return None
     try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f"{socket.gethostname()}/{f.read().strip()}"
         ns = os.readlink("/proc/self/ns/pid")
         pid = os.getpid()
         if os.readlink("/proc/self") != str(pid):  # a /proc of another pid namespace: its pids are not ours

@@ -40,13 +40,13 @@ is logged once per Context.
 from __future__ import annotations
 
 import dataclasses
-import socket
 from typing import Any, Optional, Sequence
 
 import numpy as np
 
 from .. import wire
 from ..env import domain_keys
+from ..host_id import host_key
 from ..cuda.fabric import FabricQuery, fabric_key, gpu_fabric_info
 from ..records import Op
 
@@ -60,16 +60,6 @@ __all__ = [
     "choose_transport",
     "split_edges",
 ]
-
-
-def host_key() -> str:
-    """This process's shared-memory domain: ``hostname/boot id``."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = "?"
-    return f"{socket.gethostname()}/{boot}"
 
 
 def domain_of(keys: Sequence[str]) -> tuple[int, ...]:

@@ -20,6 +20,8 @@ launch).
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 import torch
@@ -137,15 +139,24 @@ def dense_rank_loss(step, rank, world, epr, K, batches, masters, replicas):
     return loss
 
 
-def gpu_manager(group, epr, K, layers, main_grad=False):
-    """A ReplicaManager on the loopback domain's GPU (tma, cuda_local) with the harness's masters of
-    this rank on the device (with an fp32 ``main_grad`` each if asked, as Megatron's); the caller
-    sets mh.H / mh.I to multiples of 4 floats first (TMA: 16-byte rows)."""
+def gpu_manager(group, epr, K, layers, main_grad=False, window="cuda_local"):
+    """A ReplicaManager on the loopback domain's GPU (tma, cuda_local; or ``window='torch_symm'`` on
+    the default process group) with the harness's masters of this rank on the device (with an fp32
+    ``main_grad`` each if asked, as Megatron's); the caller sets mh.H / mh.I to multiples of 4 floats
+    first (TMA: 16-byte rows)."""
     from ultracomm.moe import ReplicaManager
 
     dev = torch.device("cuda", 0)
     mgr = ReplicaManager(
-        group, mh.layout(), epr, K, layers, transport="tma", window="cuda_local", device="cuda:0", timeout_s=20
+        None if window == "torch_symm" else group,
+        mh.layout(),
+        epr,
+        K,
+        layers,
+        transport="tma",
+        window=window,
+        device="cuda:0",
+        timeout_s=20,
     )
     assert mgr.control_plane == "device"
     params = [
@@ -166,7 +177,10 @@ def mh_linear():
     return linear
 
 
-def test_manager_training_step_makes_no_host_sync(monkeypatch):
+@pytest.mark.parametrize("window", ["cuda_local", "torch_symm"])
+def test_manager_training_step_makes_no_host_sync(monkeypatch, tmp_path, window):
+    """``torch_symm``: window='auto''s choice on a process group (here a gloo group of one); its load
+    board is a torch_symm window as well, and the control plane stays on the device."""
     # the harness's model with every expert member a multiple of 16 bytes (TMA bulk copies)
     monkeypatch.setattr(mh, "H", 8)
     monkeypatch.setattr(mh, "I", 4)
@@ -176,13 +190,34 @@ def test_manager_training_step_makes_no_host_sync(monkeypatch):
     dev = torch.device("cuda", 0)
 
     def setup(group):
-        mgr, params = gpu_manager(group, epr, K, layers)
+        mgr, params = gpu_manager(group, epr, K, layers, window=window)
         batches = [
             [tuple(t.to(dev) for t in mh.batch(s, layer, 0, E, T)) for s in range(world)] for layer in range(layers)
         ]
         return mgr, params, batches
 
-    state = LoopbackDomain(world).run(setup)
+    if window == "cuda_local":
+        run = LoopbackDomain(world).run
+    else:
+        import torch.distributed as dist
+        from ultracomm.windows.torch_symm import _symm_module
+
+        if _symm_module() is None:
+            pytest.skip(f"torch {torch.__version__} has no torch.distributed._symmetric_memory")
+        dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+
+        def run(fn):  # the process group's one rank
+            return [fn(types.SimpleNamespace(rank=0))]
+
+    try:
+        _no_sync_training_step(run, setup, world, epr, K, layers, T, dev)
+    finally:
+        if window == "torch_symm":
+            torch.distributed.destroy_process_group()
+
+
+def _no_sync_training_step(run, setup, world, epr, K, layers, T, dev):
+    state = run(setup)
 
     def train_step(group):
         mgr, params, batches = state[group.rank]
@@ -200,11 +235,11 @@ def test_manager_training_step_makes_no_host_sync(monkeypatch):
         total.backward()
         return None
 
-    LoopbackDomain(world).run(train_step)  # warm-up: the vid slots' buffers and templates
+    run(train_step)  # warm-up: the vid slots' buffers and templates
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        LoopbackDomain(world).run(train_step)
+        run(train_step)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()

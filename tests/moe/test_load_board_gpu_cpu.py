@@ -157,8 +157,41 @@ def test_without_cuda_the_store_exchange_stays(monkeypatch):
         provider="cuda_ipc", local=types.SimpleNamespace(device=torch.device("cuda", 0)), peer_bases=[1, 2]
     )
     assert loads_gpu.GpuLoadBoard.for_context(types.SimpleNamespace(window=win)) is None
-    win.provider = "torch_symm"  # not a board provider
-    assert loads_gpu.GpuLoadBoard.for_context(types.SimpleNamespace(window=win)) is None
+
+
+@pytest.mark.parametrize("provider", ["cuda_ipc", "torch_symm", "nvshmem", "cuda_local", "host_shm", "local"])
+def test_every_gpu_window_that_maps_its_peers_gets_a_board(monkeypatch, provider):
+    """torch_symm (window='auto''s choice on a process group) and nvshmem windows get a GPU board, as
+    cuda_ipc does: the kernel needs only every peer's board mapped here.  A board of the Context's own
+    provider, on its device, sized for world x E; a window with an unmapped peer (nvshmem beyond the
+    fabric) or a CPU window keeps the store exchange."""
+    import ultracomm.windows as windows
+
+    fake = FakeCuda([])
+    monkeypatch.setattr(loads_gpu, "cuda_runtime", lambda device, what="": fake)
+    opened = []
+
+    def open_window(name, comm, nbytes, op="", device=None):
+        opened.append((name, comm, nbytes, op, device))
+        return types.SimpleNamespace(provider=name, local=torch.zeros(1), peer_bases=[0x7000_0000, 0x7100_0000])
+
+    monkeypatch.setattr(windows, "open_window", open_window)
+    gpu = provider not in ("host_shm", "local")
+    dev = torch.device("cuda", 1) if gpu else torch.device("cpu")
+    win = types.SimpleNamespace(provider=provider, local=types.SimpleNamespace(device=dev), peer_bases=[1, 2])
+    ctx = types.SimpleNamespace(
+        window=win, comm="the comm", world=2, num_experts=6, rank=1, config=types.SimpleNamespace(timeout_s=3.0)
+    )
+    board = loads_gpu.GpuLoadBoard.for_context(ctx)
+    if not gpu:
+        assert board is None and opened == []
+        return
+    assert isinstance(board, loads_gpu.GpuLoadBoard)
+    assert opened == [(provider, "the comm", BoardLayout(2, 6).total_bytes, "ReplicaManager setup (load board)", dev)]
+    assert (board.rank, board.world, board.E, board.timeout_s) == (1, 2, 6, 3.0)
+    win.peer_bases = [1, 0]  # a peer this window does not map
+    opened.clear()
+    assert loads_gpu.GpuLoadBoard.for_context(ctx) is None and opened == []
 
 
 def test_the_binding_refuses_bad_launches_before_touching_the_device():

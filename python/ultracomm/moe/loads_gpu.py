@@ -1,5 +1,5 @@
-"""The load board in GPU windows (``cuda_ipc``: one GPU per process; ``cuda_local``: every rank
-of a loopback domain on one GPU): the expert-load all-gather of :mod:`ultracomm.moe.board_layout`
+"""The load board in GPU windows (``cuda_ipc``, ``torch_symm``, ``nvshmem``: one GPU per process;
+``cuda_local``: every rank of a loopback domain on one GPU): the expert-load all-gather of :mod:`ultracomm.moe.board_layout`
 run by a kernel (``_cuda.load_exchange``, csrc/cuda/k_loads.cu) on the caller's current stream.
 
 ``post(counts)`` enqueues the exchange and returns the device tensor ``[world, E]`` (int32)
@@ -42,6 +42,10 @@ log = logging.getLogger("ultracomm")
 
 _STATUS_WORDS = 8  # int32 status [4] padded to 32 bytes ahead of the gathered counts
 _STATUS_TIMEOUT, _STATUS_MISMATCH = 1, 2  # _cuda.LOAD_STATUS_TIMEOUT / LOAD_STATUS_MISMATCH
+#: window providers whose boards the kernel can use: each maps every peer's board into this device's
+#: address space (``peer_bases``), which is all the kernel needs -- torch_symm, the default GPU window of
+#: a process group, included, so that the default multi-GPU setup keeps its control plane on the device
+BOARD_PROVIDERS = ("cuda_ipc", "torch_symm", "nvshmem", "cuda_local")
 
 
 class _Share:
@@ -88,7 +92,7 @@ class GpuLoadBoard:
         """A board beside ``ctx`` on its GPU window's provider, or None (no GPU window, or no
         ``_cuda``: the store exchange then)."""
         w = ctx.window
-        if w.provider not in ("cuda_ipc", "cuda_local") or w.local.device.type != "cuda" or not all(w.peer_bases):
+        if w.provider not in BOARD_PROVIDERS or w.local.device.type != "cuda" or not all(w.peer_bases):
             return None
         try:
             cuda_runtime(w.local.device.index or 0, "the GPU load board")

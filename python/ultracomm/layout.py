@@ -240,7 +240,7 @@ class ExpertLayout:
 
         ``scaling``: ``"mxfp8"`` -- one ``float8_e8m0fnu`` power-of-two scale per 32 elements
         of a row (``[rows, cols / 32]``; ``cols`` a multiple of 32); ``"row"`` -- one fp32 scale
-        per row (``[rows, 1]``).  :mod:`ultracomm.moe.fp8` quantizes into these shapes."""
+        per row (``[rows, 1]``).  :mod:`ultracomm.fp8` quantizes into these shapes."""
         members = []
         for name, shape in (("fc1", (2 * moe_inter, hidden)), ("fc2", (hidden, moe_inter))):
             sshape, sdtype = scale_shape(shape, scaling)

@@ -14,7 +14,7 @@ import torch
 
 import moe_harness as mh
 from conftest import live_threads
-from ultracomm import LoopbackDomain, UltracommError
+from ultracomm import LoopbackDomain, RegistrationError, UltracommError
 from ultracomm.moe import ReplicaManager, linear
 from ultracomm.planners.base import build_result
 
@@ -78,6 +78,21 @@ def test_bad_routing_map_is_refused():
             r"torch.int64 \[3, 4\] on cpu$",
         ):
             mgr.step(0, torch.zeros(3, 4, dtype=torch.long))
+        mgr.close()
+
+    LoopbackDomain(WORLD).run(body)
+
+
+def test_step_names_an_out_of_range_layer_and_an_unregistered_one():
+    def body(group):
+        mgr = ReplicaManager(group, mh.layout(), EPR, K, 2, timeout_s=20)
+        _, rmap, probs, _ = mh.batch(group.rank, 0, 0, E)
+        with pytest.raises(RegistrationError, match=r"^ultracomm: layer 5 is out of range 0\.\.1 \(num_layers=2\)$"):
+            mgr.step(5, rmap, probs)
+        with pytest.raises(
+            RegistrationError, match=r"^ultracomm: layer 1 is not registered; call register_layer first$"
+        ):
+            mgr.step(1, rmap, probs)
         mgr.close()
 
     LoopbackDomain(WORLD).run(body)

@@ -235,7 +235,11 @@ class ReplicaManager:
         of reentrant checkpointing); called again inside a backward pass (activation
         recompute) it re-syncs the original step's replicas instead of planning anew.
         """
-        if not isinstance(layer, int) or not 0 <= layer < self.num_layers or self.layers[layer] is None:
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+            raise RegistrationError(
+                f"ultracomm: layer {layer!r} is out of range 0..{self.num_layers - 1} (num_layers={self.num_layers})"
+            )
+        if self.layers[layer] is None:
             raise RegistrationError(f"ultracomm: layer {layer!r} is not registered; call register_layer first")
         self._check_routing(routing_map, probs)
         self._collect_orphans()

@@ -215,3 +215,40 @@ def test_interleaved_rounds_take_every_order():
     assert {x: [r.index(x) for r in rounds[:6]].count(0) for x in m} == {x: 2 for x in m}
     assert round_order(["a", "b"], 0) == ["a", "b"] and round_order(["a", "b"], 1) == ["b", "a"]
     assert round_order([], 3) == []
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def readme_bench_args() -> list[str]:
+    """The arguments of README.md's ``torchrun ... -m ultracomm.tools.bench`` line (Measuring)."""
+    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    (line,) = [ln for ln in text.splitlines() if ln.startswith("torchrun --nproc-per-node 4 -m ultracomm.tools.bench")]
+    return line.split("-m ultracomm.tools.bench", 1)[1].split()
+
+
+@pytest.mark.slow
+def test_readme_bench_command_runs(tmp_path):
+    """README's command as written (its workloads, experts and top-k), at a small size and one method."""
+    args = readme_bench_args()
+    args[args.index("--plot") + 1] = str(tmp_path / "bench.png")
+    small = ["--min-bytes", "64K", "--max-bytes", "64K", "--iters", "1", "--warmup", "0", "--methods", "relay"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "-m"]
+    cmd += ["ultracomm.tools.bench", *args, *small, "--json", str(tmp_path / "bench.json")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ULTRACOMM_NUM_WORKERS": "1"}
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert sorted({r["workload"] for r in rows}) == ["zipf:1.5", "zipf:2", "zipf:3"]
+    assert all(r["wrong"] == 0 for r in rows)
+
+
+@pytest.mark.slow
+def test_unreachable_workload_is_a_usage_error():
+    """Default experts (2 per rank) and top-k (8) at world 4 give no skew: refused, naming the options."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "-m"]
+    cmd += ["ultracomm.tools.bench", "weight_sync", "--workload", "zipf:1.5"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode != 0
+    assert "error: --workload zipf:1.5: target_imbalance 1.5 is not reachable" in p.stderr, p.stderr[-3000:]
+    assert "more --experts-per-rank or a lower --top-k" in p.stderr

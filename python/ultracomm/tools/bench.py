@@ -449,8 +449,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="expert size from a preset (ultracomm.scenarios.MODELS)")
     p.add_argument("--scale", type=float, default=1.0, help="multiply the model's expert bytes (CPU runs)")
     p.add_argument("--workload", default="hot-rank", help="comma-separated workloads (see the module docstring)")
-    p.add_argument("--min-bytes", default="1M")
-    p.add_argument("--max-bytes", default="16M")
+    p.add_argument("--min-bytes", default="1M", help="smallest expert size (bytes; K/M/G suffixes)")
+    p.add_argument("--max-bytes", default="16M", help="largest expert size; sizes step by --factor (--model: one)")
     p.add_argument("--factor", type=int, default=4)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
@@ -499,6 +499,11 @@ def main(argv: list[str] | None = None) -> int:
             kind = w.split(":")[0]
         elif kind and w[0].isdigit():
             workloads[i] = f"{kind}:{w}"
+    for w in workloads:  # a load these experts and top-k cannot give is a usage error, before any setup
+        try:
+            make_plan(w, world, args.slots, args.experts_per_rank, top_k=args.top_k)
+        except ValueError as e:
+            p.error(f"--workload {w}: {e}; more --experts-per-rank or a lower --top-k gives more skew")
     from ..env import Config
     from ..transports import resolve_transport
 

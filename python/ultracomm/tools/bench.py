@@ -450,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scale", type=float, default=1.0, help="multiply the model's expert bytes (CPU runs)")
     p.add_argument("--workload", default="hot-rank", help="comma-separated workloads (see the module docstring)")
     p.add_argument("--min-bytes", default="1M", help="smallest expert size (bytes; K/M/G suffixes)")
-    p.add_argument("--max-bytes", default="16M", help="largest expert size; sizes step by --factor (--model: one)")
+    p.add_argument("--max-bytes", default="16M", help="largest size, in --factor steps; --model sets one")
     p.add_argument("--factor", type=int, default=4)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)

@@ -18,6 +18,7 @@ from ultracomm import (
     ConfigError,
     Context,
     ExpertLayout,
+    InputError,
     LayoutError,
     LoopbackDomain,
     Member,
@@ -103,12 +104,13 @@ def test_layout_too_large_in_total_is_rejected():
         (dict(num_layers=2.0), "num_layers must be an int in [1, 1048576], got 2.0"),
         (dict(node_of=[0, 5]), "node_of must list, for each of the 2 ranks, an int node index in [0, 2)"),
         (dict(node_of=[0, 0.5]), "node_of must list"),
+        (dict(node_of=5), "node_of must list"),  # was a TypeError from list(5)
     ],
 )
 def test_context_arguments_out_of_range(kw, why):
     def body(group):  # only rank 0 passes the bad argument
         args = {**dict(experts_per_rank=1, slots_per_rank=1, num_layers=1), **({} if group.rank else kw)}
-        with pytest.raises(PeerError if group.rank else ValueError) as ei:
+        with pytest.raises(PeerError if group.rank else ConfigError) as ei:
             Context(group, make_layout(4, 4), timeout_s=30, **args)
         return str(ei.value)
 
@@ -212,6 +214,70 @@ def test_register_masters_rejects_non_sequences():
         return True
 
     assert _two_ranks(fn) == [True, True]
+
+
+def test_bad_arguments_are_ultracomm_errors_and_leave_the_context_usable():
+    """Each of these escaped as a builtin (ValueError, TypeError, AttributeError, a C++-side
+    ValueError without prefix); grads on the meta device passed the check and failed in the
+    operation queue, breaking the Context for good (the peer then timed out)."""
+
+    def fn(group, ctx, layout):
+        ctx.register_masters(0, *masters_for(layout, ctx.rank, 1))
+        vid = ctx.begin(0)
+        ctx.weight_sync(vid, SWAP_PLAN)
+        before = window_bytes(ctx)
+        if group.rank == 0:
+            with pytest.raises(InputError, match=r"^ultracomm: layer -1 is out of range 0\.\.0$"):
+                ctx.begin(-1)
+            with pytest.raises(InputError, match=r"^ultracomm: vid 'x' is not in flight; get one from begin"):
+                ctx.restore("x")
+            with pytest.raises(PlanError, match=r"^ultracomm: plan must be a ReplicaPlan, got str"):
+                ctx.schedule_for("x")
+            three = ReplicaPlan.make(np.array([[1], [0], [-1]], np.int32), experts_per_rank=1)
+            with pytest.raises(PlanError, match=r"^ultracomm: plan is for world 3, .*this Context has world 2"):
+                ctx.schedule_for(three)
+            with pytest.raises(PlanError, match=r"^ultracomm: set_plan takes a ReplicaPlan, got ndarray"):
+                ctx.set_plan(vid, np.array([[1], [0]]))
+            rg = ctx.replica_grads
+            for grads, why in (
+                (5, "grads must be a list of one .* tensor per member .*; got int"),
+                ([g.double() for g in rg], r"grads must be one .* torch.float32 tensor per member"),
+                ([g.to("meta") for g in rg], r"grads\[0\] is on meta, but the replica grad slots .* are on cpu"),
+            ):
+                with pytest.raises(InputError, match="^ultracomm: " + why):
+                    ctx.grad_reduce(vid, grads=grads, release=False)
+            assert torch.equal(window_bytes(ctx), before)
+        ctx.grad_reduce(vid)  # the Context still works
+        return True
+
+    assert _two_ranks(fn) == [True, True]
+
+
+def test_registered_grads_that_overlap_are_refused():
+    """grad_reduce adds into the master grads: a grad aliasing another grad took two members'
+    reductions into one memory, silently."""
+
+    def fn(group, ctx, layout):
+        weights, grads = masters_for(layout, ctx.rank, 1)
+        aliased = grads[0].view(-1)[: grads[1].numel()].view(grads[1].shape)
+        with pytest.raises(RegistrationError, match=r"^ultracomm: grads\['fc2'\] overlaps grads\['fc1'\] in memory"):
+            ctx.register_masters(0, weights, [grads[0], aliased])
+        per_expert = [[grads[0][0]], [grads[1][0]]]  # per-expert lists are checked the same way
+        per_expert[1][0] = grads[0][0].view(-1)[:4]
+        with pytest.raises(RegistrationError, match=r"grads\['fc2'\]\[0\] overlaps grads\['fc1'\]\[0\]"):
+            ctx.register_masters(0, weights, per_expert)
+        return True
+
+    assert _two_ranks(fn) == [True, True]
+
+
+def test_plan_inputs_on_the_meta_device_and_messages_carry_the_prefix():
+    with pytest.raises(PlanError, match=r"^ultracomm: slot_src is a meta tensor \(it holds no values\)"):
+        ReplicaPlan.make(torch.zeros(2, 1, dtype=torch.int32, device="meta"), experts_per_rank=1)
+    with pytest.raises(PlanError, match=r"^ultracomm: map_home_expert_to_spare is a meta tensor"):
+        ReplicaPlan.from_echo_map(torch.zeros(2, 2, dtype=torch.bool, device="meta"), world=2)
+    with pytest.raises(PlanError, match=r"^ultracomm: slot_src\[0, 0\] = 99 is out of range"):
+        ReplicaPlan.make(np.array([[99], [0]]), experts_per_rank=1)
 
 
 # ------------------------------------------------------------------ host_shm names and /dev/shm

@@ -151,7 +151,7 @@ def test_bad_values(name, text, why):
     with pytest.raises(ConfigError) as ei:
         Config.from_env({name: text})
     msg = str(ei.value)
-    assert msg.startswith(f"{name}={text!r} is invalid: ")
+    assert msg.startswith(f"ultracomm: {name}={text!r} is invalid: ")
     assert why in msg
     assert isinstance(ei.value, ValueError) and isinstance(ei.value, UltracommError)
 

@@ -14,6 +14,7 @@ from ultracomm import Context, LoopbackDomain, ReplicaPlan
 from ultracomm.errors import (
     ClosedError,
     ConfigError,
+    InputError,
     LayoutError,
     PeerError,
     PlanError,
@@ -42,6 +43,7 @@ PLAN = ReplicaPlan.make(np.array([[1], [0]], np.int32), experts_per_rank=1)
         (ConfigError("c"), ConfigError),
         (RegistrationError("r"), RegistrationError),
         (LayoutError("l"), LayoutError),
+        (InputError("i"), InputError),
         (RuntimeError("r"), UltracommError),
         (None, UltracommError),
     ],
@@ -74,6 +76,35 @@ def test_a_timeout_raised_by_the_next_operation_is_still_a_timeout():
     first, later = got
     assert "timed out" in first
     assert later.startswith("ultracomm: this Context failed earlier (") and first in later, later
+
+
+def test_every_message_names_ultracomm():
+    """Messages built without the prefix (the plan, layout and configuration checks wrote
+    "slot_src[0, 0] = 99 is out of range", "ULTRACOMM_TILE_BYTES=... is invalid") get it."""
+    assert str(PlanError("slot_src is bad")) == "ultracomm: slot_src is bad"
+    assert str(ConfigError("ultracomm.profile: x")) == "ultracomm.profile: x"  # already names it
+    assert str(UltracommTimeout("ultracomm: t")) == "ultracomm: t" and UltracommError().args == ()
+
+
+def test_files_and_adapter_arguments_raise_ultracomm_errors(tmp_path):
+    """A truncated hardware profile, a trace path that is not there and a DeepEP pool of size 0
+    raised plain ValueErrors (the profile reader's TraceError was a ValueError only)."""
+    from ultracomm.cuda.hwprofile import load_profile
+    from ultracomm.integrations.deepep_lb import BufferAllocator
+    from ultracomm.profile.trace import load_trace
+    from ultracomm.profile.trace_checks import TraceError
+
+    (tmp_path / "hw.json").write_text('{"schema": ')
+    with pytest.raises(ConfigError, match=r"^ultracomm: cannot read hardware profile .*hw\.json: Expecting value"):
+        load_profile(str(tmp_path / "hw.json"))
+    with pytest.raises(TraceError, match=r"^ultracomm\.profile: .*nope does not exist$") as err:
+        load_trace(tmp_path / "nope")
+    assert isinstance(err.value, UltracommError) and isinstance(err.value, ValueError)
+    assert str(TraceError("x: y")) == "ultracomm.profile: x: y"
+    with pytest.raises(
+        InputError, match=r"^ultracomm: a pool is \[num_redundant_experts, \.\.\.\] with positive sizes"
+    ):
+        BufferAllocator().allocate([0, 4], torch.float32)
 
 
 def test_plans_that_differ_raise_plan_mismatch_under_agree():

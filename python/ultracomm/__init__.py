@@ -26,6 +26,7 @@ _EXPORTS = {
     "ConfigError": "errors",
     "Context": "context",
     "ExpertLayout": "layout",
+    "InputError": "errors",
     "LayoutError": "errors",
     "LoopbackDomain": "comm",
     "LoopbackGroup": "comm",

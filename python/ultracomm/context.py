@@ -33,7 +33,7 @@ from .control import plans
 from .control.microbatches import MicroBatch
 from .dataplane import check_like, check_master_devices, copy_into, zero_slots
 from .env import Config
-from .errors import ClosedError, RegistrationError, UltracommTimeout
+from .errors import ClosedError, ConfigError, InputError, PlanError, RegistrationError, UltracommTimeout
 from .layout import ExpertLayout
 from .plan import ReplicaPlan
 from .resident_plan import ResidentPlan
@@ -149,7 +149,7 @@ class Context:
         """
         self._check_open()
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
-            raise ValueError(f"ultracomm: layer {layer!r} is out of range 0..{self.num_layers - 1}")
+            raise InputError(f"ultracomm: layer {layer!r} is out of range 0..{self.num_layers - 1}")
         if self._masters[layer] is None:
             raise RegistrationError(
                 f"ultracomm: layer {layer} has no masters; call register_masters({layer}, ...) first"
@@ -184,6 +184,7 @@ class Context:
         with the device control plane's builder whatever ``schedule_builder`` says (a resident
         plan on the host path); default the configuration's."""
         self._check_open()
+        plan = plans.check_plan(plan, self.world, self.slots_per_rank, self.num_experts, self.experts_per_rank)
         return self._schedules.get(plan, key, builder)
 
     def _prepare_plan(
@@ -262,7 +263,7 @@ class Context:
         self._check_usable()
         mb = self._get(vid)
         if not isinstance(plan, ReplicaPlan):
-            raise TypeError(f"ultracomm: set_plan takes a ReplicaPlan, got {type(plan).__name__}")
+            raise PlanError(f"ultracomm: set_plan takes a ReplicaPlan, got {type(plan).__name__}")
         mb.keep(self.rank, plan, self._prepare_plan(plan, mb.layer))
         mb.restored = True  # nothing in the slots to go stale: the grads are the caller's
 
@@ -346,7 +347,7 @@ class Context:
             before = functools.partial(copy_into, self.replica_grads, grads)
         if zero_replica_grads:
             if self._streams is not None and getattr(self.window, "loopback", False):
-                raise ValueError(
+                raise ConfigError(
                     "ultracomm: grad_reduce(zero_replica_grads=True) is not supported on a one-GPU "
                     "loopback domain (cuda_local windows): a rank's share runs in a later launch, so "
                     "the zeroing could not follow it; zero the slots after work.wait() instead"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 __all__ = [
     "UltracommError",
+    "InputError",
     "PlanError",
     "PlanMismatchError",
     "LayoutError",
@@ -25,7 +26,19 @@ __all__ = [
 
 
 class UltracommError(RuntimeError):
-    """Base class of all ultracomm errors."""
+    """Base class of all ultracomm errors.  Its message starts with ``ultracomm`` (``ultracomm:``
+    is prepended to a text that does not), so a user reading a log knows which library spoke."""
+
+    def __init__(self, *args: object) -> None:
+        if args and isinstance(args[0], str) and not args[0].startswith("ultracomm"):
+            args = ("ultracomm: " + args[0], *args[1:])
+        super().__init__(*args)
+
+
+class InputError(UltracommError, ValueError):
+    """An argument of a call is invalid: out of range, of the wrong type or device, or a ``vid``
+    that is not in flight (plans, layouts, registered tensors and configuration have their own
+    classes below)."""
 
 
 class PlanError(UltracommError, ValueError):
@@ -89,6 +102,7 @@ def same_kind(cause: BaseException | None, text: str) -> UltracommError:
         ConfigError,
         RegistrationError,
         LayoutError,
+        InputError,
     )
     for kind in kinds:
         if isinstance(cause, kind):

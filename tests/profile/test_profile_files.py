@@ -88,7 +88,7 @@ def test_group_or_world_writable_directory_refused(tmp_path, mode):
     with pytest.raises(ConfigError) as ei:
         Config.from_env({"ULTRACOMM_PROFILE": str(d)})
     assert str(ei.value) == (
-        f"ULTRACOMM_PROFILE={str(d)!r} is invalid: it is writable by its group or by everyone "
+        f"ultracomm: ULTRACOMM_PROFILE={str(d)!r} is invalid: it is writable by its group or by everyone "
         f"(mode {mode:04o}); give a directory only you can write (chmod go-w) "
         "(config field profile)"
     )
@@ -107,7 +107,7 @@ def test_directory_or_link_of_another_user_refused(tmp_path):
     with pytest.raises(ConfigError) as ei:
         Config.from_env({"ULTRACOMM_PROFILE": str(d)})
     assert str(ei.value) == (
-        f"ULTRACOMM_PROFILE={str(d)!r} is invalid: it is owned by uid {NOBODY}, not by this "
+        f"ultracomm: ULTRACOMM_PROFILE={str(d)!r} is invalid: it is owned by uid {NOBODY}, not by this "
         "user (uid 0); give a directory you own (config field profile)"
     )
     mine = tmp_path / "mine"
@@ -135,7 +135,7 @@ def test_directory_of_another_user_refused_any_uid(tmp_path, monkeypatch):
     with pytest.raises(ConfigError) as ei:
         Config.from_env({"ULTRACOMM_PROFILE": str(d)})
     assert str(ei.value) == (
-        f"ULTRACOMM_PROFILE={str(d)!r} is invalid: it is owned by uid {me}, not by this user "
+        f"ultracomm: ULTRACOMM_PROFILE={str(d)!r} is invalid: it is owned by uid {me}, not by this user "
         f"(uid {me + 1}); give a directory you own (config field profile)"
     )
 
@@ -150,7 +150,7 @@ def test_directory_of_another_user_refused_any_uid(tmp_path, monkeypatch):
 def test_profile_variable_names_a_non_directory_at_parse(value, why):
     with pytest.raises(ConfigError) as ei:
         Config.from_env({"ULTRACOMM_PROFILE": value})
-    assert str(ei.value) == f"ULTRACOMM_PROFILE={value!r} is invalid: {why} (config field profile)"
+    assert str(ei.value) == f"ultracomm: ULTRACOMM_PROFILE={value!r} is invalid: {why} (config field profile)"
 
 
 def _run_job(world: int) -> None:

@@ -289,7 +289,7 @@ def test_a_decompression_bomb_is_refused_before_inflating(tmp_path):
     with pytest.raises(TraceError) as err:
         load_npz(p, "a records file", limit=1 << 20)
     assert str(err.value) == (
-        f"{p}: a records file would decompress to {(1 << 25) + 128} bytes, more than the {1 << 20} this reader accepts"
+        f"ultracomm.profile: {p}: a records file would decompress to {(1 << 25) + 128} bytes, more than the {1 << 20} this reader accepts"
     )
 
 

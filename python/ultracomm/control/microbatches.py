@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterator
 
-from ..errors import UltracommError
+from ..errors import InputError, UltracommError
 
 __all__ = ["MicroBatch", "MicroBatches"]
 
@@ -75,7 +75,7 @@ class MicroBatches:
 
     def get(self, vid: int, need_plan: bool = False) -> MicroBatch:
         if isinstance(vid, bool) or not isinstance(vid, int) or vid < 0:
-            raise ValueError(f"ultracomm: vid {vid!r} is not in flight; get one from begin(layer)")
+            raise InputError(f"ultracomm: vid {vid!r} is not in flight; get one from begin(layer)")
         mb = self._table[vid % len(self._table)]
         if mb is None or mb.vid != vid:
             state = (
@@ -83,7 +83,7 @@ class MicroBatches:
                 if vid < self._begun * len(self._table)
                 else "was never returned by begin"
             )
-            raise ValueError(f"ultracomm: vid {vid} is not in flight: it {state}; get one from begin(layer)")
+            raise InputError(f"ultracomm: vid {vid} is not in flight: it {state}; get one from begin(layer)")
         if need_plan and mb.schedule is None:
             raise UltracommError(f"ultracomm: vid {vid} has no plan yet; call weight_sync(vid, plan) first")
         return mb

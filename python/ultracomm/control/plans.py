@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from ..errors import ConfigError, PlanMismatchError, UltracommError
+from ..errors import ConfigError, PlanError, PlanMismatchError, UltracommError
 from ..plan import ReplicaPlan
 from ..resident_plan import ResidentPlan
 from ..schedule_base import ScheduleBase
@@ -19,14 +19,14 @@ __all__ = ["check_plan", "verdict", "prepare", "window_check", "resident_route"]
 
 
 def check_plan(plan: Any, world: int, slots_per_rank: int, num_experts: int, experts_per_rank: int) -> ReplicaPlan:
-    """``plan``, if it is a valid ReplicaPlan for this Context's shape (else TypeError/ValueError)."""
+    """``plan``, if it is a valid ReplicaPlan for this Context's shape (else PlanError)."""
     if not isinstance(plan, ReplicaPlan):
-        raise TypeError(
+        raise PlanError(
             f"ultracomm: plan must be a ReplicaPlan, got {type(plan).__name__}; "
             "build one with ReplicaPlan.make(...) or a converter"
         )
     if (plan.world, plan.slots_per_rank, plan.num_experts) != (world, slots_per_rank, num_experts):
-        raise ValueError(
+        raise PlanError(
             f"ultracomm: plan is for world {plan.world}, {plan.slots_per_rank} slots per rank, "
             f"{plan.num_experts} experts; this Context has world {world}, {slots_per_rank} "
             f"slots per rank, {num_experts} experts"
@@ -127,7 +127,7 @@ def resident_route(
     plan is on the window's GPU), else the host copy of the plan for the portable builder -- or why it
     has none (failed inputs, an invalid plan: ``prepare`` shares it as an invalid plan)."""
     if (plan.world, plan.slots_per_rank) != (world, slots_per_rank):
-        raise ValueError(
+        raise PlanError(
             f"ultracomm: plan is for world {plan.world}, {plan.slots_per_rank} slots per rank; this "
             f"Context has world {world}, {slots_per_rank} slots per rank"
         )
@@ -137,7 +137,7 @@ def resident_route(
         except (UltracommError, ValueError, TypeError) as e:
             return e
     if plan.slot_src.device != window_device:
-        raise ValueError(
+        raise PlanError(
             f"ultracomm: ResidentPlan.slot_src is on {plan.slot_src.device}, the Context's window "
             f"on {window_device}; make the plan on the window's device"
         )

@@ -9,6 +9,7 @@ from .. import _core
 from ..alpha_beta import COSTS, split_chunk_bytes
 from ..dataplane import device_type, domains, select
 from ..env import Config, check_window_layout
+from ..errors import ConfigError
 from ..layout import ExpertLayout
 
 __all__ = [
@@ -37,7 +38,7 @@ MAX_MICROBATCHES = 1 << 16
 def check_counts(
     layout: Any, experts_per_rank: Any, slots_per_rank: Any, num_layers: Any, max_microbatches: Any, world: int
 ) -> None:
-    """The layout and the counts a Context is made with (TypeError / ValueError naming the bad one)."""
+    """The layout and the counts a Context is made with (TypeError / ConfigError naming the bad one)."""
     if not isinstance(layout, ExpertLayout):
         raise TypeError(f"ultracomm: layout must be an ExpertLayout, got {type(layout).__name__}")
     for name, v, lo, hi in (
@@ -47,9 +48,9 @@ def check_counts(
         ("max_microbatches", max_microbatches, 1, MAX_MICROBATCHES),
     ):
         if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-            raise ValueError(f"ultracomm: {name} must be an int in [{lo}, {hi}], got {v!r}")
+            raise ConfigError(f"ultracomm: {name} must be an int in [{lo}, {hi}], got {v!r}")
     if experts_per_rank * world > MAX_EXPERTS:
-        raise ValueError(
+        raise ConfigError(
             f"ultracomm: experts_per_rank {experts_per_rank} x world {world} experts exceeds "
             f"{MAX_EXPERTS} (expert ids are int32)"
         )
@@ -78,9 +79,16 @@ def resolve_node_of(node_of: Sequence[int] | None, world: int) -> list[int]:
     """The node of each rank (all 0: one node)."""
     if node_of is None:
         return [0] * world
-    out = list(node_of)
-    if len(out) != world or any(isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < world for n in out):
-        raise ValueError(
+    try:
+        out = list(node_of)
+    except TypeError:  # not iterable: said below
+        out = None
+    if (
+        out is None
+        or len(out) != world
+        or any(isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < world for n in out)
+    ):
+        raise ConfigError(
             f"ultracomm: node_of must list, for each of the {world} ranks, an int node "
             f"index in [0, {world}); got {node_of!r}"
         )

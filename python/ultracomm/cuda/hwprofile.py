@@ -55,6 +55,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from ..errors import ConfigError
+
 __all__ = ["SCHEMA", "HwProfile", "validate", "load_profile", "profile_paths", "find_profile", "DEFAULT_DIR"]
 
 SCHEMA = "ultracomm.hwprofile/1"
@@ -130,8 +132,8 @@ class HwProfile:
         return out
 
 
-def _bad(where: str, field: str, why: str) -> ValueError:
-    return ValueError(
+def _bad(where: str, field: str, why: str) -> ConfigError:
+    return ConfigError(
         f"ultracomm: hardware profile {where}: field {field!r} {why} (schema {SCHEMA}; see ultracomm/cuda/hwprofile.py)"
     )
 
@@ -170,9 +172,10 @@ def _pairs(where: str, name: str, v: Any) -> tuple[tuple[int, float], ...]:
 
 
 def validate(d: Any, where: str = "<dict>") -> HwProfile:
-    """Check a profile object against the schema; :class:`ValueError` names the bad field."""
+    """Check a profile object against the schema; :class:`~ultracomm.errors.ConfigError` (a
+    ``ValueError``) names the bad field."""
     if not isinstance(d, dict):
-        raise ValueError(f"ultracomm: hardware profile {where} must be a JSON object, got {type(d).__name__}")
+        raise ConfigError(f"ultracomm: hardware profile {where} must be a JSON object, got {type(d).__name__}")
     if d.get("schema") != SCHEMA:
         raise _bad(where, "schema", f"must be {SCHEMA!r}, got {d.get('schema')!r}")
     known = {f.name for f in dataclasses.fields(HwProfile)} - {"path"}
@@ -226,7 +229,7 @@ def load_profile(path: str) -> HwProfile:
         with open(path) as f:
             d = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"ultracomm: cannot read hardware profile {path}: {e}") from e
+        raise ConfigError(f"ultracomm: cannot read hardware profile {path}: {e}") from e
     return validate(d, path)
 
 

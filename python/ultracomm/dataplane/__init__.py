@@ -30,7 +30,7 @@ from ..comm import Comm
 from ..cuda.support import NotAvailableError, resolve_device
 from .domains import TransportChoice
 from ..env import Config
-from ..errors import RegistrationError
+from ..errors import InputError, RegistrationError
 from ..cuda.sm_budget import choices_for_device
 from ..transports import GPU_TRANSPORTS, resolve_transport
 from ..windows import PROVIDERS, device_type_of, resolve_provider
@@ -174,6 +174,7 @@ def check_master_devices(
                     f"(transport {transport_name!r}); move the tensors with .cpu(), or create the Context "
                     "with device='cuda' to run the tma transport on the GPU"
                 )
+        check_disjoint([(label, t) for label, t, _ in entries])
         return
     for label, t, per_expert in entries:
         if t.device != window_device:
@@ -188,6 +189,31 @@ def check_master_devices(
                 f"got base 0x{t.data_ptr():x} and {per_expert} bytes per expert; register a fresh allocation "
                 "and pad the member so that its bytes per expert are a multiple of 16"
             )
+    check_disjoint([(label, t) for label, t, _ in entries])
+
+
+def check_disjoint(entries: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """No registered grad shares a byte with another registered grad: ``grad_reduce`` adds into
+    each, so aliased grads would take two experts' (or members') reductions into one memory.  A
+    grad may alias a weight: callers that only reduce (DeepEP's ``lb_reduce_grads``) register one
+    tensor as both.  ``entries``: ``(label, tensor)``, contiguous, on one device (meta tensors,
+    which have no memory, are skipped)."""
+    spans = sorted(
+        (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), i)
+        for i, (_, t) in enumerate(entries)
+        if t.numel() and t.device.type != "meta"
+    )
+    for k, (_, end, i) in enumerate(spans):
+        for other_start, _, j in spans[k + 1 :]:
+            if other_start >= end:
+                break
+            first, second = entries[min(i, j)][0], entries[max(i, j)][0]
+            if first.startswith("grads") and second.startswith("grads"):
+                raise RegistrationError(
+                    f"ultracomm: {second} overlaps {first} in memory; grad_reduce adds into the grads, so each "
+                    "registered grad needs memory of its own: pass separate tensors (e.g. .clone() the one "
+                    "that is a view of the other)"
+                )
 
 
 def slot_views(
@@ -229,27 +255,34 @@ def slot_views(
 
 
 def check_like(given: Any, views: Sequence[torch.Tensor | None], what: str) -> None:
-    """``given`` is one tensor per entry of ``views``, of its shape and dtype (None where the view
-    is None: a member without bytes there); else ValueError saying ``what`` each must be."""
-    if (
-        isinstance(given, torch.Tensor)
-        or len(given) != len(views)
-        or any(
-            (g is None) != (v is None)
-            or (
-                v is not None
-                and (not isinstance(g, torch.Tensor) or tuple(g.shape) != tuple(v.shape) or g.dtype != v.dtype)
-            )
-            for g, v in zip(given, views)
+    """``given`` is one tensor per entry of ``views``, of its shape, dtype and device (None where the
+    view is None: a member without bytes there); else InputError saying ``what`` each must be."""
+    if isinstance(given, torch.Tensor) or not isinstance(given, Sequence):
+        raise InputError(
+            f"ultracomm: grads must be a list of one {what} tensor per member (None for a member without "
+            f"a gradient); got {type(given).__name__}"
         )
+    if len(given) != len(views) or any(
+        (g is None) != (v is None)
+        or (
+            v is not None
+            and (not isinstance(g, torch.Tensor) or tuple(g.shape) != tuple(v.shape) or g.dtype != v.dtype)
+        )
+        for g, v in zip(given, views)
     ):
         got = [
             None if g is None else (tuple(g.shape), g.dtype) if isinstance(g, torch.Tensor) else type(g).__name__
-            for g in (given if not isinstance(given, torch.Tensor) else [given])
+            for g in given
         ]
-        raise ValueError(
+        raise InputError(
             f"ultracomm: grads must be one {what} tensor per member (None for a member without a gradient); got {got}"
         )
+    for m, (g, v) in enumerate(zip(given, views)):
+        if v is not None and g.device != v.device:
+            raise InputError(
+                f"ultracomm: grads[{m}] is on {g.device}, but the replica grad slots it is copied into are on "
+                f"{v.device}; move it with .to('{v.device}')"
+            )
 
 
 def copy_into(views: Sequence[torch.Tensor | None], sources: Sequence[torch.Tensor | None]) -> None:

@@ -74,7 +74,7 @@ import numpy as np
 import torch
 
 from ..context import Context
-from ..errors import ConfigError, PlanError
+from ..errors import ConfigError, InputError, PlanError
 from ..layout import ExpertLayout, Member
 from ..plan import ReplicaPlan
 
@@ -140,10 +140,10 @@ class BufferAllocator:
 
     def allocate(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         if self.materialized:
-            raise ValueError("ultracomm: this allocation plan was materialized by an LBBuffer; it cannot change")
+            raise InputError("ultracomm: this allocation plan was materialized by an LBBuffer; it cannot change")
         shape = tuple(int(d) for d in shape)
         if len(shape) < 1 or any(d < 1 for d in shape):
-            raise ValueError(
+            raise InputError(
                 f"ultracomm: a pool is [num_redundant_experts, ...] with positive sizes, got {list(shape)}"
             )
         tensor = torch.empty(shape, dtype=dtype, device="meta")
@@ -216,11 +216,11 @@ class LBBuffer:
                 f"tensor); got {type(plan).__name__}: a byte count says nothing of the tensors' shapes"
             )
         if plan.materialized:
-            raise ValueError("ultracomm: this allocation plan was materialized by another LBBuffer already")
+            raise InputError("ultracomm: this allocation plan was materialized by another LBBuffer already")
         if not plan.allocations:
-            raise ValueError("ultracomm: the allocation plan holds no tensors; allocate the redundant pools first")
+            raise InputError("ultracomm: the allocation plan holds no tensors; allocate the redundant pools first")
         if isinstance(num_local_experts, bool) or not isinstance(num_local_experts, int) or num_local_experts < 1:
-            raise ValueError(f"ultracomm: num_local_experts must be a positive int, got {num_local_experts!r}")
+            raise InputError(f"ultracomm: num_local_experts must be a positive int, got {num_local_experts!r}")
         self.num_local_experts = num_local_experts
         self.pools: list[_Pool] = []
         try:
@@ -266,29 +266,29 @@ class LBBuffer:
         dst = _tensors(redundant_expert_weights, "redundant_expert_weights")
         src = _tensors(expert_weights, "expert_weights")
         if len(dst) != len(src):
-            raise ValueError(
+            raise InputError(
                 f"ultracomm: lb_prefetch_weights got {len(dst)} redundant_expert_weights and {len(src)} "
                 "expert_weights; pass one source per destination"
             )
         _check_sms(num_sms)
         pools = [self._pool_of(t, f"redundant_expert_weights[{i}]") for i, t in enumerate(dst)]
         if len({p.index for p in pools}) != len(pools):
-            raise ValueError("ultracomm: lb_prefetch_weights names one redundant tensor twice")
+            raise InputError("ultracomm: lb_prefetch_weights names one redundant tensor twice")
         mapping = self._mapping(redundancy_mapping)
         for i, (pool, w) in enumerate(zip(pools, src)):
             if w.dim() < 1 or int(w.shape[0]) != self.num_local_experts:
-                raise ValueError(
+                raise InputError(
                     f"ultracomm: expert_weights[{i}] is {list(w.shape)}; expected [num_local_experts="
                     f"{self.num_local_experts}, ...]"
                 )
             if pool.slots != mapping.shape[1]:
-                raise ValueError(
+                raise InputError(
                     f"ultracomm: redundant_expert_weights[{i}] has {pool.slots} slots; redundancy_mapping "
                     f"has {mapping.shape[1]} columns"
                 )
             got = w.element_size() * (w.numel() // self.num_local_experts)
             if got != pool.nbytes:
-                raise ValueError(
+                raise InputError(
                     f"ultracomm: expert_weights[{i}] has {got} bytes per expert, its destination "
                     f"{pool.nbytes}; each pair must have the same bytes per expert"
                 )
@@ -298,7 +298,7 @@ class LBBuffer:
             # a loopback domain on one GPU launches every rank's share at the last rank's call: a
             # duplicate slot's copy_ queued after this rank's call would run before its multicast
             first, dup = dups[0]
-            raise ValueError(
+            raise InputError(
                 f"ultracomm: lb_prefetch_weights: redundancy_mapping puts one expert in slots {first} and {dup} "
                 f"of rank {self.rank_idx}; on a one-GPU loopback domain ({ctx0.window.provider}) duplicate slots "
                 "are not supported (their copy would run before the launch that fills the first slot): map each "
@@ -331,23 +331,23 @@ class LBBuffer:
         for name, t in (("redundant_expert_grads", redundant_expert_grads), ("expert_grads", expert_grads)):
             if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype != torch.float32:
                 what = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"ultracomm: lb_reduce_grads: {name} must be a 2-D float32 tensor, got {what}")
+                raise InputError(f"ultracomm: lb_reduce_grads: {name} must be a 2-D float32 tensor, got {what}")
         _check_sms(num_sms)
         pool = self._pool_of(redundant_expert_grads, "redundant_expert_grads")
         if not pool.fp32_rows:
-            raise ValueError(
+            raise InputError(
                 "ultracomm: lb_reduce_grads: redundant_expert_grads must be a float32 "
                 "[num_redundant_experts, hidden] pool of this buffer"
             )
         mapping = self._mapping(redundancy_mapping)
         if pool.slots != mapping.shape[1]:
-            raise ValueError(
+            raise InputError(
                 f"ultracomm: redundant_expert_grads has {pool.slots} slots; redundancy_mapping has "
                 f"{mapping.shape[1]} columns"
             )
         want = (self.num_local_experts, pool.inner[0])
         if tuple(expert_grads.shape) != want or not expert_grads.is_contiguous():
-            raise ValueError(
+            raise InputError(
                 f"ultracomm: lb_reduce_grads: expert_grads must be a contiguous float32 {list(want)} "
                 f"(num_local_experts, hidden), got {list(expert_grads.shape)}"
             )
@@ -389,7 +389,7 @@ class LBBuffer:
         for p in self.pools:
             if p.holds(t):
                 return p
-        raise ValueError(
+        raise InputError(
             f"ultracomm: {name} ({t.dtype} {list(t.shape)}) is not a redundant pool of this LBBuffer; "
             "destinations must be tensors its BufferAllocator planned (or views of one, each slot whole)"
         )
@@ -402,7 +402,7 @@ class LBBuffer:
             or int(m.shape[0]) != self.num_nvlink_ranks
         ):
             what = f"{m.dtype} {list(m.shape)}" if isinstance(m, torch.Tensor) else type(m).__name__
-            raise ValueError(
+            raise InputError(
                 f"ultracomm: redundancy_mapping must be an int32 [num_nvlink_ranks="
                 f"{self.num_nvlink_ranks}, num_redundant_experts] tensor, got {what}"
             )
@@ -462,20 +462,20 @@ class LBBuffer:
 def _tensors(x: Any, name: str) -> list[torch.Tensor]:
     ts = [x] if isinstance(x, torch.Tensor) else list(x)
     if not ts or not all(isinstance(t, torch.Tensor) for t in ts):
-        raise ValueError(f"ultracomm: {name} must be a tensor or a nonempty sequence of tensors (no None entries)")
+        raise InputError(f"ultracomm: {name} must be a tensor or a nonempty sequence of tensors (no None entries)")
     return ts
 
 
 def _check_sms(num_sms: Any) -> None:
     if isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms < 0:
-        raise ValueError(f"ultracomm: num_sms must be 0 (the default count) or a positive int, got {num_sms!r}")
+        raise InputError(f"ultracomm: num_sms must be 0 (the default count) or a positive int, got {num_sms!r}")
 
 
 def _buffer_of(t: Any, name: str) -> LBBuffer:
     for buf in list(_LIVE):
         if isinstance(t, torch.Tensor) and any(p.holds(t) for p in buf.pools):
             return buf
-    raise ValueError(
+    raise InputError(
         f"ultracomm: {name} is not a redundant pool of any live LBBuffer; allocate it with a "
         "BufferAllocator and make an LBBuffer from that plan"
     )

@@ -47,6 +47,7 @@ from ..context import Context
 from ..dataplane import device_type
 from ..dataplane.domains import domain_of, rank_domain
 from ..env import Config
+from ..errors import InputError
 from ..layout import ExpertLayout, Member
 from ..moe.loads import gather_loads
 from ..moe.reroute import RerouteTable, reroute as _reroute
@@ -185,7 +186,7 @@ class Manager:
         if grad_dtype is not torch.float32:  # UltraEP's grad_reduce kernels read and write fp32
             raise ValueError("UltraEP currently supports only fp32 gradients")
         if legacy_placement:
-            raise ValueError(
+            raise InputError(
                 "ultracomm UltraEP adapter: legacy_placement (UltraEP's CPU placement with round-robin "
                 "reroute) is not supported; choose an ultracomm planner with planner=... instead"
             )
@@ -194,7 +195,7 @@ class Manager:
             ("expert_fc2_weight_scale_numel", expert_fc2_weight_scale_numel),
         ):
             if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-                raise ValueError(f"ultracomm UltraEP adapter: {name} must be an int >= 0, got {n!r}")
+                raise InputError(f"ultracomm UltraEP adapter: {name} must be an int >= 0, got {n!r}")
         self.group = group
         self.id = id(group)
         self.num_layers = num_layers
@@ -293,7 +294,7 @@ class Manager:
         """``[R, fc1 + fc2]`` over the slots (UltraEP's full buffer): fc2 must directly follow fc1."""
         nbytes = self.expert_fc1_numel * fc1.element_size()
         if nbytes % _ALIGN:
-            raise ValueError(
+            raise InputError(
                 f"ultracomm UltraEP adapter: local_replica_{what}_buffer (the joined [R, fc1 + fc2] view) needs "
                 f"expert_fc1_numel * {fc1.element_size()} bytes to be a multiple of {_ALIGN} (fc2 starts at the next "
                 f"{_ALIGN}-byte boundary); expert_fc1_numel={self.expert_fc1_numel} is not, so use "
@@ -393,7 +394,7 @@ class Manager:
         """The next virtual layer id of ``real_layer_id`` (``real * max_microbatches + slot``;
         the slot counter wraps, as in UltraEP)."""
         if not 0 <= real_layer_id < self.real_num_alloc_layers:
-            raise ValueError(
+            raise InputError(
                 f"ultracomm: real layer {real_layer_id} is out of range 0..{self.real_num_alloc_layers - 1}"
             )
         slot = self._mb_counters[real_layer_id] % self.max_microbatches
@@ -420,7 +421,7 @@ class Manager:
         lists = [("fc1_weights", fc1_weights), ("fc2_weights", fc2_weights)]
         if self._scale_members:
             if fc1_weight_scales is None or fc2_weight_scales is None:
-                raise ValueError(
+                raise InputError(
                     "ultracomm UltraEP adapter: weight scale tensors are required when scale numel is "
                     "non-zero (pass fc1_weight_scales and fc2_weight_scales)"
                 )
@@ -431,12 +432,12 @@ class Manager:
             lists += [scales[name] for name in self._scale_members]
         for name, lst in lists:
             if len(lst) != M:
-                raise ValueError(f"ultracomm: {name} has {len(lst)} tensors; expected num_local_master_experts={M}")
+                raise InputError(f"ultracomm: {name} has {len(lst)} tensors; expected num_local_master_experts={M}")
         flat = lambda ts: [t.view(-1) for t in ts]  # noqa: E731 - same storage, UltraEP's numel view
         grads = None
         if self.is_train:
             if fc1_grads is None or fc2_grads is None:
-                raise ValueError("ultracomm: training needs fc1_grads and fc2_grads (Manager(is_train=True))")
+                raise InputError("ultracomm: training needs fc1_grads and fc2_grads (Manager(is_train=True))")
             grads = [flat(fc1_grads), flat(fc2_grads)]
             if self._scale_members:  # every member has a grad in a Context; the scales' stay zero
                 dev = fc1_weights[0].device if M else self.device
@@ -512,7 +513,7 @@ class Manager:
     def _slot(self, layer_id: int, what: str) -> _Slot:
         slot = self._slots.get(layer_id)
         if slot is None:
-            raise ValueError(
+            raise InputError(
                 f"ultracomm: {what}({layer_id}): no placement for this layer id; call "
                 f"update_placement({layer_id}, routing_map) first"
             )
@@ -552,7 +553,7 @@ class Manager:
         ``[0, E)`` stay.  UltraEP numbers the entries in atomic order; the counts per instance agree."""
         self._check_topk(topk_ids, "reroute_sparse")
         if not topk_ids.is_contiguous():
-            raise ValueError("ultracomm: reroute_sparse rewrites topk_ids in place; pass a contiguous tensor")
+            raise InputError("ultracomm: reroute_sparse rewrites topk_ids in place; pass a contiguous tensor")
         self._slot(layer_id, "reroute_sparse")
         E, dev = self.num_global_logical_experts, topk_ids.device
         flat = topk_ids.view(-1)
@@ -580,7 +581,7 @@ class Manager:
                 if isinstance(topk_ids, torch.Tensor)
                 else type(topk_ids).__name__
             )
-            raise ValueError(f"ultracomm: {what}: topk_ids must be an int64 [tokens, top_k] tensor, got {got}")
+            raise InputError(f"ultracomm: {what}: topk_ids must be an int64 [tokens, top_k] tensor, got {got}")
         return topk_ids
 
     def grad_reduce(

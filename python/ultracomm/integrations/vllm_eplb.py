@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from ..context import Context
-from ..errors import PlanError
+from ..errors import InputError, PlanError
 from ..layout import ExpertLayout, Member
 from ..plan import ReplicaPlan
 from .vllm_protocol import Protocol, protocol_for
@@ -78,7 +78,7 @@ def _expert_tensors(expert_weights: Any, what: str) -> list[torch.Tensor]:
         or not expert_weights
         or not all(isinstance(t, torch.Tensor) for t in expert_weights)
     ):
-        raise ValueError(
+        raise InputError(
             f"ultracomm: {what} must list one layer's expert weight tensors, each [num_local_physical_experts, ...]"
         )
     return list(expert_weights)
@@ -114,7 +114,7 @@ class UltracommEplbCommunicator:
         expert_weights = _expert_tensors(expert_weights, "expert_weights")
         self.ppr = int(expert_weights[0].shape[0]) if expert_weights[0].dim() else 0
         if self.ppr < 1 or any(t.dim() == 0 or int(t.shape[0]) != self.ppr for t in expert_weights):
-            raise ValueError(
+            raise InputError(
                 "ultracomm: every expert weight tensor needs the same leading "
                 "num_local_physical_experts dimension (at least 1)"
             )
@@ -221,7 +221,7 @@ class UltracommEplbCommunicator:
     def _peer(self, rank: Any, what: str, arg: str) -> int:
         r = int(rank)
         if not 0 <= r < self.world or r == self.rank:
-            raise ValueError(
+            raise InputError(
                 f"ultracomm: {what}: {arg}={rank!r} must be another rank of the EP group "
                 f"(0..{self.world - 1}, not this rank {self.rank})"
             )
@@ -230,12 +230,12 @@ class UltracommEplbCommunicator:
     def _check(self, tensors: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
         tensors = list(tensors)
         if len(tensors) != len(self.members):
-            raise ValueError(
+            raise InputError(
                 f"ultracomm: {what} got {len(tensors)} tensors; the layer has {len(self.members)} expert weight tensors"
             )
         for m, t in zip(self.members, tensors):
             if t.numel() != m.numel or t.dtype != m.dtype:
-                raise ValueError(
+                raise InputError(
                     f"ultracomm: {what}: tensor {m.name} is {t.dtype} {list(t.shape)}; expected one "
                     f"expert row {m.dtype} {list(m.shape)}"
                 )
@@ -302,14 +302,14 @@ def create_eplb_communicator(
     """
     protocol = protocol_for(vllm_version)
     if backend is not None and not isinstance(backend, str):
-        raise ValueError(f"ultracomm: backend must be vLLM's communicator backend name (a str), got {backend!r}")
+        raise InputError(f"ultracomm: backend must be vLLM's communicator backend name (a str), got {backend!r}")
     if protocol.factory_all_layers:
         if (
             isinstance(expert_weights, torch.Tensor)
             or not expert_weights
             or any(isinstance(layer, torch.Tensor) for layer in expert_weights)
         ):
-            raise ValueError(
+            raise InputError(
                 f"ultracomm: vLLM {protocol.version} passes expert_weights as every MoE layer's "
                 "list of tensors (model.expert_weights); got one layer's tensors or none"
             )
@@ -317,27 +317,27 @@ def create_eplb_communicator(
         first = layers[0]
         for i, layer in enumerate(layers[1:], 1):
             if [(t.shape, t.dtype) for t in layer] != [(t.shape, t.dtype) for t in first]:
-                raise ValueError(
+                raise InputError(
                     f"ultracomm: expert_weights[{i}] differs from expert_weights[0] in its tensors' "
                     "shapes or dtypes; every MoE layer must have the same expert tensors"
                 )
         if expert_buffer is not None:
             buf = list(expert_buffer)
             if [(tuple(b.shape), b.dtype) for b in buf] != [(tuple(t.shape), t.dtype) for t in first]:
-                raise ValueError(
+                raise InputError(
                     "ultracomm: expert_buffer must be one tensor per expert weight tensor, each shaped "
                     "like a layer's (torch.empty_like of expert_weights[0])"
                 )
     else:
         if expert_buffer is not None:
-            raise ValueError(
+            raise InputError(
                 f"ultracomm: vLLM {protocol.version}'s create_eplb_communicator takes no expert_buffer "
                 "(added in 0.23); drop it, or pass the vllm_version of the vLLM that calls this"
             )
         first = _expert_tensors(expert_weights, f"expert_weights (vLLM {protocol.version}: one layer's tensors)")
     group = getattr(group_coordinator, "cpu_group", None)
     if group is None:
-        raise ValueError(
+        raise InputError(
             "ultracomm: group_coordinator must be vLLM's GroupCoordinator of the EPLB group (with a "
             "cpu_group), as vLLM's get_eplb_group() returns"
         )

@@ -24,6 +24,8 @@ def _to_numpy(x: ArrayLike, name: str, *, allow_bool: bool = False) -> np.ndarra
     """
     if isinstance(x, torch.Tensor):
         t = x.detach()
+        if t.device.type == "meta":
+            raise PlanError(f"{name} is a meta tensor (it holds no values); pass it on the CPU or a GPU")
         if t.dtype == torch.bool:
             if not allow_bool:
                 raise PlanError(

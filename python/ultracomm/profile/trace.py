@@ -173,9 +173,9 @@ def _max_mean_rows(x: np.ndarray) -> np.ndarray:
 def _read_dir(path: Path, loads: bool) -> Trace:
     idx = parse_index(read_regular(path / INDEX, INDEX, MAX_INDEX_BYTES), str(path / INDEX))
     if idx.get("format") != FORMAT:
-        raise ValueError(f"ultracomm.profile: {path / INDEX} is not an ultracomm profile index")
+        raise TraceError(f"ultracomm.profile: {path / INDEX} is not an ultracomm profile index")
     if idx.get("version") != VERSION:
-        raise ValueError(
+        raise TraceError(
             f"ultracomm.profile: {path} has format version {idx.get('version')}; this ultracomm reads version {VERSION}"
         )
     parts: list[dict] = []
@@ -238,7 +238,7 @@ def load_trace(path: PathLike, *, loads: bool = True, world: Optional[int] = Non
     """
     p = Path(path)
     if not p.exists():
-        raise ValueError(f"ultracomm.profile: {p} does not exist")
+        raise TraceError(f"ultracomm.profile: {p} does not exist")
     if p.is_dir():
         if (p / INDEX).exists():
             return _read_dir(p, loads)
@@ -246,18 +246,18 @@ def load_trace(path: PathLike, *, loads: bool = True, world: Optional[int] = Non
         if ranks:
             r = ranks[0] if rank is None else int(rank)
             if r not in ranks:
-                raise ValueError(f"ultracomm.profile: {p} holds traces of ranks {ranks}, not rank {r}")
+                raise TraceError(f"ultracomm.profile: {p} holds traces of ranks {ranks}, not rank {r}")
             return _read_dir(p / f"rank{r}", loads)
-        raise ValueError(f"ultracomm.profile: {p} holds no trace (no {INDEX}, no rank<r>/{INDEX})")
+        raise TraceError(f"ultracomm.profile: {p} holds no trace (no {INDEX}, no rank<r>/{INDEX})")
     if p.suffix in (".npy", ".npz"):  # regular files only: read_counts refuses FIFOs without blocking
         if world is None:
-            raise ValueError(
+            raise TraceError(
                 f"ultracomm.profile: {p} holds routing statistics; say how many EP ranks they "
                 "come from (world=..., --ep on the command line)"
             )
         bounded_int(world, "world (--ep)", 1, MAX_WORLD, str(p))
         return from_routing_stats(read_counts(p), world, meta={"source": str(p)})
-    raise ValueError(f"ultracomm.profile: {p} is neither a trace directory nor a .npy/.npz routing-statistics file")
+    raise TraceError(f"ultracomm.profile: {p} is neither a trace directory nor a .npy/.npz routing-statistics file")
 
 
 def read_counts(path: PathLike) -> np.ndarray:
@@ -280,16 +280,16 @@ def from_routing_stats(
     if c.ndim == 3:
         c = c[:, :, None, :]
     if c.ndim != 4:
-        raise ValueError(
+        raise TraceError(
             f"ultracomm.profile: counts must be [steps, layers, E] or [steps, layers, microbatches, E], "
             f"got shape {c.shape}"
         )
     T, L, M, E = c.shape
     if not isinstance(world, (int, np.integer)) or world < 1 or E % world:
-        raise ValueError(f"ultracomm.profile: {E} experts do not divide over world = {world!r} ranks")
+        raise TraceError(f"ultracomm.profile: {E} experts do not divide over world = {world!r} ranks")
     epr = E // int(world) if experts_per_rank is None else int(experts_per_rank)
     if epr * int(world) != E:
-        raise ValueError(f"ultracomm.profile: experts_per_rank {epr} x world {world} != {E} experts")
+        raise TraceError(f"ultracomm.profile: experts_per_rank {epr} x world {world} != {E} experts")
     n = T * L * M
     arrays = empty_arrays(int(world), E, 0, n)
     s, l, m = np.meshgrid(np.arange(T), np.arange(L), np.arange(M), indexing="ij")

@@ -22,6 +22,7 @@ from typing import Any, BinaryIO, Iterator
 
 import numpy as np
 
+from ..errors import UltracommError
 from .fields import empty_arrays
 
 __all__ = [
@@ -54,8 +55,13 @@ MAX_COUNT = 1 << 48  #: tokens in one count (the planners' bound, ultracomm.plan
 RECORD_ARRAYS = tuple(empty_arrays(0, 0, 0))
 
 
-class TraceError(ValueError):
+class TraceError(UltracommError, ValueError):
     """A trace file or option that cannot be read as given (the message says which and why)."""
+
+    def __init__(self, *args: object) -> None:
+        if args and isinstance(args[0], str) and not args[0].startswith("ultracomm"):
+            args = ("ultracomm.profile: " + args[0], *args[1:])
+        super().__init__(*args)
 
 
 def _open_regular(path: Path, what: str) -> int:

@@ -166,9 +166,11 @@ FORMS = ("stacked", "list", "parameter_list")
 
 
 def parse_schedule(text: str) -> list[tuple[str, int]]:
-    """``"F0 F1 B1 B0"`` -> ``[("F", 0), ("F", 1), ("B", 1), ("B", 0)]``."""
+    """``"F0 F1 B1 B0"`` -> ``[("F", 0), ("F", 1), ("B", 1), ("B", 0)]``; ``I<mb>``: an
+    input-gradient pass (``autograd.grad`` of the micro-batch's anchor input, graph retained)
+    before its ``B``, as zero-bubble schedules run ahead of the weight pass."""
     out = [(w[0], int(w[1:])) for w in text.split()]
-    assert all(k in "FB" for k, _ in out), text
+    assert all(k in "FIB" for k, _ in out), text
     return out
 
 
@@ -258,13 +260,15 @@ def train_rank(
     max_microbatches: int | None = None,
     counter: Any = None,
     manager_options: dict | None = None,
+    backward_members: tuple | None = None,
 ):
     """One rank of :func:`train`: micro-batches forwarded and backwarded in ``schedule`` order.
 
     ``checkpoint``: None, ``"reentrant"`` or ``"non_reentrant"`` (each layer checkpointed);
     ``zero_rank``: a rank whose batches have no token; ``counter``: an object whose ``arm()``
     is called once setup is done (manager built, layers registered) and ``disarm()`` before the
-    manager closes (tests counting the calls a training step makes)."""
+    manager closes (tests counting the calls a training step makes); ``backward_members``: the
+    backward is ``loss.backward(inputs=...)`` with these members' masters only."""
     from ultracomm.moe import ReplicaManager, linear
 
     lin = lin or linear
@@ -290,6 +294,7 @@ def train_rank(
     for layer in range(layers):
         mgr.register_layer(layer, params[layer])
     imbalance = []
+    input_pass = any(kind == "I" for kind, _ in order)
     if counter is not None:
         counter.arm()
 
@@ -311,6 +316,7 @@ def train_rank(
             hot=hot,
             skip_replicas=r in skip_replicas_on,
             dtype=dtype,
+            x_scale=anchor if input_pass else None,  # the input-gradient pass runs through the experts
         )
         return (step.guard(loss) if guard else loss) * anchor
 
@@ -322,14 +328,21 @@ def train_rank(
                 total = total + layer_loss(layer, mb, anchor)
             else:
                 total = total + cp.checkpoint(layer_loss, layer, mb, anchor, use_reentrant=checkpoint == "reentrant")
-        return total
+        return total, anchor
 
     losses = {}
     for kind, mb in order:
         if kind == "F":
             losses[mb] = forward(mb)
+        elif kind == "I":
+            torch.autograd.grad(losses[mb][0], [losses[mb][1]], retain_graph=True)
         else:
-            losses.pop(mb).backward()
+            loss = losses.pop(mb)[0]
+            if backward_members is None:
+                loss.backward()
+            else:
+                named = [p[m] for p in params for m in backward_members]
+                loss.backward(inputs=[t for m in named for t in ([m] if isinstance(m, torch.Tensor) else m)])
     out = master_grads(params, main_grad)
     if counter is not None:
         counter.disarm()

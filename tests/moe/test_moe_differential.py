@@ -172,3 +172,55 @@ def test_an_expert_whose_home_computes_no_token(schedule, form):
     got = mh.train(4, 2, 2, LAYERS, schedule, planner=all_of_expert_0_to_replicas, form=form)
     err, where = worst(base, got)
     assert err <= 1e-5, f"{where} differs from no replication by {err:.3g} of its largest gradient"
+
+
+INPUT_PASS = {
+    "one micro-batch": ("F0 I0 B0", "F0 B0"),
+    "three in flight": ("F0 F1 F2 I0 I1 I2 B0 B1 B2", "F0 F1 F2 B0 B1 B2"),
+}
+INPUT_PASS_KW = {
+    "grad": dict(form="list"),
+    "main_grad": dict(form="list", main_grad=True),
+    "non_reentrant": dict(form="stacked", checkpoint="non_reentrant"),
+}
+
+
+@pytest.mark.parametrize("schedules", list(INPUT_PASS.values()), ids=list(INPUT_PASS))
+@pytest.mark.parametrize("kw", list(INPUT_PASS_KW.values()), ids=list(INPUT_PASS_KW))
+def test_an_input_gradient_pass_before_the_weight_pass(schedules, kw):
+    """``I<mb>``: ``autograd.grad(loss, [input], retain_graph=True)`` through the experts before
+    the micro-batch's ``loss.backward()`` (zero-bubble schedules' B before W; an adversarial or
+    gradient-penalty input grad).  The masters' gradients are those of the same run without the
+    input pass, bit for bit, and match no replication.  Before the fix: the replicas' fused wgrads
+    were added into the staging in both passes (replica contributions doubled, 0.86 of the
+    largest gradient), a master's ``main_grad`` likewise; three micro-batches' input passes took
+    staging sets that their weight passes then shared (a replica sum carried into the next
+    micro-batch); and a non-reentrant recompute in the input pass planned a new step ('already
+    has 3 steps whose backward has not run')."""
+    schedule, plain = schedules
+    base = mh.train(4, 2, 2, LAYERS, schedule, planner=no_replication, **kw)
+    got = mh.train(4, 2, 2, LAYERS, schedule, **kw)
+    assert any(after < before for _, imb in got for before, after in imb), "no step balanced anything"
+    err, where = worst(base, got)
+    assert err <= 1e-5, f"{schedule}: {where} differs from no replication by {err:.3g} of its largest gradient"
+    assert bit_identical(got, mh.train(4, 2, 2, LAYERS, plain, **kw)), "the input pass changed the masters' grads"
+
+
+@pytest.mark.parametrize("main_grad", [False, True], ids=["grad", "main_grad"])
+def test_backward_with_inputs_naming_some_masters(main_grad):
+    """``loss.backward(inputs=fc1's masters)``: fc1's gradients are those of a full backward bit
+    for bit, fc2 gets nothing (its ``main_grad`` stays zero), and both match no replication.
+    Before the fix the replicas' sums of fc2 were added into its ``main_grad`` all the same (the
+    forward's needs_input_grad, not the pass's)."""
+    kw = dict(form="list", main_grad=main_grad)
+    base = mh.train(4, 2, 2, LAYERS, "F0 B0", planner=no_replication, backward_members=(0,), **kw)
+    got = mh.train(4, 2, 2, LAYERS, "F0 B0", backward_members=(0,), **kw)
+    full = mh.train(4, 2, 2, LAYERS, "F0 B0", **kw)
+    err, where = worst(
+        [([layer[:1] for layer in g], i) for g, i in base], [([layer[:1] for layer in g], i) for g, i in got]
+    )
+    assert err <= 1e-5, f"{where} differs from no replication by {err:.3g} of its largest gradient"
+    for (g, _), (f, _) in zip(got, full):
+        for layer, flayer in zip(g, f):
+            assert torch.equal(layer[0], flayer[0]), "fc1's grads differ from a full backward's"
+            assert not layer[1].any(), "fc2, which the backward did not name, got a gradient"

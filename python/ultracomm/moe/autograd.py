@@ -61,7 +61,10 @@ class _ReplicaWeights(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, _token_grad: torch.Tensor, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return (None, *ctx.step._backward_reduce(grads, ctx.needs_input_grad[1:]))
+        # per pass, not the forward's needs_input_grad: a master's main_grad gets its sum only from a
+        # pass that asks for that master (backward(inputs=[...]) may name some of them)
+        needs = [need and _asked(ctx, k) for k, need in enumerate(ctx.needs_input_grad[1:])]
+        return (None, *ctx.step._backward_reduce(grads, needs))
 
 
 class _Guard(torch.autograd.Function):
@@ -97,7 +100,7 @@ class _Linear(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         w = ctx.weight
         dx = dy @ _effective(w, ctx.scale, dy.dtype) if ctx.needs_input_grad[0] else None
-        if not ctx.needs_input_grad[1]:
+        if not ctx.needs_input_grad[1] or not _asked(ctx, 1):
             return dx, None, None
         dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
         main_grad = getattr(w, "main_grad", None)
@@ -111,6 +114,22 @@ class _Linear(torch.autograd.Function):
             return dx, dy2.t() @ x2, None
         main_grad.add_(dy2.t().float() @ x2.float())  # fp32 wgrad, accumulated in place
         return dx, fused_wgrad_return(w), None
+
+
+def _asked(ctx: Any, i: int) -> bool:
+    """Whether the running backward pass asks for the gradient of tensor input ``i`` of the node
+    ``ctx``.  ``needs_input_grad`` is fixed at forward time, but ``autograd.grad(loss, [x])`` /
+    ``backward(inputs=[...])`` (an input-gradient pass, as zero-bubble pipeline schedules run
+    before the weight pass; an adversarial or gradient-penalty input grad before
+    ``loss.backward()``) does not execute the node that gradient goes to (a replica view's
+    ``_ReplicaWeights``, a master's accumulator): a wgrad added into ``main_grad`` there would be
+    counted again by the pass that asks for it.  ``autograd.grad`` with that tensor itself among
+    its inputs cannot be asked about (torch refuses for a captured leaf): it asks for it."""
+    node = ctx.next_functions[i][0]
+    try:
+        return node is None or torch._C._will_engine_execute_node(node)
+    except RuntimeError:  # "A leaf node was passed ... running autograd.grad()": that leaf is asked for
+        return True
 
 
 def fused_wgrad_return(w: torch.Tensor, mark: bool = True) -> torch.Tensor | None:
@@ -140,7 +159,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | N
     Returns:
         ``[..., out]`` in ``x``'s dtype.
 
-    When ``weight`` has a ``main_grad`` attribute at backward time, ``dW = dy.T @ x`` is
+    When ``weight`` has a ``main_grad`` attribute at backward time (in a backward pass that asks
+    for the weight's gradient: not ``autograd.grad(loss, [x])``), ``dW = dy.T @ x`` is
     computed in fp32 and added into it and the weight's autograd gradient is what Megatron's
     fused path returns (:func:`fused_wgrad_return`: under Megatron's DDP, the flag
     ``grad_added_to_main_grad`` set and a zero dummy; else None); otherwise this is an

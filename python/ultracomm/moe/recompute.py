@@ -48,6 +48,14 @@ def recompute_target(live: list["Step"], layer: int, routing_map: torch.Tensor) 
     if not live:
         return None
     hits = [s for s in live if _will_execute(s._node())]
+    told = bool(hits)  # the running pass executes the candidates' nodes: a routing that matches none is an error
+    if not hits:
+        # a pass that runs no reduce (autograd.grad of an input with the graph retained, before the
+        # weight pass): the steps whose guard it runs, or -- on a rank where the micro-batch's output
+        # does not depend on the input asked for, not even that -- every step with a graph, by routing
+        hits = [s for s in live if _will_execute(s._guard_node())]
+        told = bool(hits)
+        hits = hits or [s for s in live if s._node() is not None]
     # the routing first: a layer applied twice in one checkpointed block has two steps the
     # backward executes, and the recompute replays both calls in their order -- every rank
     # picks the same one this way (a restore it triggers is collective)
@@ -55,7 +63,7 @@ def recompute_target(live: list["Step"], layer: int, routing_map: torch.Tensor) 
     if not same:  # a step without replica weights/guard (no node): match by routing
         same = [s for s in live if s._node() is None and torch.equal(s.routing_map, routing_map)]
     if not same:
-        if hits:
+        if told:
             raise UltracommError(
                 f"ultracomm: layer {layer}: the recomputed routing differs from the forward's; activation "
                 "recompute needs a deterministic router (same inputs, same routing)"

@@ -95,6 +95,7 @@ class Step:
         self._token: torch.Tensor | None = None
         self._view_refs: list[weakref.ref] = []
         self._node_ref: weakref.ref | None = None
+        self._guard_ref: weakref.ref | None = None  # the guard's node (recompute: a pass that runs no reduce)
         self._finalizer: weakref.finalize | None = None  # abandons the step if it dies unreduced
         self._staging: int | None = None
         self._restored = False
@@ -209,7 +210,9 @@ class Step:
         if self._frozen and not x.requires_grad:  # no backward will come through here: done now
             self._finish()
             return x
-        return _Guard.apply(x, token, self)
+        out = _Guard.apply(x, token, self)
+        self._guard_ref = None if out.grad_fn is None else weakref.ref(out.grad_fn)
+        return out
 
     def wait_grads(self) -> None:
         """Wait for every pending gradient reduction of the manager (see
@@ -250,6 +253,10 @@ class Step:
         or once its graph is freed)."""
         return None if self._node_ref is None else self._node_ref()
 
+    def _guard_node(self) -> Any:
+        """This step's ``_Guard`` autograd node (None before guard(), or once its graph is freed)."""
+        return None if self._guard_ref is None else self._guard_ref()
+
     def _forward_views(self) -> list[torch.Tensor]:
         mgr = self.manager
         self._sync.wait_stream()  # stream-ordered: the caller's stream waits, not the host
@@ -268,10 +275,17 @@ class Step:
             return self._target._backward_restore()
         mgr = self.manager
         self._check_backward()
-        if self._staging is None and not self._frozen:
+        # The staging is bound only by the pass that runs the reduce: a pass that does not (an
+        # input-gradient pass, autograd.grad(loss, [x]) with retain_graph, before the weight pass
+        # of a zero-bubble schedule) needs the weights back for the Dgrad and no wgrad; binding a
+        # staging set there would hold it across the other steps' passes until the weight pass
+        # (there are two sets: a third step would zero and share it).
+        node = self._node()
+        reduces = not self._frozen and node is not None and torch._C._will_engine_execute_node(node)
+        if self._staging is None and reduces:
             self._staging = mgr.grads.acquire()
         S = mgr.slots_per_rank
-        staging = mgr.grads.replica[self._staging] if self._staging is not None else None
+        staging = mgr.grads.replica[self._staging] if reduces else None
         for i, t in enumerate(self._views()):  # the fused fp32 wgrad path writes straight into staging
             if t is None or staging is None or staging[i // S] is None:  # dropped, frozen, or no gradient
                 continue

@@ -2,7 +2,8 @@
 of EP 2 x EDP 2 runs it (issue 32, item 1).  EP groups {0,1} {2,3} each own a ReplicaManager;
 EDP groups {0,2} {1,3} hold the same experts and DDP averages their gradients.  The same model
 is trained 3 SGD steps without ultracomm (every token on its home expert) and with it, under
-DDP with and without ``find_unused_parameters``; every step's loss, every expert parameter's
+DDP with and without ``find_unused_parameters``, each step two micro-batches (the first under
+``ddp.no_sync()``: its replica gradients wait in ``.grad`` for the second's all-reduce); every step's loss, every expert parameter's
 DDP-averaged ``.grad`` and the parameters after the last step must agree within 1e-5 of each
 tensor's largest value.  Prints one line per rank and mode; exit 1 on a failed check.
 
@@ -82,9 +83,13 @@ def train(ultracomm: bool, find_unused: bool, ep_group, edp_group, ep_rank: int,
     opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
     out = {"loss": [], "grads": [], "params": None}
     for it in range(STEPS):
+        with ddp.no_sync():  # gradient accumulation: a first micro-batch without DDP's all-reduce
+            first = ddp(100 + it, edp)
+            first.backward()
         loss = ddp(it, edp)
         loss.backward()
-        total = loss.detach().clone()  # each rank computes other tokens with replication: the EP group's sum
+        # each rank computes other tokens with replication: the EP group's sum
+        total = loss.detach() + first.detach()
         dist.all_reduce(total, group=ep_group)
         out["loss"].append(total.item())
         out["grads"].append([None if p.grad is None else p.grad.clone() for p in model.parameters()])

@@ -164,7 +164,7 @@ def test_one_rank_failing_setup_fails_every_rank():
             with pytest.raises(
                 PeerError,
                 match=r"Context setup \(configuration\): ranks \[2\] failed: rank 2: "
-                r"ConfigError: chunk_bytes=8 is invalid",
+                r"ConfigError: ultracomm: chunk_bytes=8 is invalid",
             ):
                 Context(group, make_layout(4, 4), 1, 1, num_layers=1, window="host_shm", timeout_s=30, **kw)
         return True

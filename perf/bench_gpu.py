@@ -98,122 +98,166 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import ctypes.util
 import datetime
 import importlib
+import importlib.util
 import json
 import os
 import statistics
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-SECTIONS = (
-    "launch",
-    "flag",
-    "control",
-    "copy",
-    "fanout",
-    "sweep",
-    "reduce",
-    "reduce_sweep",
-    "relay",
-    "lb_prefetch",
-    "copy_engine",
-)
-MiB = 1 << 20
-FANOUT_BYTES = 64 * MiB
-CE_RESERVE_S = 30.0  # of --budget-s, kept for the copy_engine section
-LB_RESERVE_S = 30.0  # of --budget-s, kept for the lb_prefetch section by the sections before it
-# DeepEP's lb_prefetch_weights test shape (tests/ep/test_prefetch_weights.py at deepseek-ai/DeepEP 1a1ffbac: 8
-# ranks, 64 experts, 8 redundant slots, 64 MiB weights + 16 KiB + 4 KiB scale factors per expert, 25% empty,
-# random mapping): (world, experts per rank, slots per rank), the members (name, bytes per expert, dtype name),
-# the empty share and the mapping's seed
-LB_SHAPE = (8, 8, 8)
-LB_MEMBERS = (("weights", 64 * MiB, "float8_e4m3fn"), ("sf0", 16 << 10, "float32"), ("sf1", 4 << 10, "float32"))
-LB_EMPTY, LB_SEED = 0.25, 0
-LB_PER_GRAPH, LB_REPLAYS = 2, 5  # graph-replayed lb_prefetch rows: a few large operations per graph
-# the lb_prefetch rows' impls: DeepEP's way (a direct push, one copy per slot and tensor), ultracomm's
-# multicast of one 3-member layout, and the deepep_lb adapter's own calls
-LB_COPIES, LB_MULTICAST, LB_ADAPTER = "copy_ per (slot, tensor)", "tile mover, 3-member layout", "deepep_lb.LBBuffer"
-# the reduce rows' impl per reduce path of the tile mover (ULTRACOMM_REDUCE_PATH): the register hunks keep
-# the rows' historical name
-REDUCE_IMPLS = {"hunk": "tile mover", "tma": "tile mover tma-staged"}
-GOAL_COPY, GOAL_COPY_SMS, GOAL_REDUCE = 0.90, 16, 0.85
-SENTINEL = 0xA5
-# control plane shapes (label, world, experts per rank): EP8 .. EP288 loopback worlds on one GPU
-CONTROL_SHAPES = (("EP8", 8, 32), ("EP16", 16, 16), ("EP64", 64, 4), ("EP288", 288, 2))
-# graph-replayed timing: an operation captured PER_GRAPH times into one CUDA graph, REPLAYS replays
-CONTROL_PER_GRAPH, CONTROL_REPLAYS = 10, 20
-LAUNCH_PER_GRAPH, LAUNCH_REPLAYS = 100, 10
-# the control kernels of one layer and micro-batch: (row case suffix, impl), in stream order
-CONTROL_KERNELS = (
-    ("exchange", "k_load_exchange"),
-    ("plan", "k_quota"),
-    ("build", "k_build_slot"),
-    ("reroute", "k_reroute"),
-)
-CONTROL_STEP = ("exchange+plan+build+reroute", "device step")
-# the same step's graph with programmatic dependent launch (csrc/cuda/pdl.h, sm_90+): same case,
-# its own impl; the other control rows run without it (key "pdl" in control_graph_rows' dicts)
-CONTROL_STEP_PDL = ("pdl", "device step, PDL")
 
+def _load_parts():
+    """perf/single_gpu, this bench's modules (perf/ is no package and is not put on sys.path, where its
+    other scripts would shadow modules), shared with whoever loaded it first under the name ``single_gpu``."""
+    mod = sys.modules.get("single_gpu")
+    if mod is None:
+        here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "single_gpu")
+        spec = importlib.util.spec_from_file_location(
+            "single_gpu", os.path.join(here, "__init__.py"), submodule_search_locations=[here]
+        )
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["single_gpu"] = mod
+        spec.loader.exec_module(mod)
+    return mod
+
+
+single_gpu = _load_parts()
+from single_gpu.constants import (  # noqa: E402
+    CE_RESERVE_S,
+    CONTROL_KERNELS,
+    CONTROL_PER_GRAPH,
+    CONTROL_REPLAYS,
+    CONTROL_SHAPES,
+    CONTROL_STEP,
+    CONTROL_STEP_PDL,
+    FANOUT_BYTES,
+    GOAL_COPY,
+    GOAL_COPY_SMS,
+    GOAL_REDUCE,
+    LAUNCH_PER_GRAPH,
+    LAUNCH_REPLAYS,
+    LB_ADAPTER,
+    LB_COPIES,
+    LB_EMPTY,
+    LB_MEMBERS,
+    LB_MULTICAST,
+    LB_PER_GRAPH,
+    LB_REPLAYS,
+    LB_RESERVE_S,
+    LB_SEED,
+    LB_SHAPE,
+    REDUCE_IMPLS,
+    SECTIONS,
+    SENTINEL,
+    MiB,
+)
+from single_gpu.hw_profile import build_profile, hop_costs, linear_fit  # noqa: E402
+from single_gpu.lb_rows import lb_bytes, lb_case, lb_mapping, lb_members_text, lb_memory_bytes, lb_row  # noqa: E402
+from single_gpu.rows import Row, fmt_size, format_table  # noqa: E402
+from single_gpu.targets import (  # noqa: E402
+    LOOPBACK_CHUNK,
+    TARGET_CONTROL_US,
+    TARGET_COPY_16_TBS,
+    TARGET_COPY_PER_CTA_GBS,
+    TARGET_EMPTY_NODE_US,
+    TARGET_EP64_KERNEL_US,
+    TARGET_FANOUT_TBS,
+    TARGET_FP16_VS_BF16,
+    TARGET_REDUCE_BYTES,
+    TARGET_REDUCE_CTAS,
+    TARGET_REDUCE_K2_US,
+    TARGET_REDUCE_PER_CTA_GBS,
+    TARGET_REDUCE_VS_TORCH,
+    TARGET_RELAY_BYTES,
+    TARGET_RELAY_US,
+    TARGET_TASK_US,
+    goal_lines,
+    row_name,
+    target_lines,
+)
+from single_gpu.timing import CUDA_MEMCPY_DEVICE_TO_DEVICE, CUDART_MEMCPY_ASYNC_ARGTYPES, Timer, graph_note, load_cudart  # noqa: E402
+
+#: What this module gives its readers (the bench's tests, perf/bench_nvlink.py) besides main: the names
+#: it held before its parts moved to perf/single_gpu, each defined in the module named above
+__all__ = [
+    "CE_RESERVE_S",
+    "CONTROL_KERNELS",
+    "CONTROL_PER_GRAPH",
+    "CONTROL_REPLAYS",
+    "CONTROL_SHAPES",
+    "CONTROL_STEP",
+    "CONTROL_STEP_PDL",
+    "CUDART_MEMCPY_ASYNC_ARGTYPES",
+    "CUDA_MEMCPY_DEVICE_TO_DEVICE",
+    "FANOUT_BYTES",
+    "GOAL_COPY",
+    "GOAL_COPY_SMS",
+    "GOAL_REDUCE",
+    "LAUNCH_PER_GRAPH",
+    "LAUNCH_REPLAYS",
+    "LB_ADAPTER",
+    "LB_COPIES",
+    "LB_EMPTY",
+    "LB_MEMBERS",
+    "LB_MULTICAST",
+    "LB_PER_GRAPH",
+    "LB_REPLAYS",
+    "LB_RESERVE_S",
+    "LB_SEED",
+    "LB_SHAPE",
+    "LOOPBACK_CHUNK",
+    "MiB",
+    "REDUCE_IMPLS",
+    "Row",
+    "SECTIONS",
+    "SENTINEL",
+    "TARGET_CONTROL_US",
+    "TARGET_COPY_16_TBS",
+    "TARGET_COPY_PER_CTA_GBS",
+    "TARGET_EMPTY_NODE_US",
+    "TARGET_EP64_KERNEL_US",
+    "TARGET_FANOUT_TBS",
+    "TARGET_FP16_VS_BF16",
+    "TARGET_REDUCE_BYTES",
+    "TARGET_REDUCE_CTAS",
+    "TARGET_REDUCE_K2_US",
+    "TARGET_REDUCE_PER_CTA_GBS",
+    "TARGET_REDUCE_VS_TORCH",
+    "TARGET_RELAY_BYTES",
+    "TARGET_RELAY_US",
+    "TARGET_TASK_US",
+    "Timer",
+    "build_profile",
+    "fmt_size",
+    "format_table",
+    "goal_lines",
+    "graph_note",
+    "hop_costs",
+    "lb_bytes",
+    "lb_case",
+    "lb_mapping",
+    "lb_members_text",
+    "lb_memory_bytes",
+    "lb_row",
+    "linear_fit",
+    "load_cudart",
+    "main",
+    "results_record",
+    "row_name",
+    "target_lines",
+    "unavailable_reason",
+    "write_json",
+    "write_results",
+    "wrong_total",
+]
 
 # ----------------------------------------------------------------------------- pure helpers (CPU-tested)
-
-
-@dataclass
-class Row:
-    """One measured line of a table."""
-
-    section: str
-    case: str
-    impl: str
-    size: int
-    time_s: Optional[float]
-    payload: int
-    traffic: int
-    wrong: Optional[int]
-    note: str = ""
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def algbw(self) -> Optional[float]:
-        return self.payload / self.time_s if self.time_s else None
-
-    @property
-    def busbw(self) -> Optional[float]:
-        return self.traffic / self.time_s if self.time_s else None
-
-    @property
-    def algbw_per_cta(self) -> Optional[float]:
-        """algbw over the CTAs that moved it: ``ctas`` per sending rank x ``senders`` (a relay chain's
-        D hops), for rows that ran on SMs."""
-        ctas = self.extra.get("ctas")
-        if not self.algbw or not ctas:
-            return None
-        return self.algbw / (ctas * self.extra.get("senders", 1))
-
-    def to_dict(self) -> dict:
-        return dict(
-            section=self.section,
-            case=self.case,
-            impl=self.impl,
-            size=self.size,
-            time_s=self.time_s,
-            payload_bytes=self.payload,
-            traffic_bytes=self.traffic,
-            algbw=self.algbw,
-            busbw=self.busbw,
-            algbw_per_cta=self.algbw_per_cta,
-            wrong=self.wrong,
-            note=self.note,
-            **self.extra,
-        )
 
 
 def copy_engine_row(
@@ -258,541 +302,6 @@ def tile_row(rows: Sequence[Row], n: int, size: int) -> Optional[Row]:
     return got[0] if got else None
 
 
-def fmt_size(n: int) -> str:
-    for unit, div in (("G", 1 << 30), ("M", MiB), ("K", 1 << 10)):
-        if n >= div and n % div == 0:
-            return f"{n // div}{unit}"
-    return str(n)
-
-
-def format_table(rows: Sequence[Row]) -> str:
-    """nccl-tests-like columns: size, case, impl, time (us), algbw and busbw (GB/s), algbw per CTA
-    (GB/s, rows that ran on SMs), #wrong, note."""
-    hdr = ("size", "case", "impl", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "GB/s/CTA", "#wrong", "note")
-    lines = [hdr]
-    for r in rows:
-        per_cta = r.algbw_per_cta
-        lines.append(
-            (
-                fmt_size(r.size),
-                r.case,
-                r.impl,
-                "-" if r.time_s is None else f"{r.time_s * 1e6:.2f}",
-                "-" if r.algbw is None else f"{r.algbw / 1e9:.1f}",
-                "-" if r.busbw is None else f"{r.busbw / 1e9:.1f}",
-                "-" if per_cta is None else f"{per_cta / 1e9:.1f}",
-                "-" if r.wrong is None else str(r.wrong),
-                r.note,
-            )
-        )
-    widths = [max(len(x[i]) for x in lines) for i in range(len(hdr) - 1)]
-    out = []
-    for i, x in enumerate(lines):
-        out.append(
-            "  ".join(
-                c.rjust(w) if i and j in (0, 3, 4, 5, 6, 7) else c.ljust(w)
-                for j, (c, w) in enumerate(zip(x[:-1], widths))
-            )
-            + ("  " + x[-1] if x[-1] else "")
-        )
-        if i == 0:
-            out.append("  ".join("-" * w for w in widths))
-    return "\n".join(out)
-
-
-def linear_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
-    """Least squares ``y = a + b x`` -> ``(a, b)``; needs two distinct xs."""
-    if len(xs) < 2 or len(set(xs)) < 2:
-        raise ValueError("linear_fit needs at least two distinct x values")
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    return my - b * mx, b
-
-
-def hop_costs(fill: dict[int, dict[int, float]]) -> tuple[list[list], Optional[float], Optional[float]]:
-    """Relay fill times ``{chunk: {depth: seconds}}`` -> (``[[chunk, per-hop s]]`` (slope over depth),
-    chunk_overhead_s (intercept over chunk bytes, >= 0, or None), hop_bw (1/slope, or None))."""
-    per_hop = []
-    for chunk in sorted(fill):
-        depths = sorted(fill[chunk])
-        if len(depths) >= 2:
-            _, slope = linear_fit(depths, [fill[chunk][d] for d in depths])
-            if slope > 0:
-                per_hop.append([int(chunk), slope])
-    if len(per_hop) < 2:
-        return per_hop, None, None
-    a, b = linear_fit([c for c, _ in per_hop], [s for _, s in per_hop])
-    return per_hop, (a if a >= 0 else None), (1.0 / b if b > 0 else None)
-
-
-def goal_lines(rows: Sequence[Row]) -> list[str]:
-    """The two goals of issue 8, PASS/MISS/not measured, from the sweep and reduce rows."""
-    out = []
-    sweep = [r for r in rows if r.section == "sweep" and r.algbw]
-    ref = [r for r in sweep if r.impl == "cudaMemcpyAsync"]
-    mover = [r for r in sweep if r.impl == "tile mover" and r.extra.get("ctas", 1 << 30) <= GOAL_COPY_SMS]
-    if ref and mover:
-        best = max(mover, key=lambda r: r.algbw)
-        frac = best.algbw / ref[0].algbw
-        out.append(
-            f"goal copy: tile mover {best.algbw / 1e9:.1f} GB/s with {best.extra['ctas']} CTAs = "
-            f"{100 * frac:.1f}% of cudaMemcpyAsync D2D {ref[0].algbw / 1e9:.1f} GB/s at "
-            f"{fmt_size(best.size)} (goal >= {100 * GOAL_COPY:.0f}% with <= {GOAL_COPY_SMS}): "
-            f"{'PASS' if frac >= GOAL_COPY else 'MISS'}"
-        )
-    else:
-        out.append("goal copy: not measured (sweep rows missing)")
-    red = [r for r in rows if r.section == "reduce" and r.algbw]
-    if red:
-        top = max(r.size for r in red)
-        pairs = []
-        for r in red:
-            if r.size == top and r.impl == "tile mover":
-                base = [t for t in red if t.size == top and t.impl == "torch.sum" and t.case == r.case]
-                if base:
-                    pairs.append((r.case, r.algbw / base[0].algbw))
-        if pairs:
-            worst = min(pairs, key=lambda p: p[1])
-            ok = all(f >= GOAL_REDUCE for _, f in pairs)
-            out.append(
-                f"goal reduce: worst {worst[0]} at {100 * worst[1]:.1f}% of torch.sum's bandwidth "
-                f"(goal >= {100 * GOAL_REDUCE:.0f}% for every case at {fmt_size(top)}): "
-                f"{'PASS' if ok else 'MISS'}"
-            )
-        else:
-            out.append("goal reduce: not measured (no torch.sum baseline rows)")
-    else:
-        out.append("goal reduce: not measured (reduce rows missing)")
-    return out
-
-
-# ----------------------------------------------------------------------------- issues 33 and 34's targets
-# The bounds, in the unit each target line shows (us, GB/s, TB/s or a ratio); the rows each target reads
-# are named in target_lines' records.
-TARGET_CONTROL_US = (("EP8", 25.0), ("EP64", 50.0))  # the whole control plane, graph-replayed device step
-TARGET_EP64_KERNEL_US = (  # at EP64, each kernel's graph row: (case suffix, impl, bound)
-    ("plan", "k_quota", 25.0),
-    ("build", "k_build_slot", 12.0),
-    ("exchange", "k_load_exchange", 6.0),
-    ("reroute", "k_reroute", 4.0),
-)
-TARGET_EMPTY_NODE_US = 2.0  # a graph node of an empty kernel
-TARGET_COPY_PER_CTA_GBS, TARGET_COPY_16_TBS = 62.5, 1.0
-TARGET_REDUCE_PER_CTA_GBS, TARGET_REDUCE_K2_US, TARGET_REDUCE_CTAS = 60.0, 200.0, 23
-TARGET_REDUCE_VS_TORCH = 0.85  # with every SM
-TARGET_FP16_VS_BF16 = 1.10  # k=8: fp16's time at most 10% above bf16's
-TARGET_RELAY_US = ((1, 120.0), (4, 200.0))  # 64 MiB stream at 128 KiB chunks, by depth
-TARGET_FANOUT_TBS = 1.2  # 1 -> 8, bytes written
-TARGET_TASK_US = 1.0  # per-task overhead
-TARGET_REDUCE_BYTES = TARGET_RELAY_BYTES = 64 * MiB
-LOOPBACK_CHUNK = 1 << 20  # Loopback's default chunk (the sweep's rows before they carried extra["tasks"])
-
-
-def row_name(r: Row) -> str:
-    """``section / case / impl`` (+ ``[graph]`` for graph-replayed rows, + the size for sized rows)."""
-    s = f"{r.section} / {r.case} / {r.impl}"
-    if r.extra.get("timing") == "graph":
-        s += " [graph]"
-    if r.size and r.section not in ("control", "launch"):
-        s += f" ({fmt_size(r.size)})"
-    return s
-
-
-def _rows_named(
-    rows: Sequence[Row], section: str, case: str, impl: str, size: Optional[int] = None, graph: bool = False
-) -> list[Row]:
-    return [
-        r
-        for r in rows
-        if (r.section, r.case, r.impl) == (section, case, impl)
-        and (size is None or r.size == size)
-        and (not graph or r.extra.get("timing") == "graph")
-    ]
-
-
-def _measured(rows: Sequence[Row], *name, **kw) -> Optional[Row]:
-    """The last measured row of that name (time_s set), or None."""
-    got = [r for r in _rows_named(rows, *name, **kw) if r.time_s]
-    return got[-1] if got else None
-
-
-def _why_missing(rows: Sequence[Row], section: str, case: str, impl: str, size=None, graph=False) -> str:
-    """What a target says for a row it needs and does not have: the row's name, and its own note when
-    the bench wrote the row without a time (budget, no device support, a failure)."""
-    want = f"{section} / {case} / {impl}" + (" [graph]" if graph else "") + (f" ({fmt_size(size)})" if size else "")
-    there = _rows_named(rows, section, case, impl, size, graph)
-    if there and there[-1].note:
-        return f"{want}: {there[-1].note}"
-    # the rows the bench writes instead (impl "-"): a row or shape not started (--budget-s), a section or
-    # shape that failed or was interrupted
-    instead = [
-        r
-        for r in rows
-        if r.section == section and not r.time_s and r.note and (r.case in ("-", case) or case.startswith(r.case + " "))
-    ]
-    if instead:
-        return f"{want} missing ({instead[-1].case}: {instead[-1].note})"
-    return f"{want} missing"
-
-
-def _wrong(r: Row) -> int:
-    return 0 if r.note.startswith("informational") else (r.wrong or 0)
-
-
-def _target(
-    issue: int,
-    target: str,
-    op: str,
-    bound: float,
-    unit: str,
-    value: Optional[float] = None,
-    used: Sequence[Row] = (),
-    detail: str = "",
-    missing: str = "",
-) -> dict:
-    """One target's record: issue, target, value, bound, op, unit, verdict (PASS / MISS / not measured),
-    rows (names of the rows read), detail, and the printed line.  A row with #wrong > 0 misses."""
-    wrong = sum(_wrong(r) for r in used)
-    if value is None:
-        verdict = "not measured"
-    elif wrong:
-        verdict = "MISS"
-        detail = ", ".join(x for x in (detail, f"#wrong {wrong}") if x)
-    else:
-        verdict = "PASS" if (value <= bound if op == "<=" else value >= bound) else "MISS"
-    head = f"target issue {issue}: {target} {op} {bound:g} {unit}"
-    if value is None:
-        line = f"{head}: not measured ({missing or detail or 'rows missing'})"
-    else:
-        shown = f"{value:.3f}" if unit.startswith("x ") or unit == "TB/s" else f"{value:.2f}"
-        line = f"{head}: {shown} {unit}" + (f" ({detail})" if detail else "") + f": {verdict}"
-    return dict(
-        issue=issue,
-        target=target,
-        value=value,
-        bound=bound,
-        op=op,
-        unit=unit,
-        verdict=verdict,
-        rows=[row_name(r) for r in used],
-        detail=detail if value is not None else (missing or detail),
-        line=line,
-    )
-
-
-def _pick_best(cands: Sequence[tuple], higher: bool) -> tuple:
-    """The best (label, value, rows) of ``cands`` (higher or lower value); candidates whose rows have
-    #wrong > 0 are chosen only when every candidate has."""
-    ok = [c for c in cands if not sum(_wrong(r) for r in c[2])]
-    pool = ok or list(cands)
-    return (max if higher else min)(pool, key=lambda c: c[1])
-
-
-def _control_targets(rows: Sequence[Row]) -> list[dict]:
-    out = []
-    step = CONTROL_STEP[0]
-    for label, bound in TARGET_CONTROL_US:
-        case = f"{label} {step}"
-        cands, parts = [], []
-        for impl in (CONTROL_STEP[1], CONTROL_STEP_PDL[1]):
-            r = _measured(rows, "control", case, impl, graph=True)
-            if r is None:
-                parts.append(f"{impl}: not measured")
-            else:
-                cands.append((impl, r.time_s * 1e6, [r]))
-                parts.append(f"{impl} {r.time_s * 1e6:.2f} us")
-        name = f"{label} control plane (exchange+plan+build+reroute, graph replay)"
-        if not cands:
-            miss = "; ".join(
-                _why_missing(rows, "control", case, impl, graph=True) for impl in (CONTROL_STEP[1], CONTROL_STEP_PDL[1])
-            )
-            out.append(_target(33, name, "<=", bound, "us", missing=miss))
-            continue
-        impl, value, used = _pick_best(cands, higher=False)
-        detail = "; ".join(parts) + f"; counted: {impl}"
-        out.append(_target(33, name, "<=", bound, "us", value, used, detail))
-    for key, impl, bound in TARGET_EP64_KERNEL_US:
-        case = f"EP64 {key}"
-        r = _measured(rows, "control", case, impl, graph=True)
-        name = f"EP64 {impl} ({key}, graph replay)"
-        if r is None:
-            out.append(
-                _target(33, name, "<=", bound, "us", missing=_why_missing(rows, "control", case, impl, graph=True))
-            )
-        else:
-            out.append(_target(33, name, "<=", bound, "us", r.time_s * 1e6, [r]))
-    r = _measured(rows, "launch", "floor", "empty kernel", graph=True)
-    name = "graph node of an empty kernel"
-    if r is None:
-        out.append(
-            _target(
-                33,
-                name,
-                "<=",
-                TARGET_EMPTY_NODE_US,
-                "us",
-                missing=_why_missing(rows, "launch", "floor", "empty kernel", graph=True),
-            )
-        )
-    else:
-        out.append(_target(33, name, "<=", TARGET_EMPTY_NODE_US, "us", r.time_s * 1e6, [r]))
-    return out
-
-
-def _sweep_tasks(r: Row) -> tuple[int, str]:
-    """(tasks, how known) of a sweep row: its extra["tasks"], else its size over its chunk (1 -> 1
-    direct: one task per chunk; Loopback's default chunk when the row does not say)."""
-    if r.extra.get("tasks"):
-        return int(r.extra["tasks"]), "extra tasks"
-    chunk = int(r.extra.get("chunk") or LOOPBACK_CHUNK)
-    return -(-r.size // chunk), f"derived: {fmt_size(r.size)} / {fmt_size(chunk)} chunks"
-
-
-def _copy_targets(rows: Sequence[Row]) -> list[dict]:
-    out = []
-    sweep = [
-        r for r in rows if r.section == "sweep" and r.impl == "tile mover" and r.algbw_per_cta and r.extra["ctas"] <= 16
-    ]
-    name = "local copy per CTA (sweep, every row with <= 16 CTAs)"
-    if not sweep:
-        out.append(
-            _target(
-                34, name, ">=", TARGET_COPY_PER_CTA_GBS, "GB/s", missing="sweep / <n> CTAs / tile mover rows missing"
-            )
-        )
-    else:
-        worst = min(sweep, key=lambda r: r.algbw_per_cta)
-        one = [r for r in sweep if r.extra["ctas"] == 1]
-        detail = f"worst: {worst.case}" + (
-            "" if worst.case == f"{worst.extra['ctas']} CTAs" else f" (ran at {worst.extra['ctas']})"
-        )
-        if one:
-            detail += f"; 1 CTA {one[-1].algbw_per_cta / 1e9:.2f} GB/s"
-        out.append(_target(34, name, ">=", TARGET_COPY_PER_CTA_GBS, "GB/s", worst.algbw_per_cta / 1e9, sweep, detail))
-    r = _measured(rows, "sweep", "16 CTAs", "tile mover")
-    name = "local copy with 16 CTAs (sweep)"
-    if r is None:
-        out.append(
-            _target(
-                34, name, ">=", TARGET_COPY_16_TBS, "TB/s", missing=_why_missing(rows, "sweep", "16 CTAs", "tile mover")
-            )
-        )
-    else:
-        detail = "" if r.extra.get("ctas") == 16 else f"ran at {r.extra.get('ctas')} CTAs, not 16"
-        out.append(_target(34, name, ">=", TARGET_COPY_16_TBS, "TB/s", r.algbw / 1e12, [r], detail))
-    return out
-
-
-def _reduce_k2_rows(rows: Sequence[Row]) -> tuple[list[tuple], list[str]]:
-    """Per reduce impl, the k=2 fp32 64 MiB row the targets read: the ``reduce`` row when it ran at 23
-    CTAs, else reduce_sweep's ``k=2 fp32 23 CTAs`` row, else the ``reduce`` row at its own CTA count
-    (said in the detail).  -> ([(impl, row, note)], [why missing, per impl without one])."""
-    got, missing = [], []
-    n, want = TARGET_REDUCE_BYTES, TARGET_REDUCE_CTAS
-    for impl in REDUCE_IMPLS.values():
-        r = _measured(rows, "reduce", "k=2 fp32", impl, size=n)
-        s = _measured(rows, "reduce_sweep", f"k=2 fp32 {want} CTAs", impl, size=n)
-        if r is not None and r.extra.get("ctas") == want:
-            got.append((impl, r, f"{want} CTAs"))
-        elif s is not None and s.extra.get("ctas") == want:
-            why = f"the reduce row ran at {r.extra.get('ctas')} CTAs" if r is not None else "no reduce row"
-            got.append((impl, s, f"{want} CTAs, reduce_sweep's row ({why})"))
-        elif r is not None:
-            got.append((impl, r, f"at {r.extra.get('ctas')} CTAs, not {want}"))
-        else:
-            missing.append(_why_missing(rows, "reduce", "k=2 fp32", impl, size=n))
-    return got, missing
-
-
-def _reduce_targets(rows: Sequence[Row], sms: Optional[int]) -> list[dict]:
-    out = []
-    got, missing = _reduce_k2_rows(rows)
-    for name, op, bound, unit, value_of, higher in (
-        (
-            "reduce traffic per CTA (k=2 fp32 64M)",
-            ">=",
-            TARGET_REDUCE_PER_CTA_GBS,
-            "GB/s",
-            lambda r: r.busbw / r.extra["ctas"] / 1e9,
-            True,
-        ),
-        (
-            f"reduce k=2 fp32 64M at {TARGET_REDUCE_CTAS} CTAs",
-            "<=",
-            TARGET_REDUCE_K2_US,
-            "us",
-            lambda r: r.time_s * 1e6,
-            False,
-        ),
-    ):
-        if not got:
-            out.append(_target(34, name, op, bound, unit, missing="; ".join(missing)))
-            continue
-        cands = [(impl, value_of(r), [r]) for impl, r, _ in got if r.extra.get("ctas")]
-        if not cands:
-            out.append(_target(34, name, op, bound, unit, missing="the k=2 fp32 rows carry no CTA count"))
-            continue
-        parts = [f"{impl} {value_of(r):.2f} {unit} ({note})" for impl, r, note in got] + [
-            f"not measured: {m}" for m in missing
-        ]
-        impl, value, used = _pick_best(cands, higher)
-        out.append(_target(34, name, op, bound, unit, value, used, "; ".join(parts) + f"; better: {impl}"))
-    out.append(_reduce_all_sm(rows, sms))
-    out.append(_fp16_vs_bf16(rows))
-    return out
-
-
-def _reduce_all_sm(rows: Sequence[Row], sms: Optional[int]) -> dict:
-    """Every SM: the tile mover's reduce rows with CTAs >= the device's SMs, as a share of torch.sum's
-    rate for the same case and size (the worst case, each at its better impl)."""
-    name = "reduce with every SM vs torch.sum (worst case)"
-    movers = [
-        r
-        for r in rows
-        if r.section in ("reduce", "reduce_sweep")
-        and r.impl in REDUCE_IMPLS.values()
-        and r.algbw
-        and sms
-        and (r.extra.get("ctas") or 0) >= sms
-    ]
-    by_case: dict = {}
-    for r in movers:
-        case = r.case if r.section == "reduce" else " ".join(r.case.split()[:2])
-        base = _measured(rows, "reduce", case, "torch.sum", size=r.size)
-        if base is not None:
-            by_case.setdefault((case, r.size), []).append((r.impl, r.algbw / base.algbw, [r, base]))
-    if not by_case:
-        top = max((r.extra.get("ctas") or 0 for r in rows if r.section.startswith("reduce") and r.algbw), default=0)
-        why = "device SM count unknown" if not sms else f"reduce rows ran at <= {top} CTAs of {sms} SMs"
-        if sms and movers:
-            why = "no torch.sum row for the all-SM rows' case and size"
-        return _target(34, name, ">=", TARGET_REDUCE_VS_TORCH, "x torch.sum", missing=f"no all-SM reduce row: {why}")
-    per_case = {key: _pick_best(c, higher=True) for key, c in by_case.items()}
-    (case, size), (impl, value, used) = min(per_case.items(), key=lambda kv: kv[1][1])
-    detail = f"worst {case} at {fmt_size(size)}, {impl}"
-    return _target(34, name, ">=", TARGET_REDUCE_VS_TORCH, "x torch.sum", value, used, detail)
-
-
-def _fp16_vs_bf16(rows: Sequence[Row]) -> dict:
-    """k=8: fp16's time over bf16's (same bytes), per impl at the largest size both have; the impl
-    with the lower ratio counts."""
-    name = "reduce k=8 fp16 time vs bf16's"
-    cands, parts, missing = [], [], []
-    for impl in REDUCE_IMPLS.values():
-        f16 = {r.size: r for r in rows if (r.section, r.case, r.impl) == ("reduce", "k=8 fp16", impl) and r.time_s}
-        b16 = {r.size: r for r in rows if (r.section, r.case, r.impl) == ("reduce", "k=8 bf16", impl) and r.time_s}
-        both = sorted(set(f16) & set(b16))
-        if not both:
-            missing.extend(
-                _why_missing(rows, "reduce", case, impl) for case, d in (("k=8 fp16", f16), ("k=8 bf16", b16)) if not d
-            )
-            if f16 and b16:
-                missing.append(f"{impl}: fp16 and bf16 rows at different sizes")
-            continue
-        f, b = f16[both[-1]], b16[both[-1]]
-        ratio = f.time_s / b.time_s
-        cands.append((impl, ratio, [f, b]))
-        parts.append(f"{impl} {ratio:.3f} ({f.time_s * 1e6:.1f} / {b.time_s * 1e6:.1f} us at {fmt_size(f.size)})")
-    if not cands:
-        return _target(34, name, "<=", TARGET_FP16_VS_BF16, "x bf16 time", missing="; ".join(missing))
-    impl, value, used = _pick_best(cands, higher=False)
-    detail = "; ".join(parts + [f"not measured: {m}" for m in missing]) + f"; counted: {impl}"
-    return _target(34, name, "<=", TARGET_FP16_VS_BF16, "x bf16 time", value, used, detail)
-
-
-def _relay_fanout_targets(rows: Sequence[Row]) -> list[dict]:
-    out = []
-    for depth, bound in TARGET_RELAY_US:
-        case = f"D={depth} chunk=128K stream"
-        name = f"relay stream 64M, 128K chunks, D={depth}"
-        r = _measured(rows, "relay", case, "tile mover", size=TARGET_RELAY_BYTES)
-        if r is None:
-            why = _why_missing(rows, "relay", case, "tile mover", size=TARGET_RELAY_BYTES)
-            out.append(_target(34, name, "<=", bound, "us", missing=why))
-        elif depth > 1 and not r.extra.get("chain", True):
-            out.append(_target(34, name, "<=", bound, "us", missing=f"{row_name(r)}: the schedule is not a chain"))
-        else:
-            out.append(_target(34, name, "<=", bound, "us", r.time_s * 1e6, [r], f"{r.extra.get('ctas')} CTAs/hop"))
-    r = _measured(rows, "fanout", "1->8", "tile mover")
-    name = "1->8 fan-out, bytes written"
-    if r is None:
-        out.append(
-            _target(
-                34, name, ">=", TARGET_FANOUT_TBS, "TB/s", missing=_why_missing(rows, "fanout", "1->8", "tile mover")
-            )
-        )
-    else:
-        out.append(
-            _target(
-                34,
-                name,
-                ">=",
-                TARGET_FANOUT_TBS,
-                "TB/s",
-                r.algbw / 1e12,
-                [r],
-                f"{r.extra.get('ctas')} CTAs, {fmt_size(r.size)} source",
-            )
-        )
-    return out
-
-
-def _task_overhead(rows: Sequence[Row]) -> dict:
-    """Issue 34's per-task overhead: the 1-CTA sweep row's time per task minus its bytes per task at
-    the best per-CTA copy rate measured (the tile mover's 1 -> 1 copies: sweep, copy and relay
-    stream rows; 0 by construction when the 1-CTA row is itself the best)."""
-    name = "per-task overhead (1-CTA sweep)"
-    one = [r for r in rows if r.section == "sweep" and r.impl == "tile mover" and r.time_s and r.extra.get("ctas") == 1]
-    if not one:
-        return _target(
-            34, name, "<=", TARGET_TASK_US, "us", missing=_why_missing(rows, "sweep", "1 CTAs", "tile mover")
-        )
-    r = one[-1]
-    tasks, how = _sweep_tasks(r)
-    copies = [
-        x
-        for x in rows
-        if x.impl == "tile mover"
-        and x.algbw_per_cta
-        and (
-            x.section == "sweep"
-            or (x.section == "copy" and x.case == "1->1")
-            or (x.section == "relay" and x.extra.get("mode") == "stream")
-        )
-    ]
-    best = max(copies, key=lambda x: x.algbw_per_cta)
-    per_task = r.time_s / tasks
-    moving = r.size / tasks / best.algbw_per_cta
-    value = (per_task - moving) * 1e6
-    detail = (
-        f"{tasks} tasks ({how}): {per_task * 1e6:.3f} us per task - {r.size / tasks / MiB:g} MiB at "
-        f"{best.algbw_per_cta / 1e9:.2f} GB/s per CTA ({row_name(best)}) {moving * 1e6:.3f} us"
-    )
-    if best is r:
-        detail += "; the 1-CTA row is itself the best per-CTA rate: 0 by construction"
-    used = [r] if best is r else [r, best]
-    return _target(34, name, "<=", TARGET_TASK_US, "us", value, used, detail)
-
-
-def target_lines(rows: Sequence[Row], sms: Optional[int] = None) -> list[dict]:
-    """A record per target of issues 33 and 34 (``_target``'s keys; ``line`` is what is printed),
-    computed from the rows only: issue 33 from the graph-replayed control and launch rows, issue 34
-    from the sweep, reduce (both impls), reduce_sweep, relay and fanout rows.  ``sms``: the device's
-    SM count (an all-SM reduce row is one with at least that many CTAs)."""
-    return [
-        *_control_targets(rows),
-        *_copy_targets(rows),
-        *_reduce_targets(rows, sms),
-        *_relay_fanout_targets(rows),
-        _task_overhead(rows),
-    ]
-
-
-def graph_note(per_graph: int, replays: int, more: str = "") -> str:
-    """The note of a graph-replayed row (device time, not the host's enqueue rate)."""
-    return f"graph replay: {per_graph} per graph x {replays} replays, device time" + (f"; {more}" if more else "")
-
-
 def control_graph_rows(
     label: str,
     E: int,
@@ -831,177 +340,6 @@ def control_graph_rows(
     return rows
 
 
-def lb_mapping(
-    world: int, experts_per_rank: int, slots: int, empty: float = LB_EMPTY, seed: int = LB_SEED
-) -> np.ndarray:
-    """A DeepEP-style ``redundancy_mapping`` (int32 ``[world, slots]``, expert ids local to the domain,
-    -1 empty), seeded: in every row exactly ``round(empty x slots)`` slots are empty (DeepEP's test
-    draws each slot empty with that probability) and the others hold distinct experts (DeepEP's test
-    draws with replacement) of other ranks (never the row's own: DeepEP forbids it), in random slots."""
-    E = world * experts_per_rank
-    n_empty = int(round(empty * slots))
-    filled = slots - n_empty
-    if not 0 <= n_empty <= slots or filled > E - experts_per_rank:
-        raise ValueError(
-            f"{slots} slots with {n_empty} empty: {filled} distinct remote experts needed, {E - experts_per_rank} exist"
-        )
-    rng = np.random.default_rng(seed)
-    out = np.full((world, slots), -1, np.int32)
-    for r in range(world):
-        remote = np.concatenate([np.arange(0, r * experts_per_rank), np.arange((r + 1) * experts_per_rank, E)])
-        out[r, rng.choice(slots, size=filled, replace=False)] = rng.choice(remote, size=filled, replace=False)
-    return out
-
-
-def lb_bytes(mapping: np.ndarray, experts_per_rank: int, member_bytes: Sequence[int]) -> dict:
-    """What an lb_prefetch of ``mapping`` moves: ``per_expert`` (the members' bytes, B), ``filled``
-    slots (F), ``distinct`` experts mapped (D), ``payload`` F x B (bytes written into slots),
-    ``copy_traffic`` 2 F B (one copy per slot and tensor: each reads its source and writes),
-    ``multicast_traffic`` (D + F) B (a direct multicast reads each mapped expert once and writes every
-    slot, as the fanout rows count it), ``sent_per_rank`` (slots each home fills) and ``critical_bytes``
-    (the busiest home's: DeepEP's test reports its rate)."""
-    m = np.asarray(mapping)
-    ids = m[m >= 0]
-    B = int(sum(member_bytes))
-    F, D = int(ids.size), int(np.unique(ids).size)
-    sent = np.bincount(ids // experts_per_rank, minlength=m.shape[0]).astype(int).tolist()
-    return dict(
-        per_expert=B,
-        filled=F,
-        distinct=D,
-        payload=F * B,
-        copy_traffic=2 * F * B,
-        multicast_traffic=(D + F) * B,
-        sent_per_rank=sent,
-        critical_bytes=max(sent, default=0) * B,
-    )
-
-
-def lb_members_text(members: Sequence[tuple]) -> str:
-    """``64M float8_e4m3fn + 16K float32 + 4K float32``: the bytes of one expert, member by member."""
-    return " + ".join(f"{fmt_size(n)} {dt}" for _, n, dt in members)
-
-
-def lb_row(
-    impl: str,
-    mapping: np.ndarray,
-    experts_per_rank: int,
-    members: Sequence[tuple],
-    time_s: Optional[float],
-    wrong: Optional[int],
-    note: str = "",
-    extra: Optional[dict] = None,
-    graph: Optional[tuple] = None,
-) -> Row:
-    """One lb_prefetch row: size B (one expert's members), payload F x B, traffic by the impl (copies
-    2 F B, a multicast (D + F) B; see lb_bytes), a note saying which bytes are counted (and "graph
-    replay" for ``graph=(per_graph, replays)`` rows), extra: the counts, timing, critical bytes."""
-    b = lb_bytes(mapping, experts_per_rank, [n for _, n, _ in members])
-    W, S = np.asarray(mapping).shape
-    copies = impl == LB_COPIES
-    counted = (
-        f"payload {b['filled']} filled slots x {b['per_expert']} B ({lb_members_text(members)}); busbw counts "
-        + (
-            "2 x payload (each copy reads its home's tensor and writes the slot)"
-            if copies
-            else f"({b['distinct']} experts + {b['filled']} slots) x {b['per_expert']} B (each mapped expert read "
-            "once, each slot written)"
-        )
-    )
-    body = ", ".join(x for x in (note, counted) if x)
-    if time_s is None and not note.startswith(("not measured", "FAILED")):
-        body = "not measured: " + body
-    x = dict(
-        world=W,
-        slots=S,
-        experts=W * experts_per_rank,
-        filled=b["filled"],
-        distinct=b["distinct"],
-        sent_per_rank=b["sent_per_rank"],
-        critical_bytes=b["critical_bytes"],
-        timing="eager",
-    )
-    if graph is not None:
-        x.update(timing="graph", per_graph=graph[0], replays=graph[1])
-        body = graph_note(graph[0], graph[1], body)
-    x.update(extra or {})
-    return Row(
-        "lb_prefetch",
-        lb_case(W, experts_per_rank, S),
-        impl,
-        b["per_expert"],
-        time_s,
-        b["payload"],
-        b["copy_traffic"] if copies else b["multicast_traffic"],
-        wrong if time_s is not None else None,
-        body,
-        x,
-    )
-
-
-def lb_case(world: int, experts_per_rank: int, slots: int) -> str:
-    return f"EP{world} {world * experts_per_rank} experts x {slots} slots"
-
-
-def lb_memory_bytes(world: int, experts_per_rank: int, slots: int, per_expert: int) -> int:
-    """Device memory the lb_prefetch section needs at its peak: the masters (world x experts x B)
-    and the adapter's pools (world x slots x B x 1.25: deepep_lb's byte pools keep a quarter more
-    for the grad region), plus 1 GiB for plan arenas and the allocator's slack (the tile mover's
-    windows, world x slots x B, are freed before the adapter's pools are made)."""
-    return world * experts_per_rank * per_expert + world * slots * per_expert * 5 // 4 + (1 << 30)
-
-
-def build_profile(rows: Sequence[Row], device: dict, stamp: str) -> dict:
-    """The hardware profile dict (schema ultracomm.hwprofile/1) from the measured rows."""
-
-    def pick(section, impl, pred=lambda r: True, key=lambda r: r.size):
-        cand = [r for r in rows if r.section == section and r.impl == impl and r.algbw and pred(r)]
-        return max(cand, key=key) if cand else None
-
-    memcpy = pick("copy", "cudaMemcpyAsync") or pick("sweep", "cudaMemcpyAsync")
-    sweep = sorted(
-        {r.extra["ctas"]: r.algbw for r in rows if r.section == "sweep" and r.impl == "tile mover" and r.algbw}.items()
-    )
-    one_reduce = pick("reduce", "tile mover", lambda r: r.extra.get("ctas") == 1)
-    red = pick(
-        "reduce",
-        "tile mover",
-        lambda r: r.extra.get("dtype") == "fp32" and r.extra.get("ctas") != 1,
-        key=lambda r: (r.size, r.extra.get("k", 0)),
-    )
-    tred = None
-    if red is not None:
-        tred = pick("reduce", "torch.sum", lambda r: r.case == red.case and r.size == red.size)
-    flag = [r for r in rows if r.section == "flag" and r.time_s]
-    launch = [r for r in rows if r.section == "launch" and r.impl == "empty kernel" and r.time_s]
-    fill: dict[int, dict[int, float]] = {}
-    for r in rows:
-        if r.section == "relay" and r.extra.get("mode") == "fill" and r.time_s and r.extra.get("chain"):
-            fill.setdefault(r.extra["chunk"], {})[r.extra["depth"]] = r.time_s
-    per_hop, overhead, hop_bw = hop_costs(fill)
-    return {
-        "schema": "ultracomm.hwprofile/1",
-        "device": device["name"],
-        "compute_capability": device["cc"],
-        "sm_count": device["sms"],
-        "date": stamp,
-        "torch": device["torch"],
-        "cuda": device["cuda"],
-        "source": "perf/bench_gpu.py",
-        "d2d_copy_bw": memcpy.algbw if memcpy else None,
-        "per_sm_copy_bw": dict(sweep).get(1),
-        "per_sm_reduce_bw": one_reduce.algbw if one_reduce else None,
-        "sm_sweep": [[int(c), bw] for c, bw in sweep],
-        "reduce_bw": red.algbw if red else None,
-        "torch_reduce_bw": tred.algbw if tred else None,
-        "flag_rtt_s": flag[0].time_s if flag else None,
-        "launch_s": launch[0].time_s if launch else None,
-        "relay_hop_s": per_hop,
-        "chunk_overhead_s": overhead,
-        "hop_bw": hop_bw,
-    }
-
-
 def unavailable_reason() -> Optional[str]:
     """Why nothing can be measured here (no torch CUDA device), or None."""
     try:
@@ -1018,101 +356,6 @@ def _core_records(name: str):
     from ultracomm import records
 
     return getattr(records, name)
-
-
-class Timer:
-    """GPU time per call of ``fn`` (CUDA events, median of trials) and whether enqueueing was the bottleneck."""
-
-    def __init__(self, torch_mod, reps: int, trials: int = 3):
-        self.torch, self.reps, self.trials = torch_mod, reps, trials
-
-    def __call__(self, fn: Callable[[], None], reps: Optional[int] = None) -> tuple[float, bool]:
-        torch = self.torch
-        reps = reps or self.reps
-        fn()
-        torch.cuda.current_stream().synchronize()  # not the device: a failed copy_engine op's streams stay blocked
-        times, cpu_bound = [], False
-        for _ in range(self.trials):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            t0 = time.perf_counter()
-            a.record()
-            for _ in range(reps):
-                fn()
-            b.record()
-            host = time.perf_counter() - t0
-            b.synchronize()
-            gpu = a.elapsed_time(b) / 1e3
-            times.append(gpu / reps)
-            cpu_bound |= host >= 0.9 * gpu
-        return statistics.median(times), cpu_bound
-
-    def graph(
-        self,
-        fn: Callable[[], None],
-        per_graph: int = CONTROL_PER_GRAPH,
-        replays: int = CONTROL_REPLAYS,
-        prepare: Optional[Callable[[], None]] = None,
-    ) -> float:
-        """Device time per call of ``fn`` inside a replayed CUDA graph (the one graph timer of the
-        bench: control kernels, the device step, the launch rows): ``fn`` runs once eagerly (its
-        one-time setup, and the check that it works), is captured ``per_graph`` times into one
-        graph on a side stream, the graph is replayed once to warm, then CUDA events around
-        ``replays`` back-to-back ``graph.replay()`` calls; median over trials of elapsed /
-        (replays x per_graph).  ``fn`` must enqueue on the current stream and never synchronise.
-        ``prepare``: called once after the capture, before the first replay (e.g. refill destinations,
-        so that what is checked afterwards was written by replays only)."""
-        torch = self.torch
-        fn()
-        torch.cuda.current_stream().synchronize()
-        g = torch.cuda.CUDAGraph()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.graph(g, stream=side):
-            for _ in range(per_graph):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        if prepare is not None:
-            prepare()
-        g.replay()
-        torch.cuda.current_stream().synchronize()
-        times = []
-        for _ in range(self.trials):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(replays):
-                g.replay()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3 / (replays * per_graph))
-        del g
-        return statistics.median(times)
-
-
-# cudaMemcpyAsync(void *dst, const void *src, size_t count, enum cudaMemcpyKind kind, cudaStream_t stream)
-# (tests/cuda/test_gpu_paths_cpu.py checks both against cuda_runtime_api.h)
-CUDART_MEMCPY_ASYNC_ARGTYPES = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-CUDA_MEMCPY_DEVICE_TO_DEVICE = 3
-
-
-def load_cudart():
-    """libcudart already loaded by torch (found in /proc/self/maps), for cudaMemcpyAsync."""
-    path = None
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                if "libcudart.so" in line:
-                    path = line.split()[-1]
-                    break
-    except OSError:
-        pass
-    if path is None:
-        path = ctypes.util.find_library("cudart")
-    if path is None:
-        raise RuntimeError("libcudart not found in this process or on the library path")
-    lib = ctypes.CDLL(path)
-    lib.cudaMemcpyAsync.argtypes = CUDART_MEMCPY_ASYNC_ARGTYPES
-    lib.cudaMemcpyAsync.restype = ctypes.c_int
-    return lib
 
 
 class Gpu:

@@ -3,8 +3,8 @@ device paths runs before a device loan does: torch.cuda is a fake (events on a f
 that capture by running, streams that do nothing), the tile mover is the host executor
 (``_core.run_host``, one thread per rank) behind the real ``CudaLoopback`` code (its ``DevicePlan``
 and ``Runner`` faked), ``_cuda``'s microkernels and control-plane calls are host stand-ins working on
-the tensors' host addresses, and the sizes are shrunk (``bg.MiB``) while every row name stays what a
-device run writes.  Checked: no section fails, the rows' names and ``extra`` keys are the ones
+the tensors' host addresses, and the sizes are shrunk (``MiB``, patched in every module of the bench
+that binds it) while every row name stays what a device run writes.  Checked: no section fails, the rows' names and ``extra`` keys are the ones
 ``target_lines`` reads (every target of issues 33 and 34 is measured from them), #wrong is 0 where
 the host executor did the work."""
 
@@ -14,6 +14,7 @@ import ctypes
 import inspect
 import sys
 import threading
+import time
 import types
 
 import numpy as np
@@ -23,6 +24,20 @@ import pytest
 torch = pytest.importorskip("torch")
 
 bg = perf_modules.load("bench_gpu", fresh=True)
+
+
+def patch_bench(monkeypatch, name: str, value) -> None:
+    """Set ``name`` in bench_gpu and in every module of its package (perf/single_gpu) that binds it:
+    each module reads its own binding (``from .constants import MiB``), so patching bench_gpu alone
+    would not reach the sections' code.  Every binding is the same object before the patch."""
+    mods = [bg, *(m for m in vars(bg.single_gpu).values() if isinstance(m, types.ModuleType))]
+    bound = [m for m in mods if name in vars(m)]
+    assert bound, f"no module of the bench binds {name}"
+    assert all(vars(m)[name] is vars(bound[0])[name] for m in bound), name
+    for m in bound:
+        monkeypatch.setattr(m, name, value)
+
+
 REAL_MIB = 1 << 20
 SMALL_MIB = 1 << 16  # "64 MiB" rows move 4 MiB here (relay streams of 4 MiB are still chains)
 
@@ -372,9 +387,9 @@ def cpu_bench(monkeypatch):
             return 0
 
     for name, v in (("FANOUT_BYTES", 64 * SMALL_MIB), ("TARGET_REDUCE_BYTES", 64 * SMALL_MIB)):
-        monkeypatch.setattr(bg, name, v)
-    monkeypatch.setattr(bg, "TARGET_RELAY_BYTES", 64 * SMALL_MIB)
-    monkeypatch.setattr(bg, "MiB", SMALL_MIB)
+        patch_bench(monkeypatch, name, v)
+    patch_bench(monkeypatch, "TARGET_RELAY_BYTES", 64 * SMALL_MIB)
+    patch_bench(monkeypatch, "MiB", SMALL_MIB)
     # fmt_size keeps real units: the relay cases name their chunks (32K .. 4M) as a device run does
     real_fmt = bg.fmt_size
 
@@ -385,7 +400,7 @@ def cpu_bench(monkeypatch):
         return str(n)
 
     assert real_fmt(1 << 10) == "1K"
-    monkeypatch.setattr(bg, "fmt_size", fmt_size)
+    patch_bench(monkeypatch, "fmt_size", fmt_size)
 
     tp = TorchProxy()
     g = object.__new__(bg.Gpu)
@@ -457,7 +472,7 @@ def test_data_plane_sections_on_the_cpu_feed_every_issue_34_target(cpu_bench):
 
 def test_control_section_on_the_cpu_feeds_every_issue_33_target(cpu_bench, monkeypatch):
     g = cpu_bench
-    monkeypatch.setattr(bg, "CONTROL_SHAPES", (("EP8", 8, 32), ("EP64", 64, 4)))
+    patch_bench(monkeypatch, "CONTROL_SHAPES", (("EP8", 8, 32), ("EP64", 64, 4)))
     failed = run_sections(g, "launch", "control")
     assert failed == [], [(r.section, r.case, r.impl, r.note) for r in failed]
     names = [(r.case, r.impl, r.extra.get("timing")) for r in g.rows if r.section == "control"]
@@ -508,7 +523,7 @@ def test_main_writes_results_and_profile_and_stops_at_sigint(cpu_bench, monkeypa
 
     def make(quick, budget_s, reserve_s, lb_reserve_s):
         made.append((quick, budget_s, reserve_s, lb_reserve_s))
-        g.deadline = None if budget_s is None else bg.time.monotonic() + budget_s
+        g.deadline = None if budget_s is None else time.monotonic() + budget_s
         g.reserve_s, g.lb_reserve_s = reserve_s, lb_reserve_s
         return g
 
@@ -739,7 +754,7 @@ def test_graph_rows_wrong_after_replays_on_the_cpu(cpu_bench, monkeypatch):
     that spoils what is checked, shows as #wrong here."""
     g = cpu_bench
     g.torch.cuda.replays = True
-    monkeypatch.setattr(bg, "CONTROL_SHAPES", (("EP8", 8, 32),))
+    patch_bench(monkeypatch, "CONTROL_SHAPES", (("EP8", 8, 32),))
     assert run_sections(g, "launch", "control") == []
     shape, members = (4, 2, 4), (("weights", 4096, "float8_e4m3fn"), ("sf0", 256, "float32"))
     g.run_lb_prefetch(shape, members)

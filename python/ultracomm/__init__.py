@@ -27,6 +27,7 @@ _EXPORTS = {
     "Context": "context",
     "ExpertLayout": "layout",
     "InputError": "errors",
+    "InputTypeError": "errors",
     "LayoutError": "errors",
     "LoopbackDomain": "comm",
     "LoopbackGroup": "comm",

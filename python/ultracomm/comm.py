@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence, TypeVar
 import torch.distributed as dist
 
 from . import wire
-from .errors import ClosedError, ConfigError, PeerError, PlanMismatchError, UltracommError, UltracommTimeout
+from .errors import ClosedError, ConfigError, InputError, PeerError, PlanMismatchError, UltracommError, UltracommTimeout
 
 T = TypeVar("T")
 
@@ -362,7 +362,7 @@ class TorchComm(Comm):
 
     def __init__(self, group: dist.ProcessGroup | None, timeout_s: float = DEFAULT_TIMEOUT_S):
         if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(
+            raise UltracommError(
                 "ultracomm: torch.distributed is not initialised; call "
                 "torch.distributed.init_process_group(...) first, or pass a LoopbackGroup"
             )
@@ -377,7 +377,7 @@ class TorchComm(Comm):
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         if self.rank < 0:
-            raise ValueError("ultracomm: this process is not a member of the process group passed as group")
+            raise InputError("ultracomm: this process is not a member of the process group passed as group")
         self.timeout_s = float(timeout_s)
         with _BOARDS_LOCK:
             board = _BOARDS.get(pg)
@@ -458,7 +458,7 @@ class LoopbackDomain:
 
     def __init__(self, world: int):
         if isinstance(world, bool) or not isinstance(world, int) or world < 1:
-            raise ValueError(f"LoopbackDomain needs an int world >= 1, got {world!r}")
+            raise InputError(f"LoopbackDomain needs an int world >= 1, got {world!r}")
         self.world = world
         self.board = _DictBoard()
         self._sequence = [0] * world
@@ -467,7 +467,7 @@ class LoopbackDomain:
 
     def group(self, rank: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> "LoopbackGroup":
         if not 0 <= rank < self.world:
-            raise ValueError(f"rank {rank} out of range for a loopback domain of {self.world}")
+            raise InputError(f"rank {rank} out of range for a loopback domain of {self.world}")
         return LoopbackGroup(self, rank, timeout_s)
 
     def run(self, fn: Callable[["LoopbackGroup"], T], timeout: float = 300.0) -> list[T]:
@@ -491,7 +491,7 @@ class LoopbackDomain:
         for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))
             if t.is_alive():
-                raise TimeoutError(f"ultracomm loopback: {t.name} still running after {timeout} s")
+                raise UltracommTimeout(f"ultracomm loopback: {t.name} still running after {timeout} s")
         failed = [(r, e) for r, e in enumerate(errors) if e is not None]
         if failed:
             r0, e0 = failed[0]

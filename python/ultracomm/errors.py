@@ -2,7 +2,9 @@
 
 Every error derives from :class:`UltracommError` (a ``RuntimeError``), so
 ``except UltracommError`` catches all of them.  Errors about bad user input also
-derive from ``ValueError`` so that generic input-validation handlers keep working.
+derive from ``ValueError`` (a wrong type: ``TypeError``) so that generic input-validation
+handlers keep working.  No module of the package raises a builtin exception for a cause it
+detected (tests/test_error_classes.py reads every ``raise``).
 
 A stalled or dead peer raises :class:`UltracommTimeout` (also a ``TimeoutError``),
 whether the wait was in the C++ executor (``ultracomm._core.TimeoutError`` is a
@@ -14,6 +16,7 @@ from __future__ import annotations
 __all__ = [
     "UltracommError",
     "InputError",
+    "InputTypeError",
     "PlanError",
     "PlanMismatchError",
     "LayoutError",
@@ -36,9 +39,13 @@ class UltracommError(RuntimeError):
 
 
 class InputError(UltracommError, ValueError):
-    """An argument of a call is invalid: out of range, of the wrong type or device, or a ``vid``
+    """An argument of a call is invalid: out of range, of the wrong device, or a ``vid``
     that is not in flight (plans, layouts, registered tensors and configuration have their own
     classes below)."""
+
+
+class InputTypeError(UltracommError, TypeError):
+    """An argument of a call has the wrong type; the message names it and the type to pass."""
 
 
 class PlanError(UltracommError, ValueError):
@@ -103,6 +110,7 @@ def same_kind(cause: BaseException | None, text: str) -> UltracommError:
         RegistrationError,
         LayoutError,
         InputError,
+        InputTypeError,
     )
     for kind in kinds:
         if isinstance(cause, kind):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import LayoutError
+from .errors import InputError, LayoutError
 
 __all__ = ["MX_BLOCK", "SCALINGS", "scale_shape", "quantize", "dequantize", "quantized_weight"]
 
@@ -87,7 +87,7 @@ def quantize(
 def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """fp32 ``q * scale``, each scale applied to its block of the last dimension."""
     if q.shape[:-1] != scale.shape[:-1] or scale.shape[-1] == 0 or q.shape[-1] % scale.shape[-1]:
-        raise ValueError(
+        raise InputError(
             f"ultracomm: scale {list(scale.shape)} does not tile q {list(q.shape)} along its last "
             "dimension (blocks of q.shape[-1] / scale.shape[-1] elements)"
         )

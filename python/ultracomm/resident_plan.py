@@ -28,7 +28,7 @@ import dataclasses
 import torch
 
 from .transports.device_schedule import BUILD_ERROR, BUILD_STATUS, DeviceSchedule
-from .errors import UltracommError
+from .errors import InputError, UltracommError
 from .plan import ReplicaPlan, SlotShape
 
 __all__ = ["ResidentPlan", "DeviceSchedule", "BUILD_STATUS", "BUILD_ERROR"]
@@ -56,7 +56,7 @@ class ResidentPlan(SlotShape):
         t = self.slot_src
         if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 2 or not t.is_contiguous():
             got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(
+            raise InputError(
                 f"ultracomm: ResidentPlan.slot_src must be a contiguous int32 [world, slots] tensor, got {got}"
             )
         for name, w, dt in (
@@ -66,7 +66,7 @@ class ResidentPlan(SlotShape):
             if w is not None and (
                 not isinstance(w, torch.Tensor) or w.dtype != dt or w.numel() < 1 or w.device != t.device
             ):
-                raise ValueError(
+                raise InputError(
                     f"ultracomm: ResidentPlan.{name} must be a {dt} tensor on the plan's device {t.device}, or None"
                 )
 

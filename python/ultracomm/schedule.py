@@ -37,6 +37,7 @@ import numpy as np
 from . import _core
 from .records import Op, RelayMode
 from .schedule_base import OpLike, ScheduleBase
+from .errors import InputError
 
 __all__ = ["Schedule", "build_schedule", "OpLike"]
 
@@ -49,21 +50,21 @@ def _op(op: OpLike) -> int:
         try:
             return int(Op[op.upper()])
         except KeyError:
-            raise ValueError(f"op must be 'multicast' or 'reduce', got {op!r}") from None
+            raise InputError(f"op must be 'multicast' or 'reduce', got {op!r}") from None
     v = int(op)
     if v not in (0, 1):
-        raise ValueError(f"op must be Op.MULTICAST or Op.REDUCE, got {op!r}")
+        raise InputError(f"op must be Op.MULTICAST or Op.REDUCE, got {op!r}")
     return v
 
 
 def _mode(mode: Union[str, int, RelayMode]) -> int:
     if isinstance(mode, str):
         if mode.lower() not in _MODES:
-            raise ValueError(f"relay_mode must be 'auto', 'off' or 'force', got {mode!r}")
+            raise InputError(f"relay_mode must be 'auto', 'off' or 'force', got {mode!r}")
         return int(_MODES[mode.lower()])
     v = int(mode)
     if v not in (0, 1, 2):
-        raise ValueError(f"relay_mode must be auto (0), off (1) or force (2), got {mode!r}")
+        raise InputError(f"relay_mode must be auto (0), off (1) or force (2), got {mode!r}")
     return v
 
 
@@ -74,9 +75,9 @@ def _i32(x: Any, name: str) -> np.ndarray:
     if a.dtype == np.int32:  # the common case: no range scan (a few us per call)
         return np.ascontiguousarray(a)
     if a.dtype.kind not in "iu":
-        raise ValueError(f"{name} must be an integer array, got dtype {a.dtype}")
+        raise InputError(f"{name} must be an integer array, got dtype {a.dtype}")
     if a.size and (a.min() < np.iinfo(np.int32).min or a.max() > np.iinfo(np.int32).max):
-        raise ValueError(f"{name} has values outside int32")
+        raise InputError(f"{name} has values outside int32")
     return np.ascontiguousarray(a, dtype=np.int32)
 
 
@@ -201,7 +202,7 @@ def build_schedule(
     nodes = None if node_of is None else _i32(node_of, "node_of").reshape(-1)
     for name, v in (("weight_bytes", weight_bytes), ("grad_bytes", grad_bytes), ("chunk_bytes", chunk_bytes)):
         if int(v) < 0:
-            raise ValueError(f"build_schedule: {name} must be >= 0, got {v}")
+            raise InputError(f"build_schedule: {name} must be >= 0, got {v}")
     core = _core.build_schedule(
         world,
         slots,

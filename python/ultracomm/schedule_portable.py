@@ -36,6 +36,7 @@ from . import _core
 from .records import REF_DTYPE, TASK_DTYPE
 from .schedule import _i32, _op
 from .schedule_base import OpLike, ScheduleBase
+from .errors import InputError
 
 __all__ = [
     "PortableSchedule",
@@ -53,7 +54,7 @@ INTRA_LATENCY_S = 2e-6  # the cost model's per-hop latency by default (a flag an
 def hop_bytes(intra_bw: float, intra_latency_s: float = INTRA_LATENCY_S) -> int:
     """The cost model's per-hop latency as whole bytes of link time (the build is integer-only)."""
     if not (intra_bw > 0 and intra_latency_s >= 0):
-        raise ValueError("build_schedule_portable: intra_bw must be > 0 and intra_latency_s >= 0")
+        raise InputError("build_schedule_portable: intra_bw must be > 0 and intra_latency_s >= 0")
     return int(round(float(intra_latency_s) * float(intra_bw)))
 
 
@@ -222,7 +223,7 @@ def build_schedule_portable(
     nodes = None if node_of is None else _i32(node_of, "node_of").reshape(-1)
     for name, v in (("weight_bytes", weight_bytes), ("grad_bytes", grad_bytes), ("chunk_bytes", chunk_bytes)):
         if int(v) < 0:
-            raise ValueError(f"build_schedule_portable: {name} must be >= 0, got {v}")
+            raise InputError(f"build_schedule_portable: {name} must be >= 0, got {v}")
     hop = hop_bytes(intra_bw, intra_latency_s)
     raw = _core.build_schedule_portable(
         slot_src, home_of, nodes, int(weight_bytes), int(grad_bytes), int(chunk_bytes), int(rank), int(max_depth), hop

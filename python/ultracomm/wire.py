@@ -33,6 +33,7 @@ import struct
 from typing import Any
 
 import numpy as np
+from .errors import InputError, InputTypeError
 
 __all__ = ["encode", "decode", "register", "WireError", "DATACLASSES", "MAX_BYTES", "MAX_DEPTH"]
 
@@ -68,10 +69,10 @@ def register(cls: type) -> type:
     """Let dataclass ``cls`` travel by its name (field by field); returns ``cls`` (a decorator too).
     The module defining it calls this at import, so this low module names no class above it."""
     if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
-        raise TypeError(f"ultracomm wire: only dataclasses can be registered, got {cls!r}")
+        raise InputTypeError(f"ultracomm wire: only dataclasses can be registered, got {cls!r}")
     prior = DATACLASSES.get(cls.__name__)
     if prior is not None and (prior.__module__, prior.__qualname__) != (cls.__module__, cls.__qualname__):
-        raise ValueError(
+        raise InputError(
             f"ultracomm wire: another class named {cls.__name__} is registered "
             f"({prior.__module__}.{prior.__qualname__})"
         )
@@ -89,13 +90,13 @@ def encode(value: Any) -> bytes:
 
 def _u32(n: int) -> bytes:
     if n >= 1 << 32:
-        raise TypeError(f"ultracomm wire: {n} items or bytes is too many for one message")
+        raise InputTypeError(f"ultracomm wire: {n} items or bytes is too many for one message")
     return struct.pack("<I", n)
 
 
 def _enc(v: Any, out: list, depth: int) -> None:
     if depth > MAX_DEPTH:
-        raise TypeError(f"ultracomm wire: nesting deeper than {MAX_DEPTH}")
+        raise InputTypeError(f"ultracomm wire: nesting deeper than {MAX_DEPTH}")
     if v is None:
         out.append(b"N")
     elif isinstance(v, (bool, np.bool_)):
@@ -107,7 +108,7 @@ def _enc(v: Any, out: list, depth: int) -> None:
         elif (1 << 63) <= v < (1 << 64):
             out.append(b"q" + struct.pack("<Q", v))
         else:
-            raise TypeError(f"ultracomm wire: int {v} is outside the int64/uint64 range")
+            raise InputTypeError(f"ultracomm wire: int {v} is outside the int64/uint64 range")
     elif isinstance(v, (float, np.floating)):
         out.append(b"d" + struct.pack("<d", float(v)))
     elif isinstance(v, str):
@@ -119,7 +120,7 @@ def _enc(v: Any, out: list, depth: int) -> None:
     elif isinstance(v, np.ndarray):
         name = v.dtype.name
         if name not in _DTYPES or v.ndim > 8:
-            raise TypeError(f"ultracomm wire: numpy array of dtype {name} with {v.ndim} dims cannot travel")
+            raise InputTypeError(f"ultracomm wire: numpy array of dtype {name} with {v.ndim} dims cannot travel")
         out.append(
             b"a"
             + bytes([_DTYPES.index(name), v.ndim])
@@ -134,7 +135,7 @@ def _enc(v: Any, out: list, depth: int) -> None:
         out.append(b"m" + _u32(len(v)))
         for k, x in v.items():
             if not isinstance(k, str):
-                raise TypeError(f"ultracomm wire: dict key {k!r} is not a str")
+                raise InputTypeError(f"ultracomm wire: dict key {k!r} is not a str")
             _enc(k, out, depth + 1)
             _enc(x, out, depth + 1)
     elif dataclasses.is_dataclass(v) and DATACLASSES.get(type(v).__name__) is type(v):
@@ -142,7 +143,7 @@ def _enc(v: Any, out: list, depth: int) -> None:
         _enc(type(v).__name__, out, depth + 1)
         _enc({f.name: getattr(v, f.name) for f in dataclasses.fields(v)}, out, depth + 1)
     else:
-        raise TypeError(
+        raise InputTypeError(
             f"ultracomm wire: a {type(v).__name__} cannot travel between ranks (allowed: None, bool, "
             "int, float, str, bytes, list, tuple, dict, numpy arrays, registered dataclasses)"
         )

@@ -160,7 +160,7 @@ def test_domain():
     np.testing.assert_array_equal(d.node_of, [0, 0, 0, 0, 1, 1, 1, 1])
     np.testing.assert_array_equal(d.home_of[:7], [0, 0, 0, 1, 1, 1, 2])
     assert Domain.flat(4, 2).num_nodes == 1
-    with pytest.raises(KeyError):
+    with pytest.raises(ValueError, match="ultracomm: unknown planner 'nope'"):
         get_planner("nope")
 
 

@@ -9,7 +9,7 @@ from .. import _core
 from ..alpha_beta import COSTS, split_chunk_bytes
 from ..dataplane import device_type, domains, select
 from ..env import Config, check_window_layout
-from ..errors import ConfigError
+from ..errors import ConfigError, InputTypeError
 from ..layout import ExpertLayout
 
 __all__ = [
@@ -40,7 +40,7 @@ def check_counts(
 ) -> None:
     """The layout and the counts a Context is made with (TypeError / ConfigError naming the bad one)."""
     if not isinstance(layout, ExpertLayout):
-        raise TypeError(f"ultracomm: layout must be an ExpertLayout, got {type(layout).__name__}")
+        raise InputTypeError(f"ultracomm: layout must be an ExpertLayout, got {type(layout).__name__}")
     for name, v, lo, hi in (
         ("experts_per_rank", experts_per_rank, 1, MAX_EXPERTS),
         ("slots_per_rank", slots_per_rank, 0, MAX_SLOTS),
@@ -61,7 +61,7 @@ def resolve_config(config: Config | None, transport: str | None, window: str | N
     library's log level from it."""
     cfg = config or Config.from_env()
     if not isinstance(cfg, Config):
-        raise TypeError(f"ultracomm: config must be an ultracomm.env.Config, got {type(cfg).__name__}")
+        raise InputTypeError(f"ultracomm: config must be an ultracomm.env.Config, got {type(cfg).__name__}")
     if transport is not None:
         overrides["transport"] = transport
     if window is not None:

@@ -31,6 +31,7 @@ import torch
 
 from .support import cuda_runtime, raise_record, record_epoch
 from ..records import Op
+from ..errors import InputError
 
 __all__ = ["CudaLoopback", "GRAD_DTYPE_CODE", "run"]
 
@@ -54,13 +55,13 @@ class CudaLoopback:
 
     def __init__(self, world: int, wlayout: dict, windows: Sequence[torch.Tensor], *, timeout_s: float = 10.0):
         if len(windows) != world:
-            raise ValueError(f"ultracomm: {len(windows)} windows for world {world}")
+            raise InputError(f"ultracomm: {len(windows)} windows for world {world}")
         dev = windows[0].device
         for r, w in enumerate(windows):
             if w.device != dev or w.device.type != "cuda" or w.dtype != torch.uint8 or not w.is_contiguous():
-                raise ValueError(f"ultracomm: window {r} must be a contiguous uint8 tensor on {dev} (a CUDA device)")
+                raise InputError(f"ultracomm: window {r} must be a contiguous uint8 tensor on {dev} (a CUDA device)")
             if w.numel() < wlayout["total_bytes"]:
-                raise ValueError(
+                raise InputError(
                     f"ultracomm: window {r} has {w.numel()} bytes, the layout needs {wlayout['total_bytes']}"
                 )
         self.world, self.wlayout, self.windows = world, dict(wlayout), list(windows)

@@ -25,7 +25,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from ..errors import UltracommError
+from ..errors import InputError, UltracommError
 
 __all__ = ["Deposit", "LoopbackLaunches", "launches_for"]
 
@@ -47,7 +47,7 @@ class LoopbackLaunches:
 
     def __init__(self, world: int):
         if world < 1:
-            raise ValueError(f"ultracomm: a loopback domain needs world >= 1, got {world}")
+            raise InputError(f"ultracomm: a loopback domain needs world >= 1, got {world}")
         self.world = world
         self._lock = threading.Lock()
         self._calls = [0] * world  # deposits made by each rank
@@ -62,7 +62,7 @@ class LoopbackLaunches:
         """Add rank ``d.rank``'s share; the rank completing the set calls ``launch(deposits in rank
         order)`` (outside the lock) and gets ``True``; the others get ``False`` at once."""
         if not 0 <= d.rank < self.world:
-            raise ValueError(f"ultracomm: rank {d.rank} is out of range for a loopback domain of {self.world}")
+            raise InputError(f"ultracomm: rank {d.rank} is out of range for a loopback domain of {self.world}")
         with self._lock:
             n = self._calls[d.rank]
             self._calls[d.rank] += 1
@@ -99,7 +99,7 @@ def launches_for(window: Any, name: str = "ultracomm.loopback_launches") -> Loop
     from another's on the same window."""
     shared = getattr(window, "shared", None)
     if shared is None or not getattr(window, "loopback", False):
-        raise ValueError(f"ultracomm: window {getattr(window, 'provider', window)!r} is not a loopback window")
+        raise InputError(f"ultracomm: window {getattr(window, 'provider', window)!r} is not a loopback window")
     key = (name, tuple(window.peer_bases))
     with _LOCK:
         obj = shared.get(key)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .hwprofile import HwProfile, find_profile
+from ..errors import InputError
 
 __all__ = [
     "LINKS",
@@ -80,16 +81,16 @@ class SmChoice:
 def default_sms(link_bw: float, per_cta_bw: float, device_sms: Optional[int] = None) -> int:
     """``clamp(ceil(link_bw / per_cta_bw), 1, min(MAX_DEFAULT_SMS, device_sms))``."""
     if not (link_bw > 0 and per_cta_bw > 0):
-        raise ValueError(f"ultracomm: link_bw and per_cta_bw must be > 0, got {link_bw!r}, {per_cta_bw!r}")
+        raise InputError(f"ultracomm: link_bw and per_cta_bw must be > 0, got {link_bw!r}, {per_cta_bw!r}")
     cap = MAX_DEFAULT_SMS if device_sms is None else max(1, min(MAX_DEFAULT_SMS, int(device_sms)))
     return max(1, min(cap, math.ceil(link_bw / per_cta_bw)))
 
 
 def _check(kind: str, link: str) -> None:
     if kind not in KINDS:
-        raise ValueError(f"ultracomm: kind must be 'multicast' or 'reduce', got {kind!r}")
+        raise InputError(f"ultracomm: kind must be 'multicast' or 'reduce', got {kind!r}")
     if link not in LINKS:
-        raise ValueError(f"ultracomm: link must be one of {LINKS}, got {link!r}")
+        raise InputError(f"ultracomm: link must be one of {LINKS}, got {link!r}")
 
 
 def per_cta_rate(kind: str, link: str = "nvlink", profile: Optional[HwProfile] = None) -> tuple[float, str]:

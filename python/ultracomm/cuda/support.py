@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from ..errors import UltracommError
+from ..errors import InputError, UltracommError
 
 __all__ = [
     "NotAvailableError",
@@ -86,11 +86,11 @@ def resolve_device(device: "torch.device | str | int | None") -> torch.device:
         device = "cuda"
     dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
     if dev.type != "cuda":
-        raise ValueError(f"ultracomm: expected a CUDA device, got {dev}")
+        raise InputError(f"ultracomm: expected a CUDA device, got {dev}")
     if dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     if not 0 <= dev.index < torch.cuda.device_count():
-        raise ValueError(f"ultracomm: device {dev} does not exist here ({torch.cuda.device_count()} visible)")
+        raise InputError(f"ultracomm: device {dev} does not exist here ({torch.cuda.device_count()} visible)")
     return dev
 
 

@@ -45,7 +45,7 @@ TMA_ALIGN = 16  # bytes: cp.async.bulk needs 16-byte aligned addresses and sizes
 def _type_of(device: Any) -> str:
     t = "cuda" if isinstance(device, int) and not isinstance(device, bool) else torch.device(device).type
     if t not in ("cpu", "cuda"):
-        raise ValueError(f"ultracomm: device must be a CPU or CUDA device, got {device!r}")
+        raise InputError(f"ultracomm: device must be a CPU or CUDA device, got {device!r}")
     return t
 
 
@@ -59,14 +59,14 @@ def device_type(transport: str, window: str, device: Any = None) -> str:
     if device is not None:
         t = _type_of(device)
         if win_type is not None and win_type != t:
-            raise ValueError(
+            raise InputError(
                 f"ultracomm: window {window!r} lives on the {win_type.upper()} but device={device!r}; "
                 f"drop one of them or pick a {t.upper()} window"
             )
         if transport in GPU_TRANSPORTS and t == "cpu":
-            raise ValueError(f"ultracomm: transport {transport!r} runs on a GPU but device={device!r}")
+            raise InputError(f"ultracomm: transport {transport!r} runs on a GPU but device={device!r}")
         if transport == "host" and t == "cuda":
-            raise ValueError(
+            raise InputError(
                 f"ultracomm: transport 'host' runs on the CPU but device={device!r}; use transport='tma'"
                 " (or 'auto') for a CUDA Context"
             )
@@ -88,7 +88,7 @@ def select(
         window = choice.window  # the domain needs it (nvshmem: a CUDA domain over several hosts)
     provider = resolve_provider(window, comm, dtype, allowed=transport_cls.window_providers)
     if provider not in transport_cls.window_providers:
-        raise ValueError(
+        raise InputError(
             f"ultracomm: transport {transport_cls.name!r} cannot use window {provider!r}; "
             f"use one of {transport_cls.window_providers}"
         )

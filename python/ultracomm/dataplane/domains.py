@@ -49,6 +49,7 @@ from ..env import domain_keys
 from ..host_id import host_key
 from ..cuda.fabric import FabricQuery, fabric_key, gpu_fabric_info
 from ..records import Op
+from ..errors import InputError
 
 __all__ = [
     "host_key",
@@ -90,7 +91,7 @@ def rank_domain(
     keys = domain_keys(declared)
     if len(keys) > 1:
         if len(keys) != world:
-            raise ValueError(
+            raise InputError(
                 f"ultracomm: ULTRACOMM_DOMAIN={declared!r} lists {len(keys)} domain keys but the "
                 f"Context's group has {world} ranks; give one key per rank (rank r takes entry r), "
                 "or a single key for this process"
@@ -115,7 +116,7 @@ def check_domains(views: Sequence[RankDomain], device_type: str) -> None:
         for r, v in enumerate(views):
             by.setdefault(v.declared or "(unset)", []).append(r)
         detail = "; ".join(f"ranks {rs}: {d!r}" for d, rs in by.items())
-        raise ValueError(
+        raise InputError(
             f"ultracomm: ranks declare different ULTRACOMM_DOMAIN values ({detail}); a per-rank list "
             "must be the same on every rank"
         )
@@ -126,7 +127,7 @@ def check_domains(views: Sequence[RankDomain], device_type: str) -> None:
         for key, on in hosts.items():
             if len(on) > 1:
                 detail = "; ".join(f"ranks {rs} on {h}" for h, rs in on.items())
-                raise ValueError(
+                raise InputError(
                     f"ultracomm: memory domain {key!r} spans several hosts ({detail}), but CPU ranks "
                     "share memory only within one host; give ranks on different hosts different "
                     "ULTRACOMM_DOMAIN keys (or unset it)"

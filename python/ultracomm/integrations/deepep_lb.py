@@ -74,7 +74,7 @@ import numpy as np
 import torch
 
 from ..context import Context
-from ..errors import ConfigError, InputError, PlanError
+from ..errors import ConfigError, InputError, InputTypeError, PlanError
 from ..layout import ExpertLayout, Member
 from ..plan import ReplicaPlan
 
@@ -123,7 +123,7 @@ def _wait_for(event: Any) -> None:
     elif isinstance(event, (getattr(torch, "Event", ()), getattr(torch.cuda, "Event", ()))):
         torch.cuda.current_stream().wait_event(event)
     elif event is not True:
-        raise TypeError(
+        raise InputTypeError(
             f"ultracomm: previous_event must be an event from capture(), a CUDA event or an EventOverlap; "
             f"got {type(event).__name__}"
         )
@@ -385,7 +385,7 @@ class LBBuffer:
     # ------------------------------------------------------------------ internals
     def _pool_of(self, t: Any, name: str) -> _Pool:
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"ultracomm: {name} must be a tensor, got {type(t).__name__}")
+            raise InputTypeError(f"ultracomm: {name} must be a tensor, got {type(t).__name__}")
         for p in self.pools:
             if p.holds(t):
                 return p

@@ -56,6 +56,7 @@ import torch
 
 from ..moe.reroute import RerouteTable, reroute
 from ..planners import PLANNERS, Domain, get_planner
+from ..errors import InputError
 
 __all__ = ["gen_offloading_plan", "ALGORITHMS", "UPSTREAMS", "effective_column"]
 
@@ -67,8 +68,8 @@ UPSTREAMS = {
 _NUM_BUCKETS = 8  # pr2368's approx_bin_packing default
 
 
-def _err(msg: str) -> ValueError:
-    return ValueError(f"ultracomm: gen_offloading_plan: {msg}")
+def _err(msg: str) -> InputError:
+    return InputError(f"ultracomm: gen_offloading_plan: {msg}")
 
 
 def effective_column(

@@ -51,14 +51,15 @@ from ..context import Context
 from ..layout import ExpertLayout, Member
 from ..plan import ReplicaPlan
 from .echo_planner import gen_offloading_plan
+from ..errors import InputError, UltracommError
 
 __all__ = ["gen_offloading_plan", "EchoExpertDispatcher", "EchoDispatchMetadata", "close_dispatchers"]
 
 _COMBINE_POLICIES = ("fp32", "param_dtype", "bf16", "fp16")
 
 
-def _err(msg: str) -> ValueError:
-    return ValueError(f"ultracomm: EchoExpertDispatcher: {msg}")
+def _err(msg: str) -> InputError:
+    return InputError(f"ultracomm: EchoExpertDispatcher: {msg}")
 
 
 def _combine_dtype(weight_dtype: torch.dtype, policy: str) -> torch.dtype:
@@ -252,7 +253,7 @@ class EchoExpertDispatcher:
         self.context_options = context_options
         self._pool = _pool_of(ep_group)
         if self._pool.members:
-            raise RuntimeError(
+            raise UltracommError(
                 "ultracomm: an EchoExpertDispatcher was built after the first dispatch of its EP "
                 "group; build every MoE layer's dispatcher before the first forward"
             )

@@ -47,7 +47,7 @@ from ..context import Context
 from ..dataplane import device_type
 from ..dataplane.domains import domain_of, rank_domain
 from ..env import Config
-from ..errors import InputError
+from ..errors import InputError, UltracommError
 from ..layout import ExpertLayout, Member
 from ..moe.loads import gather_loads
 from ..moe.reroute import RerouteTable, reroute as _reroute
@@ -368,7 +368,7 @@ class Manager:
         """The stream the operations run on: ultracomm's GPU transports enqueue on the caller's
         current stream, so that is the one returned.  Raises where there is no such stream."""
         if not self.ctx.stream_ordered:
-            raise RuntimeError(
+            raise UltracommError(
                 f"ultracomm UltraEP adapter: get_comm_stream() has no CUDA stream to return: this Manager's transport "
                 f"{self.ctx.transport.name!r} is not stream-ordered (its operations run on ultracomm's own thread and "
                 "are joined with EventHandle.current_stream_wait())"

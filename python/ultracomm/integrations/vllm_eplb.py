@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from ..context import Context
-from ..errors import InputError, PlanError
+from ..errors import InputError, InputTypeError, PlanError
 from ..layout import ExpertLayout, Member
 from ..plan import ReplicaPlan
 from .vllm_protocol import Protocol, protocol_for
@@ -212,7 +212,7 @@ class UltracommEplbCommunicator:
 
     # ------------------------------------------------------------------ internals
     def _mismatch(self, call: str, release: str, newer: bool = True) -> None:
-        raise TypeError(
+        raise InputTypeError(
             f"ultracomm: {call} is a call of vLLM {release}{'+' if newer else ''}, but this "
             f"communicator was made for vLLM {self.protocol.version} (vllm_version=); make it with "
             "the vllm_version of the vLLM that drives it"

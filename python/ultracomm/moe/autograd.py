@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import UltracommError
+from ..errors import InputError, UltracommError
 from ..fp8 import dequantize
 from ..layout import FP8_DTYPES
 
@@ -167,5 +167,5 @@ def linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | N
     ordinary linear.
     """
     if weight_scale is not None and weight.dtype not in FP8_DTYPES:
-        raise ValueError(f"ultracomm: linear(weight_scale=...) is for FP8 weights; the weight is {weight.dtype}")
+        raise InputError(f"ultracomm: linear(weight_scale=...) is for FP8 weights; the weight is {weight.dtype}")
     return _Linear.apply(x, weight, weight_scale)

@@ -27,6 +27,7 @@ With two entries a record is rewritten (exchange ``n + 2``) only after its reade
 from __future__ import annotations
 
 from dataclasses import dataclass
+from ..errors import InputError
 
 __all__ = ["BoardLayout", "ExchangeTag", "ENTRIES", "MAX_COUNT", "HEADER_BYTES", "timeout_text", "mismatch_text"]
 
@@ -54,10 +55,10 @@ class ExchangeTag:
 
     def __post_init__(self) -> None:
         if self.op not in _OPS:
-            raise ValueError(f"ultracomm: exchange tag operation must be one of {sorted(_OPS)}, got {self.op!r}")
+            raise InputError(f"ultracomm: exchange tag operation must be one of {sorted(_OPS)}, got {self.op!r}")
         for name, v, bits in (("layer", self.layer, _LAYER_BITS), ("slot", self.slot, _SLOT_BITS)):
             if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 1 << bits:
-                raise ValueError(f"ultracomm: exchange tag {name} must be an int in 0..{(1 << bits) - 1}, got {v!r}")
+                raise InputError(f"ultracomm: exchange tag {name} must be an int in 0..{(1 << bits) - 1}, got {v!r}")
 
     @property
     def value(self) -> int:
@@ -95,7 +96,7 @@ class BoardLayout:
 
     def __post_init__(self) -> None:
         if self.world < 1 or self.num_experts < 1 or self.entries < 2:
-            raise ValueError(
+            raise InputError(
                 f"ultracomm: a load board needs world >= 1, num_experts >= 1 and entries >= 2, got "
                 f"{self.world}, {self.num_experts}, {self.entries}"
             )

@@ -25,7 +25,7 @@ import torch
 
 from .. import _core
 from ..comm import Comm
-from ..errors import PeerError, PlanMismatchError, UltracommTimeout
+from ..errors import InputError, PeerError, PlanMismatchError, UltracommTimeout
 from .board_layout import MAX_COUNT, BoardLayout, mismatch_text, timeout_text
 
 __all__ = ["gather_loads", "LoadBoard", "board_for_context", "timeout_text", "mismatch_text"]
@@ -45,9 +45,9 @@ def gather_loads(comm: Comm, counts: torch.Tensor, op: str = "step") -> np.ndarr
 def check_counts(counts: np.ndarray, num_experts: int) -> np.ndarray:
     """int32 ``[E]`` of one rank's counts, or ValueError naming what is wrong."""
     if counts.shape != (num_experts,):
-        raise ValueError(f"ultracomm: expert counts must be [{num_experts}], got {list(counts.shape)}")
+        raise InputError(f"ultracomm: expert counts must be [{num_experts}], got {list(counts.shape)}")
     if counts.size and (counts.min() < 0 or counts.max() > MAX_COUNT):
-        raise ValueError(
+        raise InputError(
             f"ultracomm: expert counts must be in 0..{MAX_COUNT} (int32 on the load board), got "
             f"{int(counts.min())}..{int(counts.max())}"
         )

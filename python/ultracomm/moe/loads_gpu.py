@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from ..cuda.support import NotAvailableError, cuda_runtime
-from ..errors import PlanMismatchError, UltracommError, UltracommTimeout
+from ..errors import InputError, PlanMismatchError, UltracommError, UltracommTimeout
 from ..cuda.loopback_launch import Deposit, launches_for
 from .board_layout import BoardLayout, mismatch_text, timeout_text
 
@@ -129,9 +129,9 @@ class GpuLoadBoard:
         captured graph replays the tag of its capture); a peer that posted another sets
         :attr:`status` word 0 to 2."""
         if tuple(counts.shape) != (self.E,):
-            raise ValueError(f"ultracomm: expert counts must be [{self.E}], got {list(counts.shape)}")
+            raise InputError(f"ultracomm: expert counts must be [{self.E}], got {list(counts.shape)}")
         if counts.device != self.device:
-            raise ValueError(
+            raise InputError(
                 f"ultracomm: expert counts must be on the load board's device {self.device}, got {counts.device}"
             )
         self._counts.copy_(counts.detach())  # on the stream, ahead of the exchange

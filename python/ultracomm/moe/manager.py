@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from ..context import Context
-from ..errors import ConfigError, RegistrationError, UltracommError
+from ..errors import ConfigError, InputError, RegistrationError, UltracommError
 from ..layout import ExpertLayout
 from ..planners import Domain, get_planner
 from ..planners import device as device_planner
@@ -98,7 +98,7 @@ class ReplicaManager:
         **context_options: Any,
     ):
         if reroute_layout not in LAYOUTS:
-            raise ValueError(f"ultracomm: reroute_layout must be one of {LAYOUTS}, got {reroute_layout!r}")
+            raise InputError(f"ultracomm: reroute_layout must be one of {LAYOUTS}, got {reroute_layout!r}")
         self.ctx = (
             context
             if context is not None
@@ -172,7 +172,7 @@ class ReplicaManager:
         if isinstance(self._board, GpuLoadBoard) and self.ctx.transport.build_on_device:
             other = sorted(set(self.planner_options) - set(_GPU_PLANNER_OPTIONS))
             if other:  # plan_on_gpu takes these only: a TypeError at the first step on the GPU otherwise
-                raise ValueError(
+                raise InputError(
                     f"ultracomm: planner_options {other}: the device control plane plans on the GPU "
                     f"(plan_on_gpu), which takes {list(_GPU_PLANNER_OPTIONS)}; lanes and groups are the "
                     "host build's (the GPU runs a warp per probe)"
@@ -367,7 +367,7 @@ class ReplicaManager:
             or routing_map.dim() != 2
             or routing_map.shape[1] != E
         ):
-            raise ValueError(f"ultracomm: routing_map must be a bool [tokens, {E}] tensor, got {describe(routing_map)}")
+            raise InputError(f"ultracomm: routing_map must be a bool [tokens, {E}] tensor, got {describe(routing_map)}")
         if probs is None:
             return
         if (
@@ -375,12 +375,12 @@ class ReplicaManager:
             or not probs.is_floating_point()
             or tuple(probs.shape) != tuple(routing_map.shape)
         ):
-            raise ValueError(
+            raise InputError(
                 f"ultracomm: probs must be a floating-point [tokens, {E}] tensor shaped like "
                 f"routing_map {list(routing_map.shape)} (or None), got {describe(probs)}"
             )
         if probs.device != routing_map.device:
-            raise ValueError(
+            raise InputError(
                 f"ultracomm: probs is on {probs.device} but routing_map on {routing_map.device}; "
                 "pass both on the same device"
             )

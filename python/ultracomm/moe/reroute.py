@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from ..planners.base import PlannerResult, instance_index
+from ..errors import InputError
 
 __all__ = ["LAYOUTS", "RerouteTable", "reroute", "num_columns"]
 
@@ -44,7 +45,7 @@ def num_columns(layout: str, num_experts: int, world: int, slots_per_rank: int) 
         return num_experts + world * slots_per_rank
     if layout == "physical":
         return world * (num_experts // world + slots_per_rank)
-    raise ValueError(f"ultracomm: reroute layout must be one of {LAYOUTS}, got {layout!r}")
+    raise InputError(f"ultracomm: reroute layout must be one of {LAYOUTS}, got {layout!r}")
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,7 @@ class RerouteTable:
         ``columns`` are ``[E, world]`` (padded: unused instances never selected).
         """
         if layout not in LAYOUTS:
-            raise ValueError(f"ultracomm: reroute layout must be one of {LAYOUTS}, got {layout!r}")
+            raise InputError(f"ultracomm: reroute layout must be one of {LAYOUTS}, got {layout!r}")
         W, K = slot_src.shape
         E = W * experts_per_rank
         for name, t, dt, shape in (
@@ -127,7 +128,7 @@ class RerouteTable:
             ("slot_quota", slot_quota, torch.int64, (W, K)),
         ):
             if t.dtype != dt or tuple(t.shape) != shape or t.device != slot_src.device:
-                raise ValueError(
+                raise InputError(
                     f"ultracomm: {name} must be {dt} {list(shape)} on {slot_src.device}, got "
                     f"{t.dtype} {list(t.shape)} on {t.device}"
                 )
@@ -190,15 +191,15 @@ def reroute(
         prob; unrouted entries are False / 0.
     """
     if routing_map.dtype != torch.bool or routing_map.ndim != 2:
-        raise ValueError(
+        raise InputError(
             f"ultracomm: routing_map must be a bool [tokens, experts] tensor, got "
             f"{routing_map.dtype} {list(routing_map.shape)}"
         )
     T, E = routing_map.shape
     if table.bounds.shape[0] != E:
-        raise ValueError(f"ultracomm: routing_map has {E} expert columns, the plan has {table.bounds.shape[0]} experts")
+        raise InputError(f"ultracomm: routing_map has {E} expert columns, the plan has {table.bounds.shape[0]} experts")
     if probs is not None and tuple(probs.shape) != (T, E):
-        raise ValueError(f"ultracomm: probs must have the routing map's shape {[T, E]}, got {list(probs.shape)}")
+        raise InputError(f"ultracomm: probs must have the routing map's shape {[T, E]}, got {list(probs.shape)}")
     dev = routing_map.device
     bounds, columns = table.bounds.to(dev), table.columns.to(dev)
     # rank of each routed token among the rank's tokens of its expert (0-based, token order)

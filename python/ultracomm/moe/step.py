@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 import torch
 
-from ..errors import UltracommError
+from ..errors import InputError, UltracommError
 from ..planners import PlannerResult, max_mean
 from ..planners import device as device_planner
 from ..planners.base import build_result
@@ -147,10 +147,10 @@ class Step:
         """
         layout = layout or self.manager.reroute_layout
         if layout not in LAYOUTS:
-            raise ValueError(f"ultracomm: layout must be one of {LAYOUTS}, got {layout!r}")
+            raise InputError(f"ultracomm: layout must be one of {LAYOUTS}, got {layout!r}")
         src = self.manager.rank if source is None else source
         if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < self.manager.world:
-            raise ValueError(
+            raise InputError(
                 f"ultracomm: rerouted(source={source!r}): source must be a rank in "
                 f"0..{self.manager.world - 1} (default: this rank)"
             )

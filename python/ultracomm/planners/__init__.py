@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Callable
 
 from .base import Domain, PlannerResult, copy_counts, excess_imbalance, max_mean
+from ..errors import InputError
 
 __all__ = ["Domain", "PlannerResult", "PLANNERS", "get_planner", "excess_imbalance", "max_mean", "copy_counts"]
 
@@ -44,4 +45,4 @@ def get_planner(name: str) -> Callable[..., PlannerResult]:
     try:
         return PLANNERS[name]
     except KeyError:
-        raise KeyError(f"unknown planner {name!r}; choose one of {sorted(PLANNERS)}") from None
+        raise InputError(f"ultracomm: unknown planner {name!r}; choose one of {sorted(PLANNERS)}") from None

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import PlanError
+from ..errors import InputError, PlanError, UltracommError
 from ..plan import ReplicaPlan
 
 try:  # compiled split (csrc/planners/split.cpp); numpy reference otherwise
@@ -368,10 +368,10 @@ def split_slots(
     through the numpy reference)."""
     W, K = slot_src.shape
     if backend not in (None, "auto", "cpp", "numpy"):
-        raise ValueError(f"backend must be 'auto', 'cpp' or 'numpy', got {backend!r}")
+        raise InputError(f"backend must be 'auto', 'cpp' or 'numpy', got {backend!r}")
     if backend == "cpp" or (backend in (None, "auto") and _HAVE_CPP_SPLIT):
         if not _HAVE_CPP_SPLIT:
-            raise RuntimeError("ultracomm._core has no split_slots; rebuild the core")
+            raise UltracommError("ultracomm._core has no split_slots; rebuild the core")
         E, I = inst_rank.shape
         inst_slot = np.full((E, I), -1, np.int64)
         filled = slot_src >= 0

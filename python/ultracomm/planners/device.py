@@ -42,6 +42,7 @@ if TYPE_CHECKING:  # pragma: no cover - annotations only; the GPU path imports t
     import torch
 
 from .base import Domain, PlannerResult, as_load, build_result, check_slots
+from ..errors import InputError, UltracommError
 
 try:
     from .. import _core as _core_mod
@@ -92,7 +93,7 @@ def plan(
         ValueError: shapes or sizes beyond the planner's capacities, bad options.
     """
     if not _HAVE_CPP:
-        raise RuntimeError(
+        raise UltracommError(
             "ultracomm._core has no quota_device; rebuild the core (pip install --no-build-isolation -e .)"
         )
     load = as_load(load, domain)
@@ -110,7 +111,7 @@ def plan(
 
 def _eps_bp(eps: float) -> int:
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps <= 1:
-        raise ValueError(f"eps must be a float in [0, 1], got {eps!r}")
+        raise InputError(f"eps must be a float in [0, 1], got {eps!r}")
     return int(round(eps * 10000))
 
 
@@ -122,13 +123,13 @@ def fits(world: int, num_experts: int, slots_per_rank: int) -> bool:
 def _check(domain: Domain, K: int, min_tokens: int) -> None:
     W, epr = domain.world, domain.experts_per_rank
     if W > MAX_WORLD or W * epr > MAX_EXPERTS or K > MAX_SLOTS:
-        raise ValueError(
+        raise InputError(
             f"the device planner holds world <= {MAX_WORLD}, experts <= {MAX_EXPERTS}, "
             f"slots <= {MAX_SLOTS}; got world {W}, experts {W * epr}, slots {K} "
             "(use a host planner: planner='quota')"
         )
     if not isinstance(min_tokens, (int, np.integer)) or isinstance(min_tokens, bool) or min_tokens < 1:
-        raise ValueError(f"min_tokens must be an int >= 1, got {min_tokens!r}")
+        raise InputError(f"min_tokens must be an int >= 1, got {min_tokens!r}")
 
 
 STATUS = {
@@ -183,7 +184,7 @@ def plan_on_gpu(
         and tuple(loads.shape) == (W, E)
         and loads.is_contiguous()
     ):
-        raise ValueError(f"loads must be a contiguous int32 CUDA tensor of shape [{W}, {E}]")
+        raise InputError(f"loads must be a contiguous int32 CUDA tensor of shape [{W}, {E}]")
     dev = loads.device
     cuda = cuda_support.cuda_runtime(dev.index, "the device planner")
     if out is None:
@@ -221,5 +222,5 @@ def decode_result(result: Any) -> dict:
     w = [int(x) for x in (result.tolist() if hasattr(result, "tolist") else result)]
     status, probes = w[0] & 0xFFFFFFFF, w[0] >> 32
     if status:
-        raise ValueError(f"device planner: {STATUS.get(status, f'status {status}')}")
+        raise InputError(f"device planner: {STATUS.get(status, f'status {status}')}")
     return dict(threshold=w[2], probes=probes, rounds=w[1] & 0xFFFFFFFF, replicas=w[1] >> 32)

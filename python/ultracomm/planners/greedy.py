@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from .base import Domain, PlannerResult, as_load, build_result, check_slots, home_rank_load
+from ..errors import InputError
 
 __all__ = ["plan"]
 
@@ -55,7 +56,7 @@ def _dynamic_mask(dynamic: Any, el: np.ndarray, domain: Domain) -> np.ndarray:
         return mask.reshape(-1)
     m = np.asarray(dynamic, dtype=bool)
     if m.shape != (E,):
-        raise ValueError(f"dynamic mask must have shape [{E}], got {tuple(m.shape)}")
+        raise InputError(f"dynamic mask must have shape [{E}], got {tuple(m.shape)}")
     return m
 
 

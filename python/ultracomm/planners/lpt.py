@@ -71,6 +71,7 @@ from typing import Any
 import numpy as np
 
 from .base import Domain, PlannerResult, as_load, build_result, check_slots, home_rank_load
+from ..errors import InputError, UltracommError
 
 try:  # the planner runs in C++ (csrc/planners/lpt.cpp, balance.cpp)
     from .. import _core as _core_mod
@@ -105,7 +106,9 @@ def balance_quotas(expert_load: Any, instance_ranks: list[list[int]], base: Any)
 
 def _core():
     if not _HAVE_CPP:
-        raise RuntimeError("ultracomm._core has no lpt_plan; rebuild the core (pip install --no-build-isolation -e .)")
+        raise UltracommError(
+            "ultracomm._core has no lpt_plan; rebuild the core (pip install --no-build-isolation -e .)"
+        )
     return _core_mod
 
 
@@ -140,7 +143,7 @@ def plan(
     """
     rules = {"eplb": 0, "rank": 1, "best": 2}
     if counts not in rules:
-        raise ValueError(f"counts must be 'eplb', 'rank' or 'best', got {counts!r}")
+        raise InputError(f"counts must be 'eplb', 'rank' or 'best', got {counts!r}")
     load = as_load(load, domain)
     K = check_slots(slots_per_rank)
     W = domain.world

@@ -95,6 +95,7 @@ from typing import Any
 import numpy as np
 
 from .base import Domain, PlannerResult, as_load, build_result, check_slots, home_rank_load
+from ..errors import InputError, UltracommError
 
 try:  # the search runs in C++ (csrc/planners/quota_search.cpp)
     from .. import _core as _core_mod
@@ -120,7 +121,7 @@ COVER_BUDGET = 80_000
 
 def _core():
     if not _HAVE_CPP:
-        raise RuntimeError(
+        raise UltracommError(
             "ultracomm._core has no quota_search; rebuild the core (pip install --no-build-isolation -e .)"
         )
     return _core_mod
@@ -139,7 +140,7 @@ def _inputs(load: Any, domain: Domain, intra_node_only: bool):
 
 def _check_budget(budget: int, name: str = "search_budget") -> int:
     if not isinstance(budget, (int, np.integer)) or isinstance(budget, bool) or budget < 0:
-        raise ValueError(f"{name} must be an int >= 0, got {budget!r}")
+        raise InputError(f"{name} must be an int >= 0, got {budget!r}")
     return int(budget)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from ..errors import InputError
 
 FORMAT = "ultracomm-profile"
 VERSION = 1
@@ -27,9 +28,9 @@ def as_numpy(x: Any) -> np.ndarray:
 def int_array(x: Any, name: str) -> np.ndarray:
     a = as_numpy(x)
     if a.dtype.kind not in "iu":
-        raise ValueError(f"ultracomm.profile: {name} must hold integer token counts, got dtype {a.dtype}")
+        raise InputError(f"ultracomm.profile: {name} must hold integer token counts, got dtype {a.dtype}")
     if a.size and a.min() < 0:
-        raise ValueError(f"ultracomm.profile: {name} has negative entries")
+        raise InputError(f"ultracomm.profile: {name} has negative entries")
     return a.astype(np.int64, copy=True)
 
 
@@ -40,7 +41,7 @@ def spread_expert_load(expert_load: Any, world: int) -> np.ndarray:
     become the ``[world, E]`` load a planner takes."""
     el = int_array(expert_load, "expert_load").reshape(-1)
     if not isinstance(world, (int, np.integer)) or world < 1:
-        raise ValueError(f"ultracomm.profile: world must be an int >= 1, got {world!r}")
+        raise InputError(f"ultracomm.profile: world must be an int >= 1, got {world!r}")
     q, r = np.divmod(el, int(world))
     ranks = np.arange(int(world))[:, None]
     extra = ((ranks - np.arange(el.size)[None, :]) % int(world)) < r[None, :]

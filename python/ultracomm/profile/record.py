@@ -13,6 +13,7 @@ from typing import Any, Optional
 import numpy as np
 
 from .fields import OPS, STAT_FLOATS, STAT_INTS, STAT_OPS, STAT_VECTORS, TREE, as_numpy, schedule_stats
+from ..errors import InputTypeError
 
 
 class Record:
@@ -59,7 +60,7 @@ def plan_shape(plan: Any) -> tuple[int, int, int]:
         return int(w), int(s), int(plan.domain.num_experts)
     if all(hasattr(plan, k) for k in ("world", "slots_per_rank", "num_experts", "slot_src", "home_of")):
         return int(plan.world), int(plan.slots_per_rank), int(plan.num_experts)
-    raise TypeError(f"ultracomm.profile: plan must be a ReplicaPlan or a PlannerResult, got {type(plan).__name__}")
+    raise InputTypeError(f"ultracomm.profile: plan must be a ReplicaPlan or a PlannerResult, got {type(plan).__name__}")
 
 
 def plan_arrays(plan: Any) -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:

@@ -20,6 +20,7 @@ import numpy as np
 from ..private_dir import PrivateDirError, create_exclusive, make_private_dir, open_private
 from .fields import DETAILS, FORMAT, INDEX, OPS, VERSION, int_array
 from .record import Record, plan_shape, records_to_arrays
+from ..errors import InputError, InputTypeError, UltracommError
 
 PathLike = Union[str, os.PathLike]
 
@@ -65,14 +66,14 @@ class Profiler:
         overwrite: bool = False,
     ):
         if detail not in DETAILS:
-            raise ValueError(f"ultracomm.profile: detail must be one of {DETAILS}, got {detail!r}")
+            raise InputError(f"ultracomm.profile: detail must be one of {DETAILS}, got {detail!r}")
         if steps not in ("auto", "manual"):
-            raise ValueError(f"ultracomm.profile: steps must be 'auto' or 'manual', got {steps!r}")
+            raise InputError(f"ultracomm.profile: steps must be 'auto' or 'manual', got {steps!r}")
         if not isinstance(max_buffer_bytes, int) or max_buffer_bytes < 1:
-            raise ValueError(f"ultracomm.profile: max_buffer_bytes must be an int >= 1, got {max_buffer_bytes!r}")
+            raise InputError(f"ultracomm.profile: max_buffer_bytes must be an int >= 1, got {max_buffer_bytes!r}")
         self.path = Path(path)
         if self.path.is_file():
-            raise ValueError(f"ultracomm.profile: {self.path} is a file; give a directory")
+            raise InputError(f"ultracomm.profile: {self.path} is a file; give a directory")
         self.meta = dict(meta or {})
         json.dumps(self.meta)  # fail now, not in the writer thread
         self._dir_fd = _claim_dir(self.path, overwrite)  # every file is created relative to it
@@ -131,7 +132,7 @@ class Profiler:
         if have is None:
             setattr(self, name, value)
         elif have != value:
-            raise ValueError(
+            raise InputError(
                 f"ultracomm.profile: {name} is {value} here but {have} earlier in this trace; "
                 "one trace holds one EP group's shapes (use another Profiler)"
             )
@@ -146,9 +147,9 @@ class Profiler:
     def _raise_writer_error(self) -> None:
         if self._error is not None:
             err, self._error = self._error, None
-            raise RuntimeError(f"ultracomm.profile: writing the trace to {self.path} failed: {err}") from err
+            raise UltracommError(f"ultracomm.profile: writing the trace to {self.path} failed: {err}") from err
         if self._closed:
-            raise RuntimeError("ultracomm.profile: this Profiler is closed")
+            raise UltracommError("ultracomm.profile: this Profiler is closed")
 
     def _take(self, layer: int, side: str, microbatch: Optional[int], vid: Any) -> Record:
         """The record of ``layer`` this side fills next (lock held)."""
@@ -160,7 +161,7 @@ class Profiler:
         if repeat and (self.auto_steps or microbatch is not None):
             if any(v != vid for v in self._vids):
                 if microbatch is not None:
-                    raise ValueError(
+                    raise InputError(
                         f"ultracomm.profile: layer {layer} micro-batch {microbatch} is already "
                         f"recorded in step {self._step} while micro-batches are in flight"
                     )
@@ -209,12 +210,12 @@ class Profiler:
         Returns ``(step, layer, microbatch)`` of the record.
         """
         if not isinstance(layer, (int, np.integer)) or layer < 0:
-            raise ValueError(f"ultracomm.profile: layer must be an int >= 0, got {layer!r}")
+            raise InputError(f"ultracomm.profile: layer must be an int >= 0, got {layer!r}")
         layer = int(layer)
         if times is not None:
             bad = sorted(set(times) - set(OPS))
             if bad:
-                raise ValueError(f"ultracomm.profile: unknown op names {bad} in times; use {OPS}")
+                raise InputError(f"ultracomm.profile: unknown op names {bad} in times; use {OPS}")
         full, totals = None, None
         if load is not None:
             a = int_array(load, "load")
@@ -223,7 +224,7 @@ class Profiler:
             elif a.ndim == 1:
                 totals = a
             else:
-                raise ValueError(f"ultracomm.profile: load must be [world, E] or [E], got shape {a.shape}")
+                raise InputError(f"ultracomm.profile: load must be [world, E] or [E], got shape {a.shape}")
         after = None if rank_load_after is None else np.array(rank_load_after, dtype=np.float64).reshape(-1)
         with self._cond:
             self._raise_writer_error()
@@ -441,7 +442,7 @@ class Profiler:
             os.close(self._dir_fd)
         if self._error is not None:
             err, self._error = self._error, None
-            raise RuntimeError(f"ultracomm.profile: writing the trace to {self.path} failed: {err}") from err
+            raise UltracommError(f"ultracomm.profile: writing the trace to {self.path} failed: {err}") from err
 
     def context_closed(self) -> None:
         """The Context recording into this Profiler closed: close it if that Context made it."""
@@ -538,7 +539,7 @@ def run_dir(base: PathLike, rank: int, world: int) -> Profiler:
             return Profiler(d / f"rank{rank}" if world > 1 else d)
         except TraceExistsError:
             continue
-    raise ValueError(f"ultracomm.profile: {base} already holds {MAX_RUNS} runs; give another directory")
+    raise InputError(f"ultracomm.profile: {base} already holds {MAX_RUNS} runs; give another directory")
 
 
 def profile_for_context(profile: Any, ctx: Any) -> Optional[Profiler]:
@@ -564,7 +565,7 @@ def profile_for_context(profile: Any, ctx: Any) -> Optional[Profiler]:
                 raise PrivateDirError(f"{e} (ULTRACOMM_PROFILE)") from None
             raise
     else:
-        raise TypeError(
+        raise InputTypeError(
             f"ultracomm: profile must be a directory, a Profiler, False or None; got {type(profile).__name__}"
         )
     prof.set_domain(ctx.world, ctx.experts_per_rank, ctx.slots_per_rank, ctx.node_of, ctx.rank)

@@ -22,7 +22,7 @@ from typing import Any, BinaryIO, Iterator
 
 import numpy as np
 
-from ..errors import UltracommError
+from ..errors import InputError, UltracommError
 from .fields import empty_arrays
 
 __all__ = [
@@ -166,7 +166,7 @@ def read_npy(f: BinaryIO, size: int, where: str) -> np.ndarray:
         version
     )
     if read_header is None:  # 3.0 only differs for non-latin-1 field names, never token counts
-        raise ValueError(f"unsupported .npy format version {version[0]}.{version[1]}")
+        raise InputError(f"unsupported .npy format version {version[0]}.{version[1]}")
     shape, _, dtype = read_header(f)
     claimed, left = math.prod(shape) * dtype.itemsize, size - f.tell()
     if not dtype.hasobject and claimed > left:  # object arrays: read_array refuses the pickle below

@@ -8,6 +8,7 @@ from typing import Sequence, Union
 
 import numpy as np
 import torch
+from ..errors import InputError
 
 __all__ = [
     "LoadLike",
@@ -26,7 +27,7 @@ LoadLike = Union[np.ndarray, torch.Tensor, Sequence]
 
 def _check_int(name: str, v: object, lo: int = 1) -> int:
     if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < lo:
-        raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+        raise InputError(f"{name} must be an int >= {lo}, got {v!r}")
     return int(v)
 
 
@@ -36,20 +37,20 @@ def _check_sizes(world: int, num_experts: int, tokens_per_rank: int, top_k: int)
     _check_int("tokens_per_rank", tokens_per_rank, 0)
     _check_int("top_k", top_k)
     if top_k > num_experts:
-        raise ValueError(f"top_k = {top_k} exceeds num_experts = {num_experts}")
+        raise InputError(f"top_k = {top_k} exceeds num_experts = {num_experts}")
 
 
 def _resolve_epr(world: int, num_experts: int, experts_per_rank: int | None) -> int:
     if experts_per_rank is None:
         if num_experts % world:
-            raise ValueError(
+            raise InputError(
                 f"num_experts = {num_experts} does not divide evenly over world = {world}; "
                 "pass experts_per_rank= with world * experts_per_rank == num_experts"
             )
         return num_experts // world
     epr = _check_int("experts_per_rank", experts_per_rank)
     if epr * world != num_experts:
-        raise ValueError(
+        raise InputError(
             f"experts_per_rank = {epr} with world = {world} gives {epr * world} experts, but "
             f"num_experts = {num_experts}"
         )
@@ -59,7 +60,7 @@ def _resolve_epr(world: int, num_experts: int, experts_per_rank: int | None) -> 
 def _check_target(target_imbalance: float) -> float:
     t = float(target_imbalance)
     if not math.isfinite(t) or t < 1.0:
-        raise ValueError(f"target_imbalance must be a finite number >= 1.0, got {target_imbalance!r}")
+        raise InputError(f"target_imbalance must be a finite number >= 1.0, got {target_imbalance!r}")
     return t
 
 
@@ -123,11 +124,11 @@ def _as_load(load: LoadLike, name: str = "load") -> np.ndarray:
         load = load.detach().cpu().numpy()
     a = np.asarray(load)
     if a.dtype.kind not in "iuf" or a.dtype == np.bool_:
-        raise ValueError(f"{name} must hold numbers, got dtype {a.dtype}")
+        raise InputError(f"{name} must hold numbers, got dtype {a.dtype}")
     if a.ndim not in (1, 2):
-        raise ValueError(f"{name} must be [world, E] or [E], got shape {tuple(a.shape)}")
+        raise InputError(f"{name} must be [world, E] or [E], got shape {tuple(a.shape)}")
     if a.size and (a < 0).any():
-        raise ValueError(f"{name} has negative entries")
+        raise InputError(f"{name} has negative entries")
     return a
 
 
@@ -135,7 +136,7 @@ def _expert_load_f(load: LoadLike, num_experts: int | None = None) -> np.ndarray
     a = _as_load(load)
     L = (a.sum(axis=0) if a.ndim == 2 else a).astype(np.float64)
     if num_experts is not None and L.size != num_experts:
-        raise ValueError(f"load covers {L.size} experts, expected {num_experts}")
+        raise InputError(f"load covers {L.size} experts, expected {num_experts}")
     return L
 
 
@@ -147,7 +148,7 @@ def expert_load(load: LoadLike) -> np.ndarray:
     senders)."""
     a = _as_load(load)
     if a.ndim != 2:
-        raise ValueError(f"load must be [world, E], got shape {tuple(a.shape)}")
+        raise InputError(f"load must be [world, E], got shape {tuple(a.shape)}")
     return a.sum(axis=0).astype(np.int64)
 
 
@@ -166,7 +167,7 @@ def imbalance(load: LoadLike, experts_per_rank: int) -> float:
     L = _expert_load_f(load)
     epr = _check_int("experts_per_rank", experts_per_rank)
     if L.size % epr:
-        raise ValueError(f"{L.size} experts do not split into ranks of {epr}")
+        raise InputError(f"{L.size} experts do not split into ranks of {epr}")
     R = L.reshape(-1, epr).sum(axis=1)
     m = R.mean()
     return float(R.max() / m) if m > 0 else 1.0
@@ -246,7 +247,7 @@ def zipf_load(
     t = _check_target(target_imbalance)
     xe = float(expert_exponent)
     if not math.isfinite(xe) or xe < 0:
-        raise ValueError(f"expert_exponent must be a finite number >= 0, got {expert_exponent!r}")
+        raise InputError(f"expert_exponent must be a finite number >= 0, got {expert_exponent!r}")
     rng = np.random.default_rng(seed)
     rank_pos = rng.permutation(world)
     expert_pos = rng.permuted(np.tile(np.arange(epr), (world, 1)), axis=1)
@@ -284,7 +285,7 @@ def _fit_exponent(load_at, imb, t: float, sizes: str, why: str) -> np.ndarray:
         s_hi *= 2.0
         hi_load = load_at(s_hi)
     if imb(hi_load) < t * (1 - 1e-3):
-        raise ValueError(
+        raise InputError(
             f"target_imbalance {t} is not reachable with {sizes}: the most skewed load "
             f"reaches {imb(hi_load):.3f} ({why})"
         )
@@ -414,12 +415,12 @@ def hot_rank_load(
     epr = _resolve_epr(world, num_experts, experts_per_rank)
     f = float(fraction)
     if not 0.0 <= f <= 1.0:
-        raise ValueError(f"fraction must be in [0, 1], got {fraction!r}")
+        raise InputError(f"fraction must be in [0, 1], got {fraction!r}")
     if not isinstance(hot_rank, (int, np.integer)) or not 0 <= hot_rank < world:
-        raise ValueError(f"hot_rank must be in 0..{world - 1}, got {hot_rank!r}")
+        raise InputError(f"hot_rank must be in 0..{world - 1}, got {hot_rank!r}")
     nh = epr if hot_experts is None else _check_int("hot_experts", hot_experts)
     if nh > epr:
-        raise ValueError(f"hot_experts = {nh} exceeds the {epr} experts homed on rank {hot_rank}")
+        raise InputError(f"hot_experts = {nh} exceeds the {epr} experts homed on rank {hot_rank}")
     hot = np.arange(hot_rank * epr, hot_rank * epr + nh)
     cold = np.setdiff1d(np.arange(num_experts), hot)
     rest_cols = np.arange(num_experts) if rest_over_all else cold
@@ -427,7 +428,7 @@ def hot_rank_load(
     n_hot = int(round(f * total))
     n_rest = total - n_hot
     if n_rest and rest_cols.size == 0:
-        raise ValueError(
+        raise InputError(
             "every expert is hot, so the non-hot share has nowhere to go; use fraction=1.0, "
             "fewer hot_experts or rest_over_all=True"
         )
@@ -458,10 +459,10 @@ def rotating_hot_load(
     step = _check_int("step", step, 0)
     num_hot = _check_int("num_hot", num_hot)
     if num_hot > num_experts:
-        raise ValueError(f"num_hot = {num_hot} exceeds num_experts = {num_experts}")
+        raise InputError(f"num_hot = {num_hot} exceeds num_experts = {num_experts}")
     k = float(skew)
     if not math.isfinite(k) or k <= 0:
-        raise ValueError(f"skew must be a positive finite number, got {skew!r}")
+        raise InputError(f"skew must be a positive finite number, got {skew!r}")
     order = np.random.default_rng(seed).permutation(num_experts)
     hot = order[(step * num_hot + np.arange(num_hot)) % num_experts]
     w = np.ones(num_experts, dtype=np.float64)

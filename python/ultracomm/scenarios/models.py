@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from ..layout import ExpertLayout
+from ..errors import InputError
 
 __all__ = ["ModelSpec", "MODELS", "get_model"]
 
@@ -40,9 +41,9 @@ class ModelSpec:
         for f in ("hidden", "moe_inter", "num_experts", "top_k", "moe_layers"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"ModelSpec {self.name!r}: {f} must be a positive int, got {v!r}")
+                raise InputError(f"ModelSpec {self.name!r}: {f} must be a positive int, got {v!r}")
         if self.top_k > self.num_experts:
-            raise ValueError(f"ModelSpec {self.name!r}: top_k = {self.top_k} exceeds num_experts = {self.num_experts}")
+            raise InputError(f"ModelSpec {self.name!r}: top_k = {self.top_k} exceeds num_experts = {self.num_experts}")
 
     def expert_weight_bytes(self, dtype: torch.dtype = torch.bfloat16) -> int:
         """Bytes of one expert's weights: gate + up + down = ``3 * H * I * itemsize``
@@ -61,7 +62,7 @@ class ModelSpec:
     def experts_per_rank(self, world: int) -> int:
         """``num_experts // world``; raises ValueError unless ``world`` divides E."""
         if not isinstance(world, (int, np.integer)) or world < 1 or self.num_experts % world:
-            raise ValueError(
+            raise InputError(
                 f"{self.name} has {self.num_experts} experts, which do not divide evenly over "
                 f"world = {world} ranks; pick a world size that divides {self.num_experts}"
             )
@@ -88,5 +89,5 @@ def get_model(name: str) -> ModelSpec:
     """The preset called ``name`` (case-insensitive); ValueError listing the presets
     otherwise."""
     if not isinstance(name, str) or name.strip().lower() not in MODELS:
-        raise ValueError(f"unknown model {name!r}; known models: {', '.join(MODELS)}")
+        raise InputError(f"unknown model {name!r}; known models: {', '.join(MODELS)}")
     return MODELS[name.strip().lower()]

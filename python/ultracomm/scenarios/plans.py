@@ -7,6 +7,7 @@ import numpy as np
 
 from ..plan import ReplicaPlan
 from .loads import LoadLike, _as_load, _check_int, _expert_load_f
+from ..errors import InputError
 
 __all__ = ["max_mean_after", "greedy_replicas", "zipf_slot_src", "hot_plan"]
 
@@ -65,7 +66,7 @@ def greedy_replicas(
     L = _expert_load_f(load, E)
     a = _as_load(load)
     if a.ndim == 2 and a.shape[0] != world:
-        raise ValueError(f"load has {a.shape[0]} sender rows but world = {world}")
+        raise InputError(f"load has {a.shape[0]} sender rows but world = {world}")
     home = np.arange(E) // epr
     ids = np.arange(E)
     slot_src = np.full((world, spr), -1, dtype=np.int64)
@@ -143,12 +144,12 @@ def hot_plan(world: int, slots_per_rank: int, experts_per_rank: int, expert: int
     epr = _check_int("experts_per_rank", experts_per_rank)
     E = world * epr
     if not isinstance(expert, (int, np.integer)) or not 0 <= expert < E:
-        raise ValueError(f"expert must be in 0..{E - 1}, got {expert!r}")
+        raise InputError(f"expert must be in 0..{E - 1}, got {expert!r}")
     n = _check_int("replicas", replicas, 0)
     if n > world - 1:
-        raise ValueError(f"replicas = {n} exceeds the {world - 1} ranks other than the home")
+        raise InputError(f"replicas = {n} exceeds the {world - 1} ranks other than the home")
     if n and spr < 1:
-        raise ValueError("slots_per_rank must be >= 1 to hold a replica")
+        raise InputError("slots_per_rank must be >= 1 to hold a replica")
     home = int(expert) // epr
     src = np.full((world, spr), -1, dtype=np.int64)
     src[(home + 1 + np.arange(n)) % world, 0] = expert

@@ -8,6 +8,7 @@ import numpy as np
 
 from .loads import hot_rank_load, rank_blocked_load, rotating_hot_load, zipf_load
 from .models import ModelSpec
+from ..errors import InputError
 
 __all__ = ["WORKLOAD_FORMS", "WORKLOADS", "make_workload"]
 
@@ -38,8 +39,8 @@ WORKLOADS: dict[str, str] = {
 _ROTATING_SKEW = 8.0
 
 
-def _bad_spec(spec: object, why: str) -> ValueError:
-    return ValueError(
+def _bad_spec(spec: object, why: str) -> InputError:
+    return InputError(
         f"bad workload spec {spec!r}: {why}; accepted forms: {', '.join(WORKLOAD_FORMS)} (e.g. {', '.join(WORKLOADS)})"
     )
 
@@ -59,7 +60,7 @@ def make_workload(spec: str, world: int, model: ModelSpec, tokens_per_rank: int 
     if not isinstance(spec, str) or not spec.strip():
         raise _bad_spec(spec, "expected a non-empty string")
     if not isinstance(model, ModelSpec):
-        raise ValueError(f"model must be a ModelSpec (see get_model), got {type(model).__name__}")
+        raise InputError(f"model must be a ModelSpec (see get_model), got {type(model).__name__}")
     epr = model.experts_per_rank(world)
     E, k = model.num_experts, model.top_k
     kind, *args = spec.strip().lower().split(":")

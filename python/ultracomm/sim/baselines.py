@@ -35,6 +35,7 @@ import numpy as np
 from .engine import _run_flows
 from .fabric import Fabric
 from .model import SimResult, _critical, _finish, _opname, _plan_arrays, lower_bound
+from ..errors import InputError
 
 
 def simulate_alltoall(plan, weight_bytes: int, fabric: Fabric, op, *, grad_bytes: Optional[int] = None) -> SimResult:
@@ -45,7 +46,7 @@ def simulate_alltoall(plan, weight_bytes: int, fabric: Fabric, op, *, grad_bytes
     t0 = time.perf_counter()
     name = _opname(op)
     if name == "reduce" and grad_bytes is None:
-        raise ValueError(
+        raise InputError(
             "simulate_alltoall(op='reduce') needs grad_bytes: pass the same gradient bytes the "
             "schedule it is compared with is charged (e.g. 2 x weight_bytes for bf16 weights with "
             "fp32 grads, weight_bytes for bf16 grads)"

@@ -10,6 +10,7 @@ import numpy as np
 from .baselines import simulate_alltoall
 from .fabric import Fabric
 from .model import lower_bound, schedule_for, simulate
+from ..errors import InputError
 
 #: gradient dtypes the comparisons accept, with their bytes per element
 GRAD_DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -20,7 +21,7 @@ def grad_dtypes(spec: Union[str, Sequence[str]]) -> tuple[str, ...]:
     names = [x.strip().lower() for x in (spec.split(",") if isinstance(spec, str) else spec) if x.strip()]
     bad = [x for x in names if x not in GRAD_DTYPES]
     if not names or bad:
-        raise ValueError(f"grad dtypes must be some of {', '.join(GRAD_DTYPES)}, got {spec!r}")
+        raise InputError(f"grad dtypes must be some of {', '.join(GRAD_DTYPES)}, got {spec!r}")
     return tuple(dict.fromkeys(names))
 
 
@@ -164,7 +165,7 @@ def run_case(
     fab = fabric.for_world(ep)
     E = int(num_experts or spec.num_experts)
     if E % ep:
-        raise ValueError(f"{spec.name}: {E} experts do not divide over EP {ep}")
+        raise InputError(f"{spec.name}: {E} experts do not divide over EP {ep}")
     epr = E // ep
     wb = spec.expert_weight_bytes()  # bf16 weights
     rows = []

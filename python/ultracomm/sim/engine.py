@@ -14,6 +14,7 @@ import math
 from typing import Sequence
 
 import numpy as np
+from ..errors import UltracommError
 
 
 def _maxmin(links: np.ndarray, cap: np.ndarray) -> np.ndarray:
@@ -122,7 +123,7 @@ def _run_flows(
         else:
             t_fin = np.inf
         if t_fin == np.inf and t_timer == np.inf:
-            raise RuntimeError("simulation deadlocked: a flow waits for a chunk no flow delivers")
+            raise UltracommError("simulation deadlocked: a flow waits for a chunk no flow delivers")
         events += 1
         if t_fin <= t_timer:
             dt = t_fin - t

@@ -17,6 +17,7 @@ from typing import Optional
 import numpy as np
 
 from . import hardware as hw
+from ..errors import InputError
 
 GB = 1e9
 
@@ -92,11 +93,11 @@ class Fabric:
 
     def __post_init__(self) -> None:
         if self.world < 1 or self.gpus_per_node < 1:
-            raise ValueError(f"Fabric {self.name!r}: world and gpus_per_node must be >= 1")
+            raise InputError(f"Fabric {self.name!r}: world and gpus_per_node must be >= 1")
         for f in ("intra_bw", "inter_bw", "hbm_bw", "sm_copy_bw", "sm_reduce_bw", "h2d_bw"):
             v = getattr(self, f)
             if not (v > 0 and math.isfinite(v)):
-                raise ValueError(f"Fabric {self.name!r}: {f} must be positive, got {v!r}")
+                raise InputError(f"Fabric {self.name!r}: {f} must be positive, got {v!r}")
         for f in (
             "intra_latency_s",
             "inter_latency_s",
@@ -110,17 +111,17 @@ class Fabric:
         ):
             v = getattr(self, f)
             if not (v >= 0 and math.isfinite(v)):
-                raise ValueError(f"Fabric {self.name!r}: {f} must be >= 0, got {v!r}")
+                raise InputError(f"Fabric {self.name!r}: {f} must be >= 0, got {v!r}")
         for f in ("sms", "multicast_sms", "reduce_sms"):
             v = getattr(self, f)
             if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 0:
-                raise ValueError(f"Fabric {self.name!r}: {f} must be an int >= 0 (0: not modelled), got {v!r}")
+                raise InputError(f"Fabric {self.name!r}: {f} must be an int >= 0 (0: not modelled), got {v!r}")
         if self.node_of is None:
             nodes = tuple(int(r // self.gpus_per_node) for r in range(self.world))
         else:
             nodes = tuple(int(x) for x in self.node_of)
             if len(nodes) != self.world or min(nodes) < 0:
-                raise ValueError(f"Fabric {self.name!r}: node_of must have {self.world} entries >= 0")
+                raise InputError(f"Fabric {self.name!r}: node_of must have {self.world} entries >= 0")
         object.__setattr__(self, "node_of", nodes)
 
     @property
@@ -156,14 +157,14 @@ class Fabric:
         grow into several nodes (ask for ``"8x8-rdma"`` or ``"nvl72"`` instead)."""
         world = int(world)
         if world < 1:
-            raise ValueError(f"world must be >= 1, got {world}")
+            raise InputError(f"world must be >= 1, got {world}")
         if world > self.world:
             hint = ""
             if self.gpus_per_node == 8:
                 hint = f"; for {world} GPUs use '{-(-world // 8)}x8-rdma' (nodes of 8 over RDMA)" + (
                     " or 'nvl72' (one NVLink domain)" if world <= 72 else ""
                 )
-            raise ValueError(f"fabric {self.name!r} has {self.world} GPUs, cannot host EP {world}{hint}")
+            raise InputError(f"fabric {self.name!r} has {self.world} GPUs, cannot host EP {world}{hint}")
         if world == self.world:
             return self
         return dataclasses.replace(self, world=world, node_of=self.node_of[:world])
@@ -292,7 +293,7 @@ def get_fabric(name: str, world: Optional[int] = None, profile=None) -> Fabric:
     else:
         m = re.fullmatch(r"(\d+)x8-rdma", key)
         if not m or int(m.group(1)) < 1:
-            raise ValueError(f"unknown fabric {name!r}; presets: {', '.join(FABRICS)} (or <n>x8-rdma)")
+            raise InputError(f"unknown fabric {name!r}; presets: {', '.join(FABRICS)} (or <n>x8-rdma)")
         fab = _rdma_preset(int(m.group(1)))
     if profile is not None:
         fab = hw.apply_profile(fab, profile)

@@ -17,6 +17,7 @@ import numpy as np
 from ..records import MASTER, Op
 from .engine import _run_flows
 from .fabric import Fabric
+from ..errors import InputError
 
 
 def schedule_for(
@@ -155,11 +156,11 @@ def _opname(op) -> str:
             "grads": "reduce",
         }
         if k not in alias:
-            raise ValueError(f"op must be 'multicast'/'weight_sync' or 'reduce'/'grad_reduce', got {op!r}")
+            raise InputError(f"op must be 'multicast'/'weight_sync' or 'reduce'/'grad_reduce', got {op!r}")
         return alias[k]
     v = int(op)
     if v not in (0, 1):
-        raise ValueError(f"op must be Op.MULTICAST or Op.REDUCE, got {op!r}")
+        raise InputError(f"op must be Op.MULTICAST or Op.REDUCE, got {op!r}")
     return "multicast" if v == 0 else "reduce"
 
 
@@ -288,7 +289,7 @@ def lower_bound(
     is_sched = hasattr(schedule_or_plan, "inputs")
     if nbytes is None:
         if not is_sched:
-            raise ValueError("lower_bound of a plan needs nbytes")
+            raise InputError("lower_bound of a plan needs nbytes")
         inp = schedule_or_plan.inputs()
         nbytes = int(inp["weight_bytes"] if name == "multicast" else inp["grad_bytes"])
     fab = fabric.for_world(src.shape[0])
@@ -390,7 +391,7 @@ def simulate(schedule, fabric: Fabric, op, *, max_chunks: Optional[int] = None) 
     name = _opname(op)
     op_i = 0 if name == "multicast" else 1
     if schedule.built_for is not None:
-        raise ValueError("simulate needs a schedule built for all ranks (rank=None)")
+        raise InputError("simulate needs a schedule built for all ranks (rank=None)")
     W, S = schedule.world, schedule.slots_per_rank
     fab = fabric.for_world(W)
     inp = schedule.inputs()

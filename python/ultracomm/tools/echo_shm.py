@@ -34,6 +34,7 @@ import time
 import torch
 
 from ..comm import Comm
+from ..errors import UltracommError, UltracommTimeout
 
 _FLAG_BYTES = 64  # one cache line for this rank's barrier counter
 
@@ -57,7 +58,7 @@ class EchoShm:
         self, plan, comm: Comm, n: int, weight_dtype: torch.dtype, grad_dtype: torch.dtype, timeout_s: float = 100.0
     ):
         if platform.machine().lower() not in ("x86_64", "amd64"):
-            raise RuntimeError(f"EchoShm relies on x86-64 store ordering; this CPU is {platform.machine()}")
+            raise UltracommError(f"EchoShm relies on x86-64 store ordering; this CPU is {platform.machine()}")
         from ..windows.host_shm import HostShmWindow
 
         self.rank, self.world, self.n = comm.rank, comm.world, int(n)
@@ -125,7 +126,7 @@ class EchoShm:
             if not waiting:
                 break
             if time.monotonic() > deadline:
-                raise TimeoutError(
+                raise UltracommTimeout(
                     f"ultracomm EchoShm rank {self.rank}: {what} barrier {e} still waits for "
                     f"ranks {waiting} after {self.timeout_s:g} s"
                 )

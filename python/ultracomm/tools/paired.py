@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import statistics
 from typing import Sequence
+from ..errors import InputError
 
 __all__ = ["paired_ratios", "median_ci", "verdict", "Paired", "compare"]
 
@@ -24,12 +25,12 @@ __all__ = ["paired_ratios", "median_ci", "verdict", "Paired", "compare"]
 def paired_ratios(a: Sequence[float], b: Sequence[float]) -> list[float]:
     """``a[i] / b[i]`` per round; both lists are one method's times in round order."""
     if len(a) != len(b):
-        raise ValueError(
+        raise InputError(
             f"ultracomm: paired times need one time per round for both methods; got {len(a)} and "
             f"{len(b)} (were they timed in the same interleaved run?)"
         )
     if any(not (x > 0) for x in b):
-        raise ValueError("ultracomm: a paired ratio needs positive times")
+        raise InputError("ultracomm: a paired ratio needs positive times")
     return [float(x) / float(y) for x, y in zip(a, b)]
 
 
@@ -42,7 +43,7 @@ def median_ci(values: Sequence[float], conf: float = 0.95) -> tuple[float, float
     xs = sorted(float(v) for v in values)
     n = len(xs)
     if n == 0:
-        raise ValueError("ultracomm: no values to take a median of")
+        raise InputError("ultracomm: no values to take a median of")
     # j grows while P(B <= j) <= tail, i.e. P(B < j + 1): cumulative binomial counts, exact integers
     tail, whole = (1.0 - conf) / 2.0, 1 << n
     j, term, cum = 1, n, 1 + n  # term = C(n, j), cum = sum of C(n, i) for i <= j

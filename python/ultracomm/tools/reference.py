@@ -26,6 +26,7 @@ import torch
 
 from ..records import MASTER, REF_DTYPE, TASK_DTYPE, TaskKind
 from ..transports.segments import member_segments, ordered_sum
+from ..errors import InputError
 
 
 def _u8(t: torch.Tensor) -> torch.Tensor:
@@ -128,7 +129,7 @@ def reference_reduce(
             if int(t["self_slot"]) >= 0:
                 final.add((r, int(t["self_slot"]), c))
         if len(rest) == len(pending):
-            raise ValueError("reference_reduce: tasks wait on relays that never finish (cyclic schedule)")
+            raise InputError("reference_reduce: tasks wait on relays that never finish (cyclic schedule)")
         pending = rest
     new_masters = {e: split_image(masters[e], master_grads[e], member_off) for e in masters}
     return grads, new_masters

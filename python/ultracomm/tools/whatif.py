@@ -50,6 +50,7 @@ import numpy as np
 
 from ..profile import Trace, load_trace, spread_expert_load
 from ..profile.trace_checks import TraceError, check_options
+from ..errors import InputError
 
 __all__ = ["Setting", "WhatIf", "plan_and_schedule", "replay", "sample_rows", "main"]
 
@@ -92,9 +93,9 @@ class Setting:
 
         spec = workloads.get_model(self.model)
         if not (self.tflops > 0 and math.isfinite(self.tflops)):
-            raise ValueError(f"tflops must be a positive number, got {self.tflops!r}")
+            raise InputError(f"tflops must be a positive number, got {self.tflops!r}")
         if not isinstance(self.slots, int) or self.slots < 0:
-            raise ValueError(f"slots must be an int >= 0, got {self.slots!r}")
+            raise InputError(f"slots must be an int >= 0, got {self.slots!r}")
         fab = sim.get_fabric(self.domain, self.ep)
         flop = (6 if self.forward_only else 18) * spec.hidden * spec.moe_inter
         return {
@@ -330,11 +331,11 @@ def replay(
     s = setting or Setting(ep=trace.world)
     bad = [p for p in planners if p not in PLANNERS and p != RECORDED]
     if bad:
-        raise ValueError(f"unknown planner(s) {bad}; choose from {sorted(PLANNERS)} or {RECORDED!r}")
+        raise InputError(f"unknown planner(s) {bad}; choose from {sorted(PLANNERS)} or {RECORDED!r}")
     if trace.num_experts % s.ep:
-        raise ValueError(f"the trace's {trace.num_experts} experts do not divide over EP {s.ep}")
+        raise InputError(f"the trace's {trace.num_experts} experts do not divide over EP {s.ep}")
     if RECORDED in planners and s.ep != trace.world:
-        raise ValueError(f"'recorded' replays the trace's plans, made for EP {trace.world}; use --ep {trace.world}")
+        raise InputError(f"'recorded' replays the trace's plans, made for EP {trace.world}; use --ep {trace.world}")
     info = s.resolved()
     fab = info["fabric"]
     wb, gb, flop = info["weight_bytes"], info["grad_bytes"], info["flop_per_token"]

@@ -31,6 +31,7 @@ from ..cuda.support import NotAvailableError, require
 from .host import HostTransport
 from .p2p import P2PTransport
 from .split import SplitTransport
+from ..errors import InputError
 
 TRANSPORTS: dict[str, type] = {"host": HostTransport, "p2p": P2PTransport, "split": SplitTransport}
 GPU_TRANSPORTS = ("tma", "copy_engine")  # transports whose windows and masters live on a CUDA device
@@ -80,7 +81,7 @@ def resolve_transport(name: str, device_type: str = "cpu") -> type:
     if name == "copy_engine":
         TRANSPORTS["copy_engine"] = _load_copy_engine()
         return TRANSPORTS["copy_engine"]
-    raise ValueError(
+    raise InputError(
         f"ultracomm: transport {name!r} is not available in this build; "
         f"transports: {sorted({*TRANSPORTS, *GPU_TRANSPORTS})} (set ULTRACOMM_TRANSPORT or transport=...)"
     )

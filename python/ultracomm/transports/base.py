@@ -35,7 +35,7 @@ from typing import Any, ClassVar, Sequence
 import torch
 
 from .. import _core
-from ..errors import RegistrationError
+from ..errors import InputTypeError, RegistrationError
 from ..records import Op
 
 #: Constructor keywords a transport may declare in ``options``.
@@ -81,7 +81,7 @@ class Transport(abc.ABC):
         super().__init_subclass__(**kw)
         bad = set(cls.options) - OPTIONS
         if bad:
-            raise TypeError(
+            raise InputTypeError(
                 f"transport {cls.__name__} declares unknown options {sorted(bad)}; known: {sorted(OPTIONS)}"
             )
 

@@ -14,6 +14,7 @@ import collections
 import dataclasses
 import math
 from typing import Any, Optional, Sequence
+from ..errors import InputError
 
 __all__ = [
     "AlphaBeta",
@@ -48,11 +49,11 @@ class AlphaBeta:
 
     def __post_init__(self) -> None:
         if not (self.alpha_s >= 0 and math.isfinite(self.alpha_s)):
-            raise ValueError(f"ultracomm: alpha_s must be a finite number >= 0, got {self.alpha_s!r}")
+            raise InputError(f"ultracomm: alpha_s must be a finite number >= 0, got {self.alpha_s!r}")
         if not (self.beta_Bps > 0 and math.isfinite(self.beta_Bps)):
-            raise ValueError(f"ultracomm: beta_Bps must be a positive finite number, got {self.beta_Bps!r}")
+            raise InputError(f"ultracomm: beta_Bps must be a positive finite number, got {self.beta_Bps!r}")
         if not (self.op_alpha_s >= 0 and math.isfinite(self.op_alpha_s)):
-            raise ValueError(f"ultracomm: op_alpha_s must be a finite number >= 0, got {self.op_alpha_s!r}")
+            raise InputError(f"ultracomm: op_alpha_s must be a finite number >= 0, got {self.op_alpha_s!r}")
 
     def pipeline_chunk(self, nbytes: int, levels: int = 1) -> int:
         """The chunk that minimises ``ceil(nbytes / c) * alpha + levels * (c / beta + alpha)``

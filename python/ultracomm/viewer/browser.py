@@ -8,6 +8,7 @@ import os
 import shutil
 from pathlib import Path
 from typing import Any, Optional, Union
+from ..errors import UltracommError
 
 __all__ = ["CHROMIUM_ARGS", "find_chromium", "launch", "screenshot"]
 
@@ -34,7 +35,7 @@ def launch(playwright: Any, executable: Optional[str] = None) -> Any:
     install when there is none."""
     exe = executable or find_chromium()
     if exe is None:
-        raise RuntimeError(
+        raise UltracommError(
             "no Chromium found: install the distribution's package (Debian: apt-get install "
             "chromium); Playwright's own browser downloads are not used"
         )
@@ -49,7 +50,7 @@ def screenshot(
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
-        raise RuntimeError(
+        raise UltracommError(
             "screenshots need Playwright's Python package: pip install playwright "
             "(no browser download: the system's Chromium is used)"
         ) from None

@@ -26,6 +26,7 @@ import numpy as np
 
 from ..profile import OPS, Trace
 from ..profile.fields import schedule_stats
+from ..errors import InputError
 
 __all__ = ["build_payload", "default_domain", "step_bins"]
 
@@ -233,7 +234,7 @@ def build_payload(
     a = trace.arrays
     n = len(trace)
     if n == 0:
-        raise ValueError("the trace holds no records")
+        raise InputError("the trace holds no records")
     layers = trace.layers
     ustep, sidx = np.unique(a["step"], return_inverse=True)
     sidx = sidx.reshape(-1)

@@ -41,6 +41,7 @@ from .local import LocalWindow
 from .nvshmem import NvshmemWindow
 from .private import PrivateWindow
 from .torch_symm import TorchSymmWindow
+from ..errors import InputError
 
 log = logging.getLogger("ultracomm")
 
@@ -88,7 +89,7 @@ def resolve_provider(provider: str, comm: Comm, device_type: str = "cpu", allowe
         log.info("ultracomm: rank %d: window auto -> %s", comm.rank, chosen)
         return chosen
     if provider not in PROVIDERS:
-        raise ValueError(
+        raise InputError(
             f"ultracomm: window provider {provider!r} is not available in this build; "
             f"choose one of {sorted(PROVIDERS)} (ULTRACOMM_WINDOW or window=...)"
         )

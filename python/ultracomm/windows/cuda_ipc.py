@@ -24,6 +24,7 @@ from ..comm import Comm
 from ..cuda.support import resolve_device, torch_cuda_reason
 from .base import Window
 from .gpu_common import check_usable, zero_and_barrier
+from ..errors import InputError
 
 
 def _export(local: torch.Tensor) -> dict:
@@ -96,7 +97,7 @@ class CudaIpcWindow(Window):
         local = mine["local"]
         hosts = sorted({e["host"] for r, e in enumerate(exports) if reach is None or reach[r]})
         if len(hosts) > 1:
-            raise ValueError(
+            raise InputError(
                 f"ultracomm: cuda_ipc needs every rank on one host, the group spans {hosts}; "
                 "use window='torch_symm' for a multi-node NVLink domain"
             )
@@ -114,7 +115,7 @@ class CudaIpcWindow(Window):
                     bases.append(0)
                     continue
                 if e["nbytes"] != nbytes:
-                    raise ValueError(
+                    raise InputError(
                         f"rank {r}'s window has {e['nbytes']} bytes, this rank's {nbytes}: ranks disagree on the layout"
                     )
                 s = _open(e, dev)

@@ -17,6 +17,7 @@ from ..comm import Comm
 from ..cuda.support import resolve_device, torch_cuda_reason
 from .base import Window
 from .gpu_common import check_usable, zero_and_barrier
+from ..errors import InputError
 
 
 class CudaLocalWindow(Window):
@@ -48,7 +49,7 @@ class CudaLocalWindow(Window):
         )
         devices = [p.device.index for p in peers]
         if len(set(devices)) != 1:
-            raise ValueError(
+            raise InputError(
                 f"ultracomm: cuda_local puts every loopback rank on one GPU, but ranks chose devices "
                 f"{devices}; pass the same device= on every rank"
             )

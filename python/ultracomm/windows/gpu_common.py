@@ -15,6 +15,7 @@ import torch
 
 from ..comm import Comm
 from ..cuda.support import require
+from ..errors import InputError
 
 
 def check_usable(cls: Any, comm: Comm) -> None:
@@ -23,7 +24,7 @@ def check_usable(cls: Any, comm: Comm) -> None:
     require(f"the {cls.provider} window", need_module=False)
     why = cls.unavailable_reason(comm)
     if why:
-        raise ValueError(f"ultracomm: {why}")
+        raise InputError(f"ultracomm: {why}")
 
 
 def zero_and_barrier(comm: Comm, local: torch.Tensor, op: str) -> None:

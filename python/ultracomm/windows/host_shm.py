@@ -32,7 +32,7 @@ import uuid
 import torch
 
 from ..comm import Comm
-from ..errors import PeerError, UltracommError
+from ..errors import InputError, PeerError, UltracommError
 from .base import Window
 
 SHM_DIR = "/dev/shm"
@@ -50,7 +50,7 @@ def check_segment_name(name: object, rank: int) -> str:
     """``name`` if it is a segment name this module generates for ``rank``; else ValueError."""
     m = _NAME.match(name) if isinstance(name, str) else None
     if m is None or int(m.group(3)) != rank:
-        raise ValueError(
+        raise InputError(
             f"ultracomm: rank {rank} sent host_shm segment name {name!r}, which is not one ultracomm "
             f"generates for rank {rank} (ultracomm-<pid>-<12 hex digits>-r{rank}); refusing to open it"
         )
@@ -117,16 +117,16 @@ def _map(path: str, nbytes: int, create: bool) -> mmap.mmap:
             try:  # reserve the pages now: tmpfs over-commits, and a full /dev/shm would SIGBUS later
                 os.posix_fallocate(fd, 0, nbytes)
             except OSError as e:
-                raise RuntimeError(
+                raise UltracommError(
                     f"ultracomm: cannot reserve {nbytes} bytes in {SHM_DIR} for the host_shm window ({e}); "
                     f"free space there or enlarge it (containers: --shm-size)"
                 ) from e
         else:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
-                raise ValueError(f"ultracomm: {path} is not a regular file; refusing to map it")
+                raise InputError(f"ultracomm: {path} is not a regular file; refusing to map it")
             if st.st_size != nbytes:
-                raise ValueError(
+                raise InputError(
                     f"ultracomm: shared-memory segment {path} has {st.st_size} bytes, expected {nbytes}: "
                     "ranks disagree on the window size (different layouts or slots_per_rank?)"
                 )
@@ -173,7 +173,7 @@ class HostShmWindow(Window):
     ) -> "HostShmWindow":
         def choose_name() -> str:
             if not os.path.isdir(SHM_DIR):
-                raise RuntimeError(f"ultracomm: host_shm needs {SHM_DIR} (POSIX shared memory); it is missing here")
+                raise UltracommError(f"ultracomm: host_shm needs {SHM_DIR} (POSIX shared memory); it is missing here")
             sweep_stale_segments()
             return segment_name(comm.rank)
 

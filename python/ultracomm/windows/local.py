@@ -6,6 +6,7 @@ import torch
 
 from ..comm import Comm
 from .base import Window
+from ..errors import InputError
 
 
 class LocalWindow(Window):
@@ -20,7 +21,7 @@ class LocalWindow(Window):
     @classmethod
     def create(cls, comm: Comm, nbytes: int, op: str = "window setup") -> "LocalWindow":
         if comm.kind != "loopback":
-            raise ValueError("ultracomm: the 'local' window needs a LoopbackGroup (ranks as threads of one process)")
+            raise InputError("ultracomm: the 'local' window needs a LoopbackGroup (ranks as threads of one process)")
         # loopback: objects are shared, not copied
         peers = comm.agree(lambda: torch.zeros(nbytes, dtype=torch.uint8), op=op, what="local window exchange")
         buf = peers[comm.rank]

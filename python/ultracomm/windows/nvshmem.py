@@ -35,6 +35,7 @@ from ..comm import Comm
 from ..cuda.support import NotAvailableError, resolve_device, torch_cuda_reason
 from .base import Window
 from .gpu_common import zero_and_barrier
+from ..errors import InputError
 
 __all__ = ["NvshmemWindow", "nvshmem_module", "nvshmem_reason", "finalize"]
 
@@ -134,7 +135,7 @@ class NvshmemWindow(Window):
             for r in range(comm.world):
                 t = local if r == comm.rank else nv.get_peer_tensor(local, r)
                 if t is None or t.data_ptr() == 0:
-                    raise ValueError(
+                    raise InputError(
                         f"ultracomm: rank {comm.rank} cannot reach rank {r}'s nvshmem window by load/store "
                         "(nvshmem_ptr is NULL: not in this NVLink domain); use transport='p2p' for ranks "
                         "across domains"

@@ -24,6 +24,7 @@ from ..cuda.fabric import device_uuid
 from ..cuda.support import resolve_device, torch_cuda_reason
 from .base import Window
 from .gpu_common import check_usable, zero_and_barrier
+from ..errors import InputError, UltracommError
 
 
 def _symm_module():
@@ -83,7 +84,7 @@ class TorchSymmWindow(Window):
         for r, w in enumerate(where):
             q = where.index(w)
             if q != r:
-                raise ValueError(
+                raise InputError(
                     f"ultracomm: window 'torch_symm' needs one GPU per rank, but ranks {q} and {r} use "
                     f"the same GPU ({dev} on {w[0]}); use window='cuda_ipc' for ranks that share a GPU"
                 )
@@ -100,7 +101,7 @@ class TorchSymmWindow(Window):
             ptrs = [int(p) for p in handle.buffer_ptrs]
             offset = local.data_ptr() - ptrs[comm.rank] if len(ptrs) == comm.world else -1
             if offset < 0:
-                raise RuntimeError(
+                raise UltracommError(
                     f"rendezvous returned {len(ptrs)} buffers (world {comm.world}) with this rank's "
                     f"tensor at offset {offset}"
                 )
@@ -110,7 +111,7 @@ class TorchSymmWindow(Window):
         # symmetric allocation puts the tensor at the same offset everywhere; check, do not assume
         offsets = comm.agree(mapped, op=op, what="torch_symm rendezvous")
         if len(set(offsets)) != 1:
-            raise RuntimeError(f"ultracomm: torch_symm tensors sit at different offsets of their buffers {offsets}")
+            raise UltracommError(f"ultracomm: torch_symm tensors sit at different offsets of their buffers {offsets}")
         offset = offsets[comm.rank]
         zero_and_barrier(comm, local, op)
         return cls(comm.rank, comm.world, local, handle, [p + offset for p in mine["ptrs"]], offset)

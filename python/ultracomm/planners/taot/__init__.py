@@ -91,6 +91,7 @@ from .consolidation import consolidate_replicas
 from .matching import _match, column_first_matching, spill_of
 from .sinkhorn import sinkhorn
 from .tables import _tables, topology_cost
+from ...errors import InputError
 
 __all__ = [
     "plan",
@@ -159,7 +160,7 @@ def plan(
     ``intra_first=False``).
     """
     if spill not in ("dynamic", "paper"):
-        raise ValueError(f"spill must be 'dynamic' or 'paper', got {spill!r}")
+        raise InputError(f"spill must be 'dynamic' or 'paper', got {spill!r}")
     load = as_load(load, domain)
     K = check_slots(slots_per_rank)
     opts = dict(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from .backend import _core_mod, _use_cpp
+from ...errors import InputError
 
 _NEG = -np.inf
 
@@ -86,7 +87,7 @@ def lagrangian_auction(
         best = score[rstar, np.arange(active.size)]
         ok = best > _NEG
         if not ok.all():  # pragma: no cover - demand exceeds supply
-            raise ValueError("auction demand exceeds the tokens of its expert")
+            raise InputError("auction demand exceeds the tokens of its expert")
         o = np.lexsort((active, -best, rstar))  # per rank: best net bonus, lowest slot
         r_o = rstar[o]
         s_o = active[o]

@@ -4,6 +4,7 @@ else the numpy reference; ``backend="cpp"`` / ``"numpy"`` chooses explicitly.  B
 bit-identical plans."""
 
 from __future__ import annotations
+from ...errors import InputError, UltracommError
 
 try:  # compiled loops (csrc/planners/taot.cpp); numpy reference otherwise
     from ... import _core as _core_mod
@@ -19,8 +20,8 @@ def _use_cpp(backend: str | None) -> bool:
         return _HAVE_CPP
     if backend == "cpp":
         if not _HAVE_CPP:
-            raise RuntimeError("ultracomm._core has no TAOT loops; rebuild the core")
+            raise UltracommError("ultracomm._core has no TAOT loops; rebuild the core")
         return True
     if backend == "numpy":
         return False
-    raise ValueError(f"backend must be 'auto', 'cpp' or 'numpy', got {backend!r}")
+    raise InputError(f"backend must be 'auto', 'cpp' or 'numpy', got {backend!r}")

@@ -15,6 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from .plan import EPOCH, Cmd
+from ...errors import InputError
 
 __all__ = ["PTX", "NVCC", "KERNEL", "THREADS", "descriptor", "pack"]
 
@@ -35,7 +36,7 @@ def descriptor(gate: Cmd) -> np.ndarray:
     copies = [p for p in gate.parts if p.kind == "copy"]
     writes = [p for p in gate.parts if p.kind == "write"]
     if len(waits) + len(copies) + len(writes) != len(gate.parts):
-        raise ValueError(
+        raise InputError(
             f"ultracomm: a copy_engine gate holds only waits, copies and writes, got {[p.kind for p in gate.parts]}"
         )
     words = [len(waits), len(copies), len(writes), 0]

@@ -57,6 +57,7 @@ import numpy as np
 
 from ...records import MASTER, Op
 from ..segments import member_segments
+from ...errors import UltracommError
 
 __all__ = [
     "Cmd",
@@ -310,7 +311,7 @@ def submission_order(programs: Sequence[Sequence[Cmd]]) -> list[tuple[int, Cmd]]
     for r, cmds in enumerate(programs):
         keys = [(c.phase, c.order) for c in cmds]
         if any(a > b for a, b in zip(keys, keys[1:])):
-            raise RuntimeError(f"ultracomm: rank {r}'s copy_engine commands are not in (chunk, level) order")
+            raise UltracommError(f"ultracomm: rank {r}'s copy_engine commands are not in (chunk, level) order")
         items += [((k, r, i), r, c) for i, (k, c) in enumerate(zip(keys, cmds))]
     items.sort(key=lambda x: x[0])
     return [(r, c) for _, r, c in items]
@@ -376,7 +377,7 @@ def simulate(
         if not runnable:
             stuck = [(k[0], k[1], queues[k][pos[k]]) for k in live]
             if on_stall is None:
-                raise RuntimeError(
+                raise UltracommError(
                     "copy_engine commands deadlock: "
                     + "; ".join(f"rank {r} stream {s}: {c.kind} {c.what}" for r, s, c in stuck)
                 )
@@ -402,4 +403,4 @@ def simulate(
                     elif p.kind == "write":
                         _u64(p.addr).value = value(p)
         pos[key] += 1
-    raise RuntimeError("copy_engine simulation did not finish")
+    raise UltracommError("copy_engine simulation did not finish")

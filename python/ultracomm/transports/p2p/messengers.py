@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ...comm import live_group
-from ...errors import UltracommTimeout
+from ...errors import InputError, UltracommError, UltracommTimeout
 
 __all__ = ["TorchMessenger", "LoopbackMessenger", "PostError", "messenger_for", "peer_failure"]
 
@@ -54,7 +54,7 @@ def channel_of(comm: Any) -> int:
 def channel_tag(tag: int, channel: int) -> int:
     out = int(tag) * CHANNELS + channel
     if out > _MAX_TAG:
-        raise ValueError(f"ultracomm: p2p message tag {tag} is too large (at most {_MAX_TAG // CHANNELS} per pair)")
+        raise InputError(f"ultracomm: p2p message tag {tag} is too large (at most {_MAX_TAG // CHANNELS} per pair)")
     return out
 
 
@@ -65,12 +65,12 @@ class TorchMessenger:
         self.channel = channel
         backend = self.backend = str(dist.get_backend(group)).lower()
         if device.type == "cpu" and "gloo" not in backend:
-            raise ValueError(
+            raise InputError(
                 f"ultracomm: transport 'p2p' on the CPU needs a gloo process group, this one is "
                 f"{backend!r}; create the Context with device='cuda' for NCCL, or use a gloo group"
             )
         if device.type == "cuda" and "nccl" not in backend:
-            raise ValueError(
+            raise InputError(
                 f"ultracomm: transport 'p2p' on {device} needs an NCCL process group, this one is {backend!r}"
             )
         self._group_ref = weakref.ref(group)  # weak, as in TorchComm: ultracomm must not keep a destroyed group alive
@@ -188,13 +188,13 @@ class _Receive:
         b = self.boxes
         with b.cv:
             if not b.cv.wait_for(lambda: len(b.boxes[self.key]) > 0, timeout=timeout.total_seconds()):
-                raise TimeoutError(
+                raise UltracommTimeout(
                     f"loopback p2p: nothing from rank {self.key[0]} with tag {self.key[2]} within "
                     f"{timeout.total_seconds():g} s"
                 )
             data = b.boxes[self.key].popleft()
         if data.numel() != self.out.numel():
-            raise RuntimeError(
+            raise UltracommError(
                 f"loopback p2p: rank {self.key[0]} sent {data.numel()} bytes with tag {self.key[2]}, "
                 f"rank {self.key[1]} expected {self.out.numel()}"
             )
@@ -234,14 +234,14 @@ def messenger_for(comm: Any, world: int, device: torch.device):
     kind = getattr(comm, "kind", None)
     if kind == "loopback":
         if device.type != "cpu":
-            raise ValueError(
+            raise InputError(
                 "ultracomm: transport 'p2p' on a LoopbackGroup runs on the CPU only; use transport='tma' "
                 "with a cuda_local window for one-GPU loopback domains"
             )
         return LoopbackMessenger(comm, channel_of(comm))
     group = getattr(comm, "pg", None)
     if kind != "torch" or group is None:
-        raise ValueError(
+        raise InputError(
             f"ultracomm: transport 'p2p' needs a torch.distributed process group or a LoopbackGroup, "
             f"got {type(comm).__name__}"
         )

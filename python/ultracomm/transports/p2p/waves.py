@@ -31,6 +31,7 @@ import numpy as np
 from ...host_memory import page_aligned_empty
 from ...records import MASTER, Op
 from ..segments import member_segments
+from ...errors import InputError
 
 __all__ = ["Message", "Program", "build_program", "multicast_depths", "reduce_heights", "cached_program"]
 
@@ -170,7 +171,7 @@ def reduce_heights(schedule, slot_src: np.ndarray, home_of: np.ndarray) -> tuple
 
 def _check(ok: bool, what: str) -> None:
     if not ok:
-        raise ValueError(
+        raise InputError(
             f"ultracomm p2p: the schedule's tasks and trees disagree: {what}; rebuild the schedule "
             "with this build of ultracomm"
         )

@@ -39,7 +39,7 @@ import torch
 
 from ... import _core
 from ..costs import COSTS, Route, split_route
-from ...errors import UltracommError
+from ...errors import InputError, UltracommError
 from ...records import Op
 from .bridge import BridgeLanes, BridgeRun
 from .bridge_direct import MAX_SEGMENTS, DirectBridge, DirectPlan, build_direct_plan
@@ -104,15 +104,15 @@ class SplitTransport(Transport):
         tile_bytes: int = DEFAULT_TILE_BYTES,
     ):
         if domain_of is None or len(domain_of) != world:
-            raise ValueError(
+            raise InputError(
                 f"ultracomm: transport 'split' needs domain_of, one memory domain per rank ({world}); got {domain_of!r}"
             )
         if split_route not in ("auto", "split", "messages"):
-            raise ValueError(
+            raise InputError(
                 f"ultracomm: transport 'split': split_route must be auto, split or messages; got {split_route!r}"
             )
         if window.local.device.type != "cpu":
-            raise ValueError(
+            raise InputError(
                 "ultracomm: SplitTransport runs on the CPU (host executor inside a domain); for a GPU "
                 "window the split is ultracomm.transports.split.cuda.SplitCudaTransport (a Context "
                 "with transport='split' on a CUDA device picks it)"
@@ -126,7 +126,7 @@ class SplitTransport(Transport):
         self.domain_of = tuple(int(d) for d in domain_of)
         for r, b in enumerate(window.peer_bases):
             if self.domain_of[r] == self.domain_of[rank] and not b:
-                raise ValueError(
+                raise InputError(
                     f"ultracomm: transport 'split': rank {r} is in this rank's memory domain but the "
                     f"window does not reach it"
                 )

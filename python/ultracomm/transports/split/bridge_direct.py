@@ -41,6 +41,7 @@ from ...records import MASTER, REF_DTYPE, Op
 from ..segments import member_segments
 from .bridge import BridgeLanes, BridgeRun
 from .bridge_program import BridgeProgram, Crossing
+from ...errors import InputError
 
 __all__ = ["Part", "DirectPlan", "build_direct_plan", "DirectBridge", "MAX_SEGMENTS"]
 
@@ -108,7 +109,7 @@ def build_direct_plan(
     """Rank ``prog.rank``'s :class:`DirectPlan` of ``prog.op`` (see the module docstring)."""
     op, rank = prog.op, prog.rank
     if len(member_off) > MAX_SEGMENTS:
-        raise ValueError(f"ultracomm split: {len(member_off)} members; direct crossings take at most {MAX_SEGMENTS}")
+        raise InputError(f"ultracomm split: {len(member_off)} members; direct crossings take at most {MAX_SEGMENTS}")
     me = domain_of[rank]
     relay_slots = {int(t["self_slot"]) for t in tasks if int(t["self_slot"]) != MASTER}
 

@@ -32,6 +32,7 @@ import numpy as np
 
 from ...records import MASTER, Op
 from ..p2p.waves import multicast_depths, reduce_heights
+from ...errors import InputError
 
 __all__ = ["Crossing", "BridgeProgram", "build_bridge_program"]
 
@@ -79,7 +80,7 @@ class BridgeProgram:
 
 def _check(ok: bool, what: str) -> None:
     if not ok:
-        raise ValueError(
+        raise InputError(
             f"ultracomm split: the schedule's tasks and trees disagree: {what}; rebuild the schedule "
             "with this build of ultracomm"
         )

@@ -59,7 +59,7 @@ import torch
 
 from ...cuda.support import make_error_record, raise_record
 from ...env import cuda_device_max_connections
-from ...errors import UltracommError
+from ...errors import InputError, UltracommError
 from ...cuda.loopback_launch import Deposit, launches_for
 from ...records import Op
 from .bridge_program import build_bridge_program
@@ -150,7 +150,7 @@ class SplitCudaTransport(Transport):
         gates: Any = None,
     ):
         if domain_of is None or len(domain_of) != world:
-            raise ValueError(
+            raise InputError(
                 f"ultracomm: transport 'split' needs domain_of, one memory domain per rank ({world}); got {domain_of!r}"
             )
         self.rank, self.world = rank, world
@@ -160,7 +160,7 @@ class SplitCudaTransport(Transport):
         me = self.domain_of[rank]
         for r, b in enumerate(window.peer_bases):
             if self.domain_of[r] == me and not b:
-                raise ValueError(
+                raise InputError(
                     f"ultracomm: transport 'split': rank {r} is in this rank's memory domain but the "
                     "window does not reach it"
                 )

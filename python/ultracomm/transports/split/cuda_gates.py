@@ -38,6 +38,7 @@ import torch
 
 from ..copy_engine.gate import KERNEL, PTX, THREADS
 from .stream import WAIT_GE, WRITE, StreamOp
+from ...errors import InputError
 
 __all__ = ["GATE_SM_RESERVE", "Gates", "gated", "table_words", "gate_args", "run_gate_on_host"]
 
@@ -177,7 +178,7 @@ def run_gate_on_host(
     w = lambda at, n: list((ctypes.c_uint64 * n).from_address(at))  # noqa: E731
     n_wait, n_copy, n_write, _ = w(desc, 4)
     if n_copy:
-        raise ValueError("ultracomm split: a side-stream gate holds no copies")
+        raise InputError("ultracomm split: a side-stream gate holds no copies")
     if read(abort_word):  # as the kernel: the abort word at entry, then while waiting
         return False
     at = desc + 32

@@ -37,6 +37,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 import torch
 
 from .stream import COPY, OWN, RECV, SEND, Ref, StreamOp
+from ...errors import InputError
 
 __all__ = [
     "Spaces",
@@ -192,7 +193,7 @@ def enqueue_rank_stream(
             if mark is not None:
                 mark(k)
         else:
-            raise ValueError(f"ultracomm split: a rank's stream cannot hold {op.kind!r} ({op.what})")
+            raise InputError(f"ultracomm split: a rank's stream cannot hold {op.kind!r} ({op.what})")
 
 
 def enqueue_loopback(
@@ -221,4 +222,4 @@ def enqueue_loopback(
             if mark is not None:
                 mark(k)
         else:
-            raise ValueError(f"ultracomm split: a loopback sequence cannot hold {op.kind!r} ({op.what})")
+            raise InputError(f"ultracomm split: a loopback sequence cannot hold {op.kind!r} ({op.what})")

@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Any, Iterable, Sequence
 
 import torch
+from ...errors import InputError
 
 __all__ = ["DeviceShadows", "NO_SHADOW"]
 
@@ -51,7 +52,7 @@ class DeviceShadows:
         made = False
         for q in peers:
             if self.domain_of[q] == self.domain_of[self.rank]:
-                raise ValueError(
+                raise InputError(
                     f"ultracomm split: rank {q} shares rank {self.rank}'s memory domain; it gets no "
                     "shadow (the bridge program and the domains disagree)"
                 )

@@ -47,7 +47,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ...errors import UltracommTimeout
+from ...errors import InputError, UltracommTimeout
 from ..copy_engine.watchdog import ABORT, pinned_words
 from .stream import COPY, RECV, SEND, StreamOp
 
@@ -113,7 +113,7 @@ class SideWatchdog:
         self.rank, self.timeout_s, self.on_failure = rank, float(timeout_s), on_failure
         self.words = words if words is not None else pinned_words(WORDS)
         if self.words.numel() < WORDS:
-            raise ValueError(f"ultracomm split: the side watchdog needs {WORDS} host words, got {self.words.numel()}")
+            raise InputError(f"ultracomm split: the side watchdog needs {WORDS} host words, got {self.words.numel()}")
         self.clock, self.poll_s, self.autostart = clock, poll_s, autostart
         self.abort_group, self.grace_s = abort_group, float(grace_s)
         self.abort_error: Optional[BaseException] = None  # what abort_group raised, if anything

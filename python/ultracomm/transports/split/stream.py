@@ -59,6 +59,7 @@ from typing import Optional, Sequence
 
 from ...records import Op
 from .bridge_program import BridgeProgram, Crossing
+from ...errors import InputError
 
 __all__ = [
     "OWN",
@@ -203,15 +204,15 @@ def messages(prog: BridgeProgram, wl: dict) -> list[Message]:
         out += _header_messages(wl, prog.op, me, q) + _header_messages(wl, prog.op, q, me)
     for x in prog.sends:
         if x.src != me:
-            raise ValueError(f"ultracomm split: rank {me}'s bridge program sends {x} of another rank")
+            raise InputError(f"ultracomm split: rank {me}'s bridge program sends {x} of another rank")
         out.append(_crossing_message(wl, mc, x))
     for x in prog.recvs:
         if x.dst != me:
-            raise ValueError(f"ultracomm split: rank {me}'s bridge program receives {x} for another rank")
+            raise InputError(f"ultracomm split: rank {me}'s bridge program receives {x} for another rank")
         out.append(_crossing_message(wl, mc, x))
     keys = [m.key for m in out]
     if len(set(keys)) != len(keys):
-        raise ValueError(f"ultracomm split: rank {me}'s bridge program lists a message twice")
+        raise InputError(f"ultracomm split: rank {me}'s bridge program lists a message twice")
     return sorted(out, key=lambda m: m.key)
 
 
@@ -220,7 +221,7 @@ def rank_stream(msgs: Sequence[Message], rank: int, order: str = "global") -> li
     is the only deadlock-free one; ``"sends_first"`` (every send before every receive) exists so
     a test can show that the simulation catches a deadlock."""
     if order not in ("global", "sends_first"):
-        raise ValueError(f"ultracomm split: unknown stream order {order!r}")
+        raise InputError(f"ultracomm split: unknown stream order {order!r}")
     seq = list(msgs)
     if order == "sends_first":
         seq = [m for m in seq if m.src == rank] + [m for m in seq if m.src != rank]
@@ -237,7 +238,7 @@ def rank_stream(msgs: Sequence[Message], rank: int, order: str = "global") -> li
             if m.dst_write is not None:
                 out.append(StreamOp(WRITE, m.dst_write, key=m.key, what=f"flag after {m.what}"))
         else:
-            raise ValueError(f"ultracomm split: {m.what} does not involve rank {rank}")
+            raise InputError(f"ultracomm split: {m.what} does not involve rank {rank}")
     return out
 
 
@@ -260,7 +261,7 @@ def loopback_sequence(progs: Sequence[BridgeProgram], wl: dict) -> list[StreamOp
         ms = by_key[key]
         if len(ms) != 2 or ms[0] != ms[1]:
             ends = sorted({p.rank for p in progs if any(m.key == key for m in messages(p, wl))})
-            raise ValueError(
+            raise InputError(
                 f"ultracomm split: {ms[0].what} is listed by ranks {ends} (expected both ends, alike): "
                 "the ranks' bridge programs disagree"
             )

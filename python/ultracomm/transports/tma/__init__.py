@@ -91,6 +91,7 @@ from ..base import GRAD_DTYPE_CODE, Masters, Transport
 from .plan_slots import PlanSlots, arena_bounds, arena_bytes
 from .loopback import runner_for
 from .resident import ResidentSlots, Share
+from ...errors import InputError
 
 __all__ = ["TmaTransport"]
 
@@ -130,10 +131,10 @@ class TmaTransport(Transport):
         reduce_path: str = "hunk",
     ):
         if reduce_path not in REDUCE_PATHS:
-            raise ValueError(f"ultracomm: reduce_path must be one of {', '.join(REDUCE_PATHS)}, got {reduce_path!r}")
+            raise InputError(f"ultracomm: reduce_path must be one of {', '.join(REDUCE_PATHS)}, got {reduce_path!r}")
         local = window.local
         if getattr(local, "device", None) is None or local.device.type != "cuda":
-            raise ValueError(
+            raise InputError(
                 f"ultracomm: the tma transport needs a GPU window, got {window.provider!r} on "
                 f"{getattr(local, 'device', 'host')}"
             )
@@ -145,7 +146,7 @@ class TmaTransport(Transport):
         self.window, self.wlayout, self.layout = window, dict(wlayout), layout
         self.timeout_s = float(timeout_s)
         if plan_slots < 0:
-            raise ValueError(f"ultracomm: plan_slots must be >= 0, got {plan_slots}")
+            raise InputError(f"ultracomm: plan_slots must be >= 0, got {plan_slots}")
         self.plan_slots = int(plan_slots)
         self._arena_shape = None
         if experts_per_rank is not None:
@@ -170,7 +171,7 @@ class TmaTransport(Transport):
         )
         self.runner = self._loopback.runner if self._loopback is not None else self._cuda.Runner(self.device)
         if reduce_path == "tma" and self.runner.mover != "tma":
-            raise ValueError(
+            raise InputError(
                 f"ultracomm: reduce_path='tma' (ULTRACOMM_REDUCE_PATH) stages gradients through shared memory with "
                 f"bulk copies, which need sm_90 or newer; device {self.device} runs the {self.runner.mover} mover "
                 "(sm_80): use reduce_path='hunk'"
@@ -187,7 +188,7 @@ class TmaTransport(Transport):
         )
         for what, v in (("multicast_sms", self.multicast_sms), ("reduce_sms", self.reduce_sms)):
             if v < 1:
-                raise ValueError(f"ultracomm: {what} must be >= 1, got {v}")
+                raise InputError(f"ultracomm: {what} must be >= 1, got {v}")
         log.debug(
             "ultracomm tma: rank %d device %d (%s mover, %d SMs): multicast_sms=%d reduce_sms=%d reduce_path=%s",
             rank,

@@ -21,6 +21,7 @@ from ...cuda.support import make_error_record, raise_record, record_epoch
 from ...cuda.loopback_launch import Deposit
 from .plan_slots import PlanSlots, arena_bounds
 from .resident import ResidentSlots
+from ...errors import InputError
 
 __all__ = ["LoopbackRunner", "runner_for"]
 _REJECTED = 3  # ErrorCode kRejected (include/ultracomm/records/error_record.h)
@@ -58,7 +59,7 @@ class LoopbackRunner:
             try:
                 vids = {d.item[4] if len(d.item) > 4 else None for d in deposits}
                 if len(vids) > 1:
-                    raise ValueError(
+                    raise InputError(
                         f"ultracomm: loopback ranks ran one operation on different vid slots "
                         f"{sorted(vids, key=str)}; every rank must begin its micro-batches in the same "
                         "order"
@@ -67,7 +68,7 @@ class LoopbackRunner:
                 ctas = max(d.item[2] for d in deposits)
                 if any(s is not None for s in shares):  # a resident plan: built on the device (resident.py)
                     if any(s is None for s in shares):
-                        raise ValueError(
+                        raise InputError(
                             "ultracomm: loopback ranks ran one operation with resident and host-built "
                             "plans; every rank must pass the same kind of plan"
                         )

@@ -27,7 +27,7 @@ import logging
 from collections import OrderedDict
 from typing import Any, Callable, Hashable
 
-from ...errors import UltracommError
+from ...errors import InputError, UltracommError
 
 __all__ = ["PlanSlots", "SCRATCH", "arena_bounds", "arena_bytes"]
 
@@ -67,7 +67,7 @@ class PlanSlots:
 
     def __init__(self, vid_slots: int, capturing: Callable[[], bool] = _capturing):
         if vid_slots < 0:
-            raise ValueError(f"ultracomm: vid_slots must be >= 0, got {vid_slots}")
+            raise InputError(f"ultracomm: vid_slots must be >= 0, got {vid_slots}")
         self.vid_slots = int(vid_slots)
         self.num_slots = self.vid_slots + SCRATCH
         self._capturing = capturing
@@ -82,7 +82,7 @@ class PlanSlots:
         (the slot holds another plan).  Call :meth:`written` once the launch is enqueued."""
         if vid_slot is not None:
             if not 0 <= vid_slot < self.vid_slots:
-                raise ValueError(
+                raise InputError(
                     f"ultracomm: plan slot {vid_slot} is out of range 0..{self.vid_slots - 1} (the "
                     "transport's vid slots: num_layers x max_microbatches)"
                 )

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Sequence
 
-from ...errors import UltracommError
+from ...errors import InputError, UltracommError
 from ...records import Op
 from ..device_schedule import BUILD_ERROR, BUILD_STATUS
 from .plan_slots import PlanSlots
@@ -64,7 +64,7 @@ class ResidentSlots:
         vid slot ``slot``: on the plan's first operation (its ``weight_sync``) the templates that
         changed and the build first.  ``reduce_path``: the launch's (``Runner.launch_slot``)."""
         if slot is None:
-            raise ValueError(
+            raise InputError(
                 "ultracomm: a resident plan runs from its vid's plan slot; pass it through "
                 "Context.weight_sync(vid, ResidentPlan(...))"
             )

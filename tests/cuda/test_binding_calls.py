@@ -273,7 +273,7 @@ class Finder(ast.NodeVisitor):
                 isinstance(node, ast.Assign)
                 and isinstance(node.value, ast.Call)
                 and isinstance(node.value.func, ast.Attribute)
-                and node.value.func.attr == "binding"  # perf/bench_gpu.py: fn, why = self.binding("name")
+                and node.value.func.attr == "binding"  # perf/single_gpu (bench_gpu): fn, why = self.binding("name")
                 and node.value.args
                 and isinstance(node.value.args[0], ast.Constant)
                 and isinstance(node.targets[0], ast.Tuple)

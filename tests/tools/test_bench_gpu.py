@@ -4,6 +4,7 @@ scripts/gpu_check.sh's structure.  The measurements themselves need a device (gp
 from __future__ import annotations
 
 import ctypes
+import inspect
 import json
 import os
 import re
@@ -638,7 +639,7 @@ def test_control_graph_row_with_pdl_beside_the_plain_step():
 def test_control_step_graph_runs_the_four_kernels_once():
     """The whole step captured for the graph rows calls each of the four kernels once, not itself
     (it was its own entry in the dict it iterated: the step's graph row could never be timed)."""
-    src = open(bg.__file__).read()
+    src = open(inspect.getsourcefile(bg.Gpu._control_shape)).read()  # perf/single_gpu/control.py
     body = src[src.index("    def _control_shape(") : src.index("    def control_build(")]
     assert "step = tuple(kernels.values())" in body and "for fn in step:" in body
     assert body.index("step = tuple(kernels.values())") < body.index("kernels[CONTROL_STEP[0]] = whole")

@@ -14,7 +14,7 @@ import torch
 
 import moe_harness as mh
 from conftest import live_threads
-from ultracomm import LoopbackDomain, RegistrationError, UltracommError
+from ultracomm import InputError, LoopbackDomain, RegistrationError, UltracommError
 from ultracomm.moe import ReplicaManager, linear
 from ultracomm.planners.base import build_result
 
@@ -71,13 +71,46 @@ def test_bad_probs_are_refused_before_the_layer_slot_is_taken(probs, message):
 
 def test_bad_routing_map_is_refused():
     def body(group):
-        mgr, _ = manager(group)
+        mgr, params = manager(group)
         with pytest.raises(
             ValueError,
             match=r"^ultracomm: routing_map must be a bool \[tokens, 4\] tensor, got "
             r"torch.int64 \[3, 4\] on cpu$",
         ):
             mgr.step(0, torch.zeros(3, 4, dtype=torch.long))
+        # a routing map without data (meta) was summed anyway: NotImplementedError from torch
+        with pytest.raises(InputError, match=r"^ultracomm: routing_map is on meta; pass it on the CPU or a CUDA"):
+            mgr.step(0, torch.zeros(3, 4, dtype=torch.bool, device="meta"))
+        forward(mgr, params, group).backward()  # the layer's one slot is still free
+        mgr.close()
+
+    LoopbackDomain(WORLD).run(body)
+
+
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        (None, " takes params as a list with one entry per layout member ['fc1', 'fc2'], got NoneType"),
+        (5, " takes params as a list with one entry per layout member ['fc1', 'fc2'], got int"),
+        (lambda p: p[0], " takes params as a list with one entry per layout member ['fc1', 'fc2'], got Parameter"),
+        (lambda p: [p[0], 3], ": params[1] (fc2) must be a tensor or a list of per-expert tensors, got int"),
+        (
+            lambda p: [p[0], [p[1][0], "w"]],
+            ": params[1] (fc2) must be a tensor or a list of per-expert tensors, got list",
+        ),
+    ],
+)
+def test_register_layer_refuses_what_is_not_tensors(params, message):
+    """Before: None / an int / a lone tensor went into list() or zip() and raised TypeError, or (a lone
+    stacked tensor) were taken apart along its expert dimension."""
+
+    def body(group):
+        mgr = ReplicaManager(group, mh.layout(), EPR, K, 1, timeout_s=20)
+        good = mh.make_params(group.rank, EPR, 1, torch.float32, "stacked", False, False)[0]
+        with pytest.raises(RegistrationError) as err:
+            mgr.register_layer(0, params(good) if callable(params) else params)
+        assert str(err.value) == "ultracomm: register_layer" + message
+        mgr.register_layer(0, good)  # nothing was registered
         mgr.close()
 
     LoopbackDomain(WORLD).run(body)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
+from collections.abc import Iterable
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -57,6 +58,28 @@ def _orphaned(manager_ref: weakref.ref, vid: int) -> None:
     manager = manager_ref()
     if manager is not None:
         manager._orphans.append(vid)
+
+
+def _member_entries(layout: ExpertLayout, params: Any) -> list:
+    """``register_layer``'s ``params`` as a list (one entry per member: a tensor, or a list of
+    per-expert tensors), refused with a RegistrationError before anything is registered."""
+    names = [m.name for m in layout.members]
+    if isinstance(params, torch.Tensor) or not isinstance(params, Iterable):
+        raise RegistrationError(
+            f"ultracomm: register_layer takes params as a list with one entry per layout member {names}, "
+            f"got {type(params).__name__}"
+        )
+    out = []
+    for m, p in enumerate(params):
+        entry = p if isinstance(p, torch.Tensor) else list(p) if isinstance(p, Iterable) else None
+        if entry is None or (isinstance(entry, list) and not all(isinstance(t, torch.Tensor) for t in entry)):
+            what = names[m] if m < len(names) else f"entry {m}"
+            raise RegistrationError(
+                f"ultracomm: register_layer: params[{m}] ({what}) must be a tensor or a list of per-expert "
+                f"tensors, got {type(p).__name__}"
+            )
+        out.append(entry)
+    return out
 
 
 class ReplicaManager:
@@ -209,7 +232,7 @@ class ReplicaManager:
         """
         if not isinstance(layer, int) or not 0 <= layer < self.num_layers:
             raise RegistrationError(f"ultracomm: layer {layer!r} is out of range 0..{self.num_layers - 1}")
-        params = [p if isinstance(p, torch.Tensor) else list(p) for p in params]
+        params = _member_entries(self.layout, params)
         anchors = masters_of(self.layout, params, masters)
         flat = [t for p in params for t in tensors_of(p)]
         dev = flat[0].device if flat else torch.device("cpu")
@@ -368,6 +391,8 @@ class ReplicaManager:
             or routing_map.shape[1] != E
         ):
             raise InputError(f"ultracomm: routing_map must be a bool [tokens, {E}] tensor, got {describe(routing_map)}")
+        if routing_map.device.type not in ("cpu", "cuda"):  # e.g. meta: no counts to exchange
+            raise InputError(f"ultracomm: routing_map is on {routing_map.device}; pass it on the CPU or a CUDA device")
         if probs is None:
             return
         if (

@@ -8,6 +8,8 @@ from typing import Any, Callable
 
 import torch
 import torch.utils.checkpoint as cp
+from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc as _grad_node
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from ultracomm import ExpertLayout, LoopbackDomain, Member
 
@@ -178,7 +180,7 @@ def in_flight(schedule: list[tuple[str, int]]) -> int:
     """Most micro-batches forwarded and not yet backwarded at once."""
     live = peak = 0
     for kind, _ in schedule:
-        live += 1 if kind == "F" else -1
+        live += {"F": 1, "B": -1}.get(kind, 0)
         peak = max(peak, live)
     return peak
 
@@ -214,6 +216,45 @@ def master_grads(params: list[list[Any]], main_grad: bool) -> list[list[torch.Te
         return t.main_grad + grad.float() if main_grad else grad.clone()
 
     return [[g(m) if isinstance(m, torch.Tensor) else torch.stack([g(t) for t in m]) for m in ps] for ps in params]
+
+
+def merge_param_groups(groups: list[dict]) -> list[dict]:
+    """torch.distributed.pipelining's parameter groups with those that share a parameter or an
+    intermediate merged into the first of them (order kept).  torch's ``get_param_groups`` merges
+    a parameter's group into an existing one but leaves the group it first put it in: a parameter
+    whose graph nodes are partly shared (each master of an ultracomm layer: its home GEMMs, and the
+    layer's replica node) can end up in two groups, and the weight pass would run it twice."""
+    out: list[dict] = []
+    for g in groups:
+        hits = [o for o in out if o["params"] & g["params"] or set(o["intermediates"]) & set(g["intermediates"])]
+        if not hits:
+            out.append(g)
+            continue
+        for o in hits[1:] + [g]:
+            for node, grads in zip(o["intermediates"], o["grads"]):
+                if node not in hits[0]["intermediates"]:
+                    hits[0]["intermediates"].append(node)
+                    hits[0]["grads"].append(grads)
+            hits[0]["params"] |= o["params"]
+            if o is not g:
+                out.remove(o)
+    return out
+
+
+def stage_input_pass(loss: torch.Tensor, anchor: torch.Tensor, weights: list, mode: str) -> list[dict]:
+    """torch.distributed.pipelining's input pass (``stage_backward_input``: autograd.grad of the
+    stage input, the grads at the weights' intermediates saved) and its parameter groups, whose
+    weight pass (``stage_backward_weight``) is one ``autograd.grad`` per group.  ``mode``:
+    ``"merged"``: :func:`merge_param_groups` (what the weight pass needs); ``"duplicated"``: merged,
+    plus a group holding layer 0's first master again, as torch's grouping leaves on some ranks
+    (which ranks depends on set order: this makes it every rank's, deterministically)."""
+    groups = merge_param_groups(stage_backward_input([loss], None, [anchor], iter(weights))[1])
+    assert len(groups) > 1, "one parameter group: the weight pass would be one call"
+    if mode == "duplicated":
+        first = _grad_node(weights[0])
+        g = next(g for g in groups if first in g["params"])
+        groups.append({"params": {first}, "intermediates": list(g["intermediates"]), "grads": list(g["grads"])})
+    return groups
 
 
 def train(
@@ -261,6 +302,7 @@ def train_rank(
     counter: Any = None,
     manager_options: dict | None = None,
     backward_members: tuple | None = None,
+    pipelining: str | None = None,
 ):
     """One rank of :func:`train`: micro-batches forwarded and backwarded in ``schedule`` order.
 
@@ -268,7 +310,9 @@ def train_rank(
     ``zero_rank``: a rank whose batches have no token; ``counter``: an object whose ``arm()``
     is called once setup is done (manager built, layers registered) and ``disarm()`` before the
     manager closes (tests counting the calls a training step makes); ``backward_members``: the
-    backward is ``loss.backward(inputs=...)`` with these members' masters only."""
+    backward is ``loss.backward(inputs=...)`` with these members' masters only; ``pipelining``:
+    ``I``/``B`` run torch.distributed.pipelining's ``stage_backward_input``/``stage_backward_weight``
+    (see :func:`stage_input_pass`), with ``main_grad`` under Megatron's DDP flag."""
     from ultracomm.moe import ReplicaManager, linear
 
     lin = lin or linear
@@ -331,9 +375,19 @@ def train_rank(
         return total, anchor
 
     losses = {}
+    if pipelining:
+        weights = [t for ps in params for m in ps for t in ([m] if isinstance(m, torch.Tensor) else m)]
+        for t in weights if main_grad else ():
+            t.grad_added_to_main_grad = False  # Megatron's DDP: fused wgrads return a zero dummy, not None
+        groups = {}
     for kind, mb in order:
         if kind == "F":
             losses[mb] = forward(mb)
+        elif pipelining and kind == "I":
+            groups[mb] = stage_input_pass(*losses[mb], weights, pipelining)
+        elif pipelining:
+            losses.pop(mb)
+            stage_backward_weight(iter(weights), groups.pop(mb))
         elif kind == "I":
             torch.autograd.grad(losses[mb][0], [losses[mb][1]], retain_graph=True)
         else:

@@ -26,6 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import moe_harness as mh
+from ultracomm.errors import UltracommError
 from ultracomm.planners.base import build_result
 
 LAYERS = 2
@@ -224,3 +225,44 @@ def test_backward_with_inputs_naming_some_masters(main_grad):
         for layer, flayer in zip(g, f):
             assert torch.equal(layer[0], flayer[0]), "fc1's grads differ from a full backward's"
             assert not layer[1].any(), "fc2, which the backward did not name, got a gradient"
+
+
+PIPELINING = {
+    "one micro-batch": ("F0 I0 B0", "F0 B0"),
+    "zero bubble, three in flight": ("F0 F1 I0 F2 I1 B0 I2 B1 B2", "F0 F1 F2 B0 B1 B2"),
+}
+
+
+@pytest.mark.parametrize("schedules", list(PIPELINING.values()), ids=list(PIPELINING))
+@pytest.mark.parametrize("kw", [dict(form="list"), dict(form="stacked"), dict(form="list", main_grad=True)])
+def test_torch_pipelining_split_backward(schedules, kw):
+    """torch.distributed.pipelining's split backward, its own functions: ``I`` is
+    ``stage_backward_input`` (input grad, the grads at the weights' intermediates saved), ``B`` is
+    ``stage_backward_weight`` (one ``autograd.grad`` per parameter group: a call per layer here,
+    each reduces its layer), torch's groups merged where they share a parameter (torch's
+    get_param_groups can leave one in two groups: the next test); ``main_grad`` under Megatron's
+    DDP flag.  The masters' gradients match no replication and are bit-identical to a plain
+    ``loss.backward()``.  ``hot=1``: every master gets a token on every rank -- a master that none
+    reached gets None from the replica node (the None-not-zeros contract of
+    test_training_stacks.py), and torch's ``autograd.grad`` per group raises 'appears to not have
+    been used in the graph' for it, where plain torch leaves it out of every group."""
+    schedule, plain = schedules
+    kw = dict(kw, hot=1.0)
+    base = mh.train(4, 2, 2, LAYERS, schedule, planner=no_replication, pipelining="merged", **kw)
+    got = mh.train(4, 2, 2, LAYERS, schedule, pipelining="merged", **kw)
+    assert any(after < before for _, imb in got for before, after in imb), "no step balanced anything"
+    err, where = worst(base, got)
+    assert err <= 1e-5, f"{schedule}: {where} differs from no replication by {err:.3g} of its largest gradient"
+    assert bit_identical(got, mh.train(4, 2, 2, LAYERS, plain, **kw)), "the split backward changed the grads"
+
+
+def test_torch_pipelining_parameter_in_two_groups_raises():
+    """A weight pass that reaches a layer's masters twice (torch's get_param_groups leaves a
+    parameter in the group it was first put in when it merges that group into another: each
+    master of an ultracomm layer shares the layer's replica node, so this happens on ranks
+    chosen by set order; made every rank's here) raises an UltracommError that names the cause
+    and the way out, after the layer's reduce (so no rank waits in it).  Before: 'a step supports
+    one backward pass (no retain_graph re-runs)', naming neither."""
+    with pytest.raises(UltracommError, match="get_param_groups leaving a parameter in two groups") as e:
+        mh.train(4, 2, 2, LAYERS, "F0 I0 B0", pipelining="duplicated", form="list", hot=1.0)
+    assert "layer 0 step" in str(e.value) and "merge the groups that share a parameter" in str(e.value)

@@ -310,9 +310,20 @@ class Step:
 
     def _check_backward(self) -> None:
         if self._state == "reduced":
+            # A second pass that reaches the layer's masters: the reduce ran in the first, so this one
+            # would get no replica gradient (or, re-run, count them twice).  torch.distributed.pipelining's
+            # weight pass (stage_backward_weight, one autograd.grad per parameter group) does this where
+            # its get_param_groups left a master in two groups (a parameter whose graph nodes are partly
+            # shared with another's -- every master shares the layer's replica node -- stays in the group
+            # it was first put in when that group is merged into another; plain torch fails there too).
             raise UltracommError(
-                f"ultracomm: layer {self.layer} step (vid {self.vid}) was already reduced; "
-                "a step supports one backward pass (no retain_graph re-runs)"
+                f"ultracomm: layer {self.layer} step (vid {self.vid}) was already reduced; a step supports one "
+                "backward pass that reaches its masters (no retain_graph re-runs; a weight pass split into "
+                "several backward calls must ask for all masters of a MoE layer in one of them).  Under "
+                "torch.distributed.pipelining's split backward (stage_backward_input / stage_backward_weight) "
+                "this is torch's get_param_groups leaving a parameter in two groups, which would also count "
+                "its own gradient twice: merge the groups that share a parameter or an intermediate before "
+                "stage_backward_weight, or use a schedule whose backward is one call (GPipe, 1F1B, Interleaved1F1B)"
             )
         if self._state == "abandoned":
             raise UltracommError(

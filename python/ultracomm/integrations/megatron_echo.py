@@ -316,7 +316,7 @@ class EchoExpertDispatcher:
             )
         combine = _combine_dtype(dtype, self.policy)
         key = (shape, dtype, combine)
-        call = metadata.dispatched.get(key, 0)  # fc1 and fc2 of one shape get a Context each
+        call = self._call_index(metadata, key, expert_weights)
         member = self._member(key + (call,), w0.device)
         member.register(self.layer, expert_weights)
         vid = member.ctx.begin(self.layer)
@@ -392,6 +392,11 @@ class EchoExpertDispatcher:
             raise
 
     # ------------------------------------------------------------------ internals
+    def _call_index(self, metadata: EchoDispatchMetadata, key: tuple, weights: Sequence[torch.Tensor]) -> int:
+        """Which of this layer's Contexts for ``key`` a dispatch uses: the n-th dispatch of one
+        metadata gets the n-th (fc1 and fc2 of one shape get a Context each)."""
+        return metadata.dispatched.get(key, 0)
+
     def _outputs(
         self, member: _Member, meta: EchoDispatchMetadata, weights: Sequence[torch.Tensor], runtime: torch.dtype
     ) -> list[torch.Tensor]:

@@ -503,7 +503,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             make_plan(w, world, args.slots, args.experts_per_rank, top_k=args.top_k)
         except ValueError as e:
-            p.error(f"--workload {w}: {e}; more --experts-per-rank or a lower --top-k gives more skew")
+            why = str(e).removeprefix("ultracomm: ")  # argparse's usage line names the tool already
+            p.error(f"--workload {w}: {why}; more --experts-per-rank or a lower --top-k gives more skew")
     from ..env import Config
     from ..transports import resolve_transport
 

@@ -6,7 +6,7 @@ deterministically.  See ``Context`` for the runtime API and ``ReplicaPlan`` for 
 
 Names are imported lazily (PEP 562), so ``import ultracomm.plan`` stays light; ``dir(ultracomm)``
 lists them.  The drop-in for MoE stacks is :class:`ReplicaManager` (``ultracomm.moe``); adapters
-for Megatron ECHO, UltraEP and vLLM EPLB live in ``ultracomm.integrations``; the README's Layout
+for Megatron ECHO, UltraEP, vLLM EPLB and DeepEP's ``lb_`` calls live in ``ultracomm.integrations``; the README's Layout
 section shows the package's layers.
 """
 

@@ -78,6 +78,29 @@ def test_empty_plan():
     assert ReplicaPlan.make([[], []], num_experts=2).slots_per_rank == 0
 
 
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((-1, 1, 4), "ReplicaPlan.empty: world must be an int >= 1, got -1"),  # was numpy's ValueError
+        ((True, 1, 4), "ReplicaPlan.empty: world must be an int >= 1, got True"),
+        ((2, -1, 4), "ReplicaPlan.empty: slots_per_rank must be an int >= 0, got -1"),
+    ],
+)
+def test_empty_refuses_bad_sizes(args, message):
+    with pytest.raises(PlanError) as err:
+        ReplicaPlan.empty(*args)
+    assert str(err.value) == "ultracomm: " + message
+
+
+@pytest.mark.parametrize("rank", [2, -1, 1.0])
+def test_experts_homed_on_refuses_a_rank_outside_the_world(rank):
+    """Before: ``[]`` (no expert is homed on a rank that does not exist), which hid a wrong rank."""
+    p = ReplicaPlan.empty(2, 1, 4)
+    assert p.experts_homed_on(1) == [2, 3]
+    with pytest.raises(PlanError, match=rf"^ultracomm: rank {rank!r} is out of range 0\.\.1 \(world 2\)$"):
+        p.experts_homed_on(rank)
+
+
 def test_direct_constructor_validates():
     with pytest.raises(PlanError, match="must have dtype torch.int32"):
         ReplicaPlan(torch.zeros(2, 1, dtype=torch.int64), torch.zeros(2, dtype=torch.int32))

@@ -149,6 +149,11 @@ class ReplicaPlan(SlotShape):
         cls, world: int, slots_per_rank: int, num_experts: int, home_of: ArrayLike | None = None
     ) -> "ReplicaPlan":
         """A plan with every slot empty (``slot_src`` all -1)."""
+        for name, v in (("world", world), ("slots_per_rank", slots_per_rank)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < (1 if name == "world" else 0):
+                raise PlanError(
+                    f"ultracomm: ReplicaPlan.empty: {name} must be an int >= {int(name == 'world')}, got {v!r}"
+                )
         return cls.make(np.full((world, slots_per_rank), -1, dtype=np.int32), num_experts, home_of)
 
     # -- validation ---------------------------------------------------------------
@@ -275,6 +280,8 @@ class ReplicaPlan(SlotShape):
 
     def experts_homed_on(self, rank: int) -> list[int]:
         """Experts whose home is ``rank``, in expert order."""
+        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < self.world:
+            raise PlanError(f"ultracomm: rank {rank!r} is out of range 0..{self.world - 1} (world {self.world})")
         return [int(e) for e in np.flatnonzero(self.home_of.numpy() == rank)]
 
     # -- identity -----------------------------------------------------------------

@@ -9,6 +9,7 @@ import ast
 import builtins
 import pathlib
 
+import numpy as np
 import pytest
 
 import ultracomm
@@ -109,6 +110,35 @@ def test_input_errors_are_caught_by_both_handlers(cls, builtin):
     assert isinstance(e, UltracommError) and isinstance(e, builtin) and isinstance(e, RuntimeError)
     again = same_kind(e, "ultracomm: later")  # raised again by a later call: the same kind
     assert type(again) is cls and str(again) == "ultracomm: later"
+
+
+def test_the_cores_argument_errors_are_input_errors():
+    """The C++ modules translate their std::invalid_argument into ultracomm's InputError (module-local:
+    csrc/bindings/py_errors.h) and _cuda's CudaError is an UltracommError."""
+    from ultracomm import _core
+
+    assert _core.InputError is InputError
+    with pytest.raises(InputError, match="^ultracomm: build_schedule: max_depth must be in"):
+        _core.build_schedule(
+            2,
+            1,
+            2,
+            np.array([1, 0], np.int32),
+            np.array([0, 1], np.int32),
+            None,
+            64,
+            64,
+            16,
+            0,
+            0,
+            1e9,
+            1e9,
+            -1,
+            0.0,
+            0.0,
+        )
+    cuda = pytest.importorskip("ultracomm._cuda")
+    assert cuda.InputError is InputError and issubclass(cuda.CudaError, UltracommError)
 
 
 def test_public_calls_raise_input_errors():

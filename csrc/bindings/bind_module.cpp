@@ -1,6 +1,8 @@
 // ultracomm._core: the host C++ core (schedule builder and host executor).
 #include <pybind11/pybind11.h>
 
+#include "bindings/py_errors.h"
+
 namespace py = pybind11;
 
 namespace ultracomm {
@@ -15,6 +17,7 @@ void bind_sched_portable(py::module_& m);
 
 PYBIND11_MODULE(_core, m) {
   m.doc() = "ultracomm host core: schedule builder and host executor";
+  ultracomm::register_input_error(m);
   ultracomm::bind_schedule(m);
   ultracomm::bind_host_executor(m);
   ultracomm::bind_planners(m);

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "../bindings/py_errors.h"
 #include "cuda_check.h"
 #include "device_plan.h"
 #include "launch.h"
@@ -140,7 +141,9 @@ uint32_t launch_flags(bool force_vector, const std::string& reduce_path) {
 }  // namespace
 
 void bind(py::module_& m) {
-  py::register_exception<CudaError>(m, "CudaError", PyExc_RuntimeError);
+  ultracomm::register_input_error(m);
+  // a CUDA failure ultracomm detected: an ultracomm.errors.UltracommError (also a RuntimeError)
+  py::register_exception<CudaError>(m, "CudaError", py::module_::import("ultracomm.errors").attr("UltracommError"));
   m.attr("THREADS_PER_CTA") = kThreadsPerCta;
   m.attr("TMA_TILE_BYTES") = kTmaTileBytes;
   m.attr("TMA_STAGES") = kTmaStages;

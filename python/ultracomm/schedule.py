@@ -30,6 +30,7 @@ gradient chunk is, recursively, ``self + sum_{children c by (rank, slot)} partia
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Optional, Union
 
 import numpy as np
@@ -37,7 +38,7 @@ import numpy as np
 from . import _core
 from .records import Op, RelayMode
 from .schedule_base import OpLike, ScheduleBase
-from .errors import InputError
+from .errors import InputError, InputTypeError
 
 __all__ = ["Schedule", "build_schedule", "OpLike"]
 
@@ -66,6 +67,20 @@ def _mode(mode: Union[str, int, RelayMode]) -> int:
     if v not in (0, 1, 2):
         raise InputError(f"relay_mode must be auto (0), off (1) or force (2), got {mode!r}")
     return v
+
+
+def _count(name: str, v: Any) -> int:
+    """``v`` as an int in ``[0, 2**63)`` (numpy ints too), for build_schedule's sizes: a float or a
+    string was truncated or parsed before, a value past int64 met pybind11's TypeError."""
+    if isinstance(v, bool):
+        raise InputTypeError(f"ultracomm: build_schedule: {name} must be an int, got bool")
+    try:
+        i = operator.index(v)
+    except TypeError:
+        raise InputTypeError(f"ultracomm: build_schedule: {name} must be an int, got {type(v).__name__}") from None
+    if not 0 <= i < 1 << 63:
+        raise InputError(f"ultracomm: build_schedule: {name} must be >= 0 and < 2**63, got {i}")
+    return i
 
 
 def _i32(x: Any, name: str) -> np.ndarray:
@@ -200,9 +215,15 @@ def build_schedule(
     slot_src = _i32(plan.slot_src, "slot_src").reshape(-1)
     home_of = _i32(plan.home_of, "home_of").reshape(-1)
     nodes = None if node_of is None else _i32(node_of, "node_of").reshape(-1)
-    for name, v in (("weight_bytes", weight_bytes), ("grad_bytes", grad_bytes), ("chunk_bytes", chunk_bytes)):
-        if int(v) < 0:
-            raise InputError(f"build_schedule: {name} must be >= 0, got {v}")
+    weight_bytes, grad_bytes, chunk_bytes, max_depth = (
+        _count(name, v)
+        for name, v in (
+            ("weight_bytes", weight_bytes),
+            ("grad_bytes", grad_bytes),
+            ("chunk_bytes", chunk_bytes),
+            ("max_depth", max_depth),
+        )
+    )
     core = _core.build_schedule(
         world,
         slots,
@@ -210,11 +231,11 @@ def build_schedule(
         slot_src,
         home_of,
         nodes,
-        int(weight_bytes),
-        int(grad_bytes),
-        int(chunk_bytes),
+        weight_bytes,
+        grad_bytes,
+        chunk_bytes,
         _mode(relay_mode),
-        int(max_depth),
+        max_depth,
         float(intra_bw),
         float(inter_bw),
         -1 if rank is None else int(rank),

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ultracomm import _core
+from ultracomm import InputError, InputTypeError, _core
 from ultracomm.records import MASTER, REF_DTYPE, TASK_DTYPE, Op, TaskKind
 from ultracomm.tools.reference import reference_reduce_tree
 from ultracomm.schedule import build_schedule
@@ -657,6 +657,35 @@ def _core_build(**over):
 def test_invalid_input_raises(over, msg):
     with pytest.raises(ValueError, match=msg):
         _core_build(**over)
+
+
+@pytest.mark.parametrize(
+    "over, cls, msg",
+    [
+        # the C++ checks' std::invalid_argument arrives as ultracomm's InputError (csrc/bindings/py_errors.h)
+        (dict(chunk_bytes=0), InputError, "^ultracomm: build_schedule: chunk_bytes must be a positive multiple of 16"),
+        # sizes: a float or a string was truncated or parsed, a value past int64 met pybind11's TypeError
+        (dict(weight_bytes=4.5), InputTypeError, "^ultracomm: build_schedule: weight_bytes must be an int, got float$"),
+        (dict(grad_bytes="4"), InputTypeError, "^ultracomm: build_schedule: grad_bytes must be an int, got str$"),
+        (dict(max_depth=True), InputTypeError, "^ultracomm: build_schedule: max_depth must be an int, got bool$"),
+        (
+            dict(weight_bytes=1 << 70),
+            InputError,
+            r"^ultracomm: build_schedule: weight_bytes must be >= 0 and < 2\*\*63",
+        ),
+        (
+            dict(grad_bytes=-4),
+            InputError,
+            r"^ultracomm: build_schedule: grad_bytes must be >= 0 and < 2\*\*63, got -4$",
+        ),
+    ],
+)
+def test_wrapper_errors_are_ultracomm_errors(over, cls, msg):
+    args = dict(weight_bytes=1024, grad_bytes=1024)
+    args.update(over)
+    with pytest.raises(cls, match=msg):
+        build_schedule(hot_plan(4, 2), **args)
+    assert build_schedule(hot_plan(4, 2), np.int64(1024), np.int32(1024)).stats()  # numpy ints are ints
 
 
 def test_invalid_via_wrapper():

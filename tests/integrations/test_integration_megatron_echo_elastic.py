@@ -378,6 +378,41 @@ def test_no_grad_results():
     assert got1 == [[((2, 3), False, True), ((0, 6), False, True)], [((2, 3), True, True), ((2, 3), True, True)]]
 
 
+def test_weights_made_anew_each_step_reuse_their_context():
+    """Home weights that are new tensors each step (a per-step cast, a re-materialised parameter):
+    the Contexts were keyed by data_ptr alone, so each step's new addresses built one more Context
+    (holding the old weights).  A Context whose weights are gone is reused: two per key (fc1 and
+    fc2 of one shape) however many steps; a Parameter whose storage is swapped (``param.data =
+    ...``) keeps its Context; a forward that holds both sets (a recompute) still gets two."""
+
+    def body(group):
+        d = EchoElasticExpertDispatcher(elastic_config(), SimpleNamespace(ep=group), timeout_s=20)
+        kept = [torch.nn.Parameter(torch.ones(3, 3)) for _ in range(2)]
+
+        def train_step(step):  # its locals (weights, outputs, graph) are gone when it returns
+            fcs = [[torch.nn.Parameter(torch.full((3, 3), float(step + m))) for _ in range(2)] for m in range(2)]
+            metas = [d.preprocess(offloading_map()), d.preprocess(offloading_map())]
+            outs = [d.expert_dispatch(metas[m], *fcs[m]) for m in range(2)]
+            sum(t.sum() for o in outs for t in o).backward()
+            return [float(w.grad[0, 0]) for w in fcs[0] + fcs[1]]
+
+        try:
+            grads = [train_step(step) for step in range(5)]
+            kept[0].data = torch.ones(3, 3)  # new storage, same parameter
+            with torch.no_grad():
+                for _ in range(3):
+                    d.expert_dispatch(d.preprocess(offloading_map()), *[torch.ones(2, 3)] * 2)
+                    d.expert_dispatch(d.preprocess(offloading_map()), *kept)
+            return grads, {k[0]: len(v) for k, v in d._roles.items()}, len(d._pool.members)
+        finally:
+            close_dispatchers(group)
+
+    for r, (grads, roles, members) in enumerate(LoopbackDomain(2).run(body, timeout=120)):
+        assert roles == {(3, 3): 2, (2, 3): 1} and members == 3, (roles, members)
+        # expert 0's spares: rank 0's and rank 1's slot 0; expert 3's: rank 0's slot 1 (offloading_map)
+        assert grads == [[2.0, 0.0, 2.0, 0.0] if r == 0 else [0.0, 1.0, 0.0, 1.0]] * 5, grads
+
+
 def test_construction_from_config_and_pg_collection():
     def body(group):
         pgs = SimpleNamespace(ep=group)

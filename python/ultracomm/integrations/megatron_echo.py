@@ -149,7 +149,9 @@ class _Member:
         m = self.ctx.layout.members[0]
         sums = torch.zeros((len(weights), *m.shape), dtype=self.ctx.layout.grad_dtype, device=weights[0].device)
         self.ctx.register_masters(layer, [[w.detach() for w in weights]], [list(sums.unbind(0))])
-        self.registered[layer], self.sums[layer] = (key, list(weights)), sums
+        # the storage is pinned (the key's addresses stay theirs), not the tensors: an adapter may
+        # track them by weak reference (megatron_echo_elastic)
+        self.registered[layer], self.sums[layer] = (key, [w.detach() for w in weights]), sums
 
     def reduce(
         self,

@@ -40,12 +40,15 @@ weights' dtype), and ``grad_added_to_main_grad`` is never set (upstream's sync-f
 it, which makes Megatron's DDP hook drop the home expert's own ``.grad`` where that wgrad is not
 fused into ``main_grad``).
 
-fc1 and fc2 are told apart by their home weights (parameters keep their storage), not by the
-metadata object, so a recomputed dispatch reuses its forward's Context.
+fc1 and fc2 are told apart by their home weights (the same tensors, or the same storage), not by
+the metadata object, so a recomputed dispatch reuses its forward's Context; weights made anew each
+step take the Context of a set that is gone, so the number of Contexts stays that of the weight sets
+alive at once.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -109,7 +112,8 @@ class EchoElasticExpertDispatcher(EchoExpertDispatcher):
         self.pg_collection = pg_collection
         self.num_local_home_experts = num_home // self.ep_size
         self.num_local_echo_experts = self.num_local_spare_experts
-        self._roles: dict[tuple, dict[tuple, int]] = {}
+        #: per dispatch key, per Context: the data_ptrs and weak references of the weights it last served
+        self._roles: dict[tuple, list[tuple[tuple, tuple]]] = {}
 
     def preprocess(self, routing_map: torch.Tensor) -> EchoElasticMetadata:
         """Check the bool ``[num_moe_experts, moe_num_echo_experts]`` map (each spare holds at
@@ -143,12 +147,26 @@ class EchoElasticExpertDispatcher(EchoExpertDispatcher):
 
     def _call_index(self, metadata: EchoDispatchMetadata, key: tuple, weights: Sequence[torch.Tensor]) -> int:
         """fc1 and fc2 come with a metadata object each: the Context is chosen by the home
-        weights instead (the first set of weights dispatched with ``key`` gets the first)."""
-        roles = self._roles.setdefault(key, {})
-        ident = tuple(w.data_ptr() for w in weights)
-        if ident not in roles:
-            roles[ident] = len(roles)
-        return roles[ident]
+        weights instead -- the same tensors, or tensors at the same addresses (views of them; the
+        Context pins the storage it registered), get the Context they had (a recomputed dispatch
+        its forward's).  A new set gets the first Context whose weights are gone (weights made
+        anew per step; a dispatch's autograd node holds its weights until its backward, so none
+        is pending there), else a new one."""
+        roles = self._roles.setdefault(key, [])
+        ptrs = tuple(w.data_ptr() for w in weights)
+        mine = (ptrs, tuple(weakref.ref(w) for w in weights))
+        free = None
+        for i, (held, refs) in enumerate(roles):
+            if held == ptrs or all(r() is w for r, w in zip(refs, weights)):
+                roles[i] = mine
+                return i
+            if free is None and all(r() is None for r in refs):
+                free = i
+        if free is None:
+            roles.append(mine)
+            return len(roles) - 1
+        roles[free] = mine
+        return free
 
 
 class EchoSyncFreeElasticExpertDispatcher(EchoElasticExpertDispatcher):

@@ -16,6 +16,8 @@ import os
 import stat
 from typing import Optional
 
+from .errors import UltracommError
+
 __all__ = [
     "PrivateDirError",
     "why_not_private",
@@ -26,7 +28,7 @@ __all__ = [
 ]
 
 
-class PrivateDirError(ValueError):
+class PrivateDirError(UltracommError, ValueError):
     """A directory is not one this user alone can write (the message says why and what to do)."""
 
 

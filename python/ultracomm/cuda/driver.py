@@ -29,6 +29,7 @@ import ctypes
 import functools
 from typing import Optional
 
+from ..errors import UltracommError
 from .support import NotAvailableError
 
 __all__ = [
@@ -73,8 +74,9 @@ SIGNATURES: dict[str, tuple[str, list]] = {
 }
 
 
-class DriverError(RuntimeError):
-    """A driver call returned an error code."""
+class DriverError(UltracommError):
+    """A driver call returned an error code (an :class:`~ultracomm.errors.UltracommError`, so a
+    ``RuntimeError``, as ``_cuda.CudaError`` is)."""
 
 
 class Driver:

@@ -459,7 +459,7 @@ class Profiler:
         return f"Profiler({str(self.path)!r}, detail={self.detail!r}, step={self._step})"
 
 
-class TraceExistsError(ValueError):
+class TraceExistsError(UltracommError, ValueError):
     """The directory already holds a trace (``index.json``) and ``overwrite`` was not given."""
 
 
@@ -472,7 +472,7 @@ def _claim_dir(path: Path, overwrite: bool) -> int:
         make_private_dir(str(path))
         fd = open_private(str(path))
     except PrivateDirError as e:
-        raise PrivateDirError(f"ultracomm.profile: {e}") from None
+        raise PrivateDirError(f"ultracomm.profile: {str(e).removeprefix('ultracomm: ')}") from None
     try:
         if overwrite:
             for name in os.listdir(fd):
@@ -532,7 +532,7 @@ def run_dir(base: PathLike, rank: int, world: int) -> Profiler:
     try:
         make_private_dir(str(base))
     except PrivateDirError as e:
-        raise PrivateDirError(f"ultracomm.profile: {e}") from None
+        raise PrivateDirError(f"ultracomm.profile: {str(e).removeprefix('ultracomm: ')}") from None
     for n in range(MAX_RUNS):
         d = base if n == 0 else base / f"run{n}"
         try:

@@ -116,6 +116,21 @@ def test_register_layer_refuses_what_is_not_tensors(params, message):
     LoopbackDomain(WORLD).run(body)
 
 
+def test_register_layer_refuses_a_bool_layer_before_anything_is_allocated():
+    """register_layer(True, ...) passed the manager's check (bool is an int) as layer 1, allocated the
+    gradient staging, and only the Context refused it; step(True) is refused up front (fbe590e)."""
+
+    def body(group):
+        mgr = ReplicaManager(group, mh.layout(), EPR, K, 2, timeout_s=20)
+        good = mh.make_params(group.rank, EPR, 1, torch.float32, "stacked", False, False)[0]
+        with pytest.raises(RegistrationError, match=r"^ultracomm: layer True is out of range 0\.\.1 \(num_layers=2\)$"):
+            mgr.register_layer(True, good)
+        assert mgr.grads is None and mgr.layers == [None, None]
+        mgr.close()
+
+    LoopbackDomain(WORLD).run(body)
+
+
 def test_step_names_an_out_of_range_layer_and_an_unregistered_one():
     def body(group):
         mgr = ReplicaManager(group, mh.layout(), EPR, K, 2, timeout_s=20)

@@ -230,8 +230,10 @@ class ReplicaManager:
         rebind it between steps).  Tensors with ``requires_grad=False`` get replicas and no
         reduction.
         """
-        if not isinstance(layer, int) or not 0 <= layer < self.num_layers:
-            raise RegistrationError(f"ultracomm: layer {layer!r} is out of range 0..{self.num_layers - 1}")
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+            raise RegistrationError(
+                f"ultracomm: layer {layer!r} is out of range 0..{self.num_layers - 1} (num_layers={self.num_layers})"
+            )
         params = _member_entries(self.layout, params)
         anchors = masters_of(self.layout, params, masters)
         flat = [t for p in params for t in tensors_of(p)]

@@ -58,6 +58,40 @@ def megatron_ddp_hook(param: torch.nn.Parameter) -> None:
     param._ddp_grad_acc = acc  # kept alive as DDP keeps self.grad_accs
 
 
+def home_params(rank: int, ddp: bool) -> tuple[list, list]:
+    """``rank``'s home experts' fc1 and fc2 weights as Parameters (TEGroupedLinear weight0..N),
+    with Megatron's DDP hook where ``ddp``."""
+    ws = [mh.master_weights(rank * M + j) for j in range(M)]
+    fc1 = [torch.nn.Parameter(w[0].clone()) for w in ws]
+    fc2 = [torch.nn.Parameter(w[1].clone()) for w in ws]
+    if ddp:
+        for p in fc1 + fc2:
+            megatron_ddp_hook(p)
+    return fc1, fc2
+
+
+def token_counts(group, rmap: torch.Tensor) -> torch.Tensor:
+    """Every rank's tokens per expert, ``[WORLD, E]`` int32 (gen_offloading_plan's counts)."""
+    every = group.all_gather_object(rmap.sum(0), op="test", what="token counts")
+    return torch.stack([torch.as_tensor(c) for c in every]).to(torch.int32)
+
+
+def layer_output(shared: dict, mb: int, layer: int, rank: int, homes, spares, fused: bool) -> torch.Tensor:
+    """The summed expert outputs of ``rank``'s columns (Megatron's order: per rank its homes, then
+    its spares) over every rank's tokens; ``shared[(mb, layer, s)]``: rank ``s``'s ``(x,
+    rerouting_map, rerouted_probs, up)``; ``homes`` / ``spares``: fc1's and fc2's weights."""
+    out = torch.zeros(())
+    for local in range(M + S):
+        col = rank * (M + S) + local
+        w1, w2 = (homes[0][local], homes[1][local]) if local < M else (spares[0][local - M], spares[1][local - M])
+        for s in range(WORLD):
+            xs, cmap, cprobs, us = shared[(mb, layer, s)]
+            t = cmap[:, col].nonzero().squeeze(1)
+            y = grouped_gemm(xs[t], w1, w2, fused) * cprobs[t, col, None]
+            out = out + (y * us[t]).sum()
+    return out
+
+
 MODES = ["fused", "plain", "grad"]  # DDP + TE-style fused wgrad; DDP + autograd .grad; no DDP (.grad)
 
 
@@ -78,13 +112,7 @@ def run(mode: str = "fused", layers: int = LAYERS, schedule: str = "F0 B0", algo
         config = SimpleNamespace(pipeline_model_parallel_size=in_flight, virtual_pipeline_model_parallel_size=None)
         params, dispatchers = [], []
         for layer in range(layers):  # every layer's dispatcher is built with the model
-            ws = [mh.master_weights(r * M + j) for j in range(M)]
-            fc1 = [torch.nn.Parameter(w[0].clone()) for w in ws]  # TEGroupedLinear weight0..N
-            fc2 = [torch.nn.Parameter(w[1].clone()) for w in ws]
-            if ddp:
-                for p in fc1 + fc2:
-                    megatron_ddp_hook(p)
-            params.append((fc1, fc2))
+            params.append(home_params(r, ddp))
             dispatchers.append(EchoExpertDispatcher(config, group, E, WORLD * S, timeout_s=20))
         losses = {}
         for step in steps:
@@ -95,13 +123,10 @@ def run(mode: str = "fused", layers: int = LAYERS, schedule: str = "F0 B0", algo
             total = torch.zeros(())
             for layer in range(layers):
                 x, rmap, probs, up = mh.batch(r, layer, mb, E)
-                counts = torch.stack(
-                    [torch.as_tensor(c) for c in group.all_gather_object(rmap.sum(0), op="test", what="token counts")]
-                ).to(torch.int32)
                 rerouting_map, rerouted_probs, offloading_map = gen_offloading_plan(
                     rmap,
                     probs,
-                    counts,
+                    token_counts(group, rmap),
                     ep_rank=r,
                     num_ep_ranks=WORLD,
                     num_spare_experts_per_ep_rank=S,
@@ -113,17 +138,7 @@ def run(mode: str = "fused", layers: int = LAYERS, schedule: str = "F0 B0", algo
                 assert len(spare_fc1) == S and spare_fc1[0].shape == (I, H) and spare_fc2[0].shape == (H, I)
                 domain.shared[(mb, layer, r)] = (x, rerouting_map, rerouted_probs.detach(), up)
                 group.barrier()
-                for local in range(M + S):  # Megatron's column order: per rank its homes, then its spares
-                    col = r * (M + S) + local
-                    if local < M:
-                        w1, w2 = params[layer][0][local], params[layer][1][local]
-                    else:
-                        w1, w2 = spare_fc1[local - M], spare_fc2[local - M]
-                    for s in range(WORLD):
-                        xs, cmap, cprobs, us = domain.shared[(mb, layer, s)]
-                        t = cmap[:, col].nonzero().squeeze(1)
-                        y = grouped_gemm(xs[t], w1, w2, fused) * cprobs[t, col, None]
-                        total = total + (y * us[t]).sum()
+                total = total + layer_output(domain.shared, mb, layer, r, params[layer], (spare_fc1, spare_fc2), fused)
                 group.barrier()
             losses[mb] = total
         grads = [

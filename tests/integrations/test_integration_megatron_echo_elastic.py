@@ -37,7 +37,7 @@ import pytest
 import torch
 
 import moe_harness as mh
-from test_integration_megatron_echo import grouped_gemm, megatron_ddp_hook
+from test_integration_megatron_echo import home_params, layer_output, token_counts
 from ultracomm import LoopbackDomain
 from ultracomm.errors import InputError
 from ultracomm.integrations.megatron_echo import close_dispatchers, gen_offloading_plan
@@ -192,13 +192,7 @@ def run(impl: str, form: str, mode: str, layers: int = LAYERS, schedule: str = "
         pgs = SimpleNamespace(ep=group)
         params, dispatchers, refs = [], [], []
         for layer in range(layers):
-            ws = [mh.master_weights(r * M + j) for j in range(M)]
-            fc1 = [torch.nn.Parameter(w[0].clone()) for w in ws]
-            fc2 = [torch.nn.Parameter(w[1].clone()) for w in ws]
-            if ddp:
-                for p in fc1 + fc2:
-                    megatron_ddp_hook(p)
-            params.append((fc1, fc2))
+            params.append(home_params(r, ddp))
             refs.append(Upstream(config, pgs, sync_free=form == "hybridep"))
             dispatchers.append(build_expert_dispatcher(config, pgs, timeout_s=20) if impl == "ultracomm" else refs[-1])
         losses = {}
@@ -210,9 +204,7 @@ def run(impl: str, form: str, mode: str, layers: int = LAYERS, schedule: str = "
             total = torch.zeros(())
             for layer in range(layers):
                 x, rmap, probs, up = mh.batch(r, layer, mb, E)
-                counts = torch.stack(
-                    [torch.as_tensor(c) for c in group.all_gather_object(rmap.sum(0), op="test", what="counts")]
-                ).to(torch.int32)
+                counts = token_counts(group, rmap)
                 algorithm = "approx_bin_packing" if S == 1 else "one_shot_greedy"
                 rerouting_map, rerouted_probs, omap = gen_offloading_plan(
                     rmap, probs, counts, r, num_ep_ranks=WORLD, num_spare_experts_per_ep_rank=S,
@@ -239,18 +231,7 @@ def run(impl: str, form: str, mode: str, layers: int = LAYERS, schedule: str = "
                     spares.append([t if t.numel() else _Placeholder.apply(t, shape) for t in out])
                 domain.shared[(mb, layer, r)] = (x, rerouting_map, rerouted_probs.detach(), up)
                 group.barrier()
-                out_layer = torch.zeros(())
-                for local in range(M + S):  # Megatron's column order: per rank its homes, then its spares
-                    col = r * (M + S) + local
-                    if local < M:
-                        w1, w2 = params[layer][0][local], params[layer][1][local]
-                    else:
-                        w1, w2 = spares[0][local - M], spares[1][local - M]
-                    for s in range(WORLD):
-                        xs, cmap, cprobs, us = domain.shared[(mb, layer, s)]
-                        t = cmap[:, col].nonzero().squeeze(1)
-                        y = grouped_gemm(xs[t], w1, w2, fused) * cprobs[t, col, None]
-                        out_layer = out_layer + (y * us[t]).sum()
+                out_layer = layer_output(domain.shared, mb, layer, r, params[layer], spares, fused)
                 group.barrier()
                 for c in ckpts:
                     c.discard_output_and_register_recompute(out_layer)

@@ -209,7 +209,8 @@ def build_schedule(
     ``relay_mode="force"``, ``max_depth=1`` is raised to 2 (a relay tree needs depth 2): the
     trees are those of ``max_depth=2``, while ``inputs()`` and the digest keep 1.  See the module
     docstring for how auto compares relay and direct schedules (max egress on one node, per-tier
-    time on several).  Raises ValueError on invalid input.
+    time on several).  Raises InputError (a ValueError) on invalid input, InputTypeError (a
+    TypeError) for a size or depth that is not an int.
     """
     world, slots, experts = int(plan.world), int(plan.slots_per_rank), int(plan.num_experts)
     slot_src = _i32(plan.slot_src, "slot_src").reshape(-1)

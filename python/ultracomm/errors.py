@@ -118,3 +118,10 @@ def same_kind(cause: BaseException | None, text: str) -> UltracommError:
     if isinstance(cause, TimeoutError):
         return UltracommTimeout(text)
     return UltracommError(text)
+
+
+def reason(error: BaseException) -> str:
+    """The text of ``error`` without the ``ultracomm: `` prefix, for a message that already names
+    its source: a command line's usage error (argparse's line names the tool), another ultracomm
+    error that quotes it under its own prefix."""
+    return str(error).removeprefix("ultracomm: ")

@@ -314,4 +314,5 @@ def test_cli_errors(capsys):
     assert sim.main(["--model", "qwen3-30b-a3b", "--domain", "h200x8", "--ep", "3"]) == 2
     with pytest.raises(SystemExit):
         sim.main(["--grad-dtype", "fp8"])
-    assert "grad dtypes must be some of" in capsys.readouterr().err
+    err = capsys.readouterr().err  # argparse's line names the tool: no nested 'ultracomm:' (87dfaa2 added one)
+    assert "argument --grad-dtype: grad dtypes must be some of" in err, err

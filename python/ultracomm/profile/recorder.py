@@ -20,7 +20,7 @@ import numpy as np
 from ..private_dir import PrivateDirError, create_exclusive, make_private_dir, open_private
 from .fields import DETAILS, FORMAT, INDEX, OPS, VERSION, int_array
 from .record import Record, plan_shape, records_to_arrays
-from ..errors import InputError, InputTypeError, UltracommError
+from ..errors import InputError, InputTypeError, UltracommError, reason
 
 PathLike = Union[str, os.PathLike]
 
@@ -472,7 +472,7 @@ def _claim_dir(path: Path, overwrite: bool) -> int:
         make_private_dir(str(path))
         fd = open_private(str(path))
     except PrivateDirError as e:
-        raise PrivateDirError(f"ultracomm.profile: {str(e).removeprefix('ultracomm: ')}") from None
+        raise PrivateDirError(f"ultracomm.profile: {reason(e)}") from None
     try:
         if overwrite:
             for name in os.listdir(fd):
@@ -532,7 +532,7 @@ def run_dir(base: PathLike, rank: int, world: int) -> Profiler:
     try:
         make_private_dir(str(base))
     except PrivateDirError as e:
-        raise PrivateDirError(f"ultracomm.profile: {str(e).removeprefix('ultracomm: ')}") from None
+        raise PrivateDirError(f"ultracomm.profile: {reason(e)}") from None
     for n in range(MAX_RUNS):
         d = base if n == 0 else base / f"run{n}"
         try:

@@ -8,6 +8,7 @@ import json
 import sys
 from typing import Optional, Sequence
 
+from ..errors import reason
 from . import calibration, goal_sweep as goals_mod, sensitivity_grid as sens
 from .compare import HDR, fmt_row, grad_dtypes, run_case, table
 from .fabric import get_fabric
@@ -31,14 +32,14 @@ def _size(s: str) -> int:
     try:
         return parse_size(s)
     except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+        raise argparse.ArgumentTypeError(reason(e)) from None
 
 
 def _dtypes(s: str) -> tuple[str, ...]:
     try:
         return grad_dtypes(s)
     except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+        raise argparse.ArgumentTypeError(reason(e)) from None
 
 
 def _json_default(o):

@@ -82,6 +82,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..errors import reason
 from .bench_baselines import TorchBaselines, times as timed_runs
 
 METHODS = ("a2a_shm", "a2a_gloo", "p2p_gloo", "direct", "relay", "relay_gloo", "relay_split")
@@ -107,7 +108,7 @@ def parse_size(s: str) -> int:
     try:
         return env_parse_size(s)
     except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+        raise argparse.ArgumentTypeError(reason(e)) from None
 
 
 # ------------------------------------------------------------------------------ plans
@@ -503,8 +504,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             make_plan(w, world, args.slots, args.experts_per_rank, top_k=args.top_k)
         except ValueError as e:
-            why = str(e).removeprefix("ultracomm: ")  # argparse's usage line names the tool already
-            p.error(f"--workload {w}: {why}; more --experts-per-rank or a lower --top-k gives more skew")
+            p.error(f"--workload {w}: {reason(e)}; more --experts-per-rank or a lower --top-k gives more skew")
     from ..env import Config
     from ..transports import resolve_transport
 

@@ -166,3 +166,26 @@ def test_garbage_on_the_load_board_names_the_rank_that_posted_it():
         text.startswith("ultracomm: rank 0 step(layer 0) (expert loads): ranks [1] posted counts outside 0..")
         and "(rank 1: -7.." in text
     ), text
+
+
+def test_an_executor_error_record_that_is_not_a_timeout_is_an_ultracomm_error(monkeypatch):
+    """The host executor's other error records (a corrupt task list) are a C++ std::runtime_error:
+    Context.weight_sync raised it as a builtin RuntimeError, which 'except UltracommError' missed."""
+    from ultracomm import _core
+
+    text = "ultracomm: rank 0 weight_sync: task 3 (expert 0 chunk 0) lies outside its slot or the refs"
+
+    def corrupt(*args, **kwargs):
+        raise RuntimeError(text)
+
+    monkeypatch.setattr(_core, "run_host", corrupt)
+
+    def body(group):
+        with Context(group, LAYOUT, 1, 1, num_layers=1, transport="host", timeout_s=5.0) as ctx:
+            ctx.register_masters(0, *masters_for(LAYOUT, ctx.rank, 1))
+            vid = ctx.begin(0)
+            with pytest.raises(UltracommError) as err:
+                ctx.weight_sync(vid, PLAN)
+            return type(err.value), str(err.value)
+
+    assert LoopbackDomain(2).run(body, timeout=60) == [(UltracommError, text)] * 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ... import _core
+from ...errors import UltracommError
 from ...records import Op
 from ..base import DEFAULT_TILE_BYTES, GRAD_DTYPE_CODE, Masters, Transport, master_pointers, op_digest
 from .who_stopped import latest_epochs, stopped_note
@@ -135,6 +136,12 @@ class HostTransport(Transport):
             if note is None:
                 raise
             raise _core.TimeoutError(f"{e}; {note}") from None
+        except RuntimeError as e:
+            if isinstance(e, UltracommError):  # a plan mismatch, an abort: already ultracomm's classes
+                raise
+            # the executor's other error records (a corrupt task list, an unknown code) are a
+            # std::runtime_error, which pybind11 makes a builtin RuntimeError; the text is the executor's
+            raise UltracommError(str(e)) from None
 
     def _who_stopped(self, message: str, epoch: int) -> str | None:
         """What the ready flags in this window say about who stopped first (who_stopped.py)."""

@@ -73,7 +73,7 @@ class Context:
         config: an :class:`ultracomm.env.Config`; keyword ``overrides`` replace its fields.
         profile: record plans, schedule stats and op times (:mod:`ultracomm.profile`): a
             directory (the Context closes that recorder), a ``Profiler`` (the caller's),
-            ``False`` (off), or ``None``: ``ULTRACOMM_PROFILE``.
+            ``False`` or ``""`` (off, as an empty ``ULTRACOMM_PROFILE``), or ``None``: ``ULTRACOMM_PROFILE``.
     """
 
     def __init__(

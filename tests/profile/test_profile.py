@@ -367,12 +367,18 @@ def test_context_profile_from_env_per_rank(tmp_path, monkeypatch):
         load_trace(tmp_path / "env", rank=7)
 
 
-def test_context_profile_off_and_bad(tmp_path):
+def test_context_profile_off_and_bad(tmp_path, monkeypatch):
+    """profile=False or "" (e.g. an unset variable's default) is off, as ULTRACOMM_PROFILE="" is: ""
+    recorded into the current directory (an index.json there, a run<n> per rerun)."""
+    monkeypatch.chdir(tmp_path)
+
     def body(group):
-        with Context(group, LAYOUT, 2, 1, num_layers=1, num_workers=1, profile=False) as ctx:
-            assert ctx.profiler is None
+        for off in (False, "", " "):
+            with Context(group, LAYOUT, 2, 1, num_layers=1, num_workers=1, profile=off) as ctx:
+                assert ctx.profiler is None
         with pytest.raises(TypeError, match="profile must be a directory, a Profiler"):
             Context(group, LAYOUT, 2, 1, num_layers=1, num_workers=1, profile=3)
         return True
 
     LoopbackDomain(1).run(body)
+    assert list(tmp_path.iterdir()) == []

@@ -547,13 +547,14 @@ def profile_for_context(profile: Any, ctx: Any) -> Optional[Profiler]:
     a new one in directory ``profile`` (or ``ctx.config.profile``, from ``ULTRACOMM_PROFILE``;
     ``rank<r>`` below it when world > 1; a rerun into a directory that holds a trace already
     writes into a fresh ``run<n>`` subdirectory: :func:`run_dir`; the Context closes it), or
-    None (off)."""
+    None (off: ``False``, or an empty directory name, as an empty ``ULTRACOMM_PROFILE`` is -- not
+    the current directory)."""
     from_env = profile is None
     if profile is None:
         profile = ctx.config.profile or None
         if profile is None:
             return None
-    if profile is False:
+    if profile is False or (isinstance(profile, str) and not profile.strip()):
         return None
     if isinstance(profile, Profiler):
         prof, owned = profile, False

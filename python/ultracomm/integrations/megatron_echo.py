@@ -58,6 +58,15 @@ __all__ = ["gen_offloading_plan", "EchoExpertDispatcher", "EchoDispatchMetadata"
 _COMBINE_POLICIES = ("fp32", "param_dtype", "bf16", "fp16")
 
 
+def expert_count_problem(ep_size: int, counts: Sequence[tuple[str, Any]]) -> str | None:
+    """What is wrong with the first of ``counts`` ((name, value) pairs of global expert counts) that
+    is not a positive multiple of ``ep_size`` (every EP rank holds the same share), or None."""
+    for name, v in counts:
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0 or v % ep_size:
+            return f"{name} must be a positive multiple of the EP size {ep_size}, got {v!r}"
+    return None
+
+
 def _err(msg: str) -> InputError:
     return InputError(f"ultracomm: EchoExpertDispatcher: {msg}")
 
@@ -235,9 +244,11 @@ class EchoExpertDispatcher:
         self.config, self.ep_group = config, ep_group
         comm = as_comm(ep_group)
         self.ep_rank, self.ep_size = comm.rank, comm.world
-        for name, v in (("num_home_experts", num_home_experts), ("num_spare_experts", num_spare_experts)):
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0 or v % self.ep_size:
-                raise _err(f"{name} must be a positive multiple of the EP size {self.ep_size}, got {v!r}")
+        problem = expert_count_problem(
+            self.ep_size, (("num_home_experts", num_home_experts), ("num_spare_experts", num_spare_experts))
+        )
+        if problem:
+            raise _err(problem)
         self.policy = getattr(config, "moe_balance_expert_weight_grad_combine_dtype", "fp32")
         if self.policy not in _COMBINE_POLICIES:
             raise _err(

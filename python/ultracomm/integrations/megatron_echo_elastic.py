@@ -56,7 +56,7 @@ import torch
 
 from ..comm import as_comm
 from ..errors import InputError
-from .megatron_echo import EchoDispatchMetadata, EchoExpertDispatcher
+from .megatron_echo import EchoDispatchMetadata, EchoExpertDispatcher, expert_count_problem
 
 __all__ = [
     "EchoElasticExpertDispatcher",
@@ -105,9 +105,11 @@ class EchoElasticExpertDispatcher(EchoExpertDispatcher):
         num_home = getattr(config, "num_moe_experts", None)
         num_spare = getattr(config, "moe_num_echo_experts", None)
         ep_size = as_comm(pg_collection.ep).world
-        for field_name, v in (("num_moe_experts", num_home), ("moe_num_echo_experts", num_spare)):
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0 or v % ep_size:
-                raise _err(name, f"config.{field_name} must be a positive multiple of the EP size {ep_size}, got {v!r}")
+        problem = expert_count_problem(
+            ep_size, (("config.num_moe_experts", num_home), ("config.moe_num_echo_experts", num_spare))
+        )
+        if problem:  # named by the config fields the caller set (the base class would name its arguments)
+            raise _err(name, problem)
         super().__init__(config, pg_collection.ep, num_home, num_spare, max_microbatches=max_microbatches, **options)
         self.pg_collection = pg_collection
         self.num_local_home_experts = num_home // self.ep_size

@@ -230,10 +230,7 @@ class ReplicaManager:
         rebind it between steps).  Tensors with ``requires_grad=False`` get replicas and no
         reduction.
         """
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
-            raise RegistrationError(
-                f"ultracomm: layer {layer!r} is out of range 0..{self.num_layers - 1} (num_layers={self.num_layers})"
-            )
+        self._check_layer(layer)
         params = _member_entries(self.layout, params)
         anchors = masters_of(self.layout, params, masters)
         flat = [t for p in params for t in tensors_of(p)]
@@ -260,10 +257,7 @@ class ReplicaManager:
         of reentrant checkpointing); called again inside a backward pass (activation
         recompute) it re-syncs the original step's replicas instead of planning anew.
         """
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
-            raise RegistrationError(
-                f"ultracomm: layer {layer!r} is out of range 0..{self.num_layers - 1} (num_layers={self.num_layers})"
-            )
+        self._check_layer(layer)
         if self.layers[layer] is None:
             raise RegistrationError(f"ultracomm: layer {layer!r} is not registered; call register_layer first")
         self._check_routing(routing_map, probs)
@@ -382,6 +376,12 @@ class ReplicaManager:
                 loads, self.domain, self.slots_per_rank, **self.planner_options
             )
         return out
+
+    def _check_layer(self, layer: Any) -> None:
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+            raise RegistrationError(
+                f"ultracomm: layer {layer!r} is out of range 0..{self.num_layers - 1} (num_layers={self.num_layers})"
+            )
 
     def _check_routing(self, routing_map: Any, probs: Any) -> None:
         """Everything ``step`` needs of its inputs, checked before it takes a slot."""

@@ -34,14 +34,17 @@ def _child() -> tuple[int, int, tuple]:
 
 
 def _stop_and_wait(pid: int, letter: str) -> None:
-    """Wait (bounded) until the kernel shows ``pid`` in state ``letter`` (SIGSTOP and SIGKILL are asynchronous)."""
-    for _ in range(2000):
+    """Wait (bounded) until the kernel shows ``pid`` in state ``letter`` (SIGSTOP and SIGKILL are asynchronous).
+    Bounded by time, not by a count of yields: on two loaded cores a killed child took longer than
+    2000 yields to become a zombie (CI run of 2026-12-07)."""
+    deadline = time.monotonic() + 30.0
+    while time.monotonic() < deadline:
         with open(f"/proc/{pid}/stat", "rb") as f:
             raw = f.read()
         if raw[raw.rindex(b")") + 2 :].split()[0].decode() == letter:
             return
         os.sched_yield()
-    raise AssertionError(f"pid {pid} never reached state {letter}")
+    raise AssertionError(f"pid {pid} never reached state {letter} within 30 s")
 
 
 def test_running_stopped_exited_and_reused_pids_are_told_apart():
